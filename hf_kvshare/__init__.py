@@ -1,0 +1,42 @@
+"""hf_kvshare: share KV caches between LLM agents that share one model.
+
+>>> from hf_kvshare import load_model, Session, PF, PH  # doctest: +SKIP
+>>> model, tok = load_model()  # the embedded SmolLM2-135M-Instruct, offline  # doctest: +SKIP
+>>> s = Session(model, tok, method="fullshared")  # doctest: +SKIP
+"""
+
+from ._compat import CACHE_KWARG, cache_kwargs
+from .cache import Segment, SegmentedCache, SegmentKV, SharedCache
+from .methods import METHODS, Method, Placement, get_method, register
+from .models import load_model
+from .rope import RopeShifter
+from .session import Session, TurnResult
+from .trajectory import PF, PH, chat
+from .workflow import Step, Workflow, compare_methods, run_workflow
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CACHE_KWARG",
+    "METHODS",
+    "PF",
+    "PH",
+    "Method",
+    "Placement",
+    "RopeShifter",
+    "Segment",
+    "SegmentKV",
+    "SegmentedCache",
+    "Session",
+    "SharedCache",
+    "Step",
+    "TurnResult",
+    "Workflow",
+    "cache_kwargs",
+    "chat",
+    "compare_methods",
+    "get_method",
+    "load_model",
+    "register",
+    "run_workflow",
+]

@@ -1,0 +1,82 @@
+"""Every transformers / PEFT version branch of hf_kvshare lives here, and nowhere else.
+
+Supported: transformers >=5.24,<6 (see pyproject.toml). The branches below also name what
+changed in earlier 5.x releases so that widening the range only touches this file.
+
+- 5.24 renamed the model/generate keyword ``past_key_values`` to ``cache`` (old name accepted
+  with a ``FutureWarning`` until 5.40 for forward and 6.0 for generate); outputs expose ``.cache``.
+- 5.24 added a trailing ``kwargs`` argument to ``Cache.update``; our override accepts and
+  forwards ``*args, **kwargs`` so both call shapes work.
+- ``Cache.crop(n)``: a negative ``n`` removes ``-n`` tokens on every 5.x release; 5.24 refuses a
+  positive ``n`` (older releases read it as the absolute length to keep).
+- 5.4 changed ``get_mask_sizes`` from ``(cache_position, layer_idx)`` to
+  ``(query_length, layer_idx)``; our caches inherit it unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from packaging.version import Version
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+
+#: The keyword that model forward and ``generate`` take for the KV cache.
+CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= Version("5.24.0") else "past_key_values"
+
+#: Whether ``crop`` reads a positive argument as "length to keep" (pre-5.24) or refuses it.
+CROP_ACCEPTS_ABSOLUTE_LENGTH = TRANSFORMERS_VERSION < Version("5.24.0")
+
+
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    """The keyword argument that passes ``cache`` to forward/generate on this transformers.
+
+    >>> model.generate(input_ids=ids, **cache_kwargs(shared_cache))  # doctest: +SKIP
+    """
+    return {CACHE_KWARG: cache}
+
+
+def output_cache(outputs: Any) -> Any:
+    """The cache object of a model output (``.cache`` on >=5.24, ``.past_key_values`` before)."""
+    if CACHE_KWARG == "cache":
+        return outputs.cache
+    return outputs.past_key_values
+
+
+def crop_target_length(current_length: int, tokens_to_remove: int) -> int:
+    """Length a cache of ``current_length`` has after ``crop(tokens_to_remove)``.
+
+    A negative argument removes that many tokens on every version; a positive one is the
+    absolute length to keep on transformers < 5.24 and an error from 5.24 on.
+    """
+    if tokens_to_remove < 0:
+        return max(current_length + tokens_to_remove, 0)
+    if tokens_to_remove == 0:
+        return current_length
+    if CROP_ACCEPTS_ABSOLUTE_LENGTH:
+        return min(tokens_to_remove, current_length)
+    raise ValueError(
+        f"crop expects a negative number of tokens to remove on transformers {TRANSFORMERS_VERSION}; "
+        f"got {tokens_to_remove}"
+    )
+
+
+def crop_argument(current_length: int, keep: int) -> int:
+    """The argument to pass to ``Cache.crop`` so that ``keep`` tokens remain (any version)."""
+    return keep - current_length  # negative (or 0): "remove this many" is understood everywhere
+
+
+def peft_lora_layer_types() -> tuple[type, ...]:
+    """PEFT's LoRA layer classes (``peft.tuners.lora.LoraLayer``)."""
+    from peft.tuners.lora import LoraLayer
+
+    return (LoraLayer,)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE parameter dict of a text config (``rope_parameters`` on 5.x)."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:  # 4.x configs used `rope_scaling` (+ `rope_theta`)
+        params = dict(getattr(config, "rope_scaling", None) or {"rope_type": "default"})
+    return dict(params)

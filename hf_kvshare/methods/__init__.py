@@ -1,0 +1,10 @@
+"""Method registry: ``METHODS[name]`` is the class; one file per method.
+
+Importing this package registers every built-in method.
+"""
+
+from .base import METHODS, Method, Placement, get_method, register
+from .fullshared import FullShared
+from .nonshared import NonShared
+
+__all__ = ["METHODS", "Method", "Placement", "get_method", "register", "NonShared", "FullShared"]

@@ -1,0 +1,149 @@
+"""The method interface and its registry.
+
+A method turns one agent turn (a tokenized trajectory) into a :class:`SharedCache` before
+``generate`` and may learn from the turn afterwards. One method per file; each registers itself
+with :func:`register`. A method *instance* holds what outlives one request (anchor pools,
+calibration profiles) and may be shared by many sessions; per-request state (slot contents, the
+latest materialized cache of each slot) lives in the :class:`~hf_kvshare.session.Session`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from ..cache import Segment, SegmentKV, SharedCache
+
+if TYPE_CHECKING:
+    from ..session import Turn
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: make ``cls`` available as ``METHODS[cls.name]``."""
+    if not getattr(cls, "name", None):
+        raise ValueError(f"{cls.__name__} needs a `name` class attribute to be registered")
+    if cls.name in METHODS and METHODS[cls.name] is not cls:
+        raise ValueError(f"method name {cls.name!r} is already registered by {METHODS[cls.name].__name__}")
+    METHODS[cls.name] = cls
+    return cls
+
+
+def get_method(method: str | Method, **options: Any) -> Method:
+    """A method instance from a registry name (with options) or an instance (options refused)."""
+    if isinstance(method, Method):
+        if options:
+            raise ValueError(
+                f"options {sorted(options)} were given with a {type(method).__name__} instance; "
+                "set them on the instance instead"
+            )
+        return method
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a registry name or a Method instance, got {type(method).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; registered methods: {', '.join(sorted(METHODS))}")
+    return METHODS[method](**options)
+
+
+@dataclass
+class Placement:
+    """How a PH segment's K/V is obtained without a dense prefill of the whole segment.
+
+    ``kv`` sits at the segment's target positions. ``reused_tokens`` counts the tokens whose K/V
+    was not computed by the model for this agent (all of them for reuse and correction).
+    """
+
+    kv: SegmentKV
+    provenance: str = "reused"
+    source_agent: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    reused_tokens: int | None = None
+
+
+class Method:
+    """Base class: every PF and PH segment prefilled densely (i.e. NonShared behaviour).
+
+    Subclasses override :meth:`placeholder` (return a :class:`Placement` to reuse a PH segment),
+    or :meth:`build` entirely, and :meth:`record` to learn from a finished turn.
+    """
+
+    name: ClassVar[str] = ""
+    #: the session keeps each slot's latest materialized cache (chaining / reuse source)
+    uses_sources: ClassVar[bool] = True
+    #: ``placeholder`` reads the cache built so far (pending dense work is flushed first)
+    reads_prefix: ClassVar[bool] = False
+    #: ``build_cache(batch_size > 1)`` is supported
+    supports_batch: ClassVar[bool] = True
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Called by each session on its model. Methods keyed by model identity check it here."""
+
+    # ------------------------------------------------------------ building
+    def placeholder(self, turn: Turn, span, cache: SharedCache) -> Placement | None:
+        """K/V for PH ``span`` of this turn, or ``None`` to prefill it densely."""
+        return None
+
+    def build(self, turn: Turn) -> SharedCache:
+        """Build the turn's cache: consecutive dense segments run as one forward; the prompt's last
+        token is left out for ``generate``."""
+        cache = turn.new_cache()
+        pending: list = []
+        last = len(turn.spans) - 1
+
+        def flush(drop_last: bool = False) -> None:
+            if not pending:
+                return
+            ids = torch.cat([s.token_ids for s in pending])
+            segments = [turn.segment_for(s, "dense") for s in pending]
+            if drop_last:
+                ids = ids[:-1]
+                segments[-1].end -= 1
+                if segments[-1].length == 0:
+                    segments.pop()
+            turn.stats.tokens_prefilled += ids.numel()
+            cache.append_dense(turn.model, turn.batch(ids), segments)
+            pending.clear()
+
+        for i, span in enumerate(turn.spans):
+            placement = None
+            if span.kind == "PH":
+                if self.reads_prefix:
+                    flush()
+                placement = self.placeholder(turn, span, cache)
+            if placement is None:
+                pending.append(span)
+                continue
+            flush()
+            turn.place(cache, span, placement)
+            if i == last:
+                cache.crop(-1)
+        flush(drop_last=True)
+        return cache
+
+    # ------------------------------------------------------------ learning
+    def record(self, turn: Turn, cache: SharedCache) -> None:
+        """Learn from the finished turn (after the session stored the slot caches)."""
+
+    # ------------------------------------------------------------ generation hooks
+    def generation_context(self, turn: Turn) -> contextlib.AbstractContextManager:
+        """Context entered around ``generate`` (e.g. selecting the agent's LoRA adapter)."""
+        return contextlib.nullcontext()
+
+    def generate_kwargs(self, turn: Turn) -> dict[str, Any]:
+        """Extra keyword arguments for ``generate`` (e.g. ``adapter_names``)."""
+        return {}
+
+    def state_bytes(self) -> int:
+        """Bytes held by the method instance across requests (anchor pools, LR caches, ...)."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def exact_segment(seg: Segment) -> bool:
+    return seg.provenance == "dense"

