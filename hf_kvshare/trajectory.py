@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -37,7 +37,7 @@ class PH:
     text: str | None = None
 
 
-SegmentSpec = Union[PF, PH]
+SegmentSpec = PF | PH
 
 
 @dataclass

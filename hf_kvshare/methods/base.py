@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..cache import Segment, SegmentKV, SharedCache
+from ..cache import SegmentKV, SharedCache
 
 if TYPE_CHECKING:
     from ..session import Turn
@@ -143,7 +143,3 @@ class Method:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-def exact_segment(seg: Segment) -> bool:
-    return seg.provenance == "dense"

@@ -1,0 +1,179 @@
+"""Sessions: exactness against plain generate, reuse, slot rules and clear errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from hf_kvshare import METHODS, PF, PH, Method, Session, SharedCache, cache_kwargs, chat
+from hf_kvshare.fidelity import kv_error
+
+QUERY = "Compute the sum of the first ten prime numbers and explain each step."
+
+
+def roles(agent: str):
+    return [PF(f"You are the {agent}. Think about the task carefully.\n"), PH("query", QUERY), PF("\nAnswer:")]
+
+
+def plain_generate(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=n, do_sample=False)
+    return out[0, ids.numel() :]
+
+
+def test_registry_has_foundation_methods():
+    assert {"nonshared", "fullshared"} <= set(METHODS)
+    assert issubclass(METHODS["nonshared"], Method)
+
+
+def test_nonshared_equals_plain_generate(tiny, tokenizer):
+    session = Session(tiny, tokenizer, "nonshared")
+    r = session.run_turn("solver", roles("solver"), max_new_tokens=12)
+    expected = plain_generate(tiny, r.prompt_ids, 12)
+    assert r.output_ids.tolist() == session._strip_eos(expected).tolist()
+    assert r.reuse_ratio == 0.0 and r.tokens_prefilled == r.prompt_ids.numel()
+
+
+def test_build_cache_works_with_both_cache_keywords(tiny, tokenizer):
+    session = Session(tiny, tokenizer, "nonshared")
+    cache, ids = session.build_cache("a", roles("a"))
+    assert isinstance(cache, SharedCache) and cache.get_seq_length() == ids.shape[1] - 1
+    expected = plain_generate(tiny, ids[0], 8)
+    with torch.no_grad():
+        new = tiny.generate(input_ids=ids, max_new_tokens=8, do_sample=False, cache=cache.copy())
+    assert new[0, ids.shape[1] :].tolist() == expected.tolist()
+    with pytest.warns(FutureWarning, match="past_key_values"):  # deprecated by transformers, still works
+        with torch.no_grad():
+            old = tiny.generate(input_ids=ids, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    assert old[0, ids.shape[1] :].tolist() == expected.tolist()
+
+
+def test_shared_cache_refuses_second_generate(tiny_llama, tokenizer):
+    session = Session(tiny_llama, tokenizer, "nonshared")
+    cache, ids = session.build_cache("a", roles("a"))
+    spare = cache.copy()
+    with torch.no_grad():
+        tiny_llama.generate(input_ids=ids, max_new_tokens=4, do_sample=False, **cache_kwargs(cache))
+        with pytest.raises(RuntimeError, match="already used"):
+            tiny_llama.generate(input_ids=ids, max_new_tokens=4, do_sample=False, **cache_kwargs(cache))
+        tiny_llama.generate(input_ids=ids, max_new_tokens=4, do_sample=False, **cache_kwargs(spare))
+
+
+def test_fullshared_reuses_and_has_measurable_error(tiny, tokenizer):
+    exact = Session(tiny, tokenizer, "nonshared")
+    shared = Session(tiny, tokenizer, "fullshared")
+    for s in (exact, shared):
+        s.run_turn("first", roles("first"), max_new_tokens=6)
+    forced = exact.turns[0].output_ids
+    ref = exact.run_turn("second", roles("second") + [PF("\nPrevious: "), PH("first")], force_output=forced, keep_cache=True)
+    got = shared.run_turn("second", roles("second") + [PF("\nPrevious: "), PH("first")], force_output=forced, keep_cache=True)
+    assert got.reuse_ratio == 1.0 and ref.reuse_ratio == 0.0
+    assert got.tokens_prefilled < ref.tokens_prefilled
+    q = got.cache.segment("query")
+    assert q.provenance == "reused" and q.source_agent == "first"
+    error = kv_error(got.cache, ref.cache, q.start, q.end)
+    assert 1e-4 < error < 1.0, error  # different prefix => nonzero deviation
+    # it still generates
+    out = shared.run_turn("third", roles("third") + [PH("second")], max_new_tokens=5)
+    assert out.output_ids.numel() >= 1
+
+
+def test_teacher_forcing_matches_generation_logits(tiny_llama, tokenizer):
+    session = Session(tiny_llama, tokenizer, "nonshared")
+    free = session.run_turn("a", roles("a"), max_new_tokens=6)
+    forced = Session(tiny_llama, tokenizer, "nonshared").run_turn("a", roles("a"), force_output=free.output_ids)
+    assert forced.logits.argmax(-1).tolist() == free.output_ids.tolist()
+
+
+def test_chat_template_segments_are_exact(tokenizer):
+    segs = chat(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [PH("query", QUERY), "\nGo."]}])
+    kinds = [type(s).__name__ for s in segs]
+    assert kinds == ["PF", "PH", "PF"]
+    assert segs[0].text.startswith("<|im_start|>system\nBe brief.")
+    assert segs[-1].text.endswith("<|im_start|>assistant\n")
+
+
+def test_output_slots_and_loops(tiny_llama, tokenizer):
+    session = Session(tiny_llama, tokenizer, "fullshared")
+    session.run_turn("a", roles("a"), max_new_tokens=3)
+    session.run_turn("b", roles("b") + [PH("a")], max_new_tokens=3)
+    r = session.run_turn("a", roles("a") + [PH("b")], max_new_tokens=3)
+    assert r.output_slot == "a#2" and {"a", "b", "a#2"} <= set(session.slots)
+    assert session.slots["a#2"].producer == "a"
+
+
+# ------------------------------------------------------------------ bad input
+def test_unknown_method(tiny_llama, tokenizer):
+    with pytest.raises(ValueError, match="unknown method 'nope'.*fullshared"):
+        Session(tiny_llama, tokenizer, "nope")
+
+
+def test_unrecorded_slot_and_conflicting_text_mutate_nothing(tiny_llama, tokenizer):
+    session = Session(tiny_llama, tokenizer, "fullshared")
+    with pytest.raises(ValueError, match="never recorded"):
+        session.run_turn("a", [PF("x"), PH("query", QUERY), PH("ghost")], max_new_tokens=2)
+    assert session.slots == {}  # the query slot of the failed turn was not kept
+    session.run_turn("a", roles("a"), max_new_tokens=2)
+    before = dict(session.slots)
+    with pytest.raises(ValueError, match="already holds"):
+        session.run_turn("b", [PF("x"), PH("query", "another query"), PH("new", "fresh")], max_new_tokens=2)
+    assert session.slots == before
+
+
+def test_empty_segment(tiny_llama, tokenizer):
+    session = Session(tiny_llama, tokenizer)
+    with pytest.raises(ValueError, match="zero tokens"):
+        session.run_turn("a", [PF("hello"), PF("")], max_new_tokens=2)
+    with pytest.raises(ValueError, match="zero tokens"):
+        session.run_turn("a", [PF("hello"), PH("q", "")], max_new_tokens=2)
+
+
+def test_batch_size_refused_where_unsupported(tiny_llama, tokenizer):
+    class SingleStream(Method):
+        name = "single-stream-test"
+        supports_batch = False
+
+    with pytest.raises(ValueError, match="batch size 1 only"):
+        Session(tiny_llama, tokenizer, SingleStream()).build_cache("a", roles("a"), batch_size=2)
+    cache, ids = Session(tiny_llama, tokenizer, "nonshared").build_cache("a", roles("a"), batch_size=2)
+    assert ids.shape[0] == 2 and cache.layer_kv(0)[0].shape[0] == 2
+
+
+def test_cache_for_other_model_refused_in_generate(tiny_llama, tokenizer):
+    other = tiny_model("llama", num_key_value_heads=4)
+    cache, ids = Session(other, tokenizer).build_cache("a", roles("a"))
+    with pytest.raises(ValueError, match="kv heads"):
+        with torch.no_grad():
+            tiny_llama.generate(input_ids=ids, max_new_tokens=2, **cache_kwargs(cache))
+
+
+def test_trajectory_longer_than_max_positions(tokenizer):
+    model = tiny_model("llama", max_position_embeddings=32)
+    session = Session(model, tokenizer)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        session.run_turn("a", roles("a"), max_new_tokens=8)
+    assert session.slots == {}
+
+
+def test_dynamic_ntk_model_refused_for_reuse(tokenizer):
+    model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    session = Session(model, tokenizer, "fullshared")
+    session.run_turn("a", roles("a"), max_new_tokens=2)  # first agent: dense, fine
+    with pytest.raises(ValueError, match="dynamic"):
+        session.run_turn("b", roles("b"), max_new_tokens=2)
+
+
+def test_method_instance_with_options_refused(tiny_llama, tokenizer):
+    with pytest.raises(ValueError, match="instance"):
+        Session(tiny_llama, tokenizer, METHODS["fullshared"](), foo=1)
+
+
+def test_no_deprecation_warnings_from_our_calls(tiny_llama, tokenizer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        session = Session(tiny_llama, tokenizer, "fullshared")
+        session.run_turn("a", roles("a"), max_new_tokens=3)
+        session.run_turn("b", roles("b") + [PH("a")], max_new_tokens=3)
