@@ -7,7 +7,10 @@ import sys
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    head = "  ".join(f"{title:>{len(title) if i else 14}}" if i else f"{title:<14}" for i, (_, title, _) in enumerate(columns))
+    head = "  ".join(
+        f"{title:>{len(title) if i else 14}}" if i else f"{title:<14}"
+        for i, (_, title, _) in enumerate(columns)
+    )
     lines = [head]
     for row in rows:
         cells = []
@@ -24,8 +27,15 @@ def demo(argv: list[str]) -> int:
     from .models import DEFAULT_MODEL, load_model
     from .workflow import compare_methods, demo_workflow
 
-    parser = argparse.ArgumentParser(prog="python -m hf_kvshare demo", description="4-agent workflow, methods side by side")
-    parser.add_argument("--methods", nargs="+", default=["nonshared", "fullshared"], help=f"any of: {', '.join(sorted(METHODS))}")
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_kvshare demo", description="4-agent workflow, methods side by side"
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["nonshared", "fullshared"],
+        help=f"any of: {', '.join(sorted(METHODS))}",
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or local path")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
@@ -35,23 +45,32 @@ def demo(argv: list[str]) -> int:
 
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tok = load_model(args.model)
-    reports = compare_methods(model, tok, lambda: demo_workflow(tok, max_new_tokens=args.max_new_tokens), args.methods)
+    reports = compare_methods(
+        model, tok, lambda: demo_workflow(tok, max_new_tokens=args.max_new_tokens), args.methods
+    )
     reference = reports["nonshared"]
     rows = [r.summary(reference) for r in reports.values()]
     print()
-    print(_table(rows, [
-        ("method", "method", ""),
-        ("ttft_s", "TTFT s", ".3f"),
-        ("ttft_ratio", "NonShared/TTFT", ".2f"),
-        ("reuse_ratio", "rho", ".2f"),
-        ("agreement", "top1 agree", ".3f"),
-        ("kl", "mean KL", ".4f"),
-        ("kv_error", "PH KV rel.err", ".4f"),
-        ("exact_match", "same output", ".2f"),
-    ]))
+    print(
+        _table(
+            rows,
+            [
+                ("method", "method", ""),
+                ("ttft_s", "TTFT s", ".3f"),
+                ("ttft_ratio", "NonShared/TTFT", ".2f"),
+                ("reuse_ratio", "rho", ".2f"),
+                ("agreement", "top1 agree", ".3f"),
+                ("kl", "mean KL", ".4f"),
+                ("kv_error", "PH KV rel.err", ".4f"),
+                ("exact_match", "same output", ".2f"),
+            ],
+        )
+    )
     print("\nper turn (teacher-forced on NonShared's outputs):")
     for name, report in reports.items():
-        cells = "  ".join(f"{r['agent']}: agree {r['agreement']:.2f} kv-err {r['kv_error']:.3f}" for r in report.per_turn)
+        cells = "  ".join(
+            f"{r['agent']}: agree {r['agreement']:.2f} kv-err {r['kv_error']:.3f}" for r in report.per_turn
+        )
         print(f"  {name:<12} {cells}")
     return 0
 

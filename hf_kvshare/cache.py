@@ -145,7 +145,9 @@ class SegmentedCache(DynamicCache):
     def extract(self, start: int, end: int, agent: str | None = None) -> SegmentKV:
         """Copy positions ``[start, end)`` of every layer into a detached :class:`SegmentKV`."""
         if not 0 <= start < end <= self.get_seq_length():
-            raise ValueError(f"cannot extract [{start}, {end}) from a cache of length {self.get_seq_length()}")
+            raise ValueError(
+                f"cannot extract [{start}, {end}) from a cache of length {self.get_seq_length()}"
+            )
         keys, values = [], []
         for layer_idx in range(self.num_layers):
             k, v = self.layer_kv(layer_idx)
@@ -236,7 +238,9 @@ class SegmentedCache(DynamicCache):
             raise ValueError(f"K/V has {kv.num_layers} layers, the cache {self.num_layers}")
         if kv.start != start:
             if shifter is None:
-                raise ValueError(f"K/V sits at position {kv.start}, not {start}: pass a RopeShifter to move it")
+                raise ValueError(
+                    f"K/V sits at position {kv.start}, not {start}: pass a RopeShifter to move it"
+                )
             kv = kv.repositioned(shifter, start)
         for layer_idx in range(self.num_layers):
             self.update(kv.keys[layer_idx], kv.values[layer_idx], layer_idx)
@@ -247,7 +251,9 @@ class SegmentedCache(DynamicCache):
         pos = start
         for seg in segments:
             if seg.start != pos or seg.end < seg.start:
-                raise ValueError(f"segments must tile [{start}, {end}); {seg.name!r} starts at {seg.start}, not {pos}")
+                raise ValueError(
+                    f"segments must tile [{start}, {end}); {seg.name!r} starts at {seg.start}, not {pos}"
+                )
             pos = seg.end
         if segments and pos != end:
             raise ValueError(f"segments cover [{start}, {pos}) but {end - start} tokens were given")
@@ -288,7 +294,9 @@ class SegmentedCache(DynamicCache):
     # ----------------------------------------------------------------- report
     def report(self) -> str:
         """A readable table of the segments and their provenance."""
-        rows = [f"{type(self).__name__}: {self.get_seq_length()} cached tokens, {self.nbytes / 2**20:.2f} MiB"]
+        rows = [
+            f"{type(self).__name__}: {self.get_seq_length()} cached tokens, {self.nbytes / 2**20:.2f} MiB"
+        ]
         rows.append(f"  {'segment':<16}{'kind':<5}{'span':<14}{'provenance':<12}{'source':<12}info")
         for seg in self.segments:
             info = ", ".join(f"{k}={_fmt(v)}" for k, v in seg.info.items())

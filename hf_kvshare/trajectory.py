@@ -149,4 +149,6 @@ def validate_segments(segments: Any) -> list[SegmentSpec]:
 
 
 def is_messages(segments: Any) -> bool:
-    return isinstance(segments, (list, tuple)) and bool(segments) and all(isinstance(s, dict) for s in segments)
+    return (
+        isinstance(segments, (list, tuple)) and bool(segments) and all(isinstance(s, dict) for s in segments)
+    )

@@ -71,7 +71,8 @@ class MethodReport:
             "method": self.method,
             "ttft_s": statistics.mean(t.ttft_s for t in self.free),
             "e2e_s": statistics.mean(t.e2e_s for t in self.free),
-            "reuse_ratio": sum(t.tokens_reused for t in reuse_turns) / max(sum(t.ph_tokens for t in reuse_turns), 1),
+            "reuse_ratio": sum(t.tokens_reused for t in reuse_turns)
+            / max(sum(t.ph_tokens for t in reuse_turns), 1),
             "agreement": statistics.mean(r["agreement"] for r in self.per_turn),
             "kl": statistics.mean(r["kl"] for r in self.per_turn),
             "kv_error": statistics.mean(r["kv_error"] for r in self.per_turn),
@@ -79,10 +80,13 @@ class MethodReport:
         }
         if reference is not None:
             out["ttft_ratio"] = (
-                statistics.mean(t.ttft_s for t in reference.free) / out["ttft_s"] if out["ttft_s"] > 0 else float("nan")
+                statistics.mean(t.ttft_s for t in reference.free) / out["ttft_s"]
+                if out["ttft_s"] > 0
+                else float("nan")
             )
             out["exact_match"] = statistics.mean(
-                float(a.output_ids.tolist() == b.output_ids.tolist()) for a, b in zip(self.free, reference.free)
+                float(a.output_ids.tolist() == b.output_ids.tolist())
+                for a, b in zip(self.free, reference.free)
             )
         return out
 
@@ -102,7 +106,11 @@ def compare_methods(
     reference_free = run_workflow(Session(model, tokenizer, "nonshared"), make(), progress=progress)
     forced_ids = [t.output_ids for t in reference_free]
     reference_forced = run_workflow(
-        Session(model, tokenizer, "nonshared"), make(), force_outputs=forced_ids, keep_cache=True, progress=progress
+        Session(model, tokenizer, "nonshared"),
+        make(),
+        force_outputs=forced_ids,
+        keep_cache=True,
+        progress=progress,
     )
     reports = {}
     wanted = [m for m in methods if m != "nonshared"]
@@ -112,7 +120,11 @@ def compare_methods(
         else:
             free = run_workflow(Session(model, tokenizer, method), make(), progress=progress)
             forced = run_workflow(
-                Session(model, tokenizer, method), make(), force_outputs=forced_ids, keep_cache=True, progress=progress
+                Session(model, tokenizer, method),
+                make(),
+                force_outputs=forced_ids,
+                keep_cache=True,
+                progress=progress,
             )
         name = method if isinstance(method, str) else method.name
         report = MethodReport(method=name, free=free, forced=forced)

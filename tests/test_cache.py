@@ -40,7 +40,12 @@ def test_extract_reposition_append_roundtrip(tiny):
     # same tokens at positions d..d+11 with nothing before them (explicit position ids)
     atd = SegmentedCache(tiny.config)
     with torch.no_grad():
-        tiny(input_ids=ids[None], position_ids=torch.arange(d, d + 12)[None], use_cache=True, **cache_kwargs(atd))
+        tiny(
+            input_ids=ids[None],
+            position_ids=torch.arange(d, d + 12)[None],
+            use_cache=True,
+            **cache_kwargs(atd),
+        )
     moved = at0.extract_segment("s").repositioned(shifter, d)
     for layer in range(tiny.config.num_hidden_layers):
         k, v = atd.layer_kv(layer)
@@ -112,6 +117,8 @@ def test_shared_cache_keeps_last_prompt_token_out(tiny_llama):
 
 def test_report_names_segments(tiny_llama):
     cache = SegmentedCache(tiny_llama.config)
-    cache.append_dense(tiny_llama, torch.randint(3, 1000, (1, 6)), [Segment("query", "PH", 0, 6, info={"H": 0.25})])
+    cache.append_dense(
+        tiny_llama, torch.randint(3, 1000, (1, 6)), [Segment("query", "PH", 0, 6, info={"H": 0.25})]
+    )
     text = cache.report()
     assert "query" in text and "dense" in text and "H=0.25" in text

@@ -23,11 +23,19 @@ def test_embedded_model_shape(real):
 
 def test_nonshared_equals_plain_generate(real):
     model, tok = real
-    segments = chat(tok, [{"role": "system", "content": "You are a concise engineer."}, {"role": "user", "content": [PH("query", QUERY)]}])
+    segments = chat(
+        tok,
+        [
+            {"role": "system", "content": "You are a concise engineer."},
+            {"role": "user", "content": [PH("query", QUERY)]},
+        ],
+    )
     r = Session(model, tok, "nonshared").run_turn("engineer", segments, max_new_tokens=20)
     ids = r.prompt_ids
     with torch.no_grad():
-        plain = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=20, do_sample=False)
+        plain = model.generate(
+            input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=20, do_sample=False
+        )
     expected = plain[0, ids.numel() :].tolist()
     assert r.output_ids.tolist() == expected[: r.output_ids.numel()]
     assert all(t in (2,) for t in expected[r.output_ids.numel() :])  # only the stripped EOS differs
@@ -43,7 +51,10 @@ def test_repositioning_through_all_layers(real):
         model(input_ids=ids, position_ids=torch.arange(d, d + n)[None], use_cache=True, **cache_kwargs(atd))
     moved = at0.extract(0, n).repositioned(RopeShifter.from_model(model), d)
     worst = max(
-        max((moved.keys[i] - atd.layer_kv(i)[0]).abs().max().item(), (moved.values[i] - atd.layer_kv(i)[1]).abs().max().item())
+        max(
+            (moved.keys[i] - atd.layer_kv(i)[0]).abs().max().item(),
+            (moved.values[i] - atd.layer_kv(i)[1]).abs().max().item(),
+        )
         for i in range(model.config.num_hidden_layers)
     )
     assert worst <= 1e-4, worst
@@ -52,7 +63,11 @@ def test_repositioning_through_all_layers(real):
 def test_fullshared_deviates_but_generates(real):
     model, tok = real
     first = [PF("You are a cautious security reviewer.\n"), PH("query", QUERY), PF("\nReview:")]
-    second = [PF("You are an enthusiastic marketing writer who loves superlatives.\n"), PH("query", QUERY), PF("\nPitch:")]
+    second = [
+        PF("You are an enthusiastic marketing writer who loves superlatives.\n"),
+        PH("query", QUERY),
+        PF("\nPitch:"),
+    ]
     exact, shared = Session(model, tok, "nonshared"), Session(model, tok, "fullshared")
     for s in (exact, shared):
         s.run_turn("reviewer", first, max_new_tokens=4)

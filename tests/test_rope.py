@@ -20,7 +20,12 @@ ROPE_TYPES = {
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 128,
     },
-    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+    "yarn": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    },
     "longrope": {
         "rope_type": "longrope",
         "rope_theta": 10000.0,
@@ -86,7 +91,9 @@ def test_longrope_refuses_crossing_the_boundary():
 
 
 def test_dynamic_ntk_is_refused():
-    model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    model = tiny_model(
+        "llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    )
     with pytest.raises(ValueError, match="dynamic"):
         RopeShifter.from_model(model)
 

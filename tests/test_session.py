@@ -15,12 +15,18 @@ QUERY = "Compute the sum of the first ten prime numbers and explain each step."
 
 
 def roles(agent: str):
-    return [PF(f"You are the {agent}. Think about the task carefully.\n"), PH("query", QUERY), PF("\nAnswer:")]
+    return [
+        PF(f"You are the {agent}. Think about the task carefully.\n"),
+        PH("query", QUERY),
+        PF("\nAnswer:"),
+    ]
 
 
 def plain_generate(model, ids, n):
     with torch.no_grad():
-        out = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=n, do_sample=False)
+        out = model.generate(
+            input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=n, do_sample=False
+        )
     return out[0, ids.numel() :]
 
 
@@ -68,8 +74,12 @@ def test_fullshared_reuses_and_has_measurable_error(tiny, tokenizer):
     for s in (exact, shared):
         s.run_turn("first", roles("first"), max_new_tokens=6)
     forced = exact.turns[0].output_ids
-    ref = exact.run_turn("second", roles("second") + [PF("\nPrevious: "), PH("first")], force_output=forced, keep_cache=True)
-    got = shared.run_turn("second", roles("second") + [PF("\nPrevious: "), PH("first")], force_output=forced, keep_cache=True)
+    ref = exact.run_turn(
+        "second", roles("second") + [PF("\nPrevious: "), PH("first")], force_output=forced, keep_cache=True
+    )
+    got = shared.run_turn(
+        "second", roles("second") + [PF("\nPrevious: "), PH("first")], force_output=forced, keep_cache=True
+    )
     assert got.reuse_ratio == 1.0 and ref.reuse_ratio == 0.0
     assert got.tokens_prefilled < ref.tokens_prefilled
     q = got.cache.segment("query")
@@ -84,12 +94,20 @@ def test_fullshared_reuses_and_has_measurable_error(tiny, tokenizer):
 def test_teacher_forcing_matches_generation_logits(tiny_llama, tokenizer):
     session = Session(tiny_llama, tokenizer, "nonshared")
     free = session.run_turn("a", roles("a"), max_new_tokens=6)
-    forced = Session(tiny_llama, tokenizer, "nonshared").run_turn("a", roles("a"), force_output=free.output_ids)
+    forced = Session(tiny_llama, tokenizer, "nonshared").run_turn(
+        "a", roles("a"), force_output=free.output_ids
+    )
     assert forced.logits.argmax(-1).tolist() == free.output_ids.tolist()
 
 
 def test_chat_template_segments_are_exact(tokenizer):
-    segs = chat(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [PH("query", QUERY), "\nGo."]}])
+    segs = chat(
+        tokenizer,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [PH("query", QUERY), "\nGo."]},
+        ],
+    )
     kinds = [type(s).__name__ for s in segs]
     assert kinds == ["PF", "PH", "PF"]
     assert segs[0].text.startswith("<|im_start|>system\nBe brief.")
@@ -159,7 +177,9 @@ def test_trajectory_longer_than_max_positions(tokenizer):
 
 
 def test_dynamic_ntk_model_refused_for_reuse(tokenizer):
-    model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    model = tiny_model(
+        "llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    )
     session = Session(model, tokenizer, "fullshared")
     session.run_turn("a", roles("a"), max_new_tokens=2)  # first agent: dense, fine
     with pytest.raises(ValueError, match="dynamic"):
