@@ -91,6 +91,9 @@ class Turn:
     output_slot: str
     batch_size: int = 1
     stats: TurnStats = field(default_factory=TurnStats)
+    #: per-turn working state of the method, from build to record (e.g. the sources it used,
+    #: which the session replaces in ``slot.latest`` before ``method.record`` runs)
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model(self) -> torch.nn.Module:
