@@ -57,6 +57,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = _as_dtype(dtype) if dtype is not None else None  # fail before any loading
     if name_or_path in EMBEDDED_MODELS:
         if device_map is not None or from_pretrained_kwargs:
             raise ValueError(
@@ -65,12 +66,12 @@ def load_model(
             )
         model, tok = _load_embedded(name_or_path)
         if dtype is not None:
-            model = model.to(_as_dtype(dtype))
+            model = model.to(dtype)
         return model.eval(), tok
 
     kwargs = dict(from_pretrained_kwargs)
     if dtype is not None:
-        kwargs["dtype"] = _as_dtype(dtype)
+        kwargs["dtype"] = dtype
     if device_map is not None:
         kwargs["device_map"] = device_map
     tok = AutoTokenizer.from_pretrained(

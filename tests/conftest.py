@@ -65,3 +65,13 @@ def tiny(request):
 @pytest.fixture(scope="session")
 def tiny_llama():
     return tiny_model("llama")
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU-only tests are skipped where CUDA is unavailable."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
