@@ -345,7 +345,9 @@ class SharedCache(SegmentedCache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self._sealed_length is not None and layer_idx == 0:
-            if self._generating and key_states.shape[-2] > 1:
+            if not self._generating:
+                self._expand_for(key_states.shape[0])
+            elif key_states.shape[-2] > 1:
                 raise RuntimeError(
                     "this SharedCache was already used by a generate call (it now holds "
                     f"{self.get_seq_length()} tokens, built for {self._sealed_length}); pass `cache.copy()` "
@@ -353,6 +355,16 @@ class SharedCache(SegmentedCache):
                 )
             self._generating = True
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _expand_for(self, batch: int) -> None:
+        """``generate`` expands ``input_ids`` for beams / ``num_return_sequences`` (repeat-interleave)
+        but not a user-given cache: follow it on the first forward."""
+        ours = self.layer_kv(0)[0].shape[0] if self.get_seq_length() else batch
+        if batch == ours:
+            return
+        if batch % ours:
+            raise ValueError(f"the cache was built for batch size {ours}; generate feeds batch size {batch}")
+        self.batch_repeat_interleave(batch // ours)
 
     @contextmanager
     def unsealed(self):

@@ -299,7 +299,11 @@ class Session:
 
         ``force_output``: teacher forcing. Instead of generating, feed these token ids through the
         built cache, return their logits (``result.logits`` ``[T, vocab]``, the prediction made
-        *before* each forced token) and record them as the output. Used to measure fidelity.
+        *before* each forced token) and record them as the output. Used to measure fidelity; its
+        ``ttft_s`` includes the one forward over all T forced tokens, so compare TTFT from
+        free-running turns.
+
+        A turn that raises leaves the session's slots as they were.
         """
         snapshot = dict(self.slots)
         try:
@@ -317,22 +321,31 @@ class Session:
         device = self.device
         prompt = turn.prompt_ids.to(device)
         logits = None
-        with PeakMemory(device) as memory:
-            synchronize(device)
-            t0 = time.perf_counter()
-            cache = self._build(turn)
-            turn.stats.tokens_prefilled += turn.prompt_length - cache.get_seq_length()
-            with self.method.generation_context(turn):
-                if force_output is None:
-                    output_ids, t_first = self._generate(turn, prompt, cache, max_new_tokens, generate_kwargs)
-                else:
-                    output_ids, t_first, logits = self._teacher_force(
-                        turn, prompt, cache, force_output.to(device)
-                    )
-                self._record(turn, cache, output_ids)
-                self.method.record(turn, cache)
-            synchronize(device)
-            t_end = time.perf_counter()
+        latest = {name: slot.latest for name, slot in self.slots.items()}
+        try:
+            with PeakMemory(device) as memory:
+                synchronize(device)
+                t0 = time.perf_counter()
+                cache = self._build(turn)
+                turn.stats.tokens_prefilled += turn.prompt_length - cache.get_seq_length()
+                with self.method.generation_context(turn):
+                    if force_output is None:
+                        output_ids, t_first = self._generate(
+                            turn, prompt, cache, max_new_tokens, generate_kwargs
+                        )
+                    else:
+                        output_ids, t_first, logits = self._teacher_force(
+                            turn, prompt, cache, force_output.to(device)
+                        )
+                    self._record(turn, cache, output_ids)
+                    self.method.record(turn, cache)
+                synchronize(device)
+                t_end = time.perf_counter()
+        except BaseException:  # a failed turn leaves the session as it was
+            self.slots = snapshot
+            for name, slot in self.slots.items():
+                slot.latest = latest[name]
+            raise
         text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
         result = TurnResult(
             agent=agent,

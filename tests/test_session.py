@@ -197,3 +197,32 @@ def test_no_deprecation_warnings_from_our_calls(tiny_llama, tokenizer):
         session = Session(tiny_llama, tokenizer, "fullshared")
         session.run_turn("a", roles("a"), max_new_tokens=3)
         session.run_turn("b", roles("b") + [PH("a")], max_new_tokens=3)
+
+
+def test_beam_search_through_shared_cache(tiny_llama, tokenizer):
+    """generate expands input_ids for beams but not a given cache: SharedCache follows it."""
+    cache, ids = Session(tiny_llama, tokenizer, "nonshared").build_cache("a", roles("a"))
+    with torch.no_grad():
+        plain = tiny_llama.generate(
+            input_ids=ids, max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False
+        )
+        shared = tiny_llama.generate(
+            input_ids=ids,
+            max_new_tokens=6,
+            num_beams=3,
+            num_return_sequences=2,
+            do_sample=False,
+            **cache_kwargs(cache),
+        )
+    assert shared.tolist() == plain.tolist()
+
+
+def test_failed_turn_leaves_session_unchanged(tiny_llama, tokenizer):
+    session = Session(tiny_llama, tokenizer, "fullshared")
+    session.run_turn("a", roles("a"), max_new_tokens=2)
+    before = {k: (v.token_ids.tolist(), v.latest) for k, v in session.slots.items()}
+    with pytest.raises(ValueError, match="not_a_generate_kwarg"):  # raised by generate, after the build
+        session.run_turn(
+            "b", roles("b") + [PH("extra", "more text")], max_new_tokens=2, not_a_generate_kwarg=1
+        )
+    assert {k: (v.token_ids.tolist(), v.latest) for k, v in session.slots.items()} == before
