@@ -394,3 +394,55 @@ def _fmt(value: Any) -> str:
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], float):
         return "[" + ", ".join(f"{v:.2f}" for v in value) + "]"
     return str(value)
+
+
+class CorrectedCache(SharedCache):
+    """A :class:`SharedCache` whose PH segments may be corrected rather than computed.
+
+    Each PH row of the segment table carries its provenance: ``dense`` (computed for this agent:
+    the first agent to see the slot, or a gate fallback), ``corrected`` (the source cache
+    re-positioned plus an estimated correction) or ``reused``; the source agent (``reference``
+    for a context-free reference); and in ``info`` what the method decided: ``gate``
+    (accepted / fallback), ``entropy`` and ``tau``, the ``anchors`` used and their ``weights``, the
+    corrected ``rows`` out of the segment's length, and for a fallback its ``reason``.
+    ``print(cache)`` shows the table and a one-line summary.
+
+    >>> cache, ids = Session(model, tok, method=kvcmas).build_cache("coder", segments)  # doctest: +SKIP
+    >>> print(cache)  # doctest: +SKIP
+    CorrectedCache (kvcmas): 212 cached tokens, ... | PH: 2 corrected, 1 fallback, 0 first-seen ...
+    """
+
+    def __init__(self, config: Any, method: str = ""):
+        super().__init__(config)
+        self.method = method
+
+    def placeholders(self) -> list[Segment]:
+        """The PH rows of the segment table."""
+        return [s for s in self.segments if s.kind == "PH"]
+
+    def summary(self) -> dict[str, int]:
+        """Counts of PH segments and tokens by outcome."""
+        out = {"corrected": 0, "fallback": 0, "dense": 0, "reused": 0, "ph_tokens": 0, "reused_tokens": 0}
+        for seg in self.placeholders():
+            out["ph_tokens"] += seg.length
+            if seg.provenance == "dense":
+                out["fallback" if seg.info.get("gate") == "fallback" else "dense"] += 1
+            else:
+                out[seg.provenance if seg.provenance in ("corrected", "reused") else "reused"] += 1
+                out["reused_tokens"] += seg.length
+        return out
+
+    def report(self) -> str:
+        s = self.summary()
+        table = super().report().split("\n", 1)
+        head = table[0].replace(
+            type(self).__name__,
+            f"{type(self).__name__} ({self.method})" if self.method else type(self).__name__,
+            1,
+        )
+        rho = s["reused_tokens"] / s["ph_tokens"] if s["ph_tokens"] else 0.0
+        summary = (
+            f"  PH segments: {s['corrected']} corrected, {s['reused']} reused, {s['fallback']} gate fallback, "
+            f"{s['dense']} dense (first seen); rho = {rho:.2f}"
+        )
+        return "\n".join([head, summary, *table[1:]])

@@ -3,6 +3,7 @@
 Importing this package registers every built-in method.
 """
 
+from . import graphflow, kvcmas, kvcomm  # noqa: F401  registers kvcmas, kvcmas-nonchained, kvcomm, graphflow
 from .base import METHODS, Method, Placement, get_method, register
 from .fullshared import FullShared
 from .nonshared import NonShared

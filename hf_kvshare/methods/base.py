@@ -83,6 +83,10 @@ class Method:
         """Called by each session on its model. Methods keyed by model identity check it here."""
 
     # ------------------------------------------------------------ building
+    def new_cache(self, turn: Turn) -> SharedCache:
+        """The empty cache :meth:`build` fills (a method may return a :class:`SharedCache` subclass)."""
+        return turn.new_cache()
+
     def placeholder(self, turn: Turn, span, cache: SharedCache) -> Placement | None:
         """K/V for PH ``span`` of this turn, or ``None`` to prefill it densely."""
         return None
@@ -90,7 +94,7 @@ class Method:
     def build(self, turn: Turn) -> SharedCache:
         """Build the turn's cache: consecutive dense segments run as one forward; the prompt's last
         token is left out for ``generate``."""
-        cache = turn.new_cache()
+        cache = self.new_cache(turn)
         pending: list = []
         last = len(turn.spans) - 1
 

@@ -1,0 +1,68 @@
+"""The reliability gate (paper Appendix A.3, following KVComm).
+
+Over the compatible anchors ``A_k`` (stored length ``>= k``) with distances ``d_v`` between the
+source cache and each anchor's reconstructed base (values, prefix ``k``, all layers)::
+
+    g_v = softmax(-d_v / T)                     (T = 1)
+    H   = -sum_v g_v log2 g_v / log2 |A_k|      (normalized entropy, in [0, 1])
+    accept  iff  |A_k| >= 2  and  H <= tau
+
+A peaked ``g`` (one anchor clearly closest) has low entropy and is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+def gate_weights(distances: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``softmax(-distances / temperature)`` in float64, ``[n]``."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return torch.softmax(-torch.as_tensor(distances, dtype=torch.float64) / temperature, dim=0)
+
+
+def normalized_entropy(weights: torch.Tensor) -> float:
+    """``-sum g log2 g / log2 n`` of a distribution over ``n >= 2`` anchors (``0 log 0 = 0``)."""
+    weights = torch.as_tensor(weights, dtype=torch.float64)
+    n = weights.numel()
+    if n < 2:
+        raise ValueError(f"normalized entropy needs at least two weights, got {n}")
+    entropy = -torch.special.xlogy(weights, weights).sum().item() / math.log(2)
+    return max(entropy / math.log2(n), 0.0)
+
+
+@dataclass
+class GateDecision:
+    """Outcome of the gate for one workflow edge."""
+
+    accepted: bool
+    reason: str  # "accepted", "entropy > tau", "fewer than 2 anchors", ...
+    entropy: float | None = None
+    weights: list[float] = field(default_factory=list)
+
+
+def reliability_gate(distances: torch.Tensor, tau: float, temperature: float = 1.0) -> GateDecision:
+    """Gate weights, normalized entropy and the accept/fallback decision for ``distances`` ``[n]``.
+
+    ``tau = 0`` accepts nothing: for finite distances the softmax is never one-hot, so the
+    entropy is strictly positive (even where float rounding makes a weight exactly 1).
+
+    >>> reliability_gate(torch.tensor([0.0, math.log(3)]), tau=0.9).entropy  # weights 3/4, 1/4
+    0.8112781244591328
+    """
+    distances = torch.as_tensor(distances, dtype=torch.float64).flatten()
+    if distances.numel() < 2:
+        return GateDecision(False, f"fewer than 2 compatible anchors ({distances.numel()})")
+    weights = gate_weights(distances, temperature)
+    entropy = normalized_entropy(weights)
+    accepted = tau > 0 and entropy <= tau
+    return GateDecision(
+        accepted=accepted,
+        reason="accepted" if accepted else f"entropy {entropy:.3g} > tau {tau:g}",
+        entropy=entropy,
+        weights=weights.tolist(),
+    )

@@ -1,0 +1,174 @@
+"""Per-layer storage of segment K/V in low-rank (truncated SVD) or dense form.
+
+A segment's keys or values in one layer are ``[batch, kv_heads, L, head_dim]``; we store them as
+one matrix ``Z`` of shape ``[L, D]`` with ``D = kv_heads * head_dim`` (batch element 0: a PH
+segment's K/V is identical across a batch). KVCMAS keeps ``Z ≈ A B`` with ``A = U_r Σ_r``
+``[L, r]`` and ``B = R_r^T`` ``[r, D]``; KVComm keeps ``Z`` itself.
+
+Keys are stored in the canonical positional frame (as if the segment started at position 0);
+:mod:`hf_kvshare.anchors.correction` rotates them where they are compared or applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def to_matrix(kv: torch.Tensor) -> torch.Tensor:
+    """``[batch, kv_heads, L, head_dim]`` -> ``[L, kv_heads * head_dim]`` (batch element 0, a view-free copy)."""
+    if kv.dim() != 4:
+        raise ValueError(f"expected [batch, kv_heads, seq, head_dim], got shape {tuple(kv.shape)}")
+    _, heads, length, head_dim = kv.shape
+    return kv[0].transpose(0, 1).reshape(length, heads * head_dim)
+
+
+def to_heads(matrix: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[L, kv_heads * head_dim]`` -> ``[1, kv_heads, L, head_dim]`` (inverse of :func:`to_matrix`)."""
+    length, dim = matrix.shape
+    if dim % kv_heads:
+        raise ValueError(f"feature dimension {dim} is not a multiple of {kv_heads} kv heads")
+    return matrix.reshape(length, kv_heads, dim // kv_heads).transpose(0, 1).unsqueeze(0)
+
+
+def singular_values(matrix: torch.Tensor) -> torch.Tensor:
+    """Singular values of ``[L, D]`` (computed in float32, descending)."""
+    return torch.linalg.svdvals(matrix.float())
+
+
+def effective_rank(matrix: torch.Tensor, energy: float = 0.9) -> int:
+    """Smallest rank whose singular values keep ``energy`` of the total ``sum(s**2)`` (paper Fig. 2).
+
+    A zero matrix has effective rank 0.
+    """
+    if not 0.0 < energy <= 1.0:
+        raise ValueError(f"energy must be in (0, 1], got {energy}")
+    s2 = singular_values(matrix).double().pow(2)
+    total = s2.sum()
+    if total <= 0:
+        return 0
+    cumulative = torch.cumsum(s2, 0) / total
+    return (
+        int(torch.searchsorted(cumulative, torch.tensor(energy, dtype=cumulative.dtype) - 1e-12).item()) + 1
+    )
+
+
+@dataclass(eq=False)
+class MatrixFactors:
+    """An ``[L, D]`` matrix kept as ``a @ b`` (``a`` ``[L, r]``, ``b`` ``[r, D]``) or dense (``b is None``).
+
+    >>> f = MatrixFactors.from_matrix(torch.randn(40, 64), rank=8)
+    >>> f.shape, f.rank
+    (torch.Size([40, 64]), 8)
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor | None = None
+
+    @classmethod
+    def from_matrix(cls, matrix: torch.Tensor, rank: int | None) -> MatrixFactors:
+        """Truncated SVD of ``matrix`` ``[L, D]`` keeping ``min(rank, L, D)`` components
+        (``rank=None``: keep the matrix dense). The SVD runs in float32 (``torch.linalg.svd``) and
+        the factors are stored in the matrix's dtype.
+
+        Factors take ``r (L + D)`` numbers against ``L D`` for the matrix; where they would not be
+        smaller (short segments: ``L <= r D / (D - r)``) the matrix is kept dense instead, which
+        is also exact.
+        """
+        if matrix.dim() != 2:
+            raise ValueError(f"expected an [L, D] matrix, got shape {tuple(matrix.shape)}")
+        if rank is not None and rank < 1:
+            raise ValueError(f"rank must be >= 1 (or None for dense), got {rank}")
+        length, dim = matrix.shape
+        # at most min(L, D) components exist; keeping them all is exact, so clamping loses nothing
+        r = None if rank is None else min(rank, length, dim)
+        if r is None or r * (length + dim) >= length * dim:
+            return cls(a=matrix.detach().clone())
+        u, s, vh = torch.linalg.svd(matrix.detach().float(), full_matrices=False)
+        a = (u[:, :r] * s[:r]).to(matrix.dtype)
+        b = vh[:r].to(matrix.dtype).contiguous()
+        return cls(a=a.contiguous(), b=b)
+
+    @property
+    def dense(self) -> bool:
+        return self.b is None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.a.shape[0], self.a.shape[1] if self.b is None else self.b.shape[1]))
+
+    @property
+    def rows(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def rank(self) -> int:
+        """Stored rank (``min(L, D)`` for a dense matrix)."""
+        return min(self.shape) if self.b is None else self.a.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a, self.b) if t is not None)
+
+    def reconstruct(self, rows: int | None = None) -> torch.Tensor:
+        """The first ``rows`` rows (default all) of the matrix, ``[rows, D]``."""
+        a = self.a if rows is None else self.a[:rows]
+        return a if self.b is None else a @ self.b
+
+
+@dataclass(eq=False)
+class FactoredKV:
+    """A segment's K/V for every layer, each layer's keys and values as :class:`MatrixFactors`.
+
+    Keys are in the canonical frame (positions ``0 .. length - 1``).
+    """
+
+    keys: list[MatrixFactors]
+    values: list[MatrixFactors]
+    length: int
+    kv_heads: int
+
+    @classmethod
+    def from_kv(
+        cls,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        rank: int | None,
+    ) -> FactoredKV:
+        """Factorize per-layer ``keys``/``values`` ``[batch, kv_heads, L, head_dim]`` (keys already
+        canonical) at ``rank`` (``None``: dense)."""
+        if len(keys) != len(values) or not keys:
+            raise ValueError(
+                f"need the same non-zero number of key and value layers, got {len(keys)}/{len(values)}"
+            )
+        return cls(
+            keys=[MatrixFactors.from_matrix(to_matrix(k), rank) for k in keys],
+            values=[MatrixFactors.from_matrix(to_matrix(v), rank) for v in values],
+            length=keys[0].shape[-2],
+            kv_heads=keys[0].shape[1],
+        )
+
+    @classmethod
+    def from_matrices(
+        cls, keys: list[torch.Tensor], values: list[torch.Tensor], rank: int | None, kv_heads: int
+    ) -> FactoredKV:
+        """Factorize per-layer ``[L, D]`` key/value matrices (keys canonical) at ``rank``."""
+        if len(keys) != len(values) or not keys:
+            raise ValueError(
+                f"need the same non-zero number of key and value layers, got {len(keys)}/{len(values)}"
+            )
+        return cls(
+            keys=[MatrixFactors.from_matrix(k, rank) for k in keys],
+            values=[MatrixFactors.from_matrix(v, rank) for v in values],
+            length=keys[0].shape[0],
+            kv_heads=kv_heads,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in (*self.keys, *self.values))

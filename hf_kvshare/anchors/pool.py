@@ -1,0 +1,127 @@
+"""Anchor pools: one per PH slot, bounded capacity, LFU-among-oldest eviction.
+
+An :class:`Anchor` is one observation of a slot's content: the (canonical, factorized) cache it
+was corrected *from* (``base``, the source agent's materialized cache for chained KVCMAS, the
+context-free reference for KVComm and the non-chained ablation) and, for each consuming agent
+seen, the observed correction ``Δ = C_target - Align(base)`` (``deltas[target]``). An anchor can
+only correct an edge whose source matches its ``source`` label and whose target it has a delta for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from .lowrank import FactoredKV
+
+#: label of the context-free reference (the segment prefilled with nothing before it)
+REFERENCE = "reference"
+
+
+@dataclass(eq=False)
+class Anchor:
+    """One stored observation of a PH slot.
+
+    Args:
+        base: the cache the corrections are relative to, keys canonical.
+        source: who produced ``base``: the source agent's name, or :data:`REFERENCE`.
+        origin: identifies the exact ``base`` (request, slot, version), so that later consumers of
+            the same base add their delta to this anchor instead of inserting a duplicate.
+        deltas: consuming agent -> observed correction (keys canonical).
+    """
+
+    base: FactoredKV
+    source: str
+    origin: Hashable
+    deltas: dict[str, FactoredKV] = field(default_factory=dict)
+    uses: int = 0
+    serial: int = -1  # insertion number within its pool (set by the pool)
+
+    @property
+    def length(self) -> int:
+        return self.base.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.nbytes + sum(d.nbytes for d in self.deltas.values())
+
+
+class AnchorPool:
+    """Up to ``capacity`` anchors of one PH slot, oldest first.
+
+    When a new anchor arrives at a full pool, the least frequently used anchor among the
+    ``eviction_window`` oldest is evicted (ties: the oldest), following KVComm.
+
+    >>> pool = AnchorPool("query", capacity=10)  # doctest: +SKIP
+    >>> pool.insert(Anchor(base, source="planner", origin=("req0", "query", 0)))  # doctest: +SKIP
+    """
+
+    def __init__(self, slot: str, capacity: int, eviction_window: int = 5):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if eviction_window < 1:
+            raise ValueError(f"eviction_window must be >= 1, got {eviction_window}")
+        self.slot = slot
+        self.capacity = capacity
+        self.eviction_window = eviction_window
+        self.anchors: list[Anchor] = []
+        self._serial = 0
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self.anchors)
+
+    def __iter__(self):
+        return iter(self.anchors)
+
+    def find(self, origin: Hashable) -> Anchor | None:
+        for anchor in self.anchors:
+            if anchor.origin == origin:
+                return anchor
+        return None
+
+    def compatible(self, source: str, target: str) -> list[Anchor]:
+        """Anchors built from a ``source`` cache that hold a correction for ``target``."""
+        return [a for a in self.anchors if a.source == source and target in a.deltas]
+
+    def eviction_candidate(self) -> Anchor:
+        """The anchor :meth:`insert` would evict: LFU among the ``eviction_window`` oldest."""
+        if not self.anchors:
+            raise ValueError(f"pool {self.slot!r} is empty; nothing to evict")
+        window = self.anchors[: self.eviction_window]
+        return min(window, key=lambda a: a.uses)  # min keeps the first (oldest) on ties
+
+    def insert(self, anchor: Anchor) -> Anchor | None:
+        """Add ``anchor`` (evicting one first when full); returns the evicted anchor, if any."""
+        if self.find(anchor.origin) is not None:
+            raise ValueError(f"pool {self.slot!r} already holds an anchor with origin {anchor.origin!r}")
+        evicted = None
+        if len(self.anchors) >= self.capacity:
+            evicted = self.eviction_candidate()
+            self.anchors = [a for a in self.anchors if a is not evicted]
+            self.evicted += 1
+        anchor.serial = self._serial
+        self._serial += 1
+        self.anchors.append(anchor)
+        return evicted
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes of every stored tensor (bases and deltas)."""
+        return sum(a.nbytes for a in self.anchors)
+
+    def describe(self) -> dict:
+        return {
+            "slot": self.slot,
+            "anchors": len(self.anchors),
+            "capacity": self.capacity,
+            "deltas": sum(len(a.deltas) for a in self.anchors),
+            "evicted": self.evicted,
+            "bytes": self.nbytes,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"AnchorPool({self.slot!r}, {len(self.anchors)}/{self.capacity} anchors, "
+            f"{self.nbytes / 2**20:.2f} MiB)"
+        )

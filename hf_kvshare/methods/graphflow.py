@@ -1,0 +1,138 @@
+"""GraphFlow baseline: preconstructed corrections for recurring (slot, agent) relations."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from ..anchors import (
+    REFERENCE,
+    ModelBinding,
+    RelationProfile,
+    RequestStates,
+    canonical_keys,
+    context_free_reference,
+)
+from ..anchors.correction import corrected_kv
+from ..cache import CorrectedCache, config_signature
+from .base import Method, Placement, register
+
+if TYPE_CHECKING:
+    from ..session import Turn
+
+
+@register
+@dataclass(eq=False)
+class GraphFlow(Method):
+    """GraphFlow (Li et al., 2026) as the KVCMAS paper implements it (B.1): one correction per
+    recurring (PH slot, consuming agent) relation, relative to the context-free reference of the
+    segment, calibrated on earlier requests and applied to new requests without online matching.
+
+    A relation is calibrated densely on its first ``calibration_requests`` requests (the exact
+    delta ``C_agent - Align(C_ref)`` of each, averaged position-wise), then frozen and applied to
+    every later request: ``C_hat = Align(C_ref) + Rot(Δ_profile)`` over the rows the profile covers,
+    the re-positioned reference for the rest. ``rank`` stores the frozen profile as a truncated
+    SVD (8 is the paper's A.2 setting for recurring-PF deltas); ``None`` keeps it dense.
+
+    >>> method = GraphFlow(calibration_requests=2)  # doctest: +SKIP
+    """
+
+    name = "graphflow"
+    uses_sources: ClassVar[bool] = False
+
+    calibration_requests: int = 2
+    rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.calibration_requests, int) or self.calibration_requests < 1:
+            raise ValueError(f"calibration_requests must be an int >= 1, got {self.calibration_requests!r}")
+        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
+            raise ValueError(f"rank must be a positive int or None (dense), got {self.rank!r}")
+        self.profiles: dict[tuple[str, str], RelationProfile] = {}
+        self._binding = ModelBinding(type(self).__name__)
+        self._requests = RequestStates()
+
+    def attach(self, model: torch.nn.Module) -> None:
+        self._binding.bind(model)
+        _, kv_heads, head_dim = config_signature(model.config)
+        if self.rank is not None and self.rank > kv_heads * head_dim:
+            warnings.warn(
+                f"rank={self.rank} exceeds the model's K/V feature dimension {kv_heads * head_dim}; "
+                f"clamped to {kv_heads * head_dim}",
+                UserWarning,
+                stacklevel=3,
+            )
+            self.rank = kv_heads * head_dim
+
+    def clear(self) -> None:
+        self.profiles = {}
+        self._binding.clear()
+        self._requests.clear()
+
+    def state_bytes(self) -> int:
+        """Exact bytes of every profile (running sums while calibrating, the frozen profile after)."""
+        return sum(p.nbytes for p in self.profiles.values())
+
+    def new_cache(self, turn: Turn) -> CorrectedCache:
+        return CorrectedCache(turn.model.config, method=self.name)
+
+    def _reference(self, turn: Turn, slot: str):
+        state = self._requests.get(turn.session)
+        reference = state.references.get(slot)
+        if reference is None:
+            ids = turn.session.slots[slot].token_ids.to(turn.session.device)
+            reference = state.references[slot] = context_free_reference(turn.model, ids)
+            turn.stats.tokens_prefilled += ids.numel()
+        return reference
+
+    def build(self, turn: Turn) -> CorrectedCache:
+        self._binding.bind(turn.model)
+        cache = super().build(turn)
+        for seg in cache.segments:
+            if seg.kind == "PH" and seg.provenance == "dense":
+                profile = self.profiles.get((seg.name, turn.agent))
+                done = 0 if profile is None else len(profile.requests)
+                seg.info.update({"gate": "calibrating", "calibrated": f"{done}/{self.calibration_requests}"})
+        return cache
+
+    def placeholder(self, turn: Turn, span, cache) -> Placement | None:
+        profile = self.profiles.get((span.name, turn.agent))
+        reference = self._reference(turn, span.name)
+        if profile is None or not profile.ready:
+            return None
+        rows = min(span.length, profile.length)
+        kv = corrected_kv(
+            reference, span.start, turn.shifter, rows, lambda layer: profile.layer_delta(layer, rows)
+        )
+        info: dict[str, Any] = {
+            "gate": "profile",
+            "rows": f"{rows}/{span.length}",
+            "calibrated": len(profile.requests),
+        }
+        return Placement(kv=kv, provenance="corrected", source_agent=REFERENCE, info=info)
+
+    def record(self, turn: Turn, cache) -> None:
+        """Calibrate: every densely computed PH segment adds its exact delta to its relation's profile."""
+        state = self._requests.get(turn.session)
+        for span in turn.spans:
+            if span.kind != "PH":
+                continue
+            key = (span.name, turn.agent)
+            profile = self.profiles.get(key)
+            if profile is not None and (profile.ready or state.uid in profile.requests):
+                continue
+            reference = state.references[span.name]
+            exact = cache.extract(span.start, span.end)
+            delta_keys = [
+                k - r
+                for k, r in zip(canonical_keys(exact, turn.shifter), canonical_keys(reference, turn.shifter))
+            ]
+            delta_values = [v[:1] - r[:1] for v, r in zip(exact.values, reference.values)]
+            if profile is None:
+                profile = self.profiles[key] = RelationProfile(
+                    span.name, turn.agent, self.calibration_requests, self.rank
+                )
+            profile.observe(state.uid, delta_keys, delta_values)

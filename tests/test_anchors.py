@@ -1,0 +1,282 @@
+"""Anchor storage, gate, eviction and correction math (no model forward passes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from hf_kvshare import RopeShifter, SegmentKV
+from hf_kvshare.anchors import (
+    Anchor,
+    AnchorPool,
+    FactoredKV,
+    MatrixFactors,
+    RelationProfile,
+    apply_correction,
+    canonical_keys,
+    comparison_prefix,
+    effective_rank,
+    gate_weights,
+    match,
+    normalized_entropy,
+    reliability_gate,
+    to_heads,
+    to_matrix,
+)
+
+HEADS, HEAD_DIM, LAYERS = 2, 16, 3  # the tiny models' K/V layout: D = 32
+
+
+@pytest.fixture(scope="module")
+def shifter():
+    return RopeShifter.from_model(tiny_model("llama"))
+
+
+def random_kv(length, start=0, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(1, HEADS, length, HEAD_DIM, generator=g) * scale for _ in range(LAYERS)]
+    values = [torch.randn(1, HEADS, length, HEAD_DIM, generator=g) * scale for _ in range(LAYERS)]
+    return SegmentKV(keys=keys, values=values, start=start, agent="src")
+
+
+def anchor_from(base: SegmentKV, shifter, deltas: dict[str, SegmentKV], rank=None, source="src", origin=None):
+    factored = FactoredKV.from_kv(canonical_keys(base, shifter), base.values, rank)
+    anchor = Anchor(base=factored, source=source, origin=origin if origin is not None else id(base))
+    for target, d in deltas.items():
+        anchor.deltas[target] = FactoredKV.from_kv(d.keys, d.values, rank)
+    return anchor
+
+
+# ------------------------------------------------------------------ low rank
+def test_matrix_layout_roundtrip():
+    kv = torch.randn(1, HEADS, 7, HEAD_DIM)
+    m = to_matrix(kv)
+    assert m.shape == (7, HEADS * HEAD_DIM)
+    assert torch.equal(m[3, HEAD_DIM : 2 * HEAD_DIM], kv[0, 1, 3])  # head 1 of token 3
+    assert torch.equal(to_heads(m, HEADS), kv)
+
+
+@pytest.mark.parametrize("shape", [(40, 32), (12, 32)])
+def test_full_rank_reconstructs_a_delta_exactly(shape):
+    delta = torch.randn(*shape)
+    full = MatrixFactors.from_matrix(delta, rank=min(shape))
+    assert full.rank == min(shape)
+    assert torch.allclose(full.reconstruct(), delta, atol=1e-5)
+    # asking for more than min(L, D) keeps min(L, D) components: still exact, no more storage
+    over = MatrixFactors.from_matrix(delta, rank=500)
+    assert over.rank == min(shape) and over.nbytes == full.nbytes
+    assert torch.allclose(over.reconstruct(rows=5), delta[:5], atol=1e-5)
+
+
+def test_truncation_keeps_the_top_singular_directions():
+    u, _ = torch.linalg.qr(torch.randn(50, 50))
+    v, _ = torch.linalg.qr(torch.randn(32, 32))
+    s = torch.tensor([10.0, 5.0, 1.0] + [1e-3] * 29)
+    m = u[:, :32] @ torch.diag(s) @ v.T
+    f = MatrixFactors.from_matrix(m, rank=2)
+    assert f.a.shape == (50, 2) and f.b.shape == (2, 32)
+    err = (f.reconstruct() - m).norm() / m.norm()
+    assert abs(err.item() - math.sqrt((1 + 29e-6) / (100 + 25 + 1 + 29e-6))) < 1e-4
+    assert effective_rank(m, 0.9) == 2 and effective_rank(m, 0.999) == 3
+    assert effective_rank(torch.zeros(4, 4)) == 0
+
+
+def test_byte_accounting_is_exact():
+    m = torch.randn(100, 32)
+    assert MatrixFactors.from_matrix(m, None).nbytes == 100 * 32 * 4
+    assert MatrixFactors.from_matrix(m, 8).nbytes == (100 * 8 + 8 * 32) * 4
+    # factors only where they are smaller: 16 * (20 + 32) >= 20 * 32, so a short segment stays dense
+    short = MatrixFactors.from_matrix(torch.randn(20, 32), 16)
+    assert short.dense and short.nbytes == 20 * 32 * 4
+    assert not MatrixFactors.from_matrix(torch.randn(60, 32), 16).dense
+    half = MatrixFactors.from_matrix(m.half(), 8)
+    assert half.a.dtype == torch.float16 and half.nbytes == (100 * 8 + 8 * 32) * 2
+    kv = random_kv(100)
+    assert FactoredKV.from_kv(kv.keys, kv.values, 8).nbytes == LAYERS * 2 * (100 * 8 + 8 * 32) * 4
+    assert FactoredKV.from_kv(kv.keys, kv.values, None).nbytes == kv.nbytes
+
+
+def test_bad_rank_refused():
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        MatrixFactors.from_matrix(torch.randn(4, 4), rank=0)
+    with pytest.raises(ValueError, match=r"\[L, D\] matrix"):
+        MatrixFactors.from_matrix(torch.randn(4), rank=2)
+
+
+# ---------------------------------------------------------------------- gate
+def test_gate_weights_and_entropy_on_hand_built_distances():
+    w = gate_weights(torch.tensor([0.0, math.log(3.0)]))
+    assert torch.allclose(w, torch.tensor([0.75, 0.25], dtype=torch.float64))
+    expected = -(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25))  # / log2(2) = 1
+    assert normalized_entropy(w) == pytest.approx(expected)
+    assert reliability_gate(torch.tensor([0.0, math.log(3.0)]), tau=0.9).accepted
+    rejected = reliability_gate(torch.tensor([0.0, math.log(3.0)]), tau=0.8)
+    assert not rejected.accepted and "entropy" in rejected.reason
+    # equal distances: uniform weights, entropy exactly 1 whatever the count
+    for n in (2, 3, 7):
+        d = reliability_gate(torch.full((n,), 4.2), tau=1.0)
+        assert d.entropy == pytest.approx(1.0) and d.accepted
+        assert d.weights == pytest.approx([1 / n] * n)
+    # three anchors, temperature: d / T
+    w3 = gate_weights(torch.tensor([1.0, 2.0, 3.0]), temperature=0.5)
+    z = torch.tensor([-2.0, -4.0, -6.0], dtype=torch.float64).exp()
+    assert torch.allclose(w3, z / z.sum())
+    assert normalized_entropy(w3) == pytest.approx(-(w3 * w3.log2()).sum().item() / math.log2(3))
+    # far apart: peaked, accepted
+    assert reliability_gate(torch.tensor([0.0, 30.0, 40.0]), tau=0.3).entropy < 1e-9
+
+
+def test_gate_needs_two_anchors_and_tau_zero_accepts_nothing():
+    assert not reliability_gate(torch.tensor([1.0]), tau=1.0).accepted
+    assert "fewer than 2" in reliability_gate(torch.tensor([]), tau=1.0).reason
+    far = reliability_gate(torch.tensor([0.0, 1e4]), tau=0.0)  # weights round to (1, 0)
+    assert far.entropy == 0.0 and not far.accepted
+    with pytest.raises(ValueError, match="temperature"):
+        gate_weights(torch.tensor([1.0, 2.0]), temperature=0)
+
+
+# ------------------------------------------------------------------ eviction
+def make_anchor(origin, length=4):
+    kv = random_kv(length, seed=origin)
+    return Anchor(base=FactoredKV.from_kv(kv.keys, kv.values, 2), source="a", origin=origin)
+
+
+def test_eviction_picks_lfu_among_the_five_oldest():
+    pool = AnchorPool("query", capacity=7)
+    for i, uses in enumerate([5, 3, 4, 1, 2, 0, 0]):
+        pool.insert(make_anchor(i))
+        pool.anchors[-1].uses = uses
+    # the two newest are never used, but only the 5 oldest are candidates: origin 3 (1 use) goes
+    assert pool.eviction_candidate().origin == 3
+    evicted = pool.insert(make_anchor(7))
+    assert evicted.origin == 3 and [a.origin for a in pool] == [0, 1, 2, 4, 5, 6, 7]
+    # ties go to the oldest
+    for a in pool:
+        a.uses = 1
+    assert pool.insert(make_anchor(8)).origin == 0
+
+
+def test_capacity_is_never_exceeded_and_bytes_add_up():
+    pool = AnchorPool("query", capacity=4, eviction_window=5)
+    for i in range(30):
+        pool.insert(make_anchor(i, length=3 + i % 5))
+        pool.anchors[i % len(pool)].uses += i % 3
+        assert len(pool) <= 4
+    assert pool.evicted == 26
+    assert pool.nbytes == sum(a.base.nbytes for a in pool)
+    with pytest.raises(ValueError, match="already holds"):
+        pool.insert(make_anchor(pool.anchors[0].origin))
+    with pytest.raises(ValueError, match="capacity"):
+        AnchorPool("q", capacity=0)
+
+
+def test_compatible_needs_matching_source_and_target_delta(shifter):
+    base = random_kv(5)
+    pool = AnchorPool("query", capacity=10)
+    pool.insert(anchor_from(base, shifter, {"coder": random_kv(5, seed=1)}, source="planner", origin=1))
+    pool.insert(anchor_from(base, shifter, {"coder": random_kv(5, seed=2)}, source="designer", origin=2))
+    pool.insert(anchor_from(base, shifter, {"final": random_kv(5, seed=3)}, source="planner", origin=3))
+    assert [a.origin for a in pool.compatible("planner", "coder")] == [1]
+    assert pool.compatible("planner", "critic") == []
+
+
+# ---------------------------------------------------------------- correction
+def test_comparison_prefix_rule():
+    anchors = [make_anchor(i, length=n) for i, n in enumerate([10, 6, 4])]
+    assert comparison_prefix(anchors, 8) == 6  # two anchors cover 6 tokens
+    assert comparison_prefix(anchors, 5) == 5  # two anchors cover all 5
+    assert comparison_prefix(anchors[:1], 5) == 0
+
+
+def test_variable_length_corrects_the_covered_prefix_and_keeps_the_source_after(shifter):
+    """S = 8 with anchors of 10, 6 and 4 tokens: rows :6 corrected, rows 6: the re-positioned source."""
+    source = random_kv(8, start=11, seed=5)
+    ones = SegmentKV(
+        keys=[torch.ones(1, HEADS, 10, HEAD_DIM) for _ in range(LAYERS)],
+        values=[torch.full((1, HEADS, 10, HEAD_DIM), 2.0) for _ in range(LAYERS)],
+        start=0,
+    )
+    anchors = []
+    for i, n in enumerate([10, 6, 4]):
+        deltas = {"coder": ones.prefix(n)}
+        anchors.append(anchor_from(random_kv(n, seed=20 + i), shifter, deltas, rank=None, origin=i))
+    k = comparison_prefix(anchors, source.length)
+    eligible = [a for a in anchors if a.length >= k]
+    assert k == 6 and len(eligible) == 2
+    found = match(source, eligible, shifter, k)
+    assert found.gate_distances.shape == (2,) and found.key_distances.shape == (2, 6)
+    w = torch.full((2, k), 0.5)
+    out = apply_correction(source, eligible, "coder", w, w, 30, shifter)
+    aligned = source.repositioned(shifter, 30)
+    delta_k = shifter.reposition(torch.ones(1, HEADS, k, HEAD_DIM), 0, 30)
+    for layer in range(LAYERS):
+        assert torch.allclose(out.values[layer][:, :, :6], aligned.values[layer][:, :, :6] + 2.0, atol=1e-5)
+        assert torch.equal(out.values[layer][:, :, 6:], aligned.values[layer][:, :, 6:])
+        assert torch.allclose(out.keys[layer][:, :, :6], aligned.keys[layer][:, :, :6] + delta_k, atol=1e-5)
+        assert torch.allclose(out.keys[layer][:, :, 6:], aligned.keys[layer][:, :, 6:], atol=1e-6)
+    assert out.start == 30 and out.length == 8
+
+
+def test_match_distances_and_token_weights_follow_the_definitions(shifter):
+    source = random_kv(6, start=4, seed=1)
+    near = anchor_from(random_kv(6, start=9, seed=1), shifter, {}, origin=0)  # same content, elsewhere
+    far = anchor_from(random_kv(6, seed=2), shifter, {}, origin=1)
+    found = match(source, [near, far], shifter, 6)
+    assert found.gate_distances[0] < 1e-4  # keys compared in the canonical frame, values unrotated
+    other = random_kv(6, seed=2)
+    expected = math.sqrt(sum((source.values[i] - other.values[i]).pow(2).sum().item() for i in range(LAYERS)))
+    assert found.gate_distances[1].item() == pytest.approx(expected, rel=1e-5)
+    mean_abs = sum((source.values[i] - other.values[i]).abs()[0].sum((0, 2)) for i in range(LAYERS))
+    assert torch.allclose(found.value_distances[1].float(), mean_abs / (LAYERS * HEADS * HEAD_DIM), atol=1e-5)
+
+
+def test_full_rank_anchor_of_the_same_content_corrects_exactly(shifter):
+    """An anchor built from this exact source and the exact target gives back the target."""
+    source = random_kv(9, start=3, seed=7)
+    target = random_kv(9, start=20, seed=8)
+    canonical_target = canonical_keys(target, shifter)
+    canonical_source = canonical_keys(source, shifter)
+    delta = SegmentKV(
+        keys=[t - s for t, s in zip(canonical_target, canonical_source)],
+        values=[t - s for t, s in zip(target.values, source.values)],
+        start=0,
+    )
+    anchors = [
+        anchor_from(source, shifter, {"coder": delta}, rank=HEADS * HEAD_DIM, origin=i) for i in range(2)
+    ]
+    w = torch.rand(2, 9)
+    w = w / w.sum(0)  # any convex combination of identical deltas is the delta
+    out = apply_correction(source, anchors, "coder", w, w, 20, shifter)
+    for layer in range(LAYERS):
+        assert torch.allclose(out.keys[layer], target.keys[layer], atol=1e-4)
+        assert torch.allclose(out.values[layer], target.values[layer], atol=1e-4)
+
+
+def test_correction_refuses_missing_deltas(shifter):
+    source = random_kv(4)
+    anchors = [
+        anchor_from(random_kv(4, seed=i), shifter, {"coder": random_kv(4)}, origin=i) for i in range(2)
+    ]
+    w = torch.full((2, 4), 0.5)
+    with pytest.raises(ValueError, match="no correction for 'final'"):
+        apply_correction(source, anchors, "final", w, w, 0, shifter)
+    with pytest.raises(ValueError, match="comparison prefix"):
+        match(source, [make_anchor(9, length=2)], shifter, 4)
+
+
+def test_relation_profile_averages_then_freezes():
+    profile = RelationProfile("query", "coder", calibration_requests=2, rank=None)
+    a, b = random_kv(4, seed=1), random_kv(6, seed=2)
+    assert profile.observe(0, a.keys, a.values) and not profile.ready
+    assert not profile.observe(0, b.keys, b.values)  # same request counted once
+    with pytest.raises(ValueError, match="calibrating"):
+        profile.layer_delta(0, 4)
+    assert profile.observe(1, b.keys, b.values) and profile.ready
+    k, v = profile.layer_delta(1, 6)
+    assert torch.allclose(v[:4], (to_matrix(a.values[1]) + to_matrix(b.values[1])[:4]) / 2, atol=1e-6)
+    assert torch.allclose(v[4:], to_matrix(b.values[1])[4:], atol=1e-6)  # only b covers rows 4, 5
+    assert profile.nbytes == LAYERS * 2 * 6 * HEADS * HEAD_DIM * 4
+    assert not profile.observe(2, a.keys, a.values)  # frozen

@@ -1,0 +1,284 @@
+"""KVCMAS, its non-chained ablation, KVComm and GraphFlow through Sessions on tiny random models."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from hf_kvshare import METHODS, PF, PH, Session
+from hf_kvshare.cache import CorrectedCache
+from hf_kvshare.fidelity import kv_error
+from hf_kvshare.methods.graphflow import GraphFlow
+from hf_kvshare.methods.kvcmas import KVCMAS, KVCMASNonChained
+from hf_kvshare.methods.kvcomm import KVComm
+
+AGENTS = ["planner", "designer", "coder"]
+QUERIES = [
+    "Sort a list of numbers and explain the complexity of the algorithm.",
+    "Compute the sum of all prime numbers below fifty, step by step.",
+    "Write a short poem about the sea, the moon and a lighthouse.",
+]
+ANCHOR_METHODS = [KVCMAS, KVCMASNonChained, KVComm]
+
+
+def turn_segments(i: int, query: str | None):
+    agent = AGENTS[i]
+    segments = [PF(f"You are the {agent}; role number {i}.\n"), PH("query", query)]
+    for earlier in AGENTS[:i]:
+        segments += [PF(f"\nNotes from the {earlier}: "), PH(earlier)]
+    segments.append(PF("\nAnswer:"))
+    return segments
+
+
+def run_request(model, tok, method, query, forced=None, keep_cache=False, new_tokens=3):
+    session = Session(model, tok, method)
+    return [
+        session.run_turn(
+            agent,
+            turn_segments(i, query),
+            max_new_tokens=new_tokens,
+            force_output=None if forced is None else forced[i],
+            keep_cache=keep_cache,
+        )
+        for i, agent in enumerate(AGENTS)
+    ]
+
+
+def test_registry_and_defaults_are_the_papers():
+    assert {"kvcmas", "kvcmas-nonchained", "kvcomm", "graphflow"} <= set(METHODS)
+    m = METHODS["kvcmas"]()
+    assert (m.base_rank, m.delta_rank, m.capacity, m.tau, m.temperature, m.eviction_window) == (
+        32,
+        32,
+        10,
+        0.3,
+        1.0,
+        5,
+    )
+    c = METHODS["kvcomm"]()
+    assert (c.base_rank, c.delta_rank, c.capacity, c.tau) == (None, None, 20, 0.3)
+    assert KVCMAS.chained and not KVCMASNonChained.chained and not KVComm.chained
+    assert repr(KVCMAS(delta_rank=8)).startswith("KVCMAS(base_rank=32, delta_rank=8")
+
+
+def check_exact_without_reuse(model, tok, cls):
+    exact = [run_request(model, tok, "nonshared", q) for q in QUERIES[:2]]
+    method = cls() if cls is GraphFlow else cls(tau=0.0)
+    for query, ref in zip(QUERIES[:2], exact):  # the pools fill, tau = 0 accepts nothing
+        got = run_request(model, tok, method, query)
+        assert [t.output_ids.tolist() for t in got] == [t.output_ids.tolist() for t in ref]
+        assert all(t.reuse_ratio == 0.0 for t in got)
+    if cls is not GraphFlow:
+        assert method.state_bytes() > 0 and all(len(p) >= 1 for p in method.pools.values())
+        # first request on an empty pool at the default tau: also exact
+        got = run_request(model, tok, cls(), QUERIES[0])
+        assert [t.output_ids.tolist() for t in got] == [t.output_ids.tolist() for t in exact[0]]
+
+
+def test_kvcmas_empty_pool_and_tau_zero_reproduce_nonshared_token_for_token(tiny, tokenizer):
+    check_exact_without_reuse(tiny, tokenizer, KVCMAS)
+
+
+@pytest.mark.parametrize("cls", [KVCMASNonChained, KVComm, GraphFlow])
+def test_baselines_without_reuse_reproduce_nonshared_token_for_token(tiny_llama, tokenizer, cls):
+    check_exact_without_reuse(tiny_llama, tokenizer, cls)
+
+
+def run_forced(model, tok, method, query, reference):
+    return run_request(model, tok, method, query, forced=[t.output_ids for t in reference], keep_cache=True)
+
+
+def exact_forced(model, tok, query):
+    """NonShared's turns teacher-forced on its own outputs (logits and exact caches kept)."""
+    return run_forced(model, tok, "nonshared", query, run_request(model, tok, "nonshared", query))
+
+
+@pytest.mark.parametrize("cls", ANCHOR_METHODS)
+def test_identical_requests_are_corrected_exactly(tiny_llama, tokenizer, cls):
+    """Two earlier requests with the same content give identical anchors, so the correction of a
+    third is the exact delta (any convex combination of equal deltas): the cache equals NonShared's."""
+    ref = exact_forced(tiny_llama, tokenizer, QUERIES[0])
+    method = cls(tau=1.0)  # identical anchors: uniform weights, entropy 1
+    for _ in range(2):
+        run_forced(tiny_llama, tokenizer, method, QUERIES[0], ref)
+    got = run_forced(tiny_llama, tokenizer, method, QUERIES[0], ref)
+    corrected = 0
+    for turn, exact in zip(got, ref):
+        assert isinstance(turn.cache, CorrectedCache)
+        for seg in turn.cache.placeholders():
+            assert kv_error(turn.cache, exact.cache, seg.start, seg.end) < 1e-4, (turn.agent, seg)
+            corrected += seg.provenance == "corrected"
+        assert torch.allclose(turn.logits, exact.logits, atol=1e-3)
+    # chained: the first agent's query is exact (dense); non-chained corrects it too
+    assert corrected == (5 if cls.chained else 6)  # 1 + 2 + 3 PH segments
+
+
+def test_chained_and_nonchained_coincide_when_corrections_are_exact(tiny_llama, tokenizer):
+    ref = exact_forced(tiny_llama, tokenizer, QUERIES[1])
+    caches = {}
+    for cls in (KVCMAS, KVCMASNonChained):
+        method = cls(tau=1.0)
+        for _ in range(2):
+            run_forced(tiny_llama, tokenizer, method, QUERIES[1], ref)
+        caches[cls.name] = run_forced(tiny_llama, tokenizer, method, QUERIES[1], ref)
+    for a, b in zip(caches["kvcmas"], caches["kvcmas-nonchained"]):
+        for seg in a.cache.placeholders():
+            assert kv_error(a.cache, b.cache, seg.start, seg.end) < 1e-4
+        assert a.logits.argmax(-1).tolist() == b.logits.argmax(-1).tolist()
+
+
+def test_provenance_recorded_and_reported(tiny_llama, tokenizer):
+    method = KVCMAS(tau=1.0)
+    for query in QUERIES:
+        got = run_request(tiny_llama, tokenizer, method, query, keep_cache=True)
+    planner, designer = got[0].cache, got[1].cache
+    assert planner.segment("query").provenance == "dense" and planner.segment("query").info["gate"] == "first"
+    seg = designer.segment("query")
+    assert seg.provenance == "corrected" and seg.source_agent == "planner"
+    assert seg.info["gate"] == "accepted" and 0.0 <= seg.info["entropy"] <= 1.0
+    assert len(seg.info["anchors"]) == len(seg.info["weights"]) >= 2
+    assert sum(seg.info["weights"]) == pytest.approx(1.0)
+    rows, total = map(int, seg.info["rows"].split("/"))  # queries differ in length: prefix rule
+    assert total == seg.length and 1 <= rows <= total
+    assert got[1].reuse_ratio > 0 and got[1].tokens_reused == sum(
+        s.length for s in designer.placeholders() if s.provenance == "corrected"
+    )
+    text = str(designer)
+    assert "CorrectedCache (kvcmas)" in text and "corrected" in text and "gate=accepted" in text
+    summary = designer.summary()
+    assert summary["corrected"] + summary["fallback"] + summary["dense"] == len(designer.placeholders())
+    # the anchors used were counted (LFU bookkeeping)
+    assert sum(a.uses for a in method.pools["query"]) >= 1
+
+
+def test_fallback_reason_in_report_and_pool_update(tiny_llama, tokenizer):
+    method = KVCMAS()  # tiny random values: gate weights are flat, every edge falls back
+    for query in QUERIES:
+        got = run_request(tiny_llama, tokenizer, method, query, keep_cache=True)
+    seg = got[2].cache.segment("designer")
+    assert seg.provenance == "dense" and seg.info["gate"] == "fallback"
+    assert "entropy" in seg.info["reason"] or "fewer than 2" in seg.info["reason"]
+    # one anchor per fallback edge, built from the source agent's cache, holding the consumer's delta
+    pool = method.pools["query"]
+    assert {a.source for a in pool} == {"planner", "designer"}
+    assert all(len(a.deltas) == 1 for a in pool)
+    assert all(len(p) <= p.capacity for p in method.pools.values())
+
+
+def test_nonchained_anchor_holds_a_delta_per_consumer(tiny_llama, tokenizer):
+    method = KVComm()
+    run_request(tiny_llama, tokenizer, method, QUERIES[0])
+    (anchor,) = method.pools["query"].anchors  # one reference per request and slot
+    assert anchor.source == "reference" and set(anchor.deltas) == set(AGENTS)
+    assert set(method.pools["planner"].anchors[0].deltas) == {"designer", "coder"}
+
+
+def test_pool_bytes_low_rank_versus_dense(tiny_llama, tokenizer):
+    """KVComm stores O(V·N·L·D), KVCMAS O(V·N·r·(L+D)): exact bytes from the stored tensors."""
+    dense, low = KVComm(), KVCMASNonChained(base_rank=4, delta_rank=4)
+    for method in (dense, low):
+        run_request(tiny_llama, tokenizer, method, QUERIES[0])
+    d_anchor, l_anchor = dense.pools["query"].anchors[0], low.pools["query"].anchors[0]
+    length, dim, layers = d_anchor.length, 32, 3
+    assert d_anchor.nbytes == 2 * layers * length * dim * 4 * (1 + len(d_anchor.deltas))
+    assert l_anchor.nbytes == 2 * layers * 4 * (length + dim) * 4 * (1 + len(l_anchor.deltas))
+    assert dense.state_bytes() == sum(a.nbytes for p in dense.pools.values() for a in p)
+    assert low.state_bytes() < dense.state_bytes()
+
+
+def test_graphflow_calibrates_then_applies_without_matching(tiny_llama, tokenizer):
+    method = GraphFlow(calibration_requests=2)
+    for query in QUERIES[:2]:
+        got = run_request(tiny_llama, tokenizer, method, query, keep_cache=True)
+        assert all(t.reuse_ratio == 0 for t in got)
+    assert got[0].cache.segment("query").info["gate"] == "calibrating"
+    bytes_before = method.state_bytes()
+    got = run_request(tiny_llama, tokenizer, method, QUERIES[2], keep_cache=True)
+    assert all(t.reuse_ratio == 1.0 for t in got)
+    seg = got[2].cache.segment("planner")
+    assert seg.provenance == "corrected" and seg.source_agent == "reference" and seg.info["gate"] == "profile"
+    assert method.state_bytes() == bytes_before  # frozen: nothing learned online
+    low = GraphFlow(calibration_requests=1, rank=2)
+    run_request(tiny_llama, tokenizer, low, QUERIES[0])
+    assert all(p.ready and p.frozen.keys[1].rank <= 2 for p in low.profiles.values())
+
+
+def test_reference_prefill_counts_as_computed(tiny_llama, tokenizer):
+    ref = run_request(tiny_llama, tokenizer, "nonshared", QUERIES[0])
+    got = run_request(tiny_llama, tokenizer, KVComm(), QUERIES[0])
+    # the first consumer of each slot also prefills the slot alone (outside the workflow)
+    assert got[0].tokens_prefilled == ref[0].tokens_prefilled + ref[0].ph_tokens
+    chained = run_request(tiny_llama, tokenizer, KVCMAS(), QUERIES[0])
+    assert [t.tokens_prefilled for t in chained] == [t.tokens_prefilled for t in ref]
+
+
+def test_loops_and_fan_in(tiny_llama, tokenizer):
+    """Each incoming segment is gated separately; a second round reads the first round's outputs."""
+    method = KVCMAS(tau=1.0)
+    for query in QUERIES:
+        session = Session(tiny_llama, tokenizer, method)
+        session.run_turn("a", [PF("You are A.\n"), PH("query", query), PF("\nA:")], max_new_tokens=3)
+        session.run_turn("b", [PF("You are B.\n"), PH("query"), PF("\nB:")], max_new_tokens=3)
+        r = session.run_turn(
+            "a",
+            [PF("You are A again.\n"), PH("query"), PF("\nFrom A: "), PH("a"), PF("\nFrom B: "), PH("b")],
+            max_new_tokens=3,
+            keep_cache=True,
+        )
+    assert r.output_slot == "a#2"
+    infos = {s.name: s.info["gate"] for s in r.cache.placeholders()}
+    assert set(infos) == {"query", "a", "b"} and infos["query"] == "accepted"
+    assert set(method.pools) == {"query", "a", "b"}
+
+
+# ----------------------------------------------------------------- bad input
+def test_pools_bound_to_one_model(tiny_llama, tokenizer):
+    method = KVCMAS()
+    run_request(tiny_llama, tokenizer, method, QUERIES[0])
+    before = method.state_bytes()
+    other = tiny_model("llama", seed=1)  # same shapes, other weights
+    with pytest.raises(ValueError, match="holds state built on .*create one method instance per model"):
+        Session(other, tokenizer, method)
+    assert method.state_bytes() == before
+    method.clear()
+    assert method.state_bytes() == 0
+    Session(other, tokenizer, method)  # rebinds after clear()
+
+
+def test_rank_above_feature_dim_is_clamped_with_a_warning(tiny_llama, tokenizer):
+    method = KVCMAS(base_rank=100, delta_rank=16)
+    with pytest.warns(UserWarning, match="base_rank=100 exceeds .* D = 2 kv heads x 16 = 32; clamped to 32"):
+        Session(tiny_llama, tokenizer, method)
+    assert (method.base_rank, method.delta_rank) == (32, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Session(tiny_llama, tokenizer, method)  # once clamped, no more warnings
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"base_rank": 0}, "base_rank must be a positive int"),
+        ({"delta_rank": 2.5}, "delta_rank must be a positive int"),
+        ({"capacity": 1}, "capacity must be an int >= 2"),
+        ({"tau": 1.5}, r"tau is a normalized entropy threshold in \[0, 1\]"),
+        ({"temperature": 0}, "temperature must be > 0"),
+        ({"eviction_window": 0}, "eviction_window must be an int >= 1"),
+    ],
+)
+def test_bad_knobs_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVCMAS(**kwargs)
+
+
+def test_slot_text_conflict_refused_and_pools_untouched(tiny_llama, tokenizer):
+    method = KVCMAS()
+    session = Session(tiny_llama, tokenizer, method)
+    session.run_turn("planner", turn_segments(0, QUERIES[0]), max_new_tokens=3)
+    before = (method.state_bytes(), dict(session.slots))
+    with pytest.raises(ValueError, match="already holds"):
+        session.run_turn("designer", turn_segments(1, QUERIES[1]), max_new_tokens=3)
+    assert (method.state_bytes(), dict(session.slots)) == before
