@@ -4,7 +4,12 @@ Importing this package registers every built-in method.
 """
 
 from .base import METHODS, Method, Placement, get_method, register
+from .baseshared import BaseShared
 from .fullshared import FullShared
 from .nonshared import NonShared
+from .prelrshared import PreLRShared
+from .rebaseshared_db import ReBaseSharedDB
+from .rebaseshared_lp import ReBaseSharedLP
 
 __all__ = ["METHODS", "Method", "Placement", "get_method", "register", "NonShared", "FullShared"]
+__all__ += ["BaseShared", "PreLRShared", "ReBaseSharedLP", "ReBaseSharedDB"]
