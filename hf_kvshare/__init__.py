@@ -6,7 +6,7 @@
 """
 
 from ._compat import CACHE_KWARG, cache_kwargs
-from .cache import Segment, SegmentedCache, SegmentKV, SharedCache
+from .cache import BaseLRCache, Segment, SegmentedCache, SegmentKV, SharedCache
 from .methods import METHODS, Method, Placement, get_method, register
 from .models import load_model
 from .rope import RopeShifter
@@ -17,6 +17,7 @@ from .workflow import Step, Workflow, compare_methods, run_workflow
 __version__ = "0.1.0"
 
 __all__ = [
+    "BaseLRCache",
     "CACHE_KWARG",
     "METHODS",
     "PF",

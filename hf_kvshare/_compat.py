@@ -15,6 +15,8 @@ changed in earlier 5.x releases so that widening the range only touches this fil
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from typing import Any
 
 import transformers
@@ -80,3 +82,61 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     if params is None:  # 4.x configs used `rope_scaling` (+ `rope_theta`)
         params = dict(getattr(config, "rope_scaling", None) or {"rope_type": "default"})
     return dict(params)
+
+
+# ----------------------------------------------------------------------------- PEFT
+# Supported: peft >= 0.17 (see pyproject.toml); tested on 0.21.
+# - ``LoraLayer.lora_variant`` (a dict adapter -> variant object: DoRA, aLoRA, ...) replaced the
+#   per-adapter ``use_dora`` flags (still kept for backward compatibility) in 0.15/0.16.
+# - ``PeftModel.set_adapter(name, inference_mode=...)`` gained ``inference_mode`` in 0.17;
+#   without it, ``set_adapter`` marks the adapter trainable.
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (without importing PEFT when it is not loaded)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - PEFT is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+def lora_variant_name(layer: Any, adapter: str) -> str | None:
+    """Name of the LoRA variant ``adapter`` uses on ``layer`` (``"dora"``, ...) or ``None`` for plain LoRA."""
+    if getattr(layer, "use_dora", {}).get(adapter, False):
+        return "dora"
+    variant = getattr(layer, "lora_variant", {}).get(adapter)
+    if variant is None:
+        return None
+    name = type(variant).__name__
+    return name[: -len("LinearVariant")].lower() if name.endswith("LinearVariant") else name
+
+
+def set_active_adapter(model: Any, adapter: str) -> None:
+    """``model.set_adapter(adapter)`` without changing which parameters require grad."""
+    import inspect
+
+    if "inference_mode" in inspect.signature(model.set_adapter).parameters:
+        model.set_adapter(adapter, inference_mode=True)
+    else:  # pragma: no cover - peft < 0.17
+        model.set_adapter(adapter)
+
+
+def restore_active_adapters(model: Any, adapters: list[str]) -> None:
+    """Make ``adapters`` (as returned by ``model.active_adapters``) active again."""
+    if len(adapters) == 1:
+        set_active_adapter(model, adapters[0])
+    else:
+        model.base_model.set_adapter(list(adapters))
+
+
+@contextmanager
+def peft_wrapping_warnings_silenced():
+    """Wrap a model with PEFT without the ``FutureWarning`` transformers >= 5.24 raises when PEFT <= 0.21
+    reads ``model.is_gradient_checkpointing`` in ``PeftModel.__init__`` (not our call; nothing to fix on our side).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        yield

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ._compat import cache_kwargs
+from ._compat import cache_kwargs, is_peft_model
 from .cache import Segment, SegmentKV, SharedCache
+from .lora.adapters import agent_adapter, check_agent_adapter
 from .measure import FirstTokenTimer, PeakMemory, synchronize
 from .methods import Method, Placement, get_method
 from .rope import RopeShifter
@@ -89,6 +90,8 @@ class Turn:
     agent: str
     spans: list[Span]
     output_slot: str
+    #: rows the session feeds; row 0 is the agent's. A method may widen it in ``build`` (double
+    #: batching adds an adapter-free row), together with ``forward_kwargs`` (``adapter_names``).
     batch_size: int = 1
     stats: TurnStats = field(default_factory=TurnStats)
     #: per-turn working state of the method, from build to record (e.g. the sources it used,
@@ -151,7 +154,8 @@ class Session:
     """One request's workflow over a shared model.
 
     Args:
-        model: a causal LM (or a ``PeftModel`` for LoRA-specialized agents).
+        model: a causal LM, or a ``peft.PeftModel`` for LoRA-specialized agents: then an agent's
+            name is its adapter's name, and that adapter is active during the agent's turn.
         tokenizer: its tokenizer.
         method: a registry name (options as keyword arguments) or a method instance, which may
             be shared by many sessions.
@@ -169,6 +173,9 @@ class Session:
         self._shifter: RopeShifter | None = None
         self.slots: dict[str, Slot] = {}
         self.turns: list[TurnResult] = []
+        #: per-request state a method keeps between turns, keyed by method name (e.g. the PReCache
+        #: methods' shared base + LR caches); the method instance itself holds cross-request state only
+        self.method_state: dict[str, Any] = {}
 
     @property
     def shifter(self) -> RopeShifter:
@@ -265,13 +272,17 @@ class Session:
         """Build ``agent``'s cache for ``segments`` and return it with the prompt ids ``[batch, P]``.
 
         For callers of ``generate`` themselves: pass ``input_ids=prompt_ids`` and the cache (as
-        ``past_key_values=`` or ``cache=``). The session records nothing from such a call.
+        ``past_key_values=`` or ``cache=``). The session records nothing from such a call. On a
+        ``PeftModel``, activate the agent's adapter for that call (``model.set_adapter(agent)``).
         """
         snapshot = dict(self.slots)
         try:
             turn = self.prepare_turn(agent, segments, batch_size=batch_size)
+            if is_peft_model(self.model):
+                check_agent_adapter(self.model, agent)
             self._check_length(turn, 1)
-            cache = self._build(turn)
+            with agent_adapter(self.model, agent):
+                cache = self._build(turn)
         except Exception:
             self.slots = snapshot
             raise
@@ -308,6 +319,8 @@ class Session:
         snapshot = dict(self.slots)
         try:
             turn = self.prepare_turn(agent, segments, output_slot)
+            if is_peft_model(self.model):
+                check_agent_adapter(self.model, agent)
             if force_output is not None:
                 force_output = torch.as_tensor(force_output, dtype=torch.long).flatten()
                 if force_output.numel() == 0:
@@ -323,7 +336,7 @@ class Session:
         logits = None
         latest = {name: slot.latest for name, slot in self.slots.items()}
         try:
-            with PeakMemory(device) as memory:
+            with PeakMemory(device) as memory, agent_adapter(self.model, agent):
                 synchronize(device)
                 t0 = time.perf_counter()
                 cache = self._build(turn)
@@ -369,16 +382,19 @@ class Session:
 
     def _generate(self, turn, prompt, cache, max_new_tokens, generate_kwargs):
         timer = FirstTokenTimer(prompt.device)
-        kwargs = {"do_sample": False, **generate_kwargs, **self.method.generate_kwargs(turn)}
-        processors = list(kwargs.pop("logits_processor", None) or []) + [timer]
+        method_kwargs = {**self.method.forward_kwargs(turn), **self.method.generate_kwargs(turn)}
+        processors = list(generate_kwargs.pop("logits_processor", None) or [])
+        processors += list(method_kwargs.pop("logits_processor", None) or []) + [timer]
+        kwargs = {"do_sample": False, **generate_kwargs, **method_kwargs}
         if kwargs.get("num_return_sequences", 1) != 1 or kwargs.get("num_beams", 1) != 1:
             raise ValueError(
                 "Session.run_turn generates one sequence; use build_cache + generate for beams/samples"
             )
+        inputs = turn.batch(prompt).contiguous()
         with torch.no_grad():
             out = self.model.generate(
-                input_ids=prompt[None],
-                attention_mask=torch.ones_like(prompt)[None],
+                input_ids=inputs,
+                attention_mask=torch.ones_like(inputs),
                 max_new_tokens=max_new_tokens,
                 logits_processor=processors,
                 **cache_kwargs(cache),
@@ -393,7 +409,11 @@ class Session:
         positions = torch.arange(start, start + inputs.numel(), device=prompt.device)[None]
         with torch.no_grad():
             out = self.model(
-                input_ids=inputs[None], position_ids=positions, use_cache=True, **cache_kwargs(cache)
+                input_ids=turn.batch(inputs),
+                position_ids=positions.expand(turn.batch_size, -1),
+                use_cache=True,
+                **cache_kwargs(cache),
+                **self.method.forward_kwargs(turn),
             )
         synchronize(prompt.device)
         return forced, time.perf_counter(), out.logits[0].float()

@@ -138,7 +138,12 @@ class Method:
         return contextlib.nullcontext()
 
     def generate_kwargs(self, turn: Turn) -> dict[str, Any]:
-        """Extra keyword arguments for ``generate`` (e.g. ``adapter_names``)."""
+        """Extra keyword arguments for ``generate`` only (e.g. a logits processor)."""
+        return {}
+
+    def forward_kwargs(self, turn: Turn) -> dict[str, Any]:
+        """Extra keyword arguments for every model call of the turn: the session's ``generate`` and
+        teacher-forced forward (e.g. PEFT's ``adapter_names`` for a mixed-adapter batch)."""
         return {}
 
     def state_bytes(self) -> int:

@@ -1,0 +1,277 @@
+"""PEFT LoRA adapters seen from the key/value projections.
+
+A ``peft`` ``lora.Linear`` computes ``base_layer(x) + sum_a lora_B[a](lora_A[a](dropout(x))) * scaling[a]``.
+For ``k_proj`` / ``v_proj`` of every decoder layer, :class:`LoraBank` knows which adapters have a
+LoRA pair there, concatenates their ``lora_A`` weights (so one matmul gives every adapter's
+rank-``r`` down-projection ``A_a x``) and applies one adapter's up-projection ``s_a B_a``.
+
+Agents are adapters: on a ``PeftModel`` an agent's name is its adapter's name.
+:func:`agent_adapter` makes an agent's adapter the active one for a block (PEFT's public
+``set_adapter``) and puts everything back afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._compat import is_peft_model, lora_variant_name, restore_active_adapters, set_active_adapter
+from ..cache import config_signature
+
+#: PEFT's name for the adapter-free rows of a mixed-adapter batch (``adapter_names=[..., "__base__"]``).
+BASE_ROW = "__base__"
+
+_KV_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k_proj|v_proj)$")
+_WARNED: set[tuple[int, str]] = set()  # (id(model), adapter) already told that it has no k/v LoRA
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The adapters of a ``PeftModel`` in load order."""
+    return list(getattr(model, "peft_config", {}))
+
+
+def merged_adapters(model: nn.Module) -> list[str]:
+    """Adapters merged into the base weights anywhere in ``model``."""
+    merged: set[str] = set()
+    for module in model.modules():
+        merged.update(getattr(module, "merged_adapters", None) or [])
+    return sorted(merged)
+
+
+def check_agent_adapter(model: nn.Module, agent: str) -> None:
+    """Raise a clear error unless ``agent`` names an unmerged adapter of the ``PeftModel`` ``model``."""
+    names = adapter_names(model)
+    if agent == BASE_ROW:
+        raise ValueError(
+            f"{BASE_ROW!r} is PEFT's name for the adapter-free model, not an agent; agents are the adapters "
+            f"{names}"
+        )
+    if agent not in names:
+        raise ValueError(
+            f"agent {agent!r} is not an adapter of this PeftModel (on a PeftModel an agent's name is its "
+            f"adapter's name); adapters: {', '.join(names) or 'none'}. Load it with "
+            "`model.load_adapter(path, adapter_name=...)` or `model.add_adapter(name, config)`"
+        )
+    merged = merged_adapters(model)
+    if merged:
+        raise ValueError(
+            f"adapter(s) {merged} are merged into the base weights, so the model no longer has one shared "
+            "backbone that agents' adapters are added to; call `model.unmerge_adapter()` first"
+        )
+
+
+@contextmanager
+def agent_adapter(model: nn.Module, agent: str) -> Iterator[None]:
+    """Within the block ``agent``'s adapter is the active one; a no-op for models without PEFT.
+
+    The previously active adapter(s) and every LoRA parameter's ``requires_grad`` are restored
+    afterwards, so the caller's model is left as it was.
+
+    >>> with agent_adapter(peft_model, "planner"):  # doctest: +SKIP
+    ...     peft_model.generate(...)
+    """
+    if not is_peft_model(model):
+        yield
+        return
+    check_agent_adapter(model, agent)
+    previous = list(model.active_adapters)
+    if previous == [agent]:
+        yield
+        return
+    grads = {name: p.requires_grad for name, p in model.named_parameters() if "lora_" in name}
+    set_active_adapter(model, agent)
+    try:
+        yield
+    finally:
+        restore_active_adapters(model, previous)
+        for name, p in model.named_parameters():
+            if name in grads and p.requires_grad != grads[name]:
+                p.requires_grad_(grads[name])
+
+
+@dataclass
+class KVProjection:
+    """One layer's ``k_proj`` or ``v_proj`` and the adapters that have a LoRA pair on it.
+
+    ``module`` is the model's projection (a PEFT ``lora.Linear``, or the plain ``nn.Linear`` when no
+    adapter targets it); ``base`` computes ``W x + b``.
+    """
+
+    layer: int
+    kind: str  # "key" | "value"
+    module: nn.Module
+    base: nn.Module
+    adapters: tuple[str, ...] = ()
+    slices: dict[str, slice] = field(default_factory=dict)  # adapter -> its columns of `down`
+
+    @property
+    def has_lora(self) -> bool:
+        return bool(self.adapters)
+
+    def rank(self, adapter: str) -> int:
+        s = self.slices.get(adapter)
+        return 0 if s is None else s.stop - s.start
+
+    def down_weight(self) -> torch.Tensor | None:
+        """The concatenated ``lora_A`` weights ``[sum of ranks, hidden]`` (``None`` without LoRA)."""
+        if not self.adapters:
+            return None
+        return torch.cat([self.module.lora_A[a].weight for a in self.adapters], dim=0)
+
+    def down(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``[A_1 x, ..., A_N x]`` ``[batch, seq, sum of ranks]`` for hidden states ``x`` ``[batch, seq, hidden]``."""
+        weight = self.down_weight() if weight is None else weight
+        if weight is None:
+            return None
+        return F.linear(x.to(weight.dtype), weight)
+
+    def up(self, adapter: str, ax: torch.Tensor) -> torch.Tensor:
+        """``s_a B_a (A_a x)`` ``[batch, seq, out]`` from the adapter's own columns ``ax`` ``[batch, seq, r_a]``."""
+        return self.module.lora_B[adapter](ax) * self.module.scaling[adapter]
+
+
+class LoraBank:
+    """The LoRA adapters of a ``PeftModel`` at ``k_proj`` / ``v_proj`` of every decoder layer.
+
+    Args:
+        model: a ``peft.PeftModel`` over a Llama/Qwen2-style decoder (``layers.<i>.self_attn.k_proj``).
+        warn: warn (once per model and adapter) about adapters without any LoRA on k/v projections.
+
+    Raises ``ValueError`` (mutating nothing) for a model without PEFT, non-LoRA adapters, merged
+    adapters, LoRA variants that are not ``W x + s B A x`` on k/v (DoRA, ...), and keys normalized
+    after the projection (``k_norm``).
+
+    >>> bank = LoraBank(peft_model)  # doctest: +SKIP
+    >>> bank.keys[0].rank("planner"), bank.num_kv_heads, bank.head_dim  # doctest: +SKIP
+    (8, 3, 64)
+    """
+
+    def __init__(self, model: nn.Module, warn: bool = False):
+        if not is_peft_model(model):
+            raise ValueError(
+                f"PReCache methods need a peft.PeftModel whose adapters are the agents; got "
+                f"{type(model).__name__}. Wrap the model with `peft.get_peft_model` or `PeftModel.from_pretrained`"
+            )
+        self.model = model
+        self.adapters = tuple(adapter_names(model))
+        other = {a: str(getattr(c, "peft_type", "?")) for a, c in model.peft_config.items()}
+        other = {a: t for a, t in other.items() if not t.endswith("LORA")}
+        if other:
+            raise ValueError(f"PReCache needs LoRA adapters; got {other}")
+        merged = merged_adapters(model)
+        if merged:
+            raise ValueError(
+                f"adapter(s) {merged} are merged into the base weights: K = W x + s B A x cannot be split into a "
+                "shared base and a per-agent LR part any more; call `model.unmerge_adapter()` first"
+            )
+        layers, self.num_kv_heads, self.head_dim = config_signature(model.config)
+        found: dict[tuple[int, str], tuple[str, nn.Module]] = {}
+        for name, module in model.named_modules():
+            match = _KV_NAME.search(name)
+            if match:
+                found[(int(match.group(1)), "key" if match.group(2) == "k_proj" else "value")] = (
+                    name,
+                    module,
+                )
+        missing = [(i, kind) for i in range(layers) for kind in ("key", "value") if (i, kind) not in found]
+        if missing:
+            raise ValueError(
+                f"expected `layers.<i>.self_attn.k_proj` and `v_proj` for each of the {layers} decoder layers; "
+                f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}"
+            )
+        self.keys = [self._projection(i, "key", *found[(i, "key")]) for i in range(layers)]
+        self.values = [self._projection(i, "value", *found[(i, "value")]) for i in range(layers)]
+        self._check_keys_are_linear(found[(0, "key")][0])
+        self._lr_width = {a: sum(p.rank(a) for p in self.projections()) for a in self.adapters}
+        if warn:
+            self._warn_without_kv()
+
+    # ------------------------------------------------------------------ building
+    def _projection(self, layer: int, kind: str, name: str, module: nn.Module) -> KVProjection:
+        lora_a = getattr(module, "lora_A", None)
+        if lora_a is None:
+            return KVProjection(layer, kind, module, module)
+        adapters = tuple(a for a in self.adapters if a in lora_a)
+        for a in adapters:
+            variant = lora_variant_name(module, a)
+            if variant is not None:
+                raise ValueError(
+                    f"adapter {a!r} uses the LoRA variant {variant!r} on {name}: "
+                    + (
+                        "DoRA rescales each output column by m / ||W + s B A||, so its key/value is not "
+                        "W x + s B A x and cannot be split into a shared base and a low-rank part"
+                        if variant == "dora"
+                        else "only plain LoRA (W x + s B A x) can be split into a shared base and a low-rank part"
+                    )
+                )
+        slices, start = {}, 0
+        for a in adapters:
+            r = module.lora_A[a].weight.shape[0]
+            slices[a] = slice(start, start + r)
+            start += r
+        return KVProjection(layer, kind, module, module.get_base_layer(), adapters, slices)
+
+    def _check_keys_are_linear(self, k_proj_name: str) -> None:
+        attention = self.model.get_submodule(k_proj_name.rsplit(".", 1)[0])
+        if getattr(attention, "k_norm", None) is not None:
+            raise ValueError(
+                f"{type(attention).__name__} normalizes keys after k_proj (k_norm), so K is not linear in the "
+                "projection output and cannot be split into a shared base and a low-rank part"
+            )
+
+    def _warn_without_kv(self) -> None:
+        for adapter in self.without_kv():
+            if (id(self.model), adapter) in _WARNED:
+                continue
+            _WARNED.add((id(self.model), adapter))
+            warnings.warn(
+                f"adapter {adapter!r} has no LoRA on any k_proj/v_proj: its LR cache is empty (rank 0) and its "
+                "cache is the shared base alone. Its K/V can still differ from other agents' through its other "
+                "LoRA modules (they change the hidden states), which a shared base does not capture",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    def projection(self, layer: int, kind: str) -> KVProjection:
+        return (self.keys if kind == "key" else self.values)[layer]
+
+    def projections(self) -> Iterator[KVProjection]:
+        for layer in range(self.num_layers):
+            yield self.keys[layer]
+            yield self.values[layer]
+
+    def without_kv(self) -> list[str]:
+        """Adapters with no LoRA pair on any key/value projection (their LR part is zero)."""
+        return [a for a in self.adapters if not any(a in p.adapters for p in self.projections())]
+
+    def lr_width(self, adapter: str) -> int:
+        """Sum of the adapter's ranks over all k/v projections: LR-cache numbers stored per token."""
+        return self._lr_width.get(adapter, 0)
+
+    def check_agent(self, agent: str) -> None:
+        check_agent_adapter(self.model, agent)
+
+    def check_mixed_batch(self, agent: str) -> None:
+        """PEFT refuses ``adapter_names`` batches with DoRA adapters anywhere in the model."""
+        for module in self.model.modules():
+            if lora_variant_name(module, agent) == "dora":
+                raise ValueError(
+                    f"adapter {agent!r} uses DoRA, which PEFT cannot run in a mixed-adapter batch "
+                    f"(adapter_names=[{agent!r}, {BASE_ROW!r}]); use rebaseshared-lp instead of rebaseshared-db"
+                )
+
+    def __repr__(self) -> str:
+        ranks = {a: self.lr_width(a) for a in self.adapters}
+        return f"LoraBank(layers={self.num_layers}, adapters={list(self.adapters)}, lr_width={ranks})"

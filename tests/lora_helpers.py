@@ -1,0 +1,58 @@
+"""Tiny PEFT models for the PReCache tests: random adapters whose ``lora_B`` is not zero."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from conftest import tiny_model
+from peft import LoraConfig, get_peft_model
+
+from hf_kvshare import PH
+from hf_kvshare._compat import peft_wrapping_warnings_silenced
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ATTENTION_AND_MLP = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+ROLES = {"plan": 4, "act": 2, "reflect": 3}  # adapter -> rank
+
+
+def lora_config(r: int, targets=ATTENTION, **kwargs) -> LoraConfig:
+    # init_lora_weights=False: lora_B random (PEFT's default zero B would make every adapter a no-op)
+    return LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False, **kwargs)
+
+
+def lora_model(
+    arch: str = "llama", roles=ROLES, targets=ATTENTION, seed: int = 0, keep_base: bool = False, **cfg
+):
+    """A tiny random model wrapped with one LoRA adapter per role (and a deep copy of the bare model)."""
+    base = tiny_model(arch, seed=seed)
+    plain = copy.deepcopy(base) if keep_base else None
+    torch.manual_seed(seed + 1)
+    names = list(roles)
+    with peft_wrapping_warnings_silenced():
+        model = get_peft_model(base, lora_config(roles[names[0]], targets, **cfg), adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, lora_config(roles[name], targets, **cfg))
+    model.eval()
+    return (model, plain) if keep_base else model
+
+
+QUERY = "Question: which river flows through the capital of the country north of Spain? Work step by step."
+
+
+def run_trajectory(session, agents, max_new_tokens=6, forced=None, keep_cache=False):
+    """The PReCache turn layout: the whole trajectory so far as PH slots, plus the new instruction."""
+    trajectory = [PH("query", QUERY)]
+    results = []
+    for i, agent in enumerate(agents):
+        segments = [*trajectory, PH(f"instruction{i}", f"\n[{agent}] step {i}, go on:")]
+        result = session.run_turn(
+            agent,
+            segments,
+            max_new_tokens=max_new_tokens,
+            force_output=None if forced is None else forced[i],
+            keep_cache=keep_cache,
+        )
+        trajectory = [*segments, PH(result.output_slot)]
+        results.append(result)
+    return results
