@@ -444,3 +444,28 @@ def test_unsupported_models_refused(tokenizer):
 def test_batch_refused(tiny_llama, tokenizer):
     with pytest.raises(ValueError, match="batch size 1"):
         Session(tiny_llama, tokenizer, "cacheblend").build_cache("a", roles("a"), batch_size=2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_probe_attention_matches_the_models_attention_weights(arch, tokenizer):
+    model = tiny_model(arch, attn_implementation="eager")
+    cache, ids = Session(model, tokenizer).build_cache("a", roles("a"))
+    seg = cache.segment("query")
+    with torch.no_grad():
+        out = model(input_ids=ids, output_attentions=True)
+    engine = SegmentRecompute(
+        DecoderStack(model), cache, cache.extract(seg.start, seg.end), ids[0, seg.start : seg.end]
+    )
+    seen = {}
+
+    def record(probe):
+        seen["attention"], seen["deviation"] = probe.attention(), probe.deviation()
+        return torch.arange(probe.rows.numel())
+
+    hidden, rows = engine.embeddings(), engine.all_rows()
+    hidden, rows = engine.run_layer(0, hidden, rows)
+    engine.run_layer(1, hidden, rows, record, attention=True)
+    weights = out.attentions[1][0]  # [heads, P, P]
+    expected = weights[:, seg.start : seg.end, seg.start : seg.end].double().mean(0).sum(0)
+    assert torch.allclose(seen["attention"], expected, atol=1e-5)
+    assert seen["deviation"].abs().max() < 1e-8  # the reused cache is exact here

@@ -11,8 +11,9 @@ criterion removes (the KVCMAS paper's reconstruction coverage, Appendix A.1).
 from .base import SelectiveRecompute
 from .cacheblend import CacheBlend
 from .droidspeak import DroidSpeak
-from .layers import DecoderStack, SegmentRecompute
+from .layers import SegmentRecompute
 from .relaycaching import RelayCaching
+from .stack import DecoderStack
 
 __all__ = [
     "CacheBlend",

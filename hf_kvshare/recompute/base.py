@@ -20,7 +20,8 @@ import torch
 
 from ..methods.base import Method, Placement
 from .boundary import BoundaryCapture
-from .layers import DecoderStack, SegmentRecompute
+from .layers import SegmentRecompute
+from .stack import DecoderStack
 
 if TYPE_CHECKING:
     from ..cache import SharedCache

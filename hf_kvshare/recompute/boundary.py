@@ -19,7 +19,7 @@ import torch
 if TYPE_CHECKING:
     from ..cache import SharedCache
     from ..session import Turn
-    from .layers import DecoderStack
+    from .stack import DecoderStack
 
 #: key of the boundary hidden states in ``Slot.extras``: ``{layer: [1, S, hidden]}``
 BOUNDARY_KEY = "recompute.boundary_hidden"

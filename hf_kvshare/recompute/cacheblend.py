@@ -22,8 +22,9 @@ import torch
 
 from ..methods.base import register
 from .base import SelectiveRecompute
-from .layers import DecoderStack, SegmentRecompute
+from .layers import SegmentRecompute
 from .selection import gradual_keep_counts, top_k
+from .stack import DecoderStack
 
 if TYPE_CHECKING:
     from ..session import Turn

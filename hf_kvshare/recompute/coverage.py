@@ -39,10 +39,11 @@ from tqdm.auto import tqdm
 from ..cache import SegmentKV
 from .cacheblend import CacheBlend
 from .droidspeak import DroidSpeak
-from .layers import DecoderStack, SegmentRecompute
+from .layers import SegmentRecompute
 from .profiling import ReuseTransition, collect_transitions
 from .relaycaching import RelayCaching
 from .selection import top_k
+from .stack import DecoderStack
 
 CRITERIA = ("layer", "deviation", "attention", "relaycaching")
 SELECTS = {

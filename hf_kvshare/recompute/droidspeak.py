@@ -21,8 +21,9 @@ import torch
 
 from ..methods.base import register
 from .base import SelectiveRecompute
-from .layers import DecoderStack, SegmentRecompute
+from .layers import SegmentRecompute
 from .selection import layer_deviation_profile, select_layer_groups
+from .stack import DecoderStack
 
 if TYPE_CHECKING:
     from ..session import Turn

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from ..cache import SegmentKV, SharedCache
 from ..methods.base import Method
 from .boundary import BOUNDARY_KEY, BoundaryCapture
-from .layers import DecoderStack
+from .stack import DecoderStack
 
 if TYPE_CHECKING:
     from ..session import Turn

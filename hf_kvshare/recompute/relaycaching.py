@@ -28,8 +28,9 @@ import torch
 
 from ..methods.base import register
 from .base import SelectiveRecompute, budget_entries
-from .layers import DecoderStack, SegmentRecompute
+from .layers import SegmentRecompute
 from .selection import top_k
+from .stack import DecoderStack
 
 if TYPE_CHECKING:
     from ..session import Turn

