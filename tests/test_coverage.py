@@ -190,3 +190,11 @@ def test_study_cli(tmp_path, tokenizer):
     assert set(methods) == {"nonshared", "fullshared", "cacheblend@0.5", "droidspeak@0.5", "relaycaching@0.5"}
     assert methods["nonshared"]["agreement"] == 1.0 and methods["nonshared"]["kv_error"] == 0.0
     assert 0.0 < methods["cacheblend@0.5"]["reuse_ratio"] < methods["fullshared"]["reuse_ratio"]
+
+
+def test_calibrates_droidspeak_when_given_calibration_workflows(six_layers, tokenizer, transitions):
+    report = reconstruction_coverage(
+        six_layers, tokenizer, [], rho=0.8, transitions=transitions, calibration=[workflow()]
+    )
+    assert len(report.layer_profile) == 6 and report.layer_profile[0] < 1e-8
+    assert len([layer for a, b in report.layer_groups for layer in range(a, b)]) == round(0.2 * 6)

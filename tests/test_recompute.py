@@ -409,11 +409,16 @@ def test_knobs_checked_against_the_model(tiny_llama, tokenizer):
 
 
 def test_droidspeak_without_profile_says_what_to_do(tiny_llama, tokenizer):
-    session = Session(tiny_llama, tokenizer, "droidspeak", rho=0.5)
     with pytest.raises(ValueError, match="calibrate"):
-        session.run_turn("a", roles("a"), max_new_tokens=2)
+        Session(tiny_llama, tokenizer, "droidspeak", rho=0.5)  # refused before any turn runs
     # rho = 0 and 1 need no profile
     Session(tiny_llama, tokenizer, "droidspeak", rho=1.0).run_turn("a", roles("a"), max_new_tokens=2)
+    # a profile removed mid-session is refused when the turn is built
+    method = DroidSpeak(rho=0.5, layer_profile=[0.0, 1.0, 2.0])
+    session = Session(tiny_llama, tokenizer, method)
+    method.layer_profile = None
+    with pytest.raises(ValueError, match="calibrate"):
+        session.run_turn("a", roles("a"), max_new_tokens=2)
 
 
 def test_droidspeak_calibrate_profiles_layers(tiny_llama, tokenizer):

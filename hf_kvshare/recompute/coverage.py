@@ -206,8 +206,6 @@ def reconstruction_coverage(
     droidspeak = _configured(droidspeak, DroidSpeak, rho)
     cacheblend = _configured(cacheblend, CacheBlend, rho)
     relaycaching = _configured(relaycaching, RelayCaching, rho)
-    for method in (droidspeak, cacheblend, relaycaching):
-        method.attach(model)
     if droidspeak.layer_profile is None and 0 < droidspeak.layers_to_recompute(L) < L:
         if not calibration:
             raise ValueError(
@@ -215,6 +213,8 @@ def reconstruction_coverage(
                 "(apart from the measured ones) or a calibrated `droidspeak`"
             )
         droidspeak.calibrate(model, tokenizer, calibration, progress=progress)
+    for method in (droidspeak, cacheblend, relaycaching):
+        method.attach(model)
     groups = droidspeak.layer_groups(L)
     layers = [layer for start, end in groups for layer in range(start, end)]
     band = relaycaching.band_layers(L)

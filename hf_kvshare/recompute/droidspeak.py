@@ -66,6 +66,7 @@ class DroidSpeak(SelectiveRecompute):
                 f"the layer profile has {len(self.layer_profile)} entries but the model has {stack.num_layers} "
                 "layers; calibrate on this model"
             )
+        self.layer_groups(stack.num_layers)  # raises, before any turn, when a needed profile is missing
 
     # ------------------------------------------------------------ layers
     def layers_to_recompute(self, num_layers: int) -> int:
@@ -82,8 +83,9 @@ class DroidSpeak(SelectiveRecompute):
             return [(0, num_layers)]
         if self.layer_profile is None:
             raise ValueError(
-                f"droidspeak with rho={self.rho} recomputes {n} of {num_layers} layers chosen by an offline profile; "
-                "call method.calibrate(model, tokenizer, workflows) first, or pass layer_profile=[...]"
+                f"droidspeak with rho={self.rho} recomputes {n} of {num_layers} layers chosen by an offline profile, "
+                "and it has none: create DroidSpeak(rho=...), call .calibrate(model, tokenizer, workflows) and pass "
+                "the instance to the Session (or give layer_profile=[...])"
             )
         if len(self.layer_profile) != num_layers:
             raise ValueError(
