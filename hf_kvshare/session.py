@@ -32,13 +32,16 @@ class Slot:
     text: str
     producer: str | None = None  # agent whose output this is (None for given text)
     latest: SegmentKV | None = None  # K/V of the slot from the latest turn that read/wrote it
+    #: method-specific state kept with ``latest`` (e.g. the hidden states selective recomputation
+    #: restarts from), keyed by a name the method owns
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class TurnStats:
     tokens_prefilled: int = 0  # prompt tokens run through the model for this agent
     ph_tokens: int = 0  # PH tokens in the prompt
-    ph_reused: int = 0  # PH tokens whose K/V was not computed for this agent
+    ph_reused: float = 0  # PH tokens whose K/V was not computed for this agent (token-equivalents)
 
 
 @dataclass
@@ -54,7 +57,7 @@ class TurnResult:
     ttft_s: float
     e2e_s: float
     tokens_prefilled: int
-    tokens_reused: int
+    tokens_reused: float  # token-equivalents: layer-wise methods reuse fractions of tokens
     ph_tokens: int
     peak_memory_bytes: int
     segments: list[Segment]

@@ -1,16 +1,40 @@
 """Method registry: ``METHODS[name]`` is the class; one file per method.
 
-Importing this package registers every built-in method.
+Importing this package registers every built-in method: the prompt-specialized ones here
+(nonshared, fullshared, kvcmas, kvcmas-nonchained, kvcomm, graphflow), the LoRA ones
+(baseshared, prelrshared, rebaseshared-lp, rebaseshared-db) and the selective recomputation
+baselines from ``hf_kvshare.recompute`` (cacheblend, droidspeak, relaycaching).
 """
 
-from . import graphflow, kvcmas, kvcomm  # noqa: F401  registers kvcmas, kvcmas-nonchained, kvcomm, graphflow
+from ..recompute import CacheBlend, DroidSpeak, RelayCaching
 from .base import METHODS, Method, Placement, get_method, register
 from .baseshared import BaseShared
 from .fullshared import FullShared
+from .graphflow import GraphFlow
+from .kvcmas import KVCMAS, KVCMASNonChained
+from .kvcomm import KVComm
 from .nonshared import NonShared
 from .prelrshared import PreLRShared
 from .rebaseshared_db import ReBaseSharedDB
 from .rebaseshared_lp import ReBaseSharedLP
 
-__all__ = ["METHODS", "Method", "Placement", "get_method", "register", "NonShared", "FullShared"]
-__all__ += ["BaseShared", "PreLRShared", "ReBaseSharedLP", "ReBaseSharedDB"]
+__all__ = [
+    "METHODS",
+    "Method",
+    "Placement",
+    "get_method",
+    "register",
+    "NonShared",
+    "FullShared",
+    "KVCMAS",
+    "KVCMASNonChained",
+    "KVComm",
+    "GraphFlow",
+    "BaseShared",
+    "PreLRShared",
+    "ReBaseSharedLP",
+    "ReBaseSharedDB",
+    "CacheBlend",
+    "DroidSpeak",
+    "RelayCaching",
+]

@@ -54,14 +54,16 @@ class Placement:
     """How a PH segment's K/V is obtained without a dense prefill of the whole segment.
 
     ``kv`` sits at the segment's target positions. ``reused_tokens`` counts the tokens whose K/V
-    was not computed by the model for this agent (all of them for reuse and correction).
+    was not computed by the model for this agent (all of them for reuse and correction; ``None``
+    means all). Methods that recompute some layers of a token count token-equivalents: reused
+    (token, layer) entries divided by the number of layers, possibly fractional.
     """
 
     kv: SegmentKV
     provenance: str = "reused"
     source_agent: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    reused_tokens: int | None = None
+    reused_tokens: float | None = None
 
 
 class Method:

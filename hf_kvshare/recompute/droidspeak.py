@@ -1,0 +1,145 @@
+"""DroidSpeak (Liu et al., NSDI 2026): recompute whole layers, chosen by offline profiling.
+
+An offline profile measures how far reused K/V is from the exact K/V in each layer over a few
+calibration workflows (:meth:`DroidSpeak.calibrate`). At run time the ``round((1 - rho) * L)``
+layers with the largest profiled deviation, grouped into at most ``max_groups`` contiguous groups,
+are recomputed for the whole segment; every other layer is reused. A group starting at layer ``a``
+restarts from the hidden state that entered layer ``a`` when the reused cache was made (the "E
+cache", kept per slot), or from the embeddings when ``a = 0``.
+
+The reuse ratio counts (token, layer) entries: a segment of ``S`` tokens with ``n`` of ``L``
+layers recomputed reuses ``S * (L - n)`` entries (``S * (L - n) / L`` token-equivalents).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..methods.base import register
+from .base import SelectiveRecompute
+from .layers import SegmentRecompute
+from .selection import layer_deviation_profile, select_layer_groups
+from .stack import DecoderStack
+
+if TYPE_CHECKING:
+    from ..session import Turn
+    from ..trajectory import Span
+
+
+@register
+@dataclass(eq=False)
+class DroidSpeak(SelectiveRecompute):
+    """Layer-selective recomputation from an offline layer-deviation profile.
+
+    Args:
+        rho: reuse ratio: ``round((1 - rho) * L)`` of the model's ``L`` layers are recomputed.
+        max_groups: how many contiguous layer groups the recomputed layers may form (each group
+            start restarts from a kept hidden state).
+        layer_profile: deviation per layer ``[L]``; set by :meth:`calibrate` (or given). Not needed
+            when ``rho`` is 0 or 1.
+
+    >>> method = DroidSpeak(rho=0.9)  # doctest: +SKIP
+    >>> method.calibrate(model, tok, [demo_workflow(tok, query=q) for q in calibration_queries])  # doctest: +SKIP
+    >>> Session(model, tok, method).run_turn(...)  # doctest: +SKIP
+    """
+
+    name = "droidspeak"
+
+    rho: float = 0.9
+    max_groups: int = 2
+    layer_profile: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.max_groups, bool) or not isinstance(self.max_groups, int) or self.max_groups < 1:
+            raise ValueError(f"max_groups must be an int >= 1; got {self.max_groups!r}")
+        if self.layer_profile is not None:
+            self.layer_profile = _as_profile(self.layer_profile)
+
+    def check_model(self, stack: DecoderStack) -> None:
+        if self.layer_profile is not None and len(self.layer_profile) != stack.num_layers:
+            raise ValueError(
+                f"the layer profile has {len(self.layer_profile)} entries but the model has {stack.num_layers} "
+                "layers; calibrate on this model"
+            )
+        self.layer_groups(stack.num_layers)  # raises, before any turn, when a needed profile is missing
+
+    # ------------------------------------------------------------ layers
+    def layers_to_recompute(self, num_layers: int) -> int:
+        """``round((1 - rho) * num_layers)``."""
+        return int(round((1.0 - self.rho) * num_layers))
+
+    def layer_groups(self, num_layers: int | None = None) -> list[tuple[int, int]]:
+        """The recomputed layer groups ``[(start, end), ...]`` for this ``rho`` and profile."""
+        num_layers = self.stack.num_layers if num_layers is None else num_layers
+        n = self.layers_to_recompute(num_layers)
+        if n == 0:
+            return []
+        if n == num_layers:
+            return [(0, num_layers)]
+        if self.layer_profile is None:
+            raise ValueError(
+                f"droidspeak with rho={self.rho} recomputes {n} of {num_layers} layers chosen by an offline profile, "
+                "and it has none: create DroidSpeak(rho=...), call .calibrate(model, tokenizer, workflows) and pass "
+                "the instance to the Session (or give layer_profile=[...])"
+            )
+        if len(self.layer_profile) != num_layers:
+            raise ValueError(
+                f"the layer profile has {len(self.layer_profile)} entries, the model {num_layers} layers"
+            )
+        return select_layer_groups(self.layer_profile, n, self.max_groups)
+
+    def boundary_layers(self) -> tuple[int, ...]:
+        if self._stack is None:
+            return ()
+        return tuple(start for start, _ in self.layer_groups() if start > 0)
+
+    # ------------------------------------------------------------ building
+    def recompute(self, engine: SegmentRecompute, turn: Turn, span: Span) -> tuple[None, dict[str, Any]]:
+        groups = self.layer_groups()
+        for start, end in groups:
+            hidden, rows = self.boundary_input(engine, turn, span, start), engine.all_rows()
+            for layer in range(start, end):
+                hidden, rows = engine.run_layer(layer, hidden, rows)
+        return None, {"layer_groups": ",".join(f"{a}-{b - 1}" for a, b in groups) or "-"}
+
+    # ------------------------------------------------------------ profiling
+    def calibrate(
+        self, model: torch.nn.Module, tokenizer: Any, workflows: Sequence[Any], progress: bool = False
+    ) -> list[float]:
+        """Profile the per-layer deviation of reused vs exact K/V on ``workflows`` (run with NonShared).
+
+        Every PH segment an agent reads after an earlier turn materialized it is one transition:
+        the earlier K/V (moved to the new positions) against the agent's own dense K/V. Sets and
+        returns :attr:`layer_profile` (mean relative squared deviation per layer, see
+        :func:`~hf_kvshare.recompute.selection.layer_deviation_profile`).
+        """
+        from .profiling import collect_transitions
+
+        transitions = collect_transitions(model, tokenizer, workflows, progress=progress)
+        if not transitions:
+            raise ValueError(
+                "the calibration workflows have no reuse transition (no agent reads a PH slot that an earlier "
+                "turn materialized); give workflows where later agents read the query or earlier outputs"
+            )
+        profile = layer_deviation_profile(
+            [(t.reused.keys, t.reused.values, t.exact.keys, t.exact.values) for t in transitions]
+        )
+        self.layer_profile = profile
+        return profile
+
+
+def _as_profile(profile: Sequence[float]) -> list[float]:
+    try:
+        values = [float(x) for x in profile]
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"layer_profile must be a sequence of numbers, one per layer; got {profile!r}"
+        ) from error
+    if not values or any(v != v for v in values):
+        raise ValueError(f"layer_profile must be a non-empty sequence without NaN; got {values}")
+    return values

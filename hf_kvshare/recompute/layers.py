@@ -1,0 +1,268 @@
+"""Run decoder layers one at a time over some tokens of a PH segment.
+
+Selective recomputation needs what one ``model(...)`` call cannot give: push a *subset* of a
+segment's tokens through *some* layers, their queries attending over the cache built so far plus
+the segment's K/V (reused rows and freshly recomputed rows mixed), and pick the subset in the
+middle of a layer from the fresh K/V. :class:`SegmentRecompute` does this with the model's own
+decoder layers: each call passes a stand-in cache whose ``update`` splices the layer's fresh K/V
+rows into the segment, and a float attention mask that is causal by absolute position. So the
+arithmetic (projections, biases, RoPE and its scaling, GQA, attention kernel) stays the model's.
+
+:class:`~hf_kvshare.recompute.stack.DecoderStack` is the one place that knows the model's structure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from .._compat import CACHE_KWARG
+from ..cache import SegmentedCache, SegmentKV
+from .stack import DecoderStack
+
+
+class LayerProbe:
+    """What a selection callback sees in the middle of a decoder layer, before attention.
+
+    ``rows`` ``[q]`` are the segment rows (0-based token indices within the segment) run through
+    this layer; ``fresh_keys`` / ``fresh_values`` ``[1, kv_heads, q, head_dim]`` their newly
+    computed K/V; ``reused_keys`` / ``reused_values`` the segment's reused K/V at those rows.
+    """
+
+    def __init__(self, engine: SegmentRecompute, layer_idx: int, rows, fresh_k, fresh_v, prefix_k, query):
+        self.engine = engine
+        self.layer_idx = layer_idx
+        self.rows = rows
+        self.fresh_keys = fresh_k
+        self.fresh_values = fresh_v
+        self.reused_keys = engine.kv.keys[layer_idx][..., rows, :]
+        self.reused_values = engine.kv.values[layer_idx][..., rows, :]
+        self._prefix_k = prefix_k
+        self._query = query  # [1, q, heads * head_dim] pre-RoPE, from the q_proj hook
+
+    def deviation(self) -> torch.Tensor:
+        """KV deviation of each row ``[q]`` (see :func:`~hf_kvshare.recompute.selection.kv_deviation`)."""
+        from .selection import kv_deviation
+
+        return kv_deviation(self.fresh_keys, self.fresh_values, self.reused_keys, self.reused_values)
+
+    def attention(self) -> torch.Tensor:
+        """Attention each row receives from the rows' own queries at this layer ``[q]``.
+
+        Keys are the fresh ones for all rows run here; see
+        :func:`~hf_kvshare.recompute.selection.received_attention`.
+        """
+        from .selection import received_attention
+
+        if self._query is None:
+            raise RuntimeError("attention was not requested for this layer (run_layer(..., attention=True))")
+        engine, stack = self.engine, self.engine.stack
+        seg_k = engine.kv.keys[self.layer_idx].clone()
+        seg_k[..., self.rows, :] = self.fresh_keys.to(seg_k.dtype)
+        keys = seg_k if self._prefix_k is None else torch.cat([self._prefix_k, seg_k], dim=-2)
+        q = stack.rotated_queries(self._query, *engine.rope_cache)
+        return received_attention(
+            q,
+            keys,
+            engine.mask(self.rows),
+            stack.attention_scaling(self.layer_idx),
+            prefix_length=engine.start,
+        )[self.rows]
+
+
+Choose = Callable[[LayerProbe], torch.Tensor]
+
+
+class _SpliceCache:
+    """Stands in for the cache during one decoder-layer call: ``update`` receives the layer's fresh
+    K/V for the query rows, lets ``choose`` keep some of them, and returns prefix + segment K/V
+    (kept rows fresh, the rest reused) for attention. Duck-types ``Cache.update``."""
+
+    def __init__(self, engine: SegmentRecompute, layer_idx: int, rows, choose, query_box):
+        self.engine = engine
+        self.layer_idx = layer_idx
+        self.rows = rows
+        self.choose = choose
+        self.query_box = query_box
+        self.keep: torch.Tensor | None = None
+        self.fresh: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx != self.layer_idx:
+            raise RuntimeError(f"expected an update for layer {self.layer_idx}, got layer {layer_idx}")
+        engine = self.engine
+        prefix_k, prefix_v = engine.prefix(layer_idx)
+        keep = torch.arange(self.rows.numel(), device=self.rows.device)
+        if self.choose is not None:
+            probe = LayerProbe(
+                engine, layer_idx, self.rows, key_states, value_states, prefix_k, self.query_box.get("q")
+            )
+            keep = _as_sorted_indices(self.choose(probe), self.rows.numel())
+        kept_rows = self.rows[keep]
+        seg_k = engine.kv.keys[layer_idx].clone()
+        seg_v = engine.kv.values[layer_idx].clone()
+        fresh_k = key_states[..., keep, :]
+        fresh_v = value_states[..., keep, :]
+        seg_k[..., kept_rows, :] = fresh_k.to(seg_k.dtype)
+        seg_v[..., kept_rows, :] = fresh_v.to(seg_v.dtype)
+        self.keep, self.fresh = keep, (fresh_k, fresh_v)
+        if prefix_k is None:
+            return seg_k, seg_v
+        return torch.cat([prefix_k, seg_k], dim=-2), torch.cat([prefix_v, seg_v], dim=-2)
+
+
+def _as_sorted_indices(keep: torch.Tensor, n: int) -> torch.Tensor:
+    keep = torch.as_tensor(keep, dtype=torch.long).flatten()
+    if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= n):
+        raise ValueError(f"a selection must index the {n} rows run through the layer; got {keep.tolist()}")
+    keep = torch.unique(keep)  # sorted, no duplicates
+    return keep
+
+
+class SegmentRecompute:
+    """One PH segment being partially recomputed on top of the cache built so far.
+
+    Args:
+        stack: the model's :class:`DecoderStack`.
+        cache: a cache holding at least positions ``[0, kv.start)`` (the agent's prefix); later
+            positions are ignored.
+        kv: the segment's reused K/V at its target positions (``kv.start`` ..); never modified.
+        token_ids: the segment's token ids ``[S]``.
+
+    Run layers with :meth:`run_layer` (hidden states ``[1, q, hidden]`` of segment ``rows``), then
+    :meth:`result` gives the segment K/V with the recomputed rows written in.
+
+    >>> engine = SegmentRecompute(stack, cache, source.repositioned(shifter, start), ids)  # doctest: +SKIP
+    >>> h, rows = engine.embeddings(), engine.all_rows()  # doctest: +SKIP
+    >>> for layer in range(stack.num_layers):  # doctest: +SKIP
+    ...     h, rows = engine.run_layer(layer, h, rows)
+    >>> kv, entries = engine.result()  # equals a dense prefill of the segment  # doctest: +SKIP
+    """
+
+    def __init__(self, stack: DecoderStack, cache: SegmentedCache, kv: SegmentKV, token_ids: torch.Tensor):
+        if kv.num_layers != stack.num_layers:
+            raise ValueError(f"the segment K/V has {kv.num_layers} layers, the model {stack.num_layers}")
+        if kv.keys[0].shape[0] != 1:
+            raise ValueError(
+                f"selective recomputation runs batch size 1; got K/V of batch {kv.keys[0].shape[0]}"
+            )
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if token_ids.numel() != kv.length:
+            raise ValueError(f"{token_ids.numel()} token ids for a segment K/V of {kv.length} tokens")
+        if cache.get_seq_length() < kv.start:
+            raise ValueError(
+                f"the segment starts at {kv.start} but the cache holds only {cache.get_seq_length()} positions"
+            )
+        self.stack = stack
+        self.cache = cache
+        self.kv = kv
+        self.token_ids = token_ids
+        self.start = kv.start
+        self.length = kv.length
+        self.fresh: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ inputs
+    def all_rows(self) -> torch.Tensor:
+        return torch.arange(self.length, device=self.stack.device)
+
+    def embeddings(self) -> torch.Tensor:
+        """Layer-0 input of every segment token ``[1, S, hidden]``."""
+        return self.stack.embed(self.token_ids)
+
+    def prefix(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The cache's K/V ``[1, kv_heads, start, head_dim]`` at ``layer_idx`` (``None`` when empty)."""
+        if self.start == 0:
+            return None, None
+        k, v = self.cache.layer_kv(layer_idx)
+        return k[..., : self.start, :], v[..., : self.start, :]
+
+    def mask(self, rows: torch.Tensor) -> torch.Tensor:
+        """Additive float mask ``[1, 1, q, start + S]``: row ``i`` sees keys at positions ``<= start + rows[i]``."""
+        dtype = self.kv.keys[0].dtype
+        key_pos = torch.arange(self.start + self.length, device=rows.device)
+        allowed = key_pos[None, :] <= (self.start + rows)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=rows.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None, None]
+
+    # ------------------------------------------------------------------ running
+    def run_layer(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        choose: Choose | None = None,
+        attention: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run decoder layer ``layer_idx`` for segment ``rows`` ``[q]`` with inputs ``hidden`` ``[1, q, hidden]``.
+
+        Their queries attend over the prefix and the segment (rows run here: fresh K/V; other
+        rows: reused K/V), causally by position. ``choose(probe)`` may keep a subset of the rows
+        (indices into ``rows``) from their fresh K/V before attention; the other rows see their
+        reused K/V restored and are dropped from the output. ``attention=True`` makes
+        ``probe.attention()`` available. Returns the layer outputs ``[1, q', hidden]`` of the kept
+        rows and the kept rows ``[q']``; their fresh K/V are remembered for :meth:`result`.
+        """
+        self.stack.check_layer(layer_idx)
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.stack.device).flatten()
+        if hidden.dim() != 3 or hidden.shape[:2] != (1, rows.numel()):
+            raise ValueError(
+                f"expected hidden states [1, {rows.numel()}, hidden] for {rows.numel()} rows; got {tuple(hidden.shape)}"
+            )
+        if rows.numel() == 0:
+            return hidden, rows
+        positions = (self.start + rows)[None]
+        self.rope_cache = self.stack.rope(hidden, positions)
+        query_box: dict[str, torch.Tensor] = {}
+        splice = _SpliceCache(self, layer_idx, rows, choose, query_box)
+        layer = self.stack.layers[layer_idx]
+        handle = None
+        if attention:
+            handle = self.stack.query_projection(layer_idx).register_forward_hook(
+                lambda module, args, output: query_box.__setitem__("q", output)
+            )
+        try:
+            with torch.no_grad():
+                out = layer(
+                    hidden,
+                    attention_mask=self.mask(rows),
+                    position_ids=positions,
+                    position_embeddings=self.rope_cache,
+                    use_cache=True,
+                    **{CACHE_KWARG: splice},
+                )
+        finally:
+            if handle is not None:
+                handle.remove()
+        if isinstance(out, tuple):  # older decoder layers return (hidden, ...)
+            out = out[0]
+        keep = splice.keep
+        kept_rows = rows[keep]
+        self.fresh[layer_idx] = (kept_rows, *splice.fresh)
+        return out[:, keep], kept_rows
+
+    # ------------------------------------------------------------------ result
+    def result(self, rows: torch.Tensor | None = None) -> tuple[SegmentKV, int]:
+        """The segment K/V with recomputed rows written in, and the number of (token, layer) entries written.
+
+        ``rows``: write only these rows' fresh K/V (e.g. the final selection of a method that
+        narrowed its candidates over layers); default: every row run through each layer.
+        """
+        keys, values = list(self.kv.keys), list(self.kv.values)
+        entries = 0
+        for layer_idx, (layer_rows, k, v) in sorted(self.fresh.items()):
+            select = torch.ones_like(layer_rows, dtype=torch.bool)
+            if rows is not None:
+                select = torch.isin(layer_rows, torch.as_tensor(rows, device=layer_rows.device))
+            if not bool(select.any()):
+                continue
+            target = layer_rows[select]
+            keys[layer_idx] = keys[layer_idx].clone()
+            values[layer_idx] = values[layer_idx].clone()
+            keys[layer_idx][..., target, :] = k[..., select, :].to(keys[layer_idx].dtype)
+            values[layer_idx][..., target, :] = v[..., select, :].to(values[layer_idx].dtype)
+            entries += int(target.numel())
+        return replace(self.kv, keys=keys, values=values), entries
