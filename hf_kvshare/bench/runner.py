@@ -376,10 +376,10 @@ class BenchRunner:
         session.run_turn("warmup", [PF("Warm up the kernels once before timing.")], max_new_tokens=2)
 
     def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec]) -> None:
-        fidelity = self.config.fidelity
         ref_spec = MethodSpec(REFERENCE)
-        instances = {s: (s.create(), s.create() if fidelity else None) for s in pending if s != ref_spec}
-        ref_free_method, ref_forced_method = ref_spec.create(), ref_spec.create()
+        fidelity = self.config.fidelity
+        # two instances per method, kept for the whole run: one for the timed pass, one for fidelity
+        instances = {s: (s.create(), s.create() if fidelity else None) for s in _unique([ref_spec, *pending])}
         writers = {}
         for spec in pending:
             d = self.method_dir(spec)
@@ -391,49 +391,14 @@ class BenchRunner:
         try:
             bar = tqdm(tasks, desc=self.dir.name[:60], disable=not self.progress, unit="request")
             for index, task in enumerate(bar):
-                workflow = task.to_workflow(self.tokenizer)
-                seed = self.config.seed + index
-
-                def run(method, force=None, keep=False, label=""):
-                    torch.manual_seed(seed)
-                    return run_request(
-                        Session(self.model, self.tokenizer, method),
-                        workflow,
-                        force_outputs=force,
-                        keep_cache=keep,
-                        progress=self.progress,
-                        desc=f"{label} {task.id}",
-                    )
-
-                ref_free = run(ref_free_method, label=f"{REFERENCE} free")
-                free = {s: run(inst[0], label=f"{s} free") for s, inst in instances.items()}
-                state = {s: inst[0].state_bytes() for s, inst in instances.items()}
-                state[ref_spec] = ref_free_method.state_bytes()
-                free[ref_spec] = ref_free
-                forced_outputs = [t.output_ids for t in ref_free]
-                ref_forced = forced = None
-                if fidelity:
-                    ref_forced = run(
-                        ref_forced_method, forced_outputs, keep=True, label=f"{REFERENCE} forced"
-                    )
-                    forced = {
-                        s: run(inst[1], forced_outputs, keep=True, label=f"{s} forced")
-                        for s, inst in instances.items()
-                    }
-                    forced[ref_spec] = ref_forced
-                ref_check = self._check(task, ref_free)
+                free, forced, state = self._run_request(task, index, instances)
+                ref_check = self._check(task, free[ref_spec])
                 for spec in pending:
                     turn_records = self._turn_records(
-                        task,
-                        index,
-                        spec,
-                        free[spec],
-                        ref_free,
-                        forced[spec] if fidelity else None,
-                        ref_forced,
+                        task, index, spec, free[spec], free[ref_spec], forced.get(spec), forced.get(ref_spec)
                     )
                     request_record = self._request_record(
-                        task, index, spec, free[spec], ref_free, ref_check, state[spec]
+                        task, index, spec, free[spec], free[ref_spec], ref_check, state[spec]
                     )
                     turns_f, requests_f = writers[spec]
                     for r in turn_records:
@@ -443,10 +408,7 @@ class BenchRunner:
                     requests_f.flush()
                     collected[spec][0].extend(turn_records)
                     collected[spec][1].append(request_record)
-                if fidelity:  # free the caches before the next request
-                    for results in forced.values():
-                        for t in results:
-                            t.cache = None
+                del free, forced  # the kept caches go before the next request runs
         finally:
             for turns_f, requests_f in writers.values():
                 turns_f.close()
@@ -456,6 +418,33 @@ class BenchRunner:
             summary = metrics.summarize_method(turns, requests)
             summary.update({"method": str(spec), "tag": spec.tag, "config": self.method_config(spec)})
             write_json(self.method_dir(spec) / "summary.json", _clean(summary))
+
+    def _run_request(
+        self, task: TaskSpec, index: int, instances: dict[MethodSpec, tuple[Method, Method | None]]
+    ):
+        """One request through every method: free passes (NonShared first), then the teacher-forced
+        passes on NonShared's outputs. Returns (free, forced, state bytes) keyed by method spec."""
+        workflow = task.to_workflow(self.tokenizer)
+        seed = self.config.seed + index
+
+        def run(method: Method, label: str, force=None) -> list[TurnResult]:
+            torch.manual_seed(seed)
+            return run_request(
+                Session(self.model, self.tokenizer, method),
+                workflow,
+                force_outputs=force,
+                keep_cache=force is not None,
+                progress=self.progress,
+                desc=f"{label} {task.id}",
+            )
+
+        free = {spec: run(pair[0], f"{spec} free") for spec, pair in instances.items()}
+        state = {spec: pair[0].state_bytes() for spec, pair in instances.items()}
+        forced: dict[MethodSpec, list[TurnResult]] = {}
+        if self.config.fidelity:
+            outputs = [t.output_ids for t in free[MethodSpec(REFERENCE)]]
+            forced = {spec: run(pair[1], f"{spec} forced", outputs) for spec, pair in instances.items()}
+        return free, forced, state
 
     def _check(self, task: TaskSpec, results: list[TurnResult]) -> dict[str, Any]:
         return metrics.check_answer(

@@ -107,7 +107,7 @@ class StressWorkload(Workload):
     )
 
     hops: int = 6
-    output_tokens: int = 16
+    output_tokens: int = 12
     requests: int = 2
     first_prefix: bool = False  # the first agent reads the query with no persona prefix
 
