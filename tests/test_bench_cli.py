@@ -240,7 +240,7 @@ def test_runs_already_done_are_skipped(tiny_dir, tmp_path, capsys):
     assert (config / "fullshared" / "summary.json").exists()
 
 
-def test_sweep_writes_one_directory_per_length_and_a_sweep_plot(tiny_dir, tmp_path):
+def test_sweep_writes_one_directory_per_length_and_a_sweep_plot(tiny_dir, tmp_path, capsys):
     args = [
         "run",
         "--workload",
@@ -262,9 +262,13 @@ def test_sweep_writes_one_directory_per_length_and_a_sweep_plot(tiny_dir, tmp_pa
     assert (sweep / "ttft_vs_shared_tokens.png").exists()
     summary = json.loads((tmp_path / configs[0] / "summary.json").read_text())["methods"][1]
     assert "agreement" not in summary and summary["reuse_ratio"] == 1.0  # speed only
-    # the plot command redraws from the directories
+    # the plot command redraws from the directories; report prints markdown tables
     assert bench("plot", tmp_path, "--out", tmp_path / "again") == 0
     assert (tmp_path / "again" / "ttft_vs_shared_tokens.csv").exists()
+    capsys.readouterr()
+    assert bench("report", tmp_path, "--kind", "speed") == 0
+    report = capsys.readouterr().out
+    assert report.count("| nonshared |") == 2 and "| fullshared | " in report and "NonShared/TTFT" in report
 
 
 # ------------------------------------------------------------- bad input

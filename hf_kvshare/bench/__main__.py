@@ -1,6 +1,6 @@
 """``python -m hf_kvshare.bench``: the single-stream benchmark.
 
-Commands: ``run`` (methods x workload -> output directory per configuration), ``plot``,
+Commands: ``run`` (methods x workload -> output directory per configuration), ``plot``, ``report``,
 ``calibrate`` (tau for a target rho), ``validate`` (a JSONL task file), ``list`` (methods and
 workloads), ``study NAME`` (standalone studies under ``hf_kvshare.bench.studies``).
 See ``docs/workloads.md``.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import pkgutil
 import sys
 import warnings
@@ -410,12 +411,88 @@ def cmd_study(argv: list[str]) -> int:
     return int(result or 0)
 
 
+# ------------------------------------------------------------------- report
+REPORT_COLUMNS = {
+    "speed": [
+        ("method", "method", ""),
+        ("ttft_mean_s", "TTFT s (mean)", ".3f"),
+        ("ttft_p50_s", "p50", ".3f"),
+        ("ttft_p90_s", "p90", ".3f"),
+        ("ttft_ratio", "NonShared/TTFT", ".2f"),
+        ("throughput_tok_s", "tok/s", ".1f"),
+        ("throughput_ratio", "tok/s vs NonShared", ".2f"),
+        ("peak_memory_mb", "peak MB", ".0f"),
+        ("method_state_mb", "state MB", ".2f"),
+        ("reuse_ratio", "rho", ".2f"),
+    ],
+    "fidelity": [
+        ("method", "method", ""),
+        ("agreement", "top-1 agree", ".3f"),
+        ("first_token_agreement", "1st token", ".2f"),
+        ("kl", "KL", ".4f"),
+        ("kv_error", "KV err", ".4f"),
+        ("exact_match", "same output", ".2f"),
+        ("accuracy", "accuracy", ".2f"),
+        ("ttft_mean_s", "TTFT s", ".3f"),
+        ("ttft_ratio", "NonShared/TTFT", ".2f"),
+        ("e2e_ratio", "NonShared/E2E", ".2f"),
+        ("peak_memory_mb", "peak MB", ".0f"),
+        ("method_state_mb", "state MB", ".2f"),
+        ("reuse_ratio", "rho", ".2f"),
+    ],
+}
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]
+    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
+    for r in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = r.get(key)
+            cells.append("-" if value is None else format(value, fmt))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cmd_report(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m hf_kvshare.bench report", description="markdown tables from configuration directories"
+    )
+    p.add_argument("dirs", nargs="+", help="configuration directories (or an output root holding them)")
+    p.add_argument("--kind", choices=sorted(REPORT_COLUMNS), default="fidelity")
+    p.add_argument("--hops", action="store_true", help="also a per-hop fidelity table per method")
+    args = p.parse_args(argv)
+    configs = []
+    for d in map(Path, args.dirs):
+        configs += (
+            [d] if (d / "summary.json").exists() else sorted(c.parent for c in d.glob("*/summary.json"))
+        )
+    if not configs:
+        p.error("no configuration directory (with a summary.json) found")
+    for c in configs:
+        data = json.loads((c / "summary.json").read_text())
+        print(f"\n**{c.name}**\n")
+        print(markdown_table(data["methods"], REPORT_COLUMNS[args.kind]))
+        if args.hops:
+            columns = [("position", "hop", "d"), ("agent", "agent", ""), ("agreement", "top-1 agree", ".3f"),
+                       ("first_token_agreement", "1st token", ".2f"), ("kl", "KL", ".4f"), ("kv_error", "KV err", ".4f"),
+                       ("exact_match", "same output", ".2f")]  # fmt: skip
+            for m in data["methods"]:
+                if m["method"] == "nonshared":
+                    continue
+                print(f"\n{m['method']}, hop by hop:\n")
+                print(markdown_table(m.get("by_position") or [], columns))
+    return 0
+
+
 COMMANDS = {
     "run": cmd_run,
     "plot": cmd_plot,
     "calibrate": cmd_calibrate,
     "validate": cmd_validate,
     "list": cmd_list,
+    "report": cmd_report,
     "study": cmd_study,
 }
 
