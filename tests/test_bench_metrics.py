@@ -79,6 +79,9 @@ def test_erank_by_layer_of_a_rank_one_residual():
     approx = _cache([exact_k[0] + bump], [exact_v[0].clone()])
     row = metrics.erank_by_layer(approx, _cache(exact_k, exact_v), 0, 8, energy=0.99)[0]
     assert row["delta_key"] == 1 and row["delta_value"] == 0 and row["base_key"] > 4
+    noisy = _cache([exact_k[0] * (1 + 1e-7)], [exact_v[0] + 1e-8 * torch.randn_like(exact_v[0])])
+    row = metrics.erank_by_layer(noisy, _cache(exact_k, exact_v), 0, 8)[0]
+    assert row["delta_key"] == 0 and row["delta_value"] == 0  # floating-point noise is not a correction
 
 
 def test_fidelity_helpers():

@@ -12,8 +12,12 @@ pytestmark = pytest.mark.real_model
 def test_stress_chain_separates_fullshared_from_nonshared(real, tmp_path):
     model, tok = real
     workload = make_workload("stress", hops=3, output_tokens=8, requests=1)
-    config = RunConfig(workload="stress", workload_params=workload.params(), model="smollm2-135m", erank=False)
-    summaries = BenchRunner(model, tok, workload, config, tmp_path, progress=False).run([MethodSpec("fullshared")])
+    config = RunConfig(
+        workload="stress", workload_params=workload.params(), model="smollm2-135m", erank=False
+    )
+    summaries = BenchRunner(model, tok, workload, config, tmp_path, progress=False).run(
+        [MethodSpec("fullshared")]
+    )
     ref, full = summaries["nonshared"], summaries["fullshared"]
     assert ref["agreement"] == 1.0 and ref["kv_error"] == 0.0 and ref["kl"] == 0.0
     assert full["reuse_ratio"] == 1.0

@@ -425,6 +425,18 @@ REPORT_COLUMNS = {
         ("method_state_mb", "state MB", ".2f"),
         ("reuse_ratio", "rho", ".2f"),
     ],
+    "sweep": [
+        ("shared_tokens", "shared tokens", "d"),
+        ("method", "method", ""),
+        ("ttft_mean_s", "TTFT s (mean)", ".3f"),
+        ("ttft_p50_s", "p50", ".3f"),
+        ("ttft_p90_s", "p90", ".3f"),
+        ("ttft_ratio", "NonShared/TTFT", ".2f"),
+        ("throughput_tok_s", "tok/s", ".1f"),
+        ("throughput_ratio", "tok/s vs NonShared", ".2f"),
+        ("peak_memory_mb", "peak MB", ".0f"),
+        ("reuse_ratio", "rho", ".2f"),
+    ],
     "fidelity": [
         ("method", "method", ""),
         ("agreement", "top-1 agree", ".3f"),
@@ -470,6 +482,15 @@ def cmd_report(argv: list[str]) -> int:
         )
     if not configs:
         p.error("no configuration directory (with a summary.json) found")
+    configs.sort(key=_natural)
+    if args.kind == "sweep":  # one table over the configurations, by shared-context length
+        rows = []
+        for c in configs:
+            data = json.loads((c / "summary.json").read_text())
+            length = (data["config"].get("workload_params") or {}).get("shared_tokens")
+            rows += [{"shared_tokens": length, **m} for m in data["methods"] if length is not None]
+        print(markdown_table(rows, REPORT_COLUMNS["sweep"]))
+        return 0
     for c in configs:
         data = json.loads((c / "summary.json").read_text())
         print(f"\n**{c.name}**\n")
@@ -484,6 +505,13 @@ def cmd_report(argv: list[str]) -> int:
                 print(f"\n{m['method']}, hop by hop:\n")
                 print(markdown_table(m.get("by_position") or [], columns))
     return 0
+
+
+def _natural(path: Path) -> list:
+    """Sort key: numbers inside the name compare as numbers (S256 before S1024)."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
 
 
 COMMANDS = {

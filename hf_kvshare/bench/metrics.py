@@ -120,23 +120,27 @@ def relative_from_terms(terms: Sequence[Sequence[float]]) -> dict[str, float]:
     return {"key": rel(dk, k), "value": rel(dv, v), "kv": rel(dk + dv, k + v)}
 
 
-def erank_by_layer(cache, exact, start: int, end: int, energy: float = 0.9) -> list[dict[str, int]]:
+def erank_by_layer(
+    cache, exact, start: int, end: int, energy: float = 0.9, noise: float = 1e-5
+) -> list[dict[str, int]]:
     """Per layer: effective rank of the exact K and V of positions ``[start, end)`` (``base_*``) and of the
-    residual ``exact - cache`` (``delta_*``: for FullShared, the cross-agent correction a method must supply)."""
+    residual ``exact - cache`` (``delta_*``: for FullShared, the cross-agent correction a method must supply).
+
+    A residual below ``noise`` times the exact block's norm is floating-point noise (e.g. layer 0, which
+    no context changes), which is full rank: it counts as rank 0.
+    """
     rows = []
     for layer in range(cache.num_layers):
         k, v = cache.layer_kv(layer)
         ek, ev = exact.layer_kv(layer)
-        ek, ev = kv_matrix(ek[..., start:end, :]), kv_matrix(ev[..., start:end, :])
-        rows.append(
-            {
-                "layer": layer,
-                "base_key": effective_rank(ek, energy),
-                "base_value": effective_rank(ev, energy),
-                "delta_key": effective_rank(ek - kv_matrix(k[..., start:end, :]), energy),
-                "delta_value": effective_rank(ev - kv_matrix(v[..., start:end, :]), energy),
-            }
-        )
+        row: dict[str, int] = {"layer": layer}
+        for part, approx, ref in (("key", k, ek), ("value", v, ev)):
+            base = kv_matrix(ref[..., start:end, :])
+            delta = base - kv_matrix(approx[..., start:end, :])
+            row[f"base_{part}"] = effective_rank(base, energy)
+            tiny = delta.norm() <= noise * base.norm()
+            row[f"delta_{part}"] = 0 if tiny else effective_rank(delta, energy)
+        rows.append({k: row[k] for k in ("layer", "base_key", "base_value", "delta_key", "delta_value")})
     return rows
 
 

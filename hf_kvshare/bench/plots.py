@@ -248,7 +248,7 @@ def sweep_plots(
         return []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows.sort(key=lambda r: (r["method"], r[param]))
+    rows.sort(key=lambda r: (r["method"] != "nonshared", r["method"], r[param]))
     written = [_write_csv(out / f"ttft_vs_{param}.csv", rows)]
     plt = _pyplot()
     if plt is not None:
