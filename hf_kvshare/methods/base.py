@@ -80,6 +80,9 @@ class Method:
     reads_prefix: ClassVar[bool] = False
     #: ``build_cache(batch_size > 1)`` is supported
     supports_batch: ClassVar[bool] = True
+    #: works only on a ``PeftModel`` whose agents are named adapters (the benchmark runs such a
+    #: method only on workloads whose agents name adapters)
+    requires_adapters: ClassVar[bool] = False
 
     def attach(self, model: torch.nn.Module) -> None:
         """Called by each session on its model. Methods keyed by model identity check it here."""

@@ -1,0 +1,27 @@
+"""The single-stream benchmark: workloads, runner, metrics, plots and tau calibration.
+
+Command line: ``python -m hf_kvshare.bench run --workload trace --shared-tokens 256 512 --methods
+nonshared fullshared`` (see ``docs/workloads.md``). Every method in ``hf_kvshare.METHODS`` runs
+through it unchanged; methods with ``requires_adapters = True`` need a workload whose agents name
+PEFT adapters.
+"""
+
+from .calibrate import Calibration, calibrate_tau, realized_rho
+from .runner import BenchRunner, MethodSpec, RunConfig, requires_adapters, run_request
+from .workloads import WORKLOADS, TaskSpec, Workload, WorkloadFormatError, make_workload
+
+__all__ = [
+    "WORKLOADS",
+    "BenchRunner",
+    "Calibration",
+    "MethodSpec",
+    "RunConfig",
+    "TaskSpec",
+    "Workload",
+    "WorkloadFormatError",
+    "calibrate_tau",
+    "make_workload",
+    "realized_rho",
+    "requires_adapters",
+    "run_request",
+]

@@ -1,0 +1,542 @@
+"""``python -m hf_kvshare.bench``: the single-stream benchmark.
+
+Commands: ``run`` (methods x workload -> output directory per configuration), ``plot``, ``report``,
+``calibrate`` (tau for a target rho), ``validate`` (a JSONL task file), ``list`` (methods and
+workloads), ``study NAME`` (standalone studies under ``hf_kvshare.bench.studies``).
+See ``docs/workloads.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+WORKLOAD_OPTIONS = {
+    # option: (parameter, type, help)
+    "--data": (
+        "data",
+        str,
+        "data source: JSONL task file (file), hub name or local file (gsm8k, mmlu, autoact)",
+    ),
+    "--data-config": ("data_config", str, "dataset configuration on the hub (gsm8k: main, mmlu: all)"),
+    "--split": ("split", str, "dataset split (default test)"),
+    "--limit": ("limit", int, "number of requests (tasks) to run"),
+    "--offset": ("offset", int, "index of the first task"),
+    "--max-new-tokens": ("max_new_tokens", int, "tokens generated per agent turn (task workloads)"),
+    "--agents": ("agents", int, "trace: agents per round (N)"),
+    "--rounds": ("rounds", int, "trace/autoact: rounds (R)"),
+    "--output-tokens": ("output_tokens", int, "trace/stress: fixed output length per turn"),
+    "--requests": ("requests", int, "trace/stress: number of requests"),
+    "--hops": ("hops", int, "stress: agents in the chain"),
+}
+
+
+def _add_workload_options(p: argparse.ArgumentParser, sweep: bool = True) -> None:
+    from .workloads import WORKLOADS
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", required=True, choices=sorted(WORKLOADS), help="workload name")
+    for flag, (_, typ, text) in WORKLOAD_OPTIONS.items():
+        g.add_argument(flag, type=typ, default=None, help=text)
+    if sweep:
+        g.add_argument(
+            "--shared-tokens",
+            type=int,
+            nargs="+",
+            default=None,
+            help="trace: shared context length(s); a sweep",
+        )
+    else:
+        g.add_argument("--shared-tokens", type=int, default=None, help="trace: shared context length")
+    g.add_argument(
+        "--first-prefix", action="store_true", default=None, help="stress: give the first agent a persona"
+    )
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    from ..models import DEFAULT_MODEL
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="load_model name (embedded), hub id or local path")
+    g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the model's)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="load a PEFT adapter under NAME (repeat; agents that name an adapter run with it)",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's). On a shared machine 1 thread times far more steadily",
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
+    params = {
+        param: getattr(args, flag[2:].replace("-", "_")) for flag, (param, _, _) in WORKLOAD_OPTIONS.items()
+    }
+    params["first_prefix"] = args.first_prefix
+    return params
+
+
+def _adapters(items: list[str]) -> dict[str, str]:
+    adapters = {}
+    for item in items:
+        name, eq, path = item.partition("=")
+        if not eq or not name or not path:
+            raise SystemExit(f"--adapter expects NAME=PATH, got {item!r}")
+        if name in adapters:
+            raise SystemExit(f"--adapter {name} is given twice")
+        adapters[name] = path
+    return adapters
+
+
+def load_bench_model(
+    name: str, dtype: str | None, device: str, adapters: dict[str, str], threads: int | None = None
+):
+    """``load_model`` plus the device, the CPU threads and the PEFT adapters, in eval mode."""
+    import torch
+
+    from ..models import load_model
+
+    if threads is not None:
+        if threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    model, tok = load_model(name, dtype=dtype)
+    if device != "cpu":
+        model = model.to(device)
+    if adapters:
+        from peft import PeftModel
+
+        items = list(adapters.items())
+        with warnings.catch_warnings():  # raised inside PEFT (not by our calls) on transformers 5.x
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = PeftModel.from_pretrained(model, items[0][1], adapter_name=items[0][0])
+            for adapter, path in items[1:]:
+                model.load_adapter(path, adapter_name=adapter)
+        model.eval()
+    return model, tok
+
+
+# ---------------------------------------------------------------------- run
+def cmd_run(argv: list[str]) -> int:
+    from ..methods import METHODS
+    from . import plots
+    from .runner import BenchRunner, ConfigMismatch, MethodSpec, RunConfig
+    from .workloads import make_workload
+
+    p = argparse.ArgumentParser(
+        prog="python -m hf_kvshare.bench run", description="run methods on a workload"
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["nonshared", "fullshared"],
+        help="registry names with options, e.g. kvcmas:tau=0.4",
+    )
+    _add_workload_options(p)
+    _add_model_options(p)
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="bench_runs", help="output root; one directory per configuration")
+    g.add_argument("--redo", action="store_true", help="rerun methods already done in this configuration")
+    g.add_argument("--no-fidelity", action="store_true", help="skip the teacher-forced pass (speed only)")
+    g.add_argument("--no-erank", action="store_true", help="skip effective ranks (SVDs per layer)")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument(
+        "--execute", action="store_true", help="HumanEval: execute the final code (sandboxed subprocess)"
+    )
+    g.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per HumanEval program")
+    args = p.parse_args(argv)
+    try:
+        specs = [MethodSpec.parse(m) for m in args.methods]
+    except ValueError as e:
+        p.error(f"{e} (registered: {', '.join(sorted(METHODS))})")
+    params = _workload_params(args)
+    sweep = args.shared_tokens or [None]
+    try:
+        workloads = [make_workload(args.workload, **params, shared_tokens=s) for s in sweep]
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+    adapters = _adapters(args.adapter)
+    print(f"loading {args.model} ...", file=sys.stderr)
+    model, tok = load_bench_model(args.model, args.dtype, args.device, adapters, args.threads)
+    dirs = []
+    for workload in workloads:
+        config = RunConfig(
+            workload=workload.name,
+            workload_params=workload.params(),
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            fidelity=not args.no_fidelity,
+            erank=not args.no_erank and not args.no_fidelity,
+            execute=args.execute,
+            exec_timeout=args.exec_timeout,
+            adapters=adapters,
+        )
+        runner = BenchRunner(model, tok, workload, config, args.out, progress=not args.no_progress)
+        try:
+            summaries = runner.run(specs, redo=args.redo)
+        except ConfigMismatch as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not args.no_plots:
+            plots.configuration_plots(runner.dir)
+        print(f"\n{runner.dir}")
+        print(format_table(list(summaries.values())))
+        dirs.append(runner.dir)
+    if len(dirs) > 1 and not args.no_plots:
+        out = Path(args.out) / "plots" / f"{workloads[0].name}-sweep-{dirs[0].name.split('__', 1)[1]}"
+        written = plots.sweep_plots(dirs, out)
+        if written:
+            print(f"\nsweep plots: {out}")
+    return 0
+
+
+COLUMNS = [
+    ("method", "method", "", 22),
+    ("ttft_mean_s", "TTFT s", ".3f", 8),
+    ("ttft_ratio", "NS/TTFT", ".2f", 8),
+    ("e2e_ratio", "NS/E2E", ".2f", 7),
+    ("throughput_tok_s", "tok/s", ".1f", 7),
+    ("reuse_ratio", "rho", ".2f", 5),
+    ("agreement", "agree", ".3f", 6),
+    ("kl", "KL", ".4f", 7),
+    ("kv_error", "KV err", ".4f", 7),
+    ("exact_match", "same out", ".2f", 8),
+    ("accuracy", "acc", ".2f", 5),
+    ("peak_memory_mb", "peak MB", ".0f", 8),
+]
+
+
+def format_table(summaries: list[dict[str, Any]]) -> str:
+    """One line per method: the headline numbers of its summary."""
+    lines = [
+        "  ".join(
+            f"{title:<{w}}" if i == 0 else f"{title:>{w}}" for i, (_, title, _, w) in enumerate(COLUMNS)
+        )
+    ]
+    for s in summaries:
+        cells = []
+        for i, (key, _, fmt, w) in enumerate(COLUMNS):
+            value = s.get(key)
+            text = "-" if value is None else format(value, fmt)
+            cells.append(f"{text:<{w}}" if i == 0 else f"{text:>{w}}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------- plot
+def cmd_plot(argv: list[str]) -> int:
+    from . import plots
+
+    p = argparse.ArgumentParser(
+        prog="python -m hf_kvshare.bench plot", description="(re)draw the figures of runs"
+    )
+    p.add_argument("dirs", nargs="+", help="configuration directories (or an output root holding them)")
+    p.add_argument("--out", default=None, help="where sweep plots go (default: <first root>/plots)")
+    args = p.parse_args(argv)
+    configs = []
+    for d in map(Path, args.dirs):
+        if (d / "summary.json").exists():
+            configs.append(d)
+        else:
+            configs += sorted(c.parent for c in d.glob("*/summary.json"))
+    if not configs:
+        p.error("no configuration directory (with a summary.json) found")
+    for c in configs:
+        written = plots.configuration_plots(c)
+        print(f"{c}: {len(written)} files")
+    out = Path(args.out) if args.out else configs[0].parent / "plots" / "sweep"
+    written = plots.sweep_plots(configs, out)
+    if written:
+        print(f"sweep plots: {out}")
+    return 0
+
+
+# ---------------------------------------------------------------- calibrate
+def cmd_calibrate(argv: list[str]) -> int:
+    from .calibrate import calibrate_tau
+    from .runner import MethodSpec, write_json
+    from .workloads import make_workload
+
+    p = argparse.ArgumentParser(
+        prog="python -m hf_kvshare.bench calibrate", description="pick tau to reach a target reuse ratio rho"
+    )
+    p.add_argument(
+        "--method", required=True, help="a method with a tau option, with other options: kvcmas:rank=32"
+    )
+    p.add_argument("--target-rho", type=float, required=True)
+    p.add_argument("--tau-min", type=float, default=0.0)
+    p.add_argument("--tau-max", type=float, default=1.0)
+    p.add_argument("--iterations", type=int, default=6, help="bisection steps at most")
+    p.add_argument("--tolerance", type=float, default=0.02, help="stop when |rho - target| <= this")
+    p.add_argument("--out", default="bench_runs", help="the result goes to <out>/calibration/")
+    _add_workload_options(p, sweep=False)
+    _add_model_options(p)
+    args = p.parse_args(argv)
+    try:
+        spec = MethodSpec.parse(args.method)
+        workload = make_workload(args.workload, **_workload_params(args), shared_tokens=args.shared_tokens)
+    except ValueError as e:
+        p.error(str(e))
+    model, tok = load_bench_model(args.model, args.dtype, args.device, _adapters(args.adapter), args.threads)
+    tasks = workload.tasks(tok, args.seed)
+    try:
+        result = calibrate_tau(
+            model,
+            tok,
+            tasks,
+            spec,
+            args.target_rho,
+            tau_min=args.tau_min,
+            tau_max=args.tau_max,
+            iterations=args.iterations,
+            tolerance=args.tolerance,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out) / "calibration"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{spec.tag}__{workload.tag()}__rho{args.target_rho:g}.json"
+    data = {
+        **result.to_dict(),
+        "workload": workload.name,
+        "workload_params": workload.params(),
+        "model": args.model,
+    }
+    write_json(path, data)
+    print(f"tau = {result.tau:g} gives rho = {result.rho:.3f} (target {args.target_rho:g}); {path}")
+    if result.note:
+        print(f"note: {result.note}")
+    return 0
+
+
+# ----------------------------------------------------------- validate, list
+def cmd_validate(argv: list[str]) -> int:
+    from .workloads import WorkloadFormatError, validate_task_file
+
+    p = argparse.ArgumentParser(
+        prog="python -m hf_kvshare.bench validate", description="check a JSONL task file"
+    )
+    p.add_argument("file")
+    args = p.parse_args(argv)
+    try:
+        tasks = validate_task_file(args.file)
+    except (WorkloadFormatError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    steps = sum(len(t.schedule) for t in tasks)
+    print(f"{args.file}: {len(tasks)} tasks, {steps} agent turns: OK")
+    return 0
+
+
+def cmd_list(argv: list[str]) -> int:
+    from ..methods import METHODS
+    from .runner import MethodSpec, requires_adapters
+    from .workloads import WORKLOADS
+
+    argparse.ArgumentParser(prog="python -m hf_kvshare.bench list").parse_args(argv)
+    print("methods (registry names; options as name:key=value,...):")
+    for name in sorted(METHODS):
+        options = MethodSpec(name).option_names()
+        flag = "  [requires adapters]" if requires_adapters(METHODS[name]) else ""
+        opts = "any" if options is None else (", ".join(options) or "none")
+        print(f"  {name:<20} options: {opts}{flag}")
+    print("\nworkloads (--workload):")
+    for name, cls in sorted(WORKLOADS.items()):
+        print(f"  {name:<10} {cls.description}")
+        print(f"  {'':<10} parameters: {', '.join(cls.param_names())}")
+    studies = available_studies()
+    print(f"\nstudies (study NAME): {', '.join(studies) if studies else 'none installed'}")
+    return 0
+
+
+# -------------------------------------------------------------------- study
+STUDIES_PACKAGE = "hf_kvshare.bench.studies"
+
+
+def available_studies() -> list[str]:
+    try:
+        package = importlib.import_module(STUDIES_PACKAGE)
+    except ModuleNotFoundError:
+        return []
+    found = {m.name for m in pkgutil.iter_modules(getattr(package, "__path__", []))}
+    found |= {name.rsplit(".", 1)[1] for name in sys.modules if name.startswith(STUDIES_PACKAGE + ".")}
+    return sorted(n for n in found if not n.startswith("_"))
+
+
+def cmd_study(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        studies = available_studies()
+        print("usage: python -m hf_kvshare.bench study NAME [args...]")
+        print(f"studies: {', '.join(studies) if studies else 'none installed'}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    module_name = f"{STUDIES_PACKAGE}.{name}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name not in (STUDIES_PACKAGE, module_name):
+            raise  # the study exists but one of its own imports is missing
+        studies = available_studies()
+        print(
+            f"error: no study named {name!r} (expected module {module_name}); "
+            f"available: {', '.join(studies) if studies else 'none installed'}",
+            file=sys.stderr,
+        )
+        return 2
+    main_fn = getattr(module, "main", None)
+    if not callable(main_fn):
+        print(f"error: {module_name} has no main(argv) function", file=sys.stderr)
+        return 2
+    result = main_fn(rest)
+    return int(result or 0)
+
+
+# ------------------------------------------------------------------- report
+REPORT_COLUMNS = {
+    "speed": [
+        ("method", "method", ""),
+        ("ttft_mean_s", "TTFT s (mean)", ".3f"),
+        ("ttft_p50_s", "p50", ".3f"),
+        ("ttft_p90_s", "p90", ".3f"),
+        ("ttft_ratio", "NonShared/TTFT", ".2f"),
+        ("throughput_tok_s", "tok/s", ".1f"),
+        ("throughput_ratio", "tok/s vs NonShared", ".2f"),
+        ("peak_memory_mb", "peak MB", ".0f"),
+        ("method_state_mb", "state MB", ".2f"),
+        ("reuse_ratio", "rho", ".2f"),
+    ],
+    "sweep": [
+        ("shared_tokens", "shared tokens", "d"),
+        ("method", "method", ""),
+        ("ttft_mean_s", "TTFT s (mean)", ".3f"),
+        ("ttft_p50_s", "p50", ".3f"),
+        ("ttft_p90_s", "p90", ".3f"),
+        ("ttft_ratio", "NonShared/TTFT", ".2f"),
+        ("throughput_tok_s", "tok/s", ".1f"),
+        ("throughput_ratio", "tok/s vs NonShared", ".2f"),
+        ("peak_memory_mb", "peak MB", ".0f"),
+        ("reuse_ratio", "rho", ".2f"),
+    ],
+    "fidelity": [
+        ("method", "method", ""),
+        ("agreement", "top-1 agree", ".3f"),
+        ("first_token_agreement", "1st token", ".2f"),
+        ("kl", "KL", ".4f"),
+        ("kv_error", "KV err", ".4f"),
+        ("exact_match", "same output", ".2f"),
+        ("accuracy", "accuracy", ".2f"),
+        ("ttft_mean_s", "TTFT s", ".3f"),
+        ("ttft_ratio", "NonShared/TTFT", ".2f"),
+        ("e2e_ratio", "NonShared/E2E", ".2f"),
+        ("peak_memory_mb", "peak MB", ".0f"),
+        ("method_state_mb", "state MB", ".2f"),
+        ("reuse_ratio", "rho", ".2f"),
+    ],
+}
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]
+    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
+    for r in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = r.get(key)
+            cells.append("-" if value is None else format(value, fmt))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cmd_report(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m hf_kvshare.bench report", description="markdown tables from configuration directories"
+    )
+    p.add_argument("dirs", nargs="+", help="configuration directories (or an output root holding them)")
+    p.add_argument("--kind", choices=sorted(REPORT_COLUMNS), default="fidelity")
+    p.add_argument("--hops", action="store_true", help="also a per-hop fidelity table per method")
+    args = p.parse_args(argv)
+    configs = []
+    for d in map(Path, args.dirs):
+        configs += (
+            [d] if (d / "summary.json").exists() else sorted(c.parent for c in d.glob("*/summary.json"))
+        )
+    if not configs:
+        p.error("no configuration directory (with a summary.json) found")
+    configs.sort(key=_natural)
+    if args.kind == "sweep":  # one table over the configurations, by shared-context length
+        rows = []
+        for c in configs:
+            data = json.loads((c / "summary.json").read_text())
+            length = (data["config"].get("workload_params") or {}).get("shared_tokens")
+            rows += [{"shared_tokens": length, **m} for m in data["methods"] if length is not None]
+        print(markdown_table(rows, REPORT_COLUMNS["sweep"]))
+        return 0
+    for c in configs:
+        data = json.loads((c / "summary.json").read_text())
+        print(f"\n**{c.name}**\n")
+        print(markdown_table(data["methods"], REPORT_COLUMNS[args.kind]))
+        if args.hops:
+            columns = [("position", "hop", "d"), ("agent", "agent", ""), ("agreement", "top-1 agree", ".3f"),
+                       ("first_token_agreement", "1st token", ".2f"), ("kl", "KL", ".4f"), ("kv_error", "KV err", ".4f"),
+                       ("exact_match", "same output", ".2f")]  # fmt: skip
+            for m in data["methods"]:
+                if m["method"] == "nonshared":
+                    continue
+                print(f"\n{m['method']}, hop by hop:\n")
+                print(markdown_table(m.get("by_position") or [], columns))
+    return 0
+
+
+def _natural(path: Path) -> list:
+    """Sort key: numbers inside the name compare as numbers (S256 before S1024)."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "plot": cmd_plot,
+    "calibrate": cmd_calibrate,
+    "validate": cmd_validate,
+    "list": cmd_list,
+    "report": cmd_report,
+    "study": cmd_study,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m hf_kvshare.bench {" + ",".join(COMMANDS) + "} [options]")
+        print("       python -m hf_kvshare.bench COMMAND --help")
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"unknown command {argv[0]!r}; available: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return command(argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

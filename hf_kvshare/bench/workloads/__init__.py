@@ -1,0 +1,38 @@
+"""Workloads: every one produces :class:`TaskSpec` requests (the JSONL task format).
+
+Registry ``WORKLOADS``: ``trace`` (controlled traces), ``file`` (JSONL task files), ``humaneval``,
+``gsm8k``, ``mmlu`` (4-agent task workflows), ``stress`` (where FullShared visibly degrades),
+``autoact`` (multi-LoRA plan/act/reflect).
+"""
+
+from .autoact import AutoActWorkload
+from .base import WORKLOADS, Workload, make_workload, register_workload
+from .files import FileWorkload, load_table, load_task_file, validate_task_file
+from .spec import AgentSpec, BenchStep, SlotSpec, StepSpec, TaskSpec, WorkloadFormatError
+from .stress import StressWorkload
+from .tasks import GSM8KWorkload, HumanEvalWorkload, MMLUWorkload
+from .trace import TraceWorkload, synthetic_text
+
+__all__ = [
+    "WORKLOADS",
+    "AgentSpec",
+    "AutoActWorkload",
+    "BenchStep",
+    "FileWorkload",
+    "GSM8KWorkload",
+    "HumanEvalWorkload",
+    "MMLUWorkload",
+    "SlotSpec",
+    "StepSpec",
+    "StressWorkload",
+    "TaskSpec",
+    "TraceWorkload",
+    "Workload",
+    "WorkloadFormatError",
+    "load_table",
+    "load_task_file",
+    "make_workload",
+    "register_workload",
+    "synthetic_text",
+    "validate_task_file",
+]

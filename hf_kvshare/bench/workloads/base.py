@@ -1,0 +1,78 @@
+"""Workload base class and registry.
+
+A workload turns its parameters (and the run's seed) into a list of :class:`TaskSpec` requests.
+Parameters are dataclass fields; the CLI fills them from its options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from .spec import TaskSpec
+
+WORKLOADS: dict[str, type[Workload]] = {}
+
+
+def register_workload(cls: type[Workload]) -> type[Workload]:
+    if cls.name in WORKLOADS and WORKLOADS[cls.name] is not cls:
+        raise ValueError(
+            f"workload name {cls.name!r} is already registered by {WORKLOADS[cls.name].__name__}"
+        )
+    WORKLOADS[cls.name] = cls
+    return cls
+
+
+@dataclasses.dataclass
+class Workload:
+    """Base class: subclasses are dataclasses whose fields are the workload's parameters."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
+        raise NotImplementedError
+
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def tag(self) -> str:
+        """A short, file-system-safe name for this workload and its parameters."""
+        parts = [self.name]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value != f.default:
+                parts.append(f"{_short(f.name)}{_text(value)}")
+        return "-".join(parts)
+
+    @classmethod
+    def param_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def make_workload(name: str, **params: Any) -> Workload:
+    """A workload by registry name; ``params`` must be among its parameters (``None`` = default)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; available: {', '.join(sorted(WORKLOADS))}")
+    cls = WORKLOADS[name]
+    allowed = set(cls.param_names())
+    given = {k: v for k, v in params.items() if v is not None}
+    unknown = sorted(set(given) - allowed)
+    if unknown:
+        raise ValueError(
+            f"workload {name!r} does not take {', '.join(unknown)}; its parameters: {', '.join(sorted(allowed))}"
+        )
+    return cls(**given)
+
+
+def _short(name: str) -> str:
+    return "".join(w[0] for w in name.split("_")).upper()
+
+
+def _text(value: Any) -> str:
+    import os
+    import re
+
+    if isinstance(value, str) and os.sep in value:
+        value = os.path.basename(value.rstrip(os.sep))
+    return re.sub(r"[^A-Za-z0-9_.=+]", "_", str(value))[:40]

@@ -1,0 +1,129 @@
+"""Loading workload data through ``datasets``: JSONL task files and benchmark tables.
+
+:func:`load_task_file` reads a JSONL file in the task format (one :class:`TaskSpec` per line). Each
+line is first parsed and validated on its own, so a bad record is reported with its line number
+and field; the validated file is then loaded with ``datasets`` (one row per task).
+
+:func:`load_table` loads a benchmark table (GSM8K, MMLU, ...) from a hub name or a local file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .base import Workload, register_workload
+from .spec import TaskSpec, WorkloadFormatError
+
+#: local file extensions and the ``datasets`` builder that reads them
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def validate_task_file(path: str | os.PathLike) -> list[TaskSpec]:
+    """Parse and validate every line of a JSONL task file; raise naming the line and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"workload file {str(path)!r} does not exist")
+    tasks: list[TaskSpec] = []
+    ids: dict[str, int] = {}
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path.name} line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise WorkloadFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            task = TaskSpec.from_record(record, where=where, default_id=f"line-{number}")
+            if task.id in ids:
+                raise WorkloadFormatError(f"{where}: id: {task.id!r} is already used on line {ids[task.id]}")
+            ids[task.id] = number
+            tasks.append(task)
+    if not tasks:
+        raise WorkloadFormatError(f"{path.name}: the file holds no task (one JSON object per line)")
+    return tasks
+
+
+def load_task_file(path: str | os.PathLike) -> list[TaskSpec]:
+    """The tasks of a JSONL task file, validated line by line, loaded with ``datasets``."""
+    validated = validate_task_file(path)
+    rows = _load_dataset("json", {"data_files": str(path), "split": "train"}, str(path))
+    if len(rows) != len(validated):
+        raise WorkloadFormatError(
+            f"{path}: datasets read {len(rows)} rows, the file has {len(validated)} tasks"
+        )
+    tasks = []
+    for i, (row, first) in enumerate(zip(rows, validated)):
+        # rows carry every column of the file (None where a line lacks it): parse them again
+        task = TaskSpec.from_record(row, where=f"{Path(path).name} task {i + 1}", default_id=first.id)
+        tasks.append(task)
+    return tasks
+
+
+def load_table(source: str, config: str | None = None, split: str = "test") -> Any:
+    """A ``datasets.Dataset`` from a local file (by extension) or a hub dataset name."""
+    path = Path(source)
+    if path.exists():
+        if path.is_dir():
+            return _load_dataset(str(path), {"name": config, "split": split}, source)
+        builder = BUILDERS.get("".join(path.suffixes[-1:]).lower())
+        if builder is None:
+            raise ValueError(
+                f"cannot tell the format of {source!r} from its extension; use one of {', '.join(sorted(BUILDERS))}"
+            )
+        return _load_dataset(builder, {"data_files": str(path), "split": "train"}, source)
+    if source.startswith((".", "/", "~")) or source.endswith(tuple(BUILDERS)):
+        raise FileNotFoundError(f"data file {source!r} does not exist")
+    return _load_dataset(source, {"name": config, "split": split}, source)
+
+
+def _load_dataset(builder: str, kwargs: dict[str, Any], source: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(builder, **{k: v for k, v in kwargs.items() if v is not None})
+    except Exception as e:  # datasets raises many types (hub, schema, file errors); say what was loaded
+        raise RuntimeError(
+            f"datasets could not load {source!r} ({type(e).__name__}: {e}). A hub name needs network access; "
+            "a local file needs the same JSON type for a field on every line"
+        ) from e
+
+
+@register_workload
+@dataclass
+class FileWorkload(Workload):
+    """Tasks from a JSONL file in the task format (``docs/workloads.md``)."""
+
+    name = "file"
+    description = "tasks from a JSONL file in the documented task format (--data PATH)"
+
+    data: str = ""
+    limit: int | None = None
+    offset: int = 0
+
+    def tag(self) -> str:
+        digest = (
+            hashlib.sha1(Path(self.data).read_bytes()).hexdigest()[:8]
+            if Path(self.data).is_file()
+            else "missing"
+        )
+        parts = [f"file-{Path(self.data).stem}-{digest}"]
+        if self.offset:
+            parts.append(f"O{self.offset}")
+        if self.limit is not None:
+            parts.append(f"L{self.limit}")
+        return "-".join(parts)
+
+    def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
+        if not self.data:
+            raise ValueError("the file workload needs --data PATH (a JSONL task file)")
+        tasks = load_task_file(self.data)
+        end = len(tasks) if self.limit is None else self.offset + self.limit
+        if self.offset >= len(tasks):
+            raise ValueError(f"offset {self.offset} is past the end of {self.data} ({len(tasks)} tasks)")
+        return tasks[self.offset : end]

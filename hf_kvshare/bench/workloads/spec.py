@@ -1,0 +1,415 @@
+"""The task format every workload is expressed in: agents, shared slots, a schedule.
+
+A :class:`TaskSpec` is one request of a multi-agent workflow. It is what a line of a JSONL
+workload file holds (see ``docs/workloads.md``) and what every built-in workload (controlled
+traces, HumanEval, GSM8K, MMLU, stress, AutoAct) generates, so all of them run through the same
+runner. :meth:`TaskSpec.from_record` validates a record and names the offending field;
+:meth:`TaskSpec.to_workflow` lays the steps out as PF/PH segments (with the tokenizer's chat
+template or as plain text) and returns a :class:`~hf_kvshare.workflow.Workflow`.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...trajectory import PF, PH, SegmentSpec, chat
+from ...workflow import Step, Workflow
+
+#: answer checkers a task may name (see :mod:`hf_kvshare.bench.metrics`)
+FILE_CHECKERS = ("exact", "numeric", "letter")
+CHECKERS = (*FILE_CHECKERS, "humaneval")
+
+DEFAULT_GLUE = "\n\n{label}:\n"
+DEFAULT_TAIL = "\n\nYour answer:"
+
+
+class WorkloadFormatError(ValueError):
+    """A workload record does not follow the format; the message names the record and field."""
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """An agent: its system prompt, the glue text before each slot it reads, the text after the
+    last slot, and optionally the PEFT adapter it runs with."""
+
+    name: str
+    system: str = ""
+    glue: str = DEFAULT_GLUE  # may use {label}: the slot's label
+    tail: str = DEFAULT_TAIL
+    adapter: str | None = None
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """Shared content given with the request (the user query, a document, an instruction)."""
+
+    name: str
+    text: str
+    label: str | None = None  # how glue names it; default: the slot name
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One agent turn: which slots it reads, in order, and where its output goes."""
+
+    agent: str
+    reads: tuple[str, ...] = ()
+    output: str | None = None  # output slot; default <agent>, then <agent>#2, ...
+    label: str | None = None  # label of the output when later agents read it; default: the agent name
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+
+
+@dataclass
+class BenchStep(Step):
+    """A :class:`~hf_kvshare.workflow.Step` with what the bench runner needs besides: the explicit
+    output slot, the adapter to activate, the slots read and extra ``generate`` arguments."""
+
+    output_slot: str = ""
+    adapter: str | None = None
+    reads: tuple[str, ...] = ()
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TaskSpec:
+    """One request: agents, given slots, the schedule, and an optional answer with its checker."""
+
+    id: str
+    agents: list[AgentSpec]
+    slots: list[SlotSpec]
+    schedule: list[StepSpec]
+    max_new_tokens: int = 48
+    chat: bool | None = None  # None: use the chat template when the tokenizer has one
+    answer: str | None = None
+    checker: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)  # not in the file format (e.g. HumanEval tests)
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    # ------------------------------------------------------------------ views
+    def agent(self, name: str) -> AgentSpec:
+        for a in self.agents:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    @property
+    def adapters(self) -> list[str]:
+        return sorted({a.adapter for a in self.agents if a.adapter})
+
+    def output_slots(self) -> list[str]:
+        """The output slot of each step (explicit, or ``agent``, ``agent#2``, ... as a Session names them)."""
+        taken = {s.name for s in self.slots}
+        names = []
+        for step in self.schedule:
+            name = step.output
+            if name is None:
+                name, n = step.agent, 2
+                while name in taken:
+                    name, n = f"{step.agent}#{n}", n + 1
+            taken.add(name)
+            names.append(name)
+        return names
+
+    def reused_slots(self) -> list[set[str]]:
+        """Per step, the slots it reads that an earlier step already read or produced (reusable)."""
+        seen: set[str] = set()
+        out = []
+        for step, produced in zip(self.schedule, self.output_slots()):
+            out.append(set(step.reads) & seen)
+            seen.update(step.reads)
+            seen.add(produced)
+        return out
+
+    # ------------------------------------------------------------- validation
+    def _check(self) -> None:
+        def fail(where: str, msg: str) -> None:
+            raise WorkloadFormatError(f"{where}: {msg}")
+
+        if not self.agents:
+            fail("agents", "at least one agent is needed")
+        names = [a.name for a in self.agents]
+        for i, a in enumerate(self.agents):
+            if names.index(a.name) != i:
+                fail(f"agents[{i}].name", f"agent {a.name!r} is defined twice")
+            bad = [f for _, f, _, _ in string.Formatter().parse(a.glue) if f not in (None, "label")]
+            if bad:
+                fail(f"agents[{i}].glue", f"unknown placeholder {{{bad[0]}}}; only {{label}} is allowed")
+        slot_names = [s.name for s in self.slots]
+        for i, s in enumerate(self.slots):
+            if slot_names.index(s.name) != i:
+                fail(f"slots[{i}].name", f"slot {s.name!r} is defined twice")
+            if not s.text:
+                fail(f"slots[{i}].text", "must be a non-empty string")
+        if not self.schedule:
+            fail("schedule", "at least one step is needed")
+        if self.max_new_tokens < 1:
+            fail("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        available = set(slot_names)
+        outputs = self.output_slots()
+        for i, step in enumerate(self.schedule):
+            where = f"schedule[{i}]"
+            if step.agent not in names:
+                fail(f"{where}.agent", f"unknown agent {step.agent!r}; agents: {', '.join(names)}")
+            for j, slot in enumerate(step.reads):
+                if slot not in available:
+                    later = " (it is produced by a later step)" if slot in outputs[i:] else ""
+                    fail(
+                        f"{where}.reads[{j}]",
+                        f"slot {slot!r} is neither a given slot nor an earlier step's output{later}",
+                    )
+                if step.reads.index(slot) != j:
+                    fail(f"{where}.reads[{j}]", f"slot {slot!r} is read twice in one step")
+            agent = self.agent(step.agent)
+            if not step.reads and not agent.tail and not agent.system:
+                fail(where, f"agent {step.agent!r} reads nothing and has no system prompt or tail")
+            if outputs[i] in available:
+                fail(f"{where}.output", f"slot {outputs[i]!r} already exists")
+            n_max = step.max_new_tokens if step.max_new_tokens is not None else self.max_new_tokens
+            if n_max < 1:
+                fail(f"{where}.max_new_tokens", f"must be >= 1, got {n_max}")
+            if step.min_new_tokens is not None and not 0 <= step.min_new_tokens <= n_max:
+                fail(f"{where}.min_new_tokens", f"must be between 0 and max_new_tokens={n_max}")
+            available.add(outputs[i])
+        if self.checker is not None:
+            if self.checker not in CHECKERS:
+                fail("checker", f"unknown checker {self.checker!r}; one of {', '.join(CHECKERS)}")
+            if self.checker != "humaneval" and self.answer is None:
+                fail("answer", f"checker {self.checker!r} needs an answer")
+
+    # ----------------------------------------------------------------- layout
+    def to_workflow(self, tokenizer: Any) -> Workflow:
+        """Lay every step out as PF/PH segments.
+
+        Chat layout: the agent's system prompt as the system message; the user message is
+        ``glue(slot1).lstrip() + slot1 + glue(slot2) + slot2 + ... + tail``; the template's assistant
+        header ends the prompt. Plain layout: ``system + "\\n\\n"`` then the same user text.
+        """
+        use_chat = self.chat
+        if use_chat is None:
+            use_chat = getattr(tokenizer, "chat_template", None) is not None
+        elif use_chat and getattr(tokenizer, "chat_template", None) is None:
+            raise WorkloadFormatError(
+                f"task {self.id!r} asks for the chat layout; the tokenizer has no chat template"
+            )
+        given = {s.name: s for s in self.slots}
+        labels = {s.name: s.label or s.name for s in self.slots}
+        steps = []
+        for step, output in zip(self.schedule, self.output_slots()):
+            agent = self.agent(step.agent)
+            content: list[SegmentSpec] = []
+            for j, slot in enumerate(step.reads):
+                glue = agent.glue.format(label=labels[slot])
+                if j == 0:
+                    glue = glue.lstrip()
+                if glue:
+                    content.append(PF(glue))
+                content.append(PH(slot, given[slot].text if slot in given else None))
+            if agent.tail:
+                content.append(PF(agent.tail.lstrip() if not step.reads else agent.tail))
+            if use_chat:
+                messages = []
+                if agent.system:
+                    messages.append({"role": "system", "content": agent.system})
+                messages.append({"role": "user", "content": content})
+                segments = chat(tokenizer, messages)
+            else:
+                segments = ([PF(agent.system + "\n\n")] if agent.system else []) + content
+            labels[output] = step.label or step.agent
+            kwargs = {} if step.min_new_tokens is None else {"min_new_tokens": step.min_new_tokens}
+            steps.append(
+                BenchStep(
+                    agent=step.agent,
+                    segments=segments,
+                    max_new_tokens=step.max_new_tokens or self.max_new_tokens,
+                    output_slot=output,
+                    adapter=agent.adapter,
+                    reads=tuple(step.reads),
+                    generate_kwargs=kwargs,
+                )
+            )
+        return Workflow(steps=steps, max_new_tokens=self.max_new_tokens, name=self.id)
+
+    # ---------------------------------------------------------------- records
+    @classmethod
+    def from_record(cls, record: Any, where: str = "record", default_id: str = "task") -> TaskSpec:
+        """Parse and validate one record (a JSON object; ``None`` values count as absent).
+
+        Raises :class:`WorkloadFormatError` naming ``where`` and the field.
+        """
+        r = _Reader(where)
+        obj = r.mapping(record, "")
+        r.no_unknown(obj, "", _TOP_KEYS)
+        agents = []
+        for i, a in enumerate(r.list_of(obj, "agents", required=True)):
+            path = f"agents[{i}]"
+            a = r.mapping(a, path)
+            r.no_unknown(a, path, _AGENT_KEYS)
+            agents.append(
+                AgentSpec(
+                    name=r.string(a, "name", path, required=True),
+                    system=r.string(a, "system", path, default="", allow_empty=True),
+                    glue=r.string(a, "glue", path, default=DEFAULT_GLUE, allow_empty=True),
+                    tail=r.string(a, "tail", path, default=DEFAULT_TAIL, allow_empty=True),
+                    adapter=r.string(a, "adapter", path),
+                )
+            )
+        slots = []
+        for i, s in enumerate(r.list_of(obj, "slots")):
+            path = f"slots[{i}]"
+            s = r.mapping(s, path)
+            r.no_unknown(s, path, _SLOT_KEYS)
+            slots.append(
+                SlotSpec(
+                    name=r.string(s, "name", path, required=True),
+                    text=r.string(s, "text", path, required=True),
+                    label=r.string(s, "label", path),
+                )
+            )
+        schedule = []
+        for i, st in enumerate(r.list_of(obj, "schedule", required=True)):
+            path = f"schedule[{i}]"
+            st = r.mapping(st, path)
+            r.no_unknown(st, path, _STEP_KEYS)
+            reads = r.list_of(st, "reads", path)
+            for j, slot in enumerate(reads):
+                if not isinstance(slot, str) or not slot:
+                    r.fail(f"{path}.reads[{j}]", f"expected a slot name (string), got {slot!r}")
+            schedule.append(
+                StepSpec(
+                    agent=r.string(st, "agent", path, required=True),
+                    reads=tuple(reads),
+                    output=r.string(st, "output", path),
+                    label=r.string(st, "label", path),
+                    max_new_tokens=r.integer(st, "max_new_tokens", path, minimum=1),
+                    min_new_tokens=r.integer(st, "min_new_tokens", path, minimum=0),
+                )
+            )
+        checker = r.string(obj, "checker", "")
+        if checker is not None and checker not in FILE_CHECKERS:
+            r.fail("checker", f"unknown checker {checker!r}; one of {', '.join(FILE_CHECKERS)}")
+        chat_flag = obj.get("chat")
+        if chat_flag is not None and not isinstance(chat_flag, bool):
+            r.fail("chat", f"expected true or false, got {chat_flag!r}")
+        try:
+            return cls(
+                id=r.string(obj, "id", "") or default_id,
+                agents=agents,
+                slots=slots,
+                schedule=schedule,
+                max_new_tokens=r.integer(obj, "max_new_tokens", "", minimum=1) or 48,
+                chat=chat_flag,
+                answer=r.string(obj, "answer", "", allow_empty=True),
+                checker=checker,
+            )
+        except WorkloadFormatError as e:
+            raise WorkloadFormatError(f"{where}: {e}") from None
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON object of this task in the file format (``meta`` is not part of it)."""
+        return {
+            "id": self.id,
+            "chat": self.chat,
+            "max_new_tokens": self.max_new_tokens,
+            "agents": [
+                {"name": a.name, "system": a.system, "glue": a.glue, "tail": a.tail, "adapter": a.adapter}
+                for a in self.agents
+            ],
+            "slots": [{"name": s.name, "text": s.text, "label": s.label} for s in self.slots],
+            "schedule": [
+                {
+                    "agent": s.agent,
+                    "reads": list(s.reads),
+                    "output": s.output,
+                    "label": s.label,
+                    "max_new_tokens": s.max_new_tokens,
+                    "min_new_tokens": s.min_new_tokens,
+                }
+                for s in self.schedule
+            ],
+            "answer": self.answer,
+            "checker": self.checker if self.checker in FILE_CHECKERS else None,
+        }
+
+
+_TOP_KEYS = ("id", "chat", "max_new_tokens", "agents", "slots", "schedule", "answer", "checker")
+_AGENT_KEYS = ("name", "system", "glue", "tail", "adapter")
+_SLOT_KEYS = ("name", "text", "label")
+_STEP_KEYS = ("agent", "reads", "output", "label", "max_new_tokens", "min_new_tokens")
+
+
+class _Reader:
+    """Typed field access with errors that name the record and the field path."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, path: str, msg: str) -> None:
+        raise WorkloadFormatError(f"{self.where}: {path or 'record'}: {msg}")
+
+    def mapping(self, value: Any, path: str) -> Mapping:
+        if not isinstance(value, Mapping):
+            self.fail(path, f"expected a JSON object, got {type(value).__name__}")
+        return value
+
+    def no_unknown(self, obj: Mapping, path: str, known: tuple[str, ...]) -> None:
+        for key in obj:
+            if key not in known and obj[key] is not None:
+                self.fail(
+                    f"{path}.{key}" if path else key, f"unknown field; expected one of {', '.join(known)}"
+                )
+
+    def _get(self, obj: Mapping, key: str, path: str, required: bool) -> Any:
+        value = obj.get(key)
+        if value is None and required:
+            self.fail(_join(path, key), "is required")
+        return value
+
+    def string(
+        self,
+        obj: Mapping,
+        key: str,
+        path: str,
+        required: bool = False,
+        default: Any = None,
+        allow_empty=False,
+    ) -> Any:
+        value = self._get(obj, key, path, required)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            self.fail(_join(path, key), f"expected a string, got {type(value).__name__} {value!r}")
+        if not value and not allow_empty:
+            self.fail(_join(path, key), "must be a non-empty string")
+        return value
+
+    def integer(self, obj: Mapping, key: str, path: str, minimum: int) -> int | None:
+        value = obj.get(key)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # datasets may widen integer columns to float
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(_join(path, key), f"expected an integer, got {type(value).__name__} {value!r}")
+        if value < minimum:
+            self.fail(_join(path, key), f"must be >= {minimum}, got {value}")
+        return value
+
+    def list_of(self, obj: Mapping, key: str, path: str = "", required: bool = False) -> list:
+        value = self._get(obj, key, path, required)
+        if value is None:
+            return []
+        if not isinstance(value, (list, tuple)):
+            self.fail(_join(path, key), f"expected a list, got {type(value).__name__}")
+        if required and not value:
+            self.fail(_join(path, key), "must not be empty")
+        return list(value)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key

@@ -1,0 +1,124 @@
+"""Controlled traces (the seeds' serving-efficiency setup, single stream).
+
+A fixed schedule of N agents over R rounds; every agent reads a shared context of exactly
+``shared_tokens`` tokens and every earlier agent output (outputs accumulate), and generates exactly
+``output_tokens`` tokens (``min_new_tokens = max_new_tokens``), so every method processes the same
+trajectory lengths. The first turn prefills the context densely; later turns are reuse turns.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from .base import Workload, register_workload
+from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec
+
+ROLES = [
+    ("planner", "You are the planner. Break the work into small steps and keep the team on track."),
+    ("researcher", "You are the researcher. Pull the relevant facts out of the shared material."),
+    ("critic", "You are the critic. Point out gaps, risks and mistakes in what the team wrote."),
+    ("coder", "You are the programmer. Turn the team's conclusions into precise instructions."),
+    ("writer", "You are the writer. Summarize the team's findings clearly for a reader."),
+    ("tester", "You are the tester. Propose checks that would show whether the plan works."),
+    ("analyst", "You are the analyst. Quantify the options and compare them with numbers."),
+    ("reviewer", "You are the reviewer. Decide what is ready and what needs another pass."),
+]
+
+_SUBJECTS = "the council|the engineer|a farmer|the library|our team|the river|a small shop|the old mill|the committee|a student|the bakery|the museum|the city|a volunteer|the budget".split(
+    "|"
+)
+_VERBS = "reviewed|planned|measured|repaired|described|funded|opened|compared|questioned|improved|delayed|approved|studied|visited|reported".split(
+    "|"
+)
+_OBJECTS = "the bridge|a new roof|the water supply|three options|the spring schedule|the costs|a public survey|the north road|two proposals|the storage rooms|the harvest|a safety review|the opening hours|the archive|the main hall".split(
+    "|"
+)
+_TAILS = "before winter|after a long debate|with care|for the third time|in the morning|despite the rain|within budget|at the last meeting|without delay|for the neighbours".split(
+    "|"
+)
+
+
+def synthetic_text(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
+    """Plain English-like text that tokenizes (on its own) to exactly ``n_tokens`` tokens."""
+    if n_tokens < 1:
+        raise ValueError(f"shared_tokens must be >= 1, got {n_tokens}")
+    sentences: list[str] = []
+    length = 0
+    while length < n_tokens + 8:
+        sentence = f"{rng.choice(_SUBJECTS).capitalize()} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
+        sentences.append(sentence)
+        length += len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+    text = " ".join(sentences)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for cut in range(n_tokens, min(n_tokens + 8, len(ids)) + 1):  # a boundary may merge on re-tokenizing
+        candidate = tokenizer.decode(ids[:cut])
+        if len(tokenizer(candidate, add_special_tokens=False)["input_ids"]) == n_tokens:
+            return candidate
+    for cut in range(n_tokens - 1, max(n_tokens - 8, 0), -1):
+        candidate = tokenizer.decode(ids[:cut])
+        if len(tokenizer(candidate, add_special_tokens=False)["input_ids"]) == n_tokens:
+            return candidate
+    raise RuntimeError(f"could not build a text of exactly {n_tokens} tokens with this tokenizer")
+
+
+@register_workload
+@dataclass
+class TraceWorkload(Workload):
+    """N agents x R rounds over a shared context of a fixed length; fixed-length outputs fed forward."""
+
+    name = "trace"
+    description = (
+        "controlled trace: N agents x R rounds, shared context of a fixed length, fixed-length outputs"
+    )
+
+    shared_tokens: int = 512
+    agents: int = 3
+    rounds: int = 1
+    output_tokens: int = 32
+    requests: int = 1
+
+    def __post_init__(self) -> None:
+        for field_name in ("shared_tokens", "agents", "rounds", "output_tokens", "requests"):
+            if getattr(self, field_name) < 1:
+                raise ValueError(f"trace: {field_name} must be >= 1, got {getattr(self, field_name)}")
+        if self.agents > len(ROLES):
+            raise ValueError(f"trace: at most {len(ROLES)} agents, got {self.agents}")
+
+    def tag(self) -> str:
+        return f"trace-S{self.shared_tokens}-N{self.agents}-R{self.rounds}-O{self.output_tokens}-Q{self.requests}"
+
+    def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
+        roles = ROLES[: self.agents]
+        agents = [
+            AgentSpec(name=name, system=system, tail="\n\nContinue the team's work:")
+            for name, system in roles
+        ]
+        tasks = []
+        for r in range(self.requests):
+            rng = random.Random(f"{seed}-{r}")
+            context = synthetic_text(tokenizer, self.shared_tokens, rng)
+            schedule, outputs = [], []
+            for _ in range(self.rounds):
+                for name, _ in roles:
+                    n = sum(1 for o in outputs if o.split("#")[0] == name) + 1
+                    schedule.append(
+                        StepSpec(
+                            agent=name,
+                            reads=("context", *outputs),
+                            max_new_tokens=self.output_tokens,
+                            min_new_tokens=self.output_tokens,
+                        )
+                    )
+                    outputs.append(name if n == 1 else f"{name}#{n}")
+            tasks.append(
+                TaskSpec(
+                    id=f"trace-{r}",
+                    agents=agents,
+                    slots=[SlotSpec(name="context", text=context, label="Shared notes")],
+                    schedule=schedule,
+                    max_new_tokens=self.output_tokens,
+                )
+            )
+        return tasks

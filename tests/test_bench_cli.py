@@ -1,0 +1,422 @@
+"""The benchmark CLI end to end on a tiny random Llama, for every registered method.
+
+Methods registered later (kvcmas, cacheblend, precache, ...) are covered automatically: the
+tests iterate over ``hf_kvshare.METHODS``. A method with ``requires_adapters = True`` runs on the
+multi-LoRA workload with tiny random adapters instead of the prompt-specialized ones.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from bench_helpers import GRAPH_TASKS, save_random_adapters, save_tiny, write_jsonl
+
+from hf_kvshare import METHODS
+from hf_kvshare.bench import calibrate_tau, make_workload, realized_rho
+from hf_kvshare.bench.__main__ import main
+from hf_kvshare.bench.runner import MethodSpec, requires_adapters
+from hf_kvshare.methods import Method, Placement
+
+PROMPT_METHODS = sorted(n for n, c in METHODS.items() if not requires_adapters(c))
+ALL_METHODS = sorted(METHODS)
+TRACE = [
+    "--workload",
+    "trace",
+    "--shared-tokens",
+    "24",
+    "--agents",
+    "3",
+    "--rounds",
+    "2",
+    "--output-tokens",
+    "3",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; on a shared, oversubscribed CPU two spin-waiting threads
+    can make each forward 100x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tokenizer):
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    return save_random_adapters(tmp_path_factory.mktemp("adapters"))
+
+
+def bench(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+def only_config(out: Path) -> Path:
+    dirs = [d for d in out.iterdir() if d.is_dir() and (d / "config.json").exists()]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_method_output(config_dir: Path, method: str, n_turns: int, n_requests: int) -> dict:
+    tag = MethodSpec.parse(method).tag
+    turns = read_jsonl(config_dir / tag / "turns.jsonl")
+    requests = read_jsonl(config_dir / tag / "requests.jsonl")
+    reference = read_jsonl(config_dir / "nonshared" / "turns.jsonl")
+    assert len(turns) == n_turns and len(requests) == n_requests
+    for t, r in zip(turns, reference):
+        # every method sees the same prompts; fidelity numbers are proper
+        assert (t["request"], t["position"], t["prompt_tokens"]) == (
+            r["request"],
+            r["position"],
+            r["prompt_tokens"],
+        )
+        assert (
+            0.0 <= t["agreement"] <= 1.0 and t["kl"] >= -1e-6 and t["kv_error"] is None or t["kv_error"] >= 0
+        )
+        assert t["reuse_ratio"] is None or 0.0 <= t["reuse_ratio"] <= 1.0
+        assert t["output_tokens"] >= 1 and t["ttft_s"] > 0 and t["e2e_s"] >= t["ttft_s"]
+    summary = json.loads((config_dir / tag / "summary.json").read_text())
+    assert summary["turns"] == n_turns and summary["config"]["method"] == MethodSpec.parse(method).name
+    return summary
+
+
+# ----------------------------------------------------------- every method
+@pytest.mark.parametrize("method", PROMPT_METHODS)
+def test_every_method_on_a_controlled_trace(method, tiny_dir, tmp_path, capsys):
+    assert (
+        bench("run", *TRACE, "--methods", method, "--model", tiny_dir, "--out", tmp_path, "--no-progress")
+        == 0
+    )
+    config = only_config(tmp_path)
+    summary = check_method_output(config, method, n_turns=6, n_requests=1)
+    ref = json.loads((config / "nonshared" / "summary.json").read_text())
+    assert (
+        ref["agreement"] == 1.0
+        and ref["kv_error"] == 0.0
+        and ref["reuse_ratio"] == 0.0
+        and ref["exact_match"] == 1.0
+    )
+    assert summary["reuse_turns"] == 5 and 0.0 <= summary["reuse_ratio"] <= 1.0
+    if method == "fullshared":
+        assert summary["reuse_ratio"] == 1.0 and summary["kv_error"] > 1e-4
+    # the configuration summary (JSON + CSV), the plots and the printed table
+    table = json.loads((config / "summary.json").read_text())
+    assert [m["method"] for m in table["methods"]][0] == "nonshared"
+    assert method in (config / "summary.csv").read_text()
+    for name in ("fidelity_vs_ttft", "kv_error_by_layer", "kv_error_by_agent", "effective_rank_by_layer"):
+        assert (config / "plots" / f"{name}.csv").exists() and (config / "plots" / f"{name}.png").exists()
+    assert method in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", PROMPT_METHODS)
+def test_every_method_on_a_task_file_graph(method, tiny_dir, tmp_path):
+    data = write_jsonl(tmp_path / "graph.jsonl", GRAPH_TASKS)
+    out = tmp_path / "out"
+    assert (
+        bench(
+            "run",
+            "--workload",
+            "file",
+            "--data",
+            data,
+            "--methods",
+            method,
+            "--model",
+            tiny_dir,
+            "--out",
+            out,
+            "--no-progress",
+            "--no-plots",
+        )
+        == 0
+    )
+    config = only_config(out)
+    summary = check_method_output(config, method, n_turns=7, n_requests=2)
+    assert summary["checked"] == 1  # graph-1 has a numeric checker, graph-2 none
+    turns = read_jsonl(config / MethodSpec.parse(method).tag / "turns.jsonl")
+    assert [t["output_slot"] for t in turns] == [
+        "planner",
+        "coder",
+        "tester",
+        "judge",
+        "planner#2",
+        "a",
+        "verdict",
+    ]
+    assert turns[2]["output_tokens"] <= 2 and turns[4]["output_tokens"] >= 2  # per-step max/min new tokens
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_every_method_on_the_multi_lora_workload(method, tiny_dir, adapters, tmp_path):
+    args = [f"--adapter={name}={path}" for name, path in adapters.items()]
+    rc = bench(
+        "run", "--workload", "autoact", "--limit", "1", "--max-new-tokens", "3", "--methods", method,
+        "--model", tiny_dir, *args, "--out", tmp_path, "--no-progress", "--no-plots",
+    )  # fmt: skip
+    assert rc == 0
+    config = only_config(tmp_path)
+    summary = check_method_output(config, method, n_turns=3, n_requests=1)
+    turns = read_jsonl(config / MethodSpec.parse(method).tag / "turns.jsonl")
+    assert [t["agent"] for t in turns] == ["plan", "act", "reflect"]
+    assert summary["config"]["adapters"] == {k: str(v) for k, v in adapters.items()}
+
+
+def test_adapters_change_the_reference(tiny_dir, adapters, tmp_path):
+    """The agent's adapter is really active: NonShared's outputs differ from the base model's."""
+    common = [
+        "run",
+        "--workload",
+        "autoact",
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--methods",
+        "nonshared",
+        "--model",
+        tiny_dir,
+        "--no-progress",
+        "--no-plots",
+        "--no-fidelity",
+    ]
+    bench(*common, "--out", tmp_path / "lora", *[f"--adapter={n}={p}" for n, p in adapters.items()])
+    with pytest.raises(ValueError, match="adapter.*not loaded"):
+        bench(*common, "--out", tmp_path / "base")
+    lora = read_jsonl(only_config(tmp_path / "lora") / "nonshared" / "turns.jsonl")
+    plan_only = [
+        "--adapter=plan=" + str(adapters["plan"]),
+        "--adapter=act=" + str(adapters["plan"]),
+        "--adapter=reflect=" + str(adapters["plan"]),
+    ]
+    bench(*common, "--out", tmp_path / "plan", *plan_only)
+    same = read_jsonl(only_config(tmp_path / "plan") / "nonshared" / "turns.jsonl")
+    assert lora[0]["output_ids"] == same[0]["output_ids"]  # the plan turn uses the plan adapter in both
+    assert [t["output_ids"] for t in lora[1:]] != [t["output_ids"] for t in same[1:]]
+
+
+# ------------------------------------------------------------ skip if done
+def test_runs_already_done_are_skipped(tiny_dir, tmp_path, capsys):
+    base = ["run", *TRACE, "--model", tiny_dir, "--out", tmp_path, "--no-progress", "--no-plots"]
+    assert bench(*base, "--methods", "nonshared") == 0
+    config = only_config(tmp_path)
+    ref_turns = (config / "nonshared" / "turns.jsonl").read_text()
+    stamp = (config / "nonshared" / "summary.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert bench(*base, "--methods", "nonshared", "fullshared") == 0  # only fullshared runs
+    out = capsys.readouterr().out
+    assert "skipped: nonshared" in out and "fullshared" in out
+    assert (config / "nonshared" / "summary.json").stat().st_mtime_ns == stamp
+    assert (config / "nonshared" / "turns.jsonl").read_text() == ref_turns
+    full_stamp = (config / "fullshared" / "summary.json").stat().st_mtime_ns
+    assert bench(*base, "--methods", "fullshared") == 0  # everything done: nothing runs
+    assert "skipped: nonshared, fullshared" in capsys.readouterr().out
+    assert (config / "fullshared" / "summary.json").stat().st_mtime_ns == full_stamp
+    assert len(json.loads((config / "summary.json").read_text())["methods"]) == 2
+    # --redo runs them again
+    assert bench(*base, "--methods", "fullshared", "--redo") == 0
+    assert (config / "fullshared" / "summary.json").stat().st_mtime_ns != full_stamp
+    # a different configuration in the same directory is refused, not mixed in
+    assert bench(*base, "--methods", "fullshared", "--no-erank") == 2
+    assert "different configuration" in capsys.readouterr().err
+    # an unfinished method (no summary.json) is run again
+    (config / "fullshared" / "summary.json").unlink()
+    assert bench(*base, "--methods", "fullshared") == 0
+    assert (config / "fullshared" / "summary.json").exists()
+
+
+def test_sweep_writes_one_directory_per_length_and_a_sweep_plot(tiny_dir, tmp_path, capsys):
+    args = [
+        "run",
+        "--workload",
+        "trace",
+        "--shared-tokens",
+        "16",
+        "32",
+        "--agents",
+        "2",
+        "--output-tokens",
+        "2",
+    ]
+    assert bench(*args, "--model", tiny_dir, "--out", tmp_path, "--no-progress", "--no-fidelity") == 0
+    configs = sorted(d.name for d in tmp_path.iterdir() if d.name.startswith("trace"))
+    assert [c.split("__")[0] for c in configs] == ["trace-S16-N2-R1-O2-Q1", "trace-S32-N2-R1-O2-Q1"]
+    sweep = next((tmp_path / "plots").iterdir())
+    rows = (sweep / "ttft_vs_shared_tokens.csv").read_text().splitlines()
+    assert rows[0].startswith("shared_tokens,method") and len(rows) == 1 + 2 * 2
+    assert (sweep / "ttft_vs_shared_tokens.png").exists()
+    summary = json.loads((tmp_path / configs[0] / "summary.json").read_text())["methods"][1]
+    assert "agreement" not in summary and summary["reuse_ratio"] == 1.0  # speed only
+    # the plot command redraws from the directories; report prints markdown tables
+    assert bench("plot", tmp_path, "--out", tmp_path / "again") == 0
+    assert (tmp_path / "again" / "ttft_vs_shared_tokens.csv").exists()
+    capsys.readouterr()
+    assert bench("report", tmp_path, "--kind", "speed") == 0
+    report = capsys.readouterr().out
+    assert report.count("| nonshared |") == 2 and "| fullshared | " in report and "NonShared/TTFT" in report
+
+
+# ------------------------------------------------------------- bad input
+def test_cli_errors(tiny_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench("run", *TRACE, "--methods", "nope", "--model", tiny_dir)
+    assert "unknown method 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench("run", *TRACE, "--methods", "fullshared:tau=0.3", "--model", tiny_dir)
+    assert "has no option tau" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench("run", "--workload", "humaneval", "--hops", "3", "--model", tiny_dir)
+    assert "does not take hops" in capsys.readouterr().err
+    assert main([]) == 2 and main(["frobnicate"]) == 2
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"agents": [{"name": "a"}], "schedule": [{"agent": "b"}]}])
+    assert bench("validate", bad) == 1
+    assert "bad.jsonl line 1: schedule[0].agent: unknown agent 'b'" in capsys.readouterr().err
+    good = write_jsonl(tmp_path / "good.jsonl", GRAPH_TASKS)
+    assert bench("validate", good) == 0 and "2 tasks, 7 agent turns: OK" in capsys.readouterr().out
+
+
+def test_method_option_parsing():
+    spec = MethodSpec.parse("nonshared")
+    assert spec.tag == "nonshared" and spec.kwargs == {}
+    assert MethodSpec.parse("fullshared") == MethodSpec("fullshared")
+    from hf_kvshare.bench.runner import _parse_value
+
+    assert [_parse_value(v) for v in ("0.4", "16", "true", "None", "abc", "[1, 2]")] == [
+        0.4,
+        16,
+        True,
+        None,
+        "abc",
+        [1, 2],
+    ]
+
+
+# ---------------------------------------------------- capability and calibration
+@dataclass
+class ThresholdMethod(Method):
+    """A fake method with a tau knob: reuses a shared segment when a fixed per-(slot, agent) score <= tau."""
+
+    name = "threshold-test"
+    tau: float = 0.5
+
+    def placeholder(self, turn, span, cache):
+        source = turn.session.slots[span.name].latest
+        if source is None:
+            return None
+        if _score(span.name, turn.agent) > self.tau:
+            return None
+        return Placement(kv=source.repositioned(turn.shifter, span.start), source_agent=source.agent)
+
+
+def _score(slot: str, agent: str) -> float:
+    import zlib
+
+    return (zlib.crc32(f"{slot}/{agent}".encode()) % 1000) / 1000
+
+
+class NeedsAdapters(Method):
+    name = "needs-adapters-test"
+    requires_adapters = True
+
+
+def test_methods_requiring_adapters_are_refused_on_plain_workloads(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(METHODS, NeedsAdapters.name, NeedsAdapters)
+    with pytest.raises(ValueError, match="needs agents that run with LoRA adapters"):
+        bench(
+            "run",
+            *TRACE,
+            "--methods",
+            NeedsAdapters.name,
+            "--model",
+            tiny_dir,
+            "--out",
+            tmp_path,
+            "--no-progress",
+        )
+    assert bench("list") == 0
+
+
+def test_tau_calibration_with_a_fake_threshold_method(tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(METHODS, ThresholdMethod.name, ThresholdMethod)
+    from hf_kvshare.models import load_model
+
+    model, tok = load_model(str(tiny_dir))
+    tasks = make_workload("trace", shared_tokens=8, agents=4, rounds=2, output_tokens=2).tasks(tok)
+    spec = MethodSpec.parse(ThresholdMethod.name)
+    rho = {t: realized_rho(model, tok, tasks, MethodSpec(spec.name, (("tau", t),))) for t in (0.0, 0.5, 1.0)}
+    assert rho[0.0] < rho[0.5] < rho[1.0] == 1.0
+    result = calibrate_tau(
+        model, tok, tasks, spec, target_rho=rho[0.5], tolerance=0.0, iterations=8, progress=False
+    )
+    assert result.rho == pytest.approx(rho[0.5]) and result.evaluations[:2] == [(0.0, rho[0.0]), (1.0, 1.0)]
+    assert realized_rho(model, tok, tasks, MethodSpec(spec.name, (("tau", result.tau),))) == pytest.approx(
+        rho[0.5]
+    )
+    # out of range: the nearest end, with a note
+    high = calibrate_tau(model, tok, tasks, spec, target_rho=1.0, tau_max=0.5, progress=False)
+    assert high.tau == 0.5 and "outside the reachable range" in high.note
+    with pytest.raises(ValueError, match="has no `tau` option"):
+        calibrate_tau(model, tok, tasks, MethodSpec("fullshared"), 0.5, progress=False)
+    # the command writes the result
+    rc = bench(
+        "calibrate", "--method", ThresholdMethod.name, "--target-rho", round(rho[0.5], 4), "--tolerance", "0.001",
+        "--workload", "trace", "--shared-tokens", "8", "--agents", "4", "--rounds", "2", "--output-tokens", "2",
+        "--model", tiny_dir, "--out", tmp_path, "--no-progress",
+    )  # fmt: skip
+    assert rc == 0
+    saved = json.loads(next((tmp_path / "calibration").iterdir()).read_text())
+    assert saved["rho"] == pytest.approx(rho[0.5], abs=1e-3) and saved["workload"] == "trace"
+    assert (
+        bench(
+            "calibrate",
+            "--method",
+            "fullshared",
+            "--target-rho",
+            "0.5",
+            *TRACE,
+            "--model",
+            tiny_dir,
+            "--out",
+            tmp_path,
+            "--no-progress",
+        )
+        == 2
+    )
+    assert "no `tau` option" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- studies
+def test_study_dispatch(monkeypatch, capsys):
+    calls = []
+    fake = types.ModuleType("hf_kvshare.bench.studies.fakestudy")
+    fake.main = lambda argv: calls.append(list(argv)) or 3
+    monkeypatch.setitem(sys.modules, "hf_kvshare.bench.studies.fakestudy", fake)
+    assert main(["study", "fakestudy", "--x", "1"]) == 3 and calls == [["--x", "1"]]
+    assert main(["study", "no_such_study"]) == 2
+    err = capsys.readouterr().err
+    assert "no study named 'no_such_study'" in err and "hf_kvshare.bench.studies.no_such_study" in err
+    assert main(["study"]) == 2
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hf_kvshare.bench", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "run" in out.stdout and "calibrate" in out.stdout

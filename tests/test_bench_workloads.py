@@ -1,0 +1,265 @@
+"""Workloads: the JSONL task format and its validation, layouts, built-in workloads on local files."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from bench_helpers import GRAPH_TASKS, write_jsonl
+
+from hf_kvshare import PF, PH
+from hf_kvshare.bench.workloads import (
+    WORKLOADS,
+    TaskSpec,
+    WorkloadFormatError,
+    load_task_file,
+    make_workload,
+    synthetic_text,
+    validate_task_file,
+)
+from hf_kvshare.session import Session
+
+
+# ------------------------------------------------------------- file format
+def test_task_file_loads_through_datasets(tmp_path):
+    path = write_jsonl(
+        tmp_path / "tasks.jsonl", [GRAPH_TASKS[0], "", GRAPH_TASKS[1]]
+    )  # blank lines are skipped
+    tasks = load_task_file(path)
+    assert [t.id for t in tasks] == ["graph-1", "graph-2"]
+    first = tasks[0]
+    assert first.output_slots() == ["planner", "coder", "tester", "judge", "planner#2"]
+    assert first.reused_slots() == [
+        set(),
+        {"query", "planner"},
+        {"query", "planner"},
+        {"query", "coder", "tester"},
+        {"query", "judge"},
+    ]
+    assert first.agent("coder").glue == "\n[{label}]\n" and first.agent("planner").tail == "\n\nYour answer:"
+    assert first.schedule[2].max_new_tokens == 2 and first.schedule[4].min_new_tokens == 2
+    assert (first.answer, first.checker) == ("4", "numeric")
+    second = tasks[1]
+    assert second.chat is False and second.output_slots() == ["a", "verdict"] and second.answer is None
+    # a round trip through the record form gives the same task
+    assert TaskSpec.from_record(first.to_record()).to_record() == first.to_record()
+
+
+def _bad(tmp_path, mutate, line_before=None):
+    record = copy.deepcopy(GRAPH_TASKS[0])
+    mutate(record)
+    lines = [{**GRAPH_TASKS[1], "id": f"ok-{i}"} for i in range(line_before or 0)] + [record]
+    return write_jsonl(tmp_path / "bad.jsonl", lines)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda r: r["schedule"][1]["reads"].append("tester"),
+            r"line 3: schedule\[1\]\.reads\[2\]: .*'tester'.*later step",
+        ),
+        (
+            lambda r: r["schedule"][0].update(agent="ghost"),
+            r"line 3: schedule\[0\]\.agent: unknown agent 'ghost'",
+        ),
+        (
+            lambda r: r["schedule"][2].update(max_new_tokens="many"),
+            r"line 3: schedule\[2\]\.max_new_tokens: expected an integer",
+        ),
+        (lambda r: r["schedule"][2].update(max_new_tokens=0), r"schedule\[2\]\.max_new_tokens: must be >= 1"),
+        (
+            lambda r: r["schedule"][4].update(min_new_tokens=9),
+            r"schedule\[4\]\.min_new_tokens: must be between 0",
+        ),
+        (
+            lambda r: r["agents"][1].update(name="planner"),
+            r"agents\[1\]\.name: agent 'planner' is defined twice",
+        ),
+        (lambda r: r["agents"][0].update(glue="{slot}:"), r"agents\[0\]\.glue: unknown placeholder \{slot\}"),
+        (lambda r: r["agents"][0].update(system=3), r"agents\[0\]\.system: expected a string"),
+        (lambda r: r["agents"][0].update(temperature=0.2), r"agents\[0\]\.temperature: unknown field"),
+        (lambda r: r.update(checkr="numeric"), r"line 3: checkr: unknown field"),
+        (lambda r: r.update(checker="regex"), r"line 3: checker: unknown checker 'regex'"),
+        (lambda r: r.pop("answer"), r"line 3: answer: checker 'numeric' needs an answer"),
+        (lambda r: r.update(agents=[]), r"line 3: agents: must not be empty"),
+        (lambda r: r.pop("schedule"), r"line 3: schedule: is required"),
+        (lambda r: r["slots"][0].update(text=""), r"slots\[0\]\.text: must be a non-empty string"),
+        (
+            lambda r: r["schedule"][1].update(output="query"),
+            r"schedule\[1\]\.output: slot 'query' already exists",
+        ),
+        (
+            lambda r: r["schedule"][1].update(reads=["query", "query"]),
+            r"reads\[1\]: slot 'query' is read twice",
+        ),
+        (lambda r: r.update(chat="yes"), r"line 3: chat: expected true or false"),
+    ],
+)
+def test_bad_records_name_line_and_field(tmp_path, mutate, message):
+    path = _bad(tmp_path, mutate, line_before=2)
+    with pytest.raises(WorkloadFormatError, match=message):
+        validate_task_file(path)
+    with pytest.raises(WorkloadFormatError, match=message):
+        load_task_file(path)
+
+
+def test_bad_json_duplicate_ids_and_empty_file(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [GRAPH_TASKS[1], '{"id": "x", "agents": [}'])
+    with pytest.raises(WorkloadFormatError, match=r"t.jsonl line 2: not valid JSON"):
+        validate_task_file(path)
+    path = write_jsonl(tmp_path / "t.jsonl", [GRAPH_TASKS[0], GRAPH_TASKS[0]])
+    with pytest.raises(WorkloadFormatError, match=r"line 2: id: 'graph-1' is already used on line 1"):
+        validate_task_file(path)
+    path = write_jsonl(tmp_path / "t.jsonl", ["", "  "])
+    with pytest.raises(WorkloadFormatError, match="holds no task"):
+        validate_task_file(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        validate_task_file(tmp_path / "missing.jsonl")
+    path = write_jsonl(tmp_path / "t.jsonl", ["[1, 2]"])
+    with pytest.raises(WorkloadFormatError, match="line 1: record: expected a JSON object"):
+        validate_task_file(path)
+
+
+# ------------------------------------------------------------------ layout
+def test_plain_and_chat_layouts(tokenizer):
+    plain = TaskSpec.from_record(GRAPH_TASKS[1])
+    steps = plain.to_workflow(tokenizer).steps
+    assert steps[0].segments == [
+        PF("Agent A.\n\n"),
+        PF("doc:\n"),
+        PH("doc", GRAPH_TASKS[1]["slots"][0]["text"]),
+        PF("\n\nYour answer:"),
+    ]
+    assert steps[1].segments == [
+        PF("<doc> "),
+        PH("doc", GRAPH_TASKS[1]["slots"][0]["text"]),
+        PF("<a> "),
+        PH("a"),
+        PF(" =>"),
+    ]
+    assert steps[1].output_slot == "verdict" and steps[1].reads == ("doc", "a")
+
+    chat = TaskSpec.from_record(GRAPH_TASKS[0]).to_workflow(tokenizer)
+    judge = chat.steps[3]
+    kinds = [type(s).__name__ for s in judge.segments]
+    assert kinds == ["PF", "PH", "PF", "PH", "PF", "PH", "PF"]
+    assert judge.segments[0].text.startswith("<|im_start|>system\nYou decide.") and judge.segments[
+        0
+    ].text.endswith("Task:\n")
+    assert judge.segments[2].text == "\n\ncoder:\n"  # output slots are labelled with the producing agent
+    assert judge.segments[-1].text.endswith("<|im_start|>assistant\n")  # tail "" -> only the template
+    assert chat.steps[4].generate_kwargs == {"min_new_tokens": 2} and chat.steps[4].output_slot == "planner#2"
+
+
+def test_layout_runs_in_a_session_with_default_slot_names(tiny_llama, tokenizer):
+    """Without custom output names the steps work with the foundation's own run_workflow too."""
+    from hf_kvshare.workflow import run_workflow
+
+    workflow = TaskSpec.from_record(GRAPH_TASKS[0]).to_workflow(tokenizer)
+    results = run_workflow(Session(tiny_llama, tokenizer, "fullshared"), workflow)
+    assert [r.output_slot for r in results] == [s.output_slot for s in workflow.steps]
+
+
+# ---------------------------------------------------------------- built-ins
+def test_trace_context_has_exact_length_and_schedule(tokenizer):
+    for n in (1, 37, 256):
+        text = synthetic_text(tokenizer, n, __import__("random").Random(n))
+        assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == n
+    w = make_workload("trace", shared_tokens=64, agents=2, rounds=2, output_tokens=5, requests=2)
+    tasks = w.tasks(tokenizer, seed=1)
+    assert len(tasks) == 2 and tasks[0].slots[0].text != tasks[1].slots[0].text  # one context per request
+    assert tasks[0].slots[0].text == w.tasks(tokenizer, seed=1)[0].slots[0].text  # deterministic per seed
+    t = tasks[0]
+    assert [s.agent for s in t.schedule] == ["planner", "researcher", "planner", "researcher"]
+    assert t.schedule[3].reads == ("context", "planner", "researcher", "planner#2")
+    assert all(s.min_new_tokens == s.max_new_tokens == 5 for s in t.schedule)
+    assert w.tag() == "trace-S64-N2-R2-O5-Q2"
+
+
+def test_humaneval_workload(tokenizer):
+    tasks = make_workload("humaneval", limit=2, offset=1).tasks(tokenizer)
+    assert [t.id for t in tasks] == ["HumanEval-1", "HumanEval-2"]
+    t = tasks[0]
+    assert [a.name for a in t.agents] == [
+        "project_manager",
+        "algorithm_designer",
+        "programming_expert",
+        "final",
+    ]
+    assert t.schedule[3].reads == ("query", "project_manager", "algorithm_designer", "programming_expert")
+    assert t.checker == "humaneval" and {"test", "entry_point", "prompt"} <= set(t.meta)
+    assert t.slots[0].text == t.meta["prompt"]
+
+
+def test_gsm8k_and_mmlu_from_local_files(tmp_path, tokenizer):
+    gsm = write_jsonl(
+        tmp_path / "gsm.jsonl",
+        [
+            {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"},
+            {"question": "A pen costs $2. How much do 600 pens cost?", "answer": "2 * 600\n#### 1,200"},
+        ],
+    )
+    tasks = make_workload("gsm8k", data=str(gsm), limit=None).tasks(tokenizer)
+    assert [(t.answer, t.checker) for t in tasks] == [("7", "numeric"), ("1200", "numeric")]
+    assert [a.name for a in tasks[0].agents][-1] == "final" and len(tasks[0].schedule) == 4
+
+    mmlu = tmp_path / "mmlu.csv"
+    mmlu.write_text('question,choices,answer\n"2+2?","[""3"", ""4"", ""5"", ""6""]",1\n')
+    parquet = tmp_path / "mmlu.jsonl"
+    write_jsonl(
+        parquet,
+        [{"question": "Capital of France?", "choices": ["Rome", "Paris", "Oslo", "Bern"], "answer": "B"}],
+    )
+    t = make_workload("mmlu", data=str(parquet)).tasks(tokenizer)[0]
+    assert t.answer == "B" and "B: Paris" in t.slots[0].text and t.checker == "letter"
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "Q?", "choices": ["a", "b"], "answer": 0}])
+    with pytest.raises(ValueError, match=r"row 0: choices: expected a list of 4"):
+        make_workload("mmlu", data=str(bad)).tasks(tokenizer)
+    missing = write_jsonl(tmp_path / "m.jsonl", [{"text": "Q?"}])
+    with pytest.raises(ValueError, match="missing column"):
+        make_workload("gsm8k", data=str(missing)).tasks(tokenizer)
+    with pytest.raises(FileNotFoundError):
+        make_workload("gsm8k", data=str(tmp_path / "nope.jsonl")).tasks(tokenizer)
+
+
+def test_stress_and_autoact_specs(tokenizer):
+    stress = make_workload("stress", hops=4, requests=1, output_tokens=6).tasks(tokenizer)[0]
+    assert [s.reads for s in stress.schedule] == [
+        ("query",),
+        ("query", "historian"),
+        ("query", "poet"),
+        ("query", "lawyer"),
+    ]
+    assert stress.agents[0].system == "" and len(stress.agents[1].system) > 300  # long, distinct personas
+    assert stress.chat is False and stress.agents[1].tail == ""  # prompts end on the previous output
+    with_prefix = make_workload("stress", hops=2, requests=1, first_prefix=True).tasks(tokenizer)[0]
+    assert with_prefix.agents[0].system
+
+    auto = make_workload("autoact", rounds=2, limit=1).tasks(tokenizer)[0]
+    assert [s.agent for s in auto.schedule] == ["plan", "act", "reflect"] * 2
+    assert auto.adapters == ["act", "plan", "reflect"]
+    last = auto.schedule[-1].reads  # the whole trajectory, instructions included, in order
+    assert last[:4] == ("question", "plan-instruction", "plan", "act-instruction")
+    assert last[-1] == "reflect-instruction#2" and auto.output_slots()[-1] == "reflect#2"
+    steps = auto.to_workflow(tokenizer).steps
+    assert all(isinstance(s, PH) for s in steps[-1].segments) and steps[0].adapter == "plan"
+
+
+def test_workload_registry_and_parameter_errors():
+    assert {"trace", "file", "humaneval", "gsm8k", "mmlu", "stress", "autoact"} <= set(WORKLOADS)
+    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+        make_workload("nope")
+    with pytest.raises(ValueError, match="does not take hops"):
+        make_workload("trace", hops=3)
+    with pytest.raises(ValueError, match="agents must be >= 1"):
+        make_workload("trace", agents=0)
+    with pytest.raises(ValueError, match="needs --data"):
+        make_workload("file").tasks(None)
+
+
+def test_task_json_is_plain_data():
+    spec = TaskSpec.from_record(GRAPH_TASKS[0])
+    assert json.loads(json.dumps(spec.to_record()))["schedule"][1]["reads"] == ["query", "planner"]
