@@ -41,14 +41,23 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return ((approx.double() - exact.double()).norm() / denom).item() if denom > 0 else 0.0
 
 
+def agent_layer_kv(cache: SegmentedCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values ``[1, kv_heads, seq, head_dim]`` of the agent's row of ``cache`` at ``layer``.
+
+    Row 0 is the agent's: double batching (``rebaseshared-db``) appends an adapter-free row 1.
+    """
+    k, v = cache.layer_kv(layer)
+    return k[:1], v[:1]
+
+
 def kv_error_by_layer(
     cache: SegmentedCache, exact: SegmentedCache, start: int, end: int
 ) -> list[dict[str, float]]:
     """Relative K and V error of positions ``[start, end)`` of ``cache`` against ``exact``, per layer."""
     rows = []
     for layer in range(cache.num_layers):
-        k, v = cache.layer_kv(layer)
-        ek, ev = exact.layer_kv(layer)
+        k, v = agent_layer_kv(cache, layer)
+        ek, ev = agent_layer_kv(exact, layer)
         rows.append(
             {
                 "layer": layer,
@@ -63,7 +72,7 @@ def kv_error(cache: SegmentedCache, exact: SegmentedCache, start: int, end: int)
     """One number: relative error of K and V together over all layers for positions ``[start, end)``."""
     num = den = 0.0
     for layer in range(cache.num_layers):
-        for a, b in zip(cache.layer_kv(layer), exact.layer_kv(layer)):
+        for a, b in zip(agent_layer_kv(cache, layer), agent_layer_kv(exact, layer)):
             a, b = a[..., start:end, :].double(), b[..., start:end, :].double()
             num += (a - b).pow(2).sum().item()
             den += b.pow(2).sum().item()

@@ -54,7 +54,8 @@ def write_jsonl(path: Path, records) -> Path:
 
 def save_tiny(directory: Path, tokenizer, **overrides) -> Path:
     """A tiny random Llama (long enough positions for the workloads) + the embedded tokenizer."""
-    model = tiny_model("llama", **{"max_position_embeddings": 4096, **overrides})
+    # 4 layers: RelayCaching needs a middle band of at least two layers
+    model = tiny_model("llama", **{"max_position_embeddings": 4096, "num_hidden_layers": 4, **overrides})
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -76,7 +77,9 @@ def save_random_adapters(directory: Path, names=("plan", "act", "reflect"), seed
         )
         with warnings.catch_warnings():  # raised inside PEFT on transformers 5.x, not by our calls
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            peft_model = get_peft_model(tiny_model("llama", max_position_embeddings=4096), config)
+            peft_model = get_peft_model(
+                tiny_model("llama", max_position_embeddings=4096, num_hidden_layers=4), config
+            )
         torch.manual_seed(seed + 1000 + i)  # tiny_model() reseeds: draw each adapter's weights apart
         with torch.no_grad():  # strong enough to change greedy outputs of the random model
             for pname, p in peft_model.named_parameters():

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..fidelity import agent_layer_kv
 from .sandbox import run_python
 
 # ------------------------------------------------------------------ statistics
@@ -95,8 +96,8 @@ def kv_error_terms(cache, exact, start: int, end: int) -> list[tuple[float, floa
     """
     terms = []
     for layer in range(cache.num_layers):
-        k, v = cache.layer_kv(layer)
-        ek, ev = exact.layer_kv(layer)
+        k, v = agent_layer_kv(cache, layer)
+        ek, ev = agent_layer_kv(exact, layer)
         k, v = k[..., start:end, :].double(), v[..., start:end, :].double()
         ek, ev = ek[..., start:end, :].double(), ev[..., start:end, :].double()
         terms.append(
@@ -131,8 +132,8 @@ def erank_by_layer(
     """
     rows = []
     for layer in range(cache.num_layers):
-        k, v = cache.layer_kv(layer)
-        ek, ev = exact.layer_kv(layer)
+        k, v = agent_layer_kv(cache, layer)
+        ek, ev = agent_layer_kv(exact, layer)
         row: dict[str, int] = {"layer": layer}
         for part, approx, ref in (("key", k, ek), ("value", v, ev)):
             base = kv_matrix(ref[..., start:end, :])

@@ -124,7 +124,7 @@ class MethodSpec:
 
 def requires_adapters(cls: type[Method]) -> bool:
     """The capability flag: a method that only works on a PeftModel with one adapter per agent."""
-    return bool(getattr(cls, "requires_adapters", False))
+    return cls.requires_adapters
 
 
 def _parse_value(text: str) -> Any:
@@ -373,7 +373,9 @@ class BenchRunner:
         from ..trajectory import PF
 
         session = Session(self.model, self.tokenizer, REFERENCE)
-        session.run_turn("warmup", [PF("Warm up the kernels once before timing.")], max_new_tokens=2)
+        # on a PeftModel an agent's name is its adapter's name
+        agent = next(iter(getattr(self.model, "peft_config", None) or {}), "warmup")
+        session.run_turn(agent, [PF("Warm up the kernels once before timing.")], max_new_tokens=2)
 
     def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec]) -> None:
         ref_spec = MethodSpec(REFERENCE)
