@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from hf_kvshare import METHODS, PF, PH, Session
+from hf_kvshare import METHODS, PF, PH, SegmentKV, Session
 from hf_kvshare.fidelity import kv_error
 from hf_kvshare.recompute import CacheBlend, DecoderStack, DroidSpeak, RelayCaching, SegmentRecompute
 
@@ -343,24 +343,28 @@ def test_droidspeak_group_from_layer_zero_equals_dense(tiny, tokenizer):
 
 
 # ------------------------------------------------------------------ engine
-def test_engine_recomputes_any_subset_exactly_on_an_exact_cache(tiny, tokenizer):
-    ref = dense_reference(tiny, tokenizer, n=2).turns[0]
-    session = Session(tiny, tokenizer, "nonshared")
-    cache, ids = session.build_cache("a", roles("a"))
+def test_engine_recomputes_any_subset_exactly(tiny, tokenizer):
+    cache, ids = Session(tiny, tokenizer, "nonshared").build_cache("a", roles("a"))
     seg = cache.segment("query")
-    kv = cache.extract(seg.start, seg.end)
-    stack = DecoderStack(tiny)
-    engine = SegmentRecompute(stack, cache, kv, ids[0, seg.start : seg.end])
+    exact = cache.extract(seg.start, seg.end)
     rows = torch.tensor([0, 3, 4, 9])
+    # the reused K/V: exact, except garbage in the rows to recompute (every layer)
+    keys, values = [k.clone() for k in exact.keys], [v.clone() for v in exact.values]
+    for k, v in zip(keys, values):
+        k[..., rows, :] = torch.randn_like(k[..., rows, :])
+        v[..., rows, :] = torch.randn_like(v[..., rows, :])
+    reused = SegmentKV(keys=keys, values=values, start=exact.start)
+    stack = DecoderStack(tiny)
+    engine = SegmentRecompute(stack, cache, reused, ids[0, seg.start : seg.end])
     hidden = engine.embeddings()[:, rows]
     for layer in range(stack.num_layers):
         hidden, rows = engine.run_layer(layer, hidden, rows)
     new, entries = engine.result()
     assert entries == 4 * stack.num_layers
     for layer in range(stack.num_layers):
-        assert torch.allclose(new.keys[layer], kv.keys[layer], atol=1e-5)
-        assert torch.allclose(new.values[layer], kv.values[layer], atol=1e-5)
-    assert ref.prompt_ids.numel() == ids.shape[1]
+        assert torch.allclose(new.keys[layer], exact.keys[layer], atol=1e-5)
+        assert torch.allclose(new.values[layer], exact.values[layer], atol=1e-5)
+    assert not torch.allclose(reused.keys[1], exact.keys[1])  # the input K/V were left untouched
 
 
 def test_engine_input_errors(tiny_llama, tokenizer):
@@ -474,3 +478,13 @@ def test_probe_attention_matches_the_models_attention_weights(arch, tokenizer):
     expected = weights[:, seg.start : seg.end, seg.start : seg.end].double().mean(0).sum(0)
     assert torch.allclose(seen["attention"], expected, atol=1e-5)
     assert seen["deviation"].abs().max() < 1e-8  # the reused cache is exact here
+
+
+def test_missing_boundary_hidden_state_is_explained(tiny_llama, tokenizer):
+    method = DroidSpeak(rho=0.7, layer_profile=[0.0, 1.0, 0.0])  # restarts at layer 1
+    session = Session(tiny_llama, tokenizer, method)
+    session.run_turn("a", roles("a"), max_new_tokens=2)
+    assert set(session.slots["query"].extras) and 1 in next(iter(session.slots["query"].extras.values()))
+    method.layer_profile = [0.0, 0.0, 1.0]  # now it would restart at layer 2, which was not kept
+    with pytest.raises(ValueError, match="keeps no input hidden state of layer 2"):
+        session.run_turn("b", roles("b"), max_new_tokens=2)

@@ -255,7 +255,9 @@ def reconstruction_coverage(
         scores = _relaycaching_scores(relaycaching, stack, t, band[0])
         chosen = top_k(scores["attention"], k)
         removed = float(e[:, chosen].sum())
-        rows["attention"].add(removed, rand, total, k * L, L * S)
+        rows["attention"].add(
+            removed, rand, total, k * L, L * S
+        )  # same shape as deviation: same random draws
         record["attention"] = removed
 
         # RelayCaching as configured: deviation x attention, inside its (possibly widened) band

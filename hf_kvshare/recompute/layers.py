@@ -20,6 +20,7 @@ import torch
 
 from .._compat import CACHE_KWARG
 from ..cache import SegmentedCache, SegmentKV
+from .selection import kv_deviation, received_attention
 from .stack import DecoderStack
 
 
@@ -44,8 +45,6 @@ class LayerProbe:
 
     def deviation(self) -> torch.Tensor:
         """KV deviation of each row ``[q]`` (see :func:`~hf_kvshare.recompute.selection.kv_deviation`)."""
-        from .selection import kv_deviation
-
         return kv_deviation(self.fresh_keys, self.fresh_values, self.reused_keys, self.reused_values)
 
     def attention(self) -> torch.Tensor:
@@ -54,8 +53,6 @@ class LayerProbe:
         Keys are the fresh ones for all rows run here; see
         :func:`~hf_kvshare.recompute.selection.received_attention`.
         """
-        from .selection import received_attention
-
         if self._query is None:
             raise RuntimeError("attention was not requested for this layer (run_layer(..., attention=True))")
         engine, stack = self.engine, self.engine.stack
@@ -99,7 +96,7 @@ class _SpliceCache:
             probe = LayerProbe(
                 engine, layer_idx, self.rows, key_states, value_states, prefix_k, self.query_box.get("q")
             )
-            keep = _as_sorted_indices(self.choose(probe), self.rows.numel())
+            keep = _as_sorted_indices(self.choose(probe), self.rows.numel()).to(self.rows.device)
         kept_rows = self.rows[keep]
         seg_k = engine.kv.keys[layer_idx].clone()
         seg_v = engine.kv.values[layer_idx].clone()
@@ -237,8 +234,6 @@ class SegmentRecompute:
         finally:
             if handle is not None:
                 handle.remove()
-        if isinstance(out, tuple):  # older decoder layers return (hidden, ...)
-            out = out[0]
         keep = splice.keep
         kept_rows = rows[keep]
         self.fresh[layer_idx] = (kept_rows, *splice.fresh)
