@@ -290,20 +290,27 @@ def test_cli_errors(tiny_dir, tmp_path, capsys):
     assert bench("validate", good) == 0 and "2 tasks, 7 agent turns: OK" in capsys.readouterr().out
 
 
-def test_method_option_parsing():
-    spec = MethodSpec.parse("nonshared")
-    assert spec.tag == "nonshared" and spec.kwargs == {}
-    assert MethodSpec.parse("fullshared") == MethodSpec("fullshared")
-    from hf_kvshare.bench.runner import _parse_value
+def test_method_option_parsing(monkeypatch):
+    from hf_kvshare.bench.runner import _parse_value, _split_options
 
-    assert [_parse_value(v) for v in ("0.4", "16", "true", "None", "abc", "[1, 2]")] == [
-        0.4,
-        16,
-        True,
-        None,
-        "abc",
-        [1, 2],
-    ]
+    spec = MethodSpec.parse("nonshared")
+    assert spec.tag == "nonshared" and spec.kwargs == {} and spec.option_names() == []
+    assert MethodSpec.parse("fullshared") == MethodSpec("fullshared")
+    values = [_parse_value(v) for v in ("0.4", "16", "true", "None", "abc", "[1, 2]")]
+    assert values == [0.4, 16, True, None, "abc", (1, 2)]
+    assert _split_options("a=1,layers=[1, 2],b=x") == ["a=1", "layers=[1, 2]", "b=x"]
+    monkeypatch.setitem(METHODS, ThresholdMethod.name, ThresholdMethod)
+    spec = MethodSpec.parse("threshold-test: tau = 0.25")
+    assert (
+        spec.kwargs == {"tau": 0.25}
+        and spec.tag == "threshold-test@tau=0.25"
+        and str(spec) == "threshold-test:tau=0.25"
+    )
+    assert spec.create().tau == 0.25
+    with pytest.raises(ValueError, match="not of the form key=value"):
+        MethodSpec.parse("threshold-test:0.25")
+    with pytest.raises(ValueError, match="creating method threshold-test:tau=x"):
+        MethodSpec(ThresholdMethod.name, (("tau", "x"), ("rank", 3))).create()
 
 
 # ---------------------------------------------------- capability and calibration

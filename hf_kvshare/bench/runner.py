@@ -65,7 +65,7 @@ class MethodSpec:
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; registered methods: {', '.join(sorted(METHODS))}")
         options: dict[str, Any] = {}
-        for item in filter(None, (p.strip() for p in rest.split(","))):
+        for item in filter(None, (p.strip() for p in _split_options(rest))):
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise ValueError(f"method option {item!r} in {text!r} is not of the form key=value")
@@ -114,8 +114,8 @@ class MethodSpec:
     def create(self) -> Method:
         try:
             return self.cls(**self.kwargs)
-        except Exception as e:
-            raise type(e)(f"creating method {self}: {e}") from e
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"creating method {self}: {e}") from e
 
     @property
     def requires_adapters(self) -> bool:
@@ -127,7 +127,23 @@ def requires_adapters(cls: type[Method]) -> bool:
     return bool(getattr(cls, "requires_adapters", False))
 
 
+def _split_options(text: str) -> list[str]:
+    """Split ``a=1,b=[1, 2],c=x`` on the commas outside brackets."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "[("
+        depth -= ch in "])"
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return parts
+
+
 def _parse_value(text: str) -> Any:
+    """An option value: bool, None, a number, a list (as a tuple), else the string itself."""
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
@@ -137,7 +153,9 @@ def _parse_value(text: str) -> Any:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
-    return value if isinstance(value, (int, float, str, tuple, list)) else text
+    if isinstance(value, (list, tuple)):
+        return tuple(value)  # hashable: a MethodSpec is a dict key
+    return value if isinstance(value, (int, float, str)) else text
 
 
 # ---------------------------------------------------------------- requests
