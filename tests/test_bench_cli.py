@@ -177,7 +177,7 @@ def test_every_method_on_the_multi_lora_workload(method, tiny_dir, adapters, tmp
     assert summary["config"]["adapters"] == {k: str(v) for k, v in adapters.items()}
 
 
-def test_adapters_change_the_reference(tiny_dir, adapters, tmp_path):
+def test_adapters_change_the_reference(tiny_dir, adapters, tmp_path, capsys):
     """The agent's adapter is really active: NonShared's outputs differ from the base model's."""
     common = [
         "run",
@@ -196,8 +196,8 @@ def test_adapters_change_the_reference(tiny_dir, adapters, tmp_path):
         "--no-fidelity",
     ]
     bench(*common, "--out", tmp_path / "lora", *[f"--adapter={n}={p}" for n, p in adapters.items()])
-    with pytest.raises(ValueError, match="adapter.*not loaded"):
-        bench(*common, "--out", tmp_path / "base")
+    assert bench(*common, "--out", tmp_path / "base") == 2
+    assert "which are not loaded (loaded: none); pass --adapter NAME=PATH" in capsys.readouterr().err
     lora = read_jsonl(only_config(tmp_path / "lora") / "nonshared" / "turns.jsonl")
     plan_only = [
         "--adapter=plan=" + str(adapters["plan"]),
@@ -282,6 +282,18 @@ def test_cli_errors(tiny_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench("run", "--workload", "humaneval", "--hops", "3", "--model", tiny_dir)
     assert "does not take hops" in capsys.readouterr().err
+    rc = bench(
+        "run",
+        "--workload",
+        "gsm8k",
+        "--data",
+        tmp_path / "none.jsonl",
+        "--model",
+        tiny_dir,
+        "--out",
+        tmp_path,
+    )
+    assert rc == 2 and "none.jsonl' does not exist" in capsys.readouterr().err
     assert main([]) == 2 and main(["frobnicate"]) == 2
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"agents": [{"name": "a"}], "schedule": [{"agent": "b"}]}])
     assert bench("validate", bad) == 1
@@ -341,21 +353,15 @@ class NeedsAdapters(Method):
     requires_adapters = True
 
 
-def test_methods_requiring_adapters_are_refused_on_plain_workloads(tiny_dir, tmp_path, monkeypatch):
+def test_methods_requiring_adapters_are_refused_on_plain_workloads(tiny_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(METHODS, NeedsAdapters.name, NeedsAdapters)
-    with pytest.raises(ValueError, match="needs agents that run with LoRA adapters"):
-        bench(
-            "run",
-            *TRACE,
-            "--methods",
-            NeedsAdapters.name,
-            "--model",
-            tiny_dir,
-            "--out",
-            tmp_path,
-            "--no-progress",
-        )
-    assert bench("list") == 0
+    out = tmp_path / "out"
+    rc = bench(
+        "run", *TRACE, "--methods", NeedsAdapters.name, "--model", tiny_dir, "--out", out, "--no-progress"
+    )
+    assert rc == 2 and "needs agents that run with LoRA adapters" in capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written
+    assert bench("list") == 0 and "needs-adapters-test" in capsys.readouterr().out
 
 
 def test_tau_calibration_with_a_fake_threshold_method(tiny_dir, tmp_path, monkeypatch, capsys):

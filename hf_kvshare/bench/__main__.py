@@ -135,7 +135,7 @@ def load_bench_model(
 def cmd_run(argv: list[str]) -> int:
     from ..methods import METHODS
     from . import plots
-    from .runner import BenchRunner, ConfigMismatch, MethodSpec, RunConfig
+    from .runner import BenchInputError, BenchRunner, MethodSpec, RunConfig
     from .workloads import make_workload
 
     p = argparse.ArgumentParser(
@@ -191,7 +191,7 @@ def cmd_run(argv: list[str]) -> int:
         runner = BenchRunner(model, tok, workload, config, args.out, progress=not args.no_progress)
         try:
             summaries = runner.run(specs, redo=args.redo)
-        except ConfigMismatch as e:
+        except BenchInputError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if not args.no_plots:

@@ -258,8 +258,12 @@ def environment() -> dict[str, Any]:
     }
 
 
-class ConfigMismatch(RuntimeError):
-    pass
+class BenchInputError(ValueError):
+    """The run cannot start as asked (workload data, adapters, methods): the message says why."""
+
+
+class ConfigMismatch(BenchInputError):
+    """The output directory holds a run with another configuration."""
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -347,11 +351,18 @@ class BenchRunner:
         write_json(path, {"config": current, "environment": environment()})
 
     # ---------------------------------------------------------------- run
+    def tasks(self) -> list[TaskSpec]:
+        """The workload's requests; bad data or parameters raise :class:`BenchInputError`."""
+        try:
+            return self.workload.tasks(self.tokenizer, self.config.seed)
+        except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
+            raise BenchInputError(f"workload {self.workload.tag()}: {e}") from e
+
     def run(self, methods: Sequence[MethodSpec], redo: bool = False) -> dict[str, dict[str, Any]]:
         """Run the methods not done yet (NonShared always included) and return every summary of the
         configuration, keyed by method tag."""
         specs = _unique([MethodSpec(REFERENCE), *methods])
-        tasks = self.workload.tasks(self.tokenizer, self.config.seed)
+        tasks = self.tasks()
         self._check_tasks(tasks, specs)
         if redo and self.dir.exists():
             for spec in specs:
@@ -369,11 +380,11 @@ class BenchRunner:
 
     def _check_tasks(self, tasks: list[TaskSpec], specs: list[MethodSpec]) -> None:
         if not tasks:
-            raise ValueError(f"workload {self.workload.tag()} produced no requests")
+            raise BenchInputError(f"workload {self.workload.tag()} produced no requests")
         adapters = sorted({a for t in tasks for a in t.adapters})
         for spec in specs:
             if spec.requires_adapters and not adapters:
-                raise ValueError(
+                raise BenchInputError(
                     f"method {spec.name!r} needs agents that run with LoRA adapters (requires_adapters); "
                     f"workload {self.workload.name!r} names none. Use a workload whose agents name adapters "
                     "(e.g. --workload autoact with --adapter NAME=PATH)"
@@ -382,7 +393,7 @@ class BenchRunner:
             loaded = sorted(getattr(self.model, "peft_config", {}) or {})
             missing = [a for a in adapters if a not in loaded]
             if missing:
-                raise ValueError(
+                raise BenchInputError(
                     f"the workload's agents use adapter(s) {', '.join(missing)}, which are not loaded "
                     f"(loaded: {', '.join(loaded) or 'none'}); pass --adapter NAME=PATH for each"
                 )
