@@ -250,6 +250,17 @@ def test_stress_and_autoact_specs(tokenizer):
     assert all(isinstance(s, PH) for s in steps[-1].segments) and steps[0].adapter == "plan"
 
 
+def test_select_slices():
+    from hf_kvshare.bench.workloads.base import select
+
+    assert list(select(10, 2, 3)) == [2, 3, 4] and list(select(10, 8, 5)) == [8, 9]
+    assert list(select(3, 0, 0)) == [0, 1, 2] and list(select(3, 1, None)) == [1, 2]
+    with pytest.raises(ValueError, match="past the end"):
+        select(3, 3, 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        select(3, 0, -1)
+
+
 def test_workload_registry_and_parameter_errors():
     assert {"trace", "file", "humaneval", "gsm8k", "mmlu", "stress", "autoact"} <= set(WORKLOADS)
     with pytest.raises(ValueError, match="unknown workload 'nope'"):

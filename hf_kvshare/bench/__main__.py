@@ -26,7 +26,7 @@ WORKLOAD_OPTIONS = {
     ),
     "--data-config": ("data_config", str, "dataset configuration on the hub (gsm8k: main, mmlu: all)"),
     "--split": ("split", str, "dataset split (default test)"),
-    "--limit": ("limit", int, "number of requests (tasks) to run"),
+    "--limit": ("limit", int, "number of requests (tasks) to run; 0: all"),
     "--offset": ("offset", int, "index of the first task"),
     "--max-new-tokens": ("max_new_tokens", int, "tokens generated per agent turn (task workloads)"),
     "--agents": ("agents", int, "trace: agents per round (N)"),

