@@ -20,7 +20,7 @@ from bench_helpers import GRAPH_TASKS, save_random_adapters, save_tiny, write_js
 from hf_kvshare import METHODS
 from hf_kvshare.bench import calibrate_tau, make_workload, realized_rho
 from hf_kvshare.bench.__main__ import main
-from hf_kvshare.bench.runner import MethodSpec, requires_adapters
+from hf_kvshare.bench.methods import MethodSpec, requires_adapters
 from hf_kvshare.methods import Method, Placement
 
 PROMPT_METHODS = sorted(n for n, c in METHODS.items() if not requires_adapters(c))
@@ -303,7 +303,7 @@ def test_cli_errors(tiny_dir, tmp_path, capsys):
 
 
 def test_method_option_parsing(monkeypatch):
-    from hf_kvshare.bench.runner import _parse_value, _split_options
+    from hf_kvshare.bench.methods import _parse_value, _split_options
 
     spec = MethodSpec.parse("nonshared")
     assert spec.tag == "nonshared" and spec.kwargs == {} and spec.option_names() == []
