@@ -20,7 +20,7 @@ from bench_helpers import GRAPH_TASKS, save_random_adapters, save_tiny, write_js
 from hf_kvshare import METHODS
 from hf_kvshare.bench import calibrate_tau, make_workload, realized_rho
 from hf_kvshare.bench.__main__ import main
-from hf_kvshare.bench.runner import MethodSpec, requires_adapters
+from hf_kvshare.bench.methods import MethodSpec, requires_adapters
 from hf_kvshare.methods import Method, Placement
 
 PROMPT_METHODS = sorted(n for n, c in METHODS.items() if not requires_adapters(c))
@@ -177,7 +177,7 @@ def test_every_method_on_the_multi_lora_workload(method, tiny_dir, adapters, tmp
     assert summary["config"]["adapters"] == {k: str(v) for k, v in adapters.items()}
 
 
-def test_adapters_change_the_reference(tiny_dir, adapters, tmp_path):
+def test_adapters_change_the_reference(tiny_dir, adapters, tmp_path, capsys):
     """The agent's adapter is really active: NonShared's outputs differ from the base model's."""
     common = [
         "run",
@@ -196,8 +196,8 @@ def test_adapters_change_the_reference(tiny_dir, adapters, tmp_path):
         "--no-fidelity",
     ]
     bench(*common, "--out", tmp_path / "lora", *[f"--adapter={n}={p}" for n, p in adapters.items()])
-    with pytest.raises(ValueError, match="adapter.*not loaded"):
-        bench(*common, "--out", tmp_path / "base")
+    assert bench(*common, "--out", tmp_path / "base") == 2
+    assert "which are not loaded (loaded: none); pass --adapter NAME=PATH" in capsys.readouterr().err
     lora = read_jsonl(only_config(tmp_path / "lora") / "nonshared" / "turns.jsonl")
     plan_only = [
         "--adapter=plan=" + str(adapters["plan"]),
@@ -282,6 +282,18 @@ def test_cli_errors(tiny_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench("run", "--workload", "humaneval", "--hops", "3", "--model", tiny_dir)
     assert "does not take hops" in capsys.readouterr().err
+    rc = bench(
+        "run",
+        "--workload",
+        "gsm8k",
+        "--data",
+        tmp_path / "none.jsonl",
+        "--model",
+        tiny_dir,
+        "--out",
+        tmp_path,
+    )
+    assert rc == 2 and "none.jsonl' does not exist" in capsys.readouterr().err
     assert main([]) == 2 and main(["frobnicate"]) == 2
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"agents": [{"name": "a"}], "schedule": [{"agent": "b"}]}])
     assert bench("validate", bad) == 1
@@ -290,20 +302,27 @@ def test_cli_errors(tiny_dir, tmp_path, capsys):
     assert bench("validate", good) == 0 and "2 tasks, 7 agent turns: OK" in capsys.readouterr().out
 
 
-def test_method_option_parsing():
-    spec = MethodSpec.parse("nonshared")
-    assert spec.tag == "nonshared" and spec.kwargs == {}
-    assert MethodSpec.parse("fullshared") == MethodSpec("fullshared")
-    from hf_kvshare.bench.runner import _parse_value
+def test_method_option_parsing(monkeypatch):
+    from hf_kvshare.bench.methods import _parse_value, _split_options
 
-    assert [_parse_value(v) for v in ("0.4", "16", "true", "None", "abc", "[1, 2]")] == [
-        0.4,
-        16,
-        True,
-        None,
-        "abc",
-        [1, 2],
-    ]
+    spec = MethodSpec.parse("nonshared")
+    assert spec.tag == "nonshared" and spec.kwargs == {} and spec.option_names() == []
+    assert MethodSpec.parse("fullshared") == MethodSpec("fullshared")
+    values = [_parse_value(v) for v in ("0.4", "16", "true", "None", "abc", "[1, 2]")]
+    assert values == [0.4, 16, True, None, "abc", (1, 2)]
+    assert _split_options("a=1,layers=[1, 2],b=x") == ["a=1", "layers=[1, 2]", "b=x"]
+    monkeypatch.setitem(METHODS, ThresholdMethod.name, ThresholdMethod)
+    spec = MethodSpec.parse("threshold-test: tau = 0.25")
+    assert (
+        spec.kwargs == {"tau": 0.25}
+        and spec.tag == "threshold-test@tau=0.25"
+        and str(spec) == "threshold-test:tau=0.25"
+    )
+    assert spec.create().tau == 0.25
+    with pytest.raises(ValueError, match="not of the form key=value"):
+        MethodSpec.parse("threshold-test:0.25")
+    with pytest.raises(ValueError, match="creating method threshold-test:tau=x"):
+        MethodSpec(ThresholdMethod.name, (("tau", "x"), ("rank", 3))).create()
 
 
 # ---------------------------------------------------- capability and calibration
@@ -334,21 +353,15 @@ class NeedsAdapters(Method):
     requires_adapters = True
 
 
-def test_methods_requiring_adapters_are_refused_on_plain_workloads(tiny_dir, tmp_path, monkeypatch):
+def test_methods_requiring_adapters_are_refused_on_plain_workloads(tiny_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(METHODS, NeedsAdapters.name, NeedsAdapters)
-    with pytest.raises(ValueError, match="needs agents that run with LoRA adapters"):
-        bench(
-            "run",
-            *TRACE,
-            "--methods",
-            NeedsAdapters.name,
-            "--model",
-            tiny_dir,
-            "--out",
-            tmp_path,
-            "--no-progress",
-        )
-    assert bench("list") == 0
+    out = tmp_path / "out"
+    rc = bench(
+        "run", *TRACE, "--methods", NeedsAdapters.name, "--model", tiny_dir, "--out", out, "--no-progress"
+    )
+    assert rc == 2 and "needs agents that run with LoRA adapters" in capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written
+    assert bench("list") == 0 and "needs-adapters-test" in capsys.readouterr().out
 
 
 def test_tau_calibration_with_a_fake_threshold_method(tiny_dir, tmp_path, monkeypatch, capsys):

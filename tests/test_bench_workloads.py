@@ -205,15 +205,17 @@ def test_gsm8k_and_mmlu_from_local_files(tmp_path, tokenizer):
     assert [(t.answer, t.checker) for t in tasks] == [("7", "numeric"), ("1200", "numeric")]
     assert [a.name for a in tasks[0].agents][-1] == "final" and len(tasks[0].schedule) == 4
 
-    mmlu = tmp_path / "mmlu.csv"
-    mmlu.write_text('question,choices,answer\n"2+2?","[""3"", ""4"", ""5"", ""6""]",1\n')
-    parquet = tmp_path / "mmlu.jsonl"
-    write_jsonl(
-        parquet,
-        [{"question": "Capital of France?", "choices": ["Rome", "Paris", "Oslo", "Bern"], "answer": "B"}],
-    )
+    csv_file = tmp_path / "mmlu.csv"
+    csv_file.write_text('question,choices,answer\n"2+2?","[""3"", ""4"", ""5"", ""6""]",1\n')
+    t = make_workload("mmlu", data=str(csv_file)).tasks(tokenizer)[0]
+    assert t.answer == "B" and t.slots[0].text == "2+2?\nA: 3\nB: 4\nC: 5\nD: 6" and t.checker == "letter"
+    import datasets
+
+    parquet = tmp_path / "mmlu.parquet"
+    rows = [{"question": "Capital of France?", "choices": ["Rome", "Paris", "Oslo", "Bern"], "answer": "C"}]
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
     t = make_workload("mmlu", data=str(parquet)).tasks(tokenizer)[0]
-    assert t.answer == "B" and "B: Paris" in t.slots[0].text and t.checker == "letter"
+    assert t.answer == "C" and "B: Paris" in t.slots[0].text
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "Q?", "choices": ["a", "b"], "answer": 0}])
     with pytest.raises(ValueError, match=r"row 0: choices: expected a list of 4"):
@@ -246,6 +248,17 @@ def test_stress_and_autoact_specs(tokenizer):
     assert last[-1] == "reflect-instruction#2" and auto.output_slots()[-1] == "reflect#2"
     steps = auto.to_workflow(tokenizer).steps
     assert all(isinstance(s, PH) for s in steps[-1].segments) and steps[0].adapter == "plan"
+
+
+def test_select_slices():
+    from hf_kvshare.bench.workloads.base import select
+
+    assert list(select(10, 2, 3)) == [2, 3, 4] and list(select(10, 8, 5)) == [8, 9]
+    assert list(select(3, 0, 0)) == [0, 1, 2] and list(select(3, 1, None)) == [1, 2]
+    with pytest.raises(ValueError, match="past the end"):
+        select(3, 3, 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        select(3, 0, -1)
 
 
 def test_workload_registry_and_parameter_errors():

@@ -7,7 +7,8 @@ PEFT adapters.
 """
 
 from .calibrate import Calibration, calibrate_tau, realized_rho
-from .runner import BenchRunner, MethodSpec, RunConfig, requires_adapters, run_request
+from .methods import MethodSpec, requires_adapters
+from .runner import BenchRunner, RunConfig, run_request
 from .workloads import WORKLOADS, TaskSpec, Workload, WorkloadFormatError, make_workload
 
 __all__ = [

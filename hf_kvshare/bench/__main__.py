@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import pkgutil
 import sys
 import warnings
@@ -26,7 +25,7 @@ WORKLOAD_OPTIONS = {
     ),
     "--data-config": ("data_config", str, "dataset configuration on the hub (gsm8k: main, mmlu: all)"),
     "--split": ("split", str, "dataset split (default test)"),
-    "--limit": ("limit", int, "number of requests (tasks) to run"),
+    "--limit": ("limit", int, "number of requests (tasks) to run; 0: all"),
     "--offset": ("offset", int, "index of the first task"),
     "--max-new-tokens": ("max_new_tokens", int, "tokens generated per agent turn (task workloads)"),
     "--agents": ("agents", int, "trace: agents per round (N)"),
@@ -135,7 +134,9 @@ def load_bench_model(
 def cmd_run(argv: list[str]) -> int:
     from ..methods import METHODS
     from . import plots
-    from .runner import BenchRunner, ConfigMismatch, MethodSpec, RunConfig
+    from .methods import MethodSpec
+    from .report import format_table
+    from .runner import BenchInputError, BenchRunner, RunConfig
     from .workloads import make_workload
 
     p = argparse.ArgumentParser(
@@ -191,7 +192,7 @@ def cmd_run(argv: list[str]) -> int:
         runner = BenchRunner(model, tok, workload, config, args.out, progress=not args.no_progress)
         try:
             summaries = runner.run(specs, redo=args.redo)
-        except ConfigMismatch as e:
+        except BenchInputError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if not args.no_plots:
@@ -205,39 +206,6 @@ def cmd_run(argv: list[str]) -> int:
         if written:
             print(f"\nsweep plots: {out}")
     return 0
-
-
-COLUMNS = [
-    ("method", "method", "", 22),
-    ("ttft_mean_s", "TTFT s", ".3f", 8),
-    ("ttft_ratio", "NS/TTFT", ".2f", 8),
-    ("e2e_ratio", "NS/E2E", ".2f", 7),
-    ("throughput_tok_s", "tok/s", ".1f", 7),
-    ("reuse_ratio", "rho", ".2f", 5),
-    ("agreement", "agree", ".3f", 6),
-    ("kl", "KL", ".4f", 7),
-    ("kv_error", "KV err", ".4f", 7),
-    ("exact_match", "same out", ".2f", 8),
-    ("accuracy", "acc", ".2f", 5),
-    ("peak_memory_mb", "peak MB", ".0f", 8),
-]
-
-
-def format_table(summaries: list[dict[str, Any]]) -> str:
-    """One line per method: the headline numbers of its summary."""
-    lines = [
-        "  ".join(
-            f"{title:<{w}}" if i == 0 else f"{title:>{w}}" for i, (_, title, _, w) in enumerate(COLUMNS)
-        )
-    ]
-    for s in summaries:
-        cells = []
-        for i, (key, _, fmt, w) in enumerate(COLUMNS):
-            value = s.get(key)
-            text = "-" if value is None else format(value, fmt)
-            cells.append(f"{text:<{w}}" if i == 0 else f"{text:>{w}}")
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------- plot
@@ -271,7 +239,8 @@ def cmd_plot(argv: list[str]) -> int:
 # ---------------------------------------------------------------- calibrate
 def cmd_calibrate(argv: list[str]) -> int:
     from .calibrate import calibrate_tau
-    from .runner import MethodSpec, write_json
+    from .methods import MethodSpec
+    from .runner import write_json
     from .workloads import make_workload
 
     p = argparse.ArgumentParser(
@@ -350,7 +319,7 @@ def cmd_validate(argv: list[str]) -> int:
 
 def cmd_list(argv: list[str]) -> int:
     from ..methods import METHODS
-    from .runner import MethodSpec, requires_adapters
+    from .methods import MethodSpec, requires_adapters
     from .workloads import WORKLOADS
 
     argparse.ArgumentParser(prog="python -m hf_kvshare.bench list").parse_args(argv)
@@ -411,63 +380,9 @@ def cmd_study(argv: list[str]) -> int:
     return int(result or 0)
 
 
-# ------------------------------------------------------------------- report
-REPORT_COLUMNS = {
-    "speed": [
-        ("method", "method", ""),
-        ("ttft_mean_s", "TTFT s (mean)", ".3f"),
-        ("ttft_p50_s", "p50", ".3f"),
-        ("ttft_p90_s", "p90", ".3f"),
-        ("ttft_ratio", "NonShared/TTFT", ".2f"),
-        ("throughput_tok_s", "tok/s", ".1f"),
-        ("throughput_ratio", "tok/s vs NonShared", ".2f"),
-        ("peak_memory_mb", "peak MB", ".0f"),
-        ("method_state_mb", "state MB", ".2f"),
-        ("reuse_ratio", "rho", ".2f"),
-    ],
-    "sweep": [
-        ("shared_tokens", "shared tokens", "d"),
-        ("method", "method", ""),
-        ("ttft_mean_s", "TTFT s (mean)", ".3f"),
-        ("ttft_p50_s", "p50", ".3f"),
-        ("ttft_p90_s", "p90", ".3f"),
-        ("ttft_ratio", "NonShared/TTFT", ".2f"),
-        ("throughput_tok_s", "tok/s", ".1f"),
-        ("throughput_ratio", "tok/s vs NonShared", ".2f"),
-        ("peak_memory_mb", "peak MB", ".0f"),
-        ("reuse_ratio", "rho", ".2f"),
-    ],
-    "fidelity": [
-        ("method", "method", ""),
-        ("agreement", "top-1 agree", ".3f"),
-        ("first_token_agreement", "1st token", ".2f"),
-        ("kl", "KL", ".4f"),
-        ("kv_error", "KV err", ".4f"),
-        ("exact_match", "same output", ".2f"),
-        ("accuracy", "accuracy", ".2f"),
-        ("ttft_mean_s", "TTFT s", ".3f"),
-        ("ttft_ratio", "NonShared/TTFT", ".2f"),
-        ("e2e_ratio", "NonShared/E2E", ".2f"),
-        ("peak_memory_mb", "peak MB", ".0f"),
-        ("method_state_mb", "state MB", ".2f"),
-        ("reuse_ratio", "rho", ".2f"),
-    ],
-}
-
-
-def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
-    lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]
-    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
-    for r in rows:
-        cells = []
-        for key, _, fmt in columns:
-            value = r.get(key)
-            cells.append("-" if value is None else format(value, fmt))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def cmd_report(argv: list[str]) -> int:
+    from .report import REPORT_COLUMNS, report
+
     p = argparse.ArgumentParser(
         prog="python -m hf_kvshare.bench report", description="markdown tables from configuration directories"
     )
@@ -475,43 +390,11 @@ def cmd_report(argv: list[str]) -> int:
     p.add_argument("--kind", choices=sorted(REPORT_COLUMNS), default="fidelity")
     p.add_argument("--hops", action="store_true", help="also a per-hop fidelity table per method")
     args = p.parse_args(argv)
-    configs = []
-    for d in map(Path, args.dirs):
-        configs += (
-            [d] if (d / "summary.json").exists() else sorted(c.parent for c in d.glob("*/summary.json"))
-        )
-    if not configs:
-        p.error("no configuration directory (with a summary.json) found")
-    configs.sort(key=_natural)
-    if args.kind == "sweep":  # one table over the configurations, by shared-context length
-        rows = []
-        for c in configs:
-            data = json.loads((c / "summary.json").read_text())
-            length = (data["config"].get("workload_params") or {}).get("shared_tokens")
-            rows += [{"shared_tokens": length, **m} for m in data["methods"] if length is not None]
-        print(markdown_table(rows, REPORT_COLUMNS["sweep"]))
-        return 0
-    for c in configs:
-        data = json.loads((c / "summary.json").read_text())
-        print(f"\n**{c.name}**\n")
-        print(markdown_table(data["methods"], REPORT_COLUMNS[args.kind]))
-        if args.hops:
-            columns = [("position", "hop", "d"), ("agent", "agent", ""), ("agreement", "top-1 agree", ".3f"),
-                       ("first_token_agreement", "1st token", ".2f"), ("kl", "KL", ".4f"), ("kv_error", "KV err", ".4f"),
-                       ("exact_match", "same output", ".2f")]  # fmt: skip
-            for m in data["methods"]:
-                if m["method"] == "nonshared":
-                    continue
-                print(f"\n{m['method']}, hop by hop:\n")
-                print(markdown_table(m.get("by_position") or [], columns))
+    try:
+        print(report(args.dirs, args.kind, args.hops))
+    except FileNotFoundError as e:
+        p.error(str(e))
     return 0
-
-
-def _natural(path: Path) -> list:
-    """Sort key: numbers inside the name compare as numbers (S256 before S1024)."""
-    import re
-
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
 
 
 COMMANDS = {

@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 
 from ..session import Session
 from . import metrics
-from .runner import MethodSpec, run_request
+from .methods import MethodSpec
+from .runner import run_request
 from .workloads import TaskSpec
 
 

@@ -24,9 +24,7 @@ Output layout (``out/<configuration>/``)::
 
 from __future__ import annotations
 
-import ast
 import csv
-import inspect
 import json
 import math
 import os
@@ -41,103 +39,14 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..fidelity import mean_kl, top1_agreement
-from ..methods import METHODS, Method
+from ..methods import Method
 from ..session import Session, TurnResult
 from ..workflow import Workflow
 from . import metrics
+from .methods import MethodSpec
 from .workloads import TaskSpec, Workload
 
 REFERENCE = "nonshared"
-
-
-# ------------------------------------------------------------------ methods
-@dataclass(frozen=True)
-class MethodSpec:
-    """A registry name with options, as written on the command line: ``kvcmas:tau=0.4,rank=16``."""
-
-    name: str
-    options: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> MethodSpec:
-        name, _, rest = text.partition(":")
-        name = name.strip()
-        if name not in METHODS:
-            raise ValueError(f"unknown method {name!r}; registered methods: {', '.join(sorted(METHODS))}")
-        options: dict[str, Any] = {}
-        for item in filter(None, (p.strip() for p in rest.split(","))):
-            key, eq, value = item.partition("=")
-            if not eq or not key.strip():
-                raise ValueError(f"method option {item!r} in {text!r} is not of the form key=value")
-            options[key.strip()] = _parse_value(value.strip())
-        spec = cls(name, tuple(sorted(options.items())))
-        spec.check_options()
-        return spec
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        return dict(self.options)
-
-    @property
-    def cls(self) -> type[Method]:
-        return METHODS[self.name]
-
-    @property
-    def tag(self) -> str:
-        """Directory name: ``name`` or ``name@key=value,...``."""
-        if not self.options:
-            return self.name
-        opts = ",".join(f"{k}={v}" for k, v in self.options)
-        return re.sub(r"[^A-Za-z0-9_.,=@+-]", "_", f"{self.name}@{opts}")
-
-    def __str__(self) -> str:
-        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
-
-    def option_names(self) -> list[str] | None:
-        """Keyword options the method class accepts (``None`` when it takes ``**kwargs``)."""
-        params = inspect.signature(self.cls).parameters.values()
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            return None
-        return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-    def check_options(self) -> None:
-        names = self.option_names()
-        if names is None:
-            return
-        unknown = [k for k, _ in self.options if k not in names]
-        if unknown:
-            accepted = ", ".join(names) or "none"
-            raise ValueError(
-                f"method {self.name!r} has no option {', '.join(unknown)}; its options: {accepted}"
-            )
-
-    def create(self) -> Method:
-        try:
-            return self.cls(**self.kwargs)
-        except Exception as e:
-            raise type(e)(f"creating method {self}: {e}") from e
-
-    @property
-    def requires_adapters(self) -> bool:
-        return requires_adapters(self.cls)
-
-
-def requires_adapters(cls: type[Method]) -> bool:
-    """The capability flag: a method that only works on a PeftModel with one adapter per agent."""
-    return cls.requires_adapters
-
-
-def _parse_value(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-    return value if isinstance(value, (int, float, str, tuple, list)) else text
 
 
 # ---------------------------------------------------------------- requests
@@ -240,8 +149,12 @@ def environment() -> dict[str, Any]:
     }
 
 
-class ConfigMismatch(RuntimeError):
-    pass
+class BenchInputError(ValueError):
+    """The run cannot start as asked (workload data, adapters, methods): the message says why."""
+
+
+class ConfigMismatch(BenchInputError):
+    """The output directory holds a run with another configuration."""
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -329,11 +242,18 @@ class BenchRunner:
         write_json(path, {"config": current, "environment": environment()})
 
     # ---------------------------------------------------------------- run
+    def tasks(self) -> list[TaskSpec]:
+        """The workload's requests; bad data or parameters raise :class:`BenchInputError`."""
+        try:
+            return self.workload.tasks(self.tokenizer, self.config.seed)
+        except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
+            raise BenchInputError(f"workload {self.workload.tag()}: {e}") from e
+
     def run(self, methods: Sequence[MethodSpec], redo: bool = False) -> dict[str, dict[str, Any]]:
         """Run the methods not done yet (NonShared always included) and return every summary of the
         configuration, keyed by method tag."""
         specs = _unique([MethodSpec(REFERENCE), *methods])
-        tasks = self.workload.tasks(self.tokenizer, self.config.seed)
+        tasks = self.tasks()
         self._check_tasks(tasks, specs)
         if redo and self.dir.exists():
             for spec in specs:
@@ -351,11 +271,11 @@ class BenchRunner:
 
     def _check_tasks(self, tasks: list[TaskSpec], specs: list[MethodSpec]) -> None:
         if not tasks:
-            raise ValueError(f"workload {self.workload.tag()} produced no requests")
+            raise BenchInputError(f"workload {self.workload.tag()} produced no requests")
         adapters = sorted({a for t in tasks for a in t.adapters})
         for spec in specs:
             if spec.requires_adapters and not adapters:
-                raise ValueError(
+                raise BenchInputError(
                     f"method {spec.name!r} needs agents that run with LoRA adapters (requires_adapters); "
                     f"workload {self.workload.name!r} names none. Use a workload whose agents name adapters "
                     "(e.g. --workload autoact with --adapter NAME=PATH)"
@@ -364,7 +284,7 @@ class BenchRunner:
             loaded = sorted(getattr(self.model, "peft_config", {}) or {})
             missing = [a for a in adapters if a not in loaded]
             if missing:
-                raise ValueError(
+                raise BenchInputError(
                     f"the workload's agents use adapter(s) {', '.join(missing)}, which are not loaded "
                     f"(loaded: {', '.join(loaded) or 'none'}); pass --adapter NAME=PATH for each"
                 )

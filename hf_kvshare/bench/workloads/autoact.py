@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Workload, register_workload
+from .base import Workload, register_workload, select
 from .files import load_table
 from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec
 
@@ -64,12 +64,9 @@ class AutoActWorkload(Workload):
                     f"{self.data}: needs a `question` column; found {', '.join(table.column_names)}"
                 )
             questions = list(table["question"])
-        end = len(questions) if self.limit is None else min(len(questions), self.offset + self.limit)
-        if self.offset >= len(questions):
-            raise ValueError(f"offset {self.offset} is past the end of the questions ({len(questions)})")
         agents = [AgentSpec(name=r, system="", glue="", tail="", adapter=r) for r in ROLES]
         tasks = []
-        for i in range(self.offset, end):
+        for i in select(len(questions), self.offset, self.limit):
             slots = [SlotSpec(name="question", text=f"Question: {questions[i]}\n")]
             schedule, trajectory = [], ["question"]
             for rnd in range(1, self.rounds + 1):

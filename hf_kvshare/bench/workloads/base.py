@@ -65,6 +65,15 @@ def make_workload(name: str, **params: Any) -> Workload:
     return cls(**given)
 
 
+def select(n: int, offset: int, limit: int | None) -> range:
+    """Indices ``offset .. offset + limit - 1`` of ``n`` items (``limit`` None or 0: to the end)."""
+    if offset < 0 or (limit is not None and limit < 0):
+        raise ValueError(f"offset and limit must be >= 0; got offset={offset}, limit={limit}")
+    if offset >= n:
+        raise ValueError(f"offset {offset} is past the end of the data ({n} items)")
+    return range(offset, n if not limit else min(n, offset + limit))
+
+
 def _short(name: str) -> str:
     return "".join(w[0] for w in name.split("_")).upper()
 

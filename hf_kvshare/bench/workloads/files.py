@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .base import Workload, register_workload
+from .base import Workload, register_workload, select
 from .spec import TaskSpec, WorkloadFormatError
 
 #: local file extensions and the ``datasets`` builder that reads them
@@ -115,7 +115,7 @@ class FileWorkload(Workload):
         parts = [f"file-{Path(self.data).stem}-{digest}"]
         if self.offset:
             parts.append(f"O{self.offset}")
-        if self.limit is not None:
+        if self.limit:
             parts.append(f"L{self.limit}")
         return "-".join(parts)
 
@@ -123,7 +123,4 @@ class FileWorkload(Workload):
         if not self.data:
             raise ValueError("the file workload needs --data PATH (a JSONL task file)")
         tasks = load_task_file(self.data)
-        end = len(tasks) if self.limit is None else self.offset + self.limit
-        if self.offset >= len(tasks):
-            raise ValueError(f"offset {self.offset} is past the end of {self.data} ({len(tasks)} tasks)")
-        return tasks[self.offset : end]
+        return [tasks[i] for i in select(len(tasks), self.offset, self.limit)]

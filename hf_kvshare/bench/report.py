@@ -1,0 +1,149 @@
+"""Text reports of benchmark runs: the console table of ``run`` and the markdown tables of ``report``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+CONSOLE_COLUMNS = [
+    ("method", "method", "", 22),
+    ("ttft_mean_s", "TTFT s", ".3f", 8),
+    ("ttft_ratio", "NS/TTFT", ".2f", 8),
+    ("e2e_ratio", "NS/E2E", ".2f", 7),
+    ("throughput_tok_s", "tok/s", ".1f", 7),
+    ("reuse_ratio", "rho", ".2f", 5),
+    ("agreement", "agree", ".3f", 6),
+    ("kl", "KL", ".4f", 7),
+    ("kv_error", "KV err", ".4f", 7),
+    ("exact_match", "same out", ".2f", 8),
+    ("accuracy", "acc", ".2f", 5),
+    ("peak_memory_mb", "peak MB", ".0f", 8),
+]
+
+
+def format_table(summaries: list[dict[str, Any]]) -> str:
+    """One line per method: the headline numbers of its summary."""
+    lines = [
+        "  ".join(
+            f"{title:<{w}}" if i == 0 else f"{title:>{w}}"
+            for i, (_, title, _, w) in enumerate(CONSOLE_COLUMNS)
+        )
+    ]
+    for s in summaries:
+        cells = []
+        for i, (key, _, fmt, w) in enumerate(CONSOLE_COLUMNS):
+            value = s.get(key)
+            text = "-" if value is None else format(value, fmt)
+            cells.append(f"{text:<{w}}" if i == 0 else f"{text:>{w}}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+REPORT_COLUMNS = {
+    "speed": [
+        ("method", "method", ""),
+        ("ttft_mean_s", "TTFT s (mean)", ".3f"),
+        ("ttft_p50_s", "p50", ".3f"),
+        ("ttft_p90_s", "p90", ".3f"),
+        ("ttft_ratio", "NonShared/TTFT", ".2f"),
+        ("throughput_tok_s", "tok/s", ".1f"),
+        ("throughput_ratio", "tok/s vs NonShared", ".2f"),
+        ("peak_memory_mb", "peak MB", ".0f"),
+        ("method_state_mb", "state MB", ".2f"),
+        ("reuse_ratio", "rho", ".2f"),
+    ],
+    "sweep": [
+        ("shared_tokens", "shared tokens", "d"),
+        ("method", "method", ""),
+        ("ttft_mean_s", "TTFT s (mean)", ".3f"),
+        ("ttft_p50_s", "p50", ".3f"),
+        ("ttft_p90_s", "p90", ".3f"),
+        ("ttft_ratio", "NonShared/TTFT", ".2f"),
+        ("throughput_tok_s", "tok/s", ".1f"),
+        ("throughput_ratio", "tok/s vs NonShared", ".2f"),
+        ("peak_memory_mb", "peak MB", ".0f"),
+        ("reuse_ratio", "rho", ".2f"),
+    ],
+    "fidelity": [
+        ("method", "method", ""),
+        ("agreement", "top-1 agree", ".3f"),
+        ("first_token_agreement", "1st token", ".2f"),
+        ("kl", "KL", ".4f"),
+        ("kv_error", "KV err", ".4f"),
+        ("exact_match", "same output", ".2f"),
+        ("accuracy", "accuracy", ".2f"),
+        ("ttft_mean_s", "TTFT s", ".3f"),
+        ("ttft_ratio", "NonShared/TTFT", ".2f"),
+        ("e2e_ratio", "NonShared/E2E", ".2f"),
+        ("peak_memory_mb", "peak MB", ".0f"),
+        ("method_state_mb", "state MB", ".2f"),
+        ("reuse_ratio", "rho", ".2f"),
+    ],
+}
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]
+    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
+    for r in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = r.get(key)
+            cells.append("-" if value is None else format(value, fmt))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def find_configurations(dirs: list[str | Path]) -> list[Path]:
+    """Configuration directories (holding a ``summary.json``) among ``dirs`` or directly under them."""
+    configs: list[Path] = []
+    for d in map(Path, dirs):
+        configs += (
+            [d] if (d / "summary.json").exists() else sorted(c.parent for c in d.glob("*/summary.json"))
+        )
+    if not configs:
+        raise FileNotFoundError("no configuration directory (with a summary.json) found")
+    return sorted(configs, key=_natural)
+
+
+def report(dirs: list[str | Path], kind: str = "fidelity", hops: bool = False) -> str:
+    """Markdown tables of the summaries in ``dirs``: one per configuration, or one over a
+    ``shared_tokens`` sweep (``kind="sweep"``); ``hops`` adds fidelity hop by hop per method."""
+    configs = find_configurations(dirs)
+    out: list[str] = []
+    if kind == "sweep":
+        rows = []
+        for c in configs:
+            data = json.loads((c / "summary.json").read_text())
+            length = (data["config"].get("workload_params") or {}).get("shared_tokens")
+            rows += [{"shared_tokens": length, **m} for m in data["methods"] if length is not None]
+        return markdown_table(rows, REPORT_COLUMNS["sweep"])
+    for c in configs:
+        data = json.loads((c / "summary.json").read_text())
+        out += [f"\n**{c.name}**\n", markdown_table(data["methods"], REPORT_COLUMNS[kind])]
+        if hops:
+            for m in data["methods"]:
+                if m["method"] != "nonshared":
+                    out += [
+                        f"\n{m['method']}, hop by hop:\n",
+                        markdown_table(m.get("by_position") or [], HOP_COLUMNS),
+                    ]
+    return "\n".join(out)
+
+
+HOP_COLUMNS = [
+    ("position", "hop", "d"),
+    ("agent", "agent", ""),
+    ("agreement", "top-1 agree", ".3f"),
+    ("first_token_agreement", "1st token", ".2f"),
+    ("kl", "KL", ".4f"),
+    ("kv_error", "KV err", ".4f"),
+    ("exact_match", "same output", ".2f"),
+]
+
+
+def _natural(path: Path) -> list:
+    """Sort key: numbers inside the name compare as numbers (S256 before S1024)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
