@@ -414,7 +414,11 @@ class CorrectedCache(SharedCache):
 
     >>> cache, ids = Session(model, tok, method=kvcmas).build_cache("coder", segments)  # doctest: +SKIP
     >>> print(cache)  # doctest: +SKIP
-    CorrectedCache (kvcmas): 212 cached tokens, ... | PH: 2 corrected, 1 fallback, 0 first-seen ...
+    CorrectedCache (kvcmas): 212 cached tokens, 0.15 MiB
+      PH segments: 2 corrected, 0 reused, 1 gate fallback, 0 other dense; rho = 0.71
+      segment         kind span          provenance  source      info
+      ...
+      query           PH   [28,91)       corrected   planner     gate=accepted, entropy=2.1e-05, ...
     """
 
     def __init__(self, config: Any, method: str = ""):
@@ -426,7 +430,8 @@ class CorrectedCache(SharedCache):
         return [s for s in self.segments if s.kind == "PH"]
 
     def summary(self) -> dict[str, int]:
-        """Counts of PH segments and tokens by outcome."""
+        """Counts of PH segments by outcome (``fallback``: dense because the gate refused; ``dense``:
+        dense for another reason, e.g. the first agent to see the slot) and PH / reused tokens."""
         out = {"corrected": 0, "fallback": 0, "dense": 0, "reused": 0, "ph_tokens": 0, "reused_tokens": 0}
         for seg in self.placeholders():
             out["ph_tokens"] += seg.length
@@ -448,7 +453,7 @@ class CorrectedCache(SharedCache):
         rho = s["reused_tokens"] / s["ph_tokens"] if s["ph_tokens"] else 0.0
         summary = (
             f"  PH segments: {s['corrected']} corrected, {s['reused']} reused, {s['fallback']} gate fallback, "
-            f"{s['dense']} dense (first seen); rho = {rho:.2f}"
+            f"{s['dense']} other dense; rho = {rho:.2f}"
         )
         return "\n".join([head, summary, *table[1:]])
 

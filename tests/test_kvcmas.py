@@ -147,7 +147,11 @@ def test_provenance_recorded_and_reported(tiny_llama, tokenizer):
         s.length for s in designer.placeholders() if s.provenance == "corrected"
     )
     text = str(designer)
-    assert "CorrectedCache (kvcmas)" in text and "corrected" in text and "gate=accepted" in text
+    assert (
+        "CorrectedCache (kvcmas)" in text
+        and "2 corrected, 0 reused, 0 gate fallback, 0 other dense" in text
+        and "gate=accepted" in text
+    )
     summary = designer.summary()
     assert summary["corrected"] + summary["fallback"] + summary["dense"] == len(designer.placeholders())
     # the anchors used were counted (LFU bookkeeping)
@@ -204,6 +208,20 @@ def test_graphflow_calibrates_then_applies_without_matching(tiny_llama, tokenize
     low = GraphFlow(calibration_requests=1, rank=2)
     run_request(tiny_llama, tokenizer, low, QUERIES[0])
     assert all(p.ready and p.frozen.keys[1].rank <= 2 for p in low.profiles.values())
+
+
+def test_batched_build_cache_expands_corrections(tiny_llama, tokenizer):
+    method = KVComm(tau=1.0)
+    for query in QUERIES[:2]:
+        run_request(tiny_llama, tokenizer, method, query)
+    cache, ids = Session(tiny_llama, tokenizer, method).build_cache(
+        "planner", turn_segments(0, QUERIES[2]), 2
+    )
+    assert ids.shape[0] == 2 and cache.layer_kv(1)[0].shape[0] == 2
+    seg = cache.segment("query")
+    assert seg.provenance == "corrected"
+    keys = cache.layer_kv(1)[0][..., seg.start : seg.end, :]
+    assert torch.equal(keys[0], keys[1])
 
 
 def test_reference_prefill_counts_as_computed(tiny_llama, tokenizer):

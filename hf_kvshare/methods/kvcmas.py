@@ -63,6 +63,7 @@ class Edge:
     decision: GateDecision | None = None
     candidates: int = 0
     rows: int = 0
+    distances: list[float] | None = None
 
     def report(self) -> dict[str, Any]:
         if self.source is None:
@@ -73,6 +74,8 @@ class Edge:
         if not self.decision.accepted:
             info["reason"] = self.decision.reason
         info["anchors"] = self.candidates
+        if self.distances is not None:
+            info["distances"] = self.distances
         return info
 
 
@@ -211,6 +214,7 @@ class KVCMAS(Method):
             return None
         found = match(source, eligible, turn.shifter, rows)
         edge.decision = reliability_gate(found.gate_distances, self.tau, self.temperature)
+        edge.distances = [float(d) for d in found.gate_distances]
         if not edge.decision.accepted:
             return None
         edge.rows = rows
@@ -230,6 +234,7 @@ class KVCMAS(Method):
             "tau": self.tau,
             "anchors": [a.serial for a in eligible],
             "weights": [float(w) for w in edge.decision.weights],
+            "distances": edge.distances,
             "rows": f"{rows}/{span.length}",
         }
         return Placement(kv=kv, provenance="corrected", source_agent=edge.label, info=info)
