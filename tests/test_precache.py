@@ -194,9 +194,10 @@ def test_attention_and_mlp_lora_with_rslora(tokenizer, arch):
     assert deep.abs().max() > 1e-4
 
 
-def test_lazy_materialization_matches_turn(peft_llama, tokenizer):
-    turn = Session(peft_llama, tokenizer, "prelrshared")
-    lazy = Session(peft_llama, tokenizer, "prelrshared", materialize="lazy")
+@pytest.mark.parametrize("method", ["prelrshared", "baseshared", "rebaseshared-lp", "rebaseshared-db"])
+def test_lazy_materialization_matches_turn(peft_llama, tokenizer, method):
+    turn = Session(peft_llama, tokenizer, method)
+    lazy = Session(peft_llama, tokenizer, method, materialize="lazy")
     a = run_trajectory(turn, LOOP)
     b = run_trajectory(lazy, LOOP, keep_cache=True)
     assert [r.output_ids.tolist() for r in a] == [r.output_ids.tolist() for r in b]

@@ -1,0 +1,48 @@
+"""The PReCache study end to end on a tiny random model (seconds): numbers computed, report written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lora_helpers import lora_model
+
+from hf_kvshare.bench.studies import precache
+from hf_kvshare.lora.autoact import ROLES
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_study_runs_and_reports(tokenizer, tmp_path):
+    model = lora_model("llama", roles={r: 4 for r in ROLES})
+    config = precache.StudyConfig(hops=1, filler=0, new_tokens={"plan": 4, "act": 3, "reflect": 5})
+    data = precache.run_study(model, tokenizer, config, progress=False)
+    s = data["summary"]
+    assert set(s) == set(precache.FREE_METHODS)
+    rows = data["free"]["rows"]
+    assert [t["agent"] for t in rows["nonshared"]] == ["plan", "act", "plan", "act", "reflect"]
+    # every method saw trajectories of the same length (fixed output lengths)
+    lengths = {m: [t["prompt_tokens"] for t in turns] for m, turns in rows.items()}
+    assert len({tuple(v) for v in lengths.values()}) == 1
+    assert (
+        s["prelrshared"]["tokens_prefilled"]
+        < s["baseshared"]["tokens_prefilled"]
+        < s["nonshared"]["tokens_prefilled"]
+    )
+    assert s["nonshared"]["agreement_mean"] == 1.0
+    assert s["rebaseshared-lp"]["agreement_mean"] == pytest.approx(s["rebaseshared-db"]["agreement_mean"])
+    assert s["prelrshared-lazy"]["same_outputs_as_nonshared"] == s["prelrshared"]["same_outputs_as_nonshared"]
+    for m in precache.BASE_ERROR_METHODS:
+        assert 0 < s[m]["base_key_error_mean"] < 10
+    # base once + small LR caches: well below one cache per agent
+    assert s["prelrshared"]["state_kv_bytes"] < len(ROLES) * s["nonshared"]["last_turn_kv_bytes"] / 2
+    assert s["prelrshared-lazy"]["last_turn_kv_bytes"] < s["prelrshared"]["last_turn_kv_bytes"]
+    files = precache.plot(data, tmp_path)
+    assert all((tmp_path / f).stat().st_size > 0 for f in files)
+    text = precache.report(data, "python -m hf_kvshare.bench.studies.precache --test")
+    assert "--test" in text and "| prelrshared |" in text and "| rebaseshared-db |" in text
