@@ -42,7 +42,18 @@ def test_study_runs_and_reports(tokenizer, tmp_path):
     # base once + small LR caches: well below one cache per agent
     assert s["prelrshared"]["state_kv_bytes"] < len(ROLES) * s["nonshared"]["last_turn_kv_bytes"] / 2
     assert s["prelrshared-lazy"]["last_turn_kv_bytes"] < s["prelrshared"]["last_turn_kv_bytes"]
-    files = precache.plot(data, tmp_path)
-    assert all((tmp_path / f).stat().st_size > 0 for f in files)
-    text = precache.report(data, "python -m hf_kvshare.bench.studies.precache --test")
+    data["command"] = "python -m hf_kvshare.bench.studies.precache --test"
+    precache.write(data, tmp_path)
+    text = (tmp_path / "precache.md").read_text()
     assert "--test" in text and "| prelrshared |" in text and "| rebaseshared-db |" in text
+    assert "## Findings" in text and "Neutral base" in text
+    for png in ("ttft_e2e_ratio.png", "base_cache_error.png"):
+        assert (tmp_path / "precache" / png).stat().st_size > 10_000
+    # the report re-renders from the saved data alone
+    assert (
+        precache.main(
+            ["--from-json", str(tmp_path / "precache" / "precache.json"), "--out", str(tmp_path / "again")]
+        )
+        == 0
+    )
+    assert (tmp_path / "again" / "precache.md").read_text() == text

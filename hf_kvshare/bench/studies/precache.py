@@ -67,13 +67,13 @@ ROLE_FORMAT = {
 
 
 #: tokens each role generates in the free-running pass (EOS suppressed: equal lengths for all methods)
-NEW_TOKENS = {"plan": 20, "act": 10, "reflect": 32}
+NEW_TOKENS = {"plan": 24, "act": 10, "reflect": 32}
 
 
 @dataclass
 class StudyConfig:
-    hops: int = 4  # capitals compared: 2 lookups each
-    filler: int = 5  # extra sentences per observation page
+    hops: int = 4  # capitals compared: 2 lookups each (20 turns, a 2K-token trajectory with filler=4)
+    filler: int = 4  # extra sentences per observation page
     new_tokens: dict[str, int] = field(default_factory=lambda: dict(NEW_TOKENS))
     seed: int = 0
     free_methods: list[str] = field(default_factory=lambda: list(FREE_METHODS))
@@ -301,41 +301,37 @@ def plot(data: dict[str, Any], out_dir: Path) -> list[str]:
     files.append("ttft_e2e_ratio.png")
 
     per_turn = data["forced"]["per_turn"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for m in BASE_ERROR_METHODS:
         errs = [r for r in per_turn.get(m, []) if "base_error" in r]
         if not errs:
             continue
         layers = len(errs[0]["base_error"])
         mean = [statistics.mean(r["base_error"][layer]["key"] for r in errs) for layer in range(layers)]
-        axes[0].plot(range(layers), mean, marker="o", ms=3, label=f"{m}: shared base")
-        axes[1].plot(
-            [r["turn"] for r in errs],
-            [r["base_error"][-1]["key"] for r in errs],
-            marker="o",
-            ms=3,
-            label=f"{m}: shared base",
-        )
-    kv = [r for r in per_turn.get("fullshared", []) if "kv_error" in r]
-    if kv:
-        layers = len(kv[0]["kv_error"])
-        axes[0].plot(
-            range(layers),
-            [statistics.mean(r["kv_error"][layer]["key"] for r in kv) for layer in range(layers)],
-            ls="--",
-            label="fullshared: full K",
-        )
-        axes[1].plot(
-            [r["turn"] for r in kv],
-            [r["kv_error"][-1]["key"] for r in kv],
-            ls="--",
-            label="fullshared: full K",
-        )
+        style = {"marker": "o", "ms": 3, "label": m, "ls": ":" if m == "baseshared" else "-"}
+        axes[0].plot(range(layers), mean, **style)
+        axes[1].plot([r["turn"] for r in errs], [r["base_error"][-1]["key"] for r in errs], **style)
+    for m in ("fullshared", "prelrshared", "rebaseshared-lp"):
+        kv = [r for r in per_turn.get(m, []) if "kv_error" in r]
+        if kv:
+            layers = len(kv[0]["kv_error"])
+            axes[2].plot(
+                range(layers),
+                [statistics.mean(r["kv_error"][layer]["key"] for r in kv) for layer in range(layers)],
+                marker="o",
+                ms=3,
+                ls="--" if m == "fullshared" else "-",
+                label=m,
+            )
+    axes[0].set_title("shared base keys vs the agent's own base (mean over transitions)", fontsize=9)
+    axes[1].set_title("same, last layer, per agent transition", fontsize=9)
+    axes[2].set_title("keys attention reads vs NonShared's (mean over transitions)", fontsize=9)
     axes[0].set_xlabel("layer")
-    axes[0].set_ylabel("relative key error vs the current agent's own")
-    axes[1].set_xlabel("turn (agent transition)")
-    axes[1].set_ylabel("relative key error, last layer")
+    axes[1].set_xlabel("turn")
+    axes[2].set_xlabel("layer")
+    axes[1].xaxis.get_major_locator().set_params(integer=True)
     for ax in axes:
+        ax.set_ylabel("relative error ||K - K_ref|| / ||K_ref||")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -347,6 +343,83 @@ def plot(data: dict[str, Any], out_dir: Path) -> list[str]:
 
 def _mb(n: float) -> str:
     return f"{n / 2**20:.1f}"
+
+
+def findings(data: dict[str, Any]) -> list[str]:
+    """What the numbers say, computed from them (each line names the figures it rests on)."""
+    s, rows, per_turn = data["summary"], data["free"]["rows"], data["forced"]["per_turn"]
+    ref = rows["nonshared"]
+    out = []
+    L, t_ref = ref[-1]["prompt_tokens"], ref[-1]["ttft_s"]
+    speed = ", ".join(f"{m} {s[m]['ttft_ratio_last']:.1f}x" for m in s if m != "nonshared")
+    out.append(
+        f"**TTFT.** At the longest prompt ({L} tokens) NonShared needs {t_ref:.1f} s to the first token; speed-ups: {speed}."
+    )
+    e2e = ", ".join(f"{m} {s[m]['e2e_ratio_total']:.2f}x" for m in s if m != "nonshared")
+    out.append(f"**E2E** (whole turns, total over turns 1..): {e2e}.")
+    prelr = {r["turn"]: r for r in per_turn.get("prelrshared", []) if "base_error" in r}
+    rebase = {r["turn"]: r for r in per_turn.get("rebaseshared-lp", []) if "base_error" in r}
+    both = sorted(set(prelr) & set(rebase))
+    if both:
+
+        def mean_key(r):
+            return statistics.mean(x["key"] for x in r["base_error"])
+
+        closer = sum(mean_key(rebase[t]) < mean_key(prelr[t]) for t in both)
+        closer_last = sum(
+            rebase[t]["base_error"][-1]["key"] < prelr[t]["base_error"][-1]["key"] for t in both
+        )
+        out.append(
+            f"**Neutral base (paper Fig. 2).** ReBaseShared's neutral base keys are closer to the current agent's own "
+            f"base keys than PreLRShared's shared base at {closer} of {len(both)} agent transitions (mean over layers; "
+            f"{closer_last} of {len(both)} at the last layer): mean key error "
+            f"{s['rebaseshared-lp']['base_key_error_mean']:.3f} vs {s['prelrshared']['base_key_error_mean']:.3f}, "
+            f"values {s['rebaseshared-lp']['base_value_error_mean']:.3f} vs {s['prelrshared']['base_value_error_mean']:.3f}. "
+            f"BaseShared's base is PreLRShared's (both keep the base of whichever agent first processed a token)."
+        )
+    if "kv_key_error_mean" in s.get("fullshared", {}):
+        kv = ", ".join(f"{m} {s[m]['kv_key_error_mean']:.3f}" for m in s if "kv_key_error_mean" in s[m])
+        out.append(
+            f"**Keys attention reads** vs NonShared's over the shared context (mean relative error): {kv}."
+        )
+    agree = ", ".join(
+        f"{m} {s[m]['agreement_mean']:.3f} (KL {s[m]['kl_mean']:.3f})"
+        for m in s
+        if m != "nonshared" and "kl_mean" in s[m]
+    )
+    out.append(f"**Teacher-forced agreement with NonShared** (top-1; KL): {agree}.")
+    if "rebaseshared-db" in s and "rebaseshared-lp" in s and "agreement_mean" in s["rebaseshared-db"]:
+        out.append(
+            "**LP vs DB.** Same caches, hence the same fidelity (agreement "
+            f"{s['rebaseshared-lp']['agreement_mean']:.3f} vs {s['rebaseshared-db']['agreement_mean']:.3f}); they "
+            f"differ in cost: DB's TTFT speed-up {s['rebaseshared-db']['ttft_ratio_mean']:.2f}x vs LP's "
+            f"{s['rebaseshared-lp']['ttft_ratio_mean']:.2f}x (mean), E2E {s['rebaseshared-db']['e2e_ratio_total']:.2f}x vs "
+            f"{s['rebaseshared-lp']['e2e_ratio_total']:.2f}x. On a CPU the second row costs as much as the first; DB "
+            "pays off where a batch row is nearly free (GPU serving), LP where the stream is single (this machine)."
+        )
+    if "prelrshared-lazy" in s and "prelrshared" in s:
+        turn_, lazy = s["prelrshared"], s["prelrshared-lazy"]
+        faster = "lazy" if lazy["e2e_ratio_total"] > turn_["e2e_ratio_total"] else "turn"
+        out.append(
+            "**Materializing once per turn vs lazily per layer** (prelrshared): TTFT speed-up "
+            f"{turn_['ttft_ratio_mean']:.2f}x (turn) vs {lazy['ttft_ratio_mean']:.2f}x (lazy), E2E {turn_['e2e_ratio_total']:.2f}x "
+            f"vs {lazy['e2e_ratio_total']:.2f}x; the turn's own K/V {_mb(turn_['last_turn_kv_bytes'])} MiB vs "
+            f"{_mb(lazy['last_turn_kv_bytes'])} MiB at the last turn. Faster here: **{faster}**; lazy trades "
+            "an extra B(Ax) matmul per layer and step for not holding a full-size copy of the prefix."
+        )
+    pre = data["free"]["state"].get("prelrshared")
+    if pre:
+        lr = sum(pre["lr_bytes"].values())
+        full = ref[-1]["turn_kv_bytes"]
+        out.append(
+            f"**Memory.** PReCache keeps {_mb(pre['total_bytes'])} MiB for the {pre['tokens']}-token trajectory: the "
+            f"base once ({_mb(pre['base_bytes'])} MiB) + {len(pre['lr_bytes'])} LR caches ({_mb(lr)} MiB, "
+            f"{100 * lr / pre['base_bytes']:.0f}% of the base), against {len(pre['lr_bytes'])} x {_mb(full)} MiB for "
+            "one full cache per agent."
+        )
+    formats = ", ".join(f"{m} {s[m]['role_format']:.2f}" for m in s)
+    out.append(f"**Role adapters specialize**: share of outputs in their role's format: {formats}.")
+    return out
 
 
 def report(data: dict[str, Any], command: str) -> str:
@@ -433,6 +506,8 @@ def report(data: dict[str, Any], command: str) -> str:
             + " | ".join(f"{rows[m][i]['ttft_s']:.2f}" for m in rows)
             + " |"
         )
+    lines += ["", "## Findings (computed from the data above)", ""]
+    lines += [f"- {line}" for line in findings(data)]
     lines += ["", "## Sample outputs (NonShared, free-running)", ""]
     for t in rows["nonshared"][:5]:
         lines.append(f"- **{t['agent']}**: `{t['output'].strip()}`")
@@ -485,7 +560,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--from-json", default=None, help="re-render the report and plots from a saved precache.json (no run)"
+    )
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        write(data, out)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     from ...lora.train_roles import load_role_adapters, train_roles
@@ -509,14 +592,20 @@ def main(argv: list[str] | None = None) -> int:
         else f"`{adapters}`"
     )
     data = run_study(model, tokenizer, config, progress=not args.no_progress, adapters=described)
-    out = Path(args.out)
+    data["command"] = ("python -m hf_kvshare.bench.studies.precache " + " ".join(argv)).strip()
+    write(data, out)
+    print(json.dumps(data["summary"], indent=1))
+    return 0
+
+
+def write(data: dict[str, Any], out: Path) -> None:
+    """``<out>/precache.md``, ``<out>/precache/precache.json`` and the plots."""
     (out / "precache").mkdir(parents=True, exist_ok=True)
     (out / "precache" / "precache.json").write_text(json.dumps(data, indent=1))
     plot(data, out / "precache")
-    command = "python -m hf_kvshare.bench.studies.precache " + " ".join(argv)
-    (out / "precache.md").write_text(report(data, command.strip()))
-    print(json.dumps(data["summary"], indent=1))
-    return 0
+    (out / "precache.md").write_text(
+        report(data, data.get("command", "python -m hf_kvshare.bench.studies.precache"))
+    )
 
 
 if __name__ == "__main__":
