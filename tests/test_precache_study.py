@@ -35,6 +35,7 @@ def test_study_runs_and_reports(tokenizer, tmp_path):
         < s["nonshared"]["tokens_prefilled"]
     )
     assert s["nonshared"]["agreement_mean"] == 1.0
+    assert [t["agent"] for t in data["free"]["adapter_free"]] == [t["agent"] for t in rows["nonshared"]]
     assert s["rebaseshared-lp"]["agreement_mean"] == pytest.approx(s["rebaseshared-db"]["agreement_mean"])
     assert s["prelrshared-lazy"]["same_outputs_as_nonshared"] == s["prelrshared"]["same_outputs_as_nonshared"]
     for m in precache.BASE_ERROR_METHODS:

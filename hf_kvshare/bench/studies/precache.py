@@ -128,6 +128,11 @@ def run_free(
                 }
             )
             r.cache = None
+    baseline = (
+        _adapter_free_outputs(model, tokenizer, config, turns, sessions["nonshared"])
+        if "nonshared" in sessions
+        else []
+    )
     state = {}
     for m, session in sessions.items():
         method = session.method
@@ -140,7 +145,30 @@ def run_free(
         "rows": rows,
         "state": state,
         "outputs": {m: [t.output_ids.tolist() for t in s.turns] for m, s in sessions.items()},
+        "adapter_free": baseline,
     }
+
+
+def _adapter_free_outputs(model, tokenizer, config, turns, session, count: int = 6) -> list[dict[str, Any]]:
+    """The first ``count`` NonShared prompts answered by the model with its adapters disabled: does the
+    role format come from the adapters?"""
+    out = []
+    for gold, result in zip(turns[:count], session.turns):
+        ids = result.prompt_ids[None].to(next(model.parameters()).device)
+        n = config.new_tokens[gold.agent]
+        with torch.no_grad(), model.disable_adapter():
+            generated = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+            )
+        text = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)
+        out.append(
+            {"agent": gold.agent, "output": text, "role_format": bool(ROLE_FORMAT[gold.agent].search(text))}
+        )
+    return out
 
 
 # ------------------------------------------------------------------ teacher-forced pass
@@ -202,14 +230,14 @@ def run_forced(
             row["agreement"] = top1_agreement(ref.logits, r.logits)
             row["kl"] = mean_kl(ref.logits, r.logits)
             if context > 0:
-                row["kv_error"] = kv_error_by_layer(_first_row(r.cache), ref.cache, 0, context)
+                row["kv_error"] = kv_error_by_layer(_FirstRow(r.cache), ref.cache, 0, context)
             per_turn[m].append(row)
             r.cache = None
         ref.cache = None
     return {"per_turn": per_turn}
 
 
-class _first_row:
+class _FirstRow:
     """Row 0 of a (double-batched) cache, as ``kv_error_by_layer`` reads it."""
 
     def __init__(self, cache):
@@ -418,7 +446,14 @@ def findings(data: dict[str, Any]) -> list[str]:
             "one full cache per agent."
         )
     formats = ", ".join(f"{m} {s[m]['role_format']:.2f}" for m in s)
-    out.append(f"**Role adapters specialize**: share of outputs in their role's format: {formats}.")
+    base = data["free"].get("adapter_free") or []
+    without = (
+        f"; the same model with its adapters disabled, on NonShared's first {len(base)} prompts: "
+        f"{sum(b['role_format'] for b in base)} of {len(base)}"
+        if base
+        else ""
+    )
+    out.append(f"**Role adapters specialize**: share of outputs in their role's format: {formats}{without}.")
     return out
 
 
@@ -458,9 +493,9 @@ def report(data: dict[str, Any], command: str) -> str:
         "## Summary",
         "",
         "| method | TTFT speed-up (mean / last turn) | E2E speed-up | prefilled tokens | rho | "
-        "KV state kept (MiB) | last turn's own KV (MiB) | agreement | KL | base key error (mean / last layer) "
-        "| role format |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "KV state kept (MiB) | last turn's own KV (MiB) | peak KV (MiB) | agreement | KL | "
+        "base key error (mean / last layer) | role format |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, x in s.items():
         base = (
@@ -473,7 +508,8 @@ def report(data: dict[str, Any], command: str) -> str:
         lines.append(
             f"| {m} | {x['ttft_ratio_mean']:.2f}x / {x['ttft_ratio_last']:.2f}x | {x['e2e_ratio_total']:.2f}x | "
             f"{x['tokens_prefilled']} | {x['reuse_ratio_mean']:.2f} | {_mb(x['state_kv_bytes'])} | "
-            f"{_mb(x['last_turn_kv_bytes'])} | {agreement} | {kl} | {base} | {x['role_format']:.2f} |"
+            f"{_mb(x['last_turn_kv_bytes'])} | {_mb(x['state_kv_bytes'] + x['last_turn_kv_bytes'])} | "
+            f"{agreement} | {kl} | {base} | {x['role_format']:.2f} |"
         )
     n_agents = len(ROLES)
     full = rows["nonshared"][-1]["turn_kv_bytes"]
@@ -485,7 +521,8 @@ def report(data: dict[str, Any], command: str) -> str:
         "+ every agent's LR cache; FullShared: every slot's latest K/V; NonShared keeps nothing and recomputes, "
         f"and would need {n_agents} x {_mb(full)} = {_mb(n_agents * full)} MiB to keep one cache per agent); "
         "*last turn's own KV* = bytes of the turn's cache object (PReCache with `materialize='turn'` holds a "
-        "full copy for the turn, `-lazy` only the appended positions); *role format* = fraction of outputs in "
+        "full copy for the turn, `-lazy` only the appended positions); *peak KV* = the two together, the K/V "
+        "memory alive at the end of the last turn; *role format* = fraction of outputs in "
         "their role's format (`Thought:`, `Action: Lookup[...]`, `Reflection:`).",
         "",
         f"Peak process RSS over the run: {_mb(max(x['peak_rss_bytes'] for x in s.values()))} MiB (model, all "
@@ -511,6 +548,10 @@ def report(data: dict[str, Any], command: str) -> str:
     lines += ["", "## Sample outputs (NonShared, free-running)", ""]
     for t in rows["nonshared"][:5]:
         lines.append(f"- **{t['agent']}**: `{t['output'].strip()}`")
+    if data["free"].get("adapter_free"):
+        lines += ["", "The same prompts with the adapters disabled (base SmolLM2-135M-Instruct):", ""]
+        for t in data["free"]["adapter_free"][:5]:
+            lines.append(f"- **{t['agent']}**: `{t['output'].strip()}`")
     lines.append("")
     return "\n".join(lines)
 
@@ -559,6 +600,11 @@ def main(argv: list[str] | None = None) -> int:
         help="scales the tokens each role generates " + str(NEW_TOKENS),
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short episode (~1K tokens, --hops 2 --filler 2) for a smoke run",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--from-json", default=None, help="re-render the report and plots from a saved precache.json (no run)"
@@ -583,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model()
     model = load_role_adapters(model, adapters)
     new_tokens = {r: max(1, round(n * args.new_tokens)) for r, n in NEW_TOKENS.items()}
+    if args.quick:
+        args.hops, args.filler = 2, 2
     config = StudyConfig(hops=args.hops, filler=args.filler, new_tokens=new_tokens)
     roles_json = adapters / "roles.json"
     described = (
