@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from ..cache import config_signature
 BASE_ROW = "__base__"
 
 _KV_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k_proj|v_proj)$")
-_WARNED: set[tuple[int, str]] = set()  # (id(model), adapter) already told that it has no k/v LoRA
+_WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> adapters already warned about
 
 
 def adapter_names(model: nn.Module) -> list[str]:
@@ -227,10 +228,11 @@ class LoraBank:
             )
 
     def _warn_without_kv(self) -> None:
+        warned = _WARNED.setdefault(self.model, set())
         for adapter in self.without_kv():
-            if (id(self.model), adapter) in _WARNED:
+            if adapter in warned:
                 continue
-            _WARNED.add((id(self.model), adapter))
+            warned.add(adapter)
             warnings.warn(
                 f"adapter {adapter!r} has no LoRA on any k_proj/v_proj: its LR cache is empty (rank 0) and its "
                 "cache is the shared base alone. Its K/V can still differ from other agents' through its other "

@@ -39,12 +39,14 @@ class KVCapture:
         self._base: dict[tuple[int, str], list[torch.Tensor]] = {}
         self._weights: dict[tuple[int, str], torch.Tensor | None] = {}
         self._handles: list[Any] = []
+        self._tokens = 0
 
     # ---------------------------------------------------------------- hooks
     def attach(self) -> None:
         if self._handles:
             return
         try:
+            self._handles.append(self.bank.keys[0].module.register_forward_pre_hook(self._count))
             for proj in self.bank.projections():
                 key = (proj.layer, proj.kind)
                 self._weights[key] = proj.down_weight()
@@ -68,6 +70,9 @@ class KVCapture:
     def __exit__(self, *exc: Any) -> None:
         self.detach()
 
+    def _count(self, module, args) -> None:
+        self._tokens += args[0].shape[1]
+
     def _pre_hook(self, proj: KVProjection):
         key = (proj.layer, proj.kind)
 
@@ -88,11 +93,8 @@ class KVCapture:
     # ---------------------------------------------------------------- reading
     @property
     def tokens(self) -> int:
-        """Positions captured so far (from layer 0's key projection)."""
-        chunks = self._base.get((0, "key")) if self.keep_base else None
-        if not chunks:
-            chunks = self._down.get((0, "key")) or self._down.get((0, "value")) or []
-        return sum(c.shape[1] for c in chunks)
+        """Positions the model ran while the capture was active (counted at layer 0's key projection)."""
+        return self._tokens
 
     def latest(self, layer: int, kind: str) -> torch.Tensor | None:
         """The down-projections of the most recent forward at this projection ``[batch, seq, sum of ranks]``."""
@@ -130,3 +132,4 @@ class KVCapture:
     def clear(self) -> None:
         self._down.clear()
         self._base.clear()
+        self._tokens = 0

@@ -14,6 +14,10 @@ class ReBaseSharedDB(LowRankSharing):
     tokens (greedy decoding). After the turn, row 1's K/V extend the neutral base and its hidden
     states (captured by the hooks) every other agent's LR cache. Same caches as
     ``rebaseshared-lp`` (allclose); only the schedule differs. Suited to batched serving.
+
+    With ``Session.build_cache`` the cache and prompt have these two rows; call
+    ``generate(..., adapter_names=[agent, "__base__"])`` (greedy) yourself. Sampled rows drift
+    apart; the method then rebuilds the neutral base with a lazy prefill and warns.
     """
 
     name = "rebaseshared-db"

@@ -5,4 +5,6 @@
   (KVCMAS Table 2) and the recomputation methods' fidelity to NonShared.
 - :mod:`~hf_kvshare.bench.studies.kvcmas`: KVCMAS vs KVComm / GraphFlow / FullShared, hop-by-hop
   error chained vs non-chained, tau sweep, effective rank by layer.
+- :mod:`~hf_kvshare.bench.studies.precache`: PReCache methods on a plan -> act -> reflect loop with
+  role adapters: TTFT, E2E, memory, fidelity, shared-base error.
 """

@@ -1,0 +1,210 @@
+"""Train small plan / act / reflect LoRA adapters on the embedded model, on CPU, in minutes.
+
+The data is generated here (:mod:`hf_kvshare.lora.autoact`: gold AutoAct-style trajectories over a
+fictional world), so nothing is downloaded. Each role's adapter learns its output format and
+behaviour (``Thought: ...``, ``Action: Lookup[...]``, ``Reflection: ... Answer: ...``) from the
+tail of the shared trajectory; the loss covers only the role's output tokens.
+
+    python -m hf_kvshare.lora.train_roles --out runs/adapters            # ~3-5 min on 2 CPU cores
+    python -m hf_kvshare.lora.train_roles --out runs/adapters --steps 16 --rank 8 --seed 0
+
+Writes ``<out>/<role>/adapter_config.json`` + ``adapter_model.safetensors`` (PEFT
+``save_pretrained``) and ``<out>/roles.json`` (settings, loss per step, time). Load them with
+:func:`load_role_adapters`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .._compat import peft_wrapping_warnings_silenced
+from .autoact import ROLES, World, training_examples
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def role_config(rank: int = 8, alpha: int | None = None):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha or 2 * rank,
+        lora_dropout=0.0,
+        target_modules=list(TARGETS),
+        task_type="CAUSAL_LM",
+    )
+
+
+def _batches(tokenizer, examples, batch_size: int, max_length: int, rng: random.Random):
+    """Endless shuffled batches ``(input_ids [B, T], labels [B, T])``, left-truncated, right-padded;
+    labels are -100 outside the target."""
+    encoded = []
+    for context, target in examples:
+        c = tokenizer(context, add_special_tokens=False)["input_ids"]
+        t = tokenizer(target, add_special_tokens=False)["input_ids"]
+        ids = (c + t)[-max_length:]
+        labels = ([-100] * len(c) + t)[-max_length:]
+        encoded.append((ids, labels))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    while True:
+        rng.shuffle(encoded)
+        for i in range(0, len(encoded) - batch_size + 1, batch_size):
+            chunk = encoded[i : i + batch_size]
+            width = max(len(ids) for ids, _ in chunk)
+            ids = torch.full((batch_size, width), pad, dtype=torch.long)
+            labels = torch.full((batch_size, width), -100, dtype=torch.long)
+            mask = torch.zeros((batch_size, width), dtype=torch.long)
+            for row, (x, y) in enumerate(chunk):
+                ids[row, : len(x)] = torch.tensor(x)
+                labels[row, : len(y)] = torch.tensor(y)
+                mask[row, : len(x)] = 1
+            yield ids, labels, mask
+
+
+def train_roles(
+    out: str | Path,
+    steps: int = 16,
+    batch_size: int = 4,
+    max_length: int = 96,
+    rank: int = 8,
+    lr: float = 3e-3,
+    seed: int = 0,
+    questions: int = 120,
+    model: Any = None,
+    tokenizer: Any = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train one adapter per role (``plan``, ``act``, ``reflect``) and save them under ``out``.
+
+    Returns the report also written to ``<out>/roles.json``.
+    """
+    from peft import get_peft_model
+
+    from ..models import load_model
+
+    if steps < 1 or batch_size < 1 or max_length < 16:
+        raise ValueError(
+            f"need steps >= 1, batch_size >= 1, max_length >= 16; got {steps}, {batch_size}, {max_length}"
+        )
+    torch.manual_seed(seed)
+    if model is None:
+        model, tokenizer = load_model()
+    world = World.generate(seed=seed, filler=2)
+    by_role: dict[str, list[tuple[str, str]]] = {r: [] for r in ROLES}
+    for role, context, target in training_examples(world, questions, seed=seed):
+        by_role[role].append((context, target))
+    with peft_wrapping_warnings_silenced():
+        peft_model = get_peft_model(model, role_config(rank), adapter_name=ROLES[0])
+    for role in ROLES[1:]:
+        peft_model.add_adapter(role, role_config(rank))
+    report: dict[str, Any] = {
+        "settings": dict(
+            steps=steps,
+            batch_size=batch_size,
+            max_length=max_length,
+            rank=rank,
+            lr=lr,
+            seed=seed,
+            questions=questions,
+        ),
+        "targets": TARGETS,
+        "examples": {r: len(v) for r, v in by_role.items()},
+        "loss": {},
+    }
+    t0 = time.perf_counter()
+    for role in ROLES:
+        peft_model.set_adapter(role)
+        params = []
+        for name, p in peft_model.named_parameters():
+            p.requires_grad_(f".{role}." in name and "lora_" in name)
+            if p.requires_grad:
+                params.append(p)
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        batches = _batches(tokenizer, by_role[role], batch_size, max_length, random.Random(seed))
+        peft_model.train()
+        losses = []
+        bar = tqdm(range(steps), desc=f"train {role}", disable=not progress)
+        for _ in bar:
+            ids, labels, mask = next(batches)
+            loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(round(loss.item(), 4))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        report["loss"][role] = losses
+    peft_model.eval()
+    for p in peft_model.parameters():
+        p.requires_grad_(False)
+    report["train_seconds"] = round(time.perf_counter() - t0, 1)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(str(out))
+    (out / "roles.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def load_role_adapters(model: Any, path: str | Path, roles: tuple[str, ...] = ROLES):
+    """Wrap ``model`` with the role adapters saved by :func:`train_roles` (adapter name = role)."""
+    from peft import PeftModel
+
+    path = Path(path)
+    missing = [r for r in roles if not (path / r / "adapter_config.json").exists()]
+    if missing:
+        raise FileNotFoundError(
+            f"no trained adapter for {missing} under {path}; train them with "
+            f"`python -m hf_kvshare.lora.train_roles --out {path}`"
+        )
+    with peft_wrapping_warnings_silenced():
+        peft_model = PeftModel.from_pretrained(model, str(path / roles[0]), adapter_name=roles[0])
+    for role in roles[1:]:
+        peft_model.load_adapter(str(path / role), adapter_name=role)
+    return peft_model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_kvshare.lora.train_roles", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--out", required=True, help="directory for the adapters (created)")
+    parser.add_argument("--steps", type=int, default=16, help="optimizer steps per role")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-length", type=int, default=96, help="tokens per example (left-truncated)")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--questions", type=int, default=120, help="generated questions (training trajectories)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = train_roles(
+        args.out,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        rank=args.rank,
+        lr=args.lr,
+        seed=args.seed,
+        questions=args.questions,
+    )
+    first_last = {r: (v[0], v[-1]) for r, v in report["loss"].items()}
+    print(
+        f"saved {list(report['loss'])} to {args.out} in {report['train_seconds']} s; loss first/last: {first_last}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
