@@ -118,6 +118,7 @@ def test_summary_numbers(data):
     k = summary["methods"]["kvcmas"]
     assert k["rho_steady"] == pytest.approx(0.75) and k["rho_all"] == pytest.approx(0.375)
     assert k["ttft_ratio_steady"] == pytest.approx(2.0) and k["ttft_ratio_all"] == pytest.approx(1 / 0.75)
+    assert k["ttft_ratio_paired_median"] == pytest.approx(2.0)
     assert k["agreement_steady"] == 0.5 and k["pool_bytes"] == 1234
     # reused segments of the steady request: agents 1..3 with errors 0.1, 0.2, 0.3
     assert k["kv_error_reused_steady"] == pytest.approx(0.2) and k["reused_segments_steady"] == 3
@@ -135,7 +136,7 @@ def test_markdown_and_plots(data, tmp_path):
         "python -m hf_kvshare.bench.studies.kvcmas --requests 2", summary, data, args
     )
     assert "Command: `python -m hf_kvshare.bench.studies.kvcmas --requests 2`" in text
-    assert "| kvcmas | 0.75 | 0.75 | 2.00 |" in text
+    assert "| kvcmas | 0.75 | 0.75 | 2.00 | 2.00 |" in text
     files = study.plot(tmp_path, data, summary)
     assert set(files) == {
         "methods.png",
