@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from lora_helpers import lora_model
@@ -50,11 +52,24 @@ def test_study_runs_and_reports(tokenizer, tmp_path):
     assert "## Findings" in text and "Neutral base" in text
     for png in ("ttft_e2e_ratio.png", "base_cache_error.png"):
         assert (tmp_path / "precache" / png).stat().st_size > 10_000
-    # the report re-renders from the saved data alone
+    # the report re-renders from the saved data alone (plus the adapters' training report, when given)
+    saved = str(tmp_path / "precache" / "precache.json")
     assert (
-        precache.main(
-            ["--from-json", str(tmp_path / "precache" / "precache.json"), "--out", str(tmp_path / "again")]
-        )
+        precache.main(["--from-json", saved, "--out", str(tmp_path / "again"), "--adapters", str(tmp_path)])
         == 0
     )
     assert (tmp_path / "again" / "precache.md").read_text() == text
+    roles = {
+        "loss": {"plan": [3.0, 0.5]},
+        "train_seconds": 12.0,
+        "command": "python -m hf_kvshare.lora.train_roles --x",
+    }
+    (tmp_path / "roles.json").write_text(json.dumps(roles))
+    assert (
+        precache.main(["--from-json", saved, "--out", str(tmp_path / "third"), "--adapters", str(tmp_path)])
+        == 0
+    )
+    assert (
+        "Trained by `python -m hf_kvshare.lora.train_roles --x` in 12 s"
+        in (tmp_path / "third" / "precache.md").read_text()
+    )

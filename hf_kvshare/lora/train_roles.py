@@ -82,6 +82,7 @@ def train_roles(
     model: Any = None,
     tokenizer: Any = None,
     progress: bool = True,
+    command: str | None = None,
 ) -> dict[str, Any]:
     """Train one adapter per role (``plan``, ``act``, ``reflect``) and save them under ``out``.
 
@@ -116,6 +117,8 @@ def train_roles(
             seed=seed,
             questions=questions,
         ),
+        "command": command,
+        "threads": torch.get_num_threads(),
         "targets": TARGETS,
         "examples": {r: len(v) for r, v in by_role.items()},
         "loss": {},
@@ -198,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         seed=args.seed,
         questions=args.questions,
+        command=" ".join(
+            ["python -m hf_kvshare.lora.train_roles", *(sys.argv[1:] if argv is None else argv)]
+        ),
     )
     first_last = {r: (v[0], v[-1]) for r, v in report["loss"].items()}
     print(

@@ -369,6 +369,18 @@ def plot(data: dict[str, Any], out_dir: Path) -> list[str]:
     return files
 
 
+def _training_line(data: dict[str, Any]) -> str:
+    training = data.get("adapters_training")
+    if not training:
+        return ""
+    losses = ", ".join(f"{r} {v[0]:.2f} -> {v[-1]:.3f}" for r, v in training["loss"].items())
+    how = f" by `{training['command']}`" if training.get("command") else ""
+    return (
+        f" Trained{how} in {training['train_seconds']:.0f} s on this machine; training loss (first -> last step): "
+        f"{losses}."
+    )
+
+
 def _mb(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
@@ -476,7 +488,7 @@ def report(data: dict[str, Any], command: str) -> str:
         "## Setup",
         "",
         f"- Model: SmolLM2-135M-Instruct (fp32, CPU) wrapped with the role adapters `{', '.join(ROLES)}` "
-        f"({data['adapters']}).",
+        f"({data['adapters']}).{_training_line(data)}",
         f"- Workload: one AutoAct-style episode (`hf_kvshare.lora.autoact`): question *{data['question']}*; "
         f"{len(rows['nonshared'])} turns ({', '.join(t['agent'] for t in rows['nonshared'])}); the tool's "
         f"observations are the gold pages ({cfg['filler']} filler sentences each). The last prompt holds "
@@ -611,8 +623,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     out = Path(args.out)
+    adapters = Path(args.adapters)
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
+        _attach_training(data, adapters)
         write(data, out)
         return 0
     if args.threads:
@@ -620,7 +634,6 @@ def main(argv: list[str] | None = None) -> int:
     from ...lora.train_roles import load_role_adapters, train_roles
     from ...models import load_model
 
-    adapters = Path(args.adapters)
     if not all((adapters / r / "adapter_config.json").exists() for r in ROLES):
         print(
             f"no role adapters in {adapters}: training them (python -m hf_kvshare.lora.train_roles --out {adapters})"
@@ -641,9 +654,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     data = run_study(model, tokenizer, config, progress=not args.no_progress, adapters=described)
     data["command"] = ("python -m hf_kvshare.bench.studies.precache " + " ".join(argv)).strip()
+    _attach_training(data, adapters)
     write(data, out)
     print(json.dumps(data["summary"], indent=1))
     return 0
+
+
+def _attach_training(data: dict[str, Any], adapters: Path) -> None:
+    """The role adapters' training report (``roles.json``: settings, loss per step, time), if there is one."""
+    roles = adapters / "roles.json"
+    if "adapters_training" not in data and roles.exists():
+        data["adapters_training"] = json.loads(roles.read_text())
 
 
 def write(data: dict[str, Any], out: Path) -> None:
