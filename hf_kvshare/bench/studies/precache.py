@@ -557,6 +557,21 @@ def report(data: dict[str, Any], command: str) -> str:
         )
     lines += ["", "## Findings (computed from the data above)", ""]
     lines += [f"- {line}" for line in findings(data)]
+    lines += ["", "## Reproduce", "", "```"]
+    study = data.get("command", "python -m hf_kvshare.bench.studies.precache")
+    match = re.search(r"--adapters\s+(\S+)", study)
+    training = (data.get("adapters_training") or {}).get("command") or (
+        f"python -m hf_kvshare.lora.train_roles --out {match.group(1) if match else 'runs/adapters'} --threads 1"
+    )
+    out_match = re.search(r"--out\s+(\S+)", study)
+    out_dir = out_match.group(1) if out_match else "docs/results"
+    lines += [
+        f"{training}   # the role adapters (the study trains them itself when missing)",
+        study,
+        f"python -m hf_kvshare.bench.studies.precache --from-json {out_dir}/precache/precache.json --out {out_dir}"
+        "   # re-render this page only",
+        "```",
+    ]
     lines += ["", "## Sample outputs (NonShared, free-running)", ""]
     for t in rows["nonshared"][:5]:
         lines.append(f"- **{t['agent']}**: `{t['output'].strip()}`")
