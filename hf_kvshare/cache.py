@@ -162,6 +162,8 @@ class SegmentedCache(DynamicCache):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of K/V this cache object holds itself (for a BaseLRCache: the materialized prefix and
+        appended positions; the shared store is counted by the method)."""
         total = 0
         for layer in self.layers:
             if layer.is_initialized and layer.keys is not None:
@@ -589,15 +591,6 @@ class BaseLRCache(SharedCache):
             return layer.keys[..., lo:hi, :], layer.values[..., lo:hi, :]
         k, v = self.layer_kv(layer_idx)
         return k[..., start:end, :], v[..., start:end, :]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of K/V this cache object holds itself (the materialized prefix and appended positions)."""
-        total = 0
-        for layer in self.layers:
-            if layer.is_initialized and layer.keys is not None:
-                total += layer.keys.numel() * layer.keys.element_size() * 2
-        return total
 
     def memory(self) -> dict[str, Any]:
         """Exact bytes: the request's shared store (base once + each agent's LR cache) and this turn's own K/V."""
