@@ -423,6 +423,23 @@ def summarize(data: dict[str, Any], warmup: int) -> dict[str, Any]:
             "reused_segments_steady": len(reused),
             "pool_bytes": data["pools"].get(m, {}).get("free_bytes", 0),
         }
+        gated = [x for x in seg if x.get("entropy", "") != ""]
+        if gated:
+            entropies = sorted(float(x["entropy"]) for x in gated)
+            distances = [float(x["min_distance"]) for x in gated if x.get("min_distance", "") != ""]
+            row["gate"] = {
+                "gated_edges": len(gated),
+                "accepted": sum(x["gate"] == "accepted" for x in gated),
+                "entropy_fallbacks": sum(x["gate"] == "fallback" for x in gated),
+                "too_few_anchors": sum(x["gate"] == "fallback" and x.get("entropy", "") == "" for x in seg),
+                "partial_coverage": sum(
+                    x["gate"] == "accepted" and str(x["rows"]).split("/")[0] != str(x["rows"]).split("/")[-1]
+                    for x in gated
+                ),
+                "entropy_median": statistics.median(entropies),
+                "entropy_p90": entropies[int(0.9 * (len(entropies) - 1))],
+                "min_distance_median": statistics.median(distances) if distances else float("nan"),
+            }
         for i in range(len(AGENTS)):
             row[f"kv_error_reused_A{i}"] = _mean(s["kv_error"] for s in reused if s["agent_index"] == i)
             row[f"query_error_A{i}"] = _mean(
@@ -459,30 +476,45 @@ def summarize(data: dict[str, Any], warmup: int) -> dict[str, Any]:
             }
         )
         sweep_summary.sort(key=lambda r: (r["temperature"], r["tau"]))
-    ranks = defaultdict(lambda: defaultdict(list))
-    for row in data["rank"]:
-        for key in ("base_key", "base_value", "delta_key", "delta_value", "pf_delta_key", "pf_delta_value"):
-            if key in row:
-                ranks[row["layer"]][key].append(row[key])
-    rank_summary = [
-        {"layer": layer, **{k: _mean(v) for k, v in cols.items()}} for layer, cols in sorted(ranks.items())
-    ]
-    lengths = [row["length"] for row in data["rank"] if row["layer"] == 0]
+    query_rows = [row for row in data["rank"] if row["slot"] == "query"]
+    output_rows = [row for row in data["rank"] if row["slot"] != "query"]
     return {
         "methods": summary,
         "sweep": sweep_summary,
-        "rank_by_layer": rank_summary,
-        "rank_segment_lengths": {
-            "min": min(lengths),
-            "median": statistics.median(lengths),
-            "max": max(lengths),
-        }
-        if lengths
-        else {},
+        # the query segments are the long ones (HumanEval prompts); agent outputs are <= max_new_tokens
+        "rank_by_layer": _rank_by_layer(query_rows),
+        "rank_segment_lengths": _lengths(query_rows),
+        "rank_by_layer_outputs": _rank_by_layer(output_rows),
+        "rank_segment_lengths_outputs": _lengths(output_rows),
     }
 
 
-# -------------------------------------------------------------------- plots
+RANK_KEYS = ("base_key", "base_value", "delta_key", "delta_value", "pf_delta_key", "pf_delta_value")
+
+
+def _rank_by_layer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    ranks: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        for key in RANK_KEYS:
+            if key in row:
+                ranks[row["layer"]][key].append(row[key])
+    return [
+        {"layer": layer, **{k: _mean(v) for k, v in cols.items()}} for layer, cols in sorted(ranks.items())
+    ]
+
+
+def _lengths(rows: list[dict[str, Any]]) -> dict[str, float]:
+    lengths = [row["length"] for row in rows if row["layer"] == 0]
+    if not lengths:
+        return {}
+    return {
+        "min": min(lengths),
+        "median": statistics.median(lengths),
+        "max": max(lengths),
+        "edges": len(lengths),
+    }
+
+
 def plot(out: Path, data: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     import matplotlib
 
@@ -569,10 +601,14 @@ def plot(out: Path, data: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     if summary["rank_by_layer"]:
         fig, ax = plt.subplots(figsize=(7, 3.8))
         layers = [r["layer"] for r in summary["rank_by_layer"]]
-        for key in ("base_key", "base_value", "delta_key", "delta_value", "pf_delta_key", "pf_delta_value"):
+        for key in RANK_KEYS:
             if key in summary["rank_by_layer"][0]:
                 ax.plot(layers, [r[key] for r in summary["rank_by_layer"]], marker=".", label=key)
         ax.axhline(32, ls=":", color="gray")
+        lengths = summary["rank_segment_lengths"]
+        ax.set_title(
+            f"query segments ({lengths['min']}-{lengths['max']} tokens, {lengths['edges']} edges)", fontsize=9
+        )
         ax.set_xlabel("layer")
         ax.set_ylabel("effective rank (90% energy)")
         ax.legend(fontsize=7, ncol=2)
@@ -615,6 +651,20 @@ def summary_markdown(command: str, summary: dict[str, Any], data: dict[str, Any]
             f"{r['ttft_ratio_paired_median']:.2f} | {r['e2e_ratio_steady']:.2f} | {r['agreement_steady']:.3f} | {r['kl_steady']:.4f} | "
             f"{r['kv_error_reused_steady']:.3f} | {r['same_output_steady']:.2f} | {r['pool_bytes']:,} |"
         )
+    gates = {m: r["gate"] for m, r in summary["methods"].items() if r.get("gate")}
+    if gates:
+        lines += ["", "Gate outcomes over all requests (edges with a source and a pool):", ""]
+        lines += [
+            "| method | edges gated | accepted | entropy > tau | too few anchors | partial coverage | "
+            "entropy median | entropy p90 | median smallest gate distance |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for m, g in gates.items():
+            lines.append(
+                f"| {m} | {g['gated_edges']} | {g['accepted']} | {g['entropy_fallbacks']} | {g['too_few_anchors']} | "
+                f"{g['partial_coverage']} | {g['entropy_median']:.2g} | {g['entropy_p90']:.2g} | "
+                f"{g['min_distance_median']:.1f} |"
+            )
     lines += ["", "Relative KV error of reused (corrected/reused) PH segments by agent position:", ""]
     lines.append("| method | " + " | ".join(f"A{i} {a}" for i, a in enumerate(AGENTS)) + " |")
     lines.append("|---" * (len(AGENTS) + 1) + "|")
@@ -644,14 +694,22 @@ def summary_markdown(command: str, summary: dict[str, Any], data: dict[str, Any]
                 f"{s['kl']:.4f} | {s['kv_error_ph']:.3f} |"
             )
     if summary["rank_by_layer"]:
-        lines += ["", f"Effective rank (90% energy), segment lengths {summary['rank_segment_lengths']}:", ""]
+        lines += [
+            "",
+            f"Effective rank (90% energy) of the query segments, lengths {summary['rank_segment_lengths']}:",
+            "",
+        ]
         keys = [k for k in summary["rank_by_layer"][0] if k != "layer"]
         lines.append("| layer | " + " | ".join(keys) + " |")
         lines.append("|---" * (len(keys) + 1) + "|")
         for r in summary["rank_by_layer"]:
             lines.append(f"| {r['layer']} | " + " | ".join(f"{r[k]:.1f}" for k in keys) + " |")
-        means = {k: _mean(r[k] for r in summary["rank_by_layer"]) for k in keys}
-        lines.append("| mean | " + " | ".join(f"{means[k]:.1f}" for k in keys) + " |")
+        for label, table in (("mean", "rank_by_layer"), ("mean, agent outputs", "rank_by_layer_outputs")):
+            if summary.get(table):
+                means = {k: _mean(r.get(k) for r in summary[table]) for k in keys}
+                lines.append(f"| {label} | " + " | ".join(f"{means[k]:.1f}" for k in keys) + " |")
+        if summary.get("rank_segment_lengths_outputs"):
+            lines.append(f"\nAgent-output segments: lengths {summary['rank_segment_lengths_outputs']}.")
     if data["bytes"]:
         lines += ["", "Bytes of one stored cache (30 layers, K and V), measured from the stored tensors:", ""]
         lines += ["| L | dense | rank 32 | dense / rank 32 | rank-32 rel. error |", "|---|---|---|---|---|"]
