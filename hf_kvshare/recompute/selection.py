@@ -138,32 +138,31 @@ def select_layer_groups(profile: Sequence[float], n_layers: int, max_groups: int
     for g in range(max_groups + 1):
         for s in range(2):
             best[L][0][g][s] = 0.0
+
+    def take_value(i: int, c: int, g: int, s: int) -> float:
+        """Best score when layer i is picked (continuing a group if s == 1, else opening one)."""
+        if c == 0:
+            return neg
+        if s == 1:
+            rest = best[i + 1][c - 1][g][1]
+        elif g > 0:
+            rest = best[i + 1][c - 1][g - 1][1]
+        else:
+            return neg
+        return rest + scores[i] if rest > neg else neg
+
     for i in range(L - 1, -1, -1):
         for c in range(n_layers + 1):
             for g in range(max_groups + 1):
                 for s in range(2):
                     skip = best[i + 1][c][g][0]
-                    take = neg
-                    if c > 0:
-                        if s == 1:
-                            take = best[i + 1][c - 1][g][1]
-                        elif g > 0:
-                            take = best[i + 1][c - 1][g - 1][1]
-                        if take > neg:
-                            take += scores[i]
+                    take = take_value(i, c, g, s)
                     best[i][c][g][s] = take if take >= skip else skip
     if best[0][n_layers][max_groups][0] == neg:
         raise ValueError(f"no way to pick {n_layers} layers in {max_groups} groups")
     picked, c, g, s = [], n_layers, max_groups, 0
     for i in range(L):
-        take = neg
-        if c > 0:
-            if s == 1:
-                take = best[i + 1][c - 1][g][1]
-            elif g > 0:
-                take = best[i + 1][c - 1][g - 1][1]
-            if take > neg:
-                take += scores[i]
+        take = take_value(i, c, g, s)
         if c > 0 and take > neg and take >= best[i + 1][c][g][0]:
             picked.append(i)
             if s == 0:
