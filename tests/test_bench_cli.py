@@ -433,3 +433,55 @@ def test_python_dash_m_entry_point(tmp_path):
         [sys.executable, "-m", "hf_kvshare.bench", "--help"], capture_output=True, text=True, check=True
     )
     assert "run" in out.stdout and "calibrate" in out.stdout
+
+
+def test_offline_profile_calibration_feeds_droidspeak_runs(tiny_dir, tmp_path, capsys):
+    """droidspeak at a rho that recomputes layers needs its offline profile: without one the run is
+    refused before writing anything; `calibrate` (no --target-rho) writes it; the run takes its path."""
+    out = tmp_path / "runs"
+    rc = bench(
+        "run", *TRACE, "--methods", "droidspeak:rho=0.5", "--model", tiny_dir, "--out", out, "--no-progress"
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "droidspeak" in err and "offline profile" in err and "calibrate" in err
+    assert not list(out.glob("*/droidspeak*/turns.jsonl"))
+    # a tau-calibrated method without --target-rho, and droidspeak with one, are usage errors
+    for method, extra in (("kvcmas", ()), ("droidspeak", ("--target-rho", "0.5"))):
+        with pytest.raises(SystemExit):
+            bench("calibrate", "--method", method, *extra, *TRACE, "--model", tiny_dir, "--out", tmp_path)
+    rc = bench(
+        "calibrate", "--method", "droidspeak", *TRACE, "--model", tiny_dir, "--out", tmp_path, "--no-progress"
+    )
+    printed = capsys.readouterr().out
+    assert rc == 0
+    (path,) = (tmp_path / "calibration").glob("droidspeak*__profile.json")
+    saved = json.loads(path.read_text())
+    assert len(saved["layer_profile"]) == 4 and all(x >= 0 for x in saved["layer_profile"])
+    assert saved["workload"] == "trace" and f"droidspeak:layer_profile={path}" in printed
+    # the printed option runs, and recomputes the 2 most deviating layers of the profile
+    spec = f"droidspeak:rho=0.5,layer_profile={path}"
+    assert bench("run", *TRACE, "--methods", spec, "--model", tiny_dir, "--out", out, "--no-progress") == 0
+    summary = check_method_output(only_config(out), spec, n_turns=6, n_requests=1)
+    assert summary["reuse_ratio"] == pytest.approx(0.5)
+
+
+def test_droidspeak_profile_from_a_file(tmp_path):
+    from hf_kvshare.recompute import DroidSpeak
+
+    listed = tmp_path / "list.json"
+    listed.write_text("[0.1, 0.3, 0.2]")
+    keyed = tmp_path / "keyed.json"
+    keyed.write_text(json.dumps({"method": "droidspeak", "layer_profile": [0.5, 0.1]}))
+    assert DroidSpeak(layer_profile=str(listed)).layer_profile == [0.1, 0.3, 0.2]
+    assert DroidSpeak(layer_profile=keyed).layer_profile == [0.5, 0.1]
+    bad = tmp_path / "bad.json"
+    for text, match in (
+        ("{", "is not JSON"),
+        ('{"x": 1}', "no 'layer_profile' key"),
+        ('"abc"', "list of numbers"),
+    ):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            DroidSpeak(layer_profile=bad)
+    with pytest.raises(ValueError, match="no such file"):
+        DroidSpeak(layer_profile=str(tmp_path / "missing.json"))

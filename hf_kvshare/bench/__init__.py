@@ -6,7 +6,7 @@ through it unchanged; methods with ``requires_adapters = True`` need a workload 
 PEFT adapters.
 """
 
-from .calibrate import Calibration, calibrate_tau, realized_rho
+from .calibrate import Calibration, calibrate_profile, calibrate_tau, realized_rho
 from .methods import MethodSpec, requires_adapters
 from .runner import BenchRunner, RunConfig, run_request
 from .workloads import WORKLOADS, TaskSpec, Workload, WorkloadFormatError, make_workload
@@ -20,6 +20,7 @@ __all__ = [
     "TaskSpec",
     "Workload",
     "WorkloadFormatError",
+    "calibrate_profile",
     "calibrate_tau",
     "make_workload",
     "realized_rho",

@@ -238,18 +238,20 @@ def cmd_plot(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------- calibrate
 def cmd_calibrate(argv: list[str]) -> int:
-    from .calibrate import calibrate_tau
+    from .calibrate import calibrate_profile, calibrate_tau, has_offline_profile
     from .methods import MethodSpec
     from .runner import write_json
     from .workloads import make_workload
 
     p = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench calibrate", description="pick tau to reach a target reuse ratio rho"
+        prog="python -m hf_kvshare.bench calibrate",
+        description="pick tau to reach a target reuse ratio rho (--target-rho), or profile a method "
+        "offline (droidspeak's per-layer deviation; no --target-rho)",
     )
     p.add_argument(
         "--method", required=True, help="a method with a tau option, with other options: kvcmas:rank=32"
     )
-    p.add_argument("--target-rho", type=float, required=True)
+    p.add_argument("--target-rho", type=float, default=None, help="tau calibration: the reuse ratio to reach")
     p.add_argument("--tau-min", type=float, default=0.0)
     p.add_argument("--tau-max", type=float, default=1.0)
     p.add_argument("--iterations", type=int, default=6, help="bisection steps at most")
@@ -263,8 +265,30 @@ def cmd_calibrate(argv: list[str]) -> int:
         workload = make_workload(args.workload, **_workload_params(args), shared_tokens=args.shared_tokens)
     except ValueError as e:
         p.error(str(e))
+    profile = args.target_rho is None
+    if profile and not has_offline_profile(spec):
+        p.error(
+            f"--target-rho is required: method {spec.name!r} is calibrated by tau, not by an offline profile"
+        )
+    if not profile and has_offline_profile(spec):
+        p.error(f"method {spec.name!r} is profiled offline, not by tau: leave out --target-rho")
     model, tok = load_bench_model(args.model, args.dtype, args.device, _adapters(args.adapter), args.threads)
     tasks = workload.tasks(tok, args.seed)
+    out = Path(args.out) / "calibration"
+    common = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}
+    if profile:
+        try:
+            result = calibrate_profile(model, tok, tasks, spec, progress=not args.no_progress)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{spec.tag}__{workload.tag()}__profile.json"
+        write_json(path, {"method": spec.name, **result, **common})
+        option = ",".join(f"{k}={path}" for k in result)
+        print(f"profile of {spec.name} on {len(tasks)} request(s) of {workload.tag()}: {path}")
+        print(f"use it as: --methods {spec}{',' if spec.options else ':'}{option}")
+        return 0
     try:
         result = calibrate_tau(
             model,
@@ -282,15 +306,9 @@ def cmd_calibrate(argv: list[str]) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out) / "calibration"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{spec.tag}__{workload.tag()}__rho{args.target_rho:g}.json"
-    data = {
-        **result.to_dict(),
-        "workload": workload.name,
-        "workload_params": workload.params(),
-        "model": args.model,
-    }
+    data = {**result.to_dict(), **common}
     write_json(path, data)
     print(f"tau = {result.tau:g} gives rho = {result.rho:.3f} (target {args.target_rho:g}); {path}")
     if result.note:

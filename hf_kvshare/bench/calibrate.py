@@ -1,10 +1,15 @@
-"""tau calibration: pick the reliability threshold that reaches a target reuse ratio rho.
+"""Calibration: tau for a target reuse ratio, or a method's offline profile.
 
-The seeds tune tau by hand per workload to land near rho = 0.8 (LLM) / 0.6 (VLM). For a method
-with a ``tau`` option (KVCMAS, KVComm, ...), :func:`calibrate_tau` runs the free-running pass of
+**tau.** The seeds tune tau by hand per workload to land near rho = 0.8 (LLM) / 0.6 (VLM).
+For a method with a ``tau`` option (KVCMAS, KVComm, ...), :func:`calibrate_tau` runs the free-running pass of
 the method over a calibration slice for a few values of tau (a fresh method instance each time, so
 every value starts from empty pools, as a real run does) and bisects on the realized rho, which
 grows with tau.
+
+**Offline profiles.** A method with a ``calibrate(model, tokenizer, workflows)`` method (DroidSpeak's
+per-layer deviation) is profiled on the calibration slice by :func:`calibrate_profile`; the bench
+saves the profile as JSON, which the method takes back as an option (``droidspeak:layer_profile=PATH``).
+Profile on other requests than the ones evaluated (``--offset``).
 """
 
 from __future__ import annotations
@@ -120,3 +125,21 @@ def calibrate_tau(
     return Calibration(
         method=spec.name, target_rho=target_rho, tau=tau, rho=rho, evaluations=evaluations, note=note
     )
+
+
+def has_offline_profile(spec: MethodSpec) -> bool:
+    """The method is profiled offline (it has ``calibrate(model, tokenizer, workflows)``)."""
+    return callable(getattr(spec.cls, "calibrate", None))
+
+
+def calibrate_profile(
+    model, tokenizer, tasks: list[TaskSpec], spec: MethodSpec, progress: bool = True
+) -> dict[str, Any]:
+    """Run ``spec``'s offline profiling on ``tasks``; return ``{option name: profile}`` to save."""
+    if not has_offline_profile(spec):
+        raise ValueError(
+            f"method {spec.name!r} has no offline profile (no `calibrate` method); use --target-rho"
+        )
+    method = spec.create()
+    profile = method.calibrate(model, tokenizer, [t.to_workflow(tokenizer) for t in tasks], progress=progress)
+    return {"layer_profile": [float(x) for x in profile]}

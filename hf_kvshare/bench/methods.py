@@ -11,6 +11,7 @@ import ast
 import inspect
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..methods import METHODS, Method
@@ -52,7 +53,10 @@ class MethodSpec:
         """Directory name: ``name`` or ``name@key=value,...``."""
         if not self.options:
             return self.name
-        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        # a file given as an option (a profile) is named by its file name, not its whole path
+        opts = ",".join(
+            f"{k}={Path(v).name if isinstance(v, str) and '/' in v else v}" for k, v in self.options
+        )
         return re.sub(r"[^A-Za-z0-9_.,=@+-]", "_", f"{self.name}@{opts}")
 
     def __str__(self) -> str:

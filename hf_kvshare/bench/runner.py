@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,7 +302,16 @@ class BenchRunner:
         ref_spec = MethodSpec(REFERENCE)
         fidelity = self.config.fidelity
         # two instances per method, kept for the whole run: one for the timed pass, one for fidelity
-        instances = {s: (s.create(), s.create() if fidelity else None) for s in _unique([ref_spec, *pending])}
+        instances = {}
+        for spec in _unique([ref_spec, *pending]):
+            try:  # bad options or a method that cannot run on this model: an error before any output
+                instances[spec] = (spec.create(), spec.create() if fidelity else None)
+                with warnings.catch_warnings():  # the sessions attach again and warn then
+                    warnings.simplefilter("ignore")
+                    for method in filter(None, instances[spec]):
+                        method.attach(self.model)
+            except ValueError as e:
+                raise BenchInputError(f"method {spec}: {e}") from e
         writers = {}
         for spec in pending:
             d = self.method_dir(spec)

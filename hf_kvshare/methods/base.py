@@ -80,8 +80,6 @@ class Method:
     reads_prefix: ClassVar[bool] = False
     #: ``build_cache(batch_size > 1)`` is supported
     supports_batch: ClassVar[bool] = True
-    #: only works on a ``peft.PeftModel`` whose adapters are the agents (PReCache methods)
-    requires_adapters: ClassVar[bool] = False
     #: works only on a ``PeftModel`` whose agents are named adapters (the benchmark runs such a
     #: method only on workloads whose agents name adapters)
     requires_adapters: ClassVar[bool] = False

@@ -13,8 +13,11 @@ layers recomputed reuses ``S * (L - n)`` entries (``S * (L - n) / L`` token-equi
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,8 +42,10 @@ class DroidSpeak(SelectiveRecompute):
         rho: reuse ratio: ``round((1 - rho) * L)`` of the model's ``L`` layers are recomputed.
         max_groups: how many contiguous layer groups the recomputed layers may form (each group
             start restarts from a kept hidden state).
-        layer_profile: deviation per layer ``[L]``; set by :meth:`calibrate` (or given). Not needed
-            when ``rho`` is 0 or 1.
+        layer_profile: deviation per layer ``[L]``; set by :meth:`calibrate`, or given as numbers, or
+            as the path of a JSON file holding them (a list, or an object with a ``layer_profile``
+            list: what ``python -m hf_kvshare.bench calibrate --method droidspeak`` writes). Not
+            needed when ``rho`` is 0 or 1.
 
     >>> method = DroidSpeak(rho=0.9)  # doctest: +SKIP
     >>> method.calibrate(model, tok, [demo_workflow(tok, query=q) for q in calibration_queries])  # doctest: +SKIP
@@ -85,7 +90,8 @@ class DroidSpeak(SelectiveRecompute):
             raise ValueError(
                 f"droidspeak with rho={self.rho} recomputes {n} of {num_layers} layers chosen by an offline profile, "
                 "and it has none: create DroidSpeak(rho=...), call .calibrate(model, tokenizer, workflows) and pass "
-                "the instance to the Session (or give layer_profile=[...])"
+                "the instance to the Session (or give layer_profile=[...] or the path of a profile written by "
+                "`python -m hf_kvshare.bench calibrate --method droidspeak --workload ...`)"
             )
         if len(self.layer_profile) != num_layers:
             raise ValueError(
@@ -133,7 +139,9 @@ class DroidSpeak(SelectiveRecompute):
         return profile
 
 
-def _as_profile(profile: Sequence[float]) -> list[float]:
+def _as_profile(profile: Sequence[float] | str | os.PathLike) -> list[float]:
+    if isinstance(profile, (str, os.PathLike)):
+        profile = _read_profile(Path(profile))
     try:
         values = [float(x) for x in profile]
     except (TypeError, ValueError) as error:
@@ -143,3 +151,27 @@ def _as_profile(profile: Sequence[float]) -> list[float]:
     if not values or any(v != v for v in values):
         raise ValueError(f"layer_profile must be a non-empty sequence without NaN; got {values}")
     return values
+
+
+def _read_profile(path: Path) -> Sequence[float]:
+    """The ``layer_profile`` list of a JSON file (a bare list, or an object with that key)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"layer_profile {str(path)!r}: no such file (expected numbers or the JSON file written by "
+            "`python -m hf_kvshare.bench calibrate --method droidspeak ...`)"
+        ) from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"layer_profile file {str(path)!r} is not JSON: {error}") from error
+    if isinstance(data, dict):
+        if "layer_profile" not in data:
+            raise ValueError(
+                f"layer_profile file {str(path)!r} has no 'layer_profile' key (keys: {', '.join(sorted(data))})"
+            )
+        data = data["layer_profile"]
+    if not isinstance(data, list):
+        raise ValueError(
+            f"layer_profile file {str(path)!r} must hold a list of numbers; got {type(data).__name__}"
+        )
+    return data
