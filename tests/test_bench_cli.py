@@ -171,9 +171,9 @@ def test_every_method_on_the_multi_lora_workload(method, tiny_dir, adapters, tmp
     )  # fmt: skip
     assert rc == 0
     config = only_config(tmp_path)
-    summary = check_method_output(config, method, n_turns=3, n_requests=1)
+    summary = check_method_output(config, method, n_turns=8, n_requests=1)
     turns = read_jsonl(config / MethodSpec.parse(method).tag / "turns.jsonl")
-    assert [t["agent"] for t in turns] == ["plan", "act", "reflect"]
+    assert [t["agent"] for t in turns] == ["plan", "act", "plan", "act", "reflect", "plan", "act", "reflect"]
     assert summary["config"]["adapters"] == {k: str(v) for k, v in adapters.items()}
 
 

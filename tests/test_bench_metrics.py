@@ -161,6 +161,17 @@ def test_check_answer_dispatch():
     assert metrics.check_answer(task("numeric", "7"), "The answer is 7")["correct"] is True
     assert metrics.check_answer(task("letter", "A"), "B")["correct"] is False
     assert metrics.check_answer(task("exact", "yes"), " yes\n")["correct"] is True
+    final = "Reflection: Vosa was founded in 1201 on the Lirose. Answer: lirose.<|im_end|>"
+    assert metrics.check_answer(task("answer", "Lirose"), final) == {
+        "correct": True,
+        "extracted": "lirose",
+        "status": "checked",
+    }
+    assert (
+        metrics.check_answer(task("answer", "Lirose"), "Answer: Duar. Lirose is a river.")["correct"] is False
+    )
+    assert metrics.check_answer(task("answer", "Lirose"), "the Lirose")["correct"] is False  # no "Answer:"
+    assert metrics.extract_answer("answer: 1200.5 years. More") == "1200.5 years"
     he = task("humaneval", meta=PROBLEM)
     assert metrics.check_answer(he, "    return a + b")["correct"] is None  # execution is opt-in
     assert metrics.check_answer(he, "    return a + b", execute=True)["correct"] is True

@@ -18,6 +18,7 @@ from hf_kvshare.bench.workloads import (
     synthetic_text,
     validate_task_file,
 )
+from hf_kvshare.lora.autoact import SYSTEM, World
 from hf_kvshare.session import Session
 
 
@@ -240,14 +241,50 @@ def test_stress_and_autoact_specs(tokenizer):
     with_prefix = make_workload("stress", hops=2, requests=1, first_prefix=True).tasks(tokenizer)[0]
     assert with_prefix.agents[0].system
 
-    auto = make_workload("autoact", rounds=2, limit=1).tasks(tokenizer)[0]
-    assert [s.agent for s in auto.schedule] == ["plan", "act", "reflect"] * 2
-    assert auto.adapters == ["act", "plan", "reflect"]
-    last = auto.schedule[-1].reads  # the whole trajectory, instructions included, in order
-    assert last[:4] == ("question", "plan-instruction", "plan", "act-instruction")
-    assert last[-1] == "reflect-instruction#2" and auto.output_slots()[-1] == "reflect#2"
-    steps = auto.to_workflow(tokenizer).steps
+    # AutoAct: the role adapters' own episodes (hf_kvshare.lora.autoact), one trajectory read by all
+    auto = make_workload("autoact", limit=2).tasks(tokenizer)
+    world = World.generate(seed=0, filler=2)
+    assert [s.agent for s in auto[0].schedule] == [
+        "plan",
+        "act",
+        "plan",
+        "act",
+        "reflect",
+        "plan",
+        "act",
+        "reflect",
+    ]
+    assert auto[0].adapters == ["act", "plan", "reflect"] and auto[0].chat is False
+    assert auto[0].slots[0].text.startswith(SYSTEM) and "Question: Which river" in auto[0].slots[0].text
+    assert auto[0].checker == "answer" and auto[0].answer in {c.river for c in world.cities.values()}
+    assert auto[0].slots[0].text != auto[1].slots[0].text  # different questions
+    observed = [s.text for s in auto[0].slots if "Observation:" in s.text]
+    assert len(observed) == 3 and all("Lookup" not in t for t in observed)  # the replayed pages
+    last = auto[0].schedule[-1].reads  # the whole trajectory, instructions included, in order
+    assert last[:3] == ("instruction0", "plan@0", "instruction1") and last[-1] == "instruction7"
+    assert auto[0].output_slots()[-1] == "reflect@7"
+    steps = auto[0].to_workflow(tokenizer).steps
     assert all(isinstance(s, PH) for s in steps[-1].segments) and steps[0].adapter == "plan"
+    assert len(make_workload("autoact", hops=2, limit=1).tasks(tokenizer)[0].schedule) > 8
+    with pytest.raises(ValueError, match="rounds .* applies to --data"):
+        make_workload("autoact", rounds=2).tasks(tokenizer)
+
+
+def test_autoact_from_user_questions(tokenizer, tmp_path):
+    data = write_jsonl(
+        tmp_path / "q.jsonl", [{"question": "What is 2 + 3?", "answer": "5"}, {"question": "Why?"}]
+    )
+    tasks = make_workload("autoact", data=str(data), rounds=2).tasks(tokenizer)
+    assert [s.agent for s in tasks[0].schedule] == ["plan", "act", "reflect"] * 2
+    assert "Question: What is 2 + 3?" in tasks[0].slots[0].text and "Question" not in tasks[0].slots[1].text
+    assert (tasks[0].answer, tasks[0].checker, tasks[1].answer, tasks[1].checker) == (
+        "5",
+        "answer",
+        None,
+        None,
+    )
+    with pytest.raises(ValueError, match="needs a `question` column"):
+        make_workload("autoact", data=str(write_jsonl(tmp_path / "bad.jsonl", [{"q": "x"}]))).tasks(tokenizer)
 
 
 def test_select_slices():

@@ -230,6 +230,22 @@ def letter_match(text: str, gold: str) -> bool:
     return extract_letter(text) == gold.strip().upper()
 
 
+def extract_answer(text: str) -> str | None:
+    """The text after the last ``Answer:`` up to the end of its line or sentence, without the
+    closing punctuation (AutoAct's final reflection: ``... Answer: Lirose``)."""
+    matches = list(re.finditer(r"answer\s*:\s*([^\n]*)", text, re.IGNORECASE))
+    if not matches:
+        return None
+    answer = re.split(r"(?<=[^.\d])\.\s|<\|", matches[-1].group(1))[0]
+    return answer.strip().rstrip(".!").strip() or None
+
+
+def answer_match(text: str, gold: str) -> bool:
+    """``extract_answer(text)`` equals ``gold``, case and surrounding space ignored."""
+    answer = extract_answer(text)
+    return answer is not None and answer.casefold() == gold.strip().casefold()
+
+
 def extract_code(text: str) -> str:
     """The first fenced code block (```python ... ``` or ``` ... ```), else the text itself."""
     m = re.search(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|$)", text, re.DOTALL)
@@ -274,6 +290,12 @@ def check_answer(task, text: str, execute: bool = False, timeout: float = 10.0) 
         return {
             "correct": letter_match(text, task.answer),
             "extracted": extract_letter(text),
+            "status": "checked",
+        }
+    if checker == "answer":
+        return {
+            "correct": answer_match(text, task.answer),
+            "extracted": extract_answer(text),
             "status": "checked",
         }
     if checker == "humaneval":

@@ -1,89 +1,116 @@
-"""Multi-LoRA AutoAct-style loop: plan -> act -> reflect agents that differ by LoRA adapter.
+"""Multi-LoRA AutoAct loop: plan -> act -> reflect agents that differ by LoRA adapter.
 
-The agents read one shared, append-only trajectory: every turn's prompt is the whole trajectory
-so far (the question, earlier instructions and outputs, all PH slots in order) plus its own new
-instruction (a PH slot too, since later agents read it). Each agent runs with the PEFT adapter of
-its name (``plan``, ``act``, ``reflect``): load them with ``--adapter plan=DIR`` etc. The bench
-activates the agent's adapter before its turn (``PeftModel.set_adapter``) and names the turn's
-agent after the adapter, which is what the PReCache methods key on.
+The episodes are those of :mod:`hf_kvshare.lora.autoact`, the environment the role adapters are
+trained on (``python -m hf_kvshare.lora.train_roles``): a multi-hop question over a generated
+world, the agents' instructions in SmolLM2's chat markup, and the ``Lookup[name]`` observations
+of the reference trajectory (the environment replayed: a turn sees the page the reference action
+looked up, whatever the agent wrote). Every turn's prompt is the whole trajectory so far (earlier
+instructions and outputs, all PH slots in order) plus its own new instruction (a PH slot too,
+since later agents read it). The final reflect turn is scored against the question's answer.
+
+Each agent runs with the PEFT adapter of its name (``plan``, ``act``, ``reflect``): load them with
+``--adapter plan=DIR`` etc. The bench activates the agent's adapter before its turn and names the
+turn's agent after the adapter, which is what the PReCache methods key on.
+
+With ``data`` (a table with a ``question`` column, optional ``answer``), the questions are the
+user's: ``rounds`` plan/act/reflect rounds with the same instructions and no tool observations.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
+from ...lora.autoact import ROLES, World, gold_turns, instruction
 from .base import Workload, register_workload, select
 from .files import load_table
 from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec
 
-QUESTIONS = [
-    "A train leaves at 9:40 and arrives at 13:05. How long is the journey in minutes?",
-    "A shop sells pens in packs of 12. How many packs are needed for 150 pens?",
-    "Which is heavier: 3 kg of feathers or 2,900 g of iron? Explain.",
-    "A rectangle has a perimeter of 36 cm and a width of 7 cm. What is its area?",
-    "Tom reads 18 pages a day. How many days does a 250-page book take him?",
-    "A recipe needs 250 ml of milk for 4 people. How much milk is needed for 10 people?",
-    "What is the next number in the sequence 2, 6, 12, 20, 30?",
-    "A bike costs 240 dollars after a 20 percent discount. What was the original price?",
-]
-
-INSTRUCTIONS = {
-    "plan": "\nPlan: decide the next step to solve the question.\n",
-    "act": "\nAction: carry out the planned step and show the result.\n",
-    "reflect": "\nReflection: check the result and say whether the question is answered.\n",
-}
-ROLES = ("plan", "act", "reflect")
+#: the world of the role adapters' training data (``train_roles`` generates it with filler=2)
+WORLD_FILLER = 2
+#: questions generated per world seed (a request index past it is an error)
+WORLD_QUESTIONS = 64
 
 
 @register_workload
 @dataclass
 class AutoActWorkload(Workload):
-    """plan -> act -> reflect over ``rounds`` rounds; agents are LoRA adapters named plan/act/reflect."""
+    """plan/act/reflect episodes; agents are LoRA adapters named plan/act/reflect."""
 
     name = "autoact"
     description = (
-        "multi-LoRA plan/act/reflect loop over an append-only trajectory (needs --adapter plan/act/reflect)"
+        "multi-LoRA plan/act/reflect episodes over an append-only trajectory, AutoAct-style "
+        "(needs --adapter plan/act/reflect)"
     )
 
-    rounds: int = 1
+    hops: int = 1  # generated questions: how many countries to walk north (1 -> 3 lookups, 8 turns)
     limit: int | None = 4
     offset: int = 0
     max_new_tokens: int = 32
-    data: str | None = None  # a table with a `question` column; default: built-in questions
+    data: str | None = None  # a table with a `question` (and optional `answer`) column
+    rounds: int = 1  # --data questions: plan/act/reflect rounds
 
     def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
         if self.rounds < 1:
             raise ValueError(f"autoact: rounds must be >= 1, got {self.rounds}")
+        if self.hops < 1:
+            raise ValueError(f"autoact: hops must be >= 1, got {self.hops}")
         if self.data is None:
-            questions = QUESTIONS
-        else:
-            table = load_table(self.data, None, "test")
-            if "question" not in table.column_names:
+            if self.rounds != 1:
                 raise ValueError(
-                    f"{self.data}: needs a `question` column; found {', '.join(table.column_names)}"
+                    f"autoact: rounds ({self.rounds}) applies to --data questions; a generated episode's "
+                    "length follows its question (set it with hops)"
                 )
-            questions = list(table["question"])
-        agents = [AgentSpec(name=r, system="", glue="", tail="", adapter=r) for r in ROLES]
+            return self._world_tasks(seed)
+        return self._data_tasks()
+
+    # ----------------------------------------------------------- generated episodes
+    def _world_tasks(self, seed: int) -> list[TaskSpec]:
+        world = World.generate(seed=seed, filler=WORLD_FILLER)
+        rng = random.Random(f"autoact-bench-{seed}")  # not the training questions' stream
+        questions = [world.question("chain", self.hops, rng) for _ in range(WORLD_QUESTIONS)]
         tasks = []
         for i in select(len(questions), self.offset, self.limit):
-            slots = [SlotSpec(name="question", text=f"Question: {questions[i]}\n")]
-            schedule, trajectory = [], ["question"]
-            for rnd in range(1, self.rounds + 1):
-                for role in ROLES:
-                    instruction = f"{role}-instruction" + ("" if rnd == 1 else f"#{rnd}")
-                    slots.append(SlotSpec(name=instruction, text=INSTRUCTIONS[role]))
-                    trajectory.append(instruction)
-                    schedule.append(StepSpec(agent=role, reads=tuple(trajectory)))
-                    trajectory.append(role if rnd == 1 else f"{role}#{rnd}")
-            tasks.append(
-                TaskSpec(
-                    id=f"autoact-{i}",
-                    agents=agents,
-                    slots=slots,
-                    schedule=schedule,
-                    max_new_tokens=self.max_new_tokens,
-                    chat=False,
-                )
-            )
+            question = questions[i]
+            turns = [(t.agent, t.instruction) for t in gold_turns(world, question)]
+            tasks.append(self._task(f"autoact-{i}", turns, question.answer))
         return tasks
+
+    # ------------------------------------------------------------- user questions
+    def _data_tasks(self) -> list[TaskSpec]:
+        table = load_table(self.data, None, "test")
+        if "question" not in table.column_names:
+            raise ValueError(f"{self.data}: needs a `question` column; found {', '.join(table.column_names)}")
+        answers = table["answer"] if "answer" in table.column_names else None
+        tasks = []
+        for i in select(len(table), self.offset, self.limit):
+            turns = [
+                (role, instruction(role, first=r == 0 and role == ROLES[0], question=table[i]["question"]))
+                for r in range(self.rounds)
+                for role in ROLES
+            ]
+            answer = None if answers is None or answers[i] is None else str(answers[i])
+            tasks.append(self._task(f"autoact-{i}", turns, answer))
+        return tasks
+
+    def _task(self, task_id: str, turns: list[tuple[str, str]], answer: str | None) -> TaskSpec:
+        """One request: turn ``t`` reads the trajectory so far plus its instruction slot ``instruction<t>``
+        and writes ``<agent>@<t>``."""
+        agents = [AgentSpec(name=r, system="", glue="", tail="", adapter=r) for r in ROLES]
+        slots, schedule, trajectory = [], [], []
+        for t, (agent, text) in enumerate(turns):
+            slots.append(SlotSpec(name=f"instruction{t}", text=text))
+            trajectory.append(f"instruction{t}")
+            schedule.append(StepSpec(agent=agent, reads=tuple(trajectory), output=f"{agent}@{t}"))
+            trajectory.append(f"{agent}@{t}")
+        return TaskSpec(
+            id=task_id,
+            agents=agents,
+            slots=slots,
+            schedule=schedule,
+            max_new_tokens=self.max_new_tokens,
+            chat=False,  # the instructions carry the chat markup the adapters were trained on
+            answer=answer,
+            checker=None if answer is None else "answer",
+        )

@@ -19,7 +19,7 @@ from ...trajectory import PF, PH, SegmentSpec, chat
 from ...workflow import Step, Workflow
 
 #: answer checkers a task may name (see :mod:`hf_kvshare.bench.metrics`)
-FILE_CHECKERS = ("exact", "numeric", "letter")
+FILE_CHECKERS = ("exact", "numeric", "letter", "answer")
 CHECKERS = (*FILE_CHECKERS, "humaneval")
 
 DEFAULT_GLUE = "\n\n{label}:\n"
