@@ -6,7 +6,7 @@
 """
 
 from ._compat import CACHE_KWARG, cache_kwargs
-from .cache import BaseLRCache, Segment, SegmentedCache, SegmentKV, SharedCache
+from .cache import BaseLRCache, CorrectedCache, Segment, SegmentedCache, SegmentKV, SharedCache
 from .methods import METHODS, Method, Placement, get_method, register
 from .models import load_model
 from .rope import RopeShifter
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BaseLRCache",
     "CACHE_KWARG",
+    "CorrectedCache",
     "METHODS",
     "PF",
     "PH",

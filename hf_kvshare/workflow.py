@@ -100,6 +100,10 @@ def compare_methods(
 ) -> dict[str, MethodReport]:
     """Run ``workflow`` with NonShared and every method in ``methods`` (names or instances).
 
+    A method given by name gets a fresh instance for each pass, so state that outlives a request
+    (KVCMAS's anchor pools, GraphFlow's profiles) starts empty. An instance is used for both passes
+    and keeps that state across calls: pass instances to compare methods over several workflows.
+
     Returns one :class:`MethodReport` per method, NonShared included as ``"nonshared"``.
     """
     make = workflow if callable(workflow) else (lambda: workflow)
