@@ -11,7 +11,6 @@ import ast
 import inspect
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..methods import METHODS, Method
@@ -53,11 +52,8 @@ class MethodSpec:
         """Directory name: ``name`` or ``name@key=value,...``."""
         if not self.options:
             return self.name
-        # a file given as an option (a profile) is named by its file name, not its whole path
-        opts = ",".join(
-            f"{k}={Path(v).name if isinstance(v, str) and '/' in v else v}" for k, v in self.options
-        )
-        return re.sub(r"[^A-Za-z0-9_.,=@+-]", "_", f"{self.name}@{opts}")
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        return re.sub(r"[^A-Za-z0-9_.,=@+-]", "_", short_label(f"{self.name}@{opts}"))
 
     def __str__(self) -> str:
         return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
@@ -125,3 +121,9 @@ def _parse_value(text: str) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(value)  # hashable: a MethodSpec is a dict key
     return value if isinstance(value, (int, float, str)) else text
+
+
+def short_label(method: str) -> str:
+    """A method as directory names, tables and figures show it: option values that are file paths
+    by their file name (``droidspeak:layer_profile=runs/x.json`` -> ``droidspeak:layer_profile=x.json``)."""
+    return re.sub(r"=[^,=]*/([^,/=]+)", r"=\1", method)

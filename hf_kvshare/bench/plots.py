@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .methods import short_label
 from .metrics import pareto_front
 
 
@@ -48,11 +48,6 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
         writer.writeheader()
         writer.writerows(rows)
     return path
-
-
-def _short(method: str) -> str:
-    """A method's label in a figure: option values that are file paths shown by their file name."""
-    return re.sub(r"=[^,=]*/([^,/=]+)", r"=\1", method)
 
 
 def _num(value: Any) -> float:
@@ -103,7 +98,9 @@ def _tradeoff(methods, out: Path, plt, key: str, name: str, label: str) -> list[
         fig, ax = plt.subplots(figsize=(6, 4.2))
         for (x, y), r in zip(points, rows):
             ax.scatter([x], [y], s=45, zorder=3, color="C3" if r["pareto"] else "C0")
-            ax.annotate(_short(r["method"]), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+            ax.annotate(
+                short_label(r["method"]), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8
+            )
         ordered = sorted((points[i] for i in front), key=lambda p: p[0])
         if len(ordered) > 1:
             ax.plot(*zip(*ordered), "--", color="C3", label="Pareto front", zorder=2)
@@ -137,7 +134,7 @@ def _kv_error_by_layer(methods, out: Path, plt) -> list[Path]:
                         [r["layer"] for r in layers],
                         [r[part] for r in layers],
                         marker=".",
-                        label=_short(m["method"]),
+                        label=short_label(m["method"]),
                     )
             ax.set_title(f"relative {part} error of shared segments")
             ax.set_xlabel("layer")
@@ -175,8 +172,12 @@ def _kv_error_by_agent(methods, out: Path, plt) -> list[Path]:
             if not pos:
                 continue
             xs = [r["position"] for r in pos]
-            axes[0].plot(xs, [_num(r.get("kv_error")) for r in pos], marker="o", label=_short(m["method"]))
-            axes[1].plot(xs, [_num(r.get("agreement")) for r in pos], marker="o", label=_short(m["method"]))
+            axes[0].plot(
+                xs, [_num(r.get("kv_error")) for r in pos], marker="o", label=short_label(m["method"])
+            )
+            axes[1].plot(
+                xs, [_num(r.get("agreement")) for r in pos], marker="o", label=short_label(m["method"])
+            )
         ticks = [f"{r['position']}:{r['agent']}" for r in (methods[0].get("by_position") or [])]
         for ax, title in zip(
             axes, ("relative KV error of shared segments", "top-1 agreement with NonShared")
@@ -265,8 +266,10 @@ def sweep_plots(
         for method in dict.fromkeys(r["method"] for r in rows):
             mine = [r for r in rows if r["method"] == method]
             xs = [r[param] for r in mine]
-            axes[0].plot(xs, [_num(r["ttft_mean_s"]) for r in mine], marker="o", label=_short(method))
-            axes[1].plot(xs, [_num(r["throughput_tok_s"]) for r in mine], marker="o", label=_short(method))
+            axes[0].plot(xs, [_num(r["ttft_mean_s"]) for r in mine], marker="o", label=short_label(method))
+            axes[1].plot(
+                xs, [_num(r["throughput_tok_s"]) for r in mine], marker="o", label=short_label(method)
+            )
         axes[0].set_ylabel("mean reuse-turn TTFT (s)")
         axes[1].set_ylabel("trajectory tokens / E2E (tok/s)")
         for ax in axes:

@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .methods import short_label
+
 CONSOLE_COLUMNS = [
     ("method", "method", "", 22),
     ("ttft_mean_s", "TTFT s", ".3f", 8),
@@ -34,7 +36,7 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
     for s in summaries:
         cells = []
         for i, (key, _, fmt, w) in enumerate(CONSOLE_COLUMNS):
-            value = s.get(key)
+            value = short_label(s[key]) if key == "method" else s.get(key)
             text = "-" if value is None else format(value, fmt)
             cells.append(f"{text:<{w}}" if i == 0 else f"{text:>{w}}")
         lines.append("  ".join(cells))
@@ -52,18 +54,6 @@ REPORT_COLUMNS = {
         ("throughput_ratio", "tok/s vs NonShared", ".2f"),
         ("peak_memory_mb", "peak MB", ".0f"),
         ("method_state_mb", "state MB", ".2f"),
-        ("reuse_ratio", "rho", ".2f"),
-    ],
-    "sweep": [
-        ("shared_tokens", "shared tokens", "d"),
-        ("method", "method", ""),
-        ("ttft_mean_s", "TTFT s (mean)", ".3f"),
-        ("ttft_p50_s", "p50", ".3f"),
-        ("ttft_p90_s", "p90", ".3f"),
-        ("ttft_ratio", "NonShared/TTFT", ".2f"),
-        ("throughput_tok_s", "tok/s", ".1f"),
-        ("throughput_ratio", "tok/s vs NonShared", ".2f"),
-        ("peak_memory_mb", "peak MB", ".0f"),
         ("reuse_ratio", "rho", ".2f"),
     ],
     "fidelity": [
@@ -84,6 +74,9 @@ REPORT_COLUMNS = {
 }
 
 
+REPORT_COLUMNS["sweep"] = [("shared_tokens", "shared tokens", "d"), *REPORT_COLUMNS["speed"]]
+
+
 def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
     lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]
     lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
@@ -91,6 +84,8 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str
         cells = []
         for key, _, fmt in columns:
             value = r.get(key)
+            if key == "method":
+                value = short_label(value)
             cells.append("-" if value is None else format(value, fmt))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
