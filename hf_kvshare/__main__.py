@@ -5,24 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    head = "  ".join(
-        f"{title:>{len(title) if i else 14}}" if i else f"{title:<14}"
-        for i, (_, title, _) in enumerate(columns)
-    )
-    lines = [head]
-    for row in rows:
-        cells = []
-        for i, (key, title, fmt) in enumerate(columns):
-            value = row.get(key, "")
-            text = format(value, fmt) if value != "" else "-"
-            cells.append(f"{text:<14}" if i == 0 else f"{text:>{len(title)}}")
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
+#: (summary key, title, format, width) of the demo's table
+DEMO_COLUMNS = [
+    ("method", "method", "", 14),
+    ("ttft_s", "TTFT s", ".3f", 6),
+    ("ttft_ratio", "NonShared/TTFT", ".2f", 14),
+    ("reuse_ratio", "rho", ".2f", 4),
+    ("agreement", "top1 agree", ".3f", 10),
+    ("kl", "mean KL", ".4f", 7),
+    ("kv_error", "PH KV rel.err", ".4f", 13),
+    ("exact_match", "same output", ".2f", 11),
+]
 
 
 def demo(argv: list[str]) -> int:
+    from .bench.report import format_table
     from .methods import METHODS
     from .models import DEFAULT_MODEL, load_model
     from .workflow import compare_methods, demo_workflow
@@ -51,21 +48,7 @@ def demo(argv: list[str]) -> int:
     reference = reports["nonshared"]
     rows = [r.summary(reference) for r in reports.values()]
     print()
-    print(
-        _table(
-            rows,
-            [
-                ("method", "method", ""),
-                ("ttft_s", "TTFT s", ".3f"),
-                ("ttft_ratio", "NonShared/TTFT", ".2f"),
-                ("reuse_ratio", "rho", ".2f"),
-                ("agreement", "top1 agree", ".3f"),
-                ("kl", "mean KL", ".4f"),
-                ("kv_error", "PH KV rel.err", ".4f"),
-                ("exact_match", "same output", ".2f"),
-            ],
-        )
-    )
+    print(format_table(rows, DEMO_COLUMNS))
     print("\nper turn (teacher-forced on NonShared's outputs):")
     for name, report in reports.items():
         cells = "  ".join(

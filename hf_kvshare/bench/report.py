@@ -25,17 +25,19 @@ CONSOLE_COLUMNS = [
 ]
 
 
-def format_table(summaries: list[dict[str, Any]]) -> str:
-    """One line per method: the headline numbers of its summary."""
+def format_table(
+    summaries: list[dict[str, Any]], columns: list[tuple[str, str, str, int]] = CONSOLE_COLUMNS
+) -> str:
+    """One line per method: ``columns`` (key, title, format, width) of its summary; the first
+    column left-aligned, missing values as ``-``."""
     lines = [
         "  ".join(
-            f"{title:<{w}}" if i == 0 else f"{title:>{w}}"
-            for i, (_, title, _, w) in enumerate(CONSOLE_COLUMNS)
+            f"{title:<{w}}" if i == 0 else f"{title:>{w}}" for i, (_, title, _, w) in enumerate(columns)
         )
     ]
     for s in summaries:
         cells = []
-        for i, (key, _, fmt, w) in enumerate(CONSOLE_COLUMNS):
+        for i, (key, _, fmt, w) in enumerate(columns):
             value = short_label(s[key]) if key == "method" else s.get(key)
             text = "-" if value is None else format(value, fmt)
             cells.append(f"{text:<{w}}" if i == 0 else f"{text:>{w}}")
