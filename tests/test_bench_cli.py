@@ -485,3 +485,40 @@ def test_droidspeak_profile_from_a_file(tmp_path):
             DroidSpeak(layer_profile=bad)
     with pytest.raises(ValueError, match="no such file"):
         DroidSpeak(layer_profile=str(tmp_path / "missing.json"))
+
+
+def test_warmup_requests_fill_state_and_are_not_recorded(tiny_dir, tmp_path, capsys):
+    """GraphFlow calibrates densely on its first 2 requests: with --warmup 2 the recorded request
+    is the first one it corrects (rho 1), without it the summary mixes in the calibration."""
+    trace = ["--workload", "trace", "--shared-tokens", "16", "--agents", "3", "--output-tokens", "2"]
+    common = [*trace, "--methods", "graphflow", "--model", tiny_dir, "--no-progress", "--no-plots"]
+    assert bench("run", *common, "--requests", "3", "--warmup", "2", "--out", tmp_path / "warm") == 0
+    config = only_config(tmp_path / "warm")
+    assert (
+        "-W2__" in config.name and json.loads((config / "config.json").read_text())["config"]["warmup"] == 2
+    )
+    warm = check_method_output(config, "graphflow", n_turns=3, n_requests=1)
+    assert warm["reuse_ratio"] == 1.0 and {
+        r["request"] for r in read_jsonl(config / "graphflow/turns.jsonl")
+    } == {"trace-2"}
+    assert bench("run", *common, "--requests", "3", "--out", tmp_path / "cold") == 0
+    cold = check_method_output(only_config(tmp_path / "cold"), "graphflow", n_turns=9, n_requests=3)
+    assert "warmup" not in json.loads((only_config(tmp_path / "cold") / "config.json").read_text())["config"]
+    assert cold["reuse_ratio"] == pytest.approx(1 / 3)
+    # nothing left to measure; a negative count
+    assert bench("run", *common, "--requests", "2", "--warmup", "2", "--out", tmp_path / "none") == 2
+    assert "leaves no request to measure" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench("run", *common, "--warmup", "-1", "--out", tmp_path / "neg")
+
+
+def test_realized_rho_skips_warmup_requests(tiny_dir):
+    from hf_kvshare.models import load_model
+
+    model, tok = load_model(str(tiny_dir))
+    tasks = make_workload("trace", shared_tokens=8, agents=3, output_tokens=2, requests=3).tasks(tok)
+    spec = MethodSpec("graphflow")  # calibrates (dense) on 2 requests, then corrects every relation
+    assert realized_rho(model, tok, tasks, spec) == pytest.approx(1 / 3)
+    assert realized_rho(model, tok, tasks, spec, warmup=2) == 1.0
+    with pytest.raises(ValueError, match="leaves none"):
+        realized_rho(model, tok, tasks, spec, warmup=3)

@@ -36,6 +36,16 @@ WORKLOAD_OPTIONS = {
 }
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _add_workload_options(p: argparse.ArgumentParser, sweep: bool = True) -> None:
     from .workloads import WORKLOADS
 
@@ -153,6 +163,13 @@ def cmd_run(argv: list[str]) -> int:
     g = p.add_argument_group("output")
     g.add_argument("--out", default="bench_runs", help="output root; one directory per configuration")
     g.add_argument("--redo", action="store_true", help="rerun methods already done in this configuration")
+    g.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=0,
+        help="run the first N requests unrecorded, so methods with cross-request state (anchor pools, "
+        "GraphFlow) are measured in steady state; the summaries cover the requests after them",
+    )
     g.add_argument("--no-fidelity", action="store_true", help="skip the teacher-forced pass (speed only)")
     g.add_argument("--no-erank", action="store_true", help="skip effective ranks (SVDs per layer)")
     g.add_argument("--no-plots", action="store_true")
@@ -188,6 +205,7 @@ def cmd_run(argv: list[str]) -> int:
             execute=args.execute,
             exec_timeout=args.exec_timeout,
             adapters=adapters,
+            warmup=args.warmup,
         )
         runner = BenchRunner(model, tok, workload, config, args.out, progress=not args.no_progress)
         try:
@@ -256,6 +274,9 @@ def cmd_calibrate(argv: list[str]) -> int:
     p.add_argument("--tau-max", type=float, default=1.0)
     p.add_argument("--iterations", type=int, default=6, help="bisection steps at most")
     p.add_argument("--tolerance", type=float, default=0.02, help="stop when |rho - target| <= this")
+    p.add_argument(
+        "--warmup", type=_non_negative, default=0, help="tau: the first N requests fill the pools, uncounted"
+    )
     p.add_argument("--out", default="bench_runs", help="the result goes to <out>/calibration/")
     _add_workload_options(p, sweep=False)
     _add_model_options(p)
@@ -302,13 +323,15 @@ def cmd_calibrate(argv: list[str]) -> int:
             tolerance=args.tolerance,
             seed=args.seed,
             progress=not args.no_progress,
+            warmup=args.warmup,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{spec.tag}__{workload.tag()}__rho{args.target_rho:g}.json"
-    data = {**result.to_dict(), **common}
+    warm = f"-W{args.warmup}" if args.warmup else ""
+    path = out / f"{spec.tag}__{workload.tag()}{warm}__rho{args.target_rho:g}.json"
+    data = {**result.to_dict(), **common, "warmup": args.warmup}
     write_json(path, data)
     print(f"tau = {result.tau:g} gives rho = {result.rho:.3f} (target {args.target_rho:g}); {path}")
     if result.note:

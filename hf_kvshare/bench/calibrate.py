@@ -48,14 +48,19 @@ class Calibration:
 
 
 def realized_rho(
-    model, tokenizer, tasks: list[TaskSpec], spec: MethodSpec, seed: int = 0, progress=False
+    model, tokenizer, tasks: list[TaskSpec], spec: MethodSpec, seed: int = 0, progress=False, warmup: int = 0
 ) -> float:
-    """rho (reused / reusable shared tokens) of ``spec`` run free over ``tasks`` with one method instance."""
+    """rho (reused / reusable shared tokens) of ``spec`` run free over ``tasks`` with one method instance;
+    the first ``warmup`` requests run but are not counted (as ``bench run --warmup``)."""
+    if warmup >= len(tasks):
+        raise ValueError(f"warmup {warmup} leaves none of the {len(tasks)} calibration request(s) to count")
     method = spec.create()
     reused = reusable = 0
     for index, task in enumerate(tqdm(tasks, desc=f"rho of {spec}", leave=False, disable=not progress)):
         torch.manual_seed(seed + index)
         results = run_request(Session(model, tokenizer, method), task.to_workflow(tokenizer))
+        if index < warmup:
+            continue
         for slots, turn in zip(task.reused_slots(), results):
             n = sum(s.length for s in turn.segments if s.kind == "PH" and s.name in slots)
             reusable += n
@@ -77,9 +82,11 @@ def calibrate_tau(
     tolerance: float = 0.02,
     seed: int = 0,
     progress: bool = True,
+    warmup: int = 0,
 ) -> Calibration:
     """Bisect tau in ``[tau_min, tau_max]`` until the realized rho is within ``tolerance`` of ``target_rho``
-    (or ``iterations`` midpoints were tried); return the tau whose rho came closest."""
+    (or ``iterations`` midpoints were tried); return the tau whose rho came closest. ``warmup``: the
+    first requests of each evaluation fill the method's pools and are not counted."""
     if not 0.0 <= target_rho <= 1.0:
         raise ValueError(f"target rho must be within [0, 1], got {target_rho}")
     if not tau_min < tau_max:
@@ -97,7 +104,13 @@ def calibrate_tau(
     def rho_at(tau: float) -> float:
         options = tuple(sorted({**base, "tau": round(tau, 6)}.items()))
         rho = realized_rho(
-            model, tokenizer, tasks, replace(spec, options=options), seed=seed, progress=progress
+            model,
+            tokenizer,
+            tasks,
+            replace(spec, options=options),
+            seed=seed,
+            progress=progress,
+            warmup=warmup,
         )
         evaluations.append((round(tau, 6), rho))
         if progress:

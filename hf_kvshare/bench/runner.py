@@ -9,7 +9,9 @@ For every request of a workload it runs NonShared (the reference) and each metho
 Methods run interleaved request by request (NonShared first), so timing ratios come from the
 same minutes of the same machine. Each method keeps two instances for the whole run (one per
 pass), so state that outlives a request (anchor pools, calibration) builds up over the requests
-as in a real deployment and the fidelity pass does not feed the timed pass.
+as in a real deployment and the fidelity pass does not feed the timed pass. With ``warmup = N``
+the first N requests run exactly so but are not recorded: the summaries describe the steady
+state (filled anchor pools, finished GraphFlow calibration) on the requests after them.
 
 Output layout (``out/<configuration>/``)::
 
@@ -111,6 +113,13 @@ class RunConfig:
     execute: bool = False
     exec_timeout: float = 10.0
     adapters: dict[str, str] = field(default_factory=dict)
+    warmup: int = 0  # the first requests run through every method unrecorded (pools fill up)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(
+                f"warmup must be an int >= 0 (requests run before recording); got {self.warmup!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -125,13 +134,15 @@ class RunConfig:
             "execute": self.execute,
             "exec_timeout": self.exec_timeout,
             "adapters": dict(sorted(self.adapters.items())),
+            **({"warmup": self.warmup} if self.warmup else {}),  # runs without one keep their config
         }
 
     def directory_name(self, workload: Workload) -> str:
         model = self.model.rstrip("/\\")
         model_tag = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(model) or model)
         dtype = self.dtype or "default"
-        return f"{workload.tag()}__{model_tag}-{dtype}-{self.device}-seed{self.seed}"
+        warmup = f"-W{self.warmup}" if self.warmup else ""
+        return f"{workload.tag()}{warmup}__{model_tag}-{dtype}-{self.device}-seed{self.seed}"
 
 
 def environment() -> dict[str, Any]:
@@ -273,6 +284,11 @@ class BenchRunner:
     def _check_tasks(self, tasks: list[TaskSpec], specs: list[MethodSpec]) -> None:
         if not tasks:
             raise BenchInputError(f"workload {self.workload.tag()} produced no requests")
+        if self.config.warmup >= len(tasks):
+            raise BenchInputError(
+                f"--warmup {self.config.warmup} leaves no request to measure: workload {self.workload.tag()} "
+                f"has {len(tasks)}; ask for more requests (--limit / --requests) or a smaller warm-up"
+            )
         adapters = sorted({a for t in tasks for a in t.adapters})
         for spec in specs:
             if spec.requires_adapters and not adapters:
@@ -324,6 +340,9 @@ class BenchRunner:
             bar = tqdm(tasks, desc=self.dir.name[:60], disable=not self.progress, unit="request")
             for index, task in enumerate(bar):
                 free, forced, state = self._run_request(task, index, instances)
+                if index < self.config.warmup:  # state built, nothing recorded
+                    del free, forced
+                    continue
                 ref_check = self._check(task, free[ref_spec])
                 for spec in pending:
                     turn_records = self._turn_records(
