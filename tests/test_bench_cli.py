@@ -522,3 +522,21 @@ def test_realized_rho_skips_warmup_requests(tiny_dir):
     assert realized_rho(model, tok, tasks, spec, warmup=2) == 1.0
     with pytest.raises(ValueError, match="leaves none"):
         realized_rho(model, tok, tasks, spec, warmup=3)
+
+
+def test_bad_adapter_paths_are_refused_before_loading(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, message in ((empty, "has no adapter_config.json"), (tmp_path / "nope", "no such directory")):
+        with pytest.raises(SystemExit, match=message):
+            bench(
+                "run",
+                "--workload",
+                "autoact",
+                "--adapter",
+                f"plan={path}",
+                "--methods",
+                "nonshared",
+                "--out",
+                tmp_path,
+            )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 import warnings
@@ -124,6 +125,15 @@ def load_bench_model(
         if threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
+    for adapter, path in adapters.items():  # before the model loads: a typo should not cost a load
+        if Path(path).is_dir() and not (Path(path) / "adapter_config.json").exists():
+            raise SystemExit(
+                f"--adapter {adapter}={path}: the directory has no adapter_config.json (a PEFT adapter)"
+            )
+        if not Path(path).exists() and (os.sep in path or path.startswith(".")):
+            raise SystemExit(
+                f"--adapter {adapter}={path}: no such directory (expected a PEFT adapter dir or hub id)"
+            )
     model, tok = load_model(name, dtype=dtype)
     if device != "cpu":
         model = model.to(device)

@@ -47,7 +47,7 @@ class AutoActWorkload(Workload):
     hops: int = 1  # generated questions: how many countries to walk north (1 -> 3 lookups, 8 turns)
     limit: int | None = 4
     offset: int = 0
-    max_new_tokens: int = 32
+    max_new_tokens: int = 64  # turns end at <|im_end|>; a final reflection needs ~40 tokens
     data: str | None = None  # a table with a `question` (and optional `answer`) column
     rounds: int = 1  # --data questions: plan/act/reflect rounds
 
