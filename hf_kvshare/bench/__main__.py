@@ -239,6 +239,7 @@ def cmd_run(argv: list[str]) -> int:
 # --------------------------------------------------------------------- plot
 def cmd_plot(argv: list[str]) -> int:
     from . import plots
+    from .report import find_configurations
 
     p = argparse.ArgumentParser(
         prog="python -m hf_kvshare.bench plot", description="(re)draw the figures of runs"
@@ -246,14 +247,10 @@ def cmd_plot(argv: list[str]) -> int:
     p.add_argument("dirs", nargs="+", help="configuration directories (or an output root holding them)")
     p.add_argument("--out", default=None, help="where sweep plots go (default: <first root>/plots)")
     args = p.parse_args(argv)
-    configs = []
-    for d in map(Path, args.dirs):
-        if (d / "summary.json").exists():
-            configs.append(d)
-        else:
-            configs += sorted(c.parent for c in d.glob("*/summary.json"))
-    if not configs:
-        p.error("no configuration directory (with a summary.json) found")
+    try:
+        configs = find_configurations(args.dirs)
+    except FileNotFoundError as e:
+        p.error(str(e))
     for c in configs:
         written = plots.configuration_plots(c)
         print(f"{c}: {len(written)} files")

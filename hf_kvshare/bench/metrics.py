@@ -266,6 +266,15 @@ def humaneval_program(problem: dict[str, Any], completion_text: str) -> str:
     return f"{body}\n\n{problem['test']}\n\ncheck({entry})\n"
 
 
+#: checker -> (what it reads from the output, whether that is the gold answer)
+TEXT_CHECKERS = {
+    "exact": (str.strip, lambda text, gold: text.strip() == gold.strip()),
+    "numeric": (extract_number, numeric_match),
+    "letter": (extract_letter, letter_match),
+    "answer": (extract_answer, answer_match),
+}
+
+
 def check_answer(task, text: str, execute: bool = False, timeout: float = 10.0) -> dict[str, Any]:
     """Score the final output of a task: ``{"correct": bool | None, "extracted": ..., "status": ...}``.
 
@@ -274,30 +283,9 @@ def check_answer(task, text: str, execute: bool = False, timeout: float = 10.0) 
     checker = task.checker
     if checker is None:
         return {"correct": None, "extracted": None, "status": "no checker"}
-    if checker == "exact":
-        return {
-            "correct": text.strip() == task.answer.strip(),
-            "extracted": text.strip(),
-            "status": "checked",
-        }
-    if checker == "numeric":
-        return {
-            "correct": numeric_match(text, task.answer),
-            "extracted": extract_number(text),
-            "status": "checked",
-        }
-    if checker == "letter":
-        return {
-            "correct": letter_match(text, task.answer),
-            "extracted": extract_letter(text),
-            "status": "checked",
-        }
-    if checker == "answer":
-        return {
-            "correct": answer_match(text, task.answer),
-            "extracted": extract_answer(text),
-            "status": "checked",
-        }
+    if checker in TEXT_CHECKERS:
+        extract, match = TEXT_CHECKERS[checker]
+        return {"correct": match(text, task.answer), "extracted": extract(text), "status": "checked"}
     if checker == "humaneval":
         if not execute:
             return {"correct": None, "extracted": None, "status": "not executed (pass --execute)"}

@@ -216,7 +216,7 @@ def _erank_by_layer(methods, out: Path, plt) -> list[Path]:
                         [r["layer"] for r in layers],
                         [r[f"delta_{part}"] for r in layers],
                         marker=".",
-                        label=f"residual: {m['method']}",
+                        label=f"residual: {short_label(m['method'])}",
                     )
             ax.set_title(f"effective rank (90% energy), {part}s")
             ax.set_xlabel("layer")
