@@ -267,3 +267,24 @@ def test_summarize_method_on_hand_built_records():
     assert [p["agreement"] for p in s["by_position"]] == [1.0, 0.8, 0.6]
     with pytest.raises(ValueError):
         metrics.summarize_method([], [])
+
+
+def test_hop_matrix_lays_methods_by_hop():
+    from hf_kvshare.bench.report import hop_matrix
+
+    methods = [
+        {"method": "nonshared", "by_position": [{"position": 0, "agent": "a", "kv_error": 0.0}]},
+        {
+            "method": "droidspeak:layer_profile=runs/calibration/p.json",
+            "by_position": [
+                {"position": 0, "agent": "a", "kv_error": 0.0},
+                {"position": 1, "agent": "b", "kv_error": 0.25},
+            ],
+        },
+    ]
+    lines = hop_matrix(methods, "kv_error").splitlines()
+    assert lines[0] == "| method | 0 a | 1 b |"
+    assert lines[2] == "| nonshared | 0.0000 | - |"  # a hop the method has no record of
+    assert lines[3] == "| droidspeak:layer_profile=p.json | 0.0000 | 0.2500 |"  # file options by name
+    with pytest.raises(ValueError, match="no per-hop metric 'ttft'"):
+        hop_matrix(methods, "ttft")

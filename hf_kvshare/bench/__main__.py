@@ -437,10 +437,17 @@ def cmd_report(argv: list[str]) -> int:
     p.add_argument("dirs", nargs="+", help="configuration directories (or an output root holding them)")
     p.add_argument("--kind", choices=sorted(REPORT_COLUMNS), default="fidelity")
     p.add_argument("--hops", action="store_true", help="also a per-hop fidelity table per method")
+    p.add_argument(
+        "--by-hop",
+        nargs="+",
+        default=(),
+        metavar="METRIC",
+        help="also a method x hop table of each METRIC (agreement, kl, kv_error, exact_match, ...)",
+    )
     args = p.parse_args(argv)
     try:
-        print(report(args.dirs, args.kind, args.hops))
-    except FileNotFoundError as e:
+        print(report(args.dirs, args.kind, args.hops, args.by_hop))
+    except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +106,30 @@ def find_configurations(dirs: list[str | Path]) -> list[Path]:
     return sorted(configs, key=_natural)
 
 
-def report(dirs: list[str | Path], kind: str = "fidelity", hops: bool = False) -> str:
+def hop_matrix(methods: list[dict[str, Any]], metric: str) -> str:
+    """One row per method, one column per hop (``<position> <agent>``): ``metric`` of that hop."""
+    fmt = next((f for key, _, f in HOP_COLUMNS if key == metric), None)
+    if fmt is None:
+        raise ValueError(
+            f"no per-hop metric {metric!r}; one of {', '.join(k for k, _, f in HOP_COLUMNS if f != '')}"
+        )
+    hops = {
+        r["position"]: f"{r['position']} {r['agent']}" for m in methods for r in m.get("by_position") or []
+    }
+    columns = [("method", "method", "")] + [(str(p), hops[p], fmt) for p in sorted(hops)]
+    rows = [
+        {"method": m["method"], **{str(r["position"]): r.get(metric) for r in m.get("by_position") or []}}
+        for m in methods
+    ]
+    return markdown_table(rows, columns)
+
+
+def report(
+    dirs: list[str | Path], kind: str = "fidelity", hops: bool = False, by_hop: Sequence[str] = ()
+) -> str:
     """Markdown tables of the summaries in ``dirs``: one per configuration, or one over a
-    ``shared_tokens`` sweep (``kind="sweep"``); ``hops`` adds fidelity hop by hop per method."""
+    ``shared_tokens`` sweep (``kind="sweep"``); ``hops`` adds fidelity hop by hop per method;
+    ``by_hop`` adds, per metric, a method x hop table."""
     configs = find_configurations(dirs)
     out: list[str] = []
     if kind == "sweep":
@@ -120,6 +142,8 @@ def report(dirs: list[str | Path], kind: str = "fidelity", hops: bool = False) -
     for c in configs:
         data = json.loads((c / "summary.json").read_text())
         out += [f"\n**{c.name}**\n", markdown_table(data["methods"], REPORT_COLUMNS[kind])]
+        for metric in by_hop:
+            out += [f"\n{metric} by hop:\n", hop_matrix(data["methods"], metric)]
         if hops:
             for m in data["methods"]:
                 if m["method"] != "nonshared":
