@@ -107,6 +107,14 @@ QUERIES = [
     "a timetable rule, explain the trade-offs, and say what to do when a teacher is absent.",
     "A small bakery sells out of bread by noon but throws away cakes every evening. Explain what might cause "
     "this, what data to collect for a week, and how to change the baking plan.",
+    "A village bus runs every two hours and is nearly empty at midday but full at seven in the morning. "
+    "Propose a new schedule with the same number of trips, and say who gains and who loses.",
+    "A library wants to lend tools as well as books: drills, ladders and sewing machines. List what could go "
+    "wrong, the rules it needs, and how to decide which tools to buy first.",
+    "Two neighbours share a garden and argue about a tall tree that shades one house. Describe the options, "
+    "what each would cost both of them, and a fair way to reach a decision.",
+    "A football club for children has more players than coaches on Saturdays. Suggest how to organise the "
+    "mornings, what parents could do, and how to keep every child playing.",
 ]
 
 
