@@ -276,9 +276,10 @@ def sweep_plots(
             ax.set_xlabel(param.replace("_", " "))
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / f"ttft_vs_{param}.png", dpi=120)
+        # one legend for both panels, outside them: nine methods would cover the curves
+        axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+        fig.savefig(out / f"ttft_vs_{param}.png", dpi=120, bbox_inches="tight")
         written.append(out / f"ttft_vs_{param}.png")
         plt.close(fig)
     return written
