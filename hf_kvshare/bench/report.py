@@ -57,6 +57,7 @@ REPORT_COLUMNS = {
         ("throughput_ratio", "tok/s vs NonShared", ".2f"),
         ("peak_memory_mb", "peak MB", ".0f"),
         ("method_state_mb", "state MB", ".2f"),
+        ("request_state_mb", "request MB", ".2f"),
         ("reuse_ratio", "rho", ".2f"),
     ],
     "fidelity": [
@@ -72,6 +73,7 @@ REPORT_COLUMNS = {
         ("e2e_ratio", "NonShared/E2E", ".2f"),
         ("peak_memory_mb", "peak MB", ".0f"),
         ("method_state_mb", "state MB", ".2f"),
+        ("request_state_mb", "request MB", ".2f"),
         ("reuse_ratio", "rho", ".2f"),
     ],
 }

@@ -374,27 +374,35 @@ class BenchRunner:
         self, task: TaskSpec, index: int, instances: dict[MethodSpec, tuple[Method, Method | None]]
     ):
         """One request through every method: free passes (NonShared first), then the teacher-forced
-        passes on NonShared's outputs. Returns (free, forced, state bytes) keyed by method spec."""
+        passes on NonShared's outputs. Returns (free, forced, state) keyed by method spec; state holds
+        the bytes a method keeps across requests and those it kept for this request (free pass)."""
         workflow = task.to_workflow(self.tokenizer)
         seed = self.config.seed + index
+        state: dict[MethodSpec, dict[str, int]] = {}
 
-        def run(method: Method, label: str, force=None) -> list[TurnResult]:
+        def run(spec: MethodSpec, method: Method, label: str, force=None) -> list[TurnResult]:
             torch.manual_seed(seed)
-            return run_request(
-                Session(self.model, self.tokenizer, method),
+            session = Session(self.model, self.tokenizer, method)
+            results = run_request(
+                session,
                 workflow,
                 force_outputs=force,
                 keep_cache=force is not None,
                 progress=self.progress,
                 desc=f"{label} {task.id}",
             )
+            if force is None:
+                state[spec] = {
+                    "method_state_bytes": method.state_bytes(),
+                    "request_state_bytes": method.request_state_bytes(session),
+                }
+            return results
 
-        free = {spec: run(pair[0], f"{spec} free") for spec, pair in instances.items()}
-        state = {spec: pair[0].state_bytes() for spec, pair in instances.items()}
+        free = {spec: run(spec, pair[0], f"{spec} free") for spec, pair in instances.items()}
         forced: dict[MethodSpec, list[TurnResult]] = {}
         if self.config.fidelity:
             outputs = [t.output_ids for t in free[MethodSpec(REFERENCE)]]
-            forced = {spec: run(pair[1], f"{spec} forced", outputs) for spec, pair in instances.items()}
+            forced = {spec: run(spec, pair[1], f"{spec} forced", outputs) for spec, pair in instances.items()}
         return free, forced, state
 
     def _check(self, task: TaskSpec, results: list[TurnResult]) -> dict[str, Any]:
@@ -497,7 +505,7 @@ class BenchRunner:
             return []
         return [[v / len(segments) for v in row] for row in rows]
 
-    def _request_record(self, task, index, spec, free, ref_free, ref_check, state_bytes) -> dict[str, Any]:
+    def _request_record(self, task, index, spec, free, ref_free, ref_check, state) -> dict[str, Any]:
         tokens = sum(t.prompt_ids.numel() + t.output_ids.numel() for t in free)
         ref_tokens = sum(t.prompt_ids.numel() + t.output_ids.numel() for t in ref_free)
         e2e, ref_e2e = sum(t.e2e_s for t in free), sum(t.e2e_s for t in ref_free)
@@ -515,7 +523,7 @@ class BenchRunner:
             "ref_throughput_tok_s": metrics.throughput(ref_tokens, ref_e2e),
             "peak_memory_bytes": max(t.peak_memory_bytes for t in free),
             "ref_peak_memory_bytes": max(t.peak_memory_bytes for t in ref_free),
-            "method_state_bytes": state_bytes,
+            **state,  # method_state_bytes (across requests), request_state_bytes (this request)
             "final_exact_match": metrics.exact_match(free[-1].output_ids, ref_free[-1].output_ids),
             "final_output": free[-1].text,
             "correct": check["correct"],

@@ -105,6 +105,9 @@ class LowRankSharing(Method):
         """Exact bytes the request holds: base once + each agent's LR cache."""
         return self.store(session).memory()
 
+    def request_state_bytes(self, session: Session) -> int:
+        return self.store(session).nbytes
+
     # ------------------------------------------------------------------ building
     def build(self, turn: Turn) -> BaseLRCache:
         model = turn.model

@@ -18,7 +18,7 @@ import torch
 from ..cache import SegmentKV, SharedCache
 
 if TYPE_CHECKING:
-    from ..session import Turn
+    from ..session import Session, Turn
 
 METHODS: dict[str, type[Method]] = {}
 
@@ -152,7 +152,12 @@ class Method:
         return {}
 
     def state_bytes(self) -> int:
-        """Bytes held by the method instance across requests (anchor pools, LR caches, ...)."""
+        """Bytes held by the method instance across requests (anchor pools, profiles, ...)."""
+        return 0
+
+    def request_state_bytes(self, session: Session) -> int:
+        """Bytes the method keeps for one request in ``session.method_state`` (PReCache's shared base
+        and per-agent LR caches); the slots' K/V the session keeps for every method are not counted."""
         return 0
 
     def __repr__(self) -> str:
