@@ -194,6 +194,15 @@ class Session:
             return next(self.model.parameters()).device
 
     # -------------------------------------------------------------- preparing
+    def held_bytes(self) -> int:
+        """Exact bytes this session keeps for later turns: each slot's latest K/V (the reuse source),
+        the tensors a method keeps with it (``slot.extras``: e.g. hidden states to restart from) and
+        the method's per-request state (:meth:`Method.request_state_bytes`: PReCache's base + LR
+        caches). Turn caches handed to the caller are not included."""
+        total = sum(slot.latest.nbytes for slot in self.slots.values() if slot.latest is not None)
+        total += sum(_tensor_bytes(slot.extras) for slot in self.slots.values())
+        return total + self.method.request_state_bytes(self)
+
     def next_output_slot(self, agent: str) -> str:
         """Output slot name for ``agent``'s next turn: the agent's name, then ``agent#2``, ``agent#3``..."""
         if agent not in self.slots:
@@ -456,3 +465,14 @@ class Session:
 
 def _preview(text: str, n: int = 40) -> str:
     return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or dicts / lists / tuples holding them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0

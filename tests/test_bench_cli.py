@@ -174,10 +174,11 @@ def test_every_method_on_the_multi_lora_workload(method, tiny_dir, adapters, tmp
     summary = check_method_output(config, method, n_turns=8, n_requests=1)
     turns = read_jsonl(config / MethodSpec.parse(method).tag / "turns.jsonl")
     assert [t["agent"] for t in turns] == ["plan", "act", "plan", "act", "reflect", "plan", "act", "reflect"]
-    # PReCache keeps the request's base + LR caches (exact bytes); other methods keep nothing per request
-    if MethodSpec.parse(method).requires_adapters:
+    # what the session keeps for reuse: PReCache its base + LR caches, FullShared the slots' K/V,
+    # NonShared nothing
+    if MethodSpec.parse(method).requires_adapters or method == "fullshared":
         assert summary["request_state_mb"] > 0
-    else:
+    elif method == "nonshared":
         assert summary["request_state_mb"] == 0
     assert summary["config"]["adapters"] == {k: str(v) for k, v in adapters.items()}
 

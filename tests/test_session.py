@@ -226,3 +226,20 @@ def test_failed_turn_leaves_session_unchanged(tiny_llama, tokenizer):
             "b", roles("b") + [PH("extra", "more text")], max_new_tokens=2, not_a_generate_kwarg=1
         )
     assert {k: (v.token_ids.tolist(), v.latest) for k, v in session.slots.items()} == before
+
+
+def test_held_bytes_count_the_reuse_sources_exactly(tiny_llama, tokenizer):
+    """FullShared keeps each slot's latest K/V (layers x 2 x kv_heads x head_dim fp32 per token);
+    NonShared keeps nothing for later turns."""
+    cfg = tiny_llama.config
+    per_token = (
+        cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    )
+    for method, expected_tokens in (("fullshared", None), ("nonshared", 0)):
+        session = Session(tiny_llama, tokenizer, method)
+        assert session.held_bytes() == 0
+        session.run_turn("a", [PF("You plan."), PH("query", "Reverse a list.")], max_new_tokens=3)
+        session.run_turn("b", [PF("You code."), PH("query"), PH("a")], max_new_tokens=3)
+        tokens = sum(slot.token_ids.numel() for slot in session.slots.values())
+        assert tokens > 0
+        assert session.held_bytes() == (tokens if expected_tokens is None else expected_tokens) * per_token

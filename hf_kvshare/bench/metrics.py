@@ -400,7 +400,11 @@ def summarize_method(turns: Sequence[dict[str, Any]], requests: Sequence[dict[st
         "peak_memory_mb": max(r["peak_memory_bytes"] for r in requests) / 2**20,
         "ref_peak_memory_mb": max(r["ref_peak_memory_bytes"] for r in requests) / 2**20,
         "method_state_mb": max(r.get("method_state_bytes") or 0 for r in requests) / 2**20,
-        "request_state_mb": max(r.get("request_state_bytes") or 0 for r in requests) / 2**20,
+        "request_state_mb": (  # None for runs recorded before this field existed
+            max(r["request_state_bytes"] for r in requests) / 2**20
+            if all("request_state_bytes" in r for r in requests)
+            else None
+        ),
         "reuse_ratio": reuse_ratio(reused, reusable),
         "reuse_ratio_all_ph": reuse_ratio(sum(t["tokens_reused"] for t in turns), ph),
         "exact_match": mean(float(t["exact_match"]) for t in turns),

@@ -375,7 +375,8 @@ class BenchRunner:
     ):
         """One request through every method: free passes (NonShared first), then the teacher-forced
         passes on NonShared's outputs. Returns (free, forced, state) keyed by method spec; state holds
-        the bytes a method keeps across requests and those it kept for this request (free pass)."""
+        the bytes a method keeps across requests and those the request's session kept for reuse
+        (:meth:`Session.held_bytes`, free pass)."""
         workflow = task.to_workflow(self.tokenizer)
         seed = self.config.seed + index
         state: dict[MethodSpec, dict[str, int]] = {}
@@ -394,7 +395,7 @@ class BenchRunner:
             if force is None:
                 state[spec] = {
                     "method_state_bytes": method.state_bytes(),
-                    "request_state_bytes": method.request_state_bytes(session),
+                    "request_state_bytes": session.held_bytes(),
                 }
             return results
 
@@ -523,7 +524,7 @@ class BenchRunner:
             "ref_throughput_tok_s": metrics.throughput(ref_tokens, ref_e2e),
             "peak_memory_bytes": max(t.peak_memory_bytes for t in free),
             "ref_peak_memory_bytes": max(t.peak_memory_bytes for t in ref_free),
-            **state,  # method_state_bytes (across requests), request_state_bytes (this request)
+            **state,  # method_state_bytes (across requests), request_state_bytes (held by the session)
             "final_exact_match": metrics.exact_match(free[-1].output_ids, ref_free[-1].output_ids),
             "final_output": free[-1].text,
             "correct": check["correct"],
