@@ -274,7 +274,9 @@ def cmd_calibrate(argv: list[str]) -> int:
         "offline (droidspeak's per-layer deviation; no --target-rho)",
     )
     p.add_argument(
-        "--method", required=True, help="a method with a tau option, with other options: kvcmas:rank=32"
+        "--method",
+        required=True,
+        help="a method with a tau option, with other options (kvcmas:rank=32), or one profiled offline (droidspeak)",
     )
     p.add_argument("--target-rho", type=float, default=None, help="tau calibration: the reuse ratio to reach")
     p.add_argument("--tau-min", type=float, default=0.0)
@@ -300,6 +302,10 @@ def cmd_calibrate(argv: list[str]) -> int:
         )
     if not profile and has_offline_profile(spec):
         p.error(f"method {spec.name!r} is profiled offline, not by tau: leave out --target-rho")
+    if profile and args.warmup:
+        p.error(
+            "--warmup applies to tau calibration (pools filling up); an offline profile has no state to warm"
+        )
     model, tok = load_bench_model(args.model, args.dtype, args.device, _adapters(args.adapter), args.threads)
     tasks = workload.tasks(tok, args.seed)
     out = Path(args.out) / "calibration"
