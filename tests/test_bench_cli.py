@@ -115,6 +115,9 @@ def test_every_method_on_a_controlled_trace(method, tiny_dir, tmp_path, capsys):
     assert summary["reuse_turns"] == 5 and 0.0 <= summary["reuse_ratio"] <= 1.0
     if method == "fullshared":
         assert summary["reuse_ratio"] == 1.0 and summary["kv_error"] > 1e-4
+    # what the session keeps for reuse: slot sources (chained, recomputing methods) or context-free
+    # references (non-chained correction); NonShared keeps nothing
+    assert (ref["request_state_mb"] == 0) and (summary["request_state_mb"] > 0) == (method != "nonshared")
     # the configuration summary (JSON + CSV), the plots and the printed table
     table = json.loads((config / "summary.json").read_text())
     assert [m["method"] for m in table["methods"]][0] == "nonshared"

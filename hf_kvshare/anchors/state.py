@@ -84,6 +84,11 @@ class RequestStates:
             state = self._states[session] = RequestState(uid=next(self._uids))
         return state
 
+    def nbytes(self, session: Any) -> int:
+        """Bytes of ``session``'s state (its context-free references); 0 when it has none."""
+        state = self._states.get(session)
+        return 0 if state is None else state.nbytes
+
     def __len__(self) -> int:
         return len(self._states)
 

@@ -21,7 +21,7 @@ from ..cache import CorrectedCache, config_signature
 from .base import Method, Placement, register
 
 if TYPE_CHECKING:
-    from ..session import Turn
+    from ..session import Session, Turn
 
 
 @register
@@ -71,6 +71,10 @@ class GraphFlow(Method):
         self.profiles = {}
         self._binding.clear()
         self._requests.clear()
+
+    def request_state_bytes(self, session: Session) -> int:
+        """The request's context-free references (non-chained correction keeps one per slot)."""
+        return self._requests.nbytes(session)
 
     def state_bytes(self) -> int:
         """Exact bytes of every profile (running sums while calibrating, the frozen profile after)."""

@@ -46,7 +46,7 @@ from ..cache import CorrectedCache, SegmentKV, config_signature
 from .base import Method, Placement, register
 
 if TYPE_CHECKING:
-    from ..session import Turn
+    from ..session import Session, Turn
 
 #: anchors making up this much of the gate's mass count as used (LFU bookkeeping, as KVComm)
 USAGE_MASS = 0.9
@@ -157,6 +157,10 @@ class KVCMAS(Method):
         self.pools = {}
         self._binding.clear()
         self._requests.clear()
+
+    def request_state_bytes(self, session: Session) -> int:
+        """The request's context-free references (non-chained correction keeps one per slot)."""
+        return self._requests.nbytes(session)
 
     def state_bytes(self) -> int:
         """Exact bytes of all anchor pools (every stored factor / dense tensor)."""
