@@ -50,12 +50,13 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def _save(fig, legend_ax, path: Path) -> None:
+def _save(fig, legend_ax, path: Path) -> Path:
     """Save with one legend right of ``legend_ax``, outside the panels (many methods would cover
-    the curves)."""
+    the curves); returns ``path``."""
     fig.tight_layout()
     legend_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path
 
 
 def _num(value: Any) -> float:
@@ -148,8 +149,7 @@ def _kv_error_by_layer(methods, out: Path, plt) -> list[Path]:
             ax.set_xlabel("layer")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("||C_hat - C|| / ||C||")
-        _save(fig, axes[1], out / "kv_error_by_layer.png")
-        written.append(out / "kv_error_by_layer.png")
+        written.append(_save(fig, axes[1], out / "kv_error_by_layer.png"))
     return written
 
 
@@ -192,8 +192,7 @@ def _kv_error_by_agent(methods, out: Path, plt) -> list[Path]:
             ax.set_xlabel("agent position (hop)")
             ax.set_xticks(range(len(ticks)), ticks, rotation=30, fontsize=7)
             ax.grid(alpha=0.3)
-        _save(fig, axes[1], out / "kv_error_by_agent.png")
-        written.append(out / "kv_error_by_agent.png")
+        written.append(_save(fig, axes[1], out / "kv_error_by_agent.png"))
     return written
 
 
@@ -226,8 +225,7 @@ def _erank_by_layer(methods, out: Path, plt) -> list[Path]:
             ax.set_xlabel("layer")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("rank")
-        _save(fig, axes[1], out / "effective_rank_by_layer.png")
-        written.append(out / "effective_rank_by_layer.png")
+        written.append(_save(fig, axes[1], out / "effective_rank_by_layer.png"))
     return written
 
 
@@ -278,7 +276,6 @@ def sweep_plots(
             ax.set_xlabel(param.replace("_", " "))
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
-        _save(fig, axes[1], out / f"ttft_vs_{param}.png")
-        written.append(out / f"ttft_vs_{param}.png")
+        written.append(_save(fig, axes[1], out / f"ttft_vs_{param}.png"))
         plt.close(fig)
     return written

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from ..trajectory import PH
 
 ROLES = ("plan", "act", "reflect")
+#: sentences of filler per ``Lookup`` page in the role adapters' training episodes (``train_roles``)
+TRAINING_FILLER = 2
 
 SYSTEM = (
     "<|im_start|>system\nYou are one of three agents (plan, act, reflect) that answer a multi-hop question "

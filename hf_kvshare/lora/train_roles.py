@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._compat import peft_wrapping_warnings_silenced
-from .autoact import ROLES, World, training_examples
+from .autoact import ROLES, TRAINING_FILLER, World, training_examples
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -99,7 +99,7 @@ def train_roles(
     torch.manual_seed(seed)
     if model is None:
         model, tokenizer = load_model()
-    world = World.generate(seed=seed, filler=2)
+    world = World.generate(seed=seed, filler=TRAINING_FILLER)
     by_role: dict[str, list[tuple[str, str]]] = {r: [] for r in ROLES}
     for role, context, target in training_examples(world, questions, seed=seed):
         by_role[role].append((context, target))

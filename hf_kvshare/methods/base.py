@@ -156,8 +156,9 @@ class Method:
         return 0
 
     def request_state_bytes(self, session: Session) -> int:
-        """Bytes the method keeps for one request in ``session.method_state`` (PReCache's shared base
-        and per-agent LR caches); the slots' K/V the session keeps for every method are not counted."""
+        """Bytes the method keeps for one request (PReCache's shared base and per-agent LR caches in
+        ``session.method_state``, non-chained correction's context-free references); the slots' K/V
+        the session keeps (:meth:`Session.held_bytes` adds them) are not counted here."""
         return 0
 
     def __repr__(self) -> str:

@@ -22,13 +22,11 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from ...lora.autoact import ROLES, World, gold_turns, instruction
+from ...lora.autoact import ROLES, TRAINING_FILLER, World, gold_turns, instruction
 from .base import Workload, register_workload, select
 from .files import load_table
 from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec
 
-#: the world of the role adapters' training data (``train_roles`` generates it with filler=2)
-WORLD_FILLER = 2
 #: questions generated per world seed (a request index past it is an error)
 WORLD_QUESTIONS = 64
 
@@ -67,7 +65,7 @@ class AutoActWorkload(Workload):
 
     # ----------------------------------------------------------- generated episodes
     def _world_tasks(self, seed: int) -> list[TaskSpec]:
-        world = World.generate(seed=seed, filler=WORLD_FILLER)
+        world = World.generate(seed=seed, filler=TRAINING_FILLER)  # the adapters' world
         rng = random.Random(f"autoact-bench-{seed}")  # not the training questions' stream
         questions = [world.question("chain", self.hops, rng) for _ in range(WORLD_QUESTIONS)]
         tasks = []
