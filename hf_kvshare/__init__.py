@@ -12,9 +12,9 @@ from .models import load_model
 from .rope import RopeShifter
 from .session import Session, TurnResult
 from .trajectory import PF, PH, chat
-from .workflow import Step, Workflow, compare_methods, run_workflow
+from .evaluation import Step, Workflow, compare_methods, run_workflow
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "BaseLRCache",

@@ -22,7 +22,7 @@ def demo(argv: list[str]) -> int:
     from .bench.report import format_table
     from .methods import METHODS
     from .models import DEFAULT_MODEL, load_model
-    from .workflow import compare_methods, demo_workflow
+    from .evaluation import compare_methods, demo_workflow
 
     parser = argparse.ArgumentParser(
         prog="python -m hf_kvshare demo", description="4-agent workflow, methods side by side"

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from hf_kvshare.bench import metrics
+from hf_kvshare.bench import checkers
+from hf_kvshare.evaluation import metrics, protocol
 from hf_kvshare.bench.sandbox import run_python
 from hf_kvshare.cache import SegmentedCache
 
@@ -98,26 +99,26 @@ def test_fidelity_helpers():
 
 
 def test_answer_extraction_and_matching():
-    assert metrics.gsm8k_gold("Some steps.\n#### 1,234") == "1234"
+    assert checkers.gsm8k_gold("Some steps.\n#### 1,234") == "1234"
     with pytest.raises(ValueError, match="no number"):
-        metrics.gsm8k_gold("#### many")
-    assert metrics.extract_number("3 + 4 = 7. So the answer is 12 apples, not 7") == 12
-    assert metrics.extract_number("We get 5, then 8.5.") == 8.5 and metrics.extract_number("none") is None
-    assert metrics.numeric_match("The answer is $1,200.", "1200") and not metrics.numeric_match(
+        checkers.gsm8k_gold("#### many")
+    assert checkers.extract_number("3 + 4 = 7. So the answer is 12 apples, not 7") == 12
+    assert checkers.extract_number("We get 5, then 8.5.") == 8.5 and checkers.extract_number("none") is None
+    assert checkers.numeric_match("The answer is $1,200.", "1200") and not checkers.numeric_match(
         "The answer is 12", "1200"
     )
-    assert metrics.numeric_match("answer: -3.0", "-3")
-    assert metrics.extract_letter("C") == "C" and metrics.extract_letter("I think the answer is (B).") == "B"
+    assert checkers.numeric_match("answer: -3.0", "-3")
+    assert checkers.extract_letter("C") == "C" and checkers.extract_letter("I think the answer is (B).") == "B"
     assert (
-        metrics.extract_letter("A farmer would say\nD\nbecause") == "D"
+        checkers.extract_letter("A farmer would say\nD\nbecause") == "D"
     )  # a line holding only the letter wins
-    assert metrics.extract_letter("D. Because ...") == "D" and metrics.extract_letter("no idea") is None
-    assert metrics.letter_match("B", "b") and not metrics.letter_match("A", "B")
+    assert checkers.extract_letter("D. Because ...") == "D" and checkers.extract_letter("no idea") is None
+    assert checkers.letter_match("B", "b") and not checkers.letter_match("A", "B")
     assert (
-        metrics.extract_code("Here:\n```python\ndef f():\n    return 1\n```\nDone")
+        checkers.extract_code("Here:\n```python\ndef f():\n    return 1\n```\nDone")
         == "def f():\n    return 1"
     )
-    assert metrics.extract_code("    return x") == "    return x"
+    assert checkers.extract_code("    return x") == "    return x"
 
 
 PROBLEM = {
@@ -130,12 +131,12 @@ PROBLEM = {
 
 def test_humaneval_programs_and_sandbox():
     full = "```python\ndef add(a: int, b: int) -> int:\n    return a + b\n```"
-    program = metrics.humaneval_program(PROBLEM, full)
+    program = checkers.humaneval_program(PROBLEM, full)
     assert program.startswith("from typing import List\ndef add") and program.rstrip().endswith("check(add)")
-    body = metrics.humaneval_program(PROBLEM, "    return a + b\n")
+    body = checkers.humaneval_program(PROBLEM, "    return a + b\n")
     assert body.startswith(PROBLEM["prompt"] + "    return a + b")
     assert run_python(program).passed and run_python(body).passed
-    wrong = run_python(metrics.humaneval_program(PROBLEM, "    return a - b\n"))
+    wrong = run_python(checkers.humaneval_program(PROBLEM, "    return a - b\n"))
     assert not wrong.passed and wrong.status == "failed" and "AssertionError" in wrong.detail
     hang = run_python("while True:\n    pass\n", timeout=1.0)
     assert hang.status == "timeout" and not hang.passed
@@ -157,24 +158,24 @@ def test_check_answer_dispatch():
             meta=meta or {},
         )
 
-    assert metrics.check_answer(task(None), "x")["correct"] is None
-    assert metrics.check_answer(task("numeric", "7"), "The answer is 7")["correct"] is True
-    assert metrics.check_answer(task("letter", "A"), "B")["correct"] is False
-    assert metrics.check_answer(task("exact", "yes"), " yes\n")["correct"] is True
+    assert checkers.check_answer(task(None), "x")["correct"] is None
+    assert checkers.check_answer(task("numeric", "7"), "The answer is 7")["correct"] is True
+    assert checkers.check_answer(task("letter", "A"), "B")["correct"] is False
+    assert checkers.check_answer(task("exact", "yes"), " yes\n")["correct"] is True
     final = "Reflection: Vosa was founded in 1201 on the Lirose. Answer: lirose.<|im_end|>"
-    assert metrics.check_answer(task("answer", "Lirose"), final) == {
+    assert checkers.check_answer(task("answer", "Lirose"), final) == {
         "correct": True,
         "extracted": "lirose",
         "status": "checked",
     }
     assert (
-        metrics.check_answer(task("answer", "Lirose"), "Answer: Duar. Lirose is a river.")["correct"] is False
+        checkers.check_answer(task("answer", "Lirose"), "Answer: Duar. Lirose is a river.")["correct"] is False
     )
-    assert metrics.check_answer(task("answer", "Lirose"), "the Lirose")["correct"] is False  # no "Answer:"
-    assert metrics.extract_answer("answer: 1200.5 years. More") == "1200.5 years"
+    assert checkers.check_answer(task("answer", "Lirose"), "the Lirose")["correct"] is False  # no "Answer:"
+    assert checkers.extract_answer("answer: 1200.5 years. More") == "1200.5 years"
     he = task("humaneval", meta=PROBLEM)
-    assert metrics.check_answer(he, "    return a + b")["correct"] is None  # execution is opt-in
-    assert metrics.check_answer(he, "    return a + b", execute=True)["correct"] is True
+    assert checkers.check_answer(he, "    return a + b")["correct"] is None  # execution is opt-in
+    assert checkers.check_answer(he, "    return a + b", execute=True)["correct"] is True
 
 
 def test_pareto_front():
@@ -243,7 +244,7 @@ def test_summarize_method_on_hand_built_records():
             "ref_correct": False,
         }
     ]
-    s = metrics.summarize_method(turns, requests)
+    s = protocol.summarize_method(turns, requests)
     assert (
         s["reuse_turns"] == 2
         and s["ttft_mean_s"] == 2.0
@@ -266,7 +267,7 @@ def test_summarize_method_on_hand_built_records():
     ]
     assert [p["agreement"] for p in s["by_position"]] == [1.0, 0.8, 0.6]
     with pytest.raises(ValueError):
-        metrics.summarize_method([], [])
+        protocol.summarize_method([], [])
 
 
 def test_hop_matrix_lays_methods_by_hop():

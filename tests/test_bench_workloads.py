@@ -156,7 +156,7 @@ def test_plain_and_chat_layouts(tokenizer):
 
 def test_layout_runs_in_a_session_with_default_slot_names(tiny_llama, tokenizer):
     """Without custom output names the steps work with the foundation's own run_workflow too."""
-    from hf_kvshare.workflow import run_workflow
+    from hf_kvshare.evaluation import run_workflow
 
     workflow = TaskSpec.from_record(GRAPH_TASKS[0]).to_workflow(tokenizer)
     results = run_workflow(Session(tiny_llama, tokenizer, "fullshared"), workflow)

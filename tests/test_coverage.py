@@ -14,7 +14,7 @@ from hf_kvshare.cache import SegmentKV
 from hf_kvshare.recompute import CacheBlend, DroidSpeak, RelayCaching
 from hf_kvshare.recompute.coverage import entry_errors, reconstruction_coverage
 from hf_kvshare.recompute.profiling import collect_transitions
-from hf_kvshare.workflow import Step, Workflow
+from hf_kvshare.evaluation import Step, Workflow
 
 QUERY = "Write a function that returns the n-th Fibonacci number, iteratively."
 

@@ -74,7 +74,7 @@ def test_fullshared_deviates_but_generates(real):
     ref = exact.run_turn("writer", second, max_new_tokens=8, keep_cache=True)
     got = shared.run_turn("writer", second, force_output=ref.output_ids, keep_cache=True)
     q = got.cache.segment("query")
-    from hf_kvshare.fidelity import kv_error
+    from hf_kvshare.evaluation.metrics import kv_error
 
     assert q.provenance == "reused" and kv_error(got.cache, ref.cache, q.start, q.end) > 1e-3
     assert got.output_ids.numel() >= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hf_kvshare import PF, PH, Session
-from hf_kvshare.fidelity import kv_error, mean_kl
+from hf_kvshare.evaluation.metrics import kv_error, mean_kl
 from hf_kvshare.methods.kvcmas import KVCMAS, KVCMASNonChained
 
 pytestmark = pytest.mark.real_model

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, SegmentKV, Session
-from hf_kvshare.fidelity import kv_error
+from hf_kvshare.evaluation.metrics import kv_error
 from hf_kvshare.recompute import CacheBlend, DecoderStack, DroidSpeak, RelayCaching, SegmentRecompute
 
 QUERY = "Compute the sum of the first ten prime numbers and explain each step."
@@ -426,7 +426,7 @@ def test_droidspeak_without_profile_says_what_to_do(tiny_llama, tokenizer):
 
 
 def test_droidspeak_calibrate_profiles_layers(tiny_llama, tokenizer):
-    from hf_kvshare.workflow import Step, Workflow
+    from hf_kvshare.evaluation import Step, Workflow
 
     workflow = Workflow([Step(agent, segments) for agent, segments in STEPS[:2]], max_new_tokens=4)
     method = DroidSpeak(rho=0.7)

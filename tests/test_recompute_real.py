@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hf_kvshare import PH, Session, chat
-from hf_kvshare.fidelity import kv_error
+from hf_kvshare.evaluation.metrics import kv_error
 from hf_kvshare.recompute import CacheBlend, DroidSpeak, RelayCaching
-from hf_kvshare.workflow import Step, Workflow
+from hf_kvshare.evaluation import Step, Workflow
 
 pytestmark = pytest.mark.real_model
 

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, Method, Session, SharedCache, cache_kwargs, chat
-from hf_kvshare.fidelity import kv_error
+from hf_kvshare.evaluation.metrics import kv_error
 
 QUERY = "Compute the sum of the first ten prime numbers and explain each step."
 

@@ -33,8 +33,10 @@ def to_heads(matrix: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def singular_values(matrix: torch.Tensor) -> torch.Tensor:
-    """Singular values of ``[L, D]`` (computed in float32, descending)."""
-    return torch.linalg.svdvals(matrix.float())
+    """Singular values of ``[L, D]`` (descending; float64 input stays float64, anything else runs in float32)."""
+    if matrix.dim() != 2:
+        raise ValueError(f"expected a 2-D matrix, got shape {tuple(matrix.shape)}")
+    return torch.linalg.svdvals(matrix if matrix.dtype == torch.float64 else matrix.float())
 
 
 def effective_rank(matrix: torch.Tensor, energy: float = 0.9) -> int:

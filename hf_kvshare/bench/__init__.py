@@ -1,4 +1,4 @@
-"""The single-stream benchmark: workloads, runner, metrics, plots and tau calibration.
+"""The single-stream benchmark: workloads, runner, answer checkers, plots and tau calibration.
 
 Command line: ``python -m hf_kvshare.bench run --workload trace --shared-tokens 256 512 --methods
 nonshared fullshared`` (see ``docs/workloads.md``). Every method in ``hf_kvshare.METHODS`` runs
@@ -8,13 +8,14 @@ PEFT adapters.
 
 from .calibrate import Calibration, calibrate_profile, calibrate_tau, realized_rho
 from .methods import MethodSpec, requires_adapters
-from .runner import BenchRunner, RunConfig, run_request
+from .runner import BenchRunner, Collector, RunConfig
 from .workloads import WORKLOADS, TaskSpec, Workload, WorkloadFormatError, make_workload
 
 __all__ = [
     "WORKLOADS",
     "BenchRunner",
     "Calibration",
+    "Collector",
     "MethodSpec",
     "RunConfig",
     "TaskSpec",
@@ -25,5 +26,4 @@ __all__ = [
     "make_workload",
     "realized_rho",
     "requires_adapters",
-    "run_request",
 ]

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..evaluation import run_workflow
+from ..evaluation.metrics import reuse_ratio
 from ..session import Session
-from . import metrics
 from .methods import MethodSpec
-from .runner import run_request
 from .workloads import TaskSpec
 
 
@@ -58,7 +58,7 @@ def realized_rho(
     reused = reusable = 0
     for index, task in enumerate(tqdm(tasks, desc=f"rho of {spec}", leave=False, disable=not progress)):
         torch.manual_seed(seed + index)
-        results = run_request(Session(model, tokenizer, method), task.to_workflow(tokenizer))
+        results = run_workflow(Session(model, tokenizer, method), task.to_workflow(tokenizer))
         if index < warmup:
             continue
         for slots, turn in zip(task.reused_slots(), results):
@@ -67,7 +67,7 @@ def realized_rho(
             reused += min(turn.tokens_reused, n)
     if reusable == 0:
         raise ValueError("the calibration slice has no reusable shared tokens: use a multi-agent workload")
-    return metrics.reuse_ratio(reused, reusable)
+    return reuse_ratio(reused, reusable)
 
 
 def calibrate_tau(

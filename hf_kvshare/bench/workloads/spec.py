@@ -5,7 +5,7 @@ workload file holds (see ``docs/workloads.md``) and what every built-in workload
 traces, HumanEval, GSM8K, MMLU, stress, AutoAct) generates, so all of them run through the same
 runner. :meth:`TaskSpec.from_record` validates a record and names the offending field;
 :meth:`TaskSpec.to_workflow` lays the steps out as PF/PH segments (with the tokenizer's chat
-template or as plain text) and returns a :class:`~hf_kvshare.workflow.Workflow`.
+template or as plain text) and returns a :class:`~hf_kvshare.evaluation.Workflow`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...trajectory import PF, PH, SegmentSpec, chat
-from ...workflow import Step, Workflow
+from ...evaluation.workflow import Step, Workflow
 
 #: answer checkers a task may name (see :mod:`hf_kvshare.bench.metrics`)
 FILE_CHECKERS = ("exact", "numeric", "letter", "answer")
@@ -65,13 +65,9 @@ class StepSpec:
 
 @dataclass
 class BenchStep(Step):
-    """A :class:`~hf_kvshare.workflow.Step` with what the bench runner needs besides: the explicit
-    output slot, the adapter to activate, the slots read and extra ``generate`` arguments."""
+    """A :class:`~hf_kvshare.evaluation.Step` that also names the slots it reads."""
 
-    output_slot: str = ""
-    adapter: str | None = None
     reads: tuple[str, ...] = ()
-    generate_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

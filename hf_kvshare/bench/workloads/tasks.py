@@ -174,7 +174,7 @@ class GSM8KWorkload(Workload):
     max_new_tokens: int = 64
 
     def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
-        from ..metrics import gsm8k_gold
+        from ..checkers import gsm8k_gold
 
         table = load_table(self.data, self.data_config, self.split)
         _require_columns(table, ("question", "answer"), self.data)
