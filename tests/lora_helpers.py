@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from conftest import tiny_model
+from tiny import tiny_model
 from peft import LoraConfig, get_peft_model
 
 from hf_kvshare import PH

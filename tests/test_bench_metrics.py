@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
+from tiny import tiny_config
 
 from hf_kvshare.bench import metrics
 from hf_kvshare.bench.sandbox import run_python
