@@ -6,7 +6,7 @@ import json
 import warnings
 from pathlib import Path
 
-from conftest import tiny_model
+from tiny import tiny_model
 
 #: a file workload covering sequential, fan-out (two agents read the planner), fan-in (the judge
 #: reads both) and a loop (the planner speaks again and reads the judge)

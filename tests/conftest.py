@@ -1,49 +1,15 @@
-"""Shared fixtures: tiny random Llama / Qwen2 models (seconds) and the embedded real model (marked)."""
+"""Shared fixtures: tiny random Llama / Qwen2 models (seconds), the embedded tokenizer and the embedded
+real model (tests using `real` are marked `real_model`). Helpers live in tiny.py, not here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny import embedded_tokenizer, tiny_model
 
 from hf_kvshare.models import load_model
 
-torch.set_num_threads(2)
-
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    vocab_size=49152,  # the embedded tokenizer's vocabulary
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-)
-
-
-def tiny_config(arch: str = "llama", **overrides):
-    kwargs = {**TINY, **overrides}
-    if arch == "llama":
-        return LlamaConfig(**kwargs)
-    if arch == "qwen2":
-        return Qwen2Config(**kwargs)  # q/k/v projections carry a bias
-    raise ValueError(arch)
-
-
-def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    config = tiny_config(arch, **overrides)
-    cls = LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM
-    model = cls(config).eval()
-    if arch == "qwen2":  # random init leaves biases at zero: make them matter
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.5)
-    return model
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -53,8 +19,9 @@ def real():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(real):
-    return real[1]
+def tokenizer():
+    """The embedded tokenizer, built without loading the model's weights (see tiny.embedded_tokenizer)."""
+    return embedded_tokenizer()
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
@@ -67,8 +34,13 @@ def tiny_llama():
     return tiny_model("llama")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
-    """GPU-only tests are skipped where CUDA is unavailable."""
+    """A test using the embedded model is `real_model` even if its file forgot the mark (so that
+    `-m "not real_model"` never loads it); GPU-only tests are skipped where CUDA is unavailable."""
+    for item in items:
+        if "real" in getattr(item, "fixturenames", ()) and "real_model" not in item.keywords:
+            item.add_marker(pytest.mark.real_model)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from conftest import tiny_model
 from peft import LoraConfig, get_peft_model
+from tiny import tiny_model
 
 from hf_kvshare import PH
 from hf_kvshare._compat import peft_wrapping_warnings_silenced

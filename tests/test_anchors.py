@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from tiny import tiny_model
 
 from hf_kvshare import RopeShifter, SegmentKV
 from hf_kvshare.anchors import (

@@ -8,6 +8,7 @@ multi-LoRA workload with tiny random adapters instead of the prompt-specialized 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 from dataclasses import dataclass
@@ -324,8 +325,13 @@ def test_method_option_parsing(monkeypatch):
     spec = MethodSpec.parse("threshold-test: tau = 0.25")
     assert (
         spec.kwargs == {"tau": 0.25}
-        and spec.tag == "threshold-test@tau=0.25"
+        and spec.tag == "threshold-test-tau_0.25"
         and str(spec) == "threshold-test:tau=0.25"
+    )
+    # directory names in plain characters; options that are not plain words (paths) add a hash
+    tags = {MethodSpec.parse(f"threshold-test:tau={p}").tag for p in ("a/x.json", "b/x.json", "-1", "1e-05")}
+    assert len(tags) == 4 and all(
+        re.fullmatch(r"threshold-test-tau_[A-Za-z0-9_.-]+-[0-9a-f]{8}", t) for t in tags
     )
     assert spec.create().tau == 0.25
     with pytest.raises(ValueError, match="not of the form key=value"):

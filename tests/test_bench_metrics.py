@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
+from tiny import tiny_config
 
 from hf_kvshare.bench import checkers
 from hf_kvshare.evaluation import metrics, protocol

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from tiny import tiny_model
 
 from hf_kvshare import RopeShifter, Segment, SegmentedCache, SharedCache, cache_kwargs
 

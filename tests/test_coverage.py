@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import tiny_model
+from tiny import tiny_model
 
 from hf_kvshare import PF, PH
 from hf_kvshare.cache import SegmentKV

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from tiny import tiny_model
 
 from hf_kvshare import PH, Session, load_model
 
@@ -32,6 +32,7 @@ def test_missing_local_path():
 
 
 @pytest.mark.gpu
+@pytest.mark.real_model
 def test_shared_cache_on_cuda_bf16(real):
     model, tok = real
     model = model.to("cuda", torch.bfloat16)

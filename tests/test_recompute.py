@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from tiny import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, SegmentKV, Session
 from hf_kvshare.evaluation.metrics import kv_error

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from tiny import tiny_model
 
 from hf_kvshare import RopeShifter
 from hf_kvshare.rope import find_rotary_module, rotate_half

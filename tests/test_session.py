@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import tiny_model
+from tiny import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, Method, Session, SharedCache, cache_kwargs, chat
 from hf_kvshare.evaluation.metrics import kv_error

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from tiny import tiny_model
 
 from hf_kvshare.lora.autoact import ROLES
 from hf_kvshare.lora.train_roles import load_role_adapters, main, train_roles

