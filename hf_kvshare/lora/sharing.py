@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..cache import BaseLRCache, Segment
-from ..methods.base import Method
+from ..method import Method
 from .adapters import BASE_ROW, LoraBank
 from .capture import KVCapture
 from .neutral import FollowFirstRow, neutral_prefill

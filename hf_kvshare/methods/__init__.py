@@ -1,4 +1,4 @@
-"""Method registry: ``METHODS[name]`` is the class; one file per method.
+"""The built-in methods, one file each; the registry itself is :mod:`hf_kvshare.method`.
 
 Importing this package registers every built-in method: the prompt-specialized ones here
 (nonshared, fullshared, kvcmas, kvcmas-nonchained, kvcomm, graphflow), the LoRA ones
@@ -6,8 +6,8 @@ Importing this package registers every built-in method: the prompt-specialized o
 baselines from ``hf_kvshare.recompute`` (cacheblend, droidspeak, relaycaching).
 """
 
+from ..method import METHODS, Method, Placement, get_method, register
 from ..recompute import CacheBlend, DroidSpeak, RelayCaching
-from .base import METHODS, Method, Placement, get_method, register
 from .baseshared import BaseShared
 from .fullshared import FullShared
 from .graphflow import GraphFlow

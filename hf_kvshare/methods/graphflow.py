@@ -18,7 +18,7 @@ from ..anchors import (
 )
 from ..anchors.correction import corrected_kv
 from ..cache import CorrectedCache, config_signature
-from .base import Method, Placement, register
+from ..method import Method, Placement, register
 
 if TYPE_CHECKING:
     from ..session import Session, Turn

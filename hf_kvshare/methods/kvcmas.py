@@ -43,7 +43,7 @@ from ..anchors import (
     token_weights,
 )
 from ..cache import CorrectedCache, SegmentKV, config_signature
-from .base import Method, Placement, register
+from ..method import Method, Placement, register
 
 if TYPE_CHECKING:
     from ..session import Session, Turn

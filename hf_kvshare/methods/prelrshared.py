@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..lora.sharing import LowRankSharing
-from .base import register
+from ..method import register
 
 
 @register

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..methods.base import Method, Placement
+from ..method import Method, Placement
 from .boundary import BoundaryCapture
 from .layers import SegmentRecompute
 from .stack import DecoderStack

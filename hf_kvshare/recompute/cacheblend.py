@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..methods.base import register
+from ..method import register
 from .base import SelectiveRecompute
 from .layers import SegmentRecompute
 from .selection import gradual_keep_counts, top_k

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..methods.base import register
+from ..method import register
 from .base import SelectiveRecompute
 from .layers import SegmentRecompute
 from .selection import layer_deviation_profile, select_layer_groups

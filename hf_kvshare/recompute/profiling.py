@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import SegmentKV, SharedCache
-from ..methods.base import Method
+from ..method import Method
 from .boundary import BOUNDARY_KEY, BoundaryCapture
 from .stack import DecoderStack
 

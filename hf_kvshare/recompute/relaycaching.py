@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..methods.base import register
+from ..method import register
 from .base import SelectiveRecompute, budget_entries
 from .layers import SegmentRecompute
 from .selection import top_k
