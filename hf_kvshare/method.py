@@ -18,7 +18,8 @@ import torch
 from .cache import SegmentKV, SharedCache
 
 if TYPE_CHECKING:
-    from .session import Session, Turn
+    from .session import Session
+    from .turn import Turn
 
 METHODS: dict[str, type[Method]] = {}
 

@@ -1,6 +1,7 @@
 """PReCache machinery for agents that share one backbone and differ by LoRA adapter.
 
-- :mod:`.adapters`: PEFT introspection (:class:`LoraBank`), :func:`agent_adapter`
+- :mod:`.adapters`: PEFT introspection (:class:`LoraBank`); agents' adapters are checked and
+  activated by :mod:`hf_kvshare.agents`
 - :mod:`.capture`: :class:`KVCapture`, hooks on ``k_proj``/``v_proj`` (``A x`` of every adapter, ``W x + b``)
 - :mod:`.store`: :class:`LowRankStore`, the per-request base K/V + per-agent LR caches
 - :mod:`.view`: :class:`LowRankView`, an agent's K/V rebuilt from the store (read by
@@ -11,7 +12,8 @@
 - :mod:`.autoact` / :mod:`.train_roles`: the plan/act/reflect workload and role-adapter training
 """
 
-from .adapters import BASE_ROW, KVProjection, LoraBank, agent_adapter, check_agent_adapter
+from ..agents import BASE_ROW
+from .adapters import KVProjection, LoraBank
 from .capture import KVCapture
 from .neutral import FollowFirstRow, neutral_prefill
 from .store import AgentLR, LowRankStore
@@ -27,7 +29,5 @@ __all__ = [
     "LoraBank",
     "LowRankStore",
     "LowRankView",
-    "agent_adapter",
-    "check_agent_adapter",
     "neutral_prefill",
 ]

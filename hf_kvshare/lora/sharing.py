@@ -29,16 +29,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..agents import BASE_ROW
 from ..cache import BaseLRCache, Segment
 from ..method import Method
-from .adapters import BASE_ROW, LoraBank
+from .adapters import LoraBank
 from .capture import KVCapture
 from .neutral import FollowFirstRow, neutral_prefill
 from .store import LowRankStore
 from .view import AbsoluteRope, LowRankView, to_heads
 
 if TYPE_CHECKING:
-    from ..session import Session, Turn
+    from ..session import Session
+    from ..turn import Turn
 
 OWN_LR_SOURCES = ("adapted", "neutral")
 

@@ -21,7 +21,8 @@ from ..cache import CorrectedCache, config_signature
 from ..method import Method, Placement, register
 
 if TYPE_CHECKING:
-    from ..session import Session, Turn
+    from ..session import Session
+    from ..turn import Turn
 
 
 @register

@@ -25,8 +25,8 @@ from .stack import DecoderStack
 
 if TYPE_CHECKING:
     from ..cache import SharedCache
-    from ..session import Turn
     from ..trajectory import Span
+    from ..turn import Turn
 
 
 @dataclass(eq=False)

@@ -27,8 +27,8 @@ from .selection import gradual_keep_counts, top_k
 from .stack import DecoderStack
 
 if TYPE_CHECKING:
-    from ..session import Turn
     from ..trajectory import Span
+    from ..turn import Turn
 
 
 @register

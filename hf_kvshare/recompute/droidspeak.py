@@ -29,8 +29,8 @@ from .selection import layer_deviation_profile, select_layer_groups
 from .stack import DecoderStack
 
 if TYPE_CHECKING:
-    from ..session import Turn
     from ..trajectory import Span
+    from ..turn import Turn
 
 
 @register

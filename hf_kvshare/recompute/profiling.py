@@ -23,7 +23,7 @@ from .boundary import BOUNDARY_KEY, BoundaryCapture
 from .stack import DecoderStack
 
 if TYPE_CHECKING:
-    from ..session import Turn
+    from ..turn import Turn
 
 
 @dataclass

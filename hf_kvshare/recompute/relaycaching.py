@@ -33,8 +33,8 @@ from .selection import top_k
 from .stack import DecoderStack
 
 if TYPE_CHECKING:
-    from ..session import Turn
     from ..trajectory import Span
+    from ..turn import Turn
 
 
 @register
