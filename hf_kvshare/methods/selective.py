@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..method import Method, Placement
-from .boundary import BoundaryCapture
-from .layers import SegmentRecompute
-from .stack import DecoderStack
+from ..recompute.boundary import BoundaryCapture
+from ..recompute.layers import SegmentRecompute
+from ..recompute.stack import DecoderStack
 
 if TYPE_CHECKING:
     from ..cache import SharedCache

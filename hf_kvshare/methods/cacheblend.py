@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..method import register
-from .base import SelectiveRecompute
-from .layers import SegmentRecompute
-from .selection import gradual_keep_counts, top_k
-from .stack import DecoderStack
+from ..recompute.layers import SegmentRecompute
+from ..recompute.selection import gradual_keep_counts, top_k
+from ..recompute.stack import DecoderStack
+from .selective import SelectiveRecompute
 
 if TYPE_CHECKING:
     from ..trajectory import Span

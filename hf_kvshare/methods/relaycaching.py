@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..method import register
-from .base import SelectiveRecompute, budget_entries
-from .layers import SegmentRecompute
-from .selection import top_k
-from .stack import DecoderStack
+from ..recompute.layers import SegmentRecompute
+from ..recompute.selection import top_k
+from ..recompute.stack import DecoderStack
+from .selective import SelectiveRecompute, budget_entries
 
 if TYPE_CHECKING:
     from ..trajectory import Span
