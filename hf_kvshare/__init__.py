@@ -6,7 +6,9 @@
 """
 
 from ._compat import CACHE_KWARG, cache_kwargs
-from .cache import BaseLRCache, CorrectedCache, Segment, SegmentedCache, SegmentKV, SharedCache
+from .anchors.cache import CorrectedCache
+from .cache import Segment, SegmentedCache, SegmentKV, SharedCache
+from .lora.cache import BaseLRCache
 from .methods import METHODS, Method, Placement, get_method, register
 from .models import load_model
 from .rope import RopeShifter

@@ -16,8 +16,9 @@ from ..anchors import (
     canonical_keys,
     context_free_reference,
 )
+from ..anchors.cache import CorrectedCache
 from ..anchors.correction import corrected_kv
-from ..cache import CorrectedCache, config_signature
+from ..cache import config_signature
 from ..method import Method, Placement, register
 
 if TYPE_CHECKING:

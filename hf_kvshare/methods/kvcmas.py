@@ -42,7 +42,8 @@ from ..anchors import (
     reliability_gate,
     token_weights,
 )
-from ..cache import CorrectedCache, SegmentKV, config_signature
+from ..anchors.cache import CorrectedCache
+from ..cache import SegmentKV, config_signature
 from ..method import Method, Placement, register
 
 if TYPE_CHECKING:
