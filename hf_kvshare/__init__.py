@@ -6,15 +6,16 @@
 """
 
 from ._compat import CACHE_KWARG, cache_kwargs
-from .cache import BaseLRCache, CorrectedCache, Segment, SegmentedCache, SegmentKV, SharedCache
+from ._version import __version__ as __version__
+from .anchors.cache import CorrectedCache
+from .cache import Segment, SegmentedCache, SegmentKV, SharedCache
+from .evaluation import Step, Workflow, compare_methods, run_workflow
+from .lora.cache import BaseLRCache
 from .methods import METHODS, Method, Placement, get_method, register
 from .models import load_model
 from .rope import RopeShifter
 from .session import Session, TurnResult
 from .trajectory import PF, PH, chat
-from .evaluation import Step, Workflow, compare_methods, run_workflow
-
-from ._version import __version__
 
 __all__ = [
     "BaseLRCache",

@@ -20,9 +20,9 @@ DEMO_COLUMNS = [
 
 def demo(argv: list[str]) -> int:
     from .bench.report import format_table
+    from .evaluation import compare_methods, demo_workflow
     from .methods import METHODS
     from .models import DEFAULT_MODEL, load_model
-    from .evaluation import compare_methods, demo_workflow
 
     parser = argparse.ArgumentParser(
         prog="python -m hf_kvshare demo", description="4-agent workflow, methods side by side"

@@ -76,6 +76,26 @@ def peft_lora_layer_types() -> tuple[type, ...]:
     return (LoraLayer,)
 
 
+def attention_implementation(config: Any) -> str:
+    """The attention implementation a model was loaded with (``config._attn_implementation``, a
+    private transformers attribute; ``"eager"`` when unset)."""
+    return getattr(config, "_attn_implementation", None) or "eager"
+
+
+def config_name_or_path(config: Any) -> str:
+    """The model id or path a config was loaded from (``config._name_or_path``; ``""`` when unset)."""
+    return getattr(config, "_name_or_path", "") or ""
+
+
+def longrope_inverse_frequencies(config: Any, seq_len: int) -> Any:
+    """The long-context inverse frequencies of a ``longrope`` config at ``seq_len`` (transformers'
+    ``modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"]``, on CPU)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
+    return inv_freq
+
+
 def rope_parameters(config: Any) -> dict[str, Any]:
     """The RoPE parameter dict of a text config (``rope_parameters`` on 5.x)."""
     params = getattr(config, "rope_parameters", None)

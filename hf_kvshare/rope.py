@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._compat import rope_parameters
+from ._compat import longrope_inverse_frequencies, rope_parameters
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -85,11 +85,9 @@ class RopeShifter:
         inv_freq = original.detach().float().cpu().clone()
         if rope_type != "longrope":
             return cls(inv_freq=inv_freq, rope_type=rope_type)
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
         params = rope_parameters(rotary.config)
         original_max = int(params["original_max_position_embeddings"])
-        long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](rotary.config, "cpu", seq_len=original_max + 1)
+        long_inv_freq = longrope_inverse_frequencies(rotary.config, seq_len=original_max + 1)
         return cls(
             inv_freq=inv_freq,
             rope_type=rope_type,

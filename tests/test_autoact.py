@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hf_kvshare.lora.autoact import ROLES, Episode, World, gold_turns, training_examples
+from hf_kvshare.bench.workloads.autoact_world import ROLES, Episode, World, gold_turns, training_examples
 
 
 def test_world_is_reproducible_and_pages_hold_the_facts():

@@ -481,7 +481,7 @@ def test_offline_profile_calibration_feeds_droidspeak_runs(tiny_dir, tmp_path, c
 
 
 def test_droidspeak_profile_from_a_file(tmp_path):
-    from hf_kvshare.recompute import DroidSpeak
+    from hf_kvshare.methods import DroidSpeak
 
     listed = tmp_path / "list.json"
     listed.write_text("[0.1, 0.3, 0.2]")

@@ -9,9 +9,9 @@ import torch
 from tiny import tiny_config
 
 from hf_kvshare.bench import checkers
-from hf_kvshare.evaluation import metrics, protocol
 from hf_kvshare.bench.sandbox import run_python
 from hf_kvshare.cache import SegmentedCache
+from hf_kvshare.evaluation import metrics, protocol
 
 
 def test_percentiles_and_latency_stats():

@@ -18,7 +18,7 @@ from hf_kvshare.bench.workloads import (
     synthetic_text,
     validate_task_file,
 )
-from hf_kvshare.lora.autoact import SYSTEM, World
+from hf_kvshare.bench.workloads.autoact_world import SYSTEM, World
 from hf_kvshare.session import Session
 
 
@@ -241,7 +241,7 @@ def test_stress_and_autoact_specs(tokenizer):
     with_prefix = make_workload("stress", hops=2, requests=1, first_prefix=True).tasks(tokenizer)[0]
     assert with_prefix.agents[0].system
 
-    # AutoAct: the role adapters' own episodes (hf_kvshare.lora.autoact), one trajectory read by all
+    # AutoAct: the role adapters' own episodes (hf_kvshare.bench.workloads.autoact_world), one trajectory read by all
     auto = make_workload("autoact", limit=2).tasks(tokenizer)
     world = World.generate(seed=0, filler=2)
     assert [s.agent for s in auto[0].schedule] == [

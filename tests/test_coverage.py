@@ -11,10 +11,8 @@ from tiny import tiny_model
 
 from hf_kvshare import PF, PH
 from hf_kvshare.cache import SegmentKV
-from hf_kvshare.recompute import CacheBlend, DroidSpeak, RelayCaching
-from hf_kvshare.recompute.coverage import entry_errors, reconstruction_coverage
-from hf_kvshare.recompute.profiling import collect_transitions
-from hf_kvshare.evaluation import Step, Workflow
+from hf_kvshare.evaluation import Step, Workflow, collect_transitions, entry_errors, reconstruction_coverage
+from hf_kvshare.methods import CacheBlend, DroidSpeak, RelayCaching
 
 QUERY = "Write a function that returns the n-th Fibonacci number, iteratively."
 

@@ -9,7 +9,7 @@ import torch
 from tiny import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, Session
-from hf_kvshare.cache import CorrectedCache
+from hf_kvshare.anchors import CorrectedCache
 from hf_kvshare.evaluation.metrics import kv_error
 from hf_kvshare.methods.graphflow import GraphFlow
 from hf_kvshare.methods.kvcmas import KVCMAS, KVCMASNonChained

@@ -9,7 +9,7 @@ import torch
 from lora_helpers import lora_model
 
 from hf_kvshare.bench.studies import precache
-from hf_kvshare.lora.autoact import ROLES
+from hf_kvshare.bench.workloads.autoact_world import ROLES
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,7 @@ def test_study_runs_and_reports(tokenizer, tmp_path):
     roles = {
         "loss": {"plan": [3.0, 0.5]},
         "train_seconds": 12.0,
-        "command": "python -m hf_kvshare.lora.train_roles --x",
+        "command": "python -m hf_kvshare.bench.train_roles --x",
     }
     (tmp_path / "roles.json").write_text(json.dumps(roles))
     assert (
@@ -70,6 +70,6 @@ def test_study_runs_and_reports(tokenizer, tmp_path):
         == 0
     )
     assert (
-        "Trained by `python -m hf_kvshare.lora.train_roles --x` in 12 s"
+        "Trained by `python -m hf_kvshare.bench.train_roles --x` in 12 s"
         in (tmp_path / "third" / "precache.md").read_text()
     )

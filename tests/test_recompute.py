@@ -14,7 +14,8 @@ from tiny import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, SegmentKV, Session
 from hf_kvshare.evaluation.metrics import kv_error
-from hf_kvshare.recompute import CacheBlend, DecoderStack, DroidSpeak, RelayCaching, SegmentRecompute
+from hf_kvshare.methods import CacheBlend, DroidSpeak, RelayCaching
+from hf_kvshare.recompute import DecoderStack, SegmentRecompute
 
 QUERY = "Compute the sum of the first ten prime numbers and explain each step."
 LLAMA3 = {
@@ -426,11 +427,11 @@ def test_droidspeak_without_profile_says_what_to_do(tiny_llama, tokenizer):
 
 
 def test_droidspeak_calibrate_profiles_layers(tiny_llama, tokenizer):
-    from hf_kvshare.evaluation import Step, Workflow
+    from hf_kvshare.evaluation import Step, Workflow, calibrate_droidspeak
 
     workflow = Workflow([Step(agent, segments) for agent, segments in STEPS[:2]], max_new_tokens=4)
     method = DroidSpeak(rho=0.7)
-    profile = method.calibrate(tiny_llama, tokenizer, [workflow])
+    profile = calibrate_droidspeak(method, tiny_llama, tokenizer, [workflow])
     assert len(profile) == 3 and method.layer_profile == profile
     assert profile[0] < 1e-8 < profile[1]  # layer 0's K/V do not depend on the prefix
     _, got = run(tiny_llama, tokenizer, method)

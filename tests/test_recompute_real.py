@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hf_kvshare import PH, Session, chat
+from hf_kvshare.evaluation import Step, Workflow, calibrate_droidspeak
 from hf_kvshare.evaluation.metrics import kv_error
-from hf_kvshare.recompute import CacheBlend, DroidSpeak, RelayCaching
-from hf_kvshare.evaluation import Step, Workflow
+from hf_kvshare.methods import CacheBlend, DroidSpeak, RelayCaching
 
 pytestmark = pytest.mark.real_model
 
@@ -66,7 +66,7 @@ def test_recomputation_on_the_embedded_model(real):
     calibration = Workflow(
         [Step(agent, segments) for agent, segments in steps(tok, CALIBRATION_QUERY)], max_new_tokens=8
     )
-    profile = droidspeak.calibrate(model, tok, [calibration])
+    profile = calibrate_droidspeak(droidspeak, model, tok, [calibration])
     assert len(profile) == 30 and profile[0] < 1e-8 < max(profile)
     base = ph_error(full[1], exact[1])
     assert base > 1e-3

@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from hf_kvshare.lora.autoact import ROLES
-from hf_kvshare.lora.train_roles import load_role_adapters, main, train_roles
+from hf_kvshare.bench.train_roles import load_role_adapters, main, train_roles
+from hf_kvshare.bench.workloads.autoact_world import ROLES
 
 
 @pytest.fixture(autouse=True)

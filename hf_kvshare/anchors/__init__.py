@@ -6,8 +6,10 @@
 - :mod:`.correction`: matching a source cache to anchors and materializing the corrected cache.
 - :mod:`.profile`: recurring-relation corrections calibrated once (GraphFlow, paper A.2).
 - :mod:`.state`: model binding, per-request references.
+- :mod:`.cache`: :class:`CorrectedCache`, the cache whose PH rows carry the correction's outcome.
 """
 
+from .cache import CorrectedCache
 from .correction import Match, apply_correction, canonical_keys, comparison_prefix, match, token_weights
 from .gate import GateDecision, gate_weights, normalized_entropy, reliability_gate
 from .lowrank import FactoredKV, MatrixFactors, effective_rank, to_heads, to_matrix
@@ -19,6 +21,7 @@ __all__ = [
     "REFERENCE",
     "Anchor",
     "AnchorPool",
+    "CorrectedCache",
     "FactoredKV",
     "GateDecision",
     "Match",

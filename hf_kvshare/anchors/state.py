@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._compat import config_name_or_path
 from ..cache import SegmentedCache, SegmentKV, config_signature
 from .pool import REFERENCE
 
@@ -29,7 +30,7 @@ class ModelBinding:
     @staticmethod
     def describe(model: torch.nn.Module) -> str:
         config = getattr(model, "config", None)
-        name = getattr(config, "_name_or_path", "") or type(model).__name__
+        name = config_name_or_path(config) or type(model).__name__
         shape = config_signature(config) if config is not None else "?"
         return f"{name} (object id {id(model):#x}, layers/kv_heads/head_dim {shape})"
 

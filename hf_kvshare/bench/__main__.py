@@ -13,7 +13,6 @@ import importlib
 import os
 import pkgutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -140,9 +139,10 @@ def load_bench_model(
     if adapters:
         from peft import PeftModel
 
+        from .._compat import peft_wrapping_warnings_silenced
+
         items = list(adapters.items())
-        with warnings.catch_warnings():  # raised inside PEFT (not by our calls) on transformers 5.x
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with peft_wrapping_warnings_silenced():  # raised inside PEFT (not by our calls) on transformers 5.x
             model = PeftModel.from_pretrained(model, items[0][1], adapter_name=items[0][0])
             for adapter, path in items[1:]:
                 model.load_adapter(path, adapter_name=adapter)

@@ -6,7 +6,7 @@ the method over a calibration slice for a few values of tau (a fresh method inst
 every value starts from empty pools, as a real run does) and bisects on the realized rho, which
 grows with tau.
 
-**Offline profiles.** A method with a ``calibrate(model, tokenizer, workflows)`` method (DroidSpeak's
+**Offline profiles.** A method with a ``fit_profile(transitions)`` method (DroidSpeak's
 per-layer deviation) is profiled on the calibration slice by :func:`calibrate_profile`; the bench
 saves the profile as JSON, which the method takes back as an option (``droidspeak:layer_profile=PATH``).
 Profile on other requests than the ones evaluated (``--offset``).
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..evaluation import run_workflow
+from ..evaluation import calibrate_droidspeak, run_workflow
+from ..evaluation import has_offline_profile as evaluation_has_offline_profile
 from ..evaluation.metrics import reuse_ratio
 from ..session import Session
 from .methods import MethodSpec
@@ -141,8 +142,8 @@ def calibrate_tau(
 
 
 def has_offline_profile(spec: MethodSpec) -> bool:
-    """The method is profiled offline (it has ``calibrate(model, tokenizer, workflows)``)."""
-    return callable(getattr(spec.cls, "calibrate", None))
+    """The method is profiled offline (it has ``fit_profile(transitions)``)."""
+    return evaluation_has_offline_profile(spec.cls)
 
 
 def calibrate_profile(
@@ -151,8 +152,9 @@ def calibrate_profile(
     """Run ``spec``'s offline profiling on ``tasks``; return ``{option name: profile}`` to save."""
     if not has_offline_profile(spec):
         raise ValueError(
-            f"method {spec.name!r} has no offline profile (no `calibrate` method); use --target-rho"
+            f"method {spec.name!r} has no offline profile (no `fit_profile` method); use --target-rho"
         )
     method = spec.create()
-    profile = method.calibrate(model, tokenizer, [t.to_workflow(tokenizer) for t in tasks], progress=progress)
+    workflows = [t.to_workflow(tokenizer) for t in tasks]
+    profile = calibrate_droidspeak(method, model, tokenizer, workflows, progress=progress)
     return {"layer_profile": [float(x) for x in profile]}

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .methods import short_label
 from ..evaluation.metrics import pareto_front
+from .methods import short_label
 
 
 def _pyplot():

@@ -1,6 +1,14 @@
-"""Evaluation: the one paired protocol (free-running + teacher-forced on NonShared's outputs), the
-workflow runner, and the one copy of each metric."""
+"""Evaluation: everything that drives sessions to measure or calibrate methods (above the session).
 
+- :mod:`.workflow`: workflows (an agent turn per step) and the runner of one in a session;
+- :mod:`.protocol`: the ONE paired protocol (free-running + teacher-forced on NonShared's outputs),
+  its per-turn / per-request records and summaries, and :func:`compare_methods`;
+- :mod:`.metrics`: the one copy of each metric (speed statistics, agreement, KL, KV error, effective rank);
+- :mod:`.transitions`: the reuse transitions of a workload, :func:`calibrate_droidspeak`;
+- :mod:`.coverage`: reconstruction coverage of selective recomputation (KVCMAS paper, Appendix A.1).
+"""
+
+from .coverage import CRITERIA, CoverageReport, CriterionCoverage, entry_errors, reconstruction_coverage
 from .metrics import (
     effective_rank,
     erank_by_layer,
@@ -23,9 +31,19 @@ from .protocol import (
     turn_fidelity,
     turn_records,
 )
+from .transitions import ReuseTransition, calibrate_droidspeak, collect_transitions, has_offline_profile
 from .workflow import DEMO_QUERY, DEMO_ROLES, Step, Workflow, demo_workflow, reusable_slots, run_workflow
 
 __all__ = [
+    "CRITERIA",
+    "CoverageReport",
+    "CriterionCoverage",
+    "ReuseTransition",
+    "calibrate_droidspeak",
+    "collect_transitions",
+    "entry_errors",
+    "has_offline_profile",
+    "reconstruction_coverage",
     "DEMO_QUERY",
     "DEMO_ROLES",
     "REFERENCE",

@@ -1,17 +1,20 @@
 """PReCache machinery for agents that share one backbone and differ by LoRA adapter.
 
-- :mod:`.adapters`: PEFT introspection (:class:`LoraBank`), :func:`agent_adapter`
+- :mod:`.adapters`: PEFT introspection (:class:`LoraBank`); agents' adapters are checked and
+  activated by :mod:`hf_kvshare.agents`
 - :mod:`.capture`: :class:`KVCapture`, hooks on ``k_proj``/``v_proj`` (``A x`` of every adapter, ``W x + b``)
 - :mod:`.store`: :class:`LowRankStore`, the per-request base K/V + per-agent LR caches
-- :mod:`.view`: :class:`LowRankView`, an agent's K/V rebuilt from the store (read by
-  :class:`hf_kvshare.cache.BaseLRCache`)
+- :mod:`.view`: :class:`LowRankView`, an agent's K/V rebuilt from the store
+- :mod:`.cache`: :class:`BaseLRCache`, the cache that presents a view to ``generate``
 - :mod:`.neutral`: adapter-free reconstruction, lazy prefill and double batching
-- :mod:`.sharing`: :class:`LowRankSharing`, the method base of ``baseshared``, ``prelrshared``,
-  ``rebaseshared-lp`` and ``rebaseshared-db``
-- :mod:`.autoact` / :mod:`.train_roles`: the plan/act/reflect workload and role-adapter training
+
+The methods on this engine (``baseshared``, ``prelrshared``, ``rebaseshared-lp``,
+``rebaseshared-db``) share :class:`hf_kvshare.methods.lowrank_sharing.LowRankSharing`.
 """
 
-from .adapters import BASE_ROW, KVProjection, LoraBank, agent_adapter, check_agent_adapter
+from ..agents import BASE_ROW
+from .adapters import KVProjection, LoraBank
+from .cache import BaseLRCache
 from .capture import KVCapture
 from .neutral import FollowFirstRow, neutral_prefill
 from .store import AgentLR, LowRankStore
@@ -21,13 +24,12 @@ __all__ = [
     "BASE_ROW",
     "AbsoluteRope",
     "AgentLR",
+    "BaseLRCache",
     "FollowFirstRow",
     "KVCapture",
     "KVProjection",
     "LoraBank",
     "LowRankStore",
     "LowRankView",
-    "agent_adapter",
-    "check_agent_adapter",
     "neutral_prefill",
 ]

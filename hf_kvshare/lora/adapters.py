@@ -5,9 +5,8 @@ For ``k_proj`` / ``v_proj`` of every decoder layer, :class:`LoraBank` knows whic
 LoRA pair there, concatenates their ``lora_A`` weights (so one matmul gives every adapter's
 rank-``r`` down-projection ``A_a x``) and applies one adapter's up-projection ``s_a B_a``.
 
-Agents are adapters: on a ``PeftModel`` an agent's name is its adapter's name.
-:func:`agent_adapter` makes an agent's adapter the active one for a block (PEFT's public
-``set_adapter``) and puts everything back afterwards.
+Agents are adapters: on a ``PeftModel`` an agent's name is its adapter's name; checking and
+activating an agent's adapter is :mod:`hf_kvshare.agents`.
 """
 
 from __future__ import annotations
@@ -16,85 +15,18 @@ import re
 import warnings
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._compat import is_peft_model, lora_variant_name, restore_active_adapters, set_active_adapter
+from .._compat import is_peft_model, lora_variant_name
+from ..agents import BASE_ROW, adapter_names, check_agent_adapter, merged_adapters
 from ..cache import config_signature
-
-#: PEFT's name for the adapter-free rows of a mixed-adapter batch (``adapter_names=[..., "__base__"]``).
-BASE_ROW = "__base__"
 
 _KV_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k_proj|v_proj)$")
 _WARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> adapters already warned about
-
-
-def adapter_names(model: nn.Module) -> list[str]:
-    """The adapters of a ``PeftModel`` in load order."""
-    return list(getattr(model, "peft_config", {}))
-
-
-def merged_adapters(model: nn.Module) -> list[str]:
-    """Adapters merged into the base weights anywhere in ``model``."""
-    merged: set[str] = set()
-    for module in model.modules():
-        merged.update(getattr(module, "merged_adapters", None) or [])
-    return sorted(merged)
-
-
-def check_agent_adapter(model: nn.Module, agent: str) -> None:
-    """Raise a clear error unless ``agent`` names an unmerged adapter of the ``PeftModel`` ``model``."""
-    names = adapter_names(model)
-    if agent == BASE_ROW:
-        raise ValueError(
-            f"{BASE_ROW!r} is PEFT's name for the adapter-free model, not an agent; agents are the adapters "
-            f"{names}"
-        )
-    if agent not in names:
-        raise ValueError(
-            f"agent {agent!r} is not an adapter of this PeftModel (on a PeftModel an agent's name is its "
-            f"adapter's name); adapters: {', '.join(names) or 'none'}. Load it with "
-            "`model.load_adapter(path, adapter_name=...)` or `model.add_adapter(name, config)`"
-        )
-    merged = merged_adapters(model)
-    if merged:
-        raise ValueError(
-            f"adapter(s) {merged} are merged into the base weights, so the model no longer has one shared "
-            "backbone that agents' adapters are added to; call `model.unmerge_adapter()` first"
-        )
-
-
-@contextmanager
-def agent_adapter(model: nn.Module, agent: str) -> Iterator[None]:
-    """Within the block ``agent``'s adapter is the active one; a no-op for models without PEFT.
-
-    The previously active adapter(s) and every LoRA parameter's ``requires_grad`` are restored
-    afterwards, so the caller's model is left as it was.
-
-    >>> with agent_adapter(peft_model, "planner"):  # doctest: +SKIP
-    ...     peft_model.generate(...)
-    """
-    if not is_peft_model(model):
-        yield
-        return
-    check_agent_adapter(model, agent)
-    previous = list(model.active_adapters)
-    if previous == [agent]:
-        yield
-        return
-    grads = {name: p.requires_grad for name, p in model.named_parameters() if "lora_" in name}
-    set_active_adapter(model, agent)
-    try:
-        yield
-    finally:
-        restore_active_adapters(model, previous)
-        for name, p in model.named_parameters():
-            if name in grads and p.requires_grad != grads[name]:
-                p.requires_grad_(grads[name])
 
 
 @dataclass

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor
 
-from ..cache import BaseLRCache
 from .adapters import LoraBank
+from .cache import BaseLRCache
 from .capture import KVCapture
 from .store import LowRankStore
 from .view import AbsoluteRope, LowRankView

@@ -55,7 +55,7 @@ def to_heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 class LowRankView:
-    """What a :class:`~hf_kvshare.cache.BaseLRCache` presents over positions ``[0, length)``.
+    """What a :class:`~hf_kvshare.lora.cache.BaseLRCache` presents over positions ``[0, length)``.
 
     Args:
         store: the request's :class:`LowRankStore`.

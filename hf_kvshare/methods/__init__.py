@@ -1,14 +1,16 @@
-"""Method registry: ``METHODS[name]`` is the class; one file per method.
+"""The built-in methods, one file each; the registry itself is :mod:`hf_kvshare.method`.
 
-Importing this package registers every built-in method: the prompt-specialized ones here
-(nonshared, fullshared, kvcmas, kvcmas-nonchained, kvcomm, graphflow), the LoRA ones
-(baseshared, prelrshared, rebaseshared-lp, rebaseshared-db) and the selective recomputation
-baselines from ``hf_kvshare.recompute`` (cacheblend, droidspeak, relaycaching).
+Importing this package registers every built-in method: the prompt-specialized ones
+(nonshared, fullshared, kvcmas, kvcmas-nonchained, kvcomm, graphflow, on the ``anchors`` engine),
+the LoRA ones (baseshared, prelrshared, rebaseshared-lp, rebaseshared-db, on the ``lora`` engine)
+and the selective recomputation baselines (cacheblend, droidspeak, relaycaching, on the
+``recompute`` engine; their unregistered base is :class:`~.selective.SelectiveRecompute`).
 """
 
-from ..recompute import CacheBlend, DroidSpeak, RelayCaching
-from .base import METHODS, Method, Placement, get_method, register
+from ..method import METHODS, Method, Placement, get_method, register
 from .baseshared import BaseShared
+from .cacheblend import CacheBlend
+from .droidspeak import DroidSpeak
 from .fullshared import FullShared
 from .graphflow import GraphFlow
 from .kvcmas import KVCMAS, KVCMASNonChained
@@ -17,6 +19,8 @@ from .nonshared import NonShared
 from .prelrshared import PreLRShared
 from .rebaseshared_db import ReBaseSharedDB
 from .rebaseshared_lp import ReBaseSharedLP
+from .relaycaching import RelayCaching
+from .selective import SelectiveRecompute
 
 __all__ = [
     "METHODS",
@@ -37,4 +41,5 @@ __all__ = [
     "CacheBlend",
     "DroidSpeak",
     "RelayCaching",
+    "SelectiveRecompute",
 ]

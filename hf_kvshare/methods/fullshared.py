@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Method, Placement, register
+from ..method import Method, Placement, register
 
 
 @register

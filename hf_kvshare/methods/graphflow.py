@@ -16,12 +16,14 @@ from ..anchors import (
     canonical_keys,
     context_free_reference,
 )
+from ..anchors.cache import CorrectedCache
 from ..anchors.correction import corrected_kv
-from ..cache import CorrectedCache, config_signature
-from .base import Method, Placement, register
+from ..cache import config_signature
+from ..method import Method, Placement, register
 
 if TYPE_CHECKING:
-    from ..session import Session, Turn
+    from ..session import Session
+    from ..turn import Turn
 
 
 @register

@@ -42,11 +42,13 @@ from ..anchors import (
     reliability_gate,
     token_weights,
 )
-from ..cache import CorrectedCache, SegmentKV, config_signature
-from .base import Method, Placement, register
+from ..anchors.cache import CorrectedCache
+from ..cache import SegmentKV, config_signature
+from ..method import Method, Placement, register
 
 if TYPE_CHECKING:
-    from ..session import Session, Turn
+    from ..session import Session
+    from ..turn import Turn
 
 #: anchors making up this much of the gate's mass count as used (LFU bookkeeping, as KVComm)
 USAGE_MASS = 0.9

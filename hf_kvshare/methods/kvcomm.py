@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .base import register
+from ..method import register
 from .kvcmas import KVCMAS
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Method, register
+from ..method import Method, register
 
 
 @register

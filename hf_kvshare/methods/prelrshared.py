@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..lora.sharing import LowRankSharing
-from .base import register
+from ..method import register
+from .lowrank_sharing import LowRankSharing
 
 
 @register

@@ -1,25 +1,22 @@
-"""Selective recomputation: reuse a PH segment's cache and recompute a subset of its entries.
+"""Selective recomputation engine: recompute a subset of a reused PH segment's (token, layer) entries.
 
-- :class:`CacheBlend` (``"cacheblend"``): tokens with the largest KV deviation at early check layers.
-- :class:`DroidSpeak` (``"droidspeak"``): whole layers, chosen by an offline deviation profile.
-- :class:`RelayCaching` (``"relaycaching"``): tokens by deviation x attention, inside middle layers.
+- :mod:`.stack`: :class:`DecoderStack`, the model's decoder layers run one at a time.
+- :mod:`.layers`: :class:`SegmentRecompute`, a segment's rows run layer by layer over the cache.
+- :mod:`.selection`: the selection criteria (KV deviation, received attention, layer profiles).
+- :mod:`.boundary`: hidden states at layer boundaries, kept per slot to restart from.
 
-:mod:`~hf_kvshare.recompute.coverage` measures how much of the reuse error each selection
-criterion removes (the KVCMAS paper's reconstruction coverage, Appendix A.1).
+The methods built on it (CacheBlend, DroidSpeak, RelayCaching) live in :mod:`hf_kvshare.methods`;
+reuse transitions and reconstruction coverage in :mod:`hf_kvshare.evaluation`.
 """
 
-from .base import SelectiveRecompute
-from .cacheblend import CacheBlend
-from .droidspeak import DroidSpeak
+from .boundary import BOUNDARY_KEY, BoundaryCapture, BoundaryRecorder
 from .layers import SegmentRecompute
-from .relaycaching import RelayCaching
 from .stack import DecoderStack
 
 __all__ = [
-    "CacheBlend",
+    "BOUNDARY_KEY",
+    "BoundaryCapture",
+    "BoundaryRecorder",
     "DecoderStack",
-    "DroidSpeak",
-    "RelayCaching",
     "SegmentRecompute",
-    "SelectiveRecompute",
 ]

@@ -18,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..cache import SharedCache
-    from ..session import Turn
+    from ..turn import Turn
     from .stack import DecoderStack
 
 #: key of the boundary hidden states in ``Slot.extras``: ``{layer: [1, S, hidden]}``

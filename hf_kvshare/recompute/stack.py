@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._compat import attention_implementation
 from ..rope import rotate_half
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -40,7 +41,7 @@ class DecoderStack:
                 "selective recomputation runs the model's decoder layers one by one and supports model types "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}"
             )
-        attention = getattr(model.config, "_attn_implementation", None) or "eager"
+        attention = attention_implementation(model.config)
         if attention not in SUPPORTED_ATTENTION:
             raise ValueError(
                 f"selective recomputation passes a float attention mask, which needs attention implementation "

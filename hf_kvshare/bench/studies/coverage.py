@@ -8,7 +8,7 @@ three; :func:`~hf_kvshare.evaluation.demo_workflow`) on HumanEval problems (the 
 package), the task prompt as the shared query. Problems ``0 .. calibration - 1`` calibrate
 DroidSpeak's layer profile; the next ``--problems`` are measured.
 
-- ``coverage``: :func:`~hf_kvshare.recompute.coverage.reconstruction_coverage` at each ``--rho``
+- ``coverage``: :func:`~hf_kvshare.evaluation.coverage.reconstruction_coverage` at each ``--rho``
   (the KVCMAS paper's Table 2: layer, deviation and attention selection against random selection).
 - ``methods``: :func:`~hf_kvshare.evaluation.compare_methods` on the first ``--compare-problems``
   measured problems: FullShared, CacheBlend, DroidSpeak and RelayCaching at each ``--rho`` against
@@ -129,10 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
+    from ...evaluation import calibrate_droidspeak, collect_transitions, reconstruction_coverage
+    from ...methods import CacheBlend, DroidSpeak, RelayCaching
     from ...models import DEFAULT_MODEL, load_model
-    from ...recompute import CacheBlend, DroidSpeak, RelayCaching
-    from ...recompute.coverage import reconstruction_coverage
-    from ...recompute.profiling import collect_transitions
 
     progress = not args.no_progress
     name = args.model or DEFAULT_MODEL
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     droidspeak = DroidSpeak()
-    droidspeak.calibrate(model, tokenizer, calibration, progress=progress)
+    calibrate_droidspeak(droidspeak, model, tokenizer, calibration, progress=progress)
     results["layer_profile"] = droidspeak.layer_profile
     print(f"calibrated DroidSpeak's layer profile on {args.calibration} problems", file=sys.stderr)
 

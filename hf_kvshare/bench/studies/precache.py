@@ -36,10 +36,10 @@ from tqdm.auto import tqdm
 
 from ...fidelity import kv_error_by_layer, mean_kl, relative_error, top1_agreement
 from ...lora import AbsoluteRope, KVCapture, LoraBank
-from ...lora.autoact import ROLES, Episode, GoldTurn, World, gold_turns
 from ...lora.view import to_heads
 from ...methods import METHODS
 from ...session import Session
+from ..workloads.autoact_world import ROLES, Episode, GoldTurn, World, gold_turns
 
 FREE_METHODS = [
     "nonshared",
@@ -646,8 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    from ...lora.train_roles import load_role_adapters, train_roles
     from ...models import load_model
+    from ..train_roles import load_role_adapters, train_roles
 
     if not all((adapters / r / "adapter_config.json").exists() for r in ROLES):
         print(

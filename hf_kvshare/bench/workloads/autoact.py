@@ -1,7 +1,7 @@
 """Multi-LoRA AutoAct loop: plan -> act -> reflect agents that differ by LoRA adapter.
 
-The episodes are those of :mod:`hf_kvshare.lora.autoact`, the environment the role adapters are
-trained on (``python -m hf_kvshare.lora.train_roles``): a multi-hop question over a generated
+The episodes are those of :mod:`hf_kvshare.bench.workloads.autoact_world`, the environment the role adapters are
+trained on (``python -m hf_kvshare.bench.train_roles``): a multi-hop question over a generated
 world, the agents' instructions in SmolLM2's chat markup, and the ``Lookup[name]`` observations
 of the reference trajectory (the environment replayed: a turn sees the page the reference action
 looked up, whatever the agent wrote). Every turn's prompt is the whole trajectory so far (earlier
@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from ...lora.autoact import ROLES, TRAINING_FILLER, World, gold_turns, instruction
+from .autoact_world import ROLES, TRAINING_FILLER, World, gold_turns, instruction
 from .base import Workload, register_workload, select
 from .files import load_table
 from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec

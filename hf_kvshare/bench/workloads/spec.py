@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...trajectory import PF, PH, SegmentSpec, chat
 from ...evaluation.workflow import Step, Workflow
+from ...trajectory import PF, PH, SegmentSpec, chat
 
 #: answer checkers a task may name (see :mod:`hf_kvshare.bench.metrics`)
 FILE_CHECKERS = ("exact", "numeric", "letter", "answer")

@@ -1,7 +1,8 @@
 """DroidSpeak (Liu et al., NSDI 2026): recompute whole layers, chosen by offline profiling.
 
 An offline profile measures how far reused K/V is from the exact K/V in each layer over a few
-calibration workflows (:meth:`DroidSpeak.calibrate`). At run time the ``round((1 - rho) * L)``
+calibration workflows (:func:`hf_kvshare.evaluation.calibrate_droidspeak`, which feeds
+:meth:`DroidSpeak.fit_profile`). At run time the ``round((1 - rho) * L)``
 layers with the largest profiled deviation, grouped into at most ``max_groups`` contiguous groups,
 are recomputed for the whole segment; every other layer is reused. A group starting at layer ``a``
 restarts from the hidden state that entered layer ``a`` when the reused cache was made (the "E
@@ -20,17 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..methods.base import register
-from .base import SelectiveRecompute
-from .layers import SegmentRecompute
-from .selection import layer_deviation_profile, select_layer_groups
-from .stack import DecoderStack
+from ..method import register
+from ..recompute.layers import SegmentRecompute
+from ..recompute.selection import layer_deviation_profile, select_layer_groups
+from ..recompute.stack import DecoderStack
+from .selective import SelectiveRecompute
 
 if TYPE_CHECKING:
-    from ..session import Turn
     from ..trajectory import Span
+    from ..turn import Turn
 
 
 @register
@@ -42,13 +41,14 @@ class DroidSpeak(SelectiveRecompute):
         rho: reuse ratio: ``round((1 - rho) * L)`` of the model's ``L`` layers are recomputed.
         max_groups: how many contiguous layer groups the recomputed layers may form (each group
             start restarts from a kept hidden state).
-        layer_profile: deviation per layer ``[L]``; set by :meth:`calibrate`, or given as numbers, or
+        layer_profile: deviation per layer ``[L]``; set by :meth:`fit_profile` (through
+            :func:`hf_kvshare.evaluation.calibrate_droidspeak`), or given as numbers, or
             as the path of a JSON file holding them (a list, or an object with a ``layer_profile``
             list: what ``python -m hf_kvshare.bench calibrate --method droidspeak`` writes). Not
             needed when ``rho`` is 0 or 1.
 
     >>> method = DroidSpeak(rho=0.9)  # doctest: +SKIP
-    >>> method.calibrate(model, tok, [demo_workflow(tok, query=q) for q in calibration_queries])  # doctest: +SKIP
+    >>> calibrate_droidspeak(method, model, tok, [demo_workflow(tok, query=q) for q in calibration_queries])  # doctest: +SKIP
     >>> Session(model, tok, method).run_turn(...)  # doctest: +SKIP
     """
 
@@ -89,8 +89,9 @@ class DroidSpeak(SelectiveRecompute):
         if self.layer_profile is None:
             raise ValueError(
                 f"droidspeak with rho={self.rho} recomputes {n} of {num_layers} layers chosen by an offline profile, "
-                "and it has none: create DroidSpeak(rho=...), call .calibrate(model, tokenizer, workflows) and pass "
-                "the instance to the Session (or give layer_profile=[...] or the path of a profile written by "
+                "and it has none: create DroidSpeak(rho=...), call "
+                "hf_kvshare.evaluation.calibrate_droidspeak(method, model, tokenizer, workflows) and pass the "
+                "instance to the Session (or give layer_profile=[...] or the path of a profile written by "
                 "`python -m hf_kvshare.bench calibrate --method droidspeak --workload ...`)"
             )
         if len(self.layer_profile) != num_layers:
@@ -114,19 +115,16 @@ class DroidSpeak(SelectiveRecompute):
         return None, {"layer_groups": ",".join(f"{a}-{b - 1}" for a, b in groups) or "-"}
 
     # ------------------------------------------------------------ profiling
-    def calibrate(
-        self, model: torch.nn.Module, tokenizer: Any, workflows: Sequence[Any], progress: bool = False
-    ) -> list[float]:
-        """Profile the per-layer deviation of reused vs exact K/V on ``workflows`` (run with NonShared).
+    def fit_profile(self, transitions: Sequence[Any]) -> list[float]:
+        """Set :attr:`layer_profile` from reuse transitions and return it.
 
-        Every PH segment an agent reads after an earlier turn materialized it is one transition:
-        the earlier K/V (moved to the new positions) against the agent's own dense K/V. Sets and
-        returns :attr:`layer_profile` (mean relative squared deviation per layer, see
-        :func:`~hf_kvshare.recompute.selection.layer_deviation_profile`).
+        Each transition (a :class:`~hf_kvshare.evaluation.transitions.ReuseTransition`: a PH segment
+        an agent reads after an earlier turn materialized it) pairs the earlier K/V, moved to the
+        new positions, with the agent's own dense K/V; the profile is the mean relative squared
+        deviation per layer (:func:`~hf_kvshare.recompute.selection.layer_deviation_profile`).
+        :func:`hf_kvshare.evaluation.calibrate_droidspeak` collects the transitions of calibration
+        workflows run with NonShared and calls this.
         """
-        from .profiling import collect_transitions
-
-        transitions = collect_transitions(model, tokenizer, workflows, progress=progress)
         if not transitions:
             raise ValueError(
                 "the calibration workflows have no reuse transition (no agent reads a PH slot that an earlier "

@@ -1,7 +1,7 @@
 """Reconstruction coverage of selective recomputation (the KVCMAS paper's Appendix A.1, Table 2).
 
 For every reuse transition of a workload (a PH segment an agent reads after an earlier turn
-materialized it, see :mod:`~hf_kvshare.recompute.profiling`), the reuse error is the difference
+materialized it, see :mod:`~hf_kvshare.evaluation.transitions`), the reuse error is the difference
 between the reused K/V (moved to the agent's positions) and the agent's exact K/V. Following the
 paper, each (layer, keys|values) tensor's error is normalized by the norm of the exact tensor, so
 an entry ``u = (layer, token)`` carries the error energy
@@ -37,13 +37,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import SegmentKV
-from .cacheblend import CacheBlend
-from .droidspeak import DroidSpeak
-from .layers import SegmentRecompute
-from .profiling import ReuseTransition, collect_transitions
-from .relaycaching import RelayCaching
-from .selection import top_k
-from .stack import DecoderStack
+from ..methods.cacheblend import CacheBlend
+from ..methods.droidspeak import DroidSpeak
+from ..methods.relaycaching import RelayCaching
+from ..recompute.layers import SegmentRecompute
+from ..recompute.selection import top_k
+from ..recompute.stack import DecoderStack
+from .transitions import ReuseTransition, calibrate_droidspeak, collect_transitions
 
 CRITERIA = ("layer", "deviation", "attention", "relaycaching")
 SELECTS = {
@@ -212,7 +212,7 @@ def reconstruction_coverage(
                 "the layer criterion needs DroidSpeak's offline profile: pass calibration workflows "
                 "(apart from the measured ones) or a calibrated `droidspeak`"
             )
-        droidspeak.calibrate(model, tokenizer, calibration, progress=progress)
+        calibrate_droidspeak(droidspeak, model, tokenizer, calibration, progress=progress)
     for method in (droidspeak, cacheblend, relaycaching):
         method.attach(model)
     groups = droidspeak.layer_groups(L)

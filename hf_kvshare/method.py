@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..cache import SegmentKV, SharedCache
+from .cache import SegmentKV, SharedCache
 
 if TYPE_CHECKING:
-    from ..session import Session, Turn
+    from .session import Session
+    from .turn import Turn
 
 METHODS: dict[str, type[Method]] = {}
 

@@ -1,12 +1,12 @@
 """Train small plan / act / reflect LoRA adapters on the embedded model, on CPU, in minutes.
 
-The data is generated here (:mod:`hf_kvshare.lora.autoact`: gold AutoAct-style trajectories over a
+The data is generated here (:mod:`hf_kvshare.bench.workloads.autoact_world`: gold AutoAct-style trajectories over a
 fictional world), so nothing is downloaded. Each role's adapter learns its output format and
 behaviour (``Thought: ...``, ``Action: Lookup[...]``, ``Reflection: ... Answer: ...``) from the
 tail of the shared trajectory; the loss covers only the role's output tokens.
 
-    python -m hf_kvshare.lora.train_roles --out runs/adapters            # ~3-5 min on 2 CPU cores
-    python -m hf_kvshare.lora.train_roles --out runs/adapters --steps 16 --rank 8 --seed 0
+    python -m hf_kvshare.bench.train_roles --out runs/adapters            # ~3-5 min on 2 CPU cores
+    python -m hf_kvshare.bench.train_roles --out runs/adapters --steps 16 --rank 8 --seed 0
 
 Writes ``<out>/<role>/adapter_config.json`` + ``adapter_model.safetensors`` (PEFT
 ``save_pretrained``) and ``<out>/roles.json`` (settings, loss per step, time). Load them with
@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._compat import peft_wrapping_warnings_silenced
-from .autoact import ROLES, TRAINING_FILLER, World, training_examples
+from .workloads.autoact_world import ROLES, TRAINING_FILLER, World, training_examples
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -165,7 +165,7 @@ def load_role_adapters(model: Any, path: str | Path, roles: tuple[str, ...] = RO
     if missing:
         raise FileNotFoundError(
             f"no trained adapter for {missing} under {path}; train them with "
-            f"`python -m hf_kvshare.lora.train_roles --out {path}`"
+            f"`python -m hf_kvshare.bench.train_roles --out {path}`"
         )
     with peft_wrapping_warnings_silenced():
         peft_model = PeftModel.from_pretrained(model, str(path / roles[0]), adapter_name=roles[0])
@@ -176,7 +176,7 @@ def load_role_adapters(model: Any, path: str | Path, roles: tuple[str, ...] = RO
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.lora.train_roles", description=__doc__.split("\n")[0]
+        prog="python -m hf_kvshare.bench.train_roles", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--out", required=True, help="directory for the adapters (created)")
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps per role")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         questions=args.questions,
         command=" ".join(
-            ["python -m hf_kvshare.lora.train_roles", *(sys.argv[1:] if argv is None else argv)]
+            ["python -m hf_kvshare.bench.train_roles", *(sys.argv[1:] if argv is None else argv)]
         ),
     )
     first_last = {r: (v[0], v[-1]) for r, v in report["loss"].items()}

@@ -5,7 +5,7 @@ one :class:`LowRankStore` (in ``session.method_state[method.name]``): a base K/V
 each agent's rank-``r`` LR cache. A turn of agent ``a``:
 
 1. **build**: the longest prefix of the prompt that the store holds (``shared``) is reused; agent
-   ``a`` reads it as ``K_base + rope(s_a B_a A_a x)`` (:class:`~hf_kvshare.cache.BaseLRCache`)
+   ``a`` reads it as ``K_base + rope(s_a B_a A_a x)`` (:class:`~hf_kvshare.lora.cache.BaseLRCache`)
    where its LR cache covers it (``own``), re-processes ``[own, shared)`` with its adapter to
    build its LR part there (the base stays shared), and prefills the new tokens densely.
    Hooks on ``k_proj``/``v_proj`` capture ``A x`` of every adapter (and ``W x + b``) meanwhile.
@@ -29,16 +29,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..cache import BaseLRCache, Segment
-from ..methods.base import Method
-from .adapters import BASE_ROW, LoraBank
-from .capture import KVCapture
-from .neutral import FollowFirstRow, neutral_prefill
-from .store import LowRankStore
-from .view import AbsoluteRope, LowRankView, to_heads
+from ..agents import BASE_ROW
+from ..cache import Segment
+from ..lora.adapters import LoraBank
+from ..lora.cache import BaseLRCache
+from ..lora.capture import KVCapture
+from ..lora.neutral import FollowFirstRow, neutral_prefill
+from ..lora.store import LowRankStore
+from ..lora.view import AbsoluteRope, LowRankView, to_heads
+from ..method import Method
 
 if TYPE_CHECKING:
-    from ..session import Session, Turn
+    from ..session import Session
+    from ..turn import Turn
 
 OWN_LR_SOURCES = ("adapted", "neutral")
 

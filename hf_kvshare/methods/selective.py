@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..methods.base import Method, Placement
-from .boundary import BoundaryCapture
-from .layers import SegmentRecompute
-from .stack import DecoderStack
+from ..method import Method, Placement
+from ..recompute.boundary import BoundaryCapture
+from ..recompute.layers import SegmentRecompute
+from ..recompute.stack import DecoderStack
 
 if TYPE_CHECKING:
     from ..cache import SharedCache
-    from ..session import Turn
     from ..trajectory import Span
+    from ..turn import Turn
 
 
 @dataclass(eq=False)

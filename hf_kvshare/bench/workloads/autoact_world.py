@@ -23,10 +23,10 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..trajectory import PH
+from ...trajectory import PH
 
 ROLES = ("plan", "act", "reflect")
-#: sentences of filler per ``Lookup`` page in the role adapters' training episodes (``train_roles``)
+#: sentences of filler per ``Lookup`` page in the role adapters' training episodes (:mod:`hf_kvshare.bench.train_roles`)
 TRAINING_FILLER = 2
 
 SYSTEM = (

@@ -5,7 +5,8 @@ materialized it (as a PH segment or as its output). FullShared would reuse that 
 to the new positions; NonShared computes the agent's own exact K/V. :func:`collect_transitions`
 runs workflows with dense prefill everywhere and records both sides, plus what the selection
 criteria need (the agent's dense prefix cache, the hidden states the earlier turn fed into given
-layers). Used by DroidSpeak's offline profiling and by the reconstruction-coverage analysis.
+layers). Used by DroidSpeak's offline profiling (:func:`~hf_kvshare.evaluation.calibrate_droidspeak`)
+and by the reconstruction-coverage analysis.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import SegmentKV, SharedCache
-from ..methods.base import Method
-from .boundary import BOUNDARY_KEY, BoundaryCapture
-from .stack import DecoderStack
+from ..method import Method
+from ..recompute.boundary import BOUNDARY_KEY, BoundaryCapture
+from ..recompute.stack import DecoderStack
+from ..session import Session
+from .workflow import run_workflow
 
 if TYPE_CHECKING:
-    from ..session import Turn
+    from ..turn import Turn
 
 
 @dataclass
@@ -125,11 +128,33 @@ def collect_transitions(
 
     Each workflow runs in its own session (free-running greedy generation, as NonShared would).
     """
-    from ..session import Session
-    from ..evaluation import run_workflow
-
     recorder = _DenseRecorder(hidden_layers)
     for index, workflow in enumerate(tqdm(workflows, desc="workflows", disable=not progress)):
         recorder.workflow, recorder.turn_index = index, 0
         run_workflow(Session(model, tokenizer, recorder), workflow)
     return recorder.transitions
+
+
+def calibrate_droidspeak(
+    method: Any, model: torch.nn.Module, tokenizer: Any, workflows: Sequence[Any], progress: bool = False
+) -> list[float]:
+    """Profile an offline-profiled method on ``workflows`` run with NonShared; return the profile.
+
+    Every PH segment an agent reads after an earlier turn materialized it is one transition: the
+    earlier K/V (moved to the new positions) against the agent's own dense K/V. The method (a
+    :class:`~hf_kvshare.methods.droidspeak.DroidSpeak`, or any method with ``fit_profile(transitions)``)
+    sets its profile from them (DroidSpeak: ``layer_profile``, the mean relative squared deviation
+    per layer) and the profile is returned.
+
+    >>> method = DroidSpeak(rho=0.9)  # doctest: +SKIP
+    >>> calibrate_droidspeak(method, model, tok, [demo_workflow(tok, query=q) for q in queries])  # doctest: +SKIP
+    """
+    if not has_offline_profile(method):
+        raise TypeError(f"{type(method).__name__} has no offline profile (no `fit_profile(transitions)` method)")
+    transitions = collect_transitions(model, tokenizer, workflows, progress=progress)
+    return method.fit_profile(transitions)
+
+
+def has_offline_profile(method: Any) -> bool:
+    """Whether a method (class or instance) is profiled offline: it has ``fit_profile(transitions)``."""
+    return callable(getattr(method, "fit_profile", None))

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..methods.base import register
-from .base import SelectiveRecompute
-from .layers import SegmentRecompute
-from .selection import gradual_keep_counts, top_k
-from .stack import DecoderStack
+from ..method import register
+from ..recompute.layers import SegmentRecompute
+from ..recompute.selection import gradual_keep_counts, top_k
+from ..recompute.stack import DecoderStack
+from .selective import SelectiveRecompute
 
 if TYPE_CHECKING:
-    from ..session import Turn
     from ..trajectory import Span
+    from ..turn import Turn
 
 
 @register

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..methods.base import register
-from .base import SelectiveRecompute, budget_entries
-from .layers import SegmentRecompute
-from .selection import top_k
-from .stack import DecoderStack
+from ..method import register
+from ..recompute.layers import SegmentRecompute
+from ..recompute.selection import top_k
+from ..recompute.stack import DecoderStack
+from .selective import SelectiveRecompute, budget_entries
 
 if TYPE_CHECKING:
-    from ..session import Turn
     from ..trajectory import Span
+    from ..turn import Turn
 
 
 @register

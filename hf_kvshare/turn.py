@@ -1,0 +1,151 @@
+"""What a method sees and returns for one agent turn.
+
+:class:`Turn` is everything a method reads while building one agent's cache (the tokenized
+trajectory, the session's slots, a per-turn scratch space); :class:`Slot` is a PH slot of a
+session; :class:`TurnResult` is what :meth:`~hf_kvshare.session.Session.run_turn` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .cache import Segment, SegmentKV, SharedCache
+
+if TYPE_CHECKING:
+    from .method import Placement
+    from .rope import RopeShifter
+    from .session import Session
+    from .trajectory import Span
+
+
+@dataclass
+class Slot:
+    """A PH slot of a session: fixed token ids, and the latest materialized cache of them."""
+
+    name: str
+    token_ids: torch.Tensor
+    text: str
+    producer: str | None = None  # agent whose output this is (None for given text)
+    latest: SegmentKV | None = None  # K/V of the slot from the latest turn that read/wrote it
+    #: method-specific state kept with ``latest`` (e.g. the hidden states selective recomputation
+    #: restarts from), keyed by a name the method owns
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TurnStats:
+    tokens_prefilled: int = 0  # prompt tokens run through the model for this agent
+    ph_tokens: int = 0  # PH tokens in the prompt
+    ph_reused: float = 0  # PH tokens whose K/V was not computed for this agent (token-equivalents)
+
+
+@dataclass
+class TurnResult:
+    """What a turn returns. Times in seconds, memory in bytes."""
+
+    agent: str
+    method: str
+    output_slot: str
+    text: str
+    output_ids: torch.Tensor
+    prompt_ids: torch.Tensor
+    ttft_s: float
+    e2e_s: float
+    tokens_prefilled: int
+    tokens_reused: float  # token-equivalents: layer-wise methods reuse fractions of tokens
+    ph_tokens: int
+    peak_memory_bytes: int
+    segments: list[Segment]
+    logits: torch.Tensor | None = None  # [T, vocab] when the output was teacher-forced
+    cache: SharedCache | None = None  # when run with keep_cache=True
+
+    @property
+    def reuse_ratio(self) -> float:
+        """rho: the fraction of this turn's PH tokens whose K/V was reused rather than computed."""
+        return self.tokens_reused / self.ph_tokens if self.ph_tokens else 0.0
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "agent": self.agent,
+            "method": self.method,
+            "prompt_tokens": int(self.prompt_ids.numel()),
+            "output_tokens": int(self.output_ids.numel()),
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+            "tokens_prefilled": self.tokens_prefilled,
+            "tokens_reused": self.tokens_reused,
+            "ph_tokens": self.ph_tokens,
+            "reuse_ratio": self.reuse_ratio,
+            "peak_memory_bytes": self.peak_memory_bytes,
+        }
+
+
+@dataclass
+class Turn:
+    """Everything a method sees while building one agent's cache."""
+
+    session: Session
+    agent: str
+    spans: list[Span]
+    output_slot: str
+    #: rows the session feeds; row 0 is the agent's. A method may widen it in ``build`` (double
+    #: batching adds an adapter-free row), together with ``forward_kwargs`` (``adapter_names``).
+    batch_size: int = 1
+    stats: TurnStats = field(default_factory=TurnStats)
+    #: per-turn working state of the method, from build to record (e.g. the sources it used,
+    #: which the session replaces in ``slot.latest`` before ``method.record`` runs)
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.session.model
+
+    @property
+    def shifter(self) -> RopeShifter:
+        return self.session.shifter
+
+    @property
+    def prompt_ids(self) -> torch.Tensor:
+        return torch.cat([s.token_ids for s in self.spans])
+
+    @property
+    def prompt_length(self) -> int:
+        return self.spans[-1].end
+
+    def batch(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` ids as a ``[batch, n]`` model input."""
+        return ids[None].expand(self.batch_size, -1)
+
+    def new_cache(self) -> SharedCache:
+        return SharedCache(self.model.config)
+
+    def segment_for(self, span: Span, provenance: str, source_agent: str | None = None, info=None) -> Segment:
+        return Segment(
+            name=span.name,
+            kind=span.kind,
+            start=span.start,
+            end=span.end,
+            provenance=provenance,
+            source_agent=source_agent
+            if source_agent is not None
+            else (self.agent if provenance == "dense" else None),
+            info=dict(info or {}),
+        )
+
+    def place(self, cache: SharedCache, span: Span, placement: Placement) -> None:
+        """Append a placed PH segment to ``cache`` and count its reuse."""
+        kv = placement.kv
+        if self.batch_size > 1 and kv.keys[0].shape[0] == 1:
+            kv = SegmentKV(
+                keys=[k.expand(self.batch_size, -1, -1, -1) for k in kv.keys],
+                values=[v.expand(self.batch_size, -1, -1, -1) for v in kv.values],
+                start=kv.start,
+                agent=kv.agent,
+            )
+        segment = self.segment_for(span, placement.provenance, placement.source_agent, placement.info)
+        cache.append_kv(kv, segment, self.shifter)
+        reused = span.length if placement.reused_tokens is None else placement.reused_tokens
+        self.stats.ph_reused += reused

@@ -1,0 +1,167 @@
+"""The package's layout rules, checked on the source (AST only: no model, no import of the modules).
+
+- every registered method's class lives in a module under ``hf_kvshare.methods``;
+- the engines (``anchors``, ``recompute``, ``lora``) import neither the methods, the session,
+  the evaluation nor the bench, not even inside a function;
+- ``session.py`` imports no engine package;
+- the import graph (function-level imports included, ``if TYPE_CHECKING:`` imports excluded)
+  has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hf_kvshare
+
+PACKAGE = Path(hf_kvshare.__file__).resolve().parent
+ROOT = "hf_kvshare"
+ENGINES = ("anchors", "recompute", "lora")
+ABOVE_ENGINES = ("methods", "session", "evaluation", "bench")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+MODULES = modules()
+
+
+def is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(tree: ast.AST):
+    """Every Import/ImportFrom node, at any depth, except those under ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _resolve(name: str) -> str | None:
+    """The hf_kvshare module that ``name`` (dotted) denotes, or its closest existing parent."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(name: str) -> set[str]:
+    """hf_kvshare modules imported by module ``name`` (a package import is an edge to its ``__init__``)."""
+    tree = ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))
+    package = name if is_package(name) else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _import_nodes(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                base_parts = package.split(".")
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts)
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            # ``from pkg import sub`` imports the submodule when one exists, else a name of pkg
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names
+            ]
+        for target in targets:
+            if target == ROOT or target.startswith(ROOT + "."):
+                resolved = _resolve(target)
+                if resolved is not None and resolved != name:
+                    found.add(resolved)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {name: imports_of(name) for name in MODULES}
+
+
+def _inside(module: str, area: str) -> bool:
+    full = f"{ROOT}.{area}"
+    return module == full or module.startswith(full + ".")
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``edges`` as a list of modules (first == last), or ``None``."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_every_registered_method_lives_in_methods():
+    import hf_kvshare.methods  # noqa: F401  (registration)
+    from hf_kvshare.method import METHODS
+
+    assert METHODS
+    outside = {name: cls.__module__ for name, cls in METHODS.items() if not _inside(cls.__module__, "methods")}
+    assert not outside, f"registered methods defined outside hf_kvshare.methods: {outside}"
+
+
+def test_engines_import_nothing_above_them():
+    edges = graph()
+    bad = [
+        f"{module} imports {target}"
+        for module, targets in sorted(edges.items())
+        if any(_inside(module, engine) for engine in ENGINES)
+        for target in sorted(targets)
+        if any(_inside(target, area) for area in ABOVE_ENGINES)
+    ]
+    assert not bad, "engine modules importing methods/session/evaluation/bench:\n" + "\n".join(bad)
+
+
+def test_session_imports_no_engine():
+    bad = sorted(t for t in imports_of(f"{ROOT}.session") if any(_inside(t, e) for e in ENGINES))
+    assert not bad, f"hf_kvshare.session imports engine modules: {bad}"
+
+
+def test_import_graph_has_no_cycle():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_reports_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
