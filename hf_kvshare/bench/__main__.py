@@ -13,6 +13,7 @@ import importlib
 import os
 import pkgutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,12 @@ def load_bench_model(
 
 # ---------------------------------------------------------------------- run
 def cmd_run(argv: list[str]) -> int:
+    return run_command(argv)[0]
+
+
+def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "run") -> tuple[int, list[Any]]:
+    """``bench run`` with ``argv``; studies add their :class:`~hf_kvshare.bench.runner.Collector` objects.
+    Returns the exit code and the runners (one per configuration of a sweep)."""
     from ..methods import METHODS
     from . import plots
     from .methods import MethodSpec
@@ -160,7 +167,7 @@ def cmd_run(argv: list[str]) -> int:
     from .workloads import make_workload
 
     p = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench run", description="run methods on a workload"
+        prog=f"python -m hf_kvshare.bench {prog}", description="run methods on a workload"
     )
     p.add_argument(
         "--methods",
@@ -201,7 +208,7 @@ def cmd_run(argv: list[str]) -> int:
     adapters = _adapters(args.adapter)
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tok = load_bench_model(args.model, args.dtype, args.device, adapters, args.threads)
-    dirs = []
+    runners = []
     for workload in workloads:
         config = RunConfig(
             workload=workload.name,
@@ -217,23 +224,26 @@ def cmd_run(argv: list[str]) -> int:
             adapters=adapters,
             warmup=args.warmup,
         )
-        runner = BenchRunner(model, tok, workload, config, args.out, progress=not args.no_progress)
+        runner = BenchRunner(
+            model, tok, workload, config, args.out, progress=not args.no_progress, collectors=collectors
+        )
         try:
             summaries = runner.run(specs, redo=args.redo)
         except BenchInputError as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return 2, runners
         if not args.no_plots:
             plots.configuration_plots(runner.dir)
         print(f"\n{runner.dir}")
         print(format_table(list(summaries.values())))
-        dirs.append(runner.dir)
+        runners.append(runner)
+    dirs = [r.dir for r in runners]
     if len(dirs) > 1 and not args.no_plots:
         out = Path(args.out) / "plots" / f"{workloads[0].name}-sweep-{dirs[0].name.split('__', 1)[1]}"
         written = plots.sweep_plots(dirs, out)
         if written:
             print(f"\nsweep plots: {out}")
-    return 0
+    return 0, runners
 
 
 # --------------------------------------------------------------------- plot

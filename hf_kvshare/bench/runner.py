@@ -173,6 +173,7 @@ class BenchRunner:
     ):
         self.model = model
         self.collectors = list(collectors)
+        self.pairs: list[MethodPair] = []  # the method instances of the last run (collectors read their state)
         self.tokenizer = tokenizer
         self.workload = workload
         self.config = config
@@ -291,7 +292,7 @@ class BenchRunner:
         return pairs
 
     def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec]) -> None:
-        pairs = self._pairs(pending)
+        self.pairs = pairs = self._pairs(pending)
         writers = {}
         for spec in pending:
             d = self.method_dir(spec)

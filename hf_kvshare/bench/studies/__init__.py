@@ -1,10 +1,88 @@
-"""Runnable studies behind the figures in ``docs/results/``, each a module with ``main(argv)``:
-``python -m hf_kvshare.bench.studies.<name>`` (or ``python -m hf_kvshare.bench study <name>``).
+"""Studies behind the figures in ``docs/results/``: each is a bench configuration (``bench run``
+arguments) plus extra :class:`~hf_kvshare.bench.runner.Collector` objects, with no run loop of its own.
+``python -m hf_kvshare.bench study <name> [bench run options]`` (or ``python -m hf_kvshare.bench.studies.<name>``);
+options given override the study's defaults.
 
 - :mod:`~hf_kvshare.bench.studies.coverage`: reconstruction coverage of selective recomputation
   (KVCMAS Table 2) and the recomputation methods' fidelity to NonShared.
-- :mod:`~hf_kvshare.bench.studies.kvcmas`: KVCMAS vs KVComm / GraphFlow / FullShared, hop-by-hop
-  error chained vs non-chained, tau sweep, effective rank by layer.
-- :mod:`~hf_kvshare.bench.studies.precache`: PReCache methods on a plan -> act -> reflect loop with
-  role adapters: TTFT, E2E, memory, fidelity, shared-base error.
+- :mod:`~hf_kvshare.bench.studies.kvcmas`: KVCMAS vs KVComm / GraphFlow / FullShared on the 4-agent
+  HumanEval workload, error hop by hop, chained vs non-chained, a tau sweep, effective rank of deltas
+  by layer, anchor bytes and pools.
+- :mod:`~hf_kvshare.bench.studies.precache`: PReCache methods on the AutoAct plan -> act -> reflect loop
+  with role adapters, and whether the role format comes from the adapters.
 """
+
+from __future__ import annotations
+
+import csv
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..runner import Collector
+
+
+class TableCollector(Collector):
+    """A collector whose rows become ``<configuration>/<name>.csv`` and a markdown section."""
+
+    name = "rows"
+    title = ""
+    columns: list[tuple[str, str, str]] = []
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def finish(self, runner) -> None:
+        if self.rows:
+            write_csv(runner.dir / f"{self.name}.csv", self.rows)
+
+    def markdown(self) -> str:
+        from ..report import markdown_table
+
+        if not self.rows:
+            return ""
+        return f"\n## {self.title}\n\n" + markdown_table(self.rows, self.columns)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def run_study(
+    name: str,
+    defaults: Sequence[str],
+    argv: Sequence[str],
+    collectors: Sequence[TableCollector],
+    intro: str,
+    shown: Sequence[str] | None = None,
+) -> int:
+    """``bench run`` with the study's ``defaults`` then the user's ``argv`` (later options win), the
+    study's collectors attached; writes ``<configuration>/<name>.md``: the command, the bench's
+    summary and hop tables, and each collector's table. ``shown``: the arguments the report's command
+    line shows (default ``argv``)."""
+    from ..__main__ import run_command
+    from ..report import report
+
+    code, runners = run_command([*defaults, *argv], collectors, prog=f"study {name}")
+    if code:
+        return code
+    command = shlex.join(["python", "-m", "hf_kvshare.bench", "study", name, *(argv if shown is None else shown)])
+    for runner in runners:
+        parts = [
+            f"# {name} study\n",
+            intro.strip() + "\n",
+            f"Command: `{command}`\n",
+            report([runner.dir], "fidelity", by_hop=("kv_error", "agreement")),
+            *(c.markdown() for c in collectors),
+        ]
+        path = runner.dir / f"{name}.md"
+        path.write_text("\n".join(p for p in parts if p) + "\n")
+        print(f"study report: {path}")
+    return 0
