@@ -95,6 +95,34 @@ DEMO_QUERY = (
     "`days` days after it was borrowed, and explain the edge cases."
 )
 
+#: twenty small programming tasks for demo requests (the demo workflow's query)
+DEMO_QUERIES = [
+    "Write a Python function that returns the n-th Fibonacci number and explain its time complexity.",
+    "A train leaves at 9:40 and arrives at 13:15. Write a function that computes the travel time in minutes "
+    "for any two times on the same day.",
+    "Write a function that checks whether a string is a palindrome, ignoring case, spaces and punctuation.",
+    "Given a list of integers, return the length of the longest strictly increasing subsequence.",
+    "Write a function that merges two sorted lists into one sorted list without calling sort().",
+    "A shop gives 10% off orders over 50 dollars and 20% off orders over 100 dollars. Write a function that "
+    "returns the final price of an order.",
+    "Write a function that counts the vowels in a sentence and returns a dictionary from vowel to count.",
+    "Implement binary search over a sorted list of numbers; return the index of the target or -1.",
+    "Write a function that converts a Roman numeral such as 'MCMXCIV' to an integer.",
+    "Given a list of words, group the anagrams together and return the groups as lists.",
+    "Write a function that returns True when every opening bracket in a string is closed in the right order.",
+    "A parking garage charges 3 dollars for the first hour and 2 dollars for each extra started hour, at most "
+    "20 dollars a day. Write a function for the fee.",
+    "Write a function that rotates a square matrix by 90 degrees clockwise in place.",
+    "Given a list of meeting intervals, merge all overlapping intervals and return the result sorted.",
+    "Write a function that returns the k most frequent words of a text, ties broken alphabetically.",
+    "Write a function that computes the greatest common divisor of two integers with Euclid's algorithm.",
+    "A library lends books for 14 days with a fine of 25 cents a day, 50 cents after the first week late. "
+    "Write a function for the fine.",
+    "Write a function that flattens a nested list of integers of any depth into a flat list.",
+    "Given the prices of a stock on consecutive days, return the best profit from one buy and one sell.",
+    "Write a function that checks whether a 9x9 Sudoku board filled so far breaks any row, column or box rule.",
+]
+
 DEMO_ROLES = {
     "planner": "You are a careful planner. Break the user's task into short numbered steps.",
     "designer": "You are an algorithm designer. Propose the simplest correct algorithm and its edge cases.",
