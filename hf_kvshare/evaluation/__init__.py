@@ -32,7 +32,16 @@ from .protocol import (
     turn_records,
 )
 from .transitions import ReuseTransition, calibrate_droidspeak, collect_transitions, has_offline_profile
-from .workflow import DEMO_QUERIES, DEMO_QUERY, DEMO_ROLES, Step, Workflow, demo_workflow, reusable_slots, run_workflow
+from .workflow import (
+    DEMO_QUERIES,
+    DEMO_QUERY,
+    DEMO_ROLES,
+    Step,
+    Workflow,
+    demo_workflow,
+    reusable_slots,
+    run_workflow,
+)
 
 __all__ = [
     "CRITERIA",
