@@ -62,17 +62,22 @@ def save_tiny(directory: Path, tokenizer, **overrides) -> Path:
 
 
 def save_random_adapters(directory: Path, names=("plan", "act", "reflect"), seed: int = 0) -> dict[str, Path]:
-    """Random (non-zero) LoRA adapters on every attention projection of the tiny Llama."""
+    """Random (non-zero) LoRA adapters on q_proj, v_proj and o_proj of the tiny Llama.
+
+    No k_proj (the PReCache methods refuse it by default, as the reference code does) and one
+    ``v_proj`` ``lora_A`` shared by all adapters (LRAgent's training), so that every LoRA method,
+    ``baselrshared`` included, runs on them."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     paths = {}
+    shared_down: dict[str, torch.Tensor] = {}
     for i, name in enumerate(names):
         torch.manual_seed(seed + i)
         config = LoraConfig(
             r=4,
             lora_alpha=8,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_modules=["q_proj", "v_proj", "o_proj"],
             init_lora_weights=False,
         )
         with warnings.catch_warnings():  # raised inside PEFT on transformers 5.x, not by our calls
@@ -85,6 +90,8 @@ def save_random_adapters(directory: Path, names=("plan", "act", "reflect"), seed
             for pname, p in peft_model.named_parameters():
                 if "lora_" in pname:
                     p.normal_(0, 0.5)
+                if "v_proj.lora_A" in pname:
+                    p.copy_(shared_down.setdefault(pname, p.detach().clone()))
         paths[name] = directory / name
         peft_model.save_pretrained(paths[name])
     return paths

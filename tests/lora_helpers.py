@@ -11,8 +11,9 @@ from tiny import tiny_model
 from hf_kvshare import PH
 from hf_kvshare._compat import peft_wrapping_warnings_silenced
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # k_proj: the methods need lr_keys=True
 ATTENTION_AND_MLP = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+QV = ["q_proj", "v_proj"]  # the reference's targets (PReCache / LRAgent): value-only LR caches
 ROLES = {"plan": 4, "act": 2, "reflect": 3}  # adapter -> rank
 
 
@@ -35,6 +36,18 @@ def lora_model(
         model.add_adapter(name, lora_config(roles[name], targets, **cfg))
     model.eval()
     return (model, plain) if keep_base else model
+
+
+def share_value_down(model) -> None:
+    """Copy the first adapter's ``v_proj`` ``lora_A`` into every other adapter (LRAgent's training of
+    adapters for BaseLRShared); ranks must agree."""
+    first = next(iter(model.peft_config))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("v_proj") and hasattr(module, "lora_A") and first in module.lora_A:
+                for adapter, down in module.lora_A.items():
+                    if adapter != first:
+                        down.weight.copy_(module.lora_A[first].weight)
 
 
 QUERY = "Question: which river flows through the capital of the country north of Spain? Work step by step."

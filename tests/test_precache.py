@@ -1,5 +1,9 @@
 """PReCache on tiny random Llama / Qwen2 models with random LoRA adapters: exactness of the base +
-low-rank decomposition, the neutral base, LP == DB, and clear errors."""
+low-rank decomposition, the neutral base, LP == DB, and clear errors.
+
+These adapters are on q, k, v and o (some also on the MLP), so the methods run with ``lr_keys=True``,
+our key extension beyond the reference code (``KEYS``). The reference's value-only default (q/v
+adapters, k_proj refused) and ``baselrshared`` are in ``test_precache_reference.py``."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from hf_kvshare.lora import AbsoluteRope, LoraBank, LowRankStore
 from hf_kvshare.lora.view import to_heads
 
 PRECACHE = ["baseshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db"]
+KEYS = {"lr_keys": True}  # these tests' adapters have a LoRA on k_proj (beyond the reference)
 LOOP = ["plan", "act", "plan", "reflect", "act"]
 
 
@@ -48,7 +53,7 @@ def test_one_agent_equals_nonshared(peft_pair, tokenizer, method):
     (ReBaseShared is not: its base is the adapter-free one by design.)"""
     model, _ = peft_pair
     exact = run_trajectory(Session(model, tokenizer, "nonshared"), ["plan"] * 4)
-    shared = run_trajectory(Session(model, tokenizer, method), ["plan"] * 4)
+    shared = run_trajectory(Session(model, tokenizer, method, **KEYS), ["plan"] * 4)
     assert [r.output_ids.tolist() for r in shared] == [r.output_ids.tolist() for r in exact]
     assert all(s.tokens_prefilled < e.tokens_prefilled for s, e in zip(shared[1:], exact[1:]))
     assert all(r.reuse_ratio > 0.5 for r in shared[1:])
@@ -61,7 +66,7 @@ def test_layer0_base_plus_lowrank_equals_adapted_keys(peft_pair, tokenizer, meth
     agents = ["plan", "act", "reflect", "act"]
     exact = run_trajectory(Session(model, tokenizer, "nonshared"), agents, keep_cache=True)
     forced = [r.output_ids for r in exact]
-    shared = run_trajectory(Session(model, tokenizer, method), agents, forced=forced, keep_cache=True)
+    shared = run_trajectory(Session(model, tokenizer, method, **KEYS), agents, forced=forced, keep_cache=True)
     for got, ref in zip(shared[1:], exact[1:]):
         assert isinstance(got.cache, BaseLRCache)
         # everything the store held: read from it, or (baseshared) re-processed on top of the shared base
@@ -76,10 +81,10 @@ def test_layer0_base_plus_lowrank_equals_adapted_keys(peft_pair, tokenizer, meth
 def test_layer0_decomposition_by_hand(peft_llama, tokenizer):
     """K_base + rope(s_b B_b (A_b x)) from the store, computed here by hand, equals agent b's layer-0 key."""
     model = peft_llama
-    session = Session(model, tokenizer, "prelrshared")
+    session = Session(model, tokenizer, "prelrshared", **KEYS)
     run_trajectory(session, ["plan", "act"])
     store: LowRankStore = session.method_state["prelrshared"]
-    bank, rope = LoraBank(model), AbsoluteRope(model)
+    bank, rope = LoraBank(model, lr_keys=True), AbsoluteRope(model)
     ids = store.ids
     for agent in ["plan", "act", "reflect"]:
         base_k, base_v = store.base(0, 0, store.length)
@@ -109,8 +114,8 @@ def test_neutral_base_equals_base_model_cache(peft_pair, tokenizer):
     """rebaseshared's base is the adapter-free model's own cache, whichever agents ran."""
     model, plain = peft_pair
     agents = ["plan", "act", "reflect", "plan"]
-    first = run_trajectory(Session(model, tokenizer, "rebaseshared-lp"), agents)
-    session = Session(model, tokenizer, "rebaseshared-lp")
+    first = run_trajectory(Session(model, tokenizer, "rebaseshared-lp", **KEYS), agents)
+    session = Session(model, tokenizer, "rebaseshared-lp", **KEYS)
     run_trajectory(session, ["act"] * 4, forced=[r.output_ids for r in first])
     store = session.method_state["rebaseshared-lp"]
     # the same chunks the store was built from (each turn's new tokens), run by the bare model
@@ -148,11 +153,11 @@ def _turn_starts(session) -> list[int]:
 def test_lazy_prefill_and_double_batching_build_the_same_caches(peft_pair, tokenizer, own_lr):
     model, _ = peft_pair
     agents = ["plan", "act", "reflect", "plan"]
-    free = run_trajectory(Session(model, tokenizer, "rebaseshared-lp", own_lr=own_lr), agents)
+    free = run_trajectory(Session(model, tokenizer, "rebaseshared-lp", own_lr=own_lr, **KEYS), agents)
     forced = [r.output_ids for r in free]
     sessions = {}
     for method in ("rebaseshared-lp", "rebaseshared-db"):
-        sessions[method] = Session(model, tokenizer, method, own_lr=own_lr)
+        sessions[method] = Session(model, tokenizer, method, own_lr=own_lr, **KEYS)
         run_trajectory(sessions[method], agents, forced=forced)
     lp = sessions["rebaseshared-lp"].method_state["rebaseshared-lp"]
     db = sessions["rebaseshared-db"].method_state["rebaseshared-db"]
@@ -167,7 +172,7 @@ def test_lazy_prefill_and_double_batching_build_the_same_caches(peft_pair, token
             for a, b in zip(lp.agent_lr(agent, layer, 0, lp.length), db.agent_lr(agent, layer, 0, lp.length)):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     # and DB's free-running outputs are LP's (row 0 of the double batch is the agent)
-    db_free = run_trajectory(Session(model, tokenizer, "rebaseshared-db", own_lr=own_lr), agents)
+    db_free = run_trajectory(Session(model, tokenizer, "rebaseshared-db", own_lr=own_lr, **KEYS), agents)
     assert [r.output_ids.tolist() for r in db_free] == [r.output_ids.tolist() for r in free]
 
 
@@ -179,13 +184,16 @@ def test_attention_and_mlp_lora_with_rslora(tokenizer, arch):
     assert kproj.scaling["plan"] == pytest.approx(2 * 4 / 4**0.5)
     assert (kproj.get_base_layer().bias is not None) == (arch == "qwen2")
     exact = run_trajectory(Session(model, tokenizer, "nonshared"), ["act"] * 3)
-    shared = run_trajectory(Session(model, tokenizer, "prelrshared"), ["act"] * 3)
+    shared = run_trajectory(Session(model, tokenizer, "prelrshared", **KEYS), ["act"] * 3)
     assert [r.output_ids.tolist() for r in shared] == [r.output_ids.tolist() for r in exact]
     # several agents: layer 0 is exact, deeper layers are not (the MLP LoRA changes hidden states)
     agents = ["plan", "act", "reflect"]
     ref = run_trajectory(Session(model, tokenizer, "nonshared"), agents, keep_cache=True)
     got = run_trajectory(
-        Session(model, tokenizer, "prelrshared"), agents, forced=[r.output_ids for r in ref], keep_cache=True
+        Session(model, tokenizer, "prelrshared", **KEYS),
+        agents,
+        forced=[r.output_ids for r in ref],
+        keep_cache=True,
     )
     n = got[-1].cache.view.length
     torch.testing.assert_close(
@@ -199,13 +207,13 @@ def test_adapters_on_some_layers_only(tokenizer):
     """LoRA on layers 1-2 only (``layers_to_transform``): layer 0 has no LR part for anyone."""
     model = lora_model("llama", roles={"plan": 2}, layers_to_transform=[1, 2])
     model.add_adapter("act", lora_config(3, layers_to_transform=[2]))
-    bank = LoraBank(model)
+    bank = LoraBank(model, lr_keys=True)
     assert bank.keys[0].adapters == () and bank.keys[2].adapters == ("plan", "act")
     exact = run_trajectory(Session(model, tokenizer, "nonshared"), ["act"] * 3)
     for method in ("prelrshared", "baseshared"):
-        got = run_trajectory(Session(model, tokenizer, method), ["act"] * 3)
+        got = run_trajectory(Session(model, tokenizer, method, **KEYS), ["act"] * 3)
         assert [r.output_ids.tolist() for r in got] == [r.output_ids.tolist() for r in exact]
-    session = Session(model, tokenizer, "rebaseshared-lp")
+    session = Session(model, tokenizer, "rebaseshared-lp", **KEYS)
     run_trajectory(session, ["plan", "act", "plan"])
     memory = session.method.session_memory(session)
     assert memory["lr_bytes"]["act"] == 2 * 1 * memory["tokens"] * 3 * 4  # one layer, k and v, rank 3
@@ -213,8 +221,8 @@ def test_adapters_on_some_layers_only(tokenizer):
 
 @pytest.mark.parametrize("method", ["prelrshared", "baseshared", "rebaseshared-lp", "rebaseshared-db"])
 def test_lazy_materialization_matches_turn(peft_llama, tokenizer, method):
-    turn = Session(peft_llama, tokenizer, method)
-    lazy = Session(peft_llama, tokenizer, method, materialize="lazy")
+    turn = Session(peft_llama, tokenizer, method, **KEYS)
+    lazy = Session(peft_llama, tokenizer, method, materialize="lazy", **KEYS)
     a = run_trajectory(turn, LOOP)
     b = run_trajectory(lazy, LOOP, keep_cache=True)
     assert [r.output_ids.tolist() for r in a] == [r.output_ids.tolist() for r in b]
@@ -226,8 +234,8 @@ def test_lazy_materialization_matches_turn(peft_llama, tokenizer, method):
 
 def test_baseshared_reprocesses_only_unseen_context(peft_llama, tokenizer):
     exact = run_trajectory(Session(peft_llama, tokenizer, "nonshared"), LOOP)
-    base = run_trajectory(Session(peft_llama, tokenizer, "baseshared"), LOOP)
-    prelr = run_trajectory(Session(peft_llama, tokenizer, "prelrshared"), LOOP)
+    base = run_trajectory(Session(peft_llama, tokenizer, "baseshared", **KEYS), LOOP)
+    prelr = run_trajectory(Session(peft_llama, tokenizer, "prelrshared", **KEYS), LOOP)
     # act's first turn: nothing seen, so it runs the whole prompt like NonShared
     assert base[1].tokens_prefilled == exact[1].tokens_prefilled
     # plan's second turn re-processes only what came after its first turn
@@ -237,7 +245,7 @@ def test_baseshared_reprocesses_only_unseen_context(peft_llama, tokenizer):
 
 
 def test_memory_is_base_once_plus_small_lr_caches(peft_llama, tokenizer):
-    session = Session(peft_llama, tokenizer, "prelrshared")
+    session = Session(peft_llama, tokenizer, "prelrshared", **KEYS)
     results = run_trajectory(session, LOOP, keep_cache=True)
     memory = session.method.session_memory(session)
     layers, kv_heads, head_dim = 3, 2, 16
@@ -252,7 +260,7 @@ def test_memory_is_base_once_plus_small_lr_caches(peft_llama, tokenizer):
 
 
 def test_diverging_trajectory_truncates_the_store(peft_llama, tokenizer):
-    session = Session(peft_llama, tokenizer, "prelrshared")
+    session = Session(peft_llama, tokenizer, "prelrshared", **KEYS)
     exact = Session(peft_llama, tokenizer, "nonshared")
     for s in (session, exact):
         run_trajectory(s, ["plan", "plan"])
@@ -289,7 +297,7 @@ def test_foundation_methods_select_the_agents_adapter(peft_llama, tokenizer, met
 def test_turns_leave_the_model_as_they_found_it(peft_llama, tokenizer):
     model = peft_llama
     grads = {n: p.requires_grad for n, p in model.named_parameters()}
-    run_trajectory(Session(model, tokenizer, "rebaseshared-db"), ["act", "reflect"])
+    run_trajectory(Session(model, tokenizer, "rebaseshared-db", **KEYS), ["act", "reflect"])
     assert model.active_adapters == ["plan"]
     assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
     hooks = [m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks]
@@ -298,7 +306,7 @@ def test_turns_leave_the_model_as_they_found_it(peft_llama, tokenizer):
 
 # ------------------------------------------------------------------ clear errors
 def test_unknown_adapter_name_mutates_nothing(peft_llama, tokenizer):
-    session = Session(peft_llama, tokenizer, "prelrshared")
+    session = Session(peft_llama, tokenizer, "prelrshared", **KEYS)
     run_trajectory(session, ["plan"])
     before = (dict(session.slots), session.method_state["prelrshared"].length)
     with pytest.raises(ValueError, match=r"agent 'critic' is not an adapter.*plan, act, reflect"):
@@ -316,7 +324,7 @@ def test_merged_adapter_refused(tokenizer):
     with pytest.raises(ValueError, match=r"merged.*unmerge_adapter"):
         Session(model, tokenizer, "nonshared").run_turn("act", [PH("query", QUERY)], max_new_tokens=2)
     model.unmerge_adapter()
-    Session(model, tokenizer, "prelrshared").run_turn("act", [PH("query", QUERY)], max_new_tokens=2)
+    Session(model, tokenizer, "prelrshared", **KEYS).run_turn("act", [PH("query", QUERY)], max_new_tokens=2)
 
 
 def test_dora_refused(tokenizer):
@@ -329,13 +337,15 @@ def test_adapter_without_kv_lora_is_rank_zero(tokenizer):
     model = lora_model("llama", roles={"plan": 2})
     model.add_adapter("mlp_only", lora_config(3, ["up_proj", "down_proj"]))
     with pytest.warns(UserWarning, match=r"'mlp_only' has no LoRA on any k_proj/v_proj.*rank 0"):
-        session = Session(model, tokenizer, "prelrshared")
+        session = Session(model, tokenizer, "prelrshared", **KEYS)
     results = run_trajectory(session, ["plan", "mlp_only", "plan"])
     memory = session.method.session_memory(session)
     assert memory["lr_bytes"]["mlp_only"] == 0 and memory["lr_bytes"]["plan"] > 0
     assert results[1].reuse_ratio > 0.5
     # its cache over the shared context is exactly the shared base
-    ref = run_trajectory(Session(model, tokenizer, "prelrshared"), ["plan", "mlp_only"], keep_cache=True)
+    ref = run_trajectory(
+        Session(model, tokenizer, "prelrshared", **KEYS), ["plan", "mlp_only"], keep_cache=True
+    )
     n = ref[1].cache.view.length
     k0 = ref[1].cache.layer_kv(1)[0][..., :n, :]
     assert torch.equal(k0, ref[1].cache.view.store.base(1, 0, n)[0])
@@ -345,7 +355,7 @@ def test_model_without_peft_or_in_training_mode(tiny_llama, tokenizer):
     with pytest.raises(ValueError, match=r"need a peft.PeftModel.*get_peft_model"):
         Session(tiny_llama, tokenizer, "prelrshared")
     model = lora_model("llama", roles={"plan": 2})
-    session = Session(model, tokenizer, "prelrshared")
+    session = Session(model, tokenizer, "prelrshared", **KEYS)
     model.train()
     try:
         with pytest.raises(ValueError, match="eval mode"):
@@ -356,14 +366,14 @@ def test_model_without_peft_or_in_training_mode(tiny_llama, tokenizer):
 
 def test_double_batching_with_sampling_falls_back_to_lazy_prefill(peft_llama, tokenizer):
     """Sampled rows drift apart; DB then rebuilds the neutral base like LP (warned), never a corrupt one."""
-    session = Session(peft_llama, tokenizer, "rebaseshared-db")
+    session = Session(peft_llama, tokenizer, "rebaseshared-db", **KEYS)
     run_trajectory(session, ["plan"])
     torch.manual_seed(0)
     segments = [PH("query"), PH("instruction0"), PH("plan"), PH("x", "go")]
     with pytest.warns(UserWarning, match="lazy prefill"):
         r = session.run_turn("act", segments, max_new_tokens=8, do_sample=True, top_k=0)
     assert [m for m in peft_llama.modules() if m._forward_pre_hooks] == []
-    lp = Session(peft_llama, tokenizer, "rebaseshared-lp")
+    lp = Session(peft_llama, tokenizer, "rebaseshared-lp", **KEYS)
     run_trajectory(lp, ["plan"], forced=[session.turns[0].output_ids])
     lp.run_turn("act", segments, force_output=r.output_ids)
     a, b = session.method_state["rebaseshared-db"], lp.method_state["rebaseshared-lp"]
@@ -385,4 +395,4 @@ def test_no_deprecation_warnings(peft_llama, tokenizer):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for method in PRECACHE:
-            run_trajectory(Session(peft_llama, tokenizer, method), ["plan", "act"], max_new_tokens=3)
+            run_trajectory(Session(peft_llama, tokenizer, method, **KEYS), ["plan", "act"], max_new_tokens=3)

@@ -7,9 +7,18 @@ tail of the shared trajectory; the loss covers only the role's output tokens.
 
     python -m hf_kvshare.bench.train_roles --out runs/adapters            # ~3-5 min on 2 CPU cores
     python -m hf_kvshare.bench.train_roles --out runs/adapters --steps 16 --rank 8 --seed 0
+    python -m hf_kvshare.bench.train_roles --out runs/adapters-shared-a --shared-lora-a   # for baselrshared
+
+Defaults follow the authors' code (PReCache, LRAgent): LoRA on ``q_proj`` + ``v_proj``, rank 8,
+alpha 16; ranks must be multiples of 8 (PReCache's kernels exist for 8/16/32/64). ``--targets``
+chooses other modules; :data:`BEYOND_REFERENCE_TARGETS` (all attention and MLP projections, our
+earlier setting) adapts ``k_proj``, which the PReCache methods then only accept with
+``lr_keys=True``. ``--shared-lora-a`` trains the first role as usual, copies its ``v_proj``
+``lora_A`` into the other roles and freezes it there (LRAgent's training for ``baselrshared``).
 
 Writes ``<out>/<role>/adapter_config.json`` + ``adapter_model.safetensors`` (PEFT
-``save_pretrained``) and ``<out>/roles.json`` (settings, loss per step, time). Load them with
+``save_pretrained``) and ``<out>/roles.json`` (settings incl. targets, rank and shared ``lora_A``,
+loss per step, time). Load them with
 :func:`load_role_adapters`.
 """
 
@@ -29,17 +38,41 @@ from tqdm.auto import tqdm
 from .._compat import peft_wrapping_warnings_silenced
 from .workloads.autoact_world import ROLES, TRAINING_FILLER, World, training_examples
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: the reference's LoRA targets (PReCache refuses k_proj and requires v_proj; LRAgent runs q/v)
+TARGETS = ["q_proj", "v_proj"]
+#: our earlier setting, beyond the reference: needs ``lr_keys=True`` in the PReCache methods (k_proj)
+BEYOND_REFERENCE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def role_config(rank: int = 8, alpha: int | None = None):
+def check_settings(rank: int, targets: list[str] | tuple[str, ...], shared_lora_a: bool = False) -> None:
+    """Raise ``ValueError`` for a rank that is not a positive multiple of 8, unknown target modules,
+    or ``shared_lora_a`` without ``v_proj`` among the targets."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 8 or rank % 8:
+        raise ValueError(
+            f"rank must be a positive multiple of 8 (the PReCache reference kernels exist for ranks 8, 16, 32 "
+            f"and 64); got {rank!r}"
+        )
+    unknown = [t for t in targets if t not in BEYOND_REFERENCE_TARGETS]
+    if not targets or unknown:
+        raise ValueError(
+            f"targets must be a non-empty subset of {BEYOND_REFERENCE_TARGETS}; got {list(targets)}"
+        )
+    if shared_lora_a and "v_proj" not in targets:
+        raise ValueError(
+            f"shared_lora_a shares the v_proj lora_A, but v_proj is not among the targets {list(targets)}"
+        )
+
+
+def role_config(
+    rank: int = 8, alpha: int | None = None, targets: list[str] | tuple[str, ...] = tuple(TARGETS)
+):
     from peft import LoraConfig
 
     return LoraConfig(
         r=rank,
         lora_alpha=alpha or 2 * rank,
         lora_dropout=0.0,
-        target_modules=list(TARGETS),
+        target_modules=list(targets),
         task_type="CAUSAL_LM",
     )
 
@@ -83,9 +116,14 @@ def train_roles(
     tokenizer: Any = None,
     progress: bool = True,
     command: str | None = None,
+    targets: list[str] | tuple[str, ...] = tuple(TARGETS),
+    shared_lora_a: bool = False,
 ) -> dict[str, Any]:
     """Train one adapter per role (``plan``, ``act``, ``reflect``) and save them under ``out``.
 
+    ``targets``: LoRA target modules (default q_proj + v_proj, the reference's); ``rank`` a multiple
+    of 8 (alpha = 2 * rank). ``shared_lora_a``: the first role trains as usual; its ``v_proj``
+    ``lora_A`` is then copied into every other role and frozen there (for ``baselrshared``).
     Returns the report also written to ``<out>/roles.json``.
     """
     from peft import get_peft_model
@@ -96,6 +134,8 @@ def train_roles(
         raise ValueError(
             f"need steps >= 1, batch_size >= 1, max_length >= 16; got {steps}, {batch_size}, {max_length}"
         )
+    check_settings(rank, targets, shared_lora_a)
+    targets = list(targets)
     torch.manual_seed(seed)
     if model is None:
         model, tokenizer = load_model()
@@ -104,9 +144,9 @@ def train_roles(
     for role, context, target in training_examples(world, questions, seed=seed):
         by_role[role].append((context, target))
     with peft_wrapping_warnings_silenced():
-        peft_model = get_peft_model(model, role_config(rank), adapter_name=ROLES[0])
+        peft_model = get_peft_model(model, role_config(rank, targets=targets), adapter_name=ROLES[0])
     for role in ROLES[1:]:
-        peft_model.add_adapter(role, role_config(rank))
+        peft_model.add_adapter(role, role_config(rank, targets=targets))
     report: dict[str, Any] = {
         "settings": dict(
             steps=steps,
@@ -116,19 +156,26 @@ def train_roles(
             lr=lr,
             seed=seed,
             questions=questions,
+            lora_alpha=2 * rank,
+            targets=targets,
+            shared_lora_a=shared_lora_a,
         ),
         "command": command,
         "threads": torch.get_num_threads(),
-        "targets": TARGETS,
+        "targets": targets,
+        "shared_lora_a": ROLES[0] if shared_lora_a else None,
         "examples": {r: len(v) for r, v in by_role.items()},
         "loss": {},
     }
     t0 = time.perf_counter()
     for role in ROLES:
         peft_model.set_adapter(role)
+        frozen = (
+            _share_value_down(peft_model, ROLES[0], role) if shared_lora_a and role != ROLES[0] else set()
+        )
         params = []
         for name, p in peft_model.named_parameters():
-            p.requires_grad_(f".{role}." in name and "lora_" in name)
+            p.requires_grad_(f".{role}." in name and "lora_" in name and name not in frozen)
             if p.requires_grad:
                 params.append(p)
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -154,6 +201,18 @@ def train_roles(
     peft_model.save_pretrained(str(out))
     (out / "roles.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def _share_value_down(peft_model: Any, source: str, role: str) -> set[str]:
+    """Copy ``source``'s ``v_proj`` ``lora_A`` weights into ``role``'s; the names of the copied
+    parameters (to be kept frozen while ``role`` trains)."""
+    frozen = set()
+    with torch.no_grad():
+        for name, module in peft_model.named_modules():
+            if name.endswith("v_proj") and source in getattr(module, "lora_A", {}):
+                module.lora_A[role].weight.copy_(module.lora_A[source].weight)
+                frozen.add(f"{name}.lora_A.{role}.weight")
+    return frozen
 
 
 def load_role_adapters(model: Any, path: str | Path, roles: tuple[str, ...] = ROLES):
@@ -182,7 +241,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps per role")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=96, help="tokens per example (left-truncated)")
-    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank, a multiple of 8 (alpha = 2 * rank)")
+    parser.add_argument(
+        "--targets",
+        nargs="+",
+        default=list(TARGETS),
+        metavar="MODULE",
+        help="LoRA target modules (default: q_proj v_proj, as the reference code); our earlier, beyond-reference "
+        f"set is `{' '.join(BEYOND_REFERENCE_TARGETS)}` (k_proj: the PReCache methods then need lr_keys=True)",
+    )
+    parser.add_argument(
+        "--shared-lora-a",
+        action="store_true",
+        help=f"train {ROLES[0]!r} first, copy its v_proj lora_A into the other roles and freeze it there "
+        "(LRAgent's training; adapters for baselrshared)",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -190,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    try:
+        check_settings(args.rank, args.targets, args.shared_lora_a)
+    except ValueError as e:
+        parser.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train_roles(
@@ -201,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         seed=args.seed,
         questions=args.questions,
+        targets=args.targets,
+        shared_lora_a=args.shared_lora_a,
         command=" ".join(
             ["python -m hf_kvshare.bench.train_roles", *(sys.argv[1:] if argv is None else argv)]
         ),

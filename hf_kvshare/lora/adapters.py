@@ -5,6 +5,12 @@ For ``k_proj`` / ``v_proj`` of every decoder layer, :class:`LoraBank` knows whic
 LoRA pair there, concatenates their ``lora_A`` weights (so one matmul gives every adapter's
 rank-``r`` down-projection ``A_a x``) and applies one adapter's up-projection ``s_a B_a``.
 
+By default the bank follows the PReCache / LRAgent reference code: low-rank caches hold **values
+only** (keys are ``k_proj(x)`` of the pass that wrote each token, kept in the shared base), so an
+adapter with a LoRA on ``k_proj`` or without one on ``v_proj`` is refused. ``lr_keys=True`` is
+our extension beyond the reference: a per-agent key term ``rope(s B_k A_k x)`` on top of the
+shared keys, which also admits adapters without a ``v_proj`` LoRA.
+
 Agents are adapters: on a ``PeftModel`` an agent's name is its adapter's name; checking and
 activating an agent's adapter is :mod:`hf_kvshare.agents`.
 """
@@ -45,6 +51,11 @@ class KVProjection:
     slices: dict[str, slice] = field(default_factory=dict)  # adapter -> its columns of `down`
 
     @property
+    def name(self) -> str:
+        """``layers.<i>.self_attn.k_proj`` or ``...v_proj``."""
+        return f"layers.{self.layer}.self_attn.{'k_proj' if self.kind == 'key' else 'v_proj'}"
+
+    @property
     def has_lora(self) -> bool:
         return bool(self.adapters)
 
@@ -75,24 +86,31 @@ class LoraBank:
 
     Args:
         model: a ``peft.PeftModel`` over a Llama/Qwen2-style decoder (``layers.<i>.self_attn.k_proj``).
-        warn: warn (once per model and adapter) about adapters without any LoRA on k/v projections.
+        warn: warn (once per model and adapter) about adapters without any LoRA on k/v projections
+            (only reachable with ``lr_keys=True``; the default refuses them).
+        lr_keys: ``False`` (default, as the reference code): value-only low-rank caches; adapters
+            must have a LoRA on ``v_proj`` and none on ``k_proj``. ``True`` (beyond the reference):
+            adapters may also adapt ``k_proj`` (their keys get a low-rank term ``rope(s B_k A_k x)``
+            over the shared base keys) or leave ``v_proj`` alone (rank-0 value cache).
 
     Raises ``ValueError`` (mutating nothing) for a model without PEFT, non-LoRA adapters, merged
-    adapters, LoRA variants that are not ``W x + s B A x`` on k/v (DoRA, ...), and keys normalized
-    after the projection (``k_norm``).
+    adapters, LoRA variants that are not ``W x + s B A x`` on k/v (DoRA, ...), keys normalized
+    after the projection (``k_norm``) and, unless ``lr_keys``, adapters with a LoRA on ``k_proj`` or
+    without one on ``v_proj``.
 
     >>> bank = LoraBank(peft_model)  # doctest: +SKIP
     >>> bank.keys[0].rank("planner"), bank.num_kv_heads, bank.head_dim  # doctest: +SKIP
     (8, 3, 64)
     """
 
-    def __init__(self, model: nn.Module, warn: bool = False):
+    def __init__(self, model: nn.Module, warn: bool = False, lr_keys: bool = False):
         if not is_peft_model(model):
             raise ValueError(
                 f"PReCache methods need a peft.PeftModel whose adapters are the agents; got "
                 f"{type(model).__name__}. Wrap the model with `peft.get_peft_model` or `PeftModel.from_pretrained`"
             )
         self.model = model
+        self.lr_keys = bool(lr_keys)
         self.adapters = tuple(adapter_names(model))
         other = {a: str(getattr(c, "peft_type", "?")) for a, c in model.peft_config.items()}
         other = {a: t for a, t in other.items() if not t.endswith("LORA")}
@@ -122,6 +140,8 @@ class LoraBank:
         self.keys = [self._projection(i, "key", *found[(i, "key")]) for i in range(layers)]
         self.values = [self._projection(i, "value", *found[(i, "value")]) for i in range(layers)]
         self._check_keys_are_linear(found[(0, "key")][0])
+        if not self.lr_keys:
+            self._check_value_only()
         self._lr_width = {a: sum(p.rank(a) for p in self.projections()) for a in self.adapters}
         if warn:
             self._warn_without_kv()
@@ -159,6 +179,27 @@ class LoraBank:
                 "projection output and cannot be split into a shared base and a low-rank part"
             )
 
+    def _check_value_only(self) -> None:
+        """The reference's rule (PReCache's FastChat patch): LoRA on ``v_proj`` required, on ``k_proj`` refused."""
+        on_keys = [a for a in self.adapters if any(a in p.adapters for p in self.keys)]
+        if on_keys:
+            layers = sorted({p.layer for p in self.keys if p.adapters})
+            raise ValueError(
+                f"adapter(s) {on_keys} have a LoRA on k_proj (layers {layers[:6]}{' ...' if len(layers) > 6 else ''}): "
+                "PReCache/LRAgent keep every key in the shared base (k_proj(x) of the pass that wrote the token) "
+                "and low-rank caches for values only, as the authors' code does. Train the adapters on q_proj + "
+                "v_proj (`python -m hf_kvshare.bench.train_roles --targets q_proj v_proj`), or pass lr_keys=True "
+                "(beyond the reference: adds a per-agent low-rank key term rope(s B_k A_k x) to the shared keys)"
+            )
+        no_values = [a for a in self.adapters if not any(a in p.adapters for p in self.values)]
+        if no_values:
+            raise ValueError(
+                f"adapter(s) {no_values} have no LoRA on any v_proj: PReCache/LRAgent low-rank caches hold the "
+                "value term s B_v A_v x, and the authors' code requires v_proj among the LoRA targets. Add v_proj "
+                "to the adapters' target_modules, or pass lr_keys=True (beyond the reference: such an adapter "
+                "gets a rank-0 value cache)"
+            )
+
     def _warn_without_kv(self) -> None:
         warned = _WARNED.setdefault(self.model, set())
         for adapter in self.without_kv():
@@ -190,6 +231,26 @@ class LoraBank:
         """Adapters with no LoRA pair on any key/value projection (their LR part is zero)."""
         return [a for a in self.adapters if not any(a in p.adapters for p in self.projections())]
 
+    def unshared_down(self) -> tuple[str, KVProjection, str] | None:
+        """The first place where the adapters do not share one ``lora_A``: ``(adapter, projection, why)``,
+        or ``None`` when at every adapted projection all adapters have a LoRA with equal ``lora_A``
+        weights (LRAgent's shared low-rank cache needs that)."""
+        for proj in self.projections():
+            if not proj.adapters:
+                continue
+            missing = [a for a in self.adapters if a not in proj.adapters]
+            if missing:
+                return missing[0], proj, f"has no LoRA there while {proj.adapters[0]!r} has one"
+            first = proj.module.lora_A[proj.adapters[0]].weight
+            for a in proj.adapters[1:]:
+                weight = proj.module.lora_A[a].weight
+                if weight.shape != first.shape:
+                    why = f"has rank {weight.shape[0]} there, {proj.adapters[0]!r} rank {first.shape[0]}"
+                    return a, proj, why
+                if not torch.equal(weight, first.to(weight.device)):
+                    return a, proj, f"has a lora_A there that differs from {proj.adapters[0]!r}'s"
+        return None
+
     def lr_width(self, adapter: str) -> int:
         """Sum of the adapter's ranks over all k/v projections: LR-cache numbers stored per token."""
         return self._lr_width.get(adapter, 0)
@@ -208,4 +269,7 @@ class LoraBank:
 
     def __repr__(self) -> str:
         ranks = {a: self.lr_width(a) for a in self.adapters}
-        return f"LoraBank(layers={self.num_layers}, adapters={list(self.adapters)}, lr_width={ranks})"
+        return (
+            f"LoraBank(layers={self.num_layers}, adapters={list(self.adapters)}, lr_width={ranks}, "
+            f"lr_keys={self.lr_keys})"
+        )

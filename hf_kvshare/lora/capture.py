@@ -1,7 +1,7 @@
 """Hooks that capture what the key/value projections see during forward passes.
 
-While a :class:`KVCapture` is active, a forward pre-hook on every layer's ``k_proj`` / ``v_proj``
-(PEFT ``lora.Linear``) takes their input ``x`` (the input-layernormed hidden state) and keeps
+While a :class:`KVCapture` is active, a forward pre-hook on every layer's ``v_proj`` (and
+``k_proj`` when adapters have a LoRA there, ``lr_keys=True``) (PEFT ``lora.Linear``) takes their input ``x`` (the input-layernormed hidden state) and keeps
 ``[A_1 x, ..., A_N x]`` for all adapters (one matmul over the concatenated ``lora_A`` weights);
 optionally a forward hook on the projection's base layer keeps ``W x + b`` as the model computed
 it (no second matmul). Hooks are added on entry and removed in ``finally``.

@@ -8,8 +8,10 @@ For the shared trajectory's tokens ``ids[0:L]``:
   of the same positions (``None`` where the adapter has no LoRA on that projection); valid over
   ``[0, L_a)`` with ``L_a = coverage(agent) <= L``.
 
-An agent's K/V is ``K_base + rope(s_a B_a (A_a x))`` and ``V_base + s_a B_a (A_a x)``
-(:class:`~hf_kvshare.lora.view.LowRankView`). Only a method's ``record`` step mutates a store.
+An agent's K/V is ``K_base`` and ``V_base + s_a B_a (A_a x)`` (value-only, the reference default:
+``keys`` hold ``None``), or with ``lr_keys=True`` (beyond the reference) ``K_base + rope(s_a B_a (A_a x))``
+(:class:`~hf_kvshare.lora.view.LowRankView`). BaseLRShared keeps one LR cache under
+:data:`SHARED_LR` that every agent reads. Only a method's ``record`` step mutates a store.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+#: the store entry of the one LR cache all agents share (BaseLRShared)
+SHARED_LR = "__shared__"
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

@@ -2,11 +2,17 @@
 
 For batch row ``i`` with agent ``a_i`` (``None`` for an adapter-free row) and positions ``p < length``::
 
-    K[i, :, p] = K_base[p] + rope_p(s_a B_a (A_a x_p))        V[i, :, p] = V_base[p] + s_a B_a (A_a x_p)
+    K[i, :, p] = K_base[p]                                    V[i, :, p] = V_base[p] + s_a B_a (A_a x_p)
 
-Keys are cached after RoPE and RoPE at a fixed position is linear, so the LR part is rotated at its
-own absolute position with the model's rotary module (the same ``cos``/``sin`` attention uses,
-``attention_scaling`` included) and added to the stored rotated base key.
+(value-only LR caches, as the PReCache / LRAgent reference code). With ``LoraBank(lr_keys=True)``
+(beyond the reference) adapters may have a LoRA on ``k_proj`` too, and
+``K[i, :, p] = K_base[p] + rope_p(s_a B_a (A_a x_p))``: keys are cached after RoPE and RoPE at a
+fixed position is linear, so the LR part is rotated at its own absolute position with the model's
+rotary module (the same ``cos``/``sin`` attention uses, ``attention_scaling`` included) and added
+to the stored rotated base key.
+
+The LR cache a row reads is its agent's own, or with ``shared_lr`` one cache every agent reads
+(LRAgent's BaseLRShared: the adapters share ``lora_A``; each row applies its own ``s_a B_a``).
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ class LowRankView:
             (the agent has no LR cache there yet): their keys/values are replaced by the stored
             base plus the LR part of the hidden states captured in that same forward.
         capture: the turn's :class:`KVCapture` (needed when ``rewrite_end > length``).
+        shared_lr: read every row's LR cache from this store entry instead of the row agent's own
+            (one LR cache shared by all agents; each row applies its own up-projection).
     """
 
     def __init__(
@@ -78,8 +86,10 @@ class LowRankView:
         length: int,
         rewrite_end: int | None = None,
         capture: KVCapture | None = None,
+        shared_lr: str | None = None,
     ):
         self.store, self.bank, self.rope = store, bank, rope
+        self.shared_lr = shared_lr
         self.rows = list(rows)
         self.length = length
         self.rewrite_end = length if rewrite_end is None else rewrite_end
@@ -89,13 +99,20 @@ class LowRankView:
                 f"view [0, {length}) + rewrite [{length}, {self.rewrite_end}) must lie in the stored [0, {store.length})"
             )
         for agent in self.rows:
-            if agent is not None and store.coverage(agent) < length and bank.lr_width(agent) > 0:
+            if agent is None or bank.lr_width(agent) == 0:
+                continue
+            owner = self.lr_owner(agent)
+            if store.coverage(owner) < length:
                 raise ValueError(
-                    f"{agent!r}'s LR cache covers [0, {store.coverage(agent)}), the view needs {length}"
+                    f"{owner!r}'s LR cache covers [0, {store.coverage(owner)}), the view needs {length}"
                 )
         if self.rewrite_end > length and capture is None:
             raise ValueError("re-processed positions need the turn's KVCapture")
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lr_owner(self, agent: str) -> str:
+        """The store entry whose LR cache ``agent`` reads."""
+        return agent if self.shared_lr is None else self.shared_lr
 
     @property
     def batch_size(self) -> int:
@@ -138,7 +155,7 @@ class LowRankView:
                     keys.append(base_k)
                     values.append(base_v)
                     continue
-                ak, av = self.store.agent_lr(agent, layer, 0, n)
+                ak, av = self.store.agent_lr(self.lr_owner(agent), layer, 0, n)
                 k, v = self._add_lr(layer, agent, base_k, base_v, ak, av, 0)
                 keys.append(k)
                 values.append(v)

@@ -2,12 +2,13 @@
 
 Importing this package registers every built-in method: the prompt-specialized ones
 (nonshared, fullshared, kvcmas, kvcmas-nonchained, kvcomm, graphflow, on the ``anchors`` engine),
-the LoRA ones (baseshared, prelrshared, rebaseshared-lp, rebaseshared-db, on the ``lora`` engine)
+the LoRA ones (baseshared, baselrshared, prelrshared, rebaseshared-lp, rebaseshared-db, on the ``lora`` engine)
 and the selective recomputation baselines (cacheblend, droidspeak, relaycaching, on the
 ``recompute`` engine; their unregistered base is :class:`~.selective.SelectiveRecompute`).
 """
 
 from ..method import METHODS, Method, Placement, get_method, register
+from .baselrshared import BaseLRShared
 from .baseshared import BaseShared
 from .cacheblend import CacheBlend
 from .droidspeak import DroidSpeak
@@ -35,6 +36,7 @@ __all__ = [
     "KVComm",
     "GraphFlow",
     "BaseShared",
+    "BaseLRShared",
     "PreLRShared",
     "ReBaseSharedLP",
     "ReBaseSharedDB",

@@ -2,22 +2,27 @@
 
 Every turn's prompt is the shared trajectory so far plus the new instruction. The request keeps
 one :class:`LowRankStore` (in ``session.method_state[method.name]``): a base K/V stored once and
-each agent's rank-``r`` LR cache. A turn of agent ``a``:
+each agent's rank-``r`` LR cache. As in the authors' code (PReCache, LRAgent) the LR caches hold
+**values only** by default: keys are ``k_proj(x)`` of the pass that wrote each token, stored in the
+base, and a LoRA on ``k_proj`` is refused; ``lr_keys=True`` is our extension beyond the reference
+(per-agent key term ``rope(s B_k A_k x)``). A turn of agent ``a``:
 
 1. **build**: the longest prefix of the prompt that the store holds (``shared``) is reused; agent
-   ``a`` reads it as ``K_base + rope(s_a B_a A_a x)`` (:class:`~hf_kvshare.lora.cache.BaseLRCache`)
+   ``a`` reads it as ``K_base``, ``V_base + s_a B_a A_a x`` (:class:`~hf_kvshare.lora.cache.BaseLRCache`)
    where its LR cache covers it (``own``), re-processes ``[own, shared)`` with its adapter to
    build its LR part there (the base stays shared), and prefills the new tokens densely.
-   Hooks on ``k_proj``/``v_proj`` capture ``A x`` of every adapter (and ``W x + b``) meanwhile.
+   Hooks on ``v_proj`` (and ``k_proj`` with ``lr_keys``) capture ``A x`` of every adapter, and the
+   base layers' ``W x + b``, meanwhile.
 2. **generate** with the agent's adapter; the hooks keep capturing the decoded tokens.
 3. **record** (after the first token: E2E, not TTFT): the store is cut back to ``shared`` (a turn
    that diverges from the stored trajectory replaces its tail) and extended over the turn's new
    positions — the base from the agent's hidden states, or from adapter-free ones for
    ReBaseShared — and the LR caches of the agent and, with precomputation, of every agent.
 
-The subclasses only set two class flags (see ``hf_kvshare/methods/``): ``precompute`` (extend
-every agent's LR cache when context is first processed) and ``neutral`` (``None``, ``"lazy"``
-or ``"double"``: where the base comes from and when it is built).
+The subclasses only set class flags (see ``hf_kvshare/methods/``): ``precompute`` (extend
+every agent's LR cache when context is first processed), ``neutral`` (``None``, ``"lazy"``
+or ``"double"``: where the base comes from and when it is built) and ``shared_lr`` (BaseLRShared:
+one LR cache for all agents, whose adapters share ``lora_A``).
 """
 
 from __future__ import annotations
@@ -30,12 +35,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..agents import BASE_ROW
-from ..cache import Segment
+from ..cache import Segment, config_signature
 from ..lora.adapters import LoraBank
 from ..lora.cache import BaseLRCache
 from ..lora.capture import KVCapture
 from ..lora.neutral import FollowFirstRow, neutral_prefill
-from ..lora.store import LowRankStore
+from ..lora.store import SHARED_LR, LowRankStore
 from ..lora.view import AbsoluteRope, LowRankView, to_heads
 from ..method import Method
 
@@ -60,7 +65,7 @@ LayerChunks = tuple[list[torch.Tensor | None], list[torch.Tensor | None]]
 
 
 class LowRankSharing(Method):
-    """Base of ``baseshared``, ``prelrshared``, ``rebaseshared-lp`` and ``rebaseshared-db``.
+    """Base of ``baseshared``, ``baselrshared``, ``prelrshared``, ``rebaseshared-lp`` and ``rebaseshared-db``.
 
     Args:
         materialize: how a turn presents the agent's K/V of the shared prefix: ``"turn"`` (built
@@ -69,6 +74,11 @@ class LowRankSharing(Method):
         own_lr: ReBaseShared only — where the current agent's LR cache over the turn's new tokens
             comes from: ``"adapted"`` (its own hidden states, as in the PReCache paper) or
             ``"neutral"`` (the adapter-free hidden states, like every other agent's).
+        lr_keys: ``False`` (default, the reference code): value-only LR caches, keys from the shared
+            base; adapters must have a LoRA on ``v_proj`` and none on ``k_proj`` (refused with a
+            ``ValueError`` when the session is created). ``True``: **beyond the reference** — adapters
+            may adapt ``k_proj`` (each agent's keys get ``rope(s B_k A_k x)`` over the shared base keys,
+            the LR caches hold keys and values) or leave ``v_proj`` alone (rank-0 value cache).
 
     The session must run on a ``peft.PeftModel`` in eval mode whose adapters are the agents.
     """
@@ -81,27 +91,42 @@ class LowRankSharing(Method):
     #: where the shared base comes from: the agent's hidden states (None) or adapter-free ones,
     #: built after the turn ("lazy") or alongside it in a batch of two ("double")
     neutral: ClassVar[str | None] = None
+    #: one LR cache (store entry ``SHARED_LR``) extended by every agent and read by all (BaseLRShared)
+    shared_lr: ClassVar[bool] = False
 
-    def __init__(self, materialize: str = "turn", own_lr: str = "adapted"):
+    def __init__(self, materialize: str = "turn", own_lr: str = "adapted", lr_keys: bool = False):
         if materialize not in BaseLRCache.MATERIALIZE:
             raise ValueError(f"materialize must be one of {BaseLRCache.MATERIALIZE}; got {materialize!r}")
         if own_lr not in OWN_LR_SOURCES:
             raise ValueError(f"own_lr must be one of {OWN_LR_SOURCES}; got {own_lr!r}")
         if own_lr != "adapted" and self.neutral is None:
             raise ValueError(f"own_lr applies to rebaseshared only; {self.name} has no adapter-free path")
+        if not isinstance(lr_keys, bool):
+            raise ValueError(f"lr_keys must be True or False; got {lr_keys!r}")
         self.materialize = materialize
         self.own_lr = own_lr
+        self.lr_keys = lr_keys
 
     def attach(self, model: torch.nn.Module) -> None:
-        LoraBank(model, warn=True)  # clear errors (and the k/v-coverage warning) when the session is created
+        # clear errors (k_proj/v_proj rule, and with lr_keys the k/v-coverage warning) at session creation
+        self.check_bank(LoraBank(model, warn=True, lr_keys=self.lr_keys))
         AbsoluteRope(model)
+
+    def bank(self, model: torch.nn.Module) -> LoraBank:
+        """The model's :class:`LoraBank` under this method's rules (raises ``ValueError``)."""
+        bank = LoraBank(model, lr_keys=self.lr_keys)
+        self.check_bank(bank)
+        return bank
+
+    def check_bank(self, bank: LoraBank) -> None:
+        """Method-specific checks of the adapters (BaseLRShared: one shared ``lora_A``)."""
 
     # ------------------------------------------------------------------ state
     def store(self, session: Session) -> LowRankStore:
         """The request's store (an empty one before the first recorded turn; not registered until then)."""
         store = session.method_state.get(self.name)
         if store is None:
-            store = LowRankStore(num_layers=LoraBank(session.model).num_layers)
+            store = LowRankStore(num_layers=config_signature(session.model.config)[0])
         return store
 
     def session_memory(self, session: Session) -> dict[str, Any]:
@@ -119,7 +144,7 @@ class LowRankSharing(Method):
                 f"{self.name} needs the model in eval mode (LoRA dropout would make A x differ from what "
                 "attention saw); call model.eval()"
             )
-        bank = LoraBank(model)
+        bank = self.bank(model)
         bank.check_agent(turn.agent)
         if self.neutral == "double":
             bank.check_mixed_batch(turn.agent)
@@ -128,11 +153,14 @@ class LowRankSharing(Method):
         P = turn.prompt_length
         ids = turn.prompt_ids
         shared = store.common_prefix(ids[: P - 1])
-        own = shared if bank.lr_width(turn.agent) == 0 else min(store.coverage(turn.agent), shared)
+        owner = SHARED_LR if self.shared_lr else turn.agent
+        own = shared if bank.lr_width(turn.agent) == 0 else min(store.coverage(owner), shared)
         rows = [turn.agent, None] if self.neutral == "double" else [turn.agent]
         turn.batch_size = len(rows)
         capture = KVCapture(bank, base=self.neutral is None)
-        view = LowRankView(store, bank, rope, rows, own, shared, capture)
+        view = LowRankView(
+            store, bank, rope, rows, own, shared, capture, SHARED_LR if self.shared_lr else None
+        )
         cache = BaseLRCache(model.config, view, materialize=self.materialize)
 
         info = {"base": "neutral" if self.neutral else "shared", "lr": turn.agent}
@@ -212,13 +240,16 @@ class LowRankSharing(Method):
         coverage = {a: min(store.coverage(a), shared) for a in bank.adapters}
         updates: dict[str, tuple[int, LayerChunks]] = {}
         agent = turn.agent
-        if self.neutral is not None and self.own_lr == "neutral":
+        if self.shared_lr:  # A_shared x of the agent's hidden states: everyone's LR cache
+            if bank.lr_width(agent) > 0:
+                updates[SHARED_LR] = (own, _lr_chunks(bank, capture, agent, 0, 0, end - own))
+        elif self.neutral is not None and self.own_lr == "neutral":
             before = _lr_chunks(bank, capture, agent, 0, 0, shared - own)
             after = _lr_chunks(bank, source, agent, source_row, source_offset, end - shared)
             updates[agent] = (own, _join(before, after))
         else:
             updates[agent] = (own, _lr_chunks(bank, capture, agent, 0, 0, end - own))
-        if self.precompute:
+        if self.precompute and not self.shared_lr:
             for other in bank.adapters:
                 if other != agent and coverage[other] == shared:
                     updates[other] = (
@@ -251,7 +282,10 @@ class LowRankSharing(Method):
         return keys, values
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(materialize={self.materialize!r}, own_lr={self.own_lr!r})"
+        return (
+            f"{type(self).__name__}(materialize={self.materialize!r}, own_lr={self.own_lr!r}, "
+            f"lr_keys={self.lr_keys!r})"
+        )
 
 
 def _segments(turn: Turn, start: int, end: int, provenance: str, info: dict[str, Any]) -> list[Segment]:
