@@ -22,6 +22,13 @@ QUERIES = [
     "Write a short poem about the sea, the moon and a lighthouse.",
 ]
 ANCHOR_METHODS = [KVCMAS, KVCMASNonChained, KVComm]
+#: the options that keep the earlier (per-edge, prefix, chained-output) behaviour of each method
+EDGE = dict(gate_scope="edge", match="prefix", skip_layer0=False, svd="exact", pool_peak="capacity")
+PREVIOUS = {
+    KVCMAS: dict(EDGE, output_source="chained"),
+    KVCMASNonChained: dict(EDGE, output_source="context_free", text_source="context_free"),
+    KVComm: dict(EDGE, output_source="context_free", text_source="context_free"),
+}
 
 
 def turn_segments(i: int, query: str | None):
@@ -96,12 +103,18 @@ def exact_forced(model, tok, query):
     return run_forced(model, tok, "nonshared", query, run_request(model, tok, "nonshared", query))
 
 
-@pytest.mark.parametrize("cls", ANCHOR_METHODS)
-def test_identical_requests_are_corrected_exactly(tiny_llama, tokenizer, cls):
+@pytest.mark.parametrize(
+    "cls, previous, expected",
+    [(KVCMAS, False, 5), (KVCMASNonChained, False, 5), (KVComm, False, 6)]
+    + [(KVCMAS, True, 5), (KVCMASNonChained, True, 6), (KVComm, True, 6)],
+)
+def test_identical_requests_are_corrected_exactly(tiny_llama, tokenizer, cls, previous, expected):
     """Two earlier requests with the same content give identical anchors, so the correction of a
     third is the exact delta (any convex combination of equal deltas): the cache equals NonShared's."""
     ref = exact_forced(tiny_llama, tokenizer, QUERIES[0])
-    method = cls(tau=1.0)  # identical anchors: uniform weights, entropy 1
+    method = cls(
+        tau=1.0, **(PREVIOUS[cls] if previous else {})
+    )  # identical anchors: uniform weights, entropy 1
     for _ in range(2):
         run_forced(tiny_llama, tokenizer, method, QUERIES[0], ref)
     got = run_forced(tiny_llama, tokenizer, method, QUERIES[0], ref)
@@ -112,8 +125,9 @@ def test_identical_requests_are_corrected_exactly(tiny_llama, tokenizer, cls):
             assert kv_error(turn.cache, exact.cache, seg.start, seg.end) < 1e-4, (turn.agent, seg)
             corrected += seg.provenance == "corrected"
         assert torch.allclose(turn.logits, exact.logits, atol=1e-3)
-    # chained: the first agent's query is exact (dense); non-chained corrects it too
-    assert corrected == (5 if cls.chained else 6)  # 1 + 2 + 3 PH segments
+    # KVCMAS (chained or star): the first agent's query is dense (exact); a reference prefill
+    # (KVComm, the earlier non-chained reading) is corrected for the first agent too
+    assert corrected == expected  # 1 + 2 + 3 PH segments
 
 
 def test_chained_and_nonchained_coincide_when_corrections_are_exact(tiny_llama, tokenizer):
@@ -131,7 +145,7 @@ def test_chained_and_nonchained_coincide_when_corrections_are_exact(tiny_llama, 
 
 
 def test_provenance_recorded_and_reported(tiny_llama, tokenizer):
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, **PREVIOUS[KVCMAS])  # per-edge gate over a prefix (earlier reading)
     for query in QUERIES:
         got = run_request(tiny_llama, tokenizer, method, query, keep_cache=True)
     planner, designer = got[0].cache, got[1].cache
@@ -159,7 +173,9 @@ def test_provenance_recorded_and_reported(tiny_llama, tokenizer):
 
 
 def test_fallback_reason_in_report_and_pool_update(tiny_llama, tokenizer):
-    method = KVCMAS()  # tiny random values: gate weights are flat, every edge falls back
+    method = KVCMAS(
+        **PREVIOUS[KVCMAS]
+    )  # per-edge anchors (earlier reading); tiny random values: gate weights are flat, every edge falls back
     for query in QUERIES:
         got = run_request(tiny_llama, tokenizer, method, query, keep_cache=True)
     seg = got[2].cache.segment("designer")
@@ -211,7 +227,7 @@ def test_graphflow_calibrates_then_applies_without_matching(tiny_llama, tokenize
 
 
 def test_batched_build_cache_expands_corrections(tiny_llama, tokenizer):
-    method = KVComm(tau=1.0)
+    method = KVComm(tau=1.0, **PREVIOUS[KVComm])  # prefix matching: the queries differ in length
     for query in QUERIES[:2]:
         run_request(tiny_llama, tokenizer, method, query)
     cache, ids = Session(tiny_llama, tokenizer, method).build_cache(
@@ -226,7 +242,7 @@ def test_batched_build_cache_expands_corrections(tiny_llama, tokenizer):
 
 def test_reference_prefill_counts_as_computed(tiny_llama, tokenizer):
     ref = run_request(tiny_llama, tokenizer, "nonshared", QUERIES[0])
-    got = run_request(tiny_llama, tokenizer, KVComm(), QUERIES[0])
+    got = run_request(tiny_llama, tokenizer, KVComm(**PREVIOUS[KVComm]), QUERIES[0])
     # the first consumer of each slot also prefills the slot alone (outside the workflow)
     assert got[0].tokens_prefilled == ref[0].tokens_prefilled + ref[0].ph_tokens
     chained = run_request(tiny_llama, tokenizer, KVCMAS(), QUERIES[0])
@@ -235,7 +251,7 @@ def test_reference_prefill_counts_as_computed(tiny_llama, tokenizer):
 
 def test_loops_and_fan_in(tiny_llama, tokenizer):
     """Each incoming segment is gated separately; a second round reads the first round's outputs."""
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, **PREVIOUS[KVCMAS])  # per-edge gates (earlier reading)
     for query in QUERIES:
         session = Session(tiny_llama, tokenizer, method)
         session.run_turn("a", [PF("You are A.\n"), PH("query", query), PF("\nA:")], max_new_tokens=3)
