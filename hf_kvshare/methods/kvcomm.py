@@ -32,6 +32,7 @@ class KVComm(KVCMAS):
 
     name = "kvcomm"
     chained: ClassVar[bool] = False
+    workload_tau: ClassVar[bool] = False  # KVComm's authors use 0.3 on every task
 
     base_rank: int | None = None
     delta_rank: int | None = None
