@@ -18,14 +18,22 @@ from hf_kvshare.anchors import (
     apply_correction,
     canonical_keys,
     comparison_prefix,
+    context_free_reference,
+    covering,
     effective_rank,
+    gate_distances,
     gate_weights,
     match,
     normalized_entropy,
+    reference_prefill,
     reliability_gate,
     to_heads,
     to_matrix,
+    token_distances,
+    usage_crossing,
+    usage_reference,
 )
+from hf_kvshare.cache import SegmentedCache
 
 HEADS, HEAD_DIM, LAYERS = 2, 16, 3  # the tiny models' K/V layout: D = 32
 
@@ -280,3 +288,126 @@ def test_relation_profile_averages_then_freezes():
     assert torch.allclose(v[4:], to_matrix(b.values[1])[4:], atol=1e-6)  # only b covers rows 4, 5
     assert profile.nbytes == LAYERS * 2 * 6 * HEADS * HEAD_DIM * 4
     assert not profile.observe(2, a.keys, a.values)  # frozen
+
+
+# ------------------------------------------------------- reference-code semantics
+def test_factor_space_gate_distances_equal_full_dimension_ones():
+    """||V - AB||^2 = ||V||^2 - 2<VB^T, A> + tr(A^T A B B^T): exact up to fp64 rounding, for
+    low-rank (exact and randomized SVD) and dense anchors, over the full length or a prefix."""
+    g = torch.Generator().manual_seed(3)
+
+    def kv64(length):
+        return [
+            torch.randn(1, HEADS, length, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(LAYERS)
+        ]
+
+    values = kv64(12)
+    anchors = []
+    for i, (length, rank, svd) in enumerate([(12, 4, "exact"), (15, 6, "randomized"), (12, None, "exact")]):
+        base = FactoredKV.from_kv(kv64(length), kv64(length), rank, svd)
+        anchors.append(Anchor(base=base, source="src", origin=i))
+    for rows in (12, 7):
+        got = gate_distances(values, anchors, rows)
+        expected = [
+            math.sqrt(
+                sum(
+                    (to_matrix(values[layer][:, :, :rows]) - a.base.values[layer].reconstruct(rows))
+                    .pow(2)
+                    .sum()
+                    .item()
+                    for layer in range(LAYERS)
+                )
+            )
+            for a in anchors
+        ]
+        assert got.dtype == torch.float64
+        assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="shorter than the 13 rows"):
+        gate_distances(values, anchors, 13)
+
+
+def test_token_distances_match_the_joint_pass(shifter):
+    source = random_kv(6, start=4, seed=1)
+    anchors = [
+        anchor_from(random_kv(n, seed=10 + n), shifter, {}, rank=r, origin=n) for n, r in ((6, 3), (8, 3))
+    ]
+    found = match(source, anchors, shifter, 6)
+    kd, vd = token_distances(source, anchors, shifter, 6)
+    assert torch.allclose(kd, found.key_distances, atol=1e-6) and torch.allclose(
+        vd, found.value_distances, atol=1e-6
+    )
+
+
+def test_randomized_svd_is_seeded_and_leaves_the_global_rng_alone():
+    m = torch.randn(40, 32)
+    state = torch.random.get_rng_state()
+    a = MatrixFactors.from_matrix(m, rank=4, svd="randomized")
+    assert torch.equal(torch.random.get_rng_state(), state)
+    b = MatrixFactors.from_matrix(m, rank=4, svd="randomized")
+    assert torch.equal(a.a, b.a) and torch.equal(a.b, b.b) and a.rank == 4
+    assert torch.allclose(a.b @ a.b.T, torch.eye(4), atol=1e-5)  # orthonormal rows, like the exact SVD
+    exact = MatrixFactors.from_matrix(m, rank=4)
+    err = (a.reconstruct() - m).norm() / (exact.reconstruct() - m).norm()
+    assert 1.0 - 1e-4 <= err < 1.2  # close to the optimal rank-4 error
+    with pytest.raises(ValueError, match="svd must be one of"):
+        MatrixFactors.from_matrix(m, rank=4, svd="fast")
+
+
+def test_covering_rule_full_then_longest():
+    anchors = [make_anchor(i, length=n) for i, n in enumerate([5, 9, 12, 5])]
+    chosen, rows = covering(anchors, 9)
+    assert [a.length for a in chosen] == [9, 12] and rows == 9
+    chosen, rows = covering(anchors[::3], 9)  # none covers 9: the longest correct their 5 rows
+    assert [a.length for a in chosen] == [5, 5] and rows == 5
+    assert covering(anchors[::3], 9, partial=False) == ([], 0)
+    assert covering([], 9) == ([], 0)
+
+
+def test_layer0_is_left_uncorrected(shifter):
+    source = random_kv(5, start=2, seed=4)
+    delta = random_kv(5, seed=6)
+    anchors = [anchor_from(random_kv(5, seed=i), shifter, {"coder": delta}, origin=i) for i in range(2)]
+    w = torch.full((2, 5), 0.5)
+    skipped = apply_correction(source, anchors, "coder", w, w, 9, shifter, skip_layer0=True)
+    full = apply_correction(source, anchors, "coder", w, w, 9, shifter)
+    aligned = source.repositioned(shifter, 9)
+    assert torch.equal(skipped.values[0], aligned.values[0])
+    assert torch.allclose(skipped.keys[0], aligned.keys[0], atol=1e-6)
+    assert not torch.allclose(full.values[0], aligned.values[0])
+    for layer in range(1, LAYERS):
+        assert torch.equal(skipped.values[layer], full.values[layer])
+
+
+def test_usage_counter_reference_rule():
+    assert sorted(usage_reference([0.5, 0.3, 0.2])) == [0, 1]  # the anchor crossing 0.9 is not counted
+    assert sorted(usage_reference([0.95, 0.05])) == [0, 1]  # top weight >= 0.9: every anchor
+    assert sorted(usage_crossing([0.5, 0.3, 0.2])) == [0, 1, 2]  # the per-edge rule counts it
+
+
+def test_pool_peak_reference_holds_one_more():
+    pool = AnchorPool("q", capacity=2, peak=3)
+    for i in range(4):
+        pool.insert(make_anchor(i))
+    assert len(pool) == 3 and pool.evicted == 1
+    with pytest.raises(ValueError, match="peak must be >= capacity"):
+        AnchorPool("q", capacity=3, peak=2)
+
+
+def test_reference_prefill_keeps_and_drops_the_lead():
+    model = tiny_model("llama")
+    lead = torch.tensor([1, 17, 23, 5])
+    ids = torch.tensor([40, 41, 42, 43, 44, 45])
+    ref = reference_prefill(model, lead, ids)
+    assert ref.length == ids.numel() and ref.start == lead.numel() and ref.agent == "reference"
+    full = SegmentedCache(model.config)
+    full.append_dense(model, torch.cat([lead, ids])[None])
+    whole = full.extract(lead.numel(), lead.numel() + ids.numel())
+    for layer in range(ref.num_layers):
+        assert torch.equal(ref.keys[layer], whole.keys[layer]) and torch.equal(
+            ref.values[layer], whole.values[layer]
+        )
+    alone = context_free_reference(model, ids)  # no lead: the first token is an attention sink
+    assert alone.start == 0
+    assert not torch.allclose(ref.values[1][:, :, 0], alone.values[1][:, :, 0], atol=1e-4)
+    empty = reference_prefill(model, torch.zeros(0, dtype=torch.long), ids)
+    assert empty.start == 0 and torch.equal(empty.values[1], alone.values[1])

@@ -312,6 +312,34 @@ def test_cli_errors(tiny_dir, tmp_path, capsys):
     assert bench("validate", good) == 0 and "2 tasks, 7 agent turns: OK" in capsys.readouterr().out
 
 
+def test_workload_tau_defaults_and_overrides(tiny_dir, tmp_path, capsys):
+    from hf_kvshare.bench.runner import BenchRunner, RunConfig
+    from hf_kvshare.bench.workloads import workload_tau
+
+    assert [workload_tau(w) for w in ("humaneval", "gsm8k", "mmlu", "trace")] == [0.34, 0.32, 0.29, None]
+    workload = make_workload("humaneval")
+    config = RunConfig(workload=workload.name, workload_params=workload.params(), model="m")
+    runner = BenchRunner(None, None, workload, config, tmp_path / "out")
+    kvcmas = MethodSpec.parse("kvcmas")
+    assert runner.method_defaults(kvcmas) == {"tau": 0.34} == runner.method_config(kvcmas)["method_options"]
+    assert kvcmas.create(runner.method_defaults(kvcmas)).tau == 0.34 and kvcmas.tag == "kvcmas"
+    assert runner.method_defaults(MethodSpec.parse("kvcmas-nonchained")) == {"tau": 0.34}
+    assert runner.method_defaults(MethodSpec.parse("kvcmas:tau=0.5")) == {}  # set explicitly: kept
+    assert runner.method_defaults(MethodSpec.parse("kvcomm")) == {}  # KVComm keeps 0.3 everywhere
+    assert runner.method_defaults(MethodSpec.parse("fullshared")) == {}
+    assert BenchRunner(None, None, workload, config, tmp_path, tau={"humaneval": 0.4, "mmlu": 0.2}).tau == 0.4
+    with pytest.raises(ValueError, match=r"unknown workload\(s\) 'humaneva'; known workloads: .*humaneval"):
+        BenchRunner(None, None, workload, config, tmp_path, tau={"humaneva": 0.4})
+    with pytest.raises(ValueError, match=r"'humaneval' must be a real number in \[0, 1\], got 1.5"):
+        workload_tau("humaneval", {"humaneval": 1.5})
+    with pytest.raises(SystemExit):
+        bench("run", *TRACE, "--workload-tau", "nosuch=0.3", "--model", tiny_dir, "--out", tmp_path / "cli")
+    assert "unknown workload(s) 'nosuch'" in capsys.readouterr().err and not (tmp_path / "cli").exists()
+    with pytest.raises(SystemExit):
+        bench("run", *TRACE, "--workload-tau", "trace=high", "--model", tiny_dir, "--out", tmp_path / "cli")
+    assert "--workload-tau expects NAME=TAU" in capsys.readouterr().err
+
+
 def test_method_option_parsing(monkeypatch):
     from hf_kvshare.bench.methods import _parse_value, _split_options
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -22,6 +23,13 @@ QUERIES = [
     "Write a short poem about the sea, the moon and a lighthouse.",
 ]
 ANCHOR_METHODS = [KVCMAS, KVCMASNonChained, KVComm]
+#: the options that keep the earlier (per-edge, prefix, chained-output) behaviour of each method
+EDGE = dict(gate_scope="edge", match="prefix", skip_layer0=False, svd="exact", pool_peak="capacity")
+PREVIOUS = {
+    KVCMAS: dict(EDGE, output_source="chained"),
+    KVCMASNonChained: dict(EDGE, output_source="context_free", text_source="context_free"),
+    KVComm: dict(EDGE, output_source="context_free", text_source="context_free"),
+}
 
 
 def turn_segments(i: int, query: str | None):
@@ -96,12 +104,18 @@ def exact_forced(model, tok, query):
     return run_forced(model, tok, "nonshared", query, run_request(model, tok, "nonshared", query))
 
 
-@pytest.mark.parametrize("cls", ANCHOR_METHODS)
-def test_identical_requests_are_corrected_exactly(tiny_llama, tokenizer, cls):
+@pytest.mark.parametrize(
+    "cls, previous, expected",
+    [(KVCMAS, False, 5), (KVCMASNonChained, False, 5), (KVComm, False, 6)]
+    + [(KVCMAS, True, 5), (KVCMASNonChained, True, 6), (KVComm, True, 6)],
+)
+def test_identical_requests_are_corrected_exactly(tiny_llama, tokenizer, cls, previous, expected):
     """Two earlier requests with the same content give identical anchors, so the correction of a
     third is the exact delta (any convex combination of equal deltas): the cache equals NonShared's."""
     ref = exact_forced(tiny_llama, tokenizer, QUERIES[0])
-    method = cls(tau=1.0)  # identical anchors: uniform weights, entropy 1
+    method = cls(
+        tau=1.0, **(PREVIOUS[cls] if previous else {})
+    )  # identical anchors: uniform weights, entropy 1
     for _ in range(2):
         run_forced(tiny_llama, tokenizer, method, QUERIES[0], ref)
     got = run_forced(tiny_llama, tokenizer, method, QUERIES[0], ref)
@@ -112,8 +126,9 @@ def test_identical_requests_are_corrected_exactly(tiny_llama, tokenizer, cls):
             assert kv_error(turn.cache, exact.cache, seg.start, seg.end) < 1e-4, (turn.agent, seg)
             corrected += seg.provenance == "corrected"
         assert torch.allclose(turn.logits, exact.logits, atol=1e-3)
-    # chained: the first agent's query is exact (dense); non-chained corrects it too
-    assert corrected == (5 if cls.chained else 6)  # 1 + 2 + 3 PH segments
+    # KVCMAS (chained or star): the first agent's query is dense (exact); a reference prefill
+    # (KVComm, the earlier non-chained reading) is corrected for the first agent too
+    assert corrected == expected  # 1 + 2 + 3 PH segments
 
 
 def test_chained_and_nonchained_coincide_when_corrections_are_exact(tiny_llama, tokenizer):
@@ -131,7 +146,7 @@ def test_chained_and_nonchained_coincide_when_corrections_are_exact(tiny_llama, 
 
 
 def test_provenance_recorded_and_reported(tiny_llama, tokenizer):
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, **PREVIOUS[KVCMAS])  # per-edge gate over a prefix (earlier reading)
     for query in QUERIES:
         got = run_request(tiny_llama, tokenizer, method, query, keep_cache=True)
     planner, designer = got[0].cache, got[1].cache
@@ -159,7 +174,9 @@ def test_provenance_recorded_and_reported(tiny_llama, tokenizer):
 
 
 def test_fallback_reason_in_report_and_pool_update(tiny_llama, tokenizer):
-    method = KVCMAS()  # tiny random values: gate weights are flat, every edge falls back
+    method = KVCMAS(
+        **PREVIOUS[KVCMAS]
+    )  # per-edge anchors (earlier reading); tiny random values: gate weights are flat, every edge falls back
     for query in QUERIES:
         got = run_request(tiny_llama, tokenizer, method, query, keep_cache=True)
     seg = got[2].cache.segment("designer")
@@ -211,7 +228,7 @@ def test_graphflow_calibrates_then_applies_without_matching(tiny_llama, tokenize
 
 
 def test_batched_build_cache_expands_corrections(tiny_llama, tokenizer):
-    method = KVComm(tau=1.0)
+    method = KVComm(tau=1.0, **PREVIOUS[KVComm])  # prefix matching: the queries differ in length
     for query in QUERIES[:2]:
         run_request(tiny_llama, tokenizer, method, query)
     cache, ids = Session(tiny_llama, tokenizer, method).build_cache(
@@ -226,7 +243,7 @@ def test_batched_build_cache_expands_corrections(tiny_llama, tokenizer):
 
 def test_reference_prefill_counts_as_computed(tiny_llama, tokenizer):
     ref = run_request(tiny_llama, tokenizer, "nonshared", QUERIES[0])
-    got = run_request(tiny_llama, tokenizer, KVComm(), QUERIES[0])
+    got = run_request(tiny_llama, tokenizer, KVComm(**PREVIOUS[KVComm]), QUERIES[0])
     # the first consumer of each slot also prefills the slot alone (outside the workflow)
     assert got[0].tokens_prefilled == ref[0].tokens_prefilled + ref[0].ph_tokens
     chained = run_request(tiny_llama, tokenizer, KVCMAS(), QUERIES[0])
@@ -235,7 +252,7 @@ def test_reference_prefill_counts_as_computed(tiny_llama, tokenizer):
 
 def test_loops_and_fan_in(tiny_llama, tokenizer):
     """Each incoming segment is gated separately; a second round reads the first round's outputs."""
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, **PREVIOUS[KVCMAS])  # per-edge gates (earlier reading)
     for query in QUERIES:
         session = Session(tiny_llama, tokenizer, method)
         session.run_turn("a", [PF("You are A.\n"), PH("query", query), PF("\nA:")], max_new_tokens=3)
@@ -250,6 +267,182 @@ def test_loops_and_fan_in(tiny_llama, tokenizer):
     infos = {s.name: s.info["gate"] for s in r.cache.placeholders()}
     assert set(infos) == {"query", "a", "b"} and infos["query"] == "accepted"
     assert set(method.pools) == {"query", "a", "b"}
+
+
+# ------------------------------------------------- reference-code semantics (defaults)
+def test_gate_once_per_slot_and_request_every_consumer_obeys(tiny_llama, tokenizer, monkeypatch):
+    calls = []
+    gate = KVCMAS._gate
+
+    def counted(self, pool_key, candidate):
+        calls.append(pool_key)
+        return gate(self, pool_key, candidate)
+
+    monkeypatch.setattr(KVCMAS, "_gate", counted)
+    for cls, given in ((KVCMAS, []), (KVComm, ["query"])):
+        method = cls(tau=1.0)
+        for n, query in enumerate((QUERIES[0], QUERIES[0], QUERIES[0], QUERIES[1])):
+            calls.clear()
+            session = Session(tiny_llama, tokenizer, method)
+            turns = []
+            for i, agent in enumerate(AGENTS):
+                turns.append(
+                    session.run_turn(agent, turn_segments(i, query), max_new_tokens=3, keep_cache=True)
+                )
+                if i == 0:  # the producer gated its output in its own record
+                    assert "planner" in method._requests.get(session).decisions
+            # one decision per gated slot: the query (KVComm only, at its first consumer) and every output
+            assert sorted(calls) == sorted(given + AGENTS)
+            decisions = method._requests.get(session).decisions
+            for slot in ("planner", "query"):
+                if slot not in decisions:
+                    continue
+                readers = [
+                    t.cache.segment(slot)
+                    for t in turns
+                    if any(s.name == slot for s in t.cache.placeholders())
+                ]
+                gates = {seg.info["gate"] for seg in readers}
+                if decisions[slot].accepted:  # reused, or dense because another slot made the turn dense
+                    assert gates <= {"accepted", "turn"}, (cls.name, slot, gates)
+                else:
+                    assert gates == {"fallback"} and {seg.provenance for seg in readers} == {"dense"}
+            if n < 2:  # fewer than 2 anchors: rejected; the consumers prefill their whole turns
+                assert not decisions["planner"].accepted
+                assert turns[1].reuse_ratio == turns[2].reuse_ratio == 0.0
+            elif n == 2:  # the same query a third time, tau = 1: accepted; every PH span reused
+                assert decisions["planner"].accepted and turns[2].reuse_ratio == 1.0
+
+
+def test_rejection_feeds_one_anchor_per_slot_and_request(tiny_llama, tokenizer):
+    method = KVCMAS()
+    run_request(tiny_llama, tokenizer, method, QUERIES[0])
+    # pools per producer for outputs; every consumer that went dense added its delta to one anchor
+    assert {k: [set(a.deltas) for a in p] for k, p in method.pools.items()} == {
+        "query": [{"designer", "coder"}],  # chained question: no anchor for the first hop (no source)
+        "planner": [{"designer", "coder"}],
+        "designer": [{"coder"}],
+    }
+    (anchor,) = method.pools["planner"].anchors
+    assert anchor.source == "planner" and anchor.origin[1] == "planner"
+    query = method.pools["query"].anchors[0]
+    assert query.source == "designer"  # the base follows the latest consumer's (chained) source
+    kvcomm = KVComm()
+    run_request(tiny_llama, tokenizer, kvcomm, QUERIES[0])
+    assert set(kvcomm.pools["query"].anchors[0].deltas) == set(AGENTS)
+
+
+def test_outputs_are_sourced_from_the_producers_own_cache(tiny_llama, tokenizer):
+    """A consumer without a delta reuses the producer's cache re-positioned (no correction); a later
+    consumer gets the same source, not the first consumer's cache of the segment."""
+    method = KVCMAS(tau=1.0)
+    for _ in range(2):
+        run_request(tiny_llama, tokenizer, method, QUERIES[0])
+    session = Session(tiny_llama, tokenizer, method)
+    session.run_turn("planner", turn_segments(0, QUERIES[0]), max_new_tokens=3)
+    produced = method._requests.get(session).produced["planner"]
+    assert produced is session.slots["planner"].latest and produced.agent == "planner"
+    designer = session.run_turn("designer", turn_segments(1, QUERIES[0]), max_new_tokens=3, keep_cache=True)
+    assert designer.cache.segment("planner").provenance == "corrected"
+    assert session.slots["planner"].latest.agent == "designer"  # the session chains; the method does not
+    segments = [PF("You review.\n"), PH("query"), PF("\nPlan: "), PH("planner"), PF("\nOK?")]
+    reviewer = session.run_turn("reviewer", segments, max_new_tokens=3, keep_cache=True)
+    seg = reviewer.cache.segment("planner")
+    assert (
+        seg.provenance == "reused"
+        and seg.source_agent == "planner"
+        and "no anchor holds" in seg.info["reason"]
+    )
+    expected = produced.repositioned(session.shifter, seg.start)
+    got = reviewer.cache.extract(seg.start, seg.end)
+    for layer in range(got.num_layers):
+        assert torch.allclose(got.keys[layer], expected.keys[layer], atol=1e-6)
+        assert torch.equal(got.values[layer], expected.values[layer])
+    assert reviewer.tokens_prefilled == reviewer.prompt_ids.numel() - reviewer.ph_tokens
+    # the earlier reading chains outputs too: the reviewer would read the designer's cache
+    chained = KVCMAS(tau=1.0, output_source="chained")
+    assert (
+        chained.uses_sources
+        and KVComm(output_source="context_free", text_source="context_free").uses_sources is False
+    )
+
+
+def test_corrected_outputs_leave_layer0_as_the_producer_computed_it(tiny_llama, tokenizer):
+    ref = exact_forced(tiny_llama, tokenizer, QUERIES[0])
+    method = KVCMAS(tau=1.0)
+    for _ in range(2):
+        run_forced(tiny_llama, tokenizer, method, QUERIES[0], ref)
+    session = Session(tiny_llama, tokenizer, method)
+    turns = [
+        session.run_turn(a, turn_segments(i, QUERIES[0]), force_output=ref[i].output_ids, keep_cache=True)
+        for i, a in enumerate(AGENTS[:2])
+    ]
+    seg = turns[1].cache.segment("planner")
+    assert seg.provenance == "corrected"
+    produced = method._requests.get(session).produced["planner"].repositioned(session.shifter, seg.start)
+    got = turns[1].cache.extract(seg.start, seg.end)
+    assert torch.equal(got.values[0], produced.values[0])
+    assert torch.allclose(got.keys[0], produced.keys[0], atol=1e-6)
+    assert not torch.equal(got.values[1], produced.values[1])  # corrected from layer 1 on
+    assert kv_error(turns[1].cache, ref[1].cache, seg.start, seg.end) < 1e-4
+
+
+def test_token_weights_are_computed_once_per_anchor_set(tiny_llama, tokenizer):
+    method = KVCMAS(tau=1.0)
+    for _ in range(2):
+        run_request(tiny_llama, tokenizer, method, QUERIES[0])
+    got = run_request(tiny_llama, tokenizer, method, QUERIES[0], keep_cache=True)
+    first, second = got[1].cache.segment("planner"), got[2].cache.segment("planner")
+    assert first.info["weights_cached"] is False and second.info["weights_cached"] is True
+    assert first.info["anchors"] == second.info["anchors"]
+    assert not KVCMAS(tau=1.0, weights_cache=False).weights_cache
+
+
+def test_full_length_rule_of_the_gate(tiny_llama):
+    from test_anchors import make_anchor, random_kv
+
+    method = KVCMAS(tau=1.0)
+    candidate = random_kv(6, seed=9)
+    pool = method._pool("planner")
+    for i, n in enumerate([5, 6, 9]):
+        pool.insert(make_anchor(i, length=n))
+    decision, eligible, distances = method._gate("planner", candidate)
+    assert [a.length for a in eligible] == [6, 9] and decision.accepted and len(distances) == 2
+    method.pools["planner"].anchors.pop()  # {5, 6}: one anchor covers the candidate
+    decision, eligible, _ = method._gate("planner", candidate)
+    assert not decision.accepted and "fewer than 2 anchors at least 6 tokens long (1 of 2)" in decision.reason
+    prefix = KVCMAS(tau=1.0, match="prefix")  # the earlier reading compares over 5 rows
+    prefix.pools["planner"] = method.pools["planner"]
+    decision, eligible, _ = prefix._gate("planner", candidate)
+    assert decision.accepted and len(eligible) == 2
+
+
+def test_tau_zero_reuses_nothing_even_ungated_text(tiny_llama, tokenizer):
+    method = KVCMAS(tau=0.0)
+    for query in QUERIES[:2]:
+        session = Session(tiny_llama, tokenizer, method)
+        session.run_turn("a", [PF("You are A.\n"), PH("query", query), PF("\nA:")], max_new_tokens=3)
+        r = session.run_turn("b", [PF("You are B.\n"), PH("query"), PF("\nB:")], max_new_tokens=3)
+        assert r.reuse_ratio == 0.0
+
+
+def test_kvcomm_reference_prefill_of_the_query(tiny_llama, tokenizer):
+    ref = run_request(tiny_llama, tokenizer, "nonshared", QUERIES[0])
+    method = KVComm()
+    session = Session(tiny_llama, tokenizer, method)
+    first = session.run_turn("planner", turn_segments(0, QUERIES[0]), max_new_tokens=3)
+    reference = method._requests.get(session).references["query"]
+    lead = "<|im_start|><|im_start|>user<|im_end|>\nYou are the planner; role number 0.\n"
+    lead_ids = tokenizer(lead, add_special_tokens=False).input_ids
+    assert reference.start == len(lead_ids) and reference.length == session.slots["query"].token_ids.numel()
+    assert first.tokens_prefilled == ref[0].tokens_prefilled + len(lead_ids) + ref[0].ph_tokens
+    assert list(method._requests.get(session).references) == ["query"]  # outputs: producer-sourced
+    custom = KVComm(lead_in="Task:\n")
+    session = Session(tiny_llama, tokenizer, custom)
+    session.run_turn("planner", turn_segments(0, QUERIES[0]), max_new_tokens=3)
+    assert custom._requests.get(session).references["query"].start == len(
+        tokenizer("<|im_start|><|im_start|>user<|im_end|>\nTask:\n", add_special_tokens=False).input_ids
+    )
 
 
 # ----------------------------------------------------------------- bad input
@@ -288,6 +481,30 @@ def test_rank_above_feature_dim_is_clamped_with_a_warning(tiny_llama, tokenizer)
     ],
 )
 def test_bad_knobs_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVCMAS(**kwargs)
+
+
+@pytest.mark.parametrize("cls", ANCHOR_METHODS)
+@pytest.mark.parametrize("tau", [True, "0.3", float("nan"), float("inf"), -0.1, 1.01, None])
+def test_tau_must_be_a_real_number_in_the_unit_interval(cls, tau):
+    with pytest.raises(ValueError, match=rf"{cls.name}: tau .*\[0, 1\].*got {re.escape(repr(tau))}"):
+        cls(tau=tau)
+    assert cls(tau=0).tau == 0 and cls(tau=1).tau == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"gate_scope": "request"}, "gate_scope must be one of 'slot', 'edge'"),
+        ({"output_source": "lead"}, "output_source must be one of"),
+        ({"text_source": "producer"}, "text_source must be one of"),
+        ({"svd": "fast"}, "svd must be one of 'exact', 'randomized'"),
+        ({"skip_layer0": 1}, "skip_layer0 must be True or False"),
+        ({"lead_in": 3}, "lead_in must be a string or None"),
+    ],
+)
+def test_bad_choices_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         KVCMAS(**kwargs)
 

@@ -9,6 +9,8 @@ from hf_kvshare.evaluation.metrics import kv_error, mean_kl
 from hf_kvshare.methods.kvcmas import KVCMAS, KVCMASNonChained
 
 pytestmark = pytest.mark.real_model
+#: the earlier reading (per-edge gates over a prefix, chained outputs / context-free references)
+EDGE = dict(gate_scope="edge", match="prefix", skip_layer0=False, svd="exact", pool_peak="capacity")
 
 ROLES = {
     "planner": "You are a careful planner. Break the task into short numbered steps.\n",
@@ -60,7 +62,8 @@ def test_chained_correction_beats_nonchained_on_new_content(real):
     """After two requests fill the pools, a new request is corrected by both; chaining keeps the first
     agent exact and the second agent's query much closer to the exact cache (paper Fig. 3b)."""
     model, tok = real
-    chained, nonchained = KVCMAS(), KVCMASNonChained()
+    chained = KVCMAS(**EDGE, output_source="chained")
+    nonchained = KVCMASNonChained(**EDGE, output_source="context_free", text_source="context_free")
     for query in QUERIES[:2]:
         for method in (chained, nonchained):
             request(model, tok, method, query)

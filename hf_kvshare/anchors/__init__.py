@@ -5,17 +5,43 @@
 - :mod:`.gate`: the normalized-entropy reliability gate.
 - :mod:`.correction`: matching a source cache to anchors and materializing the corrected cache.
 - :mod:`.profile`: recurring-relation corrections calibrated once (GraphFlow, paper A.2).
-- :mod:`.state`: model binding, per-request references.
+- :mod:`.state`: model binding, per-request state (references, producer caches, gate decisions,
+  token weights), KVComm's reference prefill.
 - :mod:`.cache`: :class:`CorrectedCache`, the cache whose PH rows carry the correction's outcome.
 """
 
 from .cache import CorrectedCache
-from .correction import Match, apply_correction, canonical_keys, comparison_prefix, match, token_weights
-from .gate import GateDecision, gate_weights, normalized_entropy, reliability_gate
+from .correction import (
+    Match,
+    apply_correction,
+    canonical_keys,
+    comparison_prefix,
+    covering,
+    gate_distances,
+    match,
+    token_distances,
+    token_weights,
+)
+from .gate import (
+    GateDecision,
+    gate_weights,
+    normalized_entropy,
+    reliability_gate,
+    usage_crossing,
+    usage_reference,
+)
 from .lowrank import FactoredKV, MatrixFactors, effective_rank, to_heads, to_matrix
 from .pool import REFERENCE, Anchor, AnchorPool
 from .profile import RelationProfile
-from .state import ModelBinding, RequestState, RequestStates, context_free_reference
+from .state import (
+    ModelBinding,
+    RequestState,
+    RequestStates,
+    chat_markers,
+    context_free_reference,
+    reference_lead,
+    reference_prefill,
+)
 
 __all__ = [
     "REFERENCE",
@@ -32,14 +58,22 @@ __all__ = [
     "RequestStates",
     "apply_correction",
     "canonical_keys",
+    "chat_markers",
     "comparison_prefix",
     "context_free_reference",
+    "covering",
     "effective_rank",
+    "gate_distances",
     "gate_weights",
     "match",
     "normalized_entropy",
+    "reference_lead",
+    "reference_prefill",
     "reliability_gate",
     "to_heads",
     "to_matrix",
+    "token_distances",
     "token_weights",
+    "usage_crossing",
+    "usage_reference",
 ]

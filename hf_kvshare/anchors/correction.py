@@ -12,6 +12,12 @@ reference) and the compatible anchors of its slot:
 3. :func:`apply_correction`: a second pass materializes the target cache layer by layer:
    ``C_hat = Align(C_src) + Rot(sum_v w_v[t] A_v B_v)``, the weights ``w`` token-wise (softmax of
    ``-distance / T`` over anchors), separately for keys and values.
+
+The reference code's per-slot gate splits this: :func:`gate_distances` (value L2 over the full
+length, computed from the low-rank factors without reconstructing any anchor), :func:`covering`
+(which anchors correct which rows) and :func:`token_distances` (the token-wise L1 distances, one
+batched reconstruction per layer). Layer 0 can be left uncorrected (``skip_layer0``): its K/V
+depend on the token and its position only, so the re-positioned source is already exact there.
 """
 
 from __future__ import annotations
@@ -34,6 +40,102 @@ def comparison_prefix(anchors: list[Anchor], length: int) -> int:
         return 0
     lengths = sorted((a.length for a in anchors), reverse=True)
     return min(length, lengths[1])
+
+
+def covering(anchors: list[Anchor], length: int, partial: bool = True) -> tuple[list[Anchor], int]:
+    """The reference code's variable-length rule: the anchors at least ``length`` long correct all
+    ``length`` rows; if there are none and ``partial``, the longest anchors correct their
+    ``max length`` rows (the rest keep the re-positioned source); else ``([], 0)``."""
+    full = [a for a in anchors if a.length >= length]
+    if full:
+        return full, length
+    if not partial or not anchors:
+        return [], 0
+    longest = max(a.length for a in anchors)
+    return [a for a in anchors if a.length == longest], longest
+
+
+def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int) -> torch.Tensor:
+    """``sqrt(sum_layers ||V[:rows] - A B[:rows]||_F^2)`` per anchor, ``[n]`` float64, from the factors.
+
+    Per layer, with the anchor base ``A B`` (``A`` ``[L, r]``, ``B`` ``[r, D]``)::
+
+        ||V - A B||^2 = ||V||^2 - 2 <V B^T, A> + tr((A^T A)(B B^T))
+
+    ``V B^T`` is one GEMM over every anchor's ``B`` stacked ``[sum r, D]``; no anchor is
+    reconstructed at ``[rows, D]``. Dense anchors are compared directly. Works in the values'
+    dtype when it is float64, else float32 with float64 accumulation.
+
+    Args:
+        values: the candidate's per-layer values ``[batch, kv_heads, S, head_dim]`` (batch 0, ``S >= rows``).
+        anchors: anchors at least ``rows`` long.
+    """
+    if not anchors:
+        raise ValueError("gate_distances needs at least one anchor")
+    short = [a.serial for a in anchors if a.length < rows]
+    if short:
+        raise ValueError(f"anchors {short} are shorter than the {rows} rows compared")
+    work = torch.float64 if values[0].dtype == torch.float64 else torch.float32
+    device = values[0].device
+    total = torch.zeros(len(anchors), dtype=torch.float64, device=device)
+    for layer, value in enumerate(values):
+        v = to_matrix(value[:1, :, :rows]).to(work)
+        norm = v.double().pow(2).sum()
+        factors = [a.base.values[layer] for a in anchors]
+        low = [i for i, f in enumerate(factors) if not f.dense]
+        if low:
+            stacked = torch.cat([factors[i].b.to(work) for i in low], dim=0)  # [sum r, D]
+            projected = v @ stacked.T  # [rows, sum r]: the one GEMM
+            offset = 0
+            for i in low:
+                a = factors[i].a[:rows].to(work)
+                b = factors[i].b.to(work)
+                r = a.shape[1]
+                cross = (projected[:, offset : offset + r].double() * a.double()).sum()
+                quad = ((a.T @ a).double() * (b @ b.T).double()).sum()
+                total[i] += norm - 2 * cross + quad
+                offset += r
+        for i, f in enumerate(factors):
+            if f.dense:
+                total[i] += (v - f.a[:rows].to(work)).double().pow(2).sum()
+    return total.clamp_min(0).sqrt().cpu()
+
+
+def token_distances(
+    source: SegmentKV, anchors: list[Anchor], shifter: RopeShifter, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-wise mean absolute distances ``[n, rows]`` (keys in the canonical frame, values) between
+    ``source`` and each anchor's base, over layers, heads and head dims: the inputs of
+    :func:`token_weights`. Per layer the anchors are reconstructed together (one batched product)."""
+    if not anchors:
+        raise ValueError("token_distances needs at least one anchor")
+    if not 1 <= rows <= source.length or any(a.length < rows for a in anchors):
+        raise ValueError(f"cannot compare {rows} rows of a {source.length}-token source with these anchors")
+    rotation = shifter.rotation(source.start, 0, rows)
+    device = source.values[0].device
+    n = len(anchors)
+    key_abs = torch.zeros(n, rows, dtype=torch.float64, device=device)
+    value_abs = torch.zeros(n, rows, dtype=torch.float64, device=device)
+    features = 0
+    for layer in range(source.num_layers):
+        src_v = to_matrix(source.values[layer][:1, :, :rows]).float()
+        src_k = to_matrix(shifter.apply(source.keys[layer][:1, :, :rows], rotation)).float()
+        features += src_v.shape[1]
+        for src, acc, pick in ((src_k, key_abs, "keys"), (src_v, value_abs, "values")):
+            recon = _reconstruct_all([getattr(a.base, pick)[layer] for a in anchors], rows)
+            acc += (recon - src).abs().sum(-1).double()
+    return (key_abs / features).cpu(), (value_abs / features).cpu()
+
+
+def _reconstruct_all(factors: list[MatrixFactors], rows: int) -> torch.Tensor:
+    """``[n, rows, D]`` float32: every factor's first ``rows`` rows, low-rank ones in one ``bmm``
+    when they share a rank."""
+    ranks = {f.rank for f in factors if not f.dense}
+    if not any(f.dense for f in factors) and len(ranks) == 1:
+        a = torch.stack([f.a[:rows].float() for f in factors])
+        b = torch.stack([f.b.float() for f in factors])
+        return torch.bmm(a, b)
+    return torch.stack([f.reconstruct(rows).float() for f in factors])
 
 
 def canonical_keys(kv: SegmentKV, shifter: RopeShifter, rows: int | None = None) -> list[torch.Tensor]:
@@ -128,12 +230,13 @@ def corrected_kv(
     shifter: RopeShifter,
     rows: int,
     layer_delta: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    skip_layer0: bool = False,
 ) -> SegmentKV:
     """``Align(source) + Rot(delta)`` at ``target_start``, one layer at a time.
 
     ``layer_delta(layer)`` returns the canonical key and value corrections ``[rows, D]`` of the
     first ``rows`` tokens; rows ``rows:`` keep the re-positioned source. Only the output (batch 1)
-    is materialized in full dimension.
+    is materialized in full dimension. ``skip_layer0``: layer 0 keeps the re-positioned source.
     """
     if not 0 <= rows <= source.length:
         raise ValueError(f"cannot correct {rows} rows of a {source.length}-token source")
@@ -146,7 +249,7 @@ def corrected_kv(
         key = shifter.apply(k_src, to_target)
         key = key.clone() if key is k_src else key
         value = v_src.clone()
-        if rows:
+        if rows and not (skip_layer0 and layer == 0):
             delta_k, delta_v = layer_delta(layer)
             key[:, :, :rows] += shifter.apply(to_heads(delta_k, heads), delta_to_target).to(key.dtype)
             value[:, :, :rows] += to_heads(delta_v, heads).to(value.dtype)
@@ -163,6 +266,7 @@ def apply_correction(
     value_weights: torch.Tensor,
     target_start: int,
     shifter: RopeShifter,
+    skip_layer0: bool = False,
 ) -> SegmentKV:
     """Materialize the corrected cache of ``source`` at ``target_start``, layer by layer (Eq. 8).
 
@@ -172,6 +276,7 @@ def apply_correction(
         key_weights / value_weights: ``[n, k]`` token-wise weights (``k <= S`` rows are corrected;
             rows ``k:`` keep the re-positioned source).
         target_start: where the segment lands in the target prompt.
+        skip_layer0: leave layer 0 uncorrected (the reference code's choice).
 
     Returns:
         A :class:`SegmentKV` of batch 1 at ``target_start`` (``agent`` = the source's).
@@ -196,4 +301,4 @@ def apply_correction(
             weighted_sum([d.values[layer] for d in deltas], value_weights, k),
         )
 
-    return corrected_kv(source, target_start, shifter, k, layer_delta)
+    return corrected_kv(source, target_start, shifter, k, layer_delta, skip_layer0)

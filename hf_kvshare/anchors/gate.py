@@ -66,3 +66,38 @@ def reliability_gate(distances: torch.Tensor, tau: float, temperature: float = 1
         entropy=entropy,
         weights=weights.tolist(),
     )
+
+
+def usage_reference(weights: list[float], mass: float = 0.9) -> list[int]:
+    """Indices of the anchors an accepted gate counts as used, as the reference code does
+    (``predict_as_anchor``): sorted by weight, those whose cumulative weight stays below ``mass``
+    (the anchor crossing ``mass`` is not counted); if the top weight alone reaches ``mass``, every
+    anchor is counted.
+
+    >>> usage_reference([0.2, 0.5, 0.3]), usage_reference([0.95, 0.05])
+    ([1, 2], [0, 1])
+    """
+    order = sorted(range(len(weights)), key=lambda i: -weights[i])
+    if not order:
+        return []
+    if weights[order[0]] >= mass:
+        return order
+    used, total = [], 0.0
+    for i in order:
+        total += weights[i]
+        if total >= mass:
+            break
+        used.append(i)
+    return used
+
+
+def usage_crossing(weights: list[float], mass: float = 0.9) -> list[int]:
+    """Indices counted by the per-edge gate: by weight, up to and including the anchor whose
+    cumulative weight reaches ``mass``."""
+    used, total = [], 0.0
+    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
+        used.append(i)
+        total += weights[i]
+        if total >= mass:
+            break
+    return used

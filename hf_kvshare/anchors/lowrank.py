@@ -12,8 +12,35 @@ Keys are stored in the canonical positional frame (as if the segment started at 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+#: how :meth:`MatrixFactors.from_matrix` truncates: ``"exact"`` (``torch.linalg.svd``) or
+#: ``"randomized"`` (``torch.svd_lowrank(q=r, niter=2)``, as the KVCMAS reference code, seeded)
+SVD = Literal["exact", "randomized"]
+SVD_METHODS = ("exact", "randomized")
+#: seed of the randomized range finder (fixed: anchors are reproducible, the global RNG untouched)
+RANDOMIZED_SVD_SEED = 0
+
+
+def check_svd(svd: str) -> None:
+    if svd not in SVD_METHODS:
+        raise ValueError(f"svd must be one of {', '.join(map(repr, SVD_METHODS))}, got {svd!r}")
+
+
+def _truncated_svd(matrix: torch.Tensor, r: int, svd: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U_r Σ_r, V_r^T)`` of ``matrix`` ``[L, D]`` in float32 (float64 stays float64)."""
+    m = matrix.detach()
+    m = m if m.dtype == torch.float64 else m.float()
+    if svd == "exact":
+        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+        return u[:, :r] * s[:r], vh[:r]
+    devices = [m.device] if m.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(RANDOMIZED_SVD_SEED)
+        u, s, v = torch.svd_lowrank(m, q=r, niter=2)
+    return u * s, v.T
 
 
 def to_matrix(kv: torch.Tensor) -> torch.Tensor:
@@ -69,10 +96,12 @@ class MatrixFactors:
     b: torch.Tensor | None = None
 
     @classmethod
-    def from_matrix(cls, matrix: torch.Tensor, rank: int | None) -> MatrixFactors:
+    def from_matrix(cls, matrix: torch.Tensor, rank: int | None, svd: SVD = "exact") -> MatrixFactors:
         """Truncated SVD of ``matrix`` ``[L, D]`` keeping ``min(rank, L, D)`` components
-        (``rank=None``: keep the matrix dense). The SVD runs in float32 (``torch.linalg.svd``) and
-        the factors are stored in the matrix's dtype.
+        (``rank=None``: keep the matrix dense). The SVD runs in float32 and the factors are stored
+        in the matrix's dtype (float64 stays float64). ``svd="exact"`` uses ``torch.linalg.svd``; ``"randomized"`` uses
+        ``torch.svd_lowrank(q=r, niter=2)`` (the KVCMAS reference code's choice; seeded, so
+        reproducible). Either way ``b`` has orthonormal rows.
 
         Factors take ``r (L + D)`` numbers against ``L D`` for the matrix; where they would not be
         smaller (short segments: ``L <= r D / (D - r)``) the matrix is kept dense instead, which
@@ -82,15 +111,14 @@ class MatrixFactors:
             raise ValueError(f"expected an [L, D] matrix, got shape {tuple(matrix.shape)}")
         if rank is not None and rank < 1:
             raise ValueError(f"rank must be >= 1 (or None for dense), got {rank}")
+        check_svd(svd)
         length, dim = matrix.shape
         # at most min(L, D) components exist; keeping them all is exact, so clamping loses nothing
         r = None if rank is None else min(rank, length, dim)
         if r is None or r * (length + dim) >= length * dim:
             return cls(a=matrix.detach().clone())
-        u, s, vh = torch.linalg.svd(matrix.detach().float(), full_matrices=False)
-        a = (u[:, :r] * s[:r]).to(matrix.dtype)
-        b = vh[:r].to(matrix.dtype).contiguous()
-        return cls(a=a.contiguous(), b=b)
+        a, b = _truncated_svd(matrix, r, svd)
+        return cls(a=a.to(matrix.dtype).contiguous(), b=b.to(matrix.dtype).contiguous())
 
     @property
     def dense(self) -> bool:
@@ -137,23 +165,29 @@ class FactoredKV:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         rank: int | None,
+        svd: SVD = "exact",
     ) -> FactoredKV:
         """Factorize per-layer ``keys``/``values`` ``[batch, kv_heads, L, head_dim]`` (keys already
-        canonical) at ``rank`` (``None``: dense)."""
+        canonical) at ``rank`` (``None``: dense) with ``svd`` (see :meth:`MatrixFactors.from_matrix`)."""
         if len(keys) != len(values) or not keys:
             raise ValueError(
                 f"need the same non-zero number of key and value layers, got {len(keys)}/{len(values)}"
             )
         return cls(
-            keys=[MatrixFactors.from_matrix(to_matrix(k), rank) for k in keys],
-            values=[MatrixFactors.from_matrix(to_matrix(v), rank) for v in values],
+            keys=[MatrixFactors.from_matrix(to_matrix(k), rank, svd) for k in keys],
+            values=[MatrixFactors.from_matrix(to_matrix(v), rank, svd) for v in values],
             length=keys[0].shape[-2],
             kv_heads=keys[0].shape[1],
         )
 
     @classmethod
     def from_matrices(
-        cls, keys: list[torch.Tensor], values: list[torch.Tensor], rank: int | None, kv_heads: int
+        cls,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        rank: int | None,
+        kv_heads: int,
+        svd: SVD = "exact",
     ) -> FactoredKV:
         """Factorize per-layer ``[L, D]`` key/value matrices (keys canonical) at ``rank``."""
         if len(keys) != len(values) or not keys:
@@ -161,8 +195,8 @@ class FactoredKV:
                 f"need the same non-zero number of key and value layers, got {len(keys)}/{len(values)}"
             )
         return cls(
-            keys=[MatrixFactors.from_matrix(k, rank) for k in keys],
-            values=[MatrixFactors.from_matrix(v, rank) for v in values],
+            keys=[MatrixFactors.from_matrix(k, rank, svd) for k in keys],
+            values=[MatrixFactors.from_matrix(v, rank, svd) for v in values],
             length=keys[0].shape[0],
             kv_heads=kv_heads,
         )

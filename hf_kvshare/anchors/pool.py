@@ -1,10 +1,12 @@
-"""Anchor pools: one per PH slot, bounded capacity, LFU-among-oldest eviction.
+"""Anchor pools: one per PH slot (or per producing agent), bounded capacity, LFU-among-oldest eviction.
 
 An :class:`Anchor` is one observation of a slot's content: the (canonical, factorized) cache it
-was corrected *from* (``base``, the source agent's materialized cache for chained KVCMAS, the
-context-free reference for KVComm and the non-chained ablation) and, for each consuming agent
-seen, the observed correction ``Δ = C_target - Align(base)`` (``deltas[target]``). An anchor can
-only correct an edge whose source matches its ``source`` label and whose target it has a delta for.
+was corrected *from* (``base``: the producer's own output cache, the previous hop's cache of a
+chained given text, or a reference prefill) and, for each consuming agent seen, the observed
+correction ``Δ = C_target - Align(base)`` (``deltas[target]``). With per-slot gating (the KVCMAS /
+KVComm reference code) there is one anchor per (slot, request) and every consumer that went dense
+adds its delta to it; with per-edge gating an anchor only corrects an edge whose source matches its
+``source`` label and whose target it has a delta for.
 """
 
 from __future__ import annotations
@@ -50,19 +52,24 @@ class AnchorPool:
     """Up to ``capacity`` anchors of one PH slot, oldest first.
 
     When a new anchor arrives at a full pool, the least frequently used anchor among the
-    ``eviction_window`` oldest is evicted (ties: the oldest), following KVComm.
+    ``eviction_window`` oldest is evicted (ties: the oldest), following KVComm. ``peak`` is the
+    most anchors the pool holds (default ``capacity``); the reference code checks "more than V"
+    before inserting, so its pools peak at ``capacity + 1``.
 
     >>> pool = AnchorPool("query", capacity=10)  # doctest: +SKIP
     >>> pool.insert(Anchor(base, source="planner", origin=("req0", "query", 0)))  # doctest: +SKIP
     """
 
-    def __init__(self, slot: str, capacity: int, eviction_window: int = 5):
+    def __init__(self, slot: str, capacity: int, eviction_window: int = 5, peak: int | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if peak is not None and peak < capacity:
+            raise ValueError(f"peak must be >= capacity ({capacity}), got {peak}")
         if eviction_window < 1:
             raise ValueError(f"eviction_window must be >= 1, got {eviction_window}")
         self.slot = slot
         self.capacity = capacity
+        self.peak = capacity if peak is None else peak
         self.eviction_window = eviction_window
         self.anchors: list[Anchor] = []
         self._serial = 0
@@ -84,6 +91,14 @@ class AnchorPool:
         """Anchors built from a ``source`` cache that hold a correction for ``target``."""
         return [a for a in self.anchors if a.source == source and target in a.deltas]
 
+    def gate_candidates(self, length: int) -> list[Anchor]:
+        """Anchors at least ``length`` tokens long (the reference gate's full-length rule)."""
+        return [a for a in self.anchors if a.length >= length]
+
+    def with_delta(self, target: str) -> list[Anchor]:
+        """Anchors holding a correction for ``target``."""
+        return [a for a in self.anchors if target in a.deltas]
+
     def eviction_candidate(self) -> Anchor:
         """The anchor :meth:`insert` would evict: LFU among the ``eviction_window`` oldest."""
         if not self.anchors:
@@ -96,7 +111,7 @@ class AnchorPool:
         if self.find(anchor.origin) is not None:
             raise ValueError(f"pool {self.slot!r} already holds an anchor with origin {anchor.origin!r}")
         evicted = None
-        if len(self.anchors) >= self.capacity:
+        if len(self.anchors) >= self.peak:
             evicted = self.eviction_candidate()
             self.anchors = [a for a in self.anchors if a is not evicted]
             self.evicted += 1

@@ -1,5 +1,6 @@
 """What correction methods keep besides their pools: the model they are bound to, and per-request
-state (context-free references, slot versions) that lives as long as the request's Session."""
+state (references, producer caches, gate decisions, token weights, slot versions) that lives as
+long as the request's Session; and the reference prefill of a given text (KVComm)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from .._compat import config_name_or_path
 from ..cache import SegmentedCache, SegmentKV, config_signature
+from .gate import GateDecision
 from .pool import REFERENCE
 
 
@@ -66,10 +68,19 @@ class RequestState:
     references: dict[str, SegmentKV] = field(default_factory=dict)
     #: slot -> how many turns have replaced the slot's latest materialized cache
     versions: dict[str, int] = field(default_factory=dict)
+    #: slot -> its first materialization: an output's producer cache, a given text's first consumer's
+    produced: dict[str, SegmentKV] = field(default_factory=dict)
+    #: slot -> the gate's decision, taken once per (slot, request) and obeyed by every consumer
+    decisions: dict[str, GateDecision] = field(default_factory=dict)
+    #: slot -> (anchors the gate compared, their distances or None) for the segment reports
+    gate_reports: dict[str, tuple[int, list[float] | None]] = field(default_factory=dict)
+    #: (slot, anchors, rows) -> token-wise (key, value) weights, computed once and reused by later consumers
+    weights: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.references.values())
+        held = [*self.references.values(), *self.produced.values()]
+        return sum(r.nbytes for r in {id(r): r for r in held}.values())
 
 
 class RequestStates:
@@ -86,9 +97,14 @@ class RequestStates:
         return state
 
     def nbytes(self, session: Any) -> int:
-        """Bytes of ``session``'s state (its context-free references); 0 when it has none."""
+        """Bytes of ``session``'s state (references, producer caches the session no longer holds as a
+        slot's latest); 0 when it has none."""
         state = self._states.get(session)
-        return 0 if state is None else state.nbytes
+        if state is None:
+            return 0
+        latest = {id(slot.latest) for slot in getattr(session, "slots", {}).values()}
+        held = [*state.references.values(), *state.produced.values()]
+        return sum(r.nbytes for r in {id(r): r for r in held if id(r) not in latest}.values())
 
     def __len__(self) -> int:
         return len(self._states)
@@ -109,3 +125,40 @@ def context_free_reference(model: torch.nn.Module, token_ids: torch.Tensor) -> S
     cache = SegmentedCache(model.config)
     cache.append_dense(model, token_ids[None])
     return cache.extract(0, token_ids.numel(), agent=REFERENCE)
+
+
+def reference_prefill(model: torch.nn.Module, lead_ids: torch.Tensor, token_ids: torch.Tensor) -> SegmentKV:
+    """Prefill ``lead_ids + token_ids`` and return the K/V of ``token_ids`` only (batch 1, ``start =
+    len(lead_ids)``): the leading context is kept during the prefill, then dropped (KVComm's
+    reference, so the segment's first token is not an attention sink). Empty ``lead_ids`` is
+    :func:`context_free_reference`."""
+    lead_ids = torch.as_tensor(lead_ids, dtype=torch.long).flatten()
+    token_ids = torch.as_tensor(token_ids).flatten()
+    if token_ids.numel() == 0:
+        raise ValueError("cannot build a reference for an empty segment")
+    lead = lead_ids.numel()
+    cache = SegmentedCache(model.config)
+    cache.append_dense(model, torch.cat([lead_ids.to(token_ids.device), token_ids])[None])
+    return cache.extract(lead, lead + token_ids.numel(), agent=REFERENCE)
+
+
+def chat_markers(tokenizer: Any) -> tuple[str, str, str]:
+    """``(begin, start, end)`` chat markers as the KVComm reference code reads them from a tokenizer
+    (``_extract_chat_markers``): ``begin`` = the first of ``<|begin_of_text|>``, ``<s>``, the BOS
+    token found in the chat template (else the BOS token, else ``""``); ``start`` = the first of
+    ``<|start_header_id|>``, ``<|im_start|>`` in the template (else ``""``); ``end`` = the first of
+    ``<|end_header_id|>``, ``<|im_end|>``, ``"\\n"`` in the template (else ``""``)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):
+        template = str(template)
+    bos = getattr(tokenizer, "bos_token", None) or ""
+    begin = next((m for m in ("<|begin_of_text|>", "<s>", bos) if m and m in template), bos)
+    start = next((m for m in ("<|start_header_id|>", "<|im_start|>") if m in template), "")
+    end = next((m for m in ("<|end_header_id|>", "<|im_end|>", "\n") if m in template), "")
+    return begin, start, end
+
+
+def reference_lead(tokenizer: Any, lead_in: str = "") -> str:
+    """The text KVComm prefills before a given text: ``begin + start + "user" + end + "\\n" + lead_in``."""
+    begin, start, end = chat_markers(tokenizer)
+    return f"{begin}{start}user{end}\n{lead_in}"

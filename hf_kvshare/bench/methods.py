@@ -92,9 +92,10 @@ class MethodSpec:
                 f"method {self.name!r} has no option {', '.join(unknown)}; its options: {accepted}"
             )
 
-    def create(self) -> Method:
+    def create(self, defaults: dict[str, Any] | None = None) -> Method:
+        """An instance with the spec's options over ``defaults`` (e.g. a workload's tau)."""
         try:
-            return self.cls(**self.kwargs)
+            return self.cls(**{**(defaults or {}), **self.kwargs})
         except (TypeError, ValueError) as e:
             raise ValueError(f"creating method {self}: {e}") from e
 

@@ -28,7 +28,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from ..evaluation.protocol import REFERENCE, SUMMARY_COLUMNS
 from ..session import Session
 from . import checkers
 from .methods import MethodSpec
-from .workloads import TaskSpec, Workload
+from .workloads import TaskSpec, Workload, workload_tau
 
 
 # ------------------------------------------------------------------ config
@@ -170,7 +170,10 @@ class BenchRunner:
         out_root: str | os.PathLike,
         progress: bool = True,
         collectors: Sequence[Collector] = (),
+        tau: Mapping[str, float] | None = None,
     ):
+        #: the workload's tau default (``tau`` overrides it per workload name; unknown names raise)
+        self.tau = workload_tau(workload.name, tau)
         self.model = model
         self.collectors = list(collectors)
         self.pairs: list[MethodPair] = []  # the method instances of the last run (collectors read their state)
@@ -184,8 +187,15 @@ class BenchRunner:
     def method_dir(self, spec: MethodSpec) -> Path:
         return self.dir / spec.tag
 
+    def method_defaults(self, spec: MethodSpec) -> dict[str, Any]:
+        """Options the workload sets unless the spec does: its tau, for methods with ``workload_tau``."""
+        if self.tau is None or "tau" in spec.kwargs or not getattr(spec.cls, "workload_tau", False):
+            return {}
+        return {"tau": self.tau}
+
     def method_config(self, spec: MethodSpec) -> dict[str, Any]:
-        return {**self.config.to_dict(), "method": spec.name, "method_options": spec.kwargs}
+        options = {**self.method_defaults(spec), **spec.kwargs}
+        return {**self.config.to_dict(), "method": spec.name, "method_options": options}
 
     def is_done(self, spec: MethodSpec) -> bool:
         summary = self.method_dir(spec) / "summary.json"
@@ -281,7 +291,10 @@ class BenchRunner:
         pairs = []
         for spec in _unique([MethodSpec(REFERENCE), *pending]):
             try:  # bad options or a method that cannot run on this model: an error before any output
-                pair = MethodPair(str(spec), spec.create(), spec.create() if self.config.fidelity else None)
+                defaults = self.method_defaults(spec)
+                pair = MethodPair(
+                    str(spec), spec.create(defaults), spec.create(defaults) if self.config.fidelity else None
+                )
                 with warnings.catch_warnings():  # the sessions attach again and warn then
                     warnings.simplefilter("ignore")
                     for method in filter(None, (pair.free, pair.forced)):

@@ -6,7 +6,7 @@ Registry ``WORKLOADS``: ``trace`` (controlled traces), ``file`` (JSONL task file
 """
 
 from .autoact import AutoActWorkload
-from .base import WORKLOADS, Workload, make_workload, register_workload
+from .base import WORKLOADS, Workload, make_workload, register_workload, workload_tau
 from .files import FileWorkload, load_table, load_task_file, validate_task_file
 from .spec import AgentSpec, BenchStep, SlotSpec, StepSpec, TaskSpec, WorkloadFormatError
 from .stress import StressWorkload
@@ -14,6 +14,7 @@ from .tasks import GSM8KWorkload, HumanEvalWorkload, MMLUWorkload
 from .trace import TraceWorkload, synthetic_text
 
 __all__ = [
+    "workload_tau",
     "WORKLOADS",
     "AgentSpec",
     "AutoActWorkload",

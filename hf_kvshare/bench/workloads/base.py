@@ -7,6 +7,8 @@ Parameters are dataclass fields; the CLI fills them from its options.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from .spec import TaskSpec
@@ -29,6 +31,9 @@ class Workload:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    #: the gate threshold the KVCMAS authors ran this task with; the runner gives it to methods that
+    #: take a workload tau (``Method.workload_tau``) unless the method's options set ``tau``
+    tau: ClassVar[float | None] = None
 
     def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
         raise NotImplementedError
@@ -85,3 +90,25 @@ def _text(value: Any) -> str:
     if isinstance(value, str) and os.sep in value:
         value = os.path.basename(value.rstrip(os.sep))
     return re.sub(r"[^A-Za-z0-9_.=+]", "_", str(value))[:40]
+
+
+def workload_tau(name: str, overrides: Mapping[str, float] | None = None) -> float | None:
+    """Workload ``name``'s tau default: ``overrides[name]`` if given, else the workload's ``tau``.
+
+    Every name in ``overrides`` must be a registered workload and every value a real number in
+    [0, 1]; otherwise ``ValueError`` (checked before anything runs).
+    """
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(WORKLOADS))
+    if unknown:
+        raise ValueError(
+            f"per-workload tau for unknown workload(s) {', '.join(map(repr, unknown))}; "
+            f"known workloads: {', '.join(sorted(WORKLOADS))}"
+        )
+    for key, value in overrides.items():
+        real = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not real or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"per-workload tau for {key!r} must be a real number in [0, 1], got {value!r}")
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; available: {', '.join(sorted(WORKLOADS))}")
+    return overrides.get(name, WORKLOADS[name].tau)

