@@ -15,7 +15,7 @@ from lora_helpers import ATTENTION_AND_MLP, QUERY, lora_config, lora_model, run_
 
 from hf_kvshare import METHODS, PF, PH, BaseLRCache, Session, cache_kwargs
 from hf_kvshare.lora import AbsoluteRope, LoraBank, LowRankStore
-from hf_kvshare.lora.view import to_heads
+from hf_kvshare.lora.view import split_heads
 
 PRECACHE = ["baseshared", "prelrshared", "rebaseshared-lp", "rebaseshared-db"]
 KEYS = {"lr_keys": True}  # these tests' adapters have a LoRA on k_proj (beyond the reference)
@@ -89,10 +89,10 @@ def test_layer0_decomposition_by_hand(peft_llama, tokenizer):
     for agent in ["plan", "act", "reflect"]:
         base_k, base_v = store.base(0, 0, store.length)
         ak, av = store.agent_lr(agent, 0, 0, store.length)
-        lr_k = to_heads(bank.keys[0].up(agent, ak), bank.head_dim)
+        lr_k = split_heads(bank.keys[0].up(agent, ak), bank.head_dim)
         cos, sin = rope.cos_sin(0, store.length, lr_k.dtype, lr_k.device)
         k = base_k + AbsoluteRope.apply(lr_k, cos, sin)
-        v = base_v + to_heads(bank.values[0].up(agent, av), bank.head_dim)
+        v = base_v + split_heads(bank.values[0].up(agent, av), bank.head_dim)
         model.set_adapter(agent)
         ek, ev = _dense_cache(model, ids)
         torch.testing.assert_close(k, ek, atol=2e-6, rtol=1e-5)

@@ -28,7 +28,6 @@ itself is taken as exact, which isolates the criterion from the execution):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -43,6 +42,7 @@ from ..methods.relaycaching import RelayCaching
 from ..recompute.layers import SegmentRecompute
 from ..recompute.selection import top_k
 from ..recompute.stack import DecoderStack
+from .metrics import relative_error
 from .transitions import ReuseTransition, calibrate_droidspeak, collect_transitions
 
 CRITERIA = ("layer", "deviation", "attention", "relaycaching")
@@ -344,8 +344,9 @@ def _random_layers(e: torch.Tensor, n: int, trials: int, generator: torch.Genera
 
 
 def _relative_error(reused: SegmentKV, exact: SegmentKV) -> float:
-    num = den = 0.0
-    for a, b in zip((*reused.keys, *reused.values), (*exact.keys, *exact.values)):
-        num += (a.double() - b.double()).pow(2).sum().item()
-        den += b.double().pow(2).sum().item()
-    return math.sqrt(num / den) if den > 0 else 0.0
+    """Relative error of K and V together over all layers (:func:`~hf_kvshare.evaluation.metrics.relative_error`)."""
+
+    def flat(kv: SegmentKV) -> torch.Tensor:
+        return torch.cat([t.flatten() for t in (*kv.keys, *kv.values)])
+
+    return relative_error(flat(reused), flat(exact))

@@ -55,8 +55,9 @@ class AbsoluteRope:
         return (x * cos) + (rotate_half(x) * sin)
 
 
-def to_heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """``[batch, seq, kv_heads * head_dim]`` -> ``[batch, kv_heads, seq, head_dim]`` (as attention reshapes)."""
+def split_heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[batch, seq, kv_heads * head_dim]`` -> ``[batch, kv_heads, seq, head_dim]`` (as attention reshapes a
+    projection output; :func:`hf_kvshare.anchors.lowrank.to_heads` inverts ``to_matrix`` instead)."""
     return t.view(*t.shape[:2], -1, head_dim).transpose(1, 2)
 
 
@@ -137,11 +138,11 @@ class LowRankView:
         k, v = base_k, base_v
         head_dim = self.bank.head_dim
         if ak is not None:
-            lr_k = to_heads(self.bank.keys[layer].up(agent, ak), head_dim).to(base_k.dtype)
+            lr_k = split_heads(self.bank.keys[layer].up(agent, ak), head_dim).to(base_k.dtype)
             cos, sin = self._rope(start, start + ak.shape[1], lr_k)
             k = base_k + AbsoluteRope.apply(lr_k, cos, sin)
         if av is not None:
-            v = base_v + to_heads(self.bank.values[layer].up(agent, av), head_dim).to(base_v.dtype)
+            v = base_v + split_heads(self.bank.values[layer].up(agent, av), head_dim).to(base_v.dtype)
         return k, v
 
     def layer(self, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ from ..lora.cache import BaseLRCache
 from ..lora.capture import KVCapture
 from ..lora.neutral import FollowFirstRow, neutral_prefill
 from ..lora.store import SHARED_LR, LowRankStore
-from ..lora.view import AbsoluteRope, LowRankView, to_heads
+from ..lora.view import AbsoluteRope, LowRankView, split_heads
 from ..method import Method
 
 if TYPE_CHECKING:
@@ -269,10 +269,10 @@ class LowRankSharing(Method):
         keys, values = [], []
         cos = sin = None
         for layer in range(state.bank.num_layers):
-            k = to_heads(
+            k = split_heads(
                 state.capture.base(layer, "key")[:1, offset : offset + end - start], state.bank.head_dim
             )
-            v = to_heads(
+            v = split_heads(
                 state.capture.base(layer, "value")[:1, offset : offset + end - start], state.bank.head_dim
             )
             if cos is None:
