@@ -273,7 +273,7 @@ def cmd_plot(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------- calibrate
 def cmd_calibrate(argv: list[str]) -> int:
-    from .calibrate import calibrate_profile, calibrate_tau, has_offline_profile
+    from .calibrate import calibrate_tau, has_offline_profile, save_profile
     from .methods import MethodSpec
     from .runner import write_json
     from .workloads import make_workload
@@ -321,14 +321,12 @@ def cmd_calibrate(argv: list[str]) -> int:
     out = Path(args.out) / "calibration"
     common = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}
     if profile:
+        path = out / f"{spec.tag}__{workload.tag()}__profile.json"
         try:
-            result = calibrate_profile(model, tok, tasks, spec, progress=not args.no_progress)
+            result = save_profile(model, tok, tasks, spec, path, common, not args.no_progress)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{spec.tag}__{workload.tag()}__profile.json"
-        write_json(path, {"method": spec.name, **result, **common})
         option = ",".join(f"{k}={path}" for k in result)
         print(f"profile of {spec.name} on {len(tasks)} request(s) of {workload.tag()}: {path}")
         print(f"use it as: --methods {spec}{',' if spec.options else ':'}{option}")

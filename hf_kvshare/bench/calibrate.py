@@ -15,6 +15,7 @@ Profile on other requests than the ones evaluated (``--offset``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from ..evaluation import has_offline_profile as evaluation_has_offline_profile
 from ..evaluation.metrics import reuse_ratio
 from ..session import Session
 from .methods import MethodSpec
+from .runner import write_json
 from .workloads import TaskSpec
 
 
@@ -158,3 +160,13 @@ def calibrate_profile(
     workflows = [t.to_workflow(tokenizer) for t in tasks]
     profile = calibrate_droidspeak(method, model, tokenizer, workflows, progress=progress)
     return {"layer_profile": [float(x) for x in profile]}
+
+
+def save_profile(
+    model, tokenizer, tasks: list[TaskSpec], spec: MethodSpec, path: Path, meta: dict, progress: bool = True
+) -> dict[str, Any]:
+    """:func:`calibrate_profile`, written with ``meta`` to ``path``: the JSON file the method takes back as an option."""
+    result = calibrate_profile(model, tokenizer, tasks, spec, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"method": spec.name, **result, **meta})
+    return result
