@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from collections.abc import Sequence
@@ -94,6 +95,16 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str
             cells.append("-" if value is None else format(value, fmt))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> Path:
+    """``rows`` as CSV: the ``columns`` given (default: every key, in order of appearance)."""
+    columns = list(dict.fromkeys(k for row in rows for k in row)) if columns is None else columns
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
 
 
 def find_configurations(dirs: list[str | Path]) -> list[Path]:

@@ -27,6 +27,7 @@ from typing import Any
 from ...anchors import FactoredKV, canonical_keys, context_free_reference, effective_rank, to_matrix
 from ...cache import SegmentedCache
 from ...rope import RopeShifter
+from ..report import write_csv
 from . import TableCollector, run_study
 
 #: the workload when none is given (``--workload ...`` replaces all of these)
@@ -113,8 +114,6 @@ class DeltaRanks(TableCollector):
             for layer, rows in sorted(by_layer.items())
         ]
         if self.pairs:
-            from . import write_csv
-
             write_csv(runner.dir / "rank_pairs.csv", self.pairs)
         super().finish(runner)
 
@@ -195,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = [] if "--workload" in argv else list(WORKLOAD)
     defaults += [] if "--methods" in argv else ["--methods", *METHODS]
-    return run_study("kvcmas", defaults, argv, [DeltaRanks(), AnchorBytes(), Pools()], __doc__.split("\n\n")[0])
+    return run_study(
+        "kvcmas", defaults, argv, [DeltaRanks(), AnchorBytes(), Pools()], __doc__.split("\n\n")[0]
+    )
 
 
 if __name__ == "__main__":
