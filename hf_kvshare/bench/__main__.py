@@ -17,23 +17,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-WORKLOAD_OPTIONS = {
-    # option: (parameter, type, help)
-    "--data": (
-        "data",
-        str,
-        "data source: JSONL task file (file), hub name or local file (gsm8k, mmlu, autoact)",
-    ),
-    "--data-config": ("data_config", str, "dataset configuration on the hub (gsm8k: main, mmlu: all)"),
-    "--split": ("split", str, "dataset split (default test)"),
-    "--limit": ("limit", int, "number of requests (tasks) to run; 0: all"),
-    "--offset": ("offset", int, "index of the first task"),
-    "--max-new-tokens": ("max_new_tokens", int, "tokens generated per agent turn (task workloads)"),
-    "--agents": ("agents", int, "trace: agents per round (N)"),
-    "--rounds": ("rounds", int, "trace/autoact: rounds (R)"),
-    "--output-tokens": ("output_tokens", int, "trace/stress: fixed output length per turn"),
-    "--requests": ("requests", int, "trace/stress: number of requests"),
-    "--hops": ("hops", int, "stress: agents in the chain"),
+WORKLOAD_OPTIONS = {  # option: (type, help); the workload parameter is the option's name
+    "--data": (str, "data source: JSONL task file (file), hub name or local file (gsm8k, mmlu, autoact)"),
+    "--data-config": (str, "dataset configuration on the hub (gsm8k: main, mmlu: all)"),
+    "--split": (str, "dataset split (default test)"),
+    "--limit": (int, "number of requests (tasks) to run; 0: all"),
+    "--offset": (int, "index of the first task"),
+    "--max-new-tokens": (int, "tokens generated per agent turn (task workloads)"),
+    "--agents": (int, "trace: agents per round (N)"),
+    "--rounds": (int, "trace/autoact: rounds (R)"),
+    "--output-tokens": (int, "trace/stress: fixed output length per turn"),
+    "--requests": (int, "trace/stress: number of requests"),
+    "--hops": (int, "stress: agents in the chain"),
 }
 
 
@@ -52,18 +47,15 @@ def _add_workload_options(p: argparse.ArgumentParser, sweep: bool = True) -> Non
 
     g = p.add_argument_group("workload")
     g.add_argument("--workload", required=True, choices=sorted(WORKLOADS), help="workload name")
-    for flag, (_, typ, text) in WORKLOAD_OPTIONS.items():
+    for flag, (typ, text) in WORKLOAD_OPTIONS.items():
         g.add_argument(flag, type=typ, default=None, help=text)
-    if sweep:
-        g.add_argument(
-            "--shared-tokens",
-            type=int,
-            nargs="+",
-            default=None,
-            help="trace: shared context length(s); a sweep",
-        )
-    else:
-        g.add_argument("--shared-tokens", type=int, default=None, help="trace: shared context length")
+    sweep_help = "(s); a sweep" if sweep else ""
+    g.add_argument(
+        "--shared-tokens",
+        type=int,
+        nargs="+" if sweep else None,
+        help=f"trace: shared context length{sweep_help}",
+    )
     g.add_argument(
         "--first-prefix", action="store_true", default=None, help="stress: give the first agent a persona"
     )
@@ -94,11 +86,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
-    params = {
-        param: getattr(args, flag[2:].replace("-", "_")) for flag, (param, _, _) in WORKLOAD_OPTIONS.items()
-    }
-    params["first_prefix"] = args.first_prefix
-    return params
+    names = [flag[2:].replace("-", "_") for flag in WORKLOAD_OPTIONS] + ["first_prefix"]
+    return {name: getattr(args, name) for name in names}
 
 
 def _adapters(items: list[str]) -> dict[str, str]:
@@ -320,31 +309,19 @@ def cmd_calibrate(argv: list[str]) -> int:
     tasks = workload.tasks(tok, args.seed)
     out = Path(args.out) / "calibration"
     common = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}
-    if profile:
-        path = out / f"{spec.tag}__{workload.tag()}__profile.json"
-        try:
-            result = save_profile(model, tok, tasks, spec, path, common, not args.no_progress)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        option = ",".join(f"{k}={path}" for k in result)
-        print(f"profile of {spec.name} on {len(tasks)} request(s) of {workload.tag()}: {path}")
-        print(f"use it as: --methods {spec}{',' if spec.options else ':'}{option}")
-        return 0
     try:
+        if profile:
+            path = out / f"{spec.tag}__{workload.tag()}__profile.json"
+            result = save_profile(model, tok, tasks, spec, path, common, not args.no_progress)
+            option = ",".join(f"{k}={path}" for k in result)
+            print(f"profile of {spec.name} on {len(tasks)} request(s) of {workload.tag()}: {path}")
+            print(f"use it as: --methods {spec}{',' if spec.options else ':'}{option}")
+            return 0
+        options = {
+            k: getattr(args, k) for k in ("tau_min", "tau_max", "iterations", "tolerance", "seed", "warmup")
+        }
         result = calibrate_tau(
-            model,
-            tok,
-            tasks,
-            spec,
-            args.target_rho,
-            tau_min=args.tau_min,
-            tau_max=args.tau_max,
-            iterations=args.iterations,
-            tolerance=args.tolerance,
-            seed=args.seed,
-            progress=not args.no_progress,
-            warmup=args.warmup,
+            model, tok, tasks, spec, args.target_rho, progress=not args.no_progress, **options
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -352,8 +329,7 @@ def cmd_calibrate(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     warm = f"-W{args.warmup}" if args.warmup else ""
     path = out / f"{spec.tag}__{workload.tag()}{warm}__rho{args.target_rho:g}.json"
-    data = {**result.to_dict(), **common, "warmup": args.warmup}
-    write_json(path, data)
+    write_json(path, {**result.to_dict(), **common, "warmup": args.warmup})
     print(f"tau = {result.tau:g} gives rho = {result.rho:.3f} (target {args.target_rho:g}); {path}")
     if result.note:
         print(f"note: {result.note}")
@@ -395,8 +371,7 @@ def cmd_list(argv: list[str]) -> int:
     for name, cls in sorted(WORKLOADS.items()):
         print(f"  {name:<10} {cls.description}")
         print(f"  {'':<10} parameters: {', '.join(cls.param_names())}")
-    studies = available_studies()
-    print(f"\nstudies (study NAME): {', '.join(studies) if studies else 'none installed'}")
+    print(f"\nstudies (study NAME): {', '.join(available_studies())}")
     return 0
 
 
@@ -405,41 +380,31 @@ STUDIES_PACKAGE = "hf_kvshare.bench.studies"
 
 
 def available_studies() -> list[str]:
-    try:
-        package = importlib.import_module(STUDIES_PACKAGE)
-    except ModuleNotFoundError:
-        return []
-    found = {m.name for m in pkgutil.iter_modules(getattr(package, "__path__", []))}
-    found |= {name.rsplit(".", 1)[1] for name in sys.modules if name.startswith(STUDIES_PACKAGE + ".")}
-    return sorted(n for n in found if not n.startswith("_"))
+    from . import studies
+
+    return sorted(m.name for m in pkgutil.iter_modules(studies.__path__) if not m.name.startswith("_"))
 
 
 def cmd_study(argv: list[str]) -> int:
+    studies = ", ".join(available_studies())
     if not argv or argv[0] in ("-h", "--help"):
-        studies = available_studies()
-        print("usage: python -m hf_kvshare.bench study NAME [args...]")
-        print(f"studies: {', '.join(studies) if studies else 'none installed'}")
+        print(f"usage: python -m hf_kvshare.bench study NAME [args...]\nstudies: {studies}")
         return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    module_name = f"{STUDIES_PACKAGE}.{name}"
+    module_name = f"{STUDIES_PACKAGE}.{argv[0]}"
     try:
-        module = importlib.import_module(module_name)
+        main_fn = getattr(importlib.import_module(module_name), "main", None)
     except ModuleNotFoundError as e:
-        if e.name not in (STUDIES_PACKAGE, module_name):
+        if e.name != module_name:
             raise  # the study exists but one of its own imports is missing
-        studies = available_studies()
         print(
-            f"error: no study named {name!r} (expected module {module_name}); "
-            f"available: {', '.join(studies) if studies else 'none installed'}",
+            f"error: no study named {argv[0]!r} (expected module {module_name}); available: {studies}",
             file=sys.stderr,
         )
         return 2
-    main_fn = getattr(module, "main", None)
     if not callable(main_fn):
         print(f"error: {module_name} has no main(argv) function", file=sys.stderr)
         return 2
-    result = main_fn(rest)
-    return int(result or 0)
+    return int(main_fn(argv[1:]) or 0)
 
 
 def cmd_report(argv: list[str]) -> int:

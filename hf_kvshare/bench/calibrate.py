@@ -14,7 +14,7 @@ Profile on other requests than the ones evaluated (``--offset``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +40,7 @@ class Calibration:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "target_rho": self.target_rho,
-            "tau": self.tau,
-            "rho": self.rho,
-            "evaluations": [{"tau": t, "rho": r} for t, r in self.evaluations],
-            "note": self.note,
-        }
+        return {**asdict(self), "evaluations": [{"tau": t, "rho": r} for t, r in self.evaluations]}
 
 
 def realized_rho(
@@ -106,15 +99,7 @@ def calibrate_tau(
 
     def rho_at(tau: float) -> float:
         options = tuple(sorted({**base, "tau": round(tau, 6)}.items()))
-        rho = realized_rho(
-            model,
-            tokenizer,
-            tasks,
-            replace(spec, options=options),
-            seed=seed,
-            progress=progress,
-            warmup=warmup,
-        )
+        rho = realized_rho(model, tokenizer, tasks, replace(spec, options=options), seed, progress, warmup)
         evaluations.append((round(tau, 6), rho))
         if progress:
             print(f"  tau={tau:.4f}  rho={rho:.3f}")
