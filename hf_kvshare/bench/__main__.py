@@ -108,6 +108,7 @@ def load_bench_model(
     """``load_model`` plus the device, the CPU threads and the PEFT adapters, in eval mode."""
     import torch
 
+    from ..agents import load_adapters
     from ..models import load_model
 
     if threads is not None:
@@ -126,21 +127,9 @@ def load_bench_model(
     model, tok = load_model(name, dtype=dtype)
     if device != "cpu":
         model = model.to(device)
-    if adapters:
-        from peft import PeftModel
-
-        from .._compat import peft_wrapping_warnings_silenced
-
-        items = list(adapters.items())
-        with peft_wrapping_warnings_silenced():  # raised inside PEFT (not by our calls) on transformers 5.x
-            model = PeftModel.from_pretrained(model, items[0][1], adapter_name=items[0][0])
-            for adapter, path in items[1:]:
-                model.load_adapter(path, adapter_name=adapter)
-        model.eval()
-    return model, tok
+    return (load_adapters(model, adapters) if adapters else model), tok
 
 
-# ---------------------------------------------------------------------- run
 def cmd_run(argv: list[str]) -> int:
     return run_command(argv)[0]
 
@@ -235,7 +224,6 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     return 0, runners
 
 
-# --------------------------------------------------------------------- plot
 def cmd_plot(argv: list[str]) -> int:
     from . import plots
     from .report import find_configurations
@@ -260,7 +248,6 @@ def cmd_plot(argv: list[str]) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- calibrate
 def cmd_calibrate(argv: list[str]) -> int:
     from .calibrate import calibrate_tau, has_offline_profile, save_profile
     from .methods import MethodSpec
@@ -336,7 +323,6 @@ def cmd_calibrate(argv: list[str]) -> int:
     return 0
 
 
-# ----------------------------------------------------------- validate, list
 def cmd_validate(argv: list[str]) -> int:
     from .workloads import WorkloadFormatError, validate_task_file
 
@@ -375,14 +361,12 @@ def cmd_list(argv: list[str]) -> int:
     return 0
 
 
-# -------------------------------------------------------------------- study
 STUDIES_PACKAGE = "hf_kvshare.bench.studies"
 
 
 def available_studies() -> list[str]:
-    from . import studies
-
-    return sorted(m.name for m in pkgutil.iter_modules(studies.__path__) if not m.name.startswith("_"))
+    found = pkgutil.iter_modules([str(Path(__file__).with_name("studies"))])
+    return sorted(m.name for m in found if not m.name.startswith("_"))
 
 
 def cmd_study(argv: list[str]) -> int:

@@ -46,7 +46,6 @@ from .report import write_csv
 from .workloads import TaskSpec, Workload
 
 
-# ------------------------------------------------------------------ config
 @dataclass
 class RunConfig:
     """What fixes a configuration's results (the directory holds exactly one)."""
@@ -138,7 +137,6 @@ def _clean(value: Any) -> Any:
     return value
 
 
-# ------------------------------------------------------------------ runner
 class Collector:
     """Extra measurements of a study, taken from each recorded request's :class:`RequestRun` (free and
     teacher-forced turns with their caches) while the runner runs; no run loop of its own."""
@@ -169,16 +167,14 @@ class BenchRunner:
     ):
         self.model = model
         self.collectors = list(collectors)
-        self.pairs: list[
-            MethodPair
-        ] = []  # the method instances of the last run (collectors read their state)
+        # the method instances of the last run (collectors read their state)
+        self.pairs: list[MethodPair] = []
         self.tokenizer = tokenizer
         self.workload = workload
         self.config = config
         self.dir = Path(out_root) / config.directory_name(workload)
         self.progress = progress
 
-    # -------------------------------------------------------------- state
     def method_dir(self, spec: MethodSpec) -> Path:
         return self.dir / spec.tag
 
@@ -213,7 +209,6 @@ class BenchRunner:
         self.dir.mkdir(parents=True, exist_ok=True)
         write_json(path, {"config": current, "environment": environment()})
 
-    # ---------------------------------------------------------------- run
     def tasks(self) -> list[TaskSpec]:
         """The workload's requests; bad data or parameters raise :class:`BenchInputError`."""
         try:
@@ -238,8 +233,7 @@ class BenchRunner:
             print(f"[{self.dir.name}] already done, skipped: {', '.join(map(str, skipped))}")
         if pending:
             self._run_pending(tasks, pending)
-        summaries = self.write_configuration_summary()
-        return summaries
+        return self.write_configuration_summary()
 
     def _check_tasks(self, tasks: list[TaskSpec], specs: list[MethodSpec]) -> None:
         if not tasks:
@@ -337,25 +331,18 @@ class BenchRunner:
             collector.finish(self)
 
     def _check(self, task: TaskSpec, results: list) -> dict[str, Any]:
-        return checkers.check_answer(
-            task, results[-1].text, execute=self.config.execute, timeout=self.config.exec_timeout
-        )
+        return checkers.check_answer(task, results[-1].text, self.config.execute, self.config.exec_timeout)
 
     def _records(
         self, task: TaskSpec, index: int, spec: MethodSpec, run: RequestRun, ref_check: dict[str, Any]
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The protocol's turn and request records of ``spec``, with the task's ids and answer checks."""
         where = {"request": task.id, "request_index": index}
-        turns = [
-            {**where, **r}
-            for r in turn_records(
-                run,
-                str(spec),
-                reusable=task.reused_slots(),
-                agents=[s.agent for s in task.schedule],
-                erank=self.config.erank,
-            )
-        ]
+        agents = [s.agent for s in task.schedule]
+        records = turn_records(
+            run, str(spec), reusable=task.reused_slots(), agents=agents, erank=self.config.erank
+        )
+        turns = [{**where, **r} for r in records]
         check = self._check(task, run.free[str(spec)])
         request = {
             **where,
@@ -366,7 +353,6 @@ class BenchRunner:
         }
         return turns, request
 
-    # ------------------------------------------------------------ summary
     def load_summaries(self) -> dict[str, dict[str, Any]]:
         """Every finished method summary of this configuration (NonShared first)."""
         current = _jsonable(self.config.to_dict())
@@ -378,8 +364,7 @@ class BenchRunner:
             }
             if _clean(stored) == current:  # a method left from an earlier, different run is not mixed in
                 found[path.parent.name] = data
-        ordered = dict(sorted(found.items(), key=lambda kv: (kv[0] != REFERENCE, kv[0])))
-        return ordered
+        return dict(sorted(found.items(), key=lambda kv: (kv[0] != REFERENCE, kv[0])))
 
     def write_configuration_summary(self) -> dict[str, dict[str, Any]]:
         summaries = self.load_summaries()

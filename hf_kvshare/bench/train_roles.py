@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .._compat import peft_wrapping_warnings_silenced
+from ..agents import load_adapters
 from .workloads.autoact_world import ROLES, TRAINING_FILLER, World, training_examples
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -158,8 +159,6 @@ def train_roles(
 
 def load_role_adapters(model: Any, path: str | Path, roles: tuple[str, ...] = ROLES):
     """Wrap ``model`` with the role adapters saved by :func:`train_roles` (adapter name = role)."""
-    from peft import PeftModel
-
     path = Path(path)
     missing = [r for r in roles if not (path / r / "adapter_config.json").exists()]
     if missing:
@@ -167,11 +166,7 @@ def load_role_adapters(model: Any, path: str | Path, roles: tuple[str, ...] = RO
             f"no trained adapter for {missing} under {path}; train them with "
             f"`python -m hf_kvshare.bench.train_roles --out {path}`"
         )
-    with peft_wrapping_warnings_silenced():
-        peft_model = PeftModel.from_pretrained(model, str(path / roles[0]), adapter_name=roles[0])
-    for role in roles[1:]:
-        peft_model.load_adapter(str(path / role), adapter_name=role)
-    return peft_model.eval()
+    return load_adapters(model, {role: path / role for role in roles})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,7 +87,6 @@ class TaskSpec:
     def __post_init__(self) -> None:
         self._check()
 
-    # ------------------------------------------------------------------ views
     def agent(self, name: str) -> AgentSpec:
         for a in self.agents:
             if a.name == name:
@@ -122,7 +121,6 @@ class TaskSpec:
             seen.add(produced)
         return out
 
-    # ------------------------------------------------------------- validation
     def _check(self) -> None:
         def fail(where: str, msg: str) -> None:
             raise WorkloadFormatError(f"{where}: {msg}")
@@ -178,7 +176,6 @@ class TaskSpec:
             if self.checker != "humaneval" and self.answer is None:
                 fail("answer", f"checker {self.checker!r} needs an answer")
 
-    # ----------------------------------------------------------------- layout
     def to_workflow(self, tokenizer: Any) -> Workflow:
         """Lay every step out as PF/PH segments.
 
@@ -231,7 +228,6 @@ class TaskSpec:
             )
         return Workflow(steps=steps, max_new_tokens=self.max_new_tokens, name=self.id)
 
-    # ---------------------------------------------------------------- records
     @classmethod
     def from_record(cls, record: Any, where: str = "record", default_id: str = "task") -> TaskSpec:
         """Parse and validate one record (a JSON object; ``None`` values count as absent).
