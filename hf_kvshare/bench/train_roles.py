@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from .._compat import peft_wrapping_warnings_silenced
 from ..agents import load_adapters
 from .workloads.autoact_world import ROLES, TRAINING_FILLER, World, training_examples
 
+SETTINGS = ("steps", "batch_size", "max_length", "rank", "lr", "seed", "questions")  # in roles.json
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -109,15 +111,7 @@ def train_roles(
     for role in ROLES[1:]:
         peft_model.add_adapter(role, role_config(rank))
     report: dict[str, Any] = {
-        "settings": dict(
-            steps=steps,
-            batch_size=batch_size,
-            max_length=max_length,
-            rank=rank,
-            lr=lr,
-            seed=seed,
-            questions=questions,
-        ),
+        "settings": dict(zip(SETTINGS, (steps, batch_size, max_length, rank, lr, seed, questions))),
         "command": command,
         "threads": torch.get_num_threads(),
         "targets": TARGETS,
@@ -127,11 +121,9 @@ def train_roles(
     t0 = time.perf_counter()
     for role in ROLES:
         peft_model.set_adapter(role)
-        params = []
         for name, p in peft_model.named_parameters():
             p.requires_grad_(f".{role}." in name and "lora_" in name)
-            if p.requires_grad:
-                params.append(p)
+        params = [p for p in peft_model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         batches = _batches(tokenizer, by_role[role], batch_size, max_length, random.Random(seed))
         peft_model.train()
@@ -187,19 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = train_roles(
-        args.out,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        rank=args.rank,
-        lr=args.lr,
-        seed=args.seed,
-        questions=args.questions,
-        command=" ".join(
-            ["python -m hf_kvshare.bench.train_roles", *(sys.argv[1:] if argv is None else argv)]
-        ),
+    command = shlex.join(
+        ["python", "-m", "hf_kvshare.bench.train_roles", *(sys.argv[1:] if argv is None else argv)]
     )
+    settings = {k: v for k, v in vars(args).items() if k != "threads"}
+    report = train_roles(**settings, command=command)
     first_last = {r: (v[0], v[-1]) for r, v in report["loss"].items()}
     print(
         f"saved {list(report['loss'])} to {args.out} in {report['train_seconds']} s; loss first/last: {first_last}"
