@@ -32,6 +32,10 @@ WORKLOAD_OPTIONS = {  # option: (type, help); the workload parameter is the opti
 }
 
 
+def _parser(command: str, description: str | None = None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"python -m hf_kvshare.bench {command}", description=description)
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -144,9 +148,7 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     from .runner import BenchInputError, BenchRunner, RunConfig
     from .workloads import make_workload
 
-    p = argparse.ArgumentParser(
-        prog=f"python -m hf_kvshare.bench {prog}", description="run methods on a workload"
-    )
+    p = _parser(prog, description="run methods on a workload")
     p.add_argument(
         "--methods",
         nargs="+",
@@ -187,21 +189,14 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tok = load_bench_model(args.model, args.dtype, args.device, adapters, args.threads)
     runners = []
+    options = {
+        k: getattr(args, k) for k in ("model", "dtype", "device", "seed", "execute", "exec_timeout", "warmup")
+    }
+    options.update(
+        fidelity=not args.no_fidelity, erank=not args.no_erank and not args.no_fidelity, adapters=adapters
+    )
     for workload in workloads:
-        config = RunConfig(
-            workload=workload.name,
-            workload_params=workload.params(),
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            seed=args.seed,
-            fidelity=not args.no_fidelity,
-            erank=not args.no_erank and not args.no_fidelity,
-            execute=args.execute,
-            exec_timeout=args.exec_timeout,
-            adapters=adapters,
-            warmup=args.warmup,
-        )
+        config = RunConfig(workload.name, workload.params(), **options)
         runner = BenchRunner(
             model, tok, workload, config, args.out, progress=not args.no_progress, collectors=collectors
         )
@@ -218,8 +213,7 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     dirs = [r.dir for r in runners]
     if len(dirs) > 1 and not args.no_plots:
         out = Path(args.out) / "plots" / f"{workloads[0].name}-sweep-{dirs[0].name.split('__', 1)[1]}"
-        written = plots.sweep_plots(dirs, out)
-        if written:
+        if plots.sweep_plots(dirs, out):
             print(f"\nsweep plots: {out}")
     return 0, runners
 
@@ -228,9 +222,7 @@ def cmd_plot(argv: list[str]) -> int:
     from . import plots
     from .report import find_configurations
 
-    p = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench plot", description="(re)draw the figures of runs"
-    )
+    p = _parser("plot", description="(re)draw the figures of runs")
     p.add_argument("dirs", nargs="+", help="configuration directories (or an output root holding them)")
     p.add_argument("--out", default=None, help="where sweep plots go (default: <first root>/plots)")
     args = p.parse_args(argv)
@@ -239,11 +231,9 @@ def cmd_plot(argv: list[str]) -> int:
     except FileNotFoundError as e:
         p.error(str(e))
     for c in configs:
-        written = plots.configuration_plots(c)
-        print(f"{c}: {len(written)} files")
+        print(f"{c}: {len(plots.configuration_plots(c))} files")
     out = Path(args.out) if args.out else configs[0].parent / "plots" / "sweep"
-    written = plots.sweep_plots(configs, out)
-    if written:
+    if plots.sweep_plots(configs, out):
         print(f"sweep plots: {out}")
     return 0
 
@@ -254,8 +244,8 @@ def cmd_calibrate(argv: list[str]) -> int:
     from .runner import write_json
     from .workloads import make_workload
 
-    p = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench calibrate",
+    p = _parser(
+        "calibrate",
         description="pick tau to reach a target reuse ratio rho (--target-rho), or profile a method "
         "offline (droidspeak's per-layer deviation; no --target-rho)",
     )
@@ -326,9 +316,7 @@ def cmd_calibrate(argv: list[str]) -> int:
 def cmd_validate(argv: list[str]) -> int:
     from .workloads import WorkloadFormatError, validate_task_file
 
-    p = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench validate", description="check a JSONL task file"
-    )
+    p = _parser("validate", description="check a JSONL task file")
     p.add_argument("file")
     args = p.parse_args(argv)
     try:
@@ -346,7 +334,7 @@ def cmd_list(argv: list[str]) -> int:
     from .methods import MethodSpec, requires_adapters
     from .workloads import WORKLOADS
 
-    argparse.ArgumentParser(prog="python -m hf_kvshare.bench list").parse_args(argv)
+    _parser("list").parse_args(argv)
     print("methods (registry names; options as name:key=value,...):")
     for name in sorted(METHODS):
         options = MethodSpec(name).option_names()
@@ -394,9 +382,7 @@ def cmd_study(argv: list[str]) -> int:
 def cmd_report(argv: list[str]) -> int:
     from .report import REPORT_COLUMNS, report
 
-    p = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench report", description="markdown tables from configuration directories"
-    )
+    p = _parser("report", description="markdown tables from configuration directories")
     p.add_argument("dirs", nargs="+", help="configuration directories (or an output root holding them)")
     p.add_argument("--kind", choices=sorted(REPORT_COLUMNS), default="fidelity")
     p.add_argument("--hops", action="store_true", help="also a per-hop fidelity table per method")
