@@ -88,10 +88,7 @@ class TaskSpec:
         self._check()
 
     def agent(self, name: str) -> AgentSpec:
-        for a in self.agents:
-            if a.name == name:
-                return a
-        raise KeyError(name)
+        return {a.name: a for a in self.agents}[name]
 
     @property
     def adapters(self) -> list[str]:
@@ -206,11 +203,8 @@ class TaskSpec:
             if agent.tail:
                 content.append(PF(agent.tail.lstrip() if not step.reads else agent.tail))
             if use_chat:
-                messages = []
-                if agent.system:
-                    messages.append({"role": "system", "content": agent.system})
-                messages.append({"role": "user", "content": content})
-                segments = chat(tokenizer, messages)
+                system = [{"role": "system", "content": agent.system}] if agent.system else []
+                segments = chat(tokenizer, [*system, {"role": "user", "content": content}])
             else:
                 segments = ([PF(agent.system + "\n\n")] if agent.system else []) + content
             labels[output] = step.label or step.agent
