@@ -18,14 +18,16 @@ The bench's summaries give TTFT ratios, rho, agreement, KL and KV error hop by h
 
 from __future__ import annotations
 
-import math
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from ...anchors import FactoredKV, canonical_keys, context_free_reference, effective_rank, to_matrix
 from ...cache import SegmentedCache
+from ...evaluation.metrics import relative_error
 from ...rope import RopeShifter
 from ..report import write_csv
 from . import TableCollector, run_study
@@ -150,19 +152,14 @@ class AnchorBytes(TableCollector):
             kv = cache.extract(0, length)
             dense = FactoredKV.from_kv(kv.keys, kv.values, None)
             low = FactoredKV.from_kv(kv.keys, kv.values, self.rank)
-            num = den = 0.0
-            for layer in range(kv.num_layers):
-                for f, t in ((low.keys[layer], kv.keys[layer]), (low.values[layer], kv.values[layer])):
-                    m = to_matrix(t).double()
-                    num += (f.reconstruct().double() - m).pow(2).sum().item()
-                    den += m.pow(2).sum().item()
+            exact, approx = ([f.reconstruct().flatten() for f in (*c.keys, *c.values)] for c in (dense, low))
             self.rows.append(
                 {
                     "length": length,
                     "dense_bytes": dense.nbytes,
                     f"rank{self.rank}_bytes": low.nbytes,
                     "ratio": dense.nbytes / low.nbytes,
-                    f"rank{self.rank}_rel_error": math.sqrt(num / den) if den else 0.0,
+                    f"rank{self.rank}_rel_error": relative_error(torch.cat(approx), torch.cat(exact)),
                 }
             )
         super().finish(runner)
