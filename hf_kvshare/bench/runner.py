@@ -156,14 +156,7 @@ class BenchRunner:
     """
 
     def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        workload: Workload,
-        config: RunConfig,
-        out_root: str | os.PathLike,
-        progress: bool = True,
-        collectors: Sequence[Collector] = (),
+        self, model, tokenizer, workload: Workload, config: RunConfig, out_root, progress=True, collectors=()
     ):
         self.model = model
         self.collectors = list(collectors)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
 from .._compat import peft_wrapping_warnings_silenced
@@ -62,14 +63,9 @@ def _batches(tokenizer, examples, batch_size: int, max_length: int, rng: random.
         rng.shuffle(encoded)
         for i in range(0, len(encoded) - batch_size + 1, batch_size):
             chunk = encoded[i : i + batch_size]
-            width = max(len(ids) for ids, _ in chunk)
-            ids = torch.full((batch_size, width), pad, dtype=torch.long)
-            labels = torch.full((batch_size, width), -100, dtype=torch.long)
-            mask = torch.zeros((batch_size, width), dtype=torch.long)
-            for row, (x, y) in enumerate(chunk):
-                ids[row, : len(x)] = torch.tensor(x)
-                labels[row, : len(y)] = torch.tensor(y)
-                mask[row, : len(x)] = 1
+            ids = pad_sequence([torch.tensor(x) for x, _ in chunk], batch_first=True, padding_value=pad)
+            labels = pad_sequence([torch.tensor(y) for _, y in chunk], batch_first=True, padding_value=-100)
+            mask = pad_sequence([torch.ones(len(x), dtype=torch.long) for x, _ in chunk], batch_first=True)
             yield ids, labels, mask
 
 

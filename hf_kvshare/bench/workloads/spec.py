@@ -319,13 +319,9 @@ class _Reader:
     def no_unknown(self, obj: Mapping, path: str, known: tuple[str, ...]) -> None:
         for key in obj:
             if key not in known and obj[key] is not None:
-                self.fail(
-                    f"{path}.{key}" if path else key, f"unknown field; expected one of {', '.join(known)}"
-                )
+                self.fail(_join(path, key), f"unknown field; expected one of {', '.join(known)}")
 
-    def records(
-        self, obj: Mapping, key: str, spec: type, required: bool = False
-    ) -> list[tuple[str, Mapping]]:
+    def records(self, obj: Mapping, key: str, spec: type, required: bool = False) -> list:
         """``(path, object)`` of each item of the list ``key``, whose fields are those of ``spec``."""
         items = []
         for i, item in enumerate(self.list_of(obj, key, required=required)):
@@ -340,15 +336,7 @@ class _Reader:
             self.fail(_join(path, key), "is required")
         return value
 
-    def string(
-        self,
-        obj: Mapping,
-        key: str,
-        path: str,
-        required: bool = False,
-        default: Any = None,
-        allow_empty=False,
-    ) -> Any:
+    def string(self, obj: Mapping, key: str, path: str, required=False, default=None, allow_empty=False):
         value = self._get(obj, key, path, required)
         if value is None:
             return default
