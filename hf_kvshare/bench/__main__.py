@@ -239,7 +239,8 @@ def cmd_plot(argv: list[str]) -> int:
 
 
 def cmd_calibrate(argv: list[str]) -> int:
-    from .calibrate import calibrate_tau, has_offline_profile, save_profile
+    from ..evaluation import has_offline_profile
+    from .calibrate import calibrate_tau, save_profile
     from .methods import MethodSpec
     from .runner import write_json
     from .workloads import make_workload
@@ -272,11 +273,11 @@ def cmd_calibrate(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
     profile = args.target_rho is None
-    if profile and not has_offline_profile(spec):
+    if profile and not has_offline_profile(spec.cls):
         p.error(
             f"--target-rho is required: method {spec.name!r} is calibrated by tau, not by an offline profile"
         )
-    if not profile and has_offline_profile(spec):
+    if not profile and has_offline_profile(spec.cls):
         p.error(f"method {spec.name!r} is profiled offline, not by tau: leave out --target-rho")
     if profile and args.warmup:
         p.error(

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..evaluation import calibrate_droidspeak, run_workflow
-from ..evaluation import has_offline_profile as evaluation_has_offline_profile
+from ..evaluation import calibrate_droidspeak, has_offline_profile, run_workflow
 from ..evaluation.metrics import reuse_ratio
 from ..session import Session
 from .methods import MethodSpec
@@ -128,22 +127,16 @@ def calibrate_tau(
     )
 
 
-def has_offline_profile(spec: MethodSpec) -> bool:
-    """The method is profiled offline (it has ``fit_profile(transitions)``)."""
-    return evaluation_has_offline_profile(spec.cls)
-
-
 def calibrate_profile(
     model, tokenizer, tasks: list[TaskSpec], spec: MethodSpec, progress: bool = True
 ) -> dict[str, Any]:
     """Run ``spec``'s offline profiling on ``tasks``; return ``{option name: profile}`` to save."""
-    if not has_offline_profile(spec):
+    if not has_offline_profile(spec.cls):
         raise ValueError(
             f"method {spec.name!r} has no offline profile (no `fit_profile` method); use --target-rho"
         )
-    method = spec.create()
     workflows = [t.to_workflow(tokenizer) for t in tasks]
-    profile = calibrate_droidspeak(method, model, tokenizer, workflows, progress=progress)
+    profile = calibrate_droidspeak(spec.create(), model, tokenizer, workflows, progress=progress)
     return {"layer_profile": [float(x) for x in profile]}
 
 
