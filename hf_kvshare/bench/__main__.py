@@ -53,13 +53,8 @@ def _add_workload_options(p: argparse.ArgumentParser, sweep: bool = True) -> Non
     g.add_argument("--workload", required=True, choices=sorted(WORKLOADS), help="workload name")
     for flag, (typ, text) in WORKLOAD_OPTIONS.items():
         g.add_argument(flag, type=typ, default=None, help=text)
-    sweep_help = "(s); a sweep" if sweep else ""
-    g.add_argument(
-        "--shared-tokens",
-        type=int,
-        nargs="+" if sweep else None,
-        help=f"trace: shared context length{sweep_help}",
-    )
+    text = "trace: shared context length" + ("(s); a sweep" if sweep else "")
+    g.add_argument("--shared-tokens", type=int, nargs="+" if sweep else None, help=text)
     g.add_argument(
         "--first-prefix", action="store_true", default=None, help="stress: give the first agent a persona"
     )
@@ -89,9 +84,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
-    names = [flag[2:].replace("-", "_") for flag in WORKLOAD_OPTIONS] + ["first_prefix"]
+def _pick(args: argparse.Namespace, *names: str) -> dict[str, Any]:
     return {name: getattr(args, name) for name in names}
+
+
+def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
+    return _pick(args, *(flag[2:].replace("-", "_") for flag in WORKLOAD_OPTIONS), "first_prefix")
 
 
 def _adapters(items: list[str]) -> dict[str, str]:
@@ -106,9 +104,7 @@ def _adapters(items: list[str]) -> dict[str, str]:
     return adapters
 
 
-def load_bench_model(
-    name: str, dtype: str | None, device: str, adapters: dict[str, str], threads: int | None = None
-):
+def load_bench_model(name: str, dtype: str | None, device: str, adapters: dict[str, str], threads=None):
     """``load_model`` plus the device, the CPU threads and the PEFT adapters, in eval mode."""
     import torch
 
@@ -120,14 +116,11 @@ def load_bench_model(
             raise SystemExit(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     for adapter, path in adapters.items():  # before the model loads: a typo should not cost a load
+        where = f"--adapter {adapter}={path}"
         if Path(path).is_dir() and not (Path(path) / "adapter_config.json").exists():
-            raise SystemExit(
-                f"--adapter {adapter}={path}: the directory has no adapter_config.json (a PEFT adapter)"
-            )
+            raise SystemExit(f"{where}: the directory has no adapter_config.json (a PEFT adapter)")
         if not Path(path).exists() and (os.sep in path or path.startswith(".")):
-            raise SystemExit(
-                f"--adapter {adapter}={path}: no such directory (expected a PEFT adapter dir or hub id)"
-            )
+            raise SystemExit(f"{where}: no such directory (expected a PEFT adapter dir or hub id)")
     model, tok = load_model(name, dtype=dtype)
     if device != "cpu":
         model = model.to(device)
@@ -189,17 +182,12 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tok = load_bench_model(args.model, args.dtype, args.device, adapters, args.threads)
     runners = []
-    options = {
-        k: getattr(args, k) for k in ("model", "dtype", "device", "seed", "execute", "exec_timeout", "warmup")
-    }
-    options.update(
-        fidelity=not args.no_fidelity, erank=not args.no_erank and not args.no_fidelity, adapters=adapters
-    )
+    options = _pick(args, "model", "dtype", "device", "seed", "execute", "exec_timeout", "warmup")
+    fidelity = not args.no_fidelity
+    options.update(fidelity=fidelity, erank=fidelity and not args.no_erank, adapters=adapters)
     for workload in workloads:
         config = RunConfig(workload.name, workload.params(), **options)
-        runner = BenchRunner(
-            model, tok, workload, config, args.out, progress=not args.no_progress, collectors=collectors
-        )
+        runner = BenchRunner(model, tok, workload, config, args.out, not args.no_progress, collectors)
         try:
             summaries = runner.run(specs, redo=args.redo)
         except BenchInputError as e:
@@ -295,12 +283,9 @@ def cmd_calibrate(argv: list[str]) -> int:
             print(f"profile of {spec.name} on {len(tasks)} request(s) of {workload.tag()}: {path}")
             print(f"use it as: --methods {spec}{',' if spec.options else ':'}{option}")
             return 0
-        options = {
-            k: getattr(args, k) for k in ("tau_min", "tau_max", "iterations", "tolerance", "seed", "warmup")
-        }
-        result = calibrate_tau(
-            model, tok, tasks, spec, args.target_rho, progress=not args.no_progress, **options
-        )
+        options = _pick(args, "tau_min", "tau_max", "iterations", "tolerance", "seed", "warmup")
+        options["progress"] = not args.no_progress
+        result = calibrate_tau(model, tok, tasks, spec, args.target_rho, **options)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -369,10 +354,8 @@ def cmd_study(argv: list[str]) -> int:
     except ModuleNotFoundError as e:
         if e.name != module_name:
             raise  # the study exists but one of its own imports is missing
-        print(
-            f"error: no study named {argv[0]!r} (expected module {module_name}); available: {studies}",
-            file=sys.stderr,
-        )
+        error = f"no study named {argv[0]!r} (expected module {module_name})"
+        print(f"error: {error}; available: {studies}", file=sys.stderr)
         return 2
     if not callable(main_fn):
         print(f"error: {module_name} has no main(argv) function", file=sys.stderr)
