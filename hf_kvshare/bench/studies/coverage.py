@@ -54,29 +54,25 @@ class Coverage(TableCollector):
         self.workflows.append(task.to_workflow(runner.tokenizer))
 
     def finish(self, runner) -> None:
+        model, tok = runner.model, runner.tokenizer
         droidspeak, relaycaching = DroidSpeak(layer_profile=self.profile), RelayCaching()
-        band = relaycaching.band_layers(runner.model.config.num_hidden_layers)
-        transitions = collect_transitions(
-            runner.model, runner.tokenizer, self.workflows, [band[0]] if band[0] > 0 else [], runner.progress
-        )
+        band = relaycaching.band_layers(model.config.num_hidden_layers)
+        hidden = [band[0]] if band[0] > 0 else []
+        options = {
+            "droidspeak": droidspeak,
+            "relaycaching": relaycaching,
+            "random_trials": self.random_trials,
+        }
+        options["transitions"] = collect_transitions(model, tok, self.workflows, hidden, runner.progress)
         reports = {}
         for rho in self.rhos:
             report = reconstruction_coverage(
-                runner.model,
-                runner.tokenizer,
-                self.workflows,
-                rho=rho,
-                droidspeak=droidspeak,
-                relaycaching=relaycaching,
-                transitions=transitions,
-                random_trials=self.random_trials,
-                progress=runner.progress,
+                model, tok, self.workflows, rho=rho, progress=runner.progress, **options
             )
             reports[str(rho)] = report.to_dict()
             self.rows += [{"rho": rho, **c} for c in reports[str(rho)]["criteria"].values()]
-        write_json(
-            runner.dir / "coverage.json", {"layer_profile": droidspeak.layer_profile, "coverage": reports}
-        )
+        coverage = {"layer_profile": droidspeak.layer_profile, "coverage": reports}
+        write_json(runner.dir / "coverage.json", coverage)
         super().finish(runner)
 
 
