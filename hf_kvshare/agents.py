@@ -6,7 +6,8 @@ require grad):
 
 - :func:`check_agent_adapter`: a clear error unless the agent names an unmerged adapter;
 - :func:`agent_adapter`: the agent's adapter is active within a block, everything restored after;
-- :func:`activate_adapter`: make an adapter the active one (the bench's per-step ``adapter``).
+- :func:`activate_adapter`: make an adapter the active one (the bench's per-step ``adapter``);
+- :func:`load_adapters`: wrap a model with PEFT adapters, each under its agent's name.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from typing import Any
 
 from torch import nn
 
-from ._compat import is_peft_model, restore_active_adapters, set_active_adapter
+from ._compat import (
+    is_peft_model,
+    peft_wrapping_warnings_silenced,
+    restore_active_adapters,
+    set_active_adapter,
+)
 
 #: PEFT's name for the adapter-free rows of a mixed-adapter batch (``adapter_names=[..., "__base__"]``).
 BASE_ROW = "__base__"
@@ -26,6 +32,19 @@ BASE_ROW = "__base__"
 def adapter_names(model: nn.Module) -> list[str]:
     """The adapters of a ``PeftModel`` in load order."""
     return list(getattr(model, "peft_config", {}))
+
+
+def load_adapters(model: nn.Module, adapters: dict[str, Any]) -> Any:
+    """``model`` wrapped in a ``PeftModel`` with each adapter of ``adapters`` (name -> PEFT adapter
+    directory or hub id) under its name, in eval mode."""
+    from peft import PeftModel
+
+    (first, path), *rest = adapters.items()
+    with peft_wrapping_warnings_silenced():  # raised inside PEFT (not by our calls) on transformers 5.x
+        model = PeftModel.from_pretrained(model, str(path), adapter_name=first)
+        for name, path in rest:
+            model.load_adapter(str(path), adapter_name=name)
+    return model.eval()
 
 
 def merged_adapters(model: nn.Module) -> list[str]:

@@ -156,38 +156,43 @@ def test_study_cli(tmp_path, tokenizer):
     model = tiny_model("llama", num_hidden_layers=6)
     model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
-    out = tmp_path / "out.json"
+    out = tmp_path / "runs"
     code = main(
         [
             "--model",
             str(tmp_path / "tiny"),
             "--rho",
             "0.5",
-            "--problems",
+            "--limit",
             "1",
             "--calibration",
-            "1",
-            "--compare-problems",
             "1",
             "--max-new-tokens",
             "3",
             "--random-trials",
             "4",
-            "--json",
+            "--out",
             str(out),
             "--no-progress",
+            "--no-plots",
         ]
     )
     assert code == 0
-    results = json.loads(out.read_text())
+    (config,) = [d for d in out.iterdir() if (d / "coverage.json").exists()]
+    results = json.loads((config / "coverage.json").read_text())
     assert len(results["layer_profile"]) == 6
     criteria = results["coverage"]["0.5"]["criteria"]
     assert set(criteria) == {"layer", "deviation", "attention", "relaycaching"}
     assert all(0.0 <= c["coverage"] <= 1.0 + 1e-9 for c in criteria.values())
-    methods = {row["method"]: row for row in results["methods"]}
-    assert set(methods) == {"nonshared", "fullshared", "cacheblend@0.5", "droidspeak@0.5", "relaycaching@0.5"}
+    summary = json.loads((config / "summary.json").read_text())
+    methods = {row["method"].split(":")[0]: row for row in summary["methods"]}
+    assert set(methods) == {"nonshared", "fullshared", "cacheblend", "droidspeak", "relaycaching"}
+    assert all(
+        "rho=0.5" in row["method"] for name, row in methods.items() if name not in ("nonshared", "fullshared")
+    )
     assert methods["nonshared"]["agreement"] == 1.0 and methods["nonshared"]["kv_error"] == 0.0
-    assert 0.0 < methods["cacheblend@0.5"]["reuse_ratio"] < methods["fullshared"]["reuse_ratio"]
+    assert 0.0 < methods["cacheblend"]["reuse_ratio"] < methods["fullshared"]["reuse_ratio"]
+    assert "| deviation |" in (config / "coverage.md").read_text()
 
 
 def test_calibrates_droidspeak_when_given_calibration_workflows(six_layers, tokenizer, transitions):

@@ -17,24 +17,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-WORKLOAD_OPTIONS = {
-    # option: (parameter, type, help)
-    "--data": (
-        "data",
-        str,
-        "data source: JSONL task file (file), hub name or local file (gsm8k, mmlu, autoact)",
-    ),
-    "--data-config": ("data_config", str, "dataset configuration on the hub (gsm8k: main, mmlu: all)"),
-    "--split": ("split", str, "dataset split (default test)"),
-    "--limit": ("limit", int, "number of requests (tasks) to run; 0: all"),
-    "--offset": ("offset", int, "index of the first task"),
-    "--max-new-tokens": ("max_new_tokens", int, "tokens generated per agent turn (task workloads)"),
-    "--agents": ("agents", int, "trace: agents per round (N)"),
-    "--rounds": ("rounds", int, "trace/autoact: rounds (R)"),
-    "--output-tokens": ("output_tokens", int, "trace/stress: fixed output length per turn"),
-    "--requests": ("requests", int, "trace/stress: number of requests"),
-    "--hops": ("hops", int, "stress: agents in the chain"),
+WORKLOAD_OPTIONS = {  # option: (type, help); the workload parameter is the option's name
+    "--data": (str, "data source: JSONL task file (file), hub name or local file (gsm8k, mmlu, autoact)"),
+    "--data-config": (str, "dataset configuration on the hub (gsm8k: main, mmlu: all)"),
+    "--split": (str, "dataset split (default test)"),
+    "--limit": (int, "number of requests (tasks) to run; 0: all"),
+    "--offset": (int, "index of the first task"),
+    "--max-new-tokens": (int, "tokens generated per agent turn (task workloads)"),
+    "--agents": (int, "trace: agents per round (N)"),
+    "--rounds": (int, "trace/autoact: rounds (R)"),
+    "--output-tokens": (int, "trace/stress: fixed output length per turn"),
+    "--requests": (int, "trace/stress: number of requests"),
+    "--hops": (int, "stress: agents in the chain"),
 }
+
+
+def _parser(command: str, description: str | None = None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"python -m hf_kvshare.bench {command}", description=description)
 
 
 def _non_negative(text: str) -> int:
@@ -52,18 +51,10 @@ def _add_workload_options(p: argparse.ArgumentParser, sweep: bool = True) -> Non
 
     g = p.add_argument_group("workload")
     g.add_argument("--workload", required=True, choices=sorted(WORKLOADS), help="workload name")
-    for flag, (_, typ, text) in WORKLOAD_OPTIONS.items():
+    for flag, (typ, text) in WORKLOAD_OPTIONS.items():
         g.add_argument(flag, type=typ, default=None, help=text)
-    if sweep:
-        g.add_argument(
-            "--shared-tokens",
-            type=int,
-            nargs="+",
-            default=None,
-            help="trace: shared context length(s); a sweep",
-        )
-    else:
-        g.add_argument("--shared-tokens", type=int, default=None, help="trace: shared context length")
+    text = "trace: shared context length" + ("(s); a sweep" if sweep else "")
+    g.add_argument("--shared-tokens", type=int, nargs="+" if sweep else None, help=text)
     g.add_argument(
         "--first-prefix", action="store_true", default=None, help="stress: give the first agent a persona"
     )
@@ -93,12 +84,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _pick(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in names}
+
+
 def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
-    params = {
-        param: getattr(args, flag[2:].replace("-", "_")) for flag, (param, _, _) in WORKLOAD_OPTIONS.items()
-    }
-    params["first_prefix"] = args.first_prefix
-    return params
+    return _pick(args, *(flag[2:].replace("-", "_") for flag in WORKLOAD_OPTIONS), "first_prefix")
 
 
 def _workload_taus(items: list[str]) -> dict[str, float]:
@@ -127,12 +118,11 @@ def _adapters(items: list[str]) -> dict[str, str]:
     return adapters
 
 
-def load_bench_model(
-    name: str, dtype: str | None, device: str, adapters: dict[str, str], threads: int | None = None
-):
+def load_bench_model(name: str, dtype: str | None, device: str, adapters: dict[str, str], threads=None):
     """``load_model`` plus the device, the CPU threads and the PEFT adapters, in eval mode."""
     import torch
 
+    from ..agents import load_adapters
     from ..models import load_model
 
     if threads is not None:
@@ -140,32 +130,17 @@ def load_bench_model(
             raise SystemExit(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     for adapter, path in adapters.items():  # before the model loads: a typo should not cost a load
+        where = f"--adapter {adapter}={path}"
         if Path(path).is_dir() and not (Path(path) / "adapter_config.json").exists():
-            raise SystemExit(
-                f"--adapter {adapter}={path}: the directory has no adapter_config.json (a PEFT adapter)"
-            )
+            raise SystemExit(f"{where}: the directory has no adapter_config.json (a PEFT adapter)")
         if not Path(path).exists() and (os.sep in path or path.startswith(".")):
-            raise SystemExit(
-                f"--adapter {adapter}={path}: no such directory (expected a PEFT adapter dir or hub id)"
-            )
+            raise SystemExit(f"{where}: no such directory (expected a PEFT adapter dir or hub id)")
     model, tok = load_model(name, dtype=dtype)
     if device != "cpu":
         model = model.to(device)
-    if adapters:
-        from peft import PeftModel
-
-        from .._compat import peft_wrapping_warnings_silenced
-
-        items = list(adapters.items())
-        with peft_wrapping_warnings_silenced():  # raised inside PEFT (not by our calls) on transformers 5.x
-            model = PeftModel.from_pretrained(model, items[0][1], adapter_name=items[0][0])
-            for adapter, path in items[1:]:
-                model.load_adapter(path, adapter_name=adapter)
-        model.eval()
-    return model, tok
+    return (load_adapters(model, adapters) if adapters else model), tok
 
 
-# ---------------------------------------------------------------------- run
 def cmd_run(argv: list[str]) -> int:
     return run_command(argv)[0]
 
@@ -180,9 +155,7 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     from .runner import BenchInputError, BenchRunner, RunConfig
     from .workloads import make_workload, workload_tau
 
-    p = argparse.ArgumentParser(
-        prog=f"python -m hf_kvshare.bench {prog}", description="run methods on a workload"
-    )
+    p = _parser(prog, description="run methods on a workload")
     p.add_argument(
         "--methods",
         nargs="+",
@@ -233,30 +206,13 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tok = load_bench_model(args.model, args.dtype, args.device, adapters, args.threads)
     runners = []
+    options = _pick(args, "model", "dtype", "device", "seed", "execute", "exec_timeout", "warmup")
+    fidelity = not args.no_fidelity
+    options.update(fidelity=fidelity, erank=fidelity and not args.no_erank, adapters=adapters)
     for workload in workloads:
-        config = RunConfig(
-            workload=workload.name,
-            workload_params=workload.params(),
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            seed=args.seed,
-            fidelity=not args.no_fidelity,
-            erank=not args.no_erank and not args.no_fidelity,
-            execute=args.execute,
-            exec_timeout=args.exec_timeout,
-            adapters=adapters,
-            warmup=args.warmup,
-        )
+        config = RunConfig(workload.name, workload.params(), **options)
         runner = BenchRunner(
-            model,
-            tok,
-            workload,
-            config,
-            args.out,
-            progress=not args.no_progress,
-            collectors=collectors,
-            tau=taus,
+            model, tok, workload, config, args.out, not args.no_progress, collectors, tau=taus
         )
         try:
             summaries = runner.run(specs, redo=args.redo)
@@ -271,20 +227,16 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     dirs = [r.dir for r in runners]
     if len(dirs) > 1 and not args.no_plots:
         out = Path(args.out) / "plots" / f"{workloads[0].name}-sweep-{dirs[0].name.split('__', 1)[1]}"
-        written = plots.sweep_plots(dirs, out)
-        if written:
+        if plots.sweep_plots(dirs, out):
             print(f"\nsweep plots: {out}")
     return 0, runners
 
 
-# --------------------------------------------------------------------- plot
 def cmd_plot(argv: list[str]) -> int:
     from . import plots
     from .report import find_configurations
 
-    p = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench plot", description="(re)draw the figures of runs"
-    )
+    p = _parser("plot", description="(re)draw the figures of runs")
     p.add_argument("dirs", nargs="+", help="configuration directories (or an output root holding them)")
     p.add_argument("--out", default=None, help="where sweep plots go (default: <first root>/plots)")
     args = p.parse_args(argv)
@@ -293,24 +245,22 @@ def cmd_plot(argv: list[str]) -> int:
     except FileNotFoundError as e:
         p.error(str(e))
     for c in configs:
-        written = plots.configuration_plots(c)
-        print(f"{c}: {len(written)} files")
+        print(f"{c}: {len(plots.configuration_plots(c))} files")
     out = Path(args.out) if args.out else configs[0].parent / "plots" / "sweep"
-    written = plots.sweep_plots(configs, out)
-    if written:
+    if plots.sweep_plots(configs, out):
         print(f"sweep plots: {out}")
     return 0
 
 
-# ---------------------------------------------------------------- calibrate
 def cmd_calibrate(argv: list[str]) -> int:
-    from .calibrate import calibrate_profile, calibrate_tau, has_offline_profile
+    from ..evaluation import has_offline_profile
+    from .calibrate import calibrate_tau, save_profile
     from .methods import MethodSpec
     from .runner import write_json
     from .workloads import make_workload
 
-    p = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench calibrate",
+    p = _parser(
+        "calibrate",
         description="pick tau to reach a target reuse ratio rho (--target-rho), or profile a method "
         "offline (droidspeak's per-layer deviation; no --target-rho)",
     )
@@ -337,11 +287,11 @@ def cmd_calibrate(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
     profile = args.target_rho is None
-    if profile and not has_offline_profile(spec):
+    if profile and not has_offline_profile(spec.cls):
         p.error(
             f"--target-rho is required: method {spec.name!r} is calibrated by tau, not by an offline profile"
         )
-    if not profile and has_offline_profile(spec):
+    if not profile and has_offline_profile(spec.cls):
         p.error(f"method {spec.name!r} is profiled offline, not by tau: leave out --target-rho")
     if profile and args.warmup:
         p.error(
@@ -351,55 +301,34 @@ def cmd_calibrate(argv: list[str]) -> int:
     tasks = workload.tasks(tok, args.seed)
     out = Path(args.out) / "calibration"
     common = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}
-    if profile:
-        try:
-            result = calibrate_profile(model, tok, tasks, spec, progress=not args.no_progress)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{spec.tag}__{workload.tag()}__profile.json"
-        write_json(path, {"method": spec.name, **result, **common})
-        option = ",".join(f"{k}={path}" for k in result)
-        print(f"profile of {spec.name} on {len(tasks)} request(s) of {workload.tag()}: {path}")
-        print(f"use it as: --methods {spec}{',' if spec.options else ':'}{option}")
-        return 0
     try:
-        result = calibrate_tau(
-            model,
-            tok,
-            tasks,
-            spec,
-            args.target_rho,
-            tau_min=args.tau_min,
-            tau_max=args.tau_max,
-            iterations=args.iterations,
-            tolerance=args.tolerance,
-            seed=args.seed,
-            progress=not args.no_progress,
-            warmup=args.warmup,
-        )
+        if profile:
+            path = out / f"{spec.tag}__{workload.tag()}__profile.json"
+            result = save_profile(model, tok, tasks, spec, path, common, not args.no_progress)
+            option = ",".join(f"{k}={path}" for k in result)
+            print(f"profile of {spec.name} on {len(tasks)} request(s) of {workload.tag()}: {path}")
+            print(f"use it as: --methods {spec}{',' if spec.options else ':'}{option}")
+            return 0
+        options = _pick(args, "tau_min", "tau_max", "iterations", "tolerance", "seed", "warmup")
+        options["progress"] = not args.no_progress
+        result = calibrate_tau(model, tok, tasks, spec, args.target_rho, **options)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     warm = f"-W{args.warmup}" if args.warmup else ""
     path = out / f"{spec.tag}__{workload.tag()}{warm}__rho{args.target_rho:g}.json"
-    data = {**result.to_dict(), **common, "warmup": args.warmup}
-    write_json(path, data)
+    write_json(path, {**result.to_dict(), **common, "warmup": args.warmup})
     print(f"tau = {result.tau:g} gives rho = {result.rho:.3f} (target {args.target_rho:g}); {path}")
     if result.note:
         print(f"note: {result.note}")
     return 0
 
 
-# ----------------------------------------------------------- validate, list
 def cmd_validate(argv: list[str]) -> int:
     from .workloads import WorkloadFormatError, validate_task_file
 
-    p = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench validate", description="check a JSONL task file"
-    )
+    p = _parser("validate", description="check a JSONL task file")
     p.add_argument("file")
     args = p.parse_args(argv)
     try:
@@ -417,7 +346,7 @@ def cmd_list(argv: list[str]) -> int:
     from .methods import MethodSpec, requires_adapters
     from .workloads import WORKLOADS
 
-    argparse.ArgumentParser(prog="python -m hf_kvshare.bench list").parse_args(argv)
+    _parser("list").parse_args(argv)
     print("methods (registry names; options as name:key=value,...):")
     for name in sorted(METHODS):
         options = MethodSpec(name).option_names()
@@ -428,59 +357,42 @@ def cmd_list(argv: list[str]) -> int:
     for name, cls in sorted(WORKLOADS.items()):
         print(f"  {name:<10} {cls.description}")
         print(f"  {'':<10} parameters: {', '.join(cls.param_names())}")
-    studies = available_studies()
-    print(f"\nstudies (study NAME): {', '.join(studies) if studies else 'none installed'}")
+    print(f"\nstudies (study NAME): {', '.join(available_studies())}")
     return 0
 
 
-# -------------------------------------------------------------------- study
 STUDIES_PACKAGE = "hf_kvshare.bench.studies"
 
 
 def available_studies() -> list[str]:
-    try:
-        package = importlib.import_module(STUDIES_PACKAGE)
-    except ModuleNotFoundError:
-        return []
-    found = {m.name for m in pkgutil.iter_modules(getattr(package, "__path__", []))}
-    found |= {name.rsplit(".", 1)[1] for name in sys.modules if name.startswith(STUDIES_PACKAGE + ".")}
-    return sorted(n for n in found if not n.startswith("_"))
+    found = pkgutil.iter_modules([str(Path(__file__).with_name("studies"))])
+    return sorted(m.name for m in found if not m.name.startswith("_"))
 
 
 def cmd_study(argv: list[str]) -> int:
+    studies = ", ".join(available_studies())
     if not argv or argv[0] in ("-h", "--help"):
-        studies = available_studies()
-        print("usage: python -m hf_kvshare.bench study NAME [args...]")
-        print(f"studies: {', '.join(studies) if studies else 'none installed'}")
+        print(f"usage: python -m hf_kvshare.bench study NAME [args...]\nstudies: {studies}")
         return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    module_name = f"{STUDIES_PACKAGE}.{name}"
+    module_name = f"{STUDIES_PACKAGE}.{argv[0]}"
     try:
-        module = importlib.import_module(module_name)
+        main_fn = getattr(importlib.import_module(module_name), "main", None)
     except ModuleNotFoundError as e:
-        if e.name not in (STUDIES_PACKAGE, module_name):
+        if e.name != module_name:
             raise  # the study exists but one of its own imports is missing
-        studies = available_studies()
-        print(
-            f"error: no study named {name!r} (expected module {module_name}); "
-            f"available: {', '.join(studies) if studies else 'none installed'}",
-            file=sys.stderr,
-        )
+        error = f"no study named {argv[0]!r} (expected module {module_name})"
+        print(f"error: {error}; available: {studies}", file=sys.stderr)
         return 2
-    main_fn = getattr(module, "main", None)
     if not callable(main_fn):
         print(f"error: {module_name} has no main(argv) function", file=sys.stderr)
         return 2
-    result = main_fn(rest)
-    return int(result or 0)
+    return int(main_fn(argv[1:]) or 0)
 
 
 def cmd_report(argv: list[str]) -> int:
     from .report import REPORT_COLUMNS, report
 
-    p = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench report", description="markdown tables from configuration directories"
-    )
+    p = _parser("report", description="markdown tables from configuration directories")
     p.add_argument("dirs", nargs="+", help="configuration directories (or an output root holding them)")
     p.add_argument("--kind", choices=sorted(REPORT_COLUMNS), default="fidelity")
     p.add_argument("--hops", action="store_true", help="also a per-hop fidelity table per method")

@@ -14,17 +14,18 @@ Profile on other requests than the ones evaluated (``--offset``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from ..evaluation import calibrate_droidspeak, run_workflow
-from ..evaluation import has_offline_profile as evaluation_has_offline_profile
+from ..evaluation import calibrate_droidspeak, has_offline_profile, run_workflow
 from ..evaluation.metrics import reuse_ratio
 from ..session import Session
 from .methods import MethodSpec
+from .runner import write_json
 from .workloads import TaskSpec
 
 
@@ -38,14 +39,7 @@ class Calibration:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "target_rho": self.target_rho,
-            "tau": self.tau,
-            "rho": self.rho,
-            "evaluations": [{"tau": t, "rho": r} for t, r in self.evaluations],
-            "note": self.note,
-        }
+        return {**asdict(self), "evaluations": [{"tau": t, "rho": r} for t, r in self.evaluations]}
 
 
 def realized_rho(
@@ -104,15 +98,7 @@ def calibrate_tau(
 
     def rho_at(tau: float) -> float:
         options = tuple(sorted({**base, "tau": round(tau, 6)}.items()))
-        rho = realized_rho(
-            model,
-            tokenizer,
-            tasks,
-            replace(spec, options=options),
-            seed=seed,
-            progress=progress,
-            warmup=warmup,
-        )
+        rho = realized_rho(model, tokenizer, tasks, replace(spec, options=options), seed, progress, warmup)
         evaluations.append((round(tau, 6), rho))
         if progress:
             print(f"  tau={tau:.4f}  rho={rho:.3f}")
@@ -141,20 +127,24 @@ def calibrate_tau(
     )
 
 
-def has_offline_profile(spec: MethodSpec) -> bool:
-    """The method is profiled offline (it has ``fit_profile(transitions)``)."""
-    return evaluation_has_offline_profile(spec.cls)
-
-
 def calibrate_profile(
     model, tokenizer, tasks: list[TaskSpec], spec: MethodSpec, progress: bool = True
 ) -> dict[str, Any]:
     """Run ``spec``'s offline profiling on ``tasks``; return ``{option name: profile}`` to save."""
-    if not has_offline_profile(spec):
+    if not has_offline_profile(spec.cls):
         raise ValueError(
             f"method {spec.name!r} has no offline profile (no `fit_profile` method); use --target-rho"
         )
-    method = spec.create()
     workflows = [t.to_workflow(tokenizer) for t in tasks]
-    profile = calibrate_droidspeak(method, model, tokenizer, workflows, progress=progress)
+    profile = calibrate_droidspeak(spec.create(), model, tokenizer, workflows, progress=progress)
     return {"layer_profile": [float(x) for x in profile]}
+
+
+def save_profile(
+    model, tokenizer, tasks: list[TaskSpec], spec: MethodSpec, path: Path, meta: dict, progress: bool = True
+) -> dict[str, Any]:
+    """:func:`calibrate_profile`, written with ``meta`` to ``path``: the JSON file the method takes back as an option."""
+    result = calibrate_profile(model, tokenizer, tasks, spec, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"method": spec.name, **result, **meta})
+    return result

@@ -10,8 +10,6 @@ from typing import Any
 
 from .sandbox import run_python
 
-# ------------------------------------------------------------ task accuracy
-
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 

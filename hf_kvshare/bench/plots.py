@@ -14,7 +14,6 @@ Without matplotlib (the ``plots`` extra) the CSVs are still written.
 
 from __future__ import annotations
 
-import csv
 import json
 import warnings
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from typing import Any
 
 from ..evaluation.metrics import pareto_front
 from .methods import short_label
+from .report import write_csv
 
 
 def _pyplot():
@@ -39,17 +39,6 @@ def _pyplot():
     return plt
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
-    columns: list[str] = []
-    for r in rows:
-        columns += [k for k in r if k not in columns]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
-
-
 def _save(fig, legend_ax, path: Path) -> Path:
     """Save with one legend right of ``legend_ax``, outside the panels (many methods would cover
     the curves); returns ``path``."""
@@ -57,6 +46,9 @@ def _save(fig, legend_ax, path: Path) -> Path:
     legend_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
+
+
+PARTS = ("key", "value")
 
 
 def _num(value: Any) -> float:
@@ -73,8 +65,7 @@ def configuration_plots(config_dir: str | Path) -> list[Path]:
     out = config_dir / "plots"
     out.mkdir(exist_ok=True)
     plt = _pyplot()
-    written = []
-    written += _tradeoff(methods, out, plt, "agreement", "fidelity_vs_ttft", "teacher-forced top-1 agreement")
+    written = _tradeoff(methods, out, plt, "agreement", "fidelity_vs_ttft", "teacher-forced top-1 agreement")
     if any(m.get("accuracy") is not None for m in methods):
         written += _tradeoff(methods, out, plt, "accuracy", "accuracy_vs_ttft", "task accuracy")
     written += _kv_error_by_layer(methods, out, plt)
@@ -87,12 +78,7 @@ def configuration_plots(config_dir: str | Path) -> list[Path]:
 
 def _tradeoff(methods, out: Path, plt, key: str, name: str, label: str) -> list[Path]:
     rows = [
-        {
-            "method": m["method"],
-            "ttft_mean_s": m.get("ttft_mean_s"),
-            "ttft_ratio": m.get("ttft_ratio"),
-            key: m.get(key),
-        }
+        {k: m.get(k) for k in ("method", "ttft_mean_s", "ttft_ratio", key)}
         for m in methods
         if m.get(key) is not None
     ]
@@ -102,7 +88,7 @@ def _tradeoff(methods, out: Path, plt, key: str, name: str, label: str) -> list[
     front = set(pareto_front(points))
     for i, r in enumerate(rows):
         r["pareto"] = i in front
-    written = [_write_csv(out / f"{name}.csv", rows)]
+    written = [write_csv(out / f"{name}.csv", rows)]
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 4.2))
         for (x, y), r in zip(points, rows):
@@ -114,84 +100,66 @@ def _tradeoff(methods, out: Path, plt, key: str, name: str, label: str) -> list[
         if len(ordered) > 1:
             ax.plot(*zip(*ordered), "--", color="C3", label="Pareto front", zorder=2)
             ax.legend(fontsize=8)
-        ax.set_xlabel("mean TTFT of reuse turns (s)")
-        ax.set_ylabel(label)
-        ax.set_title(f"{label} vs TTFT")
-        ax.grid(alpha=0.3)
+        _axes([ax], [f"{label} vs TTFT"], "mean TTFT of reuse turns (s)", label)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=120)
         written.append(out / f"{name}.png")
     return written
 
 
+def _line(ax, rows: list[dict[str, Any]], x: str, y: str, *fmt: str, **style: Any) -> None:
+    """One curve of ``rows``' ``y`` against ``x``; nothing for no rows."""
+    if rows:
+        ax.plot([r[x] for r in rows], [_num(r.get(y)) for r in rows], *fmt, **style)
+
+
+def _axes(axes, titles: Sequence[str], xlabel: str, ylabel: str = "") -> None:
+    """Titles, the x label, a grid on each panel; ``ylabel`` on the first."""
+    for ax, title in zip(axes, titles):
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    if ylabel:
+        axes[0].set_ylabel(ylabel)
+
+
 def _kv_error_by_layer(methods, out: Path, plt) -> list[Path]:
+    layers = {m["method"]: m.get("kv_error_by_layer") or [] for m in methods}
     rows = [
-        {"method": m["method"], "layer": r["layer"], "key": r["key"], "value": r["value"]}
-        for m in methods
-        for r in m.get("kv_error_by_layer") or []
+        {"method": m, **{k: r[k] for k in ("layer", "key", "value")}} for m, rs in layers.items() for r in rs
     ]
     if not rows:
         return []
-    written = [_write_csv(out / "kv_error_by_layer.csv", rows)]
+    written = [write_csv(out / "kv_error_by_layer.csv", rows)]
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-        for part, ax in zip(("key", "value"), axes):
-            for m in methods:
-                layers = m.get("kv_error_by_layer") or []
-                if layers:
-                    ax.plot(
-                        [r["layer"] for r in layers],
-                        [r[part] for r in layers],
-                        marker=".",
-                        label=short_label(m["method"]),
-                    )
-            ax.set_title(f"relative {part} error of shared segments")
-            ax.set_xlabel("layer")
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel("||C_hat - C|| / ||C||")
+        for part, ax in zip(PARTS, axes):
+            for method, rs in layers.items():
+                _line(ax, rs, "layer", part, marker=".", label=short_label(method))
+        _axes(
+            axes, [f"relative {p} error of shared segments" for p in PARTS], "layer", "||C_hat - C|| / ||C||"
+        )
         written.append(_save(fig, axes[1], out / "kv_error_by_layer.png"))
     return written
 
 
 def _kv_error_by_agent(methods, out: Path, plt) -> list[Path]:
-    rows = [
-        {
-            "method": m["method"],
-            "position": r["position"],
-            "agent": r["agent"],
-            "kv_error": r.get("kv_error"),
-            "agreement": r.get("agreement"),
-            "kl": r.get("kl"),
-            "exact_match": r.get("exact_match"),
-        }
-        for m in methods
-        for r in m.get("by_position") or []
-        if "agreement" in r
-    ]
+    hops = {m["method"]: [r for r in m.get("by_position") or [] if "agreement" in r] for m in methods}
+    keys = ("position", "agent", "kv_error", "agreement", "kl", "exact_match")
+    rows = [{"method": m, **{k: r.get(k) for k in keys}} for m, rs in hops.items() for r in rs]
     if not rows:
         return []
-    written = [_write_csv(out / "kv_error_by_agent.csv", rows)]
+    written = [write_csv(out / "kv_error_by_agent.csv", rows)]
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-        for m in methods:
-            pos = [r for r in m.get("by_position") or [] if "agreement" in r]
-            if not pos:
-                continue
-            xs = [r["position"] for r in pos]
-            axes[0].plot(
-                xs, [_num(r.get("kv_error")) for r in pos], marker="o", label=short_label(m["method"])
-            )
-            axes[1].plot(
-                xs, [_num(r.get("agreement")) for r in pos], marker="o", label=short_label(m["method"])
-            )
+        for method, rs in hops.items():
+            for ax, y in zip(axes, ("kv_error", "agreement")):
+                _line(ax, rs, "position", y, marker="o", label=short_label(method))
         ticks = [f"{r['position']}:{r['agent']}" for r in (methods[0].get("by_position") or [])]
-        for ax, title in zip(
-            axes, ("relative KV error of shared segments", "top-1 agreement with NonShared")
-        ):
-            ax.set_title(title)
-            ax.set_xlabel("agent position (hop)")
+        titles = ("relative KV error of shared segments", "top-1 agreement with NonShared")
+        for ax in axes:
             ax.set_xticks(range(len(ticks)), ticks, rotation=30, fontsize=7)
-            ax.grid(alpha=0.3)
+        _axes(axes, titles, "agent position (hop)")
         written.append(_save(fig, axes[1], out / "kv_error_by_agent.png"))
     return written
 
@@ -200,33 +168,38 @@ def _erank_by_layer(methods, out: Path, plt) -> list[Path]:
     rows = [{"method": m["method"], **r} for m in methods for r in m.get("erank_by_layer") or []]
     if not rows:
         return []
-    written = [_write_csv(out / "effective_rank_by_layer.csv", rows)]
+    written = [write_csv(out / "effective_rank_by_layer.csv", rows)]
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-        base = next((m for m in methods if m.get("erank_by_layer")), None)
-        for part, ax in zip(("key", "value"), axes):
-            layers = base["erank_by_layer"]
-            ax.plot(
-                [r["layer"] for r in layers],
-                [r[f"base_{part}"] for r in layers],
-                "k-",
-                label="exact cache (base)",
-            )
+        base = next(m for m in methods if m.get("erank_by_layer"))["erank_by_layer"]
+        for part, ax in zip(PARTS, axes):
+            _line(ax, base, "layer", f"base_{part}", "k-", label="exact cache (base)")
             for m in methods:
                 layers = m.get("erank_by_layer") or []
-                if layers and any(r[f"delta_{part}"] for r in layers):
-                    ax.plot(
-                        [r["layer"] for r in layers],
-                        [r[f"delta_{part}"] for r in layers],
+                if any(r[f"delta_{part}"] for r in layers):
+                    _line(
+                        ax,
+                        layers,
+                        "layer",
+                        f"delta_{part}",
                         marker=".",
                         label=f"residual: {short_label(m['method'])}",
                     )
-            ax.set_title(f"effective rank (90% energy), {part}s")
-            ax.set_xlabel("layer")
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel("rank")
+        _axes(axes, [f"effective rank (90% energy), {p}s" for p in PARTS], "layer", "rank")
         written.append(_save(fig, axes[1], out / "effective_rank_by_layer.png"))
     return written
+
+
+SWEEP_KEYS = (
+    "method",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_ratio",
+    "throughput_tok_s",
+    "throughput_ratio",
+    "peak_memory_mb",
+)
 
 
 def sweep_plots(
@@ -237,45 +210,28 @@ def sweep_plots(
     for d in config_dirs:
         data = json.loads((Path(d) / "summary.json").read_text())
         value = (data["config"].get("workload_params") or {}).get(param)
-        if value is None:
-            continue
-        for m in data["methods"]:
-            rows.append(
-                {
-                    param: value,
-                    "method": m["method"],
-                    "ttft_mean_s": m.get("ttft_mean_s"),
-                    "ttft_p50_s": m.get("ttft_p50_s"),
-                    "ttft_p90_s": m.get("ttft_p90_s"),
-                    "ttft_ratio": m.get("ttft_ratio"),
-                    "throughput_tok_s": m.get("throughput_tok_s"),
-                    "throughput_ratio": m.get("throughput_ratio"),
-                    "peak_memory_mb": m.get("peak_memory_mb"),
-                    "config": Path(d).name,
-                }
-            )
+        if value is not None:
+            rows += [
+                {param: value, **{k: m.get(k) for k in SWEEP_KEYS}, "config": Path(d).name}
+                for m in data["methods"]
+            ]
     if len({r[param] for r in rows}) < 2:
         return []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows.sort(key=lambda r: (r["method"] != "nonshared", r["method"], r[param]))
-    written = [_write_csv(out / f"ttft_vs_{param}.csv", rows)]
+    written = [write_csv(out / f"ttft_vs_{param}.csv", rows)]
     plt = _pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
         for method in dict.fromkeys(r["method"] for r in rows):
             mine = [r for r in rows if r["method"] == method]
-            xs = [r[param] for r in mine]
-            axes[0].plot(xs, [_num(r["ttft_mean_s"]) for r in mine], marker="o", label=short_label(method))
-            axes[1].plot(
-                xs, [_num(r["throughput_tok_s"]) for r in mine], marker="o", label=short_label(method)
-            )
-        axes[0].set_ylabel("mean reuse-turn TTFT (s)")
+            for ax, y in zip(axes, ("ttft_mean_s", "throughput_tok_s")):
+                _line(ax, mine, param, y, marker="o", label=short_label(method))
+        _axes(axes, ("", ""), param.replace("_", " "), "mean reuse-turn TTFT (s)")
         axes[1].set_ylabel("trajectory tokens / E2E (tok/s)")
         for ax in axes:
-            ax.set_xlabel(param.replace("_", " "))
             ax.set_xscale("log", base=2)
-            ax.grid(alpha=0.3)
         written.append(_save(fig, axes[1], out / f"ttft_vs_{param}.png"))
         plt.close(fig)
     return written

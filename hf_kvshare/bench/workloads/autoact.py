@@ -63,7 +63,6 @@ class AutoActWorkload(Workload):
             return self._world_tasks(seed)
         return self._data_tasks()
 
-    # ----------------------------------------------------------- generated episodes
     def _world_tasks(self, seed: int) -> list[TaskSpec]:
         world = World.generate(seed=seed, filler=TRAINING_FILLER)  # the adapters' world
         rng = random.Random(f"autoact-bench-{seed}")  # not the training questions' stream
@@ -75,7 +74,6 @@ class AutoActWorkload(Workload):
             tasks.append(self._task(f"autoact-{i}", turns, question.answer))
         return tasks
 
-    # ------------------------------------------------------------- user questions
     def _data_tasks(self) -> list[TaskSpec]:
         table = load_table(self.data, None, "test")
         if "question" not in table.column_names:

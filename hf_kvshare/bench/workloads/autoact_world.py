@@ -55,10 +55,6 @@ _FILLER = [
 ]
 
 
-def _name(rng: random.Random, parts: int) -> str:
-    return "".join(rng.choice(_SYLLABLES) for _ in range(parts)).capitalize()
-
-
 @dataclass
 class Country:
     name: str
@@ -93,7 +89,7 @@ class World:
 
         def fresh(parts: int) -> str:
             while True:
-                n = _name(rng, parts)
+                n = "".join(rng.choice(_SYLLABLES) for _ in range(parts)).capitalize()
                 if n not in names:
                     names.add(n)
                     return n

@@ -57,12 +57,11 @@ def load_task_file(path: str | os.PathLike) -> list[TaskSpec]:
         raise WorkloadFormatError(
             f"{path}: datasets read {len(rows)} rows, the file has {len(validated)} tasks"
         )
-    tasks = []
-    for i, (row, first) in enumerate(zip(rows, validated)):
-        # rows carry every column of the file (None where a line lacks it): parse them again
-        task = TaskSpec.from_record(row, where=f"{Path(path).name} task {i + 1}", default_id=first.id)
-        tasks.append(task)
-    return tasks
+    # rows carry every column of the file (None where a line lacks it): parse them again
+    return [
+        TaskSpec.from_record(row, where=f"{Path(path).name} task {i + 1}", default_id=first.id)
+        for i, (row, first) in enumerate(zip(rows, validated))
+    ]
 
 
 def load_table(source: str, config: str | None = None, split: str = "test") -> Any:
@@ -107,17 +106,10 @@ class FileWorkload(Workload):
     offset: int = 0
 
     def tag(self) -> str:
-        digest = (
-            hashlib.sha1(Path(self.data).read_bytes()).hexdigest()[:8]
-            if Path(self.data).is_file()
-            else "missing"
-        )
-        parts = [f"file-{Path(self.data).stem}-{digest}"]
-        if self.offset:
-            parts.append(f"O{self.offset}")
-        if self.limit:
-            parts.append(f"L{self.limit}")
-        return "-".join(parts)
+        path = Path(self.data)
+        digest = hashlib.sha1(path.read_bytes()).hexdigest()[:8] if path.is_file() else "missing"
+        parts = [f"O{self.offset}" if self.offset else "", f"L{self.limit}" if self.limit else ""]
+        return "-".join([f"file-{path.stem}-{digest}", *filter(None, parts)])
 
     def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
         if not self.data:

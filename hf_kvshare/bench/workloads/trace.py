@@ -26,17 +26,14 @@ ROLES = [
     ("reviewer", "You are the reviewer. Decide what is ready and what needs another pass."),
 ]
 
-_SUBJECTS = "the council|the engineer|a farmer|the library|our team|the river|a small shop|the old mill|the committee|a student|the bakery|the museum|the city|a volunteer|the budget".split(
-    "|"
-)
-_VERBS = "reviewed|planned|measured|repaired|described|funded|opened|compared|questioned|improved|delayed|approved|studied|visited|reported".split(
-    "|"
-)
-_OBJECTS = "the bridge|a new roof|the water supply|three options|the spring schedule|the costs|a public survey|the north road|two proposals|the storage rooms|the harvest|a safety review|the opening hours|the archive|the main hall".split(
-    "|"
-)
-_TAILS = "before winter|after a long debate|with care|for the third time|in the morning|despite the rain|within budget|at the last meeting|without delay|for the neighbours".split(
-    "|"
+_SUBJECTS, _VERBS, _OBJECTS, _TAILS = (
+    words.split("|")
+    for words in (
+        "the council|the engineer|a farmer|the library|our team|the river|a small shop|the old mill|the committee|a student|the bakery|the museum|the city|a volunteer|the budget",
+        "reviewed|planned|measured|repaired|described|funded|opened|compared|questioned|improved|delayed|approved|studied|visited|reported",
+        "the bridge|a new roof|the water supply|three options|the spring schedule|the costs|a public survey|the north road|two proposals|the storage rooms|the harvest|a safety review|the opening hours|the archive|the main hall",
+        "before winter|after a long debate|with care|for the third time|in the morning|despite the rain|within budget|at the last meeting|without delay|for the neighbours",
+    )
 )
 
 
@@ -52,11 +49,8 @@ def synthetic_text(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
         length += len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
     text = " ".join(sentences)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    for cut in range(n_tokens, min(n_tokens + 8, len(ids)) + 1):  # a boundary may merge on re-tokenizing
-        candidate = tokenizer.decode(ids[:cut])
-        if len(tokenizer(candidate, add_special_tokens=False)["input_ids"]) == n_tokens:
-            return candidate
-    for cut in range(n_tokens - 1, max(n_tokens - 8, 0), -1):
+    longer = range(n_tokens, min(n_tokens + 8, len(ids)) + 1)  # a boundary may merge on re-tokenizing
+    for cut in [*longer, *range(n_tokens - 1, max(n_tokens - 8, 0), -1)]:
         candidate = tokenizer.decode(ids[:cut])
         if len(tokenizer(candidate, add_special_tokens=False)["input_ids"]) == n_tokens:
             return candidate
