@@ -13,7 +13,8 @@ from hf_kvshare import METHODS, PF, PH, Session
 from hf_kvshare.anchors import CorrectedCache
 from hf_kvshare.evaluation.metrics import kv_error
 from hf_kvshare.methods.graphflow import GraphFlow
-from hf_kvshare.methods.kvcmas import KVCMAS, KVCMASNonChained
+from hf_kvshare.methods.kvcmas import KVCMAS
+from hf_kvshare.methods.kvcmas_nonchained import KVCMASNonChained
 from hf_kvshare.methods.kvcomm import KVComm
 
 AGENTS = ["planner", "designer", "coder"]

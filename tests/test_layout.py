@@ -138,6 +138,11 @@ def test_every_registered_method_lives_in_methods():
     assert METHODS
     outside = {name: cls.__module__ for name, cls in METHODS.items() if not _inside(cls.__module__, "methods")}
     assert not outside, f"registered methods defined outside hf_kvshare.methods: {outside}"
+    modules: dict[str, list[str]] = {}
+    for name, cls in METHODS.items():
+        modules.setdefault(cls.__module__, []).append(name)
+    shared = {m: names for m, names in modules.items() if len(names) > 1}
+    assert not shared, f"one registered method per file; these files define several: {shared}"
 
 
 def test_engines_import_nothing_above_them():

@@ -6,7 +6,8 @@ import pytest
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare.evaluation.metrics import kv_error, mean_kl
-from hf_kvshare.methods.kvcmas import KVCMAS, KVCMASNonChained
+from hf_kvshare.methods.kvcmas import KVCMAS
+from hf_kvshare.methods.kvcmas_nonchained import KVCMASNonChained
 
 pytestmark = pytest.mark.real_model
 #: the earlier reading (per-edge gates over a prefix, chained outputs / context-free references)

@@ -14,7 +14,8 @@ from .cacheblend import CacheBlend
 from .droidspeak import DroidSpeak
 from .fullshared import FullShared
 from .graphflow import GraphFlow
-from .kvcmas import KVCMAS, KVCMASNonChained
+from .kvcmas import KVCMAS
+from .kvcmas_nonchained import KVCMASNonChained
 from .kvcomm import KVComm
 from .nonshared import NonShared
 from .prelrshared import PreLRShared

@@ -611,17 +611,3 @@ def _lead_in(turn: Turn, span) -> str:
     line = text[cut + 1 :]
     special = getattr(turn.session.tokenizer, "all_special_tokens", None) or []
     return "" if any(tok and tok in line for tok in special) else line
-
-
-@register
-@dataclass(eq=False)
-class KVCMASNonChained(KVCMAS):
-    """The ablation of KVCMAS: the same low-rank pools, the given text's source taken once from its
-    first consumer (a star, as the reference code's ``--no-chained``) instead of hop to hop. Outputs
-    stay producer-sourced. ``text_source="context_free", output_source="context_free"`` with the
-    edge-scope options (module docstring) is the earlier reading (context-free references)."""
-
-    name = "kvcmas-nonchained"
-    chained: ClassVar[bool] = False
-
-    text_source: str = "first"
