@@ -253,8 +253,8 @@ def cmd_plot(argv: list[str]) -> int:
 
 
 def cmd_calibrate(argv: list[str]) -> int:
-    from ..evaluation import has_offline_profile
-    from .calibrate import calibrate_tau, save_profile
+    from ..evaluation import calibrate_tau, has_offline_profile
+    from .calibrate import save_profile
     from .methods import MethodSpec
     from .runner import write_json
     from .workloads import make_workload
@@ -311,7 +311,10 @@ def cmd_calibrate(argv: list[str]) -> int:
             return 0
         options = _pick(args, "tau_min", "tau_max", "iterations", "tolerance", "seed", "warmup")
         options["progress"] = not args.no_progress
-        result = calibrate_tau(model, tok, tasks, spec, args.target_rho, **options)
+        workflows, reusable = [t.to_workflow(tok) for t in tasks], [t.reused_slots() for t in tasks]
+        result = calibrate_tau(
+            model, tok, workflows, spec.cls, args.target_rho, spec.kwargs, reusable, **options
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

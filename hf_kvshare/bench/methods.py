@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import inspect
 import re
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
+from ..method import option_names
 from ..methods import METHODS, Method
 
 
@@ -75,11 +75,7 @@ class MethodSpec:
         return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
 
     def option_names(self) -> list[str] | None:
-        """Keyword options the method class accepts (``None`` when it takes ``**kwargs``)."""
-        params = inspect.signature(self.cls).parameters.values()
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            return None
-        return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return option_names(self.cls)
 
     def check_options(self) -> None:
         names = self.option_names()
