@@ -1,11 +1,6 @@
-"""The task format every workload is expressed in: agents, shared slots, a schedule.
-
-A :class:`TaskSpec` is one request of a multi-agent workflow. It is what a line of a JSONL
-workload file holds (see ``docs/workloads.md``) and what every built-in workload (controlled
-traces, HumanEval, GSM8K, MMLU, stress, AutoAct) generates, so all of them run through the same
-runner. :meth:`TaskSpec.from_record` validates a record and names the offending field;
-:meth:`TaskSpec.to_workflow` lays the steps out as PF/PH segments (with the tokenizer's chat
-template or as plain text) and returns a :class:`~hf_kvshare.evaluation.Workflow`.
+"""The task format every workload is expressed in (``docs/workloads.md``): agents, shared slots, a
+schedule. :meth:`TaskSpec.from_record` validates a record and names the offending field;
+:meth:`TaskSpec.to_workflow` lays the steps out as PF/PH segments.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Built-in task workloads: HumanEval, GSM8K and MMLU as 4-agent workflows.
-
-Following the KVComm agent families the seeds evaluate with (paper appendix B.1): three
-task-specific agents, each reading the query and the earlier agents' outputs, then a final agent
-that reads all three and gives the answer. Role prompts are written in the spirit of the
-KVComm/AgentPrune prompt sets (not copied). Answers: HumanEval by executing the final code (opt-in,
-sandboxed), GSM8K by numeric match, MMLU by letter match (``choices``: four options; in a CSV file,
-a cell holding a JSON list). GSM8K and MMLU load through ``datasets`` from a hub name or a local file.
+"""Built-in task workloads: HumanEval, GSM8K and MMLU as 4-agent workflows (three task-specific
+agents reading the query and the earlier outputs, then a final agent; KVComm agent families, paper
+appendix B.1, prompts rewritten). Answers: HumanEval by executing the final code (opt-in, sandboxed),
+GSM8K by numeric match, MMLU by letter match (``choices``: four options; in a CSV file, a cell
+holding a JSON list).
 """
 
 from __future__ import annotations
