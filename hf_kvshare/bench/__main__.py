@@ -1,10 +1,5 @@
-"""``python -m hf_kvshare.bench``: the single-stream benchmark.
-
-Commands: ``run`` (methods x workload -> output directory per configuration), ``plot``, ``report``,
-``calibrate`` (tau for a target rho), ``validate`` (a JSONL task file), ``list`` (methods and
-workloads), ``study NAME`` (standalone studies under ``hf_kvshare.bench.studies``).
-See ``docs/workloads.md``.
-"""
+"""``python -m hf_kvshare.bench``: the single-stream benchmark; its commands are described in
+``docs/workloads.md``."""
 
 from __future__ import annotations
 

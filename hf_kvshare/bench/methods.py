@@ -51,14 +51,10 @@ class MethodSpec:
 
     @property
     def tag(self) -> str:
-        """Directory name, in plain characters only (letters, digits, ``-``, ``_``, ``.``); the options
-        themselves are recorded in the method's ``config.json``.
-
-        ``name`` without options; ``name-key_value-...`` when every value is a short plain word or
-        number (``kvcmas:tau=0.4,capacity=10`` -> ``kvcmas-capacity_10-tau_0.4``); otherwise a readable part
-        (file paths by their stem, other characters as ``_``, at most 48 characters) followed by 8 hex
-        digits of the options' hash, so that distinct options never share a directory
-        (``droidspeak:layer_profile=runs/p.json`` -> ``droidspeak-layer_profile_p-<8 hex digits>``).
+        """Directory name in plain characters (the options are recorded in ``config.json``):
+        ``kvcmas:tau=0.4,capacity=10`` -> ``kvcmas-capacity_10-tau_0.4``; options that are not short
+        plain words get a readable part plus 8 hex digits of their hash, so that distinct options never
+        share a directory (``droidspeak:layer_profile=runs/p.json`` -> ``droidspeak-layer_profile_p-<hash>``).
         """
         if not self.options:
             return self.name

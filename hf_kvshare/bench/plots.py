@@ -168,14 +168,8 @@ def _erank_by_layer(methods, out: Path, plt) -> list[Path]:
             for m in methods:
                 layers = m.get("erank_by_layer") or []
                 if any(r[f"delta_{part}"] for r in layers):
-                    _line(
-                        ax,
-                        layers,
-                        "layer",
-                        f"delta_{part}",
-                        marker=".",
-                        label=f"residual: {short_label(m['method'])}",
-                    )
+                    label = f"residual: {short_label(m['method'])}"
+                    _line(ax, layers, "layer", f"delta_{part}", marker=".", label=label)
         _axes(axes, [f"effective rank (90% energy), {p}s" for p in PARTS], "layer", "rank")
         written.append(_save(fig, axes[1], out / "effective_rank_by_layer.png"))
     return written

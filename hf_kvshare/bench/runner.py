@@ -133,11 +133,7 @@ class Collector:
 
 
 class BenchRunner:
-    """Runs methods on one workload configuration and writes the output directory.
-
-    >>> runner = BenchRunner(model, tok, make_workload("trace", shared_tokens=256), config, "runs")  # doctest: +SKIP
-    >>> summaries = runner.run([MethodSpec.parse("fullshared")])  # doctest: +SKIP
-    """
+    """Runs methods on one workload configuration and writes the output directory."""
 
     def __init__(
         self,

@@ -17,8 +17,7 @@ earlier setting) adapts ``k_proj``, which the PReCache methods then only accept 
 ``lora_A`` into the other roles and freezes it there (LRAgent's training for ``baselrshared``).
 
 Writes ``<out>/<role>/adapter_config.json`` + ``adapter_model.safetensors`` (PEFT
-``save_pretrained``) and ``<out>/roles.json`` (settings incl. targets, rank and shared ``lora_A``,
-loss per step, time). Load them with
+``save_pretrained``) and ``<out>/roles.json`` (settings, loss per step, time); load them with
 :func:`load_role_adapters`.
 """
 
@@ -48,8 +47,6 @@ BEYOND_REFERENCE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
 
 
 def check_settings(rank: int, targets: list[str] | tuple[str, ...], shared_lora_a: bool = False) -> None:
-    """Raise ``ValueError`` for a rank that is not a positive multiple of 8, unknown target modules,
-    or ``shared_lora_a`` without ``v_proj`` among the targets."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 8 or rank % 8:
         raise ValueError(
             f"rank must be a positive multiple of 8 (the PReCache reference kernels exist for ranks 8, 16, 32 "
@@ -117,13 +114,9 @@ def train_roles(
     targets: list[str] | tuple[str, ...] = tuple(TARGETS),
     shared_lora_a: bool = False,
 ) -> dict[str, Any]:
-    """Train one adapter per role (``plan``, ``act``, ``reflect``) and save them under ``out``.
-
-    ``targets``: LoRA target modules (default q_proj + v_proj, the reference's); ``rank`` a multiple
-    of 8 (alpha = 2 * rank). ``shared_lora_a``: the first role trains as usual; its ``v_proj``
-    ``lora_A`` is then copied into every other role and frozen there (for ``baselrshared``).
-    Returns the report also written to ``<out>/roles.json``.
-    """
+    """Train one adapter per role (``plan``, ``act``, ``reflect``) and save them under ``out`` (targets,
+    rank and ``shared_lora_a`` as in the module's docstring); return the report also written to
+    ``<out>/roles.json``."""
     from peft import get_peft_model
 
     from ..models import load_model

@@ -28,7 +28,6 @@ class TableCollector(Collector):
             write_csv(runner.dir / f"{self.name}.csv", self.rows)
 
     def markdown(self) -> str:
-
         if not self.rows:
             return ""
         return f"\n## {self.title}\n\n" + markdown_table(self.rows, self.columns)

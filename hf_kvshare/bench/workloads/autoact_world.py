@@ -208,14 +208,9 @@ def gold_turns(world: World, question: Question, reflect_every: int = 2) -> list
     facts: list[str] = []
     for i, hop in enumerate(question.hops):
         need = "the capital" if hop in world.countries else "the founding year and river"
-        turns.append(
-            GoldTurn(
-                "plan",
-                instruction("plan", observation, first=i == 0, question=question.text),
-                f"Thought: I still need {need} of {hop}, so I will look up {hop}.",
-                observation,
-            )
-        )
+        plan = instruction("plan", observation, first=i == 0, question=question.text)
+        thought = f"Thought: I still need {need} of {hop}, so I will look up {hop}."
+        turns.append(GoldTurn("plan", plan, thought, observation))
         turns.append(GoldTurn("act", instruction("act"), f"Action: Lookup[{hop}]"))
         observation = world.page(hop)
         facts.append(world.fact(hop))
