@@ -1,10 +1,5 @@
-"""The single-stream benchmark: workloads, runner, answer checkers, plots and calibration.
-
-Command line: ``python -m hf_kvshare.bench run --workload trace --shared-tokens 256 512 --methods
-nonshared fullshared`` (see ``docs/workloads.md``). Every method in ``hf_kvshare.METHODS`` runs
-through it unchanged; methods with ``requires_adapters = True`` need a workload whose agents name
-PEFT adapters.
-"""
+"""The single-stream benchmark: workloads, runner, answer checkers, plots and calibration; the
+command line ``python -m hf_kvshare.bench`` is described in ``docs/workloads.md``."""
 
 from .methods import MethodSpec, requires_adapters
 from .runner import BenchRunner, Collector, RunConfig

@@ -8,10 +8,8 @@ rho, against NonShared) plus one collector, :class:`Coverage`: the recorded requ
 transitions and :func:`~hf_kvshare.evaluation.coverage.reconstruction_coverage` at each rho (the
 KVCMAS paper's Table 2: layer, deviation and attention selection against random selection).
 
-Study options (the others are ``bench run``'s): ``--part coverage|methods`` (default both),
-``--rho`` the reuse ratios, ``--calibration N`` the requests ``0 .. N - 1`` of the workload that
-profile DroidSpeak offline (as ``bench calibrate --method droidspeak``, into ``<out>/calibration/``),
-``--random-trials`` random selections per transition and criterion.
+``--calibration N``: the requests ``0 .. N - 1`` of the workload profile DroidSpeak offline (as
+``bench calibrate --method droidspeak``, into ``<out>/calibration/``); the other options are ``bench run``'s.
 """
 
 from __future__ import annotations

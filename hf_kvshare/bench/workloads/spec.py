@@ -169,12 +169,7 @@ class TaskSpec:
                 fail("answer", f"checker {self.checker!r} needs an answer")
 
     def to_workflow(self, tokenizer: Any) -> Workflow:
-        """Lay every step out as PF/PH segments.
-
-        Chat layout: the agent's system prompt as the system message; the user message is
-        ``glue(slot1).lstrip() + slot1 + glue(slot2) + slot2 + ... + tail``; the template's assistant
-        header ends the prompt. Plain layout: ``system + "\\n\\n"`` then the same user text.
-        """
+        """Lay every step out as PF/PH segments (chat or plain layout: ``docs/workloads.md``, "Layout")."""
         use_chat = self.chat
         if use_chat is None:
             use_chat = getattr(tokenizer, "chat_template", None) is not None
@@ -219,10 +214,8 @@ class TaskSpec:
 
     @classmethod
     def from_record(cls, record: Any, where: str = "record", default_id: str = "task") -> TaskSpec:
-        """Parse and validate one record (a JSON object; ``None`` values count as absent).
-
-        Raises :class:`WorkloadFormatError` naming ``where`` and the field.
-        """
+        """Parse and validate one record (a JSON object; ``None`` values count as absent); a
+        :class:`WorkloadFormatError` names ``where`` and the field."""
         r = _Reader(where)
         obj = r.mapping(record, "")
         r.no_unknown(obj, "", _TOP_KEYS)
