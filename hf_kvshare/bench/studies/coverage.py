@@ -2,14 +2,8 @@
 
     python -m hf_kvshare.bench study coverage --rho 0.9 0.8 --calibration 2 --out docs/results/runs --threads 1
 
-A bench configuration (4-agent HumanEval workflows on the 8 problems after the calibration ones, 32
-tokens per agent; FullShared, and CacheBlend, DroidSpeak with its profile and RelayCaching at each
-rho, against NonShared) plus one collector, :class:`Coverage`: the recorded requests' reuse
-transitions and :func:`~hf_kvshare.evaluation.coverage.reconstruction_coverage` at each rho (the
-KVCMAS paper's Table 2: layer, deviation and attention selection against random selection).
-
-``--calibration N``: the requests ``0 .. N - 1`` of the workload profile DroidSpeak offline (as
-``bench calibrate --method droidspeak``, into ``<out>/calibration/``); the other options are ``bench run``'s.
+The KVCMAS paper's Table 2 (:func:`~hf_kvshare.evaluation.coverage.reconstruction_coverage`, collected
+by :class:`Coverage`) on the requests after the ``--calibration`` ones, which profile DroidSpeak offline.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
     python -m hf_kvshare.bench study kvcmas --out docs/results/runs --threads 1
 
-A bench configuration (planner -> designer -> coder -> final on HumanEval prompts, 3 warm-up requests
-so anchor pools and GraphFlow's profiles are in steady state; FullShared, KVComm, KVCMAS chained and
-non-chained, GraphFlow, and KVCMAS at two more tau values) plus three collectors: :class:`DeltaRanks`,
-:class:`AnchorBytes` and :class:`Pools`.
+3 warm-up requests put anchor pools and GraphFlow's profiles in steady state; collectors:
+:class:`DeltaRanks`, :class:`AnchorBytes` and :class:`Pools`.
 """
 
 from __future__ import annotations
