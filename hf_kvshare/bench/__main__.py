@@ -247,9 +247,26 @@ def cmd_plot(argv: list[str]) -> int:
     return 0
 
 
+def save_profile(
+    model, tokenizer, tasks, spec, path: Path, meta: dict, progress: bool = True
+) -> dict[str, Any]:
+    """Profile ``spec`` (a method with ``fit_profile``, e.g. DroidSpeak) offline on ``tasks``; write
+    ``{option name: profile}`` with ``meta`` to ``path`` (the JSON file the method takes back as an
+    option: ``droidspeak:layer_profile=PATH``) and return it. Profile on other requests than the
+    ones evaluated (``--offset``)."""
+    from ..evaluation import calibrate_droidspeak
+    from .runner import write_json
+
+    workflows = [t.to_workflow(tokenizer) for t in tasks]
+    profile = calibrate_droidspeak(spec.create(), model, tokenizer, workflows, progress=progress)
+    result = {"layer_profile": [float(x) for x in profile]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"method": spec.name, **result, **meta})
+    return result
+
+
 def cmd_calibrate(argv: list[str]) -> int:
     from ..evaluation import calibrate_tau, has_offline_profile
-    from .calibrate import save_profile
     from .methods import MethodSpec
     from .runner import write_json
     from .workloads import make_workload

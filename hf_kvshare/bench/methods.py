@@ -1,9 +1,5 @@
-"""Methods as the benchmark names them: a registry name with options (``kvcmas:tau=0.4,capacity=10``).
-
-:class:`MethodSpec` parses the command-line form, checks the options against the method class's
-signature, names the output directory and creates instances. :func:`requires_adapters` reads the
-capability flag of methods that only run on a PeftModel with one adapter per agent.
-"""
+"""Methods as the benchmark names them: a registry name with options (``kvcmas:tau=0.4,capacity=10``),
+checked against the method class's signature."""
 
 from __future__ import annotations
 
