@@ -10,6 +10,7 @@ latest materialized cache of each slot) lives in the :class:`~hf_kvshare.session
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -48,6 +49,14 @@ def get_method(method: str | Method, **options: Any) -> Method:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; registered methods: {', '.join(sorted(METHODS))}")
     return METHODS[method](**options)
+
+
+def option_names(cls: type[Method]) -> list[str] | None:
+    """Keyword options a method class accepts (``None`` when it takes ``**kwargs``)."""
+    params = inspect.signature(cls).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 @dataclass

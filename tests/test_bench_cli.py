@@ -19,9 +19,10 @@ import torch
 from bench_helpers import GRAPH_TASKS, save_random_adapters, save_tiny, write_jsonl
 
 from hf_kvshare import METHODS
-from hf_kvshare.bench import calibrate_tau, make_workload, realized_rho
+from hf_kvshare.bench import make_workload
 from hf_kvshare.bench.__main__ import main
 from hf_kvshare.bench.methods import MethodSpec, requires_adapters
+from hf_kvshare.evaluation import calibrate_tau, realized_rho
 from hf_kvshare.methods import Method, Placement
 
 PROMPT_METHODS = sorted(n for n, c in METHODS.items() if not requires_adapters(c))
@@ -68,6 +69,11 @@ def only_config(out: Path) -> Path:
     dirs = [d for d in out.iterdir() if d.is_dir() and (d / "config.json").exists()]
     assert len(dirs) == 1, dirs
     return dirs[0]
+
+
+def calibration_slice(tasks, tok) -> tuple[list, list]:
+    """The workflows of ``tasks`` and their reusable slots, as ``bench calibrate`` passes them."""
+    return [t.to_workflow(tok) for t in tasks], [t.reused_slots() for t in tasks]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -413,21 +419,27 @@ def test_tau_calibration_with_a_fake_threshold_method(tiny_dir, tmp_path, monkey
 
     model, tok = load_model(str(tiny_dir))
     tasks = make_workload("trace", shared_tokens=8, agents=4, rounds=2, output_tokens=2).tasks(tok)
-    spec = MethodSpec.parse(ThresholdMethod.name)
-    rho = {t: realized_rho(model, tok, tasks, MethodSpec(spec.name, (("tau", t),))) for t in (0.0, 0.5, 1.0)}
+    flows, slots = calibration_slice(tasks, tok)
+    rho = {t: realized_rho(model, tok, flows, ThresholdMethod(tau=t), slots) for t in (0.0, 0.5, 1.0)}
     assert rho[0.0] < rho[0.5] < rho[1.0] == 1.0
     result = calibrate_tau(
-        model, tok, tasks, spec, target_rho=rho[0.5], tolerance=0.0, iterations=8, progress=False
+        model,
+        tok,
+        flows,
+        ThresholdMethod,
+        rho[0.5],
+        reusable=slots,
+        tolerance=0.0,
+        iterations=8,
+        progress=False,
     )
     assert result.rho == pytest.approx(rho[0.5]) and result.evaluations[:2] == [(0.0, rho[0.0]), (1.0, 1.0)]
-    assert realized_rho(model, tok, tasks, MethodSpec(spec.name, (("tau", result.tau),))) == pytest.approx(
-        rho[0.5]
-    )
+    assert realized_rho(model, tok, flows, ThresholdMethod(tau=result.tau), slots) == pytest.approx(rho[0.5])
     # out of range: the nearest end, with a note
-    high = calibrate_tau(model, tok, tasks, spec, target_rho=1.0, tau_max=0.5, progress=False)
+    high = calibrate_tau(model, tok, flows, ThresholdMethod, 1.0, reusable=slots, tau_max=0.5, progress=False)
     assert high.tau == 0.5 and "outside the reachable range" in high.note
     with pytest.raises(ValueError, match="has no `tau` option"):
-        calibrate_tau(model, tok, tasks, MethodSpec("fullshared"), 0.5, progress=False)
+        calibrate_tau(model, tok, flows, METHODS["fullshared"], 0.5, reusable=slots, progress=False)
     # the command writes the result
     rc = bench(
         "calibrate", "--method", ThresholdMethod.name, "--target-rho", round(rho[0.5], 4), "--tolerance", "0.001",
@@ -560,11 +572,12 @@ def test_realized_rho_skips_warmup_requests(tiny_dir):
 
     model, tok = load_model(str(tiny_dir))
     tasks = make_workload("trace", shared_tokens=8, agents=3, output_tokens=2, requests=3).tasks(tok)
+    flows, slots = calibration_slice(tasks, tok)
     spec = MethodSpec("graphflow")  # calibrates (dense) on 2 requests, then corrects every relation
-    assert realized_rho(model, tok, tasks, spec) == pytest.approx(1 / 3)
-    assert realized_rho(model, tok, tasks, spec, warmup=2) == 1.0
+    assert realized_rho(model, tok, flows, spec.create(), slots) == pytest.approx(1 / 3)
+    assert realized_rho(model, tok, flows, spec.create(), slots, warmup=2) == 1.0
     with pytest.raises(ValueError, match="leaves none"):
-        realized_rho(model, tok, tasks, spec, warmup=3)
+        realized_rho(model, tok, flows, spec.create(), slots, warmup=3)
 
 
 def test_bad_adapter_paths_are_refused_before_loading(tmp_path):

@@ -1,10 +1,5 @@
-"""``python -m hf_kvshare.bench``: the single-stream benchmark.
-
-Commands: ``run`` (methods x workload -> output directory per configuration), ``plot``, ``report``,
-``calibrate`` (tau for a target rho), ``validate`` (a JSONL task file), ``list`` (methods and
-workloads), ``study NAME`` (standalone studies under ``hf_kvshare.bench.studies``).
-See ``docs/workloads.md``.
-"""
+"""``python -m hf_kvshare.bench``: the single-stream benchmark; its commands are described in
+``docs/workloads.md``."""
 
 from __future__ import annotations
 
@@ -252,9 +247,26 @@ def cmd_plot(argv: list[str]) -> int:
     return 0
 
 
+def save_profile(
+    model, tokenizer, tasks, spec, path: Path, meta: dict, progress: bool = True
+) -> dict[str, Any]:
+    """Profile ``spec`` (a method with ``fit_profile``, e.g. DroidSpeak) offline on ``tasks``; write
+    ``{option name: profile}`` with ``meta`` to ``path`` (the JSON file the method takes back as an
+    option: ``droidspeak:layer_profile=PATH``) and return it. Profile on other requests than the
+    ones evaluated (``--offset``)."""
+    from ..evaluation import calibrate_droidspeak
+    from .runner import write_json
+
+    workflows = [t.to_workflow(tokenizer) for t in tasks]
+    profile = calibrate_droidspeak(spec.create(), model, tokenizer, workflows, progress=progress)
+    result = {"layer_profile": [float(x) for x in profile]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"method": spec.name, **result, **meta})
+    return result
+
+
 def cmd_calibrate(argv: list[str]) -> int:
-    from ..evaluation import has_offline_profile
-    from .calibrate import calibrate_tau, save_profile
+    from ..evaluation import calibrate_tau, has_offline_profile
     from .methods import MethodSpec
     from .runner import write_json
     from .workloads import make_workload
@@ -311,7 +323,10 @@ def cmd_calibrate(argv: list[str]) -> int:
             return 0
         options = _pick(args, "tau_min", "tau_max", "iterations", "tolerance", "seed", "warmup")
         options["progress"] = not args.no_progress
-        result = calibrate_tau(model, tok, tasks, spec, args.target_rho, **options)
+        workflows, reusable = [t.to_workflow(tok) for t in tasks], [t.reused_slots() for t in tasks]
+        result = calibrate_tau(
+            model, tok, workflows, spec.cls, args.target_rho, spec.kwargs, reusable, **options
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,5 @@
 """Task answer checkers of the bench's workloads: GSM8K numeric match, MMLU letter match, HumanEval
-execution (opt-in, sandboxed). The evaluation metrics (speed, fidelity, KV error) live in
-:mod:`hf_kvshare.evaluation.metrics`.
-"""
+execution (opt-in, sandboxed)."""
 
 from __future__ import annotations
 

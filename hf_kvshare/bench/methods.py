@@ -1,20 +1,16 @@
-"""Methods as the benchmark names them: a registry name with options (``kvcmas:tau=0.4,capacity=10``).
-
-:class:`MethodSpec` parses the command-line form, checks the options against the method class's
-signature, names the output directory and creates instances. :func:`requires_adapters` reads the
-capability flag of methods that only run on a PeftModel with one adapter per agent.
-"""
+"""Methods as the benchmark names them: a registry name with options (``kvcmas:tau=0.4,capacity=10``),
+checked against the method class's signature."""
 
 from __future__ import annotations
 
 import ast
 import hashlib
-import inspect
 import re
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
+from ..method import option_names
 from ..methods import METHODS, Method
 
 
@@ -51,14 +47,10 @@ class MethodSpec:
 
     @property
     def tag(self) -> str:
-        """Directory name, in plain characters only (letters, digits, ``-``, ``_``, ``.``); the options
-        themselves are recorded in the method's ``config.json``.
-
-        ``name`` without options; ``name-key_value-...`` when every value is a short plain word or
-        number (``kvcmas:tau=0.4,capacity=10`` -> ``kvcmas-capacity_10-tau_0.4``); otherwise a readable part
-        (file paths by their stem, other characters as ``_``, at most 48 characters) followed by 8 hex
-        digits of the options' hash, so that distinct options never share a directory
-        (``droidspeak:layer_profile=runs/p.json`` -> ``droidspeak-layer_profile_p-<8 hex digits>``).
+        """Directory name in plain characters (the options are recorded in ``config.json``):
+        ``kvcmas:tau=0.4,capacity=10`` -> ``kvcmas-capacity_10-tau_0.4``; options that are not short
+        plain words get a readable part plus 8 hex digits of their hash, so that distinct options never
+        share a directory (``droidspeak:layer_profile=runs/p.json`` -> ``droidspeak-layer_profile_p-<hash>``).
         """
         if not self.options:
             return self.name
@@ -75,11 +67,7 @@ class MethodSpec:
         return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
 
     def option_names(self) -> list[str] | None:
-        """Keyword options the method class accepts (``None`` when it takes ``**kwargs``)."""
-        params = inspect.signature(self.cls).parameters.values()
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            return None
-        return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return option_names(self.cls)
 
     def check_options(self) -> None:
         names = self.option_names()

@@ -1,15 +1,6 @@
-"""Figures of a benchmark run: PNG (matplotlib) plus a CSV of the data behind each one.
-
-- ``fidelity_vs_ttft``: teacher-forced top-1 agreement vs mean reuse-turn TTFT per method, with
-  the Pareto front (lower TTFT, higher agreement); ``accuracy_vs_ttft`` likewise where a checker
-  scored the answers;
-- ``kv_error_by_layer`` and ``kv_error_by_agent`` (relative KV error of reusable shared segments
-  against NonShared's exact cache);
-- ``effective_rank_by_layer``: 90%-energy effective rank of the exact shared K/V (base) and of the
-  residual each method leaves (for FullShared, the cross-agent correction);
-- ``ttft_vs_shared_length`` (and throughput) across the configurations of a controlled-trace sweep.
-
-Without matplotlib (the ``plots`` extra) the CSVs are still written.
+"""Figures of a benchmark run: PNG (matplotlib) plus a CSV of the data behind each one (written
+without matplotlib too). The effective-rank figure shows the exact shared K/V (base) and the
+residual each method leaves (for FullShared, the cross-agent correction).
 """
 
 from __future__ import annotations
@@ -177,14 +168,8 @@ def _erank_by_layer(methods, out: Path, plt) -> list[Path]:
             for m in methods:
                 layers = m.get("erank_by_layer") or []
                 if any(r[f"delta_{part}"] for r in layers):
-                    _line(
-                        ax,
-                        layers,
-                        "layer",
-                        f"delta_{part}",
-                        marker=".",
-                        label=f"residual: {short_label(m['method'])}",
-                    )
+                    label = f"residual: {short_label(m['method'])}"
+                    _line(ax, layers, "layer", f"delta_{part}", marker=".", label=label)
         _axes(axes, [f"effective rank (90% energy), {p}s" for p in PARTS], "layer", "rank")
         written.append(_save(fig, axes[1], out / "effective_rank_by_layer.png"))
     return written

@@ -149,13 +149,10 @@ def report(
         out += [f"\n**{c.name}**\n", markdown_table(data["methods"], REPORT_COLUMNS[kind])]
         for metric in by_hop:
             out += [f"\n{metric} by hop:\n", hop_matrix(data["methods"], metric)]
-        if hops:
-            for m in data["methods"]:
-                if m["method"] != "nonshared":
-                    out += [
-                        f"\n{m['method']}, hop by hop:\n",
-                        markdown_table(m.get("by_position") or [], HOP_COLUMNS),
-                    ]
+        for m in data["methods"] if hops else []:
+            if m["method"] != "nonshared":
+                table = markdown_table(m.get("by_position") or [], HOP_COLUMNS)
+                out += [f"\n{m['method']}, hop by hop:\n", table]
     return "\n".join(out)
 
 

@@ -1,23 +1,7 @@
-"""The single-stream benchmark runner: workloads through the paired protocol, written to disk.
-
-Each request of a workload goes through :func:`hf_kvshare.evaluation.run_paired` (NonShared and
-every method, free-running then teacher-forced on NonShared's outputs; see
-:mod:`hf_kvshare.evaluation.protocol`). Methods run interleaved request by request, so timing
-ratios come from the same minutes of the same machine. Each method keeps its two instances for the
-whole run, so state that outlives a request builds up over the requests as in a real deployment.
-With ``warmup = N`` the first N requests run exactly so but are not recorded: the summaries describe
-the steady state (filled anchor pools, finished GraphFlow calibration) on the requests after them.
-Studies add :class:`Collector` objects: extra measurements taken from each request's results.
-
-Output layout (``out/<configuration>/``)::
-
-    config.json                    the run configuration
-    summary.json, summary.csv      one row per method done in this configuration
-    plots/                         PNG + CSV of each figure
-    <method-tag>/config.json       configuration + method options
-    <method-tag>/turns.jsonl       one record per turn
-    <method-tag>/requests.jsonl    one record per request (E2E, throughput, task check)
-    <method-tag>/summary.json      written last: its presence marks the method as done
+"""The single-stream benchmark runner: each request of a workload through
+:func:`hf_kvshare.evaluation.run_paired`, methods interleaved request by request, each keeping its
+two instances for the whole run; records and summaries written per configuration directory.
+What a run does, ``--warmup``, the output layout and skip-if-done: ``docs/workloads.md``.
 """
 
 from __future__ import annotations
@@ -149,11 +133,7 @@ class Collector:
 
 
 class BenchRunner:
-    """Runs methods on one workload configuration and writes the output directory.
-
-    >>> runner = BenchRunner(model, tok, make_workload("trace", shared_tokens=256), config, "runs")  # doctest: +SKIP
-    >>> summaries = runner.run([MethodSpec.parse("fullshared")])  # doctest: +SKIP
-    """
+    """Runs methods on one workload configuration and writes the output directory."""
 
     def __init__(
         self,

@@ -3,22 +3,12 @@
 The data is generated here (:mod:`hf_kvshare.bench.workloads.autoact_world`: gold AutoAct-style trajectories over a
 fictional world), so nothing is downloaded. Each role's adapter learns its output format and
 behaviour (``Thought: ...``, ``Action: Lookup[...]``, ``Reflection: ... Answer: ...``) from the
-tail of the shared trajectory; the loss covers only the role's output tokens.
-
-    python -m hf_kvshare.bench.train_roles --out runs/adapters            # ~3-5 min on 2 CPU cores
-    python -m hf_kvshare.bench.train_roles --out runs/adapters --steps 16 --rank 8 --seed 0
-    python -m hf_kvshare.bench.train_roles --out runs/adapters-shared-a --shared-lora-a   # for baselrshared
-
-Defaults follow the authors' code (PReCache, LRAgent): LoRA on ``q_proj`` + ``v_proj``, rank 8,
-alpha 16; ranks must be multiples of 8 (PReCache's kernels exist for 8/16/32/64). ``--targets``
-chooses other modules; :data:`BEYOND_REFERENCE_TARGETS` (all attention and MLP projections, our
-earlier setting) adapts ``k_proj``, which the PReCache methods then only accept with
-``lr_keys=True``. ``--shared-lora-a`` trains the first role as usual, copies its ``v_proj``
-``lora_A`` into the other roles and freezes it there (LRAgent's training for ``baselrshared``).
+tail of the shared trajectory; the loss covers only the role's output tokens. Defaults (LoRA on
+``q_proj`` + ``v_proj``, rank 8, alpha 16, as the authors' code), ``--targets`` and
+``--shared-lora-a`` (LRAgent's training, for ``baselrshared``): ``README.md``.
 
 Writes ``<out>/<role>/adapter_config.json`` + ``adapter_model.safetensors`` (PEFT
-``save_pretrained``) and ``<out>/roles.json`` (settings incl. targets, rank and shared ``lora_A``,
-loss per step, time). Load them with
+``save_pretrained``) and ``<out>/roles.json`` (settings, loss per step, time); load them with
 :func:`load_role_adapters`.
 """
 
@@ -48,8 +38,6 @@ BEYOND_REFERENCE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
 
 
 def check_settings(rank: int, targets: list[str] | tuple[str, ...], shared_lora_a: bool = False) -> None:
-    """Raise ``ValueError`` for a rank that is not a positive multiple of 8, unknown target modules,
-    or ``shared_lora_a`` without ``v_proj`` among the targets."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 8 or rank % 8:
         raise ValueError(
             f"rank must be a positive multiple of 8 (the PReCache reference kernels exist for ranks 8, 16, 32 "
@@ -117,13 +105,9 @@ def train_roles(
     targets: list[str] | tuple[str, ...] = tuple(TARGETS),
     shared_lora_a: bool = False,
 ) -> dict[str, Any]:
-    """Train one adapter per role (``plan``, ``act``, ``reflect``) and save them under ``out``.
-
-    ``targets``: LoRA target modules (default q_proj + v_proj, the reference's); ``rank`` a multiple
-    of 8 (alpha = 2 * rank). ``shared_lora_a``: the first role trains as usual; its ``v_proj``
-    ``lora_A`` is then copied into every other role and frozen there (for ``baselrshared``).
-    Returns the report also written to ``<out>/roles.json``.
-    """
+    """Train one adapter per role (``plan``, ``act``, ``reflect``) and save them under ``out``;
+    ``shared_lora_a``: the first role's ``v_proj`` ``lora_A`` is copied into the other roles and
+    frozen there. Returns the report also written to ``<out>/roles.json``."""
     from peft import get_peft_model
 
     from ..models import load_model

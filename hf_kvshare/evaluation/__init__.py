@@ -5,9 +5,11 @@
   its per-turn / per-request records and summaries, and :func:`compare_methods`;
 - :mod:`.metrics`: the one copy of each metric (speed statistics, agreement, KL, KV error, effective rank);
 - :mod:`.transitions`: the reuse transitions of a workload, :func:`calibrate_droidspeak`;
+- :mod:`.calibration`: :func:`calibrate_tau`, the threshold that reaches a target reuse ratio;
 - :mod:`.coverage`: reconstruction coverage of selective recomputation (KVCMAS paper, Appendix A.1).
 """
 
+from .calibration import Calibration, calibrate_tau, realized_rho
 from .coverage import CRITERIA, CoverageReport, CriterionCoverage, entry_errors, reconstruction_coverage
 from .metrics import (
     effective_rank,
@@ -44,6 +46,9 @@ from .workflow import (
 )
 
 __all__ = [
+    "Calibration",
+    "calibrate_tau",
+    "realized_rho",
     "CRITERIA",
     "CoverageReport",
     "CriterionCoverage",

@@ -1,15 +1,6 @@
 """Studies behind the figures in ``docs/results/``: each is a bench configuration (``bench run``
-arguments) plus extra :class:`~hf_kvshare.bench.runner.Collector` objects, with no run loop of its own.
-``python -m hf_kvshare.bench study <name> [bench run options]`` (or ``python -m hf_kvshare.bench.studies.<name>``);
-options given override the study's defaults.
-
-- :mod:`~hf_kvshare.bench.studies.coverage`: reconstruction coverage of selective recomputation
-  (KVCMAS Table 2) and the recomputation methods' fidelity to NonShared.
-- :mod:`~hf_kvshare.bench.studies.kvcmas`: KVCMAS vs KVComm / GraphFlow / FullShared on the 4-agent
-  HumanEval workload, error hop by hop, chained vs non-chained, a tau sweep, effective rank of deltas
-  by layer, anchor bytes and pools.
-- :mod:`~hf_kvshare.bench.studies.precache`: PReCache methods on the AutoAct plan -> act -> reflect loop
-  with role adapters, and whether the role format comes from the adapters.
+arguments) plus extra :class:`~hf_kvshare.bench.runner.Collector` objects, with no run loop of its
+own; ``python -m hf_kvshare.bench study <name> [bench run options]`` (see ``docs/workloads.md``).
 """
 
 from __future__ import annotations
@@ -37,7 +28,6 @@ class TableCollector(Collector):
             write_csv(runner.dir / f"{self.name}.csv", self.rows)
 
     def markdown(self) -> str:
-
         if not self.rows:
             return ""
         return f"\n## {self.title}\n\n" + markdown_table(self.rows, self.columns)

@@ -2,16 +2,8 @@
 
     python -m hf_kvshare.bench study coverage --rho 0.9 0.8 --calibration 2 --out docs/results/runs --threads 1
 
-A bench configuration (4-agent HumanEval workflows on the 8 problems after the calibration ones, 32
-tokens per agent; FullShared, and CacheBlend, DroidSpeak with its profile and RelayCaching at each
-rho, against NonShared) plus one collector, :class:`Coverage`: the recorded requests' reuse
-transitions and :func:`~hf_kvshare.evaluation.coverage.reconstruction_coverage` at each rho (the
-KVCMAS paper's Table 2: layer, deviation and attention selection against random selection).
-
-Study options (the others are ``bench run``'s): ``--part coverage|methods`` (default both),
-``--rho`` the reuse ratios, ``--calibration N`` the requests ``0 .. N - 1`` of the workload that
-profile DroidSpeak offline (as ``bench calibrate --method droidspeak``, into ``<out>/calibration/``),
-``--random-trials`` random selections per transition and criterion.
+The KVCMAS paper's Table 2 (:func:`~hf_kvshare.evaluation.coverage.reconstruction_coverage`, collected
+by :class:`Coverage`) on the requests after the ``--calibration`` ones, which profile DroidSpeak offline.
 """
 
 from __future__ import annotations
@@ -58,18 +50,14 @@ class Coverage(TableCollector):
         droidspeak, relaycaching = DroidSpeak(layer_profile=self.profile), RelayCaching()
         band = relaycaching.band_layers(model.config.num_hidden_layers)
         hidden = [band[0]] if band[0] > 0 else []
-        options = {
-            "droidspeak": droidspeak,
-            "relaycaching": relaycaching,
-            "random_trials": self.random_trials,
-        }
-        options["transitions"] = collect_transitions(model, tok, self.workflows, hidden, runner.progress)
+        transitions = collect_transitions(model, tok, self.workflows, hidden, runner.progress)
+        options = dict(droidspeak=droidspeak, relaycaching=relaycaching, transitions=transitions)
+        options.update(random_trials=self.random_trials, progress=runner.progress)
         reports = {}
         for rho in self.rhos:
-            report = reconstruction_coverage(
-                model, tok, self.workflows, rho=rho, progress=runner.progress, **options
-            )
-            reports[str(rho)] = report.to_dict()
+            reports[str(rho)] = reconstruction_coverage(
+                model, tok, self.workflows, rho=rho, **options
+            ).to_dict()
             self.rows += [{"rho": rho, **c} for c in reports[str(rho)]["criteria"].values()]
         coverage = {"layer_profile": droidspeak.layer_profile, "coverage": reports}
         write_json(runner.dir / "coverage.json", coverage)
@@ -77,8 +65,7 @@ class Coverage(TableCollector):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..__main__ import _add_model_options, _add_workload_options, _workload_params, load_bench_model
-    from ..calibrate import save_profile
+    from .. import __main__ as cli
     from ..methods import MethodSpec
     from ..workloads import make_workload
 
@@ -98,20 +85,20 @@ def main(argv: list[str] | None = None) -> int:
 
     # DroidSpeak's offline profile on the first requests, apart from the measured ones
     parser = argparse.ArgumentParser(add_help=False)
-    _add_workload_options(parser, sweep=False)
-    _add_model_options(parser)
+    cli._add_workload_options(parser, sweep=False)
+    cli._add_model_options(parser)
     parser.add_argument("--out", default="bench_runs")
     args = parser.parse_known_args([*defaults, *argv])[0]
-    params = {**_workload_params(args), "offset": 0, "limit": options.calibration}
+    params = {**cli._workload_params(args), "offset": 0, "limit": options.calibration}
     workload = make_workload(args.workload, **params, shared_tokens=args.shared_tokens)
     profile = Path(args.out) / "calibration" / f"droidspeak__{workload.tag()}__profile.json"
     if {"-h", "--help"} & set(argv):
         study.print_help()  # then bench run's options
     else:
-        model, tok = load_bench_model(args.model, args.dtype, args.device, {}, args.threads)
+        model, tok = cli.load_bench_model(args.model, args.dtype, args.device, {}, args.threads)
         tasks = workload.tasks(tok, args.seed)
         meta = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}
-        save_profile(model, tok, tasks, MethodSpec("droidspeak"), profile, meta, not args.no_progress)
+        cli.save_profile(model, tok, tasks, MethodSpec("droidspeak"), profile, meta, not args.no_progress)
         del model
         print(f"DroidSpeak's layer profile on {len(tasks)} request(s) of {workload.tag()}: {profile}")
 

@@ -2,18 +2,8 @@
 
     python -m hf_kvshare.bench study kvcmas --out docs/results/runs --threads 1
 
-A bench configuration (planner -> designer -> coder -> final on HumanEval prompts, 3 warm-up requests
-so anchor pools and GraphFlow's profiles are in steady state; FullShared, KVComm, KVCMAS chained and
-non-chained, GraphFlow, and KVCMAS at two more tau values) plus three collectors:
-
-- :class:`DeltaRanks`: effective rank (90% energy) by layer of the exact cache of a shared segment
-  and of its deltas between consecutive consumers (and against a context-free prefill), on NonShared's
-  exact teacher-forced caches;
-- :class:`AnchorBytes`: exact bytes of one stored cache dense vs rank 32 by length, with the rank-32
-  reconstruction error;
-- :class:`Pools`: each correction method's anchor pools (anchors, deltas, evictions, bytes) at the end.
-
-The bench's summaries give TTFT ratios, rho, agreement, KL and KV error hop by hop and by layer.
+3 warm-up requests put anchor pools and GraphFlow's profiles in steady state; collectors:
+:class:`DeltaRanks`, :class:`AnchorBytes` and :class:`Pools`.
 """
 
 from __future__ import annotations
@@ -56,7 +46,9 @@ def _delta_rank(target, source, rtol: float = 1e-4) -> int:
 
 
 class DeltaRanks(TableCollector):
-    """Effective ranks per layer, averaged over the recorded requests' consumer pairs."""
+    """Effective rank (90% energy) by layer of the exact cache of a shared segment and of its deltas
+    between consecutive consumers (and against a context-free prefill), on NonShared's exact
+    teacher-forced caches, averaged over the recorded requests' consumer pairs."""
 
     name, title = "rank", "Effective rank of shared segments and of their deltas, by layer (90% energy)"
     columns = [
@@ -121,7 +113,8 @@ class DeltaRanks(TableCollector):
 
 
 class AnchorBytes(TableCollector):
-    """Exact bytes of one stored cache (all layers, K and V) dense vs rank ``rank``, by length."""
+    """Exact bytes of one stored cache (all layers, K and V) dense vs rank ``rank``, by length, with
+    the rank-``rank`` reconstruction error."""
 
     name, title = "anchor_bytes", "Bytes of one stored cache: dense vs low rank"
 

@@ -2,12 +2,9 @@
 
     python -m hf_kvshare.bench study precache --adapters runs/adapters --out docs/results/runs --threads 1
 
-A bench configuration (the ``autoact`` workload, agents = the role adapters plan / act / reflect;
-NonShared, FullShared, BaseShared, PreLRShared with a per-turn and a lazy materialization,
-ReBaseShared with lazy prefill and with double batching) plus one collector, :class:`AdapterFree`:
-the first NonShared prompts answered with the adapters disabled, to tell whether the role format
-comes from the adapters. ``--adapters DIR`` loads ``DIR/<role>`` for each role, training them first
-(``python -m hf_kvshare.bench.train_roles``) when missing; ``--adapter NAME=PATH`` works as in ``bench run``.
+``--adapters DIR`` loads ``DIR/<role>`` for each role, training them first when missing
+(``--adapter NAME=PATH`` works as in ``bench run``); :class:`AdapterFree` tells whether the role
+format comes from the adapters.
 """
 
 from __future__ import annotations
@@ -89,7 +86,9 @@ def role_adapter_args(directory: str, progress: bool = True) -> list[str]:
     if not all((path / r / "adapter_config.json").exists() for r in ROLES):
         from ..train_roles import train_roles
 
-        print(f"no role adapters in {path}: training them (python -m hf_kvshare.bench.train_roles --out {path})")
+        print(
+            f"no role adapters in {path}: training them (python -m hf_kvshare.bench.train_roles --out {path})"
+        )
         train_roles(path, progress=progress)
     return [arg for r in ROLES for arg in ("--adapter", f"{r}={path / r}")]
 

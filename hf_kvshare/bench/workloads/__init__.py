@@ -1,9 +1,5 @@
-"""Workloads: every one produces :class:`TaskSpec` requests (the JSONL task format).
-
-Registry ``WORKLOADS``: ``trace`` (controlled traces), ``file`` (JSONL task files), ``humaneval``,
-``gsm8k``, ``mmlu`` (4-agent task workflows), ``stress`` (where FullShared visibly degrades),
-``autoact`` (multi-LoRA plan/act/reflect).
-"""
+"""Workloads: every one produces :class:`TaskSpec` requests (the JSONL task format); the registry
+``WORKLOADS`` is described in ``docs/workloads.md``."""
 
 from .autoact import AutoActWorkload
 from .base import WORKLOADS, Workload, make_workload, register_workload, workload_tau

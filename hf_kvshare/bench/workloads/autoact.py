@@ -1,19 +1,10 @@
 """Multi-LoRA AutoAct loop: plan -> act -> reflect agents that differ by LoRA adapter.
 
-The episodes are those of :mod:`hf_kvshare.bench.workloads.autoact_world`, the environment the role adapters are
-trained on (``python -m hf_kvshare.bench.train_roles``): a multi-hop question over a generated
-world, the agents' instructions in SmolLM2's chat markup, and the ``Lookup[name]`` observations
-of the reference trajectory (the environment replayed: a turn sees the page the reference action
-looked up, whatever the agent wrote). Every turn's prompt is the whole trajectory so far (earlier
-instructions and outputs, all PH slots in order) plus its own new instruction (a PH slot too,
-since later agents read it). The final reflect turn is scored against the question's answer.
-
-Each agent runs with the PEFT adapter of its name (``plan``, ``act``, ``reflect``): load them with
-``--adapter plan=DIR`` etc. The bench activates the agent's adapter before its turn and names the
-turn's agent after the adapter, which is what the PReCache methods key on.
-
-With ``data`` (a table with a ``question`` column, optional ``answer``), the questions are the
-user's: ``rounds`` plan/act/reflect rounds with the same instructions and no tool observations.
+The episodes are those of :mod:`hf_kvshare.bench.workloads.autoact_world`, the environment the role
+adapters are trained on, with the environment replayed (a turn sees the page the reference action
+looked up, whatever the agent wrote, so every method sees the same prompts). Every turn's prompt is
+the whole trajectory so far plus its own new instruction (a PH slot too, since later agents read
+it). More in ``docs/workloads.md`` ("LoRA agents").
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ over a small fictional world generated from a seed (countries, capitals, foundin
 rivers), so the model cannot answer from memory and every run is reproducible offline.
 
 All agents read one shared trajectory; each turn appends the agent's instruction (with the
-latest observation) and its output. :class:`Episode` lays the turns out as PReCache expects: the
-trajectory so far as PH slots, in order, plus the new instruction as a new PH slot.
+latest observation) and its output (:class:`Episode`).
 
 >>> import random
 >>> world = World.generate(seed=0)
@@ -208,14 +207,9 @@ def gold_turns(world: World, question: Question, reflect_every: int = 2) -> list
     facts: list[str] = []
     for i, hop in enumerate(question.hops):
         need = "the capital" if hop in world.countries else "the founding year and river"
-        turns.append(
-            GoldTurn(
-                "plan",
-                instruction("plan", observation, first=i == 0, question=question.text),
-                f"Thought: I still need {need} of {hop}, so I will look up {hop}.",
-                observation,
-            )
-        )
+        plan = instruction("plan", observation, first=i == 0, question=question.text)
+        thought = f"Thought: I still need {need} of {hop}, so I will look up {hop}."
+        turns.append(GoldTurn("plan", plan, thought, observation))
         turns.append(GoldTurn("act", instruction("act"), f"Action: Lookup[{hop}]"))
         observation = world.page(hop)
         facts.append(world.fact(hop))
@@ -233,11 +227,8 @@ def gold_turns(world: World, question: Question, reflect_every: int = 2) -> list
 
 @dataclass
 class Episode:
-    """Lays out a trajectory's turns for a PReCache session (all agents read one trajectory).
-
-    ``segments(instruction)`` returns the trajectory so far as PH slots plus the new instruction as
-    a new PH slot; ``add(result)`` appends the turn's instruction slot and output slot.
-    """
+    """Lays out a trajectory's turns for a PReCache session: ``segments(instruction)`` is the trajectory
+    so far as PH slots plus the new instruction as a new PH slot; ``add(output_slot)`` appends both."""
 
     history: list[PH] = field(default_factory=list)
     step: int = 0

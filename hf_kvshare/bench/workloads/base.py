@@ -1,8 +1,5 @@
-"""Workload base class and registry.
-
-A workload turns its parameters (and the run's seed) into a list of :class:`TaskSpec` requests.
-Parameters are dataclass fields; the CLI fills them from its options.
-"""
+"""Workload base class and registry: a workload turns its parameters (dataclass fields, filled by
+the CLI) and the run's seed into a list of :class:`TaskSpec` requests."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Loading workload data through ``datasets``: JSONL task files and benchmark tables.
-
-:func:`load_task_file` reads a JSONL file in the task format (one :class:`TaskSpec` per line). Each
-line is first parsed and validated on its own, so a bad record is reported with its line number
-and field; the validated file is then loaded with ``datasets`` (one row per task).
-
-:func:`load_table` loads a benchmark table (GSM8K, MMLU, ...) from a hub name or a local file.
+"""Loading workload data through ``datasets``: JSONL task files (each line validated on its own first,
+so a bad record is reported with its line number and field) and benchmark tables (GSM8K, MMLU, ...)
+from a hub name or a local file.
 """
 
 from __future__ import annotations

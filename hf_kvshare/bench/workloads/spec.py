@@ -1,11 +1,6 @@
-"""The task format every workload is expressed in: agents, shared slots, a schedule.
-
-A :class:`TaskSpec` is one request of a multi-agent workflow. It is what a line of a JSONL
-workload file holds (see ``docs/workloads.md``) and what every built-in workload (controlled
-traces, HumanEval, GSM8K, MMLU, stress, AutoAct) generates, so all of them run through the same
-runner. :meth:`TaskSpec.from_record` validates a record and names the offending field;
-:meth:`TaskSpec.to_workflow` lays the steps out as PF/PH segments (with the tokenizer's chat
-template or as plain text) and returns a :class:`~hf_kvshare.evaluation.Workflow`.
+"""The task format every workload is expressed in (``docs/workloads.md``): agents, shared slots, a
+schedule. :meth:`TaskSpec.from_record` validates a record and names the offending field;
+:meth:`TaskSpec.to_workflow` lays the steps out as PF/PH segments.
 """
 
 from __future__ import annotations
@@ -174,12 +169,7 @@ class TaskSpec:
                 fail("answer", f"checker {self.checker!r} needs an answer")
 
     def to_workflow(self, tokenizer: Any) -> Workflow:
-        """Lay every step out as PF/PH segments.
-
-        Chat layout: the agent's system prompt as the system message; the user message is
-        ``glue(slot1).lstrip() + slot1 + glue(slot2) + slot2 + ... + tail``; the template's assistant
-        header ends the prompt. Plain layout: ``system + "\\n\\n"`` then the same user text.
-        """
+        """Lay every step out as PF/PH segments (chat or plain layout: ``docs/workloads.md``, "Layout")."""
         use_chat = self.chat
         if use_chat is None:
             use_chat = getattr(tokenizer, "chat_template", None) is not None
@@ -224,10 +214,8 @@ class TaskSpec:
 
     @classmethod
     def from_record(cls, record: Any, where: str = "record", default_id: str = "task") -> TaskSpec:
-        """Parse and validate one record (a JSON object; ``None`` values count as absent).
-
-        Raises :class:`WorkloadFormatError` naming ``where`` and the field.
-        """
+        """Parse and validate one record (a JSON object; ``None`` values count as absent); a
+        :class:`WorkloadFormatError` names ``where`` and the field."""
         r = _Reader(where)
         obj = r.mapping(record, "")
         r.no_unknown(obj, "", _TOP_KEYS)

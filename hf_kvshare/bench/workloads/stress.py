@@ -1,18 +1,6 @@
-"""A stress workload in which FullShared visibly degrades on the embedded model.
-
-Measured first (``docs/results/README.md``): with short role prompts and a chat template,
-FullShared agrees with NonShared on ~95-99% of teacher-forced next tokens, so such workloads
-cannot tell methods apart. What moves the shared segments' K/V, and the outputs with them, is:
-
-- **very different agent prefixes**: long persona prompts in plain layout (no chat template, so
-  the agents do not even share the template's system header, which otherwise acts as a common
-  attention sink) and, by default, a first agent that reads the query with no prefix at all;
-- **multi-hop compounding**: a chain in which each agent reads the query and the previous agent's
-  output, produced on a reused cache, so errors travel down the chain;
-- **prompts that end on shared content**: each agent continues right after the previous output
-  (no instruction tail), so its first tokens lean on the reused K/V instead of fresh dense text.
-
-Fidelity is reported hop by hop (``by_position`` in the summary, ``kv_error_by_agent`` plot).
+"""A stress workload in which FullShared visibly degrades on the embedded model: long, very different
+agent prefixes in plain layout, a multi-hop chain, prompts that end on shared content. Why each
+of them matters: ``docs/workloads.md`` ("The stress workload").
 """
 
 from __future__ import annotations

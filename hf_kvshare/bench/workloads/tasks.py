@@ -1,11 +1,8 @@
-"""Built-in task workloads: HumanEval, GSM8K and MMLU as 4-agent workflows.
-
-Following the KVComm agent families the seeds evaluate with (paper appendix B.1): three
-task-specific agents, each reading the query and the earlier agents' outputs, then a final agent
-that reads all three and gives the answer. Role prompts are written in the spirit of the
-KVComm/AgentPrune prompt sets (not copied). Answers: HumanEval by executing the final code (opt-in,
-sandboxed), GSM8K by numeric match, MMLU by letter match (``choices``: four options; in a CSV file,
-a cell holding a JSON list). GSM8K and MMLU load through ``datasets`` from a hub name or a local file.
+"""Built-in task workloads: HumanEval, GSM8K and MMLU as 4-agent workflows (three task-specific
+agents reading the query and the earlier outputs, then a final agent; KVComm agent families, paper
+appendix B.1, prompts rewritten). Answers: HumanEval by executing the final code (opt-in, sandboxed),
+GSM8K by numeric match, MMLU by letter match (``choices``: four options; in a CSV file, a cell
+holding a JSON list).
 """
 
 from __future__ import annotations
@@ -94,9 +91,7 @@ class FourAgentWorkload(Workload):
     roles: ClassVar[dict[str, str]] = {}
     query_label: ClassVar[str] = "Query"
     checker: ClassVar[str] = ""
-
-    def table(self) -> Any:
-        raise NotImplementedError
+    columns: ClassVar[tuple[str, ...]] = ()  # those the ``datasets`` table of ``data`` must have
 
     def request(self, i: int, row: Any) -> tuple[str, str, str | None, dict[str, Any]]:
         """``(task id, query, gold answer, meta)`` of row ``i``."""
@@ -121,10 +116,9 @@ class FourAgentWorkload(Workload):
             )
         return tasks
 
-    def _table(self, columns: tuple[str, ...]) -> Any:
-        """The ``datasets`` table of ``data`` with the given columns."""
+    def table(self) -> Any:
         table = load_table(self.data, self.data_config, self.split)
-        missing = [c for c in columns if c not in table.column_names]
+        missing = [c for c in self.columns if c not in table.column_names]
         if missing:
             raise ValueError(
                 f"{self.data}: missing column(s) {', '.join(missing)}; found {', '.join(table.column_names)}"
@@ -178,6 +172,7 @@ class GSM8KWorkload(FourAgentWorkload):
     tau = 0.32  # KVCMAS's run_gsm8k.py
     description = "GSM8K via datasets (hub name or local file): math solver, analyst, programmer, final"
     roles, query_label, checker = GSM8K_ROLES, "Problem", "numeric"
+    columns = ("question", "answer")
 
     data: str = "openai/gsm8k"
     data_config: str | None = "main"
@@ -185,9 +180,6 @@ class GSM8KWorkload(FourAgentWorkload):
     limit: int | None = 4
     offset: int = 0
     max_new_tokens: int = 64
-
-    def table(self) -> Any:
-        return self._table(("question", "answer"))
 
     def request(self, i: int, row: dict[str, Any]) -> tuple[str, str, str, dict[str, Any]]:
         from ..checkers import gsm8k_gold
@@ -205,6 +197,7 @@ class MMLUWorkload(FourAgentWorkload):
     tau = 0.29  # KVCMAS's scripts/run_accuracy.sh
     description = "MMLU via datasets (hub name or local file): expert, searcher, critic, final"
     roles, query_label, checker = MMLU_ROLES, "Question", "letter"
+    columns = ("question", "choices", "answer")
 
     data: str = "cais/mmlu"
     data_config: str | None = "all"
@@ -212,9 +205,6 @@ class MMLUWorkload(FourAgentWorkload):
     limit: int | None = 4
     offset: int = 0
     max_new_tokens: int = 48
-
-    def table(self) -> Any:
-        return self._table(("question", "choices", "answer"))
 
     def request(self, i: int, row: dict[str, Any]) -> tuple[str, str, str, dict[str, Any]]:
         question, choices = self._text(row, "question", i), row["choices"]

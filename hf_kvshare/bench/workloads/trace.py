@@ -1,10 +1,5 @@
-"""Controlled traces (the seeds' serving-efficiency setup, single stream).
-
-A fixed schedule of N agents over R rounds; every agent reads a shared context of exactly
-``shared_tokens`` tokens and every earlier agent output (outputs accumulate), and generates exactly
-``output_tokens`` tokens (``min_new_tokens = max_new_tokens``), so every method processes the same
-trajectory lengths. The first turn prefills the context densely; later turns are reuse turns.
-"""
+"""Controlled traces (the seeds' serving-efficiency setup, single stream): see the ``trace`` row of
+the workload table in ``docs/workloads.md``."""
 
 from __future__ import annotations
 
