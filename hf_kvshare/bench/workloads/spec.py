@@ -13,7 +13,7 @@ from typing import Any
 from ...evaluation.workflow import Step, Workflow
 from ...trajectory import PF, PH, SegmentSpec, chat
 
-#: answer checkers a task may name (see :mod:`hf_kvshare.bench.metrics`)
+#: answer checkers a task may name (see :mod:`hf_kvshare.bench.checkers`)
 FILE_CHECKERS = ("exact", "numeric", "letter", "answer")
 CHECKERS = (*FILE_CHECKERS, "humaneval")
 
