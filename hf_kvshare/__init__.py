@@ -14,7 +14,8 @@ from .lora.cache import BaseLRCache
 from .methods import METHODS, Method, Placement, get_method, register
 from .models import load_model
 from .rope import RopeShifter
-from .session import Session, TurnResult
+from .session import Session
+from .turn import TurnResult
 from .trajectory import PF, PH, chat
 
 __all__ = [
