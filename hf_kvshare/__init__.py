@@ -8,7 +8,14 @@
 from ._compat import CACHE_KWARG, cache_kwargs
 from ._version import __version__ as __version__
 from .anchors.cache import CorrectedCache
-from .cache import Segment, SegmentedCache, SegmentKV, SharedCache
+from .cache import (
+    PositionMismatchError,
+    Segment,
+    SegmentedCache,
+    SegmentKV,
+    SharedCache,
+    register_export_support,
+)
 from .evaluation import Step, Workflow, compare_methods, run_workflow
 from .lora.cache import BaseLRCache
 from .methods import METHODS, Method, Placement, get_method, register
@@ -27,6 +34,7 @@ __all__ = [
     "PH",
     "Method",
     "Placement",
+    "PositionMismatchError",
     "RopeShifter",
     "Segment",
     "SegmentKV",
@@ -42,5 +50,6 @@ __all__ = [
     "get_method",
     "load_model",
     "register",
+    "register_export_support",
     "run_workflow",
 ]

@@ -160,3 +160,72 @@ def peft_wrapping_warnings_silenced():
             "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
         )
         yield
+
+
+# ----------------------------------------------------------------------------- caches inside generate
+#: transformers 5.24's assisted decoding (``assistant_model=``, ``prompt_lookup_num_tokens=``, every
+#: candidate-generator mode) feeds the whole ``input_ids`` on its first verification step even when
+#: the given cache already holds part of them (``next_sequence_length=None`` on the first iteration of
+#: ``GenerationMixin._assisted_decoding``): the prompt is cached twice and positions restart at 0, so
+#: the output differs from greedy. Our caches refuse that step (see ``SegmentedCache.update``);
+#: ``tests/test_generate_modes.py::test_upstream_assisted_decoding_with_prefilled_cache`` (strict
+#: xfail) fails the day transformers fixes it.
+ASSISTED_DECODING_REFEEDS_CACHED_PROMPT = True
+
+
+def update_position_ids(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Position ids ``[batch, seq]`` of the tokens a model forward hands to ``Cache.update``, or ``None``.
+
+    5.24 attention layers call ``cache.update(k, v, layer_idx, kwargs=attention_kwargs)``; the
+    attention kwargs carry the forward's ``position_ids``. Earlier 5.x passed a ``cache_kwargs`` dict
+    as the fourth positional argument (with ``cache_position``, not position ids): ``None`` there.
+    """
+    extra = kwargs.get("kwargs")
+    if isinstance(extra, dict):
+        return extra.get("position_ids")
+    return None
+
+
+def is_tracing() -> bool:
+    """Whether the code runs under ``torch.compile`` / ``torch.export`` (no data-dependent checks there)."""
+    import torch
+
+    compiler = getattr(torch, "compiler", None)
+    if compiler is None:  # pragma: no cover - torch < 2.1
+        return False
+    exporting = getattr(compiler, "is_exporting", lambda: False)
+    return bool(compiler.is_compiling() or exporting())
+
+
+def register_pytree_node(cls: type, flatten, unflatten, flatten_with_keys, flatten_spec) -> None:
+    """Register ``cls`` as a pytree node the way transformers registers ``DynamicCache`` for ``torch.export``
+    (``transformers.integrations.executorch.register_dynamic_cache_export_support``): ``torch.utils._pytree``
+    and ``torch.fx._pytree`` are private torch modules. Registering twice is a no-op."""
+    import torch.fx._pytree as fx_pytree
+    import torch.utils._pytree as pytree
+
+    try:
+        pytree.register_pytree_node(
+            cls,
+            flatten,
+            unflatten,
+            serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+            flatten_with_keys_fn=flatten_with_keys,
+        )
+        fx_pytree.register_pytree_flatten_spec(cls, flatten_spec)
+    except ValueError as e:
+        if "already registered" not in str(e):
+            raise
+
+
+def pytree_dict_flatten(values: dict, with_keys: bool = False):
+    """``torch.utils._pytree``'s dict flattening (values, keys) / (keyed values, keys)."""
+    import torch.utils._pytree as pytree
+
+    return pytree._dict_flatten_with_keys(values) if with_keys else pytree._dict_flatten(values)
+
+
+def pytree_dict_unflatten(values: list, keys: Any) -> dict:
+    import torch.utils._pytree as pytree
+
+    return pytree._dict_unflatten(values, keys)

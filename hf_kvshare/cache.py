@@ -16,12 +16,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
+from itertools import zip_longest
 from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from ._compat import cache_kwargs, crop_argument, crop_target_length
+from . import _compat
+from ._compat import cache_kwargs, crop_argument, crop_target_length, update_position_ids
 from .rope import RopeShifter
 
 Kind = Literal["PF", "PH"]
@@ -87,6 +91,19 @@ class SegmentKV:
         )
 
 
+class LayerIndexError(IndexError, ValueError):
+    """An update for a layer the cache does not have: an ``IndexError`` like a list's (what callers of
+    ``DynamicCache`` catch) and, for earlier callers of hf_kvshare, a ``ValueError``."""
+
+
+class PositionMismatchError(RuntimeError):
+    """An update whose tokens sit at other positions than the cache slots they would fill."""
+
+
+def _is_config(value: Any) -> bool:
+    return hasattr(value, "get_text_config") or hasattr(value, "num_hidden_layers")
+
+
 def config_signature(config: Any) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of a model config: what a cache must match to be used with it."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -99,8 +116,30 @@ def config_signature(config: Any) -> tuple[int, int, int]:
 class SegmentedCache(DynamicCache):
     """A ``DynamicCache`` with a segment table.
 
+    Built like ``DynamicCache`` (same arguments; the first positional one may be a config or the
+    list of ``(keys, values)`` pairs that ``DataParallel`` / pytree unflattening pass):
+
     Args:
-        config: the model config (builds the right layer types, fixes the expected shapes).
+        config: the model config: builds the layers up front and fixes the expected
+            (layers, kv heads, head dim). ``None``: layers are created lazily by ``update`` (as in
+            ``DynamicCache()``) and kv heads / head dim are fixed by the first update.
+        ddp_cache_data: per-layer ``(keys, values[, sliding window])`` to fill the cache with; the
+            table stays empty (plain tensors carry no segments), so :meth:`report` shows them as
+            appended positions.
+        offloading, offload_only_non_sliding: as in ``DynamicCache`` (layers offloaded to CPU between
+            forwards; CUDA only, as there). :meth:`layer_kv` / :meth:`extract` then read the offloaded
+            copy, wherever it lives.
+
+    Where it differs from ``DynamicCache`` (each a clear error, never a silent difference):
+
+    - sliding-window layers are refused (segments would be evicted);
+    - an update whose shape differs from the first one (kv heads, head dim) raises ``ValueError``,
+      one for a layer past the model's last raises :class:`LayerIndexError` (an ``IndexError``);
+    - an update to a non-empty cache whose ``position_ids`` are not the cache slots it fills raises
+      :class:`PositionMismatchError`: the table maps positions to slots, and K/V written at other
+      positions (a prompt re-fed over a used cache; assisted / prompt-lookup decoding, which in
+      transformers 5.24 re-feed the cached prompt on their first step) would make it false and the
+      output silently wrong.
 
     >>> cache = SegmentedCache(model.config)  # doctest: +SKIP
     >>> cache.append_dense(model, ids_of_system_prompt, name="sys", kind="PF")  # doctest: +SKIP
@@ -109,21 +148,61 @@ class SegmentedCache(DynamicCache):
     >>> cache.segments  # doctest: +SKIP
     """
 
-    def __init__(self, config: Any):
-        super().__init__(config=config)
+    #: plain attributes a pytree round trip (``torch.export``) keeps besides K/V and the table
+    _PYTREE_STATE: tuple[str, ...] = ()
+    #: whether :func:`register_export_support` registers the class (it must rebuild from K/V pairs)
+    _PYTREE_NODE = True
+
+    def __init__(
+        self,
+        config: Any = None,
+        ddp_cache_data: Iterable[tuple[torch.Tensor | None, ...]] | None = None,
+        offloading: bool = False,
+        offload_only_non_sliding: bool = False,
+    ):
+        if config is not None and not _is_config(config):
+            if ddp_cache_data is not None:
+                raise TypeError("pass either a config or cache data first, not both")
+            config, ddp_cache_data = None, config  # DynamicCache's first positional: the DDP data
+        super().__init__(
+            ddp_cache_data=ddp_cache_data,
+            config=config,
+            offloading=offloading,
+            offload_only_non_sliding=offload_only_non_sliding,
+        )
         if any(self.is_sliding):
             raise ValueError(
                 "sliding-window attention layers drop old keys, so segments cannot be kept or re-positioned; "
                 "hf_kvshare supports full-attention models (Llama, Qwen2 without sliding window, ...)"
             )
         self.config = config
-        self.signature = config_signature(config)
+        #: (layers, kv heads, head dim); ``None`` entries are fixed by the first update (no config)
+        self.signature: tuple[int | None, int | None, int | None] = (
+            config_signature(config) if config is not None else (None, None, None)
+        )
+        if config is None:
+            first = next((layer for layer in self.layers if layer.keys is not None), None)
+            if first is not None:
+                self.signature = (None, first.keys.shape[1], first.keys.shape[3])
         self.segments: list[Segment] = []
+        self._recording_at: int | None = None
 
     # ------------------------------------------------------------------ views
     @property
     def num_layers(self) -> int:
-        return self.signature[0]
+        """Layers of the model (without a config: the layers created so far)."""
+        return self.signature[0] if self.signature[0] is not None else len(self.layers)
+
+    @property
+    def appended(self) -> list[Segment]:
+        """Rows for the positions past the table (fed by ``generate``): one ``appended`` row. They
+        follow the cache: a ``crop`` (e.g. an assistant's rejected draft) removes them."""
+        start, end = self.segmented_length, self.get_seq_length()
+        return [Segment("appended", "PF", start, end)] if end > start else []
+
+    def table(self) -> list[Segment]:
+        """The segment table followed by the rows of what ``generate`` appended (:attr:`appended`)."""
+        return [*self.segments, *self.appended]
 
     @property
     def segmented_length(self) -> int:
@@ -172,25 +251,69 @@ class SegmentedCache(DynamicCache):
     # --------------------------------------------------------------- building
     def _check_shapes(self, key_states: torch.Tensor, layer_idx: int) -> None:
         layers, kv_heads, head_dim = self.signature
-        if layer_idx >= layers:
-            raise ValueError(
+        if layers is not None and not 0 <= layer_idx < layers:
+            raise LayerIndexError(
                 f"this cache was built for a model with {layers} layers; got an update for layer {layer_idx}"
             )
+        if kv_heads is None and key_states.dim() == 4:  # no config: the first update fixes the shape
+            self.signature = (layers, key_states.shape[1], key_states.shape[3])
+            kv_heads, head_dim = self.signature[1:]
         if key_states.dim() != 4 or key_states.shape[1] != kv_heads or key_states.shape[3] != head_dim:
             raise ValueError(
                 f"this cache was built for a model with {kv_heads} kv heads of dim {head_dim} "
                 f"([batch, {kv_heads}, seq, {head_dim}]); got key states of shape {tuple(key_states.shape)}"
             )
 
+    def _check_positions(self, key_states: torch.Tensor, layer_idx: int, args: tuple, kwargs: dict) -> None:
+        """Refuse tokens whose positions are not the slots they would fill (the table would lie)."""
+        n = key_states.shape[-2]
+        if layer_idx != 0 or n == 1 or _compat.is_tracing():
+            return  # one token: reading its position would cost a device sync per decoding step
+        length = self.get_seq_length()
+        positions = update_position_ids(args, kwargs)
+        if length == 0 or positions is None or positions.numel() == 0:
+            return  # an empty cache may start anywhere; without position ids the model counts slots
+        last = int(positions[..., -1].max())  # left-padded rows sit lower; an unpadded row is exact
+        if last != length + n - 1:
+            first = last - n + 1
+            raise PositionMismatchError(self._position_message(length, n, first, last))
+
+    def _position_message(self, length: int, n: int, first: int, last: int) -> str:
+        what = (
+            f"an update of {n} tokens at positions {first}..{last} would fill slots {length}..{length + n - 1} "
+            f"of this {type(self).__name__} (it holds {length} tokens)"
+        )
+        if self._recording_at == length:
+            return (
+                f"{what}: assisted decoding (assistant_model= / prompt_lookup_num_tokens=) on a cache that already "
+                "holds part of the input re-feeds the whole input on its first step in transformers "
+                f"{_compat.TRANSFORMERS_VERSION}, so its output would be silently wrong. Pass only the new tokens "
+                "as input_ids with the full attention_mask, or generate without assisted decoding"
+            )
+        return (
+            f"{what}: the input was fed over a cache that already holds it (e.g. the same prompt to a second "
+            "generate); pass the prompt plus what was generated (continuing), or a fresh cache / `cache.copy()`"
+        )
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self._check_shapes(key_states, layer_idx)
+        self._before_update(key_states, layer_idx, args, kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _before_update(self, key_states: torch.Tensor, layer_idx: int, args: tuple, kwargs: dict) -> None:
+        self._check_shapes(key_states, layer_idx)
+        self._check_positions(key_states, layer_idx, args, kwargs)
+
+    def activate_past_recording(self) -> None:
+        """``generate`` calls this before assisted decoding (and, on CUDA, after a prefill): remember
+        where, so that a refused first step can name the mode."""
+        self._recording_at = self.get_seq_length()
+        super().activate_past_recording()
 
     def check_model(self, model_or_config: Any) -> None:
         """Raise if this cache was built for a model of another shape (layers, kv heads, head dim)."""
         config = getattr(model_or_config, "config", model_or_config)
         other = config_signature(config)
-        if other != self.signature:
+        if any(ours is not None and ours != theirs for ours, theirs in zip(self.signature, other)):
             raise ValueError(
                 "cache/model mismatch: the cache was built for (layers, kv_heads, head_dim) = "
                 f"{self.signature}, the model has {other}"
@@ -289,12 +412,19 @@ class SegmentedCache(DynamicCache):
         """An independent copy (tensors cloned) with the same segment table."""
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
-        DynamicCache.__init__(new, config=self.config)
+        DynamicCache.__init__(new, config=self.config, **self._offload_options())
         for layer_idx, layer in enumerate(self.layers):
+            if layer_idx >= len(new.layers):  # no config: layers are created lazily
+                new.layers.append(type(layer)())
             if layer.is_initialized and layer.keys is not None:
                 new.layers[layer_idx].update(layer.keys.clone(), layer.values.clone())
         new.segments = [replace(s, info=dict(s.info)) for s in self.segments]
         return new
+
+    def _offload_options(self) -> dict[str, bool]:
+        if not self.offloading:
+            return {}
+        return {"offloading": True, "offload_only_non_sliding": self.only_non_sliding}
 
     # ----------------------------------------------------------------- report
     def report(self) -> str:
@@ -309,9 +439,10 @@ class SegmentedCache(DynamicCache):
                 f"  {seg.name:<16}{seg.kind:<5}{f'[{seg.start},{seg.end})':<14}{seg.provenance:<12}"
                 f"{seg.source_agent or '-':<12}{info}"
             )
-        extra = self.get_seq_length() - self.segmented_length
-        if extra > 0:
-            rows.append(f"  (+{extra} positions appended by generate)")
+        for seg in self.appended:
+            rows.append(
+                f"  (+{seg.length} positions appended by generate: {seg.name} [{seg.start},{seg.end}))"
+            )
         return "\n".join(rows)
 
     def __repr__(self) -> str:
@@ -321,18 +452,28 @@ class SegmentedCache(DynamicCache):
 class SharedCache(SegmentedCache):
     """The cache a method builds for one agent turn; pass it to ``generate`` unchanged.
 
-    It holds the prompt minus (at least) its last token, so ``generate`` feeds the rest. After one
-    ``generate`` it holds that turn's tokens: a second ``generate`` on the same object would
-    re-feed the prompt at wrong positions, so it is refused — call :meth:`copy` first (or build a
-    new one).
+    It holds the prompt minus (at least) its last token, so ``generate`` feeds the rest; on that
+    first forward it follows ``generate``'s batch expansion (beams, ``num_return_sequences``). Every
+    decoding mode that keeps tokens at their positions works on it as on a ``DynamicCache`` holding
+    the same K/V: greedy, sampling, beam search, ``prefill_chunk_size``, continuing generation
+    (``input_ids`` = prompt + output + new tokens), assisted / prompt-lookup decoding fed only the new
+    tokens. What ``generate`` appends is listed by :attr:`appended` (``prompt_tail``, ``generated``)
+    and a ``crop`` removes it.
+
+    Refused (:class:`PositionMismatchError`, before the forward writes anything): re-feeding the
+    prompt over a used cache (a second ``generate`` with the same ``input_ids``: call :meth:`copy`
+    before each ``generate`` instead) and assisted decoding given the full ``input_ids`` (transformers
+    5.24 re-feeds the cached prompt on its first step; see ``SegmentedCache``).
 
     >>> cache, prompt_ids = session.build_cache("critic", segments)  # doctest: +SKIP
-    >>> out = model.generate(input_ids=prompt_ids, past_key_values=cache, max_new_tokens=32)  # doctest: +SKIP
+    >>> out = model.generate(input_ids=prompt_ids, cache=cache, max_new_tokens=32)  # doctest: +SKIP
     >>> print(cache.report())  # doctest: +SKIP
     """
 
-    def __init__(self, config: Any):
-        super().__init__(config)
+    _PYTREE_STATE = ("prompt_length", "_sealed_length", "_generating")
+
+    def __init__(self, config: Any = None, ddp_cache_data: Any = None, **options: Any):
+        super().__init__(config, ddp_cache_data, **options)
         self.prompt_length: int | None = None  # full prompt length the cache was built for
         self._sealed_length: int | None = None
         self._generating = False
@@ -348,18 +489,41 @@ class SharedCache(SegmentedCache):
         self._sealed_length = self.get_seq_length()
         self._generating = False
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    @property
+    def appended(self) -> list[Segment]:
+        """``prompt_tail`` (the prompt tokens ``generate`` fed) and ``generated`` (its output tokens but the
+        last, which ``generate`` never feeds; plus any continuation) rows past the table."""
+        start, end = self.segmented_length, self.get_seq_length()
+        if self.prompt_length is None or end <= start:
+            return super().appended
+        rows = []
+        split = min(max(self.prompt_length, start), end)
+        if split > start:
+            rows.append(Segment("prompt_tail", "PF", start, split))
+        if end > split:
+            rows.append(Segment("generated", "PF", split, end))
+        return rows
+
+    def _before_update(self, key_states: torch.Tensor, layer_idx: int, args: tuple, kwargs: dict) -> None:
+        super()._before_update(key_states, layer_idx, args, kwargs)  # checks first: a refusal changes nothing
         if self._sealed_length is not None and layer_idx == 0:
             if not self._generating:
                 self._expand_for(key_states.shape[0])
-            elif key_states.shape[-2] > 1:
-                raise RuntimeError(
-                    "this SharedCache was already used by a generate call (it now holds "
-                    f"{self.get_seq_length()} tokens, built for {self._sealed_length}); pass `cache.copy()` "
-                    "to each generate, or build a new cache"
-                )
             self._generating = True
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _position_message(self, length: int, n: int, first: int, last: int) -> str:
+        message = super()._position_message(length, n, first, last)
+        if self._generating and self._recording_at != length:
+            return (
+                f"this SharedCache was already used by a generate call (it now holds {length} tokens, built for "
+                f"{self._sealed_length}): {message}"
+            )
+        return message
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self._sealed_length is not None:
+            self._sealed_length = min(self._sealed_length, self.get_seq_length())
 
     def _expand_for(self, batch: int) -> None:
         """``generate`` expands ``input_ids`` for beams / ``num_return_sequences`` (repeat-interleave)
@@ -385,6 +549,73 @@ class SharedCache(SegmentedCache):
         super().reset()
         self._sealed_length = None
         self._generating = False
+
+
+def register_export_support() -> None:
+    """Register our caches as pytree nodes, as ``transformers.integrations.executorch.
+    register_dynamic_cache_export_support()`` registers ``DynamicCache``, so that ``torch.export``
+    (and other pytree users) accept them where they accept a ``DynamicCache``.
+
+    Flattening gives the per-layer keys and values (the leaves, as for ``DynamicCache``); the segment
+    table (without the ``info`` reports) and the sealing state travel in the tree spec, so a round
+    trip gives back the same class with the same table. Call it once, after importing hf_kvshare (it
+    registers :class:`SegmentedCache` and every subclass defined by then). Like transformers, it is
+    not done on import: a registered cache is rebuilt by any pytree ``tree_map`` it passes through.
+
+    Not registered: caches whose layers are not plain ``DynamicLayer`` (a lazily materialized
+    ``BaseLRCache`` reads its prefix from a shared store that no tensor list carries; flattening one
+    raises ``RuntimeError`` with that reason).
+
+    >>> register_export_support()  # doctest: +SKIP
+    >>> torch.export.export(model, (), {"input_ids": ids, "cache": cache, "use_cache": True}, strict=False)  # doctest: +SKIP
+    """
+    classes, todo = [], [SegmentedCache]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    for cls in classes:
+        if not cls.__dict__.get("_PYTREE_NODE", True):
+            continue
+        _compat.register_pytree_node(
+            cls,
+            lambda cache: _pytree_flatten(cache, with_keys=False),
+            partial(_pytree_unflatten, cls),
+            lambda cache: _pytree_flatten(cache, with_keys=True),
+            lambda cache, spec: [_pytree_dict(cache)[key] for key in spec.context[0]],
+        )
+
+
+def _pytree_dict(cache: SegmentedCache) -> dict[str, list[torch.Tensor]]:
+    odd = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    if odd:
+        raise RuntimeError(
+            f"{type(cache).__name__} holds {sorted(odd)} layers; only plain DynamicLayer K/V can be flattened "
+            "(a lazily materialized BaseLRCache reads its prefix from a shared store: use materialize='turn')"
+        )
+    return {
+        "key_cache": [layer.keys for layer in cache.layers if layer.keys is not None],
+        "value_cache": [layer.values for layer in cache.layers if layer.values is not None],
+    }
+
+
+def _pytree_flatten(cache: SegmentedCache, with_keys: bool):
+    values, keys = _compat.pytree_dict_flatten(_pytree_dict(cache), with_keys=with_keys)
+    table = tuple((s.name, s.kind, s.start, s.end, s.provenance, s.source_agent) for s in cache.segments)
+    state = tuple(getattr(cache, name) for name in cache._PYTREE_STATE)
+    return values, [keys, len(cache.layers), table, state]
+
+
+def _pytree_unflatten(cls: type[SegmentedCache], values: list, context: Any) -> SegmentedCache:
+    keys, num_layers, table, state = context
+    tensors = _compat.pytree_dict_unflatten(values, keys)
+    pairs = list(zip_longest(tensors["key_cache"], tensors["value_cache"]))
+    pairs += [(None, None)] * (num_layers - len(pairs))
+    cache = cls(pairs)
+    cache.segments = [Segment(*row) for row in table]
+    for name, value in zip(cls._PYTREE_STATE, state):
+        setattr(cache, name, value)
+    return cache
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

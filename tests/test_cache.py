@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import tiny_model
+from transformers import DynamicCache
 
 from hf_kvshare import RopeShifter, Segment, SegmentedCache, SharedCache, cache_kwargs
+from hf_kvshare.cache import LayerIndexError, PositionMismatchError
 
 
 def dense(model, ids, start=0):
@@ -122,3 +124,133 @@ def test_report_names_segments(tiny_llama):
     )
     text = cache.report()
     assert "query" in text and "dense" in text and "H=0.25" in text
+
+
+# ------------------------------------------------------------- DynamicCache contract (issue 17)
+def _kv(cache):
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def test_constructor_without_config_builds_layers_lazily(tiny):
+    ids = torch.randint(3, 1000, (1, 7))
+    plain, ours = DynamicCache(), SegmentedCache()
+    assert len(ours.layers) == 0 and ours.num_layers == 0
+    with torch.no_grad():
+        tiny(input_ids=ids, use_cache=True, **cache_kwargs(plain))
+        tiny(input_ids=ids, use_cache=True, **cache_kwargs(ours))
+    assert ours.num_layers == tiny.config.num_hidden_layers and ours.get_seq_length() == 7
+    for (k1, v1), (k2, v2) in zip(_kv(plain), _kv(ours)):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    ours.check_model(tiny)  # the first update fixed kv heads / head dim
+    with pytest.raises(ValueError, match="kv heads"):
+        ours.update(torch.zeros(1, 7, 1, 16), torch.zeros(1, 7, 1, 16), 0)
+    copy = ours.copy()
+    assert copy.get_seq_length() == 7 and copy.layer_kv(2)[0] is not ours.layer_kv(2)[0]
+
+
+def test_rebuild_from_pairs_like_dataparallel(tiny_llama):
+    """DataParallel's gather (and pytree unflattening) call ``type(cache)(iterable of per-layer tuples)``."""
+    from hf_kvshare.anchors.cache import CorrectedCache
+
+    src = SharedCache(tiny_llama.config)
+    src.append_dense(tiny_llama, torch.randint(3, 1000, (1, 5)), [Segment("a", "PF", 0, 5)])
+    for cls in (SegmentedCache, SharedCache, CorrectedCache):
+        rebuilt = cls(map(lambda kv: kv, iter(src)))  # (keys, values, sliding window tensor) per layer
+        assert type(rebuilt) is cls and rebuilt.get_seq_length() == 5 and rebuilt.num_layers == 3
+        assert rebuilt.segments == [] and "+5 positions appended" in rebuilt.report()
+        assert torch.equal(rebuilt.layer_kv(1)[1], src.layer_kv(1)[1])
+    keyword = SegmentedCache(ddp_cache_data=[(k, v) for k, v, _ in src], config=tiny_llama.config)
+    assert keyword.signature == (3, 2, 16) and keyword.get_seq_length() == 5
+
+
+def test_offloading_option_is_accepted(tiny_llama):
+    cache = SegmentedCache(tiny_llama.config, offloading=True)
+    assert cache.offloading and not cache.only_non_sliding
+    assert SharedCache(offloading=True, offload_only_non_sliding=True).only_non_sliding
+
+
+@pytest.mark.gpu
+def test_offloading_generates_like_dynamic_cache(tokenizer):
+    from hf_kvshare import PF, PH, Session
+
+    model = tiny_model("llama").cuda()
+    cache, ids = Session(model, tokenizer).build_cache("a", [PF("You are a.\n"), PH("query", "Say hi.")])
+    offloaded = SharedCache(model.config, offloading=True)
+    for layer in range(3):
+        offloaded.update(*cache.layer_kv(layer), layer)
+    offloaded.segments = list(cache.segments)
+    offloaded.seal(ids.shape[1])
+    with torch.no_grad():
+        a = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, **cache_kwargs(cache))
+        b = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, **cache_kwargs(offloaded))
+    assert torch.equal(a, b)
+
+
+def test_layer_index_past_the_end_is_an_index_error(tiny_llama):
+    cache = SegmentedCache(tiny_llama.config)
+    k = torch.zeros(1, 2, 3, 16)
+    with pytest.raises(IndexError, match="3 layers"):
+        cache.update(k, k, 3)
+    with pytest.raises(LayerIndexError):  # also a ValueError, as before
+        cache.update(k, k, 7)
+    assert isinstance(LayerIndexError("x"), ValueError)
+
+
+def test_tokens_at_other_positions_than_their_slots_are_refused(tiny_llama):
+    cache = SegmentedCache(tiny_llama.config)
+    cache.append_dense(tiny_llama, torch.randint(3, 1000, (1, 6)), [Segment("a", "PF", 0, 6)])
+    with pytest.raises(PositionMismatchError, match="positions 0..3 would fill slots 6..9"):
+        with torch.no_grad():
+            tiny_llama(
+                input_ids=torch.randint(3, 1000, (1, 4)),
+                position_ids=torch.arange(4)[None],
+                **cache_kwargs(cache),
+            )
+    assert cache.get_seq_length() == 6  # refused before anything was written
+    cache.append_dense(tiny_llama, torch.randint(3, 1000, (1, 3)))  # at its slots: fine
+    assert cache.table()[-1] == Segment("appended", "PF", 6, 9)
+
+
+def test_appended_rows_follow_generate_and_crop(tiny_llama):
+    cache = SharedCache(tiny_llama.config)
+    cache.append_dense(tiny_llama, torch.randint(3, 1000, (1, 6)), [Segment("a", "PF", 0, 6)])
+    cache.seal(8)
+    ids = torch.randint(3, 1000, (1, 8))
+    with torch.no_grad():
+        tiny_llama.generate(input_ids=ids, max_new_tokens=5, do_sample=False, **cache_kwargs(cache))
+    assert [(s.name, s.start, s.end) for s in cache.table()] == [
+        ("a", 0, 6),
+        ("prompt_tail", 6, 8),
+        ("generated", 8, 12),
+    ]
+    assert cache.segments == [Segment("a", "PF", 0, 6)]  # the built table is untouched
+    cache.crop(-4)  # e.g. an assistant's rejected draft
+    assert [s.name for s in cache.table()] == ["a", "prompt_tail"]
+    assert "generated" not in cache.report() and "prompt_tail [6,8)" in cache.report()
+
+
+def test_pytree_round_trip_and_torch_export(tiny_llama):
+    import torch.utils._pytree as pytree
+
+    from hf_kvshare.anchors.cache import CorrectedCache
+    from hf_kvshare.cache import register_export_support
+
+    register_export_support()
+    register_export_support()  # twice is fine
+    ids = torch.randint(3, 1000, (1, 6))
+    cache = CorrectedCache(tiny_llama.config, method="kvcmas")
+    cache.append_dense(tiny_llama, ids[:, :5], [Segment("q", "PH", 0, 5, "corrected", "planner")])
+    cache.seal(6)
+    leaves, spec = pytree.tree_flatten(cache)
+    assert len(leaves) == 6  # keys and values of 3 layers, as for a DynamicCache
+    back = pytree.tree_unflatten(leaves, spec)
+    assert type(back) is CorrectedCache and back.method == "kvcmas" and back.prompt_length == 6
+    assert [(s.name, s.provenance, s.source_agent) for s in back.segments] == [("q", "corrected", "planner")]
+    with torch.no_grad():
+        program = torch.export.export(
+            tiny_llama, (), {"input_ids": ids[:, 5:], "cache": cache.copy(), "use_cache": True}, strict=False
+        )
+        got = program.module()(input_ids=ids[:, 5:], cache=cache.copy(), use_cache=True)
+        want = tiny_llama(input_ids=ids[:, 5:], cache=cache.copy(), use_cache=True)
+    assert torch.allclose(got.logits, want.logits, atol=1e-6)
+    assert type(got.cache) is CorrectedCache and got.cache.get_seq_length() == 6

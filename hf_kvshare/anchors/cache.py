@@ -27,7 +27,9 @@ class CorrectedCache(SharedCache):
       query           PH   [28,91)       corrected   planner     gate=accepted, entropy=2.1e-05, ...
     """
 
-    def __init__(self, config: Any, method: str = ""):
+    _PYTREE_STATE = (*SharedCache._PYTREE_STATE, "method")
+
+    def __init__(self, config: Any = None, method: str = ""):
         super().__init__(config)
         self.method = method
 

@@ -98,11 +98,18 @@ class BaseLRCache(SharedCache):
             full-size copy for the turn, plain decoding); ``"lazy"`` rebuilds a layer's prefix from
             the store at every forward (no copy kept; one ``B_a (A_a x)`` matmul per layer and step).
 
+    Differs from ``DynamicCache``'s constructor: ``config`` and ``view`` are required and there is no
+    ``offloading`` nor rebuild from ``(keys, values)`` pairs (``DataParallel`` / pytree): the prefix is
+    read from the request's shared store, which plain tensors do not carry. For the same reason
+    :func:`hf_kvshare.cache.register_export_support` does not register it (no ``torch.export``).
+    ``materialize="lazy"`` also refuses batch expansion (beams, several samples) with the reason.
+
     >>> cache = BaseLRCache(model.config, view, materialize="turn")  # doctest: +SKIP
     >>> cache.memory()  # base once + every agent's LR cache, and what this turn materialized  # doctest: +SKIP
     """
 
     MATERIALIZE = ("turn", "lazy")
+    _PYTREE_NODE = False  # rebuilt from K/V pairs it would lose its view of the shared store
 
     def __init__(self, config: Any, view: Any, materialize: str = "turn"):
         if materialize not in self.MATERIALIZE:
