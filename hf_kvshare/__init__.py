@@ -22,8 +22,8 @@ from .methods import METHODS, Method, Placement, get_method, register
 from .models import load_model
 from .rope import RopeShifter
 from .session import Session
-from .turn import TurnResult
 from .trajectory import PF, PH, chat
+from .turn import TurnResult
 
 __all__ = [
     "BaseLRCache",
