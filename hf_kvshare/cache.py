@@ -80,7 +80,7 @@ class SegmentKV:
         if new_start == self.start:
             return self
         rotation = shifter.rotation(self.start, new_start, self.length)
-        keys = [shifter.apply(k, rotation) for k in self.keys]
+        keys = [shifter.apply(k, rotation, layer=i) for i, k in enumerate(self.keys)]
         return replace(self, keys=keys, start=new_start)
 
     def prefix(self, length: int) -> SegmentKV:
