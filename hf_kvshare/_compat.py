@@ -170,6 +170,18 @@ def rotary_pairs_interleaved(rotary: Any) -> bool:
     )
 
 
+def decoder_layer_cache_kwarg(layer: Any) -> str:
+    """The keyword a decoder layer takes its cache under: ``layer_past`` (GPT-NeoX), else the model
+    keyword of this transformers (``cache`` on >= 5.24, ``past_key_values`` before)."""
+    import inspect
+
+    params = inspect.signature(layer.forward).parameters
+    for name in ("layer_past", CACHE_KWARG, "past_key_values", "past_key_value"):
+        if name in params:
+            return name
+    return CACHE_KWARG
+
+
 # ----------------------------------------------------------------------------- PEFT
 # Supported: peft >= 0.17 (see pyproject.toml); tested on 0.21.
 # - ``LoraLayer.lora_variant`` (a dict adapter -> variant object: DoRA, aLoRA, ...) replaced the

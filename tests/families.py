@@ -112,10 +112,12 @@ def family_config(family: str):
 
 
 @cache
-def family_model(family: str, seed: int = 0):
-    """A tiny random model of ``family`` (eval mode; biases and norms randomized so they matter)."""
+def family_model(family: str, seed: int = 0, attention: str | None = None):
+    """A tiny random model of ``family`` (eval mode; biases and norms randomized so they matter;
+    ``attention``: an ``attn_implementation``, default the family's)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(family)).eval()
+    kwargs = {} if attention is None else {"attn_implementation": attention}
+    model = AutoModelForCausalLM.from_config(family_config(family), **kwargs).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):

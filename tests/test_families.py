@@ -15,20 +15,14 @@ import torch
 from families import FAMILIES, METHOD_CASES, family_model, run_case
 from transformers import DynamicCache
 
-from hf_kvshare import RopeShifter
-
-SLIDING = ("mistral", "gemma2", "gemma3_text", "starcoder2")
-SELECTIVE = ("cacheblend", "droidspeak", "relaycaching")
+from hf_kvshare import PF, PH, RopeShifter, Session
+from hf_kvshare.recompute import DecoderStack, SegmentRecompute
 
 #: (family, method) -> the refusal's message (regex); every other case must be exact
-REFUSED: dict[tuple[str, str], str] = {}
-for _family in FAMILIES:
-    if _family not in ("llama", "qwen2"):
-        for _method in SELECTIVE:
-            REFUSED[(_family, _method)] = "runs the model's decoder layers one by one"
-for _family in SLIDING:
-    for _method in METHOD_CASES:
-        REFUSED[(_family, _method)] = "sliding-window attention layers|decoder layers one by one"
+REFUSED: dict[tuple[str, str], str] = {
+    # RelayCaching scores attention with the layer's queries; GPT-NeoX fuses q/k/v per head
+    ("gpt_neox", "relaycaching"): "no query projection",
+}
 
 
 @pytest.mark.parametrize("method", list(METHOD_CASES))
@@ -67,3 +61,32 @@ def test_repositioning_invariant(family):
         assert (moved - at37).abs().max() <= 1e-5 * at37.abs().max(), (family, layer)
         if rotation is not None and layer == 0:
             assert (at0 - at37).abs().max() > 1e-3  # the positions do matter
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_neox"])
+def test_probe_attention_matches_the_models_attention_weights(family, tokenizer):
+    """RelayCaching's attention scores use queries rebuilt from the layer's query projection (query
+    norm, RoPE layout of the family): they equal the model's own attention weights (eager)."""
+    model = family_model(family, attention="eager")
+    segments = [
+        PF("You are the solver. Think about the task carefully.\n"),
+        PH("query", "Sum the primes below 30."),
+        PF("\nGo:"),
+    ]
+    cache, ids = Session(model, tokenizer).build_cache("a", segments)
+    seg = cache.segment("query")
+    with torch.no_grad():
+        out = model(input_ids=ids, output_attentions=True)
+    stack = DecoderStack(model)
+    engine = SegmentRecompute(stack, cache, cache.extract(seg.start, seg.end), ids[0, seg.start : seg.end])
+    seen = {}
+
+    def record(probe):
+        seen["attention"] = probe.attention()
+        return torch.arange(probe.rows.numel())
+
+    hidden, rows = engine.run_layer(0, engine.embeddings(), engine.all_rows())
+    engine.run_layer(1, hidden, rows, record, attention=True)
+    weights = out.attentions[1][0]  # [heads, P, P]
+    expected = weights[:, seg.start : seg.end, seg.start : seg.end].double().mean(0).sum(0)
+    assert torch.allclose(seen["attention"], expected, atol=1e-4), (seen["attention"], expected)
