@@ -104,6 +104,84 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return dict(params)
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's text config (``get_text_config(decoder=True)`` where a config nests one)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def layer_types(config: Any) -> list[str]:
+    """Attention type of each decoder layer (``"full_attention"``, ``"sliding_attention"``, ...), as
+    ``DynamicCache(config=...)`` reads them (transformers' ``cache_utils.get_layer_types_and_kwargs``:
+    ``config.layer_types``, else ``sliding_window`` / ``attention_chunk_size`` per layer)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, _ = get_layer_types_and_kwargs(text_config(config))
+    return list(types)
+
+
+def sliding_window(config: Any) -> int | None:
+    """The sliding-window length of a config's local layers (``None`` when it has none)."""
+    return getattr(text_config(config), "sliding_window", None)
+
+
+def layers_without_rope(config: Any) -> list[bool] | None:
+    """Per layer, whether it applies no RoPE (SmolLM3's ``no_rope_layers``: 1 = RoPE, 0 = none), or ``None``."""
+    flags = getattr(text_config(config), "no_rope_layers", None)
+    if flags is None:
+        return None
+    return [not bool(flag) for flag in flags]
+
+
+def per_layer_type_rotary(rotary: Any) -> dict[str, tuple[str, Any]] | None:
+    """``{layer type: (rope type, inverse frequencies)}`` of a rotary module with frequencies per layer
+    type (Gemma 3: buffers ``<type>_original_inv_freq``, ``rope_type`` a dict), else ``None``."""
+    rope_type = getattr(rotary, "rope_type", None)
+    if not isinstance(rope_type, dict):
+        return None
+    out = {}
+    for layer_type, kind in rope_type.items():
+        inv_freq = getattr(rotary, f"{layer_type}_original_inv_freq", None)
+        if inv_freq is None:
+            inv_freq = getattr(rotary, f"{layer_type}_inv_freq")
+        out[layer_type] = (kind, inv_freq)
+    return out
+
+
+def rotary_pairs_interleaved(rotary: Any) -> bool:
+    """Whether the model pairs rotary dimensions as neighbours ``(2i, 2i + 1)`` (Cohere, GLM) rather than
+    as halves ``(i, i + d/2)`` (Llama): read from the ``rotate_half`` of the modeling module that defines
+    the rotary class (each family's ``modeling_<family>.py`` has its own)."""
+    import sys
+
+    import torch
+
+    module = sys.modules.get(type(rotary).__module__)
+    fn = getattr(module, "rotate_half", None)
+    if fn is None:
+        return False
+    probe = fn(torch.arange(1.0, 5.0))
+    if probe.tolist() == [-3.0, -4.0, 1.0, 2.0]:
+        return False
+    if probe.tolist() == [-2.0, 1.0, -4.0, 3.0]:
+        return True
+    raise ValueError(
+        f"{type(rotary).__module__}.rotate_half has an unknown layout ({probe.tolist()} for [1, 2, 3, 4]); "
+        "re-positioning supports Llama's halves and interleaved pairs"
+    )
+
+
+def decoder_layer_cache_kwarg(layer: Any) -> str:
+    """The keyword a decoder layer takes its cache under: ``layer_past`` (GPT-NeoX), else the model
+    keyword of this transformers (``cache`` on >= 5.24, ``past_key_values`` before)."""
+    import inspect
+
+    params = inspect.signature(layer.forward).parameters
+    for name in ("layer_past", CACHE_KWARG, "past_key_values", "past_key_value"):
+        if name in params:
+            return name
+    return CACHE_KWARG
+
+
 # ----------------------------------------------------------------------------- PEFT
 # Supported: peft >= 0.17 (see pyproject.toml); tested on 0.21.
 # - ``LoraLayer.lora_variant`` (a dict adapter -> variant object: DoRA, aLoRA, ...) replaced the

@@ -80,7 +80,7 @@ class SegmentKV:
         if new_start == self.start:
             return self
         rotation = shifter.rotation(self.start, new_start, self.length)
-        keys = [shifter.apply(k, rotation) for k in self.keys]
+        keys = [shifter.apply(k, rotation, layer=i) for i, k in enumerate(self.keys)]
         return replace(self, keys=keys, start=new_start)
 
     def prefix(self, length: int) -> SegmentKV:
@@ -132,7 +132,9 @@ class SegmentedCache(DynamicCache):
 
     Where it differs from ``DynamicCache`` (each a clear error, never a silent difference):
 
-    - sliding-window layers are refused (segments would be evicted);
+    - sliding-window layers keep every position (a plain ``DynamicLayer``; the model's sliding-window
+      mask hides what plain generation would have evicted): segments stay extractable, at the memory
+      cost of a full layer;
     - an update whose shape differs from the first one (kv heads, head dim) raises ``ValueError``,
       one for a layer past the model's last raises :class:`LayerIndexError` (an ``IndexError``);
     - an update to a non-empty cache whose ``position_ids`` are not the cache slots it fills raises
@@ -170,11 +172,7 @@ class SegmentedCache(DynamicCache):
             offloading=offloading,
             offload_only_non_sliding=offload_only_non_sliding,
         )
-        if any(self.is_sliding):
-            raise ValueError(
-                "sliding-window attention layers drop old keys, so segments cannot be kept or re-positioned; "
-                "hf_kvshare supports full-attention models (Llama, Qwen2 without sliding window, ...)"
-            )
+        _keep_sliding_layers_whole(self)
         self.config = config
         #: (layers, kv heads, head dim); ``None`` entries are fixed by the first update (no config)
         self.signature: tuple[int | None, int | None, int | None] = (
@@ -413,6 +411,7 @@ class SegmentedCache(DynamicCache):
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
         DynamicCache.__init__(new, config=self.config, **self._offload_options())
+        _keep_sliding_layers_whole(new)
         for layer_idx, layer in enumerate(self.layers):
             if layer_idx >= len(new.layers):  # no config: layers are created lazily
                 new.layers.append(type(layer)())
@@ -549,6 +548,25 @@ class SharedCache(SegmentedCache):
         super().reset()
         self._sealed_length = None
         self._generating = False
+
+
+def _keep_sliding_layers_whole(cache: DynamicCache) -> None:
+    """Replace the sliding-window layers ``DynamicCache(config=...)`` builds by plain ``DynamicLayer`` s.
+
+    A sliding layer evicts all but its last ``W - 1`` keys, but a segment table must be able to hand
+    out any segment's K/V (reuse sources, recomputation prefixes). So every layer keeps all its
+    positions, and the model's own sliding-window mask (built from absolute positions, the cache
+    reporting ``kv_offset = 0``) hides from each sliding layer exactly the keys plain generation would
+    have evicted: attention sees what it sees in plain generation. The cost is memory: a sliding
+    layer holds the whole sequence instead of ``W - 1`` positions.
+    """
+    for layer_idx, layer in enumerate(cache.layers):
+        if not getattr(layer, "is_sliding", False):
+            continue
+        whole = DynamicLayer()
+        if layer.is_initialized and layer.keys is not None:
+            whole.update(layer.keys, layer.values)
+        cache.layers[layer_idx] = whole
 
 
 def register_export_support() -> None:

@@ -10,6 +10,12 @@ rounding.
 
 Supported rope types: default, linear, llama3, yarn, longrope. Dynamic NTK recomputes its
 frequencies from the sequence length, so a moved key is not the key at the new position: refused.
+
+Layouts (read from the model, see :meth:`RopeShifter.from_model`): RoPE may rotate only the leading
+``rotary_dim`` dimensions of each head (``partial_rotary_factor`` / ``rotary_pct``: Phi, StableLM,
+GPT-NeoX, GLM), pair dimensions as halves ``(i, i + d/2)`` (Llama) or as neighbours ``(2i, 2i + 1)``
+(Cohere, GLM), and differ per layer: Gemma 3 uses other frequencies on its local (sliding) layers,
+SmolLM3 has layers without RoPE (their keys carry no position and are never rotated).
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ._compat import longrope_inverse_frequencies, rope_parameters
+from ._compat import (
+    layers_without_rope,
+    longrope_inverse_frequencies,
+    per_layer_type_rotary,
+    rope_parameters,
+    rotary_pairs_interleaved,
+    text_config,
+)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -29,10 +42,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The interleaved convention (Cohere, GLM, GPT-J): ``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
 def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The rotary-embedding module of ``model`` (the first submodule holding ``inv_freq``)."""
+    """The rotary-embedding module of ``model`` (the first submodule with a ``rope_type`` and
+    ``inv_freq``, or per-layer-type frequencies as Gemma 3's)."""
     for module in model.modules():
-        if hasattr(module, "inv_freq") and hasattr(module, "rope_type"):
+        if hasattr(module, "rope_type") and (
+            hasattr(module, "inv_freq") or isinstance(module.rope_type, dict)
+        ):
             return module
     raise ValueError(
         f"{type(model).__name__} has no rotary embedding module with `inv_freq`; "
@@ -49,51 +70,100 @@ def _as_positions(positions: int | torch.Tensor, length: int) -> torch.Tensor:
     return positions
 
 
+def _check_rope_type(rope_type: str) -> None:
+    if "dynamic" in rope_type:
+        raise ValueError(
+            f"rope type {rope_type!r} (dynamic NTK) rescales its frequencies with the sequence length, "
+            "so a key cannot be moved by rotation alone; supported rope types: "
+            + ", ".join(SUPPORTED_ROPE_TYPES)
+        )
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported for re-positioning; expected one of "
+            + ", ".join(SUPPORTED_ROPE_TYPES)
+        )
+
+
+class LayerRotations(list):
+    """One rotation (or ``None``) per layer, for models whose layers rotate differently."""
+
+
 @dataclass
 class RopeShifter:
     """Moves post-RoPE keys ``[batch, kv_heads, seq, head_dim]`` between positions.
 
     >>> shifter = RopeShifter.from_model(model)  # doctest: +SKIP
     >>> moved = shifter.reposition(keys, old_positions=0, new_positions=17)  # doctest: +SKIP
+    >>> moved_layer = shifter.apply(keys, shifter.rotation(0, 17, keys.shape[-2]), layer=3)  # doctest: +SKIP
     """
 
-    inv_freq: torch.Tensor  # [head_dim // 2] float32, as used for positions below the threshold
+    inv_freq: torch.Tensor  # [rotary_dim // 2] float32, as used for positions below the threshold
     rope_type: str = "default"
     long_inv_freq: torch.Tensor | None = None  # longrope: frequencies past the original context
     original_max_positions: int | None = None  # longrope: where the long frequencies start
+    #: leading dimensions of each head that RoPE rotates (``None``: ``2 * len(inv_freq)``); the rest pass through
+    rotary_dim: int | None = None
+    #: pairs ``(2i, 2i + 1)`` (Cohere, GLM) instead of Llama's halves ``(i, i + rotary_dim / 2)``
+    interleaved: bool = False
+    head_dim: int | None = None
+    #: per layer, when layers rotate differently: a shifter, or ``None`` for a layer without RoPE
+    layer_shifters: tuple[RopeShifter | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rotary_dim is None:
+            self.rotary_dim = 2 * self.inv_freq.numel()
+        if self.head_dim is None:
+            self.head_dim = self.rotary_dim
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> RopeShifter:
         rotary = find_rotary_module(model)
+        config = text_config(model.config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        interleaved = rotary_pairs_interleaved(rotary)
+        per_type = per_layer_type_rotary(rotary)
+        if per_type is not None:  # Gemma 3: {layer type: (rope type, inv_freq)}
+            layer_types = list(config.layer_types)
+            by_type = {}
+            for layer_type, (rope_type, inv_freq) in per_type.items():
+                _check_rope_type(rope_type)
+                if rope_type == "longrope":
+                    raise ValueError("per-layer-type longrope is not supported for re-positioning")
+                by_type[layer_type] = cls(
+                    inv_freq=inv_freq.detach().float().cpu().clone(),
+                    rope_type=rope_type,
+                    interleaved=interleaved,
+                    head_dim=head_dim,
+                )
+            first = by_type[layer_types[0]]
+            layers = tuple(by_type[t] for t in layer_types)
+            return cls(
+                inv_freq=first.inv_freq,
+                rope_type=first.rope_type,
+                interleaved=interleaved,
+                head_dim=head_dim,
+                layer_shifters=layers,
+            )
         rope_type = rotary.rope_type
         if not isinstance(rope_type, str):
             raise ValueError(
                 f"per-layer-type rotary embeddings ({rope_type}) are not supported for re-positioning"
             )
-        if "dynamic" in rope_type:
-            raise ValueError(
-                f"rope type {rope_type!r} (dynamic NTK) rescales its frequencies with the sequence length, "
-                "so a key cannot be moved by rotation alone; supported rope types: "
-                + ", ".join(SUPPORTED_ROPE_TYPES)
-            )
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope type {rope_type!r} is not supported for re-positioning; expected one of "
-                + ", ".join(SUPPORTED_ROPE_TYPES)
-            )
+        _check_rope_type(rope_type)
         original = getattr(rotary, "original_inv_freq", rotary.inv_freq)
         inv_freq = original.detach().float().cpu().clone()
-        if rope_type != "longrope":
-            return cls(inv_freq=inv_freq, rope_type=rope_type)
-        params = rope_parameters(rotary.config)
-        original_max = int(params["original_max_position_embeddings"])
-        long_inv_freq = longrope_inverse_frequencies(rotary.config, seq_len=original_max + 1)
-        return cls(
-            inv_freq=inv_freq,
-            rope_type=rope_type,
-            long_inv_freq=long_inv_freq.float().cpu(),
-            original_max_positions=original_max,
-        )
+        kwargs = dict(inv_freq=inv_freq, rope_type=rope_type, interleaved=interleaved, head_dim=head_dim)
+        if rope_type == "longrope":
+            params = rope_parameters(rotary.config)
+            original_max = int(params["original_max_position_embeddings"])
+            long_inv_freq = longrope_inverse_frequencies(rotary.config, seq_len=original_max + 1)
+            kwargs.update(long_inv_freq=long_inv_freq.float().cpu(), original_max_positions=original_max)
+        shifter = cls(**kwargs)
+        without = layers_without_rope(config)
+        if without is not None and any(without):  # SmolLM3: these layers' keys carry no position
+            inner = cls(**kwargs)
+            shifter.layer_shifters = tuple(None if skip else inner for skip in without)
+        return shifter
 
     def _frequencies(self, positions: torch.Tensor) -> torch.Tensor:
         if self.long_inv_freq is None:
@@ -110,15 +180,30 @@ class RopeShifter:
 
     def rotation(
         self, old_positions: int | torch.Tensor, new_positions: int | torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(cos, sin)`` ``[seq, head_dim]`` (float32) of the rotation moving keys from old to new
-        positions, or ``None`` when they are equal. Compute once, apply to every layer."""
+    ) -> tuple[torch.Tensor, torch.Tensor] | LayerRotations | None:
+        """``(cos, sin)`` ``[seq, rotary_dim]`` (float32) of the rotation moving keys from old to new
+        positions, or ``None`` when they are equal; a :class:`LayerRotations` when layers rotate
+        differently (pass ``layer=`` to :meth:`apply`). Compute once, apply to every layer."""
         old = _as_positions(old_positions, length)
         new = _as_positions(new_positions, length)
         if int(old.min()) < 0 or int(new.min()) < 0:
             raise ValueError("positions must be non-negative")
         if torch.equal(old, new):
             return None
+        if self.layer_shifters is not None:
+            done: dict[int, tuple | None] = {}
+            rotations = LayerRotations()
+            for shifter in self.layer_shifters:
+                if shifter is None:
+                    rotations.append(None)
+                    continue
+                if id(shifter) not in done:
+                    done[id(shifter)] = shifter._rotation(old, new)
+                rotations.append(done[id(shifter)])
+            return rotations
+        return self._rotation(old, new)
+
+    def _rotation(self, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.long_inv_freq is not None and (self._frequencies(old) is not self._frequencies(new)):
             raise ValueError(
                 "longrope uses different frequencies below and above "
@@ -126,34 +211,54 @@ class RopeShifter:
             )
         # difference of the angles the model computed (float32), taken in float64
         delta = self.angles(new).double() - self.angles(old).double()  # [S, D/2]
-        emb = torch.cat((delta, delta), dim=-1)
+        if self.interleaved:
+            emb = delta.repeat_interleave(2, dim=-1)
+        else:
+            emb = torch.cat((delta, delta), dim=-1)
         return emb.cos().float(), emb.sin().float()
 
-    def apply(self, keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Rotate post-RoPE ``keys`` ``[batch, kv_heads, seq, head_dim]`` by a :meth:`rotation`."""
+    def apply(
+        self,
+        keys: torch.Tensor,
+        rotation: tuple[torch.Tensor, torch.Tensor] | LayerRotations | None,
+        layer: int | None = None,
+    ) -> torch.Tensor:
+        """Rotate post-RoPE ``keys`` ``[batch, kv_heads, seq, head_dim]`` of ``layer`` by a :meth:`rotation`."""
+        if isinstance(rotation, LayerRotations):
+            if layer is None:
+                raise ValueError("this model's layers rotate differently: pass the layer index to apply(...)")
+            rotation = rotation[layer]
         if rotation is None:
             return keys
         cos, sin = (t.to(keys.device) for t in rotation)
+        rd = cos.shape[-1]
         k = keys.float()
-        return (k * cos + rotate_half(k) * sin).to(keys.dtype)
+        rot, rest = k[..., :rd], k[..., rd:]
+        turned = rotate_pairs(rot) if self.interleaved else rotate_half(rot)
+        moved = rot * cos + turned * sin
+        if rest.shape[-1]:
+            moved = torch.cat((moved, rest), dim=-1)
+        return moved.to(keys.dtype)
 
     def reposition(
         self,
         keys: torch.Tensor,
         old_positions: int | torch.Tensor,
         new_positions: int | torch.Tensor,
+        layer: int | None = None,
     ) -> torch.Tensor:
         """Return ``keys`` (computed at ``old_positions``) as they would be at ``new_positions``.
 
         Args:
             keys: post-RoPE keys ``[batch, kv_heads, seq, head_dim]``.
             old_positions / new_positions: a start position (int) or one position per key ``[seq]``.
+            layer: the layer index, needed when layers rotate differently (Gemma 3, SmolLM3).
         """
         if keys.dim() != 4:
             raise ValueError(f"expected keys [batch, kv_heads, seq, head_dim], got shape {tuple(keys.shape)}")
-        if keys.shape[-1] != 2 * self.inv_freq.numel():
+        if keys.shape[-1] != self.head_dim:
             raise ValueError(
-                f"keys have head_dim {keys.shape[-1]} but the rotary module has {self.inv_freq.numel()} "
-                f"frequencies (head_dim {2 * self.inv_freq.numel()})"
+                f"keys have head_dim {keys.shape[-1]} but the model has head_dim {self.head_dim} "
+                f"({self.rotary_dim} of them rotated by {self.inv_freq.numel()} frequencies)"
             )
-        return self.apply(keys, self.rotation(old_positions, new_positions, keys.shape[-2]))
+        return self.apply(keys, self.rotation(old_positions, new_positions, keys.shape[-2]), layer=layer)

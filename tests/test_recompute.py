@@ -443,7 +443,7 @@ def test_unsupported_models_refused(tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=49152)).eval()
-    with pytest.raises(ValueError, match="model types"):
+    with pytest.raises(ValueError, match="decoder layers one by one"):
         DecoderStack(gpt2)
     model = tiny_model("llama")
     model.config._attn_implementation = "flash_attention_2"

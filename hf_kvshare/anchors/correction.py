@@ -119,7 +119,7 @@ def token_distances(
     features = 0
     for layer in range(source.num_layers):
         src_v = to_matrix(source.values[layer][:1, :, :rows]).float()
-        src_k = to_matrix(shifter.apply(source.keys[layer][:1, :, :rows], rotation)).float()
+        src_k = to_matrix(shifter.apply(source.keys[layer][:1, :, :rows], rotation, layer=layer)).float()
         features += src_v.shape[1]
         for src, acc, pick in ((src_k, key_abs, "keys"), (src_v, value_abs, "values")):
             recon = _reconstruct_all([getattr(a.base, pick)[layer] for a in anchors], rows)
@@ -142,7 +142,7 @@ def canonical_keys(kv: SegmentKV, shifter: RopeShifter, rows: int | None = None)
     """``kv``'s keys (first ``rows`` rows) moved to positions ``0 ..``, batch element 0."""
     rows = kv.length if rows is None else rows
     rotation = shifter.rotation(kv.start, 0, rows)
-    return [shifter.apply(k[:1, :, :rows], rotation) for k in kv.keys]
+    return [shifter.apply(k[:1, :, :rows], rotation, layer=i) for i, k in enumerate(kv.keys)]
 
 
 @dataclass
@@ -181,7 +181,7 @@ def match(source: SegmentKV, anchors: list[Anchor], shifter: RopeShifter, prefix
     features = 0
     for layer in range(source.num_layers):
         src_v = to_matrix(source.values[layer][:1, :, :prefix]).float()
-        src_k = to_matrix(shifter.apply(source.keys[layer][:1, :, :prefix], rotation)).float()
+        src_k = to_matrix(shifter.apply(source.keys[layer][:1, :, :prefix], rotation, layer=layer)).float()
         features += src_v.shape[1]
         for i, anchor in enumerate(anchors):
             dv = src_v - anchor.base.values[layer].reconstruct(prefix).float()
@@ -246,12 +246,14 @@ def corrected_kv(
     keys, values = [], []
     for layer in range(source.num_layers):
         k_src, v_src = source.keys[layer][:1], source.values[layer][:1]
-        key = shifter.apply(k_src, to_target)
+        key = shifter.apply(k_src, to_target, layer=layer)
         key = key.clone() if key is k_src else key
         value = v_src.clone()
         if rows and not (skip_layer0 and layer == 0):
             delta_k, delta_v = layer_delta(layer)
-            key[:, :, :rows] += shifter.apply(to_heads(delta_k, heads), delta_to_target).to(key.dtype)
+            key[:, :, :rows] += shifter.apply(to_heads(delta_k, heads), delta_to_target, layer=layer).to(
+                key.dtype
+            )
             value[:, :, :rows] += to_heads(delta_v, heads).to(value.dtype)
         keys.append(key)
         values.append(value)

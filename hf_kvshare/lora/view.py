@@ -36,7 +36,22 @@ class AbsoluteRope:
     """
 
     def __init__(self, model: nn.Module):
-        RopeShifter.from_model(model)  # validates the rope type with a clear error
+        shifter = RopeShifter.from_model(model)  # validates the rope type with a clear error
+        if (
+            shifter.interleaved
+            or shifter.rotary_dim != shifter.head_dim
+            or shifter.layer_shifters is not None
+        ):
+            raise ValueError(
+                "LoRA cache reconstruction applies Llama's RoPE (every head dimension, halves, the same on every "
+                f"layer); {type(model).__name__} rotates "
+                + (
+                    "interleaved pairs"
+                    if shifter.interleaved
+                    else f"{shifter.rotary_dim} of {shifter.head_dim} dims"
+                )
+                + ("" if shifter.layer_shifters is None else " and differs per layer")
+            )
         self.rotary = find_rotary_module(model)
 
     def cos_sin(

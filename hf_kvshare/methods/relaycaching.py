@@ -78,7 +78,9 @@ class RelayCaching(SelectiveRecompute):
         return a, b
 
     def check_model(self, stack: DecoderStack) -> None:
-        self.band_layers(stack.num_layers)
+        a, b = self.band_layers(stack.num_layers)
+        if self.rho < 1.0:  # scores attention at the layer after the restart: needs that layer's queries
+            stack.query_source(min(a + 1, stack.num_layers - 1))
 
     def plan(self, length: int, num_layers: int) -> tuple[int, int, int]:
         """``(a, b, k)``: recompute ``k`` of ``length`` tokens in layers ``a .. b - 1``."""

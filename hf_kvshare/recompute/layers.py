@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from .._compat import CACHE_KWARG
+from .._compat import decoder_layer_cache_kwarg
 from ..cache import SegmentedCache, SegmentKV
 from .selection import kv_deviation, received_attention
 from .stack import DecoderStack
@@ -41,7 +41,7 @@ class LayerProbe:
         self.reused_keys = engine.kv.keys[layer_idx][..., rows, :]
         self.reused_values = engine.kv.values[layer_idx][..., rows, :]
         self._prefix_k = prefix_k
-        self._query = query  # [1, q, heads * head_dim] pre-RoPE, from the q_proj hook
+        self._query = query  # pre-RoPE queries, from the hook on DecoderStack.query_source
 
     def deviation(self) -> torch.Tensor:
         """KV deviation of each row ``[q]`` (see :func:`~hf_kvshare.recompute.selection.kv_deviation`)."""
@@ -59,11 +59,11 @@ class LayerProbe:
         seg_k = engine.kv.keys[self.layer_idx].clone()
         seg_k[..., self.rows, :] = self.fresh_keys.to(seg_k.dtype)
         keys = seg_k if self._prefix_k is None else torch.cat([self._prefix_k, seg_k], dim=-2)
-        q = stack.rotated_queries(self._query, *engine.rope_cache)
+        q = stack.rotated_queries(self._query, engine.start + self.rows, self.layer_idx)
         return received_attention(
             q,
             keys,
-            engine.mask(self.rows),
+            engine.mask(self.rows, self.layer_idx),
             stack.attention_scaling(self.layer_idx),
             prefix_length=engine.start,
         )[self.rows]
@@ -159,7 +159,6 @@ class SegmentRecompute:
         self.start = kv.start
         self.length = kv.length
         self.fresh: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ inputs
     def all_rows(self) -> torch.Tensor:
@@ -176,11 +175,15 @@ class SegmentRecompute:
         k, v = self.cache.layer_kv(layer_idx)
         return k[..., : self.start, :], v[..., : self.start, :]
 
-    def mask(self, rows: torch.Tensor) -> torch.Tensor:
-        """Additive float mask ``[1, 1, q, start + S]``: row ``i`` sees keys at positions ``<= start + rows[i]``."""
+    def mask(self, rows: torch.Tensor, layer_idx: int | None = None) -> torch.Tensor:
+        """Additive float mask ``[1, 1, q, start + S]``: row ``i`` sees keys at positions ``<= start + rows[i]``
+        (on a sliding-window layer, only the last ``W`` of them, as the model's own mask)."""
         dtype = self.kv.keys[0].dtype
         key_pos = torch.arange(self.start + self.length, device=rows.device)
-        allowed = key_pos[None, :] <= (self.start + rows)[:, None]
+        query_pos = (self.start + rows)[:, None]
+        allowed = key_pos[None, :] <= query_pos
+        if layer_idx is not None and self.stack.is_sliding(layer_idx):
+            allowed &= key_pos[None, :] > query_pos - self.stack.sliding_window
         mask = torch.zeros(allowed.shape, dtype=dtype, device=rows.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[None, None]
@@ -212,24 +215,24 @@ class SegmentRecompute:
         if rows.numel() == 0:
             return hidden, rows
         positions = (self.start + rows)[None]
-        self.rope_cache = self.stack.rope(hidden, positions)
+        position_embeddings = self.stack.rope(hidden, positions, layer_idx)
         query_box: dict[str, torch.Tensor] = {}
         splice = _SpliceCache(self, layer_idx, rows, choose, query_box)
         layer = self.stack.layers[layer_idx]
         handle = None
         if attention:
-            handle = self.stack.query_projection(layer_idx).register_forward_hook(
+            handle = self.stack.query_source(layer_idx).register_forward_hook(
                 lambda module, args, output: query_box.__setitem__("q", output)
             )
         try:
             with torch.no_grad():
                 out = layer(
                     hidden,
-                    attention_mask=self.mask(rows),
+                    attention_mask=self.mask(rows, layer_idx),
                     position_ids=positions,
-                    position_embeddings=self.rope_cache,
+                    position_embeddings=position_embeddings,
                     use_cache=True,
-                    **{CACHE_KWARG: splice},
+                    **{decoder_layer_cache_kwarg(layer): splice},
                 )
         finally:
             if handle is not None:
