@@ -108,7 +108,9 @@ def test_answer_extraction_and_matching():
         "The answer is 12", "1200"
     )
     assert checkers.numeric_match("answer: -3.0", "-3")
-    assert checkers.extract_letter("C") == "C" and checkers.extract_letter("I think the answer is (B).") == "B"
+    assert (
+        checkers.extract_letter("C") == "C" and checkers.extract_letter("I think the answer is (B).") == "B"
+    )
     assert (
         checkers.extract_letter("A farmer would say\nD\nbecause") == "D"
     )  # a line holding only the letter wins
@@ -169,7 +171,8 @@ def test_check_answer_dispatch():
         "status": "checked",
     }
     assert (
-        checkers.check_answer(task("answer", "Lirose"), "Answer: Duar. Lirose is a river.")["correct"] is False
+        checkers.check_answer(task("answer", "Lirose"), "Answer: Duar. Lirose is a river.")["correct"]
+        is False
     )
     assert checkers.check_answer(task("answer", "Lirose"), "the Lirose")["correct"] is False  # no "Answer:"
     assert checkers.extract_answer("answer: 1200.5 years. More") == "1200.5 years"

@@ -136,7 +136,9 @@ def test_every_registered_method_lives_in_methods():
     from hf_kvshare.method import METHODS
 
     assert METHODS
-    outside = {name: cls.__module__ for name, cls in METHODS.items() if not _inside(cls.__module__, "methods")}
+    outside = {
+        name: cls.__module__ for name, cls in METHODS.items() if not _inside(cls.__module__, "methods")
+    }
     assert not outside, f"registered methods defined outside hf_kvshare.methods: {outside}"
     modules: dict[str, list[str]] = {}
     for name, cls in METHODS.items():

@@ -12,7 +12,18 @@ from bench_helpers import save_random_adapters, save_tiny
 
 from hf_kvshare.bench.studies import kvcmas, precache
 
-TRACE = ["--workload", "trace", "--shared-tokens", "24", "--agents", "3", "--rounds", "1", "--output-tokens", "3"]
+TRACE = [
+    "--workload",
+    "trace",
+    "--shared-tokens",
+    "24",
+    "--agents",
+    "3",
+    "--rounds",
+    "1",
+    "--output-tokens",
+    "3",
+]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -35,7 +46,17 @@ def _config_dir(out):
 
 
 def test_kvcmas_study_runs_through_the_bench(tiny_dir, tmp_path):
-    argv = [*TRACE, "--requests", "2", "--model", tiny_dir, "--out", str(tmp_path), "--no-progress", "--no-plots"]
+    argv = [
+        *TRACE,
+        "--requests",
+        "2",
+        "--model",
+        tiny_dir,
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--no-plots",
+    ]
     argv += ["--methods", "nonshared", "fullshared", "kvcmas", "kvcomm"]
     assert kvcmas.main(argv) == 0
     config = _config_dir(tmp_path)

@@ -178,7 +178,9 @@ def kv_error_by_layer(cache: Any, exact: Any, start: int, end: int) -> list[dict
     """Relative K and V error of positions ``[start, end)`` of ``cache`` against ``exact``, per layer."""
     return [
         {"layer": layer, "key": rel["key"], "value": rel["value"]}
-        for layer, rel in enumerate(relative_from_terms([t]) for t in kv_error_terms(cache, exact, start, end))
+        for layer, rel in enumerate(
+            relative_from_terms([t]) for t in kv_error_terms(cache, exact, start, end)
+        )
     ]
 
 

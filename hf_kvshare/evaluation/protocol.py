@@ -82,7 +82,9 @@ def run_paired(
     """Run ``workflow`` with every pair (``pairs[0]`` is the reference, NonShared): all free passes,
     then, with ``fidelity``, all passes teacher-forced on the reference's outputs (caches kept)."""
     if not pairs or pairs[0].free.name != REFERENCE:
-        raise ValueError(f"the first method pair must be the reference {REFERENCE!r}; got {[p.label for p in pairs]}")
+        raise ValueError(
+            f"the first method pair must be the reference {REFERENCE!r}; got {[p.label for p in pairs]}"
+        )
     if len({p.label for p in pairs}) != len(pairs):
         raise ValueError(f"method labels must be unique; got {[p.label for p in pairs]}")
     run = RequestRun(free={}, reference=pairs[0].label)
@@ -147,7 +149,9 @@ def turn_fidelity(
         "agreement": M.top1_agreement(ref.logits, turn.logits),
         "first_token_agreement": M.first_token_agreement(ref.logits, turn.logits),
         "kl": M.mean_kl(ref.logits, turn.logits),
-        "kv_error": M.relative_from_terms([t for terms in ph_terms for t in terms])["kv"] if ph_terms else None,
+        "kv_error": M.relative_from_terms([t for terms in ph_terms for t in terms])["kv"]
+        if ph_terms
+        else None,
         "kv_error_by_segment": by_segment,
         "forced_tokens_reused": turn.tokens_reused,
     }
@@ -200,7 +204,9 @@ def turn_records(
             **{key: value for key, value in f.metrics().items() if key != "agent"},
             "method": label,
             "reusable_ph_tokens": reusable_ph,
-            "reuse_ratio": M.reuse_ratio(min(f.tokens_reused, reusable_ph), reusable_ph) if reusable_ph else None,
+            "reuse_ratio": M.reuse_ratio(min(f.tokens_reused, reusable_ph), reusable_ph)
+            if reusable_ph
+            else None,
             "reuse_ratio_all_ph": f.reuse_ratio,
             "ref_ttft_s": rf.ttft_s,
             "ref_e2e_s": rf.e2e_s,

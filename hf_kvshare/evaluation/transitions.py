@@ -150,7 +150,9 @@ def calibrate_droidspeak(
     >>> calibrate_droidspeak(method, model, tok, [demo_workflow(tok, query=q) for q in queries])  # doctest: +SKIP
     """
     if not has_offline_profile(method):
-        raise TypeError(f"{type(method).__name__} has no offline profile (no `fit_profile(transitions)` method)")
+        raise TypeError(
+            f"{type(method).__name__} has no offline profile (no `fit_profile(transitions)` method)"
+        )
     transitions = collect_transitions(model, tokenizer, workflows, progress=progress)
     return method.fit_profile(transitions)
 

@@ -57,7 +57,11 @@ def run_workflow(
     """Run every step of ``workflow`` in ``session``; ``force_outputs[i]`` teacher-forces step i."""
     results = []
     steps = tqdm(
-        workflow.steps, desc=desc or f"{session.method.name} turns", leave=False, disable=not progress, unit="turn"
+        workflow.steps,
+        desc=desc or f"{session.method.name} turns",
+        leave=False,
+        disable=not progress,
+        unit="turn",
     )
     for i, step in enumerate(steps):
         if step.adapter:
