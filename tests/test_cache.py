@@ -8,6 +8,7 @@ from tiny import tiny_model
 from transformers import DynamicCache
 
 from hf_kvshare import RopeShifter, Segment, SegmentedCache, SharedCache, cache_kwargs
+from hf_kvshare._compat import output_cache
 from hf_kvshare.cache import LayerIndexError, PositionMismatchError
 
 
@@ -248,9 +249,13 @@ def test_pytree_round_trip_and_torch_export(tiny_llama):
     assert [(s.name, s.provenance, s.source_agent) for s in back.segments] == [("q", "corrected", "planner")]
     with torch.no_grad():
         program = torch.export.export(
-            tiny_llama, (), {"input_ids": ids[:, 5:], "cache": cache.copy(), "use_cache": True}, strict=False
+            tiny_llama,
+            (),
+            {"input_ids": ids[:, 5:], **cache_kwargs(cache.copy()), "use_cache": True},
+            strict=False,
         )
-        got = program.module()(input_ids=ids[:, 5:], cache=cache.copy(), use_cache=True)
-        want = tiny_llama(input_ids=ids[:, 5:], cache=cache.copy(), use_cache=True)
+        got = program.module()(input_ids=ids[:, 5:], **cache_kwargs(cache.copy()), use_cache=True)
+        want = tiny_llama(input_ids=ids[:, 5:], **cache_kwargs(cache.copy()), use_cache=True)
     assert torch.allclose(got.logits, want.logits, atol=1e-6)
-    assert type(got.cache) is CorrectedCache and got.cache.get_seq_length() == 6
+    got_cache = output_cache(got)
+    assert type(got_cache) is CorrectedCache and got_cache.get_seq_length() == 6

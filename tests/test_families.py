@@ -15,7 +15,7 @@ import torch
 from families import FAMILIES, METHOD_CASES, family_model, run_case
 from transformers import DynamicCache
 
-from hf_kvshare import PF, PH, RopeShifter, Session
+from hf_kvshare import PF, PH, RopeShifter, Session, cache_kwargs
 from hf_kvshare.recompute import DecoderStack, SegmentRecompute
 
 #: (family, method) -> the refusal's message (regex); every other case must be exact
@@ -51,8 +51,8 @@ def test_repositioning_invariant(family):
             model(
                 input_ids=ids,
                 position_ids=torch.arange(offset, offset + 24)[None],
-                cache=cache,
                 use_cache=True,
+                **cache_kwargs(cache),
             )
         keys.append([layer.keys for layer in cache.layers])
     rotation = shifter.rotation(0, 37, 24)

@@ -21,7 +21,13 @@ from tiny import tiny_model
 from transformers import DynamicCache
 
 from hf_kvshare import PF, PH, PositionMismatchError, SegmentedCache, Session, SharedCache, cache_kwargs
-from hf_kvshare._compat import ASSISTED_DECODING_REFEEDS_CACHED_PROMPT, set_active_adapter
+from hf_kvshare._compat import (
+    ASSISTED_DECODING_EXACT_WITH_NEW_TOKENS,
+    ASSISTED_DECODING_REFEEDS_CACHED_PROMPT,
+    PREFILL_CHUNKS_REFEED_CACHED_PROMPT,
+    TRANSFORMERS_VERSION,
+    set_active_adapter,
+)
 
 NEW = 6  # new tokens per generate
 QUERY = "Sort the list [3, 1, 2] and explain each step of the sort in a short sentence."
@@ -125,6 +131,12 @@ def test_mode_gives_the_same_tokens(built, mode):
         ref.batch_repeat_interleave(expand)  # generate does not expand a user cache
         if not isinstance(ours, SharedCache):
             ours.batch_repeat_interleave(expand)
+    if mode == "prefill_chunk" and PREFILL_CHUNKS_REFEED_CACHED_PROMPT:
+        length = ours.get_seq_length()  # transformers < 5.24 re-feeds the cached prompt: refused
+        with pytest.raises(PositionMismatchError, match="already holds it"):
+            _generate(model, ids, ours, **kwargs)
+        assert ours.get_seq_length() == length
+        return
     want = _generate(model, ids, ref, **kwargs)
     got = _generate(model, ids, ours, **kwargs)
     assert torch.equal(got, want), mode
@@ -134,6 +146,10 @@ def test_mode_gives_the_same_tokens(built, mode):
 def test_continuing_generation_with_several_new_tokens(built, chunk):
     """Second generate on the same cache: prompt + output + 3 new tokens (4 tokens fed at once / in chunks)."""
     model, ours, ids = built
+    if chunk and PREFILL_CHUNKS_REFEED_CACHED_PROMPT:
+        pytest.skip(
+            f"transformers {TRANSFORMERS_VERSION} re-feeds a prefilled cache's prompt in chunked prefill"
+        )
     ref, ours = _reference(ours), ours.copy()
     extra = torch.tensor([[11, 12, 13]])
     outs = []
@@ -153,6 +169,11 @@ def test_continuing_generation_with_several_new_tokens(built, chunk):
 def test_assisted_modes_fed_only_the_new_tokens(built, assistant, mode):
     """Assisted decoding / prompt lookup on a prefilled cache: ``input_ids`` = the tokens the cache lacks,
     ``attention_mask`` over the whole prompt (as for continuing from a cache in transformers)."""
+    if not ASSISTED_DECODING_EXACT_WITH_NEW_TOKENS:
+        pytest.skip(
+            f"transformers {TRANSFORMERS_VERSION}: assisted decoding over a prefilled cache differs from greedy "
+            "however it is fed, on a DynamicCache too (_compat.ASSISTED_DECODING_EXACT_WITH_NEW_TOKENS)"
+        )
     model, ours, ids = built
     kwargs = {"assistant_model": assistant} if mode == "assisted" else {"prompt_lookup_num_tokens": 3}
     ref, ours = _reference(ours), ours.copy()

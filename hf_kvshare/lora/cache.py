@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .. import _compat
 from ..cache import SharedCache
 
 
@@ -57,6 +58,7 @@ class _PrefixViewLayer(DynamicLayer):
         self.prefix_length -= min(max(remove - tail, 0), self.prefix_length)
 
     def reset(self) -> None:
+        _compat.drop_layer_states([self])
         super().reset()
         self.prefix_length = 0
 
