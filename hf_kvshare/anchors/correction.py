@@ -162,7 +162,8 @@ class Match:
 
 
 def match(source: SegmentKV, anchors: list[Anchor], shifter: RopeShifter, prefix: int) -> Match:
-    """Compare ``source`` (rows ``:prefix``) with every anchor's reconstructed base, layer by layer."""
+    """Compare ``source`` (rows ``:prefix``) with every anchor's base: :func:`gate_distances` and
+    :func:`token_distances` over the prefix."""
     if not anchors:
         raise ValueError("match needs at least one anchor")
     if prefix < 1 or prefix > source.length:
@@ -172,29 +173,13 @@ def match(source: SegmentKV, anchors: list[Anchor], shifter: RopeShifter, prefix
         raise ValueError(f"anchors {short} are shorter than the comparison prefix {prefix}")
     if anchors[0].base.num_layers != source.num_layers:
         raise ValueError(f"anchors have {anchors[0].base.num_layers} layers, the source {source.num_layers}")
-    n = len(anchors)
-    rotation = shifter.rotation(source.start, 0, prefix)
-    device = source.values[0].device
-    gate_sq = torch.zeros(n, dtype=torch.float64, device=device)
-    key_abs = torch.zeros(n, prefix, dtype=torch.float64, device=device)
-    value_abs = torch.zeros(n, prefix, dtype=torch.float64, device=device)
-    features = 0
-    for layer in range(source.num_layers):
-        src_v = to_matrix(source.values[layer][:1, :, :prefix]).float()
-        src_k = to_matrix(shifter.apply(source.keys[layer][:1, :, :prefix], rotation, layer=layer)).float()
-        features += src_v.shape[1]
-        for i, anchor in enumerate(anchors):
-            dv = src_v - anchor.base.values[layer].reconstruct(prefix).float()
-            dk = src_k - anchor.base.keys[layer].reconstruct(prefix).float()
-            gate_sq[i] += dv.double().pow(2).sum()
-            value_abs[i] += dv.abs().sum(-1).double()
-            key_abs[i] += dk.abs().sum(-1).double()
+    key_distances, value_distances = token_distances(source, anchors, shifter, prefix)
     return Match(
         anchors=list(anchors),
         prefix=prefix,
-        gate_distances=gate_sq.sqrt().cpu(),
-        key_distances=(key_abs / features).cpu(),
-        value_distances=(value_abs / features).cpu(),
+        gate_distances=gate_distances(source.values, anchors, prefix),
+        key_distances=key_distances,
+        value_distances=value_distances,
     )
 
 
