@@ -17,23 +17,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 if __name__ == "__main__":  # run as a script: import this checkout's hf_kvshare, not an installed one
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tiny import STEPS, TINY, roles  # noqa: E402
+
 from hf_kvshare import PF, PH, Session  # noqa: E402
 
 SLIDING_WINDOW = 16  # the prompts below are 40-90 tokens: they cross it
 
-COMMON = dict(
-    num_hidden_layers=4,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    vocab_size=49152,  # the embedded tokenizer's vocabulary
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-)
+COMMON = {**TINY, "num_hidden_layers": 4, "head_dim": 16}
 
 #: family -> config overrides on top of COMMON (what makes the family's case interesting)
 FAMILIES: dict[str, dict] = {
@@ -68,23 +58,6 @@ FAMILIES: dict[str, dict] = {
     "glm4": {},  # GLM's half rotary, interleaved
 }
 
-QUERY = "Compute the sum of the first ten prime numbers and explain each step."
-
-
-def roles(agent: str):
-    return [
-        PF(f"You are the {agent}. Think about the task carefully.\n"),
-        PH("query", QUERY),
-        PF("\nAnswer:"),
-    ]
-
-
-#: three agents: the query and earlier outputs re-read at other positions behind other prefixes
-STEPS = [
-    ("first", roles("first")),
-    ("second", roles("second") + [PF("\nPrevious: "), PH("first")]),
-    ("third", [PF("Review.\n"), PH("second"), PF("\nand "), PH("first"), PF("\nfor "), PH("query")]),
-]
 
 #: the same agent again behind the same prefix: reuse is exact there (FullShared's exact case)
 SAME_PREFIX_STEPS = [

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import STEPS, roles, tiny_model
 
-from hf_kvshare import METHODS, PF, PH, SegmentKV, Session
+from hf_kvshare import METHODS, PF, SegmentKV, Session
 from hf_kvshare.evaluation.metrics import kv_error
 from hf_kvshare.methods import CacheBlend, DroidSpeak, RelayCaching
 from hf_kvshare.recompute import DecoderStack, SegmentRecompute
 
-QUERY = "Compute the sum of the first ten prime numbers and explain each step."
 LLAMA3 = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -26,21 +25,6 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
-
-
-def roles(agent: str):
-    return [
-        PF(f"You are the {agent}. Think about the task carefully.\n"),
-        PH("query", QUERY),
-        PF("\nAnswer:"),
-    ]
-
-
-STEPS = [
-    ("first", roles("first")),
-    ("second", roles("second") + [PF("\nPrevious: "), PH("first")]),
-    ("third", [PF("Review.\n"), PH("second"), PF("\nand "), PH("first"), PF("\nfor "), PH("query")]),
-]
 
 
 _REFERENCES: dict = {}

@@ -6,21 +6,11 @@ import warnings
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import QUERY, roles, tiny_model
 
 from hf_kvshare import METHODS, PF, PH, Method, Session, SharedCache, cache_kwargs, chat
 from hf_kvshare._compat import CACHE_KWARG
 from hf_kvshare.evaluation.metrics import kv_error
-
-QUERY = "Compute the sum of the first ten prime numbers and explain each step."
-
-
-def roles(agent: str):
-    return [
-        PF(f"You are the {agent}. Think about the task carefully.\n"),
-        PH("query", QUERY),
-        PF("\nAnswer:"),
-    ]
 
 
 def plain_generate(model, ids, n):

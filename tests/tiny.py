@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from hf_kvshare import PF, PH
 from hf_kvshare.models import DEFAULT_MODEL, embedded_gguf_path
 
 TINY = dict(
@@ -78,3 +79,23 @@ def embedded_tokenizer(name: str = DEFAULT_MODEL):
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # read-only home: read the GGUF on every run
     return tok
+
+
+# -------------------------------------------- a three-agent workflow the tests share
+QUERY = "Compute the sum of the first ten prime numbers and explain each step."
+
+
+def roles(agent: str):
+    return [
+        PF(f"You are the {agent}. Think about the task carefully.\n"),
+        PH("query", QUERY),
+        PF("\nAnswer:"),
+    ]
+
+
+#: three agents: the query and earlier outputs re-read at other positions behind other prefixes
+STEPS = [
+    ("first", roles("first")),
+    ("second", roles("second") + [PF("\nPrevious: "), PH("first")]),
+    ("third", [PF("Review.\n"), PH("second"), PF("\nand "), PH("first"), PF("\nfor "), PH("query")]),
+]
