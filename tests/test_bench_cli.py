@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 from bench_helpers import GRAPH_TASKS, save_random_adapters, save_tiny, write_jsonl
 
 from hf_kvshare import METHODS
@@ -39,16 +38,6 @@ TRACE = [
     "--output-tokens",
     "3",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; on a shared, oversubscribed CPU two spin-waiting threads
-    can make each forward 100x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

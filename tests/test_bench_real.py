@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hf_kvshare.bench import BenchRunner, MethodSpec, RunConfig, make_workload
 
 pytestmark = pytest.mark.real_model
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a shared, oversubscribed CPU two spin-waiting threads slow a forward many-fold."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_stress_chain_separates_fullshared_from_nonshared(real, tmp_path):

@@ -22,15 +22,6 @@ KEYS = {"lr_keys": True}  # these tests' adapters have a LoRA on k_proj (beyond 
 LOOP = ["plan", "act", "plan", "reflect", "act"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads and suffer badly from them on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def peft_pair(request):
     """(PeftModel with plan/act/reflect adapters on attention, the bare model before wrapping)."""

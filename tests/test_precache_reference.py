@@ -16,14 +16,6 @@ SAME_RANK = {"plan": 4, "act": 4, "reflect": 4}
 AGENTS = ["plan", "act", "reflect", "act", "plan"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def qv_model(request):
     """q/v adapters of equal rank whose v_proj lora_A is shared (every method accepts them)."""

@@ -7,7 +7,6 @@ import csv
 import json
 
 import pytest
-import torch
 from bench_helpers import save_random_adapters, save_tiny
 
 from hf_kvshare.bench.studies import kvcmas, precache
@@ -24,14 +23,6 @@ TRACE = [
     "--output-tokens",
     "3",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

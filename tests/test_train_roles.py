@@ -14,14 +14,6 @@ from hf_kvshare.bench.train_roles import BEYOND_REFERENCE_TARGETS, load_role_ada
 from hf_kvshare.bench.workloads.autoact_world import ROLES
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_train_save_and_load(tokenizer, tmp_path):
     model = tiny_model("llama", seed=5)
     report = train_roles(
