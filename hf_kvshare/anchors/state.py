@@ -4,7 +4,6 @@ long as the request's Session; and the reference prefill of a given text (KVComm
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 
 from .._compat import config_name_or_path
 from ..cache import SegmentedCache, SegmentKV, config_signature
+from ..identity import ModelFingerprint, model_fingerprint
 from .gate import GateDecision
 from .pool import REFERENCE
 
@@ -22,12 +22,15 @@ class ModelBinding:
 
     The first :meth:`bind` records the model's identity; binding another model object raises,
     because K/V pools of one model are meaningless for another (even one of the same shape).
+    After loading saved state, ``expected`` holds the fingerprint of the model it was built on: the
+    first model bound must have it.
     """
 
     def __init__(self, owner: str):
         self.owner = owner
         self._model: weakref.ReferenceType | None = None
         self.description = ""
+        self.expected: ModelFingerprint | None = None
 
     @staticmethod
     def describe(model: torch.nn.Module) -> str:
@@ -40,10 +43,19 @@ class ModelBinding:
     def model(self) -> torch.nn.Module | None:
         return None if self._model is None else self._model()
 
-    def bind(self, model: torch.nn.Module) -> None:
+    def bind(self, model: torch.nn.Module) -> bool:
+        """Bind ``model`` (``True``: newly bound, ``False``: it already was); raise for another."""
         bound = self.model
         if bound is model:
-            return
+            return False
+        if self._model is None and self.expected is not None:
+            differences = self.expected.differences(model_fingerprint(model))
+            if differences:
+                raise ValueError(
+                    f"this {self.owner} instance holds loaded state built on another model "
+                    f"({'; '.join(differences)}; saved: {self.expected}); it cannot be used with "
+                    f"{self.describe(model)}"
+                )
         if self._model is not None:
             was = self.description + ("" if bound is not None else " [since garbage-collected]")
             raise ValueError(
@@ -53,10 +65,13 @@ class ModelBinding:
             )
         self._model = weakref.ref(model)
         self.description = self.describe(model)
+        self.expected = None
+        return True
 
     def clear(self) -> None:
         self._model = None
         self.description = ""
+        self.expected = None
 
 
 @dataclass
@@ -86,14 +101,17 @@ class RequestState:
 class RequestStates:
     """``Session -> RequestState``, dropped when the session is garbage-collected."""
 
-    def __init__(self):
+    def __init__(self, next_uid: int = 0):
         self._states: weakref.WeakKeyDictionary[Any, RequestState] = weakref.WeakKeyDictionary()
-        self._uids = itertools.count()
+        #: the uid the next request gets (anchor origins and profiles name requests by uid: saved
+        #: state carries it so that a restored instance never reuses one)
+        self.next_uid = next_uid
 
     def get(self, session: Any) -> RequestState:
         state = self._states.get(session)
         if state is None:
-            state = self._states[session] = RequestState(uid=next(self._uids))
+            state = self._states[session] = RequestState(uid=self.next_uid)
+            self.next_uid += 1
         return state
 
     def nbytes(self, session: Any) -> int:

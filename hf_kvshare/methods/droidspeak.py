@@ -53,6 +53,8 @@ class DroidSpeak(SelectiveRecompute):
     """
 
     name = "droidspeak"
+    #: the offline profile is the saved state (save_state / load_state), not an option to compare
+    state_fields = ("layer_profile",)
 
     rho: float = 0.9
     max_groups: int = 2
@@ -66,12 +68,29 @@ class DroidSpeak(SelectiveRecompute):
             self.layer_profile = _as_profile(self.layer_profile)
 
     def check_model(self, stack: DecoderStack) -> None:
+        self.check_expected_model(stack.model)  # a loaded profile is for the model it was saved from
         if self.layer_profile is not None and len(self.layer_profile) != stack.num_layers:
             raise ValueError(
                 f"the layer profile has {len(self.layer_profile)} entries but the model has {stack.num_layers} "
                 "layers; calibrate on this model"
             )
         self.layer_groups(stack.num_layers)  # raises, before any turn, when a needed profile is missing
+
+    # ------------------------------------------------------------ saved state
+    def export_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The offline layer profile (JSON numbers; no tensors)."""
+        return {}, ({} if self.layer_profile is None else {"layer_profile": list(self.layer_profile)})
+
+    def import_state(self, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+        if tensors or set(meta) - {"layer_profile"}:
+            raise ValueError(
+                f"droidspeak: unexpected saved state ({len(tensors)} tensors, keys {sorted(meta)})"
+            )
+        profile = meta.get("layer_profile")
+        self.layer_profile = None if profile is None else _as_profile(profile)
+
+    def state_model(self):
+        return None if self._stack is None else self._stack.model
 
     # ------------------------------------------------------------ layers
     def layers_to_recompute(self, num_layers: int) -> int:

@@ -18,6 +18,7 @@ from ..anchors import (
 )
 from ..anchors.cache import CorrectedCache
 from ..anchors.correction import corrected_kv
+from ..anchors.persist import TensorTable, move_state_to_model, profiles_from_state, profiles_to_state
 from ..cache import config_signature
 from ..method import Method, Placement, register
 
@@ -58,7 +59,7 @@ class GraphFlow(Method):
         self._requests = RequestStates()
 
     def attach(self, model: torch.nn.Module) -> None:
-        self._binding.bind(model)
+        self._bind(model)
         _, kv_heads, head_dim = config_signature(model.config)
         if self.rank is not None and self.rank > kv_heads * head_dim:
             warnings.warn(
@@ -73,6 +74,33 @@ class GraphFlow(Method):
         self.profiles = {}
         self._binding.clear()
         self._requests.clear()
+
+    def _bind(self, model: torch.nn.Module) -> None:
+        if self._binding.bind(model):
+            move_state_to_model(self, model)
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Every profile (calibrating sums or frozen correction) and the next request uid."""
+        table = TensorTable()
+        meta = {"profiles": profiles_to_state(self.profiles, table), "next_request": self._requests.next_uid}
+        return table.tensors, meta
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        try:
+            profiles = profiles_from_state(meta["profiles"], tensors)
+            next_uid = int(meta["next_request"])
+        except (KeyError, TypeError, IndexError) as error:
+            raise ValueError(f"{self.name}: saved state metadata is damaged ({error!r})") from error
+        self.profiles = profiles
+        self._requests = RequestStates(next_uid)
+
+    def state_model(self) -> torch.nn.Module | None:
+        return self._binding.model
+
+    def expect_model(self, fingerprint) -> None:
+        super().expect_model(fingerprint)
+        if self._binding.model is None:
+            self._binding.expected = fingerprint
 
     def request_state_bytes(self, session: Session) -> int:
         """The request's context-free references (non-chained correction keeps one per slot)."""
@@ -95,7 +123,7 @@ class GraphFlow(Method):
         return reference
 
     def build(self, turn: Turn) -> CorrectedCache:
-        self._binding.bind(turn.model)
+        self._bind(turn.model)
         cache = super().build(turn)
         for seg in cache.segments:
             if seg.kind == "PH" and seg.provenance == "dense":

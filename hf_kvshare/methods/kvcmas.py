@@ -78,6 +78,7 @@ from ..anchors import (
 )
 from ..anchors.cache import CorrectedCache
 from ..anchors.lowrank import SVD_METHODS
+from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
 from ..cache import SegmentKV, config_signature
 from ..method import Method, Placement, register
 from ..trajectory import tokenize_text
@@ -253,7 +254,7 @@ class KVCMAS(Method):
 
     # ------------------------------------------------------------------ state
     def attach(self, model: torch.nn.Module) -> None:
-        self._binding.bind(model)
+        self._bind(model)
         _, kv_heads, head_dim = config_signature(model.config)
         dim = kv_heads * head_dim
         for knob in ("base_rank", "delta_rank"):
@@ -272,6 +273,36 @@ class KVCMAS(Method):
         self.pools = {}
         self._binding.clear()
         self._requests.clear()
+
+    def _bind(self, model: torch.nn.Module) -> None:
+        if self._binding.bind(model):
+            move_state_to_model(self, model)
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The anchor pools (in order, with LFU counters and serials) and the next request uid."""
+        table = TensorTable()
+        return table.tensors, {
+            "pools": pools_to_state(self.pools, table),
+            "next_request": self._requests.next_uid,
+        }
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Replace the pools (per-request state of live sessions is dropped)."""
+        try:
+            pools = pools_from_state(meta["pools"], tensors)
+            next_uid = int(meta["next_request"])
+        except (KeyError, TypeError, IndexError) as error:
+            raise ValueError(f"{self.name}: saved state metadata is damaged ({error!r})") from error
+        self.pools = pools
+        self._requests = RequestStates(next_uid)
+
+    def state_model(self) -> torch.nn.Module | None:
+        return self._binding.model
+
+    def expect_model(self, fingerprint) -> None:
+        super().expect_model(fingerprint)
+        if self._binding.model is None:
+            self._binding.expected = fingerprint
 
     def request_state_bytes(self, session: Session) -> int:
         """The request's reference prefills and the producer caches the session no longer holds."""
@@ -336,7 +367,7 @@ class KVCMAS(Method):
         return CorrectedCache(turn.model.config, method=self.name)
 
     def build(self, turn: Turn) -> CorrectedCache:
-        self._binding.bind(turn.model)
+        self._bind(turn.model)
         if self.gate_scope == "slot":
             self._plan(turn)
         cache = super().build(turn)
