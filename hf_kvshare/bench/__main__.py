@@ -177,6 +177,18 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
         help="run the first N requests unrecorded, so methods with cross-request state (anchor pools, "
         "GraphFlow) are measured in steady state; the summaries cover the requests after them",
     )
+    g.add_argument(
+        "--state-in",
+        metavar="DIR",
+        help="start every method from the state saved in DIR/<method tag>/ (by --state-out): a warm start "
+        "(anchor pools, GraphFlow profiles, DroidSpeak profile); the configuration directory gets -S<hash>",
+    )
+    g.add_argument(
+        "--state-out",
+        metavar="DIR",
+        help="after the run, save every method's state to DIR/<method tag>/ (safetensors + JSON; the "
+        "fidelity pass's instance in DIR/<method tag>/forced/)",
+    )
     g.add_argument("--no-fidelity", action="store_true", help="skip the teacher-forced pass (speed only)")
     g.add_argument("--no-erank", action="store_true", help="skip effective ranks (SVDs per layer)")
     g.add_argument("--no-plots", action="store_true")
@@ -201,13 +213,21 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tok = load_bench_model(args.model, args.dtype, args.device, adapters, args.threads)
     runners = []
-    options = _pick(args, "model", "dtype", "device", "seed", "execute", "exec_timeout", "warmup")
+    options = _pick(args, "model", "dtype", "device", "seed", "execute", "exec_timeout", "warmup", "state_in")
     fidelity = not args.no_fidelity
     options.update(fidelity=fidelity, erank=fidelity and not args.no_erank, adapters=adapters)
     for workload in workloads:
         config = RunConfig(workload.name, workload.params(), **options)
         runner = BenchRunner(
-            model, tok, workload, config, args.out, not args.no_progress, collectors, tau=taus
+            model,
+            tok,
+            workload,
+            config,
+            args.out,
+            not args.no_progress,
+            collectors,
+            tau=taus,
+            state_out=args.state_out,
         )
         try:
             summaries = runner.run(specs, redo=args.redo)

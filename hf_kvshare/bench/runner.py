@@ -6,6 +6,7 @@ What a run does, ``--warmup``, the output layout and skip-if-done: ``docs/worklo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from tqdm.auto import tqdm
 from .._version import __version__
 from ..evaluation import MethodPair, RequestRun, request_record, run_paired, summarize_method, turn_records
 from ..evaluation.protocol import REFERENCE, SUMMARY_COLUMNS
+from ..method import STATE_JSON
 from ..session import Session
 from . import checkers
 from .methods import MethodSpec
@@ -46,6 +48,8 @@ class RunConfig:
     exec_timeout: float = 10.0
     adapters: dict[str, str] = field(default_factory=dict)
     warmup: int = 0  # the first requests run through every method unrecorded (pools fill up)
+    #: directory of saved method states every method starts from (``<state_in>/<method tag>/``)
+    state_in: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
@@ -57,6 +61,8 @@ class RunConfig:
         data = {**asdict(self), "adapters": dict(sorted(self.adapters.items()))}
         if not self.warmup:
             del data["warmup"]  # runs without one keep their config
+        if self.state_in is None:
+            del data["state_in"]
         return data
 
     def directory_name(self, workload: Workload) -> str:
@@ -64,6 +70,9 @@ class RunConfig:
         model_tag = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(model) or model)
         dtype = self.dtype or "default"
         warmup = f"-W{self.warmup}" if self.warmup else ""
+        if self.state_in is not None:  # warm-started: never mixed with a cold run's directory
+            digest = hashlib.sha256(os.path.abspath(self.state_in).encode()).hexdigest()[:8]
+            warmup += f"-S{digest}"
         return f"{workload.tag()}{warmup}__{model_tag}-{dtype}-{self.device}-seed{self.seed}"
 
 
@@ -145,6 +154,7 @@ class BenchRunner:
         progress=True,
         collectors=(),
         tau: Mapping[str, float] | None = None,
+        state_out=None,
     ):
         #: the workload's tau default (``tau`` overrides it per workload name; unknown names raise)
         self.tau = workload_tau(workload.name, tau)
@@ -152,11 +162,14 @@ class BenchRunner:
         self.collectors = list(collectors)
         # the method instances of the last run (collectors read their state)
         self.pairs: list[MethodPair] = []
+        self._specs_pairs: list[tuple[MethodSpec, MethodPair]] = []
         self.tokenizer = tokenizer
         self.workload = workload
         self.config = config
         self.dir = Path(out_root) / config.directory_name(workload)
         self.progress = progress
+        #: where each method's state is saved after the run (``<state_out>/<method tag>/``)
+        self.state_out = None if state_out is None else Path(state_out)
 
     def method_dir(self, spec: MethodSpec) -> Path:
         return self.dir / spec.tag
@@ -260,7 +273,7 @@ class BenchRunner:
 
     def _pairs(self, pending: list[MethodSpec]) -> list[MethodPair]:
         """Two instances per method, kept for the whole run: one for the timed pass, one for fidelity."""
-        pairs = []
+        pairs, self._specs_pairs = [], []
         for spec in dict.fromkeys([MethodSpec(REFERENCE), *pending]):
             try:  # bad options or a method that cannot run on this model: an error before any output
                 defaults = self.method_defaults(spec)
@@ -271,10 +284,34 @@ class BenchRunner:
                     warnings.simplefilter("ignore")
                     for method in filter(None, (pair.free, pair.forced)):
                         method.attach(self.model)
+                if self.config.state_in is not None:
+                    self._load_state(spec, pair)
             except ValueError as e:
                 raise BenchInputError(f"method {spec}: {e}") from e
             pairs.append(pair)
+            self._specs_pairs.append((spec, pair))
         return pairs
+
+    def _load_state(self, spec: MethodSpec, pair: MethodPair) -> None:
+        """Start ``pair`` from ``<state_in>/<tag>/`` (the fidelity instance from ``forced/`` there)."""
+        directory = Path(self.config.state_in) / spec.tag
+        if not (directory / STATE_JSON).is_file():
+            raise ValueError(
+                f"--state-in {self.config.state_in}: no saved state for this method (expected "
+                f"{directory / STATE_JSON}, written by a run with --state-out)"
+            )
+        pair.free.load_state(directory, model=self.model)
+        if pair.forced is not None:
+            forced = directory / "forced"
+            pair.forced.load_state(forced if (forced / STATE_JSON).is_file() else directory, model=self.model)
+
+    def save_states(self) -> None:
+        """Save every method instance's state to ``<state_out>/<tag>/`` (fidelity instance: ``forced/``)."""
+        for spec, pair in self._specs_pairs:
+            directory = self.state_out / spec.tag
+            pair.free.save_state(directory, model=self.model)
+            if pair.forced is not None:
+                pair.forced.save_state(directory / "forced", model=self.model)
 
     def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec]) -> None:
         self.pairs = pairs = self._pairs(pending)
@@ -322,6 +359,8 @@ class BenchRunner:
             write_json(self.method_dir(spec) / "summary.json", _clean(summary))
         for collector in self.collectors:
             collector.finish(self)
+        if self.state_out is not None:
+            self.save_states()
 
     def _check(self, task: TaskSpec, results: list) -> dict[str, Any]:
         return checkers.check_answer(task, results[-1].text, self.config.execute, self.config.exec_timeout)
