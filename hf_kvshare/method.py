@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .cache import SegmentKV, SharedCache
+from .cache import CachePart, SegmentKV, SharedCache
 
 if TYPE_CHECKING:
     from .session import Session
@@ -106,41 +106,42 @@ class Method:
         """K/V for PH ``span`` of this turn, or ``None`` to prefill it densely."""
         return None
 
+    def prefix(self, turn: Turn, span, cache: SharedCache) -> Placement | None:
+        """K/V for PF ``span`` of this turn (e.g. the agent's own prompt text kept from its earlier turn:
+        prefix reuse), or ``None`` to compute it (the default: PF text is always computed)."""
+        return None
+
     def build(self, turn: Turn) -> SharedCache:
-        """Build the turn's cache: consecutive dense segments run as one forward; the prompt's last
-        token is left out for ``generate``."""
+        """Build the turn's cache: place what :meth:`placeholder` / :meth:`prefix` return, then compute
+        every token left dense in ONE forward (``SegmentedCache.append_parts``: true positions, a mask
+        built from positions). The prompt's last token is left out for ``generate``. A method that
+        reads the cache built so far (``reads_prefix``) gets it complete up to each PH segment."""
         cache = self.new_cache(turn)
-        pending: list = []
-        last = len(turn.spans) - 1
+        parts: list[CachePart] = []
 
-        def flush(drop_last: bool = False) -> None:
-            if not pending:
-                return
-            ids = torch.cat([s.token_ids for s in pending])
-            segments = [turn.segment_for(s, "dense") for s in pending]
-            if drop_last:
-                ids = ids[:-1]
-                segments[-1].end -= 1
-                if segments[-1].length == 0:
-                    segments.pop()
-            turn.stats.tokens_prefilled += ids.numel()
-            cache.append_dense(turn.model, turn.batch(ids), segments)
-            pending.clear()
+        def flush() -> None:
+            if parts:
+                turn.stats.tokens_prefilled += sum(p.segment.length for p in parts if p.dense)
+                cache.append_parts(turn.model, parts, turn.shifter)
+                parts.clear()
 
-        for i, span in enumerate(turn.spans):
-            placement = None
+        for span in turn.spans:
             if span.kind == "PH":
                 if self.reads_prefix:
                     flush()
                 placement = self.placeholder(turn, span, cache)
-            if placement is None:
-                pending.append(span)
-                continue
-            flush()
-            turn.place(cache, span, placement)
-            if i == last:
-                cache.crop(-1)
-        flush(drop_last=True)
+            else:
+                placement = self.prefix(turn, span, cache)
+            parts.append(turn.part(span, placement))
+        last = parts.pop()  # the prompt's last token is generate's
+        last.segment.end -= 1
+        if last.segment.length:
+            if last.dense:
+                last.token_ids = last.token_ids[..., :-1]
+            else:
+                last.kv = last.kv.prefix(last.segment.length)
+            parts.append(last)
+        flush()
         return cache
 
     # ------------------------------------------------------------ learning
