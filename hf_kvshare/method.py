@@ -122,7 +122,8 @@ class Method:
         def flush() -> None:
             if parts:
                 turn.stats.tokens_prefilled += sum(p.segment.length for p in parts if p.dense)
-                cache.append_parts(turn.model, parts, turn.shifter)
+                moved = any(not p.dense and p.kv.start != p.segment.start for p in parts)
+                cache.append_parts(turn.model, parts, turn.shifter if moved else None)
                 parts.clear()
 
         for span in turn.spans:

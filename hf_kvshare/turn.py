@@ -159,4 +159,5 @@ class Turn:
 
     def place(self, cache: SharedCache, span: Span, placement: Placement) -> None:
         """Append a placed segment to ``cache`` and count its reuse."""
-        cache.append_parts(self.model, [self.part(span, placement)], self.shifter)
+        part = self.part(span, placement)
+        cache.append_parts(self.model, [part], self.shifter if part.kv.start != span.start else None)
