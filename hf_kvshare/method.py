@@ -48,6 +48,12 @@ def get_method(method: str | Method, **options: Any) -> Method:
         raise TypeError(f"method must be a registry name or a Method instance, got {type(method).__name__}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; registered methods: {', '.join(sorted(METHODS))}")
+    names = option_names(METHODS[method])
+    unknown = sorted(set(options) - set(names)) if names is not None else []
+    if unknown:
+        raise ValueError(
+            f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options: {', '.join(names) or 'none'}"
+        )
     return METHODS[method](**options)
 
 
@@ -175,3 +181,66 @@ class Method:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+#: key prefix of the per-request prefix store in ``Session.method_state`` (``"<method>:prefixes"``)
+PREFIX_STATE = "prefixes"
+
+
+class PrefixReuse:
+    """Method mixin: **per-agent prefix reuse** (the KVCMAS reference's behaviour), option ``prefix_reuse``.
+
+    An agent's PF text (system prompt, glue before a PH, the turn's tail) is computed the first time
+    that agent uses it in a request (a Session), kept, and placed on the agent's later turns of the
+    request re-positioned (RoPE rotation only, no correction: the reference's prefix delta is off by
+    default). Keyed by (agent, token ids of the PF segment); the first computation is kept. A reused
+    PF row of the segment table has provenance ``reused``, the agent as source, and
+    ``info["prefix_reuse"]`` = the position it was computed at. Counted in ``TurnResult.prefix_reused``
+    (PF tokens), not in rho, which stays over PH tokens as the reference counts it.
+
+    Subclasses declare the ``prefix_reuse: bool`` option and may narrow :meth:`prefix_reuse_allowed`.
+    """
+
+    prefix_reuse: bool = False
+
+    def check_prefix_reuse(self) -> None:
+        if not isinstance(self.prefix_reuse, bool):
+            raise ValueError(
+                f"{self.name}: prefix_reuse must be True or False, got {self.prefix_reuse!r}"  # type: ignore[attr-defined]
+            )
+
+    def prefix_store(self, session: Session) -> dict[tuple[str, tuple[int, ...]], SegmentKV]:
+        """The request's kept PF K/V, keyed by (agent, token ids)."""
+        return session.method_state.setdefault(f"{self.name}:{PREFIX_STATE}", {})  # type: ignore[attr-defined]
+
+    def prefix_reuse_allowed(self, turn: Turn) -> bool:
+        """Whether this turn may place kept PF text (a method in a dense mode says no)."""
+        return True
+
+    def prefix(self, turn: Turn, span, cache: SharedCache) -> Placement | None:
+        if not self.prefix_reuse or not self.prefix_reuse_allowed(turn):
+            return None
+        kept = self.prefix_store(turn.session).get((turn.agent, tuple(span.token_ids.tolist())))
+        if kept is None:
+            return None
+        return Placement(
+            kv=kept.repositioned(turn.shifter, span.start),
+            provenance="reused",
+            source_agent=turn.agent,
+            info={"prefix_reuse": kept.start},
+        )
+
+    def record(self, turn: Turn, cache: SharedCache) -> None:
+        super().record(turn, cache)  # type: ignore[misc]
+        if not self.prefix_reuse:
+            return
+        store = self.prefix_store(turn.session)
+        computed = {s.start for s in cache.segments if s.kind == "PF" and s.provenance == "dense"}
+        for span in turn.spans:  # the segment of the prompt's tail lacks its last token: generate computed it
+            key = (turn.agent, tuple(span.token_ids.tolist()))
+            if span.kind == "PF" and span.start in computed and key not in store:
+                store[key] = cache.extract(span.start, span.end, agent=turn.agent)
+
+    def request_state_bytes(self, session: Session) -> int:
+        kept = session.method_state.get(f"{self.name}:{PREFIX_STATE}", {})  # type: ignore[attr-defined]
+        return super().request_state_bytes(session) + sum(kv.nbytes for kv in kept.values())  # type: ignore[misc]

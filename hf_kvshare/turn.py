@@ -60,6 +60,8 @@ class TurnResult:
     ph_tokens: int
     peak_memory_bytes: int
     segments: list[Segment]
+    #: PF tokens placed from the agent's earlier turn (prefix reuse), not computed; not part of rho
+    prefix_reused: int = 0
     logits: torch.Tensor | None = None  # [T, vocab] when the output was teacher-forced
     cache: SharedCache | None = None  # when run with keep_cache=True
 
@@ -80,6 +82,7 @@ class TurnResult:
             "tokens_reused": self.tokens_reused,
             "ph_tokens": self.ph_tokens,
             "reuse_ratio": self.reuse_ratio,
+            "prefix_reused": self.prefix_reused,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
 

@@ -203,3 +203,95 @@ def test_glue_between_reused_segments_stays_exact_behind_the_same_prefix(tiny, t
         assert len(calls) == 1
         r = session.run_turn("a", segments, max_new_tokens=5)
         assert r.output_ids.tolist() == session._strip_eos(plain_generate(tiny, r.prompt_ids, 5)).tolist()
+
+
+# ----------------------------------------------------------------------- per-agent prefix reuse
+SAME_PREFIX = [("a", roles("a")), ("a", roles("a") + [PH("a"), PF("\nGo on:")])]
+
+
+def test_prefix_reuse_behind_the_same_prefix_is_exact_and_reported(tiny, tokenizer):
+    """FullShared with prefix_reuse: the agent's own PF text of its first turn is placed on its second
+    (behind the identical prefix, so exactly), only new text is computed, rho stays over PH tokens."""
+    session = Session(tiny, tokenizer, "fullshared", prefix_reuse=True)
+    first = session.run_turn(*SAME_PREFIX[0], max_new_tokens=6)
+    assert first.prefix_reused == 0
+    second = session.run_turn(*SAME_PREFIX[1], max_new_tokens=6)
+    assert (
+        second.output_ids.tolist() == session._strip_eos(plain_generate(tiny, second.prompt_ids, 6)).tolist()
+    )
+    rows = {s.name: s for s in second.segments}
+    assert rows["pf0"].provenance == rows["pf1"].provenance == "reused"
+    assert rows["pf0"].info["prefix_reuse"] == 0 and rows["pf0"].source_agent == "a"
+    assert rows["pf2"].provenance == "dense"  # "\nGo on:" is new text
+    pf_reused = rows["pf0"].length + rows["pf1"].length
+    assert second.prefix_reused == pf_reused
+    assert second.tokens_prefilled == second.prompt_ids.numel() - pf_reused - second.ph_tokens
+    assert second.reuse_ratio == 1.0  # PH tokens only
+    kept = session.method_state["fullshared:prefixes"]
+    assert session.held_bytes() >= sum(kv.nbytes for kv in kept.values()) > 0
+
+
+def test_prefix_reuse_repositions_on_another_agents_turn_order(tiny, tokenizer):
+    """The kept text moves with the agent's later prompt (other positions): rotated, not recomputed,
+    and one dense forward computes the rest."""
+    session = Session(tiny, tokenizer, "fullshared", prefix_reuse=True)
+    session.run_turn("a", roles("a"), max_new_tokens=4)
+    session.run_turn("b", roles("b"), max_new_tokens=4)
+    later = [PF("Recap.\n"), PH("b")] + roles("a")
+    with count_forwards(tiny) as calls:
+        cache, _ = session.build_cache("a", later)
+    assert len(calls) == 1
+    rows = {s.name: s for s in cache.segments}
+    assert rows["pf1"].provenance == "reused" and rows["pf1"].info["prefix_reuse"] == 0
+    assert rows["pf1"].start > 0 and rows["pf0"].provenance == "dense"
+
+
+def test_prefix_reuse_is_off_by_default_for_fullshared_and_on_for_kvcmas(tiny_llama, tokenizer):
+    assert Session(tiny_llama, tokenizer, "fullshared").method.prefix_reuse is False
+    assert Session(tiny_llama, tokenizer, "kvcmas").method.prefix_reuse is True
+    assert Session(tiny_llama, tokenizer, "kvcomm").method.prefix_reuse is True
+    session = Session(tiny_llama, tokenizer, "fullshared")
+    for agent, segments in SAME_PREFIX:
+        r = session.run_turn(agent, segments, max_new_tokens=4)
+    assert r.prefix_reused == 0 and "fullshared:prefixes" not in session.method_state
+
+
+@pytest.mark.parametrize("method", ["kvcmas", "kvcomm"])
+def test_prefix_reuse_keeps_kvcmas_exact_at_tau_zero(tiny, tokenizer, method):
+    session = Session(tiny, tokenizer, method, tau=0.0, prefix_reuse=True)
+    for agent, segments in STEPS + [("first", roles("first") + [PH("first"), PF("\nGo on:")])]:
+        r = session.run_turn(agent, segments, max_new_tokens=5)
+        assert r.prefix_reused == 0
+        assert r.output_ids.tolist() == session._strip_eos(plain_generate(tiny, r.prompt_ids, 5)).tolist()
+
+
+def test_kvcmas_reuse_turn_places_the_agents_prefix(tiny_llama, tokenizer):
+    """A reuse turn (edge scope: no slot-level rejection makes the turn dense): the agent's PF text of
+    its first turn is placed on its second (rotate-only); a dense turn (slot scope, the gate refusing
+    for want of anchors) places none."""
+    session = Session(tiny_llama, tokenizer, "kvcmas", tau=1.0, gate_scope="edge")
+    for agent, segments in STEPS[:2]:
+        session.run_turn(agent, segments, max_new_tokens=4)
+    r = session.run_turn("first", roles("first") + [PF("\nPrevious: "), PH("second")], max_new_tokens=4)
+    rows = [s for s in r.segments if s.kind == "PF" and s.provenance == "reused"]
+    assert [s.name for s in rows] == ["pf0", "pf1"] and r.prefix_reused == sum(s.length for s in rows)
+    for options in ({"gate_scope": "edge", "prefix_reuse": False}, {}):
+        off = Session(tiny_llama, tokenizer, "kvcmas", tau=1.0, **options)
+        for agent, segments in STEPS[:2]:
+            off.run_turn(agent, segments, max_new_tokens=4)
+        r = off.run_turn("first", roles("first") + [PF("\nPrevious: "), PH("second")], max_new_tokens=4)
+        assert r.prefix_reused == 0
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_prefix_reuse_option_is_checked(tiny_llama, tokenizer, value):
+    for method in ("fullshared", "kvcmas"):
+        with pytest.raises(ValueError, match="prefix_reuse must be True or False"):
+            Session(tiny_llama, tokenizer, method, prefix_reuse=value)
+
+
+def test_unknown_option_lists_the_valid_ones(tiny_llama, tokenizer):
+    with pytest.raises(ValueError, match="no option 'prefix_reus'.*its options: prefix_reuse"):
+        Session(tiny_llama, tokenizer, "fullshared", prefix_reus=True)
+    with pytest.raises(ValueError, match="no option 'foo'.*prefix_reuse"):
+        Session(tiny_llama, tokenizer, "kvcmas", foo=1)
