@@ -585,3 +585,44 @@ def test_bad_adapter_paths_are_refused_before_loading(tmp_path):
                 "--out",
                 tmp_path,
             )
+
+
+def test_limit_row_is_measured_beside_the_methods(tiny_dir, tmp_path):
+    """The `limit` pseudo-method: one forward over each reuse turn's non-reused tokens on top of the
+    reused K/V, measured in the same run, with its NonShared/limit ratio in the summaries."""
+    argv = ("run", *TRACE, "--methods", "fullshared", "--model", tiny_dir, "--out", tmp_path, "--no-progress")
+    assert bench(*argv, "--no-plots") == 0
+    config = only_config(tmp_path)
+    turns = read_jsonl(config / "limit" / "turns.jsonl")
+    fullshared = read_jsonl(config / "fullshared" / "turns.jsonl")
+    assert len(turns) == sum(t["reuse_turn"] for t in fullshared) == 5
+    assert all(t["method"] == "limit" and t["ttft_s"] > 0 and t["reused_tokens"] > 0 for t in turns)
+    rows = {m["method"]: m for m in json.loads((config / "summary.json").read_text())["methods"]}
+    assert list(rows)[0] == "nonshared" and {"fullshared", "limit"} <= set(rows)
+    assert rows["limit"]["reuse_turns"] == 5 and rows["limit"]["ttft_ratio"] > 0
+    assert "limit" in (config / "summary.csv").read_text()
+
+
+def test_limit_runs_one_forward_over_the_non_reused_tokens(tiny_dir, tokenizer):
+    import torch
+
+    from hf_kvshare import Session
+    from hf_kvshare.bench.limit import limit_ttft
+    from hf_kvshare.models import load_model
+
+    model, _ = load_model(str(tiny_dir))
+    session = Session(model, tokenizer, "nonshared")
+    from tiny import STEPS
+
+    results = [session.run_turn(agent, segments, max_new_tokens=3) for agent, segments in STEPS]
+    calls: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, a, k: calls.append(1), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            exact = session.build_cache(*STEPS[2])[0]
+        calls.clear()
+        assert limit_ttft(model, results[2], {"query", "first", "second"}, exact) > 0
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    assert limit_ttft(model, results[0], set()) is None  # nothing reusable: no limit row
