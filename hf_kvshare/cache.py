@@ -314,8 +314,9 @@ class SegmentedCache(DynamicCache):
         if self._dense_slots is not None:  # append_parts' forward: write into the reserved slots
             self._check_shapes(key_states, layer_idx)
             layer = self.layers[layer_idx]
-            layer.keys.index_copy_(-2, self._dense_slots, key_states.to(layer.keys.dtype))
-            layer.values.index_copy_(-2, self._dense_slots, value_states.to(layer.values.dtype))
+            slots = self._dense_slots.to(layer.keys.device)
+            layer.keys.index_copy_(-2, slots, key_states.to(layer.keys.dtype))
+            layer.values.index_copy_(-2, slots, value_states.to(layer.values.dtype))
             return layer.keys, layer.values
         self._before_update(key_states, layer_idx, args, kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

@@ -264,7 +264,8 @@ def test_sweep_writes_one_directory_per_length_and_a_sweep_plot(tiny_dir, tmp_pa
     assert [c.split("__")[0] for c in configs] == ["trace-S16-N2-R1-O2-Q1", "trace-S32-N2-R1-O2-Q1"]
     sweep = next((tmp_path / "plots").iterdir())
     rows = (sweep / "ttft_vs_shared_tokens.csv").read_text().splitlines()
-    assert rows[0].startswith("shared_tokens,method") and len(rows) == 1 + 2 * 2
+    assert rows[0].startswith("shared_tokens,method") and len(rows) == 1 + 2 * 3  # + the limit row
+    assert sum(",limit," in row for row in rows) == 2
     assert (sweep / "ttft_vs_shared_tokens.png").exists()
     summary = json.loads((tmp_path / configs[0] / "summary.json").read_text())["methods"][1]
     assert "agreement" not in summary and summary["reuse_ratio"] == 1.0  # speed only
