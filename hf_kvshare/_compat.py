@@ -207,6 +207,59 @@ def decoder_layer_cache_kwarg(layer: Any) -> str:
     return CACHE_KWARG
 
 
+# ----------------------------------------------------------------------------- explicit attention masks
+#: Attention implementations that apply a given 4D mask as it is (``masking_utils`` returns a 4D
+#: ``attention_mask`` unchanged, "it was already prepared, or it is custom"): ``sdpa`` takes a boolean
+#: mask (True = attend), ``eager`` an additive float one. Flash / flex attention build their own.
+EXPLICIT_MASK_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def explicit_attention_mask(model: Any, allowed: dict[str, Any], dtype: Any) -> Any:
+    """The ``attention_mask`` argument that makes ``model`` apply ``allowed`` as it is, or ``None`` when
+    this model cannot take an explicit mask (the caller then keeps its per-segment path).
+
+    ``allowed``: ``{layer type: bool tensor [batch, 1, q, kv]}`` (True = the query sees the key), one per
+    attention type the model has (``"full_attention"``, ``"sliding_attention"``). A model whose layers
+    are all of one type gets that tensor; one with several types gets the ``{type: mask}`` mapping its
+    forward accepts in place of building its masks (Gemma 2 / 3, Qwen2 / 3, SmolLM3 ... on 5.x), or
+    ``None`` when its forward takes no mapping. ``eager`` gets the additive form (0 / dtype minimum),
+    as ``masking_utils.eager_mask`` builds it.
+    """
+    import torch
+
+    config = getattr(model, "config", None)
+    if config is None or attention_implementation(config) not in EXPLICIT_MASK_IMPLEMENTATIONS:
+        return None
+    types = list(dict.fromkeys(layer_types(config)))
+    if not types or any(t not in allowed for t in types):
+        return None
+
+    def form(mask: Any) -> Any:
+        if attention_implementation(config) == "sdpa":
+            return mask
+        return torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype)
+
+    if len(types) == 1:
+        return form(allowed[types[0]])
+    if not _forward_takes_mask_mapping(model):
+        return None
+    return {t: form(allowed[t]) for t in types}
+
+
+def _forward_takes_mask_mapping(model: Any) -> bool:
+    """Whether the decoder's ``forward`` accepts a ``{layer type: mask}`` mapping as ``attention_mask``
+    (read from its source: ``isinstance(... attention_mask, dict)``, how 5.x models skip building masks)."""
+    import inspect
+
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return False
+    return "attention_mask, dict)" in source
+
+
 # ----------------------------------------------------------------------------- PEFT
 # Supported: peft >= 0.17 (see pyproject.toml); tested on 0.21.
 # - ``LoraLayer.lora_variant`` (a dict adapter -> variant object: DoRA, aLoRA, ...) replaced the

@@ -91,6 +91,21 @@ class SegmentKV:
         )
 
 
+@dataclass
+class CachePart:
+    """One segment for :meth:`SegmentedCache.append_parts`: K/V already obtained (``kv``, e.g. reused or
+    corrected; re-positioned to ``segment.start`` if it sits elsewhere) or token ids to compute
+    (``token_ids`` ``[batch, n]``, dense)."""
+
+    segment: Segment
+    kv: SegmentKV | None = None
+    token_ids: torch.Tensor | None = None
+
+    @property
+    def dense(self) -> bool:
+        return self.kv is None
+
+
 class LayerIndexError(IndexError, ValueError):
     """An update for a layer the cache does not have: an ``IndexError`` like a list's (what callers of
     ``DynamicCache`` catch) and, for earlier callers of hf_kvshare, a ``ValueError``."""
@@ -184,6 +199,8 @@ class SegmentedCache(DynamicCache):
                 self.signature = (None, first.keys.shape[1], first.keys.shape[3])
         self.segments: list[Segment] = []
         self._recording_at: int | None = None
+        #: during :meth:`append_parts`' one forward: the slots its tokens fill (positional order)
+        self._dense_slots: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -294,6 +311,13 @@ class SegmentedCache(DynamicCache):
         )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self._dense_slots is not None:  # append_parts' forward: write into the reserved slots
+            self._check_shapes(key_states, layer_idx)
+            layer = self.layers[layer_idx]
+            slots = self._dense_slots.to(layer.keys.device)
+            layer.keys.index_copy_(-2, slots, key_states.to(layer.keys.dtype))
+            layer.values.index_copy_(-2, slots, value_states.to(layer.values.dtype))
+            return layer.keys, layer.values
         self._before_update(key_states, layer_idx, args, kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -371,6 +395,145 @@ class SegmentedCache(DynamicCache):
         for layer_idx in range(self.num_layers):
             self.update(kv.keys[layer_idx], kv.values[layer_idx], layer_idx)
         self.segments.append(segment)
+
+    def append_parts(
+        self,
+        model: torch.nn.Module,
+        parts: Iterable[CachePart],
+        shifter: RopeShifter | None = None,
+        **model_kwargs: Any,
+    ) -> None:
+        """Append ``parts`` (in positional order, tiling the positions after the cache's end): placed K/V
+        as they are, and every dense part's tokens in **one** model forward.
+
+        That forward feeds the dense tokens at their true ``position_ids`` with an explicit 4D mask built
+        from positions alone: the query at position ``q`` sees the cache slot holding position ``k`` iff
+        ``k <= q`` (and ``q - k < W`` on a sliding-window layer), so no token can see a later position,
+        whatever order the parts were computed or placed in. The placed K/V are written into their slots
+        first and the dense slots reserved; the model's cache updates write each layer's new K/V into the
+        reserved slots (in place, before that layer attends), so the cache ends in positional order.
+
+        Fallbacks, same K/V: only dense parts, or dense parts all before the placed ones, need no mask
+        (one ordinary forward); a model that cannot take an explicit mask (flash / flex attention, a
+        mixture of layer types its forward cannot take as a mapping; see
+        ``_compat.explicit_attention_mask``) or an offloaded cache runs each run of consecutive dense
+        parts as its own forward over the cache built so far (the per-segment path).
+
+        ``model_kwargs`` go to every model call (e.g. PEFT's ``adapter_names``). On error nothing is
+        appended.
+        """
+        parts = list(parts)
+        if not parts:
+            return
+        start = self.get_seq_length()
+        self._check_tiling([p.segment for p in parts], start, parts[-1].segment.end)
+        for p in parts:
+            if (p.kv is None) == (p.token_ids is None):
+                raise ValueError(f"part {p.segment.name!r} needs exactly one of kv= or token_ids=")
+            if p.token_ids is not None and p.token_ids.dim() != 2:
+                raise ValueError(
+                    f"part {p.segment.name!r}: token_ids must be [batch, n]; got shape {tuple(p.token_ids.shape)}"
+                )
+            have = p.kv.length if p.kv is not None else p.token_ids.shape[-1]
+            if have != p.segment.length:
+                raise ValueError(
+                    f"part {p.segment.name!r} says [{p.segment.start}, {p.segment.end}) but holds {have} tokens"
+                )
+            if p.kv is not None and p.kv.start != p.segment.start and shifter is None:
+                raise ValueError(
+                    f"K/V of {p.segment.name!r} sits at position {p.kv.start}, not {p.segment.start}: "
+                    "pass a RopeShifter to move it"
+                )
+        dense = [p for p in parts if p.dense]
+        first_placed = next((i for i, p in enumerate(parts) if not p.dense), len(parts))
+        if len(dense) == first_placed:  # no dense token follows a placed one: no mask needed
+            if dense:
+                ids = torch.cat([p.token_ids for p in dense], dim=-1)
+                self.append_dense(model, ids, [p.segment for p in dense], **model_kwargs)
+            for p in parts[first_placed:]:
+                self.append_kv(p.kv, p.segment, shifter)
+            return
+        if not self._one_dense_forward(model, parts, shifter, model_kwargs):
+            self._per_segment(model, parts, shifter, model_kwargs)
+
+    def _per_segment(self, model, parts: list[CachePart], shifter, model_kwargs) -> None:
+        """Each run of consecutive dense parts as one forward over the cache built so far."""
+        start = self.get_seq_length()
+        try:
+            i = 0
+            while i < len(parts):
+                if not parts[i].dense:
+                    self.append_kv(parts[i].kv, parts[i].segment, shifter)
+                    i += 1
+                    continue
+                j = i
+                while j < len(parts) and parts[j].dense:
+                    j += 1
+                ids = torch.cat([p.token_ids for p in parts[i:j]], dim=-1)
+                self.append_dense(model, ids, [p.segment for p in parts[i:j]], **model_kwargs)
+                i = j
+        except BaseException:
+            self.crop_to(start)
+            raise
+
+    def _one_dense_forward(self, model, parts: list[CachePart], shifter, model_kwargs) -> bool:
+        """The one-forward path of :meth:`append_parts`; ``False`` (nothing done) when it cannot run."""
+        if self.offloading or any(type(layer) is not DynamicLayer for layer in self.layers):
+            return False
+        start = self.get_seq_length()
+        end = parts[-1].segment.end
+        device = _model_device(model)
+        batch = max(p.token_ids.shape[0] for p in parts if p.dense)
+        placed = [p.kv if p.dense else p.kv.repositioned(shifter, p.segment.start) for p in parts]
+        reference = next(kv for kv, p in zip(placed, parts) if not p.dense)
+        if reference.num_layers != self.num_layers and self.signature[0] is not None:
+            raise ValueError(f"K/V has {reference.num_layers} layers, the cache {self.num_layers}")
+        dtype = reference.keys[0].dtype
+        queries = torch.cat([torch.arange(p.segment.start, p.segment.end) for p in parts if p.dense]).to(
+            device
+        )
+        keys = torch.arange(end, device=device)
+        causal = keys[None, :] <= queries[:, None]  # [q, kv]: position k seen from position q
+        allowed = {"full_attention": causal}
+        window = _compat.sliding_window(model.config)
+        if window is not None:
+            allowed["sliding_attention"] = causal & (keys[None, :] > queries[:, None] - window)
+        mask = _compat.explicit_attention_mask(
+            model, {t: m[None, None].expand(batch, 1, -1, -1) for t, m in allowed.items()}, dtype
+        )
+        if mask is None:
+            return False
+        for layer_idx in range(reference.num_layers):  # placed K/V in their slots, dense slots reserved
+            ks, vs = [], []
+            for p, kv in zip(parts, placed):
+                if p.dense:
+                    for out, like in ((ks, reference.keys[layer_idx]), (vs, reference.values[layer_idx])):
+                        shape = (batch, like.shape[1], p.segment.length, like.shape[3])
+                        out.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+                else:
+                    ks.append(kv.keys[layer_idx].expand(batch, -1, -1, -1))
+                    vs.append(kv.values[layer_idx].expand(batch, -1, -1, -1))
+            self.update(torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), layer_idx)
+        ids = torch.cat([p.token_ids.expand(batch, -1) for p in parts if p.dense], dim=-1).to(device)
+        self._dense_slots = queries
+        try:
+            with torch.no_grad():
+                model(
+                    input_ids=ids,
+                    position_ids=queries[None].expand(batch, -1),
+                    attention_mask=mask,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **cache_kwargs(self),
+                    **model_kwargs,
+                )
+        except BaseException:
+            self._dense_slots = None
+            self.crop_to(start)
+            raise
+        self._dense_slots = None
+        self.segments.extend(p.segment for p in parts)
+        return True
 
     @staticmethod
     def _check_tiling(segments: list[Segment], start: int, end: int) -> None:

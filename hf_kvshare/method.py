@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .cache import SegmentKV, SharedCache
+from .cache import CachePart, SegmentKV, SharedCache
 from .identity import ModelFingerprint, model_fingerprint
 
 if TYPE_CHECKING:
@@ -57,6 +57,12 @@ def get_method(method: str | Method, **options: Any) -> Method:
         raise TypeError(f"method must be a registry name or a Method instance, got {type(method).__name__}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; registered methods: {', '.join(sorted(METHODS))}")
+    names = option_names(METHODS[method])
+    unknown = sorted(set(options) - set(names)) if names is not None else []
+    if unknown:
+        raise ValueError(
+            f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options: {', '.join(names) or 'none'}"
+        )
     return METHODS[method](**options)
 
 
@@ -115,41 +121,43 @@ class Method:
         """K/V for PH ``span`` of this turn, or ``None`` to prefill it densely."""
         return None
 
+    def prefix(self, turn: Turn, span, cache: SharedCache) -> Placement | None:
+        """K/V for PF ``span`` of this turn (e.g. the agent's own prompt text kept from its earlier turn:
+        prefix reuse), or ``None`` to compute it (the default: PF text is always computed)."""
+        return None
+
     def build(self, turn: Turn) -> SharedCache:
-        """Build the turn's cache: consecutive dense segments run as one forward; the prompt's last
-        token is left out for ``generate``."""
+        """Build the turn's cache: place what :meth:`placeholder` / :meth:`prefix` return, then compute
+        every token left dense in ONE forward (``SegmentedCache.append_parts``: true positions, a mask
+        built from positions). The prompt's last token is left out for ``generate``. A method that
+        reads the cache built so far (``reads_prefix``) gets it complete up to each PH segment."""
         cache = self.new_cache(turn)
-        pending: list = []
-        last = len(turn.spans) - 1
+        parts: list[CachePart] = []
 
-        def flush(drop_last: bool = False) -> None:
-            if not pending:
-                return
-            ids = torch.cat([s.token_ids for s in pending])
-            segments = [turn.segment_for(s, "dense") for s in pending]
-            if drop_last:
-                ids = ids[:-1]
-                segments[-1].end -= 1
-                if segments[-1].length == 0:
-                    segments.pop()
-            turn.stats.tokens_prefilled += ids.numel()
-            cache.append_dense(turn.model, turn.batch(ids), segments)
-            pending.clear()
+        def flush() -> None:
+            if parts:
+                turn.stats.tokens_prefilled += sum(p.segment.length for p in parts if p.dense)
+                moved = any(not p.dense and p.kv.start != p.segment.start for p in parts)
+                cache.append_parts(turn.model, parts, turn.shifter if moved else None)
+                parts.clear()
 
-        for i, span in enumerate(turn.spans):
-            placement = None
+        for span in turn.spans:
             if span.kind == "PH":
                 if self.reads_prefix:
                     flush()
                 placement = self.placeholder(turn, span, cache)
-            if placement is None:
-                pending.append(span)
-                continue
-            flush()
-            turn.place(cache, span, placement)
-            if i == last:
-                cache.crop(-1)
-        flush(drop_last=True)
+            else:
+                placement = self.prefix(turn, span, cache)
+            parts.append(turn.part(span, placement))
+        last = parts.pop()  # the prompt's last token is generate's
+        last.segment.end -= 1
+        if last.segment.length:
+            if last.dense:
+                last.token_ids = last.token_ids[..., :-1]
+            else:
+                last.kv = last.kv.prefix(last.segment.length)
+            parts.append(last)
+        flush()
         return cache
 
     # ------------------------------------------------------------ learning
@@ -330,3 +338,66 @@ def _check_fingerprint(owner: str, saved: ModelFingerprint, model: ModelFingerpr
             f"({'; '.join(differences)}; saved model: {saved}, this model: {model}). "
             "Load it only with the model it was saved from"
         )
+
+
+#: key prefix of the per-request prefix store in ``Session.method_state`` (``"<method>:prefixes"``)
+PREFIX_STATE = "prefixes"
+
+
+class PrefixReuse:
+    """Method mixin: **per-agent prefix reuse** (the KVCMAS reference's behaviour), option ``prefix_reuse``.
+
+    An agent's PF text (system prompt, glue before a PH, the turn's tail) is computed the first time
+    that agent uses it in a request (a Session), kept, and placed on the agent's later turns of the
+    request re-positioned (RoPE rotation only, no correction: the reference's prefix delta is off by
+    default). Keyed by (agent, token ids of the PF segment); the first computation is kept. A reused
+    PF row of the segment table has provenance ``reused``, the agent as source, and
+    ``info["prefix_reuse"]`` = the position it was computed at. Counted in ``TurnResult.prefix_reused``
+    (PF tokens), not in rho, which stays over PH tokens as the reference counts it.
+
+    Subclasses declare the ``prefix_reuse: bool`` option and may narrow :meth:`prefix_reuse_allowed`.
+    """
+
+    prefix_reuse: bool = False
+
+    def check_prefix_reuse(self) -> None:
+        if not isinstance(self.prefix_reuse, bool):
+            raise ValueError(
+                f"{self.name}: prefix_reuse must be True or False, got {self.prefix_reuse!r}"  # type: ignore[attr-defined]
+            )
+
+    def prefix_store(self, session: Session) -> dict[tuple[str, tuple[int, ...]], SegmentKV]:
+        """The request's kept PF K/V, keyed by (agent, token ids)."""
+        return session.method_state.setdefault(f"{self.name}:{PREFIX_STATE}", {})  # type: ignore[attr-defined]
+
+    def prefix_reuse_allowed(self, turn: Turn) -> bool:
+        """Whether this turn may place kept PF text (a method in a dense mode says no)."""
+        return True
+
+    def prefix(self, turn: Turn, span, cache: SharedCache) -> Placement | None:
+        if not self.prefix_reuse or not self.prefix_reuse_allowed(turn):
+            return None
+        kept = self.prefix_store(turn.session).get((turn.agent, tuple(span.token_ids.tolist())))
+        if kept is None:
+            return None
+        return Placement(
+            kv=kept.repositioned(turn.shifter, span.start),
+            provenance="reused",
+            source_agent=turn.agent,
+            info={"prefix_reuse": kept.start},
+        )
+
+    def record(self, turn: Turn, cache: SharedCache) -> None:
+        super().record(turn, cache)  # type: ignore[misc]
+        if not self.prefix_reuse:
+            return
+        store = self.prefix_store(turn.session)
+        computed = {s.start for s in cache.segments if s.kind == "PF" and s.provenance == "dense"}
+        for span in turn.spans:  # the segment of the prompt's tail lacks its last token: generate computed it
+            key = (turn.agent, tuple(span.token_ids.tolist()))
+            if span.kind == "PF" and span.start in computed and key not in store:
+                store[key] = cache.extract(span.start, span.end, agent=turn.agent)
+
+    def request_state_bytes(self, session: Session) -> int:
+        kept = session.method_state.get(f"{self.name}:{PREFIX_STATE}", {})  # type: ignore[attr-defined]
+        return super().request_state_bytes(session) + sum(kv.nbytes for kv in kept.values())  # type: ignore[misc]

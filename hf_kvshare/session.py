@@ -255,6 +255,7 @@ class Session:
             tokens_prefilled=turn.stats.tokens_prefilled,
             tokens_reused=turn.stats.ph_reused,
             ph_tokens=turn.stats.ph_tokens,
+            prefix_reused=turn.stats.pf_reused,
             peak_memory_bytes=memory.peak_bytes,
             segments=list(cache.segments),
             logits=logits,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cache import Segment, SegmentKV, SharedCache
+from .cache import CachePart, Segment, SegmentKV, SharedCache
 
 if TYPE_CHECKING:
     from .method import Placement
@@ -40,6 +40,7 @@ class TurnStats:
     tokens_prefilled: int = 0  # prompt tokens run through the model for this agent
     ph_tokens: int = 0  # PH tokens in the prompt
     ph_reused: float = 0  # PH tokens whose K/V was not computed for this agent (token-equivalents)
+    pf_reused: int = 0  # PF tokens re-used from this agent's earlier turn (prefix reuse), not computed
 
 
 @dataclass
@@ -59,6 +60,8 @@ class TurnResult:
     ph_tokens: int
     peak_memory_bytes: int
     segments: list[Segment]
+    #: PF tokens placed from the agent's earlier turn (prefix reuse), not computed; not part of rho
+    prefix_reused: int = 0
     logits: torch.Tensor | None = None  # [T, vocab] when the output was teacher-forced
     cache: SharedCache | None = None  # when run with keep_cache=True
 
@@ -79,6 +82,7 @@ class TurnResult:
             "tokens_reused": self.tokens_reused,
             "ph_tokens": self.ph_tokens,
             "reuse_ratio": self.reuse_ratio,
+            "prefix_reused": self.prefix_reused,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
 
@@ -135,8 +139,11 @@ class Turn:
             info=dict(info or {}),
         )
 
-    def place(self, cache: SharedCache, span: Span, placement: Placement) -> None:
-        """Append a placed PH segment to ``cache`` and count its reuse."""
+    def part(self, span: Span, placement: Placement | None) -> CachePart:
+        """The cache part of ``span``: its placed K/V (reuse counted here), or its tokens to compute
+        (``placement=None``: dense)."""
+        if placement is None:
+            return CachePart(self.segment_for(span, "dense"), token_ids=self.batch(span.token_ids))
         kv = placement.kv
         if self.batch_size > 1 and kv.keys[0].shape[0] == 1:
             kv = SegmentKV(
@@ -146,6 +153,14 @@ class Turn:
                 agent=kv.agent,
             )
         segment = self.segment_for(span, placement.provenance, placement.source_agent, placement.info)
-        cache.append_kv(kv, segment, self.shifter)
         reused = span.length if placement.reused_tokens is None else placement.reused_tokens
-        self.stats.ph_reused += reused
+        if span.kind == "PH":
+            self.stats.ph_reused += reused
+        else:
+            self.stats.pf_reused += span.length
+        return CachePart(segment, kv=kv)
+
+    def place(self, cache: SharedCache, span: Span, placement: Placement) -> None:
+        """Append a placed segment to ``cache`` and count its reuse."""
+        part = self.part(span, placement)
+        cache.append_parts(self.model, [part], self.shifter if part.kv.start != span.start else None)

@@ -232,7 +232,8 @@ def test_runs_already_done_are_skipped(tiny_dir, tmp_path, capsys):
     assert bench(*base, "--methods", "fullshared") == 0  # everything done: nothing runs
     assert "skipped: nonshared, fullshared" in capsys.readouterr().out
     assert (config / "fullshared" / "summary.json").stat().st_mtime_ns == full_stamp
-    assert len(json.loads((config / "summary.json").read_text())["methods"]) == 2
+    rows = json.loads((config / "summary.json").read_text())["methods"]
+    assert [m["method"] for m in rows] == ["nonshared", "fullshared", "limit"]  # limit: bench/limit.py
     # --redo runs them again
     assert bench(*base, "--methods", "fullshared", "--redo") == 0
     assert (config / "fullshared" / "summary.json").stat().st_mtime_ns != full_stamp
@@ -263,7 +264,8 @@ def test_sweep_writes_one_directory_per_length_and_a_sweep_plot(tiny_dir, tmp_pa
     assert [c.split("__")[0] for c in configs] == ["trace-S16-N2-R1-O2-Q1", "trace-S32-N2-R1-O2-Q1"]
     sweep = next((tmp_path / "plots").iterdir())
     rows = (sweep / "ttft_vs_shared_tokens.csv").read_text().splitlines()
-    assert rows[0].startswith("shared_tokens,method") and len(rows) == 1 + 2 * 2
+    assert rows[0].startswith("shared_tokens,method") and len(rows) == 1 + 2 * 3  # + the limit row
+    assert sum(",limit," in row for row in rows) == 2
     assert (sweep / "ttft_vs_shared_tokens.png").exists()
     summary = json.loads((tmp_path / configs[0] / "summary.json").read_text())["methods"][1]
     assert "agreement" not in summary and summary["reuse_ratio"] == 1.0  # speed only
@@ -585,3 +587,44 @@ def test_bad_adapter_paths_are_refused_before_loading(tmp_path):
                 "--out",
                 tmp_path,
             )
+
+
+def test_limit_row_is_measured_beside_the_methods(tiny_dir, tmp_path):
+    """The `limit` pseudo-method: one forward over each reuse turn's non-reused tokens on top of the
+    reused K/V, measured in the same run, with its NonShared/limit ratio in the summaries."""
+    argv = ("run", *TRACE, "--methods", "fullshared", "--model", tiny_dir, "--out", tmp_path, "--no-progress")
+    assert bench(*argv, "--no-plots") == 0
+    config = only_config(tmp_path)
+    turns = read_jsonl(config / "limit" / "turns.jsonl")
+    fullshared = read_jsonl(config / "fullshared" / "turns.jsonl")
+    assert len(turns) == sum(t["reuse_turn"] for t in fullshared) == 5
+    assert all(t["method"] == "limit" and t["ttft_s"] > 0 and t["reused_tokens"] > 0 for t in turns)
+    rows = {m["method"]: m for m in json.loads((config / "summary.json").read_text())["methods"]}
+    assert list(rows)[0] == "nonshared" and {"fullshared", "limit"} <= set(rows)
+    assert rows["limit"]["reuse_turns"] == 5 and rows["limit"]["ttft_ratio"] > 0
+    assert "limit" in (config / "summary.csv").read_text()
+
+
+def test_limit_runs_one_forward_over_the_non_reused_tokens(tiny_dir, tokenizer):
+    import torch
+
+    from hf_kvshare import Session
+    from hf_kvshare.bench.limit import limit_ttft
+    from hf_kvshare.models import load_model
+
+    model, _ = load_model(str(tiny_dir))
+    session = Session(model, tokenizer, "nonshared")
+    from tiny import STEPS
+
+    results = [session.run_turn(agent, segments, max_new_tokens=3) for agent, segments in STEPS]
+    calls: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, a, k: calls.append(1), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            exact = session.build_cache(*STEPS[2])[0]
+        calls.clear()
+        assert limit_ttft(model, results[2], {"query", "first", "second"}, exact) > 0
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    assert limit_ttft(model, results[0], set()) is None  # nothing reusable: no limit row

@@ -52,7 +52,8 @@ def test_kvcmas_study_runs_through_the_bench(tiny_dir, tmp_path):
     assert kvcmas.main(argv) == 0
     config = _config_dir(tmp_path)
     summary = json.loads((config / "summary.json").read_text())
-    assert [m["method"] for m in summary["methods"]] == ["nonshared", "fullshared", "kvcmas", "kvcomm"]
+    methods = ["nonshared", "fullshared", "kvcmas", "kvcomm", "limit"]  # limit: the bench's limit row
+    assert [m["method"] for m in summary["methods"]] == methods
     text = (config / "kvcmas.md").read_text()
     assert text.startswith("# kvcmas study") and "Command: `python -m hf_kvshare.bench study kvcmas " in text
     assert "| kvcmas |" in text and "kv_error by hop" in text

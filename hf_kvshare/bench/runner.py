@@ -27,6 +27,7 @@ from ..evaluation.protocol import REFERENCE, SUMMARY_COLUMNS
 from ..method import STATE_JSON
 from ..session import Session
 from . import checkers
+from .limit import LIMIT, limit_records, summarize_limit
 from .methods import MethodSpec
 from .report import write_csv
 from .workloads import TaskSpec, Workload, workload_tau
@@ -155,7 +156,10 @@ class BenchRunner:
         collectors=(),
         tau: Mapping[str, float] | None = None,
         state_out=None,
+        limit: bool = True,
     ):
+        #: also measure the ``limit`` row (bench/limit.py) for every reuse turn
+        self.limit = limit
         #: the workload's tau default (``tau`` overrides it per workload name; unknown names raise)
         self.tau = workload_tau(workload.name, tau)
         self.model = model
@@ -316,6 +320,7 @@ class BenchRunner:
     def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec]) -> None:
         self.pairs = pairs = self._pairs(pending)
         collected: dict[MethodSpec, tuple[list, list]] = {s: ([], []) for s in pending}
+        limit_rows: list[dict[str, Any]] = []
         with ExitStack() as files:
             writers = {}
             for spec in pending:
@@ -351,16 +356,31 @@ class BenchRunner:
                         f.writelines(json.dumps(_clean(r)) + "\n" for r in records)
                         f.flush()
                         kept.extend(records)
+                if self.limit:  # same run, after the methods of this request; NonShared's forced caches
+                    rows = limit_records(
+                        self.model, run.free[REFERENCE], task.reused_slots(), run.forced.get(REFERENCE)
+                    )
+                    limit_rows += [{"request": task.id, "request_index": index, **r} for r in rows]
                 run.release_caches()  # the kept caches go before the next request runs
                 del run
         for spec in pending:
             summary = summarize_method(*collected[spec])
             summary.update({"method": str(spec), "tag": spec.tag, "config": self.method_config(spec)})
             write_json(self.method_dir(spec) / "summary.json", _clean(summary))
+        if limit_rows:
+            self._write_limit(limit_rows)
         for collector in self.collectors:
             collector.finish(self)
         if self.state_out is not None:
             self.save_states()
+
+    def _write_limit(self, rows: list[dict[str, Any]]) -> None:
+        """The ``limit`` pseudo-method's turns and summary, beside the methods' (see bench/limit.py)."""
+        d = self.dir / LIMIT
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "turns.jsonl").write_text("".join(json.dumps(_clean(r)) + "\n" for r in rows))
+        config = {**self.config.to_dict(), "method": LIMIT, "method_options": {}}
+        write_json(d / "summary.json", _clean({**summarize_limit(rows), "config": config}))
 
     def _check(self, task: TaskSpec, results: list) -> dict[str, Any]:
         return checkers.check_answer(task, results[-1].text, self.config.execute, self.config.exec_timeout)

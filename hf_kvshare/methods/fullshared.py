@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
-from ..method import Method, Placement, register
+from ..method import Method, Placement, PrefixReuse, register
 
 
 @register
-class FullShared(Method):
+class FullShared(PrefixReuse, Method):
     """Reuse the most recent materialized cache of each PH slot (from whichever agent produced
-    it), moved to where the segment lands. The first agent to see a slot computes it densely."""
+    it), moved to where the segment lands. The first agent to see a slot computes it densely.
+
+    Args:
+        prefix_reuse: also place the agent's own PF text kept from its earlier turns of the request,
+            re-positioned (:class:`~hf_kvshare.method.PrefixReuse`); off by default (PF text computed).
+    """
 
     name = "fullshared"
+
+    def __init__(self, prefix_reuse: bool = False):
+        self.prefix_reuse = prefix_reuse
+        self.check_prefix_reuse()
+
+    def __repr__(self) -> str:
+        return f"FullShared(prefix_reuse={self.prefix_reuse})"
 
     def placeholder(self, turn, span, cache):
         source = turn.session.slots[span.name].latest

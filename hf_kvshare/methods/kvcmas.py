@@ -80,7 +80,7 @@ from ..anchors.cache import CorrectedCache
 from ..anchors.lowrank import SVD_METHODS
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
 from ..cache import SegmentKV, config_signature
-from ..method import Method, Placement, register
+from ..method import Method, Placement, PrefixReuse, register
 from ..trajectory import tokenize_text
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def check_tau(method: str, tau: Any) -> None:
 
 @register
 @dataclass(eq=False)
-class KVCMAS(Method):
+class KVCMAS(PrefixReuse, Method):
     """KVCMAS (chained correction, low-rank anchors). Defaults follow the authors' reference code.
 
     Args:
@@ -187,6 +187,10 @@ class KVCMAS(Method):
         pool_peak: ``"capacity+1"`` (evict when more than V are held, as the reference) or ``"capacity"``.
         lead_in: the text between the chat header and a ``"lead"`` given text; ``None``: the last line
             of the PF segment before it in the first consumer's turn (when it holds no special token).
+        prefix_reuse: an agent's PF text, computed on its first use in the request, is placed on its
+            later reuse turns re-positioned without correction (the reference's prefix delta off:
+            :class:`~hf_kvshare.method.PrefixReuse`). Not on a turn that is dense (``tau = 0``, a gate
+            fallback or ``turn_fallback="turn"``), so the exact settings stay exact.
 
     >>> method = KVCMAS()  # one instance, shared by every request's Session  # doctest: +SKIP
     >>> for query in queries:  # doctest: +SKIP
@@ -219,8 +223,10 @@ class KVCMAS(Method):
     svd: str = "randomized"
     pool_peak: str = "capacity+1"
     lead_in: str | None = None
+    prefix_reuse: bool = True
 
     def __post_init__(self) -> None:
+        self.check_prefix_reuse()
         _check_rank("base_rank", self.base_rank)
         _check_rank("delta_rank", self.delta_rank)
         if not isinstance(self.capacity, int) or self.capacity < 2:
@@ -305,8 +311,9 @@ class KVCMAS(Method):
             self._binding.expected = fingerprint
 
     def request_state_bytes(self, session: Session) -> int:
-        """The request's reference prefills and the producer caches the session no longer holds."""
-        return self._requests.nbytes(session)
+        """The request's reference prefills, the producer caches the session no longer holds and the
+        kept PF text (``prefix_reuse``)."""
+        return self._requests.nbytes(session) + super().request_state_bytes(session)
 
     def state_bytes(self) -> int:
         """Exact bytes of all anchor pools (every stored factor / dense tensor)."""
@@ -377,6 +384,14 @@ class KVCMAS(Method):
             if seg.kind == "PH" and edge is not None and seg.provenance == "dense":
                 seg.info.update(edge.report())
         return cache
+
+    def prefix_reuse_allowed(self, turn: Turn) -> bool:
+        """Kept PF text is placed only on a reuse turn: ``tau > 0`` and (slot scope) no PH span of the
+        turn prefilled because of a gate rejection (the reference's dense mode prefills everything)."""
+        if self.tau == 0:
+            return False
+        edges = turn.scratch.get(self.name, {}) if self.gate_scope == "slot" else {}
+        return not any(edge.dense in ("fallback", "turn") for edge in edges.values())
 
     def placeholder(self, turn: Turn, span, cache) -> Placement | None:
         if self.gate_scope == "slot":
@@ -586,6 +601,7 @@ class KVCMAS(Method):
             for span in turn.spans:
                 if span.kind == "PH":
                     state.versions[span.name] = state.versions.get(span.name, 0) + 1
+        super().record(turn, cache)  # PrefixReuse: keep the agent's newly computed PF text
 
     def _delta(self, edge: Edge, exact: SegmentKV, turn: Turn) -> tuple[FactoredKV, list[torch.Tensor]]:
         source_keys = canonical_keys(edge.source, turn.shifter)
