@@ -202,6 +202,7 @@ class Session:
         snapshot = dict(self.slots)
         try:
             turn = self.prepare_turn(agent, segments, output_slot)
+            turn.keep_cache = keep_cache
             if is_peft_model(self.model):
                 check_agent_adapter(self.model, agent)
             if force_output is not None:

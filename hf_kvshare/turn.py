@@ -102,6 +102,9 @@ class Turn:
     #: per-turn working state of the method, from build to record (e.g. the sources it used,
     #: which the session replaces in ``slot.latest`` before ``method.record`` runs)
     scratch: dict[str, Any] = field(default_factory=dict)
+    #: the caller keeps the built cache (``run_turn(keep_cache=True)``): a method whose cache reads
+    #: shared state lazily must leave it reading what this turn saw
+    keep_cache: bool = False
 
     @property
     def model(self) -> torch.nn.Module:

@@ -38,6 +38,8 @@ class _PrefixViewLayer(DynamicLayer):
 
     def full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix and appended positions ``[batch, kv_heads, seq, head_dim]``."""
+        if self.prefix_length == 0:  # the request's first turn: no stored prefix (and no base yet)
+            return self.keys, self.values
         prefix_k, prefix_v = self.view.layer(self.layer_idx, self.prefix_length)
         if self._tail_length() == 0:
             return prefix_k, prefix_v
@@ -151,6 +153,14 @@ class BaseLRCache(SharedCache):
             return layer.keys[..., lo:hi, :], layer.values[..., lo:hi, :]
         k, v = self.layer_kv(layer_idx)
         return k[..., start:end, :], v[..., start:end, :]
+
+    def freeze(self) -> None:
+        """Copy every lazy layer's prefix out of the store: the cache then holds what it read
+        during its turn even after the store changes (a rebuilt base). Plain caches are unchanged."""
+        for layer in self.layers:
+            if isinstance(layer, _PrefixViewLayer) and layer.prefix_length:
+                layer.keys, layer.values = layer.full()
+                layer.prefix_length = 0
 
     def memory(self) -> dict[str, Any]:
         """Exact bytes: the request's shared store (base once + each agent's LR cache) and this turn's own K/V."""

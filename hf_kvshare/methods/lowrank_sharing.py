@@ -196,6 +196,8 @@ class LowRankSharing(Method):
     # ------------------------------------------------------------------ recording
     def record(self, turn: Turn, cache: BaseLRCache) -> None:
         state: _TurnState = turn.scratch.pop("precache")
+        if turn.keep_cache and self.neutral is not None:  # kept for later reading; the base is rebuilt below
+            cache.freeze()
         state.capture.detach()
         model, bank, capture = turn.model, state.bank, state.capture
         shared, own = state.shared, state.own
