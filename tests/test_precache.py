@@ -224,7 +224,9 @@ def test_lazy_materialization_matches_turn(peft_llama, tokenizer, method):
     assert (b[-1].cache.nbytes < b[-1].cache.memory()["base_bytes"]) != rebuilds
     assert b[-1].cache.copy().get_seq_length() == b[-1].cache.get_seq_length()
     # every kept turn's full K/V can be read back, the first turn's (no stored prefix) included
-    for r, ref in zip(b, run_trajectory(turn, LOOP, keep_cache=True)):
+    for r, ref in zip(
+        b, run_trajectory(Session(peft_llama, tokenizer, method, **KEYS), LOOP, keep_cache=True)
+    ):
         for layer in range(len(r.cache.layers)):
             for x, y in zip(r.cache.layer_kv(layer), ref.cache.layer_kv(layer)):
                 torch.testing.assert_close(x, y)
