@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .cache import SegmentKV, SharedCache
+from .identity import ModelBinding
+from .rope import RopeShifter
 
 if TYPE_CHECKING:
     from .session import Session
@@ -93,9 +95,31 @@ class Method:
     #: works only on a ``PeftModel`` whose agents are named adapters (the benchmark runs such a
     #: method only on workloads whose agents name adapters)
     requires_adapters: ClassVar[bool] = False
+    #: moves K/V between positions (a :class:`~hf_kvshare.rope.RopeShifter`): a model whose RoPE cannot
+    #: be shifted (dynamic NTK) is refused when the session is created
+    repositions: ClassVar[bool] = True
+
+    @property
+    def binding(self) -> ModelBinding:
+        """The model this instance is bound to (the first one :meth:`bind` saw)."""
+        binding = self.__dict__.get("_model_binding")
+        if binding is None:
+            binding = self.__dict__["_model_binding"] = ModelBinding(type(self).__name__)
+        return binding
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Bind this instance to ``model`` (each session calls it on creation): a method instance serves
+        one model; another model object is refused with ``ValueError`` before anything changes. Then
+        :meth:`attach` checks the model; the binding is recorded only once it accepted."""
+        self.binding.check(model)
+        if self.repositions:
+            RopeShifter.from_model(model)  # a clear ValueError for RoPE that cannot be shifted
+        self.attach(model)
+        self.binding.bind(model)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Called by each session on its model. Methods keyed by model identity check it here."""
+        """Check ``model`` and set up what the method needs from it (engines); raise ``ValueError`` for
+        a model it cannot serve. Called by :meth:`bind` (use that)."""
 
     # ------------------------------------------------------------ building
     def new_cache(self, turn: Turn) -> SharedCache:

@@ -43,7 +43,7 @@ class Session:
         self.model = model
         self.tokenizer = tokenizer
         self.method = get_method(method, **options)
-        self.method.attach(model)
+        self.method.bind(model)
         self._shifter: RopeShifter | None = None
         self.slots: dict[str, Slot] = {}
         self.turns: list[TurnResult] = []
@@ -174,6 +174,7 @@ class Session:
     def _build(self, turn: Turn) -> SharedCache:
         turn.stats.ph_tokens = sum(s.length for s in turn.spans if s.kind == "PH")
         cache = self.method.build(turn)
+        cache.bind_model(self.model)  # a cache refuses any other model (see SegmentedCache.check_model)
         cache.seal(turn.prompt_length)
         return cache
 

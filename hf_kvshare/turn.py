@@ -136,8 +136,11 @@ class Turn:
         )
 
     def place(self, cache: SharedCache, span: Span, placement: Placement) -> None:
-        """Append a placed PH segment to ``cache`` and count its reuse."""
+        """Append a placed PH segment to ``cache`` and count its reuse (non-finite K/V is refused)."""
         kv = placement.kv
+        kv.check_finite(
+            f"PH slot {span.name!r} ({placement.provenance} from {placement.source_agent or 'its source'})"
+        )
         if self.batch_size > 1 and kv.keys[0].shape[0] == 1:
             kv = SegmentKV(
                 keys=[k.expand(self.batch_size, -1, -1, -1) for k in kv.keys],

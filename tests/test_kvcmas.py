@@ -452,7 +452,7 @@ def test_pools_bound_to_one_model(tiny_llama, tokenizer):
     run_request(tiny_llama, tokenizer, method, QUERIES[0])
     before = method.state_bytes()
     other = tiny_model("llama", seed=1)  # same shapes, other weights
-    with pytest.raises(ValueError, match="holds state built on .*create one method instance per model"):
+    with pytest.raises(ValueError, match="bound to .*create one method instance per model"):
         Session(other, tokenizer, method)
     assert method.state_bytes() == before
     method.clear()

@@ -270,7 +270,7 @@ class BenchRunner:
                 with warnings.catch_warnings():  # the sessions attach again and warn then
                     warnings.simplefilter("ignore")
                     for method in filter(None, (pair.free, pair.forced)):
-                        method.attach(self.model)
+                        method.bind(self.model)
             except ValueError as e:
                 raise BenchInputError(f"method {spec}: {e}") from e
             pairs.append(pair)

@@ -10,7 +10,6 @@ import torch
 
 from ..anchors import (
     REFERENCE,
-    ModelBinding,
     RelationProfile,
     RequestStates,
     canonical_keys,
@@ -54,11 +53,9 @@ class GraphFlow(Method):
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
             raise ValueError(f"rank must be a positive int or None (dense), got {self.rank!r}")
         self.profiles: dict[tuple[str, str], RelationProfile] = {}
-        self._binding = ModelBinding(type(self).__name__)
         self._requests = RequestStates()
 
     def attach(self, model: torch.nn.Module) -> None:
-        self._binding.bind(model)
         _, kv_heads, head_dim = config_signature(model.config)
         if self.rank is not None and self.rank > kv_heads * head_dim:
             warnings.warn(
@@ -71,7 +68,7 @@ class GraphFlow(Method):
 
     def clear(self) -> None:
         self.profiles = {}
-        self._binding.clear()
+        self.binding.clear()
         self._requests.clear()
 
     def request_state_bytes(self, session: Session) -> int:
@@ -95,7 +92,7 @@ class GraphFlow(Method):
         return reference
 
     def build(self, turn: Turn) -> CorrectedCache:
-        self._binding.bind(turn.model)
+        self.binding.bind(turn.model)
         cache = super().build(turn)
         for seg in cache.segments:
             if seg.kind == "PH" and seg.provenance == "dense":
@@ -123,6 +120,7 @@ class GraphFlow(Method):
     def record(self, turn: Turn, cache) -> None:
         """Calibrate: every densely computed PH segment adds its exact delta to its relation's profile."""
         state = self._requests.get(turn.session)
+        observed = []  # computed and checked first: a refusal changes no profile
         for span in turn.spans:
             if span.kind != "PH":
                 continue
@@ -130,15 +128,22 @@ class GraphFlow(Method):
             profile = self.profiles.get(key)
             if profile is not None and (profile.ready or state.uid in profile.requests):
                 continue
+            if any(key == seen[0] for seen in observed):
+                continue  # the slot twice in one prompt: one observation per request
             reference = state.references[span.name]
             exact = cache.extract(span.start, span.end)
+            exact.check_finite(f"{self.name}: PH slot {span.name!r} of this turn")
+            reference.check_finite(f"{self.name}: the reference of PH slot {span.name!r}")
             delta_keys = [
                 k - r
                 for k, r in zip(canonical_keys(exact, turn.shifter), canonical_keys(reference, turn.shifter))
             ]
             delta_values = [v[:1] - r[:1] for v, r in zip(exact.values, reference.values)]
+            observed.append((key, delta_keys, delta_values))
+        for key, delta_keys, delta_values in observed:
+            profile = self.profiles.get(key)
             if profile is None:
                 profile = self.profiles[key] = RelationProfile(
-                    span.name, turn.agent, self.calibration_requests, self.rank
+                    key[0], key[1], self.calibration_requests, self.rank
                 )
             profile.observe(state.uid, delta_keys, delta_values)

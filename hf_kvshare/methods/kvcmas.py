@@ -60,7 +60,6 @@ from ..anchors import (
     AnchorPool,
     FactoredKV,
     GateDecision,
-    ModelBinding,
     RequestStates,
     apply_correction,
     canonical_keys,
@@ -243,7 +242,6 @@ class KVCMAS(Method):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
         self.pools: dict[str, AnchorPool] = {}
-        self._binding = ModelBinding(type(self).__name__)
         self._requests = RequestStates()
 
     @property
@@ -253,7 +251,6 @@ class KVCMAS(Method):
 
     # ------------------------------------------------------------------ state
     def attach(self, model: torch.nn.Module) -> None:
-        self._binding.bind(model)
         _, kv_heads, head_dim = config_signature(model.config)
         dim = kv_heads * head_dim
         for knob in ("base_rank", "delta_rank"):
@@ -270,7 +267,7 @@ class KVCMAS(Method):
     def clear(self) -> None:
         """Drop every pool and per-request state, and forget the model."""
         self.pools = {}
-        self._binding.clear()
+        self.binding.clear()
         self._requests.clear()
 
     def request_state_bytes(self, session: Session) -> int:
@@ -336,7 +333,7 @@ class KVCMAS(Method):
         return CorrectedCache(turn.model.config, method=self.name)
 
     def build(self, turn: Turn) -> CorrectedCache:
-        self._binding.bind(turn.model)
+        self.binding.bind(turn.model)
         if self.gate_scope == "slot":
             self._plan(turn)
         cache = super().build(turn)
@@ -375,23 +372,43 @@ class KVCMAS(Method):
             return GateDecision(False, why), eligible, None
         distances = gate_distances(candidate.values, eligible, rows)
         decision = reliability_gate(distances, self.tau, self.temperature)
-        if decision.accepted:
-            for i in usage_reference(decision.weights, USAGE_MASS):
-                eligible[i].uses += 1
         return decision, eligible, distances
+
+    def _pending(self, turn: Turn) -> dict[str, Any]:
+        """What this turn will change in the method's and the request's state, applied by :meth:`record`
+        only (a turn that fails before leaves the LFU counters and the gate decisions as they were)."""
+        return turn.scratch.setdefault(f"{self.name}.pending", {"decisions": {}, "reports": {}, "uses": []})
+
+    def _commit(self, turn: Turn) -> None:
+        pending = turn.scratch.pop(f"{self.name}.pending", None)
+        if pending is None:
+            return
+        state = self._requests.get(turn.session)
+        state.decisions.update(pending["decisions"])
+        state.gate_reports.update(pending["reports"])
+        for anchor in pending["uses"]:
+            anchor.uses += 1
+
+    def _gate_report(self, turn: Turn, slot: str) -> tuple[int, list[float] | None]:
+        state = self._requests.get(turn.session)
+        return state.gate_reports.get(slot) or self._pending(turn)["reports"].get(slot, (0, None))
 
     def _decide(self, turn: Turn, slot: str, candidate: SegmentKV) -> GateDecision:
         state = self._requests.get(turn.session)
+        pending = self._pending(turn)
         decision = state.decisions.get(slot)
         if decision is None:
+            decision = pending["decisions"].get(slot)
+        if decision is None:
             decision, eligible, distances = self._gate(self._pool_key(turn, slot), candidate)
-            state.decisions[slot] = decision
-            state.gate_reports[slot] = (len(eligible), None if distances is None else distances.tolist())
+            pending["decisions"][slot] = decision
+            pending["reports"][slot] = (len(eligible), None if distances is None else distances.tolist())
+            if decision.accepted:
+                pending["uses"].extend(eligible[i] for i in usage_reference(decision.weights, USAGE_MASS))
         return decision
 
     def _plan(self, turn: Turn) -> None:
         """Decide every PH span of the turn before building (the turn is the unit of obeying)."""
-        state = self._requests.get(turn.session)
         edges = turn.scratch[self.name] = {}
         for span in turn.spans:
             if span.kind != "PH":
@@ -410,7 +427,7 @@ class KVCMAS(Method):
                 continue
             if self._gated(turn, span.name):
                 edge.decision = self._decide(turn, span.name, source)
-                edge.candidates, edge.distances = state.gate_reports.get(span.name, (0, None))
+                edge.candidates, edge.distances = self._gate_report(turn, span.name)
             pool = self.pools.get(edge.pool)
             anchor = pool.find(edge.origin) if pool is not None else None
             own = anchor is not None and turn.agent in anchor.deltas
@@ -502,8 +519,9 @@ class KVCMAS(Method):
             turn.shifter,
             skip_layer0=self.skip_layer0,
         )
-        for i in usage_crossing(edge.decision.weights, USAGE_MASS):
-            eligible[i].uses += 1
+        self._pending(turn)["uses"].extend(
+            eligible[i] for i in usage_crossing(edge.decision.weights, USAGE_MASS)
+        )
         info = {
             "gate": "accepted",
             "entropy": edge.decision.entropy,
@@ -523,6 +541,7 @@ class KVCMAS(Method):
         state = self._requests.get(turn.session)
         slots = turn.session.slots
         output = slots[turn.output_slot].latest
+        self._check_finite(turn, cache, output)  # before anything changes
         if output is not None and self.output_source == "producer":
             state.produced[turn.output_slot] = output
         edges = turn.scratch.get(self.name, {})
@@ -555,6 +574,21 @@ class KVCMAS(Method):
             for span in turn.spans:
                 if span.kind == "PH":
                     state.versions[span.name] = state.versions.get(span.name, 0) + 1
+        self._commit(turn)
+
+    def _check_finite(self, turn: Turn, cache, output: SegmentKV | None) -> None:
+        """Refuse non-finite K/V before it becomes a source or enters a pool (nothing changed yet)."""
+        if output is not None and self.output_source != "context_free":
+            output.check_finite(f"{self.name}: the output slot {turn.output_slot!r}")
+        edges = turn.scratch.get(self.name, {})
+        for span in turn.spans:
+            edge = edges.get(span.start) if span.kind == "PH" else None
+            if edge is None or edge.source is None:
+                continue
+            edge.source.check_finite(f"{self.name}: the source of PH slot {span.name!r}")
+            cache.extract(span.start, span.end).check_finite(
+                f"{self.name}: PH slot {span.name!r} of this turn"
+            )
 
     def _delta(self, edge: Edge, exact: SegmentKV, turn: Turn) -> tuple[FactoredKV, list[torch.Tensor]]:
         source_keys = canonical_keys(edge.source, turn.shifter)
