@@ -387,3 +387,14 @@ def calling_decoder(max_depth: int = 40) -> Any:
         frame = frame.f_back
         depth += 1
     return None
+
+
+def mask_query_length(args: tuple, kwargs: dict[str, Any]) -> int | None:
+    """The query length a ``Cache.get_mask_sizes`` call is for: its first argument is the query length
+    (transformers >= 5.4) or the ``cache_position`` tensor (before)."""
+    value = args[0] if args else kwargs.get("query_length", kwargs.get("cache_position"))
+    if value is None:
+        return None
+    if hasattr(value, "numel"):
+        return int(value.numel()) if value.dim() > 0 else int(value)
+    return int(value)

@@ -542,6 +542,22 @@ class SharedCache(SegmentedCache):
                 self._expand_for(key_states.shape[0])
             self._generating = True
 
+    def get_mask_sizes(self, *args: Any, **kwargs: Any):
+        if self._sealed_length is not None and not _compat.is_tracing():
+            if _compat.mask_query_length(args, kwargs) == 0:
+                used = (
+                    f"; it was already used by a generate call (built for {self._sealed_length} tokens of a "
+                    f"{self.prompt_length}-token prompt)"
+                    if self._generating
+                    else ""
+                )
+                raise PositionMismatchError(
+                    f"generate has no token to feed: this {type(self).__name__} holds {self.get_seq_length()} "
+                    f"tokens and the input_ids are not longer{used}. Pass the prompt plus what was generated "
+                    "(continuing), or a fresh cache / `cache.copy()` made before the first generate"
+                )
+        return super().get_mask_sizes(*args, **kwargs)
+
     def _check_caller(self) -> None:
         """On the first forward over the built cache (``generate``'s first step): refuse a model other
         than the one the cache was built with (found on the call stack; no hook is involved)."""

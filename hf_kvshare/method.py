@@ -50,6 +50,13 @@ def get_method(method: str | Method, **options: Any) -> Method:
         raise TypeError(f"method must be a registry name or a Method instance, got {type(method).__name__}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; registered methods: {', '.join(sorted(METHODS))}")
+    valid = option_names(METHODS[method])
+    unknown = sorted(set(options) - set(valid)) if valid is not None else []
+    if unknown:
+        raise ValueError(
+            f"method {method!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(valid) or 'none'}"
+        )
     return METHODS[method](**options)
 
 
@@ -188,6 +195,11 @@ class Method:
     def state_bytes(self) -> int:
         """Bytes held by the method instance across requests (anchor pools, profiles, ...)."""
         return 0
+
+    def state_summary(self) -> dict[str, Any]:
+        """What the instance keeps across requests: ``bytes`` (:meth:`state_bytes`) and, for methods
+        that keep one entry per name (pools, profiles), their count, bound and evictions."""
+        return {"bytes": self.state_bytes()}
 
     def request_state_bytes(self, session: Session) -> int:
         """Bytes the method keeps for one request (PReCache's shared base and per-agent LR caches in

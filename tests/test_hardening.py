@@ -186,3 +186,113 @@ def test_a_turn_failing_inside_generate_changes_nothing(name, tokenizer):
     assert _state(session, method) == before
     result = session.run_turn(*STEPS[1], max_new_tokens=3)  # the same turn then runs normally
     assert any(seg.provenance == "corrected" for seg in result.segments)
+
+
+# ---------------------------------------------------------------- 6. bounded state
+
+
+def test_lru_dict_keeps_the_most_recently_used_entries():
+    from hf_kvshare.anchors import LRUDict
+
+    pools = LRUDict(8)
+    for i in range(500):
+        pools[f"doc{i}"] = i
+        pools.touch("doc0")  # used on every request: never evicted
+        assert len(pools) <= 8
+    assert "doc0" in pools and list(pools)[-7:] == [f"doc{i}" for i in range(493, 500)][-6:] + ["doc0"]
+    assert pools.evicted == 500 - 8
+    _ = pools["doc495"]  # reading does not reorder
+    assert list(pools)[-1] == "doc0"
+    with pytest.raises(ValueError, match="int >= 1"):
+        LRUDict(0)
+
+
+@pytest.mark.parametrize(
+    "name, options, key",
+    [("kvcmas", {"max_pools": 3}, "pools"), ("graphflow", {"max_profiles": 4}, "profiles")],
+)
+def test_pools_and_profiles_per_instance_are_bounded(name, options, key, tokenizer):
+    from hf_kvshare import PF, PH
+
+    model = tiny_model("llama", seed=3, num_hidden_layers=2)
+    method = METHODS[name](**options)
+    for i in range(12):  # a new slot and agent name per request
+        session = Session(model, tokenizer, method)
+        session.run_turn(
+            f"writer{i}", [PF("Write.\n"), PH(f"doc{i}", f"text number {i}"), PF(":")], max_new_tokens=1
+        )
+        session.run_turn(
+            "reader", [PF("Read.\n"), PH(f"writer{i}"), PF(" and "), PH(f"doc{i}")], max_new_tokens=1
+        )
+    summary = method.state_summary()
+    bound = next(iter(options.values()))
+    assert summary[key] == len(getattr(method, key)) <= bound
+    assert summary[f"max_{key}"] == bound and summary[f"evicted_{key}"] > 0
+    assert summary["bytes"] == method.state_bytes()
+
+
+# ---------------------------------------------------------------- 7. clear errors
+
+
+def test_bad_segments_and_arguments_say_what_was_expected(tokenizer):
+    from hf_kvshare import PF, PH
+
+    with pytest.raises(TypeError, match=r"PF text must be a string; got 5 \(int\)"):
+        PF(5)
+    with pytest.raises(TypeError, match=r"PH slot must be a non-empty string .* got 3 \(int\)"):
+        PH(3, "text")
+    with pytest.raises(TypeError, match="PH text must be a string or None"):
+        PH("query", 7)
+    model = tiny_model("llama", seed=3)
+    session = Session(model, tokenizer, "fullshared")
+    with pytest.raises(ValueError, match=r"batch_size must be an int >= 1, got 2.5 \(float\)"):
+        session.build_cache(*STEPS[0], batch_size=2.5)
+    for bad in (None, 1.5, 0, True):
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be an int >= 1, got {bad!r}"):
+            session.run_turn(*STEPS[0], max_new_tokens=bad)
+    with pytest.raises(ValueError, match=r"force_output ids must be in \[0, 49152\).*\[49152, -1\]"):
+        session.run_turn(*STEPS[0], force_output=[5, 49152, -1])
+    with pytest.raises(ValueError, match="integer token ids"):
+        session.run_turn(*STEPS[0], force_output=[1.5])
+    assert session.slots == {} and session.turns == []
+
+
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("kvcmas", {"tau": "0.3"}, r"tau must be a real number in \[0, 1\], got '0.3' \(str\)"),
+        ("kvcmas", {"tau": True}, r"tau must be a real number in \[0, 1\], got True \(bool\)"),
+        ("kvcmas", {"temperature": float("nan")}, r"temperature must be a finite real number > 0, got nan"),
+        (
+            "kvcomm",
+            {"token_temperature": float("inf")},
+            r"token_temperature must be a finite real number > 0",
+        ),
+        ("graphflow", {"rank": True}, r"rank must be a positive int or None \(dense\), got True"),
+        ("graphflow", {"calibration_requests": True}, r"calibration_requests must be an int >= 1, got True"),
+        ("droidspeak", {"layer_profile": [1.0, float("inf"), 0.0]}, r"finite numbers \(no NaN or inf\)"),
+        ("kvcmas", {"max_pools": 0}, r"max_pools must be an int >= 1, got 0"),
+        (
+            "cacheblend",
+            {"rhoo": 0.5},
+            r"method 'cacheblend' has no option 'rhoo'; its options: rho, check_layers",
+        ),
+    ],
+)
+def test_bad_method_options_say_what_was_expected(name, options, message):
+    from hf_kvshare.method import get_method
+
+    with pytest.raises(ValueError, match=message):
+        get_method(name, **options)
+
+
+def test_generate_on_a_consumed_cache_with_a_one_token_prompt_is_refused(tokenizer):
+    from hf_kvshare import PF
+    from hf_kvshare.cache import PositionMismatchError
+
+    model = tiny_model("llama", seed=3)
+    cache, prompt = Session(model, tokenizer, "fullshared").build_cache("a", [PF("Hi")])
+    assert prompt.shape == (1, 1)
+    model.generate(input_ids=prompt, **cache_kwargs(cache), max_new_tokens=2, do_sample=False)
+    with pytest.raises(PositionMismatchError, match="no token to feed.*already used by a generate call"):
+        model.generate(input_ids=prompt, **cache_kwargs(cache), max_new_tokens=2, do_sample=False)

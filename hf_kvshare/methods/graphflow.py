@@ -10,6 +10,7 @@ import torch
 
 from ..anchors import (
     REFERENCE,
+    LRUDict,
     RelationProfile,
     RequestStates,
     canonical_keys,
@@ -38,6 +39,9 @@ class GraphFlow(Method):
     the re-positioned reference for the rest. ``rank`` stores the frozen profile as a truncated
     SVD (8 is the paper's A.2 setting for recurring-PF deltas); ``None`` keeps it dense.
 
+    ``max_profiles`` bounds the relations kept (default 256); past it the least recently used one
+    (used by a recorded turn) is dropped; :meth:`state_summary` reports it.
+
     >>> method = GraphFlow(calibration_requests=2)  # doctest: +SKIP
     """
 
@@ -46,13 +50,26 @@ class GraphFlow(Method):
 
     calibration_requests: int = 2
     rank: int | None = None
+    max_profiles: int = 256
 
     def __post_init__(self) -> None:
-        if not isinstance(self.calibration_requests, int) or self.calibration_requests < 1:
+        if (
+            isinstance(self.calibration_requests, bool)
+            or not isinstance(self.calibration_requests, int)
+            or self.calibration_requests < 1
+        ):
             raise ValueError(f"calibration_requests must be an int >= 1, got {self.calibration_requests!r}")
-        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
+        if self.rank is not None and (
+            isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1
+        ):
             raise ValueError(f"rank must be a positive int or None (dense), got {self.rank!r}")
-        self.profiles: dict[tuple[str, str], RelationProfile] = {}
+        if (
+            isinstance(self.max_profiles, bool)
+            or not isinstance(self.max_profiles, int)
+            or self.max_profiles < 1
+        ):
+            raise ValueError(f"max_profiles must be an int >= 1, got {self.max_profiles!r}")
+        self.profiles: LRUDict = LRUDict(self.max_profiles)
         self._requests = RequestStates()
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -67,7 +84,7 @@ class GraphFlow(Method):
             self.rank = kv_heads * head_dim
 
     def clear(self) -> None:
-        self.profiles = {}
+        self.profiles = LRUDict(self.max_profiles)
         self.binding.clear()
         self._requests.clear()
 
@@ -78,6 +95,14 @@ class GraphFlow(Method):
     def state_bytes(self) -> int:
         """Exact bytes of every profile (running sums while calibrating, the frozen profile after)."""
         return sum(p.nbytes for p in self.profiles.values())
+
+    def state_summary(self) -> dict[str, Any]:
+        return {
+            "bytes": self.state_bytes(),
+            "profiles": len(self.profiles),
+            "max_profiles": self.profiles.limit,
+            "evicted_profiles": self.profiles.evicted,
+        }
 
     def new_cache(self, turn: Turn) -> CorrectedCache:
         return CorrectedCache(turn.model.config, method=self.name)
@@ -140,6 +165,9 @@ class GraphFlow(Method):
             ]
             delta_values = [v[:1] - r[:1] for v, r in zip(exact.values, reference.values)]
             observed.append((key, delta_keys, delta_values))
+        for span in turn.spans:  # relations this turn used: most recent
+            if span.kind == "PH":
+                self.profiles.touch((span.name, turn.agent))
         for key, delta_keys, delta_values in observed:
             profile = self.profiles.get(key)
             if profile is None:

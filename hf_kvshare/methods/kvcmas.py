@@ -60,6 +60,7 @@ from ..anchors import (
     AnchorPool,
     FactoredKV,
     GateDecision,
+    LRUDict,
     RequestStates,
     apply_correction,
     canonical_keys,
@@ -185,6 +186,9 @@ class KVCMAS(Method):
         pool_peak: ``"capacity+1"`` (evict when more than V are held, as the reference) or ``"capacity"``.
         lead_in: the text between the chat header and a ``"lead"`` given text; ``None``: the last line
             of the PF segment before it in the first consumer's turn (when it holds no special token).
+        max_pools: pools kept by the instance (one per producing agent or PH slot name); past it the
+            least recently used pool (read or written by a recorded turn) is dropped, so a workload
+            with a new name per request (``doc{i}``) stays bounded. :meth:`state_summary` reports it.
 
     >>> method = KVCMAS()  # one instance, shared by every request's Session  # doctest: +SKIP
     >>> for query in queries:  # doctest: +SKIP
@@ -217,6 +221,7 @@ class KVCMAS(Method):
     svd: str = "randomized"
     pool_peak: str = "capacity+1"
     lead_in: str | None = None
+    max_pools: int = 64
 
     def __post_init__(self) -> None:
         _check_rank("base_rank", self.base_rank)
@@ -227,8 +232,12 @@ class KVCMAS(Method):
             )
         check_tau(self.name, self.tau)
         for knob in ("temperature", "token_temperature"):
-            if getattr(self, knob) <= 0:
-                raise ValueError(f"{knob} must be > 0, got {getattr(self, knob)}")
+            value = getattr(self, knob)
+            real = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not real or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"{self.name}: {knob} must be a finite real number > 0, got {value!r} ({type(value).__name__})"
+                )
         if not isinstance(self.eviction_window, int) or self.eviction_window < 1:
             raise ValueError(f"eviction_window must be an int >= 1, got {self.eviction_window!r}")
         for knob, choices in CHOICES.items():
@@ -241,7 +250,9 @@ class KVCMAS(Method):
         for knob in ("partial_coverage", "skip_layer0", "weights_cache"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
-        self.pools: dict[str, AnchorPool] = {}
+        if isinstance(self.max_pools, bool) or not isinstance(self.max_pools, int) or self.max_pools < 1:
+            raise ValueError(f"{self.name}: max_pools must be an int >= 1, got {self.max_pools!r}")
+        self.pools: LRUDict = LRUDict(self.max_pools)
         self._requests = RequestStates()
 
     @property
@@ -266,7 +277,7 @@ class KVCMAS(Method):
 
     def clear(self) -> None:
         """Drop every pool and per-request state, and forget the model."""
-        self.pools = {}
+        self.pools = LRUDict(self.max_pools)
         self.binding.clear()
         self._requests.clear()
 
@@ -277,6 +288,15 @@ class KVCMAS(Method):
     def state_bytes(self) -> int:
         """Exact bytes of all anchor pools (every stored factor / dense tensor)."""
         return sum(p.nbytes for p in self.pools.values())
+
+    def state_summary(self) -> dict[str, Any]:
+        return {
+            "bytes": self.state_bytes(),
+            "pools": len(self.pools),
+            "max_pools": self.pools.limit,
+            "evicted_pools": self.pools.evicted,
+            "anchors": sum(len(p) for p in self.pools.values()),
+        }
 
     def pool_report(self) -> list[dict[str, Any]]:
         return [pool.describe() for pool in self.pools.values()]
@@ -380,14 +400,18 @@ class KVCMAS(Method):
         return turn.scratch.setdefault(f"{self.name}.pending", {"decisions": {}, "reports": {}, "uses": []})
 
     def _commit(self, turn: Turn) -> None:
-        pending = turn.scratch.pop(f"{self.name}.pending", None)
-        if pending is None:
-            return
+        pending = turn.scratch.pop(f"{self.name}.pending", None) or {
+            "decisions": {},
+            "reports": {},
+            "uses": [],
+        }
         state = self._requests.get(turn.session)
         state.decisions.update(pending["decisions"])
         state.gate_reports.update(pending["reports"])
         for anchor in pending["uses"]:
             anchor.uses += 1
+        for edge in turn.scratch.get(self.name, {}).values():  # pools this turn read or wrote: most recent
+            self.pools.touch(edge.pool)
 
     def _gate_report(self, turn: Turn, slot: str) -> tuple[int, list[float] | None]:
         state = self._requests.get(turn.session)
