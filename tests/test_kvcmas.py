@@ -477,7 +477,7 @@ def test_rank_above_feature_dim_is_clamped_with_a_warning(tiny_llama, tokenizer)
         ({"delta_rank": 2.5}, "delta_rank must be a positive int"),
         ({"capacity": 1}, "capacity must be an int >= 2"),
         ({"tau": 1.5}, r"tau is a normalized entropy threshold in \[0, 1\]"),
-        ({"temperature": 0}, "temperature must be > 0"),
+        ({"temperature": 0}, "temperature must be a finite real number > 0"),
         ({"eviction_window": 0}, "eviction_window must be an int >= 1"),
     ],
 )
