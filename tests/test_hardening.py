@@ -169,22 +169,30 @@ def _boom(input_ids, scores):
     raise _Boom("failed inside generate")
 
 
-@pytest.mark.parametrize("name", ["kvcmas", "kvcomm", "graphflow"])
-def test_a_turn_failing_inside_generate_changes_nothing(name, tokenizer):
+@pytest.mark.parametrize(
+    "name, options, failing",
+    [
+        ("kvcomm", {"tau": 1.0}, 0),  # the query's first consumer gates it while building
+        ("kvcmas", {"tau": 1.0, "gate_scope": "edge"}, 1),  # every edge gated while building
+        ("kvcmas", {"tau": 1.0}, 1),
+        ("graphflow", {"calibration_requests": 1}, 1),
+    ],
+)
+def test_a_turn_failing_inside_generate_changes_nothing(name, options, failing, tokenizer):
     model = tiny_model("llama", seed=3, num_hidden_layers=4)
-    options = {"tau": 1.0} if name != "graphflow" else {"calibration_requests": 1}
     method = METHODS[name](**options)
     for _ in range(3):  # pools fill up; the gate (tau = 1) then accepts
         session = Session(model, tokenizer, method)
         for agent, segments in STEPS:
             session.run_turn(agent, segments, max_new_tokens=3)
     session = Session(model, tokenizer, method)
-    session.run_turn(*STEPS[0], max_new_tokens=3)
+    for agent, segments in STEPS[:failing]:
+        session.run_turn(agent, segments, max_new_tokens=3)
     before = _state(session, method)
     with pytest.raises(_Boom):
-        session.run_turn(*STEPS[1], max_new_tokens=3, logits_processor=[_boom])
+        session.run_turn(*STEPS[failing], max_new_tokens=3, logits_processor=[_boom])
     assert _state(session, method) == before
-    result = session.run_turn(*STEPS[1], max_new_tokens=3)  # the same turn then runs normally
+    result = session.run_turn(*STEPS[failing], max_new_tokens=3)  # the same turn then runs normally
     assert any(seg.provenance == "corrected" for seg in result.segments)
 
 
