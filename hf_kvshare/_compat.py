@@ -417,3 +417,37 @@ def pytree_dict_unflatten(values: list, keys: Any) -> dict:
     import torch.utils._pytree as pytree
 
     return pytree._dict_unflatten(values, keys)
+
+
+def calling_decoder(max_depth: int = 40) -> Any:
+    """The decoder module (an ``nn.Module`` with ``config`` and ``get_input_embeddings``) whose forward
+    is on the call stack of the caller, innermost first; ``None`` when none is found (e.g. compiled or
+    exported code). Lets a cache's ``update`` see which model writes into it without any hook."""
+    import sys
+
+    import torch
+
+    frame = sys._getframe(1)
+    depth = 0
+    while frame is not None and depth < max_depth:
+        owner = frame.f_locals.get("self")
+        if (
+            isinstance(owner, torch.nn.Module)
+            and hasattr(owner, "config")
+            and hasattr(owner, "get_input_embeddings")
+        ):
+            return owner
+        frame = frame.f_back
+        depth += 1
+    return None
+
+
+def mask_query_length(args: tuple, kwargs: dict[str, Any]) -> int | None:
+    """The query length a ``Cache.get_mask_sizes`` call is for: its first argument is the query length
+    (transformers >= 5.4) or the ``cache_position`` tensor (before)."""
+    value = args[0] if args else kwargs.get("query_length", kwargs.get("cache_position"))
+    if value is None:
+        return None
+    if hasattr(value, "numel"):
+        return int(value.numel()) if value.dim() > 0 else int(value)
+    return int(value)

@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 from . import _compat
 from ._compat import cache_kwargs, crop_argument, crop_target_length, update_position_ids
+from .identity import ModelIdentity, config_signature, model_identity
 from .rope import RopeShifter
 
 Kind = Literal["PF", "PH"]
@@ -75,6 +76,22 @@ class SegmentKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
+    def check_finite(self, what: str) -> None:
+        """Raise ``ValueError`` naming ``what`` and the first layer whose K/V hold NaN or inf
+        (one reduction per tensor, one device sync in all)."""
+        tensors = [t for pair in zip(self.keys, self.values) for t in pair]  # layer by layer
+        if not tensors:
+            return
+        bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).cpu()
+        if not bool(bad.any()):
+            return
+        index = int(bad.nonzero()[0, 0])
+        layer, kind = index // 2, ("keys", "values")[index % 2]
+        raise ValueError(
+            f"{what}: non-finite K/V (NaN or inf) in layer {layer} ({kind}); such K/V is never reused "
+            "or stored (the turn changed nothing). Check the model's dtype / weights or what wrote this K/V"
+        )
+
     def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:
         """A copy whose keys sit at ``new_start .. new_start + length - 1`` (values need no rotation)."""
         if new_start == self.start:
@@ -117,15 +134,6 @@ class PositionMismatchError(RuntimeError):
 
 def _is_config(value: Any) -> bool:
     return hasattr(value, "get_text_config") or hasattr(value, "num_hidden_layers")
-
-
-def config_signature(config: Any) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a model config: what a cache must match to be used with it."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return (text.num_hidden_layers, kv_heads, head_dim)
 
 
 class SegmentedCache(DynamicCache):
@@ -201,6 +209,8 @@ class SegmentedCache(DynamicCache):
         self._recording_at: int | None = None
         #: during :meth:`append_parts`' one forward: the slots its tokens fill (positional order)
         self._dense_slots: torch.Tensor | None = None
+        #: the model the cache was built with (set by its first dense prefill or :meth:`bind_model`)
+        self.model_identity: ModelIdentity | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -332,7 +342,8 @@ class SegmentedCache(DynamicCache):
         super().activate_past_recording()
 
     def check_model(self, model_or_config: Any) -> None:
-        """Raise if this cache was built for a model of another shape (layers, kv heads, head dim)."""
+        """Raise if this cache was built for another model: another shape (layers, kv heads, head dim)
+        or, given a model and a cache that knows its model (:attr:`model_identity`), other weights."""
         config = getattr(model_or_config, "config", model_or_config)
         other = config_signature(config)
         if any(ours is not None and ours != theirs for ours, theirs in zip(self.signature, other)):
@@ -340,6 +351,24 @@ class SegmentedCache(DynamicCache):
                 "cache/model mismatch: the cache was built for (layers, kv_heads, head_dim) = "
                 f"{self.signature}, the model has {other}"
             )
+        if isinstance(model_or_config, torch.nn.Module) and self.model_identity is not None:
+            self._check_identity(model_identity(model_or_config))
+
+    def _check_identity(self, identity: ModelIdentity) -> None:
+        if identity != self.model_identity:
+            raise ValueError(
+                f"cache/model mismatch: this {type(self).__name__} was built with the model {self.model_identity}; "
+                f"it is used with the model {identity}. K/V of one model are meaningless for another: build "
+                "the cache with the model that uses it"
+            )
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """Record the model this cache is built with (a cache that knows one refuses another)."""
+        if self.model_identity is None:
+            self.check_model(model)
+            self.model_identity = model_identity(model)
+        else:
+            self.check_model(model)
 
     def append_dense(
         self,
@@ -360,6 +389,7 @@ class SegmentedCache(DynamicCache):
         n = input_ids.shape[-1]
         segments = list(segments)
         self._check_tiling(segments, start, start + n)
+        self.bind_model(model)
         if n == 0:
             return None
         device = _model_device(model)
@@ -444,6 +474,7 @@ class SegmentedCache(DynamicCache):
                     f"K/V of {p.segment.name!r} sits at position {p.kv.start}, not {p.segment.start}: "
                     "pass a RopeShifter to move it"
                 )
+        self.bind_model(model)
         dense = [p for p in parts if p.dense]
         first_placed = next((i for i, p in enumerate(parts) if not p.dense), len(parts))
         if len(dense) == first_placed:  # no dense token follows a placed one: no mask needed
@@ -671,8 +702,34 @@ class SharedCache(SegmentedCache):
         super()._before_update(key_states, layer_idx, args, kwargs)  # checks first: a refusal changes nothing
         if self._sealed_length is not None and layer_idx == 0:
             if not self._generating:
+                self._check_caller()
                 self._expand_for(key_states.shape[0])
             self._generating = True
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any):
+        if self._sealed_length is not None and not _compat.is_tracing():
+            if _compat.mask_query_length(args, kwargs) == 0:
+                used = (
+                    f"; it was already used by a generate call (built for {self._sealed_length} tokens of a "
+                    f"{self.prompt_length}-token prompt)"
+                    if self._generating
+                    else ""
+                )
+                raise PositionMismatchError(
+                    f"generate has no token to feed: this {type(self).__name__} holds {self.get_seq_length()} "
+                    f"tokens and the input_ids are not longer{used}. Pass the prompt plus what was generated "
+                    "(continuing), or a fresh cache / `cache.copy()` made before the first generate"
+                )
+        return super().get_mask_sizes(*args, **kwargs)
+
+    def _check_caller(self) -> None:
+        """On the first forward over the built cache (``generate``'s first step): refuse a model other
+        than the one the cache was built with (found on the call stack; no hook is involved)."""
+        if self.model_identity is None or _compat.is_tracing():
+            return
+        decoder = _compat.calling_decoder()
+        if decoder is not None:
+            self.check_model(decoder)
 
     def _position_message(self, length: int, n: int, first: int, last: int) -> str:
         message = super()._position_message(length, n, first, last)

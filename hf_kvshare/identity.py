@@ -1,15 +1,10 @@
-"""A model's identity: what K/V computed by one model must match before another may use it.
+"""Which model a piece of state belongs to: a method instance's binding, and a cache's model identity.
 
-:func:`model_fingerprint` gives the layer count, K/V heads, head dimension, parameter dtype and a
-cheap hash of the weights (every parameter's name, shape and dtype, plus a strided sample of at
-most 65,536 elements from each of a few parameters spread over the model). It is computed once per
-model object and cached (weakly: the cache does not keep the model alive); weights changed in place
-after the first call are not noticed. Saved method state (:meth:`hf_kvshare.method.Method.save_state`)
-records it and refuses to load onto a model with another one.
-
->>> fp = model_fingerprint(model)  # doctest: +SKIP
->>> fp.layers, fp.kv_heads, fp.head_dim, fp.dtype  # doctest: +SKIP
-(30, 3, 64, 'float32')
+K/V, anchor pools and recomputation engines of one model are meaningless for another, even one of
+the same shape. :class:`ModelBinding` ties a method instance to the first model object it is used
+with; :func:`model_identity` describes a model by its shape (layers, kv heads, head dim) and a cheap
+weight fingerprint, so a cache built on one model is refused by another (see
+:meth:`~hf_kvshare.cache.SegmentedCache.check_model`).
 """
 
 from __future__ import annotations
@@ -21,7 +16,17 @@ from typing import Any
 
 import torch
 
-from .cache import config_signature
+from ._compat import config_name_or_path
+
+
+def config_signature(config: Any) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a model config: what a cache must match to be used with it."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return (text.num_hidden_layers, kv_heads, head_dim)
+
 
 #: parameters sampled for the weight hash, and elements sampled from each
 SAMPLED_PARAMETERS = 4
@@ -67,14 +72,15 @@ def model_fingerprint(model: torch.nn.Module) -> ModelFingerprint:
     """The (cached) :class:`ModelFingerprint` of ``model``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model_fingerprint needs a torch.nn.Module, got {type(model).__name__}")
-    cached = _CACHE.get(model)
+    decoder = decoder_of(model)  # a causal LM, its PEFT wrapper and its decoder share one fingerprint
+    cached = _CACHE.get(decoder)
     if cached is None:
-        cached = _CACHE[model] = _compute(model)
+        cached = _CACHE[decoder] = _compute(decoder, model)
     return cached
 
 
-def _compute(model: torch.nn.Module) -> ModelFingerprint:
-    config = getattr(model, "config", None)
+def _compute(model: torch.nn.Module, outer: torch.nn.Module) -> ModelFingerprint:
+    config = getattr(model, "config", None) or getattr(outer, "config", None)
     if config is None:
         raise ValueError(f"model_fingerprint needs a model with a .config, got {type(model).__name__}")
     layers, kv_heads, head_dim = config_signature(config)
@@ -95,3 +101,87 @@ def _compute(model: torch.nn.Module) -> ModelFingerprint:
             digest.update(sample.to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())
     dtype = str(params[0][1].dtype).removeprefix("torch.") if params else "none"
     return ModelFingerprint(layers, kv_heads, head_dim, dtype, digest.hexdigest())
+
+
+#: a cache records the identity of the model it was built with (see cache.SegmentedCache.check_model)
+ModelIdentity = ModelFingerprint
+model_identity = model_fingerprint
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder (the module holding the embeddings and the layers) of a causal LM, a PEFT wrapper
+    of one, or the decoder itself: ``model.get_decoder()`` where it exists."""
+    get_decoder = getattr(model, "get_decoder", None)
+    if get_decoder is None:
+        return model
+    try:
+        decoder = get_decoder()
+    except (AttributeError, NotImplementedError, TypeError):
+        return model
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
+class ModelBinding:
+    """Ties a method instance (its engines, anchor pools, profiles) to the one model it is used with.
+
+    :meth:`check` raises for another model object; :meth:`bind` records the first one. K/V pools or
+    a recomputation engine of one model are meaningless for another (even one of the same shape).
+    After loading saved state, ``expected`` holds the fingerprint of the model it was built on: the
+    first model bound must have it.
+    """
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self._model: weakref.ReferenceType | None = None
+        self.description = ""
+        self.expected: ModelFingerprint | None = None
+
+    @staticmethod
+    def describe(model: torch.nn.Module) -> str:
+        config = getattr(model, "config", None)
+        name = config_name_or_path(config) or type(model).__name__
+        shape = config_signature(config) if config is not None else "?"
+        return f"{name} (object id {id(model):#x}, layers/kv_heads/head_dim {shape})"
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return None if self._model is None else self._model()
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Raise ``ValueError`` if bound to another model object, or (after loading state) if the
+        first model does not have the saved fingerprint."""
+        bound = self.model
+        if self._model is None:
+            if self.expected is not None:
+                differences = self.expected.differences(model_fingerprint(model))
+                if differences:
+                    raise ValueError(
+                        f"this {self.owner} instance holds loaded state built on another model "
+                        f"({'; '.join(differences)}; saved: {self.expected}); it cannot be used with "
+                        f"{self.describe(model)}"
+                    )
+            return
+        if bound is model:
+            return
+        was = self.description + ("" if bound is not None else " [since garbage-collected]")
+        raise ValueError(
+            f"this {self.owner} instance is bound to {was}; it cannot be used with "
+            f"{self.describe(model)}. A method instance keeps engines and state built on the first model "
+            "it is used with: create one method instance per model (correction methods: or call .clear() "
+            "to drop the state)"
+        )
+
+    def bind(self, model: torch.nn.Module) -> bool:
+        """Bind ``model`` (``True``: newly bound, ``False``: it already was); raise for another."""
+        self.check(model)
+        if self._model is not None:
+            return False
+        self._model = weakref.ref(model)
+        self.description = self.describe(model)
+        self.expected = None
+        return True
+
+    def clear(self) -> None:
+        self._model = None
+        self.description = ""
+        self.expected = None

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .cache import CachePart, SegmentKV, SharedCache
-from .identity import ModelFingerprint, model_fingerprint
+from .identity import ModelBinding, ModelFingerprint, model_fingerprint
+from .rope import RopeShifter
 
 if TYPE_CHECKING:
     from .session import Session
@@ -57,11 +58,12 @@ def get_method(method: str | Method, **options: Any) -> Method:
         raise TypeError(f"method must be a registry name or a Method instance, got {type(method).__name__}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; registered methods: {', '.join(sorted(METHODS))}")
-    names = option_names(METHODS[method])
-    unknown = sorted(set(options) - set(names)) if names is not None else []
+    valid = option_names(METHODS[method])
+    unknown = sorted(set(options) - set(valid)) if valid is not None else []
     if unknown:
         raise ValueError(
-            f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options: {', '.join(names) or 'none'}"
+            f"method {method!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(valid) or 'none'}"
         )
     return METHODS[method](**options)
 
@@ -108,9 +110,40 @@ class Method:
     #: works only on a ``PeftModel`` whose agents are named adapters (the benchmark runs such a
     #: method only on workloads whose agents name adapters)
     requires_adapters: ClassVar[bool] = False
+    #: moves K/V between positions (a :class:`~hf_kvshare.rope.RopeShifter`): a model whose RoPE cannot
+    #: be shifted (dynamic NTK) is refused when the session is created
+    repositions: ClassVar[bool] = True
+
+    @property
+    def binding(self) -> ModelBinding:
+        """The model this instance is bound to (the first one :meth:`bind` saw)."""
+        binding = self.__dict__.get("_model_binding")
+        if binding is None:
+            binding = self.__dict__["_model_binding"] = ModelBinding(type(self).__name__)
+        return binding
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Bind this instance to ``model`` (each session calls it on creation): a method instance serves
+        one model; another model object is refused with ``ValueError`` before anything changes. Then
+        :meth:`attach` checks the model; the binding is recorded only once it accepted."""
+        self.binding.check(model)
+        if self.repositions:
+            RopeShifter.from_model(model)  # a clear ValueError for RoPE that cannot be shifted
+        self.attach(model)
+        self.bind_once(model)
+
+    def bind_once(self, model: torch.nn.Module) -> None:
+        """Record the binding (raises for another model); :meth:`on_bind` runs when it is new."""
+        if self.binding.bind(model):
+            self.on_bind(model)
+
+    def on_bind(self, model: torch.nn.Module) -> None:
+        """Called once, when the instance is first bound to ``model`` (e.g. move loaded state to
+        the model's device)."""
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Called by each session on its model. Methods keyed by model identity check it here."""
+        """Check ``model`` and set up what the method needs from it (engines); raise ``ValueError`` for
+        a model it cannot serve. Called by :meth:`bind` (use that)."""
 
     # ------------------------------------------------------------ building
     def new_cache(self, turn: Turn) -> SharedCache:
@@ -182,6 +215,11 @@ class Method:
         """Bytes held by the method instance across requests (anchor pools, profiles, ...)."""
         return 0
 
+    def state_summary(self) -> dict[str, Any]:
+        """What the instance keeps across requests: ``bytes`` (:meth:`state_bytes`) and, for methods
+        that keep one entry per name (pools, profiles), their count, bound and evictions."""
+        return {"bytes": self.state_bytes()}
+
     def request_state_bytes(self, session: Session) -> int:
         """Bytes the method keeps for one request (PReCache's shared base and per-agent LR caches in
         ``session.method_state``, non-chained correction's context-free references); the slots' K/V
@@ -211,18 +249,18 @@ class Method:
 
     def state_model(self) -> torch.nn.Module | None:
         """The model the cross-request state was built on (``None``: not bound to one yet)."""
-        return None
+        return self.binding.model
 
     def expect_model(self, fingerprint: ModelFingerprint | None) -> None:
         """Remember that the loaded state was built on ``fingerprint``: the first model this instance
-        is attached to must have it (subclasses with state check it when they bind a model)."""
-        self._expected_fingerprint = fingerprint
+        is bound to must have it (:class:`~hf_kvshare.identity.ModelBinding`)."""
+        if self.binding.model is None:
+            self.binding.expected = fingerprint
 
     def check_expected_model(self, model: torch.nn.Module) -> None:
-        """Raise when ``model`` is not the model loaded state was built on."""
-        expected = getattr(self, "_expected_fingerprint", None)
-        if expected is not None:
-            _check_fingerprint(type(self).__name__, expected, model_fingerprint(model), "attached")
+        """Raise when ``model`` is not the model this instance is bound to or its loaded state was
+        built on."""
+        self.binding.check(model)
 
     def state_options(self) -> dict[str, Any]:
         """The knobs (dataclass fields) that must match for a saved state to be loaded."""

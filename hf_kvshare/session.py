@@ -43,7 +43,7 @@ class Session:
         self.model = model
         self.tokenizer = tokenizer
         self.method = get_method(method, **options)
-        self.method.attach(model)
+        self.method.bind(model)
         self._shifter: RopeShifter | None = None
         self.slots: dict[str, Slot] = {}
         self.turns: list[TurnResult] = []
@@ -89,8 +89,10 @@ class Session:
         """Tokenize a turn's segments and check them; nothing in the session changes on error."""
         if not isinstance(agent, str) or not agent:
             raise ValueError(f"agent must be a non-empty string, got {agent!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(
+                f"batch_size must be an int >= 1, got {batch_size!r} ({type(batch_size).__name__})"
+            )
         if batch_size > 1 and not self.method.supports_batch:
             raise ValueError(
                 f"method {self.method.name!r} supports batch size 1 only; got batch_size={batch_size}"
@@ -174,6 +176,7 @@ class Session:
     def _build(self, turn: Turn) -> SharedCache:
         turn.stats.ph_tokens = sum(s.length for s in turn.spans if s.kind == "PH")
         cache = self.method.build(turn)
+        cache.bind_model(self.model)  # a cache refuses any other model (see SegmentedCache.check_model)
         cache.seal(turn.prompt_length)
         return cache
 
@@ -206,10 +209,14 @@ class Session:
             if is_peft_model(self.model):
                 check_agent_adapter(self.model, agent)
             if force_output is not None:
-                force_output = torch.as_tensor(force_output, dtype=torch.long).flatten()
-                if force_output.numel() == 0:
-                    raise ValueError("force_output must hold at least one token")
+                force_output = self._check_forced(force_output)
                 max_new_tokens = force_output.numel()
+            elif (
+                isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+            ):
+                raise ValueError(
+                    f"max_new_tokens must be an int >= 1, got {max_new_tokens!r} ({type(max_new_tokens).__name__})"
+                )
             self._check_length(turn, max_new_tokens)
         except Exception:
             self.slots = snapshot
@@ -264,6 +271,25 @@ class Session:
         )
         self.turns.append(result)
         return result
+
+    def _check_forced(self, force_output: Any) -> torch.Tensor:
+        try:
+            ids = torch.as_tensor(force_output)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"force_output must be token ids (ints); got {force_output!r}") from error
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"force_output must be integer token ids; got dtype {ids.dtype}")
+        ids = ids.to(torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("force_output must hold at least one token")
+        vocab = (
+            self.model.get_output_embeddings().weight.shape[0] if self.model.get_output_embeddings() else None
+        )
+        vocab = vocab or getattr(self.model.config, "vocab_size", None)
+        if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = [int(i) for i in ids if not 0 <= int(i) < vocab][:5]
+            raise ValueError(f"force_output ids must be in [0, {vocab}) (the model's vocabulary); got {bad}")
+        return ids
 
     def _generate(self, turn, prompt, cache, max_new_tokens, generate_kwargs):
         timer = FirstTokenTimer(prompt.device)

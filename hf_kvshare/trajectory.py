@@ -27,6 +27,14 @@ class PF:
     text: str
     label: str | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise TypeError(f"PF text must be a string; got {self.text!r} ({type(self.text).__name__})")
+        if self.label is not None and not isinstance(self.label, str):
+            raise TypeError(
+                f"PF label must be a string or None; got {self.label!r} ({type(self.label).__name__})"
+            )
+
 
 @dataclass(frozen=True)
 class PH:
@@ -35,6 +43,17 @@ class PH:
 
     slot: str
     text: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.slot, str) or not self.slot:
+            raise TypeError(
+                f"PH slot must be a non-empty string naming the shared content (PH(slot, text)); "
+                f"got {self.slot!r} ({type(self.slot).__name__})"
+            )
+        if self.text is not None and not isinstance(self.text, str):
+            raise TypeError(
+                f"PH text must be a string or None; got {self.text!r} ({type(self.text).__name__})"
+            )
 
 
 SegmentSpec = PF | PH

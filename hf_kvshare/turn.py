@@ -148,6 +148,9 @@ class Turn:
         if placement is None:
             return CachePart(self.segment_for(span, "dense"), token_ids=self.batch(span.token_ids))
         kv = placement.kv
+        kv.check_finite(
+            f"{'PH slot' if span.kind == 'PH' else 'PF segment'} {span.name!r} ({placement.provenance} from {placement.source_agent or 'its source'})"
+        )
         if self.batch_size > 1 and kv.keys[0].shape[0] == 1:
             kv = SegmentKV(
                 keys=[k.expand(self.batch_size, -1, -1, -1) for k in kv.keys],

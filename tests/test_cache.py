@@ -101,7 +101,7 @@ def test_batch_operations(tiny):
 def test_shape_mismatch_is_refused(tiny_llama):
     other = tiny_model("llama", num_key_value_heads=4)
     cache = SegmentedCache(other.config)
-    with pytest.raises(ValueError, match="kv heads"):
+    with pytest.raises(ValueError, match="kv.heads"):
         cache.append_dense(tiny_llama, torch.randint(3, 1000, (1, 4)))
     deeper = tiny_model("llama", num_hidden_layers=4)
     with pytest.raises(ValueError, match="layers"):

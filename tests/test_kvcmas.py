@@ -452,7 +452,7 @@ def test_pools_bound_to_one_model(tiny_llama, tokenizer):
     run_request(tiny_llama, tokenizer, method, QUERIES[0])
     before = method.state_bytes()
     other = tiny_model("llama", seed=1)  # same shapes, other weights
-    with pytest.raises(ValueError, match="holds state built on .*create one method instance per model"):
+    with pytest.raises(ValueError, match="bound to .*create one method instance per model"):
         Session(other, tokenizer, method)
     assert method.state_bytes() == before
     method.clear()
@@ -477,7 +477,7 @@ def test_rank_above_feature_dim_is_clamped_with_a_warning(tiny_llama, tokenizer)
         ({"delta_rank": 2.5}, "delta_rank must be a positive int"),
         ({"capacity": 1}, "capacity must be an int >= 2"),
         ({"tau": 1.5}, r"tau is a normalized entropy threshold in \[0, 1\]"),
-        ({"temperature": 0}, "temperature must be > 0"),
+        ({"temperature": 0}, "temperature must be a finite real number > 0"),
         ({"eviction_window": 0}, "eviction_window must be an int >= 1"),
     ],
 )

@@ -175,10 +175,10 @@ def test_dynamic_ntk_model_refused_for_reuse(tokenizer):
     model = tiny_model(
         "llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     )
-    session = Session(model, tokenizer, "fullshared")
-    session.run_turn("a", roles("a"), max_new_tokens=2)  # first agent: dense, fine
-    with pytest.raises(ValueError, match="dynamic"):
-        session.run_turn("b", roles("b"), max_new_tokens=2)
+    for method in ("fullshared", "kvcmas", "graphflow", "cacheblend"):
+        with pytest.raises(ValueError, match="dynamic"):  # refused when the session is created
+            Session(model, tokenizer, method)
+    Session(model, tokenizer, "nonshared").run_turn("a", roles("a"), max_new_tokens=2)  # no reuse: fine
 
 
 def test_method_instance_with_options_refused(tiny_llama, tokenizer):

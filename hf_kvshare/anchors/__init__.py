@@ -31,7 +31,7 @@ from .gate import (
     usage_reference,
 )
 from .lowrank import FactoredKV, MatrixFactors, effective_rank, to_heads, to_matrix
-from .pool import REFERENCE, Anchor, AnchorPool
+from .pool import REFERENCE, Anchor, AnchorPool, LRUDict
 from .profile import RelationProfile
 from .state import (
     ModelBinding,
@@ -47,6 +47,7 @@ __all__ = [
     "REFERENCE",
     "Anchor",
     "AnchorPool",
+    "LRUDict",
     "CorrectedCache",
     "FactoredKV",
     "GateDecision",

@@ -11,6 +11,7 @@ adds its delta to it; with per-edge gating an anchor only corrects an edge whose
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,39 @@ from .lowrank import FactoredKV
 
 #: label of the context-free reference (the segment prefilled with nothing before it)
 REFERENCE = "reference"
+
+
+class LRUDict(OrderedDict):
+    """A dict of at most ``limit`` entries: storing past it evicts the least recently used one.
+
+    Storing an entry or :meth:`touch` makes it the most recently used; reading (``[]``, ``get``) does
+    not (a turn reads while it builds and must change nothing until it is recorded). ``evicted``
+    counts the entries evicted so far.
+
+    >>> pools = LRUDict(2); pools["a"], pools["b"], pools["c"] = 1, 2, 3  # doctest: +SKIP
+    >>> list(pools), pools.evicted  # doctest: +SKIP
+    (['b', 'c'], 1)
+    """
+
+    def __init__(self, limit: int):
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"the limit of an LRUDict must be an int >= 1, got {limit!r}")
+        super().__init__()
+        self.limit = limit
+        self.evicted = 0
+
+    def __setitem__(self, key, value) -> None:
+        if key in self:
+            self.move_to_end(key)
+        super().__setitem__(key, value)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+            self.evicted += 1
+
+    def touch(self, key) -> None:
+        """Mark ``key`` as the most recently used (no-op when absent)."""
+        if key in self:
+            self.move_to_end(key)
 
 
 @dataclass(eq=False)

@@ -10,68 +10,10 @@ from typing import Any
 
 import torch
 
-from .._compat import config_name_or_path
-from ..cache import SegmentedCache, SegmentKV, config_signature
-from ..identity import ModelFingerprint, model_fingerprint
+from ..cache import SegmentedCache, SegmentKV
+from ..identity import ModelBinding  # noqa: F401  (re-exported)
 from .gate import GateDecision
 from .pool import REFERENCE
-
-
-class ModelBinding:
-    """Ties cross-request state (anchor pools, profiles) to the one model it was built on.
-
-    The first :meth:`bind` records the model's identity; binding another model object raises,
-    because K/V pools of one model are meaningless for another (even one of the same shape).
-    After loading saved state, ``expected`` holds the fingerprint of the model it was built on: the
-    first model bound must have it.
-    """
-
-    def __init__(self, owner: str):
-        self.owner = owner
-        self._model: weakref.ReferenceType | None = None
-        self.description = ""
-        self.expected: ModelFingerprint | None = None
-
-    @staticmethod
-    def describe(model: torch.nn.Module) -> str:
-        config = getattr(model, "config", None)
-        name = config_name_or_path(config) or type(model).__name__
-        shape = config_signature(config) if config is not None else "?"
-        return f"{name} (object id {id(model):#x}, layers/kv_heads/head_dim {shape})"
-
-    @property
-    def model(self) -> torch.nn.Module | None:
-        return None if self._model is None else self._model()
-
-    def bind(self, model: torch.nn.Module) -> bool:
-        """Bind ``model`` (``True``: newly bound, ``False``: it already was); raise for another."""
-        bound = self.model
-        if bound is model:
-            return False
-        if self._model is None and self.expected is not None:
-            differences = self.expected.differences(model_fingerprint(model))
-            if differences:
-                raise ValueError(
-                    f"this {self.owner} instance holds loaded state built on another model "
-                    f"({'; '.join(differences)}; saved: {self.expected}); it cannot be used with "
-                    f"{self.describe(model)}"
-                )
-        if self._model is not None:
-            was = self.description + ("" if bound is not None else " [since garbage-collected]")
-            raise ValueError(
-                f"this {self.owner} instance holds state built on {was}; it cannot be used with "
-                f"{self.describe(model)}. Pools are keyed by model identity: create one method "
-                "instance per model (or call .clear() to drop the state)"
-            )
-        self._model = weakref.ref(model)
-        self.description = self.describe(model)
-        self.expected = None
-        return True
-
-    def clear(self) -> None:
-        self._model = None
-        self.description = ""
-        self.expected = None
 
 
 @dataclass

@@ -287,7 +287,7 @@ class BenchRunner:
                 with warnings.catch_warnings():  # the sessions attach again and warn then
                     warnings.simplefilter("ignore")
                     for method in filter(None, (pair.free, pair.forced)):
-                        method.attach(self.model)
+                        method.bind(self.model)
                 if self.config.state_in is not None:
                     self._load_state(spec, pair)
             except ValueError as e:

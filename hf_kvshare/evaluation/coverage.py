@@ -214,7 +214,7 @@ def reconstruction_coverage(
             )
         calibrate_droidspeak(droidspeak, model, tokenizer, calibration, progress=progress)
     for method in (droidspeak, cacheblend, relaycaching):
-        method.attach(model)
+        method.bind(model)
     groups = droidspeak.layer_groups(L)
     layers = [layer for start, end in groups for layer in range(start, end)]
     band = relaycaching.band_layers(L)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..hooks import thread_hook
 from .adapters import KVProjection, LoraBank
 
 
@@ -46,14 +47,16 @@ class KVCapture:
         if self._handles:
             return
         try:
-            self._handles.append(self.bank.keys[0].module.register_forward_pre_hook(self._count))
+            self._handles.append(self.bank.keys[0].module.register_forward_pre_hook(thread_hook(self._count)))
             for proj in self.bank.projections():
                 key = (proj.layer, proj.kind)
                 self._weights[key] = proj.down_weight()
                 if proj.has_lora:
-                    self._handles.append(proj.module.register_forward_pre_hook(self._pre_hook(proj)))
+                    self._handles.append(
+                        proj.module.register_forward_pre_hook(thread_hook(self._pre_hook(proj)))
+                    )
                 if self.keep_base:
-                    self._handles.append(proj.base.register_forward_hook(self._base_hook(proj)))
+                    self._handles.append(proj.base.register_forward_hook(thread_hook(self._base_hook(proj))))
         except BaseException:
             self.detach()
             raise

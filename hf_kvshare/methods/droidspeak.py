@@ -15,6 +15,7 @@ layers recomputed reuses ``S * (L - n)`` entries (``S * (L - n) / L`` token-equi
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,8 +166,10 @@ def _as_profile(profile: Sequence[float] | str | os.PathLike) -> list[float]:
         raise ValueError(
             f"layer_profile must be a sequence of numbers, one per layer; got {profile!r}"
         ) from error
-    if not values or any(v != v for v in values):
-        raise ValueError(f"layer_profile must be a non-empty sequence without NaN; got {values}")
+    if not values or not all(math.isfinite(v) for v in values):
+        raise ValueError(
+            f"layer_profile must be a non-empty sequence of finite numbers (no NaN or inf); got {values}"
+        )
     return values
 
 

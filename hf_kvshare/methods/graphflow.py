@@ -10,7 +10,7 @@ import torch
 
 from ..anchors import (
     REFERENCE,
-    ModelBinding,
+    LRUDict,
     RelationProfile,
     RequestStates,
     canonical_keys,
@@ -40,6 +40,9 @@ class GraphFlow(Method):
     the re-positioned reference for the rest. ``rank`` stores the frozen profile as a truncated
     SVD (8 is the paper's A.2 setting for recurring-PF deltas); ``None`` keeps it dense.
 
+    ``max_profiles`` bounds the relations kept (default 256); past it the least recently used one
+    (used by a recorded turn) is dropped; :meth:`state_summary` reports it.
+
     >>> method = GraphFlow(calibration_requests=2)  # doctest: +SKIP
     """
 
@@ -48,18 +51,29 @@ class GraphFlow(Method):
 
     calibration_requests: int = 2
     rank: int | None = None
+    max_profiles: int = 256
 
     def __post_init__(self) -> None:
-        if not isinstance(self.calibration_requests, int) or self.calibration_requests < 1:
+        if (
+            isinstance(self.calibration_requests, bool)
+            or not isinstance(self.calibration_requests, int)
+            or self.calibration_requests < 1
+        ):
             raise ValueError(f"calibration_requests must be an int >= 1, got {self.calibration_requests!r}")
-        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
+        if self.rank is not None and (
+            isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1
+        ):
             raise ValueError(f"rank must be a positive int or None (dense), got {self.rank!r}")
-        self.profiles: dict[tuple[str, str], RelationProfile] = {}
-        self._binding = ModelBinding(type(self).__name__)
+        if (
+            isinstance(self.max_profiles, bool)
+            or not isinstance(self.max_profiles, int)
+            or self.max_profiles < 1
+        ):
+            raise ValueError(f"max_profiles must be an int >= 1, got {self.max_profiles!r}")
+        self.profiles: LRUDict = LRUDict(self.max_profiles)
         self._requests = RequestStates()
 
     def attach(self, model: torch.nn.Module) -> None:
-        self._bind(model)
         _, kv_heads, head_dim = config_signature(model.config)
         if self.rank is not None and self.rank > kv_heads * head_dim:
             warnings.warn(
@@ -71,18 +85,21 @@ class GraphFlow(Method):
             self.rank = kv_heads * head_dim
 
     def clear(self) -> None:
-        self.profiles = {}
-        self._binding.clear()
+        self.profiles = LRUDict(self.max_profiles)
+        self.binding.clear()
         self._requests.clear()
 
-    def _bind(self, model: torch.nn.Module) -> None:
-        if self._binding.bind(model):
-            move_state_to_model(self, model)
+    def on_bind(self, model: torch.nn.Module) -> None:
+        move_state_to_model(self, model)  # loaded state onto the model's device
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Every profile (calibrating sums or frozen correction) and the next request uid."""
         table = TensorTable()
-        meta = {"profiles": profiles_to_state(self.profiles, table), "next_request": self._requests.next_uid}
+        meta = {
+            "profiles": profiles_to_state(self.profiles, table),
+            "next_request": self._requests.next_uid,
+            "evicted": self.profiles.evicted,
+        }
         return table.tensors, meta
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -91,16 +108,10 @@ class GraphFlow(Method):
             next_uid = int(meta["next_request"])
         except (KeyError, TypeError, IndexError) as error:
             raise ValueError(f"{self.name}: saved state metadata is damaged ({error!r})") from error
-        self.profiles = profiles
+        self.profiles = LRUDict(self.max_profiles)
+        self.profiles.update(profiles)  # in the saved order: least recently used first
+        self.profiles.evicted = int(meta.get("evicted", 0))
         self._requests = RequestStates(next_uid)
-
-    def state_model(self) -> torch.nn.Module | None:
-        return self._binding.model
-
-    def expect_model(self, fingerprint) -> None:
-        super().expect_model(fingerprint)
-        if self._binding.model is None:
-            self._binding.expected = fingerprint
 
     def request_state_bytes(self, session: Session) -> int:
         """The request's context-free references (non-chained correction keeps one per slot)."""
@@ -109,6 +120,14 @@ class GraphFlow(Method):
     def state_bytes(self) -> int:
         """Exact bytes of every profile (running sums while calibrating, the frozen profile after)."""
         return sum(p.nbytes for p in self.profiles.values())
+
+    def state_summary(self) -> dict[str, Any]:
+        return {
+            "bytes": self.state_bytes(),
+            "profiles": len(self.profiles),
+            "max_profiles": self.profiles.limit,
+            "evicted_profiles": self.profiles.evicted,
+        }
 
     def new_cache(self, turn: Turn) -> CorrectedCache:
         return CorrectedCache(turn.model.config, method=self.name)
@@ -123,7 +142,7 @@ class GraphFlow(Method):
         return reference
 
     def build(self, turn: Turn) -> CorrectedCache:
-        self._bind(turn.model)
+        self.bind_once(turn.model)
         cache = super().build(turn)
         for seg in cache.segments:
             if seg.kind == "PH" and seg.provenance == "dense":
@@ -151,6 +170,7 @@ class GraphFlow(Method):
     def record(self, turn: Turn, cache) -> None:
         """Calibrate: every densely computed PH segment adds its exact delta to its relation's profile."""
         state = self._requests.get(turn.session)
+        observed = []  # computed and checked first: a refusal changes no profile
         for span in turn.spans:
             if span.kind != "PH":
                 continue
@@ -158,15 +178,25 @@ class GraphFlow(Method):
             profile = self.profiles.get(key)
             if profile is not None and (profile.ready or state.uid in profile.requests):
                 continue
+            if any(key == seen[0] for seen in observed):
+                continue  # the slot twice in one prompt: one observation per request
             reference = state.references[span.name]
             exact = cache.extract(span.start, span.end)
+            exact.check_finite(f"{self.name}: PH slot {span.name!r} of this turn")
+            reference.check_finite(f"{self.name}: the reference of PH slot {span.name!r}")
             delta_keys = [
                 k - r
                 for k, r in zip(canonical_keys(exact, turn.shifter), canonical_keys(reference, turn.shifter))
             ]
             delta_values = [v[:1] - r[:1] for v, r in zip(exact.values, reference.values)]
+            observed.append((key, delta_keys, delta_values))
+        for span in turn.spans:  # relations this turn used: most recent
+            if span.kind == "PH":
+                self.profiles.touch((span.name, turn.agent))
+        for key, delta_keys, delta_values in observed:
+            profile = self.profiles.get(key)
             if profile is None:
                 profile = self.profiles[key] = RelationProfile(
-                    span.name, turn.agent, self.calibration_requests, self.rank
+                    key[0], key[1], self.calibration_requests, self.rank
                 )
             profile.observe(state.uid, delta_keys, delta_values)

@@ -60,7 +60,7 @@ from ..anchors import (
     AnchorPool,
     FactoredKV,
     GateDecision,
-    ModelBinding,
+    LRUDict,
     RequestStates,
     apply_correction,
     canonical_keys,
@@ -191,6 +191,9 @@ class KVCMAS(PrefixReuse, Method):
             later reuse turns re-positioned without correction (the reference's prefix delta off:
             :class:`~hf_kvshare.method.PrefixReuse`). Not on a turn that is dense (``tau = 0``, a gate
             fallback or ``turn_fallback="turn"``), so the exact settings stay exact.
+        max_pools: pools kept by the instance (one per producing agent or PH slot name); past it the
+            least recently used pool (read or written by a recorded turn) is dropped, so a workload
+            with a new name per request (``doc{i}``) stays bounded. :meth:`state_summary` reports it.
 
     >>> method = KVCMAS()  # one instance, shared by every request's Session  # doctest: +SKIP
     >>> for query in queries:  # doctest: +SKIP
@@ -224,6 +227,7 @@ class KVCMAS(PrefixReuse, Method):
     pool_peak: str = "capacity+1"
     lead_in: str | None = None
     prefix_reuse: bool = True
+    max_pools: int = 64
 
     def __post_init__(self) -> None:
         self.check_prefix_reuse()
@@ -235,8 +239,12 @@ class KVCMAS(PrefixReuse, Method):
             )
         check_tau(self.name, self.tau)
         for knob in ("temperature", "token_temperature"):
-            if getattr(self, knob) <= 0:
-                raise ValueError(f"{knob} must be > 0, got {getattr(self, knob)}")
+            value = getattr(self, knob)
+            real = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not real or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"{self.name}: {knob} must be a finite real number > 0, got {value!r} ({type(value).__name__})"
+                )
         if not isinstance(self.eviction_window, int) or self.eviction_window < 1:
             raise ValueError(f"eviction_window must be an int >= 1, got {self.eviction_window!r}")
         for knob, choices in CHOICES.items():
@@ -249,8 +257,9 @@ class KVCMAS(PrefixReuse, Method):
         for knob in ("partial_coverage", "skip_layer0", "weights_cache"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
-        self.pools: dict[str, AnchorPool] = {}
-        self._binding = ModelBinding(type(self).__name__)
+        if isinstance(self.max_pools, bool) or not isinstance(self.max_pools, int) or self.max_pools < 1:
+            raise ValueError(f"{self.name}: max_pools must be an int >= 1, got {self.max_pools!r}")
+        self.pools: LRUDict = LRUDict(self.max_pools)
         self._requests = RequestStates()
 
     @property
@@ -260,7 +269,6 @@ class KVCMAS(PrefixReuse, Method):
 
     # ------------------------------------------------------------------ state
     def attach(self, model: torch.nn.Module) -> None:
-        self._bind(model)
         _, kv_heads, head_dim = config_signature(model.config)
         dim = kv_heads * head_dim
         for knob in ("base_rank", "delta_rank"):
@@ -276,13 +284,12 @@ class KVCMAS(PrefixReuse, Method):
 
     def clear(self) -> None:
         """Drop every pool and per-request state, and forget the model."""
-        self.pools = {}
-        self._binding.clear()
+        self.pools = LRUDict(self.max_pools)
+        self.binding.clear()
         self._requests.clear()
 
-    def _bind(self, model: torch.nn.Module) -> None:
-        if self._binding.bind(model):
-            move_state_to_model(self, model)
+    def on_bind(self, model: torch.nn.Module) -> None:
+        move_state_to_model(self, model)  # loaded state onto the model's device
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The anchor pools (in order, with LFU counters and serials) and the next request uid."""
@@ -290,6 +297,7 @@ class KVCMAS(PrefixReuse, Method):
         return table.tensors, {
             "pools": pools_to_state(self.pools, table),
             "next_request": self._requests.next_uid,
+            "evicted": self.pools.evicted,
         }
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -299,16 +307,10 @@ class KVCMAS(PrefixReuse, Method):
             next_uid = int(meta["next_request"])
         except (KeyError, TypeError, IndexError) as error:
             raise ValueError(f"{self.name}: saved state metadata is damaged ({error!r})") from error
-        self.pools = pools
+        self.pools = LRUDict(self.max_pools)
+        self.pools.update(pools)  # in the saved order: least recently used first
+        self.pools.evicted = int(meta.get("evicted", 0))
         self._requests = RequestStates(next_uid)
-
-    def state_model(self) -> torch.nn.Module | None:
-        return self._binding.model
-
-    def expect_model(self, fingerprint) -> None:
-        super().expect_model(fingerprint)
-        if self._binding.model is None:
-            self._binding.expected = fingerprint
 
     def request_state_bytes(self, session: Session) -> int:
         """The request's reference prefills, the producer caches the session no longer holds and the
@@ -318,6 +320,15 @@ class KVCMAS(PrefixReuse, Method):
     def state_bytes(self) -> int:
         """Exact bytes of all anchor pools (every stored factor / dense tensor)."""
         return sum(p.nbytes for p in self.pools.values())
+
+    def state_summary(self) -> dict[str, Any]:
+        return {
+            "bytes": self.state_bytes(),
+            "pools": len(self.pools),
+            "max_pools": self.pools.limit,
+            "evicted_pools": self.pools.evicted,
+            "anchors": sum(len(p) for p in self.pools.values()),
+        }
 
     def pool_report(self) -> list[dict[str, Any]]:
         return [pool.describe() for pool in self.pools.values()]
@@ -374,7 +385,7 @@ class KVCMAS(PrefixReuse, Method):
         return CorrectedCache(turn.model.config, method=self.name)
 
     def build(self, turn: Turn) -> CorrectedCache:
-        self._bind(turn.model)
+        self.bind_once(turn.model)
         if self.gate_scope == "slot":
             self._plan(turn)
         cache = super().build(turn)
@@ -421,23 +432,47 @@ class KVCMAS(PrefixReuse, Method):
             return GateDecision(False, why), eligible, None
         distances = gate_distances(candidate.values, eligible, rows)
         decision = reliability_gate(distances, self.tau, self.temperature)
-        if decision.accepted:
-            for i in usage_reference(decision.weights, USAGE_MASS):
-                eligible[i].uses += 1
         return decision, eligible, distances
+
+    def _pending(self, turn: Turn) -> dict[str, Any]:
+        """What this turn will change in the method's and the request's state, applied by :meth:`record`
+        only (a turn that fails before leaves the LFU counters and the gate decisions as they were)."""
+        return turn.scratch.setdefault(f"{self.name}.pending", {"decisions": {}, "reports": {}, "uses": []})
+
+    def _commit(self, turn: Turn) -> None:
+        pending = turn.scratch.pop(f"{self.name}.pending", None) or {
+            "decisions": {},
+            "reports": {},
+            "uses": [],
+        }
+        state = self._requests.get(turn.session)
+        state.decisions.update(pending["decisions"])
+        state.gate_reports.update(pending["reports"])
+        for anchor in pending["uses"]:
+            anchor.uses += 1
+        for edge in turn.scratch.get(self.name, {}).values():  # pools this turn read or wrote: most recent
+            self.pools.touch(edge.pool)
+
+    def _gate_report(self, turn: Turn, slot: str) -> tuple[int, list[float] | None]:
+        state = self._requests.get(turn.session)
+        return state.gate_reports.get(slot) or self._pending(turn)["reports"].get(slot, (0, None))
 
     def _decide(self, turn: Turn, slot: str, candidate: SegmentKV) -> GateDecision:
         state = self._requests.get(turn.session)
+        pending = self._pending(turn)
         decision = state.decisions.get(slot)
         if decision is None:
+            decision = pending["decisions"].get(slot)
+        if decision is None:
             decision, eligible, distances = self._gate(self._pool_key(turn, slot), candidate)
-            state.decisions[slot] = decision
-            state.gate_reports[slot] = (len(eligible), None if distances is None else distances.tolist())
+            pending["decisions"][slot] = decision
+            pending["reports"][slot] = (len(eligible), None if distances is None else distances.tolist())
+            if decision.accepted:
+                pending["uses"].extend(eligible[i] for i in usage_reference(decision.weights, USAGE_MASS))
         return decision
 
     def _plan(self, turn: Turn) -> None:
         """Decide every PH span of the turn before building (the turn is the unit of obeying)."""
-        state = self._requests.get(turn.session)
         edges = turn.scratch[self.name] = {}
         for span in turn.spans:
             if span.kind != "PH":
@@ -456,7 +491,7 @@ class KVCMAS(PrefixReuse, Method):
                 continue
             if self._gated(turn, span.name):
                 edge.decision = self._decide(turn, span.name, source)
-                edge.candidates, edge.distances = state.gate_reports.get(span.name, (0, None))
+                edge.candidates, edge.distances = self._gate_report(turn, span.name)
             pool = self.pools.get(edge.pool)
             anchor = pool.find(edge.origin) if pool is not None else None
             own = anchor is not None and turn.agent in anchor.deltas
@@ -548,8 +583,9 @@ class KVCMAS(PrefixReuse, Method):
             turn.shifter,
             skip_layer0=self.skip_layer0,
         )
-        for i in usage_crossing(edge.decision.weights, USAGE_MASS):
-            eligible[i].uses += 1
+        self._pending(turn)["uses"].extend(
+            eligible[i] for i in usage_crossing(edge.decision.weights, USAGE_MASS)
+        )
         info = {
             "gate": "accepted",
             "entropy": edge.decision.entropy,
@@ -569,6 +605,7 @@ class KVCMAS(PrefixReuse, Method):
         state = self._requests.get(turn.session)
         slots = turn.session.slots
         output = slots[turn.output_slot].latest
+        self._check_finite(turn, cache, output)  # before anything changes
         if output is not None and self.output_source == "producer":
             state.produced[turn.output_slot] = output
         edges = turn.scratch.get(self.name, {})
@@ -602,6 +639,21 @@ class KVCMAS(PrefixReuse, Method):
                 if span.kind == "PH":
                     state.versions[span.name] = state.versions.get(span.name, 0) + 1
         super().record(turn, cache)  # PrefixReuse: keep the agent's newly computed PF text
+        self._commit(turn)
+
+    def _check_finite(self, turn: Turn, cache, output: SegmentKV | None) -> None:
+        """Refuse non-finite K/V before it becomes a source or enters a pool (nothing changed yet)."""
+        if output is not None and self.output_source != "context_free":
+            output.check_finite(f"{self.name}: the output slot {turn.output_slot!r}")
+        edges = turn.scratch.get(self.name, {})
+        for span in turn.spans:
+            edge = edges.get(span.start) if span.kind == "PH" else None
+            if edge is None or edge.source is None:
+                continue
+            edge.source.check_finite(f"{self.name}: the source of PH slot {span.name!r}")
+            cache.extract(span.start, span.end).check_finite(
+                f"{self.name}: PH slot {span.name!r} of this turn"
+            )
 
     def _delta(self, edge: Edge, exact: SegmentKV, turn: Turn) -> tuple[FactoredKV, list[torch.Tensor]]:
         source_keys = canonical_keys(edge.source, turn.shifter)

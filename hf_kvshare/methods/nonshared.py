@@ -11,3 +11,4 @@ class NonShared(Method):
 
     name = "nonshared"
     uses_sources = False
+    repositions = False

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..hooks import thread_hook
+
 if TYPE_CHECKING:
     from ..cache import SharedCache
     from ..turn import Turn
@@ -109,9 +111,12 @@ class BoundaryRecorder:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[BoundaryRecorder]:
-        """Record while inside (hooks are removed on exit, also on error)."""
+        """Record while inside (hooks are removed on exit, also on error). Only calls made by this
+        thread are recorded: another thread running the same model meanwhile is not seen."""
         handles = [
-            self.stack.layers[layer].register_forward_pre_hook(self._hook(layer), with_kwargs=True)
+            self.stack.layers[layer].register_forward_pre_hook(
+                thread_hook(self._hook(layer)), with_kwargs=True
+            )
             for layer in self.layers
         ]
         try:

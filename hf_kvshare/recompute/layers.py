@@ -20,6 +20,7 @@ import torch
 
 from .._compat import decoder_layer_cache_kwarg
 from ..cache import SegmentedCache, SegmentKV
+from ..hooks import thread_hook
 from .selection import kv_deviation, received_attention
 from .stack import DecoderStack
 
@@ -222,7 +223,7 @@ class SegmentRecompute:
         handle = None
         if attention:
             handle = self.stack.query_source(layer_idx).register_forward_hook(
-                lambda module, args, output: query_box.__setitem__("q", output)
+                thread_hook(lambda module, args, output: query_box.__setitem__("q", output))
             )
         try:
             with torch.no_grad():

@@ -17,6 +17,7 @@ import inspect
 import torch
 
 from .._compat import attention_implementation, layer_types, sliding_window, text_config
+from ..hooks import thread_hook
 from ..rope import RopeShifter, find_rotary_module
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -89,7 +90,7 @@ class DecoderStack:
         def capture(module, args, kwargs):
             raise _LayerInput(args[0] if args else kwargs["hidden_states"])
 
-        handle = self.layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+        handle = self.layers[0].register_forward_pre_hook(thread_hook(capture), with_kwargs=True)
         try:
             with torch.no_grad():
                 self.decoder(input_ids=token_ids.to(self.device)[None], use_cache=False)

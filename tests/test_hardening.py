@@ -1,0 +1,306 @@
+"""Hardening (issue 13, items 1-7): threads, one model per method instance, caches bound to their
+model, finite K/V, failed turns that mutate nothing, bounded cross-request state, clear errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tiny import STEPS, tiny_model
+
+from hf_kvshare import METHODS, Session
+from hf_kvshare._compat import cache_kwargs
+
+# ---------------------------------------------------------------- 1. threads
+
+THREAD_METHODS = {
+    "nonshared": {},
+    "cacheblend": {"rho": 0.5},
+    "droidspeak": {"rho": 0.4, "layer_profile": [0.0, 2.0, 0.5, 1.0]},
+    "relaycaching": {"rho": 0.5},
+    "fullshared": {},
+    "kvcmas": {},
+    "kvcomm": {},
+    "graphflow": {},
+}
+
+
+def _workflow(model, tokenizer, method, request: int) -> list[list[int]]:
+    session = Session(model, tokenizer, METHODS[method](**THREAD_METHODS[method]))
+    out = []
+    for agent, segments in STEPS:
+        segments = [s for s in segments]
+        result = session.run_turn(agent, segments, max_new_tokens=4 + request % 3)
+        out.append(result.output_ids.tolist())
+    return out
+
+
+def test_sessions_on_one_model_in_threads_equal_a_sequential_run(tokenizer):
+    model = tiny_model("llama", seed=3, num_hidden_layers=4)
+    jobs = [(method, r) for r in range(2) for method in THREAD_METHODS]
+    expected = {job: _workflow(model, tokenizer, *job) for job in jobs}
+    got: dict = {}
+    errors: list = []
+    barrier = threading.Barrier(2)
+
+    def worker(my_jobs):
+        barrier.wait()
+        try:
+            for _ in range(2):
+                for job in my_jobs:
+                    got.setdefault(job, []).append(_workflow(model, tokenizer, *job))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(jobs[i::2],)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    wrong = [job for job, runs in got.items() if any(run != expected[job] for run in runs)]
+    assert not wrong, f"{len(wrong)} of {len(got)} requests differ from the sequential run: {wrong}"
+
+
+# ---------------------------------------------------------------- 2. one model per method instance
+
+
+@pytest.mark.parametrize("name", [n for n, c in METHODS.items() if not c.requires_adapters])
+def test_a_method_instance_refuses_a_second_model(name, tokenizer):
+    first, second = (
+        tiny_model("llama", seed=3, num_hidden_layers=4),
+        tiny_model("llama", seed=4, num_hidden_layers=4),
+    )
+    method = METHODS[name](**THREAD_METHODS.get(name, {}))
+    Session(first, tokenizer, method).run_turn(*STEPS[0], max_new_tokens=2)
+    with pytest.raises(ValueError, match="bound to .* cannot be used with"):
+        Session(second, tokenizer, method)
+    Session(first, tokenizer, method).run_turn(*STEPS[0], max_new_tokens=2)  # the first model still works
+
+
+# ---------------------------------------------------------------- 3. caches bound to their model
+
+
+def test_a_cache_refuses_another_model_in_generate(tokenizer):
+    four = tiny_model("llama", seed=3, num_hidden_layers=4)
+    three = tiny_model("llama", seed=3, num_hidden_layers=3)  # same head shape, one layer less
+    other = tiny_model("llama", seed=5, num_hidden_layers=4)  # same shape, other weights
+    cache, prompt = Session(four, tokenizer, "fullshared").build_cache(*STEPS[0])
+    for model in (three, other):
+        with pytest.raises(ValueError, match="cache/model mismatch"):
+            model.generate(input_ids=prompt, **cache_kwargs(cache.copy()), max_new_tokens=2, do_sample=False)
+    assert cache.get_seq_length() == prompt.shape[1] - 1  # refused before anything was written
+    with pytest.raises(ValueError, match="cache/model mismatch"):
+        cache.copy().append_dense(other, prompt[0, -1:])
+    # the same weights in another object are the same model
+    twin = tiny_model("llama", seed=3, num_hidden_layers=4)
+    out = twin.generate(input_ids=prompt, **cache_kwargs(cache.copy()), max_new_tokens=3, do_sample=False)
+    plain = four.generate(input_ids=prompt, max_new_tokens=3, do_sample=False)
+    assert out.tolist() == plain.tolist()
+
+
+# ---------------------------------------------------------------- 4./5. non-finite K/V, failed turns
+
+
+def _state(session, method) -> tuple:
+    """Everything a failed turn must leave as it was: slots, their K/V, turns, pools and counters."""
+    slots = tuple(
+        (name, slot.token_ids.tolist(), None if slot.latest is None else id(slot.latest))
+        for name, slot in sorted(session.slots.items())
+    )
+    pools = getattr(method, "pools", {})
+    anchors = tuple(
+        (key, tuple((a.serial, a.uses, tuple(sorted(a.deltas))) for a in pool))
+        for key, pool in sorted(pools.items())
+    )
+    profiles = tuple(sorted((k, tuple(p.requests)) for k, p in getattr(method, "profiles", {}).items()))
+    requests = getattr(method, "_requests", None)
+    decisions = None
+    if requests is not None:
+        state = requests.get(session)
+        decisions = (tuple(sorted(state.decisions)), tuple(sorted(state.gate_reports)))
+    return slots, len(session.turns), method.state_bytes(), anchors, profiles, decisions
+
+
+@pytest.mark.parametrize("name", ["fullshared", "kvcmas", "kvcomm"])
+def test_non_finite_kv_is_never_reused_or_pooled(name, tokenizer):
+    model = tiny_model("llama", seed=3, num_hidden_layers=4)
+    method = METHODS[name](**THREAD_METHODS.get(name, {}))
+    for _ in range(2):  # earlier requests: pools hold anchors
+        session = Session(model, tokenizer, method)
+        for agent, segments in STEPS:
+            session.run_turn(agent, segments, max_new_tokens=3)
+    session = Session(model, tokenizer, method)
+    session.run_turn(*STEPS[0], max_new_tokens=3)
+    session.slots["first"].latest.keys[2][..., 1, 0] = float(
+        "nan"
+    )  # the output's K/V: every method reuses it
+    before = _state(session, method)
+    with pytest.raises(ValueError, match=r"PH slot 'first'.*non-finite K/V .* layer 2 \(keys\)"):
+        session.run_turn(*STEPS[1], max_new_tokens=3)
+    assert _state(session, method) == before
+
+
+def test_non_finite_output_never_becomes_a_source_or_an_anchor(tokenizer):
+    model = tiny_model("llama", seed=3, num_hidden_layers=4)
+    with torch.no_grad():  # a model that yields inf K/V at layer 1 for every token
+        model.model.layers[1].self_attn.v_proj.bias = torch.nn.Parameter(torch.full((32,), float("inf")))
+    for name in ("kvcmas", "kvcomm", "graphflow"):
+        method = METHODS[name]()
+        session = Session(model, tokenizer, method)
+        before = _state(session, method)
+        with pytest.raises(ValueError, match=r"non-finite K/V .* layer 1 \(values\)"):
+            for agent, segments in STEPS[:2]:
+                session.run_turn(agent, segments, max_new_tokens=2)
+        assert (
+            method.state_bytes() == 0
+            and not getattr(method, "pools", {})
+            and not getattr(method, "profiles", {})
+        )
+        del before
+
+
+class _Boom(Exception):
+    pass
+
+
+def _boom(input_ids, scores):
+    raise _Boom("failed inside generate")
+
+
+@pytest.mark.parametrize(
+    "name, options, failing",
+    [
+        ("kvcomm", {"tau": 1.0}, 0),  # the query's first consumer gates it while building
+        ("kvcmas", {"tau": 1.0, "gate_scope": "edge"}, 1),  # every edge gated while building
+        ("kvcmas", {"tau": 1.0}, 1),
+        ("graphflow", {"calibration_requests": 1}, 1),
+    ],
+)
+def test_a_turn_failing_inside_generate_changes_nothing(name, options, failing, tokenizer):
+    model = tiny_model("llama", seed=3, num_hidden_layers=4)
+    method = METHODS[name](**options)
+    for _ in range(3):  # pools fill up; the gate (tau = 1) then accepts
+        session = Session(model, tokenizer, method)
+        for agent, segments in STEPS:
+            session.run_turn(agent, segments, max_new_tokens=3)
+    session = Session(model, tokenizer, method)
+    for agent, segments in STEPS[:failing]:
+        session.run_turn(agent, segments, max_new_tokens=3)
+    before = _state(session, method)
+    with pytest.raises(_Boom):
+        session.run_turn(*STEPS[failing], max_new_tokens=3, logits_processor=[_boom])
+    assert _state(session, method) == before
+    result = session.run_turn(*STEPS[failing], max_new_tokens=3)  # the same turn then runs normally
+    assert any(seg.provenance == "corrected" for seg in result.segments)
+
+
+# ---------------------------------------------------------------- 6. bounded state
+
+
+def test_lru_dict_keeps_the_most_recently_used_entries():
+    from hf_kvshare.anchors import LRUDict
+
+    pools = LRUDict(8)
+    for i in range(500):
+        pools[f"doc{i}"] = i
+        pools.touch("doc0")  # used on every request: never evicted
+        assert len(pools) <= 8
+    assert "doc0" in pools and list(pools)[-7:] == [f"doc{i}" for i in range(493, 500)][-6:] + ["doc0"]
+    assert pools.evicted == 500 - 8
+    _ = pools["doc495"]  # reading does not reorder
+    assert list(pools)[-1] == "doc0"
+    with pytest.raises(ValueError, match="int >= 1"):
+        LRUDict(0)
+
+
+@pytest.mark.parametrize(
+    "name, options, key",
+    [("kvcmas", {"max_pools": 3}, "pools"), ("graphflow", {"max_profiles": 4}, "profiles")],
+)
+def test_pools_and_profiles_per_instance_are_bounded(name, options, key, tokenizer):
+    from hf_kvshare import PF, PH
+
+    model = tiny_model("llama", seed=3, num_hidden_layers=2)
+    method = METHODS[name](**options)
+    for i in range(12):  # a new slot and agent name per request
+        session = Session(model, tokenizer, method)
+        session.run_turn(
+            f"writer{i}", [PF("Write.\n"), PH(f"doc{i}", f"text number {i}"), PF(":")], max_new_tokens=1
+        )
+        session.run_turn(
+            "reader", [PF("Read.\n"), PH(f"writer{i}"), PF(" and "), PH(f"doc{i}")], max_new_tokens=1
+        )
+    summary = method.state_summary()
+    bound = next(iter(options.values()))
+    assert summary[key] == len(getattr(method, key)) <= bound
+    assert summary[f"max_{key}"] == bound and summary[f"evicted_{key}"] > 0
+    assert summary["bytes"] == method.state_bytes()
+
+
+# ---------------------------------------------------------------- 7. clear errors
+
+
+def test_bad_segments_and_arguments_say_what_was_expected(tokenizer):
+    from hf_kvshare import PF, PH
+
+    with pytest.raises(TypeError, match=r"PF text must be a string; got 5 \(int\)"):
+        PF(5)
+    with pytest.raises(TypeError, match=r"PH slot must be a non-empty string .* got 3 \(int\)"):
+        PH(3, "text")
+    with pytest.raises(TypeError, match="PH text must be a string or None"):
+        PH("query", 7)
+    model = tiny_model("llama", seed=3)
+    session = Session(model, tokenizer, "fullshared")
+    with pytest.raises(ValueError, match=r"batch_size must be an int >= 1, got 2.5 \(float\)"):
+        session.build_cache(*STEPS[0], batch_size=2.5)
+    for bad in (None, 1.5, 0, True):
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be an int >= 1, got {bad!r}"):
+            session.run_turn(*STEPS[0], max_new_tokens=bad)
+    with pytest.raises(ValueError, match=r"force_output ids must be in \[0, 49152\).*\[49152, -1\]"):
+        session.run_turn(*STEPS[0], force_output=[5, 49152, -1])
+    with pytest.raises(ValueError, match="integer token ids"):
+        session.run_turn(*STEPS[0], force_output=[1.5])
+    assert session.slots == {} and session.turns == []
+
+
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("kvcmas", {"tau": "0.3"}, r"tau must be a real number in \[0, 1\], got '0.3' \(str\)"),
+        ("kvcmas", {"tau": True}, r"tau must be a real number in \[0, 1\], got True \(bool\)"),
+        ("kvcmas", {"temperature": float("nan")}, r"temperature must be a finite real number > 0, got nan"),
+        (
+            "kvcomm",
+            {"token_temperature": float("inf")},
+            r"token_temperature must be a finite real number > 0",
+        ),
+        ("graphflow", {"rank": True}, r"rank must be a positive int or None \(dense\), got True"),
+        ("graphflow", {"calibration_requests": True}, r"calibration_requests must be an int >= 1, got True"),
+        ("droidspeak", {"layer_profile": [1.0, float("inf"), 0.0]}, r"finite numbers \(no NaN or inf\)"),
+        ("kvcmas", {"max_pools": 0}, r"max_pools must be an int >= 1, got 0"),
+        (
+            "cacheblend",
+            {"rhoo": 0.5},
+            r"method 'cacheblend' has no option 'rhoo'; its options: rho, check_layers",
+        ),
+    ],
+)
+def test_bad_method_options_say_what_was_expected(name, options, message):
+    from hf_kvshare.method import get_method
+
+    with pytest.raises(ValueError, match=message):
+        get_method(name, **options)
+
+
+def test_generate_on_a_consumed_cache_with_a_one_token_prompt_is_refused(tokenizer):
+    from hf_kvshare import PF
+    from hf_kvshare.cache import PositionMismatchError
+
+    model = tiny_model("llama", seed=3)
+    cache, prompt = Session(model, tokenizer, "fullshared").build_cache("a", [PF("Hi")])
+    assert prompt.shape == (1, 1)
+    model.generate(input_ids=prompt, **cache_kwargs(cache), max_new_tokens=2, do_sample=False)
+    with pytest.raises(PositionMismatchError, match="no token to feed.*already used by a generate call"):
+        model.generate(input_ids=prompt, **cache_kwargs(cache), max_new_tokens=2, do_sample=False)
