@@ -255,7 +255,7 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     value = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:  # torch.int4 is a dtype too
         raise ValueError(f"unknown dtype {dtype!r}; expected e.g. 'float32', 'bfloat16', 'float16'")
     return value
 

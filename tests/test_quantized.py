@@ -314,3 +314,73 @@ def test_device_map_with_disk_offload_equals_plain_generate(tiny_dir, tmp_path, 
         last = _assert_exact_case(model, tok, method)
         if method == "fullshared":
             assert last.reuse_ratio > 0
+
+
+# ------------------------------------------------------------------ command line (bench, demo)
+def _bench(*argv) -> int:
+    from hf_kvshare.bench.__main__ import main
+
+    return main([str(a) for a in argv])
+
+
+@needs_bnb
+def test_bench_runs_the_autoact_workload_on_a_4bit_base(tmp_path, tokenizer):
+    """QLoRA agents in the bench: the AutoAct role adapters on a 4-bit base; the quantization is in
+    config.json and in the configuration's directory name."""
+    import json
+
+    from bench_helpers import save_random_adapters, save_tiny
+
+    model_dir = save_tiny(tmp_path / "tiny", tokenizer)
+    adapters = save_random_adapters(tmp_path / "adapters")
+    rc = _bench(
+        "run", "--workload", "autoact", "--limit", "1", "--max-new-tokens", "3",
+        "--methods", "nonshared", "prelrshared", "--model", model_dir, "--load-in-4bit",
+        *[f"--adapter={name}={path}" for name, path in adapters.items()],
+        "--out", tmp_path / "out", "--no-progress", "--no-plots", "--no-erank",
+    )  # fmt: skip
+    assert rc == 0
+    (config_dir,) = [d for d in (tmp_path / "out").iterdir() if (d / "config.json").exists()]
+    assert "-default-4bit-nf4-cpu-seed0" in config_dir.name
+    summary = json.loads((config_dir / "prelrshared" / "summary.json").read_text())
+    assert summary["config"]["quantization"] == "4bit-nf4" and "device_map" not in summary["config"]
+    assert summary["turns"] == 8 and summary["agreement"] > 0
+
+
+def test_bench_model_options_are_checked_before_loading(tmp_path, capsys):
+    common = ["run", "--workload", "trace", "--model", tmp_path / "no-model", "--out", tmp_path]
+    for extra, message in (
+        (["--load-in-4bit", "--load-in-8bit"], "not both"),
+        (["--bnb-4bit-quant-type", "fp4"], "needs --load-in-4bit"),
+        (["--device", "cuda", "--device-map", "auto"], "give one of them"),
+        (["--device-map", "{not json"], "not a JSON object"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            _bench(*common, *extra)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_model_arguments_and_run_config_name(tmp_path):
+    import argparse
+
+    from hf_kvshare.bench.runner import RunConfig
+    from hf_kvshare.bench.workloads import make_workload
+    from hf_kvshare.models import add_model_arguments, model_arguments, quantization_tag
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    args = parser.parse_args(["--load-in-4bit", "--bnb-4bit-quant-type", "fp4", "--dtype", "bfloat16"])
+    if _PROBLEM is None or "not installed" not in _PROBLEM:
+        kwargs = model_arguments(args)
+        assert kwargs == dict(dtype=torch.bfloat16, load_in_4bit=True, bnb_4bit_quant_type="fp4")
+        assert quantization_tag(kwargs) == "4bit-fp4"
+    placed = model_arguments(parser.parse_args(["--device-map", '{"model": "cpu", "lm_head": "disk"}']))
+    assert placed["device_map"] == {"model": "cpu", "lm_head": "disk"} and placed["offload_folder"]
+    with pytest.raises(ValueError, match="unknown dtype 'int4'"):
+        model_arguments(parser.parse_args(["--dtype", "int4"]))
+    workload = make_workload("trace")
+    plain = RunConfig(workload.name, workload.params(), model="m")
+    quant = RunConfig(workload.name, workload.params(), model="m", quantization="8bit", device_map="auto")
+    assert "quantization" not in plain.to_dict() and quant.to_dict()["quantization"] == "8bit"
+    assert plain.directory_name(workload).endswith("__m-default-cpu-seed0")
+    assert quant.directory_name(workload).endswith("__m-default-8bit-cpu-dm_auto-seed0")
