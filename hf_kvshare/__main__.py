@@ -22,7 +22,7 @@ def demo(argv: list[str]) -> int:
     from .bench.report import format_table
     from .evaluation import compare_methods, demo_workflow
     from .methods import METHODS
-    from .models import DEFAULT_MODEL, load_model
+    from .models import DEFAULT_MODEL, add_model_arguments, load_model, model_arguments
 
     parser = argparse.ArgumentParser(
         prog="python -m hf_kvshare demo", description="4-agent workflow, methods side by side"
@@ -35,13 +35,20 @@ def demo(argv: list[str]) -> int:
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or local path")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    add_model_arguments(
+        parser
+    )  # --dtype, --load-in-4bit, --load-in-8bit, --bnb-4bit-quant-type, --device-map
     args = parser.parse_args(argv)
+    try:
+        loading = model_arguments(args)  # checked before the model loads
+    except (ValueError, ImportError) as e:
+        parser.error(str(e))
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         parser.error(f"unknown method(s) {unknown}; registered: {', '.join(sorted(METHODS))}")
 
     print(f"loading {args.model} ...", file=sys.stderr)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, **loading)
     reports = compare_methods(
         model, tok, lambda: demo_workflow(tok, max_new_tokens=args.max_new_tokens), args.methods
     )

@@ -392,7 +392,7 @@ class SegmentedCache(DynamicCache):
         self.bind_model(model)
         if n == 0:
             return None
-        device = _model_device(model)
+        device = model_input_device(model)
         positions = torch.arange(start, start + n, device=device)[None].expand(input_ids.shape[0], -1)
         with torch.no_grad():
             out = model(
@@ -857,11 +857,20 @@ def _pytree_unflatten(cls: type[SegmentedCache], values: list, context: Any) -> 
     return cache
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def model_input_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's ``input_ids`` go: the device of its input embeddings (with an accelerate
+    ``device_map`` the layers may sit on other devices, or on ``meta`` when offloaded to disk; per-layer
+    tensors stay on their layer's device). Falls back to ``model.device`` / the first parameter."""
+    get = getattr(model, "get_input_embeddings", None)
+    embeddings = get() if callable(get) else None
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+        return weight.device
     try:
-        return model.device
+        device = model.device
     except AttributeError:
-        return next(model.parameters()).device
+        device = next(model.parameters()).device
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def _fmt(value: Any) -> str:

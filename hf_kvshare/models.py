@@ -66,6 +66,10 @@ def load_model(
     *,
     dtype: torch.dtype | str | None = None,
     device_map: Any = None,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+    bnb_4bit_quant_type: str = "nf4",
+    bnb_4bit_compute_dtype: torch.dtype | str | None = None,
     **from_pretrained_kwargs: Any,
 ):
     """Load ``(model, tokenizer)`` in eval mode.
@@ -74,28 +78,53 @@ def load_model(
     dequantized from Q4_1 GGUF to fp32 on CPU, fully offline. The first load converts it (~20 s)
     and keeps a safetensors copy under ``$HF_KVSHARE_CACHE`` (default ``~/.cache/hf_kvshare``)
     so later loads take about a second. ``"gemma3-270m"`` (the ``gemma3`` extra) is the Gemma 3
-    270M base model (no chat template: give segments as PF/PH) from a Q4_K_M GGUF, the same way. Anything else is passed to ``from_pretrained`` (a hub
-    id or a local directory) with ``dtype`` and ``device_map``.
+    270M base model (no chat template: give segments as PF/PH) from a Q4_K_M GGUF, the same way.
+    Anything else is passed to ``from_pretrained`` (a hub id or a local directory).
+
+    Args:
+        dtype: the dtype of the weights (of the unquantized ones, with ``load_in_*``): ``"float32"``,
+            ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``; default the checkpoint's (fp32 for the
+            embedded models).
+        device_map: accelerate's placement (``"auto"``, ``"cpu"``, ``"cuda:0"``, or a dict
+            ``{module name: device | "cpu" | "disk"}``; with ``"disk"`` entries give
+            ``offload_folder=``).
+        load_in_4bit / load_in_8bit: quantize the linear layers with bitsandbytes (a
+            ``BitsAndBytesConfig`` built from these and the ``bnb_4bit_*`` options; the
+            ``bitsandbytes`` package, ``pip install "bitsandbytes>=0.46.1"``, runs on CPU too). The
+            embedded models are quantized on load from their fp32 copy.
+        bnb_4bit_quant_type: ``"nf4"`` or ``"fp4"`` (4-bit only).
+        bnb_4bit_compute_dtype: the dtype of 4-bit matmuls; default ``dtype`` (else float32).
+        **from_pretrained_kwargs: anything else ``from_pretrained`` takes (``quantization_config``,
+            ``offload_folder``, ``revision``, ...); for the embedded models too.
+
+    >>> model, tok = load_model("smollm2-135m", load_in_4bit=True)  # doctest: +SKIP
+    >>> model.get_memory_footprint()  # doctest: +SKIP
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = _as_dtype(dtype) if dtype is not None else None  # fail before any loading
-    if name_or_path in EMBEDDED_MODELS:
-        if device_map is not None or from_pretrained_kwargs:
-            raise ValueError(
-                f"the embedded model {name_or_path!r} loads on CPU without extra options; "
-                f"got device_map={device_map!r}, {sorted(from_pretrained_kwargs)}"
-            )
-        model, tok = _load_embedded(name_or_path)
-        if dtype is not None:
-            model = model.to(dtype)
-        return model.eval(), tok
-
+    quantization = quantization_config(
+        load_in_4bit=load_in_4bit,
+        load_in_8bit=load_in_8bit,
+        bnb_4bit_quant_type=bnb_4bit_quant_type,
+        bnb_4bit_compute_dtype=bnb_4bit_compute_dtype,
+        dtype=dtype,
+        given=from_pretrained_kwargs.get("quantization_config"),
+    )
     kwargs = dict(from_pretrained_kwargs)
-    if dtype is not None:
-        kwargs["dtype"] = dtype
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if name_or_path in EMBEDDED_MODELS:
+        if not kwargs:  # the plain fp32 model (as converted), cast if asked
+            model, tok = _load_embedded(name_or_path)
+            if dtype is not None:
+                model = model.to(dtype)
+            return model.eval(), tok
+        name_or_path = str(_embedded_dir(name_or_path))  # quantized / placed: from the fp32 copy
+    if dtype is not None:
+        kwargs["dtype"] = dtype
     tok = AutoTokenizer.from_pretrained(
         name_or_path, **{k: v for k, v in kwargs.items() if k in _TOKENIZER_KEYS}
     )
@@ -103,7 +132,82 @@ def load_model(
     return model.eval(), tok
 
 
+#: what ``pip`` command installs bitsandbytes (transformers 5.24 refuses older releases)
+BNB_INSTALL = 'pip install "bitsandbytes>=0.46.1"  (or: pip install -e ".[bnb]")'
+BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
+
+
+def quantization_config(
+    *,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+    bnb_4bit_quant_type: str = "nf4",
+    bnb_4bit_compute_dtype: torch.dtype | str | None = None,
+    dtype: torch.dtype | None = None,
+    given: Any = None,
+):
+    """The ``BitsAndBytesConfig`` that ``load_model``'s ``load_in_4bit`` / ``load_in_8bit`` stand for
+    (``None`` without them). Checks the options and that bitsandbytes is installed, before any loading."""
+    if load_in_4bit and load_in_8bit:
+        raise ValueError("load_in_4bit and load_in_8bit: give one of them, not both")
+    if not (load_in_4bit or load_in_8bit):
+        if bnb_4bit_quant_type != "nf4" or bnb_4bit_compute_dtype is not None:
+            raise ValueError(
+                f"bnb_4bit_quant_type={bnb_4bit_quant_type!r} / bnb_4bit_compute_dtype="
+                f"{bnb_4bit_compute_dtype!r} need load_in_4bit=True"
+            )
+        if given is not None and type(given).__name__ == "BitsAndBytesConfig":
+            require_bitsandbytes("quantization_config=BitsAndBytesConfig(...)")
+        return None
+    if given is not None:
+        raise ValueError(
+            "load_in_4bit / load_in_8bit build a BitsAndBytesConfig; a quantization_config was given too "
+            f"({type(given).__name__}): give one or the other"
+        )
+    if load_in_8bit and (bnb_4bit_quant_type != "nf4" or bnb_4bit_compute_dtype is not None):
+        raise ValueError(
+            "bnb_4bit_quant_type / bnb_4bit_compute_dtype apply to load_in_4bit, not load_in_8bit"
+        )
+    if bnb_4bit_quant_type not in BNB_4BIT_QUANT_TYPES:
+        raise ValueError(
+            f"bnb_4bit_quant_type must be one of {BNB_4BIT_QUANT_TYPES}, got {bnb_4bit_quant_type!r}"
+        )
+    compute = _as_dtype(bnb_4bit_compute_dtype) if bnb_4bit_compute_dtype is not None else None
+    require_bitsandbytes("load_in_4bit" if load_in_4bit else "load_in_8bit")
+    from transformers import BitsAndBytesConfig
+
+    if load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=bnb_4bit_quant_type,
+        bnb_4bit_compute_dtype=compute or dtype or torch.float32,
+    )
+
+
+def require_bitsandbytes(what: str) -> None:
+    """``ImportError`` naming the pip command when the bitsandbytes package is not installed."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(f"{what} needs the bitsandbytes package, which is not installed: {BNB_INSTALL}")
+
+
 _TOKENIZER_KEYS = {"revision", "token", "trust_remote_code", "local_files_only", "cache_dir", "gguf_file"}
+
+
+def _embedded_dir(name: str) -> Path:
+    """The directory of an embedded model's fp32 safetensors copy (converted now if missing; a temporary
+    directory when ``$HF_KVSHARE_CACHE`` is read-only), for ``from_pretrained`` with extra options."""
+    converted = _converted_dir(name)
+    if not (converted / "config.json").exists():
+        _load_embedded(name)
+    if (converted / "config.json").exists():
+        return converted
+    import tempfile
+
+    model, tok = _load_embedded(name)
+    tmp = Path(tempfile.mkdtemp(prefix=f"hf_kvshare-{name}-"))
+    _save_plain_copy(model, tok, tmp)
+    return tmp
 
 
 def _load_embedded(name: str):
@@ -151,6 +255,76 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     value = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:  # torch.int4 is a dtype too
         raise ValueError(f"unknown dtype {dtype!r}; expected e.g. 'float32', 'bfloat16', 'float16'")
     return value
+
+
+# ------------------------------------------------------------------ command-line options (demo, bench)
+def add_model_arguments(parser: Any, *, dtype: bool = True) -> None:
+    """Add the model-loading options the demo and the bench share to ``parser`` (or an argument group):
+    ``--load-in-4bit``, ``--load-in-8bit``, ``--bnb-4bit-quant-type``, ``--device-map`` and, with
+    ``dtype=True``, ``--dtype``. :func:`model_arguments` turns them into ``load_model`` keywords."""
+    if dtype:
+        parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the model's)")
+    parser.add_argument(
+        "--load-in-4bit", action="store_true", help=f"4-bit bitsandbytes weights (CPU too; {BNB_INSTALL})"
+    )
+    parser.add_argument("--load-in-8bit", action="store_true", help="8-bit bitsandbytes weights (CPU too)")
+    parser.add_argument(
+        "--bnb-4bit-quant-type",
+        choices=BNB_4BIT_QUANT_TYPES,
+        default="nf4",
+        help="4-bit data type (default nf4); the compute dtype is --dtype (default float32)",
+    )
+    parser.add_argument(
+        "--device-map",
+        default=None,
+        help='accelerate placement: auto, cpu, cuda:0, ... or a JSON object {"module": "cpu"|"disk"|0, ...} '
+        "(disk entries offload to a temporary folder)",
+    )
+
+
+def model_arguments(args: Any) -> dict[str, Any]:
+    """``load_model`` keywords from the options of :func:`add_model_arguments` (checked here, before
+    any loading: a ``ValueError`` / ``ImportError`` says what is wrong)."""
+    import json
+
+    kwargs: dict[str, Any] = {}
+    if getattr(args, "dtype", None) is not None:
+        kwargs["dtype"] = _as_dtype(args.dtype)
+    if args.load_in_4bit or args.load_in_8bit:
+        quantization_config(  # checks the combination and that bitsandbytes is installed
+            load_in_4bit=args.load_in_4bit,
+            load_in_8bit=args.load_in_8bit,
+            bnb_4bit_quant_type=args.bnb_4bit_quant_type if args.load_in_4bit else "nf4",
+        )
+        kwargs["load_in_4bit" if args.load_in_4bit else "load_in_8bit"] = True
+        if args.load_in_4bit:
+            kwargs["bnb_4bit_quant_type"] = args.bnb_4bit_quant_type
+    elif args.bnb_4bit_quant_type != "nf4":
+        raise ValueError(f"--bnb-4bit-quant-type {args.bnb_4bit_quant_type} needs --load-in-4bit")
+    if args.device_map is not None:
+        device_map: Any = args.device_map
+        if device_map.lstrip().startswith("{"):
+            try:
+                device_map = json.loads(device_map)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--device-map: not a JSON object ({e}): {args.device_map!r}") from None
+            if not isinstance(device_map, dict):
+                raise ValueError(f"--device-map: expected a JSON object, got {args.device_map!r}")
+            if "disk" in device_map.values():
+                import tempfile
+
+                kwargs["offload_folder"] = tempfile.mkdtemp(prefix="hf_kvshare-offload-")
+        kwargs["device_map"] = device_map
+    return kwargs
+
+
+def quantization_tag(load_kwargs: dict[str, Any]) -> str | None:
+    """A short name of the quantization in ``load_model`` keywords: ``"4bit-nf4"``, ``"8bit"``, or ``None``."""
+    if load_kwargs.get("load_in_8bit"):
+        return "8bit"
+    if load_kwargs.get("load_in_4bit"):
+        return f"4bit-{load_kwargs.get('bnb_4bit_quant_type', 'nf4')}"
+    return None

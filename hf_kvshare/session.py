@@ -16,7 +16,7 @@ import torch
 from . import methods  # noqa: F401  (registers the built-in methods)
 from ._compat import cache_kwargs, is_peft_model
 from .agents import agent_adapter, check_agent_adapter
-from .cache import SharedCache
+from .cache import SharedCache, model_input_device
 from .measure import FirstTokenTimer, PeakMemory, synchronize
 from .method import Method, get_method
 from .rope import RopeShifter
@@ -59,10 +59,8 @@ class Session:
 
     @property
     def device(self) -> torch.device:
-        try:
-            return self.model.device
-        except AttributeError:
-            return next(self.model.parameters()).device
+        """Where the prompt goes: the input embeddings' device (layers may sit elsewhere: device_map)."""
+        return model_input_device(self.model)
 
     # -------------------------------------------------------------- preparing
     def held_bytes(self) -> int:

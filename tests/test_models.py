@@ -19,11 +19,23 @@ def test_local_directory_with_dtype(tmp_path, tokenizer):
     assert r.output_ids.numel() >= 1
 
 
-def test_bad_dtype_and_embedded_options():
+def test_bad_dtype():
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model("smollm2-135m", dtype="float7")
-    with pytest.raises(ValueError, match="without extra options"):
-        load_model("smollm2-135m", device_map="auto")
+
+
+@pytest.mark.real_model
+def test_embedded_model_quantized_on_load():
+    """``load_model("smollm2-135m", load_in_4bit=True)`` quantizes the embedded fp32 copy's linear layers."""
+    bnb = pytest.importorskip("bitsandbytes")
+    model, tok = load_model("smollm2-135m", load_in_4bit=True)
+    assert isinstance(model.model.layers[0].self_attn.k_proj, bnb.nn.Linear4bit)
+    assert model.config.quantization_config.load_in_4bit and not model.training
+    assert model.get_memory_footprint() < 0.5 * 4 * model.num_parameters()  # fp32: 4 bytes a parameter
+    s = Session(model, tok, "fullshared")
+    s.run_turn("a", [PH("q", "Name three colors."), "\nA:"], max_new_tokens=3)
+    r = s.run_turn("b", ["You are terse.\n", PH("q"), "\nB:"], max_new_tokens=3)
+    assert r.reuse_ratio == 1.0
 
 
 def test_missing_local_path():

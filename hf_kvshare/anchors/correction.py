@@ -93,11 +93,11 @@ def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int)
                 r = a.shape[1]
                 cross = (projected[:, offset : offset + r].double() * a.double()).sum()
                 quad = ((a.T @ a).double() * (b @ b.T).double()).sum()
-                total[i] += norm - 2 * cross + quad
+                total[i] += (norm - 2 * cross + quad).to(device)  # layers may sit on other devices
                 offset += r
         for i, f in enumerate(factors):
             if f.dense:
-                total[i] += (v - f.a[:rows].to(work)).double().pow(2).sum()
+                total[i] += (v - f.a[:rows].to(work)).double().pow(2).sum().to(device)
     return total.clamp_min(0).sqrt().cpu()
 
 
@@ -123,7 +123,7 @@ def token_distances(
         features += src_v.shape[1]
         for src, acc, pick in ((src_k, key_abs, "keys"), (src_v, value_abs, "values")):
             recon = _reconstruct_all([getattr(a.base, pick)[layer] for a in anchors], rows)
-            acc += (recon - src).abs().sum(-1).double()
+            acc += (recon - src).abs().sum(-1).double().to(device)  # per-layer devices (device_map)
     return (key_abs / features).cpu(), (value_abs / features).cpu()
 
 

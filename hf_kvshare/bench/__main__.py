@@ -56,12 +56,13 @@ def _add_workload_options(p: argparse.ArgumentParser, sweep: bool = True) -> Non
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    from ..models import DEFAULT_MODEL
+    from ..models import DEFAULT_MODEL, add_model_arguments
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL, help="load_model name (embedded), hub id or local path")
     g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the model's)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    add_model_arguments(g, dtype=False)  # --load-in-4bit, --load-in-8bit, --bnb-4bit-quant-type, --device-map
     g.add_argument(
         "--adapter",
         action="append",
@@ -113,8 +114,36 @@ def _adapters(items: list[str]) -> dict[str, str]:
     return adapters
 
 
-def load_bench_model(name: str, dtype: str | None, device: str, adapters: dict[str, str], threads=None):
-    """``load_model`` plus the device, the CPU threads and the PEFT adapters, in eval mode."""
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``load_model`` keywords of ``--load-in-4bit`` / ``--load-in-8bit`` / ``--bnb-4bit-quant-type`` /
+    ``--device-map`` (``--dtype`` and ``--device`` are passed on their own); ``SystemExit(2)`` with one line
+    on a bad combination, before the model loads."""
+    from ..models import model_arguments
+
+    try:
+        kwargs = model_arguments(argparse.Namespace(**{**vars(args), "dtype": None}))
+    except (ValueError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if "device_map" in kwargs and args.device != "cpu":
+        print(f"error: --device {args.device} and --device-map: give one of them", file=sys.stderr)
+        raise SystemExit(2)
+    return kwargs
+
+
+def run_config_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What the model-loading options add to a ``RunConfig`` (config.json and the directory name)."""
+    from ..models import quantization_tag
+
+    return {"quantization": quantization_tag(load_options(args)), "device_map": args.device_map}
+
+
+def load_bench_model(
+    name: str, dtype: str | None, device: str, adapters: dict[str, str], threads=None, **load_kwargs: Any
+):
+    """``load_model`` plus the device, the CPU threads and the PEFT adapters, in eval mode. ``load_kwargs``
+    (:func:`load_options`) go to ``load_model``; a quantized model is placed with ``device_map=device``
+    (bitsandbytes weights are not moved with ``.to``)."""
     import torch
 
     from ..agents import load_adapters
@@ -130,8 +159,15 @@ def load_bench_model(name: str, dtype: str | None, device: str, adapters: dict[s
             raise SystemExit(f"{where}: the directory has no adapter_config.json (a PEFT adapter)")
         if not Path(path).exists() and (os.sep in path or path.startswith(".")):
             raise SystemExit(f"{where}: no such directory (expected a PEFT adapter dir or hub id)")
-    model, tok = load_model(name, dtype=dtype)
-    if device != "cpu":
+    placed = "device_map" in load_kwargs
+    if (
+        not placed
+        and device != "cpu"
+        and (load_kwargs.get("load_in_4bit") or load_kwargs.get("load_in_8bit"))
+    ):
+        load_kwargs, placed = {**load_kwargs, "device_map": device}, True
+    model, tok = load_model(name, dtype=dtype, **load_kwargs)
+    if device != "cpu" and not placed:
         model = model.to(device)
     return (load_adapters(model, adapters) if adapters else model), tok
 
@@ -210,10 +246,12 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     except (ValueError, TypeError) as e:
         p.error(str(e))
     adapters = _adapters(args.adapter)
+    loading = load_options(args)
     print(f"loading {args.model} ...", file=sys.stderr)
-    model, tok = load_bench_model(args.model, args.dtype, args.device, adapters, args.threads)
+    model, tok = load_bench_model(args.model, args.dtype, args.device, adapters, args.threads, **loading)
     runners = []
     options = _pick(args, "model", "dtype", "device", "seed", "execute", "exec_timeout", "warmup", "state_in")
+    options.update(run_config_options(args))
     fidelity = not args.no_fidelity
     options.update(fidelity=fidelity, erank=fidelity and not args.no_erank, adapters=adapters)
     for workload in workloads:
@@ -329,7 +367,9 @@ def cmd_calibrate(argv: list[str]) -> int:
         p.error(
             "--warmup applies to tau calibration (pools filling up); an offline profile has no state to warm"
         )
-    model, tok = load_bench_model(args.model, args.dtype, args.device, _adapters(args.adapter), args.threads)
+    model, tok = load_bench_model(
+        args.model, args.dtype, args.device, _adapters(args.adapter), args.threads, **load_options(args)
+    )
     tasks = workload.tasks(tok, args.seed)
     out = Path(args.out) / "calibration"
     common = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}

@@ -51,6 +51,8 @@ class RunConfig:
     warmup: int = 0  # the first requests run through every method unrecorded (pools fill up)
     #: directory of saved method states every method starts from (``<state_in>/<method tag>/``)
     state_in: str | None = None
+    quantization: str | None = None  # bitsandbytes: "8bit", "4bit-nf4", "4bit-fp4" (models.quantization_tag)
+    device_map: str | None = None  # accelerate placement as given on the command line (--device-map)
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
@@ -60,10 +62,9 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = {**asdict(self), "adapters": dict(sorted(self.adapters.items()))}
-        if not self.warmup:
-            del data["warmup"]  # runs without one keep their config
-        if self.state_in is None:
-            del data["state_in"]
+        for key in ("warmup", "quantization", "device_map", "state_in"):
+            if not data[key]:
+                del data[key]  # runs without one keep their config (and their directory)
         return data
 
     def directory_name(self, workload: Workload) -> str:
@@ -74,7 +75,18 @@ class RunConfig:
         if self.state_in is not None:  # warm-started: never mixed with a cold run's directory
             digest = hashlib.sha256(os.path.abspath(self.state_in).encode()).hexdigest()[:8]
             warmup += f"-S{digest}"
-        return f"{workload.tag()}{warmup}__{model_tag}-{dtype}-{self.device}-seed{self.seed}"
+        quant = f"-{self.quantization}" if self.quantization else ""
+        placement = f"-dm_{_device_map_tag(self.device_map)}" if self.device_map else ""
+        return (
+            f"{workload.tag()}{warmup}__{model_tag}-{dtype}{quant}-{self.device}{placement}-seed{self.seed}"
+        )
+
+
+def _device_map_tag(device_map: str) -> str:
+    """``auto`` / ``cuda_0`` as they are; a JSON placement by a short hash of its text."""
+    if device_map.lstrip().startswith("{"):
+        return hashlib.sha1(device_map.encode()).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", device_map)
 
 
 def environment() -> dict[str, Any]:

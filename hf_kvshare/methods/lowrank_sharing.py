@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..agents import BASE_ROW
-from ..cache import Segment, config_signature
+from ..cache import Segment, config_signature, model_input_device
 from ..lora.adapters import LoraBank
 from ..lora.cache import BaseLRCache
 from ..lora.capture import KVCapture
@@ -228,7 +228,13 @@ class LowRankSharing(Method):
                     stacklevel=2,
                 )
             keys, values, source = neutral_prefill(
-                model, store, bank, state.rope, new_ids.to(_device(model)), shared, self.materialize
+                model,
+                store,
+                bank,
+                state.rope,
+                new_ids.to(model_input_device(model)),
+                shared,
+                self.materialize,
             )
             source_row, source_offset = 0, 0
         else:  # double batching: row 1 is the adapter-free path
@@ -320,7 +326,3 @@ def _join(a: LayerChunks, b: LayerChunks) -> LayerChunks:
         return None if x is None else torch.cat([x, y], dim=1)
 
     return [cat(x, y) for x, y in zip(a[0], b[0])], [cat(x, y) for x, y in zip(a[1], b[1])]
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device

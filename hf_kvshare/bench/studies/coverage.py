@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     if {"-h", "--help"} & set(argv):
         study.print_help()  # then bench run's options
     else:
-        model, tok = cli.load_bench_model(args.model, args.dtype, args.device, {}, args.threads)
+        model, tok = cli.load_bench_model(
+            args.model, args.dtype, args.device, {}, args.threads, **cli.load_options(args)
+        )
         tasks = workload.tasks(tok, args.seed)
         meta = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}
         cli.save_profile(model, tok, tasks, MethodSpec("droidspeak"), profile, meta, not args.no_progress)

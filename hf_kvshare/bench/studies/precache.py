@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ...cache import model_input_device
 from ..workloads.autoact_world import ROLES
 from . import TableCollector, run_study
 
@@ -54,7 +55,7 @@ class AdapterFree(TableCollector):
     def collect(self, runner, task, index, run) -> None:
         model = runner.model
         for turn in run.free[run.reference][: self.count]:
-            ids = turn.prompt_ids[None].to(next(model.parameters()).device)
+            ids = turn.prompt_ids[None].to(model_input_device(model))
             n = max(int(turn.output_ids.numel()), 1)
             with torch.no_grad(), model.disable_adapter():
                 out = model.generate(
