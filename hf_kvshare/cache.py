@@ -513,7 +513,7 @@ class SegmentedCache(DynamicCache):
             return False
         start = self.get_seq_length()
         end = parts[-1].segment.end
-        device = _model_device(model)
+        device = model_input_device(model)
         batch = max(p.token_ids.shape[0] for p in parts if p.dense)
         placed = [p.kv if p.dense else p.kv.repositioned(shifter, p.segment.start) for p in parts]
         reference = next(kv for kv, p in zip(placed, parts) if not p.dense)
