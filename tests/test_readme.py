@@ -57,3 +57,30 @@ def test_the_old_keyword_still_warns_here(tiny_llama, tokenizer):
     cache, ids = session.build_cache("a", [hf_kvshare.PF("Hello there, agent.")])
     with pytest.warns(FutureWarning):
         tiny_llama.generate(input_ids=ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+
+
+def test_readme_tells_a_new_user_what_the_first_load_and_the_tests_cost():
+    from hf_kvshare.models import _cache_root
+
+    assert "~/.cache/hf_kvshare" in README and "HF_KVSHARE_CACHE" in README and " MB" in README
+    assert "--index-url https://download.pytorch.org/whl/cpu" in README
+    assert "fast lane" in README and "min" in README
+    # the variable the README names is the one load_model reads
+    import os
+
+    old = os.environ.get("HF_KVSHARE_CACHE")
+    os.environ["HF_KVSHARE_CACHE"] = "/elsewhere/cache"
+    try:
+        assert str(_cache_root()) == "/elsewhere/cache"
+    finally:
+        os.environ.pop("HF_KVSHARE_CACHE") if old is None else os.environ.update(HF_KVSHARE_CACHE=old)
+
+
+def test_readme_demo_lines_differ_and_name_runnable_methods():
+    from hf_kvshare.cli import demo_methods
+
+    lines = [line.split("#")[0].split() for line in README.splitlines() if line.startswith("hf-kvshare demo")]
+    assert len(lines) == 2 and lines[0] != lines[1]
+    methods = lines[1][lines[1].index("--methods") + 1 :]
+    methods = methods[: next((i for i, m in enumerate(methods) if m.startswith("--")), len(methods))]
+    assert len(methods) >= 2 and all(m.partition(":")[0] in demo_methods() for m in methods)
