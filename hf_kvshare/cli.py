@@ -137,11 +137,12 @@ def demo(argv: list[str], prog: str = f"{PROG} demo") -> int:
     print()
     print(format_table(rows, DEMO_COLUMNS))
     print("\nper turn (teacher-forced on NonShared's outputs):")
+    width = max(len(name) for name in reports)
     for name, report in reports.items():
         cells = "  ".join(
             f"{r['agent']}: agree {r['agreement']:.2f} kv-err {r['kv_error']:.3f}" for r in report.per_turn
         )
-        print(f"  {name:<12} {cells}")
+        print(f"  {name:<{width}} {cells}")
     return 0
 
 
