@@ -571,11 +571,11 @@ def test_realized_rho_skips_warmup_requests(tiny_dir):
         realized_rho(model, tok, flows, spec.create(), slots, warmup=3)
 
 
-def test_bad_adapter_paths_are_refused_before_loading(tmp_path):
+def test_bad_adapter_paths_are_refused_before_loading(tmp_path, capsys, no_model_load):
     empty = tmp_path / "empty"
     empty.mkdir()
     for path, message in ((empty, "has no adapter_config.json"), (tmp_path / "nope", "no such directory")):
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(SystemExit) as exit_info:
             bench(
                 "run",
                 "--workload",
@@ -587,6 +587,89 @@ def test_bad_adapter_paths_are_refused_before_loading(tmp_path):
                 "--out",
                 tmp_path,
             )
+        assert exit_info.value.code == 2
+        assert one_line_error(capsys.readouterr().err, message)
+
+
+# ------------------------------------------------- argument errors, before the model loads
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Make any model load fail loudly: argument errors must be reported before it."""
+    import hf_kvshare.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(hf_kvshare.models, "load_model", refuse)
+
+
+def one_line_error(err: str, *expected: str, about: str = "") -> bool:
+    """``err`` is one ``PROG: error: ...`` line holding every ``expected`` text, and it lists no
+    registered method twice (``about``: the method the error is about, which it may name again)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert ": error: " in lines[0] and all(text in lines[0] for text in expected), err
+    names = [name for name in METHODS if name != about]
+    counts = {name: len(re.findall(rf"(?<![\w-]){re.escape(name)}(?![\w-])", lines[0])) for name in names}
+    assert all(n <= 1 for n in counts.values()), counts
+    return True
+
+
+ARGUMENT_ERRORS = [
+    (["--methods", "kvcmas:tau=abc"], "tau must be a real number"),
+    (["--methods", "nope"], "unknown method 'nope'"),
+    (["--methods", "fullshared:tau=0.3"], "has no option tau"),
+    (["--threads", "0"], "--threads: expected an integer >= 1, got 0"),
+    (["--dtype", "int4"], "--dtype: expected one of float32, bfloat16, float16, got 'int4'"),
+    (["--device", "banana"], "expected a torch device"),
+    (["--warmup", "-1"], "expected an integer >= 0"),
+    (["--adapter", "plan"], "--adapter expects NAME=PATH"),
+]
+
+
+@pytest.mark.parametrize("extra, message", ARGUMENT_ERRORS, ids=[" ".join(a) for a, _ in ARGUMENT_ERRORS])
+def test_argument_errors_are_one_line_before_the_model_loads(extra, message, tmp_path, capsys, no_model_load):
+    with pytest.raises(SystemExit) as exit_info:
+        bench("run", *TRACE, *extra, "--out", tmp_path / "out", "--no-progress")
+    assert exit_info.value.code == 2
+    about = extra[1].partition(":")[0] if extra[0] == "--methods" else ""
+    assert one_line_error(capsys.readouterr().err, message, about=about)
+    assert not (tmp_path / "out").exists()
+
+
+def test_file_workload_errors_before_the_model_loads(tmp_path, capsys, no_model_load):
+    with pytest.raises(SystemExit) as exit_info:
+        bench("run", "--workload", "file", "--out", tmp_path)
+    assert exit_info.value.code == 2 and one_line_error(capsys.readouterr().err, "needs --data PATH")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"agents": [{"name": "a"}], "schedule": [{"agent": "b"}]}])
+    with pytest.raises(SystemExit):
+        bench("run", "--workload", "file", "--data", bad, "--out", tmp_path)
+    assert one_line_error(capsys.readouterr().err, "bad.jsonl line 1: schedule[0].agent: unknown agent 'b'")
+    with_adapter = [{**GRAPH_TASKS[1], "agents": [{"name": "a", "adapter": "plan"}, {"name": "b"}]}]
+    data = write_jsonl(tmp_path / "adapters.jsonl", with_adapter)
+    with pytest.raises(SystemExit):
+        bench("run", "--workload", "file", "--data", data, "--out", tmp_path)
+    assert one_line_error(capsys.readouterr().err, "adapter 'plan', which is not loaded")
+
+
+def test_device_without_a_gpu_is_an_argument_error(tmp_path, capsys, no_model_load, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench("run", *TRACE, "--device", "cuda", "--out", tmp_path)
+    assert exit_info.value.code == 2
+    assert one_line_error(capsys.readouterr().err, "'cuda': no CUDA device is available")
+
+
+def test_validate_checks_adapter_names(tmp_path, capsys):
+    with_adapter = [{**GRAPH_TASKS[1], "agents": [{"name": "a", "adapter": "plan"}, {"name": "b"}]}]
+    data = write_jsonl(tmp_path / "adapters.jsonl", with_adapter)
+    assert bench("validate", data) == 0  # no --adapter: adapter names are not checked
+    capsys.readouterr()
+    assert bench("validate", data, "--adapter", "act=runs/act") == 1
+    assert "agent 'a' runs with adapter 'plan', which is not loaded (loaded: act" in capsys.readouterr().err
+    assert bench("validate", data, "--adapter", "plan", "--adapter", "act") == 0
 
 
 def test_limit_row_is_measured_beside_the_methods(tiny_dir, tmp_path):

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..argparsing import ArgumentParser, device_name, dtype_name, non_negative_int, positive_int
+
 WORKLOAD_OPTIONS = {  # option: (type, help); the workload parameter is the option's name
     "--data": (str, "data source: JSONL task file (file), hub name or local file (gsm8k, mmlu, autoact)"),
     "--data-config": (str, "dataset configuration on the hub (gsm8k: main, mmlu: all)"),
@@ -27,18 +29,16 @@ WORKLOAD_OPTIONS = {  # option: (type, help); the workload parameter is the opti
 }
 
 
-def _parser(command: str, description: str | None = None) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=f"python -m hf_kvshare.bench {command}", description=description)
+#: how the bench is invoked, for usage lines: ``hf-kvshare bench`` sets it through ``main(prog=...)``
+PROG = "python -m hf_kvshare.bench"
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+def _parser(command: str, description: str | None = None) -> ArgumentParser:
+    """A command's parser: usage errors are one line and exit code 2 (``hf_kvshare.argparsing``)."""
+    return ArgumentParser(prog=f"{PROG} {command}", description=description)
+
+
+_non_negative = non_negative_int
 
 
 def _add_workload_options(p: argparse.ArgumentParser, sweep: bool = True) -> None:
@@ -60,8 +60,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL, help="load_model name (embedded), hub id or local path")
-    g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the model's)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument(
+        "--dtype", type=dtype_name, default=None, help="float32, bfloat16, float16 (default: the model's)"
+    )
+    g.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda, cuda:1, ...")
     add_model_arguments(g, dtype=False)  # --load-in-4bit, --load-in-8bit, --bnb-4bit-quant-type, --device-map
     g.add_argument(
         "--adapter",
@@ -73,7 +75,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch CPU threads (default: torch's). On a shared machine 1 thread times far more steadily",
     )
@@ -103,13 +105,20 @@ def _workload_taus(items: list[str]) -> dict[str, float]:
 
 
 def _adapters(items: list[str]) -> dict[str, str]:
+    """``--adapter NAME=PATH`` items as a dict; ``ValueError`` on a malformed item, a name given
+    twice or a local path that is not a PEFT adapter directory (checked before the model loads)."""
     adapters = {}
     for item in items:
         name, eq, path = item.partition("=")
         if not eq or not name or not path:
-            raise SystemExit(f"--adapter expects NAME=PATH, got {item!r}")
+            raise ValueError(f"--adapter expects NAME=PATH, got {item!r}")
         if name in adapters:
-            raise SystemExit(f"--adapter {name} is given twice")
+            raise ValueError(f"--adapter {name} is given twice")
+        where = f"--adapter {name}={path}"
+        if Path(path).is_dir() and not (Path(path) / "adapter_config.json").exists():
+            raise ValueError(f"{where}: the directory has no adapter_config.json (a PEFT adapter)")
+        if not Path(path).exists() and (os.sep in path or path.startswith(".")):
+            raise ValueError(f"{where}: no such directory (expected a PEFT adapter dir or hub id)")
         adapters[name] = path
     return adapters
 
@@ -138,6 +147,14 @@ def run_config_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"quantization": quantization_tag(load_options(args)), "device_map": args.device_map}
 
 
+def _model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """Check the model group's arguments that argparse cannot check alone; return the adapters."""
+    try:
+        return _adapters(args.adapter)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def load_bench_model(
     name: str, dtype: str | None, device: str, adapters: dict[str, str], threads=None, **load_kwargs: Any
 ):
@@ -151,14 +168,9 @@ def load_bench_model(
 
     if threads is not None:
         if threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {threads}")
+            raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    for adapter, path in adapters.items():  # before the model loads: a typo should not cost a load
-        where = f"--adapter {adapter}={path}"
-        if Path(path).is_dir() and not (Path(path) / "adapter_config.json").exists():
-            raise SystemExit(f"{where}: the directory has no adapter_config.json (a PEFT adapter)")
-        if not Path(path).exists() and (os.sep in path or path.startswith(".")):
-            raise SystemExit(f"{where}: no such directory (expected a PEFT adapter dir or hub id)")
+    _adapters([f"{name}={path}" for name, path in adapters.items()])  # a typo should not cost a load
     placed = "device_map" in load_kwargs
     if (
         not placed
@@ -179,7 +191,6 @@ def cmd_run(argv: list[str]) -> int:
 def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "run") -> tuple[int, list[Any]]:
     """``bench run`` with ``argv``; studies add their :class:`~hf_kvshare.bench.runner.Collector` objects.
     Returns the exit code and the runners (one per configuration of a sweep)."""
-    from ..methods import METHODS
     from . import plots
     from .methods import MethodSpec
     from .report import format_table
@@ -233,19 +244,23 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     )
     g.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per HumanEval program")
     args = p.parse_args(argv)
+    # every argument error before the model loads: one line, exit code 2
     try:
-        specs = [MethodSpec.parse(m) for m in args.methods]
+        specs = list(dict.fromkeys(MethodSpec.parse(m) for m in args.methods))
+        for spec in specs:
+            spec.create()  # the options' values, checked by the method itself (no model needed)
     except ValueError as e:
-        p.error(f"{e} (registered: {', '.join(sorted(METHODS))})")
+        p.error(str(e))
+    adapters = _model_arguments(p, args)
     params = _workload_params(args)
     sweep = args.shared_tokens or [None]
     try:
         workloads = [make_workload(args.workload, **params, shared_tokens=s) for s in sweep]
+        workloads[0].check(adapters)
         taus = _workload_taus(args.workload_tau)
         workload_tau(args.workload, taus)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         p.error(str(e))
-    adapters = _adapters(args.adapter)
     loading = load_options(args)
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tok = load_bench_model(args.model, args.dtype, args.device, adapters, args.threads, **loading)
@@ -367,8 +382,14 @@ def cmd_calibrate(argv: list[str]) -> int:
         p.error(
             "--warmup applies to tau calibration (pools filling up); an offline profile has no state to warm"
         )
+    adapters = _model_arguments(p, args)
+    try:
+        spec.create()
+        workload.check(adapters)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
     model, tok = load_bench_model(
-        args.model, args.dtype, args.device, _adapters(args.adapter), args.threads, **load_options(args)
+        args.model, args.dtype, args.device, adapters, args.threads, **load_options(args)
     )
     tasks = workload.tasks(tok, args.seed)
     out = Path(args.out) / "calibration"
@@ -403,11 +424,19 @@ def cmd_calibrate(argv: list[str]) -> int:
 def cmd_validate(argv: list[str]) -> int:
     from .workloads import WorkloadFormatError, validate_task_file
 
-    p = _parser("validate", description="check a JSONL task file")
+    p = _parser("validate", description="check a JSONL task file (one JSON object per line)")
     p.add_argument("file")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=None,
+        metavar="NAME[=PATH]",
+        help="an adapter the run will load (repeat); with it, agents may name only these adapters",
+    )
     args = p.parse_args(argv)
+    adapters = None if args.adapter is None else [a.partition("=")[0] for a in args.adapter]
     try:
-        tasks = validate_task_file(args.file)
+        tasks = validate_task_file(args.file, adapters)
     except (WorkloadFormatError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -447,7 +476,7 @@ def available_studies() -> list[str]:
 def cmd_study(argv: list[str]) -> int:
     studies = ", ".join(available_studies())
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m hf_kvshare.bench study NAME [args...]\nstudies: {studies}")
+        print(f"usage: {PROG} study NAME [args...]\nstudies: {studies}")
         return 0 if argv else 2
     module_name = f"{STUDIES_PACKAGE}.{argv[0]}"
     try:
@@ -497,17 +526,26 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run a bench command; ``prog`` is how the usage lines name the bench (``hf-kvshare bench``)."""
+    global PROG
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m hf_kvshare.bench {" + ",".join(COMMANDS) + "} [options]")
-        print("       python -m hf_kvshare.bench COMMAND --help")
-        return 0 if argv else 2
-    command = COMMANDS.get(argv[0])
-    if command is None:
-        print(f"unknown command {argv[0]!r}; available: {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
-    return command(argv[1:])
+    saved, PROG = PROG, prog or PROG
+    try:
+        if not argv or argv[0] in ("-h", "--help"):
+            print(f"usage: {PROG} {{{','.join(COMMANDS)}}} [options]")
+            print(f"       {PROG} COMMAND --help")
+            return 0 if argv else 2
+        command = COMMANDS.get(argv[0])
+        if command is None:
+            print(
+                f"{PROG}: error: unknown command {argv[0]!r}; available: {', '.join(COMMANDS)}",
+                file=sys.stderr,
+            )
+            return 2
+        return command(argv[1:])
+    finally:
+        PROG = saved
 
 
 if __name__ == "__main__":

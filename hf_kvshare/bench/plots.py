@@ -30,9 +30,11 @@ def _pyplot():
     return plt
 
 
-def _save(fig, legend_ax, path: Path) -> Path:
+def _save(fig, legend_ax, path: Path, title: str = "") -> Path:
     """Save with one legend right of ``legend_ax``, outside the panels (many methods would cover
-    the curves); returns ``path``."""
+    the curves) and ``title`` (the workload and model) above them; returns ``path``."""
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     legend_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -40,6 +42,37 @@ def _save(fig, legend_ax, path: Path) -> Path:
 
 
 PARTS = ("key", "value")
+
+#: points closer than this fraction of the axis range (in x and in y) share a label position
+COINCIDE = 0.03
+#: vertical step (points) between stacked labels of coinciding points
+LABEL_STEP = 9
+
+
+def label_offsets(
+    points: Sequence[tuple[float, float]], base: tuple[int, int] = (5, 4)
+) -> list[tuple[int, int]]:
+    """Label offsets (in points) for scatter ``points``: a point that coincides with earlier ones
+    (within :data:`COINCIDE` of both axis ranges) gets its label stacked :data:`LABEL_STEP` points
+    above theirs, so the labels never overprint."""
+    finite = [(x, y) for x, y in points if x == x and y == y]
+    span = [max((p[i] for p in finite), default=0) - min((p[i] for p in finite), default=0) for i in (0, 1)]
+    tol = [COINCIDE * s if s > 0 else 1e-12 for s in span]
+    offsets = []
+    for i, (x, y) in enumerate(points):
+        k = sum(abs(x - px) <= tol[0] and abs(y - py) <= tol[1] for px, py in points[:i])
+        offsets.append((base[0], base[1] + LABEL_STEP * k))
+    return offsets
+
+
+def run_title(config: dict[str, Any]) -> str:
+    """``workload (parameters) on model`` of a configuration's ``config`` (its ``summary.json``)."""
+    params = ", ".join(
+        f"{k}={v}" for k, v in (config.get("workload_params") or {}).items() if v not in (None, "", 0, False)
+    )
+    workload = f"{config.get('workload', '?')}" + (f" ({params})" if params else "")
+    model = str(config.get("model", "?")).rstrip("/\\").rsplit("/", 1)[-1]
+    return f"{workload} on {model}" + (f", {config['dtype']}" if config.get("dtype") else "")
 
 
 def _num(value: Any) -> float:
@@ -52,22 +85,25 @@ def configuration_plots(config_dir: str | Path) -> list[Path]:
     summary_path = config_dir / "summary.json"
     if not summary_path.exists():
         raise FileNotFoundError(f"{summary_path} does not exist: run the benchmark first")
-    methods = json.loads(summary_path.read_text())["methods"]
+    summary = json.loads(summary_path.read_text())
+    methods, title = summary["methods"], run_title(summary.get("config") or {})
     out = config_dir / "plots"
     out.mkdir(exist_ok=True)
     plt = _pyplot()
-    written = _tradeoff(methods, out, plt, "agreement", "fidelity_vs_ttft", "teacher-forced top-1 agreement")
+    written = _tradeoff(
+        methods, out, plt, "agreement", "fidelity_vs_ttft", "teacher-forced top-1 agreement", title
+    )
     if any(m.get("accuracy") is not None for m in methods):
-        written += _tradeoff(methods, out, plt, "accuracy", "accuracy_vs_ttft", "task accuracy")
-    written += _kv_error_by_layer(methods, out, plt)
-    written += _kv_error_by_agent(methods, out, plt)
-    written += _erank_by_layer(methods, out, plt)
+        written += _tradeoff(methods, out, plt, "accuracy", "accuracy_vs_ttft", "task accuracy", title)
+    written += _kv_error_by_layer(methods, out, plt, title)
+    written += _kv_error_by_agent(methods, out, plt, title)
+    written += _erank_by_layer(methods, out, plt, title)
     if plt is not None:
         plt.close("all")
     return written
 
 
-def _tradeoff(methods, out: Path, plt, key: str, name: str, label: str) -> list[Path]:
+def _tradeoff(methods, out: Path, plt, key: str, name: str, label: str, title: str = "") -> list[Path]:
     rows = [
         {k: m.get(k) for k in ("method", "ttft_mean_s", "ttft_ratio", key)}
         for m in methods
@@ -82,16 +118,22 @@ def _tradeoff(methods, out: Path, plt, key: str, name: str, label: str) -> list[
     written = [write_csv(out / f"{name}.csv", rows)]
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 4.2))
-        for (x, y), r in zip(points, rows):
+        for (x, y), r, offset in zip(points, rows, label_offsets(points)):
             ax.scatter([x], [y], s=45, zorder=3, color="C3" if r["pareto"] else "C0")
             ax.annotate(
-                short_label(r["method"]), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8
+                short_label(r["method"]), (x, y), textcoords="offset points", xytext=offset, fontsize=8
             )
+        ax.margins(x=0.15, y=0.12)  # room for the labels (stacked ones too) inside the axes
         ordered = sorted((points[i] for i in front), key=lambda p: p[0])
         if len(ordered) > 1:
             ax.plot(*zip(*ordered), "--", color="C3", label="Pareto front", zorder=2)
             ax.legend(fontsize=8)
-        _axes([ax], [f"{label} vs TTFT"], "mean TTFT of reuse turns (s)", label)
+        _axes(
+            [ax],
+            [f"{label} vs TTFT" + (f"\n{title}" if title else "")],
+            "mean TTFT of reuse turns (s)",
+            label,
+        )
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=120)
         written.append(out / f"{name}.png")
@@ -114,7 +156,7 @@ def _axes(axes, titles: Sequence[str], xlabel: str, ylabel: str = "") -> None:
         axes[0].set_ylabel(ylabel)
 
 
-def _kv_error_by_layer(methods, out: Path, plt) -> list[Path]:
+def _kv_error_by_layer(methods, out: Path, plt, title: str = "") -> list[Path]:
     layers = {m["method"]: m.get("kv_error_by_layer") or [] for m in methods}
     rows = [
         {"method": m, **{k: r[k] for k in ("layer", "key", "value")}} for m, rs in layers.items() for r in rs
@@ -130,11 +172,11 @@ def _kv_error_by_layer(methods, out: Path, plt) -> list[Path]:
         _axes(
             axes, [f"relative {p} error of shared segments" for p in PARTS], "layer", "||C_hat - C|| / ||C||"
         )
-        written.append(_save(fig, axes[1], out / "kv_error_by_layer.png"))
+        written.append(_save(fig, axes[1], out / "kv_error_by_layer.png", title))
     return written
 
 
-def _kv_error_by_agent(methods, out: Path, plt) -> list[Path]:
+def _kv_error_by_agent(methods, out: Path, plt, title: str = "") -> list[Path]:
     hops = {m["method"]: [r for r in m.get("by_position") or [] if "agreement" in r] for m in methods}
     keys = ("position", "agent", "kv_error", "agreement", "kl", "exact_match")
     rows = [{"method": m, **{k: r.get(k) for k in keys}} for m, rs in hops.items() for r in rs]
@@ -151,11 +193,11 @@ def _kv_error_by_agent(methods, out: Path, plt) -> list[Path]:
         for ax in axes:
             ax.set_xticks(range(len(ticks)), ticks, rotation=30, fontsize=7)
         _axes(axes, titles, "agent position (hop)")
-        written.append(_save(fig, axes[1], out / "kv_error_by_agent.png"))
+        written.append(_save(fig, axes[1], out / "kv_error_by_agent.png", title))
     return written
 
 
-def _erank_by_layer(methods, out: Path, plt) -> list[Path]:
+def _erank_by_layer(methods, out: Path, plt, title: str = "") -> list[Path]:
     rows = [{"method": m["method"], **r} for m in methods for r in m.get("erank_by_layer") or []]
     if not rows:
         return []
@@ -171,7 +213,7 @@ def _erank_by_layer(methods, out: Path, plt) -> list[Path]:
                     label = f"residual: {short_label(m['method'])}"
                     _line(ax, layers, "layer", f"delta_{part}", marker=".", label=label)
         _axes(axes, [f"effective rank (90% energy), {p}s" for p in PARTS], "layer", "rank")
-        written.append(_save(fig, axes[1], out / "effective_rank_by_layer.png"))
+        written.append(_save(fig, axes[1], out / "effective_rank_by_layer.png", title))
     return written
 
 
@@ -191,9 +233,10 @@ def sweep_plots(
     config_dirs: Sequence[str | Path], out_dir: str | Path, param: str = "shared_tokens"
 ) -> list[Path]:
     """TTFT (mean, p50, p90) and throughput vs ``param`` per method across configurations."""
-    rows = []
+    rows, configs = [], []
     for d in config_dirs:
         data = json.loads((Path(d) / "summary.json").read_text())
+        configs.append(data["config"])
         value = (data["config"].get("workload_params") or {}).get(param)
         if value is not None:
             rows += [
@@ -213,10 +256,16 @@ def sweep_plots(
             mine = [r for r in rows if r["method"] == method]
             for ax, y in zip(axes, ("ttft_mean_s", "throughput_tok_s")):
                 _line(ax, mine, param, y, marker="o", label=short_label(method))
-        _axes(axes, ("", ""), param.replace("_", " "), "mean reuse-turn TTFT (s)")
+        titles = ("TTFT of reuse turns", "throughput")
+        _axes(axes, titles, param.replace("_", " "), "mean reuse-turn TTFT (s)")
         axes[1].set_ylabel("trajectory tokens / E2E (tok/s)")
-        for ax in axes:
+        values = sorted({r[param] for r in rows})
+        for ax in axes:  # log-spaced lengths, ticked at the measured values as plain numbers
             ax.set_xscale("log", base=2)
-        written.append(_save(fig, axes[1], out / f"ttft_vs_{param}.png"))
+            ax.set_xticks(values, [f"{v:g}" for v in values])
+            ax.minorticks_off()
+        common = {**configs[0], "workload_params": {**(configs[0].get("workload_params") or {}), param: None}}
+        title = f"{run_title(common)}: {param.replace('_', ' ')} {', '.join(f'{v:g}' for v in values)}"
+        written.append(_save(fig, axes[1], out / f"ttft_vs_{param}.png", title))
         plt.close(fig)
     return written

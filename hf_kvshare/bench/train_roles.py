@@ -14,7 +14,6 @@ Writes ``<out>/<role>/adapter_config.json`` + ``adapter_model.safetensors`` (PEF
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shlex
@@ -29,6 +28,7 @@ from tqdm.auto import tqdm
 
 from .._compat import peft_wrapping_warnings_silenced
 from ..agents import load_adapters
+from ..argparsing import ArgumentParser, positive_int
 from .workloads.autoact_world import ROLES, TRAINING_FILLER, World, training_examples
 
 #: the reference's LoRA targets (PReCache refuses k_proj and requires v_proj; LRAgent runs q/v)
@@ -207,10 +207,8 @@ def load_role_adapters(model: Any, path: str | Path, roles: tuple[str, ...] = RO
     return load_adapters(model, {role: path / role for role in roles})
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench.train_roles", description=__doc__.split("\n")[0]
-    )
+def main(argv: list[str] | None = None, prog: str = "python -m hf_kvshare.bench.train_roles") -> int:
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for the adapters (created)")
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps per role")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -235,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--questions", type=int, default=120, help="generated questions (training trajectories)"
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)"
+    )
     args = parser.parse_args(argv)
     try:
         check_settings(args.rank, args.targets, args.shared_lora_a)
@@ -243,9 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = shlex.join(
-        ["python", "-m", "hf_kvshare.bench.train_roles", *(sys.argv[1:] if argv is None else argv)]
-    )
+    command = shlex.join([*prog.split(), *(sys.argv[1:] if argv is None else argv)])
     settings = {k: v for k, v in vars(args).items() if k != "threads"}
     report = train_roles(**settings, command=command)
     first_last = {r: (v[0], v[-1]) for r, v in report["loss"].items()}

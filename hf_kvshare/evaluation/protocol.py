@@ -451,12 +451,13 @@ def compare_methods(
     methods: Sequence[Any],
     progress: bool = True,
 ) -> dict[str, MethodReport]:
-    """Run ``workflow`` with NonShared and every method in ``methods`` (names or instances) through
-    the paired protocol (:func:`run_paired`).
+    """Run ``workflow`` with NonShared and every method in ``methods`` (names, instances or
+    :class:`MethodPair`) through the paired protocol (:func:`run_paired`).
 
     A method given by name gets a fresh instance for each pass, so state that outlives a request
     (KVCMAS's anchor pools, GraphFlow's profiles) starts empty. An instance is used for both passes
-    and keeps that state across calls: pass instances to compare methods over several workflows.
+    and keeps that state across calls: pass instances to compare methods over several workflows. A
+    ``MethodPair`` gives the two instances and the label (e.g. a method with options).
 
     Returns one :class:`MethodReport` per method, NonShared included as ``"nonshared"``; its
     ``per_turn`` rows hold the teacher-forced agreement, KL and PH KV error (over the union of the
@@ -466,8 +467,9 @@ def compare_methods(
         workflow = workflow()
     pairs = [MethodPair.create(REFERENCE)]
     for method in methods:
-        if method != REFERENCE:
-            pairs.append(MethodPair.create(method))
+        pair = method if isinstance(method, MethodPair) else MethodPair.create(method)
+        if pair.label != REFERENCE:
+            pairs.append(pair)
     run = run_paired(model, tokenizer, workflow, pairs, progress=progress)
     reports = {}
     for pair in tqdm(pairs, desc="fidelity", disable=not progress):

@@ -70,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..workloads import make_workload
 
     argv = shown = list(sys.argv[1:] if argv is None else argv)
-    study = argparse.ArgumentParser(
-        prog="python -m hf_kvshare.bench study coverage", add_help=False, allow_abbrev=False
-    )
+    study = argparse.ArgumentParser(prog=f"{cli.PROG} study coverage", add_help=False, allow_abbrev=False)
     study.add_argument("--part", nargs="+", choices=("coverage", "methods"), default=["coverage", "methods"])
     study.add_argument("--rho", metavar="RHO", type=float, nargs="+", default=[0.9, 0.8], help="reuse ratios")
     study.add_argument("--calibration", type=int, default=2, help="requests for DroidSpeak's offline profile")

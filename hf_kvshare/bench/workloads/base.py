@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from .spec import TaskSpec
@@ -34,6 +34,11 @@ class Workload:
 
     def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
         raise NotImplementedError
+
+    def check(self, adapters: Iterable[str] = ()) -> None:
+        """Raise ``ValueError`` (or ``FileNotFoundError``) on what can be checked without a model or
+        tokenizer (the command line calls it before loading the model); ``adapters``: the names of
+        the adapters the run loads. Nothing by default."""
 
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

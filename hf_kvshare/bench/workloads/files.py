@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,11 @@ from .spec import TaskSpec, WorkloadFormatError
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
-def validate_task_file(path: str | os.PathLike) -> list[TaskSpec]:
-    """Parse and validate every line of a JSONL task file; raise naming the line and field."""
+def validate_task_file(path: str | os.PathLike, adapters: Iterable[str] | None = None) -> list[TaskSpec]:
+    """Parse and validate every line of a JSONL task file; raise naming the line and field.
+
+    With ``adapters`` (the names of the loaded PEFT adapters, ``bench run --adapter NAME=PATH``),
+    every adapter an agent names must be among them."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"workload file {str(path)!r} does not exist")
@@ -36,6 +40,8 @@ def validate_task_file(path: str | os.PathLike) -> list[TaskSpec]:
             except json.JSONDecodeError as e:
                 raise WorkloadFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             task = TaskSpec.from_record(record, where=where, default_id=f"line-{number}")
+            if adapters is not None:
+                check_adapters(task, adapters, where)
             if task.id in ids:
                 raise WorkloadFormatError(f"{where}: id: {task.id!r} is already used on line {ids[task.id]}")
             ids[task.id] = number
@@ -43,6 +49,17 @@ def validate_task_file(path: str | os.PathLike) -> list[TaskSpec]:
     if not tasks:
         raise WorkloadFormatError(f"{path.name}: the file holds no task (one JSON object per line)")
     return tasks
+
+
+def check_adapters(task: TaskSpec, adapters: Iterable[str], where: str) -> None:
+    """Raise when an agent of ``task`` names an adapter that is not in ``adapters``."""
+    loaded = sorted(set(adapters))
+    for agent in task.agents:
+        if agent.adapter and agent.adapter not in loaded:
+            raise WorkloadFormatError(
+                f"{where}: agent {agent.name!r} runs with adapter {agent.adapter!r}, which is not loaded "
+                f"(loaded: {', '.join(loaded) or 'none'}; give --adapter {agent.adapter}=PATH)"
+            )
 
 
 def load_task_file(path: str | os.PathLike) -> list[TaskSpec]:
@@ -106,6 +123,11 @@ class FileWorkload(Workload):
         digest = hashlib.sha1(path.read_bytes()).hexdigest()[:8] if path.is_file() else "missing"
         parts = [f"O{self.offset}" if self.offset else "", f"L{self.limit}" if self.limit else ""]
         return "-".join([f"file-{path.stem}-{digest}", *filter(None, parts)])
+
+    def check(self, adapters: Iterable[str] = ()) -> None:
+        if not self.data:
+            raise ValueError("the file workload needs --data PATH (a JSONL task file)")
+        validate_task_file(self.data, adapters)
 
     def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
         if not self.data:

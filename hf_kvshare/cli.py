@@ -1,0 +1,198 @@
+"""The ``hf-kvshare`` command (also ``python -m hf_kvshare``): ``demo``, ``bench ...``, ``train-roles``.
+
+hf-kvshare demo [--methods fullshared kvcmas:tau=0.4] [--max-new-tokens 48]
+hf-kvshare bench run --workload trace --methods nonshared fullshared    (= python -m hf_kvshare.bench)
+hf-kvshare train-roles --out runs/adapters                              (= python -m hf_kvshare.bench.train_roles)
+hf-kvshare --version
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .argparsing import ArgumentParser, fail
+
+PROG = "hf-kvshare"
+
+#: (summary key, title, format, width) of the demo's table
+DEMO_COLUMNS = [
+    ("method", "method", "", 14),
+    ("ttft_s", "TTFT s", ".3f", 6),
+    ("ttft_ratio", "NonShared/TTFT", ".2f", 14),
+    ("reuse_ratio", "rho", ".2f", 4),
+    ("agreement", "top1 agree", ".3f", 10),
+    ("kl", "mean KL", ".4f", 7),
+    ("kv_error", "PH KV rel.err", ".4f", 13),
+    ("exact_match", "same output", ".2f", 11),
+]
+
+COMMANDS = {
+    "demo": "a 4-agent workflow on one model, methods side by side (TTFT, reuse, fidelity)",
+    "bench": "the benchmark: run | plot | calibrate | validate | list | report | study (bench --help)",
+    "train-roles": "train the plan/act/reflect LoRA role adapters of the AutoAct workload",
+}
+
+
+def demo_methods() -> list[str]:
+    """The registered methods the demo runs: those whose agents differ by prompt (the LoRA-agent
+    methods need adapters: the bench's ``autoact`` workload runs them)."""
+    from .methods import METHODS
+
+    return sorted(name for name, cls in METHODS.items() if not cls.requires_adapters)
+
+
+def demo_specs(texts: list[str], prog: str) -> list:
+    """Parse and check the demo's ``--methods`` (``name[:key=value,...]``) without a model; a method
+    the demo cannot run is a one-line usage error (exit code 2)."""
+    from .bench.methods import MethodSpec
+    from .evaluation import has_offline_profile
+
+    specs = []
+    for text in dict.fromkeys(texts):
+        try:
+            spec = MethodSpec.parse(text)
+            instance = spec.create()  # the options' values, checked by the method
+        except ValueError as e:
+            fail(prog, str(e))
+        if spec.requires_adapters:
+            fail(
+                prog,
+                f"method {spec.name!r} runs agents that differ by LoRA adapter; the demo's agents differ by "
+                "prompt. Run it on the AutoAct loop: `hf-kvshare train-roles --out runs/adapters`, then "
+                "`hf-kvshare bench run --workload autoact --adapter plan=runs/adapters/plan --adapter "
+                f"act=runs/adapters/act --adapter reflect=runs/adapters/reflect --methods {spec.name}`. "
+                f"The demo runs: {', '.join(demo_methods())}",
+            )
+        rho = getattr(instance, "rho", None)
+        needs_profile = rho is not None and 0.0 < rho < 1.0
+        if (
+            has_offline_profile(instance)
+            and getattr(instance, "layer_profile", None) is None
+            and needs_profile
+        ):
+            fail(
+                prog,
+                f"method {spec.name!r} at rho={rho} recomputes layers chosen by an offline profile, and the "
+                "demo computes none: write one with `hf-kvshare bench calibrate --method "
+                f"{spec.name} --workload humaneval` and give `--methods {spec.name}:layer_profile=PATH` "
+                f"(or {spec.name}:rho=1.0 / rho=0.0, which need no profile)",
+            )
+        specs.append(spec)
+    return specs
+
+
+def demo(argv: list[str], prog: str = f"{PROG} demo") -> int:
+    from .evaluation.protocol import REFERENCE
+    from .models import DEFAULT_MODEL, add_model_arguments, model_arguments
+
+    parser = ArgumentParser(
+        prog=prog,
+        description="A 4-agent workflow (planner, designer, coder, then a final agent reading all three) "
+        "on one model: every method against NonShared (TTFT, reuse ratio rho, teacher-forced agreement "
+        "and KL, KV error, same output). Methods with state across requests (kvcmas, kvcomm, "
+        "graphflow) start empty here: their first request reuses little (rho near 0); the bench's "
+        "--warmup measures them in steady state.",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=[REFERENCE, "fullshared"],
+        metavar="METHOD",
+        help=f"registry names with options (kvcmas:tau=0.4); the demo runs: {', '.join(demo_methods())} "
+        "(droidspeak with layer_profile=PATH from `hf-kvshare bench calibrate`); the LoRA-agent "
+        "methods run on the bench's autoact workload",
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or local path")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_model_arguments(
+        parser
+    )  # --dtype, --load-in-4bit, --load-in-8bit, --bnb-4bit-quant-type, --device-map
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        loading = model_arguments(args)  # checked before the model loads
+    except (ValueError, ImportError) as e:
+        parser.error(str(e))
+    specs = demo_specs(args.methods, prog)  # every check before the model loads
+
+    from .bench.report import format_table
+    from .evaluation import MethodPair, compare_methods, demo_workflow
+    from .models import load_model
+
+    print(f"loading {args.model} ...", file=sys.stderr)
+    model, tok = load_model(args.model, **loading)
+    pairs = []
+    for spec in specs:
+        pair = MethodPair(str(spec), spec.create(), spec.create())
+        try:  # what needs the model (a layer profile's length, the rotary type, ...)
+            pair.free.bind(model)
+            pair.forced.bind(model)
+        except ValueError as e:
+            fail(prog, f"method {spec}: {e}")
+        pairs.append(pair)
+    reports = compare_methods(
+        model,
+        tok,
+        lambda: demo_workflow(tok, max_new_tokens=args.max_new_tokens),
+        pairs,
+        progress=not args.no_progress,
+    )
+    reference = reports[REFERENCE]
+    rows = [r.summary(reference) for r in reports.values()]
+    print()
+    print(format_table(rows, DEMO_COLUMNS))
+    print("\nper turn (teacher-forced on NonShared's outputs):")
+    width = max(len(name) for name in reports)
+    for name, report in reports.items():
+        cells = "  ".join(
+            f"{r['agent']}: agree {r['agreement']:.2f} kv-err {r['kv_error']:.3f}" for r in report.per_turn
+        )
+        print(f"  {name:<{width}} {cells}")
+    return 0
+
+
+def version() -> str:
+    import platform
+
+    import torch
+    import transformers
+
+    from ._version import __version__
+
+    return (
+        f"{PROG} {__version__} (transformers {transformers.__version__}, torch {torch.__version__}, "
+        f"Python {platform.python_version()})"
+    )
+
+
+def usage(prog: str = PROG) -> str:
+    lines = [f"usage: {prog} [--version] [-h] COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<12} {text}" for name, text in COMMANDS.items()]
+    lines += ["", f"`{prog} COMMAND --help` describes a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """``hf-kvshare COMMAND ...``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(prog), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(version())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        return demo(rest, prog=f"{prog} demo")
+    if command == "bench":
+        from .bench.__main__ import main as bench_main
+
+        return bench_main(rest, prog=f"{prog} bench")
+    if command in ("train-roles", "train_roles"):
+        from .bench.train_roles import main as train_main
+
+        return train_main(rest, prog=f"{prog} train-roles")
+    print(f"{prog}: error: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+    return 2
