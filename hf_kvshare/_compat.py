@@ -364,3 +364,13 @@ def pytree_dict_unflatten(values: list, keys: Any) -> dict:
     import torch.utils._pytree as pytree
 
     return pytree._dict_unflatten(values, keys)
+
+
+def skipped_weight_init():
+    """transformers' own ``no_init_weights`` block (modules built with uninitialized weights, the
+    ``from_pretrained`` fast path): ``transformers.initialization`` on 5.x, ``modeling_utils`` before."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - older layout
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()

@@ -46,6 +46,8 @@ class RunConfig:
     exec_timeout: float = 10.0
     adapters: dict[str, str] = field(default_factory=dict)
     warmup: int = 0  # the first requests run through every method unrecorded (pools fill up)
+    num_layers: int | None = None  # random: models cut to their first layers
+    attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
@@ -57,6 +59,10 @@ class RunConfig:
         data = {**asdict(self), "adapters": dict(sorted(self.adapters.items()))}
         if not self.warmup:
             del data["warmup"]  # runs without one keep their config
+        if self.num_layers is None:
+            del data["num_layers"]
+        if self.attn_implementation == "sdpa":  # the default: earlier runs (sdpa) keep their config
+            del data["attn_implementation"]
         return data
 
     def directory_name(self, workload: Workload) -> str:
@@ -64,7 +70,9 @@ class RunConfig:
         model_tag = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(model) or model)
         dtype = self.dtype or "default"
         warmup = f"-W{self.warmup}" if self.warmup else ""
-        return f"{workload.tag()}{warmup}__{model_tag}-{dtype}-{self.device}-seed{self.seed}"
+        layers = f"-L{self.num_layers}" if self.num_layers is not None else ""
+        attn = "" if self.attn_implementation == "sdpa" else f"-{self.attn_implementation}"
+        return f"{workload.tag()}{warmup}__{model_tag}{layers}-{dtype}-{self.device}{attn}-seed{self.seed}"
 
 
 def environment() -> dict[str, Any]:

@@ -386,7 +386,7 @@ class KVCMAS(Method):
         if decision is None:
             decision, eligible, distances = self._gate(self._pool_key(turn, slot), candidate)
             state.decisions[slot] = decision
-            state.gate_reports[slot] = (len(eligible), None if distances is None else distances.tolist())
+            state.gate_reports[slot] = (len(eligible), None if distances is None else decision.distances)
         return decision
 
     def _plan(self, turn: Turn) -> None:
@@ -488,7 +488,7 @@ class KVCMAS(Method):
             return None
         found = match(source, eligible, turn.shifter, rows)
         edge.decision = reliability_gate(found.gate_distances, self.tau, self.temperature)
-        edge.distances = [float(d) for d in found.gate_distances]
+        edge.distances = list(edge.decision.distances)  # read back with the decision: no extra sync
         if not edge.decision.accepted:
             return None
         edge.rows = rows
