@@ -69,7 +69,7 @@ def test_kvcmas_matching_and_correction_sync_at_most_once_per_segment(tiny_llama
         per_turn.append({"plan": sum(counts.values()), "gated": len(gated), "place": 0, "corrected": 0})
 
     def place(turn, span):
-        turn.shifter  # built once per session (reads the rotary layout), not per segment
+        _ = turn.shifter  # built once per session (reads the rotary layout), not per segment
         with counting_host_reads() as counts:
             placement = original_place(turn, span)
         per_turn[-1]["place"] += sum(counts.values())
