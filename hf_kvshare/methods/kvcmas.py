@@ -466,7 +466,7 @@ class KVCMAS(PrefixReuse, Method):
         if decision is None:
             decision, eligible, distances = self._gate(self._pool_key(turn, slot), candidate)
             pending["decisions"][slot] = decision
-            pending["reports"][slot] = (len(eligible), None if distances is None else distances.tolist())
+            pending["reports"][slot] = (len(eligible), None if distances is None else decision.distances)
             if decision.accepted:
                 pending["uses"].extend(eligible[i] for i in usage_reference(decision.weights, USAGE_MASS))
         return decision
@@ -569,7 +569,7 @@ class KVCMAS(PrefixReuse, Method):
             return None
         found = match(source, eligible, turn.shifter, rows)
         edge.decision = reliability_gate(found.gate_distances, self.tau, self.temperature)
-        edge.distances = [float(d) for d in found.gate_distances]
+        edge.distances = list(edge.decision.distances)  # read back with the decision: no extra sync
         if not edge.decision.accepted:
             return None
         edge.rows = rows

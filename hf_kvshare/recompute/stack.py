@@ -145,7 +145,7 @@ class DecoderStack:
             else:
                 heads = norm(heads)  # per head (Qwen3, Gemma 3, Cohere)
         heads = heads.transpose(1, 2).float()
-        positions = positions.flatten().cpu()
+        positions = positions.flatten()  # on the queries' device: no host round trip per layer
         rotation = self.shifter.rotation(torch.zeros_like(positions), positions, q)
         rotated = self.shifter.apply(heads, rotation, layer=layer_idx)
         scale = self._attention_scaling_of_rope(layer_idx)

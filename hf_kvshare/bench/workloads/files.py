@@ -95,7 +95,15 @@ def load_table(source: str, config: str | None = None, split: str = "test") -> A
 
 
 def _load_dataset(builder: str, kwargs: dict[str, Any], source: str):
-    import datasets
+    try:  # imported here: `import hf_kvshare` and the trace / stress workloads work without it
+        import datasets
+    except ImportError as e:
+        raise ModuleNotFoundError(
+            f"reading {source!r} (the file workload and the gsm8k / mmlu / humaneval data) needs the "
+            "`datasets` package, which is not installed: pip install datasets. The trace and stress "
+            "workloads need no data",
+            name="datasets",
+        ) from e
 
     try:
         return datasets.load_dataset(builder, **{k: v for k, v in kwargs.items() if v is not None})

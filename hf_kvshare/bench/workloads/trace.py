@@ -67,6 +67,9 @@ class TraceWorkload(Workload):
     rounds: int = 1
     output_tokens: int = 32
     requests: int = 1
+    #: agents run with PEFT adapters named after their roles (planner, researcher, ...; load them
+    #: with ``--adapter ROLE=PATH``): the workload of the PReCache methods' timings
+    agent_adapters: bool = False
 
     def __post_init__(self) -> None:
         for field_name in ("shared_tokens", "agents", "rounds", "output_tokens", "requests"):
@@ -76,12 +79,24 @@ class TraceWorkload(Workload):
             raise ValueError(f"trace: at most {len(ROLES)} agents, got {self.agents}")
 
     def tag(self) -> str:
-        return f"trace-S{self.shared_tokens}-N{self.agents}-R{self.rounds}-O{self.output_tokens}-Q{self.requests}"
+        tag = f"trace-S{self.shared_tokens}-N{self.agents}-R{self.rounds}-O{self.output_tokens}-Q{self.requests}"
+        return tag + ("-lora" if self.agent_adapters else "")
+
+    def params(self) -> dict[str, Any]:
+        params = super().params()
+        if not self.agent_adapters:  # runs from before the option keep their configuration
+            del params["agent_adapters"]
+        return params
 
     def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
         roles = ROLES[: self.agents]
         agents = [
-            AgentSpec(name=name, system=system, tail="\n\nContinue the team's work:")
+            AgentSpec(
+                name=name,
+                system=system,
+                tail="\n\nContinue the team's work:",
+                adapter=name if self.agent_adapters else None,
+            )
             for name, system in roles
         ]
         tasks = []

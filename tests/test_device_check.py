@@ -1,0 +1,37 @@
+"""`bash scripts/device_check.sh --tiny`: the CPU mode of the prepared device check keeps working."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_device_check_tiny_mode_writes_json_and_table(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        ["bash", "scripts/device_check.sh", "--tiny"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    data = json.loads((tmp_path / "device_check.json").read_text())
+    assert data["tiny"] and data["exactness"]["passed"], data["exactness"]
+    assert data["exactness"]["nonshared_tokens"] == data["exactness"]["generate_tokens"]
+    methods = {(r["method"], r["lora"]) for r in data["rows"]}
+    expected = {"nonshared", "fullshared", "kvcmas:tau=1.0", "kvcomm:tau=1.0", "cacheblend"}
+    assert {(m, False) for m in expected} <= methods
+    assert {("prelrshared", True), ("rebaseshared-lp", True)} <= methods
+    for row in data["rows"]:
+        assert row["shared_tokens"] == 256 and row["ttft_mean_s"] > 0 and row["peak_memory_mb"] > 0, row
+        assert "agreement" not in row  # random weights: no fidelity
+    corrected = [r for r in data["rows"] if r["method"].startswith(("kvcmas", "kvcomm"))]
+    assert all(r["reuse_ratio"] > 0.5 for r in corrected), corrected  # the correction path was timed
+    table = (tmp_path / "device_check.md").read_text()
+    assert "| 256 | kvcmas:tau=1.0 |" in table and "random weights" in table
