@@ -13,7 +13,7 @@ keys after RoPE.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -51,6 +51,28 @@ class Segment:
         return self.end - self.start
 
 
+def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
+    """Raise ``ValueError`` for the first ``(what, kv)`` of ``items`` whose K/V hold NaN or inf, naming
+    ``what``, the layer and keys/values. One reduction per tensor and one host read in all, whatever
+    the number of segments (per-layer tensors may sit on several devices)."""
+    flags, where = [], []
+    for what, kv in items:
+        for layer, pair in enumerate(zip(kv.keys, kv.values)):
+            for kind, tensor in zip(("keys", "values"), pair):
+                flags.append(torch.isfinite(tensor).all())
+                where.append((what, layer, kind))
+    if not flags:
+        return
+    ok = torch.stack([f.to(flags[0].device) for f in flags]).cpu()
+    if bool(ok.all()):
+        return
+    what, layer, kind = where[int((~ok).nonzero()[0, 0])]
+    raise ValueError(
+        f"{what}: non-finite K/V (NaN or inf) in layer {layer} ({kind}); such K/V is never reused "
+        "or stored (the turn changed nothing). Check the model's dtype / weights or what wrote this K/V"
+    )
+
+
 @dataclass
 class SegmentKV:
     """The per-layer K/V of one segment, detached from any cache.
@@ -78,19 +100,8 @@ class SegmentKV:
 
     def check_finite(self, what: str) -> None:
         """Raise ``ValueError`` naming ``what`` and the first layer whose K/V hold NaN or inf
-        (one reduction per tensor, one device sync in all)."""
-        tensors = [t for pair in zip(self.keys, self.values) for t in pair]  # layer by layer
-        if not tensors:
-            return
-        bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).cpu()
-        if not bool(bad.any()):
-            return
-        index = int(bad.nonzero()[0, 0])
-        layer, kind = index // 2, ("keys", "values")[index % 2]
-        raise ValueError(
-            f"{what}: non-finite K/V (NaN or inf) in layer {layer} ({kind}); such K/V is never reused "
-            "or stored (the turn changed nothing). Check the model's dtype / weights or what wrote this K/V"
-        )
+        (one reduction per tensor, one device sync in all): :func:`check_finite`."""
+        check_finite([(what, self)])
 
     def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:
         """A copy whose keys sit at ``new_start .. new_start + length - 1`` (values need no rotation)."""

@@ -186,9 +186,11 @@ def test_study_cli(tmp_path, tokenizer):
     assert all(0.0 <= c["coverage"] <= 1.0 + 1e-9 for c in criteria.values())
     summary = json.loads((config / "summary.json").read_text())
     methods = {row["method"].split(":")[0]: row for row in summary["methods"]}
-    assert set(methods) == {"nonshared", "fullshared", "cacheblend", "droidspeak", "relaycaching"}
+    assert set(methods) == {"nonshared", "fullshared", "cacheblend", "droidspeak", "relaycaching", "limit"}
     assert all(
-        "rho=0.5" in row["method"] for name, row in methods.items() if name not in ("nonshared", "fullshared")
+        "rho=0.5" in row["method"]
+        for name, row in methods.items()
+        if name not in ("nonshared", "fullshared", "limit")
     )
     assert methods["nonshared"]["agreement"] == 1.0 and methods["nonshared"]["kv_error"] == 0.0
     assert 0.0 < methods["cacheblend"]["reuse_ratio"] < methods["fullshared"]["reuse_ratio"]

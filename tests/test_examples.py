@@ -34,5 +34,5 @@ def test_validate_and_run_the_example(tmp_path, tokenizer, capsys):
     assert main(argv) == 0
     config = next(d for d in (tmp_path / "out").iterdir() if (d / "summary.json").exists())
     summary = json.loads((config / "summary.json").read_text())
-    assert [m["method"] for m in summary["methods"]] == ["nonshared", "fullshared"]
+    assert [m["method"] for m in summary["methods"]] == ["nonshared", "fullshared", "limit"]
     assert all(m["turns"] == 6 for m in summary["methods"])

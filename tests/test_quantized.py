@@ -347,7 +347,12 @@ def test_bench_runs_the_autoact_workload_on_a_4bit_base(tmp_path, tokenizer):
     assert summary["turns"] == 8 and summary["agreement"] > 0
 
 
-def test_bench_model_options_are_checked_before_loading(tmp_path, capsys):
+def test_bench_model_options_are_checked_before_loading(tmp_path, capsys, monkeypatch):
+    import torch
+
+    # --device cuda passes argparse's device check here, so the conflict with --device-map is what fails
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     common = ["run", "--workload", "trace", "--model", tmp_path / "no-model", "--out", tmp_path]
     for extra, message in (
         (["--load-in-4bit", "--load-in-8bit"], "not both"),

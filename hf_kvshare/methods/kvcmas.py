@@ -79,7 +79,7 @@ from ..anchors import (
 from ..anchors.cache import CorrectedCache
 from ..anchors.lowrank import SVD_METHODS
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
-from ..cache import SegmentKV, config_signature
+from ..cache import SegmentKV, check_finite, config_signature
 from ..method import Method, Placement, PrefixReuse, register
 from ..trajectory import tokenize_text
 
@@ -642,18 +642,21 @@ class KVCMAS(PrefixReuse, Method):
         self._commit(turn)
 
     def _check_finite(self, turn: Turn, cache, output: SegmentKV | None) -> None:
-        """Refuse non-finite K/V before it becomes a source or enters a pool (nothing changed yet)."""
+        """Refuse non-finite K/V before it becomes a source or enters a pool (nothing changed yet);
+        every segment of the turn in one host read."""
+        checks = []
         if output is not None and self.output_source != "context_free":
-            output.check_finite(f"{self.name}: the output slot {turn.output_slot!r}")
+            checks.append((f"{self.name}: the output slot {turn.output_slot!r}", output))
         edges = turn.scratch.get(self.name, {})
         for span in turn.spans:
             edge = edges.get(span.start) if span.kind == "PH" else None
             if edge is None or edge.source is None:
                 continue
-            edge.source.check_finite(f"{self.name}: the source of PH slot {span.name!r}")
-            cache.extract(span.start, span.end).check_finite(
-                f"{self.name}: PH slot {span.name!r} of this turn"
+            checks.append((f"{self.name}: the source of PH slot {span.name!r}", edge.source))
+            checks.append(
+                (f"{self.name}: PH slot {span.name!r} of this turn", cache.extract(span.start, span.end))
             )
+        check_finite(checks)
 
     def _delta(self, edge: Edge, exact: SegmentKV, turn: Turn) -> tuple[FactoredKV, list[torch.Tensor]]:
         source_keys = canonical_keys(edge.source, turn.shifter)
