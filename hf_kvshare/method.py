@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -383,29 +384,52 @@ PREFIX_STATE = "prefixes"
 
 
 class PrefixReuse:
-    """Method mixin: **per-agent prefix reuse** (the KVCMAS reference's behaviour), option ``prefix_reuse``.
+    """Method mixin: **per-agent prefix reuse** (the KVCMAS reference's behaviour), options
+    ``prefix_reuse`` and ``prefix_scope``.
 
     An agent's PF text (system prompt, glue before a PH, the turn's tail) is computed the first time
-    that agent uses it in a request (a Session), kept, and placed on the agent's later turns of the
-    request re-positioned (RoPE rotation only, no correction: the reference's prefix delta is off by
-    default). Keyed by (agent, token ids of the PF segment); the first computation is kept. A reused
+    that agent uses it, kept, and placed on the agent's later turns re-positioned (RoPE rotation only,
+    no correction: the reference's prefix delta is off by default). Keyed by (agent, token ids of the
+    PF segment); the first computation is kept. ``prefix_scope="agent"`` keeps it in the method
+    instance across requests (the reference: ``prepare_prefix_kv_segments`` stores an agent's
+    template K/V once, in class-level memory keyed by its node id; here at most
+    :attr:`PREFIX_LIMIT` entries, the least recently used dropped, saved by :meth:`save_state`,
+    counted in :meth:`state_bytes`); ``"request"`` keeps it for one request (a Session) only. A reused
     PF row of the segment table has provenance ``reused``, the agent as source, and
     ``info["prefix_reuse"]`` = the position it was computed at. Counted in ``TurnResult.prefix_reused``
     (PF tokens), not in rho, which stays over PH tokens as the reference counts it.
 
-    Subclasses declare the ``prefix_reuse: bool`` option and may narrow :meth:`prefix_reuse_allowed`.
+    Subclasses declare the ``prefix_reuse: bool`` and ``prefix_scope`` options and may narrow
+    :meth:`prefix_reuse_allowed`.
     """
 
     prefix_reuse: bool = False
+    prefix_scope: str = "agent"
+    PREFIX_SCOPES: ClassVar[tuple[str, ...]] = ("agent", "request")
+    #: PF segments kept per method instance with ``prefix_scope="agent"`` (least recently used dropped)
+    PREFIX_LIMIT: ClassVar[int] = 256
 
     def check_prefix_reuse(self) -> None:
         if not isinstance(self.prefix_reuse, bool):
             raise ValueError(
                 f"{self.name}: prefix_reuse must be True or False, got {self.prefix_reuse!r}"  # type: ignore[attr-defined]
             )
+        if self.prefix_scope not in self.PREFIX_SCOPES:
+            raise ValueError(
+                f"{self.name}: prefix_scope must be one of {self.PREFIX_SCOPES}, got {self.prefix_scope!r}"  # type: ignore[attr-defined]
+            )
+
+    def _agent_prefixes(self) -> OrderedDict:
+        kept = self.__dict__.get("_kept_prefixes")
+        if kept is None:
+            kept = self.__dict__["_kept_prefixes"] = OrderedDict()
+        return kept
 
     def prefix_store(self, session: Session) -> dict[tuple[str, tuple[int, ...]], SegmentKV]:
-        """The request's kept PF K/V, keyed by (agent, token ids)."""
+        """The kept PF K/V, keyed by (agent, token ids): the instance's (``prefix_scope="agent"``)
+        or the request's."""
+        if self.prefix_scope == "agent":
+            return self._agent_prefixes()
         return session.method_state.setdefault(f"{self.name}:{PREFIX_STATE}", {})  # type: ignore[attr-defined]
 
     def prefix_reuse_allowed(self, turn: Turn) -> bool:
@@ -432,9 +456,65 @@ class PrefixReuse:
         store = self.prefix_store(turn.session)
         computed = {s.start for s in cache.segments if s.kind == "PF" and s.provenance == "dense"}
         for span in turn.spans:  # the segment of the prompt's tail lacks its last token: generate computed it
+            if span.kind != "PF":
+                continue
             key = (turn.agent, tuple(span.token_ids.tolist()))
-            if span.kind == "PF" and span.start in computed and key not in store:
+            if key in store:
+                if isinstance(store, OrderedDict):
+                    store.move_to_end(key)  # used again: the most recently used
+            elif span.start in computed:
                 store[key] = cache.extract(span.start, span.end, agent=turn.agent)
+        if isinstance(store, OrderedDict):
+            while len(store) > self.PREFIX_LIMIT:
+                store.popitem(last=False)
+
+    def prefix_state_bytes(self) -> int:
+        """Bytes of the PF K/V kept across requests (``prefix_scope="agent"``)."""
+        return sum(kv.nbytes for kv in self.__dict__.get("_kept_prefixes", {}).values())
+
+    def state_bytes(self) -> int:
+        return super().state_bytes() + self.prefix_state_bytes()  # type: ignore[misc]
+
+    def clear_prefixes(self) -> None:
+        self.__dict__.pop("_kept_prefixes", None)
+
+    def export_prefixes(self) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+        """The kept PF K/V as tensors ``prefix<i>.<k|v><layer>`` and their metadata (LRU order)."""
+        tensors, meta = {}, []
+        for i, ((agent, ids), kv) in enumerate(self.__dict__.get("_kept_prefixes", {}).items()):
+            for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
+                tensors[f"prefix{i}.k{layer}"] = k.detach().contiguous().clone()
+                tensors[f"prefix{i}.v{layer}"] = v.detach().contiguous().clone()
+            meta.append({"agent": agent, "ids": list(ids), "start": kv.start, "layers": len(kv.keys)})
+        return tensors, meta
+
+    def import_prefixes(self, tensors: dict[str, torch.Tensor], meta: Any) -> None:
+        """Replace the kept PF K/V by exported ones (:meth:`export_prefixes`)."""
+        kept: OrderedDict = OrderedDict()
+        try:
+            for i, entry in enumerate(meta or []):
+                n = int(entry["layers"])
+                kept[(entry["agent"], tuple(int(t) for t in entry["ids"]))] = SegmentKV(
+                    keys=[tensors[f"prefix{i}.k{layer}"] for layer in range(n)],
+                    values=[tensors[f"prefix{i}.v{layer}"] for layer in range(n)],
+                    start=int(entry["start"]),
+                    agent=entry["agent"],
+                )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{self.name}: the saved kept prefixes are damaged ({error!r})") from error  # type: ignore[attr-defined]
+        self.__dict__["_kept_prefixes"] = kept
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, meta = super().export_state()  # type: ignore[misc]
+        kept, kept_meta = self.export_prefixes()
+        return {**tensors, **kept}, ({**meta, "prefixes": kept_meta} if kept_meta else meta)
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        rest = {k: v for k, v in tensors.items() if not k.startswith("prefix")}
+        meta = dict(meta)
+        kept_meta = meta.pop("prefixes", [])
+        super().import_state(rest, meta)  # type: ignore[misc]
+        self.import_prefixes({k: v for k, v in tensors.items() if k.startswith("prefix")}, kept_meta)
 
     def request_state_bytes(self, session: Session) -> int:
         kept = session.method_state.get(f"{self.name}:{PREFIX_STATE}", {})  # type: ignore[attr-defined]

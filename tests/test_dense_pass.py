@@ -11,7 +11,7 @@ import torch
 from families import family_model
 from tiny import QUERY, STEPS, roles, tiny_model
 
-from hf_kvshare import PF, PH, SegmentedCache, Session, cache_kwargs
+from hf_kvshare import METHODS, PF, PH, SegmentedCache, Session, cache_kwargs
 from hf_kvshare.cache import CachePart, Segment
 
 
@@ -212,7 +212,7 @@ SAME_PREFIX = [("a", roles("a")), ("a", roles("a") + [PH("a"), PF("\nGo on:")])]
 def test_prefix_reuse_behind_the_same_prefix_is_exact_and_reported(tiny, tokenizer):
     """FullShared with prefix_reuse: the agent's own PF text of its first turn is placed on its second
     (behind the identical prefix, so exactly), only new text is computed, rho stays over PH tokens."""
-    session = Session(tiny, tokenizer, "fullshared", prefix_reuse=True)
+    session = Session(tiny, tokenizer, "fullshared", prefix_reuse=True, prefix_scope="request")
     first = session.run_turn(*SAME_PREFIX[0], max_new_tokens=6)
     assert first.prefix_reused == 0
     second = session.run_turn(*SAME_PREFIX[1], max_new_tokens=6)
@@ -254,6 +254,38 @@ def test_prefix_reuse_is_off_by_default_for_fullshared_and_on_for_kvcmas(tiny_ll
     for agent, segments in SAME_PREFIX:
         r = session.run_turn(agent, segments, max_new_tokens=4)
     assert r.prefix_reused == 0 and "fullshared:prefixes" not in session.method_state
+    assert session.method.state_bytes() == 0
+
+
+def test_agent_scope_keeps_an_agents_prefix_across_requests(tiny, tokenizer):
+    """prefix_scope="agent" (the reference keeps an agent's template K/V across requests): the next
+    request's first turn of the agent already places its kept PF text; "request" scope does not."""
+    agent_scope = METHODS["fullshared"](prefix_reuse=True)
+    request_scope = METHODS["fullshared"](prefix_reuse=True, prefix_scope="request")
+    for method in (agent_scope, request_scope):
+        Session(tiny, tokenizer, method).run_turn(*SAME_PREFIX[0], max_new_tokens=4)
+    kept = agent_scope.state_bytes()
+    assert kept > 0 and request_scope.state_bytes() == 0 and agent_scope.state_summary()["bytes"] == kept
+    r = Session(tiny, tokenizer, agent_scope).run_turn(*SAME_PREFIX[0], max_new_tokens=4)
+    assert r.prefix_reused > 0 and {s.provenance for s in r.segments if s.name == "pf0"} == {"reused"}
+    r = Session(tiny, tokenizer, request_scope).run_turn(*SAME_PREFIX[0], max_new_tokens=4)
+    assert r.prefix_reused == 0
+
+
+def test_agent_scope_is_bounded_and_saved(tiny, tokenizer, tmp_path):
+    method = METHODS["fullshared"](prefix_reuse=True)
+    method.PREFIX_LIMIT = 3
+    for i in range(6):  # a new agent (and system prompt) per request
+        Session(tiny, tokenizer, method).run_turn(f"agent{i}", roles(f"agent{i}"), max_new_tokens=2)
+    kept = method.__dict__["_kept_prefixes"]
+    assert len(kept) == 3 and {agent for agent, _ in kept} <= {"agent4", "agent5"}
+    method.save_state(tmp_path / "state")
+    loaded = METHODS["fullshared"](prefix_reuse=True)
+    loaded.load_state(tmp_path / "state", model=tiny)
+    assert loaded.state_bytes() == method.state_bytes() > 0
+    a = Session(tiny, tokenizer, method).run_turn("agent5", roles("agent5"), max_new_tokens=4)
+    b = Session(tiny, tokenizer, loaded).run_turn("agent5", roles("agent5"), max_new_tokens=4)
+    assert a.output_ids.tolist() == b.output_ids.tolist() and a.prefix_reused == b.prefix_reused > 0
 
 
 @pytest.mark.parametrize("method", ["kvcmas", "kvcomm"])
@@ -281,6 +313,12 @@ def test_kvcmas_reuse_turn_places_the_agents_prefix(tiny_llama, tokenizer):
             off.run_turn(agent, segments, max_new_tokens=4)
         r = off.run_turn("first", roles("first") + [PF("\nPrevious: "), PH("second")], max_new_tokens=4)
         assert r.prefix_reused == 0
+
+
+def test_prefix_scope_option_is_checked(tiny_llama, tokenizer):
+    for method in ("fullshared", "kvcmas"):
+        with pytest.raises(ValueError, match="prefix_scope must be one of"):
+            Session(tiny_llama, tokenizer, method, prefix_scope="session")
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

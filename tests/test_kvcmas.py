@@ -207,7 +207,12 @@ def test_pool_bytes_low_rank_versus_dense(tiny_llama, tokenizer):
     length, dim, layers = d_anchor.length, 32, 3
     assert d_anchor.nbytes == 2 * layers * length * dim * 4 * (1 + len(d_anchor.deltas))
     assert l_anchor.nbytes == 2 * layers * 4 * (length + dim) * 4 * (1 + len(l_anchor.deltas))
-    assert dense.state_bytes() == sum(a.nbytes for p in dense.pools.values() for a in p)
+    # state: the pools plus the agents' kept PF text (prefix_scope="agent")
+    assert (
+        dense.state_bytes()
+        == sum(a.nbytes for p in dense.pools.values() for a in p) + dense.prefix_state_bytes()
+    )
+    assert low.prefix_state_bytes() == dense.prefix_state_bytes() > 0  # the same agents' text
     assert low.state_bytes() < dense.state_bytes()
 
 

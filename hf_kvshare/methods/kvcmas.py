@@ -187,10 +187,13 @@ class KVCMAS(PrefixReuse, Method):
         pool_peak: ``"capacity+1"`` (evict when more than V are held, as the reference) or ``"capacity"``.
         lead_in: the text between the chat header and a ``"lead"`` given text; ``None``: the last line
             of the PF segment before it in the first consumer's turn (when it holds no special token).
-        prefix_reuse: an agent's PF text, computed on its first use in the request, is placed on its
-            later reuse turns re-positioned without correction (the reference's prefix delta off:
+        prefix_reuse: an agent's PF text, computed on its first use, is placed on its later reuse
+            turns re-positioned without correction (the reference's prefix delta off:
             :class:`~hf_kvshare.method.PrefixReuse`). Not on a turn that is dense (``tau = 0``, a gate
             fallback or ``turn_fallback="turn"``), so the exact settings stay exact.
+        prefix_scope: ``"agent"`` (reference: kept in the instance across requests, as the authors'
+            code keeps an agent's template K/V in class-level memory) or ``"request"`` (kept for one
+            request).
         max_pools: pools kept by the instance (one per producing agent or PH slot name); past it the
             least recently used pool (read or written by a recorded turn) is dropped, so a workload
             with a new name per request (``doc{i}``) stays bounded. :meth:`state_summary` reports it.
@@ -227,6 +230,7 @@ class KVCMAS(PrefixReuse, Method):
     pool_peak: str = "capacity+1"
     lead_in: str | None = None
     prefix_reuse: bool = True
+    prefix_scope: str = "agent"
     max_pools: int = 64
 
     def __post_init__(self) -> None:
@@ -283,8 +287,9 @@ class KVCMAS(PrefixReuse, Method):
                 setattr(self, knob, dim)
 
     def clear(self) -> None:
-        """Drop every pool and per-request state, and forget the model."""
+        """Drop every pool, kept prefix and per-request state, and forget the model."""
         self.pools = LRUDict(self.max_pools)
+        self.clear_prefixes()
         self.binding.clear()
         self._requests.clear()
 
@@ -294,14 +299,17 @@ class KVCMAS(PrefixReuse, Method):
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The anchor pools (in order, with LFU counters and serials) and the next request uid."""
         table = TensorTable()
-        return table.tensors, {
+        meta = {
             "pools": pools_to_state(self.pools, table),
             "next_request": self._requests.next_uid,
             "evicted": self.pools.evicted,
         }
+        kept, kept_meta = self.export_prefixes()  # the agents' kept PF text (prefix_scope="agent")
+        return {**table.tensors, **kept}, {**meta, "prefixes": kept_meta}
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Replace the pools (per-request state of live sessions is dropped)."""
+        self.import_prefixes(tensors, meta.get("prefixes", []))
         try:
             pools = pools_from_state(meta["pools"], tensors)
             next_uid = int(meta["next_request"])
@@ -318,8 +326,8 @@ class KVCMAS(PrefixReuse, Method):
         return self._requests.nbytes(session) + super().request_state_bytes(session)
 
     def state_bytes(self) -> int:
-        """Exact bytes of all anchor pools (every stored factor / dense tensor)."""
-        return sum(p.nbytes for p in self.pools.values())
+        """Exact bytes of all anchor pools (every stored factor / dense tensor) and kept PF text."""
+        return sum(p.nbytes for p in self.pools.values()) + self.prefix_state_bytes()
 
     def state_summary(self) -> dict[str, Any]:
         return {
@@ -328,6 +336,7 @@ class KVCMAS(PrefixReuse, Method):
             "max_pools": self.pools.limit,
             "evicted_pools": self.pools.evicted,
             "anchors": sum(len(p) for p in self.pools.values()),
+            "prefixes": len(self.__dict__.get("_kept_prefixes", {})),
         }
 
     def pool_report(self) -> list[dict[str, Any]]:
