@@ -35,4 +35,6 @@ def test_validate_and_run_the_example(tmp_path, tokenizer, capsys):
     config = next(d for d in (tmp_path / "out").iterdir() if (d / "summary.json").exists())
     summary = json.loads((config / "summary.json").read_text())
     assert [m["method"] for m in summary["methods"]] == ["nonshared", "fullshared", "limit"]
-    assert all(m["turns"] == 6 for m in summary["methods"] if m["method"] != "limit")  # limit: reuse turns only
+    assert all(
+        m["turns"] == 6 for m in summary["methods"] if m["method"] != "limit"
+    )  # limit: reuse turns only
