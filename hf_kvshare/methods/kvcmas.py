@@ -309,12 +309,12 @@ class KVCMAS(PrefixReuse, Method):
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Replace the pools (per-request state of live sessions is dropped)."""
-        self.import_prefixes(tensors, meta.get("prefixes", []))
         try:
             pools = pools_from_state(meta["pools"], tensors)
             next_uid = int(meta["next_request"])
         except (KeyError, TypeError, IndexError) as error:
             raise ValueError(f"{self.name}: saved state metadata is damaged ({error!r})") from error
+        self.import_prefixes(tensors, meta.get("prefixes", []))  # raises before replacing anything
         self.pools = LRUDict(self.max_pools)
         self.pools.update(pools)  # in the saved order: least recently used first
         self.pools.evicted = int(meta.get("evicted", 0))
