@@ -263,6 +263,10 @@ class Method:
         built on."""
         self.binding.check(model)
 
+    #: options added after states were first saved -> the value a state saved without them was built
+    #: with (such a state loads into an instance with that value)
+    LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {}
+
     def state_options(self) -> dict[str, Any]:
         """The knobs (dataclass fields) that must match for a saved state to be loaded."""
         if not dataclasses.is_dataclass(self):
@@ -336,8 +340,8 @@ class Method:
                 f"{header_path} holds the state of method {header.get('method')!r}, not {self.name!r}"
             )
         mine = _json_options(self.state_options())
-        if header.get("options") != mine:
-            saved = header.get("options") or {}
+        saved = {**self.LEGACY_OPTIONS, **(header.get("options") or {})}
+        if saved != mine:
             diff = [
                 f"{k}: saved {saved.get(k)!r}, this instance {mine.get(k)!r}"
                 for k in sorted({*saved, *mine})

@@ -25,6 +25,8 @@ from hf_kvshare.anchors import (
     gate_weights,
     match,
     normalized_entropy,
+    prefix_correction,
+    prefix_weights,
     reference_prefill,
     reliability_gate,
     to_heads,
@@ -411,3 +413,87 @@ def test_reference_prefill_keeps_and_drops_the_lead():
     assert not torch.allclose(ref.values[1][:, :, 0], alone.values[1][:, :, 0], atol=1e-4)
     empty = reference_prefill(model, torch.zeros(0, dtype=torch.long), ids)
     assert empty.start == 0 and torch.equal(empty.values[1], alone.values[1])
+
+
+# ------------------------------------------------------------------ frames (issue 11)
+def writer_anchor(base: SegmentKV, shifter, delta: SegmentKV, base_start: int, origin) -> Anchor:
+    anchor = anchor_from(base, shifter, {"coder": delta}, origin=origin)
+    anchor.frame, anchor.base_start = "writer", base_start
+    return anchor
+
+
+def test_writer_frame_deltas_are_added_unrotated_and_canonical_ones_rotated(shifter):
+    """The authors' code adds a delta where its writer observed it (no rotation); the canonical frame
+    rotates it to where the segment lands. Values never rotate."""
+    source = random_kv(6, start=3, seed=1)
+    delta = random_kv(6, seed=2, scale=0.1)
+    w = torch.full((2, 6), 0.5)
+    target = 17
+    aligned = source.repositioned(shifter, target)
+    for frame in ("writer", "canonical"):
+        anchors = [writer_anchor(random_kv(6, seed=3 + i), shifter, delta, 40, origin=i) for i in range(2)]
+        for a in anchors:
+            a.frame = frame
+        out = apply_correction(source, anchors, "coder", w, w, target, shifter)
+        for layer in range(LAYERS):
+            expected = (
+                delta.keys[layer] if frame == "writer" else shifter.reposition(delta.keys[layer], 0, target)
+            )
+            assert torch.allclose(out.keys[layer], aligned.keys[layer] + expected, atol=1e-5), frame
+            assert torch.allclose(out.values[layer], aligned.values[layer] + delta.values[layer], atol=1e-6)
+    anchors[0].frame = "writer"
+    with pytest.raises(ValueError, match="mix delta frames"):
+        apply_correction(source, anchors, "coder", w, w, target, shifter)
+
+
+def test_reader_frame_token_distances_compare_where_each_side_was_placed(shifter):
+    """KVComm's reference compares the source placed at the reader's position with each anchor's base
+    placed where its last consumer put it; the canonical frame moves both to 0."""
+    source = random_kv(5, start=2, seed=1)
+    bases = [random_kv(7, seed=5), random_kv(5, seed=6)]
+    anchors = [writer_anchor(b, shifter, b, base_start=9 + 4 * i, origin=i) for i, b in enumerate(bases)]
+    reader = 21
+    kd, vd = token_distances(source, anchors, shifter, 5, reader_start=reader)
+    placed = source.repositioned(shifter, reader)
+    for i, (a, b) in enumerate(zip(anchors, bases)):
+        moved = b.prefix(5).repositioned(shifter, a.base_start)
+        want_k = sum((placed.keys[layer] - moved.keys[layer]).abs()[0].sum((0, 2)) for layer in range(LAYERS))
+        want_v = sum(
+            (source.values[layer] - b.values[layer][:, :, :5]).abs()[0].sum((0, 2)) for layer in range(LAYERS)
+        )
+        assert torch.allclose(kd[i].float(), want_k / (LAYERS * HEADS * HEAD_DIM), atol=1e-5)
+        assert torch.allclose(vd[i].float(), want_v / (LAYERS * HEADS * HEAD_DIM), atol=1e-5)
+    canonical, _ = token_distances(source, anchors, shifter, 5)
+    assert not torch.allclose(canonical, kd)  # the frames differ when the positions do
+
+
+def test_prefix_weights_and_correction_follow_the_reference(shifter):
+    """Weights per (layer, feature): softmax over anchors of -L2 over the segment's tokens between the
+    source and each anchor's last S base rows; the PF correction adds sum_a w * delta_a, layer 0 kept."""
+    source = random_kv(4, start=0, seed=1)
+    bases = [random_kv(6, seed=7), random_kv(4, seed=8)]
+    anchors = [writer_anchor(b, shifter, b, base_start=0, origin=i) for i, b in enumerate(bases)]
+    wk, wv = prefix_weights(source, anchors, shifter, reader_start=0)
+    assert wk.shape == wv.shape == (2, LAYERS, HEADS * HEAD_DIM)
+    assert torch.allclose(wk.sum(0), torch.ones(LAYERS, HEADS * HEAD_DIM))
+    for layer in range(LAYERS):
+        dist = torch.stack(
+            [
+                (to_matrix(source.values[layer]) - to_matrix(b.values[layer])[b.length - 4 :]).norm(dim=0)
+                for b in bases
+            ]
+        )
+        assert torch.allclose(wv[:, layer], torch.softmax(-dist, dim=0), atol=1e-5)
+    pf = random_kv(3, start=11, seed=9)
+    deltas = [
+        FactoredKV.from_kv(d.keys, d.values, None) for d in (random_kv(3, seed=10), random_kv(3, seed=11))
+    ]
+    out = prefix_correction(pf, deltas, wk, wv, "writer", shifter)
+    for layer in range(LAYERS):
+        if layer == 0:
+            assert torch.equal(out.keys[0], pf.keys[0]) and torch.equal(out.values[0], pf.values[0])
+            continue
+        want = sum(w[layer] * d.values[layer].reconstruct() for w, d in zip(wv, deltas))
+        assert torch.allclose(to_matrix(out.values[layer]), to_matrix(pf.values[layer]) + want, atol=1e-5)
+    with pytest.raises(ValueError, match="prefix deltas of"):
+        prefix_correction(random_kv(5, start=11), deltas, wk, wv, "writer", shifter)

@@ -10,7 +10,7 @@ import torch
 from tiny import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, Session
-from hf_kvshare.anchors import CorrectedCache
+from hf_kvshare.anchors import CorrectedCache, to_heads
 from hf_kvshare.evaluation.metrics import kv_error
 from hf_kvshare.methods.graphflow import GraphFlow
 from hf_kvshare.methods.kvcmas import KVCMAS
@@ -205,7 +205,10 @@ def test_pool_bytes_low_rank_versus_dense(tiny_llama, tokenizer):
         run_request(tiny_llama, tokenizer, method, QUERIES[0])
     d_anchor, l_anchor = dense.pools["query"].anchors[0], low.pools["query"].anchors[0]
     length, dim, layers = d_anchor.length, 32, 3
-    assert d_anchor.nbytes == 2 * layers * length * dim * 4 * (1 + len(d_anchor.deltas))
+    # KVComm also keeps, per consumer, the dense correction of the PF text after the segment
+    assert set(d_anchor.prefix_deltas) == set(d_anchor.deltas) and not l_anchor.prefix_deltas
+    prefix = sum(2 * layers * d.length * dim * 4 for _, d in d_anchor.prefix_deltas.values())
+    assert d_anchor.nbytes == 2 * layers * length * dim * 4 * (1 + len(d_anchor.deltas)) + prefix
     assert l_anchor.nbytes == 2 * layers * 4 * (length + dim) * 4 * (1 + len(l_anchor.deltas))
     # state: the pools plus the agents' kept PF text (prefix_scope="agent")
     assert (
@@ -508,6 +511,9 @@ def test_tau_must_be_a_real_number_in_the_unit_interval(cls, tau):
         ({"svd": "fast"}, "svd must be one of 'exact', 'randomized'"),
         ({"skip_layer0": 1}, "skip_layer0 must be True or False"),
         ({"lead_in": 3}, "lead_in must be a string or None"),
+        ({"delta_frame": "reader"}, "delta_frame must be one of 'writer', 'canonical'"),
+        ({"key_frame": "writer"}, "key_frame must be one of 'canonical', 'reader'"),
+        ({"prefix_delta": "yes"}, "prefix_delta must be True or False"),
     ],
 )
 def test_bad_choices_refused(kwargs, message):
@@ -523,3 +529,66 @@ def test_slot_text_conflict_refused_and_pools_untouched(tiny_llama, tokenizer):
     with pytest.raises(ValueError, match="already holds"):
         session.run_turn("designer", turn_segments(1, QUERIES[1]), max_new_tokens=3)
     assert (method.state_bytes(), dict(session.slots)) == before
+
+
+LONG_QUERY = "Explain, in detail and with examples, how a hash map resolves collisions and grows its table."
+SHORT_QUERY = "Reverse a linked list in place."
+
+
+def pf_errors(model, tok, method):
+    """KV error of the PF text right after the query, per agent, in a third request that repeats the
+    second (the first request's PF text is the one the agents keep)."""
+    ref = exact_forced(model, tok, SHORT_QUERY)
+    run_forced(model, tok, method, LONG_QUERY, exact_forced(model, tok, LONG_QUERY))
+    run_forced(model, tok, method, SHORT_QUERY, ref)
+    got = run_forced(model, tok, method, SHORT_QUERY, ref)
+    errors, infos = [], []
+    for turn, exact in zip(got, ref):
+        segments = turn.cache.segments
+        i = next(i for i, s in enumerate(segments) if s.kind == "PH" and s.name == "query")
+        assert segments[i].provenance == "corrected"
+        pf = segments[i + 1]
+        assert pf.kind == "PF" and pf.provenance == "reused"
+        errors.append(kv_error(turn.cache, exact.cache, pf.start, pf.end))
+        infos.append(pf.info)
+    return errors, infos
+
+
+def test_kvcomm_prefix_deltas_correct_the_reused_pf_text(tiny_llama, tokenizer):
+    """KVComm's reference corrects the PF text after a corrected segment with per-consumer prefix
+    deltas; without them the kept PF text (computed after another query) is reused as it is."""
+    with_delta, infos = pf_errors(tiny_llama, tokenizer, KVComm(tau=1.0))
+    without, plain = pf_errors(tiny_llama, tokenizer, KVComm(tau=1.0, prefix_delta=False))
+    assert all(isinstance(info["prefix_delta"], list) for info in infos)
+    assert all("prefix_delta" not in info for info in plain)
+    assert all(w < 0.9 * wo for w, wo in zip(with_delta, without)), (with_delta, without)
+
+
+def test_deltas_are_stored_in_the_writers_frame_and_bases_follow_the_last_consumer(tiny_llama, tokenizer):
+    """Eq. 12 as the authors' code stores it: ``C_consumer - Align(C_source)`` at the consumer's
+    positions (``delta_frame="writer"``); the canonical frame stores the same difference at 0."""
+    stored = {}
+    for frame in ("writer", "canonical"):
+        method = KVComm(tau=1.0, delta_frame=frame)
+        session = Session(tiny_llama, tokenizer, method)
+        turns = [
+            session.run_turn(agent, turn_segments(i, QUERIES[0]), max_new_tokens=3, keep_cache=True)
+            for i, agent in enumerate(AGENTS)
+        ]
+        anchor = method.pools["query"].anchors[0]
+        reference = method._requests.get(session).references["query"]
+        assert anchor.frame == frame
+        last = turns[-1].cache.segment("query")
+        assert anchor.base_start == last.start  # the coder was the last to add its delta
+        exact = turns[-1].cache.extract(last.start, last.end)
+        placed = reference.repositioned(session.shifter, last.start)
+        for layer in range(3):
+            diff = exact.keys[layer] - placed.keys[layer]
+            if frame == "canonical":
+                diff = session.shifter.reposition(diff, last.start, 0)
+            got = to_heads(anchor.deltas["coder"].keys[layer].reconstruct(), 2)
+            assert torch.allclose(got, diff, atol=1e-5), (frame, layer)
+        stored[frame] = anchor
+    assert KVCMAS().delta_frame == KVComm().delta_frame == "writer"
+    assert (KVCMAS().key_frame, KVComm().key_frame) == ("canonical", "reader")
+    assert (KVCMAS().prefix_delta, KVComm().prefix_delta) == (False, True)

@@ -123,6 +123,36 @@ def test_refusals_are_clear_and_change_nothing(tiny_llama, tokenizer, tmp_path):
         unbound.save_state(tmp_path / "u")
 
 
+def test_states_saved_before_delta_frames_load_only_into_the_canonical_frame(tiny_llama, tokenizer, tmp_path):
+    """A state written before ``delta_frame`` existed holds canonical deltas: the writer-frame default
+    refuses it (naming the option), nothing changes; ``delta_frame=canonical`` takes it; a header that
+    says writer over canonical anchors is refused by the frame check."""
+    old = METHODS["kvcmas"](tau=1.0, delta_frame="canonical")
+    request(tiny_llama, tokenizer, old, QUERIES[0])
+    old.save_state(tmp_path / "s")
+    header = json.loads((tmp_path / "s" / "state.json").read_text())
+    for pool in header["meta"]["pools"]:
+        for anchor in pool["anchors"]:
+            for key in ("frame", "base_start", "prefix_deltas"):
+                del anchor[key]
+    del header["options"]["delta_frame"], header["options"]["key_frame"], header["options"]["prefix_delta"]
+    (tmp_path / "s" / "state.json").write_text(json.dumps(header))
+    method = METHODS["kvcmas"](tau=1.0)
+    request(tiny_llama, tokenizer, method, QUERIES[1])
+    before = (method.state_bytes(), method.state_summary())
+    with pytest.raises(ValueError, match="delta_frame: saved 'canonical', this instance 'writer'"):
+        method.load_state(tmp_path / "s")
+    assert (method.state_bytes(), method.state_summary()) == before
+    restored = METHODS["kvcmas"](tau=1.0, delta_frame="canonical")
+    restored.load_state(tmp_path / "s")
+    assert restored.state_bytes() == old.state_bytes()
+    header["options"].update(delta_frame="writer", key_frame="canonical", prefix_delta=False)
+    (tmp_path / "s" / "state.json").write_text(json.dumps(header))
+    with pytest.raises(ValueError, match="deltas in the canonical frame.*kvcmas:delta_frame=canonical"):
+        method.load_state(tmp_path / "s")
+    assert (method.state_bytes(), method.state_summary()) == before
+
+
 @pytest.mark.parametrize("name", ["nonshared", "fullshared", "cacheblend", "prelrshared"])
 def test_stateless_methods_save_an_empty_state(tmp_path, name):
     method = METHODS[name]()

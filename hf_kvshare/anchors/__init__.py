@@ -19,6 +19,8 @@ from .correction import (
     covering,
     gate_distances,
     match,
+    prefix_correction,
+    prefix_weights,
     token_distances,
     token_weights,
 )
@@ -73,6 +75,8 @@ __all__ = [
     "reliability_gate",
     "to_heads",
     "to_matrix",
+    "prefix_correction",
+    "prefix_weights",
     "token_distances",
     "token_weights",
     "usage_crossing",

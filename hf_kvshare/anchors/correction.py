@@ -29,7 +29,7 @@ import torch
 
 from ..cache import SegmentKV
 from ..rope import RopeShifter
-from .lowrank import MatrixFactors, to_heads, to_matrix
+from .lowrank import FactoredKV, MatrixFactors, to_heads, to_matrix
 from .pool import Anchor
 
 
@@ -103,16 +103,25 @@ def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int)
 
 
 def token_distances(
-    source: SegmentKV, anchors: list[Anchor], shifter: RopeShifter, rows: int
+    source: SegmentKV,
+    anchors: list[Anchor],
+    shifter: RopeShifter,
+    rows: int,
+    reader_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-wise mean absolute distances ``[n, rows]`` (keys in the canonical frame, values) between
-    ``source`` and each anchor's base, over layers, heads and head dims: the inputs of
-    :func:`token_weights`. Per layer the anchors are reconstructed together (one batched product)."""
+    """Token-wise mean absolute distances ``[n, rows]`` (keys, values) between ``source`` and each
+    anchor's base, over layers, heads and head dims: the inputs of :func:`token_weights`. Per layer
+    the anchors are reconstructed together (one batched product).
+
+    Keys are compared in the canonical frame (both at positions ``0 ..``; the KVCMAS reference), or
+    with ``reader_start`` in the KVComm reference's frames: the source placed at ``reader_start`` (where
+    this reader puts it) against each anchor's base placed at its ``base_start``."""
     if not anchors:
         raise ValueError("token_distances needs at least one anchor")
     if not 1 <= rows <= source.length or any(a.length < rows for a in anchors):
         raise ValueError(f"cannot compare {rows} rows of a {source.length}-token source with these anchors")
-    rotation = shifter.rotation(source.start, 0, rows)
+    rotation = shifter.rotation(source.start, 0 if reader_start is None else reader_start, rows)
+    placed = None if reader_start is None else _base_rotations(anchors, shifter, rows)
     device = source.values[0].device
     n = len(anchors)
     key_abs = torch.zeros(n, rows, dtype=torch.float64, device=device)
@@ -124,8 +133,97 @@ def token_distances(
         features += src_v.shape[1]
         for src, acc, pick in ((src_k, key_abs, "keys"), (src_v, value_abs, "values")):
             recon = _reconstruct_all([getattr(a.base, pick)[layer] for a in anchors], rows)
+            if pick == "keys" and placed is not None:
+                recon = _rotate_rows(recon, placed, shifter, layer, source.keys[layer].shape[1])
             acc += (recon - src).abs().sum(-1).double().to(device)  # per-layer devices (device_map)
     return key_abs / features, value_abs / features  # stay on the device: weights are applied there
+
+
+def _base_rotations(anchors: list[Anchor], shifter: RopeShifter, rows: int) -> list:
+    """Per anchor, the rotation moving its canonical base rows ``0 .. rows`` to where it was last
+    placed (``base_start ..``); anchors placed alike share one."""
+    cache: dict[int, object] = {}
+    for a in anchors:
+        if a.base_start not in cache:
+            cache[a.base_start] = shifter.rotation(0, a.base_start, rows)
+    return [cache[a.base_start] for a in anchors]
+
+
+def _rotate_rows(
+    recon: torch.Tensor, rotations: list, shifter: RopeShifter, layer: int, heads: int
+) -> torch.Tensor:
+    """``recon`` ``[n, rows, D]`` with anchor ``i``'s rows rotated by ``rotations[i]``."""
+    return torch.stack(
+        [to_matrix(shifter.apply(to_heads(m, heads), r, layer=layer)) for m, r in zip(recon, rotations)]
+    )
+
+
+def prefix_weights(
+    source: SegmentKV, anchors: list[Anchor], shifter: RopeShifter, reader_start: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KVComm reference's weights of the prefix (PF) deltas: per layer and feature (head x
+    head dim), ``softmax`` over anchors of ``-||source - base tail||_2`` over the segment's ``S``
+    tokens, where the base tail is each anchor's last ``S`` rows. Returns ``[n, layers, D]`` float32
+    for keys and values. Keys in the canonical frame, or with ``reader_start`` as
+    :func:`token_distances` places them."""
+    rows = source.length
+    if not anchors or any(a.length < rows for a in anchors):
+        raise ValueError(f"prefix weights need anchors at least {rows} tokens long")
+    rotation = shifter.rotation(source.start, 0 if reader_start is None else reader_start, rows)
+    heads = source.keys[0].shape[1]
+    key_w, value_w = [], []
+    for layer in range(source.num_layers):
+        src_v = to_matrix(source.values[layer][:1]).float()
+        src_k = to_matrix(shifter.apply(source.keys[layer][:1], rotation, layer=layer)).float()
+        tails_k, tails_v = [], []
+        for a in anchors:
+            first = a.length - rows
+            k = a.base.keys[layer].reconstruct(a.length)[first:].float()
+            if reader_start is not None:  # else: the tail rows as the canonical base holds them
+                turn = shifter.rotation(first, a.base_start + first, rows)
+                k = to_matrix(shifter.apply(to_heads(k, heads), turn, layer=layer)).float()
+            tails_k.append(k)
+            tails_v.append(a.base.values[layer].reconstruct(a.length)[first:].float())
+        key_w.append(torch.softmax(-(torch.stack(tails_k) - src_k).norm(dim=1), dim=0))
+        value_w.append(torch.softmax(-(torch.stack(tails_v) - src_v).norm(dim=1), dim=0))
+    return torch.stack(key_w, dim=1), torch.stack(value_w, dim=1)
+
+
+def prefix_correction(
+    kv: SegmentKV,
+    deltas: list[FactoredKV],
+    key_weights: torch.Tensor,
+    value_weights: torch.Tensor,
+    frame: str,
+    shifter: RopeShifter,
+    skip_layer0: bool = True,
+) -> SegmentKV:
+    """``kv`` (PF text placed at ``kv.start``) plus ``sum_a w[a, layer, feature] * delta_a`` per layer
+    (the weights of :func:`prefix_weights` broadcast over tokens); ``frame="canonical"`` deltas are
+    rotated to ``kv.start``, ``"writer"`` ones added as stored. Layer 0 is left as placed."""
+    if any(d.length != kv.length for d in deltas):
+        raise ValueError(
+            f"prefix deltas of {[d.length for d in deltas]} tokens for a {kv.length}-token PF segment"
+        )
+    heads = kv.keys[0].shape[1]
+    rotation = shifter.rotation(0, kv.start, kv.length) if frame == "canonical" else None
+    keys, values = list(kv.keys), list(kv.values)
+    for layer in range(kv.num_layers):
+        if skip_layer0 and layer == 0:
+            continue
+        dk = sum(
+            w[layer][None, :] * d.keys[layer].reconstruct(d.length).float()
+            for w, d in zip(key_weights, deltas)
+        )
+        dv = sum(
+            w[layer][None, :] * d.values[layer].reconstruct(d.length).float()
+            for w, d in zip(value_weights, deltas)
+        )
+        keys[layer] = keys[layer][:1] + shifter.apply(to_heads(dk, heads), rotation, layer=layer).to(
+            keys[layer].dtype
+        )
+        values[layer] = values[layer][:1] + to_heads(dv, heads).to(values[layer].dtype)
+    return SegmentKV(keys=keys, values=values, start=kv.start, agent=kv.agent)
 
 
 def _reconstruct_all(factors: list[MatrixFactors], rows: int) -> torch.Tensor:
@@ -217,18 +315,23 @@ def corrected_kv(
     rows: int,
     layer_delta: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     skip_layer0: bool = False,
+    frame: str = "canonical",
 ) -> SegmentKV:
     """``Align(source) + Rot(delta)`` at ``target_start``, one layer at a time.
 
-    ``layer_delta(layer)`` returns the canonical key and value corrections ``[rows, D]`` of the
-    first ``rows`` tokens; rows ``rows:`` keep the re-positioned source. Only the output (batch 1)
-    is materialized in full dimension. ``skip_layer0``: layer 0 keeps the re-positioned source.
+    ``layer_delta(layer)`` returns the key and value corrections ``[rows, D]`` of the first ``rows``
+    tokens, keys canonical (rotated to the target) or, with ``frame="writer"``, in the absolute
+    positions of the consumer that observed them (added as they are: the authors' code); rows
+    ``rows:`` keep the re-positioned source. Only the output (batch 1) is materialized in full
+    dimension. ``skip_layer0``: layer 0 keeps the re-positioned source.
     """
     if not 0 <= rows <= source.length:
         raise ValueError(f"cannot correct {rows} rows of a {source.length}-token source")
+    if frame not in ("canonical", "writer"):
+        raise ValueError(f"frame must be 'canonical' or 'writer', got {frame!r}")
     heads = source.keys[0].shape[1]
     to_target = shifter.rotation(source.start, target_start, source.length)
-    delta_to_target = shifter.rotation(0, target_start, rows) if rows else None
+    delta_to_target = shifter.rotation(0, target_start, rows) if rows and frame == "canonical" else None
     keys, values = [], []
     for layer in range(source.num_layers):
         k_src, v_src = source.keys[layer][:1], source.values[layer][:1]
@@ -281,6 +384,9 @@ def apply_correction(
     short = [a.serial for a in anchors if a.deltas[target].length < k]
     if short:
         raise ValueError(f"anchors {short} hold corrections shorter than the {k} rows to correct")
+    frames = {a.frame for a in anchors}
+    if len(frames) > 1:
+        raise ValueError(f"anchors {[a.serial for a in anchors]} mix delta frames {sorted(frames)}")
     deltas = [a.deltas[target] for a in anchors]
 
     def layer_delta(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,4 +395,4 @@ def apply_correction(
             weighted_sum([d.values[layer] for d in deltas], value_weights, k),
         )
 
-    return corrected_kv(source, target_start, shifter, k, layer_delta, skip_layer0)
+    return corrected_kv(source, target_start, shifter, k, layer_delta, skip_layer0, frame=frames.pop())

@@ -105,6 +105,12 @@ def pools_to_state(pools: dict[str, AnchorPool], table: TensorTable) -> list[dic
                     "deltas": [
                         [target, factored_out(delta, table)] for target, delta in anchor.deltas.items()
                     ],
+                    "frame": anchor.frame,
+                    "base_start": anchor.base_start,
+                    "prefix_deltas": [
+                        [target, list(ids), factored_out(delta, table)]
+                        for target, (ids, delta) in anchor.prefix_deltas.items()
+                    ],
                 }
                 for anchor in pool.anchors
             ],
@@ -125,6 +131,12 @@ def pools_from_state(meta: list[dict[str, Any]], tensors: dict[str, torch.Tensor
                 deltas={target: factored_in(d, tensors) for target, d in a["deltas"]},
                 uses=a["uses"],
                 serial=a["serial"],
+                frame=a.get("frame", "canonical"),
+                base_start=int(a.get("base_start", 0)),
+                prefix_deltas={
+                    target: (tuple(int(t) for t in ids), factored_in(d, tensors))
+                    for target, ids, d in a.get("prefix_deltas", [])
+                },
             )
             pool.anchors.append(anchor)
         pool._serial, pool.evicted = entry["serial"], entry["evicted"]

@@ -63,7 +63,14 @@ class Anchor:
         source: who produced ``base``: the source agent's name, or :data:`REFERENCE`.
         origin: identifies the exact ``base`` (request, slot, version), so that later consumers of
             the same base add their delta to this anchor instead of inserting a duplicate.
-        deltas: consuming agent -> observed correction (keys canonical).
+        deltas: consuming agent -> observed correction of the segment.
+        frame: the position frame of the deltas' keys: ``"canonical"`` (positions ``0 ..``, rotated
+            to where the segment lands when applied) or ``"writer"`` (the absolute positions of the
+            consumer that observed it, added unrotated: the authors' code).
+        base_start: where the base's keys were last placed by a consumer that added a delta (the
+            KVComm reference compares keys in that frame); the stored base keys stay canonical.
+        prefix_deltas: consuming agent -> (token ids, correction) of the PF text right after the
+            segment in that agent's prompt (KVComm's prefix deltas), in ``frame``.
     """
 
     base: FactoredKV
@@ -72,6 +79,9 @@ class Anchor:
     deltas: dict[str, FactoredKV] = field(default_factory=dict)
     uses: int = 0
     serial: int = -1  # insertion number within its pool (set by the pool)
+    frame: str = "canonical"
+    base_start: int = 0
+    prefix_deltas: dict[str, tuple[tuple[int, ...], FactoredKV]] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -79,7 +89,8 @@ class Anchor:
 
     @property
     def nbytes(self) -> int:
-        return self.base.nbytes + sum(d.nbytes for d in self.deltas.values())
+        deltas = sum(d.nbytes for d in self.deltas.values())
+        return self.base.nbytes + deltas + sum(d.nbytes for _, d in self.prefix_deltas.values())
 
 
 class AnchorPool:

@@ -39,9 +39,9 @@ while the pools still learn.
 
 The previous behaviour of each method, for ablations::
 
-    kvcmas:gate_scope=edge,match=prefix,output_source=chained,skip_layer0=False,svd=exact,pool_peak=capacity
-    kvcmas-nonchained:gate_scope=edge,match=prefix,output_source=context_free,text_source=context_free,skip_layer0=False,svd=exact,pool_peak=capacity
-    kvcomm:gate_scope=edge,match=prefix,output_source=context_free,text_source=context_free,skip_layer0=False,pool_peak=capacity
+    kvcmas:gate_scope=edge,match=prefix,output_source=chained,skip_layer0=False,svd=exact,pool_peak=capacity,delta_frame=canonical
+    kvcmas-nonchained:gate_scope=edge,match=prefix,output_source=context_free,text_source=context_free,skip_layer0=False,svd=exact,pool_peak=capacity,delta_frame=canonical
+    kvcomm:gate_scope=edge,match=prefix,output_source=context_free,text_source=context_free,skip_layer0=False,pool_peak=capacity,delta_frame=canonical,key_frame=canonical,prefix_delta=False
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ from ..anchors import (
     covering,
     gate_distances,
     match,
+    prefix_correction,
+    prefix_weights,
     reference_lead,
     reference_prefill,
     reliability_gate,
@@ -98,6 +100,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "turn_fallback": ("turn", "span"),
     "svd": SVD_METHODS,
     "pool_peak": ("capacity+1", "capacity"),
+    "delta_frame": ("writer", "canonical"),
+    "key_frame": ("canonical", "reader"),
 }
 
 
@@ -185,6 +189,17 @@ class KVCMAS(PrefixReuse, Method):
         weights_cache: reuse token weights per (slot, request, anchor set) across consumers (reference).
         svd: ``"randomized"`` (``torch.svd_lowrank(q=r, niter=2)``, seeded; reference) or ``"exact"``.
         pool_peak: ``"capacity+1"`` (evict when more than V are held, as the reference) or ``"capacity"``.
+        delta_frame: ``"writer"`` (reference: a delta's keys are stored in the absolute positions of
+            the consumer that observed it, ``C_j - Align(C_src)`` as Eq. 12 reads, and added unrotated
+            wherever the segment lands) or ``"canonical"`` (keys moved to positions ``0 ..`` and
+            rotated to the target: the paper's "the corrected keys are then aligned to their target
+            positions"; our earlier reading).
+        key_frame: where the token weights compare keys: ``"canonical"`` (source and anchor base at
+            positions ``0 ..``; reference KVCMAS) or ``"reader"`` (the source where this consumer
+            places it, each anchor's base where its last consumer placed it; reference KVComm).
+        prefix_delta: correct the PF text right after a corrected PH span (kept by ``prefix_reuse``)
+            with the anchors' prefix deltas, weighted per layer and feature (reference KVComm; the
+            KVCMAS reference runs with them off, ``--rank-pf 0``). Stored dense, in ``delta_frame``.
         lead_in: the text between the chat header and a ``"lead"`` given text; ``None``: the last line
             of the PF segment before it in the first consumer's turn (when it holds no special token).
         prefix_reuse: an agent's PF text, computed on its first use, is placed on its later reuse
@@ -210,6 +225,11 @@ class KVCMAS(PrefixReuse, Method):
     #: the benchmark gives this method its workload's tau (0.29 MMLU, 0.32 GSM8K, 0.34 HumanEval,
     #: as the KVCMAS authors ran them) unless its options set one
     workload_tau: ClassVar[bool] = True
+    LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
+        "delta_frame": "canonical",
+        "key_frame": "canonical",
+        "prefix_delta": False,
+    }
 
     base_rank: int | None = 32
     delta_rank: int | None = 32
@@ -228,6 +248,9 @@ class KVCMAS(PrefixReuse, Method):
     weights_cache: bool = True
     svd: str = "randomized"
     pool_peak: str = "capacity+1"
+    delta_frame: str = "writer"
+    key_frame: str = "canonical"
+    prefix_delta: bool = False
     lead_in: str | None = None
     prefix_reuse: bool = True
     prefix_scope: str = "agent"
@@ -258,7 +281,7 @@ class KVCMAS(PrefixReuse, Method):
                 )
         if self.lead_in is not None and not isinstance(self.lead_in, str):
             raise ValueError(f"{self.name}: lead_in must be a string or None, got {self.lead_in!r}")
-        for knob in ("partial_coverage", "skip_layer0", "weights_cache"):
+        for knob in ("partial_coverage", "skip_layer0", "weights_cache", "prefix_delta"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
         if isinstance(self.max_pools, bool) or not isinstance(self.max_pools, int) or self.max_pools < 1:
@@ -314,6 +337,13 @@ class KVCMAS(PrefixReuse, Method):
             next_uid = int(meta["next_request"])
         except (KeyError, TypeError, IndexError) as error:
             raise ValueError(f"{self.name}: saved state metadata is damaged ({error!r})") from error
+        frames = {a.frame for pool in pools.values() for a in pool}
+        if frames - {self.delta_frame}:
+            raise ValueError(
+                f"{self.name}: the saved anchors hold deltas in the {', '.join(sorted(frames))} frame but this "
+                f"instance has delta_frame={self.delta_frame!r}; load them into {self.name}:delta_frame="
+                f"{sorted(frames)[0]} (states saved before delta_frame existed are 'canonical')"
+            )
         self.import_prefixes(tensors, meta.get("prefixes", []))  # raises before replacing anything
         self.pools = LRUDict(self.max_pools)
         self.pools.update(pools)  # in the saved order: least recently used first
@@ -532,7 +562,8 @@ class KVCMAS(PrefixReuse, Method):
             info["reason"] = f"no anchor holds a correction for {turn.agent!r}: reused uncorrected"
             return Placement(kv=edge.source, provenance="reused", source_agent=edge.label, info=info)
         edge.rows = rows
-        wk, wv, cached = self._token_weights(turn, edge, anchors, rows)
+        reader = span.start if self.key_frame == "reader" else None
+        wk, wv, cached = self._token_weights(turn, edge, anchors, rows, reader)
         kv = apply_correction(
             edge.source, anchors, turn.agent, wk, wv, span.start, turn.shifter, skip_layer0=self.skip_layer0
         )
@@ -541,18 +572,55 @@ class KVCMAS(PrefixReuse, Method):
             rows=f"{rows}/{span.length}",
             weights_cached=cached,
         )
+        following = _following_pf(turn, span)
+        if self.prefix_delta and self.prefix_reuse and following is not None and rows == span.length:
+            key = ("prefix", edge.slot, edge.pool, tuple(a.serial for a in anchors))
+            weights = self._cached_weights(
+                turn, key, lambda: prefix_weights(edge.source, anchors, turn.shifter, reader)
+            )
+            turn.scratch.setdefault(f"{self.name}.pf", {})[following.start] = (anchors, *weights)
         return Placement(kv=kv, provenance="corrected", source_agent=edge.label, info=info)
 
-    def _token_weights(self, turn: Turn, edge: Edge, anchors: list[Anchor], rows: int):
+    def _cached_weights(self, turn: Turn, key: tuple, compute) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights computed once per (slot, request, anchor set) and reused by later consumers
+        (``weights_cache``, as the reference caches them), else every time."""
         state = self._requests.get(turn.session)
-        key = (edge.slot, edge.pool, tuple(a.serial for a in anchors), rows)
         if self.weights_cache and key in state.weights:
-            return (*state.weights[key], True)
-        kd, vd = token_distances(edge.source, anchors, turn.shifter, rows)
-        weights = (token_weights(kd, self.token_temperature), token_weights(vd, self.token_temperature))
+            return state.weights[key]
+        weights = compute()
         if self.weights_cache:
             state.weights[key] = weights
-        return (*weights, False)
+        return weights
+
+    def _token_weights(self, turn: Turn, edge: Edge, anchors: list[Anchor], rows: int, reader: int | None):
+        key = (edge.slot, edge.pool, tuple(a.serial for a in anchors), rows)
+        cached = self.weights_cache and key in self._requests.get(turn.session).weights
+
+        def compute():
+            kd, vd = token_distances(edge.source, anchors, turn.shifter, rows, reader_start=reader)
+            return token_weights(kd, self.token_temperature), token_weights(vd, self.token_temperature)
+
+        return (*self._cached_weights(turn, key, compute), cached)
+
+    def prefix(self, turn: Turn, span, cache) -> Placement | None:
+        """Kept PF text (``prefix_reuse``); with ``prefix_delta``, the PF right after a corrected PH span
+        gets the anchors' prefix deltas for this agent (all of the PH's anchors must hold one for
+        this exact PF text, else it stays as placed)."""
+        placement = super().prefix(turn, span, cache)
+        pending = turn.scratch.get(f"{self.name}.pf", {}).get(span.start)
+        if placement is None or pending is None:
+            return placement
+        anchors, wk, wv = pending
+        ids = tuple(span.token_ids.tolist())
+        held = [a.prefix_deltas.get(turn.agent) for a in anchors]
+        if any(h is None or h[0] != ids for h in held):
+            placement.info["prefix_delta"] = "not every anchor holds a correction of this PF text"
+            return placement
+        placement.kv = prefix_correction(
+            placement.kv, [h[1] for h in held], wk, wv, anchors[0].frame, turn.shifter, self.skip_layer0
+        )
+        placement.info["prefix_delta"] = [a.serial for a in anchors]
+        return placement
 
     # ------------------------------------------------------ edge scope (earlier reading)
     def _edge_placeholder(self, turn: Turn, span) -> Placement | None:
@@ -640,7 +708,9 @@ class KVCMAS(PrefixReuse, Method):
             rejected = edge.decision is not None and not edge.decision.accepted
             if rejected or edge.decision is None:  # ungated given text: admitted while the pool has room
                 exact = cache.extract(span.start, span.end, agent=turn.agent)
-                self._add_delta(edge, exact, turn, may_evict=edge.decision is not None)
+                self._add_delta(
+                    edge, exact, turn, may_evict=edge.decision is not None, span=span, cache=cache
+                )
         if self.gate_scope == "slot" and output is not None and self.output_source != "context_free":
             self._decide(turn, turn.output_slot, output)  # the producer gates its own output, once
         if self.gate_scope == "edge":
@@ -668,19 +738,44 @@ class KVCMAS(PrefixReuse, Method):
         check_finite(checks)
 
     def _delta(self, edge: Edge, exact: SegmentKV, turn: Turn) -> tuple[FactoredKV, list[torch.Tensor]]:
+        """``C_consumer - Align(C_source)`` (Eq. 12), keys in ``delta_frame``; and the source's
+        canonical keys (for the base)."""
         source_keys = canonical_keys(edge.source, turn.shifter)
+        if self.delta_frame == "writer":
+            placed = edge.source.repositioned(turn.shifter, exact.start)
+            key_deltas = [k[:1] - s[:1] for k, s in zip(exact.keys, placed.keys)]
+        else:
+            key_deltas = [k - s for k, s in zip(canonical_keys(exact, turn.shifter), source_keys)]
         delta = FactoredKV.from_kv(
-            [k - s for k, s in zip(canonical_keys(exact, turn.shifter), source_keys)],
+            key_deltas,
             [v[:1] - s[:1] for v, s in zip(exact.values, edge.source.values)],
             self.delta_rank,
             self.svd,
         )
         return delta, source_keys
 
+    def _prefix_delta(self, turn: Turn, span, cache) -> tuple[tuple[int, ...], FactoredKV] | None:
+        """The correction of the PF text right after ``span`` in this dense turn: its exact K/V minus
+        the agent's kept PF (as ``prefix_reuse`` would place it; zero when this turn is the one that
+        keeps it), dense, keys in ``delta_frame``."""
+        following = _following_pf(turn, span)
+        if following is None:
+            return None
+        ids = tuple(following.token_ids.tolist())
+        exact = cache.extract(following.start, following.end, agent=turn.agent)
+        kept = self.prefix_store(turn.session).get((turn.agent, ids))
+        placed = exact if kept is None else kept.repositioned(turn.shifter, following.start)
+        keys = [k[:1] - p[:1] for k, p in zip(exact.keys, placed.keys)]
+        if self.delta_frame == "canonical":
+            back = turn.shifter.rotation(following.start, 0, following.length)
+            keys = [turn.shifter.apply(k, back, layer=i) for i, k in enumerate(keys)]
+        values = [v[:1] - p[:1] for v, p in zip(exact.values, placed.values)]
+        return ids, FactoredKV.from_kv(keys, values, None)
+
     def _base(self, edge: Edge, source_keys: list[torch.Tensor]) -> FactoredKV:
         return FactoredKV.from_kv(source_keys, [v[:1] for v in edge.source.values], self.base_rank, self.svd)
 
-    def _add_delta(self, edge: Edge, exact: SegmentKV, turn: Turn, may_evict: bool) -> None:
+    def _add_delta(self, edge: Edge, exact: SegmentKV, turn: Turn, may_evict: bool, span, cache) -> None:
         """Add this consumer's delta to the one anchor of (slot, request), creating it if needed
         (``may_evict=False``: only while the pool has room; a frozen pool is never evicted)."""
         pool = self._pool(edge.pool)
@@ -688,14 +783,23 @@ class KVCMAS(PrefixReuse, Method):
         if anchor is None and not may_evict and len(pool) >= self.capacity:
             return
         delta, source_keys = self._delta(edge, exact, turn)
-        if anchor is None:
-            anchor = Anchor(base=self._base(edge, source_keys), source=edge.label, origin=edge.origin)
-            anchor.deltas[turn.agent] = delta
-            pool.insert(anchor)
-            return
-        anchor.deltas[turn.agent] = delta
-        if edge.rebase:  # the reference's entry.update: the base becomes this consumer's source
+        prefix = self._prefix_delta(turn, span, cache) if self.prefix_delta and self.prefix_reuse else None
+        new = anchor is None
+        if new:
+            anchor = Anchor(
+                base=self._base(edge, source_keys),
+                source=edge.label,
+                origin=edge.origin,
+                frame=self.delta_frame,
+            )
+        elif edge.rebase:  # the reference's entry.update: the base becomes this consumer's source
             anchor.base, anchor.source = self._base(edge, source_keys), edge.label
+        anchor.deltas[turn.agent] = delta
+        anchor.base_start = exact.start  # ... as this consumer placed it (KVComm compares keys there)
+        if prefix is not None:
+            anchor.prefix_deltas[turn.agent] = prefix
+        if new:
+            pool.insert(anchor)
 
     def _insert_edge(self, edge: Edge, exact: SegmentKV, turn: Turn) -> None:
         pool = self._pool(edge.slot)
@@ -704,11 +808,24 @@ class KVCMAS(PrefixReuse, Method):
             return  # this consumer's correction of this base is already stored
         delta, source_keys = self._delta(edge, exact, turn)
         if anchor is None:
-            anchor = Anchor(base=self._base(edge, source_keys), source=edge.label, origin=edge.origin)
+            anchor = Anchor(
+                base=self._base(edge, source_keys),
+                source=edge.label,
+                origin=edge.origin,
+                frame=self.delta_frame,
+            )
             anchor.deltas[turn.agent] = delta
             pool.insert(anchor)
         else:
             anchor.deltas[turn.agent] = delta
+
+
+def _following_pf(turn: Turn, span):
+    """The PF span right after ``span`` in the turn's prompt, or ``None``."""
+    index = next(i for i, s in enumerate(turn.spans) if s.start == span.start)
+    if index + 1 < len(turn.spans) and turn.spans[index + 1].kind == "PF":
+        return turn.spans[index + 1]
+    return None
 
 
 def _lead_in(turn: Turn, span) -> str:

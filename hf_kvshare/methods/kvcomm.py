@@ -21,13 +21,18 @@ class KVComm(KVCMAS):
     - An agent output's source is its producer's own cache, re-positioned; the producer gates it once.
     - Anchors shorter than the segment are not used (``partial_coverage=False``: none covering it →
       the source is reused uncorrected); layer 0 is left uncorrected.
+    - Keys are compared in the readers' frames (``key_frame="reader"``: the source where this
+      consumer places it, the anchor's base where its last consumer placed it); deltas are stored
+      in the absolute positions of the consumer that observed them and added unrotated
+      (``delta_frame="writer"``).
+    - The PF text right after a corrected segment, kept per agent (``prefix_reuse``), is corrected
+      with the anchors' prefix deltas, weighted per layer and feature (``prefix_delta``).
 
-    All options of :class:`~hf_kvshare.methods.kvcmas.KVCMAS` apply. Not implemented from the
-    reference: its corrections of the agent-specific prefix text (PF deltas; our PF segments are
-    prefilled densely), its comparison of keys in the reader's position frame and its deltas added
-    in the anchor creator's frame (ours are canonical). The earlier reading (context-free references
-    for every slot, per-edge gating over a prefix) is
-    ``kvcomm:gate_scope=edge,match=prefix,output_source=context_free,text_source=context_free,skip_layer0=False,pool_peak=capacity``.
+    All options of :class:`~hf_kvshare.methods.kvcmas.KVCMAS` apply. One difference from the
+    reference stays: its agent template is prefilled once with the placeholder NAMES as text, ours
+    keeps the PF text of the agent's first real turn. The earlier reading (context-free references
+    for every slot, per-edge gating over a prefix, canonical frames, PF text prefilled) is
+    ``kvcomm:gate_scope=edge,match=prefix,output_source=context_free,text_source=context_free,skip_layer0=False,pool_peak=capacity,delta_frame=canonical,key_frame=canonical,prefix_delta=False,prefix_reuse=False``.
     """
 
     name = "kvcomm"
@@ -39,3 +44,5 @@ class KVComm(KVCMAS):
     capacity: int = 20
     text_source: str = "lead"
     partial_coverage: bool = False
+    key_frame: str = "reader"
+    prefix_delta: bool = True
