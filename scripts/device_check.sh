@@ -16,8 +16,11 @@
 # LoRA run the estimate is 3-5 minutes, inside the 8-minute budget with room for one rerun.
 #   bash scripts/device_check.sh            # full check on a GPU
 #   bash scripts/device_check.sh --tiny     # CPU mode: random:tiny-llama, 256 tokens, seconds
+# Stopped with SIGINT (e.g. `timeout -s INT 420 bash scripts/device_check.sh`), it still writes the
+# tables of the configurations that finished (marked incomplete) and exits 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-./device-out}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's package, installed or not
-exec python -m hf_kvshare.bench.device_check --out "$OUT" "$@"
+PYTHON="${PYTHON:-$(command -v python || command -v python3)}"  # GPU images may only have python3
+exec "$PYTHON" -m hf_kvshare.bench.device_check --out "$OUT" "$@"

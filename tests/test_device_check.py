@@ -39,3 +39,25 @@ def test_device_check_tiny_mode_writes_json_and_table(tmp_path):
     assert all(r["reuse_ratio"] > 0.5 for r in corrected), corrected  # the correction path was timed
     table = (tmp_path / "device_check.md").read_text()
     assert "| 256 | kvcmas:tau=1.0 |" in table and "random weights" in table
+
+
+def test_a_check_stopped_by_sigint_keeps_the_configurations_that_finished(tmp_path, monkeypatch):
+    """`timeout -s INT` during the LoRA stage: exit 1, both files written, marked incomplete, with the
+    rows of the sweep that finished (read back from its summaries)."""
+    from hf_kvshare.bench import device_check
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(device_check, "make_lora_adapters", stopped)
+    assert device_check.main(["--tiny", "--out", str(tmp_path)]) == 1
+    data = json.loads((tmp_path / "device_check.json").read_text())
+    assert "stopped (SIGINT)" in data["interrupted"] and data["exactness"]["passed"]
+    methods = {r["method"] for r in data["rows"]}
+    assert {"nonshared", "fullshared", "kvcmas:tau=1.0", "kvcomm:tau=1.0", "cacheblend"} <= methods
+    assert not any(r["lora"] for r in data["rows"])
+    assert all(
+        r["shared_tokens"] == 256 and r["ttft_mean_s"] > 0 for r in data["rows"] if r["method"] != "limit"
+    )
+    assert "**incomplete**" in (tmp_path / "device_check.md").read_text()

@@ -180,6 +180,25 @@ def sweep(
     return rows
 
 
+def collect_rows(out: Path) -> list[dict[str, Any]]:
+    """The rows of every configuration that finished under ``out/bench`` (read from its method
+    summaries): what a check stopped before its end still reports."""
+    rows = []
+    for path in sorted((out / "bench").glob("*/*/summary.json")):
+        data = json.loads(path.read_text())
+        config = data.get("config") or {}
+        rows.append(
+            {
+                "shared_tokens": (config.get("workload_params") or {}).get("shared_tokens"),
+                "lora": bool(config.get("adapters")),
+                **{k: v for k, v in data.items() if k != "config"},
+                "dir": str(path.parent.parent),
+            }
+        )
+    rows.sort(key=lambda r: (r["lora"], r["shared_tokens"] or 0, r.get("method") != "nonshared"))
+    return rows
+
+
 TABLE = [
     ("shared_tokens", "shared tokens", "d"),
     ("method", "method", ""),
@@ -205,6 +224,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['exactness']['nonshared_equals_generate']}; re-positioning max abs error layer 0 "
         f"{results['exactness']['reposition_layer0_max_abs_error']:.2e}, round trip "
         f"{results['exactness']['reposition_roundtrip_max_abs_error']:.2e}",
+        *([f"- **incomplete**: {results['interrupted']}"] if results.get("interrupted") else []),
         "",
         "| " + " | ".join(title for _, title, _ in TABLE) + " | LoRA |",
         "|" + "---|" * (len(TABLE) + 1),
@@ -246,24 +266,40 @@ def main(argv: list[str] | None = None) -> int:
         "command": "bash scripts/device_check.sh" + (" --tiny" if args.tiny else ""),
         "environment": environment(),
     }
+
+    def write(rows: list[dict[str, Any]], interrupted: str | None = None) -> None:
+        """Both files, rewritten after every stage (a check cut short keeps what finished)."""
+        results["rows"], results["wall_s"] = rows, time.perf_counter() - started
+        if interrupted:
+            results["interrupted"] = interrupted
+        (out / "device_check.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        (out / "device_check.md").write_text(markdown(results))
+
     results["exactness"] = exactness(device)
     print(f"exactness: {results['exactness']}", file=sys.stderr)
-    rows = sweep(plan, device, out, plan["lengths"], plan["methods"], [])
-    roles = [
-        name for name, _ in __import__("hf_kvshare.bench.workloads.trace", fromlist=["ROLES"]).ROLES[:AGENTS]
-    ]
-    adapters = make_lora_adapters(plan["model"], plan["dtype"], device, roles, out / "adapters")
-    extra = [
-        "--agent-adapters",
-        *(a for role, path in adapters.items() for a in ("--adapter", f"{role}={path}")),
-    ]
-    rows += sweep(plan, device, out, [plan["lora_length"]], plan["lora_methods"], extra)
-    results["rows"] = rows
-    results["wall_s"] = time.perf_counter() - started
-    (out / "device_check.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    table = markdown(results)
-    (out / "device_check.md").write_text(table)
-    print(table)
+    write([])
+    try:
+        rows = sweep(plan, device, out, plan["lengths"], plan["methods"], [])
+        write(rows)
+        roles = [
+            name
+            for name, _ in __import__("hf_kvshare.bench.workloads.trace", fromlist=["ROLES"]).ROLES[:AGENTS]
+        ]
+        adapters = make_lora_adapters(plan["model"], plan["dtype"], device, roles, out / "adapters")
+        extra = [
+            "--agent-adapters",
+            *(a for role, path in adapters.items() for a in ("--adapter", f"{role}={path}")),
+        ]
+        rows += sweep(plan, device, out, [plan["lora_length"]], plan["lora_methods"], extra)
+    except KeyboardInterrupt:  # `timeout -s INT`: keep the configurations that finished
+        write(
+            collect_rows(out),
+            "stopped (SIGINT) before the end; the rows are the configurations that finished",
+        )
+        print(markdown(results))
+        return 1
+    write(rows)
+    print(markdown(results))
     if not results["exactness"]["passed"]:
         print("error: exactness failed (see device_check.json)", file=sys.stderr)
         return 1
