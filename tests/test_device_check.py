@@ -35,6 +35,8 @@ def test_device_check_tiny_mode_writes_json_and_table(tmp_path):
             continue
         assert row["shared_tokens"] == 256 and row["ttft_mean_s"] > 0 and row["peak_memory_mb"] > 0, row
         assert "agreement" not in row  # random weights: no fidelity
+    lora = [r for r in data["rows"] if r["lora"] and r["method"] not in ("nonshared", "limit")]
+    assert lora and all(r["reuse_ratio"] > 0.5 for r in lora), lora  # the trajectory is shared
     corrected = [r for r in data["rows"] if r["method"].startswith(("kvcmas", "kvcomm"))]
     assert all(r["reuse_ratio"] > 0.5 for r in corrected), corrected  # the correction path was timed
     table = (tmp_path / "device_check.md").read_text()

@@ -11,8 +11,9 @@ single-stream TTFT / E2E / memory sweep of the seeds' setup, through the bench's
 
 Full mode: ``random:llama-3.1-8b`` in bf16 at 4K, 8K, 16K and 32K shared tokens for nonshared,
 fullshared, kvcmas, kvcomm, cacheblend (3 agents, 2 warm-up requests that fill the anchor pools,
-1 measured request, 8 output tokens per turn), plus prelrshared / rebaseshared-lp with random
-q/v rank-8 LoRA adapters (one per agent) at 8K. ``--tiny``: ``random:tiny-llama`` (2 layers, hidden
+1 measured request (``--measured N``), 8 output tokens per turn; ``--lengths`` replaces the
+lengths), plus prelrshared / rebaseshared-lp with random q/v rank-8 LoRA adapters (one per agent)
+at 8K on the trace's trajectory layout (one append-only trajectory, agents differing by adapter). ``--tiny``: ``random:tiny-llama`` (2 layers, hidden
 64; a test size, not a published model) at 256 tokens, on CPU in seconds, so CI-like checks keep
 the script working.
 """
@@ -39,6 +40,7 @@ FULL = {
     "lora_length": 8192,
     "lora_methods": ["nonshared", "prelrshared", "rebaseshared-lp"],
     "output_tokens": 8,
+    "measured": 1,  # measured requests after the warm-up (--measured)
 }
 TINY = {**FULL, "model": "random:tiny-llama", "dtype": "float32", "lengths": [256], "lora_length": 256}
 AGENTS = 3
@@ -151,7 +153,7 @@ def sweep(
         "--output-tokens",
         str(plan["output_tokens"]),
         "--requests",
-        str(WARMUP + 1),
+        str(WARMUP + plan["measured"]),
         "--warmup",
         str(WARMUP),
         "--methods",
@@ -245,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU mode: random:tiny-llama at 256 tokens (seconds)")
     p.add_argument("--out", default=None, help="output directory (default $OUT, else ./device-out)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="shared lengths of the sweep")
+    p.add_argument("--measured", type=int, default=None, help="measured requests after the 2 warm-up ones")
     args = p.parse_args(argv)
+    if any(n < 1 for n in args.lengths or []) or (args.measured is not None and args.measured < 1):
+        p.error(f"--lengths and --measured take positive integers, got {args.lengths} and {args.measured}")
     out = Path(args.out or os.environ.get("OUT") or "device-out")
     out.mkdir(parents=True, exist_ok=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -256,14 +262,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     torch.set_num_threads(min(torch.get_num_threads(), 4) if device == "cpu" else torch.get_num_threads())
-    plan = TINY if args.tiny else FULL
+    plan = dict(TINY if args.tiny else FULL)
+    if args.lengths:
+        plan["lengths"] = sorted(args.lengths)
+    if args.measured:
+        plan["measured"] = args.measured
     from .runner import environment
 
     started = time.perf_counter()
     results: dict[str, Any] = {
         "tiny": args.tiny,
         "plan": plan,
-        "command": "bash scripts/device_check.sh" + (" --tiny" if args.tiny else ""),
+        "command": "bash scripts/device_check.sh"
+        + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
         "environment": environment(),
     }
 

@@ -68,7 +68,9 @@ class TraceWorkload(Workload):
     output_tokens: int = 32
     requests: int = 1
     #: agents run with PEFT adapters named after their roles (planner, researcher, ...; load them
-    #: with ``--adapter ROLE=PATH``): the workload of the PReCache methods' timings
+    #: with ``--adapter ROLE=PATH``): the workload of the PReCache methods' timings, laid out as
+    #: PReCache's setting is: one append-only trajectory (the context, then per turn an instruction
+    #: naming the role and the output), agents differing by adapter only
     agent_adapters: bool = False
 
     def __post_init__(self) -> None:
@@ -89,6 +91,8 @@ class TraceWorkload(Workload):
         return params
 
     def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
+        if self.agent_adapters:
+            return self._trajectory_tasks(tokenizer, seed)
         roles = ROLES[: self.agents]
         agents = [
             AgentSpec(
@@ -123,6 +127,45 @@ class TraceWorkload(Workload):
                     slots=[SlotSpec(name="context", text=context, label="Shared notes")],
                     schedule=schedule,
                     max_new_tokens=self.output_tokens,
+                )
+            )
+        return tasks
+
+    def _trajectory_tasks(self, tokenizer: Any, seed: int) -> list[TaskSpec]:
+        """Turn ``t`` reads the whole trajectory so far (context, every earlier instruction and output)
+        plus its own instruction slot ``instruction<t>``, so every prompt extends the previous turn's
+        tokens (as the AutoAct workload); no chat template, no per-agent system prompt."""
+        roles = [name for name, _ in ROLES[: self.agents]]
+        agents = [AgentSpec(name=r, system="", glue="", tail="", adapter=r) for r in roles]
+        tasks = []
+        for r in range(self.requests):
+            rng = random.Random(f"{seed}-{r}")
+            context = synthetic_text(tokenizer, self.shared_tokens, rng)
+            slots = [SlotSpec(name="context", text=context)]
+            trajectory, schedule = ["context"], []
+            for t, name in enumerate(name for _ in range(self.rounds) for name in roles):
+                slots.append(
+                    SlotSpec(name=f"instruction{t}", text=f"\n\nContinue the team's work as the {name}:")
+                )
+                trajectory.append(f"instruction{t}")
+                schedule.append(
+                    StepSpec(
+                        agent=name,
+                        reads=tuple(trajectory),
+                        output=f"{name}@{t}",
+                        max_new_tokens=self.output_tokens,
+                        min_new_tokens=self.output_tokens,
+                    )
+                )
+                trajectory.append(f"{name}@{t}")
+            tasks.append(
+                TaskSpec(
+                    id=f"trace-{r}",
+                    agents=agents,
+                    slots=slots,
+                    schedule=schedule,
+                    max_new_tokens=self.output_tokens,
+                    chat=False,
                 )
             )
         return tasks
