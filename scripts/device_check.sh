@@ -8,12 +8,12 @@
 #       nonshared fullshared kvcmas kvcomm cacheblend; prelrshared / rebaseshared-lp with random
 #       q/v rank-8 LoRA adapters (one per agent) at 8K;
 #   (c) device_check.json (raw numbers) and device_check.md (the table).
-# Sizing (estimate, not measured): an 8B prefill costs ~2 * 8e9 FLOPs per token plus attention
+# Sizing (the estimate made before any run): an 8B prefill costs ~2 * 8e9 FLOPs per token plus attention
 # 4 * 32 layers * 4096 * S^2; at 32K that is ~1.1e15 FLOPs, ~2-3 s on an H200 in bf16 (~400-500
 # TFLOP/s achieved). Per measured request a method prefills at most ~3 agents x S tokens; the
 # sweep runs 2 requests x 5 methods at 4 lengths, dominated by 32K (~10 NonShared-prefill
 # equivalents, ~30 s) and 16K; with model builds (~10 s each, 3 of them), anchor SVDs and the 8K
-# LoRA run the estimate is 3-5 minutes, inside the 8-minute budget with room for one rerun.
+# LoRA run the estimate was 3-5 minutes; measured on one H200: 225 s (docs/results/gpu.md).
 #   bash scripts/device_check.sh            # full check on a GPU
 #   bash scripts/device_check.sh --tiny     # CPU mode: random:tiny-llama, 256 tokens, seconds
 # Stopped with SIGINT (e.g. `timeout -s INT 420 bash scripts/device_check.sh`), it still writes the
