@@ -77,6 +77,16 @@ def test_label_offsets():
     assert plots.label_offsets([(1.0, 1.0), (2.0, 0.0)]) == [(5, 4), (5, 4)]
     stacked = plots.label_offsets([(1.0, 1.0), (1.0, 1.0), (1.001, 1.0), (2.0, 0.0)])
     assert len({o for o in stacked[:3]}) == 3 and stacked[3] == (5, 4)
+    # close in both axes (labels would overprint) though not equal: stacked as well
+    near = plots.label_offsets([(1.0, 1.0), (1.05, 0.97), (0.0, 0.0), (2.0, 0.0)])
+    assert near[0] != near[1]
+
+
+def test_long_titles_are_wrapped():
+    title = "autoact (hops=1, limit=4, max_new_tokens=64, rounds=1) on smollm2-135m, float32, seed 0"
+    wrapped = plots.wrap_title(title)
+    assert wrapped.replace("\n", " ") == title and all(len(line) <= 70 for line in wrapped.split("\n"))
+    assert "\n" in wrapped and plots.wrap_title("short") == "short"
 
 
 def test_sweep_plot_ticks_are_plain_numbers_and_titled(tmp_path, saved_figures):

@@ -6,6 +6,7 @@ residual each method leaves (for FullShared, the cross-agent correction).
 from __future__ import annotations
 
 import json
+import textwrap
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +35,7 @@ def _save(fig, legend_ax, path: Path, title: str = "") -> Path:
     """Save with one legend right of ``legend_ax``, outside the panels (many methods would cover
     the curves) and ``title`` (the workload and model) above them; returns ``path``."""
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(wrap_title(title), fontsize=10)
     fig.tight_layout()
     legend_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -43,8 +44,9 @@ def _save(fig, legend_ax, path: Path, title: str = "") -> Path:
 
 PARTS = ("key", "value")
 
-#: points closer than this fraction of the axis range (in x and in y) share a label position
-COINCIDE = 0.03
+#: points closer than these fractions of the axis ranges (x, y) share a label position: a label is
+#: about a quarter of a panel wide and a twentieth of it high
+COINCIDE = (0.08, 0.05)
 #: vertical step (points) between stacked labels of coinciding points
 LABEL_STEP = 9
 
@@ -53,11 +55,11 @@ def label_offsets(
     points: Sequence[tuple[float, float]], base: tuple[int, int] = (5, 4)
 ) -> list[tuple[int, int]]:
     """Label offsets (in points) for scatter ``points``: a point that coincides with earlier ones
-    (within :data:`COINCIDE` of both axis ranges) gets its label stacked :data:`LABEL_STEP` points
+    (within :data:`COINCIDE` of the axis ranges) gets its label stacked :data:`LABEL_STEP` points
     above theirs, so the labels never overprint."""
     finite = [(x, y) for x, y in points if x == x and y == y]
     span = [max((p[i] for p in finite), default=0) - min((p[i] for p in finite), default=0) for i in (0, 1)]
-    tol = [COINCIDE * s if s > 0 else 1e-12 for s in span]
+    tol = [c * s if s > 0 else 1e-12 for c, s in zip(COINCIDE, span)]
     offsets = []
     for i, (x, y) in enumerate(points):
         k = sum(abs(x - px) <= tol[0] and abs(y - py) <= tol[1] for px, py in points[:i])
@@ -73,6 +75,12 @@ def run_title(config: dict[str, Any]) -> str:
     workload = f"{config.get('workload', '?')}" + (f" ({params})" if params else "")
     model = str(config.get("model", "?")).rstrip("/\\").rsplit("/", 1)[-1]
     return f"{workload} on {model}" + (f", {config['dtype']}" if config.get("dtype") else "")
+
+
+def wrap_title(title: str, width: int = 70) -> str:
+    """``title`` broken into lines of at most ``width`` characters (a long workload description
+    would run past the figure's edge)."""
+    return "\n".join(textwrap.wrap(title, width)) or title
 
 
 def _num(value: Any) -> float:
@@ -130,12 +138,12 @@ def _tradeoff(methods, out: Path, plt, key: str, name: str, label: str, title: s
             ax.legend(fontsize=8)
         _axes(
             [ax],
-            [f"{label} vs TTFT" + (f"\n{title}" if title else "")],
+            [f"{label} vs TTFT" + (f"\n{wrap_title(title, 60)}" if title else "")],
             "mean TTFT of reuse turns (s)",
             label,
         )
         fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=120)
+        fig.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")
         written.append(out / f"{name}.png")
     return written
 
