@@ -54,15 +54,26 @@ LABEL_STEP = 9
 def label_offsets(
     points: Sequence[tuple[float, float]], base: tuple[int, int] = (5, 4)
 ) -> list[tuple[int, int]]:
-    """Label offsets (in points) for scatter ``points``: a point that coincides with earlier ones
-    (within :data:`COINCIDE` of the axis ranges) gets its label stacked :data:`LABEL_STEP` points
-    above theirs, so the labels never overprint."""
+    """Label offsets (in points) for scatter ``points``: each label goes :data:`LABEL_STEP` points
+    higher until it clears every earlier label near it (within :data:`COINCIDE` of the axis ranges,
+    measured where those labels ended up), so labels of close points never overprint."""
     finite = [(x, y) for x, y in points if x == x and y == y]
-    span = [max((p[i] for p in finite), default=0) - min((p[i] for p in finite), default=0) for i in (0, 1)]
-    tol = [c * s if s > 0 else 1e-12 for c, s in zip(COINCIDE, span)]
+    low = [min((p[i] for p in finite), default=0.0) for i in (0, 1)]
+    span = [max((p[i] for p in finite), default=0.0) - low[i] for i in (0, 1)]
+    placed: list[tuple[float, float]] = []  # (x, label y) in fractions of the axis ranges
     offsets = []
-    for i, (x, y) in enumerate(points):
-        k = sum(abs(x - px) <= tol[0] and abs(y - py) <= tol[1] for px, py in points[:i])
+    for x, y in points:
+        if x != x or y != y:
+            offsets.append(base)
+            continue
+        fx, fy = ((v - lo) / s if s > 0 else 0.0 for v, lo, s in zip((x, y), low, span))
+        k = 0
+        while any(
+            abs(fx - px) <= COINCIDE[0] and abs(fy + k * COINCIDE[1] - py) < COINCIDE[1] - 1e-12
+            for px, py in placed
+        ):
+            k += 1
+        placed.append((fx, fy + k * COINCIDE[1]))
         offsets.append((base[0], base[1] + LABEL_STEP * k))
     return offsets
 
