@@ -168,6 +168,39 @@ def load_model(
     return model.eval(), tok
 
 
+def model_config(name_or_path: str = DEFAULT_MODEL, *, num_layers: int | None = None):
+    """The transformers config of the model ``load_model(name_or_path)`` loads, without its weights: a
+    ``random:`` model's shipped config (cut to ``num_layers``), an embedded model's converted copy (or its
+    GGUF header), else ``AutoConfig.from_pretrained`` (a local directory, or a hub id: network or cache).
+    ``ValueError`` when it cannot be read, naming the model."""
+    from transformers import AutoConfig
+
+    if is_random(name_or_path):
+        from .random_models import PREFIX, random_config
+
+        return random_config(name_or_path[len(PREFIX) :], num_layers)
+    try:
+        if name_or_path in EMBEDDED_MODELS:
+            converted = _converted_dir(name_or_path)
+            if (converted / "config.json").exists():
+                return AutoConfig.from_pretrained(converted)
+            gguf = embedded_gguf_path(name_or_path)
+            _require_gguf(name_or_path)
+            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(f"cannot read the config of model {name_or_path!r}: {e}") from None
+
+
+def max_positions(config: Any) -> int | None:
+    """The positions a model with ``config`` supports (``max_position_embeddings`` of its text config;
+    ``None`` when the config has none)."""
+    from ._compat import text_config
+
+    value = getattr(text_config(config), "max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 #: what ``pip`` command installs bitsandbytes (transformers 5.24 refuses older releases)
 BNB_INSTALL = 'pip install "bitsandbytes>=0.46.1"  (or: pip install -e ".[bnb]")'
 BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")

@@ -672,6 +672,97 @@ def test_validate_checks_adapter_names(tmp_path, capsys):
     assert bench("validate", data, "--adapter", "plan", "--adapter", "act") == 0
 
 
+def test_validate_checks_max_new_tokens_against_the_model(tiny_dir, tmp_path, capsys):
+    """--model reads the model's config only: every turn's max_new_tokens + 1 prompt token must fit."""
+    step = json.loads(json.dumps(GRAPH_TASKS[0]))
+    step["schedule"][2]["max_new_tokens"] = 4096  # tiny_dir: max_position_embeddings 4096
+    data = write_jsonl(tmp_path / "long.jsonl", [GRAPH_TASKS[1], step])
+    assert bench("validate", data) == 0  # without --model the positions are not checked
+    capsys.readouterr()
+    assert bench("validate", data, "--model", tiny_dir) == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: long.jsonl line 2: schedule[2].max_new_tokens: 4096 new tokens plus at least 1 prompt token "
+        f"exceed the 4096 positions of model {tiny_dir} (max_position_embeddings); at most 4095"
+    )
+    step["schedule"][2]["max_new_tokens"] = 4095
+    write_jsonl(data, [GRAPH_TASKS[1], step])
+    assert bench("validate", data, "--model", tiny_dir) == 0
+    assert "OK (fits the 4096 positions of" in capsys.readouterr().out
+    # random:NAME and the embedded model: their configs, no weights
+    huge = write_jsonl(tmp_path / "huge.jsonl", [{**GRAPH_TASKS[1], "max_new_tokens": 131072}])
+    assert bench("validate", huge, "--model", "random:tiny-llama") == 1
+    assert "line 1: max_new_tokens: 131072 new tokens" in capsys.readouterr().err
+    assert bench("validate", huge, "--model", "smollm2-135m") == 1
+    assert "exceed the 8192 positions of model smollm2-135m" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        bench("validate", data, "--model", "random:nope")
+    assert exit_info.value.code == 2 and one_line_error(
+        capsys.readouterr().err, "unknown random model 'nope'"
+    )
+
+
+def test_run_refuses_max_new_tokens_beyond_the_positions_before_loading(
+    tiny_dir, tmp_path, capsys, no_model_load
+):
+    long_task = write_jsonl(tmp_path / "long.jsonl", [{**GRAPH_TASKS[1], "max_new_tokens": 5000}])
+    for workload in (["--workload", "file", "--data", long_task], [*TRACE, "--output-tokens", "4096"]):
+        with pytest.raises(SystemExit) as exit_info:
+            bench("run", *workload, "--model", tiny_dir, "--out", tmp_path / "out")
+        assert exit_info.value.code == 2
+        expected = "long.jsonl line 1: max_new_tokens: 5000" if "file" in workload else "--output-tokens 4096"
+        assert one_line_error(capsys.readouterr().err, expected, "4096 positions of model")
+        assert not (tmp_path / "out").exists()
+
+
+def test_runner_refuses_requests_beyond_the_positions(tmp_path, tokenizer):
+    from hf_kvshare.bench.runner import BenchInputError, BenchRunner, RunConfig
+    from hf_kvshare.models import load_model
+
+    model, tok = load_model(str(save_tiny(tmp_path / "short", tokenizer, max_position_embeddings=32)))
+    workload = make_workload("trace", shared_tokens=8, agents=2, output_tokens=32, requests=1)
+    config = RunConfig(workload.name, workload.params(), model="short", fidelity=False)
+    runner = BenchRunner(model, tok, workload, config, tmp_path / "out", progress=False)
+    with pytest.raises(
+        BenchInputError, match=r"request 'trace-0': .*32 new tokens .* the 32 positions of model short"
+    ):
+        runner.run([MethodSpec("fullshared")])
+    assert not (tmp_path / "out").exists()
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_run_that_cannot_start_leaves_no_directory(tiny_dir, tmp_path, capsys):
+    """Failures after the model loads but before the first request (a method refusing the model when it
+    binds, a missing saved state) leave no configuration directory; an existing one is untouched."""
+    profile = tmp_path / "profile.json"
+    profile.write_text("[0.1, 0.2, 0.3]")  # 3 layers; the tiny model has 4: refused when bound
+    bad = ["--methods", f"droidspeak:layer_profile={profile}"]
+    common = [*TRACE, "--model", tiny_dir, "--no-progress", "--no-plots"]
+    assert bench("run", *common, *bad, "--out", tmp_path / "fresh") == 2
+    assert "the layer profile has 3 entries but the model has 4" in capsys.readouterr().err
+    assert not (tmp_path / "fresh").exists()
+    empty = tmp_path / "no-state"
+    empty.mkdir()
+    argv = ["--methods", "fullshared", "--state-in", empty]
+    assert bench("run", *common, *argv, "--out", tmp_path / "fresh" / "deeper") == 2
+    assert "no saved state for this method" in capsys.readouterr().err
+    assert not (tmp_path / "fresh").exists()
+    # an existing configuration with results: neither the failed run nor --redo touches it
+    assert bench("run", *common, "--methods", "fullshared", "--out", tmp_path / "kept") == 0
+    before = _files(tmp_path / "kept")
+    assert "nonshared/summary.json" in "".join(before)
+    for redo in ([], ["--redo"]):
+        assert bench("run", *common, *bad, *redo, "--out", tmp_path / "kept") == 2
+        assert _files(tmp_path / "kept") == before
+    capsys.readouterr()
+    # a run that starts keeps what it wrote: --redo replaces the summaries once it has run
+    assert bench("run", *common, "--methods", "fullshared", "--redo", "--out", tmp_path / "kept") == 0
+    assert "already done" not in capsys.readouterr().out
+    assert set(_files(tmp_path / "kept")) == set(before)
+
+
 def test_limit_row_is_measured_beside_the_methods(tiny_dir, tmp_path):
     """The `limit` pseudo-method: one forward over each reuse turn's non-reused tokens on top of the
     reused K/V, measured in the same run, with its NonShared/limit ratio in the summaries."""

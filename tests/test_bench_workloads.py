@@ -79,6 +79,30 @@ def _bad(tmp_path, mutate, line_before=None):
             r"agents\[1\]\.name: agent 'planner' is defined twice",
         ),
         (lambda r: r["agents"][0].update(glue="{slot}:"), r"agents\[0\]\.glue: unknown placeholder \{slot\}"),
+        (
+            lambda r: r["agents"][1].update(glue="{label:>999999999}"),
+            r"line 3: agents\[1\]\.glue: \{label:>999999999\}: the format widths add up to 999999999 .*at most 4096",
+        ),
+        (
+            lambda r: r["agents"][1].update(glue="{label:>3000}{label:>3000}"),
+            r"line 3: agents\[1\]\.glue: \{label:>3000\}: the format widths add up to 6000",
+        ),
+        (
+            lambda r: r["agents"][1].update(glue="{label:d}"),
+            r"line 3: agents\[1\]\.glue: cannot be formatted with label 'Task' \(Unknown format code 'd'",
+        ),
+        (
+            lambda r: r["agents"][1].update(glue="{label!x}"),
+            r"agents\[1\]\.glue: cannot be formatted with label .*Unknown conversion",
+        ),
+        (
+            lambda r: r["agents"][1].update(glue="{label:{label}}"),
+            r"agents\[1\]\.glue: \{label:\{label\}\}: a nested field",
+        ),
+        (
+            lambda r: r["agents"][1].update(glue="\n[{label"),
+            r"agents\[1\]\.glue: cannot be formatted \(expected '\}'",
+        ),
         (lambda r: r["agents"][0].update(system=3), r"agents\[0\]\.system: expected a string"),
         (lambda r: r["agents"][0].update(temperature=0.2), r"agents\[0\]\.temperature: unknown field"),
         (lambda r: r.update(checkr="numeric"), r"line 3: checkr: unknown field"),
@@ -104,6 +128,50 @@ def test_bad_records_name_line_and_field(tmp_path, mutate, message):
         validate_task_file(path)
     with pytest.raises(WorkloadFormatError, match=message):
         load_task_file(path)
+
+
+def test_glue_format_specs_within_bounds_are_kept(tokenizer):
+    record = copy.deepcopy(GRAPH_TASKS[1])
+    record["agents"][1]["glue"] = "{{{label!r:>8.6}}} "  # literal braces, a conversion, width, precision
+    task = TaskSpec.from_record(record)
+    texts = [seg.text for seg in task.to_workflow(tokenizer).steps[1].segments if isinstance(seg, PF)]
+    assert "{   'doc'} " in texts and "{     'a'} " in texts
+    record["agents"][1]["glue"] = "{label:>4097}"
+    with pytest.raises(WorkloadFormatError, match=r"agents\[1\]\.glue: .*add up to 4097"):
+        TaskSpec.from_record(record)
+
+
+def test_max_new_tokens_against_the_model_positions(tmp_path):
+    records = [GRAPH_TASKS[0], {**GRAPH_TASKS[1], "max_new_tokens": 63}]
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    assert len(validate_task_file(path, max_positions=64, model="m")) == 2  # 63 new + 1 prompt token fit
+    assert len(validate_task_file(tmp_path / "t.jsonl")) == 2  # no limit given: not checked
+    with pytest.raises(WorkloadFormatError) as error:
+        validate_task_file(path, max_positions=63, model="tiny")
+    assert str(error.value) == (
+        "t.jsonl line 2: max_new_tokens: 63 new tokens plus at least 1 prompt token exceed the 63 positions "
+        "of model tiny (max_position_embeddings); at most 62"
+    )
+    step = copy.deepcopy(GRAPH_TASKS[0])
+    step["schedule"][2]["max_new_tokens"] = 40  # the task default (3) fits, this step does not
+    path = write_jsonl(tmp_path / "t.jsonl", [GRAPH_TASKS[1], step])
+    with pytest.raises(
+        WorkloadFormatError, match=r"line 2: schedule\[2\]\.max_new_tokens: 40 new tokens .* 32 "
+    ):
+        validate_task_file(path, max_positions=32, model="tiny")
+    assert len(validate_task_file(path, max_positions=41, model="tiny")) == 2
+
+
+def test_workload_parameters_against_the_model_positions(tmp_path):
+    make_workload("trace", output_tokens=31).check_positions(32, "m")
+    with pytest.raises(ValueError, match=r"--output-tokens 32: .* the 32 positions of model m"):
+        make_workload("trace", output_tokens=32).check_positions(32, "m")
+    with pytest.raises(ValueError, match=r"--max-new-tokens 64: .* the 64 positions"):  # the default counts
+        make_workload("gsm8k").check_positions(64, "m")
+    data = write_jsonl(tmp_path / "t.jsonl", [GRAPH_TASKS[0]])
+    make_workload("file", data=str(data)).check_positions(4, "m")
+    with pytest.raises(WorkloadFormatError, match=r"t.jsonl line 1: max_new_tokens: 3 new tokens"):
+        make_workload("file", data=str(data)).check_positions(3, "m")
 
 
 def test_bad_json_duplicate_ids_and_empty_file(tmp_path):

@@ -224,6 +224,19 @@ def load_bench_model(
     return (load_adapters(model, adapters) if adapters else model), tok
 
 
+def _model_positions(p: argparse.ArgumentParser, model: str, num_layers: int | None = None) -> int | None:
+    """The positions ``model`` supports, from its config alone (no weights); ``None`` when its config
+    names none. A config that cannot be read is a usage error (one line, exit code 2)."""
+    from ..models import max_positions, model_config
+    from ..random_models import is_random
+
+    try:
+        config = model_config(model, num_layers=num_layers if is_random(model) else None)
+    except ValueError as e:
+        p.error(str(e))
+    return max_positions(config)
+
+
 def _load_from_args(args: argparse.Namespace, adapters: dict[str, str], loading: dict[str, Any]):
     return load_bench_model(
         args.model,
@@ -317,6 +330,13 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
     except (ValueError, TypeError, FileNotFoundError) as e:
         p.error(str(e))
     loading = load_options(args)
+    limit = _model_positions(p, args.model, args.num_layers)
+    if limit is not None:
+        try:
+            for workload in workloads:
+                workload.check_positions(limit, args.model)
+        except (ValueError, FileNotFoundError) as e:
+            p.error(str(e))
     random_weights = is_random(args.model)
     if random_weights and not args.no_fidelity:
         print(
@@ -509,15 +529,30 @@ def cmd_validate(argv: list[str]) -> int:
         metavar="NAME[=PATH]",
         help="an adapter the run will load (repeat); with it, agents may name only these adapters",
     )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the model the run will use (as bench run --model: embedded name, hub id, local path, "
+        "random:NAME); only its config is read: every turn's max_new_tokens plus one prompt token must "
+        "fit in its positions (max_position_embeddings)",
+    )
     args = p.parse_args(argv)
     adapters = None if args.adapter is None else [a.partition("=")[0] for a in args.adapter]
+    limit = None if args.model is None else _model_positions(p, args.model)
     try:
-        tasks = validate_task_file(args.file, adapters)
+        tasks = validate_task_file(args.file, adapters, max_positions=limit, model=args.model or "the model")
     except (WorkloadFormatError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     steps = sum(len(t.schedule) for t in tasks)
-    print(f"{args.file}: {len(tasks)} tasks, {steps} agent turns: OK")
+    fits = ""
+    if args.model is not None:
+        fits = (
+            f" (fits the {limit} positions of {args.model})"
+            if limit
+            else f" ({args.model}: no position limit)"
+        )
+    print(f"{args.file}: {len(tasks)} tasks, {steps} agent turns: OK{fits}")
     return 0
 
 

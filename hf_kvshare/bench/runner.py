@@ -25,6 +25,7 @@ from .._version import __version__
 from ..evaluation import MethodPair, RequestRun, request_record, run_paired, summarize_method, turn_records
 from ..evaluation.protocol import REFERENCE, SUMMARY_COLUMNS
 from ..method import STATE_JSON
+from ..models import max_positions
 from ..session import Session
 from . import checkers
 from .limit import LIMIT, limit_records, summarize_limit
@@ -89,6 +90,33 @@ class RunConfig:
             f"{workload.tag()}{warmup}__{model_tag}{layers}-{dtype}{quant}-{self.device}{placement}{attn}"
             f"-seed{self.seed}"
         )
+
+
+def _first_missing(directory: Path) -> Path | None:
+    """The topmost directory of ``directory`` and its parents that does not exist yet (``None``: it exists)."""
+    if directory.exists():
+        return None
+    missing = directory
+    for parent in directory.parents:
+        if parent.exists():
+            return missing
+        missing = parent
+    return missing
+
+
+def _remove_created(created: Path, directory: Path) -> None:
+    """Remove ``directory`` (which this run created) and its parents up to ``created``, the topmost one
+    the run created; a parent is removed only when empty (another run may have written into it since)."""
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)
+    for parent in directory.parents:
+        if not parent.is_relative_to(created):
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
 
 
 def _device_map_tag(device_map: str) -> str:
@@ -195,6 +223,7 @@ class BenchRunner:
         self.progress = progress
         #: where each method's state is saved after the run (``<state_out>/<method tag>/``)
         self.state_out = None if state_out is None else Path(state_out)
+        self._started = False  # whether the current run reached its first request
 
     def method_dir(self, spec: MethodSpec) -> Path:
         return self.dir / spec.tag
@@ -222,6 +251,8 @@ class BenchRunner:
         return True
 
     def _check_config_dir(self) -> None:
+        """Raise :class:`ConfigMismatch` when the directory holds a run with another configuration
+        (reads only: :meth:`_write_config` writes when the run starts)."""
         path = self.dir / "config.json"
         current = _jsonable(self.config.to_dict())
         if path.exists():
@@ -234,8 +265,13 @@ class BenchRunner:
                     f"{self.dir} holds a run with a different configuration (differs in: {', '.join(diff)}); "
                     "use another --out directory or --redo"
                 )
+
+    def _write_config(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"config": current, "environment": environment()})
+        write_json(
+            self.dir / "config.json",
+            {"config": _jsonable(self.config.to_dict()), "environment": environment()},
+        )
 
     def tasks(self) -> list[TaskSpec]:
         """The workload's requests; bad data or parameters raise :class:`BenchInputError`."""
@@ -250,17 +286,25 @@ class BenchRunner:
         specs = list(dict.fromkeys([MethodSpec(REFERENCE), *methods]))
         tasks = self.tasks()
         self._check_tasks(tasks, specs)
-        if redo and self.dir.exists():
-            for spec in specs:
-                (self.method_dir(spec) / "summary.json").unlink(missing_ok=True)
-            (self.dir / "config.json").unlink(missing_ok=True)
-        self._check_config_dir()
-        pending = [s for s in specs if not self.is_done(s)]
+        if redo:  # the earlier results are replaced when the run starts, not before
+            pending = specs
+        else:
+            self._check_config_dir()
+            pending = [s for s in specs if not self.is_done(s)]
         skipped = [s for s in specs if s not in pending]
         if skipped:
             print(f"[{self.dir.name}] already done, skipped: {', '.join(map(str, skipped))}")
         if pending:
-            self._run_pending(tasks, pending)
+            self._started = False
+            created = _first_missing(self.dir)
+            try:
+                self._run_pending(tasks, pending, redo)
+            except BaseException:
+                if created is not None and not self._started:  # a run that could not start leaves nothing
+                    _remove_created(created, self.dir)
+                raise
+        else:
+            self._write_config()
         return self.write_configuration_summary()
 
     def _check_tasks(self, tasks: list[TaskSpec], specs: list[MethodSpec]) -> None:
@@ -271,6 +315,14 @@ class BenchRunner:
                 f"--warmup {self.config.warmup} leaves no request to measure: workload {self.workload.tag()} "
                 f"has {len(tasks)}; ask for more requests (--limit / --requests) or a smaller warm-up"
             )
+        limit = max_positions(self.model.config) if hasattr(self.model, "config") else None
+        if limit is not None:
+            model = self.config.model
+            for task in tasks:
+                try:
+                    task.check_positions(limit, model)
+                except ValueError as e:
+                    raise BenchInputError(f"workload {self.workload.tag()}, request {task.id!r}: {e}") from e
         adapters = sorted({a for t in tasks for a in t.adapters})
         for spec in specs:
             if spec.requires_adapters and not adapters:
@@ -338,8 +390,16 @@ class BenchRunner:
             if pair.forced is not None:
                 pair.forced.save_state(directory / "forced", model=self.model)
 
-    def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec]) -> None:
+    def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec], redo: bool = False) -> None:
+        """Run ``pending`` on ``tasks``. Everything that can fail before the first request (methods'
+        options and binding, saved states, the warm-up turn) runs before anything is written; with
+        ``redo`` the earlier summaries are removed only then."""
         self.pairs = pairs = self._pairs(pending)
+        self._warm_up()
+        if redo and self.dir.exists():
+            for spec in pending:
+                (self.method_dir(spec) / "summary.json").unlink(missing_ok=True)
+        self._write_config()
         collected: dict[MethodSpec, tuple[list, list]] = {s: ([], []) for s in pending}
         limit_rows: list[dict[str, Any]] = []
         with ExitStack() as files:
@@ -353,9 +413,9 @@ class BenchRunner:
                 writers[spec] = [
                     files.enter_context(open(d / f"{n}.jsonl", "w")) for n in ("turns", "requests")
                 ]
-            self._warm_up()
             bar = tqdm(tasks, desc=self.dir.name[:60], disable=not self.progress, unit="request")
             for index, task in enumerate(bar):
+                self._started = True  # from here on, what the run wrote is kept (partial results)
                 run = run_paired(
                     self.model,
                     self.tokenizer,

@@ -40,6 +40,22 @@ class Workload:
         tokenizer (the command line calls it before loading the model); ``adapters``: the names of
         the adapters the run loads. Nothing by default."""
 
+    #: parameters that set a turn's new tokens (checked against the model's positions)
+    NEW_TOKEN_PARAMS: ClassVar[tuple[str, ...]] = ("max_new_tokens", "output_tokens")
+
+    def check_positions(self, limit: int, model: str) -> None:
+        """Raise ``ValueError`` when a turn's new tokens plus one prompt token cannot fit in the ``limit``
+        positions of ``model`` (``max_position_embeddings``), before the model loads. By default the
+        :attr:`NEW_TOKEN_PARAMS` parameters the workload has (given or default)."""
+        for name in self.NEW_TOKEN_PARAMS:
+            value = getattr(self, name, None)
+            if isinstance(value, int) and value + 1 > limit:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} {value}: {value} new tokens plus at least 1 prompt token exceed the {limit} "
+                    f"positions of model {model} (max_position_embeddings); at most {limit - 1}"
+                )
+
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

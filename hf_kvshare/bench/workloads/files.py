@@ -20,11 +20,18 @@ from .spec import TaskSpec, WorkloadFormatError
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
-def validate_task_file(path: str | os.PathLike, adapters: Iterable[str] | None = None) -> list[TaskSpec]:
+def validate_task_file(
+    path: str | os.PathLike,
+    adapters: Iterable[str] | None = None,
+    max_positions: int | None = None,
+    model: str = "the model",
+) -> list[TaskSpec]:
     """Parse and validate every line of a JSONL task file; raise naming the line and field.
 
     With ``adapters`` (the names of the loaded PEFT adapters, ``bench run --adapter NAME=PATH``),
-    every adapter an agent names must be among them."""
+    every adapter an agent names must be among them. With ``max_positions`` (the positions of
+    ``model``, :func:`hf_kvshare.models.max_positions`), every turn's ``max_new_tokens`` plus one
+    prompt token must fit in them."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"workload file {str(path)!r} does not exist")
@@ -42,6 +49,11 @@ def validate_task_file(path: str | os.PathLike, adapters: Iterable[str] | None =
             task = TaskSpec.from_record(record, where=where, default_id=f"line-{number}")
             if adapters is not None:
                 check_adapters(task, adapters, where)
+            if max_positions is not None:
+                try:
+                    task.check_positions(max_positions, model)
+                except WorkloadFormatError as e:
+                    raise WorkloadFormatError(f"{where}: {e}") from None
             if task.id in ids:
                 raise WorkloadFormatError(f"{where}: id: {task.id!r} is already used on line {ids[task.id]}")
             ids[task.id] = number
@@ -136,6 +148,11 @@ class FileWorkload(Workload):
         if not self.data:
             raise ValueError("the file workload needs --data PATH (a JSONL task file)")
         validate_task_file(self.data, adapters)
+
+    def check_positions(self, limit: int, model: str) -> None:
+        if not self.data:
+            raise ValueError("the file workload needs --data PATH (a JSONL task file)")
+        validate_task_file(self.data, max_positions=limit, model=model)
 
     def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
         if not self.data:

@@ -5,6 +5,7 @@ schedule. :meth:`TaskSpec.from_record` validates a record and names the offendin
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -23,6 +24,48 @@ DEFAULT_TAIL = "\n\nYour answer:"
 
 class WorkloadFormatError(ValueError):
     """A workload record does not follow the format; the message names the record and field."""
+
+
+#: how many characters a glue's format specs may add beyond its literal text and labels
+MAX_GLUE_PADDING = 4096
+_GLUE_ALLOWED = (
+    "allowed: literal text and {label}, optionally with a conversion (!s, !r, !a) and a string format "
+    f"spec whose widths add up to at most {MAX_GLUE_PADDING} (e.g. {{label:>12}}, {{label:.20}}); "
+    "a literal brace is written {{ or }}"
+)
+
+
+def glue_problem(glue: str, labels: list[str]) -> str | None:
+    """Why ``glue`` cannot be formatted safely with ``labels`` (``None`` when it can): an unknown or
+    malformed replacement field, a format spec or conversion that fails on a label, or widths that
+    would pad the glue by more than :data:`MAX_GLUE_PADDING` characters (checked before formatting)."""
+    try:
+        parsed = list(string.Formatter().parse(glue))
+    except ValueError as e:
+        return f"cannot be formatted ({e}) in {glue!r}; {_GLUE_ALLOWED}"
+    literal, count, width = 0, 0, 0
+    for text, name, spec, conversion in parsed:
+        literal += len(text)
+        if name is None:
+            continue
+        shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        if name != "label":
+            return f"unknown placeholder {shown}; only {{label}} is allowed"
+        if "{" in spec or "}" in spec:
+            return f"{shown}: a nested field in a format spec is not allowed; {_GLUE_ALLOWED}"
+        count += 1
+        width += sum(int(d) for d in re.findall(r"\d+", spec))  # an upper bound of the padding
+        if width > MAX_GLUE_PADDING:
+            return f"{shown}: the format widths add up to {width} characters; {_GLUE_ALLOWED}"
+    for label in labels:
+        try:
+            text = glue.format(label=label)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            return f"cannot be formatted with label {label!r} ({e}); {_GLUE_ALLOWED}"
+        padding = len(text) - literal - count * len(label)
+        if padding > MAX_GLUE_PADDING:  # a !r of a label with escapes grows it
+            return f"formats to {padding} characters beyond its text and labels; {_GLUE_ALLOWED}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -113,6 +156,29 @@ class TaskSpec:
             seen.add(produced)
         return out
 
+    def _labels(self) -> list[str]:
+        """Every label a glue may be formatted with: the slots' (and their names), the outputs' and
+        the agents' names."""
+        names = [s.label or s.name for s in self.slots] + [s.name for s in self.slots]
+        names += [s.label or s.agent for s in self.schedule] + [a.name for a in self.agents]
+        return list(dict.fromkeys(n for n in names if isinstance(n, str)))
+
+    def check_positions(self, limit: int, model: str) -> None:
+        """Raise :class:`WorkloadFormatError` naming the field when a turn's ``max_new_tokens`` plus one
+        prompt token exceeds ``limit``, the positions ``model`` supports (``max_position_embeddings``)."""
+        fields_ = [("max_new_tokens", self.max_new_tokens)]
+        fields_ += [
+            (f"schedule[{i}].max_new_tokens", s.max_new_tokens)
+            for i, s in enumerate(self.schedule)
+            if s.max_new_tokens is not None
+        ]
+        for where, n in fields_:
+            if n + 1 > limit:
+                raise WorkloadFormatError(
+                    f"{where}: {n} new tokens plus at least 1 prompt token exceed the {limit} positions of "
+                    f"model {model} (max_position_embeddings); at most {limit - 1}"
+                )
+
     def _check(self) -> None:
         def fail(where: str, msg: str) -> None:
             raise WorkloadFormatError(f"{where}: {msg}")
@@ -123,9 +189,9 @@ class TaskSpec:
         for i, a in enumerate(self.agents):
             if names.index(a.name) != i:
                 fail(f"agents[{i}].name", f"agent {a.name!r} is defined twice")
-            bad = [f for _, f, _, _ in string.Formatter().parse(a.glue) if f not in (None, "label")]
-            if bad:
-                fail(f"agents[{i}].glue", f"unknown placeholder {{{bad[0]}}}; only {{label}} is allowed")
+            problem = glue_problem(a.glue, self._labels())
+            if problem:
+                fail(f"agents[{i}].glue", problem)
         slot_names = [s.name for s in self.slots]
         for i, s in enumerate(self.slots):
             if slot_names.index(s.name) != i:
