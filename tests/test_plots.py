@@ -80,6 +80,10 @@ def test_label_offsets():
     # close in both axes (labels would overprint) though not equal: stacked as well
     near = plots.label_offsets([(1.0, 1.0), (1.05, 0.97), (0.0, 0.0), (2.0, 0.0)])
     assert near[0] != near[1]
+    # apart in x, but the first label is wide enough to reach the second point's label
+    wide = [(0.0, 0.5), (0.3, 0.5), (1.0, 0.0)]
+    assert plots.label_offsets(wide)[1] == (5, 4)
+    assert plots.label_offsets(wide, widths=[0.5, 0.1, 0.1])[1] != (5, 4)
 
 
 def test_long_titles_are_wrapped():

@@ -52,30 +52,38 @@ LABEL_STEP = 9
 
 
 def label_offsets(
-    points: Sequence[tuple[float, float]], base: tuple[int, int] = (5, 4)
+    points: Sequence[tuple[float, float]],
+    base: tuple[int, int] = (5, 4),
+    widths: Sequence[float] | None = None,
 ) -> list[tuple[int, int]]:
     """Label offsets (in points) for scatter ``points``: each label goes :data:`LABEL_STEP` points
-    higher until it clears every earlier label near it (within :data:`COINCIDE` of the axis ranges,
-    measured where those labels ended up), so labels of close points never overprint."""
+    higher until it clears every earlier label whose box it would overlap: boxes ``widths[i]`` wide
+    (fractions of the x range; default ``COINCIDE[0]``) and ``COINCIDE[1]`` high, measured where
+    those labels ended up, so labels of close points never overprint."""
     finite = [(x, y) for x, y in points if x == x and y == y]
     low = [min((p[i] for p in finite), default=0.0) for i in (0, 1)]
     span = [max((p[i] for p in finite), default=0.0) - low[i] for i in (0, 1)]
-    placed: list[tuple[float, float]] = []  # (x, label y) in fractions of the axis ranges
+    widths = [COINCIDE[0]] * len(points) if widths is None else list(widths)
+    placed: list[tuple[float, float, float]] = []  # (x, width, label y) in fractions of the axis ranges
     offsets = []
-    for x, y in points:
+    for (x, y), width in zip(points, widths):
         if x != x or y != y:
             offsets.append(base)
             continue
         fx, fy = ((v - lo) / s if s > 0 else 0.0 for v, lo, s in zip((x, y), low, span))
         k = 0
         while any(
-            abs(fx - px) <= COINCIDE[0] and abs(fy + k * COINCIDE[1] - py) < COINCIDE[1] - 1e-12
-            for px, py in placed
+            fx <= px + pw and px <= fx + width and abs(fy + k * COINCIDE[1] - py) < COINCIDE[1] - 1e-12
+            for px, pw, py in placed
         ):
             k += 1
-        placed.append((fx, fy + k * COINCIDE[1]))
+        placed.append((fx, width, fy + k * COINCIDE[1]))
         offsets.append((base[0], base[1] + LABEL_STEP * k))
     return offsets
+
+
+#: width of one label character as a fraction of a scatter panel's x range (8 pt font, 6 in figure)
+CHAR_WIDTH = 0.011
 
 
 def run_title(config: dict[str, Any]) -> str:
@@ -137,7 +145,8 @@ def _tradeoff(methods, out: Path, plt, key: str, name: str, label: str, title: s
     written = [write_csv(out / f"{name}.csv", rows)]
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 4.2))
-        for (x, y), r, offset in zip(points, rows, label_offsets(points)):
+        widths = [CHAR_WIDTH * len(short_label(r["method"])) for r in rows]
+        for (x, y), r, offset in zip(points, rows, label_offsets(points, widths=widths)):
             ax.scatter([x], [y], s=45, zorder=3, color="C3" if r["pareto"] else "C0")
             ax.annotate(
                 short_label(r["method"]), (x, y), textcoords="offset points", xytext=offset, fontsize=8
