@@ -199,7 +199,8 @@ class KVCMAS(PrefixReuse, Method):
             places it, each anchor's base where its last consumer placed it; reference KVComm).
         prefix_delta: correct the PF text right after a corrected PH span (kept by ``prefix_reuse``)
             with the anchors' prefix deltas, weighted per layer and feature (reference KVComm; the
-            KVCMAS reference runs with them off, ``--rank-pf 0``). Stored dense, in ``delta_frame``.
+            KVCMAS reference runs with them off, ``--rank-pf 0``). Stored dense, in ``delta_frame``;
+            slot scope only (the per-edge reading corrects no PF text).
         lead_in: the text between the chat header and a ``"lead"`` given text; ``None``: the last line
             of the PF segment before it in the first consumer's turn (when it holds no special token).
         prefix_reuse: an agent's PF text, computed on its first use, is placed on its later reuse
@@ -813,6 +814,7 @@ class KVCMAS(PrefixReuse, Method):
                 source=edge.label,
                 origin=edge.origin,
                 frame=self.delta_frame,
+                base_start=exact.start,
             )
             anchor.deltas[turn.agent] = delta
             pool.insert(anchor)
