@@ -16,7 +16,7 @@ from typing import Any
 from .autoact_world import ROLES, TRAINING_FILLER, World, gold_turns, instruction
 from .base import Workload, register_workload, select
 from .files import load_table
-from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec
+from .spec import TaskSpec, trajectory_task
 
 #: questions generated per world seed (a request index past it is an error)
 WORLD_QUESTIONS = 64
@@ -83,21 +83,6 @@ class AutoActWorkload(Workload):
 
     def _task(self, task_id: str, turns: list[tuple[str, str]], answer: str | None) -> TaskSpec:
         """One request: turn ``t`` reads the trajectory so far plus its instruction slot ``instruction<t>``
-        and writes ``<agent>@<t>``."""
-        agents = [AgentSpec(name=r, system="", glue="", tail="", adapter=r) for r in ROLES]
-        slots, schedule, trajectory = [], [], []
-        for t, (agent, text) in enumerate(turns):
-            slots.append(SlotSpec(name=f"instruction{t}", text=text))
-            trajectory.append(f"instruction{t}")
-            schedule.append(StepSpec(agent=agent, reads=tuple(trajectory), output=f"{agent}@{t}"))
-            trajectory.append(f"{agent}@{t}")
-        return TaskSpec(
-            id=task_id,
-            agents=agents,
-            slots=slots,
-            schedule=schedule,
-            max_new_tokens=self.max_new_tokens,
-            chat=False,  # the instructions carry the chat markup the adapters were trained on
-            answer=answer,
-            checker=None if answer is None else "answer",
-        )
+        and writes ``<agent>@<t>`` (:func:`~.spec.trajectory_task`; the instructions carry the chat
+        markup the adapters were trained on)."""
+        return trajectory_task(task_id, list(ROLES), turns, self.max_new_tokens, answer=answer)

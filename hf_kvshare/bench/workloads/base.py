@@ -47,14 +47,13 @@ class Workload:
         """Raise ``ValueError`` when a turn's new tokens plus one prompt token cannot fit in the ``limit``
         positions of ``model`` (``max_position_embeddings``), before the model loads. By default the
         :attr:`NEW_TOKEN_PARAMS` parameters the workload has (given or default)."""
+        from .spec import positions_problem
+
         for name in self.NEW_TOKEN_PARAMS:
             value = getattr(self, name, None)
-            if isinstance(value, int) and value + 1 > limit:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(
-                    f"{flag} {value}: {value} new tokens plus at least 1 prompt token exceed the {limit} "
-                    f"positions of model {model} (max_position_embeddings); at most {limit - 1}"
-                )
+            problem = positions_problem(value, limit, model) if isinstance(value, int) else None
+            if problem:
+                raise ValueError(f"--{name.replace('_', '-')} {value}: {problem}")
 
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

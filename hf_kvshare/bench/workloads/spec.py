@@ -68,6 +68,17 @@ def glue_problem(glue: str, labels: list[str]) -> str | None:
     return None
 
 
+def positions_problem(new_tokens: int, limit: int, model: str) -> str | None:
+    """Why ``new_tokens`` new tokens plus one prompt token cannot fit in the ``limit`` positions of
+    ``model`` (``None`` when they fit)."""
+    if new_tokens + 1 <= limit:
+        return None
+    return (
+        f"{new_tokens} new tokens plus at least 1 prompt token exceed the {limit} positions of model "
+        f"{model} (max_position_embeddings); at most {limit - 1}"
+    )
+
+
 @dataclass(frozen=True)
 class AgentSpec:
     """An agent: its system prompt, the glue text before each slot it reads, the text after the
@@ -173,11 +184,9 @@ class TaskSpec:
             if s.max_new_tokens is not None
         ]
         for where, n in fields_:
-            if n + 1 > limit:
-                raise WorkloadFormatError(
-                    f"{where}: {n} new tokens plus at least 1 prompt token exceed the {limit} positions of "
-                    f"model {model} (max_position_embeddings); at most {limit - 1}"
-                )
+            problem = positions_problem(n, limit, model)
+            if problem:
+                raise WorkloadFormatError(f"{where}: {problem}")
 
     def _check(self) -> None:
         def fail(where: str, msg: str) -> None:
@@ -425,3 +434,45 @@ class _Reader:
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+def trajectory_task(
+    task_id: str,
+    roles: list[str],
+    turns: list[tuple[str, str]],
+    max_new_tokens: int,
+    leading: tuple[SlotSpec, ...] = (),
+    step_tokens: int | None = None,
+    answer: str | None = None,
+) -> TaskSpec:
+    """One append-only trajectory of agents that differ by adapter only (PReCache's setting): the
+    ``leading`` slots, then per turn ``t`` of ``turns`` (agent, instruction) the slot
+    ``instruction<t>`` and the output ``<agent>@<t>``; turn ``t`` reads everything before its output,
+    so every prompt extends the previous turn's tokens. No chat template (instructions carry their
+    own markup), no system prompt, glue or tail; ``step_tokens`` fixes every turn's length."""
+    agents = [AgentSpec(name=r, system="", glue="", tail="", adapter=r) for r in roles]
+    slots, schedule = list(leading), []
+    trajectory = [s.name for s in leading]
+    for t, (agent, text) in enumerate(turns):
+        slots.append(SlotSpec(name=f"instruction{t}", text=text))
+        trajectory.append(f"instruction{t}")
+        schedule.append(
+            StepSpec(
+                agent=agent,
+                reads=tuple(trajectory),
+                output=f"{agent}@{t}",
+                max_new_tokens=step_tokens,
+                min_new_tokens=step_tokens,
+            )
+        )
+        trajectory.append(f"{agent}@{t}")
+    return TaskSpec(
+        id=task_id,
+        agents=agents,
+        slots=slots,
+        schedule=schedule,
+        max_new_tokens=max_new_tokens,
+        chat=False,
+        answer=answer,
+        checker=None if answer is None else "answer",
+    )

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import Workload, register_workload
-from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec
+from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec, trajectory_task
 
 ROLES = [
     ("planner", "You are the planner. Break the work into small steps and keep the team on track."),
@@ -132,40 +132,25 @@ class TraceWorkload(Workload):
         return tasks
 
     def _trajectory_tasks(self, tokenizer: Any, seed: int) -> list[TaskSpec]:
-        """Turn ``t`` reads the whole trajectory so far (context, every earlier instruction and output)
-        plus its own instruction slot ``instruction<t>``, so every prompt extends the previous turn's
-        tokens (as the AutoAct workload); no chat template, no per-agent system prompt."""
+        """The context, then per turn an instruction naming the role and its output, as one append-only
+        trajectory (:func:`~.spec.trajectory_task`, as the AutoAct workload lays its requests out)."""
         roles = [name for name, _ in ROLES[: self.agents]]
-        agents = [AgentSpec(name=r, system="", glue="", tail="", adapter=r) for r in roles]
+        turns = [
+            (name, f"\n\nContinue the team's work as the {name}:")
+            for _ in range(self.rounds)
+            for name in roles
+        ]
         tasks = []
         for r in range(self.requests):
-            rng = random.Random(f"{seed}-{r}")
-            context = synthetic_text(tokenizer, self.shared_tokens, rng)
-            slots = [SlotSpec(name="context", text=context)]
-            trajectory, schedule = ["context"], []
-            for t, name in enumerate(name for _ in range(self.rounds) for name in roles):
-                slots.append(
-                    SlotSpec(name=f"instruction{t}", text=f"\n\nContinue the team's work as the {name}:")
-                )
-                trajectory.append(f"instruction{t}")
-                schedule.append(
-                    StepSpec(
-                        agent=name,
-                        reads=tuple(trajectory),
-                        output=f"{name}@{t}",
-                        max_new_tokens=self.output_tokens,
-                        min_new_tokens=self.output_tokens,
-                    )
-                )
-                trajectory.append(f"{name}@{t}")
+            context = synthetic_text(tokenizer, self.shared_tokens, random.Random(f"{seed}-{r}"))
             tasks.append(
-                TaskSpec(
-                    id=f"trace-{r}",
-                    agents=agents,
-                    slots=slots,
-                    schedule=schedule,
-                    max_new_tokens=self.output_tokens,
-                    chat=False,
+                trajectory_task(
+                    f"trace-{r}",
+                    roles,
+                    turns,
+                    self.output_tokens,
+                    leading=(SlotSpec(name="context", text=context),),
+                    step_tokens=self.output_tokens,
                 )
             )
         return tasks
