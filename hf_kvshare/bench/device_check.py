@@ -168,35 +168,31 @@ def sweep(
     code, runners = run_command(argv)
     if code != 0:
         raise RuntimeError(f"bench run failed ({code}): {' '.join(argv)}")
-    rows = []
-    for runner in runners:
-        for summary in runner.load_summaries().values():
-            rows.append(
-                {
-                    "shared_tokens": runner.workload.shared_tokens,
-                    "lora": bool(runner.workload.agent_adapters),
-                    **{k: v for k, v in summary.items() if k != "config"},
-                    "dir": str(runner.dir),
-                }
-            )
-    return rows
+    return [row for runner in runners for row in _rows(runner.dir, runner.load_summaries().values())]
+
+
+def _rows(directory: Path, summaries: Any) -> list[dict[str, Any]]:
+    """The table rows of one configuration directory: its method ``summaries`` with the shared length
+    and whether the agents ran with adapters (from the directory's ``config.json``)."""
+    params = json.loads((directory / "config.json").read_text())["config"].get("workload_params") or {}
+    return [
+        {
+            "shared_tokens": params.get("shared_tokens"),
+            "lora": bool(params.get("agent_adapters")),
+            **{k: v for k, v in summary.items() if k != "config"},
+            "dir": str(directory),
+        }
+        for summary in summaries
+    ]
 
 
 def collect_rows(out: Path) -> list[dict[str, Any]]:
     """The rows of every configuration that finished under ``out/bench`` (read from its method
     summaries): what a check stopped before its end still reports."""
     rows = []
-    for path in sorted((out / "bench").glob("*/*/summary.json")):
-        data = json.loads(path.read_text())
-        config = data.get("config") or {}
-        rows.append(
-            {
-                "shared_tokens": (config.get("workload_params") or {}).get("shared_tokens"),
-                "lora": bool(config.get("adapters")),
-                **{k: v for k, v in data.items() if k != "config"},
-                "dir": str(path.parent.parent),
-            }
-        )
+    for config in sorted((out / "bench").glob("*/config.json")):
+        summaries = [json.loads(p.read_text()) for p in sorted(config.parent.glob("*/summary.json"))]
+        rows += _rows(config.parent, summaries)
     rows.sort(key=lambda r: (r["lora"], r["shared_tokens"] or 0, r.get("method") != "nonshared"))
     return rows
 
