@@ -178,15 +178,21 @@ def prefix_weights(
         tails_k, tails_v = [], []
         for a in anchors:
             first = a.length - rows
-            k = a.base.keys[layer].reconstruct(a.length)[first:].float()
+            k = _rows_from(a.base.keys[layer], first).float()
             if reader_start is not None:  # else: the tail rows as the canonical base holds them
                 turn = shifter.rotation(first, a.base_start + first, rows)
                 k = to_matrix(shifter.apply(to_heads(k, heads), turn, layer=layer)).float()
             tails_k.append(k)
-            tails_v.append(a.base.values[layer].reconstruct(a.length)[first:].float())
+            tails_v.append(_rows_from(a.base.values[layer], first).float())
         key_w.append(torch.softmax(-(torch.stack(tails_k) - src_k).norm(dim=1), dim=0))
         value_w.append(torch.softmax(-(torch.stack(tails_v) - src_v).norm(dim=1), dim=0))
     return torch.stack(key_w, dim=1), torch.stack(value_w, dim=1)
+
+
+def _rows_from(factors: MatrixFactors, first: int) -> torch.Tensor:
+    """Rows ``first:`` of the matrix (a low-rank one reconstructs only those rows)."""
+    tail = factors.a[first:]
+    return tail if factors.b is None else tail @ factors.b
 
 
 def prefix_correction(

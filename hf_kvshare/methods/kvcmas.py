@@ -576,32 +576,33 @@ class KVCMAS(PrefixReuse, Method):
         following = _following_pf(turn, span)
         if self.prefix_delta and self.prefix_reuse and following is not None and rows == span.length:
             key = ("prefix", edge.slot, edge.pool, tuple(a.serial for a in anchors))
-            weights = self._cached_weights(
+            weights, _ = self._cached_weights(
                 turn, key, lambda: prefix_weights(edge.source, anchors, turn.shifter, reader)
             )
             turn.scratch.setdefault(f"{self.name}.pf", {})[following.start] = (anchors, *weights)
         return Placement(kv=kv, provenance="corrected", source_agent=edge.label, info=info)
 
-    def _cached_weights(self, turn: Turn, key: tuple, compute) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weights computed once per (slot, request, anchor set) and reused by later consumers
-        (``weights_cache``, as the reference caches them), else every time."""
+    def _cached_weights(
+        self, turn: Turn, key: tuple, compute
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
+        """``(weights, reused)``: weights computed once per (slot, request, anchor set) and reused by
+        later consumers (``weights_cache``, as the reference caches them), else every time."""
         state = self._requests.get(turn.session)
         if self.weights_cache and key in state.weights:
-            return state.weights[key]
+            return state.weights[key], True
         weights = compute()
         if self.weights_cache:
             state.weights[key] = weights
-        return weights
+        return weights, False
 
     def _token_weights(self, turn: Turn, edge: Edge, anchors: list[Anchor], rows: int, reader: int | None):
-        key = (edge.slot, edge.pool, tuple(a.serial for a in anchors), rows)
-        cached = self.weights_cache and key in self._requests.get(turn.session).weights
-
         def compute():
             kd, vd = token_distances(edge.source, anchors, turn.shifter, rows, reader_start=reader)
             return token_weights(kd, self.token_temperature), token_weights(vd, self.token_temperature)
 
-        return (*self._cached_weights(turn, key, compute), cached)
+        key = (edge.slot, edge.pool, tuple(a.serial for a in anchors), rows)
+        (wk, wv), cached = self._cached_weights(turn, key, compute)
+        return wk, wv, cached
 
     def prefix(self, turn: Turn, span, cache) -> Placement | None:
         """Kept PF text (``prefix_reuse``); with ``prefix_delta``, the PF right after a corrected PH span
@@ -738,22 +739,25 @@ class KVCMAS(PrefixReuse, Method):
             )
         check_finite(checks)
 
-    def _delta(self, edge: Edge, exact: SegmentKV, turn: Turn) -> tuple[FactoredKV, list[torch.Tensor]]:
-        """``C_consumer - Align(C_source)`` (Eq. 12), keys in ``delta_frame``; and the source's
-        canonical keys (for the base)."""
-        source_keys = canonical_keys(edge.source, turn.shifter)
+    def _difference(
+        self, exact: SegmentKV, source: SegmentKV, turn: Turn, source_keys: list[torch.Tensor] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``C_consumer - Align(C_source)`` (Eq. 12) per layer, batch element 0, keys in ``delta_frame``
+        (``source_keys``: the source's canonical keys when already computed)."""
         if self.delta_frame == "writer":
-            placed = edge.source.repositioned(turn.shifter, exact.start)
-            key_deltas = [k[:1] - s[:1] for k, s in zip(exact.keys, placed.keys)]
+            placed = source.repositioned(turn.shifter, exact.start)
+            keys = [k[:1] - s[:1] for k, s in zip(exact.keys, placed.keys)]
         else:
-            key_deltas = [k - s for k, s in zip(canonical_keys(exact, turn.shifter), source_keys)]
-        delta = FactoredKV.from_kv(
-            key_deltas,
-            [v[:1] - s[:1] for v, s in zip(exact.values, edge.source.values)],
-            self.delta_rank,
-            self.svd,
-        )
-        return delta, source_keys
+            source_keys = source_keys or canonical_keys(source, turn.shifter)
+            keys = [k - s for k, s in zip(canonical_keys(exact, turn.shifter), source_keys)]
+        return keys, [v[:1] - s[:1] for v, s in zip(exact.values, source.values)]
+
+    def _delta(self, edge: Edge, exact: SegmentKV, turn: Turn) -> tuple[FactoredKV, list[torch.Tensor]]:
+        """The consumer's observed correction of a PH span, factorized at ``delta_rank``; and the
+        source's canonical keys (for the base)."""
+        source_keys = canonical_keys(edge.source, turn.shifter)
+        keys, values = self._difference(exact, edge.source, turn, source_keys)
+        return FactoredKV.from_kv(keys, values, self.delta_rank, self.svd), source_keys
 
     def _prefix_delta(self, turn: Turn, span, cache) -> tuple[tuple[int, ...], FactoredKV] | None:
         """The correction of the PF text right after ``span`` in this dense turn: its exact K/V minus
@@ -765,12 +769,7 @@ class KVCMAS(PrefixReuse, Method):
         ids = tuple(following.token_ids.tolist())
         exact = cache.extract(following.start, following.end, agent=turn.agent)
         kept = self.prefix_store(turn.session).get((turn.agent, ids))
-        placed = exact if kept is None else kept.repositioned(turn.shifter, following.start)
-        keys = [k[:1] - p[:1] for k, p in zip(exact.keys, placed.keys)]
-        if self.delta_frame == "canonical":
-            back = turn.shifter.rotation(following.start, 0, following.length)
-            keys = [turn.shifter.apply(k, back, layer=i) for i, k in enumerate(keys)]
-        values = [v[:1] - p[:1] for v, p in zip(exact.values, placed.values)]
+        keys, values = self._difference(exact, exact if kept is None else kept, turn)
         return ids, FactoredKV.from_kv(keys, values, None)
 
     def _base(self, edge: Edge, source_keys: list[torch.Tensor]) -> FactoredKV:
