@@ -429,12 +429,12 @@ class PrefixReuse:
             kept = self.__dict__["_kept_prefixes"] = OrderedDict()
         return kept
 
-    def prefix_store(self, session: Session) -> dict[tuple[str, tuple[int, ...]], SegmentKV]:
+    def prefix_store(self, turn: Turn) -> dict[tuple[str, tuple[int, ...]], SegmentKV]:
         """The kept PF K/V, keyed by (agent, token ids): the instance's (``prefix_scope="agent"``)
         or the request's."""
         if self.prefix_scope == "agent":
             return self._agent_prefixes()
-        return session.method_state.setdefault(f"{self.name}:{PREFIX_STATE}", {})  # type: ignore[attr-defined]
+        return turn.request_state(f"{self.name}:{PREFIX_STATE}", dict)  # type: ignore[attr-defined]
 
     def prefix_reuse_allowed(self, turn: Turn) -> bool:
         """Whether this turn may place kept PF text (a method in a dense mode says no)."""
@@ -443,7 +443,7 @@ class PrefixReuse:
     def prefix(self, turn: Turn, span, cache: SharedCache) -> Placement | None:
         if not self.prefix_reuse or not self.prefix_reuse_allowed(turn):
             return None
-        kept = self.prefix_store(turn.session).get((turn.agent, tuple(span.token_ids.tolist())))
+        kept = self.prefix_store(turn).get((turn.agent, tuple(span.token_ids.tolist())))
         if kept is None:
             return None
         return Placement(
@@ -457,7 +457,7 @@ class PrefixReuse:
         super().record(turn, cache)  # type: ignore[misc]
         if not self.prefix_reuse:
             return
-        store = self.prefix_store(turn.session)
+        store = self.prefix_store(turn)
         computed = {s.start for s in cache.segments if s.kind == "PF" and s.provenance == "dense"}
         for span in turn.spans:  # the segment of the prompt's tail lacks its last token: generate computed it
             if span.kind != "PF":

@@ -118,7 +118,7 @@ class Session:
         if slot_name in self.slots or slot_name in new_slots:
             raise ValueError(f"output slot {slot_name!r} already exists in this session")
         self.slots.update(new_slots)
-        return Turn(session=self, agent=agent, spans=spans, output_slot=slot_name, batch_size=batch_size)
+        return Turn(host=self, agent=agent, spans=spans, output_slot=slot_name, batch_size=batch_size)
 
     def _resolve_slot(self, spec: PH, new_slots: dict[str, Slot]) -> Slot:
         slot = self.slots.get(spec.slot) or new_slots.get(spec.slot)

@@ -8,7 +8,9 @@ session; :class:`TurnResult` is what :meth:`~hf_kvshare.session.Session.run_turn
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -17,8 +19,9 @@ from .cache import CachePart, Segment, SegmentKV, SharedCache
 if TYPE_CHECKING:
     from .method import Placement
     from .rope import RopeShifter
-    from .session import Session
     from .trajectory import Span
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -87,11 +90,34 @@ class TurnResult:
         }
 
 
+class TurnHost(Protocol):
+    """What runs turns and holds one request's state: the :class:`~hf_kvshare.session.Session` (HF
+    ``generate``) or a serving request. Methods and engines never read it directly: they use the
+    :class:`Turn`'s read API (``turn.slot``, ``turn.request_state``, ...)."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    slots: dict[str, Slot]
+    #: per-request state a method keeps between turns, keyed by a name the method owns
+    method_state: dict[str, Any]
+
+    @property
+    def shifter(self) -> RopeShifter: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+
 @dataclass
 class Turn:
-    """Everything a method sees while building one agent's cache."""
+    """Everything a method sees while building one agent's cache.
 
-    session: Session
+    The request's state is read through this object only: :meth:`slot` / :attr:`slots` (the PH slots:
+    token ids, producer, latest K/V), :meth:`request_state` (what a method keeps for the request),
+    :attr:`request` (the key per-request engine state is kept under), :attr:`model`, :attr:`tokenizer`,
+    :attr:`device`, :attr:`shifter`."""
+
+    host: TurnHost
     agent: str
     spans: list[Span]
     output_slot: str
@@ -108,11 +134,49 @@ class Turn:
 
     @property
     def model(self) -> torch.nn.Module:
-        return self.session.model
+        return self.host.model
 
     @property
     def shifter(self) -> RopeShifter:
-        return self.session.shifter
+        return self.host.shifter
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.host.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        """Where input ids go (the input embeddings' device)."""
+        return self.host.device
+
+    @property
+    def request(self) -> TurnHost:
+        """The request this turn belongs to: the key (weakly referenced) that per-request engine
+        state is kept under; one object per request for the request's whole life."""
+        return self.host
+
+    @property
+    def slots(self) -> Mapping[str, Slot]:
+        """The request's PH slots by name (read-only mapping)."""
+        return MappingProxyType(self.host.slots)
+
+    def slot(self, name: str) -> Slot:
+        """The request's PH slot ``name`` (``KeyError`` naming the known slots when it has none)."""
+        try:
+            return self.host.slots[name]
+        except KeyError:
+            raise KeyError(f"no PH slot {name!r} in this request; slots: {sorted(self.host.slots)}") from None
+
+    def request_state(self, key: str, default: Callable[[], T]) -> T:
+        """The per-request state a method keeps under ``key`` (created by ``default()`` on first use)."""
+        state = self.host.method_state.get(key)
+        if state is None:
+            state = self.host.method_state[key] = default()
+        return state
+
+    def set_request_state(self, key: str, value: Any) -> None:
+        """Replace the per-request state a method keeps under ``key``."""
+        self.host.method_state[key] = value
 
     @property
     def prompt_ids(self) -> torch.Tensor:

@@ -374,7 +374,7 @@ class ThresholdMethod(Method):
     tau: float = 0.5
 
     def placeholder(self, turn, span, cache):
-        source = turn.session.slots[span.name].latest
+        source = turn.slot(span.name).latest
         if source is None:
             return None
         if _score(span.name, turn.agent) > self.tau:

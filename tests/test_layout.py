@@ -172,3 +172,34 @@ def test_import_graph_has_no_cycle():
 def test_cycle_finder_reports_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _attribute_reads(tree: ast.AST, owner: str, attrs: set[str]) -> list[int]:
+    """Line numbers of ``<owner>.<attr>`` for ``attr`` in ``attrs``."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr in attrs
+        and isinstance(node.value, ast.Name)
+        and node.value.id == owner
+    ]
+
+
+def test_methods_and_engines_read_the_request_through_the_turn_only():
+    """``turn.session`` / ``turn.host`` appear only in ``turn.py`` and ``session.py``: methods, engines
+    and drivers read a request's slots and state through the Turn's read API (so the serving host and
+    the Session drive one method contract)."""
+    allowed = {f"{ROOT}.turn", f"{ROOT}.session"}
+    bad = []
+    for name, path in MODULES.items():
+        if name in allowed:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        bad += [f"{name}:{line}" for line in _attribute_reads(tree, "turn", {"session", "host"})]
+    assert not bad, "turn.session / turn.host read outside turn.py and session.py: " + ", ".join(bad)
+
+
+def test_attribute_read_finder_finds_one():
+    tree = ast.parse("x = turn.session.slots\ny = turn.slot('a')\nz = other.session")
+    assert _attribute_reads(tree, "turn", {"session", "host"}) == [1]

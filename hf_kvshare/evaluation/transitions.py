@@ -82,7 +82,7 @@ class _DenseRecorder(BoundaryCapture, Method):
         return self.hidden_layers
 
     def placeholder(self, turn: Turn, span, cache):
-        slot = turn.session.slots[span.name]
+        slot = turn.slot(span.name)
         if slot.latest is not None:  # snapshot the source before this turn replaces it
             turn.scratch.setdefault("transition_sources", {})[span.name] = (
                 slot.latest,

@@ -27,7 +27,7 @@ class FullShared(PrefixReuse, Method):
         return f"FullShared(prefix_reuse={self.prefix_reuse}, prefix_scope={self.prefix_scope!r})"
 
     def placeholder(self, turn, span, cache):
-        source = turn.session.slots[span.name].latest
+        source = turn.slot(span.name).latest
         if source is None:
             return None
         return Placement(

@@ -133,10 +133,10 @@ class GraphFlow(Method):
         return CorrectedCache(turn.model.config, method=self.name)
 
     def _reference(self, turn: Turn, slot: str):
-        state = self._requests.get(turn.session)
+        state = self._requests.get(turn.request)
         reference = state.references.get(slot)
         if reference is None:
-            ids = turn.session.slots[slot].token_ids.to(turn.session.device)
+            ids = turn.slot(slot).token_ids.to(turn.device)
             reference = state.references[slot] = context_free_reference(turn.model, ids)
             turn.stats.tokens_prefilled += ids.numel()
         return reference
@@ -169,7 +169,7 @@ class GraphFlow(Method):
 
     def record(self, turn: Turn, cache) -> None:
         """Calibrate: every densely computed PH segment adds its exact delta to its relation's profile."""
-        state = self._requests.get(turn.session)
+        state = self._requests.get(turn.request)
         observed = []  # computed and checked first: a refusal changes no profile
         for span in turn.spans:
             if span.kind != "PH":

@@ -381,41 +381,41 @@ class KVCMAS(PrefixReuse, Method):
         return pool
 
     def _pool_key(self, turn: Turn, slot: str) -> str:
-        producer = turn.session.slots[slot].producer
+        producer = turn.slot(slot).producer
         return producer if self.gate_scope == "slot" and producer is not None else slot
 
     # ---------------------------------------------------------------- sources
     def _source_kind(self, turn: Turn, slot: str) -> str:
-        return self.output_source if turn.session.slots[slot].producer is not None else self.text_source
+        return self.output_source if turn.slot(slot).producer is not None else self.text_source
 
     def _source(self, turn: Turn, span) -> tuple[SegmentKV | None, str | None]:
         """The span's source cache and its label (source agent or REFERENCE)."""
         kind = self._source_kind(turn, span.name)
-        slot = turn.session.slots[span.name]
+        slot = turn.slot(span.name)
         if kind == "chained":
             source = slot.latest
         elif kind in ("producer", "first"):
-            source = self._requests.get(turn.session).produced.get(span.name)
+            source = self._requests.get(turn.request).produced.get(span.name)
         else:
             return self._reference(turn, span, kind), REFERENCE
         return source, None if source is None else source.agent
 
     def _reference(self, turn: Turn, span, kind: str) -> SegmentKV:
         """A reference prefill, once per request and slot, outside the workflow (counted as computed)."""
-        state = self._requests.get(turn.session)
+        state = self._requests.get(turn.request)
         reference = state.references.get(span.name)
         if reference is None:
-            ids = turn.session.slots[span.name].token_ids.to(turn.session.device)
+            ids = turn.slot(span.name).token_ids.to(turn.device)
             lead = torch.zeros(0, dtype=torch.long)
             if kind == "lead":
                 lead_in = self.lead_in if self.lead_in is not None else _lead_in(turn, span)
-                lead = tokenize_text(turn.session.tokenizer, reference_lead(turn.session.tokenizer, lead_in))
+                lead = tokenize_text(turn.tokenizer, reference_lead(turn.tokenizer, lead_in))
             reference = state.references[span.name] = reference_prefill(turn.model, lead, ids)
             turn.stats.tokens_prefilled += lead.numel() + ids.numel()
         return reference
 
     def _origin(self, turn: Turn, slot: str) -> Hashable:
-        state = self._requests.get(turn.session)
+        state = self._requests.get(turn.request)
         if self.gate_scope == "edge" and self._source_kind(turn, slot) == "chained":
             return (state.uid, slot, state.versions.get(slot, 0))  # this exact materialization
         return (state.uid, slot)  # one anchor per (slot, request), a delta per consumer
@@ -452,7 +452,7 @@ class KVCMAS(PrefixReuse, Method):
     # ------------------------------------------------------ slot scope (reference)
     def _gated(self, turn: Turn, slot: str) -> bool:
         return self._source_kind(turn, slot) not in ("chained", "first") or (
-            turn.session.slots[slot].producer is not None
+            turn.slot(slot).producer is not None
         )
 
     def _gate(
@@ -485,7 +485,7 @@ class KVCMAS(PrefixReuse, Method):
             "reports": {},
             "uses": [],
         }
-        state = self._requests.get(turn.session)
+        state = self._requests.get(turn.request)
         state.decisions.update(pending["decisions"])
         state.gate_reports.update(pending["reports"])
         for anchor in pending["uses"]:
@@ -494,11 +494,11 @@ class KVCMAS(PrefixReuse, Method):
             self.pools.touch(edge.pool)
 
     def _gate_report(self, turn: Turn, slot: str) -> tuple[int, list[float] | None]:
-        state = self._requests.get(turn.session)
+        state = self._requests.get(turn.request)
         return state.gate_reports.get(slot) or self._pending(turn)["reports"].get(slot, (0, None))
 
     def _decide(self, turn: Turn, slot: str, candidate: SegmentKV) -> GateDecision:
-        state = self._requests.get(turn.session)
+        state = self._requests.get(turn.request)
         pending = self._pending(turn)
         decision = state.decisions.get(slot)
         if decision is None:
@@ -587,7 +587,7 @@ class KVCMAS(PrefixReuse, Method):
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
         """``(weights, reused)``: weights computed once per (slot, request, anchor set) and reused by
         later consumers (``weights_cache``, as the reference caches them), else every time."""
-        state = self._requests.get(turn.session)
+        state = self._requests.get(turn.request)
         if self.weights_cache and key in state.weights:
             return state.weights[key], True
         weights = compute()
@@ -681,8 +681,8 @@ class KVCMAS(PrefixReuse, Method):
         """After the first token: keep the producer's cache of the output (and its gate decision),
         then store the observed corrections of the spans that were prefilled because of a rejection
         (accepted corrections are never inserted)."""
-        state = self._requests.get(turn.session)
-        slots = turn.session.slots
+        state = self._requests.get(turn.request)
+        slots = turn.slots
         output = slots[turn.output_slot].latest
         self._check_finite(turn, cache, output)  # before anything changes
         if output is not None and self.output_source == "producer":
@@ -768,7 +768,7 @@ class KVCMAS(PrefixReuse, Method):
             return None
         ids = tuple(following.token_ids.tolist())
         exact = cache.extract(following.start, following.end, agent=turn.agent)
-        kept = self.prefix_store(turn.session).get((turn.agent, ids))
+        kept = self.prefix_store(turn).get((turn.agent, ids))
         keys, values = self._difference(exact, exact if kept is None else kept, turn)
         return ids, FactoredKV.from_kv(keys, values, None)
 
@@ -838,5 +838,5 @@ def _lead_in(turn: Turn, span) -> str:
     text = turn.spans[index - 1].spec.text
     cut = text.rstrip().rfind("\n")
     line = text[cut + 1 :]
-    special = getattr(turn.session.tokenizer, "all_special_tokens", None) or []
+    special = getattr(turn.tokenizer, "all_special_tokens", None) or []
     return "" if any(tok and tok in line for tok in special) else line

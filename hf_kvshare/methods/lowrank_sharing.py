@@ -149,7 +149,7 @@ class LowRankSharing(Method):
         if self.neutral == "double":
             bank.check_mixed_batch(turn.agent)
         rope = AbsoluteRope(model)
-        store = self.store(turn.session)
+        store = self.store(turn.request)
         P = turn.prompt_length
         ids = turn.prompt_ids
         shared = store.common_prefix(ids[: P - 1])
@@ -207,12 +207,12 @@ class LowRankSharing(Method):
                 f"{self.name}: the turn's cache holds {cached} positions and its hooks captured {capture.tokens} "
                 f"from position {own}; expected {cached - own}"
             )
-        output = turn.session.slots[turn.output_slot].token_ids
+        output = turn.slot(turn.output_slot).token_ids
         fed = torch.cat([turn.prompt_ids, output])
         # generate never feeds its last token; padding fed after an early EOS is not trajectory
         end = min(cached, fed.numel())
         new_ids = fed[shared:end]
-        store = self.store(turn.session)
+        store = self.store(turn.request)
 
         # the base over the new positions, and where the other agents' LR caches come from
         if self.neutral is None:
@@ -269,7 +269,7 @@ class LowRankSharing(Method):
         store.append_base(new_ids.cpu(), keys, values)
         for name, (start, (lr_keys, lr_values)) in updates.items():
             store.append_lr(name, start, end, lr_keys, lr_values)
-        turn.session.method_state[self.name] = store
+        turn.set_request_state(self.name, store)
 
     def _base_from_capture(self, state: _TurnState, start: int, end: int) -> tuple[list, list]:
         """``rope(W x + b)`` and ``W x + b`` of positions ``[start, end)`` from the agent's own forward."""

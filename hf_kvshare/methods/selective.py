@@ -65,7 +65,7 @@ class SelectiveRecompute(BoundaryCapture, Method):
 
     # ------------------------------------------------------------ building
     def placeholder(self, turn: Turn, span: Span, cache: SharedCache) -> Placement | None:
-        source = turn.session.slots[span.name].latest
+        source = turn.slot(span.name).latest
         if source is None:
             return None  # first time this slot is seen: dense
         kv = source.repositioned(turn.shifter, span.start)

@@ -159,7 +159,7 @@ class BoundaryCapture:
         recorder = self.recorder(turn)
         if recorder is None:
             return
-        slots = turn.session.slots
+        slots = turn.slots
         for span in turn.spans:
             if span.kind == "PH":
                 slots[span.name].extras[BOUNDARY_KEY] = {
@@ -173,7 +173,7 @@ class BoundaryCapture:
 
     def source_boundary(self, turn: Turn, slot_name: str, layer: int) -> torch.Tensor:
         """The input of ``layer`` ``[1, S, hidden]`` kept with slot ``slot_name``'s latest K/V."""
-        stored = turn.session.slots[slot_name].extras.get(BOUNDARY_KEY, {})
+        stored = turn.slot(slot_name).extras.get(BOUNDARY_KEY, {})
         if layer not in stored:
             kept = sorted(stored) or "none"
             raise ValueError(
