@@ -7,8 +7,8 @@ session; :class:`TurnResult` is what :meth:`~hf_kvshare.session.Session.run_turn
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
