@@ -160,11 +160,21 @@ class Method:
         prefix reuse), or ``None`` to compute it (the default: PF text is always computed)."""
         return None
 
+    def plan(self, turn: Turn) -> None:
+        """Decide what the turn will place before any span is placed (e.g. the correction methods'
+        gate, taken once for the whole turn). Every host calls it first: :meth:`build` here, the
+        serving connector before it asks :meth:`placeholder` / :meth:`prefix` for each span."""
+
+    def finish(self, turn: Turn, cache: SharedCache) -> None:
+        """Called with the built cache, before ``generate`` (e.g. report rows of the segment table)."""
+
     def build(self, turn: Turn) -> SharedCache:
-        """Build the turn's cache: place what :meth:`placeholder` / :meth:`prefix` return, then compute
-        every token left dense in ONE forward (``SegmentedCache.append_parts``: true positions, a mask
-        built from positions). The prompt's last token is left out for ``generate``. A method that
-        reads the cache built so far (``reads_prefix``) gets it complete up to each PH segment."""
+        """Build the turn's cache: :meth:`plan`, place what :meth:`placeholder` / :meth:`prefix`
+        return, then compute every token left dense in ONE forward (``SegmentedCache.append_parts``:
+        true positions, a mask built from positions), then :meth:`finish`. The prompt's last token is
+        left out for ``generate``. A method that reads the cache built so far (``reads_prefix``) gets it
+        complete up to each PH segment."""
+        self.plan(turn)
         cache = self.new_cache(turn)
         parts: list[CachePart] = []
 
@@ -192,6 +202,7 @@ class Method:
                 last.kv = last.kv.prefix(last.segment.length)
             parts.append(last)
         flush()
+        self.finish(turn, cache)
         return cache
 
     # ------------------------------------------------------------ learning

@@ -141,15 +141,15 @@ class GraphFlow(Method):
             turn.stats.tokens_prefilled += ids.numel()
         return reference
 
-    def build(self, turn: Turn) -> CorrectedCache:
+    def plan(self, turn: Turn) -> None:
         self.bind_once(turn.model)
-        cache = super().build(turn)
+
+    def finish(self, turn: Turn, cache) -> None:
         for seg in cache.segments:
             if seg.kind == "PH" and seg.provenance == "dense":
                 profile = self.profiles.get((seg.name, turn.agent))
                 done = 0 if profile is None else len(profile.requests)
                 seg.info.update({"gate": "calibrating", "calibrated": f"{done}/{self.calibration_requests}"})
-        return cache
 
     def placeholder(self, turn: Turn, span, cache) -> Placement | None:
         profile = self.profiles.get((span.name, turn.agent))

@@ -424,17 +424,17 @@ class KVCMAS(PrefixReuse, Method):
     def new_cache(self, turn: Turn) -> CorrectedCache:
         return CorrectedCache(turn.model.config, method=self.name)
 
-    def build(self, turn: Turn) -> CorrectedCache:
+    def plan(self, turn: Turn) -> None:
         self.bind_once(turn.model)
         if self.gate_scope == "slot":
             self._plan(turn)
-        cache = super().build(turn)
+
+    def finish(self, turn: Turn, cache) -> None:
         edges = turn.scratch.get(self.name, {})
         for seg in cache.segments:
             edge = edges.get(seg.start)
             if seg.kind == "PH" and edge is not None and seg.provenance == "dense":
                 seg.info.update(edge.report())
-        return cache
 
     def prefix_reuse_allowed(self, turn: Turn) -> bool:
         """Kept PF text is placed only on a reuse turn: ``tau > 0`` and (slot scope) no PH span of the
