@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from ..cache import SegmentKV, SharedCache
 from ..method import Method
-from ..recompute.boundary import BOUNDARY_KEY, BoundaryCapture
+from ..methods.boundary_capture import BoundaryCapture
+from ..recompute.boundary import BOUNDARY_KEY
 from ..recompute.stack import DecoderStack
 from ..session import Session
 from .workflow import run_workflow

@@ -82,8 +82,9 @@ from ..anchors.cache import CorrectedCache
 from ..anchors.lowrank import SVD_METHODS
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
 from ..cache import SegmentKV, check_finite, config_signature
-from ..method import Method, Placement, PrefixReuse, register
+from ..method import Method, Placement, register
 from ..trajectory import tokenize_text
+from .prefix_reuse import PrefixReuse
 
 if TYPE_CHECKING:
     from ..session import Session

@@ -64,6 +64,7 @@ class _TurnState:
 LayerChunks = tuple[list[torch.Tensor | None], list[torch.Tensor | None]]
 
 
+@dataclass(eq=False)
 class LowRankSharing(Method):
     """Base of ``baseshared``, ``baselrshared``, ``prelrshared``, ``rebaseshared-lp`` and ``rebaseshared-db``.
 
@@ -94,18 +95,29 @@ class LowRankSharing(Method):
     #: one LR cache (store entry ``SHARED_LR``) extended by every agent and read by all (BaseLRShared)
     shared_lr: ClassVar[bool] = False
 
-    def __init__(self, materialize: str = "turn", own_lr: str = "adapted", lr_keys: bool = False):
-        if materialize not in BaseLRCache.MATERIALIZE:
-            raise ValueError(f"materialize must be one of {BaseLRCache.MATERIALIZE}; got {materialize!r}")
-        if own_lr not in OWN_LR_SOURCES:
-            raise ValueError(f"own_lr must be one of {OWN_LR_SOURCES}; got {own_lr!r}")
-        if own_lr != "adapted" and self.neutral is None:
-            raise ValueError(f"own_lr applies to rebaseshared only; {self.name} has no adapter-free path")
-        if not isinstance(lr_keys, bool):
-            raise ValueError(f"lr_keys must be True or False; got {lr_keys!r}")
-        self.materialize = materialize
-        self.own_lr = own_lr
-        self.lr_keys = lr_keys
+    materialize: str = "turn"
+    own_lr: str = "adapted"
+    lr_keys: bool = False
+
+    def __post_init__(self) -> None:
+        if self.materialize not in BaseLRCache.MATERIALIZE:
+            raise ValueError(
+                f"materialize must be one of {BaseLRCache.MATERIALIZE}; got {self.materialize!r}"
+            )
+        if self.own_lr not in OWN_LR_SOURCES:
+            raise ValueError(f"own_lr must be one of {OWN_LR_SOURCES}; got {self.own_lr!r}")
+        if self.own_lr != "adapted" and self.neutral is None:
+            raise ValueError(
+                f"own_lr applies to rebaseshared only; {self.name} has no adapter-free path "
+                f"(own_lr must be 'adapted'; got {self.own_lr!r})"
+            )
+        if not isinstance(self.lr_keys, bool):
+            raise ValueError(f"lr_keys must be True or False; got {self.lr_keys!r}")
+
+    def legacy_options(self, meta: dict[str, Any]) -> dict[str, Any]:
+        # states saved before these methods recorded their options are empty (the methods keep no
+        # state across requests): nothing options could change, so any instance takes them
+        return self.state_options()
 
     def attach(self, model: torch.nn.Module) -> None:
         # clear errors (k_proj/v_proj rule, and with lr_keys the k/v-coverage warning) at session creation
@@ -288,12 +300,6 @@ class LowRankSharing(Method):
             keys.append(state.rope.apply(k, cos, sin))
             values.append(v)
         return keys, values
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(materialize={self.materialize!r}, own_lr={self.own_lr!r}, "
-            f"lr_keys={self.lr_keys!r})"
-        )
 
 
 def _segments(turn: Turn, start: int, end: int, provenance: str, info: dict[str, Any]) -> list[Segment]:

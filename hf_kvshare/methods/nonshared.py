@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..method import Method, register
 
 
 @register
+@dataclass(eq=False)
 class NonShared(Method):
-    """No sharing: each turn densely prefills every segment (one forward over the prompt)."""
+    """No sharing: each turn densely prefills every segment (one forward over the prompt). No options."""
 
     name = "nonshared"
     uses_sources = False

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..method import Method, Placement
-from ..recompute.boundary import BoundaryCapture
 from ..recompute.layers import SegmentRecompute
 from ..recompute.stack import DecoderStack
+from .boundary_capture import BoundaryCapture
 
 if TYPE_CHECKING:
     from ..cache import SharedCache

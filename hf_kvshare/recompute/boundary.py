@@ -4,8 +4,9 @@ A method that recomputes from layer ``a`` onwards without running layers ``0 .. 
 layer groups, RelayCaching's middle layers) restarts from the hidden state that entered layer ``a``
 when the reused K/V was made (DroidSpeak's "E cache"). :class:`BoundaryRecorder` captures those
 inputs, by absolute position, for everything a turn feeds through the model (dense prefill,
-recomputation, generation); :class:`BoundaryCapture` is the method mixin that stores them next to
-each slot's ``latest`` K/V (``slot.extras``) after the turn.
+recomputation, generation). The method side (recording while a turn runs, storing the rows next to
+each slot's ``latest`` K/V in ``slot.extras``) is the mixin
+:class:`~hf_kvshare.methods.boundary_capture.BoundaryCapture`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,10 @@ import torch
 from ..hooks import thread_hook
 
 if TYPE_CHECKING:
-    from ..cache import SharedCache
-    from ..turn import Turn
     from .stack import DecoderStack
 
 #: key of the boundary hidden states in ``Slot.extras``: ``{layer: [1, S, hidden]}``
 BOUNDARY_KEY = "recompute.boundary_hidden"
-_SCRATCH_KEY = "recompute.boundary_recorder"
 
 
 class BoundaryRecorder:
@@ -92,6 +90,10 @@ class BoundaryRecorder:
             )
         return self._rows[layer][start:end][None].clone()
 
+    def rows_by_layer(self, start: int, end: int) -> dict[int, torch.Tensor]:
+        """:meth:`rows` of every recorded layer (what a slot keeps under :data:`BOUNDARY_KEY`)."""
+        return {layer: self.rows(layer, start, end) for layer in self.layers}
+
     def _hook(self, layer: int):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs.get("hidden_states")
@@ -124,61 +126,3 @@ class BoundaryRecorder:
         finally:
             for handle in handles:
                 handle.remove()
-
-
-class BoundaryCapture:
-    """Method mixin: keep the boundary hidden states of every PH slot and output next to ``slot.latest``.
-
-    Subclasses provide ``self.stack`` (a :class:`~hf_kvshare.recompute.layers.DecoderStack`) and
-    :meth:`boundary_layers`. ``build`` and ``generation_context`` record while the turn runs;
-    ``record`` stores each slot's rows in ``slot.extras[BOUNDARY_KEY]``.
-    """
-
-    def boundary_layers(self) -> tuple[int, ...]:
-        """Layers whose input must be kept per slot (layer 0 never: its input is the embedding)."""
-        return ()
-
-    def recorder(self, turn: Turn) -> BoundaryRecorder | None:
-        return turn.scratch.get(_SCRATCH_KEY)
-
-    def build(self, turn: Turn) -> SharedCache:
-        layers = tuple(layer for layer in self.boundary_layers() if layer > 0)
-        if not layers:
-            return super().build(turn)
-        recorder = BoundaryRecorder(self.stack, layers)
-        turn.scratch[_SCRATCH_KEY] = recorder
-        with recorder.active():
-            return super().build(turn)
-
-    def generation_context(self, turn: Turn) -> contextlib.AbstractContextManager:
-        recorder = self.recorder(turn)
-        return recorder.active() if recorder is not None else contextlib.nullcontext()
-
-    def record(self, turn: Turn, cache: SharedCache) -> None:
-        super().record(turn, cache)
-        recorder = self.recorder(turn)
-        if recorder is None:
-            return
-        slots = turn.slots
-        for span in turn.spans:
-            if span.kind == "PH":
-                slots[span.name].extras[BOUNDARY_KEY] = {
-                    layer: recorder.rows(layer, span.start, span.end) for layer in recorder.layers
-                }
-        output = slots[turn.output_slot]
-        start = turn.prompt_length
-        end = start + output.token_ids.numel()
-        output.extras[BOUNDARY_KEY] = {layer: recorder.rows(layer, start, end) for layer in recorder.layers}
-        del turn.scratch[_SCRATCH_KEY]
-
-    def source_boundary(self, turn: Turn, slot_name: str, layer: int) -> torch.Tensor:
-        """The input of ``layer`` ``[1, S, hidden]`` kept with slot ``slot_name``'s latest K/V."""
-        stored = turn.slot(slot_name).extras.get(BOUNDARY_KEY, {})
-        if layer not in stored:
-            kept = sorted(stored) or "none"
-            raise ValueError(
-                f"slot {slot_name!r} keeps no input hidden state of layer {layer} (kept layers: {kept}); "
-                f"{type(self).__name__} restarts there. The slot's cache was made before the method's layers "
-                "were configured (e.g. calibrated or re-configured mid-session): start a new Session"
-            )
-        return stored[layer]

@@ -1,0 +1,162 @@
+"""Per-agent prefix reuse: a method mixin (FullShared, KVCMAS and its variants).
+
+:class:`PrefixReuse` keeps an agent's computed PF text and places it on the agent's later turns,
+re-positioned; it implements the contract's ``prefix`` and extends ``record``, ``state_bytes``,
+``export_state`` / ``import_state`` and ``request_state_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from ..cache import SegmentKV, SharedCache
+from ..method import Placement
+
+if TYPE_CHECKING:
+    from ..session import Session
+    from ..turn import Turn
+
+
+#: key prefix of the per-request prefix store in ``Session.method_state`` (``"<method>:prefixes"``)
+PREFIX_STATE = "prefixes"
+
+
+class PrefixReuse:
+    """Method mixin: **per-agent prefix reuse** (the KVCMAS reference's behaviour), options
+    ``prefix_reuse`` and ``prefix_scope``.
+
+    An agent's PF text (system prompt, glue before a PH, the turn's tail) is computed the first time
+    that agent uses it, kept, and placed on the agent's later turns re-positioned (RoPE rotation only,
+    no correction: the reference's prefix delta is off by default). Keyed by (agent, token ids of the
+    PF segment); the first computation is kept. ``prefix_scope="agent"`` keeps it in the method
+    instance across requests (the reference: ``prepare_prefix_kv_segments`` stores an agent's
+    template K/V once, in class-level memory keyed by its node id; here at most
+    :attr:`PREFIX_LIMIT` entries, the least recently used dropped, saved by :meth:`save_state`,
+    counted in :meth:`state_bytes`); ``"request"`` keeps it for one request (a Session) only. A reused
+    PF row of the segment table has provenance ``reused``, the agent as source, and
+    ``info["prefix_reuse"]`` = the position it was computed at. Counted in ``TurnResult.prefix_reused``
+    (PF tokens), not in rho, which stays over PH tokens as the reference counts it.
+
+    Subclasses declare the ``prefix_reuse: bool`` and ``prefix_scope`` options and may narrow
+    :meth:`prefix_reuse_allowed`.
+    """
+
+    prefix_reuse: bool = False
+    prefix_scope: str = "agent"
+    PREFIX_SCOPES: ClassVar[tuple[str, ...]] = ("agent", "request")
+    #: PF segments kept per method instance with ``prefix_scope="agent"`` (least recently used dropped)
+    PREFIX_LIMIT: ClassVar[int] = 256
+
+    def check_prefix_reuse(self) -> None:
+        if not isinstance(self.prefix_reuse, bool):
+            raise ValueError(
+                f"{self.name}: prefix_reuse must be True or False, got {self.prefix_reuse!r}"  # type: ignore[attr-defined]
+            )
+        if self.prefix_scope not in self.PREFIX_SCOPES:
+            raise ValueError(
+                f"{self.name}: prefix_scope must be one of {self.PREFIX_SCOPES}, got {self.prefix_scope!r}"  # type: ignore[attr-defined]
+            )
+
+    def _agent_prefixes(self) -> OrderedDict:
+        kept = self.__dict__.get("_kept_prefixes")
+        if kept is None:
+            kept = self.__dict__["_kept_prefixes"] = OrderedDict()
+        return kept
+
+    def prefix_store(self, turn: Turn) -> dict[tuple[str, tuple[int, ...]], SegmentKV]:
+        """The kept PF K/V, keyed by (agent, token ids): the instance's (``prefix_scope="agent"``)
+        or the request's."""
+        if self.prefix_scope == "agent":
+            return self._agent_prefixes()
+        return turn.request_state(f"{self.name}:{PREFIX_STATE}", dict)  # type: ignore[attr-defined]
+
+    def prefix_reuse_allowed(self, turn: Turn) -> bool:
+        """Whether this turn may place kept PF text (a method in a dense mode says no)."""
+        return True
+
+    def prefix(self, turn: Turn, span, cache: SharedCache) -> Placement | None:
+        if not self.prefix_reuse or not self.prefix_reuse_allowed(turn):
+            return None
+        kept = self.prefix_store(turn).get((turn.agent, tuple(span.token_ids.tolist())))
+        if kept is None:
+            return None
+        return Placement(
+            kv=kept.repositioned(turn.shifter, span.start),
+            provenance="reused",
+            source_agent=turn.agent,
+            info={"prefix_reuse": kept.start},
+        )
+
+    def record(self, turn: Turn, cache: SharedCache) -> None:
+        super().record(turn, cache)  # type: ignore[misc]
+        if not self.prefix_reuse:
+            return
+        store = self.prefix_store(turn)
+        computed = {s.start for s in cache.segments if s.kind == "PF" and s.provenance == "dense"}
+        for span in turn.spans:  # the segment of the prompt's tail lacks its last token: generate computed it
+            if span.kind != "PF":
+                continue
+            key = (turn.agent, tuple(span.token_ids.tolist()))
+            if key in store:
+                if isinstance(store, OrderedDict):
+                    store.move_to_end(key)  # used again: the most recently used
+            elif span.start in computed:
+                store[key] = cache.extract(span.start, span.end, agent=turn.agent)
+        if isinstance(store, OrderedDict):
+            while len(store) > self.PREFIX_LIMIT:
+                store.popitem(last=False)
+
+    def prefix_state_bytes(self) -> int:
+        """Bytes of the PF K/V kept across requests (``prefix_scope="agent"``)."""
+        return sum(kv.nbytes for kv in self.__dict__.get("_kept_prefixes", {}).values())
+
+    def state_bytes(self) -> int:
+        return super().state_bytes() + self.prefix_state_bytes()  # type: ignore[misc]
+
+    def clear_prefixes(self) -> None:
+        self.__dict__.pop("_kept_prefixes", None)
+
+    def export_prefixes(self) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+        """The kept PF K/V as tensors ``prefix<i>.<k|v><layer>`` and their metadata (LRU order)."""
+        tensors, meta = {}, []
+        for i, ((agent, ids), kv) in enumerate(self.__dict__.get("_kept_prefixes", {}).items()):
+            for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
+                tensors[f"prefix{i}.k{layer}"] = k.detach().contiguous().clone()
+                tensors[f"prefix{i}.v{layer}"] = v.detach().contiguous().clone()
+            meta.append({"agent": agent, "ids": list(ids), "start": kv.start, "layers": len(kv.keys)})
+        return tensors, meta
+
+    def import_prefixes(self, tensors: dict[str, torch.Tensor], meta: Any) -> None:
+        """Replace the kept PF K/V by exported ones (:meth:`export_prefixes`)."""
+        kept: OrderedDict = OrderedDict()
+        try:
+            for i, entry in enumerate(meta or []):
+                n = int(entry["layers"])
+                kept[(entry["agent"], tuple(int(t) for t in entry["ids"]))] = SegmentKV(
+                    keys=[tensors[f"prefix{i}.k{layer}"] for layer in range(n)],
+                    values=[tensors[f"prefix{i}.v{layer}"] for layer in range(n)],
+                    start=int(entry["start"]),
+                    agent=entry["agent"],
+                )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{self.name}: the saved kept prefixes are damaged ({error!r})") from error  # type: ignore[attr-defined]
+        self.__dict__["_kept_prefixes"] = kept
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, meta = super().export_state()  # type: ignore[misc]
+        kept, kept_meta = self.export_prefixes()
+        return {**tensors, **kept}, ({**meta, "prefixes": kept_meta} if kept_meta else meta)
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        rest = {k: v for k, v in tensors.items() if not k.startswith("prefix")}
+        meta = dict(meta)
+        kept_meta = meta.pop("prefixes", [])
+        super().import_state(rest, meta)  # type: ignore[misc]
+        self.import_prefixes({k: v for k, v in tensors.items() if k.startswith("prefix")}, kept_meta)
+
+    def request_state_bytes(self, session: Session) -> int:
+        kept = session.method_state.get(f"{self.name}:{PREFIX_STATE}", {})  # type: ignore[attr-defined]
+        return super().request_state_bytes(session) + sum(kv.nbytes for kv in kept.values())  # type: ignore[misc]
