@@ -108,8 +108,12 @@ class Placement:
 class Method(StatePersistence):
     """Base class: every PF and PH segment prefilled densely (i.e. NonShared behaviour).
 
-    Subclasses override :meth:`placeholder` (return a :class:`Placement` to reuse a PH segment),
-    or :meth:`build` entirely, and :meth:`record` to learn from a finished turn.
+    A method is a ``@dataclass(eq=False)`` subclass whose fields are its options (checked in
+    ``__post_init__``, errors naming the expected and the given value; saved states record them and
+    refuse an instance with other values). It overrides :meth:`plan`, :meth:`placeholder` (return a
+    :class:`Placement` to reuse a PH segment), :meth:`prefix`, :meth:`finish`, or :meth:`build`
+    entirely, and :meth:`record` to learn from a finished turn. Method mixins (prefix reuse, boundary
+    capture) live in :mod:`hf_kvshare.methods` too; engines hold none.
     """
 
     name: ClassVar[str] = ""
@@ -204,6 +208,7 @@ class Method(StatePersistence):
             else:
                 placement = self.prefix(turn, span, cache)
             parts.append(turn.part(span, placement))
+            turn.stats.count(span, placement)
         last = parts.pop()  # the prompt's last token is generate's
         last.segment.end -= 1
         if last.segment.length:

@@ -4,18 +4,22 @@
 unchanged, records the output as a new PH slot (named after the agent), lets the method learn
 from the turn, and returns the text, token ids and metrics. Within a session a PH slot's content
 is fixed; a new request is a new session (which may share the method instance).
+
+The session drives the method contract (:mod:`hf_kvshare.method`) and never imports the methods:
+the registry is filled by the package (``hf_kvshare/__init__.py`` imports :mod:`hf_kvshare.methods`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from . import methods  # noqa: F401  (registers the built-in methods)
-from ._compat import cache_kwargs, is_peft_model
-from .agents import agent_adapter, check_agent_adapter
+from ._compat import cache_kwargs
+from .agents import agent_adapter
 from .cache import SharedCache, model_input_device
 from .measure import FirstTokenTimer, PeakMemory, synchronize
 from .method import Method, get_method
@@ -158,18 +162,26 @@ class Session:
         ``past_key_values=`` or ``cache=``). The session records nothing from such a call. On a
         ``PeftModel``, activate the agent's adapter for that call (``model.set_adapter(agent)``).
         """
-        snapshot = dict(self.slots)
-        try:
+        with self._rollback():
             turn = self.prepare_turn(agent, segments, batch_size=batch_size)
-            if is_peft_model(self.model):
-                check_agent_adapter(self.model, agent)
-            self._check_length(turn, 1)
-            with agent_adapter(self.model, agent):
+            with agent_adapter(self.model, agent):  # checks the agent's adapter first (on a PeftModel)
+                self._check_length(turn, 1)
                 cache = self._build(turn)
-        except Exception:
-            self.slots = snapshot
-            raise
         return cache, turn.batch(turn.prompt_ids).to(self.device)
+
+    @contextlib.contextmanager
+    def _rollback(self) -> Iterator[None]:
+        """A block that raises (anything, an interrupt too) leaves the session's slots as they were:
+        the slot table (slots it added dropped) and each slot's latest K/V."""
+        slots = dict(self.slots)
+        latest = {name: slot.latest for name, slot in slots.items()}
+        try:
+            yield
+        except BaseException:
+            self.slots = slots
+            for name, slot in slots.items():
+                slot.latest = latest[name]
+            raise
 
     def _build(self, turn: Turn) -> SharedCache:
         turn.stats.ph_tokens = sum(s.length for s in turn.spans if s.kind == "PH")
@@ -200,60 +212,48 @@ class Session:
 
         A turn that raises leaves the session's slots as they were.
         """
-        snapshot = dict(self.slots)
-        try:
+        with self._rollback():
             turn = self.prepare_turn(agent, segments, output_slot)
             turn.keep_cache = keep_cache
-            if is_peft_model(self.model):
-                check_agent_adapter(self.model, agent)
-            if force_output is not None:
-                force_output = self._check_forced(force_output)
-                max_new_tokens = force_output.numel()
-            elif (
-                isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
-            ):
-                raise ValueError(
-                    f"max_new_tokens must be an int >= 1, got {max_new_tokens!r} ({type(max_new_tokens).__name__})"
-                )
-            self._check_length(turn, max_new_tokens)
-        except Exception:
-            self.slots = snapshot
-            raise
-
-        device = self.device
-        prompt = turn.prompt_ids.to(device)
-        logits = None
-        latest = {name: slot.latest for name, slot in self.slots.items()}
-        try:
-            with PeakMemory(device) as memory, agent_adapter(self.model, agent):
-                synchronize(device)
-                t0 = time.perf_counter()
-                cache = self._build(turn)
-                turn.stats.tokens_prefilled += turn.prompt_length - cache.get_seq_length()
-                with self.method.generation_context(turn):
-                    if force_output is None:
-                        output_ids, t_first = self._generate(
-                            turn, prompt, cache, max_new_tokens, generate_kwargs
-                        )
-                    else:
-                        output_ids, t_first, logits = self._teacher_force(
-                            turn, prompt, cache, force_output.to(device)
-                        )
-                    self._record(turn, cache, output_ids)
-                    self.method.record(turn, cache)
-                synchronize(device)
-                t_end = time.perf_counter()
-        except BaseException:  # a failed turn leaves the session as it was
-            self.slots = snapshot
-            for name, slot in self.slots.items():
-                slot.latest = latest[name]
-            raise
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+            with agent_adapter(self.model, agent):  # checks the agent's adapter first (on a PeftModel)
+                if force_output is not None:
+                    force_output = self._check_forced(force_output)
+                    max_new_tokens = force_output.numel()
+                elif (
+                    isinstance(max_new_tokens, bool)
+                    or not isinstance(max_new_tokens, int)
+                    or max_new_tokens < 1
+                ):
+                    raise ValueError(
+                        f"max_new_tokens must be an int >= 1, got {max_new_tokens!r} ({type(max_new_tokens).__name__})"
+                    )
+                self._check_length(turn, max_new_tokens)
+                device = self.device
+                prompt = turn.prompt_ids.to(device)
+                logits = None
+                with PeakMemory(device) as memory:
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    cache = self._build(turn)
+                    turn.stats.tokens_prefilled += turn.prompt_length - cache.get_seq_length()
+                    with self.method.generation_context(turn):
+                        if force_output is None:
+                            output_ids, t_first = self._generate(
+                                turn, prompt, cache, max_new_tokens, generate_kwargs
+                            )
+                        else:
+                            output_ids, t_first, logits = self._teacher_force(
+                                turn, prompt, cache, force_output.to(device)
+                            )
+                        output = self._record(turn, cache, output_ids)
+                        self.method.record(turn, cache)
+                    synchronize(device)
+                    t_end = time.perf_counter()
         result = TurnResult(
             agent=agent,
             method=self.method.name,
             output_slot=turn.output_slot,
-            text=text,
+            text=output.text,
             output_ids=output_ids.cpu(),
             prompt_ids=turn.prompt_ids,
             ttft_s=t_first - t0,
@@ -340,14 +340,15 @@ class Session:
             end -= 1
         return generated[: max(end, 1)]
 
-    def _record(self, turn: Turn, cache: SharedCache, output_ids: torch.Tensor) -> None:
-        """Store the output as a slot and (for methods that reuse) each slot's materialized cache."""
+    def _record(self, turn: Turn, cache: SharedCache, output_ids: torch.Tensor) -> Slot:
+        """Store the output as a slot (returned: its text decoded here, once) and, for methods that
+        reuse, each slot's materialized cache."""
         P = turn.prompt_length
         text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
         slot = Slot(name=turn.output_slot, token_ids=output_ids.cpu(), text=text, producer=turn.agent)
         self.slots[turn.output_slot] = slot
         if not self.method.uses_sources:
-            return
+            return slot
         end = P + output_ids.numel()
         missing = end - cache.get_seq_length()
         if missing > 0:  # generate does not feed its last token: complete the output's K/V
@@ -358,6 +359,7 @@ class Session:
             if span.kind == "PH":
                 self.slots[span.name].latest = cache.extract(span.start, span.end, agent=turn.agent)
         slot.latest = cache.extract(P, end, agent=turn.agent)
+        return slot
 
 
 def _preview(text: str, n: int = 40) -> str:

@@ -45,6 +45,17 @@ class TurnStats:
     ph_reused: float = 0  # PH tokens whose K/V was not computed for this agent (token-equivalents)
     pf_reused: int = 0  # PF tokens re-used from this agent's earlier turn (prefix reuse), not computed
 
+    def count(self, span: Span, placement: Placement | None) -> None:
+        """Count the reuse of ``span`` placed by ``placement`` (``None``: computed, nothing to count):
+        PH tokens as the placement reports them (token-equivalents), PF tokens all. The builder
+        (:meth:`~hf_kvshare.method.Method.build`, a serving host) calls it for every span it places."""
+        if placement is None:
+            return
+        if span.kind == "PH":
+            self.ph_reused += span.length if placement.reused_tokens is None else placement.reused_tokens
+        else:
+            self.pf_reused += span.length
+
 
 @dataclass
 class TurnResult:
@@ -207,8 +218,8 @@ class Turn:
         )
 
     def part(self, span: Span, placement: Placement | None) -> CachePart:
-        """The cache part of ``span``: its placed K/V (reuse counted here), or its tokens to compute
-        (``placement=None``: dense)."""
+        """The cache part of ``span``: its placed K/V (checked finite, widened to the turn's batch), or
+        its tokens to compute (``placement=None``: dense). Counts nothing (:meth:`TurnStats.count`)."""
         if placement is None:
             return CachePart(self.segment_for(span, "dense"), token_ids=self.batch(span.token_ids))
         kv = placement.kv
@@ -223,14 +234,4 @@ class Turn:
                 agent=kv.agent,
             )
         segment = self.segment_for(span, placement.provenance, placement.source_agent, placement.info)
-        reused = span.length if placement.reused_tokens is None else placement.reused_tokens
-        if span.kind == "PH":
-            self.stats.ph_reused += reused
-        else:
-            self.stats.pf_reused += span.length
         return CachePart(segment, kv=kv)
-
-    def place(self, cache: SharedCache, span: Span, placement: Placement) -> None:
-        """Append a placed segment to ``cache`` and count its reuse."""
-        part = self.part(span, placement)
-        cache.append_parts(self.model, [part], self.shifter if part.kv.start != span.start else None)

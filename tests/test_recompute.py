@@ -256,7 +256,7 @@ def test_relaycaching_selects_deviating_tokens_in_its_band(tiny, tokenizer):
     S = ref.cache.segment("query").length
     L = tiny.config.num_hidden_layers
     method = RelayCaching(rho=1 - 2 * 2 / (S * L), band=(1 / 3, 1.0))  # band [1, 3): 2 tokens
-    assert method.plan(S, L) == (1, 3, 2)
+    assert method.recompute_plan(S, L) == (1, 3, 2)
     session = exact_source_session(tiny, tokenizer, method)
     perturb(session, "query", 2, [4, 10], 3.0)  # check layer = band start + 1 = 2
     perturb(session, "query", 0, [6], 3.0)  # below the band: never repaired

@@ -261,7 +261,7 @@ def reconstruction_coverage(
         record["attention"] = removed
 
         # RelayCaching as configured: deviation x attention, inside its (possibly widened) band
-        a, b, k_band = relaycaching.plan(S, L)
+        a, b, k_band = relaycaching.recompute_plan(S, L)
         if k_band:
             if a != band[0]:
                 scores = _relaycaching_scores(relaycaching, stack, t, a)

@@ -82,8 +82,9 @@ class RelayCaching(SelectiveRecompute):
         if self.rho < 1.0:  # scores attention at the layer after the restart: needs that layer's queries
             stack.query_source(min(a + 1, stack.num_layers - 1))
 
-    def plan(self, length: int, num_layers: int) -> tuple[int, int, int]:
-        """``(a, b, k)``: recompute ``k`` of ``length`` tokens in layers ``a .. b - 1``."""
+    def recompute_plan(self, length: int, num_layers: int) -> tuple[int, int, int]:
+        """``(a, b, k)``: recompute ``k`` of ``length`` tokens in layers ``a .. b - 1`` (not the contract's
+        ``plan(turn)`` hook, which RelayCaching leaves as it is)."""
         a, b = self.band_layers(num_layers)
         budget = budget_entries(self.rho, length, num_layers)
         if budget <= length * (b - a):
@@ -123,7 +124,7 @@ class RelayCaching(SelectiveRecompute):
     def recompute(
         self, engine: SegmentRecompute, turn: Turn, span: Span
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        a, b, k = self.plan(engine.length, self.stack.num_layers)
+        a, b, k = self.recompute_plan(engine.length, self.stack.num_layers)
         info = {"band": f"{a}-{b - 1}", "recomputed_tokens": k}
         if k == 0:
             return engine.all_rows()[:0], info
