@@ -3,7 +3,12 @@
 - every registered method's class lives in a module under ``hf_kvshare.methods``;
 - the engines (``anchors``, ``recompute``, ``lora``) import neither the methods, the session,
   the evaluation nor the bench, not even inside a function;
-- ``session.py`` imports no engine package;
+- ``session.py`` imports no engine package, and not the methods (the package's ``__init__`` fills
+  the registry);
+- the method contract lives in ``methods/`` and the contract modules (``method.py``,
+  ``persistence.py``): a class elsewhere that defines ``build`` / ``record`` for a turn is a whole
+  method (subclasses ``Method``, e.g. the evaluation's recorder), never a mixin, and none is in an
+  engine; no registered method shadows a contract hook with another signature;
 - the import graph (function-level imports included, ``if TYPE_CHECKING:`` imports excluded)
   has no cycle.
 """
@@ -19,6 +24,21 @@ PACKAGE = Path(hf_kvshare.__file__).resolve().parent
 ROOT = "hf_kvshare"
 ENGINES = ("anchors", "recompute", "lora")
 ABOVE_ENGINES = ("methods", "session", "evaluation", "bench")
+#: modules holding the method contract (besides ``methods/``): the hooks, the registry, persistence
+CONTRACT = ("method", "persistence")
+#: what a host calls on a method, and what a method overrides
+HOOKS = (
+    "plan",
+    "placeholder",
+    "prefix",
+    "finish",
+    "build",
+    "record",
+    "new_cache",
+    "generation_context",
+    "generate_kwargs",
+    "forward_kwargs",
+)
 
 
 def module_name(path: Path) -> str:
@@ -203,3 +223,74 @@ def test_methods_and_engines_read_the_request_through_the_turn_only():
 def test_attribute_read_finder_finds_one():
     tree = ast.parse("x = turn.session.slots\ny = turn.slot('a')\nz = other.session")
     assert _attribute_reads(tree, "turn", {"session", "host"}) == [1]
+
+
+def test_session_does_not_import_the_methods():
+    bad = sorted(t for t in imports_of(f"{ROOT}.session") if _inside(t, "methods"))
+    assert not bad, f"hf_kvshare.session imports {bad}; the package's __init__ fills the registry"
+
+
+def test_the_package_fills_the_registry():
+    assert any(_inside(t, "methods") for t in imports_of(ROOT)), "hf_kvshare/__init__.py must import .methods"
+
+
+def _turn_hooks(cls: ast.ClassDef) -> list[str]:
+    """``build`` / ``record`` defined by ``cls`` for a turn (a ``turn`` parameter)."""
+    return [
+        node.name
+        for node in cls.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.name in ("build", "record")
+        and any(arg.arg == "turn" for arg in node.args.args)
+    ]
+
+
+def _base_names(cls: ast.ClassDef) -> set[str]:
+    return {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in cls.bases}
+
+
+def test_the_method_contract_lives_in_methods_and_the_contract_modules():
+    """Engines hold no method mixins; outside ``methods/`` a class overriding ``build`` / ``record`` is
+    a whole method (``Method`` among its bases), not a mixin a method inherits."""
+    bad = []
+    for name, path in MODULES.items():
+        if _inside(name, "methods") or name in {f"{ROOT}.{m}" for m in CONTRACT}:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            in_engine = any(_inside(name, engine) for engine in ENGINES)
+            if in_engine and "Method" in _base_names(node):
+                bad.append(f"{name}.{node.name}: a method in an engine")
+            hooks = _turn_hooks(node)
+            if hooks and (in_engine or "Method" not in _base_names(node)):
+                bad.append(f"{name}.{node.name} overrides {hooks} (a method mixin outside methods/)")
+    assert not bad, "method contract outside methods/ and the contract modules:\n" + "\n".join(bad)
+
+
+def test_the_hook_finder_finds_a_mixin():
+    tree = ast.parse(
+        "class Mixin:\n    def build(self, turn):\n        pass\n    def record(self, x):\n        pass\n"
+    )
+    assert _turn_hooks(tree.body[0]) == ["build"]
+
+
+def test_no_method_shadows_a_contract_hook():
+    """Every registered method's hooks take what ``Method``'s take: a host (the Session, a serving
+    host) calls ``method.plan(turn)`` etc. on any method."""
+    import inspect
+
+    import hf_kvshare.methods  # noqa: F401  (registration)
+    from hf_kvshare.method import METHODS, Method
+
+    def shape(fn) -> list[str]:
+        return [p.kind.name for p in inspect.signature(fn).parameters.values()]
+
+    bad = [
+        f"{name}.{hook}{inspect.signature(getattr(cls, hook))} (Method.{hook}{inspect.signature(getattr(Method, hook))})"
+        for name, cls in sorted(METHODS.items())
+        for hook in HOOKS
+        if shape(getattr(cls, hook)) != shape(getattr(Method, hook))
+    ]
+    assert not bad, "methods whose contract hooks take other arguments:\n" + "\n".join(bad)

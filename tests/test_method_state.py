@@ -173,3 +173,118 @@ def test_droidspeak_profile_round_trip(tiny_llama, tokenizer, tmp_path):
         Session(tiny_model("llama", seed=3), tokenizer, fresh)
     Session(tiny_llama, tokenizer, fresh)
     assert fresh.layer_groups() == method.layer_groups()
+
+
+#: per registered method: an option and a value other than its default (every method with options)
+OTHER_OPTION = {
+    "fullshared": ("prefix_reuse", True),
+    "kvcmas": ("capacity", 3),
+    "kvcmas-nonchained": ("capacity", 3),
+    "kvcomm": ("capacity", 3),
+    "graphflow": ("calibration_requests", 3),
+    "baseshared": ("materialize", "lazy"),
+    "baselrshared": ("materialize", "lazy"),
+    "prelrshared": ("materialize", "lazy"),
+    "rebaseshared-lp": ("own_lr", "neutral"),
+    "rebaseshared-db": ("materialize", "lazy"),
+    "cacheblend": ("rho", 0.5),
+    "droidspeak": ("rho", 0.5),
+    "relaycaching": ("rho", 0.5),
+}
+
+
+def _observable(method):
+    tensors, meta = method.export_state()
+    return (
+        {k: v.tolist() for k, v in tensors.items()},
+        json.dumps(meta, sort_keys=True, default=str),
+        method.state_bytes(),
+        method.state_options(),
+        method.binding.expected,
+    )
+
+
+def test_every_registered_method_is_a_dataclass_whose_options_are_its_saved_options():
+    import dataclasses
+
+    from hf_kvshare.method import option_names
+
+    for name, cls in METHODS.items():
+        assert dataclasses.is_dataclass(cls), f"{name}: {cls.__name__} is not a dataclass"
+        options = cls().state_options()
+        assert set(options) <= set(option_names(cls)), name
+        if name in OTHER_OPTION:
+            assert OTHER_OPTION[name][0] in options, name
+        else:
+            assert options == {} and option_names(cls) == [], f"{name} has options; add it to OTHER_OPTION"
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_a_state_saved_with_one_option_value_is_refused_by_another(tiny_llama, tmp_path, name):
+    """Every registered method: a saved state records its options, and an instance with another value
+    of one of them is refused with a ValueError naming the option (saved vs this instance), nothing
+    changed; the same options take it."""
+    if name not in OTHER_OPTION:
+        assert METHODS[name]().state_options() == {}  # no options: nothing to refuse
+        return
+    option, value = OTHER_OPTION[name]
+    saved = METHODS[name]()
+    saved.save_state(tmp_path / "s", model=tiny_llama)
+    header = json.loads((tmp_path / "s" / "state.json").read_text())
+    assert option in header["options"]
+    other = METHODS[name](**{option: value})
+    before = _observable(other)
+    expected = f"{option}: saved {saved.state_options()[option]!r}, this instance {value!r}"
+    with pytest.raises(
+        ValueError, match="other options.*" + expected.replace("(", r"\(").replace(")", r"\)")
+    ):
+        other.load_state(tmp_path / "s")
+    assert _observable(other) == before
+    METHODS[name]().load_state(tmp_path / "s")
+
+
+def test_states_saved_before_fullshared_recorded_its_options_still_load(tiny_llama, tokenizer, tmp_path):
+    """A FullShared state written while FullShared recorded no options (``"options": {}``): kept
+    prefixes exist only with ``prefix_reuse=True, prefix_scope="agent"``, so such a state loads into
+    that instance and is refused (by name) by another; an empty one loads into any instance. The LR
+    methods' states (always empty) load into any instance."""
+    original = METHODS["fullshared"](prefix_reuse=True)
+    for query in QUERIES[:2]:
+        request(tiny_llama, tokenizer, original, query)
+    assert original.state_bytes() > 0
+    original.save_state(tmp_path / "kept")
+    header = json.loads((tmp_path / "kept" / "state.json").read_text())
+    header["options"] = {}
+    (tmp_path / "kept" / "state.json").write_text(json.dumps(header))
+    restored = METHODS["fullshared"](prefix_reuse=True)
+    restored.load_state(tmp_path / "kept")
+    assert restored.state_bytes() == original.state_bytes()
+    default = METHODS["fullshared"]()
+    with pytest.raises(ValueError, match="prefix_reuse: saved True, this instance False"):
+        default.load_state(tmp_path / "kept")
+    assert default.state_bytes() == 0
+    for name, options in [
+        ("fullshared", {"prefix_scope": "request"}),
+        ("prelrshared", {"materialize": "lazy"}),
+    ]:
+        METHODS[name]().save_state(tmp_path / name)
+        header = json.loads((tmp_path / name / "state.json").read_text())
+        header["options"] = {}
+        (tmp_path / name / "state.json").write_text(json.dumps(header))
+        METHODS[name](**options).load_state(tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("fullshared", {"prefix_reuse": "yes"}, "prefix_reuse must be True or False, got 'yes'"),
+        ("fullshared", {"prefix_scope": "global"}, "prefix_scope must be one of .*got 'global'"),
+        ("prelrshared", {"materialize": "eager"}, "materialize must be one of .*got 'eager'"),
+        ("prelrshared", {"own_lr": "neutral"}, "own_lr applies to rebaseshared only.*got 'neutral'"),
+        ("rebaseshared-lp", {"own_lr": "mine"}, "own_lr must be one of .*got 'mine'"),
+        ("baseshared", {"lr_keys": 1}, "lr_keys must be True or False; got 1"),
+    ],
+)
+def test_options_are_checked_on_creation(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        METHODS[name](**options)
