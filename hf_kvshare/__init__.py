@@ -18,6 +18,8 @@ from .cache import (
 )
 from .evaluation import Step, Workflow, compare_methods, run_workflow
 from .lora.cache import BaseLRCache
+
+# importing the methods fills the registry (METHODS): the package does it, the session does not
 from .methods import METHODS, Method, Placement, get_method, register
 from .models import load_model
 from .rope import RopeShifter

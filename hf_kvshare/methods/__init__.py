@@ -5,6 +5,11 @@ Importing this package registers every built-in method: the prompt-specialized o
 the LoRA ones (baseshared, baselrshared, prelrshared, rebaseshared-lp, rebaseshared-db, on the ``lora`` engine)
 and the selective recomputation baselines (cacheblend, droidspeak, relaycaching, on the
 ``recompute`` engine; their unregistered base is :class:`~.selective.SelectiveRecompute`).
+The method mixins live here too: :class:`~.prefix_reuse.PrefixReuse` (per-agent prefix reuse) and
+:class:`~.boundary_capture.BoundaryCapture` (layer-input hidden states kept per slot).
+
+The package ``hf_kvshare`` imports this one, so the registry is full whenever ``hf_kvshare`` is
+imported; the session never imports it.
 """
 
 from ..method import METHODS, Method, Placement, get_method, register
