@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from .cache import CachePart, Segment, SegmentKV, SharedCache
+from .prefill import prefill_parts
 
 if TYPE_CHECKING:
     from .method import Placement
@@ -233,4 +234,4 @@ class Turn:
     def place(self, cache: SharedCache, span: Span, placement: Placement) -> None:
         """Append a placed segment to ``cache`` and count its reuse."""
         part = self.part(span, placement)
-        cache.append_parts(self.model, [part], self.shifter if part.kv.start != span.start else None)
+        prefill_parts(cache, self.model, [part], self.shifter if part.kv.start != span.start else None)
