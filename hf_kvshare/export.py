@@ -28,9 +28,9 @@ def register_export_support() -> None:
     subclass defined by then). Like transformers, it is not done on import: a registered cache is
     rebuilt by any pytree ``tree_map`` it passes through.
 
-    Not registered: classes that set ``_PYTREE_NODE = False``, whose layers are not plain
-    ``DynamicLayer`` (a lazily materialized ``BaseLRCache`` reads its prefix from a shared store that no
-    tensor list carries; flattening one raises ``RuntimeError`` with that reason).
+    Not registered: caches whose layers are not plain ``DynamicLayer`` (their class sets
+    ``_PYTREE_NODE = False``: a lazily materialized ``BaseLRCache`` reads its prefix from a shared store
+    that no tensor list carries; flattening one raises ``RuntimeError`` with that reason).
 
     >>> register_export_support()  # doctest: +SKIP
     >>> torch.export.export(model, (), {"input_ids": ids, "cache": cache, "use_cache": True}, strict=False)  # doctest: +SKIP
