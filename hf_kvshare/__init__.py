@@ -14,14 +14,15 @@ from .cache import (
     SegmentedCache,
     SegmentKV,
     SharedCache,
-    register_export_support,
 )
 from .evaluation import Step, Workflow, compare_methods, run_workflow
+from .export import register_export_support
 from .lora.cache import BaseLRCache
 
 # importing the methods fills the registry (METHODS): the package does it, the session does not
 from .methods import METHODS, Method, Placement, get_method, register
 from .models import load_model
+from .prefill import prefill_dense, prefill_parts
 from .rope import RopeShifter
 from .session import Session
 from .trajectory import PF, PH, chat
@@ -51,6 +52,8 @@ __all__ = [
     "compare_methods",
     "get_method",
     "load_model",
+    "prefill_dense",
+    "prefill_parts",
     "register",
     "register_export_support",
     "run_workflow",

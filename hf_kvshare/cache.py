@@ -7,8 +7,10 @@ which agent). ``SharedCache`` is the user-facing cache a method builds for one a
 ``SegmentedCache`` that holds the prompt minus its last token and refuses to be silently reused
 for a second ``generate``.
 
-Tensor shapes follow transformers: keys and values are ``[batch, kv_heads, seq, head_dim]``,
-keys after RoPE.
+Storage only, as transformers' caches are: the model is run over a cache by
+:mod:`hf_kvshare.prefill` (and by ``generate``), and the caches are registered for ``torch.export`` by
+:mod:`hf_kvshare.export`. Tensor shapes follow transformers: keys and values are
+``[batch, kv_heads, seq, head_dim]``, keys after RoPE.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from functools import partial
-from itertools import zip_longest
 from typing import Any, Literal
 
 import torch
@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from . import _compat
-from ._compat import cache_kwargs, crop_argument, crop_target_length, update_position_ids
+from ._compat import crop_argument, crop_target_length, update_position_ids
 from .identity import ModelIdentity, config_signature, model_identity
 from .rope import RopeShifter
 
@@ -121,7 +121,7 @@ class SegmentKV:
 
 @dataclass
 class CachePart:
-    """One segment for :meth:`SegmentedCache.append_parts`: K/V already obtained (``kv``, e.g. reused or
+    """One segment for :func:`hf_kvshare.prefill.prefill_parts`: K/V already obtained (``kv``, e.g. reused or
     corrected; re-positioned to ``segment.start`` if it sits elsewhere) or token ids to compute
     (``token_ids`` ``[batch, n]``, dense)."""
 
@@ -177,16 +177,21 @@ class SegmentedCache(DynamicCache):
       transformers 5.24 re-feed the cached prompt on their first step) would make it false and the
       output silently wrong.
 
+    It stores; it never runs the model: :mod:`hf_kvshare.prefill` runs it over token ids on top of a
+    cache (:func:`~hf_kvshare.prefill.prefill_dense`, :func:`~hf_kvshare.prefill.prefill_parts`), and
+    :mod:`hf_kvshare.export` registers the caches for ``torch.export``.
+
     >>> cache = SegmentedCache(model.config)  # doctest: +SKIP
-    >>> cache.append_dense(model, ids_of_system_prompt, name="sys", kind="PF")  # doctest: +SKIP
-    >>> cache.append_kv(other_agents_query_kv, name="query", kind="PH", provenance="reused",
+    >>> prefill_dense(cache, model, ids_of_system_prompt, [Segment("sys", "PF", 0, n)])  # doctest: +SKIP
+    >>> cache.append_kv(other_agents_query_kv, Segment("query", "PH", n, n + m, "reused"),
     ...                 shifter=RopeShifter.from_model(model))  # doctest: +SKIP
     >>> cache.segments  # doctest: +SKIP
     """
 
     #: plain attributes a pytree round trip (``torch.export``) keeps besides K/V and the table
     _PYTREE_STATE: tuple[str, ...] = ()
-    #: whether :func:`register_export_support` registers the class (it must rebuild from K/V pairs)
+    #: whether :func:`hf_kvshare.export.register_export_support` registers the class (it must rebuild
+    #: from K/V pairs)
     _PYTREE_NODE = True
 
     def __init__(
@@ -218,9 +223,7 @@ class SegmentedCache(DynamicCache):
                 self.signature = (None, first.keys.shape[1], first.keys.shape[3])
         self.segments: list[Segment] = []
         self._recording_at: int | None = None
-        #: during :meth:`append_parts`' one forward: the slots its tokens fill (positional order)
-        self._dense_slots: torch.Tensor | None = None
-        #: the model the cache was built with (set by its first dense prefill or :meth:`bind_model`)
+        #: the model the cache was built with (set by :meth:`bind_model`, e.g. on its first prefill)
         self.model_identity: ModelIdentity | None = None
 
     # ------------------------------------------------------------------ views
@@ -332,13 +335,6 @@ class SegmentedCache(DynamicCache):
         )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self._dense_slots is not None:  # append_parts' forward: write into the reserved slots
-            self._check_shapes(key_states, layer_idx)
-            layer = self.layers[layer_idx]
-            slots = self._dense_slots.to(layer.keys.device)
-            layer.keys.index_copy_(-2, slots, key_states.to(layer.keys.dtype))
-            layer.values.index_copy_(-2, slots, value_states.to(layer.values.dtype))
-            return layer.keys, layer.values
         self._before_update(key_states, layer_idx, args, kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -381,42 +377,6 @@ class SegmentedCache(DynamicCache):
         else:
             self.check_model(model)
 
-    def append_dense(
-        self,
-        model: torch.nn.Module,
-        input_ids: torch.Tensor,
-        segments: Iterable[Segment] = (),
-        **model_kwargs: Any,
-    ) -> torch.Tensor:
-        """Run ``model`` over ``input_ids`` ``[batch, n]`` on top of this cache (positions continue).
-
-        ``segments`` (positions relative to the whole cache) are appended to the table; they must
-        tile the new positions. ``model_kwargs`` go to the model call (e.g. PEFT's ``adapter_names``).
-        Returns the logits of the last token ``[batch, vocab]``.
-        """
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        start = self.get_seq_length()
-        n = input_ids.shape[-1]
-        segments = list(segments)
-        self._check_tiling(segments, start, start + n)
-        self.bind_model(model)
-        if n == 0:
-            return None
-        device = model_input_device(model)
-        positions = torch.arange(start, start + n, device=device)[None].expand(input_ids.shape[0], -1)
-        with torch.no_grad():
-            out = model(
-                input_ids=input_ids.to(device),
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-                **cache_kwargs(self),
-                **model_kwargs,
-            )
-        self.segments.extend(segments)
-        return out.logits[:, -1]
-
     def append_kv(self, kv: SegmentKV, segment: Segment, shifter: RopeShifter | None = None) -> None:
         """Append an external segment's K/V, re-positioned to where it lands (the current end)."""
         start = self.get_seq_length()
@@ -437,157 +397,33 @@ class SegmentedCache(DynamicCache):
             self.update(kv.keys[layer_idx], kv.values[layer_idx], layer_idx)
         self.segments.append(segment)
 
-    def append_parts(
-        self,
-        model: torch.nn.Module,
-        parts: Iterable[CachePart],
-        shifter: RopeShifter | None = None,
-        **model_kwargs: Any,
-    ) -> None:
-        """Append ``parts`` (in positional order, tiling the positions after the cache's end): placed K/V
-        as they are, and every dense part's tokens in **one** model forward.
+    @property
+    def can_reserve(self) -> bool:
+        """Whether :meth:`reserve` can write into this cache's layers in place: plain ``DynamicLayer``
+        layers, not offloaded."""
+        return not self.offloading and all(type(layer) is DynamicLayer for layer in self.layers)
 
-        That forward feeds the dense tokens at their true ``position_ids`` with an explicit 4D mask built
-        from positions alone: the query at position ``q`` sees the cache slot holding position ``k`` iff
-        ``k <= q`` (and ``q - k < W`` on a sliding-window layer), so no token can see a later position,
-        whatever order the parts were computed or placed in. The placed K/V are written into their slots
-        first and the dense slots reserved; the model's cache updates write each layer's new K/V into the
-        reserved slots (in place, before that layer attends), so the cache ends in positional order.
-
-        Fallbacks, same K/V: only dense parts, or dense parts all before the placed ones, need no mask
-        (one ordinary forward); a model that cannot take an explicit mask (flash / flex attention, a
-        mixture of layer types its forward cannot take as a mapping; see
-        ``_compat.explicit_attention_mask``) or an offloaded cache runs each run of consecutive dense
-        parts as its own forward over the cache built so far (the per-segment path).
-
-        ``model_kwargs`` go to every model call (e.g. PEFT's ``adapter_names``). On error nothing is
-        appended.
-        """
-        parts = list(parts)
-        if not parts:
-            return
-        start = self.get_seq_length()
-        self._check_tiling([p.segment for p in parts], start, parts[-1].segment.end)
-        for p in parts:
-            if (p.kv is None) == (p.token_ids is None):
-                raise ValueError(f"part {p.segment.name!r} needs exactly one of kv= or token_ids=")
-            if p.token_ids is not None and p.token_ids.dim() != 2:
-                raise ValueError(
-                    f"part {p.segment.name!r}: token_ids must be [batch, n]; got shape {tuple(p.token_ids.shape)}"
-                )
-            have = p.kv.length if p.kv is not None else p.token_ids.shape[-1]
-            if have != p.segment.length:
-                raise ValueError(
-                    f"part {p.segment.name!r} says [{p.segment.start}, {p.segment.end}) but holds {have} tokens"
-                )
-            if p.kv is not None and p.kv.start != p.segment.start and shifter is None:
-                raise ValueError(
-                    f"K/V of {p.segment.name!r} sits at position {p.kv.start}, not {p.segment.start}: "
-                    "pass a RopeShifter to move it"
-                )
-        self.bind_model(model)
-        dense = [p for p in parts if p.dense]
-        first_placed = next((i for i, p in enumerate(parts) if not p.dense), len(parts))
-        if len(dense) == first_placed:  # no dense token follows a placed one: no mask needed
-            if dense:
-                ids = torch.cat([p.token_ids for p in dense], dim=-1)
-                self.append_dense(model, ids, [p.segment for p in dense], **model_kwargs)
-            for p in parts[first_placed:]:
-                self.append_kv(p.kv, p.segment, shifter)
-            return
-        if not self._one_dense_forward(model, parts, shifter, model_kwargs):
-            self._per_segment(model, parts, shifter, model_kwargs)
-
-    def _per_segment(self, model, parts: list[CachePart], shifter, model_kwargs) -> None:
-        """Each run of consecutive dense parts as one forward over the cache built so far."""
-        start = self.get_seq_length()
-        try:
-            i = 0
-            while i < len(parts):
-                if not parts[i].dense:
-                    self.append_kv(parts[i].kv, parts[i].segment, shifter)
-                    i += 1
-                    continue
-                j = i
-                while j < len(parts) and parts[j].dense:
-                    j += 1
-                ids = torch.cat([p.token_ids for p in parts[i:j]], dim=-1)
-                self.append_dense(model, ids, [p.segment for p in parts[i:j]], **model_kwargs)
-                i = j
-        except BaseException:
-            self.crop_to(start)
-            raise
-
-    def _one_dense_forward(self, model, parts: list[CachePart], shifter, model_kwargs) -> bool:
-        """The one-forward path of :meth:`append_parts`; ``False`` (nothing done) when it cannot run."""
-        if self.offloading or any(type(layer) is not DynamicLayer for layer in self.layers):
-            return False
-        start = self.get_seq_length()
-        end = parts[-1].segment.end
-        device = model_input_device(model)
+    def reserve(self, parts: Sequence[CachePart], slots: torch.Tensor) -> SlotWriter:
+        """Store ``parts`` (in positional order, tiling the positions after the end, at least one placed
+        and one dense) with the dense parts' K/V still to come: each placed part's K/V (already at its
+        positions) in its slots, zeros in the dense parts' slots ``slots`` (their positions, in order).
+        Returns the :class:`SlotWriter` a forward of the dense tokens writes through to fill them
+        (:func:`hf_kvshare.prefill.prefill_parts`). The table is left to the caller; ``crop_to`` the
+        old length undoes it."""
         batch = max(p.token_ids.shape[0] for p in parts if p.dense)
-        placed = [p.kv if p.dense else p.kv.repositioned(shifter, p.segment.start) for p in parts]
-        reference = next(kv for kv, p in zip(placed, parts) if not p.dense)
-        if reference.num_layers != self.num_layers and self.signature[0] is not None:
-            raise ValueError(f"K/V has {reference.num_layers} layers, the cache {self.num_layers}")
-        dtype = reference.keys[0].dtype
-        queries = torch.cat([torch.arange(p.segment.start, p.segment.end) for p in parts if p.dense]).to(
-            device
-        )
-        keys = torch.arange(end, device=device)
-        causal = keys[None, :] <= queries[:, None]  # [q, kv]: position k seen from position q
-        allowed = {"full_attention": causal}
-        window = _compat.sliding_window(model.config)
-        if window is not None:
-            allowed["sliding_attention"] = causal & (keys[None, :] > queries[:, None] - window)
-        mask = _compat.explicit_attention_mask(
-            model, {t: m[None, None].expand(batch, 1, -1, -1) for t, m in allowed.items()}, dtype
-        )
-        if mask is None:
-            return False
-        for layer_idx in range(reference.num_layers):  # placed K/V in their slots, dense slots reserved
+        reference = next(p.kv for p in parts if not p.dense)
+        for layer_idx in range(reference.num_layers):
             ks, vs = [], []
-            for p, kv in zip(parts, placed):
+            for p in parts:
                 if p.dense:
                     for out, like in ((ks, reference.keys[layer_idx]), (vs, reference.values[layer_idx])):
                         shape = (batch, like.shape[1], p.segment.length, like.shape[3])
                         out.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
                 else:
-                    ks.append(kv.keys[layer_idx].expand(batch, -1, -1, -1))
-                    vs.append(kv.values[layer_idx].expand(batch, -1, -1, -1))
+                    ks.append(p.kv.keys[layer_idx].expand(batch, -1, -1, -1))
+                    vs.append(p.kv.values[layer_idx].expand(batch, -1, -1, -1))
             self.update(torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), layer_idx)
-        ids = torch.cat([p.token_ids.expand(batch, -1) for p in parts if p.dense], dim=-1).to(device)
-        self._dense_slots = queries
-        try:
-            with torch.no_grad():
-                model(
-                    input_ids=ids,
-                    position_ids=queries[None].expand(batch, -1),
-                    attention_mask=mask,
-                    use_cache=True,
-                    logits_to_keep=1,
-                    **cache_kwargs(self),
-                    **model_kwargs,
-                )
-        except BaseException:
-            self._dense_slots = None
-            self.crop_to(start)
-            raise
-        self._dense_slots = None
-        self.segments.extend(p.segment for p in parts)
-        return True
-
-    @staticmethod
-    def _check_tiling(segments: list[Segment], start: int, end: int) -> None:
-        pos = start
-        for seg in segments:
-            if seg.start != pos or seg.end < seg.start:
-                raise ValueError(
-                    f"segments must tile [{start}, {end}); {seg.name!r} starts at {seg.start}, not {pos}"
-                )
-            pos = seg.end
-        if segments and pos != end:
-            raise ValueError(f"segments cover [{start}, {pos}) but {end - start} tokens were given")
+        return SlotWriter(self, slots)
 
     # ------------------------------------------- what generate may call on us
     def crop(self, tokens_to_remove: int) -> None:
@@ -801,87 +637,39 @@ def _keep_sliding_layers_whole(cache: DynamicCache) -> None:
         cache.layers[layer_idx] = whole
 
 
-def register_export_support() -> None:
-    """Register our caches as pytree nodes, as ``transformers.integrations.executorch.
-    register_dynamic_cache_export_support()`` registers ``DynamicCache``, so that ``torch.export``
-    (and other pytree users) accept them where they accept a ``DynamicCache``.
+class SlotWriter(DynamicCache):
+    """What a forward writes through when its tokens fill slots a :class:`SegmentedCache` reserved
+    (:meth:`SegmentedCache.reserve`) rather than its end: a ``DynamicCache`` over the cache's own layer
+    objects whose ``update`` copies each layer's new K/V into ``slots`` (in place, before that layer
+    attends) and returns the layer's whole K/V. The prefill passes it to the model in place of the cache,
+    so the cache's own ``update`` (what ``generate`` calls) always appends."""
 
-    Flattening gives the per-layer keys and values (the leaves, as for ``DynamicCache``); the segment
-    table (without the ``info`` reports) and the sealing state travel in the tree spec, so a round
-    trip gives back the same class with the same table. Call it once, after importing hf_kvshare (it
-    registers :class:`SegmentedCache` and every subclass defined by then). Like transformers, it is
-    not done on import: a registered cache is rebuilt by any pytree ``tree_map`` it passes through.
+    def __init__(self, cache: SegmentedCache, slots: torch.Tensor):
+        super().__init__()
+        self.layers = cache.layers
+        self.cache = cache
+        self.slots = slots
 
-    Not registered: caches whose layers are not plain ``DynamicLayer`` (a lazily materialized
-    ``BaseLRCache`` reads its prefix from a shared store that no tensor list carries; flattening one
-    raises ``RuntimeError`` with that reason).
-
-    >>> register_export_support()  # doctest: +SKIP
-    >>> torch.export.export(model, (), {"input_ids": ids, "cache": cache, "use_cache": True}, strict=False)  # doctest: +SKIP
-    """
-    classes, todo = [], [SegmentedCache]
-    while todo:
-        cls = todo.pop()
-        classes.append(cls)
-        todo.extend(cls.__subclasses__())
-    for cls in classes:
-        if not cls.__dict__.get("_PYTREE_NODE", True):
-            continue
-        _compat.register_pytree_node(
-            cls,
-            lambda cache: _pytree_flatten(cache, with_keys=False),
-            partial(_pytree_unflatten, cls),
-            lambda cache: _pytree_flatten(cache, with_keys=True),
-            lambda cache, spec: [_pytree_dict(cache)[key] for key in spec.context[0]],
-        )
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.cache._check_shapes(key_states, layer_idx)
+        layer = self.layers[layer_idx]
+        slots = self.slots.to(layer.keys.device)
+        layer.keys.index_copy_(-2, slots, key_states.to(layer.keys.dtype))
+        layer.values.index_copy_(-2, slots, value_states.to(layer.values.dtype))
+        return layer.keys, layer.values
 
 
-def _pytree_dict(cache: SegmentedCache) -> dict[str, list[torch.Tensor]]:
-    odd = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
-    if odd:
-        raise RuntimeError(
-            f"{type(cache).__name__} holds {sorted(odd)} layers; only plain DynamicLayer K/V can be flattened "
-            "(a lazily materialized BaseLRCache reads its prefix from a shared store: use materialize='turn')"
-        )
-    return {
-        "key_cache": [layer.keys for layer in cache.layers if layer.keys is not None],
-        "value_cache": [layer.values for layer in cache.layers if layer.values is not None],
-    }
-
-
-def _pytree_flatten(cache: SegmentedCache, with_keys: bool):
-    values, keys = _compat.pytree_dict_flatten(_pytree_dict(cache), with_keys=with_keys)
-    table = tuple((s.name, s.kind, s.start, s.end, s.provenance, s.source_agent) for s in cache.segments)
-    state = tuple(getattr(cache, name) for name in cache._PYTREE_STATE)
-    return values, [keys, len(cache.layers), table, state]
-
-
-def _pytree_unflatten(cls: type[SegmentedCache], values: list, context: Any) -> SegmentedCache:
-    keys, num_layers, table, state = context
-    tensors = _compat.pytree_dict_unflatten(values, keys)
-    pairs = list(zip_longest(tensors["key_cache"], tensors["value_cache"]))
-    pairs += [(None, None)] * (num_layers - len(pairs))
-    cache = cls(pairs)
-    cache.segments = [Segment(*row) for row in table]
-    for name, value in zip(cls._PYTREE_STATE, state):
-        setattr(cache, name, value)
-    return cache
-
-
-def model_input_device(model: torch.nn.Module) -> torch.device:
-    """Where a model's ``input_ids`` go: the device of its input embeddings (with an accelerate
-    ``device_map`` the layers may sit on other devices, or on ``meta`` when offloaded to disk; per-layer
-    tensors stay on their layer's device). Falls back to ``model.device`` / the first parameter."""
-    get = getattr(model, "get_input_embeddings", None)
-    embeddings = get() if callable(get) else None
-    weight = getattr(embeddings, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
-        return weight.device
-    try:
-        device = model.device
-    except AttributeError:
-        device = next(model.parameters()).device
-    return torch.device("cpu") if device.type == "meta" else device
+def check_tiling(segments: Sequence[Segment], start: int, end: int) -> None:
+    """Raise ``ValueError`` unless ``segments`` tile positions ``[start, end)`` in order (none: no rows)."""
+    pos = start
+    for seg in segments:
+        if seg.start != pos or seg.end < seg.start:
+            raise ValueError(
+                f"segments must tile [{start}, {end}); {seg.name!r} starts at {seg.start}, not {pos}"
+            )
+        pos = seg.end
+    if segments and pos != end:
+        raise ValueError(f"segments cover [{start}, {pos}) but {end - start} tokens were given")
 
 
 def _fmt(value: Any) -> str:

@@ -26,6 +26,7 @@ import torch
 from .cache import CachePart, SegmentKV, SharedCache
 from .identity import ModelBinding
 from .persistence import STATE_FORMAT, STATE_JSON, STATE_TENSORS, StatePersistence
+from .prefill import prefill_parts
 from .rope import RopeShifter
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ class Method(StatePersistence):
 
     def build(self, turn: Turn) -> SharedCache:
         """Build the turn's cache: :meth:`plan`, place what :meth:`placeholder` / :meth:`prefix`
-        return, then compute every token left dense in ONE forward (``SegmentedCache.append_parts``:
+        return, then compute every token left dense in ONE forward (:func:`~hf_kvshare.prefill.prefill_parts`:
         true positions, a mask built from positions), then :meth:`finish`. The prompt's last token is
         left out for ``generate``. A method that reads the cache built so far (``reads_prefix``) gets it
         complete up to each PH segment."""
@@ -197,7 +198,7 @@ class Method(StatePersistence):
             if parts:
                 turn.stats.tokens_prefilled += sum(p.segment.length for p in parts if p.dense)
                 moved = any(not p.dense and p.kv.start != p.segment.start for p in parts)
-                cache.append_parts(turn.model, parts, turn.shifter if moved else None)
+                prefill_parts(cache, turn.model, parts, turn.shifter if moved else None)
                 parts.clear()
 
         for span in turn.spans:

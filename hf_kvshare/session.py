@@ -20,9 +20,10 @@ import torch
 
 from ._compat import cache_kwargs
 from .agents import agent_adapter
-from .cache import SharedCache, model_input_device
+from .cache import SharedCache
 from .measure import FirstTokenTimer, PeakMemory, synchronize
 from .method import Method, get_method
+from .prefill import model_input_device, prefill_dense
 from .rope import RopeShifter
 from .trajectory import PH, Span, chat, is_messages, tokenize_text, validate_segments
 from .turn import Slot, Turn, TurnResult
@@ -354,7 +355,7 @@ class Session:
         if missing > 0:  # generate does not feed its last token: complete the output's K/V
             tail = output_ids[output_ids.numel() - missing :].to(self.device)
             with cache.unsealed():
-                cache.append_dense(self.model, turn.batch(tail))
+                prefill_dense(cache, self.model, turn.batch(tail))
         for span in turn.spans:
             if span.kind == "PH":
                 self.slots[span.name].latest = cache.extract(span.start, span.end, agent=turn.agent)

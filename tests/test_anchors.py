@@ -36,6 +36,7 @@ from hf_kvshare.anchors import (
     usage_reference,
 )
 from hf_kvshare.cache import SegmentedCache
+from hf_kvshare.prefill import prefill_dense
 
 HEADS, HEAD_DIM, LAYERS = 2, 16, 3  # the tiny models' K/V layout: D = 32
 
@@ -402,7 +403,7 @@ def test_reference_prefill_keeps_and_drops_the_lead():
     ref = reference_prefill(model, lead, ids)
     assert ref.length == ids.numel() and ref.start == lead.numel() and ref.agent == "reference"
     full = SegmentedCache(model.config)
-    full.append_dense(model, torch.cat([lead, ids])[None])
+    prefill_dense(full, model, torch.cat([lead, ids])[None])
     whole = full.extract(lead.numel(), lead.numel() + ids.numel())
     for layer in range(ref.num_layers):
         assert torch.equal(ref.keys[layer], whole.keys[layer]) and torch.equal(

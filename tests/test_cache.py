@@ -10,23 +10,24 @@ from transformers import DynamicCache
 from hf_kvshare import RopeShifter, Segment, SegmentedCache, SharedCache, cache_kwargs
 from hf_kvshare._compat import output_cache
 from hf_kvshare.cache import LayerIndexError, PositionMismatchError
+from hf_kvshare.prefill import prefill_dense
 
 
 def dense(model, ids, start=0):
     cache = SegmentedCache(model.config)
     if start:
-        cache.append_dense(model, torch.zeros(1, start, dtype=torch.long))
-    cache.append_dense(model, ids[None], [Segment("x", "PH", start, start + ids.numel())])
+        prefill_dense(cache, model, torch.zeros(1, start, dtype=torch.long))
+    prefill_dense(cache, model, ids[None], [Segment("x", "PH", start, start + ids.numel())])
     return cache
 
 
-def test_append_dense_matches_one_forward(tiny):
+def test_prefill_dense_matches_one_forward(tiny):
     ids = torch.randint(3, 1000, (20,))
     one = SegmentedCache(tiny.config)
-    one.append_dense(tiny, ids[None], [Segment("all", "PF", 0, 20)])
+    prefill_dense(one, tiny, ids[None], [Segment("all", "PF", 0, 20)])
     two = SegmentedCache(tiny.config)
-    two.append_dense(tiny, ids[None, :8], [Segment("a", "PF", 0, 8)])
-    two.append_dense(tiny, ids[None, 8:], [Segment("b", "PH", 8, 20)])
+    prefill_dense(two, tiny, ids[None, :8], [Segment("a", "PF", 0, 8)])
+    prefill_dense(two, tiny, ids[None, 8:], [Segment("b", "PH", 8, 20)])
     assert [s.name for s in two.segments] == ["a", "b"]
     for layer in range(tiny.config.num_hidden_layers):
         for x, y in zip(one.layer_kv(layer), two.layer_kv(layer)):
@@ -39,7 +40,7 @@ def test_extract_reposition_append_roundtrip(tiny):
     ids = torch.randint(3, 1000, (12,))
     d = 29
     at0 = SegmentedCache(tiny.config)
-    at0.append_dense(tiny, ids[None], [Segment("s", "PH", 0, 12)])
+    prefill_dense(at0, tiny, ids[None], [Segment("s", "PH", 0, 12)])
     # same tokens at positions d..d+11 with nothing before them (explicit position ids)
     atd = SegmentedCache(tiny.config)
     with torch.no_grad():
@@ -61,7 +62,7 @@ def test_append_kv_checks_and_positions(tiny):
     src = dense(tiny, torch.randint(3, 1000, (6,)), start=4)
     kv = src.extract(4, 10, agent="a")
     target = SegmentedCache(tiny.config)
-    target.append_dense(tiny, torch.randint(3, 1000, (1, 9)), [Segment("sys", "PF", 0, 9)])
+    prefill_dense(target, tiny, torch.randint(3, 1000, (1, 9)), [Segment("sys", "PF", 0, 9)])
     with pytest.raises(ValueError, match="RopeShifter"):
         target.append_kv(kv, Segment("x", "PH", 9, 15, "reused"))
     with pytest.raises(ValueError, match="cache ends at 9"):
@@ -74,8 +75,8 @@ def test_append_kv_checks_and_positions(tiny):
 
 def test_crop_copy_reset_keep_table_consistent(tiny):
     cache = SegmentedCache(tiny.config)
-    cache.append_dense(
-        tiny, torch.randint(3, 1000, (1, 10)), [Segment("a", "PF", 0, 4), Segment("b", "PH", 4, 10)]
+    prefill_dense(
+        cache, tiny, torch.randint(3, 1000, (1, 10)), [Segment("a", "PF", 0, 4), Segment("b", "PH", 4, 10)]
     )
     copy = cache.copy()
     cache.crop(-3)
@@ -89,7 +90,7 @@ def test_crop_copy_reset_keep_table_consistent(tiny):
 
 def test_batch_operations(tiny):
     cache = SegmentedCache(tiny.config)
-    cache.append_dense(tiny, torch.randint(3, 1000, (1, 5)), [Segment("a", "PF", 0, 5)])
+    prefill_dense(cache, tiny, torch.randint(3, 1000, (1, 5)), [Segment("a", "PF", 0, 5)])
     cache.batch_repeat_interleave(3)
     assert cache.layer_kv(0)[0].shape[0] == 3
     cache.batch_select_indices(torch.tensor([0, 2]))
@@ -102,17 +103,17 @@ def test_shape_mismatch_is_refused(tiny_llama):
     other = tiny_model("llama", num_key_value_heads=4)
     cache = SegmentedCache(other.config)
     with pytest.raises(ValueError, match="kv.heads"):
-        cache.append_dense(tiny_llama, torch.randint(3, 1000, (1, 4)))
+        prefill_dense(cache, tiny_llama, torch.randint(3, 1000, (1, 4)))
     deeper = tiny_model("llama", num_hidden_layers=4)
     with pytest.raises(ValueError, match="layers"):
-        SegmentedCache(tiny_llama.config).append_dense(deeper, torch.randint(3, 1000, (1, 4)))
+        prefill_dense(SegmentedCache(tiny_llama.config), deeper, torch.randint(3, 1000, (1, 4)))
     with pytest.raises(ValueError, match="mismatch"):
         cache.check_model(tiny_llama)
 
 
 def test_shared_cache_keeps_last_prompt_token_out(tiny_llama):
     cache = SharedCache(tiny_llama.config)
-    cache.append_dense(tiny_llama, torch.randint(3, 1000, (1, 6)))
+    prefill_dense(cache, tiny_llama, torch.randint(3, 1000, (1, 6)))
     with pytest.raises(ValueError, match="last prompt token"):
         cache.seal(6)
     cache.seal(7)
@@ -120,8 +121,8 @@ def test_shared_cache_keeps_last_prompt_token_out(tiny_llama):
 
 def test_report_names_segments(tiny_llama):
     cache = SegmentedCache(tiny_llama.config)
-    cache.append_dense(
-        tiny_llama, torch.randint(3, 1000, (1, 6)), [Segment("query", "PH", 0, 6, info={"H": 0.25})]
+    prefill_dense(
+        cache, tiny_llama, torch.randint(3, 1000, (1, 6)), [Segment("query", "PH", 0, 6, info={"H": 0.25})]
     )
     text = cache.report()
     assert "query" in text and "dense" in text and "H=0.25" in text
@@ -154,7 +155,7 @@ def test_rebuild_from_pairs_like_dataparallel(tiny_llama):
     from hf_kvshare.anchors.cache import CorrectedCache
 
     src = SharedCache(tiny_llama.config)
-    src.append_dense(tiny_llama, torch.randint(3, 1000, (1, 5)), [Segment("a", "PF", 0, 5)])
+    prefill_dense(src, tiny_llama, torch.randint(3, 1000, (1, 5)), [Segment("a", "PF", 0, 5)])
     for cls in (SegmentedCache, SharedCache, CorrectedCache):
         rebuilt = cls(map(lambda kv: kv, iter(src)))  # (keys, values, sliding window tensor) per layer
         assert type(rebuilt) is cls and rebuilt.get_seq_length() == 5 and rebuilt.num_layers == 3
@@ -205,7 +206,7 @@ def test_layer_index_past_the_end_is_an_index_error(tiny_llama):
 
 def test_tokens_at_other_positions_than_their_slots_are_refused(tiny_llama):
     cache = SegmentedCache(tiny_llama.config)
-    cache.append_dense(tiny_llama, torch.randint(3, 1000, (1, 6)), [Segment("a", "PF", 0, 6)])
+    prefill_dense(cache, tiny_llama, torch.randint(3, 1000, (1, 6)), [Segment("a", "PF", 0, 6)])
     with pytest.raises(PositionMismatchError, match="positions 0..3 would fill slots 6..9"):
         with torch.no_grad():
             tiny_llama(
@@ -214,13 +215,13 @@ def test_tokens_at_other_positions_than_their_slots_are_refused(tiny_llama):
                 **cache_kwargs(cache),
             )
     assert cache.get_seq_length() == 6  # refused before anything was written
-    cache.append_dense(tiny_llama, torch.randint(3, 1000, (1, 3)))  # at its slots: fine
+    prefill_dense(cache, tiny_llama, torch.randint(3, 1000, (1, 3)))  # at its slots: fine
     assert cache.table()[-1] == Segment("appended", "PF", 6, 9)
 
 
 def test_appended_rows_follow_generate_and_crop(tiny_llama):
     cache = SharedCache(tiny_llama.config)
-    cache.append_dense(tiny_llama, torch.randint(3, 1000, (1, 6)), [Segment("a", "PF", 0, 6)])
+    prefill_dense(cache, tiny_llama, torch.randint(3, 1000, (1, 6)), [Segment("a", "PF", 0, 6)])
     cache.seal(8)
     ids = torch.randint(3, 1000, (1, 8))
     with torch.no_grad():
@@ -240,13 +241,13 @@ def test_pytree_round_trip_and_torch_export(tiny_llama):
     import torch.utils._pytree as pytree
 
     from hf_kvshare.anchors.cache import CorrectedCache
-    from hf_kvshare.cache import register_export_support
+    from hf_kvshare.export import register_export_support
 
     register_export_support()
     register_export_support()  # twice is fine
     ids = torch.randint(3, 1000, (1, 6))
     cache = CorrectedCache(tiny_llama.config, method="kvcmas")
-    cache.append_dense(tiny_llama, ids[:, :5], [Segment("q", "PH", 0, 5, "corrected", "planner")])
+    prefill_dense(cache, tiny_llama, ids[:, :5], [Segment("q", "PH", 0, 5, "corrected", "planner")])
     cache.seal(6)
     leaves, spec = pytree.tree_flatten(cache)
     assert len(leaves) == 6  # keys and values of 3 layers, as for a DynamicCache

@@ -1,5 +1,5 @@
 """One dense forward per turn: every token a method leaves dense is computed in a single forward over
-the placed (reused / corrected) K/V, with a mask built from positions (SegmentedCache.append_parts)."""
+the placed (reused / corrected) K/V, with a mask built from positions (hf_kvshare.prefill.prefill_parts)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tiny import QUERY, STEPS, roles, tiny_model
 
 from hf_kvshare import METHODS, PF, PH, SegmentedCache, Session, cache_kwargs
 from hf_kvshare.cache import CachePart, Segment
+from hf_kvshare.prefill import prefill_dense, prefill_parts
 
 
 @contextlib.contextmanager
@@ -126,7 +127,7 @@ def test_mask_is_built_from_positions_not_order(tiny_llama):
     ]
     cache = SegmentedCache(model.config)
     with count_forwards(model) as calls:
-        cache.append_parts(model, parts)
+        prefill_parts(cache, model, parts)
     assert len(calls) == 1 and cache.get_seq_length() == 30
     for layer in range(layers):
         k, v = cache.layer_kv(layer)
@@ -139,21 +140,22 @@ def test_mask_is_built_from_positions_not_order(tiny_llama):
     assert [s.name for s in cache.segments] == ["a", "x", "b"]
 
 
-def test_append_parts_refuses_bad_parts_and_changes_nothing(tiny_llama):
+def test_prefill_parts_refuses_bad_parts_and_changes_nothing(tiny_llama):
     model = tiny_llama
     cache = SegmentedCache(model.config)
-    cache.append_dense(model, torch.arange(100, 105)[None], [Segment("a", "PF", 0, 5)])
+    prefill_dense(cache, model, torch.arange(100, 105)[None], [Segment("a", "PF", 0, 5)])
     before = [t.clone() for t in cache.layer_kv(0)]
     ids = torch.arange(200, 205)[None]
     with pytest.raises(ValueError, match="tile"):
-        cache.append_parts(model, [CachePart(Segment("b", "PF", 4, 9), token_ids=ids)])
+        prefill_parts(cache, model, [CachePart(Segment("b", "PF", 4, 9), token_ids=ids)])
     with pytest.raises(ValueError, match="holds 5 tokens"):
-        cache.append_parts(model, [CachePart(Segment("b", "PF", 5, 8), token_ids=ids)])
+        prefill_parts(cache, model, [CachePart(Segment("b", "PF", 5, 8), token_ids=ids)])
     with pytest.raises(ValueError, match="exactly one of"):
-        cache.append_parts(model, [CachePart(Segment("b", "PF", 5, 10))])
+        prefill_parts(cache, model, [CachePart(Segment("b", "PF", 5, 10))])
     kv = cache.extract(0, 5)
     with pytest.raises(ValueError, match="RopeShifter"):
-        cache.append_parts(
+        prefill_parts(
+            cache,
             model,
             [
                 CachePart(Segment("x", "PH", 5, 10), kv=kv),

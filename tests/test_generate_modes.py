@@ -28,6 +28,7 @@ from hf_kvshare._compat import (
     TRANSFORMERS_VERSION,
     set_active_adapter,
 )
+from hf_kvshare.prefill import prefill_dense
 
 NEW = 6  # new tokens per generate
 QUERY = "Sort the list [3, 1, 2] and explain each step of the sort in a short sentence."
@@ -84,7 +85,7 @@ def built(request, tokenizer):
     if name == "SegmentedCache":  # a user-built one: no seal, no batch expansion of its own
         ids = tokenizer(f"You are the act.\n{QUERY}\nAnswer:", return_tensors="pt").input_ids
         cache = SegmentedCache(model.config)
-        cache.append_dense(model, ids[:, :-1])
+        prefill_dense(cache, model, ids[:, :-1])
         return model, cache, ids
     if name == "prelrshared":
         cache, ids = _build(model, tokenizer, name)

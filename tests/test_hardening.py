@@ -11,6 +11,7 @@ from tiny import STEPS, tiny_model
 
 from hf_kvshare import METHODS, Session
 from hf_kvshare._compat import cache_kwargs
+from hf_kvshare.prefill import prefill_dense
 
 # ---------------------------------------------------------------- 1. threads
 
@@ -92,7 +93,7 @@ def test_a_cache_refuses_another_model_in_generate(tokenizer):
             model.generate(input_ids=prompt, **cache_kwargs(cache.copy()), max_new_tokens=2, do_sample=False)
     assert cache.get_seq_length() == prompt.shape[1] - 1  # refused before anything was written
     with pytest.raises(ValueError, match="cache/model mismatch"):
-        cache.copy().append_dense(other, prompt[0, -1:])
+        prefill_dense(cache.copy(), other, prompt[0, -1:])
     # the same weights in another object are the same model
     twin = tiny_model("llama", seed=3, num_hidden_layers=4)
     out = twin.generate(input_ids=prompt, **cache_kwargs(cache.copy()), max_new_tokens=3, do_sample=False)

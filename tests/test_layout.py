@@ -294,3 +294,90 @@ def test_no_method_shadows_a_contract_hook():
         if shape(getattr(cls, hook)) != shape(getattr(Method, hook))
     ]
     assert not bad, "methods whose contract hooks take other arguments:\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------- the cache stores; the prefill runs
+#: transformers' cache classes: a class deriving from one (or from one of ours that does) stores K/V
+STORAGE_BASES = frozenset({"Cache", "DynamicCache", "DynamicLayer", "CacheLayerMixin", "StaticCache"})
+#: callees that run a model: a name / attribute ``model`` or ``decoder`` called (``model(...)``,
+#: ``self.model(...)``), any ``.forward(...)`` / ``.generate(...)``, and ``cache_kwargs(...)`` (which only
+#: serves to hand a cache to a model call)
+MODEL_CALLEES = frozenset({"model", "decoder"})
+RUNNING_ATTRIBUTES = frozenset({"forward", "generate"})
+RUNNING_HELPERS = frozenset({"cache_kwargs"})
+
+
+def _name_of(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def storage_classes(trees: dict[str, ast.AST]) -> dict[str, list[str]]:
+    """``{module: [class names]}`` of the classes that store K/V: deriving, directly or through other
+    such classes of these modules, from one of :data:`STORAGE_BASES`."""
+    classes = [
+        (module, node)
+        for module, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    ]
+    known, found = set(STORAGE_BASES), {}
+    changed = True
+    while changed:
+        changed = False
+        for module, node in classes:
+            if node.name not in found.get(module, []) and any(_name_of(b) in known for b in node.bases):
+                found.setdefault(module, []).append(node.name)
+                known.add(node.name)
+                changed = True
+    return found
+
+
+def model_runs(tree: ast.AST) -> list[int]:
+    """Line numbers of the calls in ``tree`` that run a model (see :data:`MODEL_CALLEES`)."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _name_of(node.func)
+        attribute = isinstance(node.func, ast.Attribute)
+        if name in MODEL_CALLEES or name in RUNNING_HELPERS or (attribute and name in RUNNING_ATTRIBUTES):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_both_stores_kv_and_runs_the_model():
+    """The caches store (K/V, the segment table, the guards); the prefill (``hf_kvshare.prefill``), the
+    methods and ``generate`` run the model over them. No module that defines a cache class calls a
+    model, a ``.forward`` / ``.generate`` or ``cache_kwargs``."""
+    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+    storage = storage_classes(trees)
+    assert {"SegmentedCache", "SharedCache", "SlotWriter"} <= set(storage.get(f"{ROOT}.cache", []))
+    assert model_runs(trees[f"{ROOT}.prefill"]), "the finder sees no model call in the prefill"
+    bad = [
+        f"{module}:{line} (defines {', '.join(classes)})"
+        for module, classes in sorted(storage.items())
+        for line in model_runs(trees[module])
+    ]
+    assert not bad, "modules that store K/V and run the model:\n" + "\n".join(bad)
+
+
+def test_storage_and_model_run_finders_find_them():
+    source = (
+        "class A(DynamicCache):\n"
+        "    def fill(self, model, ids):\n"
+        "        return model(input_ids=ids)\n"
+        "class B(A):\n"
+        "    def go(self):\n"
+        "        self.decoder.forward(1)\n"
+        "        return cache_kwargs(self)\n"
+        "class C:\n"
+        "    def update(self, k):\n"
+        "        return self.view.layer(k), generate(k)\n"
+    )
+    tree = ast.parse(source)
+    assert storage_classes({"m": tree, "n": ast.parse("class D(B): pass")}) == {"m": ["A", "B"], "n": ["D"]}
+    assert model_runs(tree) == [3, 6, 7]  # model(...); .forward(...) (not reported twice); cache_kwargs(...)

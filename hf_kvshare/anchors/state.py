@@ -12,6 +12,7 @@ import torch
 
 from ..cache import SegmentedCache, SegmentKV
 from ..identity import ModelBinding  # noqa: F401  (re-exported)
+from ..prefill import prefill_dense
 from .gate import GateDecision
 from .pool import REFERENCE
 
@@ -83,7 +84,7 @@ def context_free_reference(model: torch.nn.Module, token_ids: torch.Tensor) -> S
     if token_ids.numel() == 0:
         raise ValueError("cannot build a reference for an empty segment")
     cache = SegmentedCache(model.config)
-    cache.append_dense(model, token_ids[None])
+    prefill_dense(cache, model, token_ids[None])
     return cache.extract(0, token_ids.numel(), agent=REFERENCE)
 
 
@@ -98,7 +99,7 @@ def reference_prefill(model: torch.nn.Module, lead_ids: torch.Tensor, token_ids:
         raise ValueError("cannot build a reference for an empty segment")
     lead = lead_ids.numel()
     cache = SegmentedCache(model.config)
-    cache.append_dense(model, torch.cat([lead_ids.to(token_ids.device), token_ids])[None])
+    prefill_dense(cache, model, torch.cat([lead_ids.to(token_ids.device), token_ids])[None])
     return cache.extract(lead, lead + token_ids.numel(), agent=REFERENCE)
 
 

@@ -6,7 +6,7 @@ no earlier turn read or produced, and the prompt's last token, whose logits give
 over a cache that already holds the reusable PH segments' K/V at their positions. That cache is
 built untimed from NonShared's exact K/V of the same prompt (the teacher-forced pass's cache when
 fidelity is measured, else an untimed prefill), with the same one-forward placement the methods use
-(:meth:`~hf_kvshare.cache.SegmentedCache.append_parts`); only the model forward is timed (forward
+(:func:`~hf_kvshare.prefill.prefill_parts`); only the model forward is timed (forward
 hooks, device synchronized), so no method can beat it. The row is a pseudo-method ``limit``
 (``<config>/limit/turns.jsonl`` and ``summary.json``): ``ttft_ratio`` = NonShared / limit, beside
 every method's, in the summary tables and the sweep plots.
@@ -25,6 +25,7 @@ from ..agents import agent_adapter
 from ..cache import CachePart, Segment, SegmentedCache
 from ..evaluation import metrics as M
 from ..measure import synchronize
+from ..prefill import prefill_dense, prefill_parts
 from ..turn import TurnResult
 
 #: the pseudo-method's label and directory name (not a registered method)
@@ -48,7 +49,7 @@ def limit_ttft(
     with adapter, torch.no_grad():
         if exact is None:
             exact = SegmentedCache(model.config)
-            exact.append_dense(model, ids[None, :last].to(device))
+            prefill_dense(exact, model, ids[None, :last].to(device))
         parts = []
         for s in rows:
             if s.kind == "PH" and s.name in reusable:
@@ -74,7 +75,7 @@ def limit_ttft(
             model.register_forward_hook(after, with_kwargs=True),
         ]
         try:
-            cache.append_parts(model, parts)
+            prefill_parts(cache, model, parts)
         finally:
             for handle in handles:
                 handle.remove()

@@ -105,7 +105,7 @@ class BaseLRCache(SharedCache):
     Differs from ``DynamicCache``'s constructor: ``config`` and ``view`` are required and there is no
     ``offloading`` nor rebuild from ``(keys, values)`` pairs (``DataParallel`` / pytree): the prefix is
     read from the request's shared store, which plain tensors do not carry. For the same reason
-    :func:`hf_kvshare.cache.register_export_support` does not register it (no ``torch.export``).
+    :func:`hf_kvshare.export.register_export_support` does not register it (no ``torch.export``).
     ``materialize="lazy"`` also refuses batch expansion (beams, several samples) with the reason.
 
     >>> cache = BaseLRCache(model.config, view, materialize="turn")  # doctest: +SKIP

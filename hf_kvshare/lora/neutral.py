@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor
 
+from ..prefill import prefill_dense
 from .adapters import LoraBank
 from .cache import BaseLRCache
 from .capture import KVCapture
@@ -44,7 +45,7 @@ def neutral_prefill(
     cache = BaseLRCache(model.config, view, materialize=materialize)
     capture = KVCapture(bank, base=False)
     with model.disable_adapter(), capture:
-        cache.append_dense(model, ids[None])
+        prefill_dense(cache, model, ids[None])
     keys, values = [], []
     for layer in range(bank.num_layers):
         k, v = cache.kv_range(layer, start)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..agents import BASE_ROW
-from ..cache import Segment, config_signature, model_input_device
+from ..cache import Segment, config_signature
 from ..lora.adapters import LoraBank
 from ..lora.cache import BaseLRCache
 from ..lora.capture import KVCapture
@@ -43,6 +43,7 @@ from ..lora.neutral import FollowFirstRow, neutral_prefill
 from ..lora.store import SHARED_LR, LowRankStore
 from ..lora.view import AbsoluteRope, LowRankView, split_heads
 from ..method import Method
+from ..prefill import model_input_device, prefill_dense
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -183,7 +184,7 @@ class LowRankSharing(Method):
         dense += _segments(turn, shared, P - 1, "dense", {})
         if own < P - 1:
             with capture:
-                cache.append_dense(model, turn.batch(ids[own : P - 1]), dense, **self.forward_kwargs(turn))
+                prefill_dense(cache, model, turn.batch(ids[own : P - 1]), dense, **self.forward_kwargs(turn))
             turn.stats.tokens_prefilled += P - 1 - own
         turn.scratch["precache"] = _TurnState(capture=capture, bank=bank, rope=rope, shared=shared, own=own)
         return cache

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from ...anchors import FactoredKV, canonical_keys, context_free_reference, effective_rank, to_matrix
-from ...cache import SegmentedCache, model_input_device
+from ...cache import SegmentedCache
 from ...evaluation.metrics import relative_error
+from ...prefill import model_input_device, prefill_dense
 from ...rope import RopeShifter
 from ..report import write_csv
 from . import TableCollector, run_study
@@ -140,7 +141,7 @@ class AnchorBytes(TableCollector):
             return
         ids = ids[: max(self.lengths)]
         cache = SegmentedCache(runner.model.config)
-        cache.append_dense(runner.model, ids[None].to(model_input_device(runner.model)))
+        prefill_dense(cache, runner.model, ids[None].to(model_input_device(runner.model)))
         for length in (n for n in self.lengths if n <= ids.numel()):
             kv = cache.extract(0, length)
             dense = FactoredKV.from_kv(kv.keys, kv.values, None)

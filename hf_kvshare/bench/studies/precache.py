@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ...cache import model_input_device
+from ...prefill import model_input_device
 from ..workloads.autoact_world import ROLES
 from . import TableCollector, run_study
 

@@ -1,0 +1,226 @@
+"""Prefill: run the model over token ids on top of a :class:`~hf_kvshare.cache.SegmentedCache`.
+
+The cache stores (K/V, the segment table, the guards); this module runs the model. Two entry points,
+each taking ``(cache, model)``:
+
+- :func:`prefill_dense`: one forward over ``input_ids`` at the positions after the cache's end (the
+  model's cache updates append its K/V) and the segment rows that tile them;
+- :func:`prefill_parts`: a turn's parts in positional order, placed K/V (reused / corrected) as they
+  are and every dense part's tokens in **one** forward at their true positions, with a 4D mask built
+  from positions alone (:func:`position_masks`); the per-segment path where that cannot run.
+
+>>> cache = SegmentedCache(model.config)  # doctest: +SKIP
+>>> prefill_dense(cache, model, ids_of_system_prompt, [Segment("sys", "PF", 0, n)])  # doctest: +SKIP
+>>> prefill_parts(cache, model, parts, RopeShifter.from_model(model))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from . import _compat
+from ._compat import cache_kwargs
+from .cache import CachePart, Segment, SegmentedCache, check_tiling
+from .rope import RopeShifter
+
+
+def model_input_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's ``input_ids`` go: the device of its input embeddings (with an accelerate
+    ``device_map`` the layers may sit on other devices, or on ``meta`` when offloaded to disk; per-layer
+    tensors stay on their layer's device). Falls back to ``model.device`` / the first parameter."""
+    get = getattr(model, "get_input_embeddings", None)
+    embeddings = get() if callable(get) else None
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+        return weight.device
+    try:
+        device = model.device
+    except AttributeError:
+        device = next(model.parameters()).device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def prefill_dense(
+    cache: SegmentedCache,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    segments: Iterable[Segment] = (),
+    **model_kwargs: Any,
+) -> torch.Tensor | None:
+    """Run ``model`` over ``input_ids`` ``[batch, n]`` on top of ``cache`` (positions continue).
+
+    ``segments`` (positions relative to the whole cache) are appended to the table; they must tile the
+    new positions. The cache is bound to ``model`` (:meth:`SegmentedCache.bind_model`: it refuses
+    another). ``model_kwargs`` go to the model call (e.g. PEFT's ``adapter_names``). Returns the logits
+    of the last token ``[batch, vocab]`` (``None`` for no tokens).
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    start = cache.get_seq_length()
+    n = input_ids.shape[-1]
+    segments = list(segments)
+    check_tiling(segments, start, start + n)
+    cache.bind_model(model)
+    if n == 0:
+        return None
+    device = model_input_device(model)
+    positions = torch.arange(start, start + n, device=device)[None].expand(input_ids.shape[0], -1)
+    with torch.no_grad():
+        out = model(
+            input_ids=input_ids.to(device),
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **cache_kwargs(cache),
+            **model_kwargs,
+        )
+    cache.segments.extend(segments)
+    return out.logits[:, -1]
+
+
+def prefill_parts(
+    cache: SegmentedCache,
+    model: torch.nn.Module,
+    parts: Iterable[CachePart],
+    shifter: RopeShifter | None = None,
+    **model_kwargs: Any,
+) -> None:
+    """Append ``parts`` (in positional order, tiling the positions after the cache's end) to ``cache``:
+    placed K/V as they are, and every dense part's tokens in **one** model forward.
+
+    That forward feeds the dense tokens at their true ``position_ids`` with an explicit 4D mask built
+    from positions alone (:func:`position_masks`): the query at position ``q`` sees the cache slot
+    holding position ``k`` iff ``k <= q`` (and ``q - k < W`` on a sliding-window layer), so no token can
+    see a later position, whatever order the parts were computed or placed in. The placed K/V are
+    written into their slots first and the dense slots reserved (:meth:`SegmentedCache.reserve`); the
+    model writes through the returned :class:`~hf_kvshare.cache.SlotWriter`, which puts each layer's new
+    K/V into the reserved slots (in place, before that layer attends), so the cache ends in positional
+    order.
+
+    Fallbacks, same K/V: only dense parts, or dense parts all before the placed ones, need no mask
+    (one ordinary forward); a model that cannot take an explicit mask (flash / flex attention, a
+    mixture of layer types its forward cannot take as a mapping; see
+    ``_compat.explicit_attention_mask``) or a cache that cannot reserve slots (offloaded, or with
+    layers other than plain ``DynamicLayer``) runs each run of consecutive dense parts as its own
+    forward over the cache built so far (the per-segment path).
+
+    ``model_kwargs`` go to every model call (e.g. PEFT's ``adapter_names``). On error nothing is
+    appended.
+    """
+    parts = list(parts)
+    if not parts:
+        return
+    start = cache.get_seq_length()
+    check_tiling([p.segment for p in parts], start, parts[-1].segment.end)
+    _check_parts(parts, shifter)
+    cache.bind_model(model)
+    dense = [p for p in parts if p.dense]
+    first_placed = next((i for i, p in enumerate(parts) if not p.dense), len(parts))
+    if len(dense) == first_placed:  # no dense token follows a placed one: no mask needed
+        if dense:
+            ids = torch.cat([p.token_ids for p in dense], dim=-1)
+            prefill_dense(cache, model, ids, [p.segment for p in dense], **model_kwargs)
+        for p in parts[first_placed:]:
+            cache.append_kv(p.kv, p.segment, shifter)
+        return
+    if not _one_forward(cache, model, parts, shifter, model_kwargs):
+        _per_segment(cache, model, parts, shifter, model_kwargs)
+
+
+def _check_parts(parts: list[CachePart], shifter: RopeShifter | None) -> None:
+    for p in parts:
+        if (p.kv is None) == (p.token_ids is None):
+            raise ValueError(f"part {p.segment.name!r} needs exactly one of kv= or token_ids=")
+        if p.token_ids is not None and p.token_ids.dim() != 2:
+            raise ValueError(
+                f"part {p.segment.name!r}: token_ids must be [batch, n]; got shape {tuple(p.token_ids.shape)}"
+            )
+        have = p.kv.length if p.kv is not None else p.token_ids.shape[-1]
+        if have != p.segment.length:
+            raise ValueError(
+                f"part {p.segment.name!r} says [{p.segment.start}, {p.segment.end}) but holds {have} tokens"
+            )
+        if p.kv is not None and p.kv.start != p.segment.start and shifter is None:
+            raise ValueError(
+                f"K/V of {p.segment.name!r} sits at position {p.kv.start}, not {p.segment.start}: "
+                "pass a RopeShifter to move it"
+            )
+
+
+def _per_segment(cache: SegmentedCache, model, parts: list[CachePart], shifter, model_kwargs) -> None:
+    """Each run of consecutive dense parts as one forward over the cache built so far."""
+    start = cache.get_seq_length()
+    try:
+        i = 0
+        while i < len(parts):
+            if not parts[i].dense:
+                cache.append_kv(parts[i].kv, parts[i].segment, shifter)
+                i += 1
+                continue
+            j = i
+            while j < len(parts) and parts[j].dense:
+                j += 1
+            ids = torch.cat([p.token_ids for p in parts[i:j]], dim=-1)
+            prefill_dense(cache, model, ids, [p.segment for p in parts[i:j]], **model_kwargs)
+            i = j
+    except BaseException:
+        cache.crop_to(start)
+        raise
+
+
+def position_masks(
+    model: torch.nn.Module, queries: torch.Tensor, length: int, batch: int, dtype: torch.dtype
+) -> Any:
+    """The ``attention_mask`` for queries at positions ``queries`` ``[q]`` over cache slots
+    ``0 .. length - 1`` (slot ``k`` holds position ``k``): ``k <= q``, and ``q - k < W`` on the
+    sliding-window layers; in the form ``model`` applies as it is (``_compat.explicit_attention_mask``),
+    or ``None`` when it cannot take an explicit mask."""
+    keys = torch.arange(length, device=queries.device)
+    causal = keys[None, :] <= queries[:, None]  # [q, kv]: position k seen from position q
+    allowed = {"full_attention": causal}
+    window = _compat.sliding_window(model.config)
+    if window is not None:
+        allowed["sliding_attention"] = causal & (keys[None, :] > queries[:, None] - window)
+    return _compat.explicit_attention_mask(
+        model, {t: m[None, None].expand(batch, 1, -1, -1) for t, m in allowed.items()}, dtype
+    )
+
+
+def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, model_kwargs) -> bool:
+    """The one-forward path of :func:`prefill_parts`; ``False`` (nothing done) when it cannot run."""
+    if not cache.can_reserve:
+        return False
+    start = cache.get_seq_length()
+    end = parts[-1].segment.end
+    device = model_input_device(model)
+    batch = max(p.token_ids.shape[0] for p in parts if p.dense)
+    parts = [p if p.dense else replace(p, kv=p.kv.repositioned(shifter, p.segment.start)) for p in parts]
+    reference = next(p.kv for p in parts if not p.dense)
+    if reference.num_layers != cache.num_layers and cache.signature[0] is not None:
+        raise ValueError(f"K/V has {reference.num_layers} layers, the cache {cache.num_layers}")
+    queries = torch.cat([torch.arange(p.segment.start, p.segment.end) for p in parts if p.dense]).to(device)
+    mask = position_masks(model, queries, end, batch, reference.keys[0].dtype)
+    if mask is None:
+        return False
+    writer = cache.reserve(parts, queries)
+    ids = torch.cat([p.token_ids.expand(batch, -1) for p in parts if p.dense], dim=-1).to(device)
+    try:
+        with torch.no_grad():
+            model(
+                input_ids=ids,
+                position_ids=queries[None].expand(batch, -1),
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=1,
+                **cache_kwargs(writer),
+                **model_kwargs,
+            )
+    except BaseException:
+        cache.crop_to(start)
+        raise
+    cache.segments.extend(p.segment for p in parts)
+    return True
