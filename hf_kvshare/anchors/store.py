@@ -5,7 +5,8 @@ A :class:`BoundedStore` holds the entries (an :class:`~.pool.LRUDict`: past ``li
 recently used entry is dropped) and the per-request states (:class:`~.state.RequestStates`, whose
 next uid is saved with the entries so that a restored instance never reuses one). The method keeps
 its knobs and calls the store from its hooks: ``clear``, ``export_state`` / ``import_state``,
-``state_bytes``, ``state_summary``, ``request_state_bytes``. :func:`check_rank` and
+``state_bytes``, ``state_summary``, ``request_state_bytes``; :class:`Stored` names the store's
+entries on the method (``pools``, ``profiles``). :func:`check_rank` and
 :func:`clamp_ranks` are the rank option's check and its clamp to the model's K/V feature dimension.
 """
 
@@ -95,6 +96,20 @@ class BoundedStore:
             f"max_{self.kind}": self.entries.limit,
             f"evicted_{self.kind}": self.entries.evicted,
         }
+
+
+class Stored:
+    """A method attribute that is its store's (``self._store``): ``pools = Stored("entries")`` reads and
+    writes ``self._store.entries``, ``_requests = Stored("requests")`` its request states."""
+
+    def __init__(self, field: str, doc: str = ""):
+        self.field, self.__doc__ = field, doc
+
+    def __get__(self, owner: Any, cls: type | None = None) -> Any:
+        return self if owner is None else getattr(owner._store, self.field)
+
+    def __set__(self, owner: Any, value: Any) -> None:
+        setattr(owner._store, self.field, value)
 
 
 def check_rank(name: str, value: Any) -> None:

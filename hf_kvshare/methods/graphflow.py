@@ -9,16 +9,14 @@ import torch
 
 from ..anchors import (
     REFERENCE,
-    LRUDict,
     RelationProfile,
-    RequestStates,
     canonical_keys,
     context_free_reference,
 )
 from ..anchors.cache import CorrectedCache
 from ..anchors.correction import corrected_kv
 from ..anchors.persist import TensorTable, move_state_to_model, profiles_from_state, profiles_to_state
-from ..anchors.store import BoundedStore, check_rank, clamp_ranks
+from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
 from ..method import Method, Placement, register
 
 if TYPE_CHECKING:
@@ -70,18 +68,9 @@ class GraphFlow(Method):
             self.name, "profiles", self.max_profiles, profiles_to_state, profiles_from_state
         )
 
-    @property
-    def profiles(self) -> LRUDict:
-        """(PH slot, consuming agent) -> :class:`~hf_kvshare.anchors.RelationProfile`, least recently used first."""
-        return self._store.entries
-
-    @profiles.setter
-    def profiles(self, profiles: LRUDict) -> None:
-        self._store.entries = profiles
-
-    @property
-    def _requests(self) -> RequestStates:
-        return self._store.requests
+    #: (PH slot, consuming agent) -> its :class:`~hf_kvshare.anchors.RelationProfile`, least recently used first
+    profiles = Stored("entries")
+    _requests = Stored("requests")
 
     def attach(self, model: torch.nn.Module) -> None:
         self.rank = clamp_ranks(model.config, rank=self.rank)["rank"]

@@ -34,6 +34,12 @@ Gating (``gate_scope``):
   anchors built from the same source label holding the consumer's delta; ``match="prefix"``
   compares over the longest prefix two anchors cover. Anchors are split by source version.
 
+The two scopes are engine policies driven from this method's hooks (``plan`` / ``placeholder`` /
+``prefix`` / ``finish`` / ``record``): :class:`~hf_kvshare.anchors.slot_scope.SlotScope` and
+:class:`~hf_kvshare.anchors.edge_scope.EdgeScope` (their common part, sources and deltas:
+:mod:`hf_kvshare.anchors.scope`); the pools and per-request state are a
+:class:`~hf_kvshare.anchors.store.BoundedStore`. This module keeps the knobs and the wiring.
+
 ``tau = 0`` accepts nothing and reuses nothing: every PH span is prefilled (NonShared exactly),
 while the pools still learn.
 
@@ -52,14 +58,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..anchors import LRUDict, RequestStates
 from ..anchors.cache import CorrectedCache
 from ..anchors.edge_scope import EdgeScope
 from ..anchors.lowrank import SVD_METHODS
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
 from ..anchors.scope import Scope
 from ..anchors.slot_scope import SlotScope
-from ..anchors.store import BoundedStore, check_rank, clamp_ranks
+from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
 from ..method import Method, Placement, register
 from .prefix_reuse import PrefixReuse
 
@@ -239,18 +244,9 @@ class KVCMAS(PrefixReuse, Method):
         return scope
 
     # ------------------------------------------------------------------ state
-    @property
-    def pools(self) -> LRUDict:
-        """Anchor pools (one per producing agent or PH slot name), least recently used first."""
-        return self._store.entries
-
-    @pools.setter
-    def pools(self, pools: LRUDict) -> None:
-        self._store.entries = pools
-
-    @property
-    def _requests(self) -> RequestStates:
-        return self._store.requests
+    #: anchor pools (one per producing agent or PH slot name), least recently used first
+    pools = Stored("entries")
+    _requests = Stored("requests")
 
     def attach(self, model: torch.nn.Module) -> None:
         ranks = clamp_ranks(model.config, base_rank=self.base_rank, delta_rank=self.delta_rank)
