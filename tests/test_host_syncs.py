@@ -64,7 +64,7 @@ def test_kvcmas_matching_and_correction_sync_at_most_once_per_segment(tiny_llama
         run_forced(tiny_llama, tokenizer, method, QUERIES[0], ref)
 
     per_turn, gated_slots = [], set()
-    original_plan, original_place = method._plan, method._place
+    original_plan, original_place = method.scope.plan, method.scope.place
 
     def plan(turn):
         with counting_host_reads() as counts:
@@ -90,8 +90,8 @@ def test_kvcmas_matching_and_correction_sync_at_most_once_per_segment(tiny_llama
         recorded.append(sum(counts.values()))
 
     with (
-        mock.patch.object(method, "_plan", plan),
-        mock.patch.object(method, "_place", place),
+        mock.patch.object(method.scope, "plan", plan),
+        mock.patch.object(method.scope, "place", place),
         mock.patch.object(method, "record", record),
     ):
         run_forced(tiny_llama, tokenizer, method, QUERIES[0], ref)

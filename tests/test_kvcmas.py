@@ -11,6 +11,7 @@ from tiny import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, Session
 from hf_kvshare.anchors import CorrectedCache, to_heads
+from hf_kvshare.anchors.slot_scope import SlotScope
 from hf_kvshare.evaluation.metrics import kv_error
 from hf_kvshare.methods.graphflow import GraphFlow
 from hf_kvshare.methods.kvcmas import KVCMAS
@@ -281,13 +282,13 @@ def test_loops_and_fan_in(tiny_llama, tokenizer):
 # ------------------------------------------------- reference-code semantics (defaults)
 def test_gate_once_per_slot_and_request_every_consumer_obeys(tiny_llama, tokenizer, monkeypatch):
     calls = []
-    gate = KVCMAS._gate
+    gate = SlotScope.gate
 
     def counted(self, pool_key, candidate):
         calls.append(pool_key)
         return gate(self, pool_key, candidate)
 
-    monkeypatch.setattr(KVCMAS, "_gate", counted)
+    monkeypatch.setattr(SlotScope, "gate", counted)
     for cls, given in ((KVCMAS, []), (KVComm, ["query"])):
         method = cls(tau=1.0)
         for n, query in enumerate((QUERIES[0], QUERIES[0], QUERIES[0], QUERIES[1])):
@@ -412,17 +413,17 @@ def test_full_length_rule_of_the_gate(tiny_llama):
 
     method = KVCMAS(tau=1.0)
     candidate = random_kv(6, seed=9)
-    pool = method._pool("planner")
+    pool = method.scope.pool("planner")
     for i, n in enumerate([5, 6, 9]):
         pool.insert(make_anchor(i, length=n))
-    decision, eligible, distances = method._gate("planner", candidate)
+    decision, eligible, distances = method.scope.gate("planner", candidate)
     assert [a.length for a in eligible] == [6, 9] and decision.accepted and len(distances) == 2
     method.pools["planner"].anchors.pop()  # {5, 6}: one anchor covers the candidate
-    decision, eligible, _ = method._gate("planner", candidate)
+    decision, eligible, _ = method.scope.gate("planner", candidate)
     assert not decision.accepted and "fewer than 2 anchors at least 6 tokens long (1 of 2)" in decision.reason
     prefix = KVCMAS(tau=1.0, match="prefix")  # the earlier reading compares over 5 rows
     prefix.pools["planner"] = method.pools["planner"]
-    decision, eligible, _ = prefix._gate("planner", candidate)
+    decision, eligible, _ = prefix.scope.gate("planner", candidate)
     assert decision.accepted and len(eligible) == 2
 
 

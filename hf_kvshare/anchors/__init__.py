@@ -8,6 +8,13 @@
 - :mod:`.state`: model binding, per-request state (references, producer caches, gate decisions,
   token weights), KVComm's reference prefill.
 - :mod:`.cache`: :class:`CorrectedCache`, the cache whose PH rows carry the correction's outcome.
+- :mod:`.scope`, :mod:`.slot_scope`, :mod:`.edge_scope`: the two gate scopes of KVCMAS / KVComm as
+  policies (plan / place / learn / commit) a method drives from its hooks; their common part
+  (sources, pending changes, observed deltas).
+- :mod:`.store`: :class:`~.store.BoundedStore`, what a correction method keeps across requests
+  (pools or profiles, LRU-bounded, saved and loaded; the per-request states), and the rank
+  option's check and clamp.
+- :mod:`.persist`: pools and profiles as named tensors plus JSON metadata.
 """
 
 from .cache import CorrectedCache

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -10,16 +9,14 @@ import torch
 
 from ..anchors import (
     REFERENCE,
-    LRUDict,
     RelationProfile,
-    RequestStates,
     canonical_keys,
     context_free_reference,
 )
 from ..anchors.cache import CorrectedCache
 from ..anchors.correction import corrected_kv
 from ..anchors.persist import TensorTable, move_state_to_model, profiles_from_state, profiles_to_state
-from ..cache import config_signature
+from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
 from ..method import Method, Placement, register
 
 if TYPE_CHECKING:
@@ -60,34 +57,27 @@ class GraphFlow(Method):
             or self.calibration_requests < 1
         ):
             raise ValueError(f"calibration_requests must be an int >= 1, got {self.calibration_requests!r}")
-        if self.rank is not None and (
-            isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1
-        ):
-            raise ValueError(f"rank must be a positive int or None (dense), got {self.rank!r}")
+        check_rank("rank", self.rank)
         if (
             isinstance(self.max_profiles, bool)
             or not isinstance(self.max_profiles, int)
             or self.max_profiles < 1
         ):
             raise ValueError(f"max_profiles must be an int >= 1, got {self.max_profiles!r}")
-        self.profiles: LRUDict = LRUDict(self.max_profiles)
-        self._requests = RequestStates()
+        self._store = BoundedStore(
+            self.name, "profiles", self.max_profiles, profiles_to_state, profiles_from_state
+        )
+
+    #: (PH slot, consuming agent) -> its :class:`~hf_kvshare.anchors.RelationProfile`, least recently used first
+    profiles = Stored("entries")
+    _requests = Stored("requests")
 
     def attach(self, model: torch.nn.Module) -> None:
-        _, kv_heads, head_dim = config_signature(model.config)
-        if self.rank is not None and self.rank > kv_heads * head_dim:
-            warnings.warn(
-                f"rank={self.rank} exceeds the model's K/V feature dimension {kv_heads * head_dim}; "
-                f"clamped to {kv_heads * head_dim}",
-                UserWarning,
-                stacklevel=3,
-            )
-            self.rank = kv_heads * head_dim
+        self.rank = clamp_ranks(model.config, rank=self.rank)["rank"]
 
     def clear(self) -> None:
-        self.profiles = LRUDict(self.max_profiles)
+        self._store.clear()
         self.binding.clear()
-        self._requests.clear()
 
     def on_bind(self, model: torch.nn.Module) -> None:
         move_state_to_model(self, model)  # loaded state onto the model's device
@@ -95,23 +85,10 @@ class GraphFlow(Method):
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Every profile (calibrating sums or frozen correction) and the next request uid."""
         table = TensorTable()
-        meta = {
-            "profiles": profiles_to_state(self.profiles, table),
-            "next_request": self._requests.next_uid,
-            "evicted": self.profiles.evicted,
-        }
-        return table.tensors, meta
+        return table.tensors, self._store.export(table)
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        try:
-            profiles = profiles_from_state(meta["profiles"], tensors)
-            next_uid = int(meta["next_request"])
-        except (KeyError, TypeError, IndexError) as error:
-            raise ValueError(f"{self.name}: saved state metadata is damaged ({error!r})") from error
-        self.profiles = LRUDict(self.max_profiles)
-        self.profiles.update(profiles)  # in the saved order: least recently used first
-        self.profiles.evicted = int(meta.get("evicted", 0))
-        self._requests = RequestStates(next_uid)
+        self._store.load(tensors, meta)
 
     def request_state_bytes(self, session: Session) -> int:
         """The request's context-free references (non-chained correction keeps one per slot)."""
@@ -119,15 +96,10 @@ class GraphFlow(Method):
 
     def state_bytes(self) -> int:
         """Exact bytes of every profile (running sums while calibrating, the frozen profile after)."""
-        return sum(p.nbytes for p in self.profiles.values())
+        return self._store.nbytes
 
     def state_summary(self) -> dict[str, Any]:
-        return {
-            "bytes": self.state_bytes(),
-            "profiles": len(self.profiles),
-            "max_profiles": self.profiles.limit,
-            "evicted_profiles": self.profiles.evicted,
-        }
+        return {"bytes": self.state_bytes(), **self._store.summary()}
 
     def new_cache(self, turn: Turn) -> CorrectedCache:
         return CorrectedCache(turn.model.config, method=self.name)

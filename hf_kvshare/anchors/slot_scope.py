@@ -1,0 +1,255 @@
+"""Slot scope, the reference gating of KVCMAS / KVComm (``gate_scope="slot"``).
+
+One gate decision per (slot, request), taken by the producer right after its turn for an output
+(:meth:`SlotScope.learned`), by the first consumer for a reference-prefilled given text
+(:meth:`SlotScope.plan`); chained / first given text is not gated. Every consumer obeys: a consumer
+of a rejected slot without its own delta in the slot's anchor of this request prefills (its whole
+turn with ``turn_fallback="turn"``) and adds its delta to the one anchor of (slot, request)
+(:meth:`SlotScope.observe`); otherwise it reuses every PH span, corrected by the anchors holding its
+delta (:meth:`SlotScope.place`). Token weights are computed once per (slot, request, anchor set)
+(``weights_cache``). Pools are per producing agent for outputs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..cache import SegmentKV
+from .correction import (
+    apply_correction,
+    comparison_prefix,
+    covering,
+    gate_distances,
+    prefix_correction,
+    prefix_weights,
+    token_distances,
+    token_weights,
+)
+from .gate import GateDecision, reliability_gate, usage_reference
+from .lowrank import FactoredKV
+from .pool import Anchor
+from .scope import USAGE_MASS, Edge, Reuse, Scope, following_pf
+
+if TYPE_CHECKING:
+    from ..turn import Turn
+
+
+class SlotScope(Scope):
+    """The reference gate scope (module docstring)."""
+
+    # ---------------------------------------------------------------- plan
+    def plan(self, turn: Turn) -> None:
+        """Decide every PH span of the turn before building (the turn is the unit of obeying)."""
+        o = self.options
+        edges = turn.scratch[self.name] = {}
+        for span in turn.spans:
+            if span.kind != "PH":
+                continue
+            source, label = self.source(turn, span)
+            edge = edges[span.start] = Edge(
+                slot=span.name,
+                source=source,
+                label=label,
+                origin=self.origin(turn, span.name),
+                pool=self.pool_key(turn, span.name),
+                rebase=self.source_kind(turn, span.name) == "chained",
+            )
+            if source is None:
+                edge.dense = "first"
+                continue
+            if self.gated(turn, span.name):
+                edge.decision = self.decide(turn, span.name, source)
+                edge.candidates, edge.distances = self.gate_report(turn, span.name)
+            pool = self.pools.get(edge.pool)
+            anchor = pool.find(edge.origin) if pool is not None else None
+            own = anchor is not None and turn.agent in anchor.deltas
+            if o.tau == 0:
+                edge.dense, edge.reason = "fallback", "tau = 0: no reuse"
+            elif edge.decision is not None and not edge.decision.accepted and not own:
+                edge.dense = "fallback"
+            elif edge.decision is None and o.turn_fallback == "span":
+                if pool is None or not pool.with_delta(turn.agent):
+                    edge.dense, edge.reason = "fallback", f"no anchor holds a correction for {turn.agent!r}"
+        if o.turn_fallback == "turn":
+            rejected = [e.slot for e in edges.values() if e.dense]
+            for edge in edges.values():
+                if rejected and edge.dense is None:
+                    edge.dense, edge.reason = "turn", f"the turn is dense: {', '.join(rejected)} not reusable"
+
+    def pool_key(self, turn: Turn, slot: str) -> str:
+        """Outputs pool per producing agent (``agent#2`` shares ``agent``'s), given text per slot."""
+        producer = turn.slot(slot).producer
+        return producer if producer is not None else slot
+
+    def gated(self, turn: Turn, slot: str) -> bool:
+        return self.source_kind(turn, slot) not in ("chained", "first") or (
+            turn.slot(slot).producer is not None
+        )
+
+    def gate(
+        self, pool_key: str, candidate: SegmentKV
+    ) -> tuple[GateDecision, list[Anchor], torch.Tensor | None]:
+        """The reference gate (``predict_as_anchor``) of ``candidate`` against pool ``pool_key``."""
+        o = self.options
+        pool = self.pools.get(pool_key)
+        anchors = list(pool) if pool is not None else []
+        length = candidate.length
+        if o.match == "full":
+            rows, eligible = length, [a for a in anchors if a.length >= length]
+        else:
+            rows = comparison_prefix(anchors, length)
+            eligible = [a for a in anchors if a.length >= rows] if rows else []
+        if len(eligible) < 2:
+            why = f"fewer than 2 anchors at least {rows or length} tokens long ({len(eligible)} of {len(anchors)})"
+            return GateDecision(False, why), eligible, None
+        distances = gate_distances(candidate.values, eligible, rows)
+        decision = reliability_gate(distances, o.tau, o.temperature)
+        return decision, eligible, distances
+
+    def decide(self, turn: Turn, slot: str, candidate: SegmentKV) -> GateDecision:
+        """The slot's decision for this request: taken (pending until commit) the first time it is asked."""
+        state = self.request(turn)
+        pending = self.pending(turn)
+        decision = state.decisions.get(slot)
+        if decision is None:
+            decision = pending["decisions"].get(slot)
+        if decision is None:
+            decision, eligible, distances = self.gate(self.pool_key(turn, slot), candidate)
+            pending["decisions"][slot] = decision
+            pending["reports"][slot] = (len(eligible), None if distances is None else decision.distances)
+            if decision.accepted:
+                pending["uses"].extend(eligible[i] for i in usage_reference(decision.weights, USAGE_MASS))
+        return decision
+
+    def gate_report(self, turn: Turn, slot: str) -> tuple[int, list[float] | None]:
+        state = self.request(turn)
+        return state.gate_reports.get(slot) or self.pending(turn)["reports"].get(slot, (0, None))
+
+    def dense_turn(self, turn: Turn) -> bool:
+        return any(edge.dense in ("fallback", "turn") for edge in self.edges(turn).values())
+
+    # --------------------------------------------------------------- place
+    def place(self, turn: Turn, span) -> Reuse | None:
+        o = self.options
+        edge = turn.scratch[self.name][span.start]
+        if edge.dense is not None:
+            return None
+        gate = "ungated" if edge.decision is None else "accepted"
+        info: dict[str, Any] = {"gate": gate, "tau": o.tau}
+        if edge.decision is not None and edge.decision.entropy is not None:
+            info["entropy"] = edge.decision.entropy
+        pool = self.pools.get(edge.pool)
+        usable = pool.with_delta(turn.agent) if pool is not None else []
+        anchors, rows = covering(usable, span.length, o.partial_coverage)
+        if not anchors:
+            info["reason"] = f"no anchor holds a correction for {turn.agent!r}: reused uncorrected"
+            return Reuse(kv=edge.source, provenance="reused", source_agent=edge.label, info=info)
+        edge.rows = rows
+        reader = span.start if o.key_frame == "reader" else None
+        wk, wv, cached = self.token_weights(turn, edge, anchors, rows, reader)
+        kv = apply_correction(
+            edge.source, anchors, turn.agent, wk, wv, span.start, turn.shifter, skip_layer0=o.skip_layer0
+        )
+        info.update(anchors=[a.serial for a in anchors], rows=f"{rows}/{span.length}", weights_cached=cached)
+        following = following_pf(turn, span)
+        if o.prefix_delta and o.prefix_reuse and following is not None and rows == span.length:
+            key = ("prefix", edge.slot, edge.pool, tuple(a.serial for a in anchors))
+            weights, _ = self.cached_weights(
+                turn, key, lambda: prefix_weights(edge.source, anchors, turn.shifter, reader)
+            )
+            turn.scratch.setdefault(f"{self.name}.pf", {})[following.start] = (anchors, *weights)
+        return Reuse(kv=kv, provenance="corrected", source_agent=edge.label, info=info)
+
+    def cached_weights(
+        self, turn: Turn, key: tuple, compute
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
+        """``(weights, reused)``: weights computed once per (slot, request, anchor set) and reused by
+        later consumers (``weights_cache``, as the reference caches them), else every time."""
+        state = self.request(turn)
+        if self.options.weights_cache and key in state.weights:
+            return state.weights[key], True
+        weights = compute()
+        if self.options.weights_cache:
+            state.weights[key] = weights
+        return weights, False
+
+    def token_weights(self, turn: Turn, edge: Edge, anchors: list[Anchor], rows: int, reader: int | None):
+        temperature = self.options.token_temperature
+
+        def compute():
+            kd, vd = token_distances(edge.source, anchors, turn.shifter, rows, reader_start=reader)
+            return token_weights(kd, temperature), token_weights(vd, temperature)
+
+        key = (edge.slot, edge.pool, tuple(a.serial for a in anchors), rows)
+        (wk, wv), cached = self.cached_weights(turn, key, compute)
+        return wk, wv, cached
+
+    def correct_prefix(self, turn: Turn, span, kv: SegmentKV) -> tuple[SegmentKV, Any] | None:
+        """With ``prefix_delta``, the PF right after a corrected PH span gets the anchors' prefix deltas
+        for this agent (all of the PH's anchors must hold one for this exact PF text, else it stays as
+        placed)."""
+        pending = turn.scratch.get(f"{self.name}.pf", {}).get(span.start)
+        if pending is None:
+            return None
+        anchors, wk, wv = pending
+        ids = tuple(span.token_ids.tolist())
+        held = [a.prefix_deltas.get(turn.agent) for a in anchors]
+        if any(h is None or h[0] != ids for h in held):
+            return kv, "not every anchor holds a correction of this PF text"
+        kv = prefix_correction(
+            kv, [h[1] for h in held], wk, wv, anchors[0].frame, turn.shifter, self.options.skip_layer0
+        )
+        return kv, [a.serial for a in anchors]
+
+    # --------------------------------------------------------------- learn
+    def observe(self, turn: Turn, span, edge: Edge, cache) -> None:
+        """A span prefilled because of a rejection (or an ungated given text) adds its delta."""
+        if edge.dense is None:
+            return
+        rejected = edge.decision is not None and not edge.decision.accepted
+        if rejected or edge.decision is None:  # ungated given text: admitted while the pool has room
+            exact = cache.extract(span.start, span.end, agent=turn.agent)
+            self.add_delta(edge, exact, turn, may_evict=edge.decision is not None, span=span, cache=cache)
+
+    def learned(self, turn: Turn, output: SegmentKV | None) -> None:
+        if output is not None and self.options.output_source != "context_free":
+            self.decide(turn, turn.output_slot, output)  # the producer gates its own output, once
+
+    def add_delta(self, edge: Edge, exact: SegmentKV, turn: Turn, may_evict: bool, span, cache) -> None:
+        """Add this consumer's delta to the one anchor of (slot, request), creating it if needed
+        (``may_evict=False``: only while the pool has room; a frozen pool is never evicted)."""
+        o = self.options
+        pool = self.pool(edge.pool)
+        anchor = pool.find(edge.origin)
+        if anchor is None and not may_evict and len(pool) >= o.capacity:
+            return
+        delta, source_keys = self.delta(edge, exact, turn)
+        prefix = self.prefix_delta(turn, span, cache) if o.prefix_delta and o.prefix_reuse else None
+        new = anchor is None
+        if new:
+            anchor = Anchor(
+                base=self.base(edge, source_keys), source=edge.label, origin=edge.origin, frame=o.delta_frame
+            )
+        elif edge.rebase:  # the reference's entry.update: the base becomes this consumer's source
+            anchor.base, anchor.source = self.base(edge, source_keys), edge.label
+        anchor.deltas[turn.agent] = delta
+        anchor.base_start = exact.start  # ... as this consumer placed it (KVComm compares keys there)
+        if prefix is not None:
+            anchor.prefix_deltas[turn.agent] = prefix
+        if new:
+            pool.insert(anchor)
+
+    def prefix_delta(self, turn: Turn, span, cache) -> tuple[tuple[int, ...], FactoredKV] | None:
+        """The correction of the PF text right after ``span`` in this dense turn: its exact K/V minus
+        the agent's kept PF (as ``prefix_reuse`` would place it; zero when this turn is the one that
+        keeps it), dense, keys in ``delta_frame``."""
+        following = following_pf(turn, span)
+        if following is None:
+            return None
+        ids = tuple(following.token_ids.tolist())
+        exact = cache.extract(following.start, following.end, agent=turn.agent)
+        kept = self.options.prefix_store(turn).get((turn.agent, ids))
+        keys, values = self.difference(exact, exact if kept is None else kept, turn)
+        return ids, FactoredKV.from_kv(keys, values, None)

@@ -1,0 +1,137 @@
+"""What a correction method keeps across requests, bounded and persisted: one helper for the anchor
+pools of KVCMAS / KVComm and the relation profiles of GraphFlow.
+
+A :class:`BoundedStore` holds the entries (an :class:`~.pool.LRUDict`: past ``limit`` the least
+recently used entry is dropped) and the per-request states (:class:`~.state.RequestStates`, whose
+next uid is saved with the entries so that a restored instance never reuses one). The method keeps
+its knobs and calls the store from its hooks: ``clear``, ``export_state`` / ``import_state``,
+``state_bytes``, ``state_summary``, ``request_state_bytes``; :class:`Stored` names the store's
+entries on the method (``pools``, ``profiles``). :func:`check_rank` and
+:func:`clamp_ranks` are the rank option's check and its clamp to the model's K/V feature dimension.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..cache import config_signature
+from .persist import TensorTable
+from .pool import LRUDict
+from .state import RequestStates
+
+#: ``to_state(entries, table) -> metadata`` (tensors go to ``table``); ``from_state(metadata, tensors)``
+ToState = Callable[[Any, TensorTable], list[dict[str, Any]]]
+FromState = Callable[[list[dict[str, Any]], dict[str, torch.Tensor]], dict[Any, Any]]
+
+
+class BoundedStore:
+    """The entries a method keeps across requests (named ``kind`` in its saved metadata and summary:
+    ``"pools"``, ``"profiles"``), at most ``limit``, and its per-request states.
+
+    Args:
+        owner: the method's name, for error messages.
+        kind: the metadata key of the entries; the summary reports ``kind``, ``max_<kind>`` and
+            ``evicted_<kind>``.
+        limit: entries kept; past it the least recently used one is dropped (and counted).
+        to_state, from_state: the entries as named tensors plus metadata and back
+            (:mod:`~hf_kvshare.anchors.persist`).
+    """
+
+    def __init__(self, owner: str, kind: str, limit: int, to_state: ToState, from_state: FromState):
+        self.owner, self.kind, self.limit = owner, kind, limit
+        self._to_state, self._from_state = to_state, from_state
+        self.entries: LRUDict = LRUDict(limit)
+        self.requests = RequestStates()
+
+    def clear(self) -> None:
+        """Drop every entry and every request's state (the next request uid is kept)."""
+        self.entries = LRUDict(self.limit)
+        self.requests.clear()
+
+    def export(self, table: TensorTable) -> dict[str, Any]:
+        """The metadata of the entries (in LRU order; their tensors go to ``table``), the next request
+        uid and the evictions so far."""
+        return {
+            self.kind: self._to_state(self.entries, table),
+            "next_request": self.requests.next_uid,
+            "evicted": self.entries.evicted,
+        }
+
+    def read(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[dict[Any, Any], int]:
+        """``(entries, next uid)`` from an exported state, nothing replaced yet; damaged metadata
+        raises ``ValueError`` naming the owner."""
+        try:
+            entries = self._from_state(meta[self.kind], tensors)
+            next_uid = int(meta["next_request"])
+        except (KeyError, TypeError, IndexError) as error:
+            raise ValueError(f"{self.owner}: saved state metadata is damaged ({error!r})") from error
+        return entries, next_uid
+
+    def replace(self, entries: dict[Any, Any], next_uid: int, evicted: int) -> None:
+        """Replace the entries (in the saved order: least recently used first) and drop the state of
+        live requests; the next request gets uid ``next_uid``."""
+        self.entries = LRUDict(self.limit)
+        self.entries.update(entries)
+        self.entries.evicted = evicted
+        self.requests = RequestStates(next_uid)
+
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """:meth:`read` then :meth:`replace`."""
+        entries, next_uid = self.read(tensors, meta)
+        self.replace(entries, next_uid, int(meta.get("evicted", 0)))
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes of every entry."""
+        return sum(entry.nbytes for entry in self.entries.values())
+
+    def summary(self) -> dict[str, Any]:
+        """``{kind: count, max_<kind>: limit, evicted_<kind>: evictions}``."""
+        return {
+            self.kind: len(self.entries),
+            f"max_{self.kind}": self.entries.limit,
+            f"evicted_{self.kind}": self.entries.evicted,
+        }
+
+
+class Stored:
+    """A method attribute that is its store's (``self._store``): ``pools = Stored("entries")`` reads and
+    writes ``self._store.entries``, ``_requests = Stored("requests")`` its request states."""
+
+    def __init__(self, field: str, doc: str = ""):
+        self.field, self.__doc__ = field, doc
+
+    def __get__(self, owner: Any, cls: type | None = None) -> Any:
+        return self if owner is None else getattr(owner._store, self.field)
+
+    def __set__(self, owner: Any, value: Any) -> None:
+        setattr(owner._store, self.field, value)
+
+
+def check_rank(name: str, value: Any) -> None:
+    """A rank option is a positive int (not a bool) or ``None`` (dense)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None (dense), got {value!r}")
+
+
+def clamp_ranks(config: Any, **ranks: int | None) -> dict[str, int | None]:
+    """The rank options clamped to the model's K/V feature dimension ``D = kv_heads * head_dim``,
+    with a warning for each one above it (pointing at the caller of ``Method.bind``)."""
+    _, kv_heads, head_dim = config_signature(config)
+    dim = kv_heads * head_dim
+    clamped = {}
+    for knob, rank in ranks.items():
+        if rank is not None and rank > dim:
+            warnings.warn(
+                f"{knob}={rank} exceeds the model's K/V feature dimension D = {kv_heads} kv heads x "
+                f"{head_dim} = {dim}; clamped to {dim} (full rank, exact)",
+                UserWarning,
+                stacklevel=4,  # clamp_ranks <- attach <- bind <- its caller
+            )
+            rank = dim
+        clamped[knob] = rank
+    return clamped
