@@ -54,6 +54,7 @@ def exactness(device: str) -> dict[str, Any]:
     token for token, and re-positioning: layer-0 keys of a segment computed at position 0 and moved
     to position ``d`` equal the keys computed at ``d`` (layer 0's keys depend on token and position
     only), and every layer's keys moved ``0 -> d -> 0`` come back."""
+    from .._compat import output_cache
     from ..cache import SegmentKV
     from ..models import load_model
     from ..session import Session
@@ -79,8 +80,8 @@ def exactness(device: str) -> dict[str, Any]:
     seg = seg.to(device)
     filler = torch.full((1, 37), 32, device=device)  # 37 spaces before the segment
     with torch.no_grad():
-        alone = model(seg, use_cache=True).past_key_values
-        after = model(torch.cat([filler, seg], dim=1), use_cache=True).past_key_values
+        alone = output_cache(model(seg, use_cache=True))
+        after = output_cache(model(torch.cat([filler, seg], dim=1), use_cache=True))
     keys = [alone.layers[i].keys for i in range(len(alone.layers))]
     values = [alone.layers[i].values for i in range(len(alone.layers))]
     kv = SegmentKV(keys=keys, values=values, start=0)

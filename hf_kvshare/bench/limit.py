@@ -23,7 +23,7 @@ import torch
 from .._compat import is_peft_model
 from ..agents import agent_adapter
 from ..cache import CachePart, Segment, SegmentedCache
-from ..evaluation import metrics as M
+from ..evaluation.protocol import ttft_summary
 from ..measure import synchronize
 from ..prefill import prefill_dense, prefill_parts
 from ..turn import TurnResult
@@ -113,18 +113,10 @@ def limit_records(
 
 def summarize_limit(turns: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``limit`` row: TTFT statistics over reuse turns and NonShared / limit."""
-    ttft = M.latency_stats(t["ttft_s"] for t in turns)
-    ref = M.latency_stats(t["ref_ttft_s"] for t in turns)
     return {
         "method": LIMIT,
         "tag": LIMIT,
         "turns": len(turns),
         "reuse_turns": len(turns),
-        "ttft_mean_s": ttft["mean"],
-        "ttft_p50_s": ttft["p50"],
-        "ttft_p90_s": ttft["p90"],
-        "ref_ttft_mean_s": ref["mean"],
-        "ttft_ratio": M.ratio(ref["mean"], ttft["mean"]),
-        "ttft_p50_ratio": M.ratio(ref["p50"], ttft["p50"]),
-        "ttft_p90_ratio": M.ratio(ref["p90"], ttft["p90"]),
+        **ttft_summary(turns),
     }

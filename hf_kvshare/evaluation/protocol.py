@@ -19,7 +19,7 @@ and :class:`~hf_kvshare.bench.runner.BenchRunner` (the bench) are both built on 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,6 +295,24 @@ SUMMARY_COLUMNS = [
 ]
 
 
+def ttft_summary(turns: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """TTFT statistics of ``turns`` (records with ``ttft_s`` and NonShared's ``ref_ttft_s``): the
+    method's mean / p50 / p90, NonShared's mean and NonShared / method at each (> 1: faster). The
+    summary of a method (over its reuse turns) and the bench's ``limit`` row both use it."""
+    turns = list(turns)
+    ttft = M.latency_stats(t["ttft_s"] for t in turns)
+    ref = M.latency_stats(t["ref_ttft_s"] for t in turns)
+    return {
+        "ttft_mean_s": ttft["mean"],
+        "ttft_p50_s": ttft["p50"],
+        "ttft_p90_s": ttft["p90"],
+        "ref_ttft_mean_s": ref["mean"],
+        "ttft_ratio": M.ratio(ref["mean"], ttft["mean"]),
+        "ttft_p50_ratio": M.ratio(ref["p50"], ttft["p50"]),
+        "ttft_p90_ratio": M.ratio(ref["p90"], ttft["p90"]),
+    }
+
+
 def summarize_method(turns: Sequence[dict[str, Any]], requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Aggregate a method's per-turn and per-request records (as written to ``turns.jsonl`` /
     ``requests.jsonl``) into its summary.
@@ -307,8 +325,6 @@ def summarize_method(turns: Sequence[dict[str, Any]], requests: Sequence[dict[st
     if not turns or not requests:
         raise ValueError("no records to summarize")
     reuse = [t for t in turns if t.get("reuse_turn")] or list(turns)
-    ttft = M.latency_stats(t["ttft_s"] for t in reuse)
-    ref_ttft = M.latency_stats(t["ref_ttft_s"] for t in reuse)
     e2e = M.mean(r["e2e_s"] for r in requests)
     ref_e2e = M.mean(r["ref_e2e_s"] for r in requests)
     tokens = sum(r["trajectory_tokens"] for r in requests)
@@ -325,13 +341,7 @@ def summarize_method(turns: Sequence[dict[str, Any]], requests: Sequence[dict[st
         "requests": len(requests),
         "turns": len(turns),
         "reuse_turns": sum(1 for t in turns if t.get("reuse_turn")),
-        "ttft_mean_s": ttft["mean"],
-        "ttft_p50_s": ttft["p50"],
-        "ttft_p90_s": ttft["p90"],
-        "ref_ttft_mean_s": ref_ttft["mean"],
-        "ttft_ratio": M.ratio(ref_ttft["mean"], ttft["mean"]),
-        "ttft_p50_ratio": M.ratio(ref_ttft["p50"], ttft["p50"]),
-        "ttft_p90_ratio": M.ratio(ref_ttft["p90"], ttft["p90"]),
+        **ttft_summary(reuse),
         "ttft_all_mean_s": M.mean(t["ttft_s"] for t in turns),
         "e2e_mean_s": e2e,
         "ref_e2e_mean_s": ref_e2e,
