@@ -22,5 +22,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-./device-out}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's package, installed or not
-PYTHON="${PYTHON:-$(command -v python || command -v python3)}"  # GPU images may only have python3
+# $PYTHON: the interpreter (the tests give theirs); default python, else python3 (GPU images may have only that)
+PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
 exec "$PYTHON" -m hf_kvshare.bench.device_check --out "$OUT" "$@"

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_device_check_tiny_mode_writes_json_and_table(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    # the script runs $PYTHON: the interpreter running the tests, not whatever python is first on PATH
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
     result = subprocess.run(
         ["bash", "scripts/device_check.sh", "--tiny"],
         cwd=ROOT,
