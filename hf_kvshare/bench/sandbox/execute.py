@@ -57,8 +57,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-_RUNNER = _HERE / "_sandbox_runner.py"
-_LAUNCHER = _HERE / "_sandbox_launcher.py"
+_RUNNER = _HERE / "runner.py"  # copied into the run's directory and started with ``python -I``
+_LAUNCHER = _HERE / "launcher.py"  # started by path with ``python -I`` under ``unshare``
 #: environment variable every process of a run inherits (its value identifies the run)
 TAG_VARIABLE = "HFKV_SANDBOX_RUN"
 #: uid/gid the isolated program runs as

@@ -1,7 +1,8 @@
-"""Runs as root inside fresh network, mount and PID namespaces (``unshare --net --mount --pid --fork
---mount-proc``); a copy of this file is executed with ``python -I``; stdlib only.
+"""The sandbox's namespace launcher: :mod:`.execute` starts this file by path with ``python -I`` (never
+imported; stdlib only), as root inside fresh network, mount and PID namespaces (``unshare --net
+--mount --pid --fork --mount-proc``).
 
-``python -I _sandbox_launcher.py CONFIG.json`` makes every mount read-only, nosuid and nodev
+``python -I launcher.py CONFIG.json`` makes every mount read-only, nosuid and nodev
 except the sandbox directory (its own writable bind mount) and ``/dev/{null,zero,random,urandom}``;
 where a directory on the way to the interpreter is closed to other users (``/root`` for a pyenv
 install) it is covered with an empty tmpfs and only the interpreter's directories are bound back
@@ -121,4 +122,5 @@ def main() -> None:
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 
 
-main()
+if __name__ == "__main__":
+    main()
