@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import pkgutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..argparsing import ArgumentParser, device_name, dtype_name, non_negative_int, positive_int
+from .command import (
+    DEFAULT_METHODS,
+    WORKLOAD_PARAMS,
+    RunOptions,
+    load_from_options,
+    load_options,
+    model_positions,
+    parse_adapters,
+    run_command,
+    save_profile,
+)
 
 WORKLOAD_OPTIONS = {  # option: (type, help); the workload parameter is the option's name
     "--data": (str, "data source: JSONL task file (file), hub name or local file (gsm8k, mmlu, autoact)"),
@@ -41,11 +51,11 @@ def _parser(command: str, description: str | None = None) -> ArgumentParser:
 _non_negative = non_negative_int
 
 
-def _add_workload_options(p: argparse.ArgumentParser, sweep: bool = True) -> None:
+def _add_workload_options(p: argparse.ArgumentParser, sweep: bool = True, required: bool = True) -> None:
     from .workloads import WORKLOADS
 
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", required=True, choices=sorted(WORKLOADS), help="workload name")
+    g.add_argument("--workload", required=required, choices=sorted(WORKLOADS), help="workload name")
     for flag, (typ, text) in WORKLOAD_OPTIONS.items():
         g.add_argument(flag, type=typ, default=None, help=text)
     text = "trace: shared context length" + ("(s); a sweep" if sweep else "")
@@ -110,9 +120,7 @@ def _pick(args: argparse.Namespace, *names: str) -> dict[str, Any]:
 
 
 def _workload_params(args: argparse.Namespace) -> dict[str, Any]:
-    return _pick(
-        args, *(flag[2:].replace("-", "_") for flag in WORKLOAD_OPTIONS), "first_prefix", "agent_adapters"
-    )
+    return _pick(args, *WORKLOAD_PARAMS)
 
 
 def _workload_taus(items: list[str]) -> dict[str, float]:
@@ -129,147 +137,30 @@ def _workload_taus(items: list[str]) -> dict[str, float]:
     return taus
 
 
-def _adapters(items: list[str]) -> dict[str, str]:
-    """``--adapter NAME=PATH`` items as a dict; ``ValueError`` on a malformed item, a name given
-    twice or a local path that is not a PEFT adapter directory (checked before the model loads)."""
-    adapters = {}
-    for item in items:
-        name, eq, path = item.partition("=")
-        if not eq or not name or not path:
-            raise ValueError(f"--adapter expects NAME=PATH, got {item!r}")
-        if name in adapters:
-            raise ValueError(f"--adapter {name} is given twice")
-        where = f"--adapter {name}={path}"
-        if Path(path).is_dir() and not (Path(path) / "adapter_config.json").exists():
-            raise ValueError(f"{where}: the directory has no adapter_config.json (a PEFT adapter)")
-        if not Path(path).exists() and (os.sep in path or path.startswith(".")):
-            raise ValueError(f"{where}: no such directory (expected a PEFT adapter dir or hub id)")
-        adapters[name] = path
-    return adapters
-
-
-def load_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``load_model`` keywords of ``--load-in-4bit`` / ``--load-in-8bit`` / ``--bnb-4bit-quant-type`` /
-    ``--device-map`` (``--dtype`` and ``--device`` are passed on their own); ``SystemExit(2)`` with one line
-    on a bad combination, before the model loads."""
-    from ..models import model_arguments
-
-    try:
-        kwargs = model_arguments(argparse.Namespace(**{**vars(args), "dtype": None}))
-    except (ValueError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if "device_map" in kwargs and args.device != "cpu":
-        print(f"error: --device {args.device} and --device-map: give one of them", file=sys.stderr)
-        raise SystemExit(2)
-    return kwargs
-
-
-def run_config_options(args: argparse.Namespace) -> dict[str, Any]:
-    """What the model-loading options add to a ``RunConfig`` (config.json and the directory name)."""
-    from ..models import quantization_tag
-
-    return {"quantization": quantization_tag(load_options(args)), "device_map": args.device_map}
-
-
 def _model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
     """Check the model group's arguments that argparse cannot check alone; return the adapters."""
     try:
-        return _adapters(args.adapter)
+        return parse_adapters(args.adapter)
     except ValueError as e:
         p.error(str(e))
-
-
-def load_bench_model(
-    name: str,
-    dtype: str | None,
-    device: str,
-    adapters: dict[str, str],
-    threads=None,
-    num_layers: int | None = None,
-    attn_implementation: str = "sdpa",
-    seed: int = 0,
-    **load_kwargs: Any,
-):
-    """``load_model`` plus the device, the CPU threads and the PEFT adapters, in eval mode. ``load_kwargs``
-    (:func:`load_options`) go to ``load_model``; a quantized model is placed with ``device_map=device``
-    (bitsandbytes weights are not moved with ``.to``). A ``random:`` model is built on ``device``
-    directly (its weights drawn under ``seed``)."""
-    import torch
-
-    from ..agents import load_adapters
-    from ..models import load_model
-    from ..random_models import is_random
-
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-    _adapters([f"{name}={path}" for name, path in adapters.items()])  # a typo should not cost a load
-    options: dict[str, Any] = {"attn_implementation": attn_implementation, **load_kwargs}
-    placed = "device_map" in load_kwargs
-    if is_random(name):
-        options.update(num_layers=num_layers, device_map=device, seed=seed)
-        placed = True
-    elif num_layers is not None:
-        raise SystemExit(f"--num-layers applies to random:NAME models only; got --model {name}")
-    elif device != "cpu" and (load_kwargs.get("load_in_4bit") or load_kwargs.get("load_in_8bit")):
-        options["device_map"], placed = device, True
-    try:
-        model, tok = load_model(name, dtype=dtype, **options)
-    except (ValueError, MemoryError) as e:
-        raise SystemExit(f"error: {e}") from None
-    if device != "cpu" and not placed:
-        model = model.to(device)
-    return (load_adapters(model, adapters) if adapters else model), tok
-
-
-def _model_positions(p: argparse.ArgumentParser, model: str, num_layers: int | None = None) -> int | None:
-    """The positions ``model`` supports, from its config alone (no weights); ``None`` when its config
-    names none. A config that cannot be read is a usage error (one line, exit code 2)."""
-    from ..models import max_positions, model_config
-    from ..random_models import is_random
-
-    try:
-        config = model_config(model, num_layers=num_layers if is_random(model) else None)
-    except ValueError as e:
-        p.error(str(e))
-    return max_positions(config)
-
-
-def _load_from_args(args: argparse.Namespace, adapters: dict[str, str], loading: dict[str, Any]):
-    return load_bench_model(
-        args.model,
-        args.dtype,
-        args.device,
-        adapters,
-        args.threads,
-        num_layers=args.num_layers,
-        attn_implementation=args.attn_implementation,
-        seed=args.seed,
-        **loading,
-    )
 
 
 def cmd_run(argv: list[str]) -> int:
-    return run_command(argv)[0]
+    return run_command(parse_run(argv), prog=f"{PROG} run")[0]
 
 
-def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "run") -> tuple[int, list[Any]]:
-    """``bench run`` with ``argv``; studies add their :class:`~hf_kvshare.bench.runner.Collector` objects.
-    Returns the exit code and the runners (one per configuration of a sweep)."""
-    from ..random_models import is_random
-    from . import plots
-    from .methods import MethodSpec
-    from .report import SPEED_COLUMNS, format_table
-    from .runner import BenchInputError, BenchRunner, RunConfig
-    from .workloads import make_workload, workload_tau
-
-    p = _parser(prog, description="run methods on a workload")
+def parse_run(
+    argv: Sequence[str], command: str = "run", defaults: Mapping[str, Any] | None = None
+) -> RunOptions:
+    """``bench run``'s command line ``argv`` as a :class:`~hf_kvshare.bench.command.RunOptions`;
+    ``defaults`` (``RunOptions`` fields) replace the command's defaults, so what ``argv`` gives wins
+    (a study's configuration). Usage errors name ``{PROG} {command}``: one line, exit code 2."""
+    defaults = dict(defaults or {})
+    p = _parser(command, description="run methods on a workload")
     p.add_argument(
         "--methods",
         nargs="+",
-        default=["nonshared", "fullshared"],
+        default=list(DEFAULT_METHODS),
         help="registry names with options, e.g. kvcmas:tau=0.4",
     )
     p.add_argument(
@@ -280,7 +171,7 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
         help="override a workload's tau default (given to kvcmas and kvcmas-nonchained unless their options set "
         "tau; built in: humaneval 0.34, gsm8k 0.32, mmlu 0.29, others the method's 0.3)",
     )
-    _add_workload_options(p)
+    _add_workload_options(p, required="workload" not in defaults)
     _add_model_options(p)
     g = p.add_argument_group("output")
     g.add_argument("--out", default="bench_runs", help="output root; one directory per configuration")
@@ -311,91 +202,20 @@ def run_command(argv: list[str], collectors: Sequence[Any] = (), prog: str = "ru
         "--execute", action="store_true", help="HumanEval: execute the final code (sandboxed subprocess)"
     )
     g.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per HumanEval program")
+    if "adapters" in defaults:
+        defaults["adapter"] = [f"{name}={path}" for name, path in defaults.pop("adapters").items()]
+    if "workload_tau" in defaults:
+        defaults["workload_tau"] = [f"{name}={tau}" for name, tau in defaults["workload_tau"].items()]
+    p.set_defaults(**defaults)
     args = p.parse_args(argv)
-    # every argument error before the model loads: one line, exit code 2
+    fields = vars(args)
+    fields["adapters"] = _model_arguments(p, args)
+    del fields["adapter"]
     try:
-        specs = list(dict.fromkeys(MethodSpec.parse(m) for m in args.methods))
-        for spec in specs:
-            spec.create()  # the options' values, checked by the method itself (no model needed)
+        fields["workload_tau"] = _workload_taus(args.workload_tau)
     except ValueError as e:
         p.error(str(e))
-    adapters = _model_arguments(p, args)
-    params = _workload_params(args)
-    sweep = args.shared_tokens or [None]
-    try:
-        workloads = [make_workload(args.workload, **params, shared_tokens=s) for s in sweep]
-        workloads[0].check(adapters)
-        taus = _workload_taus(args.workload_tau)
-        workload_tau(args.workload, taus)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        p.error(str(e))
-    loading = load_options(args)
-    limit = _model_positions(p, args.model, args.num_layers)
-    if limit is not None:
-        try:
-            for workload in workloads:
-                workload.check_positions(limit, args.model)
-        except (ValueError, FileNotFoundError) as e:
-            p.error(str(e))
-    random_weights = is_random(args.model)
-    if random_weights and not args.no_fidelity:
-        print(
-            f"note: {args.model} has random weights: fidelity is not valid on it, so the teacher-forced "
-            "pass is skipped (as --no-fidelity) and the report shows speed and memory only",
-            file=sys.stderr,
-        )
-    print(f"loading {args.model} ...", file=sys.stderr)
-    model, tok = _load_from_args(args, adapters, loading)
-    runners = []
-    options = _pick(
-        args,
-        "model",
-        "dtype",
-        "device",
-        "seed",
-        "execute",
-        "exec_timeout",
-        "warmup",
-        "state_in",
-        "num_layers",
-        "attn_implementation",
-    )
-    options.update(run_config_options(args))
-    fidelity = not (args.no_fidelity or random_weights)
-    options.update(fidelity=fidelity, erank=fidelity and not args.no_erank, adapters=adapters)
-    for workload in workloads:
-        config = RunConfig(workload.name, workload.params(), **options)
-        runner = BenchRunner(
-            model,
-            tok,
-            workload,
-            config,
-            args.out,
-            not args.no_progress,
-            collectors,
-            tau=taus,
-            state_out=args.state_out,
-        )
-        try:
-            summaries = runner.run(specs, redo=args.redo)
-        except BenchInputError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2, runners
-        if not args.no_plots:
-            plots.configuration_plots(runner.dir)
-        print(f"\n{runner.dir}")
-        if random_weights:
-            print("random weights: fidelity columns omitted (timings and memory are valid, outputs are not)")
-            print(format_table(list(summaries.values()), SPEED_COLUMNS))
-        else:
-            print(format_table(list(summaries.values())))
-        runners.append(runner)
-    dirs = [r.dir for r in runners]
-    if len(dirs) > 1 and not args.no_plots:
-        out = Path(args.out) / "plots" / f"{workloads[0].name}-sweep-{dirs[0].name.split('__', 1)[1]}"
-        if plots.sweep_plots(dirs, out):
-            print(f"\nsweep plots: {out}")
-    return 0, runners
+    return RunOptions(**fields)
 
 
 def cmd_plot(argv: list[str]) -> int:
@@ -416,24 +236,6 @@ def cmd_plot(argv: list[str]) -> int:
     if plots.sweep_plots(configs, out):
         print(f"sweep plots: {out}")
     return 0
-
-
-def save_profile(
-    model, tokenizer, tasks, spec, path: Path, meta: dict, progress: bool = True
-) -> dict[str, Any]:
-    """Profile ``spec`` (a method with ``fit_profile``, e.g. DroidSpeak) offline on ``tasks``; write
-    ``{option name: profile}`` with ``meta`` to ``path`` (the JSON file the method takes back as an
-    option: ``droidspeak:layer_profile=PATH``) and return it. Profile on other requests than the
-    ones evaluated (``--offset``)."""
-    from ..evaluation import calibrate_droidspeak
-    from .runner import write_json
-
-    workflows = [t.to_workflow(tokenizer) for t in tasks]
-    profile = calibrate_droidspeak(spec.create(), model, tokenizer, workflows, progress=progress)
-    result = {"layer_profile": [float(x) for x in profile]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, {"method": spec.name, **result, **meta})
-    return result
 
 
 def cmd_calibrate(argv: list[str]) -> int:
@@ -486,7 +288,7 @@ def cmd_calibrate(argv: list[str]) -> int:
         workload.check(adapters)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
-    model, tok = _load_from_args(args, adapters, load_options(args))
+    model, tok = load_from_options(args, adapters, load_options(args))
     tasks = workload.tasks(tok, args.seed)
     out = Path(args.out) / "calibration"
     common = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}
@@ -538,7 +340,7 @@ def cmd_validate(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     adapters = None if args.adapter is None else [a.partition("=")[0] for a in args.adapter]
-    limit = None if args.model is None else _model_positions(p, args.model)
+    limit = None if args.model is None else model_positions(p.error, args.model)
     try:
         tasks = validate_task_file(args.file, adapters, max_positions=limit, model=args.model or "the model")
     except (WorkloadFormatError, FileNotFoundError) as e:

@@ -133,42 +133,38 @@ def make_lora_adapters(
 
 
 def sweep(
-    plan: dict[str, Any], device: str, out: Path, lengths: list[int], methods: list[str], extra: list[str]
+    plan: dict[str, Any],
+    device: str,
+    out: Path,
+    lengths: list[int],
+    methods: list[str],
+    adapters: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """(b) the bench's ``run`` on the trace workload: one model build, every shared length."""
-    from .__main__ import run_command
+    """(b) the bench's ``run`` on the trace workload: one model build, every shared length; with
+    ``adapters`` (``{role: path}``) the agents run with their role's adapter."""
+    from .command import RunOptions, run_command
 
-    argv = [
-        "--workload",
-        "trace",
-        "--model",
-        plan["model"],
-        "--dtype",
-        plan["dtype"],
-        "--device",
-        device,
-        "--shared-tokens",
-        *map(str, lengths),
-        "--agents",
-        str(AGENTS),
-        "--output-tokens",
-        str(plan["output_tokens"]),
-        "--requests",
-        str(WARMUP + plan["measured"]),
-        "--warmup",
-        str(WARMUP),
-        "--methods",
-        *methods,
-        "--no-fidelity",
-        "--no-plots",
-        "--no-progress",
-        "--out",
-        str(out / "bench"),
-        *extra,
-    ]
-    code, runners = run_command(argv)
+    options = RunOptions(
+        workload="trace",
+        model=plan["model"],
+        dtype=plan["dtype"],
+        device=device,
+        shared_tokens=list(lengths),
+        agents=AGENTS,
+        output_tokens=plan["output_tokens"],
+        requests=WARMUP + plan["measured"],
+        warmup=WARMUP,
+        methods=list(methods),
+        no_fidelity=True,
+        no_plots=True,
+        no_progress=True,
+        out=str(out / "bench"),
+        agent_adapters=True if adapters else None,
+        adapters=dict(adapters or {}),
+    )
+    code, runners = run_command(options)
     if code != 0:
-        raise RuntimeError(f"bench run failed ({code}): {' '.join(argv)}")
+        raise RuntimeError(f"bench run failed ({code}): {options}")
     return [row for runner in runners for row in _rows(runner.dir, runner.load_summaries().values())]
 
 
@@ -287,18 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exactness: {results['exactness']}", file=sys.stderr)
     write([])
     try:
-        rows = sweep(plan, device, out, plan["lengths"], plan["methods"], [])
+        rows = sweep(plan, device, out, plan["lengths"], plan["methods"])
         write(rows)
-        roles = [
-            name
-            for name, _ in __import__("hf_kvshare.bench.workloads.trace", fromlist=["ROLES"]).ROLES[:AGENTS]
-        ]
+        from .workloads.trace import ROLES
+
+        roles = [name for name, _ in ROLES[:AGENTS]]
         adapters = make_lora_adapters(plan["model"], plan["dtype"], device, roles, out / "adapters")
-        extra = [
-            "--agent-adapters",
-            *(a for role, path in adapters.items() for a in ("--adapter", f"{role}={path}")),
-        ]
-        rows += sweep(plan, device, out, [plan["lora_length"]], plan["lora_methods"], extra)
+        rows += sweep(plan, device, out, [plan["lora_length"]], plan["lora_methods"], adapters)
     except KeyboardInterrupt:  # `timeout -s INT`: keep the configurations that finished
         write(
             collect_rows(out),

@@ -1,14 +1,16 @@
-"""Studies behind the figures in ``docs/results/``: each is a bench configuration (``bench run``
-arguments) plus extra :class:`~hf_kvshare.bench.runner.Collector` objects, with no run loop of its
+"""Studies behind the figures in ``docs/results/``: each is a bench configuration (a
+:class:`~hf_kvshare.bench.command.RunOptions`, the user's ``bench run`` arguments over the study's
+defaults) plus extra :class:`~hf_kvshare.bench.runner.Collector` objects, with no run loop of its
 own; ``python -m hf_kvshare.bench study <name> [bench run options]`` (see ``docs/workloads.md``).
 """
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..command import RunOptions
 from ..report import markdown_table, report, write_csv
 from ..runner import Collector
 
@@ -33,26 +35,31 @@ class TableCollector(Collector):
         return f"\n## {self.title}\n\n" + markdown_table(self.rows, self.columns)
 
 
+def study_options(name: str, argv: Sequence[str], defaults: Mapping[str, Any]) -> RunOptions:
+    """The study's :class:`~hf_kvshare.bench.command.RunOptions`: ``bench run``'s options from the
+    user's ``argv`` over the study's ``defaults`` (``RunOptions`` fields; what ``argv`` gives wins)."""
+    from .. import __main__ as cli
+
+    return cli.parse_run(argv, f"study {name}", defaults)
+
+
 def run_study(
     name: str,
-    defaults: Sequence[str],
-    argv: Sequence[str],
+    options: RunOptions,
     collectors: Sequence[TableCollector],
     intro: str,
-    shown: Sequence[str] | None = None,
+    shown: Sequence[str],
 ) -> int:
-    """``bench run`` with the study's ``defaults`` then the user's ``argv`` (later options win), the
-    study's collectors attached; writes ``<configuration>/<name>.md``: the command, the bench's
-    summary and hop tables, and each collector's table. ``shown``: the arguments the report's command
-    line shows (default ``argv``)."""
-    from ..__main__ import run_command
+    """``bench run`` with the study's ``options`` (:func:`study_options`), its collectors attached;
+    writes ``<configuration>/<name>.md``: the command (``shown``: the arguments it shows), the bench's
+    summary and hop tables, and each collector's table."""
+    from .. import __main__ as cli
+    from ..command import run_command
 
-    code, runners = run_command([*defaults, *argv], collectors, prog=f"study {name}")
+    code, runners = run_command(options, collectors, prog=f"{cli.PROG} study {name}")
     if code:
         return code
-    command = shlex.join(
-        ["python", "-m", "hf_kvshare.bench", "study", name, *(argv if shown is None else shown)]
-    )
+    command = shlex.join(["python", "-m", "hf_kvshare.bench", "study", name, *shown])
     for runner in runners:
         parts = [
             f"# {name} study\n",

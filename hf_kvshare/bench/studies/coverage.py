@@ -16,10 +16,10 @@ from pathlib import Path
 from ...evaluation import collect_transitions, reconstruction_coverage
 from ...methods import DroidSpeak, RelayCaching
 from ..runner import write_json
-from . import TableCollector, run_study
+from . import TableCollector, run_study, study_options
 
 #: the workload when none is given (``--workload ...`` replaces all of these)
-WORKLOAD = ["--workload", "humaneval", "--limit", "8", "--max-new-tokens", "32"]
+WORKLOAD = {"workload": "humaneval", "limit": 8, "max_new_tokens": 32}
 
 
 class Coverage(TableCollector):
@@ -66,6 +66,7 @@ class Coverage(TableCollector):
 
 def main(argv: list[str] | None = None) -> int:
     from .. import __main__ as cli
+    from ..command import load_bench_model, load_options, save_profile
     from ..methods import MethodSpec
     from ..workloads import make_workload
 
@@ -78,37 +79,31 @@ def main(argv: list[str] | None = None) -> int:
     options, argv = study.parse_known_args(argv)
     if min(options.rho) < 0 or max(options.rho) > 1 or min(options.calibration, options.random_trials) < 1:
         study.error("--rho values must be in [0, 1]; --calibration and --random-trials >= 1")
-    defaults = [] if "--workload" in argv else list(WORKLOAD)
-    defaults += [] if "--offset" in argv else ["--offset", str(options.calibration)]
-
-    # DroidSpeak's offline profile on the first requests, apart from the measured ones
-    parser = argparse.ArgumentParser(add_help=False)
-    cli._add_workload_options(parser, sweep=False)
-    cli._add_model_options(parser)
-    parser.add_argument("--out", default="bench_runs")
-    args = parser.parse_known_args([*defaults, *argv])[0]
-    params = {**cli._workload_params(args), "offset": 0, "limit": options.calibration}
-    workload = make_workload(args.workload, **params, shared_tokens=args.shared_tokens)
-    profile = Path(args.out) / "calibration" / f"droidspeak__{workload.tag()}__profile.json"
     if {"-h", "--help"} & set(argv):
         study.print_help()  # then bench run's options
-    else:
-        model, tok = cli.load_bench_model(
-            args.model, args.dtype, args.device, {}, args.threads, **cli.load_options(args)
-        )
-        tasks = workload.tasks(tok, args.seed)
-        meta = {"workload": workload.name, "workload_params": workload.params(), "model": args.model}
-        cli.save_profile(model, tok, tasks, MethodSpec("droidspeak"), profile, meta, not args.no_progress)
-        del model
-        print(f"DroidSpeak's layer profile on {len(tasks)} request(s) of {workload.tag()}: {profile}")
+    defaults = {} if "--workload" in argv else dict(WORKLOAD)
+    defaults.update({} if "--offset" in argv else {"offset": options.calibration})
+    run = study_options("coverage", argv, defaults)
 
-    methods = ["nonshared"] if "methods" not in options.part else ["fullshared"]
-    for rho in options.rho if "methods" in options.part else []:
-        ds = f"droidspeak:layer_profile={profile},rho={rho}"
-        methods += [f"cacheblend:rho={rho}", ds, f"relaycaching:rho={rho}"]
-    defaults += [] if "--methods" in argv else ["--methods", *methods]
+    # DroidSpeak's offline profile on the first requests, apart from the measured ones
+    params = {**run.workload_params(), "offset": 0, "limit": options.calibration}
+    shared = run.shared_tokens[0] if run.shared_tokens else None
+    workload = make_workload(run.workload, **params, shared_tokens=shared)
+    profile = Path(run.out) / "calibration" / f"droidspeak__{workload.tag()}__profile.json"
+    model, tok = load_bench_model(run.model, run.dtype, run.device, {}, run.threads, **load_options(run))
+    tasks = workload.tasks(tok, run.seed)
+    meta = {"workload": workload.name, "workload_params": workload.params(), "model": run.model}
+    save_profile(model, tok, tasks, MethodSpec("droidspeak"), profile, meta, not run.no_progress)
+    del model
+    print(f"DroidSpeak's layer profile on {len(tasks)} request(s) of {workload.tag()}: {profile}")
+
+    if "--methods" not in argv:
+        run.methods = ["nonshared"] if "methods" not in options.part else ["fullshared"]
+        for rho in options.rho if "methods" in options.part else []:
+            ds = f"droidspeak:layer_profile={profile},rho={rho}"
+            run.methods += [f"cacheblend:rho={rho}", ds, f"relaycaching:rho={rho}"]
     collectors = [Coverage(options.rho, profile, options.random_trials)] if "coverage" in options.part else []
-    return run_study("coverage", defaults, argv, collectors, __doc__.split("\n\n")[0], shown)
+    return run_study("coverage", run, collectors, __doc__.split("\n\n")[0], shown)
 
 
 if __name__ == "__main__":

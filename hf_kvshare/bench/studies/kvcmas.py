@@ -21,10 +21,10 @@ from ...evaluation.metrics import relative_error
 from ...prefill import model_input_device, prefill_dense
 from ...rope import RopeShifter
 from ..report import write_csv
-from . import TableCollector, run_study
+from . import TableCollector, run_study, study_options
 
 #: the workload when none is given (``--workload ...`` replaces all of these)
-WORKLOAD = ["--workload", "humaneval", "--limit", "13", "--warmup", "3", "--max-new-tokens", "48"]
+WORKLOAD = {"workload": "humaneval", "limit": 13, "warmup": 3, "max_new_tokens": 48}
 METHODS = [
     "nonshared",
     "fullshared",
@@ -183,11 +183,10 @@ class Pools(TableCollector):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    defaults = [] if "--workload" in argv else list(WORKLOAD)
-    defaults += [] if "--methods" in argv else ["--methods", *METHODS]
-    return run_study(
-        "kvcmas", defaults, argv, [DeltaRanks(), AnchorBytes(), Pools()], __doc__.split("\n\n")[0]
-    )
+    defaults = {**({} if "--workload" in argv else WORKLOAD), "methods": METHODS}
+    options = study_options("kvcmas", argv, defaults)
+    collectors = [DeltaRanks(), AnchorBytes(), Pools()]
+    return run_study("kvcmas", options, collectors, __doc__.split("\n\n")[0], argv)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ import torch
 
 from ...prefill import model_input_device
 from ..workloads.autoact_world import ROLES
-from . import TableCollector, run_study
+from . import TableCollector, run_study, study_options
 
-DEFAULTS = ["--workload", "autoact"]
+DEFAULTS = {"workload": "autoact"}
 METHODS = [
     "nonshared",
     "fullshared",
@@ -81,8 +81,9 @@ class AdapterFree(TableCollector):
         super().finish(runner)
 
 
-def role_adapter_args(directory: str, progress: bool = True) -> list[str]:
-    """``--adapter ROLE=DIR/ROLE`` for every role, training the adapters into ``DIR`` when missing."""
+def role_adapters(directory: str, progress: bool = True) -> dict[str, str]:
+    """``{role: DIR/role}`` for every role (``--adapter ROLE=DIR/ROLE``), training the adapters into
+    ``DIR`` when missing."""
     path = Path(directory)
     if not all((path / r / "adapter_config.json").exists() for r in ROLES):
         from ..train_roles import train_roles
@@ -91,21 +92,20 @@ def role_adapter_args(directory: str, progress: bool = True) -> list[str]:
             f"no role adapters in {path}: training them (python -m hf_kvshare.bench.train_roles --out {path})"
         )
         train_roles(path, progress=progress)
-    return [arg for r in ROLES for arg in ("--adapter", f"{r}={path / r}")]
+    return {r: str(path / r) for r in ROLES}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = shown = list(sys.argv[1:] if argv is None else argv)
-    defaults = list(DEFAULTS)
+    defaults = {**DEFAULTS, "methods": METHODS}
     if "--adapters" in argv:
         i = argv.index("--adapters")
         if i + 1 >= len(argv):
             raise SystemExit("--adapters expects a directory")
-        defaults += role_adapter_args(argv[i + 1], progress="--no-progress" not in argv)
+        defaults["adapters"] = role_adapters(argv[i + 1], progress="--no-progress" not in argv)
         argv = argv[:i] + argv[i + 2 :]
-    if "--methods" not in argv:
-        defaults += ["--methods", *METHODS]
-    return run_study("precache", defaults, argv, [AdapterFree()], __doc__.split("\n\n")[0], shown)
+    options = study_options("precache", argv, defaults)
+    return run_study("precache", options, [AdapterFree()], __doc__.split("\n\n")[0], shown)
 
 
 if __name__ == "__main__":
