@@ -472,6 +472,31 @@ def test_study_dispatch(monkeypatch, capsys):
     assert main(["study"]) == 2
 
 
+def test_run_options_are_the_command_line_with_its_defaults():
+    """`bench run`'s argv parses into the RunOptions the studies and the device check build directly:
+    same defaults, adapters and workload taus as dicts, study defaults overridden by argv."""
+    from hf_kvshare.bench import RunOptions
+    from hf_kvshare.bench.__main__ import parse_run
+
+    assert parse_run(["--workload", "trace"]) == RunOptions(workload="trace")
+    given = parse_run(
+        ["--workload", "trace", "--agents", "2", "--adapter", "a=adapter-a", "--workload-tau", "gsm8k=0.5"],
+        defaults={"workload": "humaneval", "agents": 4, "limit": 3, "methods": ["kvcmas"]},
+    )
+    expected = RunOptions(
+        workload="trace",
+        agents=2,
+        limit=3,
+        methods=["kvcmas"],
+        adapters={"a": "adapter-a"},
+        workload_tau={"gsm8k": 0.5},
+    )
+    assert given == expected
+    assert parse_run([], defaults={"workload": "gsm8k", "adapters": {"b": "adapter-b"}}).adapters == {
+        "b": "adapter-b"
+    }
+
+
 def test_python_dash_m_entry_point(tmp_path):
     import subprocess
 
