@@ -45,6 +45,12 @@ GRAPH_TASKS = [
 ]
 
 
+def trace_args(rounds: int = 2) -> list[str]:
+    """``bench run`` arguments of a small trace: 24 shared tokens, 3 agents, ``rounds`` rounds, 3 output tokens."""
+    sizes = {"--shared-tokens": 24, "--agents": 3, "--rounds": rounds, "--output-tokens": 3}
+    return ["--workload", "trace", *(a for flag, n in sizes.items() for a in (flag, str(n)))]
+
+
 def write_jsonl(path: Path, records) -> Path:
     with open(path, "w") as f:
         for r in records:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from bench_helpers import GRAPH_TASKS, save_random_adapters, save_tiny, write_jsonl
+from bench_helpers import GRAPH_TASKS, save_random_adapters, save_tiny, trace_args, write_jsonl
 
 from hf_kvshare import METHODS
 from hf_kvshare.bench import make_workload
@@ -26,18 +26,7 @@ from hf_kvshare.methods import Method, Placement
 
 PROMPT_METHODS = sorted(n for n, c in METHODS.items() if not requires_adapters(c))
 ALL_METHODS = sorted(METHODS)
-TRACE = [
-    "--workload",
-    "trace",
-    "--shared-tokens",
-    "24",
-    "--agents",
-    "3",
-    "--rounds",
-    "2",
-    "--output-tokens",
-    "3",
-]
+TRACE = trace_args(rounds=2)
 
 
 @pytest.fixture(scope="module")

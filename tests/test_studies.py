@@ -7,22 +7,11 @@ import csv
 import json
 
 import pytest
-from bench_helpers import save_random_adapters, save_tiny
+from bench_helpers import save_random_adapters, save_tiny, trace_args
 
 from hf_kvshare.bench.studies import kvcmas, precache
 
-TRACE = [
-    "--workload",
-    "trace",
-    "--shared-tokens",
-    "24",
-    "--agents",
-    "3",
-    "--rounds",
-    "1",
-    "--output-tokens",
-    "3",
-]
+TRACE = trace_args(rounds=1)
 
 
 @pytest.fixture(scope="module")
