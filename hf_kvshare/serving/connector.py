@@ -196,12 +196,21 @@ class HFKVShareConnector(KVConnectorBase_V1):
         for load in metadata.loads:
             for name, kv_cache in self._kv_caches.items():
                 layer = self._layer_of[name]
-                paged.write(kv_cache, self._isa[name], load.block_ids, load.start, load.keys[layer], load.values[layer])
+                paged.write(
+                    kv_cache,
+                    self._isa[name],
+                    load.block_ids,
+                    load.start,
+                    load.keys[layer],
+                    load.values[layer],
+                )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return
 
     def wait_for_save(self) -> None:
@@ -255,7 +264,9 @@ class HFKVShareConnector(KVConnectorBase_V1):
         self._plans[request.request_id] = plan
         return plan.claimed, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         plan = self._plans.get(request.request_id)
         if plan is None:
             return
@@ -265,7 +276,9 @@ class HFKVShareConnector(KVConnectorBase_V1):
             plan.keys = [k[:keep] for k in plan.keys] if keep else []
             plan.values = [v[:keep] for v in plan.values] if keep else []
         if plan.claimed:
-            self._loads[request.request_id] = Load(request.request_id, [], plan.claim_start, plan.keys, plan.values)
+            self._loads[request.request_id] = Load(
+                request.request_id, [], plan.claim_start, plan.keys, plan.values
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = HFKVShareMetadata()

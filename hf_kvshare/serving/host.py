@@ -77,7 +77,8 @@ def check_serving_method(method: Method) -> None:
         if value in bad:
             raise ServingError(
                 f"{name}: {knob}={value!r} needs a reference prefill (an HF forward outside the workflow), "
-                f"which serving cannot run; use {name}:{knob}=" + ("chained" if knob == "text_source" else "producer")
+                f"which serving cannot run; use {name}:{knob}="
+                + ("chained" if knob == "text_source" else "producer")
             )
 
 
@@ -106,7 +107,9 @@ def skeleton_model(model_dir: str | Path) -> torch.nn.Module:
         with torch.device("cpu"):
             real = type(rotary)(config=rotary.config)
     except TypeError as error:
-        raise ServingError(f"{type(rotary).__name__} cannot be rebuilt on CPU from its config ({error})") from error
+        raise ServingError(
+            f"{type(rotary).__name__} cannot be rebuilt on CPU from its config ({error})"
+        ) from error
     parent_name, _, attr = names[0].rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, real)
     model.eval()
@@ -308,7 +311,9 @@ class Sharing:
         return Turn(host=host, agent=resolved.agent, spans=spans, output_slot=output)
 
     def _pf(self, ids: torch.Tensor, start: int, index: int) -> Span:
-        return Span(spec=PF(self.tokenizer.decode(ids.tolist())), name=f"pf{index}", token_ids=ids, start=start)
+        return Span(
+            spec=PF(self.tokenizer.decode(ids.tolist())), name=f"pf{index}", token_ids=ids, start=start
+        )
 
     def _claim(self, plan: Plan) -> None:
         """The longest run of placed positions from the engine's prefix-cache hit (module docstring)."""
@@ -406,7 +411,12 @@ class Sharing:
         while len(out) > 1 and out[-1] in stop_ids:
             out.pop()
         text = self.tokenizer.decode(out, skip_special_tokens=True)
-        slot = Slot(name=turn.output_slot, token_ids=torch.tensor(out, dtype=torch.long), text=text, producer=turn.agent)
+        slot = Slot(
+            name=turn.output_slot,
+            token_ids=torch.tensor(out, dtype=torch.long),
+            text=text,
+            producer=turn.agent,
+        )
         host.slots[turn.output_slot] = slot
         if method.uses_sources:
             for span in turn.spans:

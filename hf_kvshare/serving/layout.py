@@ -141,7 +141,10 @@ def parse(params: Any) -> RequestLayout:
         if value is not None and (not isinstance(value, str) or not value):
             raise LayoutError(f"kv_transfer_params.{KEY}.{key} must be a non-empty string, got {value!r}")
     layout = RequestLayout(
-        task=raw.get("task") or DEFAULT_TASK, agent=raw.get("agent"), output=raw.get("output"), method=raw.get("method")
+        task=raw.get("task") or DEFAULT_TASK,
+        agent=raw.get("agent"),
+        output=raw.get("output"),
+        method=raw.get("method"),
     )
     segments = raw.get("segments")
     if segments is None:
@@ -245,12 +248,16 @@ def resolve(
     layout: RequestLayout,
     prompt: Sequence[int],
     tokens: TokenInfo,
-    known: Mapping[str, Sequence[int]],
+    known: Mapping[str, Sequence[int]] | None,
     min_tokens: int = MIN_SEGMENT_TOKENS,
 ) -> ResolvedLayout:
     """Locate the request's PH spans in ``prompt`` (token ids); ``known``: the task's slots (name ->
-    token ids). Raises :class:`LayoutError` for an explicit layout that does not fit the prompt."""
+    token ids), or ``None`` when they are not known here (the server's middleware: segments that name
+    only a recorded slot are then not checked). Raises :class:`LayoutError` for an explicit layout that
+    does not fit the prompt."""
     prompt = list(prompt)
+    check_only = known is None
+    known = known or {}
     pieces = chunks(prompt, tokens.special, tokens.is_space)
     agent = layout.agent or ("a" + slot_name(prompt[pieces[0][0] : pieces[0][1]])[1:] if pieces else "agent")
     resolved = ResolvedLayout(task=layout.task, agent=agent, output=layout.output)
@@ -263,12 +270,18 @@ def resolve(
         where = f"segments[{i}] (slot {seg.slot!r})"
         if seg.start is not None:
             if seg.end > len(prompt):
-                raise LayoutError(f"{where}: [{seg.start}, {seg.end}) lies beyond the prompt ({len(prompt)} tokens)")
+                raise LayoutError(
+                    f"{where}: [{seg.start}, {seg.end}) lies beyond the prompt ({len(prompt)} tokens)"
+                )
             if seg.start < cursor:
-                raise LayoutError(f"{where}: [{seg.start}, {seg.end}) overlaps or precedes the segment before it")
+                raise LayoutError(
+                    f"{where}: [{seg.start}, {seg.end}) overlaps or precedes the segment before it"
+                )
             ids = prompt[seg.start : seg.end]
             if seg.slot in known and list(known[seg.slot]) != ids:
-                raise LayoutError(f"{where}: the task's slot {seg.slot!r} holds other tokens than [{seg.start}, {seg.end})")
+                raise LayoutError(
+                    f"{where}: the task's slot {seg.slot!r} holds other tokens than [{seg.start}, {seg.end})"
+                )
             located = LocatedSegment(seg.slot, seg.start, seg.end)
         else:
             if seg.text is not None:
@@ -282,6 +295,8 @@ def resolve(
                     )
             elif seg.slot in known:
                 ids = list(known[seg.slot])
+            elif check_only:
+                continue
             else:
                 raise LayoutError(
                     f"{where}: no text and no such slot recorded in task {layout.task!r}; "
@@ -291,8 +306,12 @@ def resolve(
             if at < 0:
                 before = find(prompt, ids, 0)
                 if before >= 0:
-                    raise LayoutError(f"{where}: its tokens occur only at {before}, overlapping or before the segment before it")
-                raise LayoutError(f"{where}: its {len(ids)} tokens do not occur in the prompt ({len(prompt)} tokens)")
+                    raise LayoutError(
+                        f"{where}: its tokens occur only at {before}, overlapping or before the segment before it"
+                    )
+                raise LayoutError(
+                    f"{where}: its {len(ids)} tokens do not occur in the prompt ({len(prompt)} tokens)"
+                )
             located = LocatedSegment(seg.slot, at, at + len(ids), text=seg.text)
         resolved.segments.append(located)
         cursor = located.end
