@@ -297,7 +297,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         plan = self._plans.pop(request.request_id, None)
         if plan is None:
             return False, None
-        report = {"hf_kvshare": plan.report()}
+        report = {"hf_kvshare": {**plan.report(), "store": self._sharing.state_summary()}}
         finished = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
         if plan.turn is None or not finished or not block_ids:
             self._sharing.release(plan)
