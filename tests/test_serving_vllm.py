@@ -201,3 +201,19 @@ def test_default_layout_from_chat_messages(server):
     second = ask("You are the critic of the plan.")
     shared = [s for s in second["segments"] if s["kind"] == "PH"]
     assert first["agent"] != second["agent"] and shared and shared[0]["placed"], second
+
+
+def test_example_multi_agent_loop(server):
+    """examples/serve_agents.py against the server: on the second task the later agents' prompts are
+    supplied from their kept text and the task's document (prefix_reuse)."""
+    import importlib.util as util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "serve_agents.py"
+    spec = util.spec_from_file_location("serve_agents", path)
+    example = util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    first = example.run(server.url + "/v1", server.model_dir, max_tokens=8)
+    second = example.run(server.url + "/v1", server.model_dir, max_tokens=8)
+    assert all(r["report"]["error"] is None for r in first + second)
+    assert second[1]["report"]["supplied_tokens"] > 0 and second[2]["report"]["supplied_tokens"] > 0, second

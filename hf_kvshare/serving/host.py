@@ -169,6 +169,7 @@ class Plan:
     values: list[torch.Tensor] = field(default_factory=list)
     error: str | None = None
     opt_out: bool = False
+    missing: list[str] = field(default_factory=list)
 
     @property
     def claimed(self) -> int:
@@ -190,6 +191,7 @@ class Plan:
             ]
             if turn
             else [],
+            "missing": self.missing,
             "error": self.error,
         }
 
@@ -270,7 +272,7 @@ class Sharing:
         known = {name: slot.token_ids.tolist() for name, slot in host.slots.items()}
         resolved = lay.resolve(request, plan.prompt, self.tokens, known, self.min_segment_tokens)
         turn = self._turn(host, resolved, plan.prompt)
-        plan.host, plan.turn = host, turn
+        plan.host, plan.turn, plan.missing = host, turn, resolved.missing
         turn.stats.ph_tokens = sum(s.length for s in turn.spans if s.kind == "PH")
         method = self.method
         method.plan(turn)

@@ -26,7 +26,9 @@ Explicit layout
   ``<|im_start|>user\\n``, Llama 3 ``<|end_header_id|>\\n\\n``) keep a message's content tokens as they
   are alone, so give whole message contents (or text starting a line).
 - ``{"slot": name}`` alone: the slot's token ids as recorded earlier in the task (a document given
-  before, or an agent's output: its generated ids, EOS stripped) must occur in the prompt.
+  before, or an agent's output: its generated ids, EOS stripped) are looked for in the prompt; when
+  they are not there (the client re-worded an output) that segment is the agent's own text and the
+  response's report lists it under ``missing``.
 - ``start`` / ``end``: token positions, for clients that send token ids (``/v1/completions``).
 - A slot's content is fixed within a task (another text under a known slot name is an error).
 - Errors (unknown keys, a segment not in the prompt, overlapping or unordered segments, a span
@@ -120,6 +122,9 @@ class ResolvedLayout:
     output: str | None
     segments: list[LocatedSegment] = field(default_factory=list)
     derived: bool = False
+    #: slots named without text or positions whose recorded tokens are not in the prompt (e.g. an
+    #: output the client re-worded): left to the engine as PF text, reported
+    missing: list[str] = field(default_factory=list)
 
 
 def parse(params: Any) -> RequestLayout:
@@ -303,6 +308,9 @@ def resolve(
                     f"recorded: {sorted(known)[:20]}"
                 )
             at = find(prompt, ids, cursor)
+            if at < 0 and seg.text is None:
+                resolved.missing.append(seg.slot)
+                continue
             if at < 0:
                 before = find(prompt, ids, 0)
                 if before >= 0:
