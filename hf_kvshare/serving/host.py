@@ -28,6 +28,7 @@ it with the method's own ``state_summary()``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections import OrderedDict
@@ -88,7 +89,8 @@ def salt(method: Method) -> str | None:
     injects nothing: no salt (plain vLLM's prefix cache)."""
     if method.name == "nonshared":
         return None
-    return f"hf_kvshare:{method.name}:{method!r}"
+    digest = hashlib.sha1(repr(method).encode()).hexdigest()[:16]  # the options; vLLM allows 128 characters
+    return f"hf_kvshare:{method.name}:{digest}"
 
 
 def skeleton_model(model_dir: str | Path) -> torch.nn.Module:
