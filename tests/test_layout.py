@@ -381,3 +381,47 @@ def test_storage_and_model_run_finders_find_them():
     tree = ast.parse(source)
     assert storage_classes({"m": tree, "n": ast.parse("class D(B): pass")}) == {"m": ["A", "B"], "n": ["D"]}
     assert model_runs(tree) == [3, 6, 7]  # model(...); .forward(...) (not reported twice); cache_kwargs(...)
+
+
+SERVING = "serving"
+#: serving modules that may import vLLM (the connector and its paged-cache access); the others (layout,
+#: host, middleware, server, models) import without vLLM, so the main suite tests them
+SERVING_VLLM = {f"{ROOT}.serving.connector", f"{ROOT}.serving.paged"}
+
+
+def _top_imports(tree: ast.AST) -> set[str]:
+    found = set()
+    for node in _import_nodes(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        if isinstance(node, ast.ImportFrom) and node.level:
+            continue
+        found.update(n.split(".")[0] for n in names)
+    return found
+
+
+def test_serving_drives_the_method_contract_only():
+    """``hf_kvshare.serving`` is a host like the Session: it imports no engine package, no session,
+    evaluation or bench; nothing but the CLI imports it; only its connector / paged modules import vLLM."""
+    edges = graph()
+    serving = [m for m in edges if _inside(m, SERVING)]
+    assert serving, "hf_kvshare.serving is missing"
+    bad = [
+        f"{module} imports {target}"
+        for module in serving
+        for target in sorted(edges[module])
+        if any(_inside(target, area) for area in (*ENGINES, "session", "evaluation", "bench"))
+    ]
+    assert not bad, "serving modules importing engines / session / evaluation / bench:\n" + "\n".join(bad)
+    users = sorted(
+        m
+        for m, targets in edges.items()
+        if not _inside(m, SERVING) and any(_inside(t, SERVING) for t in targets)
+    )
+    assert users in ([], [f"{ROOT}.cli"]), f"modules outside serving importing it: {users}"
+    vllm = sorted(
+        m
+        for m in serving
+        if m not in SERVING_VLLM
+        and "vllm" in _top_imports(ast.parse(MODULES[m].read_text(), filename=str(MODULES[m])))
+    )
+    assert not vllm, f"serving modules importing vLLM (only {sorted(SERVING_VLLM)} may): {vllm}"

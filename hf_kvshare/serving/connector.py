@@ -1,0 +1,328 @@
+"""vLLM KV connector: agents of one multi-agent task share K/V of common segments inside a stock vLLM.
+
+Loaded out of tree (no patch of vLLM)::
+
+    KVTransferConfig(
+        kv_connector="HFKVShareConnector",
+        kv_connector_module_path="hf_kvshare.serving.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"method": "fullshared", "options": {"prefix_reuse": True},
+                                   "max_bytes": 2 << 30, "max_tasks": 1024},
+    )
+
+``hf-kvshare serve`` sets this up (:mod:`.server`). What each hook does:
+
+- ``get_num_new_matched_tokens`` (scheduler, once per admission): :meth:`Sharing.plan
+  <hf_kvshare.serving.host.Sharing.plan>` runs the method's contract on the request's layout
+  (:mod:`.layout`) and claims the longest placed range that starts at vLLM's own (block-aligned)
+  prefix-cache hit, the only shape vLLM accepts (one contiguous range per request).
+- ``update_state_after_alloc`` / ``build_connector_meta``: the claimed K/V and the request's block ids
+  go to the worker in the step's metadata.
+- ``start_load_kv`` (worker, before the forward): writes them with vLLM's own CPU writer
+  (:mod:`.paged`), synchronously.
+- ``request_finished`` (scheduler, before the blocks are freed): a finished request keeps its blocks
+  (``delay_free``) until the worker has read back the K/V it used (prompt + output but its last token)
+  in the next step's ``wait_for_save``; they come back in ``build_connector_worker_meta`` and
+  ``update_connector_output`` records the turn (slots, ``method.record``), then the blocks are freed
+  (``get_finished``). ``has_pending_push_work`` keeps the engine stepping until then. One worker
+  (tensor and pipeline parallel size 1) is supported; more are refused at start-up.
+
+The per-method ``cache_salt`` (``hf_kvshare.serving.host.salt``) is set on each request by the server's
+middleware (:mod:`.middleware`): injected blocks enter vLLM's prefix cache under the plain token hashes
+of their salt, so approximate K/V never serve another method or a plain request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from . import paged
+from .host import Plan, ServingError, Sharing, skeleton_model
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("hf_kvshare.serving")
+
+
+@dataclass
+class Load:
+    """Claimed K/V to write before the request's first forward."""
+
+    request_id: str
+    block_ids: list[int]
+    start: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+@dataclass
+class Capture:
+    """A finished request's K/V to read back: positions ``[0, tokens)`` of its blocks."""
+
+    request_id: str
+    block_ids: list[int]
+    tokens: int
+
+
+@dataclass
+class HFKVShareMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+    captures: list[Capture] = field(default_factory=list)
+
+
+@dataclass
+class Captured(KVConnectorWorkerMetadata):
+    """K/V read back by the worker: request id -> (keys, values), per layer ``[n, kv_heads, head_dim]``
+    (``None`` when reading failed)."""
+
+    kv: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]] | None] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, Captured):
+            self.kv.update(other.kv)
+        return self
+
+
+@dataclass
+class _Finishing:
+    plan: Plan
+    output_ids: list[int]
+    stop_ids: set[int]
+
+
+_LOCK = threading.Lock()
+_SHARING: dict[str, Sharing] = {}
+
+
+def current_sharing() -> Sharing | None:
+    """The :class:`Sharing` service of this engine process (one per process; tests and reports)."""
+    return next(iter(_SHARING.values()), None)
+
+
+class HFKVShareConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ServingError(
+                "hf_kvshare's connector supports one worker (tensor_parallel_size = pipeline_parallel_size = 1); "
+                f"got {parallel.tensor_parallel_size} x {parallel.pipeline_parallel_size}"
+            )
+        self._block_size = vllm_config.cache_config.block_size
+        self._extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        # scheduler side
+        self._plans: dict[str, Plan] = {}
+        self._loads: dict[str, Load] = {}
+        self._to_capture: list[Capture] = []
+        self._finishing: dict[str, _Finishing] = {}
+        # worker side
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_of: dict[str, int] = {}
+        self._isa: dict[str, str] = {}
+        self._captured: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]] | None] = {}
+        self._sent: set[str] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            key = str(vllm_config.kv_transfer_config.engine_id)
+            with _LOCK:
+                if key not in _SHARING:
+                    _SHARING[key] = self._make_sharing(vllm_config)
+                self._sharing = _SHARING[key]
+
+    def _make_sharing(self, vllm_config: VllmConfig) -> Sharing:
+        from transformers import AutoTokenizer
+
+        model_config = vllm_config.model_config
+        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model)
+        options = dict(self._extra.get("options") or {})
+        sharing = Sharing(
+            skeleton_model(model_config.model),
+            tokenizer,
+            self._extra.get("method", "nonshared"),
+            max_bytes=int(self._extra.get("max_bytes", 2 << 30)),
+            max_tasks=int(self._extra.get("max_tasks", 1024)),
+            min_segment_tokens=int(self._extra.get("min_segment_tokens", 16)),
+            **options,
+        )
+        logger.info("hf_kvshare: serving method %r (cache_salt %r)", sharing.method, sharing.salt)
+        return sharing
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self._kv_caches = dict(kv_caches)
+        self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
+        for name, tensor in kv_caches.items():
+            paged.split_kv_cache(tensor)  # a clear error for a cache layout other than the CPU backend's
+            self._isa[name] = self._layer_isa(name, tensor)
+
+    def _layer_isa(self, name: str, kv_cache: torch.Tensor) -> str:
+        layer = self._vllm_config.compilation_config.static_forward_context.get(name)
+        isa = getattr(layer, "isa", None)
+        if isa is None:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(
+                self._vllm_config.model_config.dtype,
+                kv_cache.shape[2],
+                kv_cache.shape[3] // 2,
+                self._vllm_config.cache_config.cache_dtype,
+            )
+        return isa
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, HFKVShareMetadata):
+            return
+        for load in metadata.loads:
+            for name, kv_cache in self._kv_caches.items():
+                layer = self._layer_of[name]
+                paged.write(
+                    kv_cache,
+                    self._isa[name],
+                    load.block_ids,
+                    load.start,
+                    load.keys[layer],
+                    load.values[layer],
+                )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, HFKVShareMetadata):
+            return
+        for capture in metadata.captures:
+            try:
+                self._captured[capture.request_id] = self._read(capture)
+            except Exception:  # noqa: BLE001 - the engine must keep running; the turn is not recorded
+                logger.exception("hf_kvshare: reading back request %s failed", capture.request_id)
+                self._captured[capture.request_id] = None
+            self._sent.add(capture.request_id)
+
+    def _read(self, capture: Capture) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for name in sorted(self._kv_caches, key=self._layer_of.__getitem__):
+            kv_cache = self._kv_caches[name]
+            key_cache, _ = paged.split_kv_cache(kv_cache)
+            layout = paged.probe_layout(
+                self._isa[name], kv_cache.dtype, key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+            )
+            k, v = layout.read(kv_cache, capture.block_ids, 0, capture.tokens)
+            keys.append(k.clone())
+            values.append(v.clone())
+        return keys, values
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._captured:
+            return None
+        meta = Captured(kv=self._captured)
+        self._captured = {}
+        return meta
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent, self._sent = self._sent, set()
+        return (sent or None), None
+
+    # ============================================================= scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        old = self._plans.get(request.request_id)
+        if old is not None:
+            if old.local_hit == num_computed_tokens:
+                return old.claimed, False
+            self._sharing.release(old)
+        prompt = list(request.prompt_token_ids or [])
+        plan = self._sharing.plan(request.request_id, prompt, request.kv_transfer_params, num_computed_tokens)
+        if plan.error:
+            logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
+        self._plans[request.request_id] = plan
+        return plan.claimed, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
+        if num_external_tokens != plan.claimed:  # vLLM took less (prompt_logprobs, a local partial block)
+            keep = max(0, min(num_external_tokens, plan.claimed))
+            plan.claim_end = plan.claim_start + keep
+            plan.keys = [k[:keep] for k in plan.keys] if keep else []
+            plan.values = [v[:keep] for v in plan.values] if keep else []
+        if plan.claimed:
+            self._loads[request.request_id] = Load(
+                request.request_id, [], plan.claim_start, plan.keys, plan.values
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = HFKVShareMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            load = self._loads.pop(new.req_id, None)
+            if load is not None:
+                load.block_ids = list(new.block_ids[0])
+                meta.loads.append(load)
+        meta.captures, self._to_capture = self._to_capture, []
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        self._loads.pop(request.request_id, None)
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None:
+            return False, None
+        report = {"hf_kvshare": {**plan.report(), "store": self._sharing.state_summary()}}
+        finished = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+        if plan.turn is None or not finished or not block_ids:
+            self._sharing.release(plan)
+            return False, report
+        stop = set(request.sampling_params.all_stop_token_ids or ()) if request.sampling_params else set()
+        eos = getattr(request.sampling_params, "eos_token_id", None) if request.sampling_params else None
+        if eos is not None:
+            stop.add(eos)
+        tokens = min(request.num_computed_tokens, len(block_ids) * self._block_size)
+        self._finishing[request.request_id] = _Finishing(plan, list(request.output_token_ids), stop)
+        self._to_capture.append(Capture(request.request_id, list(block_ids), tokens))
+        return True, report  # the blocks stay until the worker has read them (get_finished)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        captured = meta.kv if isinstance(meta, Captured) else {}
+        for request_id in set(captured) | set(connector_output.finished_sending or ()):
+            finishing = self._finishing.pop(request_id, None)
+            if finishing is None:
+                continue
+            kv = captured.get(request_id)
+            if kv is None:
+                self._sharing.release(finishing.plan)
+                continue
+            self._sharing.record(finishing.plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._to_capture or self._finishing)

@@ -1,0 +1,480 @@
+"""The serving side of the ONE method contract: a :class:`~hf_kvshare.turn.TurnHost` per multi-agent
+task, a :class:`~hf_kvshare.turn.Turn` per engine request, and the bounded store of captured K/V.
+
+:class:`Sharing` drives a method inside an engine exactly as :class:`~hf_kvshare.session.Session`
+drives it inside HF ``generate``, with the engine's forward in place of the dense pass:
+
+1. admission (:meth:`Sharing.plan`): the request's layout (:mod:`.layout`) becomes a ``Turn`` over
+   the task's :class:`ServingHost`; ``method.plan(turn)``, then ``method.placeholder`` for each PH
+   span and ``method.prefix`` for each PF span. The engine can take K/V for ONE contiguous range
+   starting at its own prefix-cache hit, so the claim runs from that hit through the last position
+   covered by consecutive placements (at most the prompt's last token but one); every other token
+   is computed by the engine (a span placed after the first dense one is computed too, and recorded
+   as dense). A rejected KVCMAS gate places nothing: no claim.
+2. after the request ran (:meth:`Sharing.record`): the K/V the engine used (read back from its paged
+   cache: injected and computed alike) fill ``method.new_cache(turn)`` with the turn's segment table
+   (``append_kv``), ``method.finish``, the output becomes the agent's PH slot, each PH slot's
+   materialized K/V becomes its ``latest`` (as ``Session._record``), then ``method.record``.
+
+No HF forward runs in serving: the "model" is a skeleton built on ``meta`` from the served model's
+``config.json`` with only its rotary module materialized (:func:`skeleton_model`; enough for
+``bind``, the config and RoPE re-positioning). Methods or options that need a forward (reference
+prefills, selective recomputation, LoRA agents) are refused by :func:`check_serving_method`.
+
+Memory is bounded: tasks are kept least recently used first, by bytes of the K/V their slots hold
+(:class:`Sharing` ``max_bytes``) and by count (``max_tasks``); :meth:`Sharing.state_summary` reports
+it with the method's own ``state_summary()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..cache import Segment, SegmentKV
+from ..method import Method, Placement, get_method
+from ..rope import RopeShifter, find_rotary_module
+from ..trajectory import PF, PH, Span
+from ..turn import Slot, Turn
+from . import layout as lay
+
+#: methods whose placements need no HF forward (and their refusals below)
+SERVED = ("nonshared", "fullshared", "kvcmas", "kvcmas-nonchained", "kvcomm")
+DEFAULT_MAX_BYTES = 2 << 30
+DEFAULT_MAX_TASKS = 1024
+
+
+class ServingError(ValueError):
+    """A method, option or model the serving integration cannot run (a clear message, at start-up)."""
+
+
+def check_serving_method(method: Method) -> None:
+    """Refuse a method (or options) that would need an HF forward inside the engine."""
+    name = method.name
+    if getattr(method, "requires_adapters", False) or name in (
+        "baseshared",
+        "baselrshared",
+        "prelrshared",
+        "rebaseshared-lp",
+        "rebaseshared-db",
+    ):
+        raise ServingError(f"method {name!r} runs LoRA agents (PEFT adapters); serving does not support it")
+    if getattr(method, "reads_prefix", False) or name in ("cacheblend", "droidspeak", "relaycaching"):
+        raise ServingError(
+            f"method {name!r} recomputes tokens through the model's layers (an HF forward inside the "
+            "engine); serving supports " + ", ".join(SERVED)
+        )
+    if name not in SERVED:
+        raise ServingError(f"method {name!r} is not supported by serving; supported: {', '.join(SERVED)}")
+    for knob, bad in (("text_source", ("lead", "context_free")), ("output_source", ("context_free",))):
+        value = getattr(method, knob, None)
+        if value in bad:
+            raise ServingError(
+                f"{name}: {knob}={value!r} needs a reference prefill (an HF forward outside the workflow), "
+                f"which serving cannot run; use {name}:{knob}="
+                + ("chained" if knob == "text_source" else "producer")
+            )
+
+
+def salt(method: Method) -> str | None:
+    """The ``cache_salt`` of requests served by ``method``: injected approximate K/V enter vLLM's prefix
+    cache under it, so they can never serve a request of another method or a plain one. ``nonshared``
+    injects nothing: no salt (plain vLLM's prefix cache)."""
+    if method.name == "nonshared":
+        return None
+    digest = hashlib.sha1(repr(method).encode()).hexdigest()[:16]  # the options; vLLM allows 128 characters
+    return f"hf_kvshare:{method.name}:{digest}"
+
+
+def skeleton_model(model_dir: str | Path) -> torch.nn.Module:
+    """The served model as an HF module on ``meta`` (no weights) with its rotary embedding built on CPU:
+    what a method reads from ``turn.model`` (config, binding, RoPE frequencies) without a forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    rotary = find_rotary_module(model)
+    names = [name for name, module in model.named_modules() if module is rotary]
+    if not names:
+        raise ServingError(f"{type(model).__name__}: no rotary module found; serving needs RoPE")
+    try:
+        with torch.device("cpu"):
+            real = type(rotary)(config=rotary.config)
+    except TypeError as error:
+        raise ServingError(
+            f"{type(rotary).__name__} cannot be rebuilt on CPU from its config ({error})"
+        ) from error
+    parent_name, _, attr = names[0].rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, real)
+    model.eval()
+    return model
+
+
+class ServingHost:
+    """One multi-agent task (what a :class:`~hf_kvshare.session.Session` is for one request): its slots
+    and the method's per-request state. A :class:`~hf_kvshare.turn.TurnHost`."""
+
+    def __init__(self, task: str, model: torch.nn.Module, tokenizer: Any, shifter: RopeShifter | None):
+        self.task = task
+        self.model = model
+        self.tokenizer = tokenizer
+        self.slots: dict[str, Slot] = {}
+        self.method_state: dict[str, Any] = {}
+        self._shifter = shifter
+        self.reserved: set[str] = set()  # output slots of requests in flight
+
+    @property
+    def shifter(self) -> RopeShifter:
+        if self._shifter is None:
+            raise ServingError("this method does not re-position K/V (no RoPE shifter)")
+        return self._shifter
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def held_bytes(self) -> int:
+        return sum(s.latest.nbytes for s in self.slots.values() if s.latest is not None)
+
+    def next_output_slot(self, agent: str) -> str:
+        taken = set(self.slots) | self.reserved
+        if agent not in taken:
+            return agent
+        n = 2
+        while f"{agent}#{n}" in taken:
+            n += 1
+        return f"{agent}#{n}"
+
+
+@dataclass
+class Plan:
+    """What admission decided for one engine request."""
+
+    request_id: str
+    prompt: list[int]
+    host: ServingHost | None = None
+    turn: Turn | None = None
+    placements: list[Placement | None] = field(default_factory=list)
+    local_hit: int = 0
+    claim_start: int = 0
+    claim_end: int = 0
+    #: per layer ``[claim_end - claim_start, kv_heads, head_dim]`` (what the connector writes)
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    error: str | None = None
+    opt_out: bool = False
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def claimed(self) -> int:
+        return self.claim_end - self.claim_start
+
+    def report(self) -> dict[str, Any]:
+        turn = self.turn
+        return {
+            "task": self.host.task if self.host else None,
+            "agent": turn.agent if turn else None,
+            "output_slot": turn.output_slot if turn else None,
+            "prompt_tokens": len(self.prompt),
+            "prefix_cache_hit": self.local_hit,
+            "claimed": [self.claim_start, self.claim_end] if self.claimed else None,
+            "supplied_tokens": self.claimed,
+            "segments": [
+                {"name": s.name, "kind": s.kind, "span": [s.start, s.end], "placed": p is not None}
+                for s, p in zip(turn.spans, self.placements)
+            ]
+            if turn
+            else [],
+            "missing": self.missing,
+            "error": self.error,
+        }
+
+
+class Sharing:
+    """The method instance, the tasks' hosts and the bounded store: everything the connector calls.
+
+    Thread-safe (one lock): the engine's scheduler and worker may call from different threads."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        method: str | Method = "nonshared",
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_tasks: int = DEFAULT_MAX_TASKS,
+        min_segment_tokens: int = lay.MIN_SEGMENT_TOKENS,
+        **options: Any,
+    ):
+        self.method = get_method(method, **options)
+        check_serving_method(self.method)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.tokens = lay.TokenInfo(tokenizer)
+        self.method.bind(model)
+        self.shifter = RopeShifter.from_model(model) if self.method.repositions else None
+        self.max_bytes = int(max_bytes)
+        self.max_tasks = int(max_tasks)
+        self.min_segment_tokens = int(min_segment_tokens)
+        self.hosts: OrderedDict[str, ServingHost] = OrderedDict()
+        self.evicted_tasks = 0
+        self.dropped_slots = 0
+        self.requests = 0
+        self.claimed_requests = 0
+        self.supplied_tokens = 0
+        self.errors = 0
+        self._lock = threading.RLock()
+        self.salt = salt(self.method)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_ids: set[int] = {eos} if isinstance(eos, int) else set()
+
+    # ---------------------------------------------------------------- admission
+    def plan(self, request_id: str, prompt: list[int], params: Any, local_hit: int) -> Plan:
+        """Decide the claim for one request; never raises (an error is kept in ``plan.error``: no claim,
+        nothing recorded)."""
+        plan = Plan(request_id=request_id, prompt=list(prompt), local_hit=local_hit)
+        with self._lock:
+            self.requests += 1
+            try:
+                request = lay.parse(params)
+                if request.method == "nonshared" and self.method.name != "nonshared":
+                    plan.opt_out = True
+                    return plan
+                if request.method is not None and request.method != self.method.name:
+                    raise lay.LayoutError(
+                        f"this server runs method {self.method.name!r}; the request asks {request.method!r}"
+                    )
+                self._plan(plan, request)
+            except Exception as error:  # noqa: BLE001 - the engine must keep running
+                self.errors += 1
+                plan.error = f"{type(error).__name__}: {error}"
+                plan.turn, plan.placements, plan.keys, plan.values = None, [], [], []
+                plan.claim_start = plan.claim_end = 0
+        return plan
+
+    def _host(self, task: str) -> ServingHost:
+        host = self.hosts.get(task)
+        if host is None:
+            host = self.hosts[task] = ServingHost(task, self.model, self.tokenizer, self.shifter)
+        self.hosts.move_to_end(task)
+        while len(self.hosts) > self.max_tasks:
+            self._evict_one(keep=host)
+        return host
+
+    def _plan(self, plan: Plan, request: lay.RequestLayout) -> None:
+        host = self._host(request.task)
+        known = {name: slot.token_ids.tolist() for name, slot in host.slots.items()}
+        resolved = lay.resolve(request, plan.prompt, self.tokens, known, self.min_segment_tokens)
+        turn = self._turn(host, resolved, plan.prompt)
+        plan.host, plan.turn, plan.missing = host, turn, resolved.missing
+        turn.stats.ph_tokens = sum(s.length for s in turn.spans if s.kind == "PH")
+        method = self.method
+        method.plan(turn)
+        scratch_cache = method.new_cache(turn)
+        for span in turn.spans:
+            if span.kind == "PH":
+                placement = method.placeholder(turn, span, scratch_cache)
+            else:
+                placement = method.prefix(turn, span, scratch_cache)
+            if placement is not None and placement.kv.start != span.start:
+                placement.kv = placement.kv.repositioned(turn.shifter, span.start)
+            plan.placements.append(placement)
+        self._claim(plan)
+
+    def _turn(self, host: ServingHost, resolved: lay.ResolvedLayout, prompt: list[int]) -> Turn:
+        ids = torch.tensor(prompt, dtype=torch.long)
+        spans: list[Span] = []
+        new_slots: dict[str, Slot] = {}
+        pos, pf = 0, 0
+        for seg in resolved.segments:
+            if seg.start > pos:
+                spans.append(self._pf(ids[pos : seg.start], pos, pf))
+                pf += 1
+            seg_ids = ids[seg.start : seg.end]
+            slot = host.slots.get(seg.slot)
+            if slot is None:
+                text = seg.text if seg.text is not None else self.tokenizer.decode(seg_ids.tolist())
+                new_slots[seg.slot] = Slot(name=seg.slot, token_ids=seg_ids.clone(), text=text)
+            spans.append(Span(spec=PH(seg.slot), name=seg.slot, token_ids=seg_ids, start=seg.start))
+            pos = seg.end
+        if pos < len(prompt):
+            spans.append(self._pf(ids[pos:], pos, pf))
+        output = resolved.output or host.next_output_slot(resolved.agent)
+        if output in host.slots or output in host.reserved or output in new_slots:
+            raise lay.LayoutError(f"output slot {output!r} already exists in task {host.task!r}")
+        host.slots.update(new_slots)
+        host.reserved.add(output)
+        return Turn(host=host, agent=resolved.agent, spans=spans, output_slot=output)
+
+    def _pf(self, ids: torch.Tensor, start: int, index: int) -> Span:
+        return Span(
+            spec=PF(self.tokenizer.decode(ids.tolist())), name=f"pf{index}", token_ids=ids, start=start
+        )
+
+    def _claim(self, plan: Plan) -> None:
+        """The longest run of placed positions from the engine's prefix-cache hit (module docstring)."""
+        turn, start = plan.turn, plan.local_hit
+        last = len(plan.prompt) - 1  # the engine computes at least the prompt's last token
+        end = start
+        for span, placement in zip(turn.spans, plan.placements):
+            if span.end <= start:
+                continue
+            if placement is None or span.start > end:
+                break
+            end = span.end
+        end = min(end, last)
+        if end <= start:
+            return
+        keys: list[list[torch.Tensor]] = []
+        values: list[list[torch.Tensor]] = []
+        for span, placement in zip(turn.spans, plan.placements):
+            lo, hi = max(span.start, start), min(span.end, end)
+            if hi <= lo:
+                continue
+            kv = placement.kv
+            a, b = lo - span.start, hi - span.start
+            for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
+                if layer == len(keys):
+                    keys.append([])
+                    values.append([])
+                keys[layer].append(k[0, :, a:b].transpose(0, 1))  # [n, heads, dim]
+                values[layer].append(v[0, :, a:b].transpose(0, 1))
+        plan.keys = [torch.cat(parts).contiguous() for parts in keys]
+        plan.values = [torch.cat(parts).contiguous() for parts in values]
+        plan.claim_start, plan.claim_end = start, end
+        self.claimed_requests += 1
+        self.supplied_tokens += end - start
+
+    # ------------------------------------------------------------------ record
+    def release(self, plan: Plan) -> None:
+        """A request that will not be recorded (aborted, preempted, an error): free its output slot."""
+        with self._lock:
+            if plan.host is not None and plan.turn is not None:
+                plan.host.reserved.discard(plan.turn.output_slot)
+
+    def record(
+        self,
+        plan: Plan,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        output_ids: list[int],
+        stop_ids: set[int],
+    ) -> None:
+        """Record a finished request: ``keys``/``values`` per layer ``[n, kv_heads, head_dim]`` hold the
+        K/V the engine used for positions ``[0, n)`` (prompt + output but its last token)."""
+        if plan.turn is None:
+            return
+        with self._lock:
+            try:
+                self._record(plan, keys, values, list(output_ids), stop_ids)
+            except Exception as error:  # noqa: BLE001 - the engine must keep running
+                self.errors += 1
+                plan.error = f"record: {type(error).__name__}: {error}"
+            finally:
+                plan.host.reserved.discard(plan.turn.output_slot)
+            self._bound(plan.host)
+
+    def _record(self, plan: Plan, keys, values, output_ids: list[int], stop_ids: set[int]) -> None:
+        turn, host, method = plan.turn, plan.host, self.method
+        P = len(plan.prompt)
+        n = keys[0].shape[0] if keys else 0
+        if n < P:
+            raise ValueError(f"the engine holds K/V of {n} positions, the prompt has {P}")
+
+        def kv(start: int, end: int) -> SegmentKV:
+            return SegmentKV(
+                keys=[k[start:end].transpose(0, 1)[None].clone() for k in keys],
+                values=[v[start:end].transpose(0, 1)[None].clone() for v in values],
+                start=start,
+                agent=turn.agent,
+            )
+
+        cache = method.new_cache(turn)
+        covered = max(plan.claim_end, plan.local_hit)
+        for i, (span, placement) in enumerate(zip(turn.spans, plan.placements)):
+            placed = placement if placement is not None and span.end <= covered else None
+            part = turn.part(span, placed)
+            end = span.end - 1 if i == len(turn.spans) - 1 else span.end
+            if end > span.start:
+                part.segment.end = end
+                cache.append_kv(kv(span.start, end), part.segment)
+        cache.append_kv(kv(P - 1, P), Segment("prompt_tail", "PF", P - 1, P))
+        if n > P:
+            cache.append_kv(kv(P, n), Segment("generated", "PF", P, n))
+        method.finish(turn, cache)
+        out = list(output_ids)
+        stop_ids = set(stop_ids) | self.stop_ids
+        while len(out) > 1 and out[-1] in stop_ids:
+            out.pop()
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        slot = Slot(
+            name=turn.output_slot,
+            token_ids=torch.tensor(out, dtype=torch.long),
+            text=text,
+            producer=turn.agent,
+        )
+        host.slots[turn.output_slot] = slot
+        if method.uses_sources:
+            for span in turn.spans:
+                if span.kind == "PH":
+                    host.slots[span.name].latest = cache.extract(span.start, span.end, agent=turn.agent)
+            if P + len(out) <= n:  # the output's K/V is complete (generation stopped on a stop token)
+                slot.latest = cache.extract(P, P + len(out), agent=turn.agent)
+        method.record(turn, cache)
+
+    # ------------------------------------------------------------------ bounds
+    def held_bytes(self) -> int:
+        return sum(h.held_bytes() for h in self.hosts.values())
+
+    def _evict_one(self, keep: ServingHost) -> bool:
+        for task in self.hosts:
+            if self.hosts[task] is not keep and not self.hosts[task].reserved:
+                del self.hosts[task]
+                self.evicted_tasks += 1
+                return True
+        return False
+
+    def _bound(self, current: ServingHost) -> None:
+        while self.held_bytes() > self.max_bytes and self._evict_one(keep=current):
+            pass
+        if self.held_bytes() > self.max_bytes:  # the current task alone is over: drop its oldest K/V
+            for slot in current.slots.values():
+                if slot.latest is not None:
+                    slot.latest = None
+                    self.dropped_slots += 1
+                    if self.held_bytes() <= self.max_bytes:
+                        break
+
+    def state_summary(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "bytes": self.held_bytes(),
+                "max_bytes": self.max_bytes,
+                "tasks": len(self.hosts),
+                "max_tasks": self.max_tasks,
+                "evicted_tasks": self.evicted_tasks,
+                "dropped_slot_kv": self.dropped_slots,
+                "slots": sum(len(h.slots) for h in self.hosts.values()),
+                "requests": self.requests,
+                "claimed_requests": self.claimed_requests,
+                "supplied_tokens": self.supplied_tokens,
+                "errors": self.errors,
+                "method": self.method.name,
+                "method_state": self.method.state_summary(),
+            }
+
+
+def model_files(model_dir: str | Path) -> dict[str, Any]:
+    """The served folder's config (for a clear error when it is not an HF model folder)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ServingError(f"{model_dir}: no config.json (serving needs an HF model folder)")
+    return json.loads(path.read_text())

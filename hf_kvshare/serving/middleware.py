@@ -1,0 +1,157 @@
+"""The ASGI middleware ``hf-kvshare serve`` adds to vLLM's OpenAI server (vLLM's own ``--middleware``).
+
+For ``POST /v1/chat/completions`` and ``/v1/completions`` it
+
+- answers ``400`` (OpenAI error JSON) to a layout that cannot be used (:mod:`.layout`: unknown keys,
+  a segment not in the prompt, overlapping segments, a span beyond the prompt, another method than the
+  served one), before the engine sees the request, so nothing is stored;
+- sets the request's ``cache_salt`` to the served method's salt (``host.salt``; a client's own salt is
+  kept after it), so K/V a method injected never serves another method or a plain request.
+
+It reads its settings from the environment variable :data:`ENV` (JSON: ``method``, ``salt``,
+``model``) that :mod:`.server` sets. The prompt is tokenized here as vLLM does it (the tokenizer's
+chat template with the generation prompt; completions with special tokens); where that rendering
+fails the request passes unchecked and the engine (which never raises on a layout) reports the
+error in the response's ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from . import layout as lay
+
+ENV = "HF_KVSHARE_SERVE"
+PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class LayoutCheck:
+    """ASGI middleware class (``--middleware hf_kvshare.serving.middleware.LayoutCheck``)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        settings = json.loads(os.environ.get(ENV) or "{}")
+        self.method = settings.get("method", "nonshared")
+        self.salt = settings.get("salt")
+        self.model = settings.get("model")
+        self._tokens: lay.TokenInfo | None = None
+
+    @property
+    def tokens(self) -> lay.TokenInfo | None:
+        if self._tokens is None and self.model:
+            from transformers import AutoTokenizer
+
+            self._tokens = lay.TokenInfo(AutoTokenizer.from_pretrained(self.model))
+        return self._tokens
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            data = None
+        if isinstance(data, dict):
+            try:
+                self.check(data, scope["path"])
+            except lay.LayoutError as error:
+                await _error(send, 400, str(error))
+                return
+            body = json.dumps(data).encode()
+        await self.app(
+            scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send
+        )
+
+    def check(self, data: dict, path: str) -> None:
+        """Validate the request's layout and set its ``cache_salt`` (raises :class:`LayoutError`)."""
+        request = lay.parse(data.get("kv_transfer_params"))
+        if request.method is not None and request.method not in (self.method, "nonshared"):
+            raise lay.LayoutError(
+                f"this server runs method {self.method!r} (or 'nonshared' to opt out); the request asks "
+                f"{request.method!r}"
+            )
+        plain = request.method == "nonshared" or self.salt is None
+        if not plain:
+            user = data.get("cache_salt")
+            data["cache_salt"] = self.salt if not user else f"{self.salt}|{user}"
+        if request.segments is None or self.tokens is None:
+            return
+        prompts = self._prompts(data, path)
+        if prompts is None:
+            return
+        if len(prompts) != 1:
+            raise lay.LayoutError("an explicit layout needs one prompt per request (got a batch)")
+        lay.resolve(request, prompts[0], self.tokens, known=None)
+
+    def _prompts(self, data: dict, path: str) -> list[list[int]] | None:
+        tokenizer = self.tokens.tokenizer
+        try:
+            if path.endswith("/chat/completions"):
+                kwargs = dict(data.get("chat_template_kwargs") or {})
+                ids = tokenizer.apply_chat_template(
+                    data.get("messages") or [],
+                    add_generation_prompt=data.get("add_generation_prompt", True),
+                    tokenize=True,
+                    **kwargs,
+                )
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+                return [list(ids)]
+            prompt = data.get("prompt")
+            if isinstance(prompt, str):
+                return [
+                    tokenizer(prompt, add_special_tokens=data.get("add_special_tokens", True))["input_ids"]
+                ]
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return [prompt]
+            if isinstance(prompt, list):
+                return [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in prompt]
+        except Exception:  # noqa: BLE001 - vLLM answers malformed requests itself
+            return None
+        return None
+
+
+def _replay(messages: list[dict], then):
+    """A ``receive`` that gives ``messages`` first, then the client's own (its disconnect)."""
+    queue = list(messages)
+
+    async def receive():
+        if queue:
+            return queue.pop(0)
+        return await then()
+
+    return receive
+
+
+async def _error(send, status: int, message: str) -> None:
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "BadRequestError",
+                "param": "kv_transfer_params",
+                "code": status,
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

