@@ -490,6 +490,7 @@ class RunSpec:
     served_name: str
     layout: str  # "agent-first" | "document-first"
     explicit_layout: bool = False
+    split: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
 
 
@@ -539,7 +540,12 @@ def run_once(
             agent, messages, slot, max_tokens, min_tokens = turns[p.task][p.position]
             with lock:
                 request = trajectories[p.task].request(
-                    agent, messages, output_slot=slot, max_tokens=max_tokens, min_tokens=min_tokens
+                    agent,
+                    messages,
+                    output_slot=slot,
+                    max_tokens=max_tokens,
+                    min_tokens=min_tokens,
+                    split=spec.split,
                 )
             if spec.layout == DOC_FIRST:
                 request = document_first(request)
@@ -979,6 +985,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
         "max_model_len": plan.max_model_len,
         "seed": args.seed,
         "explicit_layout": args.explicit_layout,
+        "joined_messages": args.joined_messages,
         "argv": list(argv) if argv is not None else sys.argv[1:],
     }
     plan.out.mkdir(parents=True, exist_ok=True)
@@ -1032,6 +1039,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
                                 "model",
                                 DOC_FIRST if method == DOC_FIRST else "agent-first",
                                 args.explicit_layout and method not in BASELINES,
+                                not args.joined_messages,
                             )
                             if method == DOC_FIRST:  # the same documents must not be served twice
                                 spec.seed = run_seed(args.seed, "run-docfirst", repeat, qi)

@@ -135,43 +135,66 @@ class ChatTrajectory:
         output_slot: str | None = None,
         max_tokens: int | None = None,
         min_tokens: int | None = None,
+        split: bool = True,
     ) -> ChatRequest:
         """One agent turn: chat messages whose ``content`` is a string or a list of ``str`` / ``PF`` /
-        ``PH`` items; every ``PH`` becomes its slot's text (an unknown slot is a ``ValueError``)."""
+        ``PH`` items; every ``PH`` becomes its slot's text (an unknown slot is a ``ValueError``).
+
+        ``split`` (default): a message mixing text and ``PH`` items becomes consecutive messages of
+        its role, each ``PH`` a message of its own and the text between them others (whitespace-only
+        text dropped), so every shared segment is a whole message content, which is what the
+        server's default derivation recognises; ``split=False`` keeps one message with the slots'
+        texts joined into it (then state the layout with :meth:`ChatRequest.kv_transfer_params`)."""
         if not messages:
             raise ValueError("a request needs at least one message")
-        out: list[dict[str, str]] = []
-        spans: list[SharedSpan] = []
-        reads: list[str] = []
+        pieces: list[tuple[int, str, list[Any]]] = []  # (source message, role, items)
         for i, message in enumerate(messages):
             if "role" not in message or "content" not in message:
                 raise ValueError(f"message {i} needs 'role' and 'content'; got keys {sorted(message)}")
             content = message["content"]
             items = [content] if isinstance(content, (str, PF, PH)) else list(content)
+            for item in items:
+                if not isinstance(item, (str, PF, PH)):
+                    raise TypeError(
+                        f"message {i}: content items must be str, PF or PH; got {type(item).__name__}"
+                    )
+            role = str(message["role"])
+            if not split:
+                pieces.append((i, role, items))
+                continue
+            run: list[Any] = []
+            for item in items:
+                if isinstance(item, PH):
+                    if "".join(x.text if isinstance(x, PF) else x for x in run).strip():
+                        pieces.append((i, role, run))
+                    pieces.append((i, role, [item]))
+                    run = []
+                else:
+                    run.append(item)
+            if "".join(x.text if isinstance(x, PF) else x for x in run).strip() or not items:
+                pieces.append((i, role, run))
+        out: list[dict[str, str]] = []
+        spans: list[SharedSpan] = []
+        reads: list[str] = []
+        for source, role, items in pieces:
             text = ""
             for item in items:
-                if isinstance(item, PF):
-                    item = item.text
-                if isinstance(item, str):
-                    text += item
-                elif isinstance(item, PH):
+                if isinstance(item, PH):
                     if item.text is not None:
                         self._define(item.slot, item.text)
                     if item.slot not in self.slots:
                         known = ", ".join(sorted(self.slots)) or "none"
                         raise ValueError(
-                            f"message {i} reads slot {item.slot!r}, which has no text yet (neither given "
+                            f"message {source} reads slot {item.slot!r}, which has no text yet (neither given "
                             f"nor recorded from an earlier reply); slots: {known}"
                         )
                     start = len(text)
                     text += self.slots[item.slot]
-                    spans.append(SharedSpan(item.slot, i, start, len(text)))
+                    spans.append(SharedSpan(item.slot, len(out), start, len(text)))
                     reads.append(item.slot)
                 else:
-                    raise TypeError(
-                        f"message {i}: content items must be str, PF or PH; got {type(item).__name__}"
-                    )
-            out.append({"role": str(message["role"]), "content": text})
+                    text += item.text if isinstance(item, PF) else item
+            out.append({"role": role, "content": text})
         slot = output_slot or self.output_slot(agent)
         if slot in self.slots:
             raise ValueError(f"output slot {slot!r} already exists")
@@ -217,7 +240,9 @@ def task_trajectory(task: Any) -> ChatTrajectory:
     return ChatTrajectory({s.name: s.text for s in task.slots})
 
 
-def task_requests(task: Any, replies: Mapping[str, str] | None = None) -> list[ChatRequest]:
+def task_requests(
+    task: Any, replies: Mapping[str, str] | None = None, split: bool = True
+) -> list[ChatRequest]:
     """Every request of a bench task, for replies known in advance (``replies``: output slot -> text,
     e.g. NonShared's outputs for a teacher-forced pass); a missing reply stops at that turn's
     successor with the ``ValueError`` of :meth:`ChatTrajectory.request`."""
