@@ -502,7 +502,7 @@ def run_once(
     n = workload.tasks * workload.agents
     arrivals = poisson_schedule(n, spec.qps, spec.seed, spec.max_duration)
     planned = plan_run(workload.tasks, workload.agents, arrivals)
-    trajectories = [task_trajectory(t) for t in tasks]
+    trajectories = [task_trajectory(t, f"{spec.seed:x}-{t.id}") for t in tasks]
     turns = [list(task_turns(t)) for t in tasks]
     records: list[dict[str, Any]] = [
         {
@@ -832,6 +832,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--explicit-layout", action="store_true", help="send the explicit layout in kv_transfer_params"
     )
+    p.add_argument(
+        "--joined-messages",
+        action="store_true",
+        help="one user message per turn with the shared texts inside it (default: each shared text a message)",
+    )
     p.add_argument("--model", default="smollm2-135m", help="embedded model name or a local HF folder")
     p.add_argument("--dtype", type=dtype_name, default="float32")
     p.add_argument("--threads", type=positive_int, default=1, help="CPU threads of the server (default 1)")
@@ -848,7 +853,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--port", type=positive_int, default=None, help="server port on 127.0.0.1 (default: a free one)"
     )
     p.add_argument(
-        "--startup-timeout", type=_positive_float, default=300.0, help="seconds to wait for a server"
+        "--startup-timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds to wait for a server (default 600)",
     )
     p.add_argument(
         "--vllm-python",

@@ -36,9 +36,8 @@ class SharedSpan:
     message: int
     start: int
     end: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"slot": self.slot, "message": self.message, "start": self.start, "end": self.end}
+    #: the slot's text was given with the trajectory (a document, the task), not recorded from a reply
+    given: bool = True
 
 
 @dataclass
@@ -54,10 +53,25 @@ class ChatRequest:
     min_tokens: int | None = None
     #: the slots this turn reads, in order
     reads: tuple[str, ...] = ()
+    #: the multi-agent request (one ``Session``) this turn belongs to; ``None``: the server's default
+    task: str | None = None
 
     def kv_transfer_params(self) -> dict[str, Any]:
-        """The explicit layout (overrides the server's derivation from the messages)."""
-        return {LAYOUT_KEY: {"agent": self.agent, "segments": [s.to_dict() for s in self.spans]}}
+        """The explicit layout (``hf_kvshare.serving.layout``; overrides the server's derivation from
+        the messages): task, agent, output slot, and the shared segments in prompt order, a given
+        slot with its text (located by its tokens in the prompt), a reply by its slot name alone (the
+        server matches the token ids it generated)."""
+        segments = [
+            {"slot": s.slot, "text": self.text(s)} if s.given else {"slot": s.slot} for s in self.spans
+        ]
+        layout: dict[str, Any] = {"agent": self.agent, "output": self.output_slot, "segments": segments}
+        if self.task is not None:
+            layout = {"task": self.task, **layout}
+        return {LAYOUT_KEY: layout}
+
+    def text(self, span: SharedSpan) -> str:
+        """The text of a shared span."""
+        return self.messages[span.message]["content"][span.start : span.end]
 
     def body(
         self,
@@ -105,11 +119,13 @@ class ChatTrajectory:
     read it with ``PH(slot)``. A ``PH`` with text defines its slot on first use, as in a ``Session``.
     """
 
-    def __init__(self, slots: Mapping[str, str] | None = None) -> None:
+    def __init__(self, slots: Mapping[str, str] | None = None, task: str | None = None) -> None:
         self.slots: dict[str, str] = {}
+        self.task = task
         for name, text in (slots or {}).items():
             self._define(name, text)
         self._pending: set[str] = set()
+        self._recorded: set[str] = set()
 
     def _define(self, name: str, text: str) -> None:
         if not isinstance(name, str) or not name:
@@ -190,7 +206,8 @@ class ChatTrajectory:
                         )
                     start = len(text)
                     text += self.slots[item.slot]
-                    spans.append(SharedSpan(item.slot, len(out), start, len(text)))
+                    given = item.slot not in self._recorded
+                    spans.append(SharedSpan(item.slot, len(out), start, len(text), given))
                     reads.append(item.slot)
                 else:
                     text += item.text if isinstance(item, PF) else item
@@ -199,12 +216,13 @@ class ChatTrajectory:
         if slot in self.slots:
             raise ValueError(f"output slot {slot!r} already exists")
         self._pending.add(slot)
-        return ChatRequest(agent, out, slot, spans, max_tokens, min_tokens, tuple(reads))
+        return ChatRequest(agent, out, slot, spans, max_tokens, min_tokens, tuple(reads), self.task)
 
     def record(self, slot: str, text: str) -> None:
         """Store an agent's reply under ``slot`` (its request's ``output_slot``)."""
         self._pending.discard(slot)
         self._define(slot, text if text else " ")  # an empty reply still names a slot
+        self._recorded.add(slot)
 
 
 def task_turns(task: Any) -> Iterator[tuple[str, list[dict[str, Any]], str, int, int | None]]:
@@ -235,9 +253,9 @@ def task_turns(task: Any) -> Iterator[tuple[str, list[dict[str, Any]], str, int,
         )
 
 
-def task_trajectory(task: Any) -> ChatTrajectory:
-    """A :class:`ChatTrajectory` holding a bench task's given slots."""
-    return ChatTrajectory({s.name: s.text for s in task.slots})
+def task_trajectory(task: Any, name: str | None = None) -> ChatTrajectory:
+    """A :class:`ChatTrajectory` holding a bench task's given slots (``name``: its ``task`` in the layout)."""
+    return ChatTrajectory({s.name: s.text for s in task.slots}, task=name)
 
 
 def task_requests(
