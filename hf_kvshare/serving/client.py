@@ -267,7 +267,7 @@ def task_requests(
     traj, out = task_trajectory(task), []
     for agent, messages, slot, max_tokens, min_tokens in task_turns(task):
         request = traj.request(
-            agent, messages, output_slot=slot, max_tokens=max_tokens, min_tokens=min_tokens
+            agent, messages, output_slot=slot, max_tokens=max_tokens, min_tokens=min_tokens, split=split
         )
         out.append(request)
         if replies is not None and slot in replies:
