@@ -293,6 +293,24 @@ def test_task_turns_cover_the_schedule(tokenizer):
     chat(tokenizer, turns[0][1])  # the same messages are valid Session input (PH slots kept)
 
 
+def test_agreement_and_forced_requests():
+    ref = [[5, 6, 7], [8, 9]]
+    got = [[5, 1, 7], [None, 9]]  # None: a position the server tokenized otherwise, not counted
+    result = sb.agreement(ref, got)
+    assert result["agreement"] == pytest.approx(3 / 4) and result["forced_positions"] == 4
+    assert result["first_token_agreement"] == 1.0  # the second reply's first position is not counted
+    assert math.isnan(sb.agreement([], [])["agreement"])
+    traj = ChatTrajectory({"doc": "Some shared text."})
+    request = traj.request("a", [{"role": "user", "content": [PH("doc")]}], max_tokens=4, min_tokens=4)
+    first = sb.forced_body(request, "", "m")
+    assert first["max_tokens"] == 1 and "min_tokens" not in first and first["return_token_ids"] is True
+    assert first["messages"] == request.messages and "continue_final_message" not in first
+    later = sb.forced_body(request, "The plan", "m", explicit_layout=True)
+    assert later["messages"][-1] == {"role": "assistant", "content": "The plan"}
+    assert later["continue_final_message"] is True and later["add_generation_prompt"] is False
+    assert "prompt_logprobs" not in later and "kv_transfer_params" in later
+
+
 # -- the command line: every argument checked before a server starts -------------------------------
 
 
@@ -318,23 +336,31 @@ def _serve(*argv, env=None):
         (["--methods", "plain", "--vllm-python", "/nonexistent/python"], "no such file"),
     ],
 )
-def test_cli_argument_errors_are_one_line(argv, message, tmp_path):
-    result = _serve(*argv, "--out", str(tmp_path / "out"))
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert not (tmp_path / "out").exists()  # nothing written
+def test_cli_argument_errors_are_one_line(argv, message, tmp_path, capsys):
+    try:
+        code = sb.main([*argv, "--out", str(tmp_path / "out")], prog="hf-kvshare bench")
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()  # nothing written, no server started
 
 
-def test_cli_refuses_a_python_without_vllm(tmp_path):
+def test_cli_dispatch_and_a_python_without_vllm(tmp_path):
+    """``hf-kvshare bench serve`` reaches this command; a Python without vLLM is refused up front."""
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("this Python has vLLM")
     result = _serve("--methods", "plain", "--vllm-python", sys.executable, "--out", str(tmp_path / "out"))
-    assert result.returncode == 2 and "vLLM is not installed there" in result.stderr
+    assert result.returncode == 2 and "vLLM is not installed there" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 # -- end to end (a server) -------------------------------------------------------------------------
 
 VLLM_PYTHON = os.environ.get(sb.VLLM_PYTHON_ENV) or sys.executable
+#: the model the end-to-end test serves (an HF folder, or an embedded name the serving package writes)
+SERVE_MODEL = os.environ.get("HF_KVSHARE_SERVE_MODEL", "smollm2-135m")
 
 
 def _has_vllm(python: str) -> bool:
@@ -354,7 +380,7 @@ def test_bench_serve_runs_plain_and_document_first(tmp_path):
         "--methods", "plain", "document-first", "--qps", "4", "--shared-tokens", "64", "--agents", "2",
         "--tasks", "2", "--output-tokens", "2", "--max-duration", "120", "--request-timeout", "120",
         "--warmup-tasks", "0", "--vllm-python", VLLM_PYTHON, "--vllm-arg=--enforce-eager", "--no-plots",
-        "--out", str(out),
+        "--model", SERVE_MODEL, "--out", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     (summary,) = out.glob("*/summary.json")

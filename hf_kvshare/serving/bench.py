@@ -391,6 +391,7 @@ def ttft_plot(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") ->
 def stream_chat(port: int, body: Mapping[str, Any], timeout: float, host: str = HOST) -> dict[str, Any]:
     """POST a streaming chat request; returns ``ok``, ``ttft_s`` (send to the first chunk carrying an
     output token), ``e2e_s``, the reply text, usage (prompt / completion / cached tokens) or ``error``."""
+    body = {"return_token_ids": True, **body}  # vLLM: each chunk carries its token ids (TTFT, replies)
     t0 = time.perf_counter()
     deadline = t0 + timeout
     out: dict[str, Any] = {"ok": False, "ttft_s": None, "text": ""}
@@ -401,7 +402,8 @@ def stream_chat(port: int, body: Mapping[str, Any], timeout: float, host: str = 
         if resp.status != 200:
             out["error"] = f"HTTP {resp.status}: {resp.read(2000).decode(errors='replace')}"
             return out
-        parts = []
+        parts: list[str] = []
+        token_ids: list[int] = []
         for raw in resp:
             if time.perf_counter() > deadline:
                 out["error"] = f"cut at --request-timeout {timeout:g} s"
@@ -421,15 +423,13 @@ def stream_chat(port: int, body: Mapping[str, Any], timeout: float, host: str = 
                 out["cached_tokens"] = details.get("cached_tokens")
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
-                token = (
-                    delta.get("content")
-                    or choice.get("token_ids")
-                    or (choice.get("logprobs") or {}).get("content")
-                )
-                if token and out["ttft_s"] is None:
+                ids = choice.get("token_ids") or []
+                if (ids or delta.get("content")) and out["ttft_s"] is None:
                     out["ttft_s"] = time.perf_counter() - t0
+                token_ids += ids
                 parts.append(delta.get("content") or "")
         out["text"] = "".join(parts)
+        out["token_ids"] = token_ids
         out["ok"] = out["ttft_s"] is not None
         if not out["ok"]:
             out["error"] = "the stream carried no output token"
@@ -596,49 +596,47 @@ def run_once(
 
 
 # ---------------------------------------------------------------------------------------------
-# teacher-forced agreement with NonShared (prompt_logprobs)
+# teacher-forced agreement with NonShared (one greedy step per forced position)
 
 
-def forced_body(request: ChatRequest, reply: str, model: str, skip_prefix: bool) -> dict[str, Any]:
-    """A request whose prompt ends with NonShared's ``reply`` as the assistant's message, asking for the
-    prompt's top-1 logprobs (vLLM's ``prompt_logprobs``). ``prompt_logprobs`` makes vLLM skip the
-    prefix cache and the connector unless ``skip_reading_prefix_cache`` is false (then the
-    detokenization of prompt logprobs has to be off)."""
-    body = request.body(model, max_tokens=1)
+def forced_body(
+    request: ChatRequest, prefix: str, model: str, explicit_layout: bool = False
+) -> dict[str, Any]:
+    """The request for one forced position: the turn's prompt followed by the first tokens of
+    NonShared's reply (``prefix``, decoded) as the assistant's unfinished message; one greedy token,
+    its id returned. ``prompt_logprobs`` is not used: it makes vLLM skip the prefix cache and the
+    connector (``skip_reading_prefix_cache``, which the OpenAI server does not expose)."""
+    body = request.body(model, max_tokens=1, explicit_layout=explicit_layout)
     body.pop("min_tokens", None)
-    body["messages"] = [*request.messages, {"role": "assistant", "content": reply}]
-    body.update(
-        add_generation_prompt=False,
-        continue_final_message=True,
-        prompt_logprobs=1,
-    )
-    if not skip_prefix:
-        body.update(skip_reading_prefix_cache=False, detokenize=False)
+    body["return_token_ids"] = True
+    if prefix:
+        body["messages"] = [*request.messages, {"role": "assistant", "content": prefix}]
+        body.update(add_generation_prompt=False, continue_final_message=True)
     return body
 
 
-def top1_tail(response: Mapping[str, Any], n: int) -> list[int]:
-    """The top-1 token id at each of the last ``n`` prompt positions of a ``prompt_logprobs``
-    response (each entry maps token id -> {logprob, rank}; rank 1 is the argmax)."""
-    entries = response.get("prompt_logprobs") or []
-    out = []
-    for entry in entries[-n:]:
-        if not entry:
-            out.append(-1)
-            continue
-        best = min(entry.items(), key=lambda kv: (kv[1].get("rank") or 1e9, -kv[1].get("logprob", -1e9)))
-        out.append(int(best[0]))
-    return out
+def forced_step(
+    port: int, body: Mapping[str, Any], expected_prefix: Sequence[int], timeout: float
+) -> int | None:
+    """The greedy next token of a forced request, or ``None`` when the server tokenized the forced
+    prefix otherwise than NonShared generated it (the position is then not counted)."""
+    response = post_json(port, "/v1/chat/completions", body, timeout)
+    prompt = response.get("prompt_token_ids") or []
+    if expected_prefix and list(prompt[-len(expected_prefix) :]) != list(expected_prefix):
+        return None
+    ids = (response.get("choices") or [{}])[0].get("token_ids") or []
+    return int(ids[0]) if ids else None
 
 
-def agreement(reference: Sequence[Sequence[int]], method: Sequence[Sequence[int]]) -> dict[str, float]:
-    """Top-1 agreement (over every forced position) and first-token agreement of ``method`` against
-    ``reference``, per-request lists of top-1 ids at the same positions."""
-    pairs = [(a, b) for ref, got in zip(reference, method) for a, b in zip(ref, got)]
-    firsts = [(ref[0], got[0]) for ref, got in zip(reference, method) if ref and got]
+def agreement(reference: Sequence[Sequence[int]], method: Sequence[Sequence[int | None]]) -> dict[str, float]:
+    """Top-1 agreement of ``method``'s greedy tokens with NonShared's at the same forced positions
+    (per request; ``None``: a position not counted), and the same for each reply's first token."""
+    pairs = [(a, b) for ref, got in zip(reference, method) for a, b in zip(ref, got) if b is not None]
+    firsts = [(ref[0], got[0]) for ref, got in zip(reference, method) if ref and got and got[0] is not None]
     return {
         "agreement": sum(a == b for a, b in pairs) / len(pairs) if pairs else float("nan"),
         "first_token_agreement": sum(a == b for a, b in firsts) / len(firsts) if firsts else float("nan"),
+        "forced_positions": len(pairs),
     }
 
 
@@ -653,17 +651,20 @@ def free_port() -> int:
 
 
 def served_model_path(model: str) -> Path:
-    """An HF folder vLLM can load (config, weights, tokenizer): a local directory as given, or an
-    embedded model's fp32 safetensors copy (converted once by ``load_model``)."""
-    from ..models import EMBEDDED_MODELS, _embedded_dir
-
-    if Path(model).is_dir():
-        return Path(model)
-    if model in EMBEDDED_MODELS:
-        return _embedded_dir(model)
-    raise ValueError(
-        f"--model {model!r}: not a local HF folder or an embedded model ({', '.join(EMBEDDED_MODELS)})"
-    )
+    """An HF folder vLLM can load (config, weights, tokenizer): a local folder as given, or an
+    embedded model written as one by the serving package (``hf_kvshare.serving.models``; the
+    embedded fp32 copy keeps its tied embedding under ``lm_head.weight`` only, which vLLM does not
+    read as the input embedding)."""
+    if (Path(model).expanduser() / "config.json").is_file():
+        return Path(model).expanduser()
+    try:
+        from .models import served_model_dir  # type: ignore[import-not-found]
+    except ImportError:
+        raise ValueError(
+            f"--model {model!r}: give an HF model folder (config, weights, tokenizer); writing an embedded "
+            "model as one needs hf_kvshare.serving.models, which this tree does not have"
+        ) from None
+    return served_model_dir(model)
 
 
 def connector_launch(method: str) -> list[str] | None:
@@ -1091,42 +1092,58 @@ def _warm_up(port: int, plan: Plan, args: argparse.Namespace, tokenizer: Any, re
 def _forced_pass(
     port: int, plan: Plan, args: argparse.Namespace, tokenizer: Any, group: ServerGroup, reference: Any
 ) -> dict[str, Any]:
-    """Teacher-forced pass: on the plain server, NonShared's replies (greedy, exact prefill) and the
-    top-1 ids at their positions; on a connector server, the same forced prompts, in order."""
+    """Teacher-forced pass on documents of its own. On the plain server: NonShared's replies (greedy,
+    plain vLLM's exact prefill) with their token ids. On a connector server: NonShared's trajectory
+    turn by turn, one greedy step per position of each reply (the prompt plus the reply's first k
+    tokens), compared with NonShared's token there."""
     workload = ServeTrace(
         plan.workload.shared_tokens, plan.workload.agents, args.agreement_tasks, plan.workload.output_tokens
     )
     tasks = workload.task_specs(tokenizer, run_seed(args.seed, "agreement"))
-    n = plan.workload.output_tokens
+    split = not args.joined_messages
     if group.key == "plain":
-        replies, top1 = [], []
-        for task in tasks:
-            traj, got = task_trajectory(task), {}
+        replies, ids = [], []
+        for t, task in enumerate(tasks):
+            traj, got = task_trajectory(task, f"agreement-{t}"), {}
             for agent, messages, slot, max_tokens, min_tokens in task_turns(task):
                 request = traj.request(
-                    agent, messages, output_slot=slot, max_tokens=max_tokens, min_tokens=min_tokens
+                    agent,
+                    messages,
+                    output_slot=slot,
+                    max_tokens=max_tokens,
+                    min_tokens=min_tokens,
+                    split=split,
                 )
                 result = stream_chat(port, request.body("model", stream=True), args.request_timeout)
                 if not result["ok"]:
                     raise RuntimeError(f"agreement reference request failed: {result.get('error')}")
                 traj.record(slot, result["text"])
                 got[slot] = result["text"]
+                ids.append(result.get("token_ids") or [])
             replies.append(got)
-            for request in task_requests(task, got):
-                body = forced_body(request, got[request.output_slot], "model", skip_prefix=True)
-                top1.append(top1_tail(post_json(port, "/v1/chat/completions", body, args.request_timeout), n))
-        return {"replies": replies, "top1": top1}
+        return {"replies": replies, "ids": ids}
     if reference is None:
         return {"note": "no reference (the plain server did not run first)"}
-    top1 = []
-    for task, got in zip(tasks, reference["replies"]):
-        for request in task_requests(task, got):
-            body = forced_body(request, got[request.output_slot], "model", skip_prefix=False)
-            try:
-                top1.append(top1_tail(post_json(port, "/v1/chat/completions", body, args.request_timeout), n))
-            except RuntimeError as e:
-                return {"note": f"forced request refused: {' '.join(str(e).split())[:200]}"}
-    return {"top1": top1, **agreement(reference["top1"], top1)}
+    top1: list[list[int | None]] = []
+    refs = iter(reference["ids"])
+    for t, (task, got) in enumerate(zip(tasks, reference["replies"])):
+        requests = task_requests(task, got, split=split)
+        for request in requests:
+            request.task = f"agreement-{group.key}-{t}"
+            ref = next(refs)
+            mine: list[int | None] = []
+            for k in range(len(ref)):
+                prefix = tokenizer.decode(ref[:k]) if k else ""
+                body = forced_body(request, prefix, "model", args.explicit_layout)
+                try:
+                    mine.append(forced_step(port, body, ref[:k], args.request_timeout))
+                except (RuntimeError, OSError) as e:
+                    return {"note": f"forced request failed: {' '.join(str(e).split())[:200]}"}
+            top1.append(mine)
+    result = agreement(reference["ids"], top1)
+    skipped = sum(len(r) for r in reference["ids"]) - result["forced_positions"]
+    note = f"{skipped} positions not counted (the forced prefix re-tokenized otherwise)" if skipped else ""
+    return {"top1": top1, **result, "note": note}
 
 
 def _agreement_columns(method: str, forced: Mapping[str, Any]) -> dict[str, Any]:
