@@ -329,7 +329,7 @@ def _clean(value: Any) -> Any:
 def _title(config: Mapping[str, Any]) -> str:
     w = config.get("workload") or {}
     return (
-        f"{config.get('model')} on vLLM: {w.get('agents')} agents, {w.get('shared_tokens')} shared tokens, "
+        f"{Path(str(config.get('model'))).name} on vLLM: {w.get('agents')} agents, {w.get('shared_tokens')} shared tokens, "
         f"{w.get('output_tokens')} output tokens, {w.get('tasks')} tasks per run"
     )
 
@@ -667,25 +667,26 @@ def served_model_path(model: str) -> Path:
     return served_model_dir(model)
 
 
-def connector_launch(method: str) -> list[str] | None:
-    """The server arguments that load the hf_kvshare connector for ``method``, from the serving
-    package's launcher (``hf_kvshare.serving.launcher.connector_args``) when it is there; ``None``
-    when this tree has no connector."""
+def connector_server_class() -> Any:
+    """The serving package's launcher (``hf_kvshare.serving.server.Server``: vLLM's OpenAI server with
+    the connector, its layout middleware and per-method ``cache_salt``), or ``None`` when this tree
+    has none."""
     try:
-        from . import launcher  # type: ignore[attr-defined]
+        from .server import Server  # type: ignore[import-not-found]
     except ImportError:
         return None
-    build = getattr(launcher, "connector_args", None)
-    return list(build(method)) if callable(build) else None
+    return Server
 
 
 @dataclass
 class ServerGroup:
-    """Methods served by one server configuration (the two plain rows share a plain server)."""
+    """Methods served by one server configuration (the two plain rows share a plain server); a
+    connector method's registry name and options (``None``: plain vLLM)."""
 
     key: str
     methods: list[str]
-    connector_args: list[str]
+    method: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 class VLLMServer:
@@ -696,7 +697,6 @@ class VLLMServer:
         self,
         python: str,
         model_dir: Path,
-        served_name: str,
         port: int,
         args: Sequence[str],
         log_path: Path,
@@ -713,8 +713,6 @@ class VLLMServer:
             str(port),
             "--model",
             str(model_dir),
-            "--served-model-name",
-            served_name,
             *args,
         ]
         self.port, self.log_path, self.env, self.startup_timeout = port, log_path, dict(env), startup_timeout
@@ -902,18 +900,20 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
             f"--agreement needs {PLAIN} among --methods (its exact prefill is NonShared's reference)"
         )
     if plain:
-        groups.append(ServerGroup("plain", plain, []))
+        groups.append(ServerGroup("plain", plain))
     for m in methods:
         if m in BASELINES:
             continue
         spec = MethodSpec.parse(m)  # unknown names / options: ValueError with the registry's names
-        launch = connector_launch(m)
-        if launch is None:
+        server_class = connector_server_class()
+        if server_class is None:
             raise ValueError(
                 f"method {m!r} is served through the hf_kvshare vLLM connector, which this tree does not have "
-                f"(hf_kvshare.serving.launcher.connector_args); use {PLAIN} / {DOC_FIRST}"
+                f"(hf_kvshare.serving.server); use {PLAIN} / {DOC_FIRST}"
             )
-        groups.append(ServerGroup(spec.tag, [m], launch))
+        # a method the connector cannot serve (LoRA agents, ...) is refused here, before any server starts
+        server_class(Path("."), spec.name, spec.kwargs, port=1, python=sys.executable)
+        groups.append(ServerGroup(spec.tag, [m], spec.name, spec.kwargs))
     if args.agreement and len(groups) < 2:
         raise ValueError(
             "--agreement compares connector methods with NonShared: give at least one besides the plain rows"
@@ -1019,16 +1019,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
             for group in order:
                 port = args.port or free_port()
                 log_path = plan.out / "logs" / f"{group.key}-r{repeat}.log"
-                server = VLLMServer(
-                    args.vllm_python,
-                    plan.model_dir,
-                    "model",
-                    port,
-                    [*base_args, *group.connector_args],
-                    log_path,
-                    env,
-                    args.startup_timeout,
-                )
+                server = _server(group, plan, args, port, log_path, env, [*base_args, *args.vllm_arg])
                 print(f"server {group.key} (repeat {repeat}) on {HOST}:{port} ...", flush=True)
                 with server:
                     _warm_up(port, plan, args, tokenizer, repeat)
@@ -1068,6 +1059,66 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
     written = write_outputs(plan.out, config, rows, plots=not args.no_plots)
     print("\n".join(str(p) for p in written))
     return 0
+
+
+class _ConnectorServer:
+    """The serving package's ``Server`` with its log file, a bounded readiness wait and a stop."""
+
+    def __init__(self, server: Any, log_path: Path, startup_timeout: float) -> None:
+        self.server, self.log_path, self.startup_timeout = server, log_path, startup_timeout
+
+    def __enter__(self) -> _ConnectorServer:
+        self.server.start()
+        try:
+            self.server.wait_ready(self.startup_timeout)
+        except BaseException:
+            self.server.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.stop()
+        self.server.log.close()
+
+
+def _server(
+    group: ServerGroup,
+    plan: Plan,
+    args: argparse.Namespace,
+    port: int,
+    log_path: Path,
+    env: Mapping[str, str],
+    vllm_args: list[str],
+) -> Any:
+    """A context manager running the group's server: plain vLLM, or vLLM with the connector."""
+    vllm_args = [*vllm_args, "--served-model-name", "model"]
+    if group.method is None:
+        return VLLMServer(
+            args.vllm_python, plan.model_dir, port, vllm_args, log_path, env, args.startup_timeout
+        )
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")
+    server = connector_server_class()(
+        plan.model_dir,
+        group.method,
+        group.options,
+        port=port,
+        vllm_args=vllm_args,
+        log=log,
+        python=args.vllm_python,
+    )
+    server.environment = _with_env(server.environment, env)
+    return _ConnectorServer(server, log_path, args.startup_timeout)
+
+
+def _with_env(environment: Any, extra: Mapping[str, str]) -> Any:
+    def merged() -> dict[str, str]:
+        return {
+            **environment(),
+            **{k: v for k, v in extra.items() if k.startswith(("OMP_", "MKL_", "VLLM_CPU"))},
+        }
+
+    return merged
 
 
 def _warm_up(port: int, plan: Plan, args: argparse.Namespace, tokenizer: Any, repeat: int) -> None:
