@@ -388,3 +388,27 @@ def test_bench_serve_runs_plain_and_document_first(tmp_path):
     assert set(rows) == {"plain", "document-first"}
     assert all(r["completed"] == 4 for r in rows.values())
     assert rows["document-first"]["prefix_cache_hits"] > 0  # the second agent hits the document
+
+
+@pytest.mark.serving
+@pytest.mark.skipif(
+    not _has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
+)
+@pytest.mark.skipif(
+    sb.connector_server_class() is None, reason="needs the connector (hf_kvshare.serving.server)"
+)
+def test_bench_serve_runs_a_connector_method_with_agreement(tmp_path):
+    out = tmp_path / "out"
+    result = _serve(
+        "--methods", "plain", "fullshared", "--qps", "4", "--shared-tokens", "64", "--agents", "2",
+        "--tasks", "2", "--output-tokens", "2", "--max-duration", "120", "--request-timeout", "120",
+        "--warmup-tasks", "0", "--agreement", "--agreement-tasks", "1", "--explicit-layout",
+        "--vllm-python", VLLM_PYTHON, "--vllm-arg=--enforce-eager", "--no-plots", "--model", SERVE_MODEL,
+        "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (summary,) = out.glob("*/summary.json")
+    rows = {r["method"]: r for r in json.loads(summary.read_text())["rows"]}
+    assert rows["fullshared"]["completed"] == 4 and rows["fullshared"]["failed"] == 0
+    assert rows["fullshared"]["agreement"] is not None  # forced positions were counted
+    assert rows["fullshared"]["supplied_tokens"] is not None  # vLLM's connector counter is read
