@@ -27,7 +27,11 @@ DOCUMENT = (
 AGENTS = [
     ("planner", "You are the planner. Break the work into small steps.", ["document"]),
     ("critic", "You are the critic. Point out the risks in the plan.", ["document", "planner"]),
-    ("writer", "You are the writer. Give the council a one-paragraph recommendation.", ["document", "planner", "critic"]),
+    (
+        "writer",
+        "You are the writer. Give the council a one-paragraph recommendation.",
+        ["document", "planner", "critic"],
+    ),
 ]
 
 
@@ -46,7 +50,10 @@ def main() -> None:
     for name, system, reads in AGENTS:
         content: list = []
         for slot in reads:
-            content += [f"{'Shared notes' if slot == 'document' else slot.capitalize() + ' wrote'}:", PH(slot)]
+            content += [
+                f"{'Shared notes' if slot == 'document' else slot.capitalize() + ' wrote'}:",
+                PH(slot),
+            ]
         content.append("Your answer:")
         request = trajectory.request(
             name, [{"role": "system", "content": system}, {"role": "user", "content": content}]
