@@ -428,6 +428,12 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def cmd_serve(argv: list[str]) -> int:
+    from ..serving.bench import main as serve_main  # concurrent serving on vLLM (docs/serving.md)
+
+    return serve_main(argv, prog=PROG)
+
+
 COMMANDS = {
     "run": cmd_run,
     "plot": cmd_plot,
@@ -436,6 +442,7 @@ COMMANDS = {
     "list": cmd_list,
     "report": cmd_report,
     "study": cmd_study,
+    "serve": cmd_serve,
 }
 
 

@@ -1,0 +1,415 @@
+"""``hf-kvshare bench serve`` and the serving client: the pure parts run without vLLM (no server);
+the end-to-end run is marked ``serving`` and skipped where vLLM is not installed."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_kvshare.serving import bench as sb
+from hf_kvshare.serving.client import ChatTrajectory, task_requests, task_trajectory, task_turns
+from hf_kvshare.trajectory import PF, PH, chat
+
+# -- Poisson schedule ------------------------------------------------------------------------------
+
+
+def test_poisson_schedule_is_seeded_sorted_and_bounded():
+    a = sb.poisson_schedule(200, 2.0, seed=7)
+    assert a == sb.poisson_schedule(200, 2.0, seed=7)
+    assert a != sb.poisson_schedule(200, 2.0, seed=8)
+    assert len(a) == 200 and a[0] == 0.0 and a == sorted(a)
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert abs(sum(gaps) / len(gaps) - 0.5) < 0.1  # mean inter-arrival 1 / qps
+    bounded = sb.poisson_schedule(200, 2.0, seed=7, max_duration=10.0)
+    assert bounded == [t for t in a if t <= 10.0] and len(bounded) < 200
+    assert sb.poisson_schedule(0, 1.0, 0) == []
+
+
+@pytest.mark.parametrize("qps", [0, -1, float("inf"), float("nan")])
+def test_poisson_schedule_refuses_bad_rates(qps):
+    with pytest.raises(ValueError, match="qps"):
+        sb.poisson_schedule(4, qps, 0)
+
+
+def test_plan_is_agent_major_with_dependencies():
+    plan = sb.plan_run(tasks=3, agents=2, arrivals=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
+    assert [(p.task, p.position, p.depends_on) for p in plan] == [
+        (0, 0, None),
+        (1, 0, None),
+        (2, 0, None),
+        (0, 1, 0),
+        (1, 1, 1),
+        (2, 1, 2),
+    ]
+    assert len(sb.plan_run(3, 2, [0.0, 0.1])) == 2  # a time bound cuts the plan
+
+
+# -- summaries, CSV / JSON ---------------------------------------------------------------------------
+
+
+def _record(i, ttft, position=0, ok=True, sent=0.0, finished=1.0, tokens=4):
+    return {
+        "request": i,
+        "position": position,
+        "ok": ok,
+        "ttft_s": ttft if ok else None,
+        "sent_s": sent,
+        "finished_s": finished,
+        "e2e_s": finished - sent,
+        "completion_tokens": tokens if ok else None,
+        "prompt_tokens": 100,
+        "dependency_wait_s": 0.0,
+    }
+
+
+def test_summary_percentiles_and_throughput():
+    records = [
+        _record(i, t, position=i % 2, finished=2.0 + i) for i, t in enumerate([1.0, 2.0, 3.0, 4.0, 5.0])
+    ]
+    records.append({"request": 5, "position": 1, "ok": False, "sent_s": None})  # not sent
+    records.append(_record(6, None, ok=False, sent=1.0))  # failed
+    row = sb.summarize_run(records, wall_s=9.0)
+    assert row["requests"] == 7 and row["completed"] == 5 and row["failed"] == 1 and row["not_sent"] == 1
+    assert row["ttft_p50_s"] == 3.0
+    assert row["ttft_p90_s"] == pytest.approx(4.6)  # linear interpolation (numpy's default)
+    assert row["reuse_ttft_p50_s"] == 3.0  # positions 1 and 3: TTFT 2.0 and 4.0
+    assert row["output_tokens"] == 20
+    assert row["throughput_tok_s"] == pytest.approx(20 / 6.0)  # first send 0, last finish 6
+    assert row["cached_tokens"] is None  # the server did not report it
+
+
+def test_summary_of_nothing_is_nan_not_an_error():
+    row = sb.summarize_run([{"request": 0, "position": 0, "ok": False, "sent_s": None}])
+    assert row["completed"] == 0 and math.isnan(row["ttft_p50_s"]) and math.isnan(row["throughput_tok_s"])
+
+
+def test_metrics_parsing_and_deltas():
+    text = (
+        "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n"
+        "# TYPE vllm:prefix_cache_hits_total counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="model"} 1344.0\n'
+        'vllm:prefix_cache_queries_total{engine="0",model_name="model"} 4000.0\n'
+        "process_open_fds 12\n"
+    )
+    after = sb.parse_metrics(text)
+    assert after["vllm:prefix_cache_hits_total"] == 1344.0
+    before = {"vllm:prefix_cache_hits_total": 344.0}
+    assert sb.metric_delta(before, after, *sb.PREFIX_HITS) == 1000.0
+    assert sb.metric_delta(before, after, *sb.PREFIX_QUERIES) == 4000.0
+    assert sb.metric_delta(before, after, "vllm:nothing") is None
+    cols = sb.connector_columns("fullshared", before, after)
+    assert cols["rho"] is None and "no supplied tokens" in cols["rho_note"]
+    cols = sb.connector_columns(
+        "fullshared", {}, {"hf_kvshare:supplied_tokens": 300.0, "hf_kvshare:reusable_tokens": 400.0}
+    )
+    assert cols == {"supplied_tokens": 300.0, "rho": 0.75, "rho_note": ""}
+    assert "no connector" in sb.connector_columns("plain", {}, after)["rho_note"]
+
+
+def test_outputs_json_csv_and_figure(tmp_path):
+    rows = []
+    for method, scale in (("plain", 4.0), ("document-first", 1.0), ("fullshared", 1.2)):
+        for qps in (0.5, 2.0):
+            rows.append(
+                {
+                    "method": method,
+                    "qps": qps,
+                    "repeat": 0,
+                    "ttft_p50_s": scale * qps,
+                    "ttft_p90_s": 2 * scale * qps,
+                }
+            )
+    rows.append({"method": "kvcmas", "qps": 0.5, "repeat": 0, "ttft_p50_s": float("nan"), "ttft_p90_s": None})
+    config = {"model": "m", "workload": {"agents": 4, "shared_tokens": 256, "output_tokens": 4, "tasks": 2}}
+    written = sb.write_outputs(tmp_path, config, rows, plots=True)
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["config"] == config and data["rows"][-1]["ttft_p50_s"] is None  # NaN written as null
+    with open(tmp_path / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == list(sb.SUMMARY_COLUMNS) and len(table) == 7
+    assert table[0]["method"] == "plain" and float(table[1]["ttft_p50_s"]) == 8.0
+    curves = sb.curves(rows)
+    assert "kvcmas" not in curves and curves["plain"] == [(0.5, 2.0, 4.0), (2.0, 8.0, 16.0)]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "ttft_vs_qps.png") in written and (tmp_path / "ttft_vs_qps.png").stat().st_size > 0
+
+
+# -- workload: fresh documents, layouts ------------------------------------------------------------
+
+
+def test_fresh_documents_per_run(tokenizer):
+    w = sb.ServeTrace(shared_tokens=64, agents=3, tasks=2, output_tokens=4)
+    seeds = {sb.run_seed(0, "run", r, q) for r in range(2) for q in range(3)}
+    assert len(seeds) == 6  # every run its own seed, the same for every method
+    docs = []
+    for seed in sorted(seeds):
+        tasks = w.task_specs(tokenizer, seed)
+        assert len(tasks) == 2
+        for t in tasks:
+            (slot,) = t.slots
+            assert len(tokenizer(slot.text, add_special_tokens=False)["input_ids"]) == 64
+            docs.append(slot.text)
+    assert len(set(docs)) == len(docs)  # no document served twice
+    assert w.task_specs(tokenizer, 5)[0].slots[0].text == w.task_specs(tokenizer, 5)[0].slots[0].text
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"agents": 9}, "at most 8 agents"),
+        ({"tasks": 0}, "--tasks"),
+        ({"shared_tokens": 0}, "--shared-tokens"),
+        ({"tasks": 500, "agents": 8}, "requests per run"),
+    ],
+)
+def test_workload_arguments_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sb.ServeTrace(**kwargs)
+
+
+def test_document_first_layout(tokenizer):
+    (task,) = sb.ServeTrace(shared_tokens=32, agents=2, tasks=1, output_tokens=4).task_specs(tokenizer, 1)
+    doc = task.slots[0].text
+    first, second = task_requests(task, {"planner": "Plan: fix the roof."})
+    moved = sb.document_first(second)
+    assert moved.messages[0]["role"] == "system" and moved.messages[0]["content"].startswith(doc)
+    assert second.messages[0]["content"] in moved.messages[0]["content"]  # the agent's own prompt follows
+    assert sum(m["content"].count(doc) for m in moved.messages) == 1  # moved, not copied
+    assert any("Plan: fix the roof." in m["content"] for m in moved.messages[1:])
+    a, b = (
+        tokenizer(
+            tokenizer.apply_chat_template(sb.document_first(r).messages, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for r in (first, second)
+    )
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert common >= 32  # the two agents share the document as a prefix (what vLLM's cache can hit)
+    with pytest.raises(ValueError, match="does not read slot"):
+        sb.document_first(first, slot="nowhere")
+
+
+# -- the client: requests from a trajectory -------------------------------------------------------
+
+
+def test_client_requests_from_a_bench_task_match_the_session_layout(tokenizer):
+    """Joined messages, rendered with the chat template, are exactly the text the bench's Session
+    prompt (TaskSpec.to_workflow) tokenizes; the split layout gives every shared text a message."""
+    (task,) = sb.ServeTrace(shared_tokens=40, agents=3, tasks=1, output_tokens=4).task_specs(tokenizer, 3)
+    replies = {"planner": "First, list the costs.", "researcher": "The roof is old."}
+    joined = task_requests(task, replies, split=False)
+    workflow = task.to_workflow(tokenizer)
+    for request, step in zip(joined, workflow.steps):
+        expected = "".join(
+            seg.text
+            if isinstance(seg, PF)
+            else (task.slots[0].text if seg.slot == "context" else replies[seg.slot])
+            for seg in step.segments
+        )
+        assert (
+            tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+            == expected
+        )
+        assert request.output_slot == step.output_slot and request.max_tokens == request.min_tokens == 4
+    split = task_requests(task, replies)
+    last = split[-1]
+    assert [last.text(s) for s in last.spans] == [
+        task.slots[0].text,
+        replies["planner"],
+        replies["researcher"],
+    ]
+    assert all(last.messages[s.message]["content"] == last.text(s) for s in last.spans)  # whole messages
+    assert [m["role"] for m in last.messages][0] == "system"
+
+
+def test_client_explicit_layout_and_bodies():
+    traj = ChatTrajectory({"doc": "The shared document."}, task="t1")
+    r1 = traj.request(
+        "planner",
+        [{"role": "system", "content": "You plan."}, {"role": "user", "content": [PH("doc"), "\n\nPlan:"]}],
+        max_tokens=8,
+        min_tokens=8,
+    )
+    assert r1.output_slot == "planner" and r1.reads == ("doc",)
+    assert r1.kv_transfer_params() == {
+        "hf_kvshare": {
+            "task": "t1",
+            "agent": "planner",
+            "output": "planner",
+            "segments": [{"slot": "doc", "text": "The shared document."}],
+        }
+    }
+    traj.record(r1.output_slot, "Step one.")
+    r2 = traj.request(
+        "critic", [{"role": "user", "content": ["Notes:\n", PH("doc"), "\n", PH("planner"), "\nCritique:"]}]
+    )
+    assert [m["content"] for m in r2.messages] == [
+        "Notes:\n",
+        "The shared document.",
+        "Step one.",
+        "\nCritique:",
+    ]
+    assert r2.kv_transfer_params()["hf_kvshare"]["segments"] == [
+        {"slot": "doc", "text": "The shared document."},
+        {"slot": "planner"},
+    ]
+    body = r1.body("m", stream=True, explicit_layout=True)
+    assert body["min_tokens"] == 8 and body["max_tokens"] == 8 and body["temperature"] == 0.0
+    assert body["stream_options"] == {"include_usage": True} and "kv_transfer_params" in body
+    kwargs = r1.openai_kwargs("m", explicit_layout=True)
+    assert set(kwargs["extra_body"]) == {"min_tokens", "kv_transfer_params"} and kwargs["max_tokens"] == 8
+    assert traj.output_slot("planner") == "planner#2"
+
+
+def test_client_refuses_unknown_slots_and_bad_items():
+    traj = ChatTrajectory()
+    with pytest.raises(ValueError, match="has no text yet"):
+        traj.request("a", [{"role": "user", "content": [PH("nowhere")]}])
+    with pytest.raises(TypeError, match="str, PF or PH"):
+        traj.request("a", [{"role": "user", "content": [3]}])
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        traj.request("a", [{"content": "x"}])
+    with pytest.raises(ValueError, match="another text"):
+        ChatTrajectory({"d": "one"}).request("a", [{"role": "user", "content": [PH("d", "two")]}])
+    traj.request(
+        "a", [{"role": "user", "content": [PH("q", "What is 2+2?")]}]
+    )  # a PH with text defines its slot
+    assert traj.slots == {"q": "What is 2+2?"}
+
+
+def test_task_turns_cover_the_schedule(tokenizer):
+    (task,) = sb.ServeTrace(shared_tokens=16, agents=4, tasks=1, output_tokens=2).task_specs(tokenizer, 0)
+    turns = list(task_turns(task))
+    assert [t[0] for t in turns] == [s.agent for s in task.schedule]
+    assert task_trajectory(task, "x").task == "x"
+    chat(tokenizer, turns[0][1])  # the same messages are valid Session input (PH slots kept)
+
+
+def test_agreement_and_forced_requests():
+    ref = [[5, 6, 7], [8, 9]]
+    got = [[5, 1, 7], [None, 9]]  # None: a position the server tokenized otherwise, not counted
+    result = sb.agreement(ref, got)
+    assert result["agreement"] == pytest.approx(3 / 4) and result["forced_positions"] == 4
+    assert result["first_token_agreement"] == 1.0  # the second reply's first position is not counted
+    assert math.isnan(sb.agreement([], [])["agreement"])
+    traj = ChatTrajectory({"doc": "Some shared text."})
+    request = traj.request("a", [{"role": "user", "content": [PH("doc")]}], max_tokens=4, min_tokens=4)
+    first = sb.forced_body(request, "", "m")
+    assert first["max_tokens"] == 1 and "min_tokens" not in first and first["return_token_ids"] is True
+    assert first["messages"] == request.messages and "continue_final_message" not in first
+    later = sb.forced_body(request, "The plan", "m", explicit_layout=True)
+    assert later["messages"][-1] == {"role": "assistant", "content": "The plan"}
+    assert later["continue_final_message"] is True and later["add_generation_prompt"] is False
+    assert "prompt_logprobs" not in later and "kv_transfer_params" in later
+
+
+# -- the command line: every argument checked before a server starts -------------------------------
+
+
+def _serve(*argv, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "hf_kvshare", "bench", "serve", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--qps", "0"], "--qps: expected a positive number"),
+        (["--methods", "plain", "bogus"], "unknown method 'bogus'"),
+        (["--methods", "plain", "plain"], "names a method twice"),
+        (["--qps", "1", "1"], "names a rate twice"),
+        (["--agents", "9"], "at most 8 agents"),
+        (["--agreement", "--methods", "document-first"], "--agreement needs plain"),
+        (["--methods", "plain", "--vllm-python", "/nonexistent/python"], "no such file"),
+    ],
+)
+def test_cli_argument_errors_are_one_line(argv, message, tmp_path, capsys):
+    try:
+        code = sb.main([*argv, "--out", str(tmp_path / "out")], prog="hf-kvshare bench")
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()  # nothing written, no server started
+
+
+def test_cli_dispatch_and_a_python_without_vllm(tmp_path):
+    """``hf-kvshare bench serve`` reaches this command; a Python without vLLM is refused up front."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this Python has vLLM")
+    result = _serve("--methods", "plain", "--vllm-python", sys.executable, "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and "vLLM is not installed there" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# -- end to end (a server) -------------------------------------------------------------------------
+
+VLLM_PYTHON = os.environ.get(sb.VLLM_PYTHON_ENV) or sys.executable
+#: the model the end-to-end test serves (an HF folder, or an embedded name the serving package writes)
+SERVE_MODEL = os.environ.get("HF_KVSHARE_SERVE_MODEL", "smollm2-135m")
+
+
+def _has_vllm(python: str) -> bool:
+    if not Path(python).exists():
+        return False
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+
+
+@pytest.mark.serving
+@pytest.mark.skipif(
+    not _has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
+)
+def test_bench_serve_runs_plain_and_document_first(tmp_path):
+    out = tmp_path / "out"
+    result = _serve(
+        "--methods", "plain", "document-first", "--qps", "4", "--shared-tokens", "160", "--agents", "2",
+        "--tasks", "2", "--output-tokens", "2", "--max-duration", "120", "--request-timeout", "120",
+        "--warmup-tasks", "0", "--vllm-python", VLLM_PYTHON, "--vllm-arg=--enforce-eager", "--no-plots",
+        "--model", SERVE_MODEL, "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (summary,) = out.glob("*/summary.json")
+    rows = {r["method"]: r for r in json.loads(summary.read_text())["rows"]}
+    assert set(rows) == {"plain", "document-first"}
+    assert all(r["completed"] == 4 for r in rows.values())
+    # the second agent hits the document (vLLM CPU caches whole blocks of 128 tokens: 160 + header > 128)
+    assert rows["document-first"]["prefix_cache_hits"] > 0
+
+
+@pytest.mark.serving
+@pytest.mark.skipif(
+    not _has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
+)
+@pytest.mark.skipif(
+    sb.connector_server_class() is None, reason="needs the connector (hf_kvshare.serving.server)"
+)
+def test_bench_serve_runs_a_connector_method_with_agreement(tmp_path):
+    out = tmp_path / "out"
+    result = _serve(
+        "--methods", "plain", "fullshared", "--qps", "4", "--shared-tokens", "64", "--agents", "2",
+        "--tasks", "2", "--output-tokens", "2", "--max-duration", "120", "--request-timeout", "120",
+        "--warmup-tasks", "0", "--agreement", "--agreement-tasks", "1", "--explicit-layout",
+        "--vllm-python", VLLM_PYTHON, "--vllm-arg=--enforce-eager", "--no-plots", "--model", SERVE_MODEL,
+        "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (summary,) = out.glob("*/summary.json")
+    rows = {r["method"]: r for r in json.loads(summary.read_text())["rows"]}
+    assert rows["fullshared"]["completed"] == 4 and rows["fullshared"]["failed"] == 0
+    assert rows["fullshared"]["agreement"] is not None  # forced positions were counted
+    assert rows["fullshared"]["supplied_tokens"] is not None  # vLLM's connector counter is read
