@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_kvshare.serving import bench as sb
+from hf_kvshare.bench import serve as sb
 from hf_kvshare.serving.client import ChatTrajectory, task_requests, task_trajectory, task_turns
 from hf_kvshare.trajectory import PF, PH, chat
 

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .client import ChatRequest, task_requests, task_trajectory, task_turns
+from ..serving.client import ChatRequest, task_requests, task_trajectory, task_turns
 
 HOST = "127.0.0.1"
 #: the two plain-vLLM rows (no connector): the real layout and the document-first upper bound
@@ -99,7 +99,7 @@ class ServeTrace:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        from ..bench.workloads.trace import ROLES
+        from .workloads.trace import ROLES
 
         if self.agents > len(ROLES):
             raise ValueError(f"--agents: at most {len(ROLES)} agents (the trace's roles), got {self.agents}")
@@ -113,7 +113,7 @@ class ServeTrace:
 
     def task_specs(self, tokenizer: Any, seed: int) -> list[Any]:
         """The tasks of one run: documents drawn from ``seed`` (use :func:`run_seed` per run)."""
-        from ..bench.workloads.trace import TraceWorkload
+        from .workloads.trace import TraceWorkload
 
         workload = TraceWorkload(
             shared_tokens=self.shared_tokens,
@@ -305,8 +305,8 @@ def write_outputs(
     out: Path, config: Mapping[str, Any], rows: list[dict[str, Any]], plots: bool = True
 ) -> list[Path]:
     """``summary.json`` (config + rows), ``summary.csv`` and, with matplotlib, ``ttft_vs_qps.png``."""
-    from ..bench.report import write_csv
-    from ..bench.runner import write_json
+    from .report import write_csv
+    from .runner import write_json
 
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "summary.json", {"config": dict(config), "rows": _clean(rows)})
@@ -352,7 +352,7 @@ def curves(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[float, flo
 
 def ttft_plot(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> list[Path]:
     """Fig. 5 of the seeds: p50 and p90 TTFT vs QPS, one line per method (two panels)."""
-    from ..bench.plots import _pyplot, _save
+    from .plots import _pyplot, _save
 
     data = curves(rows)
     plt = _pyplot()
@@ -658,7 +658,7 @@ def served_model_path(model: str) -> Path:
     if (Path(model).expanduser() / "config.json").is_file():
         return Path(model).expanduser()
     try:
-        from .models import served_model_dir  # type: ignore[import-not-found]
+        from ..serving.models import served_model_dir  # type: ignore[import-not-found]
     except ImportError:
         raise ValueError(
             f"--model {model!r}: give an HF model folder (config, weights, tokenizer); writing an embedded "
@@ -672,7 +672,7 @@ def connector_server_class() -> Any:
     the connector, its layout middleware and per-method ``cache_salt``), or ``None`` when this tree
     has none."""
     try:
-        from .server import Server  # type: ignore[import-not-found]
+        from ..serving.server import Server  # type: ignore[import-not-found]
     except ImportError:
         return None
     return Server
@@ -885,7 +885,7 @@ class Plan:
 
 def validate(args: argparse.Namespace, prog: str) -> Plan:
     """Every argument checked before any server starts; ``ValueError`` with a one-line reason."""
-    from ..bench.methods import MethodSpec
+    from .methods import MethodSpec
 
     workload = ServeTrace(args.shared_tokens, args.agents, args.tasks, args.output_tokens)
     methods = list(dict.fromkeys(args.methods))
@@ -1205,7 +1205,7 @@ def _agreement_columns(method: str, forced: Mapping[str, Any]) -> dict[str, Any]
             else ("not asked (--agreement)" if not forced else "another prompt")
         )
         return {"agreement": None, "first_token_agreement": None, "agreement_note": note}
-    from ..bench.methods import MethodSpec
+    from .methods import MethodSpec
 
     mine = forced.get(MethodSpec.parse(method).tag)
     if not mine:
