@@ -16,6 +16,8 @@ import torch
 
 from .cache import CachePart, Segment, SegmentKV, SharedCache
 
+from .trajectory import PH
+
 if TYPE_CHECKING:
     from .method import Placement
     from .rope import RopeShifter
@@ -32,6 +34,8 @@ class Slot:
     token_ids: torch.Tensor
     text: str
     producer: str | None = None  # agent whose output this is (None for given text)
+    #: given text: ``"question"`` or ``"observation"`` (:func:`given_text_slot`); ``None`` for outputs
+    kind: str | None = None
     latest: SegmentKV | None = None  # K/V of the slot from the latest turn that read/wrote it
     #: method-specific state kept with ``latest`` (e.g. the hidden states selective recomputation
     #: restarts from), keyed by a name the method owns
@@ -99,6 +103,60 @@ class TurnResult:
             "prefix_reused": self.prefix_reused,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
+
+
+def output_with_tokens(slots: Mapping[str, Slot], token_ids: torch.Tensor) -> Slot | None:
+    """The output slot of ``slots`` whose token ids equal ``token_ids`` (the most recently produced
+    one when several do), or ``None``: an earlier agent's reply handed on as text."""
+    ids = token_ids.flatten().cpu()
+    found = None
+    for slot in slots.values():
+        if (
+            slot.producer is not None
+            and slot.token_ids.numel() == ids.numel()
+            and torch.equal(slot.token_ids, ids)
+        ):
+            found = slot
+    return found
+
+
+def given_text_slot(spec: PH, token_ids: torch.Tensor, slots: Mapping[str, Slot]) -> Slot:
+    """What a PH with text the request does not hold yet becomes, given the request's ``slots`` (in
+    the order they appeared, this turn's new ones last). The one rule every host applies (the
+    :class:`~hf_kvshare.session.Session`, a serving host building its own Turns):
+
+    1. ``spec.kind is None`` and ``token_ids`` equal an output already produced in the request
+       (:func:`output_with_tokens`): that output's slot is returned: the PH *is* the output (the
+       host reads it under the output's name: its producer's cache, gate decision and pools). One
+       token different: given text.
+    2. otherwise a new given-text :class:`Slot` of ``spec.kind``, by default ``"question"`` when the
+       request holds no given text yet and ``"observation"`` after.
+
+    A second question in one request is refused (``ValueError``), nothing changed."""
+    if spec.kind is None:
+        output = output_with_tokens(slots, token_ids)
+        if output is not None:
+            return output
+    given = [s for s in slots.values() if s.producer is None]
+    kind = spec.kind or ("observation" if given else "question")
+    if kind == "question":
+        question = next((s for s in given if s.kind == "question"), None)
+        if question is not None:
+            raise ValueError(
+                f"PH slot {spec.slot!r} is stated as the request's question, but slot {question.name!r} "
+                f"already is (a request has one question; state kind='observation' for other given text)"
+            )
+    return Slot(name=spec.slot, token_ids=token_ids, text=spec.text, kind=kind)
+
+
+def check_slot_kind(spec: PH, slot: Slot) -> None:
+    """A PH that states a kind must agree with the slot it names (outputs have none)."""
+    if spec.kind is None or spec.kind == slot.kind:
+        return
+    what = f"the output of {slot.producer!r}" if slot.producer is not None else f"a {slot.kind}"
+    raise ValueError(
+        f"PH slot {spec.slot!r} is stated as kind={spec.kind!r}, but the request holds it as {what}"
+    )
 
 
 class TurnHost(Protocol):
