@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from .cache import CachePart, Segment, SegmentKV, SharedCache
-
 from .trajectory import PH
 
 if TYPE_CHECKING:
