@@ -126,3 +126,96 @@ def test_task_format_carries_kinds(tokenizer):
     on_step = {**record, "schedule": [{"agent": "a", "reads": ["doc"], "kind": "question"}]}
     with pytest.raises(WorkloadFormatError, match=r"schedule\[0\].kind: unknown field"):
         TaskSpec.from_record(on_step)
+
+
+# ---------------------------------------------------------------- item 3: observations as conditions
+def _request(model, tok, method, i):
+    """Three agents reading the question and a document (an observation); the last two read the first's output."""
+    session = Session(model, tok, method)
+    query, doc = (
+        f"Question {i}: sort these {i + 3} numbers.",
+        f"Document {i}: a list holds {i} items in order.",
+    )
+    out = [
+        session.run_turn(
+            "a", [PF("A: "), PH("query", query), PF("\nDoc: "), PH("doc", doc), PF("\nA:")], max_new_tokens=3
+        )
+    ]
+    for agent in ("b", "c"):
+        out.append(
+            session.run_turn(
+                agent,
+                [
+                    PF(f"{agent}: "),
+                    PH("query"),
+                    PF("\nDoc: "),
+                    PH("doc"),
+                    PF("\nA said: "),
+                    PH("a"),
+                    PF("\n>"),
+                ],
+                max_new_tokens=3,
+            )
+        )
+    return session, out
+
+
+def _ph(result, name):
+    return next(s for s in result.segments if s.kind == "PH" and s.name == name)
+
+
+@pytest.mark.parametrize("name", ["kvcmas", "kvcomm"])
+def test_observations_gated_once_per_request_and_anchored_on_rejection(tiny_llama, tokenizer, name):
+    from hf_kvshare import get_method
+
+    method = get_method(name, tau=1.0)
+    for i in range(2):  # fewer than two anchors: rejected, every consumer prefills and adds its delta
+        session, turns = _request(tiny_llama, tokenizer, method, i)
+        state = method._requests.get(session)
+        assert state.decisions["doc"].accepted is False
+        assert "doc" in state.references  # the reference prefill (lead-in dropped), not a chained source
+        assert [_ph(t, "doc").provenance for t in turns] == ["dense"] * 3
+        assert _ph(turns[1], "doc").info["gate"] == "fallback"
+        assert len(method.pools["doc"]) == i + 1
+        anchor = method.pools["doc"].find((state.uid, "doc"))
+        assert sorted(anchor.deltas) == ["a", "b", "c"]
+    session, turns = _request(tiny_llama, tokenizer, method, 2)  # two anchors: gated (tau 1 accepts)
+    state = method._requests.get(session)
+    assert state.decisions["doc"].accepted
+    docs = [_ph(t, "doc") for t in turns]
+    assert [d.provenance for d in docs[1:]] == ["corrected"] * 2 and docs[1].info["gate"] == "accepted"
+    # the first hop: KVCMAS's chained question is new there, so the reference prefills the whole turn
+    assert docs[0].provenance == ("dense" if name == "kvcmas" else "corrected")
+    assert len(method.pools["doc"]) == 2  # accepted corrections are never inserted
+    if name == "kvcmas":  # the question stays chained and ungated
+        assert "query" not in state.decisions and _ph(turns[1], "query").info["gate"] == "ungated"
+    else:  # KVComm gates its question too
+        assert "query" in state.decisions
+
+
+def test_observations_read_as_the_question_is_the_earlier_reading(tiny_llama, tokenizer):
+    from hf_kvshare import get_method
+
+    method = get_method("kvcmas", tau=1.0, observation_source="question")
+    for i in range(3):
+        session, turns = _request(tiny_llama, tokenizer, method, i)
+    state = method._requests.get(session)
+    assert "doc" not in state.decisions and "doc" not in state.references
+    assert _ph(turns[1], "doc").info["gate"] == "ungated"
+
+
+def test_paper_gating_gates_every_edge_with_fewer_than_two_anchors_dense(tiny_llama, tokenizer):
+    from hf_kvshare import get_method
+
+    method = get_method("kvcmas", tau=1.0, gating="paper")
+    session, turns = _request(tiny_llama, tokenizer, method, 0)
+    state = method._requests.get(session)
+    assert {"query@b", "query@c", "doc", "a"} <= set(state.decisions)  # the chained question: per edge
+    assert not any(d.accepted for d in state.decisions.values())
+    assert all(s.provenance == "dense" for t in turns for s in t.segments if s.kind == "PH")
+    assert "fewer than 2 anchors" in _ph(turns[1], "query").info["reason"]
+    with pytest.raises(ValueError, match="gating='paper' is a slot-scope reading"):
+        get_method("kvcmas", gating="paper", gate_scope="edge")
+    for bad in ({"gating": "text"}, {"observation_source": "chained"}):
+        with pytest.raises(ValueError, match="must be one of"):
+            get_method("kvcomm", **bad)
