@@ -219,3 +219,22 @@ def test_paper_gating_gates_every_edge_with_fewer_than_two_anchors_dense(tiny_ll
     for bad in ({"gating": "text"}, {"observation_source": "chained"}):
         with pytest.raises(ValueError, match="must be one of"):
             get_method("kvcomm", **bad)
+
+
+def test_states_saved_before_kinds_load_as_the_earlier_reading(tiny_llama, tokenizer, tmp_path):
+    import json
+
+    from hf_kvshare import get_method
+
+    method = get_method("kvcmas", tau=1.0)
+    _request(tiny_llama, tokenizer, method, 0)
+    method.save_state(tmp_path)
+    header = json.loads((tmp_path / "state.json").read_text())
+    for option in ("observation_source", "gating"):  # as written before the options existed
+        del header["options"][option]
+    (tmp_path / "state.json").write_text(json.dumps(header))
+    with pytest.raises(ValueError, match="observation_source: saved 'question', this instance 'lead'"):
+        get_method("kvcmas", tau=1.0).load_state(tmp_path, tiny_llama)
+    earlier = get_method("kvcmas", tau=1.0, observation_source="question")
+    earlier.load_state(tmp_path, tiny_llama)
+    assert earlier.state_summary()["anchors"] == method.state_summary()["anchors"]
