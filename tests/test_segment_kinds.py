@@ -238,3 +238,68 @@ def test_states_saved_before_kinds_load_as_the_earlier_reading(tiny_llama, token
     earlier = get_method("kvcmas", tau=1.0, observation_source="question")
     earlier.load_state(tmp_path, tiny_llama)
     assert earlier.state_summary()["anchors"] == method.state_summary()["anchors"]
+
+
+# ------------------------------------------------------------------ item 4: reuse accounting
+def _split_sums(turn):
+    dense = sum(s.length for s in turn.segments if s.kind == "PH" and s.provenance == "dense")
+    acc = turn.accounting()
+    assert acc["tokens_corrected"] + acc["tokens_reused_uncorrected"] + acc["tokens_recomputed"] + acc[
+        "ph_prefilled"
+    ] == pytest.approx(turn.ph_tokens)
+    return acc, dense
+
+
+@pytest.mark.parametrize("name", ["kvcmas", "fullshared", "cacheblend"])
+def test_accounting_sums_to_the_shared_tokens(tiny_llama, tokenizer, name):
+    from hf_kvshare import get_method
+
+    method = get_method(
+        name, **({"tau": 1.0} if name == "kvcmas" else {"rho": 0.5} if name == "cacheblend" else {})
+    )
+    for i in range(3):
+        _, turns = _request(tiny_llama, tokenizer, method, i)
+        for turn in turns:
+            acc, dense = _split_sums(turn)
+            if name != "cacheblend":
+                assert acc["ph_prefilled"] == dense and acc["tokens_recomputed"] == 0
+            corrected = sum(s.length for s in turn.segments if s.kind == "PH" and s.provenance == "corrected")
+            assert acc["tokens_corrected"] == corrected  # full coverage on these: every row
+            if name == "kvcmas":
+                assert turn.corrects and acc["paper_reuse_ratio"] == pytest.approx(corrected / turn.ph_tokens)
+            else:
+                assert not turn.corrects and acc["paper_reuse_ratio"] == pytest.approx(turn.reuse_ratio)
+    if name == "cacheblend":
+        assert acc["tokens_recomputed"] > 0 and acc["tokens_corrected"] == 0
+    if name == "kvcmas":
+        assert acc["tokens_corrected"] > 0
+
+
+def test_a_run_with_no_gated_slot_reports_reused_uncorrected_and_warns_once(tiny_llama, tokenizer):
+    import warnings
+
+    from hf_kvshare import get_method
+    from hf_kvshare.evaluation import protocol
+
+    # KVCMAS on the question alone: chained and ungated; its anchors take deltas from dense turns only,
+    # and with the first hop the only dense one (it has no source) none is ever stored
+    method = "kvcmas:tau=1.0"
+
+    m = get_method("kvcmas", tau=1.0)
+    records = []
+    session = Session(tiny_llama, tokenizer, m)
+    first = session.run_turn("a", [PF("A: "), PH("query", "Sort the numbers."), PF("\nA:")], max_new_tokens=2)
+    for agent in ("b", "c"):  # no gated slot: the chained question is reused as its latest hop left it
+        r = session.run_turn(agent, [PF(f"{agent}: "), PH("query"), PF("\n>")], max_new_tokens=2)
+        assert _ph(r, "query").provenance == "reused" and r.tokens_reused_uncorrected == r.ph_tokens
+        records.append({"method": method, **r.metrics()})
+    records.insert(0, {"method": method, **first.metrics()})
+    protocol._WARNED_UNCORRECTED.discard(method)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = protocol.reuse_accounting(records)
+        again = protocol.reuse_accounting(records)
+    assert out == again and out["uncorrected_run"] is True
+    assert out["corrected_share"] == 0 and out["paper_reuse_ratio"] == 0 and out["uncorrected_share"] > 0
+    assert sum(out[c] for c in protocol.SPLIT.values()) == pytest.approx(1.0)
+    assert len([w for w in caught if "served the whole run uncorrected" in str(w.message)]) == 1

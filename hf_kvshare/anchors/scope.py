@@ -90,6 +90,9 @@ class Reuse:
     provenance: str  # "reused" (uncorrected) or "corrected"
     source_agent: str | None
     info: dict[str, Any] = field(default_factory=dict)
+    #: tokens served through the correction (``None``: all when ``provenance == "corrected"``); fewer
+    #: with partial coverage: the rows past the longest anchor are reused uncorrected
+    corrected_tokens: int | None = None
 
 
 class Scope:

@@ -171,7 +171,7 @@ class SlotScope(Scope):
                 turn, key, lambda: prefix_weights(edge.source, anchors, turn.shifter, reader)
             )
             turn.scratch.setdefault(f"{self.name}.pf", {})[following.start] = (anchors, *weights)
-        return Reuse(kv=kv, provenance="corrected", source_agent=edge.label, info=info)
+        return Reuse(kv=kv, provenance="corrected", source_agent=edge.label, info=info, corrected_tokens=rows)
 
     def cached_weights(
         self, turn: Turn, key: tuple, compute

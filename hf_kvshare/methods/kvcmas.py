@@ -191,6 +191,7 @@ class KVCMAS(PrefixReuse, Method):
     #: the benchmark gives this method its workload's tau (0.29 MMLU, 0.32 GSM8K, 0.34 HumanEval,
     #: as the KVCMAS authors ran them) unless its options set one
     workload_tau: ClassVar[bool] = True
+    corrects: ClassVar[bool] = True
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
         "key_frame": "canonical",
@@ -350,7 +351,11 @@ class KVCMAS(PrefixReuse, Method):
         if reuse is None:
             return None
         return Placement(
-            kv=reuse.kv, provenance=reuse.provenance, source_agent=reuse.source_agent, info=reuse.info
+            kv=reuse.kv,
+            provenance=reuse.provenance,
+            source_agent=reuse.source_agent,
+            info=reuse.info,
+            corrected_tokens=reuse.corrected_tokens,
         )
 
     def prefix_reuse_allowed(self, turn: Turn) -> bool:
