@@ -104,6 +104,9 @@ class Placement:
     source_agent: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     reused_tokens: float | None = None
+    #: of the reused tokens, those served through an accepted delta correction (``None``: all of them
+    #: when ``provenance == "corrected"``, else none); the rest is reused uncorrected
+    corrected_tokens: float | None = None
 
 
 class Method(StatePersistence):
@@ -127,6 +130,9 @@ class Method(StatePersistence):
     #: works only on a ``PeftModel`` whose agents are named adapters (the benchmark runs such a
     #: method only on workloads whose agents name adapters)
     requires_adapters: ClassVar[bool] = False
+    #: a correction method (KVCMAS, KVComm, GraphFlow): the paper's rho counts only its corrected
+    #: tokens as reused (``TurnResult.paper_reuse_ratio``); serving a run uncorrected is reported
+    corrects: ClassVar[bool] = False
     #: moves K/V between positions (a :class:`~hf_kvshare.rope.RopeShifter`): a model whose RoPE cannot
     #: be shifted (dynamic NTK) is refused when the session is created
     repositions: ClassVar[bool] = True

@@ -26,7 +26,7 @@ from .method import Method, get_method
 from .prefill import model_input_device, prefill_dense
 from .rope import RopeShifter
 from .trajectory import PH, Span, chat, is_messages, tokenize_text, validate_segments
-from .turn import Slot, Turn, TurnResult
+from .turn import Slot, Turn, TurnResult, check_slot_kind, given_text_slot
 
 
 class Session:
@@ -51,6 +51,9 @@ class Session:
         self.method.bind(model)
         self._shifter: RopeShifter | None = None
         self.slots: dict[str, Slot] = {}
+        #: given-text PH names whose text equals an output of this request -> that output's slot name
+        #: (:func:`~hf_kvshare.turn.given_text_slot`): the PH is read as the output
+        self.aliases: dict[str, str] = {}
         self.turns: list[TurnResult] = []
         #: per-request state a method keeps between turns, keyed by method name (e.g. the PReCache
         #: methods' shared base + LR caches); the method instance itself holds cross-request state only
@@ -104,13 +107,14 @@ class Session:
             segments = chat(self.tokenizer, segments)
         specs = validate_segments(segments)
         new_slots: dict[str, Slot] = {}
+        new_aliases: dict[str, str] = {}
         spans: list[Span] = []
         pos = 0
         pf_count = 0
         for i, spec in enumerate(specs):
             if isinstance(spec, PH):
-                slot = self._resolve_slot(spec, new_slots)
-                ids, name = slot.token_ids, spec.slot
+                slot = self._resolve_slot(spec, new_slots, new_aliases)
+                ids, name = slot.token_ids, slot.name  # an output passed as text is read as the output
             else:
                 ids = tokenize_text(self.tokenizer, spec.text)
                 name = spec.label or f"pf{pf_count}"
@@ -123,10 +127,12 @@ class Session:
         if slot_name in self.slots or slot_name in new_slots:
             raise ValueError(f"output slot {slot_name!r} already exists in this session")
         self.slots.update(new_slots)
+        self.aliases.update(new_aliases)
         return Turn(host=self, agent=agent, spans=spans, output_slot=slot_name, batch_size=batch_size)
 
-    def _resolve_slot(self, spec: PH, new_slots: dict[str, Slot]) -> Slot:
-        slot = self.slots.get(spec.slot) or new_slots.get(spec.slot)
+    def _resolve_slot(self, spec: PH, new_slots: dict[str, Slot], new_aliases: dict[str, str]) -> Slot:
+        alias = self.aliases.get(spec.slot) or new_aliases.get(spec.slot)
+        slot = self.slots.get(alias or spec.slot) or new_slots.get(alias or spec.slot)
         if slot is None:
             if spec.text is None:
                 known = ", ".join(sorted(self.slots)) or "none"
@@ -137,8 +143,21 @@ class Session:
             ids = tokenize_text(self.tokenizer, spec.text)
             if ids.numel() == 0:
                 raise ValueError(f"PH slot {spec.slot!r}: text {spec.text!r} tokenizes to zero tokens")
-            slot = Slot(name=spec.slot, token_ids=ids, text=spec.text)
-            new_slots[spec.slot] = slot
+            slot = given_text_slot(spec, ids, {**self.slots, **new_slots})
+            if slot.name == spec.slot:
+                new_slots[spec.slot] = slot
+            else:  # the text is an output of this request: read as that output from now on
+                new_aliases[spec.slot] = slot.name
+            return slot
+        check_slot_kind(spec, slot)
+        if alias is not None:
+            if spec.text is not None and not torch.equal(
+                tokenize_text(self.tokenizer, spec.text), slot.token_ids
+            ):
+                raise ValueError(
+                    f"PH slot {spec.slot!r} holds the output of {slot.producer!r} in this session; got a different "
+                    f"text {_preview(spec.text)}. A slot's content is fixed within a session"
+                )
         elif spec.text is not None and spec.text != slot.text:
             raise ValueError(
                 f"PH slot {spec.slot!r} already holds {_preview(slot.text)} in this session; got a different text "
@@ -174,12 +193,12 @@ class Session:
     def _rollback(self) -> Iterator[None]:
         """A block that raises (anything, an interrupt too) leaves the session's slots as they were:
         the slot table (slots it added dropped) and each slot's latest K/V."""
-        slots = dict(self.slots)
+        slots, aliases = dict(self.slots), dict(self.aliases)
         latest = {name: slot.latest for name, slot in slots.items()}
         try:
             yield
         except BaseException:
-            self.slots = slots
+            self.slots, self.aliases = slots, aliases
             for name, slot in slots.items():
                 slot.latest = latest[name]
             raise
@@ -263,6 +282,9 @@ class Session:
             tokens_reused=turn.stats.ph_reused,
             ph_tokens=turn.stats.ph_tokens,
             prefix_reused=turn.stats.pf_reused,
+            tokens_corrected=turn.stats.ph_corrected,
+            tokens_recomputed=turn.stats.ph_recomputed,
+            corrects=self.method.corrects,
             peak_memory_bytes=memory.peak_bytes,
             segments=list(cache.segments),
             logits=logits,

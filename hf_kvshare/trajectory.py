@@ -36,13 +36,27 @@ class PF:
             )
 
 
+#: the kinds of shared text given with a request (agent outputs have none: they are outputs)
+GIVEN_KINDS = ("question", "observation")
+
+
 @dataclass(frozen=True)
 class PH:
     """Shared content named by ``slot``. Give ``text`` the first time a slot appears in a session;
-    later references (and agent outputs, recorded under the agent's name) need only the slot."""
+    later references (and agent outputs, recorded under the agent's name) need only the slot.
+
+    ``kind`` says what given text is: ``"question"`` (the request's question: KVCMAS's
+    ``user_question``) or ``"observation"`` (documents, tool results, test feedback: the reference
+    code's conditions). ``None`` (default) lets the request decide, in this order
+    (:func:`hf_kvshare.turn.given_text_slot`): text whose tokens equal an output this request already
+    produced *is* that output (its slot, cache, gate decision and pools); otherwise the first given
+    text of a request is its question and every later one an observation. A stated kind keeps the
+    text given text of that kind (even when it equals an output); a request has at most one question.
+    A reference to a slot already held (no text) may state the slot's kind, not another."""
 
     slot: str
     text: str | None = None
+    kind: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.slot, str) or not self.slot:
@@ -53,6 +67,11 @@ class PH:
         if self.text is not None and not isinstance(self.text, str):
             raise TypeError(
                 f"PH text must be a string or None; got {self.text!r} ({type(self.text).__name__})"
+            )
+        if self.kind is not None and self.kind not in GIVEN_KINDS:
+            raise ValueError(
+                f"PH {self.slot!r}: kind must be one of {', '.join(map(repr, GIVEN_KINDS))} or None "
+                f"(agent outputs have no kind); got {self.kind!r}"
             )
 
 

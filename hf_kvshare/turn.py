@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from .cache import CachePart, Segment, SegmentKV, SharedCache
+from .trajectory import PH
 
 if TYPE_CHECKING:
     from .method import Placement
@@ -32,6 +33,8 @@ class Slot:
     token_ids: torch.Tensor
     text: str
     producer: str | None = None  # agent whose output this is (None for given text)
+    #: given text: ``"question"`` or ``"observation"`` (:func:`given_text_slot`); ``None`` for outputs
+    kind: str | None = None
     latest: SegmentKV | None = None  # K/V of the slot from the latest turn that read/wrote it
     #: method-specific state kept with ``latest`` (e.g. the hidden states selective recomputation
     #: restarts from), keyed by a name the method owns
@@ -44,15 +47,24 @@ class TurnStats:
     ph_tokens: int = 0  # PH tokens in the prompt
     ph_reused: float = 0  # PH tokens whose K/V was not computed for this agent (token-equivalents)
     pf_reused: int = 0  # PF tokens re-used from this agent's earlier turn (prefix reuse), not computed
+    ph_corrected: float = 0  # of ph_reused: served through an accepted delta correction
+    ph_recomputed: float = 0  # PH token-equivalents of placed spans recomputed (selective recomputation)
 
     def count(self, span: Span, placement: Placement | None) -> None:
         """Count the reuse of ``span`` placed by ``placement`` (``None``: computed, nothing to count):
-        PH tokens as the placement reports them (token-equivalents), PF tokens all. The builder
-        (:meth:`~hf_kvshare.method.Method.build`, a serving host) calls it for every span it places."""
+        PH tokens as the placement reports them (token-equivalents: reused, of which corrected, and the
+        rest of the span recomputed), PF tokens all. The builder (:meth:`~hf_kvshare.method.Method.build`,
+        a serving host) calls it for every span it places."""
         if placement is None:
             return
         if span.kind == "PH":
-            self.ph_reused += span.length if placement.reused_tokens is None else placement.reused_tokens
+            reused = span.length if placement.reused_tokens is None else placement.reused_tokens
+            corrected = placement.corrected_tokens
+            if corrected is None:
+                corrected = reused if placement.provenance == "corrected" else 0
+            self.ph_reused += reused
+            self.ph_corrected += min(corrected, reused)
+            self.ph_recomputed += span.length - reused
         else:
             self.pf_reused += span.length
 
@@ -76,6 +88,12 @@ class TurnResult:
     segments: list[Segment]
     #: PF tokens placed from the agent's earlier turn (prefix reuse), not computed; not part of rho
     prefix_reused: int = 0
+    #: the split of the shared (PH) tokens: of ``tokens_reused``, those served through an accepted
+    #: delta correction; the PH token-equivalents recomputed in placed spans; the rest is prefilled
+    tokens_corrected: float = 0
+    tokens_recomputed: float = 0
+    #: the method is a correction method (``Method.corrects``): see :attr:`paper_reuse_ratio`
+    corrects: bool = False
     logits: torch.Tensor | None = None  # [T, vocab] when the output was teacher-forced
     cache: SharedCache | None = None  # when run with keep_cache=True
 
@@ -83,6 +101,35 @@ class TurnResult:
     def reuse_ratio(self) -> float:
         """rho: the fraction of this turn's PH tokens whose K/V was reused rather than computed."""
         return self.tokens_reused / self.ph_tokens if self.ph_tokens else 0.0
+
+    @property
+    def tokens_reused_uncorrected(self) -> float:
+        """PH tokens reused as their source was (re-positioned only), no correction applied."""
+        return self.tokens_reused - self.tokens_corrected
+
+    @property
+    def ph_prefilled(self) -> float:
+        """PH tokens computed densely for this agent (corrected + reused uncorrected + recomputed +
+        prefilled = ``ph_tokens``)."""
+        return self.ph_tokens - self.tokens_reused - self.tokens_recomputed
+
+    @property
+    def paper_reuse_ratio(self) -> float:
+        """rho as the KVCMAS paper defines it (4.1): the fraction of the shared cache "excluded from
+        selective recomputation or served through accepted delta correction": for a correction method
+        its corrected tokens only (an uncorrected reuse is neither), for any other its reused ones."""
+        served = self.tokens_corrected if self.corrects else self.tokens_reused
+        return served / self.ph_tokens if self.ph_tokens else 0.0
+
+    def accounting(self) -> dict[str, float]:
+        """The split of the shared tokens and both rhos (every turn record carries it)."""
+        return {
+            "tokens_corrected": self.tokens_corrected,
+            "tokens_reused_uncorrected": self.tokens_reused_uncorrected,
+            "tokens_recomputed": self.tokens_recomputed,
+            "ph_prefilled": self.ph_prefilled,
+            "paper_reuse_ratio": self.paper_reuse_ratio,
+        }
 
     def metrics(self) -> dict[str, Any]:
         return {
@@ -97,8 +144,64 @@ class TurnResult:
             "ph_tokens": self.ph_tokens,
             "reuse_ratio": self.reuse_ratio,
             "prefix_reused": self.prefix_reused,
+            **self.accounting(),
+            "corrects": self.corrects,
             "peak_memory_bytes": self.peak_memory_bytes,
         }
+
+
+def output_with_tokens(slots: Mapping[str, Slot], token_ids: torch.Tensor) -> Slot | None:
+    """The output slot of ``slots`` whose token ids equal ``token_ids`` (the most recently produced
+    one when several do), or ``None``: an earlier agent's reply handed on as text."""
+    ids = token_ids.flatten().cpu()
+    found = None
+    for slot in slots.values():
+        if (
+            slot.producer is not None
+            and slot.token_ids.numel() == ids.numel()
+            and torch.equal(slot.token_ids, ids)
+        ):
+            found = slot
+    return found
+
+
+def given_text_slot(spec: PH, token_ids: torch.Tensor, slots: Mapping[str, Slot]) -> Slot:
+    """What a PH with text the request does not hold yet becomes, given the request's ``slots`` (in
+    the order they appeared, this turn's new ones last). The one rule every host applies (the
+    :class:`~hf_kvshare.session.Session`, a serving host building its own Turns):
+
+    1. ``spec.kind is None`` and ``token_ids`` equal an output already produced in the request
+       (:func:`output_with_tokens`): that output's slot is returned: the PH *is* the output (the
+       host reads it under the output's name: its producer's cache, gate decision and pools). One
+       token different: given text.
+    2. otherwise a new given-text :class:`Slot` of ``spec.kind``, by default ``"question"`` when the
+       request holds no given text yet and ``"observation"`` after.
+
+    A second question in one request is refused (``ValueError``), nothing changed."""
+    if spec.kind is None:
+        output = output_with_tokens(slots, token_ids)
+        if output is not None:
+            return output
+    given = [s for s in slots.values() if s.producer is None]
+    kind = spec.kind or ("observation" if given else "question")
+    if kind == "question":
+        question = next((s for s in given if s.kind == "question"), None)
+        if question is not None:
+            raise ValueError(
+                f"PH slot {spec.slot!r} is stated as the request's question, but slot {question.name!r} "
+                f"already is (a request has one question; state kind='observation' for other given text)"
+            )
+    return Slot(name=spec.slot, token_ids=token_ids, text=spec.text, kind=kind)
+
+
+def check_slot_kind(spec: PH, slot: Slot) -> None:
+    """A PH that states a kind must agree with the slot it names (outputs have none)."""
+    if spec.kind is None or spec.kind == slot.kind:
+        return
+    what = f"the output of {slot.producer!r}" if slot.producer is not None else f"a {slot.kind}"
+    raise ValueError(
+        f"PH slot {spec.slot!r} is stated as kind={spec.kind!r}, but the request holds it as {what}"
+    )
 
 
 class TurnHost(Protocol):

@@ -816,3 +816,18 @@ def test_limit_runs_one_forward_over_the_non_reused_tokens(tiny_dir, tokenizer):
         handle.remove()
     assert len(calls) == 1
     assert limit_ttft(model, results[0], set()) is None  # nothing reusable: no limit row
+
+
+def test_validate_reports_the_kinds_of_given_text(capsys):
+    """``validate`` says how many given slots are questions and observations (stated or by the default)."""
+    from hf_kvshare.bench.workloads import validate_task_file
+    from hf_kvshare.bench.workloads.files import kinds_report
+
+    data = Path(__file__).resolve().parent.parent / "examples" / "observations.jsonl"
+    assert bench("validate", str(data)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == kinds_report(validate_task_file(str(data)))
+    question, observation = (
+        int(part.split()[0]) for part in out[-1].removeprefix("given slots: ").split(", ")
+    )
+    assert question == 13 and observation > 0  # one question per task, the rest observations

@@ -82,7 +82,7 @@ class EdgeScope(Scope):
             "distances": edge.distances,
             "rows": f"{rows}/{span.length}",
         }
-        return Reuse(kv=kv, provenance="corrected", source_agent=edge.label, info=info)
+        return Reuse(kv=kv, provenance="corrected", source_agent=edge.label, info=info, corrected_tokens=rows)
 
     def observe(self, turn: Turn, span, edge: Edge, cache) -> None:
         """A rejected edge stores its observed correction (accepted corrections are never inserted)."""

@@ -90,6 +90,9 @@ class Reuse:
     provenance: str  # "reused" (uncorrected) or "corrected"
     source_agent: str | None
     info: dict[str, Any] = field(default_factory=dict)
+    #: tokens served through the correction (``None``: all when ``provenance == "corrected"``); fewer
+    #: with partial coverage: the rows past the longest anchor are reused uncorrected
+    corrected_tokens: int | None = None
 
 
 class Scope:
@@ -137,9 +140,9 @@ class Scope:
             if span.kind != "PH":
                 continue
             if (
-                o.text_source == "first"
+                slots[span.name].producer is None
+                and self.source_kind(turn, span.name) == "first"
                 and span.name not in state.produced
-                and slots[span.name].producer is None
             ):
                 if slots[span.name].latest is not None:
                     state.produced[span.name] = slots[span.name].latest
@@ -197,8 +200,16 @@ class Scope:
 
     # ---------------------------------------------------------------- sources
     def source_kind(self, turn: Turn, slot: str) -> str:
+        """Where the slot's source comes from: ``output_source`` for an output, ``observation_source``
+        for an observation (unless ``"question"``: read as the question), ``text_source`` for the
+        question."""
         o = self.options
-        return o.output_source if turn.slot(slot).producer is not None else o.text_source
+        held = turn.slot(slot)
+        if held.producer is not None:
+            return o.output_source
+        if held.kind == "observation" and o.observation_source != "question":
+            return o.observation_source
+        return o.text_source
 
     def source(self, turn: Turn, span) -> tuple[SegmentKV | None, str | None]:
         """The span's source cache and its label (source agent or REFERENCE)."""

@@ -60,8 +60,9 @@ class SlotScope(Scope):
                 edge.dense = "first"
                 continue
             if self.gated(turn, span.name):
-                edge.decision = self.decide(turn, span.name, source)
-                edge.candidates, edge.distances = self.gate_report(turn, span.name)
+                key = self.decision_key(turn, span.name)
+                edge.decision = self.decide(turn, key, source, pool=edge.pool)
+                edge.candidates, edge.distances = self.gate_report(turn, key)
             pool = self.pools.get(edge.pool)
             anchor = pool.find(edge.origin) if pool is not None else None
             own = anchor is not None and turn.agent in anchor.deltas
@@ -84,9 +85,18 @@ class SlotScope(Scope):
         return producer if producer is not None else slot
 
     def gated(self, turn: Turn, slot: str) -> bool:
-        return self.source_kind(turn, slot) not in ("chained", "first") or (
-            turn.slot(slot).producer is not None
-        )
+        """Outputs and reference-prefilled given text are gated; a chained / first question only with
+        ``gating="paper"`` (every PH span gated)."""
+        if self.options.gating == "paper" or turn.slot(slot).producer is not None:
+            return True
+        return self.source_kind(turn, slot) not in ("chained", "first")
+
+    def decision_key(self, turn: Turn, slot: str) -> str:
+        """One decision per (slot, request); with ``gating="paper"`` a chained source (a new one each hop)
+        is gated per edge: (slot, this turn)."""
+        if self.options.gating == "paper" and self.source_kind(turn, slot) == "chained":
+            return f"{slot}@{turn.output_slot}"
+        return slot
 
     def gate(
         self, pool_key: str, candidate: SegmentKV
@@ -108,15 +118,16 @@ class SlotScope(Scope):
         decision = reliability_gate(distances, o.tau, o.temperature)
         return decision, eligible, distances
 
-    def decide(self, turn: Turn, slot: str, candidate: SegmentKV) -> GateDecision:
-        """The slot's decision for this request: taken (pending until commit) the first time it is asked."""
+    def decide(self, turn: Turn, slot: str, candidate: SegmentKV, pool: str | None = None) -> GateDecision:
+        """The slot's decision for this request (``slot``: its decision key): taken (pending until
+        commit) the first time it is asked, against pool ``pool`` (default: the slot's)."""
         state = self.request(turn)
         pending = self.pending(turn)
         decision = state.decisions.get(slot)
         if decision is None:
             decision = pending["decisions"].get(slot)
         if decision is None:
-            decision, eligible, distances = self.gate(self.pool_key(turn, slot), candidate)
+            decision, eligible, distances = self.gate(pool or self.pool_key(turn, slot), candidate)
             pending["decisions"][slot] = decision
             pending["reports"][slot] = (len(eligible), None if distances is None else decision.distances)
             if decision.accepted:
@@ -160,7 +171,7 @@ class SlotScope(Scope):
                 turn, key, lambda: prefix_weights(edge.source, anchors, turn.shifter, reader)
             )
             turn.scratch.setdefault(f"{self.name}.pf", {})[following.start] = (anchors, *weights)
-        return Reuse(kv=kv, provenance="corrected", source_agent=edge.label, info=info)
+        return Reuse(kv=kv, provenance="corrected", source_agent=edge.label, info=info, corrected_tokens=rows)
 
     def cached_weights(
         self, turn: Turn, key: tuple, compute

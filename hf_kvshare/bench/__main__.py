@@ -321,6 +321,7 @@ def cmd_calibrate(argv: list[str]) -> int:
 
 def cmd_validate(argv: list[str]) -> int:
     from .workloads import WorkloadFormatError, validate_task_file
+    from .workloads.files import kinds_report
 
     p = _parser("validate", description="check a JSONL task file (one JSON object per line)")
     p.add_argument("file")
@@ -355,6 +356,7 @@ def cmd_validate(argv: list[str]) -> int:
             else f" ({args.model}: no position limit)"
         )
     print(f"{args.file}: {len(tasks)} tasks, {steps} agent turns: OK{fits}")
+    print(kinds_report(tasks))
     return 0
 
 

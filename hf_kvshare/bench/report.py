@@ -18,6 +18,9 @@ CONSOLE_COLUMNS = [
     ("e2e_ratio", "NS/E2E", ".2f", 7),
     ("throughput_tok_s", "tok/s", ".1f", 7),
     ("reuse_ratio", "rho", ".2f", 5),
+    ("paper_reuse_ratio", "rho*", ".2f", 5),
+    ("corrected_share", "corr", ".2f", 5),
+    ("uncorrected_share", "uncorr", ".2f", 6),
     ("agreement", "agree", ".3f", 6),
     ("kl", "KL", ".4f", 7),
     ("kv_error", "KV err", ".4f", 7),
@@ -51,6 +54,15 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+#: the split of the shared tokens (shares of the PH tokens) and the paper's rho beside ours
+SPLIT_COLUMNS = [
+    ("paper_reuse_ratio", "rho (paper)", ".2f"),
+    ("corrected_share", "corrected", ".2f"),
+    ("uncorrected_share", "reused uncorr.", ".2f"),
+    ("recomputed_share", "recomputed", ".2f"),
+    ("prefilled_share", "prefilled", ".2f"),
+]
+
 REPORT_COLUMNS = {
     "speed": [
         ("method", "method", ""),
@@ -80,6 +92,7 @@ REPORT_COLUMNS = {
         ("method_state_mb", "state MB", ".2f"),
         ("request_state_mb", "request MB", ".2f"),
         ("reuse_ratio", "rho", ".2f"),
+        *SPLIT_COLUMNS,
     ],
 }
 

@@ -19,6 +19,7 @@ and :class:`~hf_kvshare.bench.runner.BenchRunner` (the bench) are both built on 
 from __future__ import annotations
 
 import statistics
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -283,6 +284,12 @@ SUMMARY_COLUMNS = [
     "request_state_mb",
     "reuse_ratio",
     "reuse_ratio_all_ph",
+    "paper_reuse_ratio",
+    "corrected_share",
+    "uncorrected_share",
+    "recomputed_share",
+    "prefilled_share",
+    "uncorrected_run",
     "agreement",
     "first_token_agreement",
     "kl",
@@ -374,6 +381,7 @@ def summarize_method(turns: Sequence[dict[str, Any]], requests: Sequence[dict[st
                 "kv_error": M.mean(t["kv_error"] for t in reuse if t.get("kv_error") is not None),
             }
         )
+    summary.update(reuse_accounting(turns))
     summary["by_position"] = _by_position(turns)
     layered = [t["kv_error_by_layer"] for t in turns if t.get("kv_error_by_layer")]
     if layered:
@@ -389,6 +397,46 @@ def summarize_method(turns: Sequence[dict[str, Any]], requests: Sequence[dict[st
             for i in range(len(ranks[0]))
         ]
     return summary
+
+
+#: the shared-token split of a turn record, and the summary column of each (a share of the PH tokens)
+SPLIT = {
+    "tokens_corrected": "corrected_share",
+    "tokens_reused_uncorrected": "uncorrected_share",
+    "tokens_recomputed": "recomputed_share",
+    "ph_prefilled": "prefilled_share",
+}
+_WARNED_UNCORRECTED: set[str] = set()
+
+
+def reuse_accounting(turns: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The shared (PH) tokens of all turns split into corrected / reused uncorrected / recomputed /
+    prefilled (shares summing to 1), the paper's rho (:attr:`~hf_kvshare.turn.TurnResult.paper_reuse_ratio`)
+    and ``uncorrected_run``: a correction method that reused shared tokens and corrected none (said
+    here and warned once per method and process). Empty for records written before the split existed."""
+    if not turns or not all(key in t for t in turns for key in SPLIT):
+        return {}
+    ph = sum(t["ph_tokens"] for t in turns)
+    totals = {key: sum(t[key] for t in turns) for key in SPLIT}
+    out: dict[str, Any] = {column: M.reuse_ratio(totals[key], ph) for key, column in SPLIT.items()}
+    corrects = any(t.get("corrects") for t in turns)
+    served = totals["tokens_corrected"] if corrects else sum(t["tokens_reused"] for t in turns)
+    out["paper_reuse_ratio"] = M.reuse_ratio(served, ph)
+    out["uncorrected_run"] = bool(
+        corrects and totals["tokens_reused_uncorrected"] > 0 and not totals["tokens_corrected"]
+    )
+    method = str(turns[0].get("method", "?"))
+    if out["uncorrected_run"] and method not in _WARNED_UNCORRECTED:
+        _WARNED_UNCORRECTED.add(method)
+        warnings.warn(
+            f"{method}: a correction method that served the whole run uncorrected: "
+            f"{out['uncorrected_share']:.2f} of the shared tokens reused as their source was, none "
+            "corrected (no anchor held a correction for its consumers); its rho is FullShared's reuse, "
+            "paper rho (corrected only) 0",
+            UserWarning,
+            stacklevel=2,
+        )
+    return out
 
 
 def _by_position(turns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -441,6 +489,7 @@ class MethodReport:
             "kl": statistics.mean(r["kl"] for r in self.per_turn),
             "kv_error": statistics.mean(r["kv_error"] for r in self.per_turn),
             "peak_memory_mb": max(t.peak_memory_bytes for t in self.free) / 2**20,
+            **reuse_accounting([{"method": self.method, **t.metrics()} for t in self.free]),
         }
         if reference is not None:
             out["ttft_ratio"] = (

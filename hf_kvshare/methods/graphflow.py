@@ -45,6 +45,7 @@ class GraphFlow(Method):
 
     name = "graphflow"
     uses_sources: ClassVar[bool] = False
+    corrects: ClassVar[bool] = True
 
     calibration_requests: int = 2
     rank: int | None = None

@@ -5,7 +5,8 @@ the segment lands, plus an estimated correction: a token-wise weighted sum of th
 the slot's anchor pool. The defaults follow the authors' reference code (``hjeon2k/KVCMAS`` on
 ``FastMAS/KVCOMM``); the earlier readings stay available as named options.
 
-Sources (``output_source`` for agent outputs, ``text_source`` for given text such as the query):
+Sources (``output_source`` for agent outputs, ``text_source`` for the request's question,
+``observation_source`` for the other given text: :class:`~hf_kvshare.trajectory.PH` ``kind``):
 
 - ``"producer"`` (outputs): the producer's own cache of its output, re-positioned (reference).
 - ``"chained"``: the latest hop's materialized cache of the slot (dense or itself corrected). For
@@ -34,6 +35,14 @@ Gating (``gate_scope``):
   anchors built from the same source label holding the consumer's delta; ``match="prefix"``
   compares over the longest prefix two anchors cover. Anchors are split by source version.
 
+Observations (given text of kind ``"observation"``: documents, tool results, test feedback) follow
+the reference's conditions (``update_condition_anchor`` in both authors' codes) by default
+(``observation_source="lead"``): prefilled once per request after BOS + chat header + a lead-in that
+are dropped, gated once per (slot, request) by the first consumer, anchored on rejection, corrected on
+acceptance, never chained. ``observation_source="question"`` reads them as the question (the reading
+before kinds: for KVCMAS chained and ungated). ``gating="paper"`` is the paper's text (A.3): every PH
+span gated, the question included, fewer than two compatible anchors → dense.
+
 The two scopes are engine policies driven from this method's hooks (``plan`` / ``placeholder`` /
 ``prefix`` / ``finish`` / ``record``): :class:`~hf_kvshare.anchors.slot_scope.SlotScope` and
 :class:`~hf_kvshare.anchors.edge_scope.EdgeScope` (their common part, sources and deltas:
@@ -43,7 +52,8 @@ The two scopes are engine policies driven from this method's hooks (``plan`` / `
 ``tau = 0`` accepts nothing and reuses nothing: every PH span is prefilled (NonShared exactly),
 while the pools still learn.
 
-The previous behaviour of each method, for ablations::
+The previous behaviour of each method, for ablations (given text read as the question:
+``observation_source=question``)::
 
     kvcmas:gate_scope=edge,match=prefix,output_source=chained,skip_layer0=False,svd=exact,pool_peak=capacity,delta_frame=canonical
     kvcmas-nonchained:gate_scope=edge,match=prefix,output_source=context_free,text_source=context_free,skip_layer0=False,svd=exact,pool_peak=capacity,delta_frame=canonical
@@ -76,6 +86,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "gate_scope": ("slot", "edge"),
     "output_source": ("producer", "chained", "context_free"),
     "text_source": ("chained", "first", "lead", "context_free"),
+    "observation_source": ("lead", "context_free", "question"),
+    "gating": ("reference", "paper"),
     "match": ("full", "prefix"),
     "turn_fallback": ("turn", "span"),
     "svd": SVD_METHODS,
@@ -118,7 +130,20 @@ class KVCMAS(PrefixReuse, Method):
         output_source: ``"producer"`` (reference), ``"chained"`` or ``"context_free"``: where an agent
             output's source cache comes from (module docstring).
         text_source: ``"chained"`` (reference KVCMAS), ``"first"`` (reference ``--no-chained``),
-            ``"lead"`` (reference KVComm) or ``"context_free"``: the same for given text.
+            ``"lead"`` (reference KVComm) or ``"context_free"``: the same for the request's question
+            (given text of kind ``"question"``).
+        observation_source: given text of kind ``"observation"`` (documents, tool results, feedback):
+            ``"lead"`` (reference, both codes' conditions: prefilled once per request after BOS + chat
+            header + lead-in, which are dropped; gated once per (slot, request), anchored on rejection,
+            corrected on acceptance, never chained; a pool per slot), ``"context_free"`` (the same
+            prefilled alone), or ``"question"`` (read exactly as the question: ``text_source`` and its
+            gating; the reading before kinds existed, under which KVCMAS's observations were chained
+            and never gated).
+        gating: ``"reference"`` (the authors' code: outputs and observations gated once per (slot,
+            request); the question gated only when its source is a reference prefill, as KVComm's,
+            never when chained / first, as KVCMAS's) or ``"paper"`` (the paper's text, A.3: every PH
+            span gated, the question included; a chained question by each consumer on its own source;
+            fewer than two compatible anchors → dense). Slot scope only (edge scope gates every edge).
         match: ``"full"`` (gate over the full length among anchors at least that long; reference)
             or ``"prefix"`` (over the longest prefix two anchors cover).
         turn_fallback: ``"turn"`` (a consumer obeying a rejection prefills its whole turn;
@@ -166,10 +191,14 @@ class KVCMAS(PrefixReuse, Method):
     #: the benchmark gives this method its workload's tau (0.29 MMLU, 0.32 GSM8K, 0.34 HumanEval,
     #: as the KVCMAS authors ran them) unless its options set one
     workload_tau: ClassVar[bool] = True
+    corrects: ClassVar[bool] = True
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
         "key_frame": "canonical",
         "prefix_delta": False,
+        # states saved before given text had kinds read every given text as the question
+        "observation_source": "question",
+        "gating": "reference",
     }
 
     base_rank: int | None = 32
@@ -182,6 +211,8 @@ class KVCMAS(PrefixReuse, Method):
     gate_scope: str = "slot"
     output_source: str = "producer"
     text_source: str = "chained"
+    observation_source: str = "lead"
+    gating: str = "reference"
     match: str = "full"
     turn_fallback: str = "turn"
     partial_coverage: bool = True
@@ -220,6 +251,11 @@ class KVCMAS(PrefixReuse, Method):
                 raise ValueError(
                     f"{self.name}: {knob} must be one of {', '.join(map(repr, choices))}, got {getattr(self, knob)!r}"
                 )
+        if self.gating == "paper" and self.gate_scope != "slot":
+            raise ValueError(
+                f"{self.name}: gating='paper' is a slot-scope reading (gate_scope='edge' already gates every "
+                f"edge on its own); got gate_scope={self.gate_scope!r}"
+            )
         if self.lead_in is not None and not isinstance(self.lead_in, str):
             raise ValueError(f"{self.name}: lead_in must be a string or None, got {self.lead_in!r}")
         for knob in ("partial_coverage", "skip_layer0", "weights_cache", "prefix_delta"):
@@ -315,7 +351,11 @@ class KVCMAS(PrefixReuse, Method):
         if reuse is None:
             return None
         return Placement(
-            kv=reuse.kv, provenance=reuse.provenance, source_agent=reuse.source_agent, info=reuse.info
+            kv=reuse.kv,
+            provenance=reuse.provenance,
+            source_agent=reuse.source_agent,
+            info=reuse.info,
+            corrected_tokens=reuse.corrected_tokens,
         )
 
     def prefix_reuse_allowed(self, turn: Turn) -> bool:

@@ -3,7 +3,7 @@
 
 from .autoact import AutoActWorkload
 from .base import WORKLOADS, Workload, make_workload, register_workload, workload_tau
-from .files import FileWorkload, load_table, load_task_file, validate_task_file
+from .files import FileWorkload, kinds_report, load_table, load_task_file, validate_task_file
 from .spec import AgentSpec, BenchStep, SlotSpec, StepSpec, TaskSpec, WorkloadFormatError
 from .stress import StressWorkload
 from .tasks import GSM8KWorkload, HumanEvalWorkload, MMLUWorkload
@@ -32,4 +32,5 @@ __all__ = [
     "register_workload",
     "synthetic_text",
     "validate_task_file",
+    "kinds_report",
 ]

@@ -63,6 +63,16 @@ def validate_task_file(
     return tasks
 
 
+def kinds_report(tasks: Iterable[TaskSpec]) -> str:
+    """How many given slots of ``tasks`` are questions and observations (stated or by the default rule,
+    :meth:`TaskSpec.slot_kinds`), e.g. ``"given slots: 12 question, 5 observation"``; for ``validate``."""
+    counts = {"question": 0, "observation": 0}
+    for task in tasks:
+        for kind in task.slot_kinds().values():
+            counts[kind] += 1
+    return "given slots: " + ", ".join(f"{n} {kind}" for kind, n in counts.items())
+
+
 def check_adapters(task: TaskSpec, adapters: Iterable[str], where: str) -> None:
     """Raise when an agent of ``task`` names an adapter that is not in ``adapters``."""
     loaded = sorted(set(adapters))

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ...evaluation.workflow import Step, Workflow
-from ...trajectory import PF, PH, SegmentSpec, chat
+from ...trajectory import GIVEN_KINDS, PF, PH, SegmentSpec, chat
 
 #: answer checkers a task may name (see :mod:`hf_kvshare.bench.checkers`)
 FILE_CHECKERS = ("exact", "numeric", "letter", "answer")
@@ -98,6 +98,8 @@ class SlotSpec:
     name: str
     text: str
     label: str | None = None  # how glue names it; default: the slot name
+    #: "question" or "observation" (:class:`~hf_kvshare.trajectory.PH`); None: :meth:`TaskSpec.slot_kinds`
+    kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,19 @@ class TaskSpec:
             seen.add(produced)
         return out
 
+    def slot_kinds(self) -> dict[str, str]:
+        """Each given slot's kind as the session reads it: the stated one; unstated, the first given slot
+        the schedule reads is the question (unless a slot is stated as the question) and every later
+        one an observation (the session's default, :func:`hf_kvshare.turn.given_text_slot`)."""
+        stated = {s.name: s.kind for s in self.slots}
+        question = any(kind == "question" for kind in stated.values())
+        order = [slot for step in self.schedule for slot in step.reads if slot in stated]
+        order = list(dict.fromkeys(order + list(stated)))
+        return {
+            name: stated[name] or ("observation" if question or i else "question")
+            for i, name in enumerate(order)
+        }
+
     def _labels(self) -> list[str]:
         """Every label a glue may be formatted with: the slots' (and their names), the outputs' and
         the agents' names."""
@@ -207,6 +222,13 @@ class TaskSpec:
                 fail(f"slots[{i}].name", f"slot {s.name!r} is defined twice")
             if not s.text:
                 fail(f"slots[{i}].text", "must be a non-empty string")
+            if s.kind is not None and s.kind not in GIVEN_KINDS:
+                fail(
+                    f"slots[{i}].kind",
+                    f"unknown kind {s.kind!r}; one of {', '.join(map(repr, GIVEN_KINDS))} (or absent)",
+                )
+            if s.kind == "question" and [t.kind for t in self.slots[:i]].count("question"):
+                fail(f"slots[{i}].kind", "a request has one question; the other given slots are observations")
         if not self.schedule:
             fail("schedule", "at least one step is needed")
         if self.max_new_tokens < 1:
@@ -253,6 +275,8 @@ class TaskSpec:
                 f"task {self.id!r} asks for the chat layout; the tokenizer has no chat template"
             )
         given = {s.name: s for s in self.slots}
+        kinds = self.slot_kinds()
+        explicit = "question" in (s.kind for s in self.slots)
         labels = {s.name: s.label or s.name for s in self.slots}
         steps = []
         for step, output in zip(self.schedule, self.output_slots()):
@@ -264,7 +288,11 @@ class TaskSpec:
                     glue = glue.lstrip()
                 if glue:
                     content.append(PF(glue))
-                content.append(PH(slot, given[slot].text if slot in given else None))
+                if slot in given:  # kinds stated where the session's default would read them otherwise
+                    kind = kinds[slot] if explicit or given[slot].kind else None
+                    content.append(PH(slot, given[slot].text, kind=kind))
+                else:
+                    content.append(PH(slot))
             if agent.tail:
                 content.append(PF(agent.tail.lstrip() if not step.reads else agent.tail))
             if use_chat:
@@ -309,6 +337,7 @@ class TaskSpec:
                 name=r.string(s, "name", path, required=True),
                 text=r.string(s, "text", path, required=True),
                 label=r.string(s, "label", path),
+                kind=r.string(s, "kind", path),
             )
             for path, s in r.records(obj, "slots", SlotSpec)
         ]
