@@ -1,15 +1,30 @@
-"""Timing and memory measurement for turns: time to first token and peak memory.
+"""Timing and memory measurement for turns: time to first token, where the time after it goes,
+and peak memory.
 
 TTFT of a turn runs from the start of building its cache to the first generated token's logits
 (a logits processor records its first call). Peak memory is the maximum allocated CUDA memory on
-GPU, or the peak resident set size sampled during the turn on CPU.
+GPU, or the peak resident set size sampled during the turn on CPU; :class:`TensorPeak` (opt-in)
+counts torch tensors instead (the profiler's allocation events), on any device.
+
+**Phases** (:class:`Phases`, :func:`phase`): the session times the turn's phases after the first token
+(``decode``: generate after its first logits; ``record``: the output's K/V completed and the slots'
+K/V extracted; ``method_record``: the method's ``record``) with ``time.perf_counter``, and engine code
+marks its own phases inside (``gate``, ``factorize``, ``anchor_store``). Times are exclusive: a phase
+nested in another is subtracted from it, so the phases of a turn add up to its wall time after the
+first token (``bookkeeping``: what the method's record spent outside its named phases). No phase
+synchronises the device: on a GPU a phase's time is what its host code waited for, and work it only
+queued lands in the next phase that waits (the gate's one host read, or the session's
+synchronisation at the end of the turn, counted in ``bookkeeping``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 from transformers import LogitsProcessor
@@ -78,3 +93,110 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak_bytes = max(self.peak_bytes, current_rss_bytes())
+
+
+#: the phases of a turn after its first token, in the order the summaries show them
+PHASES = ("decode", "record", "gate", "factorize", "anchor_store", "bookkeeping")
+
+
+class Phases:
+    """Exclusive wall time per phase name (seconds): :meth:`phase` blocks nest; a nested block's time is
+    subtracted from the enclosing one. ``times`` holds every name seen."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self._stack: list[list] = []  # [name, start, time spent in nested blocks]
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        frame = [name, time.perf_counter(), 0.0]
+        self._stack.append(frame)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            spent = time.perf_counter() - frame[1]
+            self.times[name] = self.times.get(name, 0.0) + spent - frame[2]
+            if self._stack:
+                self._stack[-1][2] += spent
+
+    def get(self, name: str) -> float:
+        return self.times.get(name, 0.0)
+
+
+_ACTIVE: contextvars.ContextVar[Phases | None] = contextvars.ContextVar("hf_kvshare_phases", default=None)
+
+
+@contextlib.contextmanager
+def timing(phases: Phases) -> Iterator[Phases]:
+    """Make ``phases`` the one :func:`phase` blocks of this thread / context report to."""
+    token = _ACTIVE.set(phases)
+    try:
+        yield phases
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time the block as phase ``name`` of the active :class:`Phases` (:func:`timing`); a no-op outside."""
+    phases = _ACTIVE.get()
+    if phases is None:
+        yield
+        return
+    with phases.phase(name):
+        yield
+
+
+def turn_phases(phases: Phases, method_record: float) -> dict[str, float]:
+    """The breakdown of :data:`PHASES` from a turn's :class:`Phases`: ``bookkeeping`` = the exclusive
+    time of ``method_record`` and of anything unnamed (``method_record``: the method's record, nested
+    phases excluded)."""
+    out = {name: phases.get(name) for name in PHASES if name != "bookkeeping"}
+    named = set(PHASES) | {"method_record"}
+    out["bookkeeping"] = method_record + sum(t for n, t in phases.times.items() if n not in named)
+    return out
+
+
+class TensorPeak:
+    """Context manager: the peak of torch tensor bytes allocated in its body and alive at once
+    (``peak_bytes``, above what was allocated when it started), from the profiler's memory events
+    (``torch.profiler``, ``profile_memory=True``): every tensor allocation and free on ``device``'s
+    type, not the process RSS. Costs a profiler's overhead (every op recorded): opt-in, not for timed
+    runs.
+
+    >>> with TensorPeak() as peak:  # doctest: +SKIP
+    ...     x = torch.empty(1 << 20); del x
+    >>> peak.peak_bytes >= 4 << 20  # doctest: +SKIP
+    True
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.peak_bytes = 0
+        self._profile = None
+
+    def __enter__(self) -> TensorPeak:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._profile = profile(activities=activities, profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._profile.__exit__(*exc)
+        wanted = "CUDA" if self.device.type == "cuda" else "CPU"
+        events = [
+            (e.start_ns(), e.nbytes())
+            for e in self._profile.profiler.kineto_results.events()
+            if e.name() == "[memory]" and str(e.device_type()).rsplit(".", 1)[-1] == wanted
+        ]
+        live = peak = 0
+        for _, nbytes in sorted(events, key=lambda e: e[0]):
+            live += nbytes
+            peak = max(peak, live)
+        self.peak_bytes = peak
+        self._profile = None

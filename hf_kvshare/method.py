@@ -232,6 +232,13 @@ class Method(StatePersistence):
     def record(self, turn: Turn, cache: SharedCache) -> None:
         """Learn from the finished turn (after the session stored the slot caches)."""
 
+    def reads_latest(self, turn: Turn, slot: str) -> bool:
+        """Whether a later turn may read ``slot``'s latest K/V (``Slot.latest``, which this turn just
+        replaced); asked by the session after :meth:`record` for this turn's slots, which drops the ones
+        no later turn can read (their memory freed now). Default ``True`` (kept: FullShared and the
+        recomputation methods read any slot's latest)."""
+        return True
+
     # ------------------------------------------------------------ generation hooks
     def generation_context(self, turn: Turn) -> contextlib.AbstractContextManager:
         """Context entered around ``generate`` (e.g. selecting the agent's LoRA adapter)."""

@@ -21,7 +21,7 @@ import torch
 from ._compat import cache_kwargs
 from .agents import agent_adapter
 from .cache import SharedCache
-from .measure import FirstTokenTimer, PeakMemory, synchronize
+from .measure import FirstTokenTimer, PeakMemory, Phases, TensorPeak, synchronize, timing, turn_phases
 from .method import Method, get_method
 from .prefill import model_input_device, prefill_dense
 from .rope import RopeShifter
@@ -44,7 +44,15 @@ class Session:
     >>> session.run_turn("coder", [PF("You code.\\n"), PH("query"), PF("\\nPlan: "), PH("planner")])  # doctest: +SKIP
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, method: str | Method = "nonshared", **options):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        method: str | Method = "nonshared",
+        *,
+        tensor_memory: bool = False,
+        **options,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.method = get_method(method, **options)
@@ -58,6 +66,10 @@ class Session:
         #: per-request state a method keeps between turns, keyed by method name (e.g. the PReCache
         #: methods' shared base + LR caches); the method instance itself holds cross-request state only
         self.method_state: dict[str, Any] = {}
+        #: measure each turn's peak of torch tensor bytes (:class:`~hf_kvshare.measure.TensorPeak`, the
+        #: profiler's allocation events: ``TurnResult.tensor_peak_bytes``); a profiler's overhead, so off
+        #: by default and not for timed runs
+        self.tensor_memory = tensor_memory
 
     @property
     def shifter(self) -> RopeShifter:
@@ -251,7 +263,10 @@ class Session:
                 device = self.device
                 prompt = turn.prompt_ids.to(device)
                 logits = None
-                with PeakMemory(device) as memory:
+                phases = Phases()
+                held = self.held_bytes() + self.method.state_bytes() if self.tensor_memory else 0
+                tensors = TensorPeak(device) if self.tensor_memory else contextlib.nullcontext()
+                with PeakMemory(device) as memory, tensors:
                     synchronize(device)
                     t0 = time.perf_counter()
                     cache = self._build(turn)
@@ -265,10 +280,19 @@ class Session:
                             output_ids, t_first, logits = self._teacher_force(
                                 turn, prompt, cache, force_output.to(device)
                             )
-                        output = self._record(turn, cache, output_ids)
-                        self.method.record(turn, cache)
-                    synchronize(device)
+                        t_decoded = time.perf_counter()
+                        with timing(phases):
+                            with phases.phase("record"):
+                                output = self._record(turn, cache, output_ids)
+                            with phases.phase("method_record"):
+                                self.method.record(turn, cache)
+                                self._release(turn)
+                            synchronize(device)  # the session's own sync: queued work lands in bookkeeping
                     t_end = time.perf_counter()
+                # after the first token: decode + the phases of the record (+ the sync, in bookkeeping)
+                breakdown = turn_phases(phases, phases.get("method_record"))
+                breakdown["decode"] = t_decoded - t_first
+                breakdown["bookkeeping"] += (t_end - t_decoded) - sum(phases.times.values())
         result = TurnResult(
             agent=agent,
             method=self.method.name,
@@ -286,6 +310,8 @@ class Session:
             tokens_recomputed=turn.stats.ph_recomputed,
             corrects=self.method.corrects,
             peak_memory_bytes=memory.peak_bytes,
+            tensor_peak_bytes=held + tensors.peak_bytes if self.tensor_memory else None,
+            phases=breakdown,
             segments=list(cache.segments),
             logits=logits,
             cache=cache if keep_cache else None,
@@ -383,6 +409,16 @@ class Session:
                 self.slots[span.name].latest = cache.extract(span.start, span.end, agent=turn.agent)
         slot.latest = cache.extract(P, end, agent=turn.agent)
         return slot
+
+    def _release(self, turn: Turn) -> None:
+        """After the method's record: drop the latest K/V of this turn's slots that no later turn can
+        read (:meth:`Method.reads_latest`), so the memory is freed now, not when the session ends."""
+        if not self.method.uses_sources:
+            return
+        for name in dict.fromkeys([*(s.name for s in turn.spans if s.kind == "PH"), turn.output_slot]):
+            slot = self.slots.get(name)
+            if slot is not None and slot.latest is not None and not self.method.reads_latest(turn, name):
+                slot.latest = None
 
 
 def _preview(text: str, n: int = 40) -> str:

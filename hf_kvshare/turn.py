@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from .cache import CachePart, Segment, SegmentKV, SharedCache
+from .measure import PHASES
 from .trajectory import PH
 
 if TYPE_CHECKING:
@@ -94,6 +95,12 @@ class TurnResult:
     tokens_recomputed: float = 0
     #: the method is a correction method (``Method.corrects``): see :attr:`paper_reuse_ratio`
     corrects: bool = False
+    #: seconds after the first token, by phase (:data:`hf_kvshare.measure.PHASES`: decode, record, gate,
+    #: factorize, anchor_store, bookkeeping); they add up to ``e2e_s - ttft_s``
+    phases: dict[str, float] = field(default_factory=dict)
+    #: peak torch tensor bytes of the turn (what the session and method held at its start + the
+    #: profiler's peak of allocations during it), when the session measured it (``tensor_memory``)
+    tensor_peak_bytes: int | None = None
     logits: torch.Tensor | None = None  # [T, vocab] when the output was teacher-forced
     cache: SharedCache | None = None  # when run with keep_cache=True
 
@@ -147,6 +154,8 @@ class TurnResult:
             **self.accounting(),
             "corrects": self.corrects,
             "peak_memory_bytes": self.peak_memory_bytes,
+            "tensor_peak_bytes": self.tensor_peak_bytes,
+            **{f"{name}_s": self.phases.get(name, 0.0) for name in PHASES},
         }
 
 

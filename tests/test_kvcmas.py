@@ -351,10 +351,11 @@ def test_outputs_are_sourced_from_the_producers_own_cache(tiny_llama, tokenizer)
     session = Session(tiny_llama, tokenizer, method)
     session.run_turn("planner", turn_segments(0, QUERIES[0]), max_new_tokens=3)
     produced = method._requests.get(session).produced["planner"]
-    assert produced is session.slots["planner"].latest and produced.agent == "planner"
+    # the method holds the producer's cache; the session's copy, which no later turn reads, is freed
+    assert produced.agent == "planner" and session.slots["planner"].latest is None
     designer = session.run_turn("designer", turn_segments(1, QUERIES[0]), max_new_tokens=3, keep_cache=True)
     assert designer.cache.segment("planner").provenance == "corrected"
-    assert session.slots["planner"].latest.agent == "designer"  # the session chains; the method does not
+    assert session.slots["planner"].latest is None  # the designer's copy is not a source: not kept
     segments = [PF("You review.\n"), PH("query"), PF("\nPlan: "), PH("planner"), PF("\nOK?")]
     reviewer = session.run_turn("reviewer", segments, max_new_tokens=3, keep_cache=True)
     seg = reviewer.cache.segment("planner")

@@ -14,6 +14,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from ..cache import SegmentKV
+from ..measure import phase
 from .correction import apply_correction, comparison_prefix, match, token_weights
 from .gate import GateDecision, reliability_gate, usage_crossing
 from .pool import Anchor
@@ -54,8 +55,9 @@ class EdgeScope(Scope):
         if len(eligible) < 2:
             edge.decision = GateDecision(False, f"fewer than 2 compatible anchors ({len(candidates)})")
             return None
-        found = match(source, eligible, turn.shifter, rows)
-        edge.decision = reliability_gate(found.gate_distances, o.tau, o.temperature)
+        with phase("gate"):
+            found = match(source, eligible, turn.shifter, rows)
+            edge.decision = reliability_gate(found.gate_distances, o.tau, o.temperature)
         edge.distances = list(edge.decision.distances)  # read back with the decision: no extra sync
         if not edge.decision.accepted:
             return None
@@ -96,6 +98,10 @@ class EdgeScope(Scope):
                 state.versions[span.name] = state.versions.get(span.name, 0) + 1
 
     def insert(self, edge: Edge, exact: SegmentKV, turn: Turn) -> None:
+        with phase("anchor_store"):
+            self._insert(edge, exact, turn)
+
+    def _insert(self, edge: Edge, exact: SegmentKV, turn: Turn) -> None:
         pool = self.pool(edge.slot)
         anchor = pool.find(edge.origin)
         if anchor is not None and turn.agent in anchor.deltas:

@@ -11,10 +11,13 @@ Keys are stored in the canonical positional frame (as if the segment started at 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from ..measure import phase
 
 #: how :meth:`MatrixFactors.from_matrix` truncates: ``"exact"`` (``torch.linalg.svd``) or
 #: ``"randomized"`` (``torch.svd_lowrank(q=r, niter=2)``, as the KVCMAS reference code, seeded)
@@ -22,6 +25,40 @@ SVD = Literal["exact", "randomized"]
 SVD_METHODS = ("exact", "randomized")
 #: seed of the randomized range finder (fixed: anchors are reproducible, the global RNG untouched)
 RANDOMIZED_SVD_SEED = 0
+
+
+class FactorizationCount:
+    """How many matrices were factorized (:meth:`MatrixFactors.from_matrix` calls: ``matrices``) and
+    how many of them ran a truncated SVD (``svds``; the others were kept dense) in this process.
+
+    Read by tests (factorizations per recorded turn, like the host-sync count) and cheap enough to
+    stay on: one locked increment per matrix.
+
+    >>> before = FACTORIZATIONS.snapshot()  # doctest: +SKIP
+    >>> FACTORIZATIONS.since(before)  # doctest: +SKIP
+    {'matrices': 0, 'svds': 0}
+    """
+
+    def __init__(self) -> None:
+        self.matrices = 0
+        self.svds = 0
+        self._lock = threading.Lock()
+
+    def add(self, svd: bool) -> None:
+        with self._lock:
+            self.matrices += 1
+            self.svds += int(svd)
+
+    def snapshot(self) -> dict[str, int]:
+        return {"matrices": self.matrices, "svds": self.svds}
+
+    def since(self, snapshot: dict[str, int]) -> dict[str, int]:
+        now = self.snapshot()
+        return {k: now[k] - snapshot[k] for k in now}
+
+
+#: the process-wide count of factorizations (see :class:`FactorizationCount`)
+FACTORIZATIONS = FactorizationCount()
 
 
 def check_svd(svd: str) -> None:
@@ -115,10 +152,13 @@ class MatrixFactors:
         length, dim = matrix.shape
         # at most min(L, D) components exist; keeping them all is exact, so clamping loses nothing
         r = None if rank is None else min(rank, length, dim)
-        if r is None or r * (length + dim) >= length * dim:
-            return cls(a=matrix.detach().clone())
-        a, b = _truncated_svd(matrix, r, svd)
-        return cls(a=a.to(matrix.dtype).contiguous(), b=b.to(matrix.dtype).contiguous())
+        dense = r is None or r * (length + dim) >= length * dim
+        FACTORIZATIONS.add(svd=not dense)
+        with phase("factorize"):
+            if dense:
+                return cls(a=matrix.detach().clone())
+            a, b = _truncated_svd(matrix, r, svd)
+            return cls(a=a.to(matrix.dtype).contiguous(), b=b.to(matrix.dtype).contiguous())
 
     @property
     def dense(self) -> bool:

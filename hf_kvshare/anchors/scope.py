@@ -23,13 +23,14 @@ the Turn's read API.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..cache import SegmentKV, check_finite
+from ..measure import phase
 from ..trajectory import tokenize_text
 from .correction import canonical_keys
 from .gate import GateDecision
@@ -274,17 +275,25 @@ class Scope:
             keys = [k - s for k, s in zip(canonical_keys(exact, turn.shifter), source_keys)]
         return keys, [v[:1] - s[:1] for v, s in zip(exact.values, source.values)]
 
-    def delta(self, edge: Edge, exact: SegmentKV, turn: Turn) -> tuple[FactoredKV, list[torch.Tensor]]:
+    def delta(self, edge: Edge, exact: SegmentKV, turn: Turn) -> tuple[FactoredKV, Callable[[], list[torch.Tensor]]]:
         """The consumer's observed correction of a PH span, factorized at ``delta_rank``; and the
-        source's canonical keys (for the base)."""
-        source_keys = canonical_keys(edge.source, turn.shifter)
-        keys, values = self.difference(exact, edge.source, turn, source_keys)
+        source's canonical keys (for the base) as a callable computing them once, when first asked
+        (the writer frame's delta needs none: a turn that stores no base rotates nothing)."""
+        held: list[list[torch.Tensor]] = []
+
+        def source_keys() -> list[torch.Tensor]:
+            if not held:
+                held.append(canonical_keys(edge.source, turn.shifter))
+            return held[0]
+
+        canonical = source_keys() if self.options.delta_frame != "writer" else None
+        keys, values = self.difference(exact, edge.source, turn, canonical)
         return FactoredKV.from_kv(keys, values, self.options.delta_rank, self.options.svd), source_keys
 
-    def base(self, edge: Edge, source_keys: list[torch.Tensor]) -> FactoredKV:
+    def base(self, edge: Edge, source_keys: Callable[[], list[torch.Tensor]]) -> FactoredKV:
         """An anchor's base: the source, keys canonical, factorized at ``base_rank``."""
         values = [v[:1] for v in edge.source.values]
-        return FactoredKV.from_kv(source_keys, values, self.options.base_rank, self.options.svd)
+        return FactoredKV.from_kv(source_keys(), values, self.options.base_rank, self.options.svd)
 
 
 def span_index(turn: Turn, span) -> int:

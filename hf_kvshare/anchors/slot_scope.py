@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cache import SegmentKV
+from ..measure import phase
 from .correction import (
     apply_correction,
     comparison_prefix,
@@ -114,8 +115,9 @@ class SlotScope(Scope):
         if len(eligible) < 2:
             why = f"fewer than 2 anchors at least {rows or length} tokens long ({len(eligible)} of {len(anchors)})"
             return GateDecision(False, why), eligible, None
-        distances = gate_distances(candidate.values, eligible, rows)
-        decision = reliability_gate(distances, o.tau, o.temperature)
+        with phase("gate"):
+            distances = gate_distances(candidate.values, eligible, rows)
+            decision = reliability_gate(distances, o.tau, o.temperature)
         return decision, eligible, distances
 
     def decide(self, turn: Turn, slot: str, candidate: SegmentKV, pool: str | None = None) -> GateDecision:
@@ -231,6 +233,10 @@ class SlotScope(Scope):
     def add_delta(self, edge: Edge, exact: SegmentKV, turn: Turn, may_evict: bool, span, cache) -> None:
         """Add this consumer's delta to the one anchor of (slot, request), creating it if needed
         (``may_evict=False``: only while the pool has room; a frozen pool is never evicted)."""
+        with phase("anchor_store"):
+            self._add_delta(edge, exact, turn, may_evict, span, cache)
+
+    def _add_delta(self, edge: Edge, exact: SegmentKV, turn: Turn, may_evict: bool, span, cache) -> None:
         o = self.options
         pool = self.pool(edge.pool)
         anchor = pool.find(edge.origin)

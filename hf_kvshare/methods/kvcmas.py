@@ -375,6 +375,13 @@ class KVCMAS(PrefixReuse, Method):
     def finish(self, turn: Turn, cache) -> None:
         self.scope.report(turn, cache)
 
+    def reads_latest(self, turn: Turn, slot: str) -> bool:
+        """Only a chained source reads a slot's latest K/V (``output_source`` / ``text_source`` /
+        ``observation_source="chained"``); the producer's cache of an output and the first given text
+        are kept in the request's state, a reference prefill there too: no later turn reads the copies
+        the session extracted of those slots."""
+        return self.scope.source_kind(turn, slot) == "chained"
+
     def record(self, turn: Turn, cache) -> None:
         """After the first token: keep the producer's cache of the output (and its gate decision),
         then store the observed corrections of the spans that were prefilled because of a rejection
