@@ -101,8 +101,11 @@ def prefill_parts(
     K/V into the reserved slots (in place, before that layer attends), so the cache ends in positional
     order.
 
-    Fallbacks, same K/V: only dense parts, or dense parts all before the placed ones, need no mask
-    (one ordinary forward); a model that cannot take an explicit mask (flash / flex attention, a
+    No explicit mask where the causal one is all a forward needs (one ordinary forward, SDPA keeps its
+    fused kernels, no ``[q, kv]`` mask is built here): only dense parts, dense parts all before the
+    placed ones (a forward from the cache's start: transformers passes no mask to SDPA at all), or dense
+    parts all after them (the placed K/V appended first, then one forward from the cache's end). Same
+    K/V. A model that cannot take an explicit mask (flash / flex attention, a
     mixture of layer types its forward cannot take as a mapping; see
     ``_compat.explicit_attention_mask``) or a cache that cannot reserve slots (offloaded, or with
     layers other than plain ``DynamicLayer``) runs each run of consecutive dense parts as its own
@@ -126,6 +129,17 @@ def prefill_parts(
             prefill_dense(cache, model, ids, [p.segment for p in dense], **model_kwargs)
         for p in parts[first_placed:]:
             cache.append_kv(p.kv, p.segment, shifter)
+        return
+    last_placed = max(i for i, p in enumerate(parts) if not p.dense)
+    if len(dense) == len(parts) - 1 - last_placed:  # one dense run from the cache's end: causal only
+        try:
+            for p in parts[: last_placed + 1]:
+                cache.append_kv(p.kv, p.segment, shifter)
+            ids = torch.cat([p.token_ids for p in dense], dim=-1)
+            prefill_dense(cache, model, ids, [p.segment for p in dense], **model_kwargs)
+        except BaseException:
+            cache.crop_to(start)
+            raise
         return
     if not _one_forward(cache, model, parts, shifter, model_kwargs):
         _per_segment(cache, model, parts, shifter, model_kwargs)

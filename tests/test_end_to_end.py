@@ -1,0 +1,249 @@
+"""After the first token and in memory (issue 25): the per-turn breakdown of the time after the first
+token, the factorizations a recorded turn runs (counted, like the host reads of test_host_syncs.py),
+dense prefills that need no explicit mask getting none, slot copies no later turn reads freed, and the
+tensor-counting peak memory."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from unittest import mock
+
+import pytest
+import torch
+from test_kvcmas import AGENTS, QUERIES, run_request, turn_segments
+
+from hf_kvshare import SegmentedCache, Session
+from hf_kvshare.anchors.lowrank import FACTORIZATIONS
+from hf_kvshare.cache import CachePart, Segment, SegmentKV
+from hf_kvshare.measure import PHASES, Phases, TensorPeak, phase, timing, turn_phases
+from hf_kvshare.methods.kvcmas import KVCMAS
+from hf_kvshare.methods.kvcomm import KVComm
+from hf_kvshare.prefill import _one_forward, prefill_dense, prefill_parts
+from hf_kvshare.rope import RopeShifter
+
+
+# ------------------------------------------------------------------ phases
+def test_phases_are_exclusive_and_add_up():
+    phases = Phases()
+    with timing(phases):
+        with phase("record"):
+            with phase("factorize"):
+                sum(range(20000))
+            sum(range(20000))
+    assert set(phases.times) == {"record", "factorize"}
+    assert all(t > 0 for t in phases.times.values())
+    with phase("gate"):  # outside timing(): a no-op
+        pass
+    assert "gate" not in phases.times
+    out = turn_phases(phases, method_record=0.5)
+    assert list(out) == [p for p in PHASES if p != "bookkeeping"] + ["bookkeeping"]
+    assert out["bookkeeping"] == 0.5 and out["gate"] == 0.0
+
+
+@pytest.mark.parametrize("method", ["nonshared", "kvcmas"])
+def test_turn_breakdown_adds_up_to_the_time_after_the_first_token(tiny_llama, tokenizer, method):
+    m = KVCMAS(tau=1.0) if method == "kvcmas" else method
+    for turns in (run_request(tiny_llama, tokenizer, m, QUERIES[0]) for _ in range(2)):
+        for t in turns:
+            assert set(t.phases) == set(PHASES)
+            assert all(v >= 0 for v in t.phases.values()), t.phases
+            assert sum(t.phases.values()) == pytest.approx(t.e2e_s - t.ttft_s, rel=1e-6, abs=1e-9)
+            record = t.metrics()
+            assert all(record[f"{p}_s"] == t.phases[p] for p in PHASES)
+    if method == "kvcmas":  # the consumers stored anchors: factorized and stored in their records
+        assert turns[2].phases["anchor_store"] > 0 and turns[2].phases["factorize"] > 0
+    else:
+        assert all(t.phases["factorize"] == 0 and t.phases["anchor_store"] == 0 for t in turns)
+
+
+# ----------------------------------------------------------- factorizations
+def count_per_recorded_turn(method, model, tok, requests):
+    """Matrices factorized in each turn's ``method.record`` (nothing else factorizes), per request."""
+    counts: list[list[int]] = []
+    original = method.record
+
+    def record(turn, cache):
+        before = FACTORIZATIONS.snapshot()
+        original(turn, cache)
+        counts[-1].append(FACTORIZATIONS.since(before)["matrices"])
+
+    with mock.patch.object(method, "record", record):
+        for query in requests:
+            counts.append([])
+            before = FACTORIZATIONS.snapshot()
+            run_request(model, tok, method, query)
+            assert FACTORIZATIONS.since(before)["matrices"] == sum(counts[-1])  # only records factorize
+    return counts
+
+
+def test_a_recorded_turn_factorizes_only_what_it_stores(tiny_llama, tokenizer):
+    """KVCMAS (tau=1: identical anchors accept): per layer a key and a value matrix (2 x 3 layers = 6) for
+    each stored delta and each stored base, nothing for the gate (the producer's output is compared with
+    the anchors' factors, never factorized itself), nothing on a reuse request."""
+    layers = tiny_llama.config.num_hidden_layers
+    per_kv = 2 * layers
+    method = KVCMAS(tau=1.0)
+    counts = count_per_recorded_turn(method, tiny_llama, tokenizer, [QUERIES[0]] * 3)
+    # request 1 and 2: planner (no source: nothing stored); designer: deltas of query + planner, bases of
+    # both (new anchors); reviewer: deltas of query, planner, designer; bases: the query's rebased
+    # (chained), the designer's new anchor. Request 3: every gate accepts, nothing stored.
+    expected = [0, (2 + 2) * per_kv, (3 + 2) * per_kv]
+    assert counts == [expected, expected, [0, 0, 0]]
+    # each stored tensor is one factorization, plus the query's base the reviewer's rebase replaced
+    # (chained source, once per request: factorized by the designer's record, read by no one)
+    pools = list(method.pools.values())
+    stored = sum(len(a.deltas) + 1 for pool in pools for a in pool)
+    assert (stored + 2) * per_kv == sum(map(sum, counts))
+
+
+def test_kvcomm_record_counts_its_prefix_deltas(tiny_llama, tokenizer):
+    """KVComm also stores the (dense) PF deltas: one more key/value pair per layer per dense PH span; its
+    question comes from a reference prefill, so the planner's turn stores one too."""
+    per_kv = 2 * tiny_llama.config.num_hidden_layers
+    method = KVComm(tau=1.0)
+    counts = count_per_recorded_turn(method, tiny_llama, tokenizer, [QUERIES[0]])
+    stored = sum(
+        len(a.deltas) + len(a.prefix_deltas) + 1 for pool in method.pools.values() for a in pool
+    )
+    assert sum(counts[0]) == stored * per_kv and counts[0][0] == 3 * per_kv
+
+
+# -------------------------------------------------------------------- masks
+@contextlib.contextmanager
+def model_masks(model):
+    """The ``attention_mask`` each forward of ``model`` received."""
+    masks: list = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True
+    )
+    try:
+        yield masks
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def sdpa_masks():
+    """The ``attn_mask`` every SDPA call received."""
+    masks: list = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return original(*args, **kwargs)
+
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", sdpa):
+        yield masks
+
+
+def exact_kv(model, ids) -> SegmentedCache:
+    cache = SegmentedCache(model.config)
+    prefill_dense(cache, model, ids[None])
+    return cache
+
+
+def test_a_dense_run_after_placed_kv_gets_no_explicit_mask(tiny_llama, tokenizer):
+    """Placed K/V then one dense run up to the end: the causal mask is all the forward needs, so it gets
+    no explicit 4D mask (before: the position mask of the one-forward path); the K/V are unchanged."""
+    ids = tokenizer("You are the planner. Sort a list of numbers, then explain.", return_tensors="pt").input_ids[0]
+    split = 6
+    exact = exact_kv(tiny_llama, ids)
+    placed = exact.extract(0, split)
+    shifter = RopeShifter.from_model(tiny_llama)
+
+    def parts():
+        return [
+            CachePart(Segment("query", "PH", 0, split, provenance="reused"), kv=placed),
+            CachePart(Segment("pf0", "PF", split, ids.numel()), token_ids=ids[None, split:]),
+        ]
+
+    got = SegmentedCache(tiny_llama.config)
+    with model_masks(tiny_llama) as masks:
+        prefill_parts(got, tiny_llama, parts(), shifter)
+    assert masks == [None]  # one forward, and no mask of ours
+    old = SegmentedCache(tiny_llama.config)
+    assert _one_forward(old, tiny_llama, parts(), shifter, {})  # the explicit-mask path: same K/V
+    for layer in range(exact.num_layers):
+        for a, b, c in zip(got.layer_kv(layer), exact.layer_kv(layer), old.layer_kv(layer)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+    assert [(s.name, s.start, s.end) for s in got.segments] == [("query", 0, split), ("pf0", split, ids.numel())]
+
+
+def test_a_prefill_from_the_cache_start_reaches_sdpa_without_a_mask(tiny_llama, tokenizer):
+    """Dense text before the placed K/V (and a NonShared turn): a forward from an empty cache, where SDPA
+    runs with ``is_causal`` and no mask at all (its fused kernels)."""
+    ids = tokenizer("You are the planner. Sort a list.", return_tensors="pt").input_ids[0]
+    exact = exact_kv(tiny_llama, ids)
+    parts = [
+        CachePart(Segment("pf0", "PF", 0, 4), token_ids=ids[None, :4]),
+        CachePart(Segment("query", "PH", 4, ids.numel(), provenance="reused"), kv=exact.extract(4, ids.numel())),
+    ]
+    with sdpa_masks() as masks:
+        prefill_parts(SegmentedCache(tiny_llama.config), tiny_llama, parts, RopeShifter.from_model(tiny_llama))
+    assert masks and all(m is None for m in masks)
+
+
+def test_fullshared_turns_unchanged_by_the_mask_free_path(tiny_llama, tokenizer):
+    """A method whose reuse turn ends with dense text takes the mask-free path and still equals
+    NonShared token for token (tau=0 KVCMAS, FullShared re-reading behind the same prefix are in
+    test_families.py)."""
+    ref = run_request(tiny_llama, tokenizer, "nonshared", QUERIES[1], new_tokens=4)
+    got = run_request(tiny_llama, tokenizer, KVCMAS(tau=0), QUERIES[1], new_tokens=4)
+    assert [t.output_ids.tolist() for t in got] == [t.output_ids.tolist() for t in ref]
+
+
+# ---------------------------------------------------------------- freeing
+def test_slot_copies_no_later_turn_reads_are_freed(tiny_llama, tokenizer):
+    """KVCMAS reads an output from the producer's own cache and the chained question from its latest
+    copy: the session's copies of outputs made by later consumers are freed once the turn is recorded
+    (before: kept in ``slot.latest`` until the session ended), the question's latest is kept."""
+    extracted: list[tuple[str, weakref.ref]] = []
+    original = SegmentedCache.extract
+
+    def extract(self, start, end, agent=None):
+        kv = original(self, start, end, agent=agent)
+        extracted.append((agent, start, weakref.ref(kv)))
+        return kv
+
+    method = KVCMAS(tau=1.0)
+    session = Session(tiny_llama, tokenizer, method)
+    with mock.patch.object(SegmentedCache, "extract", extract):
+        turns = [session.run_turn(a, turn_segments(i, QUERIES[0]), max_new_tokens=3) for i, a in enumerate(AGENTS)]
+    gc.collect()
+    designer = turns[1]
+    planner_row = next(s for s in designer.segments if s.name == AGENTS[0])
+    copies = [ref for agent, start, ref in extracted if agent == AGENTS[1] and start == planner_row.start]
+    assert copies and all(ref() is None for ref in copies)  # the designer's copy of the planner's output
+    assert session.slots[AGENTS[0]].latest is None
+    produced = method._requests.get(session).produced
+    assert produced[AGENTS[0]].agent == AGENTS[0]  # the source the method reads is held by the method
+    assert session.slots["query"].latest is not None  # chained: the next consumer reads it
+    # the nonshared-like accounting still adds up: what is held is counted once
+    assert session.held_bytes() >= produced[AGENTS[0]].nbytes
+
+
+# ---------------------------------------------------------- tensor memory
+def test_tensor_peak_counts_tensors_alive_at_once():
+    with TensorPeak() as peak:
+        a = torch.empty(1_000_000)  # 4 MB
+        b = torch.empty(2_000_000)  # 8 MB (12 MB alive)
+        del a
+        c = torch.empty(500_000)  # 10 MB alive
+        del b, c
+    assert peak.peak_bytes == 12_000_000
+
+
+def test_session_reports_the_tensor_peak_when_asked(tiny_llama, tokenizer):
+    session = Session(tiny_llama, tokenizer, "nonshared")
+    plain = session.run_turn(AGENTS[0], turn_segments(0, QUERIES[0]), max_new_tokens=2)
+    assert plain.tensor_peak_bytes is None and plain.metrics()["tensor_peak_bytes"] is None
+    session = Session(tiny_llama, tokenizer, "nonshared", tensor_memory=True)
+    t = session.run_turn(AGENTS[0], turn_segments(0, QUERIES[0]), max_new_tokens=2)
+    layers, kv = tiny_llama.config.num_hidden_layers, tiny_llama.config.num_key_value_heads
+    head_dim = tiny_llama.config.hidden_size // tiny_llama.config.num_attention_heads
+    cache_bytes = 2 * layers * kv * head_dim * t.prompt_ids.numel() * 4
+    assert t.tensor_peak_bytes >= cache_bytes  # at least the turn's own K/V was alive
+    assert t.tensor_peak_bytes < 2**30
