@@ -16,7 +16,7 @@ from test_kvcmas import AGENTS, QUERIES, run_request, turn_segments
 
 from hf_kvshare import SegmentedCache, Session
 from hf_kvshare.anchors.lowrank import FACTORIZATIONS
-from hf_kvshare.cache import CachePart, Segment, SegmentKV
+from hf_kvshare.cache import CachePart, Segment
 from hf_kvshare.measure import PHASES, Phases, TensorPeak, phase, timing, turn_phases
 from hf_kvshare.methods.kvcmas import KVCMAS
 from hf_kvshare.methods.kvcomm import KVComm
@@ -104,9 +104,7 @@ def test_kvcomm_record_counts_its_prefix_deltas(tiny_llama, tokenizer):
     per_kv = 2 * tiny_llama.config.num_hidden_layers
     method = KVComm(tau=1.0)
     counts = count_per_recorded_turn(method, tiny_llama, tokenizer, [QUERIES[0]])
-    stored = sum(
-        len(a.deltas) + len(a.prefix_deltas) + 1 for pool in method.pools.values() for a in pool
-    )
+    stored = sum(len(a.deltas) + len(a.prefix_deltas) + 1 for pool in method.pools.values() for a in pool)
     assert sum(counts[0]) == stored * per_kv and counts[0][0] == 3 * per_kv
 
 
@@ -147,7 +145,9 @@ def exact_kv(model, ids) -> SegmentedCache:
 def test_a_dense_run_after_placed_kv_gets_no_explicit_mask(tiny_llama, tokenizer):
     """Placed K/V then one dense run up to the end: the causal mask is all the forward needs, so it gets
     no explicit 4D mask (before: the position mask of the one-forward path); the K/V are unchanged."""
-    ids = tokenizer("You are the planner. Sort a list of numbers, then explain.", return_tensors="pt").input_ids[0]
+    ids = tokenizer(
+        "You are the planner. Sort a list of numbers, then explain.", return_tensors="pt"
+    ).input_ids[0]
     split = 6
     exact = exact_kv(tiny_llama, ids)
     placed = exact.extract(0, split)
@@ -169,7 +169,10 @@ def test_a_dense_run_after_placed_kv_gets_no_explicit_mask(tiny_llama, tokenizer
         for a, b, c in zip(got.layer_kv(layer), exact.layer_kv(layer), old.layer_kv(layer)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
-    assert [(s.name, s.start, s.end) for s in got.segments] == [("query", 0, split), ("pf0", split, ids.numel())]
+    assert [(s.name, s.start, s.end) for s in got.segments] == [
+        ("query", 0, split),
+        ("pf0", split, ids.numel()),
+    ]
 
 
 def test_a_prefill_from_the_cache_start_reaches_sdpa_without_a_mask(tiny_llama, tokenizer):
@@ -179,10 +182,14 @@ def test_a_prefill_from_the_cache_start_reaches_sdpa_without_a_mask(tiny_llama, 
     exact = exact_kv(tiny_llama, ids)
     parts = [
         CachePart(Segment("pf0", "PF", 0, 4), token_ids=ids[None, :4]),
-        CachePart(Segment("query", "PH", 4, ids.numel(), provenance="reused"), kv=exact.extract(4, ids.numel())),
+        CachePart(
+            Segment("query", "PH", 4, ids.numel(), provenance="reused"), kv=exact.extract(4, ids.numel())
+        ),
     ]
     with sdpa_masks() as masks:
-        prefill_parts(SegmentedCache(tiny_llama.config), tiny_llama, parts, RopeShifter.from_model(tiny_llama))
+        prefill_parts(
+            SegmentedCache(tiny_llama.config), tiny_llama, parts, RopeShifter.from_model(tiny_llama)
+        )
     assert masks and all(m is None for m in masks)
 
 
@@ -211,7 +218,9 @@ def test_slot_copies_no_later_turn_reads_are_freed(tiny_llama, tokenizer):
     method = KVCMAS(tau=1.0)
     session = Session(tiny_llama, tokenizer, method)
     with mock.patch.object(SegmentedCache, "extract", extract):
-        turns = [session.run_turn(a, turn_segments(i, QUERIES[0]), max_new_tokens=3) for i, a in enumerate(AGENTS)]
+        turns = [
+            session.run_turn(a, turn_segments(i, QUERIES[0]), max_new_tokens=3) for i, a in enumerate(AGENTS)
+        ]
     gc.collect()
     designer = turns[1]
     planner_row = next(s for s in designer.segments if s.name == AGENTS[0])
@@ -247,3 +256,31 @@ def test_session_reports_the_tensor_peak_when_asked(tiny_llama, tokenizer):
     cache_bytes = 2 * layers * kv * head_dim * t.prompt_ids.numel() * 4
     assert t.tensor_peak_bytes >= cache_bytes  # at least the turn's own K/V was alive
     assert t.tensor_peak_bytes < 2**30
+
+
+# ---------------------------------------------------------------- summary
+def test_summary_carries_the_breakdown_and_the_tensor_peak(tiny_llama, tokenizer):
+    from hf_kvshare.evaluation.protocol import (
+        SUMMARY_COLUMNS,
+        MethodPair,
+        request_record,
+        run_paired,
+        summarize_method,
+        turn_records,
+    )
+    from hf_kvshare.evaluation.workflow import Step, Workflow
+
+    steps = [Step(a, turn_segments(i, QUERIES[0]), max_new_tokens=2) for i, a in enumerate(AGENTS)]
+    pairs = [MethodPair.create("nonshared", fidelity=False), MethodPair.create("kvcmas", fidelity=False)]
+    run = run_paired(tiny_llama, tokenizer, Workflow(steps), pairs, fidelity=False, tensor_memory=True)
+    summary = summarize_method(turn_records(run, "kvcmas"), [request_record(run, "kvcmas")])
+    assert {f"{p}_mean_s" for p in PHASES} | {"tensor_peak_mb", "ref_tensor_peak_mb"} <= set(SUMMARY_COLUMNS)
+    assert all(summary[f"{p}_mean_s"] is not None for p in PHASES)
+    assert summary["tensor_peak_mb"] > 0 and summary["ref_tensor_peak_mb"] > 0
+    plain = run_paired(tiny_llama, tokenizer, Workflow(steps), pairs[:1], fidelity=False)
+    assert (
+        summarize_method(turn_records(plain, "nonshared"), [request_record(plain, "nonshared")])[
+            "tensor_peak_mb"
+        ]
+        is None
+    )

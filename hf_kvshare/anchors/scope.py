@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cache import SegmentKV, check_finite
-from ..measure import phase
 from ..trajectory import tokenize_text
 from .correction import canonical_keys
 from .gate import GateDecision
@@ -275,7 +274,9 @@ class Scope:
             keys = [k - s for k, s in zip(canonical_keys(exact, turn.shifter), source_keys)]
         return keys, [v[:1] - s[:1] for v, s in zip(exact.values, source.values)]
 
-    def delta(self, edge: Edge, exact: SegmentKV, turn: Turn) -> tuple[FactoredKV, Callable[[], list[torch.Tensor]]]:
+    def delta(
+        self, edge: Edge, exact: SegmentKV, turn: Turn
+    ) -> tuple[FactoredKV, Callable[[], list[torch.Tensor]]]:
         """The consumer's observed correction of a PH span, factorized at ``delta_rank``; and the
         source's canonical keys (for the base) as a callable computing them once, when first asked
         (the writer frame's delta needs none: a turn that stores no base rotates nothing)."""

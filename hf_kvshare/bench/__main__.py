@@ -197,6 +197,12 @@ def parse_run(
     )
     g.add_argument("--no-fidelity", action="store_true", help="skip the teacher-forced pass (speed only)")
     g.add_argument("--no-erank", action="store_true", help="skip effective ranks (SVDs per layer)")
+    g.add_argument(
+        "--tensor-memory",
+        action="store_true",
+        help="also measure each turn's peak of torch tensor bytes (torch.profiler memory events: the "
+        "tensor_peak_mb column); the profiler slows the timed pass, so run it apart from timings",
+    )
     g.add_argument("--no-plots", action="store_true")
     g.add_argument(
         "--execute", action="store_true", help="HumanEval: execute the final code (sandboxed subprocess)"

@@ -89,6 +89,7 @@ class RunOptions:
     state_out: str | None = None
     no_fidelity: bool = False
     no_erank: bool = False
+    tensor_memory: bool = False
     no_plots: bool = False
     execute: bool = False
     exec_timeout: float = 10.0
@@ -247,6 +248,7 @@ RUN_CONFIG_FIELDS = (
     "state_in",
     "num_layers",
     "attn_implementation",
+    "tensor_memory",
 )
 
 

@@ -73,9 +73,22 @@ REPORT_COLUMNS = {
         ("throughput_tok_s", "tok/s", ".1f"),
         ("throughput_ratio", "tok/s vs NonShared", ".2f"),
         ("peak_memory_mb", "peak MB", ".0f"),
+        ("tensor_peak_mb", "tensor peak MB", ".0f"),
         ("method_state_mb", "state MB", ".2f"),
         ("request_state_mb", "request MB", ".2f"),
         ("reuse_ratio", "rho", ".2f"),
+    ],
+    #: where the time after the first token goes (mean seconds per turn, measure.PHASES)
+    "phases": [
+        ("method", "method", ""),
+        ("e2e_mean_s", "E2E s", ".3f"),
+        ("e2e_ratio", "NonShared/E2E", ".2f"),
+        ("decode_mean_s", "decode", ".4f"),
+        ("record_mean_s", "record", ".4f"),
+        ("gate_mean_s", "gate", ".4f"),
+        ("factorize_mean_s", "factorize", ".4f"),
+        ("anchor_store_mean_s", "anchor store", ".4f"),
+        ("bookkeeping_mean_s", "bookkeeping", ".4f"),
     ],
     "fidelity": [
         ("method", "method", ""),

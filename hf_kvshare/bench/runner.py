@@ -56,6 +56,8 @@ class RunConfig:
     device_map: str | None = None  # accelerate placement as given on the command line (--device-map)
     num_layers: int | None = None  # random: models cut to their first layers
     attn_implementation: str = "sdpa"
+    #: measure each free turn's peak of torch tensor bytes (profiler: the free pass's times inflate)
+    tensor_memory: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
@@ -65,7 +67,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = {**asdict(self), "adapters": dict(sorted(self.adapters.items()))}
-        for key in ("warmup", "quantization", "device_map", "state_in"):
+        for key in ("warmup", "quantization", "device_map", "state_in", "tensor_memory"):
             if not data[key]:
                 del data[key]  # runs without one keep their config (and their directory)
         if self.num_layers is None:
@@ -424,6 +426,7 @@ class BenchRunner:
                     fidelity=self.config.fidelity,
                     seed=self.config.seed + index,
                     progress=self.progress,
+                    tensor_memory=self.config.tensor_memory,
                 )
                 if index < self.config.warmup:  # state built, nothing recorded
                     del run

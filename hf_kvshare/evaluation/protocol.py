@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..measure import PHASES
 from ..method import Method, get_method
 from ..session import Session
 from ..turn import TurnResult
@@ -79,6 +80,7 @@ def run_paired(
     fidelity: bool = True,
     seed: int | None = None,
     progress: bool = False,
+    tensor_memory: bool = False,
 ) -> RequestRun:
     """Run ``workflow`` with every pair (``pairs[0]`` is the reference, NonShared): all free passes,
     then, with ``fidelity``, all passes teacher-forced on the reference's outputs (caches kept)."""
@@ -93,7 +95,8 @@ def run_paired(
     def one(pair: MethodPair, method: Method, pass_name: str, force=None) -> list[TurnResult]:
         if seed is not None:
             torch.manual_seed(seed)
-        session = Session(model, tokenizer, method)
+        # the tensor peak (a profiler) only on the free pass, whose times it then inflates
+        session = Session(model, tokenizer, method, tensor_memory=tensor_memory and force is None)
         results = run_workflow(
             session,
             workflow,
@@ -251,10 +254,18 @@ def request_record(run: RequestRun, label: str) -> dict[str, Any]:
         "ref_throughput_tok_s": M.throughput(ref_tokens, ref_e2e),
         "peak_memory_bytes": max(t.peak_memory_bytes for t in free),
         "ref_peak_memory_bytes": max(t.peak_memory_bytes for t in ref_free),
+        "tensor_peak_bytes": _max_or_none(t.tensor_peak_bytes for t in free),
+        "ref_tensor_peak_bytes": _max_or_none(t.tensor_peak_bytes for t in ref_free),
         **run.state.get(label, {}),  # method_state_bytes (across requests), request_state_bytes (session)
         "final_exact_match": M.exact_match(free[-1].output_ids, ref_free[-1].output_ids),
         "final_output": free[-1].text,
     }
+
+
+def _max_or_none(values: Iterable[Any]) -> Any:
+    """The largest value, ``None`` when any is ``None`` (not measured) or there are none."""
+    values = list(values)
+    return None if not values or any(v is None for v in values) else max(values)
 
 
 # ------------------------------------------------------------------ summary
@@ -280,8 +291,11 @@ SUMMARY_COLUMNS = [
     "throughput_ratio",
     "peak_memory_mb",
     "ref_peak_memory_mb",
+    "tensor_peak_mb",
+    "ref_tensor_peak_mb",
     "method_state_mb",
     "request_state_mb",
+    *(f"{name}_mean_s" for name in PHASES),
     "reuse_ratio",
     "reuse_ratio_all_ph",
     "paper_reuse_ratio",
@@ -358,6 +372,9 @@ def summarize_method(turns: Sequence[dict[str, Any]], requests: Sequence[dict[st
         "throughput_ratio": M.ratio(tput, ref_tput),
         "peak_memory_mb": max(r["peak_memory_bytes"] for r in requests) / 2**20,
         "ref_peak_memory_mb": max(r["ref_peak_memory_bytes"] for r in requests) / 2**20,
+        "tensor_peak_mb": _mb(_max_or_none(r.get("tensor_peak_bytes") for r in requests)),
+        "ref_tensor_peak_mb": _mb(_max_or_none(r.get("ref_tensor_peak_bytes") for r in requests)),
+        **phase_summary(turns),
         "method_state_mb": max(r.get("method_state_bytes") or 0 for r in requests) / 2**20,
         "request_state_mb": (  # None for runs recorded before this field existed
             max(r["request_state_bytes"] for r in requests) / 2**20
@@ -397,6 +414,20 @@ def summarize_method(turns: Sequence[dict[str, Any]], requests: Sequence[dict[st
             for i in range(len(ranks[0]))
         ]
     return summary
+
+
+def _mb(value: int | None) -> float | None:
+    return None if value is None else value / 2**20
+
+
+def phase_summary(turns: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """Where the time after the first token goes: the mean seconds per turn of each phase
+    (:data:`~hf_kvshare.measure.PHASES`, over all turns; ``None`` for records written before)."""
+    out: dict[str, float | None] = {}
+    for name in PHASES:
+        values = [t.get(f"{name}_s") for t in turns]
+        out[f"{name}_mean_s"] = None if any(v is None for v in values) else M.mean(values)
+    return out
 
 
 #: the shared-token split of a turn record, and the summary column of each (a share of the PH tokens)
