@@ -405,9 +405,12 @@ def test_serving_drives_the_method_contract_only():
     edges = graph()
     serving = [m for m in edges if _inside(m, SERVING)]
     assert serving, "hf_kvshare.serving is missing"
+    # ``serving.bench`` is ``hf-kvshare bench serve``, a client of the server that reuses the bench's
+    # workloads, report writers and metrics: the host modules are the ones held to the contract
+    hosts = [m for m in serving if m != f"{ROOT}.serving.bench"]
     bad = [
         f"{module} imports {target}"
-        for module in serving
+        for module in hosts
         for target in sorted(edges[module])
         if any(_inside(target, area) for area in (*ENGINES, "session", "evaluation", "bench"))
     ]
