@@ -732,13 +732,21 @@ def run_once(
 
 
 def forced_body(
-    request: ChatRequest, prefix: str, model: str, explicit_layout: bool = False
+    request: ChatRequest, prefix: str, model: str, explicit_layout: bool = False, position: int | None = None
 ) -> dict[str, Any]:
     """The request for one forced position: the turn's prompt followed by the first tokens of
     NonShared's reply (``prefix``, decoded) as the assistant's unfinished message; one greedy token,
     its id returned. ``prompt_logprobs`` is not used: it makes vLLM skip the prefix cache and the
     connector (``skip_reading_prefix_cache``, which the OpenAI server does not expose)."""
     body = request.body(model, max_tokens=1, explicit_layout=explicit_layout)
+    if explicit_layout:
+        # one forced request per position of the same turn: each its own output slot (the one-token
+        # outputs are recorded by the server, and must not take the reply's slot name), and the earlier
+        # replies given with their text (NonShared's, sent back as messages: no slot holds them as
+        # an output of this pass)
+        layout = body["kv_transfer_params"]["hf_kvshare"]
+        layout["output"] = f"{request.output_slot}@forced{len(prefix) if position is None else position}"
+        layout["segments"] = [{"slot": s.slot, "text": request.text(s)} for s in request.spans]
     body.pop("min_tokens", None)
     body["return_token_ids"] = True
     if prefix:
@@ -1345,7 +1353,7 @@ def _forced_pass(
             mine: list[int | None] = []
             for k in range(len(ref)):
                 prefix = tokenizer.decode(ref[:k]) if k else ""
-                body = forced_body(request, prefix, "model", args.explicit_layout)
+                body = forced_body(request, prefix, "model", args.explicit_layout, position=k)
                 try:
                     mine.append(forced_step(port, body, ref[:k], args.request_timeout))
                 except (RuntimeError, OSError) as e:
