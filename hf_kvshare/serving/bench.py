@@ -1168,7 +1168,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
                 )
                 print(f"server {group.key} (repeat {repeat}) on {HOST}:{port} ...", flush=True)
                 with server:
-                    _warm_up(port, plan, args, tokenizer, repeat)
+                    _warm_up(
+                        port, plan, args, tokenizer, repeat, args.explicit_layout and group.method is not None
+                    )
                     if args.agreement and repeat == 0:
                         forced[group.key] = _forced_pass(
                             port, plan, args, tokenizer, group, forced.get("plain")
@@ -1289,20 +1291,25 @@ def _with_env(environment: Any, extra: Mapping[str, str]) -> Any:
     return merged
 
 
-def _warm_up(port: int, plan: Plan, args: argparse.Namespace, tokenizer: Any, repeat: int) -> None:
-    """``--warmup-tasks`` tasks run one request at a time (documents of their own, not recorded)."""
+def _warm_up(
+    port: int, plan: Plan, args: argparse.Namespace, tokenizer: Any, repeat: int, explicit: bool = False
+) -> None:
+    """``--warmup-tasks`` tasks run one request at a time (documents of their own, not recorded), in
+    the layout the runs send (``explicit``: the explicit layout, each task its own, so a connector
+    method's pools and kept prefixes learn under the names the timed runs use)."""
     if not args.warmup_tasks:
         return
     workload = ServeTrace(
         plan.workload.shared_tokens, plan.workload.agents, args.warmup_tasks, plan.workload.output_tokens
     )
-    for task in workload.task_specs(tokenizer, run_seed(args.seed, "warmup", repeat, port)):
-        traj = task_trajectory(task)
+    for i, task in enumerate(workload.task_specs(tokenizer, run_seed(args.seed, "warmup", repeat, port))):
+        traj = task_trajectory(task, f"warmup-{repeat}-{i}" if explicit else None)
         for agent, messages, slot, max_tokens, min_tokens in task_turns(task):
             request = traj.request(
                 agent, messages, output_slot=slot, max_tokens=max_tokens, min_tokens=min_tokens
             )
-            result = stream_chat(port, request.body("model", stream=True), args.request_timeout)
+            body = request.body("model", stream=True, explicit_layout=explicit)
+            result = stream_chat(port, body, args.request_timeout)
             if not result["ok"]:
                 raise RuntimeError(f"warm-up request failed: {result.get('error')}")
             traj.record(slot, result["text"])
