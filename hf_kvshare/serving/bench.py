@@ -1150,7 +1150,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
         str(plan.max_model_len),
         "--enable-prompt-tokens-details",
     ]
-    base_args += list(args.vllm_arg)
     print(
         f"{prog} serve: {len(plan.groups)} server(s), QPS {' '.join(f'{q:g}' for q in plan.qps)}; out {plan.out}"
     )
