@@ -742,11 +742,14 @@ def forced_body(
     if explicit_layout:
         # one forced request per position of the same turn: each its own output slot (the one-token
         # outputs are recorded by the server, and must not take the reply's slot name), and the earlier
-        # replies given with their text (NonShared's, sent back as messages: no slot holds them as
-        # an output of this pass)
+        # replies given with their text under a name of their own (NonShared's replies sent back as
+        # messages are given text to the server, not outputs of this pass: under the reply's own
+        # name they would be corrected with the deltas of the producer's output pool)
         layout = body["kv_transfer_params"]["hf_kvshare"]
         layout["output"] = f"{request.output_slot}@forced{len(prefix) if position is None else position}"
-        layout["segments"] = [{"slot": s.slot, "text": request.text(s)} for s in request.spans]
+        layout["segments"] = [
+            {"slot": s.slot if s.given else f"{s.slot}~text", "text": request.text(s)} for s in request.spans
+        ]
     body.pop("min_tokens", None)
     body["return_token_ids"] = True
     if prefix:
