@@ -254,3 +254,69 @@ def test_serve_refuses_before_vllm_starts(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", "--method", "fullshared"])
         assert exit_info.value.code == 2 and "vLLM is not installed" in capsys.readouterr().err
+
+
+def test_fixed_length_output_slot_is_what_the_engine_computed(tiny_llama, tokenizer):
+    """An output cut by its length has no K/V for its last token in the engine (never fed): the slot
+    is the output but that token, with the producer's K/V (what lets KVCMAS gate it)."""
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    prompt = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC)
+    plan = sharing.plan("r1", prompt, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0)
+    out, k, v = engine(tiny_llama, plan, max_new_tokens=4)
+    assert k[0].shape[0] == len(prompt) + 3
+    sharing.record(plan, k, v, out, set())
+    slot = sharing.hosts["t"].slots["a1"]
+    assert slot.token_ids.tolist() == out[:3] and slot.latest is not None and slot.latest.length == 3
+    assert torch.equal(slot.latest.keys[1][0].transpose(0, 1), k[1][len(prompt) : len(prompt) + 3])
+    # a later agent reading it gets the producer's K/V for those tokens
+    p2 = sharing.plan("r2", out[:3] + ids_of(tokenizer, Q2), layout("t", "a2", [{"slot": "a1"}]), 0)
+    assert (p2.claim_start, p2.claim_end) == (0, 3) and p2.report()["supplied_ph_tokens"] == 3
+
+
+def test_kvcmas_gate_decisions_equal_the_session_on_the_same_trajectory(tiny_llama, tokenizer):
+    """Warm-up tasks one after the other, then agent-major order over several tasks (the serving bench's
+    pattern), each task a Session on the HF path and a task of the serving host: every PH span gets
+    the same treatment (dense, reused or corrected), the gates accept somewhere, and an accepted turn
+    is claimed whole."""
+    opts = {"tau": 0.95, "capacity": 4}
+    sharing = Sharing(tiny_llama, tokenizer, "kvcmas", min_segment_tokens=4, **opts)
+    hf_method = get_method("kvcmas", **opts)
+    systems = {"planner": "You plan.\n", "critic": "You criticise.\n", "writer": "You write it up.\n"}
+    agents = list(systems)
+    warm, tasks = 3, 7
+    docs = [f"Report {t}: the river Lune reaches the sea at Plover Scar, site {t}." for t in range(tasks)]
+    sessions = [Session(tiny_llama, tokenizer, method=hf_method) for _ in range(tasks)]
+    served: dict[tuple[int, str], list[str]] = {}
+    hf: dict[tuple[int, str], list[str]] = {}
+    claimed_whole = 0
+    order = [(t, a) for t in range(warm) for a in agents] + [
+        (t, a) for a in agents for t in range(warm, tasks)
+    ]
+    for t, agent in order:
+        position = agents.index(agent)
+        reads = agents[:position]
+        host = sharing.hosts.get(f"t{t}")
+        ids = ids_of(tokenizer, systems[agent]) + ids_of(tokenizer, docs[t])
+        segments = [{"slot": "doc", "text": docs[t]}]
+        hf_segments = [PF(systems[agent]), PH("doc", docs[t])]
+        for r in reads:
+            ids += ids_of(tokenizer, "\nNotes:") + host.slots[r].token_ids.tolist()
+            segments.append({"slot": r})
+            hf_segments += [PF("\nNotes:"), PH(r)]
+        ids += ids_of(tokenizer, Q2)
+        hf_segments.append(PF(Q2))
+        plan = sharing.plan(f"{t}-{agent}", ids, layout(f"t{t}", agent, segments, output=agent), 0)
+        assert plan.error is None
+        out, k, v = engine(tiny_llama, plan, max_new_tokens=4)
+        sharing.record(plan, k, v, out, set())
+        assert plan.error is None
+        ph = [(s, p) for s, p in zip(plan.turn.spans, plan.placements) if s.kind == "PH"]
+        served[t, agent] = [p.provenance if p is not None else "dense" for _, p in ph]
+        claimed_whole += plan.claimed == len(ids) - 1
+        result = sessions[t].run_turn(
+            agent, hf_segments, force_output=sharing.hosts[f"t{t}"].slots[agent].token_ids
+        )
+        hf[t, agent] = [s.provenance for s in result.segments if s.kind == "PH"]
+    assert served == hf
+    assert any("corrected" in kinds for kinds in served.values())  # the gates accepted somewhere
+    assert claimed_whole > 0

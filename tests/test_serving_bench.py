@@ -105,13 +105,65 @@ def test_metrics_parsing_and_deltas():
     assert sb.metric_delta(before, after, *sb.PREFIX_HITS) == 1000.0
     assert sb.metric_delta(before, after, *sb.PREFIX_QUERIES) == 4000.0
     assert sb.metric_delta(before, after, "vllm:nothing") is None
-    cols = sb.connector_columns("fullshared", before, after)
-    assert cols["rho"] is None and "no supplied tokens" in cols["rho_note"]
-    cols = sb.connector_columns(
-        "fullshared", {}, {"hf_kvshare:supplied_tokens": 300.0, "hf_kvshare:reusable_tokens": 400.0}
+    assert "no connector" in sb.connector_columns("plain", [])["rho_note"]
+
+
+def _report(claimed, ph, supplied_ph, supplied_pf):
+    return {
+        "claimed": claimed,
+        "supplied_tokens": supplied_ph + supplied_pf,
+        "ph_tokens": ph,
+        "supplied_ph_tokens": supplied_ph,
+        "supplied_pf_tokens": supplied_pf,
+        "prefix_cache_hit": 0,
+        "segments": [{"kind": "PH", "span": [3, 3 + ph], "placed": True, "provenance": "reused"}],
+        "error": None,
+    }
+
+
+def test_connector_columns_from_the_per_request_reports(tmp_path):
+    """Supplied tokens and rho are the connector's own per-request counts (exact), matched to the
+    bench's requests by the request_id it sent (vLLM: chatcmpl-<id>-<random suffix>)."""
+    spec = sb.RunSpec("fullshared", 2.0, 0, 7, 10.0, 10.0, "model", "agent-first")
+    path = tmp_path / "reports.jsonl"
+    lines = [
+        {"request_id": f"chatcmpl-{spec.request_id(0)}-a1b2c3d4", **_report(None, 256, 0, 0)},
+        {"request_id": f"chatcmpl-{spec.request_id(1)}-e5f6a7b8", **_report([0, 300], 260, 256, 44)},
+        {"request_id": "chatcmpl-someone-else-12345678", **_report([0, 9], 9, 9, 0)},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    found = sb.read_reports(path, [spec.request_id(0), spec.request_id(1)], wait_s=0)
+    assert set(found) == {spec.request_id(0), spec.request_id(1)}
+    records = [
+        {"request": i, "ok": True, "connector": sb.compact_report(found[spec.request_id(i)])} for i in (0, 1)
+    ]
+    records.append({"request": 2, "ok": True})  # no report
+    cols = sb.connector_columns("fullshared", records)
+    assert cols["supplied_tokens"] == 300 and cols["supplied_ph_tokens"] == 256 and cols["ph_tokens"] == 516
+    assert cols["rho"] == pytest.approx(256 / 516) and cols["claimed_requests"] == 1
+    assert "1 of 3 completed requests without a report" in cols["rho_note"]
+    assert records[1]["connector"]["segments"] == [["PH", 3, 263, "reused"]]
+    assert sb.connector_columns("fullshared", [{"request": 0, "ok": True}])["rho"] is None
+
+
+def test_exact_match_against_plain():
+    plain = [{"request": i, "ok": True, "token_ids": [i, i + 1]} for i in range(4)]
+    same = [dict(r) for r in plain]
+    assert sb.exact_match(same, plain)[0] == 1.0
+    other = [dict(r) for r in plain]
+    other[2] = {**other[2], "token_ids": [9, 9]}
+    value, note = sb.exact_match(other, plain)
+    assert value == 0.75 and "first differing: request 2" in note
+    rows = [
+        {"method": "plain", "repeat": 0, "qps": 2.0},
+        {"method": "nonshared", "repeat": 0, "qps": 2.0},
+        {"method": "fullshared", "repeat": 0, "qps": 0.5},
+    ]
+    sb.fill_exact(
+        rows, {("plain", 0, 2.0): plain, ("nonshared", 0, 2.0): same, ("fullshared", 0, 0.5): other}
     )
-    assert cols == {"supplied_tokens": 300.0, "rho": 0.75, "rho_note": ""}
-    assert "no connector" in sb.connector_columns("plain", {}, after)["rho_note"]
+    assert rows[0]["exact_note"] == "the reference" and rows[1]["exact_match"] == 1.0
+    assert rows[2]["exact_match"] is None and "no plain run" in rows[2]["exact_note"]
 
 
 def test_outputs_json_csv_and_figure(tmp_path):

@@ -53,6 +53,9 @@ DEFAULT_METHODS = (PLAIN, DOC_FIRST, "fullshared")
 MAX_REQUESTS = 2000  # per run: tasks x agents
 #: environment variable naming the Python that has vLLM (default: this Python)
 VLLM_PYTHON_ENV = "HF_KVSHARE_VLLM_PYTHON"
+#: the connector's report file variable (``hf_kvshare.serving.connector.REPORTS_ENV``; that module
+#: imports vLLM, so the name is repeated here)
+REPORTS = "HF_KVSHARE_REPORTS"
 
 # ---------------------------------------------------------------------------------------------
 # pure parts: schedule, workload, layouts, summaries
@@ -238,9 +241,15 @@ SUMMARY_COLUMNS = (
     "prefix_cache_queries",
     "prefix_cache_hits",
     "cached_tokens",
+    "claimed_requests",
     "supplied_tokens",
+    "supplied_ph_tokens",
+    "supplied_pf_tokens",
+    "ph_tokens",
     "rho",
     "rho_note",
+    "exact_match",
+    "exact_note",
     "agreement",
     "first_token_agreement",
     "agreement_note",
@@ -282,23 +291,131 @@ def metric_delta(before: Mapping[str, float], after: Mapping[str, float], *names
 #: vLLM's prefix-cache counters (tokens), v1 engine names
 PREFIX_QUERIES = ("vllm:prefix_cache_queries",)
 PREFIX_HITS = ("vllm:prefix_cache_hits",)
-#: what a connector may report: tokens it supplied (vLLM's KV-connector hit counters, or ours)
-SUPPLIED = ("hf_kvshare:supplied_tokens", "vllm:external_prefix_cache_hits")
-REUSABLE = ("hf_kvshare:reusable_tokens",)
 
 
-def connector_columns(method: str, before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, Any]:
-    """``supplied_tokens`` and ``rho`` from what the server's /metrics page reports (nothing is
-    asked of the server beyond it); an empty column carries its reason in ``rho_note``."""
+def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``supplied_tokens`` and ``rho`` from the connector's own report of each request (its
+    ``kv_transfer_params["hf_kvshare"]``, in ``record["connector"]``): exact counts, summed over the
+    run's completed requests. ``rho`` = supplied PH tokens / PH tokens (``TurnResult.reuse_ratio``
+    summed over the run); ``supplied_pf_tokens`` are the agents' own text placed by prefix reuse.
+    An empty column carries its reason in ``rho_note``."""
+    empty = {
+        "claimed_requests": None,
+        "supplied_tokens": None,
+        "supplied_ph_tokens": None,
+        "supplied_pf_tokens": None,
+        "ph_tokens": None,
+        "rho": None,
+    }
     if method in BASELINES:
-        return {"supplied_tokens": None, "rho": None, "rho_note": "plain vLLM: no connector"}
-    supplied = metric_delta(before, after, *SUPPLIED)
-    reusable = metric_delta(before, after, *REUSABLE)
-    if supplied is None:
-        return {"supplied_tokens": None, "rho": None, "rho_note": "the server reports no supplied tokens"}
-    if not reusable:
-        return {"supplied_tokens": supplied, "rho": None, "rho_note": "the server reports no reusable tokens"}
-    return {"supplied_tokens": supplied, "rho": supplied / reusable, "rho_note": ""}
+        return {**empty, "rho_note": "plain vLLM: no connector"}
+    done = [r for r in records if r.get("ok")]
+    reports = [r["connector"] for r in done if r.get("connector")]
+    if not reports:
+        return {**empty, "rho_note": "the server reported nothing for this run's requests"}
+
+    def total(key: str) -> int:
+        return int(sum(rep.get(key) or 0 for rep in reports))
+
+    ph = total("ph_tokens")
+    notes = []
+    if len(reports) < len(done):
+        notes.append(f"{len(done) - len(reports)} of {len(done)} completed requests without a report")
+    errors = sum(1 for rep in reports if rep.get("error"))
+    if errors:
+        notes.append(f"{errors} requests with a layout error (no claim)")
+    return {
+        "claimed_requests": sum(1 for rep in reports if rep.get("supplied_tokens")),
+        "supplied_tokens": total("supplied_tokens"),
+        "supplied_ph_tokens": total("supplied_ph_tokens"),
+        "supplied_pf_tokens": total("supplied_pf_tokens"),
+        "ph_tokens": ph,
+        "rho": total("supplied_ph_tokens") / ph if ph else None,
+        "rho_note": "; ".join(notes) if notes else ("" if ph else "no PH tokens"),
+    }
+
+
+def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-request fields of a connector report kept in ``requests.jsonl``."""
+    keys = (
+        "task",
+        "agent",
+        "prompt_tokens",
+        "prefix_cache_hit",
+        "claimed",
+        "supplied_tokens",
+        "ph_tokens",
+        "supplied_ph_tokens",
+        "supplied_pf_tokens",
+        "missing",
+        "error",
+    )
+    out = {k: report.get(k) for k in keys}
+    out["segments"] = [
+        [
+            seg.get("kind"),
+            *seg.get("span", []),
+            seg.get("provenance", "dense" if not seg.get("placed") else "?"),
+        ]
+        for seg in report.get("segments") or []
+    ]
+    return out
+
+
+def read_reports(path: Path | None, ids: Sequence[str], wait_s: float = 10.0) -> dict[str, dict[str, Any]]:
+    """The connector's reports (its JSONL file, :data:`hf_kvshare.serving.connector.REPORTS_ENV`) of
+    the requests the bench sent with ``request_id`` in ``ids``: vLLM names a request
+    ``chatcmpl-<id>-<random>`` inside the engine. Waits up to ``wait_s`` for missing ones."""
+    found: dict[str, dict[str, Any]] = {}
+    if path is None:
+        return found
+    wanted = set(ids)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            try:
+                report = json.loads(line)
+            except ValueError:
+                continue
+            rid = str(report.get("external_id") or report.get("request_id") or "")
+            key = rid.removeprefix("chatcmpl-")
+            for candidate in (key, key.rsplit("-", 1)[0]):
+                if candidate in wanted:
+                    found[candidate] = report
+                    break
+        if wanted <= set(found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def exact_match(
+    records: Sequence[Mapping[str, Any]], plain: Sequence[Mapping[str, Any]]
+) -> tuple[float | None, str]:
+    """The fraction of requests whose reply token ids equal plain vLLM's on the same request of the
+    same documents (``plain``: the ``plain`` row's records at the same QPS and round), and a note."""
+    ref = {r["request"]: r.get("token_ids") for r in plain if r.get("ok")}
+    pairs = [(r.get("token_ids"), ref[r["request"]]) for r in records if r.get("ok") and r["request"] in ref]
+    if not pairs:
+        return None, "no request completed on both servers"
+    same = sum(1 for a, b in pairs if a is not None and list(a) == list(b))
+    first = next(
+        (
+            r["request"]
+            for r in records
+            if r.get("ok")
+            and r["request"] in ref
+            and list(r.get("token_ids") or []) != list(ref[r["request"]])
+        ),
+        None,
+    )
+    note = f"{same}/{len(pairs)} requests identical" + (
+        f"; first differing: request {first}" if first is not None else ""
+    )
+    return same / len(pairs), note
 
 
 def write_outputs(
@@ -492,6 +609,13 @@ class RunSpec:
     explicit_layout: bool = False
     split: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
+    #: the connector's report file (``None``: a plain server)
+    report_path: Path | None = None
+
+    def request_id(self, index: int) -> str:
+        """The ``request_id`` the bench sends (unique per run; the connector's report is matched by it)."""
+        tag = hashlib.sha1(f"{self.method}/{self.qps!r}/{self.repeat}/{self.seed}".encode()).hexdigest()[:10]
+        return f"hfkvbench-{tag}-{index}"
 
 
 def run_once(
@@ -552,6 +676,7 @@ def run_once(
             body = request.body(
                 spec.served_name, stream=True, explicit_layout=spec.explicit_layout, extra=spec.extra_body
             )
+            body["request_id"] = spec.request_id(p.index)
             rec.update(agent=agent, sent_s=now, dependency_wait_s=max(now - p.arrival_s, 0.0))
             timeout = min(spec.request_timeout, max(hard_stop - time.perf_counter(), 1.0))
             result = stream_chat(port, body, timeout)
@@ -580,15 +705,22 @@ def run_once(
     after = metrics_snapshot(port)
     with lock:
         snapshot = [dict(r) for r in records]
+    if spec.report_path is not None:
+        ids = [spec.request_id(r["request"]) for r in snapshot if r.get("ok")]
+        reports = read_reports(spec.report_path, ids)
+        for r in snapshot:
+            report = reports.get(spec.request_id(r["request"]))
+            if report is not None:
+                r["connector"] = compact_report(report)
     row = {"method": spec.method, "qps": spec.qps, "repeat": spec.repeat, **summarize_run(snapshot, wall)}
     row["prefix_cache_queries"] = metric_delta(before, after, *PREFIX_QUERIES)
     row["prefix_cache_hits"] = metric_delta(before, after, *PREFIX_HITS)
-    row.update(connector_columns(spec.method, before, after))
+    row.update(connector_columns(spec.method, snapshot))
     if log is not None:
         print(
             f"  {spec.method} @ {spec.qps:g} QPS: {row['completed']}/{row['requests']} done, "
             f"p50 TTFT {row['ttft_p50_s']:.3f} s, p90 {row['ttft_p90_s']:.3f} s, "
-            f"prefix hits {row['prefix_cache_hits']}",
+            f"prefix hits {row['prefix_cache_hits']}, supplied {row['supplied_tokens']} (rho {row['rho']})",
             file=log,
             flush=True,
         )
@@ -600,13 +732,24 @@ def run_once(
 
 
 def forced_body(
-    request: ChatRequest, prefix: str, model: str, explicit_layout: bool = False
+    request: ChatRequest, prefix: str, model: str, explicit_layout: bool = False, position: int | None = None
 ) -> dict[str, Any]:
     """The request for one forced position: the turn's prompt followed by the first tokens of
     NonShared's reply (``prefix``, decoded) as the assistant's unfinished message; one greedy token,
     its id returned. ``prompt_logprobs`` is not used: it makes vLLM skip the prefix cache and the
     connector (``skip_reading_prefix_cache``, which the OpenAI server does not expose)."""
     body = request.body(model, max_tokens=1, explicit_layout=explicit_layout)
+    if explicit_layout:
+        # one forced request per position of the same turn: each its own output slot (the one-token
+        # outputs are recorded by the server, and must not take the reply's slot name), and the earlier
+        # replies given with their text under a name of their own (NonShared's replies sent back as
+        # messages are given text to the server, not outputs of this pass: under the reply's own
+        # name they would be corrected with the deltas of the producer's output pool)
+        layout = body["kv_transfer_params"]["hf_kvshare"]
+        layout["output"] = f"{request.output_slot}@forced{len(prefix) if position is None else position}"
+        layout["segments"] = [
+            {"slot": s.slot if s.given else f"{s.slot}~text", "text": request.text(s)} for s in request.spans
+        ]
     body.pop("min_tokens", None)
     body["return_token_ids"] = True
     if prefix:
@@ -1000,6 +1143,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
     plan.out.mkdir(parents=True, exist_ok=True)
     (plan.out / "requests.jsonl").unlink(missing_ok=True)
     rows: list[dict[str, Any]] = []
+    runs: dict[tuple[str, int, float], list[dict[str, Any]]] = {}  # (method, repeat, qps) -> records
     forced: dict[str, Any] = {}
     env = server_env(args.threads, args.kv_cache_gib)
     base_args = [
@@ -1009,7 +1153,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
         str(plan.max_model_len),
         "--enable-prompt-tokens-details",
     ]
-    base_args += list(args.vllm_arg)
     print(
         f"{prog} serve: {len(plan.groups)} server(s), QPS {' '.join(f'{q:g}' for q in plan.qps)}; out {plan.out}"
     )
@@ -1019,10 +1162,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
             for group in order:
                 port = args.port or free_port()
                 log_path = plan.out / "logs" / f"{group.key}-r{repeat}.log"
-                server = _server(group, plan, args, port, log_path, env, [*base_args, *args.vllm_arg])
+                report_path = log_path.with_suffix(".reports.jsonl") if group.method is not None else None
+                if report_path is not None:
+                    report_path.unlink(missing_ok=True)
+                server = _server(
+                    group, plan, args, port, log_path, env, [*base_args, *args.vllm_arg], report_path
+                )
                 print(f"server {group.key} (repeat {repeat}) on {HOST}:{port} ...", flush=True)
                 with server:
-                    _warm_up(port, plan, args, tokenizer, repeat)
+                    _warm_up(
+                        port, plan, args, tokenizer, repeat, args.explicit_layout and group.method is not None
+                    )
                     if args.agreement and repeat == 0:
                         forced[group.key] = _forced_pass(
                             port, plan, args, tokenizer, group, forced.get("plain")
@@ -1043,9 +1193,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
                             )
                             if method == DOC_FIRST:  # the same documents must not be served twice
                                 spec.seed = run_seed(args.seed, "run-docfirst", repeat, qi)
+                            spec.report_path = report_path
                             row, records = run_once(port, spec, plan.workload, tokenizer, log=sys.stdout)
                             row.update(_agreement_columns(method, forced))
                             rows.append(row)
+                            runs[(method, repeat, qps)] = records
+                            fill_exact(rows, runs)
                             with open(plan.out / "requests.jsonl", "a") as f:
                                 f.writelines(json.dumps(_clean(r)) + "\n" for r in records)
                             write_outputs(plan.out, config, rows, plots=False)
@@ -1081,6 +1234,22 @@ class _ConnectorServer:
         self.server.log.close()
 
 
+def fill_exact(rows: list[dict[str, Any]], runs: Mapping[tuple[str, int, float], Sequence[Mapping]]) -> None:
+    """``exact_match`` of every connector row against the ``plain`` row of its round and QPS (the
+    same documents; plain vLLM's replies are the exact ones): the fraction of identical replies."""
+    for row in rows:
+        if row["method"] in BASELINES:
+            row.setdefault("exact_match", None)
+            row["exact_note"] = "the reference" if row["method"] == PLAIN else "another prompt"
+            continue
+        plain = runs.get((PLAIN, row["repeat"], row["qps"]))
+        mine = runs.get((row["method"], row["repeat"], row["qps"]))
+        if plain is None or mine is None:
+            row["exact_match"], row["exact_note"] = None, "no plain run at this QPS"
+            continue
+        row["exact_match"], row["exact_note"] = exact_match(mine, plain)
+
+
 def _server(
     group: ServerGroup,
     plan: Plan,
@@ -1089,6 +1258,7 @@ def _server(
     log_path: Path,
     env: Mapping[str, str],
     vllm_args: list[str],
+    report_path: Path | None = None,
 ) -> Any:
     """A context manager running the group's server: plain vLLM, or vLLM with the connector."""
     vllm_args = [*vllm_args, "--served-model-name", "model"]
@@ -1107,7 +1277,9 @@ def _server(
         log=log,
         python=args.vllm_python,
     )
-    server.environment = _with_env(server.environment, env)
+    server.environment = _with_env(
+        server.environment, {**env, **({REPORTS: str(report_path)} if report_path is not None else {})}
+    )
     return _ConnectorServer(server, log_path, args.startup_timeout)
 
 
@@ -1115,26 +1287,31 @@ def _with_env(environment: Any, extra: Mapping[str, str]) -> Any:
     def merged() -> dict[str, str]:
         return {
             **environment(),
-            **{k: v for k, v in extra.items() if k.startswith(("OMP_", "MKL_", "VLLM_CPU"))},
+            **{k: v for k, v in extra.items() if k.startswith(("OMP_", "MKL_", "VLLM_CPU")) or k == REPORTS},
         }
 
     return merged
 
 
-def _warm_up(port: int, plan: Plan, args: argparse.Namespace, tokenizer: Any, repeat: int) -> None:
-    """``--warmup-tasks`` tasks run one request at a time (documents of their own, not recorded)."""
+def _warm_up(
+    port: int, plan: Plan, args: argparse.Namespace, tokenizer: Any, repeat: int, explicit: bool = False
+) -> None:
+    """``--warmup-tasks`` tasks run one request at a time (documents of their own, not recorded), in
+    the layout the runs send (``explicit``: the explicit layout, each task its own, so a connector
+    method's pools and kept prefixes learn under the names the timed runs use)."""
     if not args.warmup_tasks:
         return
     workload = ServeTrace(
         plan.workload.shared_tokens, plan.workload.agents, args.warmup_tasks, plan.workload.output_tokens
     )
-    for task in workload.task_specs(tokenizer, run_seed(args.seed, "warmup", repeat, port)):
-        traj = task_trajectory(task)
+    for i, task in enumerate(workload.task_specs(tokenizer, run_seed(args.seed, "warmup", repeat, port))):
+        traj = task_trajectory(task, f"warmup-{repeat}-{i}" if explicit else None)
         for agent, messages, slot, max_tokens, min_tokens in task_turns(task):
             request = traj.request(
                 agent, messages, output_slot=slot, max_tokens=max_tokens, min_tokens=min_tokens
             )
-            result = stream_chat(port, request.body("model", stream=True), args.request_timeout)
+            body = request.body("model", stream=True, explicit_layout=explicit)
+            result = stream_chat(port, body, args.request_timeout)
             if not result["ok"]:
                 raise RuntimeError(f"warm-up request failed: {result.get('error')}")
             traj.record(slot, result["text"])
@@ -1185,7 +1362,7 @@ def _forced_pass(
             mine: list[int | None] = []
             for k in range(len(ref)):
                 prefix = tokenizer.decode(ref[:k]) if k else ""
-                body = forced_body(request, prefix, "model", args.explicit_layout)
+                body = forced_body(request, prefix, "model", args.explicit_layout, position=k)
                 try:
                     mine.append(forced_step(port, body, ref[:k], args.request_timeout))
                 except (RuntimeError, OSError) as e:

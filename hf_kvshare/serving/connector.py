@@ -27,6 +27,14 @@ Loaded out of tree (no patch of vLLM)::
   (``get_finished``). ``has_pending_push_work`` keeps the engine stepping until then. One worker
   (tensor and pipeline parallel size 1) is supported; more are refused at start-up.
 
+Each finished request's report (what admission decided: the claim, its PH / PF tokens, each span's
+placement; :meth:`Plan.report <hf_kvshare.serving.host.Plan.report>`) is the reply's
+``kv_transfer_params["hf_kvshare"]`` (non-streaming replies: vLLM's streaming chat path drops
+``kv_transfer_params``) and, with ``report_path`` in ``kv_connector_extra_config`` (or the environment
+variable :data:`REPORTS_ENV`), one JSON line of that file, with vLLM's request ids (``request_id``,
+and ``external_id``: the id the OpenAI server made from the client's ``request_id``), which is how
+``hf-kvshare bench serve`` reads them for streamed requests.
+
 The per-method ``cache_salt`` (``hf_kvshare.serving.host.salt``) is set on each request by the server's
 middleware (:mod:`.middleware`): injected blocks enter vLLM's prefix cache under the plain token hashes
 of their salt, so approximate K/V never serve another method or a plain request.
@@ -34,7 +42,9 @@ of their salt, so approximate K/V never serve another method or a plain request.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -59,6 +69,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("hf_kvshare.serving")
+
+#: environment variable naming the JSONL file each finished request's report is appended to
+REPORTS_ENV = "HF_KVSHARE_REPORTS"
 
 
 @dataclass
@@ -140,6 +153,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         self._isa: dict[str, str] = {}
         self._captured: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]] | None] = {}
         self._sent: set[str] = set()
+        self._report_path = self._extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
         if role == KVConnectorRole.SCHEDULER:
             key = str(vllm_config.kv_transfer_config.engine_id)
             with _LOCK:
@@ -298,6 +312,8 @@ class HFKVShareConnector(KVConnectorBase_V1):
         if plan is None:
             return False, None
         report = {"hf_kvshare": {**plan.report(), "store": self._sharing.state_summary()}}
+        if self._report_path:
+            self._write_report(request, report["hf_kvshare"])
         finished = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
         if plan.turn is None or not finished or not block_ids:
             self._sharing.release(plan)
@@ -310,6 +326,18 @@ class HFKVShareConnector(KVConnectorBase_V1):
         self._finishing[request.request_id] = _Finishing(plan, list(request.output_token_ids), stop)
         self._to_capture.append(Capture(request.request_id, list(block_ids), tokens))
         return True, report  # the blocks stay until the worker has read them (get_finished)
+
+    def _write_report(self, request: Request, report: dict[str, Any]) -> None:
+        line = {
+            "request_id": request.request_id,
+            "external_id": getattr(request, "external_req_id", None),
+            **{k: v for k, v in report.items() if k != "store"},
+        }
+        try:
+            with open(self._report_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError:  # the engine must keep running
+            logger.exception("hf_kvshare: writing the report of request %s failed", request.request_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -177,7 +177,24 @@ class Plan:
     def claimed(self) -> int:
         return self.claim_end - self.claim_start
 
+    def supplied_in(self, kind: str) -> int:
+        """Tokens of ``kind`` ("PH" or "PF") spans inside the claimed range (what the connector wrote)."""
+        if self.turn is None or not self.claimed:
+            return 0
+        return sum(
+            max(0, min(s.end, self.claim_end) - max(s.start, self.claim_start))
+            for s in self.turn.spans
+            if s.kind == kind
+        )
+
     def report(self) -> dict[str, Any]:
+        """What admission decided, exactly: the claim, its PH / PF tokens, each span's placement.
+
+        ``supplied_ph_tokens / ph_tokens`` is this request's rho (PH tokens whose K/V the connector
+        supplied: re-positioned or corrected, not computed by the engine), as ``TurnResult.reuse_ratio``
+        counts it; ``supplied_pf_tokens`` is the agent's own text placed by prefix reuse (not in rho).
+        A segment's ``placed`` says the method placed it; ``supplied`` that it lies in the claim (a
+        placed span after the first unplaced one is computed by the engine)."""
         turn = self.turn
         return {
             "task": self.host.task if self.host else None,
@@ -187,8 +204,20 @@ class Plan:
             "prefix_cache_hit": self.local_hit,
             "claimed": [self.claim_start, self.claim_end] if self.claimed else None,
             "supplied_tokens": self.claimed,
+            "ph_tokens": sum(s.length for s in turn.spans if s.kind == "PH") if turn else 0,
+            "supplied_ph_tokens": self.supplied_in("PH"),
+            "supplied_pf_tokens": self.supplied_in("PF"),
             "segments": [
-                {"name": s.name, "kind": s.kind, "span": [s.start, s.end], "placed": p is not None}
+                {
+                    "name": s.name,
+                    "kind": s.kind,
+                    "span": [s.start, s.end],
+                    "placed": p is not None,
+                    "supplied": bool(self.claimed)
+                    and self.claim_start <= s.start
+                    and s.end <= self.claim_end,
+                    "provenance": p.provenance if p is not None else "dense",
+                }
                 for s, p in zip(turn.spans, self.placements)
             ]
             if turn
@@ -414,6 +443,13 @@ class Sharing:
         stop_ids = set(stop_ids) | self.stop_ids
         while len(out) > 1 and out[-1] in stop_ids:
             out.pop()
+        if method.uses_sources and P + len(out) > n >= P + 1:
+            # generation stopped on its length: the engine never fed the last token, so it holds no K/V
+            # for it (the HF Session computes it with one more dense step; serving runs no HF forward).
+            # The slot is the output whose K/V the producer computed (all but that last token): later
+            # agents find these ids in their prompts and the token after them is their own text. With
+            # output_source="producer" this is what lets KVCMAS gate and place the output at all.
+            out = out[: n - P]
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         slot = Slot(
             name=turn.output_slot,
