@@ -187,12 +187,14 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
     args, vllm_args = parser.parse_known_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
-    from .serving.host import check_serving_method
+    from .method import get_method
+    from .serving.host import check_serving_method, serving_options
     from .serving.server import check_vllm_args
 
     try:
         spec = MethodSpec.parse(args.method)
-        check_serving_method(spec.create())
+        options, notes = serving_options(spec.name, spec.kwargs)
+        check_serving_method(get_method(spec.name, **options))
         check_vllm_args(vllm_args)
     except ValueError as e:
         fail(prog, str(e))
@@ -208,7 +210,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         server = Server(
             served_model_dir(args.model),
             spec.name,
-            spec.kwargs,
+            options,
             port=args.port,
             vllm_args=vllm_args,
             max_bytes=args.max_store_bytes,
@@ -216,6 +218,8 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         )
     except ValueError as e:
         fail(prog, str(e))
+    for note in notes:
+        print(f"{prog}: note: {note}", file=sys.stderr)
     return run(server, timeout=args.startup_timeout)
 
 

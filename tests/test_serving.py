@@ -235,7 +235,9 @@ def test_kvcmas_runs_through_the_same_contract(tiny_llama, tokenizer):
 def test_methods_serving_cannot_run_are_refused(method, reason):
     with pytest.raises(ServingError, match=reason):
         check_serving_method(get_method(method))
-    check_serving_method(get_method("kvcomm", text_source="chained"))
+    with pytest.raises(ServingError, match="observation_source=question"):
+        check_serving_method(get_method("kvcmas"))  # observations through a reference prefill by default
+    check_serving_method(get_method("kvcomm", text_source="chained", observation_source="question"))
     assert salt(get_method("nonshared")) is None and salt(get_method("fullshared")) != salt(
         get_method("kvcmas")
     )
@@ -320,3 +322,99 @@ def test_kvcmas_gate_decisions_equal_the_session_on_the_same_trajectory(tiny_lla
     assert served == hf
     assert any("corrected" in kinds for kinds in served.values())  # the gates accepted somewhere
     assert claimed_whole > 0
+
+
+TOOL = "Tool result: the tide tables list high water at 14:05 on the Scar."
+
+
+def test_given_text_kinds_follow_the_sessions_rule(tiny_llama, tokenizer):
+    """Serving names given text as a Session does (turn.given_text_slot): unstated, the task's first
+    given text is its question and later ones observations; a stated kind is kept; a second question
+    is refused before anything is stored."""
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=4)
+    prompt = (
+        ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC) + ids_of(tokenizer, TOOL) + ids_of(tokenizer, Q1)
+    )
+    segs = [{"slot": "doc", "text": DOC}, {"slot": "tool", "text": TOOL}]
+    plan = sharing.plan("r1", prompt, layout("t", "a1", segs), 0)
+    assert plan.error is None
+    slots = sharing.hosts["t"].slots
+    assert (slots["doc"].kind, slots["tool"].kind) == ("question", "observation")
+    session = Session(tiny_llama, tokenizer, method="fullshared")
+    session.prepare_turn("a1", [PF(SYS1), PH("doc", DOC), PH("tool", TOOL), PF(Q1)])
+    assert {n: s.kind for n, s in session.slots.items()} == {n: s.kind for n, s in slots.items()}
+
+    stated = [{"slot": "doc", "text": DOC, "kind": "observation"}, {"slot": "tool", "text": TOOL}]
+    plan = sharing.plan("r2", prompt, layout("t2", "a1", stated), 0)
+    assert plan.error is None
+    # the rule counts given text of any kind: after a stated observation the next is one too (as a Session)
+    assert [sharing.hosts["t2"].slots[n].kind for n in ("doc", "tool")] == ["observation", "observation"]
+    session = Session(tiny_llama, tokenizer, method="fullshared")
+    session.prepare_turn("a1", [PF(SYS1), PH("doc", DOC, kind="observation"), PH("tool", TOOL), PF(Q1)])
+    assert [session.slots[n].kind for n in ("doc", "tool")] == ["observation", "observation"]
+
+    two = [
+        {"slot": "doc", "text": DOC, "kind": "question"},
+        {"slot": "tool", "text": TOOL, "kind": "question"},
+    ]
+    plan = sharing.plan("r3", prompt, layout("t3", "a1", two), 0)
+    assert "second question" in plan.error
+    assert "t3" not in sharing.hosts or not sharing.hosts["t3"].slots  # nothing stored
+    with pytest.raises(lay.LayoutError, match="kind must be one of"):
+        lay.parse(layout("t", "a", [{"slot": "doc", "text": DOC, "kind": "document"}]))
+    # a slot the task holds as a question cannot be stated as an observation
+    again = [{"slot": "doc", "text": DOC, "kind": "observation"}]
+    plan = sharing.plan("r4", prompt, layout("t", "a2", again), 0)
+    assert plan.error is not None and "kind='observation'" in plan.error
+    assert sharing.hosts["t"].slots["doc"].kind == "question"
+
+
+def test_an_output_given_again_as_text_is_that_output(tiny_llama, tokenizer):
+    """A framework that pastes an earlier agent's reply into the next prompt as given text: tokens
+    equal to the output -> read as the output (its name, its producer's K/V placed); one token
+    different -> new given text, computed by the agent."""
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    prompt = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC) + ids_of(tokenizer, Q1)
+    plan = sharing.plan("r1", prompt, layout("t", "a1", [{"slot": "doc", "text": DOC}], output="a1"), 0)
+    out, k, v = engine(tiny_llama, plan, max_new_tokens=6)
+    sharing.record(plan, k, v, out, set())
+    held = sharing.hosts["t"].slots["a1"].token_ids.tolist()
+    lead = []  # the output opens the prompt: the engine takes K/V from position 0 on
+    p2 = lead + held + ids_of(tokenizer, Q2)
+    seg = [{"slot": "notes", "start": len(lead), "end": len(lead) + len(held)}]
+    plan = sharing.plan("r2", p2, layout("t", "a2", seg, output="a2"), 0)
+    assert plan.error is None
+    ph = [s for s in plan.turn.spans if s.kind == "PH"]
+    assert [s.name for s in ph] == ["a1"] and sharing.hosts["t"].aliases == {"notes": "a1"}
+    assert plan.report()["supplied_ph_tokens"] == len(held)  # the producer's K/V, re-positioned
+    out2, k, v = engine(tiny_llama, plan, max_new_tokens=4)
+    sharing.record(plan, k, v, out2, set())
+    # the alias reads the same output later, by its given name
+    plan = sharing.plan("r3", p2, layout("t", "a3", seg, output="a3"), 0)
+    assert [s.name for s in plan.turn.spans if s.kind == "PH"] == ["a1"]
+    sharing.release(plan)
+    # one token different: given text of its own
+    other = held[:-1] + [(held[-1] + 1) % tokenizer.vocab_size]
+    p4 = lead + other + ids_of(tokenizer, Q2)
+    seg4 = [{"slot": "notes2", "start": len(lead), "end": len(lead) + len(other)}]
+    plan = sharing.plan("r4", p4, layout("t", "a4", seg4, output="a4"), 0)
+    slot = sharing.hosts["t"].slots["notes2"]
+    assert slot.producer is None and slot.kind == "observation" and plan.claimed == 0
+
+
+def test_serving_states_the_observation_reading_it_runs(tiny_llama, tokenizer, caplog):
+    """kvcmas' default reads observations through a reference prefill (an HF forward): serving states
+    observation_source=question and says so; a user asking for the reference prefill is refused."""
+    with caplog.at_level("WARNING", logger="hf_kvshare.serving.host"):
+        sharing = Sharing(tiny_llama, tokenizer, "kvcmas")
+    assert sharing.method.observation_source == "question"
+    assert "observation_source=question" in caplog.text
+    with pytest.raises(ServingError, match="observation_source='lead'"):
+        Sharing(tiny_llama, tokenizer, "kvcmas", observation_source="lead")
+    from hf_kvshare.serving.host import serving_options
+
+    assert serving_options("fullshared") == ({}, [])
+    assert serving_options("kvcomm", {"text_source": "chained"})[0] == {
+        "text_source": "chained",
+        "observation_source": "question",
+    }

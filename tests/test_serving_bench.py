@@ -345,6 +345,37 @@ def test_task_turns_cover_the_schedule(tokenizer):
     chat(tokenizer, turns[0][1])  # the same messages are valid Session input (PH slots kept)
 
 
+def test_task_turns_and_the_workflow_lay_a_task_out_alike(tokenizer):
+    """One source (TaskSpec.turns) for the HF workflow and the served requests: the same messages, and
+    a given slot's stated kind reaches the explicit layout."""
+    from hf_kvshare.bench.workloads import TaskSpec
+
+    task = TaskSpec.from_record(
+        {
+            "id": "obs",
+            "agents": [{"name": "reader", "system": "You read."}, {"name": "judge"}],
+            "slots": [
+                {"name": "q", "text": "Which tide is higher?"},
+                {"name": "tool", "text": "High water 14:05, 5.1 m; 02:40, 4.8 m.", "kind": "observation"},
+            ],
+            "schedule": [
+                {"agent": "reader", "reads": ["q", "tool"]},
+                {"agent": "judge", "reads": ["reader", "tool"]},
+            ],
+        }
+    )
+    workflow = task.to_workflow(tokenizer)
+    turns = list(task_turns(task))
+    for step, (agent, messages, output, max_tokens, _) in zip(workflow.steps, turns):
+        assert (step.agent, step.output_slot, step.max_new_tokens) == (agent, output, max_tokens)
+        assert chat(tokenizer, messages) == step.segments
+    traj = task_trajectory(task)
+    first = traj.request(*turns[0][:2], output_slot=turns[0][2])
+    segments = first.kv_transfer_params()["hf_kvshare"]["segments"]
+    # stated where the default would read it otherwise (the question is the default)
+    assert [(s["slot"], s.get("kind")) for s in segments] == [("q", None), ("tool", "observation")]
+
+
 def test_agreement_and_forced_requests():
     ref = [[5, 6, 7], [8, 9]]
     got = [[5, 1, 7], [None, 9]]  # None: a position the server tokenized otherwise, not counted

@@ -1055,7 +1055,9 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
                 f"(hf_kvshare.serving.server); use {PLAIN} / {DOC_FIRST}"
             )
         # a method the connector cannot serve (LoRA agents, ...) is refused here, before any server starts
-        server_class(Path("."), spec.name, spec.kwargs, port=1, python=sys.executable)
+        checked = server_class(Path("."), spec.name, spec.kwargs, port=1, python=sys.executable)
+        for note in getattr(checked, "notes", ()):
+            print(f"{prog}: note: {note}", file=sys.stderr)
         groups.append(ServerGroup(spec.tag, [m], spec.name, spec.kwargs))
     if args.agreement and len(groups) < 2:
         raise ValueError(

@@ -38,6 +38,8 @@ class SharedSpan:
     end: int
     #: the slot's text was given with the trajectory (a document, the task), not recorded from a reply
     given: bool = True
+    #: a given slot's stated kind (``"question"`` / ``"observation"``); ``None``: the server's default rule
+    kind: str | None = None
 
 
 @dataclass
@@ -62,7 +64,9 @@ class ChatRequest:
         slot with its text (located by its tokens in the prompt), a reply by its slot name alone (the
         server matches the token ids it generated)."""
         segments = [
-            {"slot": s.slot, "text": self.text(s)} if s.given else {"slot": s.slot} for s in self.spans
+            ({"slot": s.slot, "text": self.text(s)} if s.given else {"slot": s.slot})
+            | ({"kind": s.kind} if s.given and s.kind is not None else {})
+            for s in self.spans
         ]
         layout: dict[str, Any] = {"agent": self.agent, "output": self.output_slot, "segments": segments}
         if self.task is not None:
@@ -121,6 +125,8 @@ class ChatTrajectory:
 
     def __init__(self, slots: Mapping[str, str] | None = None, task: str | None = None) -> None:
         self.slots: dict[str, str] = {}
+        #: given slots' stated kinds (from ``PH(..., kind=...)``), sent with the explicit layout
+        self.kinds: dict[str, str] = {}
         self.task = task
         for name, text in (slots or {}).items():
             self._define(name, text)
@@ -198,6 +204,11 @@ class ChatTrajectory:
                 if isinstance(item, PH):
                     if item.text is not None:
                         self._define(item.slot, item.text)
+                    if item.kind is not None:
+                        if self.kinds.setdefault(item.slot, item.kind) != item.kind:
+                            raise ValueError(
+                                f"slot {item.slot!r} was stated as kind {self.kinds[item.slot]!r}; got {item.kind!r}"
+                            )
                     if item.slot not in self.slots:
                         known = ", ".join(sorted(self.slots)) or "none"
                         raise ValueError(
@@ -207,7 +218,9 @@ class ChatTrajectory:
                     start = len(text)
                     text += self.slots[item.slot]
                     given = item.slot not in self._recorded
-                    spans.append(SharedSpan(item.slot, len(out), start, len(text), given))
+                    spans.append(
+                        SharedSpan(item.slot, len(out), start, len(text), given, self.kinds.get(item.slot))
+                    )
                     reads.append(item.slot)
                 else:
                     text += item.text if isinstance(item, PF) else item
@@ -227,30 +240,10 @@ class ChatTrajectory:
 
 def task_turns(task: Any) -> Iterator[tuple[str, list[dict[str, Any]], str, int, int | None]]:
     """The turns of a bench :class:`~hf_kvshare.bench.workloads.spec.TaskSpec` in the chat layout of
-    ``TaskSpec.to_workflow``: per step ``(agent, messages with PH items, output slot, max_tokens,
-    min_tokens)``."""
-    labels = {s.name: s.label or s.name for s in task.slots}
-    for step, output in zip(task.schedule, task.output_slots()):
-        agent = task.agent(step.agent)
-        content: list[Any] = []
-        for j, slot in enumerate(step.reads):
-            glue = agent.glue.format(label=labels[slot])
-            if j == 0:
-                glue = glue.lstrip()
-            if glue:
-                content.append(glue)
-            content.append(PH(slot))
-        if agent.tail:
-            content.append(agent.tail.lstrip() if not step.reads else agent.tail)
-        system = [{"role": "system", "content": agent.system}] if agent.system else []
-        labels[output] = step.label or step.agent
-        yield (
-            step.agent,
-            [*system, {"role": "user", "content": content}],
-            output,
-            step.max_new_tokens or task.max_new_tokens,
-            step.min_new_tokens,
-        )
+    ``TaskSpec.to_workflow`` (both from ``TaskSpec.turns``): per step ``(agent, messages with PF / PH
+    items, output slot, max_tokens, min_tokens)``; a given slot's ``PH`` carries its text and kind."""
+    for turn in task.turns():
+        yield turn.agent, turn.messages(), turn.output, turn.max_new_tokens, turn.min_new_tokens
 
 
 def task_trajectory(task: Any, name: str | None = None) -> ChatTrajectory:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,8 +43,10 @@ from ..cache import Segment, SegmentKV
 from ..method import Method, Placement, get_method
 from ..rope import RopeShifter, find_rotary_module
 from ..trajectory import PF, PH, Span
-from ..turn import Slot, Turn
+from ..turn import Slot, Turn, check_slot_kind, given_text_slot
 from . import layout as lay
+
+logger = logging.getLogger(__name__)
 
 #: methods whose placements need no HF forward (and their refusals below)
 SERVED = ("nonshared", "fullshared", "kvcmas", "kvcmas-nonchained", "kvcomm")
@@ -73,14 +76,40 @@ def check_serving_method(method: Method) -> None:
         )
     if name not in SERVED:
         raise ServingError(f"method {name!r} is not supported by serving; supported: {', '.join(SERVED)}")
-    for knob, bad in (("text_source", ("lead", "context_free")), ("output_source", ("context_free",))):
+    for knob, bad, use in (
+        ("text_source", ("lead", "context_free"), "chained"),
+        ("output_source", ("context_free",), "producer"),
+        ("observation_source", ("lead", "context_free"), "question"),
+    ):
         value = getattr(method, knob, None)
         if value in bad:
             raise ServingError(
                 f"{name}: {knob}={value!r} needs a reference prefill (an HF forward outside the workflow), "
-                f"which serving cannot run; use {name}:{knob}="
-                + ("chained" if knob == "text_source" else "producer")
+                f"which serving cannot run; use {name}:{knob}={use}"
             )
+
+
+def serving_options(method: str, options: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The options serving runs ``method`` with, and a note for each it states for the user: where the
+    method's *default* reads observations through a reference prefill (``observation_source="lead"``,
+    kvcmas' and kvcomm's default: an HF forward outside the workflow), serving states
+    ``observation_source="question"`` (observations read as the question: chained, ungated for
+    KVCMAS) and says so; a user who states ``lead`` is refused by :func:`check_serving_method`.
+    Unknown methods / options raise ``ValueError`` as :func:`~hf_kvshare.method.get_method` does."""
+    options = dict(options or {})
+    instance = get_method(method, **options)
+    notes = []
+    if "observation_source" not in options and getattr(instance, "observation_source", None) in (
+        "lead",
+        "context_free",
+    ):
+        options["observation_source"] = "question"
+        notes.append(
+            f"{instance.name}: serving states observation_source=question (observations read as the question); "
+            f"the default {instance.observation_source!r} prefills each observation outside the workflow "
+            "(an HF forward), which serving cannot run"
+        )
+    return options, notes
 
 
 def salt(method: Method) -> str | None:
@@ -127,6 +156,9 @@ class ServingHost:
         self.model = model
         self.tokenizer = tokenizer
         self.slots: dict[str, Slot] = {}
+        #: a given slot name whose text was an output of this task -> that output's slot (as
+        #: ``Session.aliases``: :func:`~hf_kvshare.turn.given_text_slot`)
+        self.aliases: dict[str, str] = {}
         self.method_state: dict[str, Any] = {}
         self._shifter = shifter
         self.reserved: set[str] = set()  # output slots of requests in flight
@@ -243,6 +275,10 @@ class Sharing:
         min_segment_tokens: int = lay.MIN_SEGMENT_TOKENS,
         **options: Any,
     ):
+        if isinstance(method, str):
+            options, notes = serving_options(method, options)
+            for note in notes:
+                logger.warning(note)
         self.method = get_method(method, **options)
         check_serving_method(self.method)
         self.model = model
@@ -301,6 +337,8 @@ class Sharing:
     def _plan(self, plan: Plan, request: lay.RequestLayout) -> None:
         host = self._host(request.task)
         known = {name: slot.token_ids.tolist() for name, slot in host.slots.items()}
+        if request.segments is not None:  # an explicit layout may name an output by the name it gave it
+            known |= {alias: known[name] for alias, name in host.aliases.items() if name in known}
         resolved = lay.resolve(request, plan.prompt, self.tokens, known, self.min_segment_tokens)
         turn = self._turn(host, resolved, plan.prompt)
         plan.host, plan.turn, plan.missing = host, turn, resolved.missing
@@ -319,27 +357,42 @@ class Sharing:
         self._claim(plan)
 
     def _turn(self, host: ServingHost, resolved: lay.ResolvedLayout, prompt: list[int]) -> Turn:
+        """The request as a :class:`Turn`: each located segment a PH span. A slot the task does not
+        hold yet is what :func:`~hf_kvshare.turn.given_text_slot` makes of it (the rule a ``Session``
+        applies): an output of this task given again as text is read as that output; otherwise given
+        text of its stated kind, by default the task's first given text its question and later ones
+        observations. Nothing of the host changes when the request is refused."""
         ids = torch.tensor(prompt, dtype=torch.long)
         spans: list[Span] = []
         new_slots: dict[str, Slot] = {}
+        new_aliases: dict[str, str] = {}
         pos, pf = 0, 0
         for seg in resolved.segments:
             if seg.start > pos:
                 spans.append(self._pf(ids[pos : seg.start], pos, pf))
                 pf += 1
             seg_ids = ids[seg.start : seg.end]
-            slot = host.slots.get(seg.slot)
+            name = host.aliases.get(seg.slot) or new_aliases.get(seg.slot) or seg.slot
+            slot = host.slots.get(name) or new_slots.get(name)
             if slot is None:
                 text = seg.text if seg.text is not None else self.tokenizer.decode(seg_ids.tolist())
-                new_slots[seg.slot] = Slot(name=seg.slot, token_ids=seg_ids.clone(), text=text)
-            spans.append(Span(spec=PH(seg.slot), name=seg.slot, token_ids=seg_ids, start=seg.start))
+                spec = PH(seg.slot, text, kind=seg.kind)
+                slot = given_text_slot(spec, seg_ids.clone(), {**host.slots, **new_slots})
+                if slot.name == seg.slot:
+                    new_slots[seg.slot] = slot
+                else:  # the text is an output of this task: read as that output from now on
+                    new_aliases[seg.slot] = slot.name
+            else:
+                check_slot_kind(PH(seg.slot, kind=seg.kind), slot)
+            spans.append(Span(spec=PH(slot.name), name=slot.name, token_ids=seg_ids, start=seg.start))
             pos = seg.end
         if pos < len(prompt):
             spans.append(self._pf(ids[pos:], pos, pf))
         output = resolved.output or host.next_output_slot(resolved.agent)
-        if output in host.slots or output in host.reserved or output in new_slots:
+        if output in host.slots or output in host.reserved or output in new_slots or output in host.aliases:
             raise lay.LayoutError(f"output slot {output!r} already exists in task {host.task!r}")
         host.slots.update(new_slots)
+        host.aliases.update(new_aliases)
         host.reserved.add(output)
         return Turn(host=host, agent=resolved.agent, spans=spans, output_slot=output)
 

@@ -16,7 +16,8 @@ Explicit layout
         "output": "coder",             // the PH slot its output becomes (default: the agent, then agent#2...)
         "method": "fullshared",        // optional: must be the served method, or "nonshared" (opt out)
         "segments": [                  // the PH (shared) spans, in prompt order; the rest is PF
-            {"slot": "doc", "text": "The document ..."},   // located by its tokens (alone) in the prompt
+            {"slot": "doc", "text": "The document ...",    // located by its tokens (alone) in the prompt
+             "kind": "observation"},                       // optional: "question" | "observation"
             {"slot": "planner"},                            // a slot recorded earlier in this task
             {"slot": "q", "start": 212, "end": 240}         // token positions [start, end) of the prompt
         ]}}}
@@ -31,6 +32,13 @@ Explicit layout
   response's report lists it under ``missing``.
 - ``start`` / ``end``: token positions, for clients that send token ids (``/v1/completions``).
 - A slot's content is fixed within a task (another text under a known slot name is an error).
+- ``kind`` states what given text is, as ``PH(..., kind=...)`` does in a ``Session``: the task's
+  ``"question"`` (at most one per task) or an ``"observation"`` (a document, a tool result). Unstated,
+  the one rule of :func:`hf_kvshare.turn.given_text_slot` applies here as in a ``Session``: text
+  whose tokens equal an output this task already produced *is* that output (read under the output's
+  name, with its producer's cache and gate decision); otherwise the task's first given text is its
+  question and every later one an observation. (The default layout below applies the same rule to
+  the chunks it makes slots of, in prompt order.)
 - Errors (unknown keys, a segment not in the prompt, overlapping or unordered segments, a span
   beyond the prompt, a method other than the served one) are answered ``400`` by the server's
   middleware before the engine sees the request; nothing is stored.
@@ -67,6 +75,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..trajectory import GIVEN_KINDS
+
 #: a chunk's first line of at most this many tokens is a role header, not content
 ROLE_LINE_TOKENS = 4
 #: default layout: a new chunk becomes a shared slot from this many tokens on
@@ -75,7 +85,7 @@ MIN_SEGMENT_TOKENS = 16
 KEY = "hf_kvshare"
 DEFAULT_TASK = "default"
 _REQUEST_KEYS = {"task", "agent", "output", "method", "segments"}
-_SEGMENT_KEYS = {"slot", "text", "start", "end"}
+_SEGMENT_KEYS = {"slot", "text", "start", "end", "kind"}
 
 
 class LayoutError(ValueError):
@@ -90,6 +100,8 @@ class SegmentRequest:
     text: str | None = None
     start: int | None = None
     end: int | None = None
+    #: ``"question"`` / ``"observation"``; ``None``: the default rule
+    kind: str | None = None
 
 
 @dataclass
@@ -113,6 +125,7 @@ class LocatedSegment:
     end: int
     text: str | None = None
     new: bool = False  # default layout: a chunk that becomes a new slot
+    kind: str | None = None
 
 
 @dataclass
@@ -184,7 +197,14 @@ def parse(params: Any) -> RequestLayout:
                     raise LayoutError(f"{where}.{key} must be an int >= 0, got {value!r}")
             if end <= start:
                 raise LayoutError(f"{where}: end ({end}) must be greater than start ({start})")
-        layout.segments.append(SegmentRequest(slot=slot, text=text, start=start, end=end))
+        kind = seg.get("kind")
+        if kind is not None and kind not in GIVEN_KINDS:
+            raise LayoutError(
+                f"{where}.kind must be one of {', '.join(map(repr, GIVEN_KINDS))}, got {kind!r}"
+            )
+        if kind == "question" and any(s.kind == "question" for s in layout.segments):
+            raise LayoutError(f"{where}: a second question in one request (a task has one question)")
+        layout.segments.append(SegmentRequest(slot=slot, text=text, start=start, end=end, kind=kind))
     return layout
 
 
@@ -287,7 +307,7 @@ def resolve(
                 raise LayoutError(
                     f"{where}: the task's slot {seg.slot!r} holds other tokens than [{seg.start}, {seg.end})"
                 )
-            located = LocatedSegment(seg.slot, seg.start, seg.end)
+            located = LocatedSegment(seg.slot, seg.start, seg.end, kind=seg.kind)
         else:
             if seg.text is not None:
                 ids = tokens.tokenize(seg.text)
@@ -320,7 +340,7 @@ def resolve(
                 raise LayoutError(
                     f"{where}: its {len(ids)} tokens do not occur in the prompt ({len(prompt)} tokens)"
                 )
-            located = LocatedSegment(seg.slot, at, at + len(ids), text=seg.text)
+            located = LocatedSegment(seg.slot, at, at + len(ids), text=seg.text, kind=seg.kind)
         resolved.segments.append(located)
         cursor = located.end
     return resolved

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .host import DEFAULT_MAX_BYTES, DEFAULT_MAX_TASKS, check_serving_method, salt
+from .host import DEFAULT_MAX_BYTES, DEFAULT_MAX_TASKS, check_serving_method, salt, serving_options
 from .middleware import ENV
 
 HOST = "127.0.0.1"
@@ -88,8 +88,8 @@ class Server:
     ):
         from ..method import get_method
 
-        self.options = dict(options or {})
-        instance = get_method(method, **self.options)  # unknown method / option: ValueError here
+        self.options, self.notes = serving_options(method, options)  # unknown method / option: ValueError
+        instance = get_method(method, **self.options)
         check_serving_method(instance)
         self.method = method
         self.salt = salt(instance)

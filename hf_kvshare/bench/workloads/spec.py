@@ -121,6 +121,26 @@ class BenchStep(Step):
     reads: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class TaskTurn:
+    """One step of a task as its agent says it (:meth:`TaskSpec.turns`), before any layout."""
+
+    agent: str
+    system: str
+    #: the user content: ``PF`` glue and tail, a ``PH`` per slot read (given slots with their text)
+    content: list[SegmentSpec]
+    output: str
+    max_new_tokens: int
+    min_new_tokens: int | None = None
+    adapter: str | None = None
+    reads: tuple[str, ...] = ()
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat messages: the system prompt (when the agent has one), then the user content."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, {"role": "user", "content": list(self.content)}]
+
+
 @dataclass
 class TaskSpec:
     """One request: agents, given slots, the schedule, and an optional answer with its checker."""
@@ -265,20 +285,17 @@ class TaskSpec:
             if self.checker != "humaneval" and self.answer is None:
                 fail("answer", f"checker {self.checker!r} needs an answer")
 
-    def to_workflow(self, tokenizer: Any) -> Workflow:
-        """Lay every step out as PF/PH segments (chat or plain layout: ``docs/workloads.md``, "Layout")."""
-        use_chat = self.chat
-        if use_chat is None:
-            use_chat = getattr(tokenizer, "chat_template", None) is not None
-        elif use_chat and getattr(tokenizer, "chat_template", None) is None:
-            raise WorkloadFormatError(
-                f"task {self.id!r} asks for the chat layout; the tokenizer has no chat template"
-            )
+    def turns(self) -> list[TaskTurn]:
+        """Every step as the agent says it, before any layout: its system prompt and its user content
+        (the glue before each slot it reads, the slot, the agent's tail) as ``PF`` / ``PH`` items, a
+        given slot with its text and, where the session's default would read it otherwise, its kind.
+        The one source of :meth:`to_workflow` (HF) and of ``hf_kvshare.serving.client.task_turns``
+        (chat requests to a server), so both lay a task out alike."""
         given = {s.name: s for s in self.slots}
         kinds = self.slot_kinds()
         explicit = "question" in (s.kind for s in self.slots)
         labels = {s.name: s.label or s.name for s in self.slots}
-        steps = []
+        out = []
         for step, output in zip(self.schedule, self.output_slots()):
             agent = self.agent(step.agent)
             content: list[SegmentSpec] = []
@@ -295,21 +312,45 @@ class TaskSpec:
                     content.append(PH(slot))
             if agent.tail:
                 content.append(PF(agent.tail.lstrip() if not step.reads else agent.tail))
-            if use_chat:
-                system = [{"role": "system", "content": agent.system}] if agent.system else []
-                segments = chat(tokenizer, [*system, {"role": "user", "content": content}])
-            else:
-                segments = ([PF(agent.system + "\n\n")] if agent.system else []) + content
             labels[output] = step.label or step.agent
-            kwargs = {} if step.min_new_tokens is None else {"min_new_tokens": step.min_new_tokens}
-            steps.append(
-                BenchStep(
+            out.append(
+                TaskTurn(
                     agent=step.agent,
-                    segments=segments,
+                    system=agent.system,
+                    content=content,
+                    output=output,
                     max_new_tokens=step.max_new_tokens or self.max_new_tokens,
-                    output_slot=output,
+                    min_new_tokens=step.min_new_tokens,
                     adapter=agent.adapter,
                     reads=tuple(step.reads),
+                )
+            )
+        return out
+
+    def to_workflow(self, tokenizer: Any) -> Workflow:
+        """Lay every step out as PF/PH segments (chat or plain layout: ``docs/workloads.md``, "Layout")."""
+        use_chat = self.chat
+        if use_chat is None:
+            use_chat = getattr(tokenizer, "chat_template", None) is not None
+        elif use_chat and getattr(tokenizer, "chat_template", None) is None:
+            raise WorkloadFormatError(
+                f"task {self.id!r} asks for the chat layout; the tokenizer has no chat template"
+            )
+        steps = []
+        for turn in self.turns():
+            if use_chat:
+                segments = chat(tokenizer, turn.messages())
+            else:
+                segments = ([PF(turn.system + "\n\n")] if turn.system else []) + list(turn.content)
+            kwargs = {} if turn.min_new_tokens is None else {"min_new_tokens": turn.min_new_tokens}
+            steps.append(
+                BenchStep(
+                    agent=turn.agent,
+                    segments=segments,
+                    max_new_tokens=turn.max_new_tokens,
+                    output_slot=turn.output,
+                    adapter=turn.adapter,
+                    reads=turn.reads,
                     generate_kwargs=kwargs,
                 )
             )
