@@ -193,6 +193,37 @@ def test_default_layout_shares_repeated_messages(tiny_llama, tokenizer):
     )
 
 
+def test_default_layout_names_a_chunk_by_its_place_in_the_agents_prompt(tiny_llama, tokenizer):
+    """Derived slots are named <agent>.m<k>: the same place of the same agent's prompt has the same name
+    in every task (what KVCMAS's per-slot pools of given text learn across tasks by), other text at
+    that place later in one task another name; content still decides what is shared."""
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=8)
+
+    def chat(system, user):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+
+    docs = [DOC * 2, TOOL * 2]
+    names = []
+    for t, doc in enumerate(docs):
+        plan = sharing.plan(
+            f"r{t}", chat("You are the planner of a team.", doc), {lay.KEY: {"task": f"t{t}"}}, 0
+        )
+        assert plan.error is None
+        new = [s.name for s in plan.turn.spans if s.kind == "PH" and s.name in sharing.hosts[f"t{t}"].slots]
+        held = {n: sharing.hosts[f"t{t}"].slots[n].token_ids.tolist() for n in new}
+        (doc_name,) = [n for n, ids in held.items() if ids == ids_of(tokenizer, doc)]
+        names.append(doc_name)
+        sharing.release(plan)
+    assert names[0] == names[1] and names[0].startswith(plan.turn.agent + ".m")
+    # the same agent with other text at that place in the same task: a name of its own
+    plan = sharing.plan("r2", chat("You are the planner of a team.", TOOL * 2), {lay.KEY: {"task": "t0"}}, 0)
+    assert plan.error is None
+    assert f"{names[0]}#2" in [s.name for s in plan.turn.spans]
+
+
 def test_store_stays_within_its_bound(tiny_llama, tokenizer):
     doc = ids_of(tokenizer, DOC)
     sharing = Sharing(tiny_llama, tokenizer, "fullshared", max_bytes=30_000, max_tasks=3)

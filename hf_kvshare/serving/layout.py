@@ -55,8 +55,12 @@ the message content. Then:
 
 1. every slot the task already holds (earlier chunks, earlier agents' outputs) whose token ids occur
    in the prompt becomes a PH span there (longest first, no overlap);
-2. every other chunk of at least :data:`MIN_SEGMENT_TOKENS` tokens becomes a new PH slot named
-   ``c<sha1 of its ids>`` (computed by this agent, shared with the agents after it);
+2. every other chunk of at least :data:`MIN_SEGMENT_TOKENS` tokens becomes a new PH slot (computed by
+   this agent, shared with the agents after it) named by where it sits: ``<agent>.m<k>``, the prompt's
+   k-th chunk (``#2``, ... when this agent's earlier prompt of the task had other text there). Names
+   are per task, so the same place in the same agent's prompt has the same name in every task: what
+   a method that learns per slot (KVCMAS's anchor pools of given text) needs to learn across tasks;
+   ``slot_name``-style content hashes would give every document a pool of its own;
 3. everything else is the agent's own text (PF).
 
 So a task, a document or another agent's output that a later agent's prompt repeats as a message is
@@ -288,7 +292,7 @@ def resolve(
     resolved = ResolvedLayout(task=layout.task, agent=agent, output=layout.output)
     if layout.segments is None:
         resolved.derived = True
-        resolved.segments = derive(prompt, pieces, known, min_tokens)
+        resolved.segments = derive(prompt, pieces, known, min_tokens, agent)
         return resolved
     cursor = 0
     for i, seg in enumerate(layout.segments):
@@ -347,9 +351,14 @@ def resolve(
 
 
 def derive(
-    prompt: list[int], pieces: list[tuple[int, int]], known: Mapping[str, Sequence[int]], min_tokens: int
+    prompt: list[int],
+    pieces: list[tuple[int, int]],
+    known: Mapping[str, Sequence[int]],
+    min_tokens: int,
+    agent: str = "agent",
 ) -> list[LocatedSegment]:
-    """The default layout (module docstring): known slots found in the prompt, then new chunks."""
+    """The default layout (module docstring): known slots found in the prompt, then new chunks, named
+    ``<agent>.m<k>`` by their place in the prompt."""
     taken: list[tuple[int, int]] = []
 
     def free(start: int, end: int) -> bool:
@@ -364,11 +373,13 @@ def derive(
         if at >= 0 and ids:
             taken.append((at, at + len(ids)))
             found.append(LocatedSegment(name, at, at + len(ids)))
-    for start, end in pieces:
+    names = set(known)
+    for k, (start, end) in enumerate(pieces):
         if end - start >= min_tokens and free(start, end):
-            name = slot_name(prompt[start:end])
-            if name in known:  # a known slot's name with other ids cannot happen (a hash of the ids)
-                continue
+            name, n = f"{agent}.m{k}", 2
+            while name in names:  # this agent had other text at this place earlier in the task
+                name, n = f"{agent}.m{k}#{n}", n + 1
+            names.add(name)
             taken.append((start, end))
             found.append(LocatedSegment(name, start, end, new=True))
     return sorted(found, key=lambda s: s.start)
