@@ -461,3 +461,22 @@ def skipped_weight_init():
     except ImportError:  # pragma: no cover - older layout
         from transformers.modeling_utils import no_init_weights
     return no_init_weights()
+
+
+def dispatch_mode_class() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode`` (a private torch module; the documented way to
+    see every aten op a thread runs), the base of :class:`hf_kvshare.measure.TensorPeak`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def fresh_outputs(func, n: int) -> list[bool]:
+    """Per result of the aten op ``func`` (an ``OpOverload``): ``True`` when it aliases no input (its
+    schema's ``alias_info`` is ``None``: a new tensor), ``False`` for views, in-place and ``out=``
+    results. ``OpOverload._schema`` is private; an op without a schema counts every result as new."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return [True] * n
+    returns = [r.alias_info is None for r in schema.returns]
+    return (returns + [True] * n)[:n]
