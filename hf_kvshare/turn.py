@@ -40,6 +40,9 @@ class Slot:
     #: method-specific state kept with ``latest`` (e.g. the hidden states selective recomputation
     #: restarts from), keyed by a name the method owns
     extras: dict[str, Any] = field(default_factory=dict)
+    #: an image or video slot: its processed pixels and, once encoded, its projected features
+    #: (:class:`hf_kvshare.vision.Visual`); ``None`` for text
+    visual: Any = None
 
 
 @dataclass
@@ -333,7 +336,8 @@ class Turn:
         """The cache part of ``span``: its placed K/V (checked finite, widened to the turn's batch), or
         its tokens to compute (``placement=None``: dense). Counts nothing (:meth:`TurnStats.count`)."""
         if placement is None:
-            return CachePart(self.segment_for(span, "dense"), token_ids=self.batch(span.token_ids))
+            embeds = None if span.visual is None else span.visual.embeds(self.model, self.batch_size)
+            return CachePart(self.segment_for(span, "dense"), token_ids=self.batch(span.token_ids), embeds=embeds)
         kv = placement.kv
         kv.check_finite(
             f"{'PH slot' if span.kind == 'PH' else 'PF segment'} {span.name!r} ({placement.provenance} from {placement.source_agent or 'its source'})"
