@@ -162,20 +162,27 @@ def dense_embeds(model: torch.nn.Module, dense: list[CachePart], batch: int | No
     carries its own (``CachePart.embeds``: an image's features); ``None`` when the ids alone give
     them all (the model embeds its ids itself). The other parts' rows are the model's input
     embeddings of their ids (``get_input_embeddings``), as the model's own forward computes them."""
-    if all(p.embeds is None for p in dense):
+    return input_embeds(model, [(p.token_ids, p.embeds) for p in dense], batch)
+
+
+def input_embeds(
+    model: torch.nn.Module, pieces: list[tuple[torch.Tensor, torch.Tensor | None]], batch: int | None = None
+) -> torch.Tensor | None:
+    """``inputs_embeds`` ``[batch, n, hidden]`` for pieces ``(token_ids [b, n] or [n], embeds or None)``
+    in order: a piece's own embeddings where it has them, else the model's input embeddings of its
+    ids; ``None`` when no piece has its own (feed the ids)."""
+    if all(embeds is None for _, embeds in pieces):
         return None
     embedding = model.get_input_embeddings()
     device = model_input_device(model)
     rows = []
     with torch.no_grad():
-        for p in dense:
-            width = batch or p.token_ids.shape[0]
-            if p.embeds is not None:
-                rows.append(p.embeds.to(device).expand(width, -1, -1))
-            else:
-                rows.append(embedding(p.token_ids.to(device)).expand(width, -1, -1))
-    dtype = embedding.weight.dtype
-    return torch.cat([r.to(dtype) for r in rows], dim=1)
+        for ids, embeds in pieces:
+            ids = ids[None] if ids.dim() == 1 else ids
+            width = batch or ids.shape[0]
+            row = embedding(ids.to(device)) if embeds is None else embeds.to(device)
+            rows.append(row.to(embedding.weight.dtype).expand(width, -1, -1))
+    return torch.cat(rows, dim=1)
 
 
 def _check_parts(parts: list[CachePart], shifter: RopeShifter | None) -> None:

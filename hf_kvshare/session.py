@@ -143,7 +143,7 @@ class Session:
             visual = slot.visual if isinstance(spec, PH) else None
             spans.append(Span(spec=spec, name=name, token_ids=ids, start=pos, visual=visual))
             pos += ids.numel()
-        check_spans(spans)
+        check_spans(spans, self.method)
         slot_name = output_slot or self.next_output_slot(agent)
         if slot_name in self.slots or slot_name in new_slots:
             raise ValueError(f"output slot {slot_name!r} already exists in this session")

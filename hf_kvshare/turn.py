@@ -187,7 +187,7 @@ def given_text_slot(spec: PH, token_ids: torch.Tensor, slots: Mapping[str, Slot]
        host reads it under the output's name: its producer's cache, gate decision and pools). One
        token different: given text.
     2. otherwise a new given-text :class:`Slot` of ``spec.kind``, by default ``"question"`` when the
-       request holds no given text yet and ``"observation"`` after.
+       request holds no given text yet (images and videos aside) and ``"observation"`` after.
 
     A second question in one request is refused (``ValueError``), nothing changed."""
     if spec.kind is None:
@@ -195,7 +195,8 @@ def given_text_slot(spec: PH, token_ids: torch.Tensor, slots: Mapping[str, Slot]
         if output is not None:
             return output
     given = [s for s in slots.values() if s.producer is None]
-    kind = spec.kind or ("observation" if given else "question")
+    # an image / video (kind stated by hf_kvshare.vision) does not make later text an observation
+    kind = spec.kind or ("observation" if any(s.visual is None for s in given) else "question")
     if kind == "question":
         question = next((s for s in given if s.kind == "question"), None)
         if question is not None:

@@ -189,7 +189,17 @@ def prepare_visual(model: torch.nn.Module, processor: Any, spec: PH) -> Visual:
             f"PH {spec.slot!r}: the processor expanded the {kind} into {ids.tolist()[:8]}...; expected "
             f"only its placeholder token {token}"
         )
+    _check_pixel_size(model, spec.slot, pixels)
     return Visual(kind, ids.long(), pixels.to(tower.device, tower.dtype), sizes)
+
+
+def _check_pixel_size(model: torch.nn.Module, slot: str, pixels: torch.Tensor) -> None:
+    size = getattr(model.config.vision_config, "image_size", None)
+    if isinstance(size, int) and tuple(pixels.shape[-2:]) != (size, size):
+        raise ValueError(
+            f"PH {slot!r}: pixel values of {tuple(pixels.shape[-2:])} pixels; the vision tower takes "
+            f"{size}x{size} (vision_config.image_size): the processor is not this model's"
+        )
 
 
 def _processor_token(model: torch.nn.Module, processor: Any, kind: str, slot: str) -> int:
@@ -265,6 +275,7 @@ def _from_processed(
     if pixels.shape[1] == 0:
         what = "a video needs at least one frame" if kind == "video" else "an image needs at least one patch"
         raise ValueError(f"PH {slot!r}: {what}; got {key} of shape {tuple(pixels.shape)}")
+    _check_pixel_size(model, slot, pixels)
     if pixels.dtype != tower.dtype or pixels.device != tower.device:
         raise ValueError(
             f"PH {slot!r}: {key} must be {tower.dtype} on {tower.device} (the vision tower's); got "
@@ -275,7 +286,9 @@ def _from_processed(
         sizes = given.get("image_sizes")
         sizes = None if sizes is None else torch.as_tensor(sizes).reshape(-1)
         if sizes is None or sizes.numel() != 2:
-            raise ValueError(f"PH {slot!r}: processed image input needs image_sizes (height, width) of one image")
+            raise ValueError(
+                f"PH {slot!r}: processed image input needs image_sizes (height, width) of one image"
+            )
         size = (int(sizes[0]), int(sizes[1]))
         sizes = sizes.reshape(1, 2)
     else:
@@ -326,8 +339,15 @@ def check_same_content(model: torch.nn.Module, processor: Any, spec: PH, slot: S
         )
 
 
-def check_spans(spans: Sequence[Any]) -> None:
-    """The prompt's last token is ``generate``'s input id: an image / video cannot end the prompt."""
+def check_spans(spans: Sequence[Any], method: Any) -> None:
+    """A method that cannot compute image / video segments (``Method.visual_segments``) is refused
+    one; the prompt's last token is ``generate``'s input id: an image / video cannot end the prompt."""
+    visual = next((s for s in spans if s.visual is not None), None)
+    if visual is not None and not getattr(method, "visual_segments", True):
+        raise ValueError(
+            f"method {method.name!r} cannot compute {visual.visual.kind} segments (PH {visual.name!r}): "
+            "it prefills token ids only"
+        )
     if spans and spans[-1].visual is not None:
         raise ValueError(
             f"the prompt ends with the {spans[-1].visual.kind} segment {spans[-1].name!r}; end it with text "
