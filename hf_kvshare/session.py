@@ -192,7 +192,9 @@ class Session:
         return slot
 
     def _check_length(self, turn: Turn, max_new_tokens: int) -> None:
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        config = self.model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's too
+        limit = getattr(text, "max_position_embeddings", None)
         total = turn.prompt_length + max_new_tokens
         if limit is not None and total > limit:
             raise ValueError(

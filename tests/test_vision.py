@@ -423,3 +423,52 @@ def test_other_bad_image_segments(vlm, processor, image):
     refused(session, [PH("chart", image=random_image(5)), PF("\nSo?")], "already holds another image", vlm)
     refused(session, [PH("chart", "some text"), PF("\nSo?")], "holds an image in this session; got text", vlm)
     refused(session, [PH("a", image=image), PF("\nSo?")], "holds text in this session; got an image", vlm)
+
+
+def test_readme_vision_example_runs(vlm, processor, image, tmp_path, monkeypatch):
+    """The README's image example, as written but for the hub model: the tiny VLM and its processor."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "image=Image.open" in b)
+    lines = block.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("model = "):
+            lines[i] = "model = _model"
+        elif line.startswith("processor = "):
+            lines[i] = "processor = _processor"
+    image.save(tmp_path / "chart.png")
+    monkeypatch.chdir(tmp_path)
+    namespace = {"_model": vlm, "_processor": processor}
+    exec(compile("\n".join(lines), "README.md (images)", "exec"), namespace)
+    s, r = namespace["s"], namespace["r"]
+    assert s.slots["chart"].visual.encodes == 1 and r.output_ids.numel() >= 1
+    assert s.slots["question"].kind == "question"
+
+
+def test_held_bytes_count_the_image(vlm, processor, image):
+    session, _ = run_request(vlm, processor, "nonshared", image, new_tokens=2)
+    visual = session.slots["chart"].visual
+    pixels = visual.pixel_values.numel() * 4
+    features = visual.features(vlm).numel() * 4
+    assert visual.nbytes == pixels + features and session.held_bytes() >= visual.nbytes
+
+
+def test_batch_of_rows_with_an_image(vlm, processor, image):
+    """build_cache(batch_size=2): the image's features widened to both rows, as the ids are."""
+    session = Session(vlm, processor.tokenizer, processor=processor)
+    segments = [PF("See.\n"), PH("chart", image=image), PF("\nSo?")]
+    cache, ids = session.build_cache("a", segments, batch_size=2)
+    single, _ = Session(vlm, processor.tokenizer, processor=processor).build_cache("a", segments)
+    assert ids.shape[0] == 2
+    for layer in range(cache.num_layers):
+        k = cache.extract(0, ids.shape[1] - 1).keys[layer]
+        assert torch.allclose(k[0], k[1]) and torch.allclose(k[:1], single.extract(0, ids.shape[1] - 1).keys[layer])
+
+
+def test_prompt_longer_than_the_language_model_is_refused(vlm, processor, image):
+    session = Session(vlm, processor.tokenizer, processor=processor)
+    limit = vlm.config.get_text_config().max_position_embeddings
+    long = [PF("word " * limit), PH("chart", image=image), PF("\nSo?")]
+    refused(session, long, "max_position_embeddings", vlm)
