@@ -330,10 +330,17 @@ def test_image_slot_kind_leaves_the_question_to_the_text(vlm, processor, image):
 def refused(session, segments, match, model, exc=ValueError):
     """The turn is refused with ``match`` before any model work; nothing in the session changes."""
     slots = dict(session.slots)
-    with Calls(model) as calls:
+    modules = [model] + (
+        [tower(model)] if hasattr(model, "model") and hasattr(model.model, "vision_tower") else []
+    )
+    counters = [Calls(m) for m in modules]  # the language model's and the vision tower's forwards
+    try:
         with pytest.raises(exc, match=match):
             session.run_turn("z", segments, max_new_tokens=2)
-    assert calls.n == 0
+    finally:
+        for c in counters:
+            c.handle.remove()
+    assert [c.n for c in counters] == [0] * len(modules)
     assert session.slots == slots
 
 
@@ -464,7 +471,9 @@ def test_batch_of_rows_with_an_image(vlm, processor, image):
     assert ids.shape[0] == 2
     for layer in range(cache.num_layers):
         k = cache.extract(0, ids.shape[1] - 1).keys[layer]
-        assert torch.allclose(k[0], k[1]) and torch.allclose(k[:1], single.extract(0, ids.shape[1] - 1).keys[layer])
+        assert torch.allclose(k[0], k[1]) and torch.allclose(
+            k[:1], single.extract(0, ids.shape[1] - 1).keys[layer]
+        )
 
 
 def test_prompt_longer_than_the_language_model_is_refused(vlm, processor, image):
