@@ -480,3 +480,42 @@ def fresh_outputs(func, n: int) -> list[bool]:
         return [True] * n
     returns = [r.alias_info is None for r in schema.returns]
     return (returns + [True] * n)[:n]
+
+
+# ------------------------------------------------------------------ vision-language models
+def vision_tower(model: Any) -> Any:
+    """A vision-language model's vision encoder module (LLaVA-OneVision: ``model.model.vision_tower``;
+    the attribute is the model's own name, not an API), or ``None`` for a text-only model."""
+    for owner in (model, getattr(model, "model", None)):
+        tower = getattr(owner, "vision_tower", None) if owner is not None else None
+        if tower is not None:
+            return tower
+    return None
+
+
+def visual_features(model: Any, kind: str, pixel_values: Any, image_sizes: Any) -> Any:
+    """The projected features ``[n, hidden]`` of ONE image or video through the model's public
+    ``get_image_features`` / ``get_video_features`` (transformers 5.24: an output whose
+    ``pooler_output`` holds them, a list of per-image tensors for images, ``[1, n, hidden]`` for a
+    video; a bare tensor or list accepted too)."""
+    if kind == "image":
+        out = model.get_image_features(pixel_values=pixel_values, image_sizes=image_sizes)
+    else:
+        out = model.get_video_features(pixel_values_videos=pixel_values)
+    features = getattr(out, "pooler_output", out)
+    if isinstance(features, (list, tuple)):
+        features = features[0]
+    elif features.dim() == 3:
+        features = features[0]
+    return features
+
+
+def processor_placeholders(processor: Any, kind: str, size: tuple[int, ...]) -> int:
+    """How many placeholder tokens the processor expands one image (``size`` = ``(height, width)``) or
+    video (``(frames, height, width)``) into: its ``_get_num_multimodal_tokens`` (a private name; the
+    rule its ``__call__`` applies)."""
+    if kind == "image":
+        data = processor._get_num_multimodal_tokens(image_sizes=[list(size)])
+        return int(data["num_image_tokens"][0])
+    data = processor._get_num_multimodal_tokens(video_sizes=[list(size)])
+    return int(data["num_video_tokens"][0])

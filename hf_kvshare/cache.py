@@ -123,11 +123,13 @@ class SegmentKV:
 class CachePart:
     """One segment for :func:`hf_kvshare.prefill.prefill_parts`: K/V already obtained (``kv``, e.g. reused or
     corrected; re-positioned to ``segment.start`` if it sits elsewhere) or token ids to compute
-    (``token_ids`` ``[batch, n]``, dense)."""
+    (``token_ids`` ``[batch, n]``, dense), with their input embeddings ``embeds`` ``[batch, n, hidden]``
+    where the ids alone do not give them (an image's projected features: :mod:`hf_kvshare.vision`)."""
 
     segment: Segment
     kv: SegmentKV | None = None
     token_ids: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
 
     @property
     def dense(self) -> bool:

@@ -136,6 +136,9 @@ class Method(StatePersistence):
     #: moves K/V between positions (a :class:`~hf_kvshare.rope.RopeShifter`): a model whose RoPE cannot
     #: be shifted (dynamic NTK) is refused when the session is created
     repositions: ClassVar[bool] = True
+    #: computes an image / video segment (``PH(slot, image=...)``) from its input embeddings
+    #: (``CachePart.embeds``, references and recomputation included); ``False`` refuses such segments
+    visual_segments: ClassVar[bool] = True
 
     @property
     def binding(self) -> ModelBinding:

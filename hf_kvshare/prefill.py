@@ -49,14 +49,18 @@ def prefill_dense(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     segments: Iterable[Segment] = (),
+    *,
+    inputs_embeds: torch.Tensor | None = None,
     **model_kwargs: Any,
 ) -> torch.Tensor | None:
     """Run ``model`` over ``input_ids`` ``[batch, n]`` on top of ``cache`` (positions continue).
 
     ``segments`` (positions relative to the whole cache) are appended to the table; they must tile the
     new positions. The cache is bound to ``model`` (:meth:`SegmentedCache.bind_model`: it refuses
-    another). ``model_kwargs`` go to the model call (e.g. PEFT's ``adapter_names``). Returns the logits
-    of the last token ``[batch, vocab]`` (``None`` for no tokens).
+    another). ``inputs_embeds`` ``[batch, n, hidden]``: the tokens' input embeddings, fed instead of
+    the ids (an image's projected features; :func:`dense_embeds`). ``model_kwargs`` go to the model call
+    (e.g. PEFT's ``adapter_names``). Returns the logits of the last token ``[batch, vocab]`` (``None``
+    for no tokens).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -64,14 +68,20 @@ def prefill_dense(
     n = input_ids.shape[-1]
     segments = list(segments)
     check_tiling(segments, start, start + n)
+    if inputs_embeds is not None and tuple(inputs_embeds.shape[:2]) != tuple(input_ids.shape):
+        raise ValueError(
+            f"inputs_embeds must be [batch, n, hidden] for input ids {tuple(input_ids.shape)}; "
+            f"got shape {tuple(inputs_embeds.shape)}"
+        )
     cache.bind_model(model)
     if n == 0:
         return None
     device = model_input_device(model)
     positions = torch.arange(start, start + n, device=device)[None].expand(input_ids.shape[0], -1)
+    inputs = {"input_ids": input_ids.to(device)} if inputs_embeds is None else {"inputs_embeds": inputs_embeds.to(device)}
     with torch.no_grad():
         out = model(
-            input_ids=input_ids.to(device),
+            **inputs,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
@@ -126,7 +136,8 @@ def prefill_parts(
     if len(dense) == first_placed:  # no dense token follows a placed one: no mask needed
         if dense:
             ids = torch.cat([p.token_ids for p in dense], dim=-1)
-            prefill_dense(cache, model, ids, [p.segment for p in dense], **model_kwargs)
+            embeds = dense_embeds(model, dense)
+            prefill_dense(cache, model, ids, [p.segment for p in dense], inputs_embeds=embeds, **model_kwargs)
         for p in parts[first_placed:]:
             cache.append_kv(p.kv, p.segment, shifter)
         return
@@ -136,13 +147,42 @@ def prefill_parts(
             for p in parts[: last_placed + 1]:
                 cache.append_kv(p.kv, p.segment, shifter)
             ids = torch.cat([p.token_ids for p in dense], dim=-1)
-            prefill_dense(cache, model, ids, [p.segment for p in dense], **model_kwargs)
+            embeds = dense_embeds(model, dense)
+            prefill_dense(cache, model, ids, [p.segment for p in dense], inputs_embeds=embeds, **model_kwargs)
         except BaseException:
             cache.crop_to(start)
             raise
         return
     if not _one_forward(cache, model, parts, shifter, model_kwargs):
         _per_segment(cache, model, parts, shifter, model_kwargs)
+
+
+def dense_embeds(model: torch.nn.Module, dense: list[CachePart], batch: int | None = None) -> torch.Tensor | None:
+    """The input embeddings ``[batch, n, hidden]`` of dense parts' tokens in order, where one of them
+    carries its own (``CachePart.embeds``: an image's features); ``None`` when the ids alone give
+    them all (the model embeds its ids itself). The other parts' rows are the model's input
+    embeddings of their ids (``get_input_embeddings``), as the model's own forward computes them."""
+    return input_embeds(model, [(p.token_ids, p.embeds) for p in dense], batch)
+
+
+def input_embeds(
+    model: torch.nn.Module, pieces: list[tuple[torch.Tensor, torch.Tensor | None]], batch: int | None = None
+) -> torch.Tensor | None:
+    """``inputs_embeds`` ``[batch, n, hidden]`` for pieces ``(token_ids [b, n] or [n], embeds or None)``
+    in order: a piece's own embeddings where it has them, else the model's input embeddings of its
+    ids; ``None`` when no piece has its own (feed the ids)."""
+    if all(embeds is None for _, embeds in pieces):
+        return None
+    embedding = model.get_input_embeddings()
+    device = model_input_device(model)
+    rows = []
+    with torch.no_grad():
+        for ids, embeds in pieces:
+            ids = ids[None] if ids.dim() == 1 else ids
+            width = batch or ids.shape[0]
+            row = embedding(ids.to(device)) if embeds is None else embeds.to(device)
+            rows.append(row.to(embedding.weight.dtype).expand(width, -1, -1))
+    return torch.cat(rows, dim=1)
 
 
 def _check_parts(parts: list[CachePart], shifter: RopeShifter | None) -> None:
@@ -152,6 +192,14 @@ def _check_parts(parts: list[CachePart], shifter: RopeShifter | None) -> None:
         if p.token_ids is not None and p.token_ids.dim() != 2:
             raise ValueError(
                 f"part {p.segment.name!r}: token_ids must be [batch, n]; got shape {tuple(p.token_ids.shape)}"
+            )
+        if p.embeds is not None and (
+            p.token_ids is None or p.embeds.dim() != 3 or p.embeds.shape[1] != p.token_ids.shape[-1]
+        ):
+            raise ValueError(
+                f"part {p.segment.name!r}: embeds must be [batch, n, hidden] beside its token_ids [batch, n]; "
+                f"got embeds {tuple(p.embeds.shape)}, token_ids "
+                f"{None if p.token_ids is None else tuple(p.token_ids.shape)}"
             )
         have = p.kv.length if p.kv is not None else p.token_ids.shape[-1]
         if have != p.segment.length:
@@ -179,7 +227,8 @@ def _per_segment(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
             while j < len(parts) and parts[j].dense:
                 j += 1
             ids = torch.cat([p.token_ids for p in parts[i:j]], dim=-1)
-            prefill_dense(cache, model, ids, [p.segment for p in parts[i:j]], **model_kwargs)
+            embeds = dense_embeds(model, parts[i:j])
+            prefill_dense(cache, model, ids, [p.segment for p in parts[i:j]], inputs_embeds=embeds, **model_kwargs)
             i = j
     except BaseException:
         cache.crop_to(start)
@@ -222,10 +271,12 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
         return False
     writer = cache.reserve(parts, queries)
     ids = torch.cat([p.token_ids.expand(batch, -1) for p in parts if p.dense], dim=-1).to(device)
+    embeds = dense_embeds(model, [p for p in parts if p.dense], batch)
+    inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds.to(device)}
     try:
         with torch.no_grad():
             model(
-                input_ids=ids,
+                **inputs,
                 position_ids=queries[None].expand(batch, -1),
                 attention_mask=mask,
                 use_cache=True,

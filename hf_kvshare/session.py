@@ -27,6 +27,7 @@ from .prefill import model_input_device, prefill_dense
 from .rope import RopeShifter
 from .trajectory import PH, Span, chat, is_messages, tokenize_text, validate_segments
 from .turn import Slot, Turn, TurnResult, check_slot_kind, given_text_slot
+from .vision import check_same_content, check_spans, check_text_ids, split_processor, visual_slot
 
 
 class Session:
@@ -38,6 +39,9 @@ class Session:
         tokenizer: its tokenizer.
         method: a registry name (options as keyword arguments) or a method instance, which may
             be shared by many sessions.
+        processor: a vision-language model's processor, for image / video segments
+            (``PH(slot, image=...)``, :mod:`hf_kvshare.vision`); a processor passed as ``tokenizer``
+            is split into its tokenizer and itself.
 
     >>> session = Session(model, tok, method="fullshared")  # doctest: +SKIP
     >>> r = session.run_turn("planner", [PF("You plan.\\n"), PH("query", "Sort a list."), PF("\\nPlan:")])  # doctest: +SKIP
@@ -51,10 +55,11 @@ class Session:
         method: str | Method = "nonshared",
         *,
         tensor_memory: bool = False,
+        processor: Any = None,
         **options,
     ):
         self.model = model
-        self.tokenizer = tokenizer
+        self.tokenizer, self.processor = split_processor(tokenizer, processor)
         self.method = get_method(method, **options)
         self.method.bind(model)
         self._shifter: RopeShifter | None = None
@@ -90,6 +95,7 @@ class Session:
         caches). Turn caches handed to the caller are not included."""
         total = sum(slot.latest.nbytes for slot in self.slots.values() if slot.latest is not None)
         total += sum(_tensor_bytes(slot.extras) for slot in self.slots.values())
+        total += sum(slot.visual.nbytes for slot in self.slots.values() if slot.visual is not None)
         return total + self.method.request_state_bytes(self)
 
     def next_output_slot(self, agent: str) -> str:
@@ -133,8 +139,11 @@ class Session:
                 pf_count += 1
                 if ids.numel() == 0:
                     raise ValueError(f"segment {i} (PF {spec.text!r}) tokenizes to zero tokens")
-            spans.append(Span(spec=spec, name=name, token_ids=ids, start=pos))
+                check_text_ids(self.model, ids, f"segment {i} (PF {name!r})")
+            visual = slot.visual if isinstance(spec, PH) else None
+            spans.append(Span(spec=spec, name=name, token_ids=ids, start=pos, visual=visual))
             pos += ids.numel()
+        check_spans(spans, self.method)
         slot_name = output_slot or self.next_output_slot(agent)
         if slot_name in self.slots or slot_name in new_slots:
             raise ValueError(f"output slot {slot_name!r} already exists in this session")
@@ -145,6 +154,9 @@ class Session:
     def _resolve_slot(self, spec: PH, new_slots: dict[str, Slot], new_aliases: dict[str, str]) -> Slot:
         alias = self.aliases.get(spec.slot) or new_aliases.get(spec.slot)
         slot = self.slots.get(alias or spec.slot) or new_slots.get(alias or spec.slot)
+        if slot is None and spec.visual is not None:  # an image / video (hf_kvshare.vision)
+            slot = new_slots[spec.slot] = visual_slot(self.model, self.processor, spec, {**self.slots, **new_slots})
+            return slot
         if slot is None:
             if spec.text is None:
                 known = ", ".join(sorted(self.slots)) or "none"
@@ -155,6 +167,7 @@ class Session:
             ids = tokenize_text(self.tokenizer, spec.text)
             if ids.numel() == 0:
                 raise ValueError(f"PH slot {spec.slot!r}: text {spec.text!r} tokenizes to zero tokens")
+            check_text_ids(self.model, ids, f"PH slot {spec.slot!r}")
             slot = given_text_slot(spec, ids, {**self.slots, **new_slots})
             if slot.name == spec.slot:
                 new_slots[spec.slot] = slot
@@ -162,6 +175,7 @@ class Session:
                 new_aliases[spec.slot] = slot.name
             return slot
         check_slot_kind(spec, slot)
+        check_same_content(self.model, self.processor, spec, slot)
         if alias is not None:
             if spec.text is not None and not torch.equal(
                 tokenize_text(self.tokenizer, spec.text), slot.token_ids
@@ -178,7 +192,9 @@ class Session:
         return slot
 
     def _check_length(self, turn: Turn, max_new_tokens: int) -> None:
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        config = self.model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's too
+        limit = getattr(text, "max_position_embeddings", None)
         total = turn.prompt_length + max_new_tokens
         if limit is not None and total > limit:
             raise ValueError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,11 +52,20 @@ class PH:
     produced *is* that output (its slot, cache, gate decision and pools); otherwise the first given
     text of a request is its question and every later one an observation. A stated kind keeps the
     text given text of that kind (even when it equals an output); a request has at most one question.
-    A reference to a slot already held (no text) may state the slot's kind, not another."""
+    A reference to a slot already held (no text) may state the slot's kind, not another.
+
+    ``image`` / ``video`` (instead of ``text``) make the slot an image or a video on a
+    vision-language model (:mod:`hf_kvshare.vision`): a ``PIL.Image``, an image file's path, or the
+    model's processor output for it (``pixel_values``, ``image_sizes``, optional ``input_ids``); a video
+    as a list of frames or processor output (``pixel_values_videos``). The session's processor expands
+    the placeholder tokens; the vision tower runs once per request. Unstated, its kind is
+    ``"observation"``."""
 
     slot: str
     text: str | None = None
     kind: str | None = None
+    image: Any = field(default=None, compare=False, repr=False)
+    video: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.slot, str) or not self.slot:
@@ -68,11 +77,26 @@ class PH:
             raise TypeError(
                 f"PH text must be a string or None; got {self.text!r} ({type(self.text).__name__})"
             )
+        given = [name for name in ("text", "image", "video") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"PH {self.slot!r}: give one of text, image or video; got {' and '.join(given)}")
+        if self.video is not None and isinstance(self.video, (list, tuple)) and not self.video:
+            raise ValueError(f"PH {self.slot!r}: a video needs at least one frame; got an empty {type(self.video).__name__}")
         if self.kind is not None and self.kind not in GIVEN_KINDS:
             raise ValueError(
                 f"PH {self.slot!r}: kind must be one of {', '.join(map(repr, GIVEN_KINDS))} or None "
                 f"(agent outputs have no kind); got {self.kind!r}"
             )
+
+
+    @property
+    def visual(self) -> tuple[str, Any] | None:
+        """``("image", value)`` / ``("video", value)`` for an image or video slot, else ``None``."""
+        if self.image is not None:
+            return "image", self.image
+        if self.video is not None:
+            return "video", self.video
+        return None
 
 
 SegmentSpec = PF | PH
@@ -86,6 +110,8 @@ class Span:
     name: str
     token_ids: torch.Tensor  # [n] long
     start: int
+    #: an image / video segment's :class:`~hf_kvshare.vision.Visual` (its input embeddings), else ``None``
+    visual: Any = None
 
     @property
     def kind(self) -> str:

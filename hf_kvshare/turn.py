@@ -40,6 +40,9 @@ class Slot:
     #: method-specific state kept with ``latest`` (e.g. the hidden states selective recomputation
     #: restarts from), keyed by a name the method owns
     extras: dict[str, Any] = field(default_factory=dict)
+    #: an image or video slot: its processed pixels and, once encoded, its projected features
+    #: (:class:`hf_kvshare.vision.Visual`); ``None`` for text
+    visual: Any = None
 
 
 @dataclass
@@ -184,7 +187,7 @@ def given_text_slot(spec: PH, token_ids: torch.Tensor, slots: Mapping[str, Slot]
        host reads it under the output's name: its producer's cache, gate decision and pools). One
        token different: given text.
     2. otherwise a new given-text :class:`Slot` of ``spec.kind``, by default ``"question"`` when the
-       request holds no given text yet and ``"observation"`` after.
+       request holds no given text yet (images and videos aside) and ``"observation"`` after.
 
     A second question in one request is refused (``ValueError``), nothing changed."""
     if spec.kind is None:
@@ -192,7 +195,8 @@ def given_text_slot(spec: PH, token_ids: torch.Tensor, slots: Mapping[str, Slot]
         if output is not None:
             return output
     given = [s for s in slots.values() if s.producer is None]
-    kind = spec.kind or ("observation" if given else "question")
+    # an image / video (kind stated by hf_kvshare.vision) does not make later text an observation
+    kind = spec.kind or ("observation" if any(s.visual is None for s in given) else "question")
     if kind == "question":
         question = next((s for s in given if s.kind == "question"), None)
         if question is not None:
@@ -333,7 +337,8 @@ class Turn:
         """The cache part of ``span``: its placed K/V (checked finite, widened to the turn's batch), or
         its tokens to compute (``placement=None``: dense). Counts nothing (:meth:`TurnStats.count`)."""
         if placement is None:
-            return CachePart(self.segment_for(span, "dense"), token_ids=self.batch(span.token_ids))
+            embeds = None if span.visual is None else span.visual.embeds(self.model, self.batch_size)
+            return CachePart(self.segment_for(span, "dense"), token_ids=self.batch(span.token_ids), embeds=embeds)
         kv = placement.kv
         kv.check_finite(
             f"{'PH slot' if span.kind == 'PH' else 'PF segment'} {span.name!r} ({placement.provenance} from {placement.source_agent or 'its source'})"

@@ -99,3 +99,76 @@ STEPS = [
     ("second", roles("second") + [PF("\nPrevious: "), PH("first")]),
     ("third", [PF("Review.\n"), PH("second"), PF("\nand "), PH("first"), PF("\nfor "), PH("query")]),
 ]
+
+
+# ------------------------------------------------------------------ a tiny LLaVA-OneVision
+#: the tiny VLM's vision tower: SigLIP, 2 layers, 32x32 images in 8x8 patches (16 features per patch)
+TINY_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+)
+#: the anyres grid of the tiny image processor and model
+TINY_PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64]]
+
+
+def tiny_vlm_tokenizer():
+    """The embedded tokenizer with LLaVA-OneVision's ``<image>`` / ``<video>`` tokens added (ids 49152, 49153)."""
+    tok = embedded_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
+    return tok
+
+
+def tiny_vlm_processor(tokenizer=None, image_size: int = 32):
+    """A LLaVA-OneVision processor built offline: the PIL image processor at the tiny model's size and
+    grid, and :func:`tiny_vlm_tokenizer`. Without a video processor: transformers' video processors
+    need torchvision (absent here), and ``LlavaOnevisionProcessor`` checks its video processor's class
+    on construction, so the subclass leaves that attribute out (its own expansion rule unchanged)."""
+    from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor
+
+    class ImageOnlyLlavaOnevisionProcessor(LlavaOnevisionProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, num_image_tokens=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, num_image_tokens=num_image_tokens, **kwargs)
+
+    tokenizer = tokenizer or tiny_vlm_tokenizer()
+    images = LlavaOnevisionImageProcessorPil(
+        size={"height": image_size, "width": image_size}, image_grid_pinpoints=TINY_PINPOINTS
+    )
+    patches = image_size // TINY_VISION["patch_size"]
+    return ImageOnlyLlavaOnevisionProcessor(
+        images,
+        tokenizer,
+        num_image_tokens=patches * patches,
+        vision_feature_select_strategy="full",
+        chat_template=tokenizer.chat_template,
+    )
+
+
+def tiny_vlm(seed: int = 0, **text_overrides):
+    """A tiny random LLaVA-OneVision (SigLIP 2 layers + Qwen2 3 layers, biases made non-zero)."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, SiglipVisionConfig
+
+    tok = tiny_vlm_tokenizer()
+    text = Qwen2Config(**{**TINY, "vocab_size": 49216, **text_overrides})
+    config = LlavaOnevisionConfig(
+        vision_config=SiglipVisionConfig(**TINY_VISION, vision_use_head=False),
+        text_config=text,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        video_token_index=tok.convert_tokens_to_ids("<video>"),
+        image_grid_pinpoints=TINY_PINPOINTS,
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(seed)
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and "language_model" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def random_image(seed: int = 0, height: int = 40, width: int = 50):
+    """A random RGB ``PIL.Image``."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))

@@ -235,7 +235,9 @@ class Scope:
                     self.options.lead_in if self.options.lead_in is not None else lead_in_line(turn, span)
                 )
                 lead = tokenize_text(turn.tokenizer, reference_lead(turn.tokenizer, lead_in))
-            reference = state.references[span.name] = reference_prefill(turn.model, lead, ids)
+            visual = turn.slot(span.name).visual  # an image / video slot: its features, not its ids
+            embeds = None if visual is None else visual.embeds(turn.model)
+            reference = state.references[span.name] = reference_prefill(turn.model, lead, ids, embeds)
             turn.stats.tokens_prefilled += lead.numel() + ids.numel()
         return reference
 

@@ -12,7 +12,7 @@ import torch
 
 from ..cache import SegmentedCache, SegmentKV
 from ..identity import ModelBinding  # noqa: F401  (re-exported)
-from ..prefill import prefill_dense
+from ..prefill import input_embeds, prefill_dense
 from .gate import GateDecision
 from .pool import REFERENCE
 
@@ -74,32 +74,38 @@ class RequestStates:
         self._states = weakref.WeakKeyDictionary()
 
 
-def context_free_reference(model: torch.nn.Module, token_ids: torch.Tensor) -> SegmentKV:
+def context_free_reference(
+    model: torch.nn.Module, token_ids: torch.Tensor, embeds: torch.Tensor | None = None
+) -> SegmentKV:
     """Prefill ``token_ids`` ``[S]`` alone at positions ``0 .. S-1`` and return its K/V (batch 1).
 
     This is the reference KVComm, GraphFlow and non-chained KVCMAS correct from; it is a prefill
-    outside the agent workflow.
+    outside the agent workflow. ``embeds`` ``[1, S, hidden]``: the segment's own input embeddings (an
+    image's features, ``Slot.visual``), fed instead of its ids.
     """
     token_ids = torch.as_tensor(token_ids).flatten()
     if token_ids.numel() == 0:
         raise ValueError("cannot build a reference for an empty segment")
     cache = SegmentedCache(model.config)
-    prefill_dense(cache, model, token_ids[None])
+    prefill_dense(cache, model, token_ids[None], inputs_embeds=embeds)
     return cache.extract(0, token_ids.numel(), agent=REFERENCE)
 
 
-def reference_prefill(model: torch.nn.Module, lead_ids: torch.Tensor, token_ids: torch.Tensor) -> SegmentKV:
+def reference_prefill(
+    model: torch.nn.Module, lead_ids: torch.Tensor, token_ids: torch.Tensor, embeds: torch.Tensor | None = None
+) -> SegmentKV:
     """Prefill ``lead_ids + token_ids`` and return the K/V of ``token_ids`` only (batch 1, ``start =
     len(lead_ids)``): the leading context is kept during the prefill, then dropped (KVComm's
     reference, so the segment's first token is not an attention sink). Empty ``lead_ids`` is
-    :func:`context_free_reference`."""
+    :func:`context_free_reference`. ``embeds``: the segment's own input embeddings (as there)."""
     lead_ids = torch.as_tensor(lead_ids, dtype=torch.long).flatten()
     token_ids = torch.as_tensor(token_ids).flatten()
     if token_ids.numel() == 0:
         raise ValueError("cannot build a reference for an empty segment")
     lead = lead_ids.numel()
     cache = SegmentedCache(model.config)
-    prefill_dense(cache, model, torch.cat([lead_ids.to(token_ids.device), token_ids])[None])
+    inputs = input_embeds(model, [(lead_ids, None), (token_ids, embeds)])
+    prefill_dense(cache, model, torch.cat([lead_ids.to(token_ids.device), token_ids])[None], inputs_embeds=inputs)
     return cache.extract(lead, lead + token_ids.numel(), agent=REFERENCE)
 
 

@@ -110,7 +110,9 @@ class GraphFlow(Method):
         reference = state.references.get(slot)
         if reference is None:
             ids = turn.slot(slot).token_ids.to(turn.device)
-            reference = state.references[slot] = context_free_reference(turn.model, ids)
+            visual = turn.slot(slot).visual  # an image / video slot: its features, not its ids
+            embeds = None if visual is None else visual.embeds(turn.model)
+            reference = state.references[slot] = context_free_reference(turn.model, ids, embeds)
             turn.stats.tokens_prefilled += ids.numel()
         return reference
 

@@ -88,6 +88,7 @@ class LowRankSharing(Method):
     uses_sources = False  # the store replaces per-slot sources
     supports_batch = False
     requires_adapters = True
+    visual_segments = False  # its build prefills the prompt's token ids (no image features)
     #: extend every agent's LR cache when new context is first processed (PreLRShared, ReBaseShared)
     precompute: ClassVar[bool] = True
     #: where the shared base comes from: the agent's hidden states (None) or adapter-free ones,

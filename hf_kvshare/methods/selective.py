@@ -73,7 +73,8 @@ class SelectiveRecompute(BoundaryCapture, Method):
         if recorder is not None:  # the reused rows' boundary inputs are the source's until recomputed
             for layer in recorder.layers:
                 recorder.put(layer, span.start, self.source_boundary(turn, span.name, layer))
-        engine = SegmentRecompute(self.stack, cache, kv, span.token_ids)
+        embeds = None if span.visual is None else span.visual.embeds(turn.model)  # an image's features
+        engine = SegmentRecompute(self.stack, cache, kv, span.token_ids, embeds)
         final_rows, info = self.recompute(engine, turn, span)
         new_kv, entries = engine.result(final_rows)
         total = span.length * self.stack.num_layers

@@ -128,6 +128,8 @@ class SegmentRecompute:
             positions are ignored.
         kv: the segment's reused K/V at its target positions (``kv.start`` ..); never modified.
         token_ids: the segment's token ids ``[S]``.
+        embeds: the segment's own input embeddings ``[1, S, hidden]`` where its ids do not give them
+            (an image's features, ``Span.visual``), else ``None``.
 
     Run layers with :meth:`run_layer` (hidden states ``[1, q, hidden]`` of segment ``rows``), then
     :meth:`result` gives the segment K/V with the recomputed rows written in.
@@ -139,7 +141,14 @@ class SegmentRecompute:
     >>> kv, entries = engine.result()  # equals a dense prefill of the segment  # doctest: +SKIP
     """
 
-    def __init__(self, stack: DecoderStack, cache: SegmentedCache, kv: SegmentKV, token_ids: torch.Tensor):
+    def __init__(
+        self,
+        stack: DecoderStack,
+        cache: SegmentedCache,
+        kv: SegmentKV,
+        token_ids: torch.Tensor,
+        embeds: torch.Tensor | None = None,
+    ):
         if kv.num_layers != stack.num_layers:
             raise ValueError(f"the segment K/V has {kv.num_layers} layers, the model {stack.num_layers}")
         if kv.keys[0].shape[0] != 1:
@@ -156,7 +165,12 @@ class SegmentRecompute:
         self.stack = stack
         self.cache = cache
         self.kv = kv
+        if embeds is not None and tuple(embeds.shape[:2]) != (1, token_ids.numel()):
+            raise ValueError(
+                f"embeds must be [1, {token_ids.numel()}, hidden] for the segment; got {tuple(embeds.shape)}"
+            )
         self.token_ids = token_ids
+        self.embeds = embeds
         self.start = kv.start
         self.length = kv.length
         self.fresh: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -167,7 +181,7 @@ class SegmentRecompute:
 
     def embeddings(self) -> torch.Tensor:
         """Layer-0 input of every segment token ``[1, S, hidden]``."""
-        return self.stack.embed(self.token_ids)
+        return self.stack.embed(self.token_ids, self.embeds)
 
     def prefix(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The cache's K/V ``[1, kv_heads, start, head_dim]`` at ``layer_idx`` (``None`` when empty)."""

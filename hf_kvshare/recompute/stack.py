@@ -83,9 +83,10 @@ class DecoderStack:
     def is_sliding(self, layer_idx: int) -> bool:
         return self.layer_types[layer_idx] == "sliding_attention"
 
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, token_ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Input of layer 0 ``[1, n, hidden]`` for token ids ``[n]``, as the model's forward computes it
-        (embedding scales such as Gemma's ``sqrt(hidden)`` or Granite's multiplier included)."""
+        (embedding scales such as Gemma's ``sqrt(hidden)`` or Granite's multiplier included); from
+        ``embeds`` ``[1, n, hidden]`` (the decoder's ``inputs_embeds``) where given."""
 
         def capture(module, args, kwargs):
             raise _LayerInput(args[0] if args else kwargs["hidden_states"])
@@ -93,7 +94,10 @@ class DecoderStack:
         handle = self.layers[0].register_forward_pre_hook(thread_hook(capture), with_kwargs=True)
         try:
             with torch.no_grad():
-                self.decoder(input_ids=token_ids.to(self.device)[None], use_cache=False)
+                if embeds is None:
+                    self.decoder(input_ids=token_ids.to(self.device)[None], use_cache=False)
+                else:
+                    self.decoder(inputs_embeds=embeds.to(self.device), use_cache=False)
         except _LayerInput as captured:
             return captured.hidden
         finally:

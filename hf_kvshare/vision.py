@@ -1,0 +1,355 @@
+"""Images and video frames as shared segments on a vision-language model.
+
+An image is a PH slot: ``PH("chart", image=PIL.Image.open("chart.png"))`` (or the file's path, or the
+model's processor output for it); a video is ``PH("clip", video=[frame, ...])`` (or processor output).
+The session's processor (``Session(model, tokenizer, processor=AutoProcessor.from_pretrained(...))``)
+turns it into the placeholder tokens it expands one image into and the pixel values; the slot's
+token ids are those placeholders, so the span is exact and the same in every agent's prompt.
+
+Where a method computes the segment (dense), the pixel values go through the model's vision tower
+once per request (:meth:`Visual.features`, kept with the slot: every agent reading the image shares
+that encoding) and the projected features enter the language model as the segment's input
+embeddings (``CachePart.embeds`` -> :func:`hf_kvshare.prefill.dense_embeds`: the forward takes
+``inputs_embeds``); where a method places K/V, nothing visual runs. The K/V of an image segment are
+ordinary K/V: re-positioning, correction and selective recomputation treat them as any segment's.
+
+Supported: LLaVA-OneVision (Qwen2 language model, 1D RoPE; image features are position-free
+inputs, so a re-positioned image segment is exact up to fp rounding). Models with multimodal RoPE
+(Qwen2-VL: three position components per token) are refused: their positions are not the 1D
+positions the cache and the RoPE shifter use.
+
+Everything is checked before any model work (the model's own processor rule for the placeholder
+count, the pixel values' dtype and device against the vision tower's, a readable image file, a
+video with frames), and nothing in the session changes on error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _compat
+from .prefill import model_input_device
+from .trajectory import PH
+from .turn import Slot, given_text_slot
+
+#: model types whose image / video segments are built and tested here (``config.model_type``)
+SUPPORTED_VISION_MODELS = ("llava_onevision",)
+
+VISUAL_KINDS = ("image", "video")
+
+
+def split_processor(tokenizer: Any, processor: Any) -> tuple[Any, Any]:
+    """``(tokenizer, processor)`` for a Session: a multimodal processor passed as the tokenizer is
+    split into its tokenizer and itself."""
+    if processor is None and hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):
+        return tokenizer.tokenizer, tokenizer
+    return tokenizer, processor
+
+
+def placeholder_ids(model: torch.nn.Module) -> dict[int, str]:
+    """The model's image / video placeholder token ids -> ``"image"`` / ``"video"`` (none for a
+    text-only model)."""
+    config = model.config
+    if getattr(config, "vision_config", None) is None:
+        return {}
+    found = {}
+    for kind in VISUAL_KINDS:
+        token = getattr(config, f"{kind}_token_id", None)
+        if token is None:
+            token = getattr(config, f"{kind}_token_index", None)
+        if isinstance(token, int):
+            found[token] = kind
+    return found
+
+
+def check_text_ids(model: torch.nn.Module, ids: torch.Tensor, what: str) -> None:
+    """Text whose tokens hold the model's image / video placeholders is refused: an image enters as
+    ``PH(slot, image=...)``, whose placeholders the processor expands (and whose features exist)."""
+    marks = placeholder_ids(model)
+    if not marks or ids.numel() == 0:
+        return
+    for token, kind in marks.items():
+        count = int((ids == token).sum())
+        if count:
+            raise ValueError(
+                f"{what} holds {count} {kind} placeholder token(s) (id {token}) in its text; an {kind} "
+                f"enters as PH(slot, {kind}=...), whose placeholders the model's processor expands"
+            )
+
+
+def check_vision_model(model: torch.nn.Module, kind: str, slot: str) -> None:
+    """``model`` must be a supported vision-language model for an image / video segment."""
+    config = model.config
+    model_type = getattr(config, "model_type", type(config).__name__)
+    if getattr(config, "vision_config", None) is None or _compat.vision_tower(model) is None:
+        raise ValueError(
+            f"PH {slot!r} is an {kind}, but {type(model).__name__} ({model_type}) is a text-only model "
+            f"(no vision tower); {kind} segments need a vision-language model "
+            f"({', '.join(SUPPORTED_VISION_MODELS)})"
+        )
+    if model_type not in SUPPORTED_VISION_MODELS:
+        raise ValueError(
+            f"PH {slot!r}: {kind} segments are supported on {', '.join(SUPPORTED_VISION_MODELS)}; "
+            f"got a {model_type} model ({type(model).__name__})"
+        )
+    if kind not in placeholder_ids(model).values():
+        raise ValueError(f"PH {slot!r}: the {model_type} model has no {kind} placeholder token")
+
+
+@dataclass(eq=False)
+class Visual:
+    """One image or video of a request, as the model's processor prepared it: its placeholder token
+    ids ``[n]``, the pixel values (on the vision tower's device and dtype) and, for an image, its
+    size; :meth:`features` runs the vision tower once and keeps the projected features."""
+
+    kind: str
+    token_ids: torch.Tensor
+    pixel_values: torch.Tensor
+    image_sizes: torch.Tensor | None = None
+    #: vision-tower runs this object made (one, once the features exist)
+    encodes: int = 0
+    _features: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.token_ids.numel()
+
+    @property
+    def nbytes(self) -> int:
+        held = [self.pixel_values, self._features]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def features(self, model: torch.nn.Module) -> torch.Tensor:
+        """The projected features ``[n, hidden]`` (the vision tower runs on the first call only)."""
+        if self._features is None:
+            with torch.no_grad():
+                features = _compat.visual_features(model, self.kind, self.pixel_values, self.image_sizes)
+            self.encodes += 1
+            if features.dim() != 2 or features.shape[0] != self.length:
+                raise ValueError(
+                    f"the model's vision tower gives {tuple(features.shape)} {self.kind} features for "
+                    f"{self.length} placeholder tokens (the processor's count): the processor does not "
+                    "match the model (image size, patch size or feature strategy)"
+                )
+            self._features = features.detach()
+        return self._features
+
+    def embeds(self, model: torch.nn.Module, batch: int = 1) -> torch.Tensor:
+        """The segment's input embeddings ``[batch, n, hidden]`` on the input embeddings' device and
+        dtype (the model's own cast of its features)."""
+        weight = model.get_input_embeddings().weight
+        features = self.features(model).to(model_input_device(model), weight.dtype)
+        return features[None].expand(batch, -1, -1)
+
+    def same_content(self, other: Visual) -> bool:
+        return (
+            self.kind == other.kind
+            and torch.equal(self.token_ids, other.token_ids)
+            and self.pixel_values.shape == other.pixel_values.shape
+            and torch.equal(self.pixel_values.cpu(), other.pixel_values.cpu())
+        )
+
+
+# ----------------------------------------------------------------------------- preparing
+def prepare_visual(model: torch.nn.Module, processor: Any, spec: PH) -> Visual:
+    """Check and process ``spec``'s image or video (no model work)."""
+    kind, value = spec.visual
+    check_vision_model(model, kind, spec.slot)
+    if processor is None:
+        raise ValueError(
+            f"PH {spec.slot!r} is an {kind}: the session needs the model's processor "
+            "(Session(model, tokenizer, processor=AutoProcessor.from_pretrained(...)))"
+        )
+    token = _processor_token(model, processor, kind, spec.slot)
+    tower = next(_compat.vision_tower(model).parameters())
+    if isinstance(value, Mapping):
+        return _from_processed(model, processor, spec.slot, kind, value, token, tower)
+    if kind == "image":
+        batch = _processor_call(processor, spec.slot, kind, images=[_load_image(value, spec.slot)])
+        pixels, sizes = batch["pixel_values"], batch["image_sizes"]
+    else:
+        frames = _frames(value, spec.slot)
+        if getattr(processor, "video_processor", None) is None:
+            raise ValueError(
+                f"PH {spec.slot!r}: the processor {type(processor).__name__} has no video processor "
+                "(transformers' video processors need torchvision); pass the processed video instead: "
+                "PH(slot, video={'pixel_values_videos': ...})"
+            )
+        batch = _processor_call(processor, spec.slot, kind, videos=[frames])
+        pixels, sizes = batch["pixel_values_videos"], None
+    ids = torch.as_tensor(batch["input_ids"]).flatten()
+    if ids.numel() == 0 or not bool((ids == token).all()):
+        raise ValueError(
+            f"PH {spec.slot!r}: the processor expanded the {kind} into {ids.tolist()[:8]}...; expected "
+            f"only its placeholder token {token}"
+        )
+    _check_pixel_size(model, spec.slot, pixels)
+    return Visual(kind, ids.long(), pixels.to(tower.device, tower.dtype), sizes)
+
+
+def _check_pixel_size(model: torch.nn.Module, slot: str, pixels: torch.Tensor) -> None:
+    size = getattr(model.config.vision_config, "image_size", None)
+    if isinstance(size, int) and tuple(pixels.shape[-2:]) != (size, size):
+        raise ValueError(
+            f"PH {slot!r}: pixel values of {tuple(pixels.shape[-2:])} pixels; the vision tower takes "
+            f"{size}x{size} (vision_config.image_size): the processor is not this model's"
+        )
+
+
+def _processor_token(model: torch.nn.Module, processor: Any, kind: str, slot: str) -> int:
+    token = getattr(processor, f"{kind}_token_id", None)
+    expected = next(t for t, k in placeholder_ids(model).items() if k == kind)
+    if token != expected:
+        raise ValueError(
+            f"PH {slot!r}: the processor's {kind} token id is {token!r}, the model's {expected}: "
+            "the processor is not this model's"
+        )
+    return token
+
+
+def _processor_call(processor: Any, slot: str, kind: str, **inputs: Any) -> Mapping[str, Any]:
+    text = getattr(processor, f"{kind}_token")
+    try:
+        return processor(text=text, return_tensors="pt", add_special_tokens=False, **inputs)
+    except (ValueError, TypeError, OSError) as error:
+        raise ValueError(f"PH {slot!r}: the processor could not read the {kind}: {error}") from error
+
+
+def _load_image(value: Any, slot: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"PH {slot!r}: no image file at {str(path)!r}")
+        try:
+            with Image.open(path) as image:
+                image.load()
+                return image.copy()
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+            raise ValueError(
+                f"PH {slot!r}: could not read image file {str(path)!r} ({type(error).__name__}: {error})"
+            ) from error
+    raise TypeError(
+        f"PH {slot!r}: image must be a PIL.Image, an image file's path or the processor's output "
+        f"(a mapping with pixel_values and image_sizes); got {type(value).__name__}"
+    )
+
+
+def _frames(value: Any, slot: str) -> list[Any]:
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise TypeError(
+            f"PH {slot!r}: video must be a list of frames (PIL images or arrays) or the processor's "
+            f"output (a mapping with pixel_values_videos); got {type(value).__name__}"
+        )
+    if len(value) == 0:
+        raise ValueError(f"PH {slot!r}: a video needs at least one frame; got 0")
+    return [_load_image(f, slot) if isinstance(f, (str, os.PathLike)) else f for f in value]
+
+
+def _from_processed(
+    model: torch.nn.Module, processor: Any, slot: str, kind: str, given: Mapping[str, Any], token: int, tower
+) -> Visual:
+    """Processor output given as the image / video: checked, used as it is (no conversion)."""
+    key = "pixel_values" if kind == "image" else "pixel_values_videos"
+    pixels = given.get(key)
+    if not isinstance(pixels, torch.Tensor):
+        raise ValueError(
+            f"PH {slot!r}: processed {kind} input needs {key!r} (a tensor); got keys {sorted(given)}"
+        )
+    if pixels.dim() == 4:
+        pixels = pixels[None]
+    if pixels.dim() != 5 or pixels.shape[0] != 1:
+        raise ValueError(
+            f"PH {slot!r}: {key} must be one {kind}, [1, {'patches' if kind == 'image' else 'frames'}, "
+            f"channels, height, width]; got shape {tuple(pixels.shape)}"
+        )
+    if pixels.shape[1] == 0:
+        what = "a video needs at least one frame" if kind == "video" else "an image needs at least one patch"
+        raise ValueError(f"PH {slot!r}: {what}; got {key} of shape {tuple(pixels.shape)}")
+    _check_pixel_size(model, slot, pixels)
+    if pixels.dtype != tower.dtype or pixels.device != tower.device:
+        raise ValueError(
+            f"PH {slot!r}: {key} must be {tower.dtype} on {tower.device} (the vision tower's); got "
+            f"{pixels.dtype} on {pixels.device}"
+        )
+    sizes = None
+    if kind == "image":
+        sizes = given.get("image_sizes")
+        sizes = None if sizes is None else torch.as_tensor(sizes).reshape(-1)
+        if sizes is None or sizes.numel() != 2:
+            raise ValueError(
+                f"PH {slot!r}: processed image input needs image_sizes (height, width) of one image"
+            )
+        size = (int(sizes[0]), int(sizes[1]))
+        sizes = sizes.reshape(1, 2)
+    else:
+        size = (int(pixels.shape[1]), int(pixels.shape[-2]), int(pixels.shape[-1]))
+    expected = _compat.processor_placeholders(processor, kind, size)
+    ids = given.get("input_ids")
+    if ids is None:
+        ids = torch.full((expected,), token, dtype=torch.long)
+    ids = torch.as_tensor(ids).flatten().long()
+    count = int((ids == token).sum())
+    if count != ids.numel():
+        raise ValueError(
+            f"PH {slot!r}: the {kind}'s input_ids must be its placeholder tokens (id {token}) only; "
+            f"{ids.numel() - count} of {ids.numel()} are other tokens"
+        )
+    if count != expected:
+        raise ValueError(
+            f"PH {slot!r}: {count} {kind} placeholder tokens given; the processor expands this {kind} "
+            f"(size {size}) into {expected}"
+        )
+    return Visual(kind, ids, pixels, sizes)
+
+
+def visual_slot(model: torch.nn.Module, processor: Any, spec: PH, slots: Mapping[str, Slot]) -> Slot:
+    """The new slot of an image / video PH (given content of ``spec.kind``, by default an
+    observation); checked, no model work."""
+    visual = prepare_visual(model, processor, spec)
+    slot = given_text_slot(replace(spec, kind=spec.kind or "observation"), visual.token_ids, slots)
+    slot.text = ""
+    slot.visual = visual
+    return slot
+
+
+def check_same_content(model: torch.nn.Module, processor: Any, spec: PH, slot: Slot) -> None:
+    """A PH naming a slot already held: an image / video given again must be the slot's."""
+    if spec.visual is None and slot.visual is None:
+        return
+    if spec.visual is None:
+        if spec.text is not None:
+            raise ValueError(f"PH slot {spec.slot!r} holds an {slot.visual.kind} in this session; got text")
+        return
+    if slot.visual is None:
+        raise ValueError(f"PH slot {spec.slot!r} holds text in this session; got an {spec.visual[0]}")
+    if not prepare_visual(model, processor, spec).same_content(slot.visual):
+        raise ValueError(
+            f"PH slot {spec.slot!r} already holds another {slot.visual.kind} in this session; a slot's "
+            "content is fixed within a session (a new request is a new Session)"
+        )
+
+
+def check_spans(spans: Sequence[Any], method: Any) -> None:
+    """A method that cannot compute image / video segments (``Method.visual_segments``) is refused
+    one; the prompt's last token is ``generate``'s input id: an image / video cannot end the prompt."""
+    visual = next((s for s in spans if s.visual is not None), None)
+    if visual is not None and not getattr(method, "visual_segments", True):
+        raise ValueError(
+            f"method {method.name!r} cannot compute {visual.visual.kind} segments (PH {visual.name!r}): "
+            "it prefills token ids only"
+        )
+    if spans and spans[-1].visual is not None:
+        raise ValueError(
+            f"the prompt ends with the {spans[-1].visual.kind} segment {spans[-1].name!r}; end it with text "
+            "(the last prompt token is generate's input id), e.g. PF('\\nAnswer:')"
+        )
