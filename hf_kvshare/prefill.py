@@ -78,7 +78,11 @@ def prefill_dense(
         return None
     device = model_input_device(model)
     positions = torch.arange(start, start + n, device=device)[None].expand(input_ids.shape[0], -1)
-    inputs = {"input_ids": input_ids.to(device)} if inputs_embeds is None else {"inputs_embeds": inputs_embeds.to(device)}
+    inputs = (
+        {"input_ids": input_ids.to(device)}
+        if inputs_embeds is None
+        else {"inputs_embeds": inputs_embeds.to(device)}
+    )
     with torch.no_grad():
         out = model(
             **inputs,
@@ -157,7 +161,9 @@ def prefill_parts(
         _per_segment(cache, model, parts, shifter, model_kwargs)
 
 
-def dense_embeds(model: torch.nn.Module, dense: list[CachePart], batch: int | None = None) -> torch.Tensor | None:
+def dense_embeds(
+    model: torch.nn.Module, dense: list[CachePart], batch: int | None = None
+) -> torch.Tensor | None:
     """The input embeddings ``[batch, n, hidden]`` of dense parts' tokens in order, where one of them
     carries its own (``CachePart.embeds``: an image's features); ``None`` when the ids alone give
     them all (the model embeds its ids itself). The other parts' rows are the model's input
@@ -228,7 +234,9 @@ def _per_segment(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
                 j += 1
             ids = torch.cat([p.token_ids for p in parts[i:j]], dim=-1)
             embeds = dense_embeds(model, parts[i:j])
-            prefill_dense(cache, model, ids, [p.segment for p in parts[i:j]], inputs_embeds=embeds, **model_kwargs)
+            prefill_dense(
+                cache, model, ids, [p.segment for p in parts[i:j]], inputs_embeds=embeds, **model_kwargs
+            )
             i = j
     except BaseException:
         cache.crop_to(start)

@@ -155,7 +155,9 @@ class Session:
         alias = self.aliases.get(spec.slot) or new_aliases.get(spec.slot)
         slot = self.slots.get(alias or spec.slot) or new_slots.get(alias or spec.slot)
         if slot is None and spec.visual is not None:  # an image / video (hf_kvshare.vision)
-            slot = new_slots[spec.slot] = visual_slot(self.model, self.processor, spec, {**self.slots, **new_slots})
+            slot = new_slots[spec.slot] = visual_slot(
+                self.model, self.processor, spec, {**self.slots, **new_slots}
+            )
             return slot
         if slot is None:
             if spec.text is None:

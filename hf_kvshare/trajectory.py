@@ -81,13 +81,14 @@ class PH:
         if len(given) > 1:
             raise ValueError(f"PH {self.slot!r}: give one of text, image or video; got {' and '.join(given)}")
         if self.video is not None and isinstance(self.video, (list, tuple)) and not self.video:
-            raise ValueError(f"PH {self.slot!r}: a video needs at least one frame; got an empty {type(self.video).__name__}")
+            raise ValueError(
+                f"PH {self.slot!r}: a video needs at least one frame; got an empty {type(self.video).__name__}"
+            )
         if self.kind is not None and self.kind not in GIVEN_KINDS:
             raise ValueError(
                 f"PH {self.slot!r}: kind must be one of {', '.join(map(repr, GIVEN_KINDS))} or None "
                 f"(agent outputs have no kind); got {self.kind!r}"
             )
-
 
     @property
     def visual(self) -> tuple[str, Any] | None:

@@ -338,7 +338,9 @@ class Turn:
         its tokens to compute (``placement=None``: dense). Counts nothing (:meth:`TurnStats.count`)."""
         if placement is None:
             embeds = None if span.visual is None else span.visual.embeds(self.model, self.batch_size)
-            return CachePart(self.segment_for(span, "dense"), token_ids=self.batch(span.token_ids), embeds=embeds)
+            return CachePart(
+                self.segment_for(span, "dense"), token_ids=self.batch(span.token_ids), embeds=embeds
+            )
         kv = placement.kv
         kv.check_finite(
             f"{'PH slot' if span.kind == 'PH' else 'PF segment'} {span.name!r} ({placement.provenance} from {placement.source_agent or 'its source'})"

@@ -104,7 +104,12 @@ STEPS = [
 # ------------------------------------------------------------------ a tiny LLaVA-OneVision
 #: the tiny VLM's vision tower: SigLIP, 2 layers, 32x32 images in 8x8 patches (16 features per patch)
 TINY_VISION = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
 )
 #: the anyres grid of the tiny image processor and model
 TINY_PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64]]

@@ -92,7 +92,10 @@ def context_free_reference(
 
 
 def reference_prefill(
-    model: torch.nn.Module, lead_ids: torch.Tensor, token_ids: torch.Tensor, embeds: torch.Tensor | None = None
+    model: torch.nn.Module,
+    lead_ids: torch.Tensor,
+    token_ids: torch.Tensor,
+    embeds: torch.Tensor | None = None,
 ) -> SegmentKV:
     """Prefill ``lead_ids + token_ids`` and return the K/V of ``token_ids`` only (batch 1, ``start =
     len(lead_ids)``): the leading context is kept during the prefill, then dropped (KVComm's
@@ -105,7 +108,9 @@ def reference_prefill(
     lead = lead_ids.numel()
     cache = SegmentedCache(model.config)
     inputs = input_embeds(model, [(lead_ids, None), (token_ids, embeds)])
-    prefill_dense(cache, model, torch.cat([lead_ids.to(token_ids.device), token_ids])[None], inputs_embeds=inputs)
+    prefill_dense(
+        cache, model, torch.cat([lead_ids.to(token_ids.device), token_ids])[None], inputs_embeds=inputs
+    )
     return cache.extract(lead, lead + token_ids.numel(), agent=REFERENCE)
 
 

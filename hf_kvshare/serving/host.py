@@ -128,6 +128,14 @@ def skeleton_model(model_dir: str | Path) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
+    if getattr(config, "vision_config", None) is not None:
+        # the connector matches segments by token ids: every image's placeholder tokens are the same
+        # ids, so two images would share one image's K/V. Images are shared in a Session (PH(image=)).
+        raise ServingError(
+            f"{config.model_type}: a vision-language model; serving shares text segments by their token "
+            "ids and cannot tell two images' placeholder tokens apart, so it refuses VLMs (share images "
+            "with a Session: PH(slot, image=...))"
+        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     rotary = find_rotary_module(model)

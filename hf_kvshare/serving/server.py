@@ -27,7 +27,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .host import DEFAULT_MAX_BYTES, DEFAULT_MAX_TASKS, check_serving_method, salt, serving_options
+from .host import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_TASKS,
+    check_serving_method,
+    salt,
+    serving_options,
+    skeleton_model,
+)
 from .middleware import ENV
 
 HOST = "127.0.0.1"
@@ -94,6 +101,8 @@ class Server:
         self.method = method
         self.salt = salt(instance)
         self.model_dir = str(model_dir)
+        if (Path(self.model_dir) / "config.json").is_file():  # what the connector will build, checked now
+            skeleton_model(self.model_dir)  # a VLM, a model without RoPE: ServingError before vLLM starts
         self.port = port or free_port()
         self.vllm_args = list(vllm_args or [])
         check_vllm_args(self.vllm_args)
