@@ -442,6 +442,35 @@ def calling_decoder(max_depth: int = 40) -> Any:
     return None
 
 
+def generating_input_ids(min_length: int, max_depth: int = 60) -> Any:
+    """The full ``input_ids`` ``[batch, length >= min_length]`` of the ``generate`` call on the call
+    stack: the innermost frame of a model with ``generate`` (its decoding loop or prefill, which hold
+    the whole sequence while the forward below sees only the uncached tail) whose local ``input_ids``
+    is an integer tensor that long; ``None`` when none is found (inputs_embeds, only new tokens fed,
+    compiled code). Lets a cache check on its first forward which prompt it is used with."""
+    import sys
+
+    import torch
+
+    frame = sys._getframe(1)
+    depth = 0
+    while frame is not None and depth < max_depth:
+        owner = frame.f_locals.get("self")
+        ids = frame.f_locals.get("input_ids")
+        if (
+            isinstance(owner, torch.nn.Module)
+            and callable(getattr(owner, "generate", None))
+            and isinstance(ids, torch.Tensor)
+            and ids.dim() == 2
+            and not ids.is_floating_point()
+            and ids.shape[-1] >= min_length
+        ):
+            return ids
+        frame = frame.f_back
+        depth += 1
+    return None
+
+
 def mask_query_length(args: tuple, kwargs: dict[str, Any]) -> int | None:
     """The query length a ``Cache.get_mask_sizes`` call is for: its first argument is the query length
     (transformers >= 5.4) or the ``cache_position`` tensor (before)."""
