@@ -277,6 +277,25 @@ def is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
+def active_tuner_adapters(model: Any) -> list[str]:
+    """The PEFT adapters that act in ``model``'s forward although ``model`` is not the ``PeftModel``
+    (the inner model of one: its tuner layers, ``peft.tuners.tuners_utils.BaseTunerLayer``, enabled
+    with active or merged adapters); empty when PEFT is not loaded or none acts."""
+    import sys
+
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    acting: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            acting.update(getattr(module, "merged_adapters", None) or [])
+            if not getattr(module, "disable_adapters", False):
+                acting.update(getattr(module, "active_adapters", None) or [])
+    return sorted(acting)
+
+
 def lora_variant_name(layer: Any, adapter: str) -> str | None:
     """Name of the LoRA variant ``adapter`` uses on ``layer`` (``"dora"``, ...) or ``None`` for plain LoRA."""
     if getattr(layer, "use_dora", {}).get(adapter, False):

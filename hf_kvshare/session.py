@@ -116,6 +116,11 @@ class Session:
             raise ValueError(
                 f"method {self.method.name!r} supports batch size 1 only; got batch_size={batch_size}"
             )
+        if output_slot is not None and (not isinstance(output_slot, str) or not output_slot):
+            raise ValueError(
+                f"output_slot must be a non-empty string (a PH slot name) or None, got {output_slot!r} "
+                f"({type(output_slot).__name__})"
+            )
         if is_messages(segments):
             segments = chat(self.tokenizer, segments)
         specs = validate_segments(segments)

@@ -431,3 +431,86 @@ def test_a_cache_refuses_a_prompt_it_was_not_built_for(tokenizer):
     )
     plain = model.generate(input_ids=prompt, max_new_tokens=3, num_beams=3, do_sample=False)
     assert out.shape == (2, prompt.shape[1] + 2) and torch.equal(beams, plain)
+
+
+# ---------------------------------------------------------------- issue 26, item 5: smaller items
+def test_chat_content_and_roles_are_checked(tokenizer):
+    from hf_kvshare import PF, PH, chat
+
+    with pytest.raises(TypeError, match="content must be a str, PF, PH or a list of them; got a dict"):
+        chat(tokenizer, [{"role": "user", "content": {"text": "hello", "extra": 1}}])
+    with pytest.raises(ValueError, match="role must be a string without the segment marker"):
+        chat(tokenizer, [{"role": "user\u27e6hfkv:0\u27e7", "content": [PH("q", "What?"), PF(" ok")]}])
+    segments = chat(tokenizer, [{"role": "user", "content": [PH("q", "What?"), " ok"]}])
+    assert [s.slot for s in segments if isinstance(s, PH)] == ["q"]
+
+
+def test_an_output_slot_is_a_non_empty_string(tokenizer):
+    session = Session(tiny_model("llama", seed=3), tokenizer, "fullshared")
+    for bad in (7, "", b"x"):
+        with pytest.raises(ValueError, match=f"output_slot must be a non-empty string.*got {bad!r}"):
+            session.run_turn(*STEPS[0], max_new_tokens=2, output_slot=bad)
+    assert session.slots == {}
+    assert session.run_turn(*STEPS[0], max_new_tokens=2, output_slot="first-out").output_slot == "first-out"
+
+
+@pytest.mark.parametrize(
+    "name, option", [("kvcmas", "eviction_window"), ("kvcomm", "eviction_window"), ("kvcmas", "capacity")]
+)
+def test_a_bool_is_not_an_int_option(name, option):
+    with pytest.raises(ValueError, match=f"{option} must be an int.*got True"):
+        METHODS[name](**{option: True})
+
+
+def test_a_prompt_agent_on_the_inner_model_of_a_peft_model_is_refused(tokenizer):
+    """The inner model of a PeftModel runs its active adapter: refused, unless the adapters are
+    disabled through PEFT (then it is the base model, token for token)."""
+    from lora_helpers import lora_model
+
+    model, plain = lora_model(keep_base=True)
+    inner = model.get_base_model()
+    with pytest.raises(ValueError, match=r"adapter\(s\) \['plan'\] acting.*disable_adapter"):
+        Session(inner, tokenizer, "nonshared").run_turn(*STEPS[0], max_new_tokens=3)
+    with model.disable_adapter():
+        got = Session(inner, tokenizer, "nonshared").run_turn(*STEPS[0], max_new_tokens=3).output_ids
+    expected = Session(plain, tokenizer, "nonshared").run_turn(*STEPS[0], max_new_tokens=3).output_ids
+    assert torch.equal(got, expected)
+
+
+def test_peft_agents_from_two_threads_at_once_are_refused(tokenizer):
+    """One PeftModel's active adapter is model-wide: a second thread's turn while one runs is refused
+    loudly (it silently ran with the other thread's adapter); one after another they run."""
+    from lora_helpers import lora_model
+
+    from hf_kvshare.agents import agent_adapter
+
+    model = lora_model()
+    segments = STEPS[0][1]
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def hold():
+        with agent_adapter(model, "act"):
+            inside.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(60)
+    try:
+        with pytest.raises(RuntimeError, match="another thread.*cannot run concurrently"):
+            Session(model, tokenizer, "nonshared").run_turn("plan", segments, max_new_tokens=2)
+    finally:
+        release.set()
+        holder.join()
+    expected = Session(model, tokenizer, "nonshared").run_turn("plan", segments, max_new_tokens=2).output_ids
+
+    def later():
+        try:
+            errors.append(Session(model, tokenizer, "nonshared").run_turn("plan", segments, max_new_tokens=2))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    thread.join()
+    assert torch.equal(errors[0].output_ids, expected)

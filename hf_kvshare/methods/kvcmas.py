@@ -234,7 +234,7 @@ class KVCMAS(PrefixReuse, Method):
         self.check_prefix_reuse()
         check_rank("base_rank", self.base_rank)
         check_rank("delta_rank", self.delta_rank)
-        if not isinstance(self.capacity, int) or self.capacity < 2:
+        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 2:
             raise ValueError(
                 f"capacity must be an int >= 2 (the gate needs two compatible anchors), got {self.capacity!r}"
             )
@@ -246,8 +246,14 @@ class KVCMAS(PrefixReuse, Method):
                 raise ValueError(
                     f"{self.name}: {knob} must be a finite real number > 0, got {value!r} ({type(value).__name__})"
                 )
-        if not isinstance(self.eviction_window, int) or self.eviction_window < 1:
-            raise ValueError(f"eviction_window must be an int >= 1, got {self.eviction_window!r}")
+        if (
+            isinstance(self.eviction_window, bool)
+            or not isinstance(self.eviction_window, int)
+            or self.eviction_window < 1
+        ):
+            raise ValueError(
+                f"eviction_window must be an int >= 1, got {self.eviction_window!r} ({type(self.eviction_window).__name__})"
+            )
         for knob, choices in CHOICES.items():
             if getattr(self, knob) not in choices:
                 raise ValueError(
