@@ -512,3 +512,11 @@ def test_peft_agents_from_two_threads_at_once_are_refused(tokenizer):
     thread.start()
     thread.join()
     assert torch.equal(errors[0].output_ids, expected)
+
+
+def test_a_repeated_method_option_is_refused():
+    from hf_kvshare.bench.methods import MethodSpec
+
+    with pytest.raises(ValueError, match="method option 'tau' is given twice in 'kvcmas:tau=0.3,tau=0.9'"):
+        MethodSpec.parse("kvcmas:tau=0.3,tau=0.9")
+    assert MethodSpec.parse("kvcmas:tau=0.3,capacity=4").kwargs == {"tau": 0.3, "capacity": 4}
