@@ -277,6 +277,25 @@ def is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
+def active_tuner_adapters(model: Any) -> list[str]:
+    """The PEFT adapters that act in ``model``'s forward although ``model`` is not the ``PeftModel``
+    (the inner model of one: its tuner layers, ``peft.tuners.tuners_utils.BaseTunerLayer``, enabled
+    with active or merged adapters); empty when PEFT is not loaded or none acts."""
+    import sys
+
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    acting: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            acting.update(getattr(module, "merged_adapters", None) or [])
+            if not getattr(module, "disable_adapters", False):
+                acting.update(getattr(module, "active_adapters", None) or [])
+    return sorted(acting)
+
+
 def lora_variant_name(layer: Any, adapter: str) -> str | None:
     """Name of the LoRA variant ``adapter`` uses on ``layer`` (``"dora"``, ...) or ``None`` for plain LoRA."""
     if getattr(layer, "use_dora", {}).get(adapter, False):
@@ -437,6 +456,35 @@ def calling_decoder(max_depth: int = 40) -> Any:
             and hasattr(owner, "get_input_embeddings")
         ):
             return owner
+        frame = frame.f_back
+        depth += 1
+    return None
+
+
+def generating_input_ids(min_length: int, max_depth: int = 60) -> Any:
+    """The full ``input_ids`` ``[batch, length >= min_length]`` of the ``generate`` call on the call
+    stack: the innermost frame of a model with ``generate`` (its decoding loop or prefill, which hold
+    the whole sequence while the forward below sees only the uncached tail) whose local ``input_ids``
+    is an integer tensor that long; ``None`` when none is found (inputs_embeds, only new tokens fed,
+    compiled code). Lets a cache check on its first forward which prompt it is used with."""
+    import sys
+
+    import torch
+
+    frame = sys._getframe(1)
+    depth = 0
+    while frame is not None and depth < max_depth:
+        owner = frame.f_locals.get("self")
+        ids = frame.f_locals.get("input_ids")
+        if (
+            isinstance(owner, torch.nn.Module)
+            and callable(getattr(owner, "generate", None))
+            and isinstance(ids, torch.Tensor)
+            and ids.dim() == 2
+            and not ids.is_floating_point()
+            and ids.shape[-1] >= min_length
+        ):
+            return ids
         frame = frame.f_back
         depth += 1
     return None

@@ -12,6 +12,8 @@ require grad):
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from ._compat import (
+    active_tuner_adapters,
     is_peft_model,
     peft_wrapping_warnings_silenced,
     restore_active_adapters,
@@ -88,22 +91,60 @@ def agent_adapter(model: nn.Module, agent: str) -> Iterator[None]:
     ...     peft_model.generate(...)
     """
     if not is_peft_model(model):
+        acting = active_tuner_adapters(model)
+        if acting:
+            raise ValueError(
+                f"this {type(model).__name__} holds PEFT adapter layers with adapter(s) {acting} acting (the "
+                f"inner model of a PeftModel), so agent {agent!r} would run with them, not as a prompt-only "
+                "agent. Pass the PeftModel itself (agents are its adapters), or run inside "
+                "`with peft_model.disable_adapter():` for the base model"
+            )
         yield
         return
     check_agent_adapter(model, agent)
-    previous = list(model.active_adapters)
-    if previous == [agent]:
-        yield
-        return
-    grads = {name: p.requires_grad for name, p in model.named_parameters() if "lora_" in name}
-    set_active_adapter(model, agent)
+    with _one_thread(model):
+        previous = list(model.active_adapters)
+        if previous == [agent]:
+            yield
+            return
+        grads = {name: p.requires_grad for name, p in model.named_parameters() if "lora_" in name}
+        set_active_adapter(model, agent)
+        try:
+            yield
+        finally:
+            restore_active_adapters(model, previous)
+            for name, p in model.named_parameters():
+                if name in grads and p.requires_grad != grads[name]:
+                    p.requires_grad_(grads[name])
+
+
+_USERS_LOCK = threading.Lock()
+#: PeftModel -> (thread ident, depth) of the agent block running on it
+_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def _one_thread(model: nn.Module) -> Iterator[None]:
+    """Refuse a second thread's agent block on a PeftModel while one runs: the active adapter is one
+    model-wide setting, so two threads' agents would run with each other's adapters."""
+    me = threading.get_ident()
+    with _USERS_LOCK:
+        owner, depth = _USERS.get(model, (me, 0))
+        if owner != me:
+            raise RuntimeError(
+                f"this PeftModel is running an agent's turn in another thread (thread {owner}); its active adapter "
+                "is one setting for the whole model, so agents on one PeftModel cannot run concurrently: run "
+                "them one after another, or give each thread its own model"
+            )
+        _USERS[model] = (me, depth + 1)
     try:
         yield
     finally:
-        restore_active_adapters(model, previous)
-        for name, p in model.named_parameters():
-            if name in grads and p.requires_grad != grads[name]:
-                p.requires_grad_(grads[name])
+        with _USERS_LOCK:
+            if depth == 0:
+                _USERS.pop(model, None)
+            else:
+                _USERS[model] = (me, depth)
 
 
 def activate_adapter(model: Any, adapter: str) -> None:

@@ -15,6 +15,7 @@ Storage only, as transformers' caches are: the model is run over a cache by
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -520,16 +521,27 @@ class SharedCache(SegmentedCache):
         self.prompt_length: int | None = None  # full prompt length the cache was built for
         self._sealed_length: int | None = None
         self._generating = False
+        #: sha256 of the token ids the cache holds (``seal(token_ids=)``): checked on the first forward
+        self.token_digest: str | None = None
 
-    def seal(self, prompt_length: int) -> None:
-        """Mark the cache as built for a prompt of ``prompt_length`` tokens."""
+    def seal(self, prompt_length: int, token_ids: torch.Tensor | None = None) -> None:
+        """Mark the cache as built for a prompt of ``prompt_length`` tokens; with ``token_ids`` (the
+        prompt, ``[P]``, on the host) it records a digest of the ids it holds, and ``generate`` over
+        other ids (another prompt of the same length, a batch of prompts it was not built for) is
+        refused on its first forward."""
         if self.get_seq_length() >= prompt_length:
             raise ValueError(
                 f"the cache holds {self.get_seq_length()} tokens of a {prompt_length}-token prompt; generate needs "
                 "at least the last prompt token left out (it would otherwise re-feed the whole prompt)"
             )
+        held = self.get_seq_length()
+        if token_ids is not None:
+            token_ids = token_ids.reshape(-1)
+            if token_ids.numel() != prompt_length:
+                raise ValueError(f"seal: {token_ids.numel()} token ids for a {prompt_length}-token prompt")
+        self.token_digest = None if token_ids is None else token_digest(token_ids[:held])
         self.prompt_length = prompt_length
-        self._sealed_length = self.get_seq_length()
+        self._sealed_length = held
         self._generating = False
 
     @property
@@ -552,6 +564,7 @@ class SharedCache(SegmentedCache):
         if self._sealed_length is not None and layer_idx == 0:
             if not self._generating:
                 self._check_caller()
+                self._check_tokens(key_states.shape[0])
                 self._expand_for(key_states.shape[0])
             self._generating = True
 
@@ -579,6 +592,38 @@ class SharedCache(SegmentedCache):
         decoder = _compat.calling_decoder()
         if decoder is not None:
             self.check_model(decoder)
+
+    def _check_tokens(self, batch: int) -> None:
+        """On the first forward over the built cache: refuse ``generate`` over token ids other than the
+        ones the cache holds (every row of its ``input_ids``, found on the call stack, must begin with
+        them: a batch of other prompts is refused, ``generate``'s copies of the prompt for beams /
+        ``num_return_sequences`` pass). Without a recorded digest nothing is checked; a cache used
+        with a batch it cannot verify is refused rather than silently copied."""
+        if self.token_digest is None or _compat.is_tracing():
+            return
+        held = self._sealed_length or 0
+        ours = self._stored_batch()
+        ids = _compat.generating_input_ids(held + 1) if held else None
+        if ids is None:
+            if ours is not None and batch != ours:
+                raise ValueError(
+                    f"this {type(self).__name__} was built for batch size {ours} (one prompt) and is fed a batch "
+                    f"of {batch} whose token ids cannot be checked; pass the prompt it was built for as input_ids"
+                )
+            return
+        rows = ids[:, :held].to("cpu")
+        for row in range(rows.shape[0]):
+            if token_digest(rows[row]) != self.token_digest:
+                raise ValueError(
+                    f"this {type(self).__name__} holds the K/V of {held} tokens of another prompt than row {row} of "
+                    f"the input_ids ({rows.shape[0]} rows of {ids.shape[-1]} tokens) generate is given: its first "
+                    f"{held} token ids differ from the ones the cache was built for (digest {self.token_digest[:12]}). "
+                    "A cache is built for one prompt: build one per prompt (Session.build_cache)"
+                )
+
+    def _stored_batch(self) -> int | None:
+        keys = getattr(self.layers[0], "keys", None) if self.layers else None
+        return keys.shape[0] if isinstance(keys, torch.Tensor) and keys.numel() else None
 
     def _position_message(self, length: int, n: int, first: int, last: int) -> str:
         message = super()._position_message(length, n, first, last)
@@ -618,6 +663,12 @@ class SharedCache(SegmentedCache):
         super().reset()
         self._sealed_length = None
         self._generating = False
+
+
+def token_digest(token_ids: torch.Tensor) -> str:
+    """sha256 of token ids (as int64, in order): what a :class:`SharedCache` records of its prompt."""
+    ids = token_ids.detach().reshape(-1).to("cpu", torch.int64).contiguous()
+    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()
 
 
 def _keep_sliding_layers_whole(cache: DynamicCache) -> None:

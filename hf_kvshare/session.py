@@ -21,6 +21,7 @@ import torch
 from ._compat import cache_kwargs
 from .agents import agent_adapter
 from .cache import SharedCache
+from .generate_options import GenerateOptions, check_attention_mask, generate_options
 from .measure import FirstTokenTimer, PeakMemory, Phases, TensorPeak, synchronize, timing, turn_phases
 from .method import Method, get_method
 from .prefill import model_input_device, prefill_dense
@@ -120,6 +121,11 @@ class Session:
         if batch_size > 1 and not self.method.supports_batch:
             raise ValueError(
                 f"method {self.method.name!r} supports batch size 1 only; got batch_size={batch_size}"
+            )
+        if output_slot is not None and (not isinstance(output_slot, str) or not output_slot):
+            raise ValueError(
+                f"output_slot must be a non-empty string (a PH slot name) or None, got {output_slot!r} "
+                f"({type(output_slot).__name__})"
             )
         if is_messages(segments):
             segments = chat(self.tokenizer, segments)
@@ -237,7 +243,7 @@ class Session:
         turn.stats.ph_tokens = sum(s.length for s in turn.spans if s.kind == "PH")
         cache = self.method.build(turn)
         cache.bind_model(self.model)  # a cache refuses any other model (see SegmentedCache.check_model)
-        cache.seal(turn.prompt_length)
+        cache.seal(turn.prompt_length, token_ids=turn.prompt_ids)  # generate over other ids is refused
         return cache
 
     # ------------------------------------------------------------------ turns
@@ -246,7 +252,7 @@ class Session:
         agent: str,
         segments: Any,
         *,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         output_slot: str | None = None,
         force_output: torch.Tensor | list[int] | None = None,
         keep_cache: bool = False,
@@ -261,7 +267,23 @@ class Session:
         free-running turns.
 
         A turn that raises leaves the session's slots as they were.
+
+        ``max_new_tokens`` (default: the ``generation_config``'s, else 64) and ``generate_kwargs`` (a
+        ``generation_config``, its fields, ``generate``'s arguments) reach ``generate`` as given, the
+        session's default being one greedy sequence; what the session cannot honour (beams, several
+        sequences, dict outputs, its own inputs) is refused before any work
+        (:func:`~hf_kvshare.generate_options.generate_options`).
         """
+        if force_output is not None and generate_kwargs:
+            raise ValueError(
+                f"run_turn: force_output= teacher-forces the given tokens, so the generation options "
+                f"{sorted(generate_kwargs)} would not apply; pass one or the other"
+            )
+        options = (
+            None
+            if force_output is not None
+            else generate_options(self.model, max_new_tokens, generate_kwargs)
+        )
         with self._rollback():
             turn = self.prepare_turn(agent, segments, output_slot)
             turn.keep_cache = keep_cache
@@ -269,14 +291,9 @@ class Session:
                 if force_output is not None:
                     force_output = self._check_forced(force_output)
                     max_new_tokens = force_output.numel()
-                elif (
-                    isinstance(max_new_tokens, bool)
-                    or not isinstance(max_new_tokens, int)
-                    or max_new_tokens < 1
-                ):
-                    raise ValueError(
-                        f"max_new_tokens must be an int >= 1, got {max_new_tokens!r} ({type(max_new_tokens).__name__})"
-                    )
+                else:
+                    max_new_tokens = options.max_new_tokens
+                    check_attention_mask(options.attention_mask, turn.batch_size, turn.prompt_length)
                 self._check_length(turn, max_new_tokens)
                 device = self.device
                 prompt = turn.prompt_ids.to(device)
@@ -291,9 +308,7 @@ class Session:
                     turn.stats.tokens_prefilled += turn.prompt_length - cache.get_seq_length()
                     with self.method.generation_context(turn):
                         if force_output is None:
-                            output_ids, t_first = self._generate(
-                                turn, prompt, cache, max_new_tokens, generate_kwargs
-                            )
+                            output_ids, t_first = self._generate(turn, prompt, cache, options)
                         else:
                             output_ids, t_first, logits = self._teacher_force(
                                 turn, prompt, cache, force_output.to(device)
@@ -356,25 +371,18 @@ class Session:
             raise ValueError(f"force_output ids must be in [0, {vocab}) (the model's vocabulary); got {bad}")
         return ids
 
-    def _generate(self, turn, prompt, cache, max_new_tokens, generate_kwargs):
+    def _generate(self, turn, prompt, cache, options: GenerateOptions):
         timer = FirstTokenTimer(prompt.device)
         method_kwargs = {**self.method.forward_kwargs(turn), **self.method.generate_kwargs(turn)}
-        processors = list(generate_kwargs.pop("logits_processor", None) or [])
-        processors += list(method_kwargs.pop("logits_processor", None) or []) + [timer]
-        kwargs = {"do_sample": False, **generate_kwargs, **method_kwargs}
-        if kwargs.get("num_return_sequences", 1) != 1 or kwargs.get("num_beams", 1) != 1:
-            raise ValueError(
-                "Session.run_turn generates one sequence; use build_cache + generate for beams/samples"
-            )
+        processors = options.processors + list(method_kwargs.pop("logits_processor", None) or []) + [timer]
         inputs = turn.batch(prompt).contiguous()
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=inputs,
                 attention_mask=torch.ones_like(inputs),
-                max_new_tokens=max_new_tokens,
                 logits_processor=processors,
                 **cache_kwargs(cache),
-                **kwargs,
+                **{**options.kwargs, **method_kwargs},
             )
         generated = out[0, prompt.numel() :]
         return self._strip_eos(generated), timer.first_call

@@ -127,6 +127,7 @@ class Span:
         return self.token_ids.numel()
 
 
+_SENTINEL_MARK = "\u27e6hfkv:"
 _SENTINEL = "\u27e6hfkv:{}\u27e7"
 _SENTINEL_RE = re.compile("\u27e6hfkv:(\\d+)\u27e7")
 
@@ -153,7 +154,16 @@ def chat(
     for message in messages:
         if "role" not in message or "content" not in message:
             raise ValueError(f"each message needs 'role' and 'content'; got keys {sorted(message)}")
-        content = message["content"]
+        content, role = message["content"], message["role"]
+        if not isinstance(role, str) or _SENTINEL_MARK in role:
+            raise ValueError(
+                f"a message role must be a string without the segment marker {_SENTINEL_MARK!r}...; got {role!r}"
+            )
+        if not isinstance(content, (str, PF, PH, list, tuple)):
+            raise TypeError(
+                f"message content must be a str, PF, PH or a list of them; got a {type(content).__name__} "
+                f"({content!r:.60})"
+            )
         items = [content] if isinstance(content, (str, PF, PH)) else list(content)
         text = ""
         for item in items:
@@ -167,6 +177,13 @@ def chat(
     rendered = tokenizer.apply_chat_template(
         rendered_messages, tokenize=False, add_generation_prompt=add_generation_prompt
     )
+    found = [int(m.group(1)) for m in _SENTINEL_RE.finditer(rendered)]
+    if found != list(range(len(parts))):
+        raise ValueError(
+            f"the chat template rendered the segment markers {found} for segments 0..{len(parts) - 1}: a message "
+            f"field or the template itself holds the marker text {_SENTINEL_MARK!r} (or the template drops or "
+            "repeats message content), so the segments cannot be placed exactly"
+        )
     segments: list[SegmentSpec] = []
     pos = 0
     for match in _SENTINEL_RE.finditer(rendered):

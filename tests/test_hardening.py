@@ -257,7 +257,7 @@ def test_bad_segments_and_arguments_say_what_was_expected(tokenizer):
     session = Session(model, tokenizer, "fullshared")
     with pytest.raises(ValueError, match=r"batch_size must be an int >= 1, got 2.5 \(float\)"):
         session.build_cache(*STEPS[0], batch_size=2.5)
-    for bad in (None, 1.5, 0, True):
+    for bad in ("8", 1.5, 0, True):  # None: the generation_config's, else 64
         with pytest.raises(ValueError, match=rf"max_new_tokens must be an int >= 1, got {bad!r}"):
             session.run_turn(*STEPS[0], max_new_tokens=bad)
     with pytest.raises(ValueError, match=r"force_output ids must be in \[0, 49152\).*\[49152, -1\]"):
@@ -306,3 +306,217 @@ def test_generate_on_a_consumed_cache_with_a_one_token_prompt_is_refused(tokeniz
     model.generate(input_ids=prompt, **cache_kwargs(cache), max_new_tokens=2, do_sample=False)
     with pytest.raises(PositionMismatchError, match="no token to feed.*already used by a generate call"):
         model.generate(input_ids=prompt, **cache_kwargs(cache), max_new_tokens=2, do_sample=False)
+
+
+# ---------------------------------------------------------------- issue 26, item 3: generate options
+def _no_build(session):
+    """Make building the cache fail loudly: a refusal that comes after any work shows as this error."""
+
+    def build(turn):
+        raise AssertionError("the cache was built before the refusal")
+
+    session.method.build = build
+    return session
+
+
+def test_a_generation_config_that_samples_samples(tokenizer):
+    """``generation_config=GenerationConfig(do_sample=True, ...)`` samples (it decoded greedily): with
+    a seed, the turn gives the tokens plain ``generate`` samples with that seed; another seed others."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("llama", seed=3)
+    config = GenerationConfig(do_sample=True, temperature=2.0, top_k=0, max_new_tokens=8)
+    greedy = Session(model, tokenizer, "nonshared").run_turn(*STEPS[0], max_new_tokens=8).output_ids.tolist()
+    sampled = []
+    for seed in (0, 1, 2):
+        session = Session(model, tokenizer, "nonshared")
+        _, prompt = session.build_cache(*STEPS[0])
+        torch.manual_seed(seed)
+        plain = model.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=config
+        )
+        torch.manual_seed(seed)
+        got = session.run_turn(*STEPS[0], generation_config=config).output_ids.tolist()
+        assert got == plain[0, prompt.shape[1] :].tolist()
+        sampled.append(got)
+    assert any(s != greedy for s in sampled) and len({tuple(s) for s in sampled}) > 1
+    limited = Session(model, tokenizer, "nonshared").run_turn(
+        *STEPS[0], generation_config=GenerationConfig(max_new_tokens=3)
+    )
+    assert limited.output_ids.tolist() == greedy[:3]  # its max_new_tokens, the session's greedy default
+
+
+def test_an_all_ones_attention_mask_reaches_generate_as_meant(tokenizer):
+    model = tiny_model("llama", seed=3)
+    session = Session(model, tokenizer, "fullshared")
+    _, prompt = session.build_cache(*STEPS[0])
+    expected = Session(model, tokenizer, "fullshared").run_turn(*STEPS[0], max_new_tokens=4).output_ids
+    for mask in (torch.ones_like(prompt), torch.ones(prompt.shape[1], dtype=torch.long)):
+        got = Session(model, tokenizer, "fullshared").run_turn(
+            *STEPS[0], max_new_tokens=4, attention_mask=mask
+        )
+        assert torch.equal(got.output_ids, expected)
+
+
+def _refusals(prompt_length):
+    from transformers import GenerationConfig
+
+    return [
+        (
+            dict(generation_config=GenerationConfig(num_beams=3)),
+            r"one sequence.*num_beams=3 \(in the generation_config\)",
+        ),
+        (dict(num_beams=2), "one sequence.*num_beams=2"),
+        (dict(num_return_sequences=2, do_sample=True), "one sequence.*num_return_sequences=2"),
+        (dict(return_dict_in_generate=True), "not generate's dict outputs.*return_dict_in_generate=True"),
+        (dict(generation_config=GenerationConfig(output_scores=True)), "dict outputs.*output_scores=True"),
+        (dict(attention_mask=torch.tensor([[0] + [1] * (prompt_length - 1)])), r"all ones.*with 1 zeros"),
+        (
+            dict(attention_mask=torch.ones(1, prompt_length + 2)),
+            rf"shape \[1, {prompt_length}\]; got shape \[1, {prompt_length + 2}\]",
+        ),
+        (dict(generation_config={"do_sample": True}), "must be a transformers.GenerationConfig, got dict"),
+        (dict(input_ids=torch.ones(1, 3, dtype=torch.long)), "run_turn sets input_ids itself"),
+        (dict(past_key_values=None), "run_turn sets past_key_values itself"),
+        (dict(max_length=10), "max_new_tokens=, not max_length=10"),
+        (dict(temprature=0.5), "'temprature' is neither a GenerationConfig field"),
+        (dict(force_output=[5, 6], do_sample=True), r"force_output= teacher-forces.*\['do_sample'\]"),
+    ]
+
+
+def test_generate_options_run_turn_cannot_honour_are_refused_before_any_work(tokenizer):
+    model = tiny_model("llama", seed=3)
+    _, prompt = Session(model, tokenizer, "fullshared").build_cache(*STEPS[0])
+    for options, message in _refusals(prompt.shape[1]):
+        session = _no_build(Session(model, tokenizer, "fullshared"))
+        with pytest.raises(ValueError, match=message):
+            session.run_turn(*STEPS[0], **options)
+        assert session.slots == {} and session.turns == []
+
+
+def test_a_cache_refuses_a_prompt_it_was_not_built_for(tokenizer):
+    """A cache records a digest of the token ids it holds: generate over another prompt of the same
+    length, or a batch of two prompts for a batch-1 cache, is refused on the first forward (before it
+    writes anything); generate's own copies of the prompt (beams, several samples) pass."""
+    model = tiny_model("llama", seed=3)
+    session = Session(model, tokenizer, "fullshared")
+    cache, prompt = session.build_cache(*STEPS[0])
+    other = prompt.clone()
+    other[0, 2] = (other[0, 2] + 1) % 49152  # same length, one early token different, same tail
+    held = cache.get_seq_length()
+    for ids, message in (
+        (other, "another prompt than row 0"),
+        (torch.cat([prompt, other]), "another prompt than row 1"),
+    ):
+        used = cache.copy()
+        with pytest.raises(ValueError, match=message):
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=2,
+                do_sample=False,
+                **cache_kwargs(used),
+            )
+        assert used.get_seq_length() == held  # refused before the forward wrote anything
+    twice = torch.cat([prompt, prompt])  # copies of the prompt it was built for
+    out = model.generate(
+        input_ids=twice,
+        attention_mask=torch.ones_like(twice),
+        max_new_tokens=2,
+        do_sample=False,
+        **cache_kwargs(cache.copy()),
+    )
+    beams = model.generate(
+        input_ids=prompt, max_new_tokens=3, num_beams=3, do_sample=False, **cache_kwargs(cache.copy())
+    )
+    plain = model.generate(input_ids=prompt, max_new_tokens=3, num_beams=3, do_sample=False)
+    assert out.shape == (2, prompt.shape[1] + 2) and torch.equal(beams, plain)
+
+
+# ---------------------------------------------------------------- issue 26, item 5: smaller items
+def test_chat_content_and_roles_are_checked(tokenizer):
+    from hf_kvshare import PF, PH, chat
+
+    with pytest.raises(TypeError, match="content must be a str, PF, PH or a list of them; got a dict"):
+        chat(tokenizer, [{"role": "user", "content": {"text": "hello", "extra": 1}}])
+    with pytest.raises(ValueError, match="role must be a string without the segment marker"):
+        chat(tokenizer, [{"role": "user\u27e6hfkv:0\u27e7", "content": [PH("q", "What?"), PF(" ok")]}])
+    segments = chat(tokenizer, [{"role": "user", "content": [PH("q", "What?"), " ok"]}])
+    assert [s.slot for s in segments if isinstance(s, PH)] == ["q"]
+
+
+def test_an_output_slot_is_a_non_empty_string(tokenizer):
+    session = Session(tiny_model("llama", seed=3), tokenizer, "fullshared")
+    for bad in (7, "", b"x"):
+        with pytest.raises(ValueError, match=f"output_slot must be a non-empty string.*got {bad!r}"):
+            session.run_turn(*STEPS[0], max_new_tokens=2, output_slot=bad)
+    assert session.slots == {}
+    assert session.run_turn(*STEPS[0], max_new_tokens=2, output_slot="first-out").output_slot == "first-out"
+
+
+@pytest.mark.parametrize("name, option", [("kvcmas", "eviction_window"), ("kvcomm", "eviction_window")])
+def test_a_bool_is_not_an_int_option(name, option):
+    with pytest.raises(ValueError, match=f"{option} must be an int.*got True"):
+        METHODS[name](**{option: True})
+
+
+def test_a_prompt_agent_on_the_inner_model_of_a_peft_model_is_refused(tokenizer):
+    """The inner model of a PeftModel runs its active adapter: refused, unless the adapters are
+    disabled through PEFT (then it is the base model, token for token)."""
+    from lora_helpers import lora_model
+
+    model, plain = lora_model(keep_base=True)
+    inner = model.get_base_model()
+    with pytest.raises(ValueError, match=r"adapter\(s\) \['plan'\] acting.*disable_adapter"):
+        Session(inner, tokenizer, "nonshared").run_turn(*STEPS[0], max_new_tokens=3)
+    with model.disable_adapter():
+        got = Session(inner, tokenizer, "nonshared").run_turn(*STEPS[0], max_new_tokens=3).output_ids
+    expected = Session(plain, tokenizer, "nonshared").run_turn(*STEPS[0], max_new_tokens=3).output_ids
+    assert torch.equal(got, expected)
+
+
+def test_peft_agents_from_two_threads_at_once_are_refused(tokenizer):
+    """One PeftModel's active adapter is model-wide: a second thread's turn while one runs is refused
+    loudly (it silently ran with the other thread's adapter); one after another they run."""
+    from lora_helpers import lora_model
+
+    from hf_kvshare.agents import agent_adapter
+
+    model = lora_model()
+    segments = STEPS[0][1]
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def hold():
+        with agent_adapter(model, "act"):
+            inside.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(60)
+    try:
+        with pytest.raises(RuntimeError, match="another thread.*cannot run concurrently"):
+            Session(model, tokenizer, "nonshared").run_turn("plan", segments, max_new_tokens=2)
+    finally:
+        release.set()
+        holder.join()
+    expected = Session(model, tokenizer, "nonshared").run_turn("plan", segments, max_new_tokens=2).output_ids
+
+    def later():
+        try:
+            errors.append(Session(model, tokenizer, "nonshared").run_turn("plan", segments, max_new_tokens=2))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    thread.join()
+    assert torch.equal(errors[0].output_ids, expected)
+
+
+def test_a_repeated_method_option_is_refused():
+    from hf_kvshare.bench.methods import MethodSpec
+
+    with pytest.raises(ValueError, match="method option 'tau' is given twice in 'kvcmas:tau=0.3,tau=0.9'"):
+        MethodSpec.parse("kvcmas:tau=0.3,tau=0.9")
+    assert MethodSpec.parse("kvcmas:tau=0.3,capacity=4").kwargs == {"tau": 0.3, "capacity": 4}

@@ -12,6 +12,7 @@ from tiny import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, Session
 from hf_kvshare.identity import model_fingerprint
+from hf_kvshare.persistence import CHECKSUM, state_checksum
 
 AGENTS = ["planner", "designer", "coder"]
 QUERIES = [
@@ -43,6 +44,29 @@ def request(model, tok, method, query):
             )
         )
     return got
+
+
+def read_saved(directory):
+    """(header, tensors) of a saved state, as written."""
+    from safetensors.torch import load_file
+
+    return json.loads((directory / "state.json").read_text()), load_file(str(directory / "state.safetensors"))
+
+
+def write_saved(directory, header, tensors, reseal=True):
+    """Write a state's files as given. ``reseal``: with a checksum computed over them (what a forger
+    who recomputes the sha256 writes: the checks behind the checksum must refuse it); else as format
+    1, written before checksums existed (no checksum in either file)."""
+    from safetensors.torch import save_file
+
+    header = {k: v for k, v in header.items() if k != CHECKSUM}
+    if reseal:
+        header[CHECKSUM] = state_checksum(header, tensors)
+        save_file(tensors, str(directory / "state.safetensors"), metadata={CHECKSUM: header[CHECKSUM]})
+    else:
+        header["format"] = 1
+        save_file(tensors, str(directory / "state.safetensors"))
+    (directory / "state.json").write_text(json.dumps(header))
 
 
 STATEFUL = {
@@ -111,9 +135,12 @@ def test_refusals_are_clear_and_change_nothing(tiny_llama, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="holds no saved method state"):
         method.load_state(tmp_path / "missing")
     before = method.state_bytes()
-    header = json.loads((tmp_path / "s" / "state.json").read_text())
+    header, tensors = read_saved(tmp_path / "s")
     header["meta"]["pools"][0]["anchors"][0]["base"]["keys"][0] = ["t999999"]
     (tmp_path / "s" / "state.json").write_text(json.dumps(header))
+    with pytest.raises(ValueError, match="does not match its checksum"):
+        method.load_state(tmp_path / "s")
+    write_saved(tmp_path / "s", header, tensors)  # the checksum recomputed: the content check refuses it
     with pytest.raises(ValueError, match="t999999"):
         method.load_state(tmp_path / "s")
     assert method.state_bytes() == before
@@ -130,13 +157,13 @@ def test_states_saved_before_delta_frames_load_only_into_the_canonical_frame(tin
     old = METHODS["kvcmas"](tau=1.0, delta_frame="canonical")
     request(tiny_llama, tokenizer, old, QUERIES[0])
     old.save_state(tmp_path / "s")
-    header = json.loads((tmp_path / "s" / "state.json").read_text())
+    header, tensors = read_saved(tmp_path / "s")
     for pool in header["meta"]["pools"]:
         for anchor in pool["anchors"]:
             for key in ("frame", "base_start", "prefix_deltas"):
                 del anchor[key]
     del header["options"]["delta_frame"], header["options"]["key_frame"], header["options"]["prefix_delta"]
-    (tmp_path / "s" / "state.json").write_text(json.dumps(header))
+    write_saved(tmp_path / "s", header, tensors, reseal=False)  # as written before delta frames (format 1)
     method = METHODS["kvcmas"](tau=1.0)
     request(tiny_llama, tokenizer, method, QUERIES[1])
     before = (method.state_bytes(), method.state_summary())
@@ -147,7 +174,7 @@ def test_states_saved_before_delta_frames_load_only_into_the_canonical_frame(tin
     restored.load_state(tmp_path / "s")
     assert restored.state_bytes() == old.state_bytes()
     header["options"].update(delta_frame="writer", key_frame="canonical", prefix_delta=False)
-    (tmp_path / "s" / "state.json").write_text(json.dumps(header))
+    write_saved(tmp_path / "s", header, tensors, reseal=False)
     with pytest.raises(ValueError, match="deltas in the canonical frame.*kvcmas:delta_frame=canonical"):
         method.load_state(tmp_path / "s")
     assert (method.state_bytes(), method.state_summary()) == before
@@ -253,9 +280,9 @@ def test_states_saved_before_fullshared_recorded_its_options_still_load(tiny_lla
         request(tiny_llama, tokenizer, original, query)
     assert original.state_bytes() > 0
     original.save_state(tmp_path / "kept")
-    header = json.loads((tmp_path / "kept" / "state.json").read_text())
+    header, tensors = read_saved(tmp_path / "kept")
     header["options"] = {}
-    (tmp_path / "kept" / "state.json").write_text(json.dumps(header))
+    write_saved(tmp_path / "kept", header, tensors, reseal=False)  # as written then (format 1)
     restored = METHODS["fullshared"](prefix_reuse=True)
     restored.load_state(tmp_path / "kept")
     assert restored.state_bytes() == original.state_bytes()
@@ -268,9 +295,9 @@ def test_states_saved_before_fullshared_recorded_its_options_still_load(tiny_lla
         ("prelrshared", {"materialize": "lazy"}),
     ]:
         METHODS[name]().save_state(tmp_path / name)
-        header = json.loads((tmp_path / name / "state.json").read_text())
+        header, tensors = read_saved(tmp_path / name)
         header["options"] = {}
-        (tmp_path / name / "state.json").write_text(json.dumps(header))
+        write_saved(tmp_path / name, header, tensors, reseal=False)
         METHODS[name](**options).load_state(tmp_path / name)
 
 
@@ -288,3 +315,217 @@ def test_states_saved_before_fullshared_recorded_its_options_still_load(tiny_lla
 def test_options_are_checked_on_creation(name, options, message):
     with pytest.raises(ValueError, match=message):
         METHODS[name](**options)
+
+
+# ------------------------------------------------------------------ issue 26, item 2: verified state
+def _kvcmas_with_state(model, tokenizer, queries=QUERIES[:2], **options):
+    method = METHODS["kvcmas"](tau=1.0, **options)
+    for query in queries:
+        request(model, tokenizer, method, query)
+    assert method.pools and method.__dict__["_kept_prefixes"]
+    return method
+
+
+def _other_text_ids(ids):
+    return [(t + 1) % 49152 for t in ids]  # the same length, another text
+
+
+EDITS = {
+    "kept-prefix ids for another text": lambda h, t: h["meta"]["prefixes"][0].update(
+        ids=_other_text_ids(h["meta"]["prefixes"][0]["ids"])
+    ),
+    "anchor layers swapped": lambda h, t: h["meta"]["pools"][0]["anchors"][0]["base"].update(
+        keys=h["meta"]["pools"][0]["anchors"][0]["base"]["keys"][::-1]
+    ),
+    "prefix shifted": lambda h, t: h["meta"]["prefixes"][0].update(
+        start=h["meta"]["prefixes"][0]["start"] + 3
+    ),
+    "a same-shape corrupted tensor": lambda h, t: t["prefix0.k0"].mul_(-1.0),
+    "the model fingerprint removed": lambda h, t: h.update(model=None),
+    "the checksum removed": lambda h, t: h.pop("checksum"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edited_state_is_refused_and_changes_nothing(tiny_llama, tokenizer, tmp_path, edit):
+    """An edit of state.json or of a tensor (without recomputing the checksum) is refused by the
+    checksum; the instance it was loaded into keeps its pools and prefixes exactly."""
+    _kvcmas_with_state(tiny_llama, tokenizer).save_state(tmp_path / "s")
+    header, tensors = read_saved(tmp_path / "s")
+    EDITS[edit](header, tensors)
+    if edit == "a same-shape corrupted tensor":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp_path / "s" / "state.safetensors"), metadata={CHECKSUM: header[CHECKSUM]})
+    else:
+        (tmp_path / "s" / "state.json").write_text(json.dumps(header))
+    target = _kvcmas_with_state(tiny_llama, tokenizer, QUERIES[2:3])
+    before = _observable(target)
+    with pytest.raises(ValueError, match="checksum"):
+        target.load_state(tmp_path / "s", model=tiny_llama)
+    assert _observable(target) == before
+
+
+def test_a_corrupted_byte_of_the_tensor_file_is_refused(tiny_llama, tokenizer, tmp_path):
+    _kvcmas_with_state(tiny_llama, tokenizer).save_state(tmp_path)
+    path = tmp_path / "state.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # inside the last tensor's data: same shapes, other values
+    path.write_bytes(bytes(data))
+    fresh = METHODS["kvcmas"](tau=1.0)
+    with pytest.raises(ValueError, match="does not match its checksum"):
+        fresh.load_state(tmp_path)
+    assert fresh.pools == {} and fresh.state_bytes() == 0
+
+
+def _mismatch_prefix_ids(h, t):
+    h["meta"]["prefixes"][0]["ids"] = h["meta"]["prefixes"][0]["ids"][:-1]
+
+
+def _drop_a_prefix_layer(h, t):
+    h["meta"]["prefixes"][0]["layers"] -= 1
+    t.pop("prefix0.k2"), t.pop("prefix0.v2")
+
+
+def _nan_in_an_anchor(h, t):
+    name = h["meta"]["pools"][0]["anchors"][0]["base"]["keys"][1][0]
+    t[name].view(-1)[0] = float("nan")
+
+
+def _inf_in_a_prefix(h, t):
+    t["prefix1.v0"].view(-1)[-1] = float("inf")
+
+
+def _other_kv_heads(h, t):
+    h["meta"]["pools"][0]["anchors"][0]["base"]["kv_heads"] = 4
+
+
+def _bad_evicted(h, t):  # the last field read: everything before it already parsed
+    h["meta"]["evicted"] = "x"
+
+
+def _prefix_for_another_model(h, t):  # kv heads x head dim of another model, all layers alike
+    for name in [n for n in t if n.startswith("prefix0.")]:
+        t[name] = t[name].reshape(1, 1, t[name].shape[2], -1).contiguous()
+
+
+CHECKED = {
+    "kept-prefix ids shorter than its K/V": (_mismatch_prefix_ids, "expected .*token ids"),
+    "a kept prefix with a layer missing": (_drop_a_prefix_layer, "2 layers, the saved model 3"),
+    "NaN in a saved anchor": (_nan_in_an_anchor, "holds NaN or inf"),
+    "inf in a kept prefix": (_inf_in_a_prefix, "holds NaN or inf"),
+    "anchor kv heads against its factors": (_other_kv_heads, "4 kv heads, the saved model 3 layers x 2"),
+    "a damaged last field": (_bad_evicted, "evicted must be an int >= 0, got 'x'"),
+    "prefix K/V of another shape": (_prefix_for_another_model, "1 kv heads x 32; the saved model has 2 x 16"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKED))
+def test_a_resealed_state_is_still_checked_before_anything_changes(tiny_llama, tokenizer, tmp_path, case):
+    """What the checksum cannot tell (the sha256 recomputed over an inconsistent state, or NaN saved
+    by another writer): ids against K/V lengths, layers and heads against the saved model, every
+    tensor finite, every field well-formed; all before any field of the instance changes."""
+    edit, message = CHECKED[case]
+    _kvcmas_with_state(tiny_llama, tokenizer).save_state(tmp_path / "s")
+    header, tensors = read_saved(tmp_path / "s")
+    edit(header, tensors)
+    write_saved(tmp_path / "s", header, tensors)
+    target = _kvcmas_with_state(tiny_llama, tokenizer, QUERIES[2:3])
+    before = _observable(target)
+    with pytest.raises(ValueError, match=message):
+        target.load_state(tmp_path / "s", model=tiny_llama)
+    assert _observable(target) == before
+
+
+def test_a_state_that_names_no_model_is_refused(tiny_llama, tokenizer, tmp_path):
+    _kvcmas_with_state(tiny_llama, tokenizer).save_state(tmp_path)
+    header, tensors = read_saved(tmp_path)
+    header["model"] = None
+    write_saved(tmp_path, header, tensors)
+    for model in (None, tiny_llama, tiny_model("llama", seed=5)):
+        fresh = METHODS["kvcmas"](tau=1.0)
+        with pytest.raises(ValueError, match="names no model"):
+            fresh.load_state(tmp_path, model=model)
+        assert fresh.pools == {} and fresh.binding.expected is None
+
+
+def test_load_with_another_model_into_a_bound_instance_is_refused(tiny_llama, tokenizer, tmp_path):
+    other = tiny_model("llama", seed=7)
+    _kvcmas_with_state(other, tokenizer).save_state(tmp_path)  # B's state, saved from B
+    bound = _kvcmas_with_state(tiny_llama, tokenizer)  # an instance bound to A
+    before = _observable(bound)
+    with pytest.raises(ValueError, match="bound to .*another model object"):
+        bound.load_state(tmp_path, model=other)
+    assert _observable(bound) == before and bound.binding.model is tiny_llama
+    METHODS["kvcmas"](tau=1.0).load_state(tmp_path, model=other)  # a fresh instance takes it
+
+
+def test_saving_non_finite_state_is_refused(tiny_llama, tokenizer, tmp_path):
+    method = _kvcmas_with_state(tiny_llama, tokenizer)
+    method.save_state(tmp_path)
+    first = (tmp_path / "state.json").read_text()
+    next(iter(method.pools.values())).anchors[0].base.keys[0].a.view(-1)[0] = float("inf")
+    with pytest.raises(ValueError, match="holds NaN or inf; refusing to save it"):
+        method.save_state(tmp_path)
+    assert (tmp_path / "state.json").read_text() == first
+
+
+def test_a_save_that_fails_midway_keeps_the_old_state(tiny_llama, tokenizer, tmp_path, monkeypatch):
+    """A save that fails while writing the tensors (disk full) leaves the previous state.json and
+    state.safetensors as they were (they still load, to the first state) and no temporary file."""
+    import errno
+
+    import safetensors.torch
+
+    method = _kvcmas_with_state(tiny_llama, tokenizer)
+    method.save_state(tmp_path)
+    first = read_saved(tmp_path)
+    request(tiny_llama, tokenizer, method, QUERIES[3])  # more state, a larger save
+    real = safetensors.torch.save_file
+
+    def full_disk(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as handle:
+            handle.truncate(len(handle.read()) // 2)  # half written, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        method.save_state(tmp_path)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.safetensors"]
+    header, tensors = read_saved(tmp_path)
+    assert header == first[0] and tensors.keys() == first[1].keys()
+    assert all(torch.equal(tensors[k], first[1][k]) for k in tensors)
+    fresh = METHODS["kvcmas"](tau=1.0)
+    fresh.load_state(tmp_path, model=tiny_llama)
+    assert fresh.state_summary()["anchors"] == sum(len(p["anchors"]) for p in first[0]["meta"]["pools"])
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("kvcmas", dict(tau=1.0, base_rank=100, delta_rank=64)),
+        ("graphflow", dict(calibration_requests=1, rank=100)),
+    ],
+)
+def test_a_rank_above_the_kv_dimension_round_trips(tiny_llama, tokenizer, tmp_path, name, options):
+    """The tiny model's K/V dimension is 2 kv heads x 16 = 32: a larger rank is clamped when the
+    instance is bound (with a warning); its saved state loads into an instance with the rank as
+    given (or the clamped one: the same method on this model), not into one with another rank."""
+    original = METHODS[name](**options)
+    with pytest.warns(UserWarning, match="clamped to 32"):
+        request(tiny_llama, tokenizer, original, QUERIES[0])
+    request(tiny_llama, tokenizer, original, QUERIES[1])
+    original.save_state(tmp_path)
+    restored = METHODS[name](**options)
+    restored.load_state(tmp_path)
+    clamped = {k: (32 if k.endswith("rank") else v) for k, v in options.items()}
+    METHODS[name](**clamped).load_state(tmp_path, model=tiny_llama)
+    with pytest.raises(ValueError, match="rank: saved 32, this instance 16"):
+        METHODS[name](**{**options, ("base_rank" if name == "kvcmas" else "rank"): 16}).load_state(tmp_path)
+    with pytest.warns(UserWarning, match="clamped to 32"):
+        got = request(tiny_llama, tokenizer, restored, QUERIES[2])
+    assert got == request(tiny_llama, tokenizer, original, QUERIES[2])
+    restored.save_state(tmp_path / "again")  # a loaded, clamped instance saves and loads again
+    METHODS[name](**options).load_state(tmp_path / "again", model=tiny_llama)

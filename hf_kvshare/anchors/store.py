@@ -23,9 +23,13 @@ from .persist import TensorTable
 from .pool import LRUDict
 from .state import RequestStates
 
-#: ``to_state(entries, table) -> metadata`` (tensors go to ``table``); ``from_state(metadata, tensors)``
+#: ``to_state(entries, table) -> metadata`` (tensors go to ``table``);
+#: ``from_state(metadata, tensors, dims) -> (entries, names of the tensors used)``
 ToState = Callable[[Any, TensorTable], list[dict[str, Any]]]
-FromState = Callable[[list[dict[str, Any]], dict[str, torch.Tensor]], dict[Any, Any]]
+FromState = Callable[
+    [list[dict[str, Any]], dict[str, torch.Tensor], "tuple[int, int, int] | None"],
+    tuple[dict[Any, Any], set[str]],
+]
 
 
 class BoundedStore:
@@ -61,15 +65,33 @@ class BoundedStore:
             "evicted": self.entries.evicted,
         }
 
-    def read(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[dict[Any, Any], int]:
-        """``(entries, next uid)`` from an exported state, nothing replaced yet; damaged metadata
-        raises ``ValueError`` naming the owner."""
+    def read(
+        self,
+        tensors: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+        dims: tuple[int, int, int] | None = None,
+    ) -> tuple[dict[Any, Any], int, int]:
+        """``(entries, next uid, evictions)`` from an exported state, checked (shapes against each
+        other and ``dims``, the saved model's layers, kv heads and head dim; every tensor named once)
+        and built aside, nothing replaced; damaged metadata raises ``ValueError`` naming the owner."""
         try:
-            entries = self._from_state(meta[self.kind], tensors)
-            next_uid = int(meta["next_request"])
-        except (KeyError, TypeError, IndexError) as error:
-            raise ValueError(f"{self.owner}: saved state metadata is damaged ({error!r})") from error
-        return entries, next_uid
+            entries, used = self._from_state(meta[self.kind], tensors, dims)
+            next_uid, evicted = meta["next_request"], meta.get("evicted", 0)
+            for name, value in (("next_request", next_uid), ("evicted", evicted)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+            if len(entries) != len(meta[self.kind]):
+                raise ValueError(
+                    f"{len(meta[self.kind])} {self.kind} saved under {len(entries)} distinct keys"
+                )
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as error:
+            raise ValueError(f"{self.owner}: saved state metadata is damaged ({error})") from error
+        extra = sorted(set(tensors) - used)
+        if extra:
+            raise ValueError(
+                f"{self.owner}: the saved state holds tensors no {self.kind} entry names: {extra[:5]}"
+            )
+        return entries, next_uid, evicted
 
     def replace(self, entries: dict[Any, Any], next_uid: int, evicted: int) -> None:
         """Replace the entries (in the saved order: least recently used first) and drop the state of
@@ -81,8 +103,7 @@ class BoundedStore:
 
     def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """:meth:`read` then :meth:`replace`."""
-        entries, next_uid = self.read(tensors, meta)
-        self.replace(entries, next_uid, int(meta.get("evicted", 0)))
+        self.replace(*self.read(tensors, meta))
 
     @property
     def nbytes(self) -> int:

@@ -32,6 +32,10 @@ class MethodSpec:
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise ValueError(f"method option {item!r} in {text!r} is not of the form key=value")
+            if key.strip() in options:
+                raise ValueError(
+                    f"method option {key.strip()!r} is given twice in {text!r}; give each option once"
+                )
             options[key.strip()] = _parse_value(value.strip())
         spec = cls(name, tuple(sorted(options.items())))
         spec.check_options()

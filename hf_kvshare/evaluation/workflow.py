@@ -66,15 +66,16 @@ def run_workflow(
     for i, step in enumerate(steps):
         if step.adapter:
             activate_adapter(session.model, step.adapter)
+        forced = None if force_outputs is None else force_outputs[i]
         results.append(
             session.run_turn(
                 step.adapter or step.agent,
                 step.segments,
                 max_new_tokens=step.max_new_tokens or workflow.max_new_tokens,
                 output_slot=step.output_slot or None,
-                force_output=None if force_outputs is None else force_outputs[i],
+                force_output=forced,
                 keep_cache=keep_cache,
-                **step.generate_kwargs,
+                **(step.generate_kwargs if forced is None else {}),  # a forced turn does not generate
             )
         )
     return results

@@ -82,13 +82,27 @@ class DroidSpeak(SelectiveRecompute):
         """The offline layer profile (JSON numbers; no tensors)."""
         return {}, ({} if self.layer_profile is None else {"layer_profile": list(self.layer_profile)})
 
-    def import_state(self, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+    def stage_state(self, tensors: dict[str, Any], meta: dict[str, Any], model=None):
         if tensors or set(meta) - {"layer_profile"}:
             raise ValueError(
                 f"droidspeak: unexpected saved state ({len(tensors)} tensors, keys {sorted(meta)})"
             )
         profile = meta.get("layer_profile")
-        self.layer_profile = None if profile is None else _as_profile(profile)
+        if profile is not None and not isinstance(profile, list):
+            raise ValueError(
+                f"droidspeak: the saved layer profile must be a list of numbers, got {profile!r}"
+            )
+        profile = None if profile is None else _as_profile(profile)
+        if profile is not None and model is not None and len(profile) != model.layers:
+            raise ValueError(
+                f"droidspeak: the saved layer profile has {len(profile)} entries but the saved model "
+                f"{model.layers} layers"
+            )
+
+        def swap() -> None:
+            self.layer_profile = profile
+
+        return swap
 
     def state_model(self):
         return None if self._stack is None else self._stack.model

@@ -18,6 +18,7 @@ from ..anchors.correction import corrected_kv
 from ..anchors.persist import TensorTable, move_state_to_model, profiles_from_state, profiles_to_state
 from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
 from ..method import Method, Placement, register
+from ..persistence import state_dims
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -46,6 +47,7 @@ class GraphFlow(Method):
     name = "graphflow"
     uses_sources: ClassVar[bool] = False
     corrects: ClassVar[bool] = True
+    rank_options: ClassVar[tuple[str, ...]] = ("rank",)
 
     calibration_requests: int = 2
     rank: int | None = None
@@ -74,7 +76,9 @@ class GraphFlow(Method):
     _requests = Stored("requests")
 
     def attach(self, model: torch.nn.Module) -> None:
-        self.rank = clamp_ranks(model.config, rank=self.rank)["rank"]
+        ranks = clamp_ranks(model.config, rank=self.rank)
+        self.record_clamp(ranks)  # a saved state compares the rank as given, clamped to the model
+        self.rank = ranks["rank"]
 
     def clear(self) -> None:
         self._store.clear()
@@ -88,8 +92,11 @@ class GraphFlow(Method):
         table = TensorTable()
         return table.tensors, self._store.export(table)
 
-    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        self._store.load(tensors, meta)
+    def stage_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], model=None):
+        """The profiles of a saved state, checked (shapes against each other and the saved model)
+        and built aside; the swap replaces them."""
+        profiles, next_uid, evicted = self._store.read(tensors, meta, state_dims(model))
+        return lambda: self._store.replace(profiles, next_uid, evicted)
 
     def request_state_bytes(self, session: Session) -> int:
         """The request's context-free references (non-chained correction keeps one per slot)."""

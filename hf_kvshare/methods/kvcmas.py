@@ -76,6 +76,7 @@ from ..anchors.scope import Scope
 from ..anchors.slot_scope import SlotScope
 from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
 from ..method import Method, Placement, register
+from ..persistence import state_dims
 from .prefix_reuse import PrefixReuse
 
 if TYPE_CHECKING:
@@ -192,6 +193,7 @@ class KVCMAS(PrefixReuse, Method):
     #: as the KVCMAS authors ran them) unless its options set one
     workload_tau: ClassVar[bool] = True
     corrects: ClassVar[bool] = True
+    rank_options: ClassVar[tuple[str, ...]] = ("base_rank", "delta_rank")
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
         "key_frame": "canonical",
@@ -232,7 +234,7 @@ class KVCMAS(PrefixReuse, Method):
         self.check_prefix_reuse()
         check_rank("base_rank", self.base_rank)
         check_rank("delta_rank", self.delta_rank)
-        if not isinstance(self.capacity, int) or self.capacity < 2:
+        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 2:
             raise ValueError(
                 f"capacity must be an int >= 2 (the gate needs two compatible anchors), got {self.capacity!r}"
             )
@@ -244,8 +246,14 @@ class KVCMAS(PrefixReuse, Method):
                 raise ValueError(
                     f"{self.name}: {knob} must be a finite real number > 0, got {value!r} ({type(value).__name__})"
                 )
-        if not isinstance(self.eviction_window, int) or self.eviction_window < 1:
-            raise ValueError(f"eviction_window must be an int >= 1, got {self.eviction_window!r}")
+        if (
+            isinstance(self.eviction_window, bool)
+            or not isinstance(self.eviction_window, int)
+            or self.eviction_window < 1
+        ):
+            raise ValueError(
+                f"eviction_window must be an int >= 1, got {self.eviction_window!r} ({type(self.eviction_window).__name__})"
+            )
         for knob, choices in CHOICES.items():
             if getattr(self, knob) not in choices:
                 raise ValueError(
@@ -286,6 +294,7 @@ class KVCMAS(PrefixReuse, Method):
 
     def attach(self, model: torch.nn.Module) -> None:
         ranks = clamp_ranks(model.config, base_rank=self.base_rank, delta_rank=self.delta_rank)
+        self.record_clamp(ranks)  # a saved state compares the ranks as given, clamped to the model
         self.base_rank, self.delta_rank = ranks["base_rank"], ranks["delta_rank"]
 
     def clear(self) -> None:
@@ -304,9 +313,14 @@ class KVCMAS(PrefixReuse, Method):
         kept, kept_meta = self.export_prefixes()  # the agents' kept PF text (prefix_scope="agent")
         return {**table.tensors, **kept}, {**meta, "prefixes": kept_meta}
 
-    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Replace the pools (per-request state of live sessions is dropped)."""
-        pools, next_uid = self._store.read(tensors, meta)
+    def stage_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], model=None):
+        """The pools and kept prefixes of a saved state, checked (shapes against each other and the
+        saved model, delta frames) and built aside; the swap replaces them (per-request state of live
+        sessions is dropped)."""
+        kept_names = {k for k in tensors if k.startswith("prefix")}
+        pools, next_uid, evicted = self._store.read(
+            {k: v for k, v in tensors.items() if k not in kept_names}, meta, state_dims(model)
+        )
         frames = {a.frame for pool in pools.values() for a in pool}
         if frames - {self.delta_frame}:
             raise ValueError(
@@ -314,8 +328,13 @@ class KVCMAS(PrefixReuse, Method):
                 f"instance has delta_frame={self.delta_frame!r}; load them into {self.name}:delta_frame="
                 f"{sorted(frames)[0]} (states saved before delta_frame existed are 'canonical')"
             )
-        self.import_prefixes(tensors, meta.get("prefixes", []))  # raises before replacing anything
-        self._store.replace(pools, next_uid, int(meta.get("evicted", 0)))
+        kept = self.stage_prefixes({k: tensors[k] for k in kept_names}, meta.get("prefixes", []), model)
+
+        def swap() -> None:
+            self.adopt_prefixes(kept)
+            self._store.replace(pools, next_uid, evicted)
+
+        return swap
 
     def request_state_bytes(self, session: Session) -> int:
         """The request's reference prefills, the producer caches the session no longer holds and the

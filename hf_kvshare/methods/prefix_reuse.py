@@ -2,7 +2,7 @@
 
 :class:`PrefixReuse` keeps an agent's computed PF text and places it on the agent's later turns,
 re-positioned; it implements the contract's ``prefix`` and extends ``record``, ``state_bytes``,
-``export_state`` / ``import_state`` and ``request_state_bytes``.
+``export_state`` / ``stage_state`` and ``request_state_bytes``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from ..cache import SegmentKV, SharedCache
 from ..method import Placement
+from ..persistence import check_segment_kv, state_dims
 
 if TYPE_CHECKING:
     from ..session import Session
@@ -129,20 +130,43 @@ class PrefixReuse:
             meta.append({"agent": agent, "ids": list(ids), "start": kv.start, "layers": len(kv.keys)})
         return tensors, meta
 
-    def import_prefixes(self, tensors: dict[str, torch.Tensor], meta: Any) -> None:
-        """Replace the kept PF K/V by exported ones (:meth:`export_prefixes`)."""
+    def stage_prefixes(self, tensors: dict[str, torch.Tensor], meta: Any, model=None) -> OrderedDict:
+        """The kept PF K/V of an exported state (:meth:`export_prefixes`), checked and built aside:
+        each entry's layers, K/V shapes and token ids agree (and agree with ``model``, the saved
+        model's fingerprint), every tensor is used once. Nothing of the instance changes."""
+        owner = self.name  # type: ignore[attr-defined]
+        dims = state_dims(model)
         kept: OrderedDict = OrderedDict()
+        if meta is None:
+            meta = []
+        if not isinstance(meta, list):
+            raise ValueError(f"{owner}: the saved kept prefixes must be a list, got {type(meta).__name__}")
+        used: set[str] = set()
         try:
-            for i, entry in enumerate(meta or []):
-                n = int(entry["layers"])
-                kept[(entry["agent"], tuple(int(t) for t in entry["ids"]))] = SegmentKV(
-                    keys=[tensors[f"prefix{i}.k{layer}"] for layer in range(n)],
-                    values=[tensors[f"prefix{i}.v{layer}"] for layer in range(n)],
-                    start=int(entry["start"]),
-                    agent=entry["agent"],
-                )
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{self.name}: the saved kept prefixes are damaged ({error!r})") from error  # type: ignore[attr-defined]
+            for i, entry in enumerate(meta):
+                n, start, agent = entry["layers"], entry["start"], entry["agent"]
+                ids = entry["ids"]
+                if not isinstance(agent, str) or not isinstance(ids, list):
+                    raise ValueError(f"entry {i}: agent {agent!r}, ids {ids!r}")
+                if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (n, start, *ids)):
+                    raise ValueError(f"entry {i}: layers {n!r}, start {start!r} and ids must be ints >= 0")
+                names = [f"prefix{i}.{kind}{layer}" for kind in "kv" for layer in range(n)]
+                keys = [tensors[f"prefix{i}.k{layer}"] for layer in range(n)]
+                values = [tensors[f"prefix{i}.v{layer}"] for layer in range(n)]
+                check_segment_kv(owner, f"kept prefix {i} (agent {agent!r})", keys, values, len(ids), dims)
+                key = (agent, tuple(ids))
+                if key in kept:
+                    raise ValueError(f"entry {i}: agent {agent!r} and its token ids appear twice")
+                used.update(names)
+                kept[key] = SegmentKV(keys=keys, values=values, start=start, agent=agent)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"{owner}: the saved kept prefixes are damaged ({error})") from error
+        extra = sorted(set(tensors) - used)
+        if extra:
+            raise ValueError(f"{owner}: the saved kept prefixes hold tensors no entry names: {extra[:5]}")
+        return kept
+
+    def adopt_prefixes(self, kept: OrderedDict) -> None:
         self.__dict__["_kept_prefixes"] = kept
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -150,12 +174,20 @@ class PrefixReuse:
         kept, kept_meta = self.export_prefixes()
         return {**tensors, **kept}, ({**meta, "prefixes": kept_meta} if kept_meta else meta)
 
-    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def stage_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], model=None):
         rest = {k: v for k, v in tensors.items() if not k.startswith("prefix")}
         meta = dict(meta)
         kept_meta = meta.pop("prefixes", [])
-        super().import_state(rest, meta)  # type: ignore[misc]
-        self.import_prefixes({k: v for k, v in tensors.items() if k.startswith("prefix")}, kept_meta)
+        commit = super().stage_state(rest, meta, model)  # type: ignore[misc]
+        kept = self.stage_prefixes(
+            {k: v for k, v in tensors.items() if k.startswith("prefix")}, kept_meta, model
+        )
+
+        def swap() -> None:
+            commit()
+            self.adopt_prefixes(kept)
+
+        return swap
 
     def request_state_bytes(self, session: Session) -> int:
         kept = session.method_state.get(f"{self.name}:{PREFIX_STATE}", {})  # type: ignore[attr-defined]
