@@ -37,7 +37,7 @@ def main() -> None:
         method = KVCMAS(tau=1.0, **opts)
         for n, task in enumerate(TASKS):
             session, replies, rows = Session(model, tok, method), [], []
-            for i, agent in enumerate(AGENTS):
+            for agent in AGENTS:
                 segs = [PF(f"<|im_start|>system\nYou are the {agent}.<|im_end|>\n<|im_start|>user\nTask:\n")]
                 segs.append(PH("task", task))
                 for j, text in enumerate(replies):
