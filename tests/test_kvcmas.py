@@ -11,6 +11,9 @@ from tiny import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, Session
 from hf_kvshare.anchors import CorrectedCache, to_heads
+from hf_kvshare.anchors.correction import guard_estimate
+from hf_kvshare.anchors.lowrank import FactoredKV
+from hf_kvshare.anchors.pool import Anchor
 from hf_kvshare.anchors.slot_scope import SlotScope
 from hf_kvshare.evaluation.metrics import kv_error
 from hf_kvshare.methods.graphflow import GraphFlow
@@ -594,3 +597,126 @@ def test_deltas_are_stored_in_the_writers_frame_and_bases_follow_the_last_consum
     assert KVCMAS().delta_frame == KVComm().delta_frame == "writer"
     assert (KVCMAS().key_frame, KVComm().key_frame) == ("canonical", "reader")
     assert (KVCMAS().prefix_delta, KVComm().prefix_delta) == (False, True)
+
+
+# ---------------------------------------------------------------- guard (ours, beyond the paper)
+def synthetic_anchor(base, delta, serial):
+    """An anchor of ``base`` with the coder's ``delta`` (per-layer ``[1, kv_heads, S, head_dim]``)."""
+    anchor = Anchor(base=FactoredKV.from_kv(base, base, None), source="planner", origin=serial)
+    anchor.deltas["coder"] = FactoredKV.from_kv(delta, delta, None)
+    anchor.serial = serial
+    return anchor
+
+
+def test_guard_estimate_keeps_consistent_deltas_and_drops_contradictory_ones(tiny_llama, tokenizer):
+    """Held out, a delta the other anchors predict well keeps its scale near 1; deltas that contradict
+    each other (the same kind of base, opposite corrections: anchors learned in unrelated contexts)
+    are served at 0, where the authors' correction (scale 1) is worse than none."""
+    shifter = Session(tiny_llama, tokenizer, "nonshared").shifter
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(1, 2, 5, 16, generator=g) for _ in range(3)]
+    delta = [torch.randn(1, 2, 5, 16, generator=g) for _ in range(3)]
+
+    def near(x, eps=0.01):
+        return [t + eps * torch.randn(t.shape, generator=g) for t in x]
+
+    consistent = [synthetic_anchor(near(base), near(delta), i) for i in range(3)]
+    est = guard_estimate(consistent, "coder", 5, shifter)
+    assert (est.scales > 0.95).all() and (est.scales <= 1).all()
+    assert (est.errors[1] <= est.errors[2] + 1e-9).all() and (est.errors[1] < 0.01 * est.errors[2]).all()
+
+    contradictory = [
+        synthetic_anchor(near(base), near([s * d for d in delta]), i) for i, s in enumerate((1, -1))
+    ]
+    est = guard_estimate(contradictory, "coder", 5, shifter)
+    assert (est.errors[0] > 3 * est.errors[2]).all()  # the unguarded correction: 4x the uncorrected error
+    assert (est.scales == 0).all() and torch.equal(est.errors[1], est.errors[2])
+    one = guard_estimate(consistent[:1], "coder", 5, shifter)  # nothing to hold out
+    assert (one.scales == 0).all()
+    with pytest.raises(ValueError, match="hold no correction for 'designer'"):
+        guard_estimate(consistent, "designer", 5, shifter)
+    with pytest.raises(ValueError, match="cannot estimate 6 rows"):
+        guard_estimate(consistent, "coder", 6, shifter)
+
+
+def guarded_request(model, tok, guard, seen):
+    """Warm-up requests whose agents read the query after unrelated prefixes (alternating), then a
+    request with the usual roles; ``seen`` collects (scales, estimate, served, placed, authors') per
+    corrected span of the last request."""
+    method = KVCMAS(tau=1.0, guard=guard)
+    unrelated = [
+        [PF(f"Ignore all this: zebra {k} quantum {agent} wombat orchestra, number {i * 7 + k}.\n" * 2)]
+        for k in range(2)
+        for i, agent in enumerate(AGENTS)
+    ]
+    for n, query in enumerate((QUERIES[0], QUERIES[1], QUERIES[0], QUERIES[1])):
+        session = Session(model, tok, method)
+        for i, agent in enumerate(AGENTS):
+            prefix = unrelated[(n % 2) * len(AGENTS) + i]
+            session.run_turn(agent, prefix + turn_segments(i, query)[1:], max_new_tokens=3)
+    seen.clear()
+    return run_request(model, tok, method, QUERIES[2], keep_cache=True), method
+
+
+def test_guard_never_serves_a_correction_worse_than_fullshared_in_its_space(
+    tiny_llama, tokenizer, monkeypatch
+):
+    """``guard=True``: over the held-out anchors the served correction's error is never above the
+    uncorrected source's (FullShared's reading of the slot), while the authors' correction (scale 1) is
+    above it here; the cache holds exactly the shrunk K/V."""
+    seen = []
+    original = SlotScope.guard
+
+    def spy(self, turn, edge, anchors, kv, rows, span):
+        served, scales = original(self, turn, edge, anchors, kv, rows, span)
+        est = guard_estimate(anchors, turn.agent, rows, turn.shifter)
+        seen.append(
+            (
+                turn.agent,
+                span.name,
+                scales,
+                est,
+                served,
+                edge.source.repositioned(turn.shifter, span.start),
+                kv,
+            )
+        )
+        return served, scales
+
+    monkeypatch.setattr(SlotScope, "guard", spy)
+    turns, method = guarded_request(tiny_llama, tokenizer, True, seen)
+    assert seen, "no span was corrected"
+    hurt = 0
+    for agent, name, scales, est, served, placed, authors in seen:
+        assert (est.errors[1] <= est.errors[2] + 1e-6 * est.errors[2].max()).all(), (agent, name)
+        worse = est.errors[0][:, 1:] > est.errors[2][:, 1:]  # layer 0 is left uncorrected
+        hurt += int(worse.sum())
+        assert (torch.tensor(scales)[:, 1:][worse] < 1).all()
+        turn = next(t for t in turns if t.agent == agent)
+        seg = turn.cache.segment(name)
+        cached = turn.cache.extract(seg.start, seg.end)
+        for layer in range(3):
+            for side, pick in enumerate(("keys", "values")):
+                s = scales[side][layer] if layer else 1.0
+                want = getattr(placed, pick)[layer] + s * (
+                    getattr(authors, pick)[layer] - getattr(placed, pick)[layer]
+                )
+                assert torch.allclose(getattr(served, pick)[layer], want, atol=1e-5)
+                if seg.provenance == "corrected":
+                    assert torch.allclose(getattr(cached, pick)[layer][:1], want, atol=1e-5)
+    assert hurt, "the case must hold a layer where the unguarded correction is worse than none"
+    infos = [s.info for t in turns for s in t.cache.placeholders() if "guard" in s.info]
+    assert infos and all(len(i["guard"]["key_scales"]) == 3 for i in infos)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"guard": "yes"}, "guard must be True or False, got 'yes'"),
+        ({"guard": True, "gate_scope": "edge"}, "guard=True checks the slot scope's corrections"),
+    ],
+)
+def test_guard_bad_input_refused(kwargs, message):
+    for cls in (KVCMAS, KVComm):
+        with pytest.raises(ValueError, match=message):
+            cls(**kwargs)

@@ -402,3 +402,99 @@ def apply_correction(
         )
 
     return corrected_kv(source, target_start, shifter, k, layer_delta, skip_layer0, frame=frames.pop())
+
+
+@dataclass
+class GuardEstimate:
+    """The guard's held-out estimate for one anchor set and consumer (:func:`guard_estimate`).
+
+    ``scales`` ``[2, layers]`` (keys, values): the factor in ``[0, 1]`` the correction of each layer is
+    served at. ``errors`` ``[3, 2, layers]``: the held-out squared error summed over the anchors with
+    the correction at scale 1 (as the authors apply it), at ``scales`` and at 0 (uncorrected), so
+    ``errors[1] <= errors[2]`` everywhere: never worse than no correction in this space."""
+
+    scales: torch.Tensor
+    errors: torch.Tensor
+
+
+def _base_segment(anchor: Anchor, rows: int) -> SegmentKV:
+    """An anchor's base (rows ``:rows``) as a segment at positions ``0 ..`` (its keys are canonical)."""
+    base, heads = anchor.base, anchor.base.kv_heads
+    keys = [to_heads(f.reconstruct(rows).float(), heads) for f in base.keys]
+    values = [to_heads(f.reconstruct(rows).float(), heads) for f in base.values]
+    return SegmentKV(keys=keys, values=values, start=0, agent=anchor.source)
+
+
+def guard_estimate(
+    anchors: list[Anchor], target: str, rows: int, shifter: RopeShifter, temperature: float = 1.0
+) -> GuardEstimate:
+    """Ours, beyond the paper: how far the correction of ``target`` from these anchors can be trusted,
+    estimated by leaving each anchor out. Anchor ``a``'s base plays the new source; its delta is
+    predicted from the others exactly as a source's is (token weights of :func:`token_distances`,
+    keys compared canonically, then :func:`weighted_sum` of their deltas), and compared with the
+    delta ``a`` observed. Per layer and for keys and values apart, the served scale is the least-
+    squares factor of the predictions, clamped to ``[0, 1]``::
+
+        scale = clamp(sum_a <delta_a, pred_a> / sum_a ||pred_a||^2, 0, 1)
+
+    Scale 0 (uncorrected) is among those the fit chooses from, so the held-out error at the served
+    scale is never above the uncorrected one. Fewer than two anchors leave nothing to hold out: every
+    scale is 0."""
+    missing = [a.serial for a in anchors if target not in a.deltas]
+    if missing:
+        raise ValueError(f"anchors {missing} hold no correction for {target!r}")
+    short = [a.serial for a in anchors if a.length < rows or a.deltas[target].length < rows]
+    if rows < 1 or short:
+        raise ValueError(f"cannot estimate {rows} rows with anchors {short or [a.serial for a in anchors]}")
+    layers = anchors[0].base.num_layers
+    device = anchors[0].base.values[0].a.device
+    if len(anchors) < 2:
+        zero = torch.zeros(2, layers, dtype=torch.float64, device=device)
+        return GuardEstimate(scales=zero, errors=torch.stack((zero, zero, zero)))
+    cross = torch.zeros(2, layers, dtype=torch.float64, device=device)  # <delta, pred>
+    power = torch.zeros(2, layers, dtype=torch.float64, device=device)  # ||pred||^2
+    energy = torch.zeros(2, layers, dtype=torch.float64, device=device)  # ||delta||^2
+    for i, held in enumerate(anchors):
+        others = anchors[:i] + anchors[i + 1 :]
+        kd, vd = token_distances(_base_segment(held, rows), others, shifter, rows)
+        weights = (token_weights(kd, temperature), token_weights(vd, temperature))
+        for layer in range(layers):
+            for side, pick in enumerate(("keys", "values")):
+                truth = getattr(held.deltas[target], pick)[layer].reconstruct(rows).float()
+                pred = weighted_sum(
+                    [getattr(a.deltas[target], pick)[layer] for a in others], weights[side], rows
+                )
+                truth, pred = truth.double(), pred.double().to(truth.device)
+                cross[side, layer] += (truth * pred).sum().to(device)
+                power[side, layer] += pred.pow(2).sum().to(device)
+                energy[side, layer] += truth.pow(2).sum().to(device)
+    scales = torch.where(power > 0, cross / power.clamp_min(1e-300), torch.zeros_like(power)).clamp(0, 1)
+
+    def error(scale: torch.Tensor) -> torch.Tensor:  # sum_a ||delta_a - scale pred_a||^2
+        return energy - 2 * scale * cross + scale.pow(2) * power
+
+    errors = torch.stack((error(torch.ones_like(scales)), error(scales), energy))
+    return GuardEstimate(scales=scales, errors=errors)
+
+
+def shrink(corrected: SegmentKV, placed: SegmentKV, scales: list[list[float]]) -> SegmentKV:
+    """``placed + scale (corrected - placed)`` per layer, keys with ``scales[0]`` and values with
+    ``scales[1]`` (``placed``: the uncorrected source re-positioned where ``corrected`` lands)."""
+    if placed.start != corrected.start or placed.length != corrected.length:
+        raise ValueError(
+            f"shrink needs the uncorrected segment where the corrected one lands "
+            f"({placed.start}+{placed.length} vs {corrected.start}+{corrected.length})"
+        )
+    if [len(s) for s in scales] != [corrected.num_layers] * 2:
+        raise ValueError(f"expected key and value scales for {corrected.num_layers} layers")
+
+    def blend(c: torch.Tensor, p: torch.Tensor, scale: float) -> torch.Tensor:
+        if scale == 1:
+            return c
+        if scale == 0:
+            return p[:1]
+        return p[:1] + (c - p[:1]) * scale
+
+    keys = [blend(c, p, s) for c, p, s in zip(corrected.keys, placed.keys, scales[0])]
+    values = [blend(c, p, s) for c, p, s in zip(corrected.values, placed.values, scales[1])]
+    return SegmentKV(keys=keys, values=values, start=corrected.start, agent=corrected.agent)

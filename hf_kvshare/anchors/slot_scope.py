@@ -23,8 +23,10 @@ from .correction import (
     comparison_prefix,
     covering,
     gate_distances,
+    guard_estimate,
     prefix_correction,
     prefix_weights,
+    shrink,
     token_distances,
     token_weights,
 )
@@ -166,6 +168,18 @@ class SlotScope(Scope):
             edge.source, anchors, turn.agent, wk, wv, span.start, turn.shifter, skip_layer0=o.skip_layer0
         )
         info.update(anchors=[a.serial for a in anchors], rows=f"{rows}/{span.length}", weights_cached=cached)
+        if o.guard:
+            kv, scales = self.guard(turn, edge, anchors, kv, rows, span)
+            first = 1 if o.skip_layer0 else 0
+            info["guard"] = {
+                "key_scales": [round(x, 4) for x in scales[0]],
+                "value_scales": [round(x, 4) for x in scales[1]],
+            }
+            if all(x == 0 for side in scales for x in side[first:]):
+                info["reason"] = (
+                    "guard: no held-out gain from the correction in any layer: reused uncorrected"
+                )
+                return Reuse(kv=edge.source, provenance="reused", source_agent=edge.label, info=info)
         following = following_pf(turn, span)
         if o.prefix_delta and o.prefix_reuse and following is not None and rows == span.length:
             key = ("prefix", edge.slot, edge.pool, tuple(a.serial for a in anchors))
@@ -174,6 +188,29 @@ class SlotScope(Scope):
             )
             turn.scratch.setdefault(f"{self.name}.pf", {})[following.start] = (anchors, *weights)
         return Reuse(kv=kv, provenance="corrected", source_agent=edge.label, info=info, corrected_tokens=rows)
+
+    def guard(
+        self, turn: Turn, edge: Edge, anchors: list[Anchor], kv, rows: int, span
+    ) -> tuple[SegmentKV, list[list[float]]]:
+        """``guard=True`` (ours, beyond the paper): the corrected ``kv`` with each layer's correction
+        (keys and values apart) shrunk toward zero by its held-out reliability
+        (:func:`~.correction.guard_estimate`: each anchor's delta predicted from the others), and the
+        scales. Computed once per (slot, request, anchor set, rows) with ``weights_cache``."""
+        key = ("guard", edge.slot, edge.pool, tuple(a.serial for a in anchors), rows, turn.agent)
+        with phase("gate"):
+            (estimate,), _ = self.cached_weights(
+                turn,
+                key,
+                lambda: (
+                    guard_estimate(anchors, turn.agent, rows, turn.shifter, self.options.token_temperature),
+                ),
+            )
+            scales = estimate.scales.tolist()
+        if self.options.skip_layer0:
+            scales[0][0] = scales[1][0] = 1.0  # layer 0 is uncorrected already
+        if any(s != 1 for side in scales for s in side):
+            kv = shrink(kv, edge.source.repositioned(turn.shifter, span.start), scales)
+        return kv, scales
 
     def cached_weights(
         self, turn: Turn, key: tuple, compute

@@ -43,6 +43,10 @@ acceptance, never chained. ``observation_source="question"`` reads them as the q
 before kinds: for KVCMAS chained and ungated). ``gating="paper"`` is the paper's text (A.3): every PH
 span gated, the question included, fewer than two compatible anchors → dense.
 
+``guard=True`` (ours, beyond the paper) shrinks each layer's correction toward zero by a held-out
+estimate of its reliability (each anchor's delta predicted from the others), so that over the
+anchors it is never worse than serving the source uncorrected (the option's docstring).
+
 The two scopes are engine policies driven from this method's hooks (``plan`` / ``placeholder`` /
 ``prefix`` / ``finish`` / ``record``): :class:`~hf_kvshare.anchors.slot_scope.SlotScope` and
 :class:`~hf_kvshare.anchors.edge_scope.EdgeScope` (their common part, sources and deltas:
@@ -167,6 +171,16 @@ class KVCMAS(PrefixReuse, Method):
             with the anchors' prefix deltas, weighted per layer and feature (reference KVComm; the
             KVCMAS reference runs with them off, ``--rank-pf 0``). Stored dense, in ``delta_frame``;
             slot scope only (the per-edge reading corrects no PF text).
+        guard: ours, beyond the paper and both authors' codes: a correction never worse than no
+            correction in the space it checks. Each corrected PH span's correction is shrunk toward
+            zero, per layer and for keys and values apart, by a held-out estimate of its reliability
+            (:func:`~hf_kvshare.anchors.correction.guard_estimate`): every anchor's delta for this
+            consumer is predicted from the other anchors exactly as a source's is, and the served
+            scale is the least-squares factor of those predictions clamped to ``[0, 1]`` (0 with
+            fewer than two anchors). Over the held-out anchors the error at the served scale is
+            never above the uncorrected one. A span served at scale 0 in every layer is reused
+            uncorrected (and counted so); ``info["guard"]`` holds the scales. ``False`` (default):
+            the authors' correction. Slot scope only.
         lead_in: the text between the chat header and a ``"lead"`` given text; ``None``: the last line
             of the PF segment before it in the first consumer's turn (when it holds no special token).
         prefix_reuse: an agent's PF text, computed on its first use, is placed on its later reuse
@@ -225,6 +239,7 @@ class KVCMAS(PrefixReuse, Method):
     delta_frame: str = "writer"
     key_frame: str = "canonical"
     prefix_delta: bool = False
+    guard: bool = False
     lead_in: str | None = None
     prefix_reuse: bool = True
     prefix_scope: str = "agent"
@@ -263,6 +278,13 @@ class KVCMAS(PrefixReuse, Method):
             raise ValueError(
                 f"{self.name}: gating='paper' is a slot-scope reading (gate_scope='edge' already gates every "
                 f"edge on its own); got gate_scope={self.gate_scope!r}"
+            )
+        if not isinstance(self.guard, bool):
+            raise ValueError(f"{self.name}: guard must be True or False, got {self.guard!r}")
+        if self.guard and self.gate_scope != "slot":
+            raise ValueError(
+                f"{self.name}: guard=True checks the slot scope's corrections (gate_scope='slot'); "
+                f"got gate_scope={self.gate_scope!r}"
             )
         if self.lead_in is not None and not isinstance(self.lead_in, str):
             raise ValueError(f"{self.name}: lead_in must be a string or None, got {self.lead_in!r}")
