@@ -107,6 +107,17 @@ HELPER_PROBLEM = {
 }
 
 
+@pytest.mark.parametrize("isolate", MODES)
+def test_a_program_cannot_shadow_what_the_tests_call(isolate):
+    problem = {**PROBLEM, "test": "def check(candidate):\n    assert abs(candidate(2, 3) - 5) < 1e-9\n"}
+    shadow = "    return 0\n\n\ndef abs(x):\n    return 0\n"
+    assert checkers.check_answer(task(problem), shadow, execute=True)["correct"] is False
+    result = run_python(**humaneval(shadow, problem), isolate=isolate)
+    assert not result.passed and "AssertionError" in result.detail, result
+    generic = run_python("def abs(x):\n    return 0\n", test="assert abs(-3) == 3\n", isolate=isolate)
+    assert generic.passed, generic  # the builtin, not the program's
+
+
 def test_the_prompts_helpers_come_from_the_problem_not_the_program():
     cheat = "    return 0\n\n\ndef double(x):\n    return -1\n"  # redefines the helper the test calls
     assert checkers.check_answer(task(HELPER_PROBLEM), cheat, execute=True)["correct"] is False
