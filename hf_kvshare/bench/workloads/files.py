@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from .base import Workload, register_workload, select
 from .spec import TaskSpec, WorkloadFormatError
 
 #: local file extensions and the ``datasets`` builder that reads them
+#: the largest task file read (bytes)
+MAX_TASK_FILE = 256 * 2**20
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
@@ -32,32 +35,47 @@ def validate_task_file(
     every adapter an agent names must be among them. With ``max_positions`` (the positions of
     ``model``, :func:`hf_kvshare.models.max_positions`), every turn's ``max_new_tokens`` plus one
     prompt token must fit in them."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"workload file {str(path)!r} does not exist")
+    return _validate_text(Path(path), _read_task_file(path), adapters, max_positions, model)
+
+
+def _read_task_file(path: str | os.PathLike) -> str:
+    from ..inputs import InputFileError, read_input_text
+
+    try:
+        return read_input_text(path, "workload file", MAX_TASK_FILE)
+    except InputFileError as e:
+        if not os.path.lexists(path):
+            raise FileNotFoundError(str(e)) from None
+        raise WorkloadFormatError(str(e)) from None
+
+
+def _validate_text(
+    path: Path, text: str, adapters: Iterable[str] | None, max_positions: int | None, model: str
+) -> list[TaskSpec]:
     tasks: list[TaskSpec] = []
     ids: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path.name} line {number}"
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WorkloadFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise WorkloadFormatError(f"{where}: JSON nested too deeply") from None
+        task = TaskSpec.from_record(record, where=where, default_id=f"line-{number}")
+        if adapters is not None:
+            check_adapters(task, adapters, where)
+        if max_positions is not None:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise WorkloadFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            task = TaskSpec.from_record(record, where=where, default_id=f"line-{number}")
-            if adapters is not None:
-                check_adapters(task, adapters, where)
-            if max_positions is not None:
-                try:
-                    task.check_positions(max_positions, model)
-                except WorkloadFormatError as e:
-                    raise WorkloadFormatError(f"{where}: {e}") from None
-            if task.id in ids:
-                raise WorkloadFormatError(f"{where}: id: {task.id!r} is already used on line {ids[task.id]}")
-            ids[task.id] = number
-            tasks.append(task)
+                task.check_positions(max_positions, model)
+            except WorkloadFormatError as e:
+                raise WorkloadFormatError(f"{where}: {e}") from None
+        if task.id in ids:
+            raise WorkloadFormatError(f"{where}: id: {task.id!r} is already used on line {ids[task.id]}")
+        ids[task.id] = number
+        tasks.append(task)
     if not tasks:
         raise WorkloadFormatError(f"{path.name}: the file holds no task (one JSON object per line)")
     return tasks
@@ -86,8 +104,22 @@ def check_adapters(task: TaskSpec, adapters: Iterable[str], where: str) -> None:
 
 def load_task_file(path: str | os.PathLike) -> list[TaskSpec]:
     """The tasks of a JSONL task file, validated line by line, loaded with ``datasets``."""
-    validated = validate_task_file(path)
-    rows = _load_dataset("json", {"data_files": str(path), "split": "train"}, str(path))
+    text = _read_task_file(path)
+    validated = _validate_text(Path(path), text, None, None, "the model")
+    # ``datasets`` caches a local file by its path, size and mtime: hand it a copy named by the
+    # content's hash instead, so a file edited in place (same size and mtime) runs its new rows,
+    # and the rows loaded are the bytes validated above
+    data = text.encode("utf-8")
+    digest = hashlib.sha256(data).hexdigest()
+    copies = Path(tempfile.gettempdir()) / "hfkv-task-files"
+    copies.mkdir(parents=True, exist_ok=True)
+    copy = copies / f"{digest}.jsonl"
+    if not copy.is_file() or hashlib.sha256(copy.read_bytes()).hexdigest() != digest:
+        fd, tmp = tempfile.mkstemp(dir=copies, prefix=f".{digest[:16]}-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, copy)
+    rows = _load_dataset("json", {"data_files": str(copy), "split": "train"}, str(path))
     if len(rows) != len(validated):
         raise WorkloadFormatError(
             f"{path}: datasets read {len(rows)} rows, the file has {len(validated)} tasks"
