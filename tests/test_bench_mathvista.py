@@ -239,3 +239,27 @@ def test_bench_refuses_a_text_only_model_before_loading(tokenizer, tmp_path, cap
         "--workload mathvista puts images in the prompts" in lines[0] and "text-only model (llama" in lines[0]
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_calibrate_refuses_the_image_workload_before_loading(tmp_path, capsys, monkeypatch):
+    import hf_kvshare.models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(hf_kvshare.models, "load_model", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        bench(
+            "calibrate",
+            "--workload",
+            "mathvista",
+            "--method",
+            "kvcmas",
+            "--target-rho",
+            "0.5",
+            "--out",
+            tmp_path,
+        )
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "calibrate runs text workloads only" in lines[0]
