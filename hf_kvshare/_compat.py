@@ -531,6 +531,7 @@ def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:
     when the folder names no processor class transformers has."""
     import inspect
     import json
+    from pathlib import Path
 
     import transformers
     from transformers import AutoImageProcessor, AutoTokenizer
@@ -539,7 +540,7 @@ def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:
     path = cached_file(
         name_or_path, "processor_config.json", _raise_exceptions_for_missing_entries=False, **kwargs
     )
-    options = json.loads(open(path).read()) if path else {}
+    options = json.loads(Path(path).read_text()) if path else {}
     name = options.pop("processor_class", None)
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     if cls is None or "video_processor" not in inspect.signature(cls.__init__).parameters:
@@ -552,7 +553,9 @@ def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:
 
     class ImageOnlyProcessor(cls):
         def __init__(self, image_processor=None, tokenizer=None, **options):
-            super().__init__(image_processor, tokenizer, None, **options)
+            super().__init__(
+                image_processor=image_processor, tokenizer=tokenizer, video_processor=None, **options
+            )
 
     ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{cls.__name__}"
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)

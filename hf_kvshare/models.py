@@ -214,7 +214,8 @@ def model_config(name_or_path: str = DEFAULT_MODEL, *, num_layers: int | None = 
     """The transformers config of the model ``load_model(name_or_path)`` loads, without its weights: a
     ``random:`` model's shipped config (cut to ``num_layers``), an embedded model's converted copy (or its
     GGUF header), else ``AutoConfig.from_pretrained`` (a local directory, or a hub id: network or cache).
-    ``ValueError`` when it cannot be read, naming the model."""
+    ``ValueError`` when it cannot be read, naming the model. ``kwargs`` go to ``AutoConfig`` (``revision``,
+    ``token``, ``local_files_only``, ...)."""
     from transformers import AutoConfig
 
     if is_random(name_or_path):

@@ -163,6 +163,16 @@ def test_a_llava_onevision_folder_loads_with_its_processor(vlm_dir):
     assert processor.tokenizer.chat_template == tok.chat_template is not None
 
 
+def test_a_folder_without_a_vision_processor_is_refused(vlm_dir, tmp_path):
+    import shutil
+
+    broken = shutil.copytree(vlm_dir, tmp_path / "broken")
+    path = broken / "processor_config.json"
+    path.write_text(path.read_text().replace('"LlavaOnevisionProcessor"', '"NoSuchProcessor"'))
+    with pytest.raises(ValueError, match="cannot load the image processor.*'NoSuchProcessor'"):
+        load_processor(str(broken))
+
+
 def test_a_text_only_model_has_no_processor(tokenizer, tmp_path):
     directory = save_tiny(tmp_path / "llama", tokenizer)
     with pytest.raises(ValueError, match="text-only model"):
