@@ -273,3 +273,16 @@ def test_calibrate_refuses_the_image_workload_before_loading(tmp_path, capsys, m
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "calibrate runs text workloads only" in lines[0]
+
+
+def test_the_runner_needs_the_processor_for_the_image_workload(tmp_path):
+    from hf_kvshare.bench.runner import BenchInputError, BenchRunner, RunConfig
+
+    workload = make_workload("mathvista", limit=1)
+    config = RunConfig(workload.name, workload.params(), model="some-vlm")
+    runner = BenchRunner(None, None, workload, config, tmp_path, progress=False)
+    with pytest.raises(
+        BenchInputError, match=r"needs the model's processor \(BenchRunner\(\.\.\., processor="
+    ):
+        runner.tasks()
+    assert not any(tmp_path.iterdir())
