@@ -567,3 +567,46 @@ def processor_placeholders(processor: Any, kind: str, size: tuple[int, ...]) -> 
         return int(data["num_image_tokens"][0])
     data = processor._get_num_multimodal_tokens(video_sizes=[list(size)])
     return int(data["num_video_tokens"][0])
+
+
+def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:
+    """A vision-language model's processor without its video processor, for when
+    ``AutoProcessor.from_pretrained`` cannot build the full one (transformers' video processors need
+    torchvision): the class its ``processor_config.json`` names, subclassed with an ``__init__`` that
+    takes no video processor (``ProcessorMixin`` reads its sub-processors from the ``__init__``
+    signature), given the folder's image processor, tokenizer and processor options. The expansion
+    rule is the class's own; video segments are then refused (no video processor). ``ValueError``
+    when the folder names no processor class transformers has."""
+    import inspect
+    import json
+    from pathlib import Path
+
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.utils import cached_file
+
+    path = cached_file(
+        name_or_path, "processor_config.json", _raise_exceptions_for_missing_entries=False, **kwargs
+    )
+    options = json.loads(Path(path).read_text()) if path else {}
+    name = options.pop("processor_class", None)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None or "video_processor" not in inspect.signature(cls.__init__).parameters:
+        raise ValueError(
+            f"{name_or_path}: processor_config.json names processor class {name!r}; expected a transformers "
+            "vision-language processor (e.g. LlavaOnevisionProcessor)"
+        )
+    taken = inspect.signature(cls.__init__).parameters
+    options = {k: v for k, v in options.items() if k in taken and k not in ("image_processor", "tokenizer")}
+
+    class ImageOnlyProcessor(cls):
+        def __init__(self, image_processor=None, tokenizer=None, **options):
+            super().__init__(
+                image_processor=image_processor, tokenizer=tokenizer, video_processor=None, **options
+            )
+
+    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{cls.__name__}"
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    images = AutoImageProcessor.from_pretrained(name_or_path, **kwargs)
+    chat_template = getattr(tokenizer, "chat_template", None)
+    return ImageOnlyProcessor(images, tokenizer, chat_template=chat_template, **options)

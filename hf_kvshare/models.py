@@ -164,15 +164,58 @@ def load_model(
     tok = AutoTokenizer.from_pretrained(
         name_or_path, **{k: v for k, v in kwargs.items() if k in _TOKENIZER_KEYS}
     )
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    auto = AutoModelForCausalLM
+    if is_vision_language(model_config(name_or_path, **_config_kwargs(kwargs))):
+        from transformers import AutoModelForImageTextToText as auto  # LLaVA-OneVision and kin
+    model = auto.from_pretrained(name_or_path, **kwargs)
     return model.eval(), tok
 
 
-def model_config(name_or_path: str = DEFAULT_MODEL, *, num_layers: int | None = None):
+def is_vision_language(config: Any) -> bool:
+    """Whether ``config`` is a vision-language model's (it has a ``vision_config``)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processor(name_or_path: str, **kwargs: Any):
+    """The processor of the vision-language model ``load_model(name_or_path)`` loads (a hub id or a
+    local folder): ``AutoProcessor``'s, or, where that cannot build the full processor (its video
+    processor needs torchvision), the same processor without video
+    (:func:`hf_kvshare._compat.image_only_processor`: images work, video segments are refused).
+    ``ValueError`` for a text-only model (naming it) or a folder without an image processor."""
+    from transformers import AutoProcessor
+
+    from ._compat import image_only_processor
+
+    if is_random(name_or_path) or name_or_path in EMBEDDED_MODELS:
+        raise ValueError(f"model {name_or_path!r} is a text-only model: it has no image processor")
+    config = model_config(name_or_path, **_config_kwargs(kwargs))
+    if not is_vision_language(config):
+        raise ValueError(
+            f"model {name_or_path!r} ({getattr(config, 'model_type', type(config).__name__)}) is a text-only "
+            "model (no vision_config): it has no image processor"
+        )
+    try:
+        processor = AutoProcessor.from_pretrained(name_or_path, **kwargs)
+    except (OSError, ImportError, ValueError):
+        processor = None  # e.g. the video processor needs torchvision
+    if processor is None or getattr(processor, "image_processor", None) is None:
+        try:  # AutoProcessor falls back to the tokenizer when it cannot build the processor
+            processor = image_only_processor(name_or_path, **kwargs)
+        except (OSError, ImportError, ValueError) as e:
+            raise ValueError(f"cannot load the image processor of model {name_or_path!r}: {e}") from None
+    return processor
+
+
+def _config_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k in _TOKENIZER_KEYS and k != "gguf_file"}
+
+
+def model_config(name_or_path: str = DEFAULT_MODEL, *, num_layers: int | None = None, **kwargs: Any):
     """The transformers config of the model ``load_model(name_or_path)`` loads, without its weights: a
     ``random:`` model's shipped config (cut to ``num_layers``), an embedded model's converted copy (or its
     GGUF header), else ``AutoConfig.from_pretrained`` (a local directory, or a hub id: network or cache).
-    ``ValueError`` when it cannot be read, naming the model."""
+    ``ValueError`` when it cannot be read, naming the model. ``kwargs`` go to ``AutoConfig`` (``revision``,
+    ``token``, ``local_files_only``, ...)."""
     from transformers import AutoConfig
 
     if is_random(name_or_path):
@@ -187,7 +230,7 @@ def model_config(name_or_path: str = DEFAULT_MODEL, *, num_layers: int | None = 
             gguf = embedded_gguf_path(name_or_path)
             _require_gguf(name_or_path)
             return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        return AutoConfig.from_pretrained(name_or_path)
+        return AutoConfig.from_pretrained(name_or_path, **kwargs)
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"cannot read the config of model {name_or_path!r}: {e}") from None
 

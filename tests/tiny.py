@@ -177,3 +177,25 @@ def random_image(seed: int = 0, height: int = 40, width: int = 50):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def save_tiny_vlm(directory, seed: int = 0):
+    """:func:`tiny_vlm` and :func:`tiny_vlm_processor` saved as a hub folder of LLaVA-OneVision holds
+    them: ``processor_config.json`` names ``LlavaOnevisionProcessor`` with its options (as
+    ``llava-hf/llava-onevision-qwen2-*-hf`` do), not the test helper's image-only subclass."""
+    import json
+
+    directory = Path(directory)
+    tiny_vlm(seed).save_pretrained(directory)
+    processor = tiny_vlm_processor()
+    processor.save_pretrained(directory)
+    path = directory / "processor_config.json"
+    config = json.loads(path.read_text())
+    config.update(
+        processor_class="LlavaOnevisionProcessor",
+        vision_feature_select_strategy=processor.vision_feature_select_strategy,
+        image_token="<image>",
+        video_token="<video>",
+    )
+    path.write_text(json.dumps(config, indent=2))
+    return directory

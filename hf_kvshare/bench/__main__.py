@@ -277,6 +277,11 @@ def cmd_calibrate(argv: list[str]) -> int:
         workload = make_workload(args.workload, **_workload_params(args), shared_tokens=args.shared_tokens)
     except ValueError as e:
         p.error(str(e))
+    if workload.visual:
+        p.error(
+            f"--workload {workload.name} puts images in the prompts; calibrate runs text workloads only "
+            "(bench run takes it)"
+        )
     profile = args.target_rho is None
     if profile and not has_offline_profile(spec.cls):
         p.error(

@@ -303,6 +303,19 @@ def run_command(
                 workload.check_positions(limit, options.model)
         except (ValueError, FileNotFoundError) as e:
             error(str(e))
+    visual = workloads[0].visual
+    if visual:
+        from ..models import is_vision_language, model_config
+
+        config = model_config(
+            options.model, num_layers=options.num_layers if is_random(options.model) else None
+        )
+        if not is_vision_language(config):
+            error(
+                f"--workload {options.workload} puts images in the prompts; --model {options.model} is a "
+                f"text-only model ({getattr(config, 'model_type', type(config).__name__)}, no vision_config): "
+                "give a vision-language model (a LLaVA-OneVision hub id or local folder)"
+            )
     random_weights = is_random(options.model)
     if random_weights and not options.no_fidelity:
         print(
@@ -312,6 +325,14 @@ def run_command(
         )
     print(f"loading {options.model} ...", file=sys.stderr)
     model, tok = load_from_options(options, adapters, loading)
+    processor = None
+    if visual:
+        from ..models import load_processor
+
+        try:
+            processor = load_processor(options.model)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     runners = []
     config_options = {name: getattr(options, name) for name in RUN_CONFIG_FIELDS}
     config_options.update(run_config_options(options))
@@ -329,6 +350,8 @@ def run_command(
             collectors,
             tau=taus,
             state_out=options.state_out,
+            processor=processor,
+            limit=not visual,  # the limit row prefills token ids: an image's features are not ids
         )
         try:
             summaries = runner.run(specs, redo=options.redo)

@@ -213,7 +213,10 @@ class BenchRunner:
         tau: Mapping[str, float] | None = None,
         state_out=None,
         limit: bool = True,
+        processor=None,
     ):
+        #: a vision-language model's processor, for workloads with image slots (``Workload.visual``)
+        self.processor = processor
         #: also measure the ``limit`` row (bench/limit.py) for every reuse turn
         self.limit = limit
         #: the workload's tau default (``tau`` overrides it per workload name; unknown names raise)
@@ -282,6 +285,11 @@ class BenchRunner:
 
     def tasks(self) -> list[TaskSpec]:
         """The workload's requests; bad data or parameters raise :class:`BenchInputError`."""
+        if self.workload.visual and self.processor is None:
+            raise BenchInputError(
+                f"workload {self.workload.tag()} puts images in the prompts: the runner needs the model's "
+                "processor (BenchRunner(..., processor=...))"
+            )
         try:
             return self.workload.tasks(self.tokenizer, self.config.seed)
         except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
@@ -443,6 +451,7 @@ class BenchRunner:
                     seed=self.config.seed + index,
                     progress=self.progress,
                     tensor_memory=self.config.tensor_memory,
+                    processor=self.processor,
                 )
                 if index < self.config.warmup:  # state built, nothing recorded
                     del run

@@ -81,9 +81,11 @@ def run_paired(
     seed: int | None = None,
     progress: bool = False,
     tensor_memory: bool = False,
+    processor: Any = None,
 ) -> RequestRun:
     """Run ``workflow`` with every pair (``pairs[0]`` is the reference, NonShared): all free passes,
-    then, with ``fidelity``, all passes teacher-forced on the reference's outputs (caches kept)."""
+    then, with ``fidelity``, all passes teacher-forced on the reference's outputs (caches kept).
+    ``processor``: a vision-language model's processor, for image / video segments (the sessions')."""
     if not pairs or pairs[0].free.name != REFERENCE:
         raise ValueError(
             f"the first method pair must be the reference {REFERENCE!r}; got {[p.label for p in pairs]}"
@@ -96,7 +98,9 @@ def run_paired(
         if seed is not None:
             torch.manual_seed(seed)
         # the tensor peak (a profiler) only on the free pass, whose times it then inflates
-        session = Session(model, tokenizer, method, tensor_memory=tensor_memory and force is None)
+        session = Session(
+            model, tokenizer, method, tensor_memory=tensor_memory and force is None, processor=processor
+        )
         results = run_workflow(
             session,
             workflow,

@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     params = {**run.workload_params(), "offset": 0, "limit": options.calibration}
     shared = run.shared_tokens[0] if run.shared_tokens else None
     workload = make_workload(run.workload, **params, shared_tokens=shared)
+    if workload.visual:
+        raise SystemExit(
+            f"error: --workload {workload.name} puts images in the prompts; the coverage study (its "
+            "DroidSpeak profile) runs text workloads only"
+        )
     profile = Path(run.out) / "calibration" / f"droidspeak__{workload.tag()}__profile.json"
     model, tok = load_bench_model(run.model, run.dtype, run.device, {}, run.threads, **load_options(run))
     tasks = workload.tasks(tok, run.seed)

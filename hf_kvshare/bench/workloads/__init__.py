@@ -4,6 +4,7 @@
 from .autoact import AutoActWorkload
 from .base import WORKLOADS, Workload, make_workload, register_workload, workload_tau
 from .files import FileWorkload, kinds_report, load_table, load_task_file, validate_task_file
+from .mathvista import BarChart, MathVistaWorkload
 from .spec import AgentSpec, BenchStep, SlotSpec, StepSpec, TaskSpec, WorkloadFormatError
 from .stress import StressWorkload
 from .tasks import GSM8KWorkload, HumanEvalWorkload, MMLUWorkload
@@ -14,11 +15,13 @@ __all__ = [
     "WORKLOADS",
     "AgentSpec",
     "AutoActWorkload",
+    "BarChart",
     "BenchStep",
     "FileWorkload",
     "GSM8KWorkload",
     "HumanEvalWorkload",
     "MMLUWorkload",
+    "MathVistaWorkload",
     "SlotSpec",
     "StepSpec",
     "StressWorkload",

@@ -31,6 +31,8 @@ class Workload:
     #: the gate threshold the KVCMAS authors ran this task with; the runner gives it to methods that
     #: take a workload tau (``Method.workload_tau``) unless the method's options set ``tau``
     tau: ClassVar[float | None] = None
+    #: the requests hold image slots: the bench loads the model's processor and refuses a text-only model
+    visual: ClassVar[bool] = False
 
     def tasks(self, tokenizer: Any, seed: int = 0) -> list[TaskSpec]:
         raise NotImplementedError

@@ -93,13 +93,17 @@ class AgentSpec:
 
 @dataclass(frozen=True)
 class SlotSpec:
-    """Shared content given with the request (the user query, a document, an instruction)."""
+    """Shared content given with the request (the user query, a document, an instruction), or an
+    image (``image``: a ``PIL.Image`` or an image file's path, read by a vision-language model's
+    processor as ``PH(name, image=...)``; ``text`` then stays empty). Image slots are built by
+    workloads (``mathvista``); the JSONL file format holds text slots only."""
 
     name: str
-    text: str
+    text: str = ""
     label: str | None = None  # how glue names it; default: the slot name
     #: "question" or "observation" (:class:`~hf_kvshare.trajectory.PH`); None: :meth:`TaskSpec.slot_kinds`
     kind: str | None = None
+    image: Any = field(default=None, compare=False, repr=False, metadata={"file": False})
 
 
 @dataclass(frozen=True)
@@ -240,7 +244,9 @@ class TaskSpec:
         for i, s in enumerate(self.slots):
             if slot_names.index(s.name) != i:
                 fail(f"slots[{i}].name", f"slot {s.name!r} is defined twice")
-            if not s.text:
+            if s.image is not None and s.text:
+                fail(f"slots[{i}]", "give text or an image, not both")
+            if not s.text and s.image is None:
                 fail(f"slots[{i}].text", "must be a non-empty string")
             if s.kind is not None and s.kind not in GIVEN_KINDS:
                 fail(
@@ -307,7 +313,10 @@ class TaskSpec:
                     content.append(PF(glue))
                 if slot in given:  # kinds stated where the session's default would read them otherwise
                     kind = kinds[slot] if explicit or given[slot].kind else None
-                    content.append(PH(slot, given[slot].text, kind=kind))
+                    if given[slot].image is not None:
+                        content.append(PH(slot, image=given[slot].image, kind=kind))
+                    else:
+                        content.append(PH(slot, given[slot].text, kind=kind))
                 else:
                     content.append(PH(slot))
             if agent.tail:
@@ -419,13 +428,20 @@ class TaskSpec:
             raise WorkloadFormatError(f"{where}: {e}") from None
 
     def to_record(self) -> dict[str, Any]:
-        """The JSON object of this task in the file format (``meta`` is not part of it)."""
+        """The JSON object of this task in the file format (``meta`` is not part of it); a task with
+        an image slot has none (``WorkloadFormatError``: the file format holds text slots only)."""
+        images = [s.name for s in self.slots if s.image is not None]
+        if images:
+            raise WorkloadFormatError(
+                f"task {self.id!r}: slot(s) {', '.join(map(repr, images))} hold an image; the JSONL task "
+                "format holds text slots only"
+            )
         return {
             "id": self.id,
             "chat": self.chat,
             "max_new_tokens": self.max_new_tokens,
             "agents": [asdict(a) for a in self.agents],
-            "slots": [asdict(s) for s in self.slots],
+            "slots": [{k: v for k, v in asdict(s).items() if k != "image"} for s in self.slots],
             "schedule": [{**asdict(s), "reads": list(s.reads)} for s in self.schedule],
             "answer": self.answer,
             "checker": self.checker if self.checker in FILE_CHECKERS else None,
@@ -460,7 +476,7 @@ class _Reader:
         for i, item in enumerate(self.list_of(obj, key, required=required)):
             path = f"{key}[{i}]"
             items.append((path, self.mapping(item, path)))
-            self.no_unknown(item, path, tuple(f.name for f in fields(spec)))
+            self.no_unknown(item, path, tuple(f.name for f in fields(spec) if f.metadata.get("file", True)))
         return items
 
     def _get(self, obj: Mapping, key: str, path: str, required: bool) -> Any:
