@@ -566,7 +566,16 @@ def processor_placeholders(processor: Any, kind: str, size: tuple[int, ...]) -> 
         data = processor._get_num_multimodal_tokens(image_sizes=[list(size)])
         return int(data["num_image_tokens"][0])
     data = processor._get_num_multimodal_tokens(video_sizes=[list(size)])
-    return int(data["num_video_tokens"][0])
+    counts = getattr(data, "num_video_tokens", None)
+    if counts is None:  # transformers 5.16's processors count image tokens only
+        import transformers
+
+        raise ValueError(
+            f"{type(processor).__name__} (transformers {transformers.__version__}) does not say how many "
+            "placeholder tokens a video expands into; video segments need a transformers whose processor "
+            "does (5.24 is tested)"
+        )
+    return int(counts[0])
 
 
 def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:
@@ -589,6 +598,7 @@ def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:
         name_or_path, "processor_config.json", _raise_exceptions_for_missing_entries=False, **kwargs
     )
     options = json.loads(Path(path).read_text()) if path else {}
+    saved = dict(options)
     name = options.pop("processor_class", None)
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     if cls is None or "video_processor" not in inspect.signature(cls.__init__).parameters:
@@ -607,6 +617,35 @@ def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:
 
     ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{cls.__name__}"
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-    images = AutoImageProcessor.from_pretrained(name_or_path, **kwargs)
+    try:
+        images = AutoImageProcessor.from_pretrained(name_or_path, **kwargs)
+    except ImportError:  # transformers < 5.24 resolves it to the torchvision backend: take the PIL one
+        images = pil_image_processor(name_or_path, saved, **kwargs)
     chat_template = getattr(tokenizer, "chat_template", None)
     return ImageOnlyProcessor(images, tokenizer, chat_template=chat_template, **options)
+
+
+def pil_image_processor(name_or_path: str, processor_options: dict, **kwargs: Any) -> Any:
+    """The folder's image processor on its PIL backend (``<ImageProcessorType>Pil``, which transformers
+    ships beside the torchvision one), for transformers versions whose ``AutoImageProcessor`` insists
+    on torchvision (5.16). The type comes from ``processor_config.json``'s ``image_processor`` entry
+    (or ``preprocessor_config.json``); ``ImportError`` when there is no PIL backend for it."""
+    import json
+    from pathlib import Path
+
+    import transformers
+    from transformers.utils import cached_file
+
+    entry = processor_options.get("image_processor") if isinstance(processor_options, dict) else None
+    if not isinstance(entry, dict):
+        path = cached_file(
+            name_or_path, "preprocessor_config.json", _raise_exceptions_for_missing_entries=False, **kwargs
+        )
+        entry = json.loads(Path(path).read_text()) if path else {}
+    name = str(entry.get("image_processor_type", "")).removesuffix("Fast")
+    cls = getattr(transformers, f"{name}Pil", None) if name else None
+    if cls is None:
+        raise ImportError(
+            f"{name_or_path}: image processor {name!r} needs torchvision and has no PIL backend"
+        )
+    return cls.from_pretrained(name_or_path, **kwargs)
