@@ -332,3 +332,31 @@ def test_bad_arguments_are_refused():
         run_python("pass", test="pass", entry_point="not a name")
     with pytest.raises(ValueError, match="need a test"):
         run_python("pass", entry_point="f")
+
+
+@pytest.mark.skipif(ISOLATION is not None, reason=f"isolation unavailable here: {ISOLATION}")
+def test_isolation_holds_for_an_interpreter_that_lives_under_tmp(tmp_path):
+    """A venv under /tmp (CI clones, temporary venvs) is bound inside the program's private /tmp: the
+    isolated mode must not fall back to running unisolated (the mount point existed before the tmpfs)."""
+    import subprocess
+    import sys
+    import venv
+
+    assert str(tmp_path).startswith("/tmp/")
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(tmp_path / "venv")
+    probe = "from hf_kvshare.bench.sandbox import isolation_unavailable as u; print(repr(u()))"
+    out = subprocess.run(
+        [str(tmp_path / "venv" / "bin" / "python"), "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        # this interpreter's import path (its venv's packages, not the base's)
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path if p and os.path.isdir(p)]
+            ),
+        },
+        check=True,
+    )
+    assert out.stdout.strip().splitlines()[-1] == "None", (sys.executable, out.stdout, out.stderr)

@@ -102,6 +102,17 @@ def _setup_root(config: dict, runner_source: str) -> None:
     root = os.path.join(config["base"], "root")
     os.mkdir(root)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
+    # /tmp first: an interpreter or venv that lives under /tmp (CI clones, pip's temporary venvs) is then
+    # bound inside the private tmpfs instead of making the mount point exist before it
+    os.makedirs(root + "/tmp")
+    uid = config["uid"]
+    _mount(
+        "tmpfs",
+        root + "/tmp",
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={config['disk_bytes']},nr_inodes=8192,mode=0700,uid={uid},gid={config['gid']}",
+    )
     for link, target in config["links"]:
         os.symlink(target, root + link)
     for path in config["binds"]:
@@ -122,15 +133,6 @@ def _setup_root(config: dict, runner_source: str) -> None:
         _mount(device, root + device, None, MS_BIND)
     os.makedirs(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    os.makedirs(root + "/tmp")
-    uid = config["uid"]
-    _mount(
-        "tmpfs",
-        root + "/tmp",
-        "tmpfs",
-        MS_NOSUID | MS_NODEV,
-        f"size={config['disk_bytes']},nr_inodes=8192,mode=0700,uid={uid},gid={config['gid']}",
-    )
     for name, text in (("runner.py", runner_source), ("program.py", config["program"])):
         with open(os.path.join(root, "tmp", name), "w", encoding="utf-8") as f:
             f.write(text)
