@@ -56,6 +56,14 @@ SYS1, DOC, Q1 = (
 Q2 = "\nSummarize it:"
 
 
+def chat_ids(tokenizer, system, user):
+    """A system + user chat prompt's token ids (the generation prompt added)."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
 def layout(task, agent, segments, **extra):
     return {lay.KEY: {"task": task, "agent": agent, "segments": segments, **extra}}
 
@@ -174,17 +182,11 @@ def test_default_layout_shares_repeated_messages(tiny_llama, tokenizer):
     doc = DOC * 3
     sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=8)
 
-    def chat(system, user):
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-
-    p1 = sharing.plan("r1", chat("You are the planner of a team.", doc), None, 0)
+    p1 = sharing.plan("r1", chat_ids(tokenizer, "You are the planner of a team.", doc), None, 0)
     assert p1.error is None
     out, k, v = engine(tiny_llama, p1)
     sharing.record(p1, k, v, out, {tokenizer.eos_token_id})
-    p2 = sharing.plan("r2", chat("You are the critic.", doc), None, 0)
+    p2 = sharing.plan("r2", chat_ids(tokenizer, "You are the critic.", doc), None, 0)
     ph = [s for s in p2.turn.spans if s.kind == "PH"]
     assert any(torch.equal(s.token_ids, torch.tensor(ids_of(tokenizer, doc))) for s in ph)
     assert (
@@ -199,17 +201,14 @@ def test_default_layout_names_a_chunk_by_its_place_in_the_agents_prompt(tiny_lla
     that place later in one task another name; content still decides what is shared."""
     sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=8)
 
-    def chat(system, user):
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-
     docs = [DOC * 2, TOOL * 2]
     names = []
     for t, doc in enumerate(docs):
         plan = sharing.plan(
-            f"r{t}", chat("You are the planner of a team.", doc), {lay.KEY: {"task": f"t{t}"}}, 0
+            f"r{t}",
+            chat_ids(tokenizer, "You are the planner of a team.", doc),
+            {lay.KEY: {"task": f"t{t}"}},
+            0,
         )
         assert plan.error is None
         new = [s.name for s in plan.turn.spans if s.kind == "PH" and s.name in sharing.hosts[f"t{t}"].slots]
@@ -219,7 +218,9 @@ def test_default_layout_names_a_chunk_by_its_place_in_the_agents_prompt(tiny_lla
         sharing.release(plan)
     assert names[0] == names[1] and names[0].startswith(plan.turn.agent + ".m")
     # the same agent with other text at that place in the same task: a name of its own
-    plan = sharing.plan("r2", chat("You are the planner of a team.", TOOL * 2), {lay.KEY: {"task": "t0"}}, 0)
+    plan = sharing.plan(
+        "r2", chat_ids(tokenizer, "You are the planner of a team.", TOOL * 2), {lay.KEY: {"task": "t0"}}, 0
+    )
     assert plan.error is None
     assert f"{names[0]}#2" in [s.name for s in plan.turn.spans]
 
