@@ -63,6 +63,9 @@ class StatePersistence:
 
     #: option fields the saved state itself carries (not compared on load)
     state_fields: ClassVar[tuple[str, ...]] = ()
+    #: the keys the saved metadata may hold (``None``: not checked here; the method's ``stage_state``
+    #: checks them): a key outside them is refused, not ignored
+    state_keys: ClassVar[tuple[str, ...] | None] = None
     #: rank options clamped to the model's K/V feature dimension ``D`` when bound
     #: (:func:`~hf_kvshare.anchors.store.clamp_ranks`): compared clamped to the saved model's ``D``
     rank_options: ClassVar[tuple[str, ...]] = ()
@@ -189,7 +192,12 @@ class StatePersistence:
             raise ValueError(
                 f"cannot save method state to {str(directory)!r}: it exists and is not a directory"
             )
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(
+                f"cannot save method state to {str(directory)!r}: the directory cannot be created ({error})"
+            ) from error
         staged: list[Path] = []
         try:
             tensor_tmp = _temporary(directory, STATE_TENSORS, staged)
@@ -237,6 +245,12 @@ class StatePersistence:
             raise ValueError(
                 f"{header_path}: the state's metadata must be an object, got {type(meta).__name__}"
             )
+        unknown = [] if self.state_keys is None else sorted(set(meta) - set(self.state_keys))
+        if unknown:
+            raise ValueError(
+                f"{header_path}: the state's metadata holds keys {self.name} does not save: {unknown[:5]} "
+                f"(expected only {', '.join(self.state_keys)})"
+            )
         if header.get("model") is None:
             fingerprint = None
             if tensors or meta:
@@ -257,6 +271,10 @@ class StatePersistence:
                 f"load_state(model=...) got {self.binding.describe(model)}, another model object. Load "
                 "into a fresh instance (or one bound to that model), or call .clear() first"
             )
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise ValueError(f"{owner}.load_state: model= must be a torch.nn.Module, got {type(model).__name__}")
+        if fingerprint is not None:
+            _check_dtypes(header_path, tensors, fingerprint)
         target = model if model is not None else bound
         if fingerprint is not None and target is not None:
             _check_fingerprint(owner, fingerprint, model_fingerprint(target), "given")
@@ -323,7 +341,7 @@ def _read_state(header_path: Path, tensor_path: Path) -> tuple[dict[str, Any], d
 
     try:
         header = json.loads(header_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError, RecursionError) as error:
         raise ValueError(f"{header_path}: not a saved method state ({error})") from error
     if not isinstance(header, dict) or header.get("format") not in STATE_FORMATS:
         got = header.get("format") if isinstance(header, dict) else header
@@ -343,7 +361,10 @@ def _read_state(header_path: Path, tensor_path: Path) -> tuple[dict[str, Any], d
             f"({written!r}) do not match: the files are not from one save (or one was edited)"
         )
     else:
-        actual = state_checksum(header, tensors)
+        try:
+            actual = state_checksum(header, tensors)
+        except (RecursionError, ValueError) as error:  # nested past what JSON writes back, NaN
+            raise ValueError(f"{header_path}: not a saved method state ({error})") from error
         if actual != recorded:
             raise ValueError(
                 f"{header_path.parent}: the saved state does not match its checksum (recorded "
@@ -359,6 +380,18 @@ def _check_finite(owner: str, tensors: dict[str, torch.Tensor], then: str) -> No
         tensor = tensors[name]
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{owner}: saved tensor {name!r} holds NaN or inf; {then}")
+
+
+def _check_dtypes(header_path: Path, tensors: dict[str, torch.Tensor], model: ModelFingerprint) -> None:
+    """A saved state's floating tensors are in the saved model's dtype (K/V) or float32 (statistics)."""
+    allowed = {model.dtype, "float32"}
+    named = {name: str(t.dtype).removeprefix("torch.") for name, t in tensors.items() if t.is_floating_point()}
+    other = sorted((name, dtype) for name, dtype in named.items() if dtype not in allowed)
+    if other:
+        raise ValueError(
+            f"{header_path}: saved tensors must be {' or '.join(sorted(allowed))} (the saved model's dtype, or "
+            f"float32); got {', '.join(f'{n!r} in {d}' for n, d in other[:3])}"
+        )
 
 
 def _temporary(directory: Path, name: str, staged: list[Path]) -> Path:

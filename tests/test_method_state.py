@@ -5,6 +5,7 @@ original would."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -529,3 +530,472 @@ def test_a_rank_above_the_kv_dimension_round_trips(tiny_llama, tokenizer, tmp_pa
     assert got == request(tiny_llama, tokenizer, original, QUERIES[2])
     restored.save_state(tmp_path / "again")  # a loaded, clamped instance saves and loads again
     METHODS[name](**options).load_state(tmp_path / "again", model=tiny_llama)
+
+
+# ------------------------------------------------------------------ issue 26: the adversarial re-run
+# Fresh cases (not the issue's examples), classified by tests/adversarial.py; the table of a run:
+#   OMP_NUM_THREADS=1 PYTHONPATH=.:tests python tests/adversarial.py "saved method state"
+import functools  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+from adversarial import Case, assert_holds  # noqa: E402
+
+_ROOT = Path(tempfile.mkdtemp(prefix="hfkv-adversarial-state-"))
+_TRAINED_OPTIONS = {
+    "kvcmas": dict(tau=1.0, capacity=2),
+    "kvcomm": dict(tau=1.0, capacity=2),
+    "kvcmas-nonchained": dict(tau=1.0),
+    "graphflow": dict(calibration_requests=4),
+    "droidspeak": dict(rho=0.5, layer_profile=[0.1, 0.7, 0.3]),
+    "fullshared": dict(prefix_reuse=True),
+}
+
+
+@functools.cache
+def _tok():
+    from tiny import embedded_tokenizer
+
+    return embedded_tokenizer()
+
+
+@functools.cache
+def _model(seed: int = 0, layers: int = 3):
+    return tiny_model("llama", seed=seed, num_hidden_layers=layers)
+
+
+def _trained(name: str, queries=QUERIES[:2]):
+    method = METHODS[name](**_TRAINED_OPTIONS.get(name, {}))
+    if name == "droidspeak":
+        Session(_model(), _tok(), method)
+    else:
+        for query in queries:
+            request(_model(), _tok(), method, query)
+    return method
+
+
+@functools.cache
+def _saved(name: str) -> Path:
+    """A saved state of ``name`` (trained on two requests), written once."""
+    directory = _ROOT / f"saved-{name}"
+    _trained(name).save_state(directory)
+    return directory
+
+
+def _copy(name: str) -> Path:
+    directory = Path(tempfile.mkdtemp(dir=_ROOT))
+    shutil.copytree(_saved(name), directory, dirs_exist_ok=True)
+    return directory
+
+
+def _edited(name: str, edit, reseal: bool | None = True) -> Path:
+    """A copy of ``name``'s saved state with ``edit(header, tensors)`` applied; written resealed (the
+    checksum recomputed, a forger's), ``False``: the tensors rewritten with the old checksum, the
+    header as edited; ``None``: only the header rewritten."""
+    from safetensors.torch import save_file
+
+    directory = _copy(name)
+    header, tensors = read_saved(directory)
+    edit(header, tensors)
+    if reseal:
+        write_saved(directory, header, tensors)
+    elif reseal is False:
+        save_file(tensors, str(directory / "state.safetensors"), metadata={CHECKSUM: header.get(CHECKSUM, "")})
+        (directory / "state.json").write_text(json.dumps(header))
+    else:
+        (directory / "state.json").write_text(json.dumps(header))
+    return directory
+
+
+def _load_case(label, name, make_dir, match, target=None, model="same", check=None):
+    """Load ``make_dir()`` into a victim (an instance of ``target`` holding its own loaded state);
+    refused: the victim's state must be as it was. ``check``: a legitimate input (the loaded state
+    must equal the saved one)."""
+    target = target or name
+    box = {}
+
+    def run():
+        victim = METHODS[target](**_TRAINED_OPTIONS.get(target, {}))
+        if target in ("kvcmas", "kvcomm", "graphflow", "kvcmas-nonchained"):
+            victim.load_state(_saved(target), model=_model())
+        box["victim"], box["before"] = victim, _observable(victim)
+        directory = make_dir()
+        victim.load_state(directory, model=_model() if model == "same" else model() if model else None)
+        return victim
+
+    def after():
+        return "victim" not in box or _observable(box["victim"]) == box["before"]
+
+    return Case("saved method state", label, run, match, check, after)
+
+
+def _same_as_saved(name):
+    def check(victim):
+        expected = METHODS[name](**_TRAINED_OPTIONS.get(name, {}))
+        expected.load_state(_saved(name), model=_model())
+        return _observable(victim)[:4] == _observable(expected)[:4]
+
+    return check
+
+
+def _anchor(h, i=0):
+    return h["meta"]["pools"][0]["anchors"][i]
+
+
+def _first_tensor(h, t):
+    return _anchor(h)["base"]["keys"][0][0]
+
+
+def _set(path, value):
+    def edit(h, t):
+        *parents, last = path
+        node = h
+        for key in parents:
+            node = node[key]
+        node[last] = value
+
+    return edit
+
+
+def _tensor_edit(fn):
+    def edit(h, t):
+        name = _first_tensor(h, t)
+        t[name] = fn(t[name])
+
+    return edit
+
+
+def _rename(h, t):
+    name = _first_tensor(h, t)
+    t[name + "x"] = t.pop(name)
+
+
+def _swap_tensors(h, t):
+    a, b = _anchor(h)["base"]["keys"][0][0], _anchor(h)["base"]["values"][0][0]
+    t[a], t[b] = t[b], t[a]
+
+
+def _nested(depth):
+    def edit(h, t):
+        node = h["meta"]
+        for _ in range(depth):
+            node["x"] = {}
+            node = node["x"]
+
+    return edit
+
+
+def _raw_header(text_or_bytes):
+    def make():
+        directory = _copy("kvcmas")
+        path = directory / "state.json"
+        path.write_bytes(text_or_bytes if isinstance(text_or_bytes, bytes) else text_or_bytes.encode())
+        return directory
+
+    return make
+
+
+def _truncated(file, keep):
+    def make():
+        directory = _copy("kvcmas")
+        path = directory / file
+        data = path.read_bytes()
+        path.write_bytes(data[: int(len(data) * keep)])
+        return directory
+
+    return make
+
+
+def _file_instead_of_dir():
+    path = Path(tempfile.mkdtemp(dir=_ROOT)) / "state"
+    path.write_text("not a directory")
+    return path
+
+
+def _symlinked_dir():
+    link = Path(tempfile.mkdtemp(dir=_ROOT)) / "link"
+    link.symlink_to(_saved("kvcmas"), target_is_directory=True)
+    return link
+
+
+def _json_from_another_state():
+    directory = _copy("kvcmas")
+    (directory / "state.json").unlink()
+    other = _ROOT / "other-kvcmas"
+    if not other.exists():
+        _trained("kvcmas", QUERIES[2:4]).save_state(other)
+    (directory / "state.json").symlink_to(other / "state.json")
+    return directory
+
+
+def _json_is_a_directory():
+    directory = _copy("kvcmas")
+    (directory / "state.json").unlink()
+    (directory / "state.json").mkdir()
+    return directory
+
+
+def _with_leftover_temporaries():
+    directory = _copy("kvcmas")
+    (directory / ".state.json.abc.tmp").write_text("{")
+    (directory / ".state.safetensors.abc.tmp").write_bytes(b"\0" * 10)
+    return directory
+
+
+def _dev_zero_tensors():
+    directory = _copy("kvcmas")
+    (directory / "state.safetensors").unlink()
+    (directory / "state.safetensors").symlink_to("/dev/zero")
+    return directory
+
+
+def _fifo_header():
+    directory = _copy("kvcmas")
+    (directory / "state.json").unlink()
+    os.mkfifo(directory / "state.json")
+    return directory
+
+
+def _huge_header():
+    directory = _edited("kvcmas", _set(("meta", "comment"), "x" * (64 << 20)))
+    return directory
+
+
+def _save_case(label, make_method, make_dir, match, check=None, after=None):
+    def run():
+        return make_method().save_state(make_dir())
+
+    return Case("saved method state", label, run, match, check, after)
+
+
+def _saved_again_intact(directory_box):
+    def check(_):
+        return True
+
+    return check
+
+
+def _read_only_dir():
+    directory = Path(tempfile.mkdtemp(dir=_ROOT)) / "ro"
+    directory.mkdir()
+    return directory
+
+
+def _failing_save():
+    """A save that fails midway (the tensor writer raises after writing part of its file): the old
+    state is kept, loadable, no temporary file left."""
+    import hf_kvshare.persistence as persistence
+
+    directory = _copy("kvcmas")
+    original = persistence._write_tensors
+
+    def failing(tensors, path, metadata):
+        Path(path).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    persistence._write_tensors = failing
+    try:
+        _trained("kvcmas", QUERIES[2:3]).save_state(directory)
+    except OSError:
+        pass
+    finally:
+        persistence._write_tensors = original
+    fresh = METHODS["kvcmas"](**_TRAINED_OPTIONS["kvcmas"])
+    fresh.load_state(directory, model=_model())
+    return fresh, sorted(p.name for p in directory.iterdir())
+
+
+_STATE_MODEL = r"another model|bound to|layers|fingerprint|model"
+ADVERSARIAL_STATE = [
+    # -- edited without recomputing the checksum
+    *[
+        _load_case(f"{name}: {label}", name, functools.partial(_edited, name, edit, None), "checksum")
+        for name, edits in {
+            "kvcmas": {
+                "anchor uses edited": _set(("meta", "pools", 0, "anchors", 0, "uses"), 99),
+                "base_start shifted": lambda h, t: _anchor(h).update(base_start=_anchor(h)["base_start"] + 1),
+                "an option edited": _set(("options", "tau"), 0.5),
+                "requested ranks edited": _set(("requested", "base_rank"), 7),
+                "next_request edited": _set(("meta", "next_request"), 0),
+                "pools reordered": lambda h, t: h["meta"]["pools"].reverse(),
+            },
+            "graphflow": {
+                "profile requests edited": _set(("meta", "profiles", 0, "requests"), [0, 1, 2, 3]),
+                "profile target renamed": _set(("meta", "profiles", 0, "target"), "someone"),
+            },
+            "kvcomm": {
+                "prefix delta ids edited": lambda h, t: _anchor(h)["prefix_deltas"][0][1].reverse(),
+            },
+            "droidspeak": {
+                "layer profile edited": _set(("meta", "layer_profile"), [0.7, 0.1, 0.3]),
+            },
+        }.items()
+        for label, edit in edits.items()
+    ],
+    *[
+        _load_case(f"kvcmas: {label}", "kvcmas", functools.partial(_edited, "kvcmas", edit, False), "checksum")
+        for label, edit in {
+            "a tensor negated": _tensor_edit(lambda x: -x),
+            "a tensor renamed": _rename,
+            "an extra tensor": lambda h, t: t.update(extra=torch.zeros(3)),
+            "a tensor missing": lambda h, t: t.pop(_first_tensor(h, t)),
+            "a tensor in float16": _tensor_edit(lambda x: x.half()),
+            "a tensor in float64": _tensor_edit(lambda x: x.double()),
+            "two tensors swapped": _swap_tensors,
+            "NaN in a tensor": _tensor_edit(lambda x: x.index_fill(-1, torch.tensor([0]), float("nan"))),
+        }.items()
+    ],
+    # -- resealed (a forger recomputes the sha256): the content checks
+    *[
+        _load_case(f"resealed {name}: {label}", name, functools.partial(_edited, name, edit), match)
+        for name, label, edit, match in [
+            ("kvcmas", "inf in a tensor", _tensor_edit(lambda x: x.index_fill(-1, torch.tensor([1]), float("inf"))), "NaN or inf"),
+            ("kvcmas", "a tensor in float16", _tensor_edit(lambda x: x.half()), r"dtype|float16.*float32|float32.*float16"),
+            ("kvcmas", "a tensor in int64", _tensor_edit(lambda x: x.long()), r"dtype|int64"),
+            ("kvcmas", "a tensor missing", lambda h, t: t.pop(_first_tensor(h, t)), r"t\d+|missing|names"),
+            ("kvcmas", "an extra tensor", lambda h, t: t.update(extra=torch.zeros(3)), r"extra"),
+            ("kvcmas", "a tensor renamed", _rename, r"t\d+"),
+            ("kvcmas", "a tensor one token short", _tensor_edit(lambda x: x[:-1].contiguous()), r"shape|length|token"),
+            ("kvcmas", "a scalar tensor", _tensor_edit(lambda x: x.sum()), r"shape|dimension|rank"),
+            ("kvcmas", "an anchor length edited", lambda h, t: _anchor(h)["base"].update(length=_anchor(h)["base"]["length"] + 1), r"length|shape|token"),
+            ("kvcmas", "a layer dropped", lambda h, t: _anchor(h)["base"].update(keys=_anchor(h)["base"]["keys"][:-1]), r"layers"),
+            ("kvcmas", "anchor uses negative", _set(("meta", "pools", 0, "anchors", 0, "uses"), -1), r"uses.*-1"),
+            ("kvcmas", "anchor serial a string", _set(("meta", "pools", 0, "anchors", 0, "serial"), "0"), r"serial.*'0'"),
+            ("kvcmas", "pool capacity other than the option", _set(("meta", "pools", 0, "capacity"), 7), r"capacity.*7"),
+            ("kvcmas", "more anchors than the capacity", lambda h, t: h["meta"]["pools"][0]["anchors"].extend(h["meta"]["pools"][0]["anchors"]), r"anchor|capacity|serial"),
+            ("kvcmas", "pools a string", _set(("meta", "pools"), "x"), r"pools.*'x'|pools.*str"),
+            ("kvcmas", "meta a list", _set(("meta",), []), r"metadata must be an object.*list"),
+            ("kvcmas", "an unknown meta key", _set(("meta", "surprise"), 1), r"does not save: \['surprise'\]"),
+            ("kvcmas", "next_request negative", _set(("meta", "next_request"), -5), r"next_request.*-5"),
+            ("kvcmas", "an anchor frame unknown", lambda h, t: _anchor(h).update(frame="bogus"), r"frame.*bogus"),
+            ("kvcmas", "a delta agent not a string", lambda h, t: _anchor(h)["deltas"][0].__setitem__(0, 5), r"agent|5"),
+            ("kvcmas", "a deeply nested meta", _nested(500), r"nested|deep|does not save: \['x'\]"),
+            ("kvcmas", "format from the future", _set(("format",), 3), r"format.*3"),
+            ("kvcmas", "method renamed", _set(("method",), "kvcomm"), r"'kvcomm', not 'kvcmas'"),
+            ("kvcmas", "an option removed", lambda h, t: h["options"].pop("tau"), r"tau"),
+            ("kvcmas", "an unknown option", _set(("options", "colour"), "red"), r"colour"),
+            ("kvcmas", "the model fingerprint's layers edited", _set(("model", "layers"), 2), _STATE_MODEL),
+            ("kvcmas", "the model fingerprint damaged", _set(("model",), "abc"), r"fingerprint"),
+            ("graphflow", "profile counts of another length", lambda h, t: t.update({h["meta"]["profiles"][0]["counts"]: torch.ones(3)}), r"shape|length|count"),
+            ("graphflow", "profile kv_heads edited", _set(("meta", "profiles", 0, "kv_heads"), 4), r"kv heads|kv_heads"),
+            ("graphflow", "profile requests not a list", _set(("meta", "profiles", 0, "requests"), 3), r"requests"),
+            ("graphflow", "two profiles with one key", lambda h, t: h["meta"]["profiles"].__setitem__(1, dict(h["meta"]["profiles"][0])), r"twice|duplicate|same|key"),
+            ("droidspeak", "layer profile NaN", _set(("meta", "layer_profile"), [0.1, None, 0.3]), r"profile"),
+            ("droidspeak", "layer profile of two layers", _set(("meta", "layer_profile"), [0.1, 0.7]), r"2 entries.*3 layers"),
+            ("droidspeak", "layer profile strings", _set(("meta", "layer_profile"), ["a", "b", "c"]), r"profile"),
+            ("fullshared", "kept prefix ids not ints", lambda h, t: h["meta"]["prefixes"][0].update(ids=["a"] * len(h["meta"]["prefixes"][0]["ids"])), r"ids|int"),
+        ]
+    ],
+    _load_case("a nonshared state holding metadata", "nonshared", lambda: _edited("nonshared", _set(("meta", "pools"), [])), r"keeps no state|names no model"),
+    # -- files
+    _load_case("the state dir is a file", "kvcmas", _file_instead_of_dir, r"holds no saved method state"),
+    _load_case("state.json truncated", "kvcmas", _truncated("state.json", 0.5), r"not a saved method state"),
+    _load_case("state.safetensors truncated", "kvcmas", _truncated("state.safetensors", 0.7), r"not a readable safetensors"),
+    _load_case("state.safetensors empty", "kvcmas", _truncated("state.safetensors", 0), r"not a readable safetensors"),
+    _load_case("state.json not UTF-8", "kvcmas", _raw_header(b"\xff\xfe{"), r"not a saved method state"),
+    _load_case("state.json a list", "kvcmas", _raw_header("[1, 2]"), r"format 2 expected, got \[1, 2\]"),
+    _load_case("state.json with NaN", "kvcmas", _raw_header('{"format": NaN}'), r"format|NaN"),
+    _load_case("state.json nested 100000 deep", "kvcmas", _raw_header("[" * 100000 + "]" * 100000), r"not a saved method state|nested|deep"),
+    _load_case("state.json from another save (symlink)", "kvcmas", _json_from_another_state, r"not from one save"),
+    _load_case("state.json a directory", "kvcmas", _json_is_a_directory, r"holds no saved method state"),
+    _load_case("state.json a FIFO", "kvcmas", _fifo_header, r"holds no saved method state"),
+    _load_case("state.safetensors -> /dev/zero", "kvcmas", _dev_zero_tensors, r"holds no saved method state|not a readable"),
+    _load_case("64 MiB of metadata", "kvcmas", _huge_header, r"does not save: \['comment'\]"),
+    _load_case("the state dir a symlink to a state", "kvcmas", _symlinked_dir, None, check=_same_as_saved("kvcmas")),
+    _load_case("leftover temporary files", "kvcmas", _with_leftover_temporaries, None, check=_same_as_saved("kvcmas")),
+    # -- models, methods, options
+    _load_case("model= with other weights", "kvcmas", lambda: _saved("kvcmas"), _STATE_MODEL, model=lambda: _model(seed=1)),
+    _load_case("model= with fewer layers", "kvcmas", lambda: _saved("kvcmas"), _STATE_MODEL, model=lambda: _model(layers=2)),
+    _load_case("model= not a model", "kvcmas", lambda: _saved("kvcmas"), r"model.*str|nn\.Module", model=lambda: "model"),
+    *[
+        _load_case(f"{source} state into {target}", source, functools.partial(_saved, source), rf"state of method '{source}', not '{target}'", target=target)
+        for source, target in [
+            ("kvcmas", "kvcomm"),
+            ("kvcmas", "kvcmas-nonchained"),
+            ("kvcmas", "graphflow"),
+            ("graphflow", "kvcmas"),
+            ("droidspeak", "cacheblend"),
+            ("nonshared", "fullshared"),
+        ]
+    ],
+    Case(
+        "saved method state",
+        "into an instance bound to another model",
+        lambda: (
+            lambda m: (Session(_model(seed=1), _tok(), m), m.load_state(_saved("kvcmas")))
+        )(METHODS["kvcmas"](**_TRAINED_OPTIONS["kvcmas"])),
+        _STATE_MODEL,
+    ),
+    Case(
+        "saved method state",
+        "saved with capacity 2, loaded with capacity 3",
+        lambda: METHODS["kvcmas"](tau=1.0, capacity=3).load_state(_saved("kvcmas")),
+        r"capacity: saved 2, this instance 3",
+    ),
+    Case(
+        "saved method state",
+        "saved with tau 1, loaded with tau 0.5",
+        lambda: METHODS["kvcmas"](tau=0.5, capacity=2).load_state(_saved("kvcmas")),
+        r"tau: saved 1.0, this instance 0.5",
+    ),
+    Case(
+        "saved method state",
+        "graphflow rank 1000 round trip",
+        lambda: (
+            lambda m: (
+                request(_model(), _tok(), m, QUERIES[0]),
+                m.save_state(_ROOT / "rank1000"),
+                METHODS["graphflow"](calibration_requests=4, rank=1000).load_state(_ROOT / "rank1000", model=_model()),
+            )
+        )(METHODS["graphflow"](calibration_requests=4, rank=1000)),
+        None,
+        check=lambda _: True,
+    ),
+    # -- saving
+    _save_case("save into a file", lambda: _trained("kvcmas", QUERIES[:1]), _file_instead_of_dir, r"exists and is not a directory"),
+    _save_case("save under a file", lambda: _trained("kvcmas", QUERIES[:1]), lambda: _file_instead_of_dir() / "sub", r"not a directory|cannot save"),
+    Case(
+        "saved method state",
+        "save with model= another model",
+        lambda: _trained("kvcmas", QUERIES[:1]).save_state(_ROOT / "x", model=_model(seed=1)),
+        r"another model object",
+    ),
+    Case(
+        "saved method state",
+        "a save failing midway keeps the old state",
+        _failing_save,
+        None,
+        check=lambda got: got[1] == ["state.json", "state.safetensors"] and got[0].state_bytes() > 0,
+    ),
+    *[
+        Case(
+            "saved method state",
+            f"round trip of {name}",
+            functools.partial(
+                lambda name: (
+                    _trained(name).save_state(_ROOT / f"rt-{name}"),
+                    METHODS[name](**_TRAINED_OPTIONS.get(name, {})).load_state(_ROOT / f"rt-{name}", model=_model()),
+                )
+                if name in _TRAINED_OPTIONS
+                else (
+                    METHODS[name]().save_state(_ROOT / f"rt-{name}"),
+                    METHODS[name]().load_state(_ROOT / f"rt-{name}", model=_model()),
+                ),
+                name,
+            ),
+            None,
+            check=lambda _: True,
+        )
+        for name in sorted(METHODS)
+        if not METHODS[name].requires_adapters and name not in ("droidspeak",)
+    ],
+]
+
+
+@pytest.mark.parametrize("case", ADVERSARIAL_STATE, ids=lambda c: c.name)
+def test_adversarial_saved_state(case):
+    assert_holds(case)
+
+
+ADVERSARIAL = ADVERSARIAL_STATE

@@ -170,6 +170,11 @@ def pools_to_state(pools: dict[str, AnchorPool], table: TensorTable) -> list[dic
     ]
 
 
+def _check_agent(name: Any, what: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} must be a non-empty string (a name), got {name!r}")
+
+
 def pools_from_state(
     meta: list[dict[str, Any]], tensors: dict[str, torch.Tensor], dims=None
 ) -> tuple[dict[str, AnchorPool], set[str]]:
@@ -195,10 +200,14 @@ def pools_from_state(
             what = f"pool {entry['key']!r} anchor {i}"
             base = factored_in(a["base"], reader, f"{what} base")
             deltas = {}
+            if not isinstance(a["source"], str):
+                raise ValueError(f"{what}: source must be an agent name (a string), got {a['source']!r}")
             for target, d in a["deltas"]:
+                _check_agent(target, f"{what}: a delta's agent")
                 deltas[target] = factored_in(d, reader, f"{what} delta for {target!r}", base.length)
             prefix_deltas = {}
             for target, ids, d in a.get("prefix_deltas", []):
+                _check_agent(target, f"{what}: a prefix delta's agent")
                 if not isinstance(ids, list) or any(
                     isinstance(t, bool) or not isinstance(t, int) for t in ids
                 ):
@@ -269,7 +278,16 @@ def profiles_from_state(meta: list[dict[str, Any]], tensors, dims=None):
         )
         if e["rank"] is not None:
             reader.count(e["rank"], f"{what}: rank", 1)
-        p.requests = set(e["requests"])
+        requests = e["requests"]
+        if not isinstance(requests, list) or any(
+            isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in requests
+        ):
+            raise ValueError(f"{what}: requests must be a list of request uids (ints >= 0), got {requests!r:.80}")
+        for field in ("slot", "target"):
+            _check_agent(e[field], f"{what}: {field}")
+        if from_json_key(e["key"]) != (e["slot"], e["target"]):
+            raise ValueError(f"{what}: key {e['key']!r} is not [slot, target] = [{e['slot']!r}, {e['target']!r}]")
+        p.requests = set(requests)
         p._kv_heads = reader.count(e["kv_heads"], f"{what}: kv_heads")
         p._key_sums = [reader.get(n) for n in e["key_sums"]]
         p._value_sums = [reader.get(n) for n in e["value_sums"]]

@@ -48,6 +48,7 @@ class GraphFlow(Method):
     uses_sources: ClassVar[bool] = False
     corrects: ClassVar[bool] = True
     rank_options: ClassVar[tuple[str, ...]] = ("rank",)
+    state_keys: ClassVar[tuple[str, ...] | None] = ("profiles", "next_request", "evicted")
 
     calibration_requests: int = 2
     rank: int | None = None

@@ -208,6 +208,7 @@ class KVCMAS(PrefixReuse, Method):
     workload_tau: ClassVar[bool] = True
     corrects: ClassVar[bool] = True
     rank_options: ClassVar[tuple[str, ...]] = ("base_rank", "delta_rank")
+    state_keys: ClassVar[tuple[str, ...] | None] = ("pools", "next_request", "evicted", "prefixes")
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
         "key_frame": "canonical",
