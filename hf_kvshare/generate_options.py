@@ -47,6 +47,18 @@ DICT_OUTPUTS = (
 #: the session's default where the caller sets nothing: one greedy sequence
 DEFAULTS = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1}
 DEFAULT_MAX_NEW_TOKENS = 64
+#: decoding that feeds the prompt again beside the built cache, or needs several beams: refused
+UNSUPPORTED = {
+    "assistant_model": "assisted decoding re-feeds the whole prompt over a cache that already holds it",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding re-feeds the whole prompt over a cache that already holds it",
+    "assistant_early_exit": "self-speculative decoding re-feeds the whole prompt over a cache that already holds it",
+    "negative_prompt_ids": "classifier-free guidance runs a second, unconditional prompt the session did not build",
+    "negative_prompt_attention_mask": "classifier-free guidance runs a second prompt the session did not build",
+    "force_words_ids": "forced words need constrained beam search (several beams)",
+    "constraints": "constraints need constrained beam search (several beams)",
+}
+#: list-like arguments of ``generate`` (a list, a tuple, or transformers' list classes)
+LISTS = ("logits_processor", "stopping_criteria")
 
 
 @dataclass
@@ -63,15 +75,32 @@ class GenerateOptions:
     given: tuple[str, ...] = ()
 
 
-def generate_options(model: torch.nn.Module, max_new_tokens: Any, kwargs: dict[str, Any]) -> GenerateOptions:
+def generate_options(
+    model: torch.nn.Module, max_new_tokens: Any, kwargs: dict[str, Any], tokenizer: Any = None
+) -> GenerateOptions:
     """Check ``run_turn``'s generation arguments (``max_new_tokens``: ``None`` means the
-    ``generation_config``'s, else 64) and return what reaches ``generate``; raise ``ValueError``."""
+    ``generation_config``'s, else 64) and return what reaches ``generate``; raise ``ValueError``.
+    ``tokenizer``: the session's, passed to ``generate`` for ``stop_strings`` when none is given."""
     kwargs = dict(kwargs)
     given = tuple(sorted(kwargs))
     config = kwargs.pop("generation_config", None)
     if config is not None and not isinstance(config, GenerationConfig):
         raise ValueError(
             f"run_turn: generation_config must be a transformers.GenerationConfig, got {type(config).__name__}"
+            + (f" {config.__name__}" if isinstance(config, type) else "")
+        )
+    for name in LISTS:
+        value = kwargs.get(name)
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise ValueError(
+                f"run_turn: {name} must be a list of callables (or transformers' {name} list), got "
+                f"{type(value).__name__} {value!r:.60}"
+            )
+    streamer = kwargs.get("streamer")
+    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise ValueError(
+            f"run_turn: a streamer must have put(token_ids) and end() methods (transformers' BaseStreamer); "
+            f"got {type(streamer).__name__}"
         )
     ours = sorted(set(kwargs) & set(SET_BY_SESSION))
     if ours:
@@ -79,9 +108,11 @@ def generate_options(model: torch.nn.Module, max_new_tokens: Any, kwargs: dict[s
             f"run_turn sets {', '.join(ours)} itself (the prompt it built, its cache, their positions); got "
             f"{', '.join(f'{k}=' for k in ours)}. To drive generate yourself use Session.build_cache + model.generate"
         )
-    if "max_length" in kwargs:
+    length = kwargs["max_length"] if "max_length" in kwargs else getattr(config, "max_length", None)
+    if "max_length" in kwargs or length is not None:
+        where = "" if "max_length" in kwargs else " (in the generation_config)"
         raise ValueError(
-            f"run_turn counts new tokens: pass max_new_tokens=, not max_length={kwargs['max_length']!r}"
+            f"run_turn counts new tokens: pass max_new_tokens=, not max_length={length!r}{where}"
         )
     processors = list(kwargs.pop("logits_processor", None) or [])
     attention_mask = kwargs.pop("attention_mask", None)
@@ -112,6 +143,14 @@ def generate_options(model: torch.nn.Module, max_new_tokens: Any, kwargs: dict[s
                 f"run_turn generates and records one sequence as the output slot; got {where}. For beam search or "
                 "several samples use Session.build_cache + model.generate (the cache follows generate's batch)"
             )
+    unsupported = [name for name in UNSUPPORTED if setting(name) is not None]
+    if unsupported:
+        raise ValueError(
+            f"run_turn cannot honour {', '.join(f'{n}=' for n in unsupported)}: "
+            f"{'; '.join(UNSUPPORTED[n] for n in unsupported)}. Leave it out: run_turn decodes one "
+            "sequence over the cache it built"
+        )
+    _check_decoding(setting)
     flags = [name for name in DICT_OUTPUTS if setting(name)]
     if flags:
         raise ValueError(
@@ -120,17 +159,52 @@ def generate_options(model: torch.nn.Module, max_new_tokens: Any, kwargs: dict[s
             "Session.build_cache + model.generate"
         )
     if max_new_tokens is None:
-        max_new_tokens = setting("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+        max_new_tokens = setting("max_new_tokens")
+        max_new_tokens = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(
             f"max_new_tokens must be an int >= 1, got {max_new_tokens!r} ({type(max_new_tokens).__name__})"
         )
     call["max_new_tokens"] = max_new_tokens
+    if setting("stop_strings") is not None and "tokenizer" not in call and tokenizer is not None:
+        call["tokenizer"] = tokenizer  # generate needs it to find stop strings
     if config is not None:  # one GenerationConfig holding every generation setting, as generate wants it
         config = copy.deepcopy(config)
         rest = config.update(**call)
         call = {**rest, "generation_config": config}
     return GenerateOptions(call, processors, attention_mask, max_new_tokens, given)
+
+
+def _check_decoding(setting) -> None:
+    """The decoding knobs ``generate`` would refuse (or misuse) only after the cache is built."""
+    import math
+
+    def number(name: str, low: float, high: float, low_open: bool, high_open: bool = False) -> None:
+        value = setting(name)
+        if value is None:
+            return
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+        if not ok:
+            bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+            raise ValueError(f"run_turn: {name} must be a finite number in {bounds}, got {value!r}")
+
+    sample = setting("do_sample")
+    if sample is not None and not isinstance(sample, bool):
+        raise ValueError(f"run_turn: do_sample must be True or False, got {sample!r} ({type(sample).__name__})")
+    if sample:
+        number("temperature", 0.0, math.inf, True, True)
+        number("top_p", 0.0, 1.0, True)
+        number("typical_p", 0.0, 1.0, True)
+        number("min_p", 0.0, 1.0, False)
+        top_k = setting("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise ValueError(f"run_turn: top_k must be an int >= 0, got {top_k!r}")
+    number("repetition_penalty", 0.0, math.inf, True, True)
+    for name in ("min_new_tokens", "no_repeat_ngram_size"):
+        value = setting(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"run_turn: {name} must be an int >= 0, got {value!r}")
 
 
 def check_attention_mask(mask: Any, batch: int, length: int) -> None:

@@ -282,7 +282,7 @@ class Session:
         options = (
             None
             if force_output is not None
-            else generate_options(self.model, max_new_tokens, generate_kwargs)
+            else generate_options(self.model, max_new_tokens, generate_kwargs, self.tokenizer)
         )
         with self._rollback():
             turn = self.prepare_turn(agent, segments, output_slot)
@@ -359,6 +359,10 @@ class Session:
             raise ValueError(f"force_output must be token ids (ints); got {force_output!r}") from error
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise ValueError(f"force_output must be integer token ids; got dtype {ids.dtype}")
+        if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+            raise ValueError(
+                f"force_output must be one sequence of token ids ([T] or [1, T]); got shape {list(ids.shape)}"
+            )
         ids = ids.to(torch.long).flatten()
         if ids.numel() == 0:
             raise ValueError("force_output must hold at least one token")

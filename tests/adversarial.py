@@ -63,6 +63,10 @@ def classify(case: Case) -> tuple[str, str]:
         if case.match is not None and re.search(case.match, str(error), re.S):
             return "clear", message
         return "unclear", message
+    except AssertionError as error:
+        if "built before the refusal" not in str(error):
+            raise
+        return "wrong", "not refused before the cache was built (went on to generate)"
     except Exception as error:  # a crash, whatever its type
         frame = traceback.extract_tb(error.__traceback__)[-1]
         return "traceback", f"{type(error).__name__}: {error} (raised in {frame.filename}:{frame.lineno})"

@@ -520,3 +520,187 @@ def test_a_repeated_method_option_is_refused():
     with pytest.raises(ValueError, match="method option 'tau' is given twice in 'kvcmas:tau=0.3,tau=0.9'"):
         MethodSpec.parse("kvcmas:tau=0.3,tau=0.9")
     assert MethodSpec.parse("kvcmas:tau=0.3,capacity=4").kwargs == {"tau": 0.3, "capacity": 4}
+
+
+# ---------------------------------------------------------------- issue 26: the adversarial re-run
+# Fresh cases (not the issue's examples), classified by tests/adversarial.py; the table of a run:
+#   OMP_NUM_THREADS=1 PYTHONPATH=.:tests python tests/adversarial.py
+import functools  # noqa: E402
+
+from adversarial import Case, assert_holds  # noqa: E402
+
+_GEN = "generate / run_turn options"
+
+
+@functools.cache
+def _tok():
+    from tiny import embedded_tokenizer
+
+    return embedded_tokenizer()
+
+
+@functools.cache
+def _model(seed: int = 3, layers: int = 3):
+    return tiny_model("llama", seed=seed, num_hidden_layers=layers)
+
+
+@functools.cache
+def _prompt():
+    return Session(_model(), _tok(), "nonshared").build_cache(*STEPS[0])[1]
+
+
+def _plain(options: dict, seed: int = 0) -> list[int]:
+    """What plain ``generate`` gives for the first step's prompt with ``options`` (the session's
+    default of greedy decoding where they set nothing), trailing EOS dropped as the session does."""
+    prompt, model = _prompt(), _model()
+    options = dict(options)
+    if "generation_config" not in options:
+        options.setdefault("do_sample", False)
+    options.setdefault("max_new_tokens", 6)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **options)
+    session = Session(_model(), _tok(), "nonshared")
+    return session._strip_eos(out[0, prompt.shape[1] :]).tolist()
+
+
+class _Untouched:
+    """A session whose method's build fails loudly (a refusal must come before any work)."""
+
+    def __init__(self, method="nonshared"):
+        self.session = _no_build(Session(_model(), _tok(), method))
+
+    def __call__(self):
+        return self.session.slots == {} and self.session.turns == []
+
+
+def _gen_refused(label, options, match, method="nonshared"):
+    box = {}
+
+    def run():
+        box["s"] = _Untouched(method)
+        return box["s"].session.run_turn(*STEPS[0], **(options() if callable(options) else options))
+
+    return Case(_GEN, label, run, match, None, lambda: "s" not in box or box["s"]())
+
+
+def _gen_honoured(label, options, seed=0, reference=None):
+    """``run_turn(**options)`` gives what plain generate gives with them (same seed)."""
+
+    given = {}
+
+    def run():
+        given.update(options() if callable(options) else options)
+        session = Session(_model(), _tok(), "nonshared")
+        torch.manual_seed(seed)
+        return session.run_turn(*STEPS[0], **given).output_ids.tolist()
+
+    return Case(_GEN, label, run, None, lambda got: got == (reference or _plain)(given, seed))
+
+
+class _StopAfter:
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] - _prompt().shape[1] >= self.n, dtype=torch.bool)
+
+
+class _Streamer:
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def _streamed():
+    streamer = _Streamer()
+    got = Session(_model(), _tok(), "nonshared").run_turn(*STEPS[0], max_new_tokens=5, streamer=streamer)
+    return got.output_ids.tolist(), streamer
+
+
+def _ban_first(input_ids, scores):
+    scores[:, _plain({})[0]] = -float("inf")
+    return scores
+
+
+def _config(**fields):
+    """A GenerationConfig with fields set past its own validation (as a user may assign them)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig()
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return config
+
+
+def _gen_cases():
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    return [
+        _gen_honoured("sampling with temperature and top_k", dict(do_sample=True, temperature=0.7, top_k=50, max_new_tokens=6), seed=1),
+        _gen_honoured("sampling with top_p", dict(do_sample=True, top_p=0.8, max_new_tokens=6), seed=2),
+        _gen_honoured("sampling with typical_p", dict(do_sample=True, typical_p=0.9, max_new_tokens=6), seed=3),
+        _gen_honoured("a sampling generation_config", dict(generation_config=GenerationConfig(do_sample=True, top_k=5, max_new_tokens=6)), seed=4),
+        _gen_honoured("a config's do_sample overridden by a keyword", dict(generation_config=GenerationConfig(do_sample=True, max_new_tokens=6), do_sample=False)),
+        _gen_honoured("repetition_penalty", dict(repetition_penalty=1.5, max_new_tokens=6)),
+        _gen_honoured("no_repeat_ngram_size", dict(no_repeat_ngram_size=1, max_new_tokens=6)),
+        _gen_honoured("bad_words_ids", lambda: dict(bad_words_ids=[[_plain({})[0]]], max_new_tokens=6)),
+        _gen_honoured("suppress_tokens", lambda: dict(suppress_tokens=[_plain({})[0]], max_new_tokens=6)),
+        _gen_honoured("min_new_tokens with an EOS-free model", dict(min_new_tokens=4, max_new_tokens=6)),
+        _gen_honoured("eos_token_id as a list", lambda: dict(eos_token_id=[_plain({})[2]], max_new_tokens=6)),
+        _gen_honoured("num_beams=1 stated", dict(num_beams=1, max_new_tokens=6)),
+        _gen_honoured("num_return_sequences=1 with sampling", dict(num_return_sequences=1, do_sample=True, max_new_tokens=6), seed=5),
+        _gen_honoured("a stopping criterion", dict(stopping_criteria=StoppingCriteriaList([_StopAfter(2)]), max_new_tokens=6)),
+        _gen_honoured("a logits processor", dict(logits_processor=[_ban_first], max_new_tokens=6)),
+        _gen_refused("prompt lookup decoding", dict(prompt_lookup_num_tokens=2), r"cannot honour prompt_lookup_num_tokens=.*re-feeds"),
+        _gen_honoured("stop_strings (the session's tokenizer)", lambda: dict(stop_strings=[_tok().decode(_plain({})[1:2])], max_new_tokens=6),
+                      reference=lambda o, s: _plain({**o, "tokenizer": _tok()}, s)),
+        Case(_GEN, "a streamer", _streamed, None, lambda got: got[1].ended and sum(got[1].tokens[1:], []) == got[0]),
+        _gen_honoured("max_new_tokens from the generation_config", dict(generation_config=GenerationConfig(max_new_tokens=2)),
+                      reference=lambda o, s: _plain({"max_new_tokens": 2})),
+        _gen_refused("max_new_tokens=0 in the generation_config", lambda: dict(generation_config=_config(max_new_tokens=0)), r"max_new_tokens must be an int >= 1, got 0"),
+        _gen_refused("max_length in the generation_config", dict(generation_config=GenerationConfig(max_length=5)), r"max_new_tokens=, not max_length=5"),
+        _gen_refused("max_new_tokens=-3", dict(max_new_tokens=-3), r"max_new_tokens must be an int >= 1, got -3"),
+        _gen_refused("max_new_tokens past the positions", dict(max_new_tokens=10**6), r"max_position_embeddings"),
+        _gen_refused("temperature=0 with sampling", dict(do_sample=True, temperature=0.0), r"temperature.*0\.0"),
+        _gen_refused("temperature=-1 with sampling", dict(do_sample=True, temperature=-1.0), r"temperature.*-1\.0"),
+        _gen_refused("top_p=1.5", dict(do_sample=True, top_p=1.5), r"top_p.*1\.5"),
+        _gen_refused("do_sample='yes'", dict(do_sample="yes"), r"do_sample.*'yes'"),
+        _gen_refused("num_beams=4 with length_penalty", dict(num_beams=4, length_penalty=0.5), r"one sequence.*num_beams=4"),
+        _gen_refused("force_words_ids (constrained beam search)", dict(force_words_ids=[[5]]), r"force_words_ids|constrain|beam"),
+        _gen_refused("num_return_sequences=3 in the config", dict(generation_config=GenerationConfig(num_return_sequences=3, do_sample=True)), r"num_return_sequences=3"),
+        _gen_refused("output_attentions", dict(output_attentions=True), r"dict outputs.*output_attentions=True"),
+        _gen_refused("output_hidden_states in the config", dict(generation_config=GenerationConfig(output_hidden_states=True)), r"output_hidden_states=True"),
+        _gen_refused("output_logits", dict(output_logits=True), r"output_logits=True"),
+        _gen_refused("cache= given", dict(cache=None), r"run_turn sets cache itself"),
+        _gen_refused("position_ids given", dict(position_ids=torch.arange(3)[None]), r"run_turn sets position_ids"),
+        _gen_refused("inputs_embeds given", dict(inputs_embeds=torch.zeros(1, 3, 64)), r"run_turn sets inputs_embeds"),
+        _gen_refused("use_cache=False", dict(use_cache=False), r"run_turn sets use_cache"),
+        _gen_refused("an attention mask for two rows", lambda: dict(attention_mask=torch.ones(2, _prompt().shape[1])), r"shape \[1, \d+\]; got shape \[2, \d+\]"),
+        _gen_refused("a left-padded attention mask", lambda: dict(attention_mask=torch.tensor([[0, 0] + [1] * (_prompt().shape[1] - 2)])), r"all ones.*2 zeros"),
+        _gen_refused("an attention mask that is a string", dict(attention_mask="ones"), r"attention_mask must be a tensor of ones, got 'ones'"),
+        _gen_refused("a logits processor that is not a list", dict(logits_processor=_ban_first), r"logits_processor must be a list.*function"),
+        _gen_refused("stopping_criteria that is not a list", dict(stopping_criteria=_StopAfter(2)), r"stopping_criteria must be a list.*_StopAfter"),
+        _gen_refused("a streamer without put/end", dict(streamer=object()), r"streamer.*put.*end.*object"),
+        _gen_refused("assistant_model (assisted decoding)", lambda: dict(assistant_model=_model()), r"assistant_model"),
+        _gen_refused("negative_prompt_ids", dict(negative_prompt_ids=torch.ones(1, 2, dtype=torch.long)), r"negative_prompt_ids"),
+        _gen_refused("a generation_config that is a GenerationConfig class", dict(generation_config=GenerationConfig), r"GenerationConfig, got type"),
+        _gen_refused("force_output for two rows", dict(force_output=[[5, 6], [7, 8]]), r"force_output.*one sequence|shape"),
+        _gen_refused("force_output with a keyword", dict(force_output=[5], streamer=_Streamer()), r"force_output= teacher-forces"),
+    ]
+
+
+ADVERSARIAL_GENERATE = _gen_cases()
+
+
+@pytest.mark.parametrize("case", ADVERSARIAL_GENERATE, ids=lambda c: c.name)
+def test_adversarial_generate_options(case):
+    assert_holds(case)
+
+
+ADVERSARIAL = [*ADVERSARIAL_GENERATE]
