@@ -145,7 +145,7 @@ class Session:
                 pf_count += 1
                 if ids.numel() == 0:
                     raise ValueError(f"segment {i} (PF {spec.text!r}) tokenizes to zero tokens")
-                check_text_ids(self.model, ids, f"segment {i} (PF {name!r})")
+                self._check_ids(ids, f"segment {i} (PF {name!r})")
             visual = slot.visual if isinstance(spec, PH) else None
             spans.append(Span(spec=spec, name=name, token_ids=ids, start=pos, visual=visual))
             pos += ids.numel()
@@ -175,7 +175,7 @@ class Session:
             ids = tokenize_text(self.tokenizer, spec.text)
             if ids.numel() == 0:
                 raise ValueError(f"PH slot {spec.slot!r}: text {spec.text!r} tokenizes to zero tokens")
-            check_text_ids(self.model, ids, f"PH slot {spec.slot!r}")
+            self._check_ids(ids, f"PH slot {spec.slot!r}")
             slot = given_text_slot(spec, ids, {**self.slots, **new_slots})
             if slot.name == spec.slot:
                 new_slots[spec.slot] = slot
@@ -198,6 +198,23 @@ class Session:
                 f"{_preview(spec.text)}. A slot's content is fixed within a session (a new request is a new Session)"
             )
         return slot
+
+    def _vocabulary(self) -> int | None:
+        embeddings = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        weight = getattr(embeddings, "weight", None)
+        return None if weight is None else int(weight.shape[0])
+
+    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
+        """Text's token ids: inside the model's vocabulary (the tokenizer may be another model's), no
+        image / video placeholders."""
+        vocab = self._vocabulary()
+        if vocab is not None and ids.numel() and int(ids.max()) >= vocab:
+            bad = sorted({int(t) for t in ids if int(t) >= vocab})
+            raise ValueError(
+                f"{what}: the tokenizer gives token ids {bad[:5]}{'...' if len(bad) > 5 else ''}, outside the "
+                f"model's vocabulary of {vocab} (input embeddings); is the tokenizer the model's?"
+            )
+        check_text_ids(self.model, ids, what)
 
     def _check_length(self, turn: Turn, max_new_tokens: int) -> None:
         config = self.model.config
