@@ -12,7 +12,9 @@ the registry is filled by the package (``hf_kvshare/__init__.py`` imports :mod:`
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -235,12 +237,20 @@ class Session:
         ``past_key_values=`` or ``cache=``). The session records nothing from such a call. On a
         ``PeftModel``, activate the agent's adapter for that call (``model.set_adapter(agent)``).
         """
-        with self._rollback():
+        with self._exclusive(), self._rollback():
             turn = self.prepare_turn(agent, segments, batch_size=batch_size)
             with agent_adapter(self.model, agent):  # checks the agent's adapter first (on a PeftModel)
                 self._check_length(turn, 1)
                 cache = self._build(turn)
         return cache, turn.batch(turn.prompt_ids).to(self.device)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """A turn holds this Session and its method instance for its thread: a turn of another thread
+        on either while it runs is refused with ``RuntimeError`` (neither is thread-safe: the slot table,
+        the rollback of a failed turn, and the method's pools / profiles / counters are unlocked)."""
+        with _in_use(self, "this Session"), _in_use(self.method, f"method instance {self.method.name!r}"):
+            yield
 
     @contextlib.contextmanager
     def _rollback(self) -> Iterator[None]:
@@ -301,7 +311,7 @@ class Session:
             if force_output is not None
             else generate_options(self.model, max_new_tokens, generate_kwargs, self.tokenizer)
         )
-        with self._rollback():
+        with self._exclusive(), self._rollback():
             turn = self.prepare_turn(agent, segments, output_slot)
             turn.keep_cache = keep_cache
             with agent_adapter(self.model, agent):  # checks the agent's adapter first (on a PeftModel)
@@ -466,6 +476,34 @@ class Session:
             slot = self.slots.get(name)
             if slot is not None and slot.latest is not None and not self.method.reads_latest(turn, name):
                 slot.latest = None
+
+
+_IN_USE_LOCK = threading.Lock()
+#: Session / method instance -> (thread ident, depth) of the turn running on it
+_IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def _in_use(owner: Any, what: str) -> Iterator[None]:
+    """Mark ``owner`` in use by this thread (re-entrant within it); another thread's turn is refused."""
+    me = threading.get_ident()
+    with _IN_USE_LOCK:
+        thread, depth = _IN_USE.get(owner, (me, 0))
+        if thread != me:
+            raise RuntimeError(
+                f"{what} is in use by a turn in another thread (thread {thread}); a Session and a method "
+                "instance cannot run concurrently: give each thread its own Session and method instance "
+                "(they may share the model), or run the turns one after another"
+            )
+        _IN_USE[owner] = (me, depth + 1)
+    try:
+        yield
+    finally:
+        with _IN_USE_LOCK:
+            if depth == 0:
+                _IN_USE.pop(owner, None)
+            else:
+                _IN_USE[owner] = (me, depth)
 
 
 def _preview(text: str, n: int = 40) -> str:
