@@ -9,9 +9,15 @@ nothing. Refused with ``ValueError`` (saying what was expected and what was give
 is built: what ``run_turn`` cannot record (beams or several sequences: one output is recorded as the
 slot; ``return_dict_in_generate`` and the ``output_*`` flags: a ``TurnResult`` has no place for
 them), what the session sets itself (the prompt, the cache, positions), a ``max_length`` (use
-``max_new_tokens``), an attention mask that is not all ones over the prompt (the prompt is one
-unpadded sequence), and a name that is neither a generation option nor an argument of ``generate``
-or of the model's forward (a typo). :func:`check_attention_mask` checks a given mask once the
+``max_new_tokens``; in a ``generation_config`` too), an attention mask that is not all ones over the
+prompt (the prompt is one unpadded sequence), decoding that cannot run over the built cache
+(assisted / prompt-lookup decoding while transformers re-feeds the cached prompt, classifier-free
+guidance's second prompt, forced words and constraints: beam search), sampling knobs ``generate``
+would refuse or misuse only after the cache is built (``temperature <= 0``, ``top_p`` outside
+``(0, 1]``, a ``do_sample`` that is not a bool, ...), logits processors / stopping criteria that are
+not lists, a streamer without ``put`` / ``end``, and a name that is neither a generation option nor
+an argument of ``generate`` or of the model's forward (a typo). ``stop_strings`` get the session's
+tokenizer (``generate`` needs one). :func:`check_attention_mask` checks a given mask once the
 prompt's length is known.
 """
 
@@ -24,6 +30,8 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, GenerationMixin
+
+from ._compat import ASSISTED_DECODING_REFEEDS_CACHED_PROMPT
 
 #: what ``run_turn`` passes itself (the prompt, the cache it built, positions)
 SET_BY_SESSION = (
@@ -47,11 +55,20 @@ DICT_OUTPUTS = (
 #: the session's default where the caller sets nothing: one greedy sequence
 DEFAULTS = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1}
 DEFAULT_MAX_NEW_TOKENS = 64
-#: decoding that feeds the prompt again beside the built cache, or needs several beams: refused
+#: what transformers does wrong with assisted decoding over a prefilled cache (``_compat``)
+_REFEEDS = "re-feeds the whole prompt over a cache that already holds it (transformers)"
+#: decoding that feeds the prompt again beside the built cache, a second prompt, or needs several
+#: beams: refused
 UNSUPPORTED = {
-    "assistant_model": "assisted decoding re-feeds the whole prompt over a cache that already holds it",
-    "prompt_lookup_num_tokens": "prompt-lookup decoding re-feeds the whole prompt over a cache that already holds it",
-    "assistant_early_exit": "self-speculative decoding re-feeds the whole prompt over a cache that already holds it",
+    **(
+        {
+            "assistant_model": f"assisted decoding {_REFEEDS}",
+            "prompt_lookup_num_tokens": f"prompt-lookup decoding {_REFEEDS}",
+            "assistant_early_exit": f"self-speculative decoding {_REFEEDS}",
+        }
+        if ASSISTED_DECODING_REFEEDS_CACHED_PROMPT
+        else {}
+    ),
     "negative_prompt_ids": "classifier-free guidance runs a second, unconditional prompt the session did not build",
     "negative_prompt_attention_mask": "classifier-free guidance runs a second prompt the session did not build",
     "force_words_ids": "forced words need constrained beam search (several beams)",
