@@ -114,7 +114,9 @@ def generate_options(
                 f"{type(value).__name__} {value!r:.60}"
             )
     streamer = kwargs.get("streamer")
-    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+    if streamer is not None and not (
+        callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))
+    ):
         raise ValueError(
             f"run_turn: a streamer must have put(token_ids) and end() methods (transformers' BaseStreamer); "
             f"got {type(streamer).__name__}"
@@ -201,14 +203,20 @@ def _check_decoding(setting) -> None:
         if value is None:
             return
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+        ok = (
+            ok
+            and (value > low if low_open else value >= low)
+            and (value < high if high_open else value <= high)
+        )
         if not ok:
             bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
             raise ValueError(f"run_turn: {name} must be a finite number in {bounds}, got {value!r}")
 
     sample = setting("do_sample")
     if sample is not None and not isinstance(sample, bool):
-        raise ValueError(f"run_turn: do_sample must be True or False, got {sample!r} ({type(sample).__name__})")
+        raise ValueError(
+            f"run_turn: do_sample must be True or False, got {sample!r} ({type(sample).__name__})"
+        )
     if sample:
         number("temperature", 0.0, math.inf, True, True)
         number("top_p", 0.0, 1.0, True)

@@ -272,7 +272,9 @@ class StatePersistence:
                 "into a fresh instance (or one bound to that model), or call .clear() first"
             )
         if model is not None and not isinstance(model, torch.nn.Module):
-            raise ValueError(f"{owner}.load_state: model= must be a torch.nn.Module, got {type(model).__name__}")
+            raise ValueError(
+                f"{owner}.load_state: model= must be a torch.nn.Module, got {type(model).__name__}"
+            )
         if fingerprint is not None:
             _check_dtypes(header_path, tensors, fingerprint)
         target = model if model is not None else bound
@@ -385,7 +387,9 @@ def _check_finite(owner: str, tensors: dict[str, torch.Tensor], then: str) -> No
 def _check_dtypes(header_path: Path, tensors: dict[str, torch.Tensor], model: ModelFingerprint) -> None:
     """A saved state's floating tensors are in the saved model's dtype (K/V) or float32 (statistics)."""
     allowed = {model.dtype, "float32"}
-    named = {name: str(t.dtype).removeprefix("torch.") for name, t in tensors.items() if t.is_floating_point()}
+    named = {
+        name: str(t.dtype).removeprefix("torch.") for name, t in tensors.items() if t.is_floating_point()
+    }
     other = sorted((name, dtype) for name, dtype in named.items() if dtype not in allowed)
     if other:
         raise ValueError(

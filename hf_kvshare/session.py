@@ -202,7 +202,9 @@ class Session:
         return slot
 
     def _vocabulary(self) -> int | None:
-        embeddings = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        embeddings = (
+            self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        )
         weight = getattr(embeddings, "weight", None)
         return None if weight is None else int(weight.shape[0])
 

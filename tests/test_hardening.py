@@ -615,7 +615,9 @@ class _StopAfter:
         self.n = n
 
     def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] - _prompt().shape[1] >= self.n, dtype=torch.bool)
+        return torch.full(
+            (input_ids.shape[0],), input_ids.shape[1] - _prompt().shape[1] >= self.n, dtype=torch.bool
+        )
 
 
 class _Streamer:
@@ -654,11 +656,24 @@ def _gen_cases():
     from transformers import GenerationConfig, StoppingCriteriaList
 
     return [
-        _gen_honoured("sampling with temperature and top_k", dict(do_sample=True, temperature=0.7, top_k=50, max_new_tokens=6), seed=1),
+        _gen_honoured(
+            "sampling with temperature and top_k",
+            dict(do_sample=True, temperature=0.7, top_k=50, max_new_tokens=6),
+            seed=1,
+        ),
         _gen_honoured("sampling with top_p", dict(do_sample=True, top_p=0.8, max_new_tokens=6), seed=2),
-        _gen_honoured("sampling with typical_p", dict(do_sample=True, typical_p=0.9, max_new_tokens=6), seed=3),
-        _gen_honoured("a sampling generation_config", dict(generation_config=GenerationConfig(do_sample=True, top_k=5, max_new_tokens=6)), seed=4),
-        _gen_honoured("a config's do_sample overridden by a keyword", dict(generation_config=GenerationConfig(do_sample=True, max_new_tokens=6), do_sample=False)),
+        _gen_honoured(
+            "sampling with typical_p", dict(do_sample=True, typical_p=0.9, max_new_tokens=6), seed=3
+        ),
+        _gen_honoured(
+            "a sampling generation_config",
+            dict(generation_config=GenerationConfig(do_sample=True, top_k=5, max_new_tokens=6)),
+            seed=4,
+        ),
+        _gen_honoured(
+            "a config's do_sample overridden by a keyword",
+            dict(generation_config=GenerationConfig(do_sample=True, max_new_tokens=6), do_sample=False),
+        ),
         _gen_honoured("repetition_penalty", dict(repetition_penalty=1.5, max_new_tokens=6)),
         _gen_honoured("no_repeat_ngram_size", dict(no_repeat_ngram_size=1, max_new_tokens=6)),
         _gen_honoured("bad_words_ids", lambda: dict(bad_words_ids=[[_plain({})[0]]], max_new_tokens=6)),
@@ -666,44 +681,143 @@ def _gen_cases():
         _gen_honoured("min_new_tokens with an EOS-free model", dict(min_new_tokens=4, max_new_tokens=6)),
         _gen_honoured("eos_token_id as a list", lambda: dict(eos_token_id=[_plain({})[2]], max_new_tokens=6)),
         _gen_honoured("num_beams=1 stated", dict(num_beams=1, max_new_tokens=6)),
-        _gen_honoured("num_return_sequences=1 with sampling", dict(num_return_sequences=1, do_sample=True, max_new_tokens=6), seed=5),
-        _gen_honoured("a stopping criterion", dict(stopping_criteria=StoppingCriteriaList([_StopAfter(2)]), max_new_tokens=6)),
+        _gen_honoured(
+            "num_return_sequences=1 with sampling",
+            dict(num_return_sequences=1, do_sample=True, max_new_tokens=6),
+            seed=5,
+        ),
+        _gen_honoured(
+            "a stopping criterion",
+            dict(stopping_criteria=StoppingCriteriaList([_StopAfter(2)]), max_new_tokens=6),
+        ),
         _gen_honoured("a logits processor", dict(logits_processor=[_ban_first], max_new_tokens=6)),
-        _gen_refused("prompt lookup decoding", dict(prompt_lookup_num_tokens=2), r"cannot honour prompt_lookup_num_tokens=.*re-feeds"),
-        _gen_honoured("stop_strings (the session's tokenizer)", lambda: dict(stop_strings=[_tok().decode(_plain({})[1:2])], max_new_tokens=6),
-                      reference=lambda o, s: _plain({**o, "tokenizer": _tok()}, s)),
-        Case(_GEN, "a streamer", _streamed, None, lambda got: got[1].ended and sum(got[1].tokens[1:], []) == got[0]),
-        _gen_honoured("max_new_tokens from the generation_config", dict(generation_config=GenerationConfig(max_new_tokens=2)),
-                      reference=lambda o, s: _plain({"max_new_tokens": 2})),
-        _gen_refused("max_new_tokens=0 in the generation_config", lambda: dict(generation_config=_config(max_new_tokens=0)), r"max_new_tokens must be an int >= 1, got 0"),
-        _gen_refused("max_length in the generation_config", dict(generation_config=GenerationConfig(max_length=5)), r"max_new_tokens=, not max_length=5"),
-        _gen_refused("max_new_tokens=-3", dict(max_new_tokens=-3), r"max_new_tokens must be an int >= 1, got -3"),
-        _gen_refused("max_new_tokens past the positions", dict(max_new_tokens=10**6), r"max_position_embeddings"),
-        _gen_refused("temperature=0 with sampling", dict(do_sample=True, temperature=0.0), r"temperature.*0\.0"),
-        _gen_refused("temperature=-1 with sampling", dict(do_sample=True, temperature=-1.0), r"temperature.*-1\.0"),
+        _gen_refused(
+            "prompt lookup decoding",
+            dict(prompt_lookup_num_tokens=2),
+            r"cannot honour prompt_lookup_num_tokens=.*re-feeds",
+        ),
+        _gen_honoured(
+            "stop_strings (the session's tokenizer)",
+            lambda: dict(stop_strings=[_tok().decode(_plain({})[1:2])], max_new_tokens=6),
+            reference=lambda o, s: _plain({**o, "tokenizer": _tok()}, s),
+        ),
+        Case(
+            _GEN,
+            "a streamer",
+            _streamed,
+            None,
+            lambda got: got[1].ended and sum(got[1].tokens[1:], []) == got[0],
+        ),
+        _gen_honoured(
+            "max_new_tokens from the generation_config",
+            dict(generation_config=GenerationConfig(max_new_tokens=2)),
+            reference=lambda o, s: _plain({"max_new_tokens": 2}),
+        ),
+        _gen_refused(
+            "max_new_tokens=0 in the generation_config",
+            lambda: dict(generation_config=_config(max_new_tokens=0)),
+            r"max_new_tokens must be an int >= 1, got 0",
+        ),
+        _gen_refused(
+            "max_length in the generation_config",
+            dict(generation_config=GenerationConfig(max_length=5)),
+            r"max_new_tokens=, not max_length=5",
+        ),
+        _gen_refused(
+            "max_new_tokens=-3", dict(max_new_tokens=-3), r"max_new_tokens must be an int >= 1, got -3"
+        ),
+        _gen_refused(
+            "max_new_tokens past the positions", dict(max_new_tokens=10**6), r"max_position_embeddings"
+        ),
+        _gen_refused(
+            "temperature=0 with sampling", dict(do_sample=True, temperature=0.0), r"temperature.*0\.0"
+        ),
+        _gen_refused(
+            "temperature=-1 with sampling", dict(do_sample=True, temperature=-1.0), r"temperature.*-1\.0"
+        ),
         _gen_refused("top_p=1.5", dict(do_sample=True, top_p=1.5), r"top_p.*1\.5"),
         _gen_refused("do_sample='yes'", dict(do_sample="yes"), r"do_sample.*'yes'"),
-        _gen_refused("num_beams=4 with length_penalty", dict(num_beams=4, length_penalty=0.5), r"one sequence.*num_beams=4"),
-        _gen_refused("force_words_ids (constrained beam search)", dict(force_words_ids=[[5]]), r"force_words_ids|constrain|beam"),
-        _gen_refused("num_return_sequences=3 in the config", dict(generation_config=GenerationConfig(num_return_sequences=3, do_sample=True)), r"num_return_sequences=3"),
-        _gen_refused("output_attentions", dict(output_attentions=True), r"dict outputs.*output_attentions=True"),
-        _gen_refused("output_hidden_states in the config", dict(generation_config=GenerationConfig(output_hidden_states=True)), r"output_hidden_states=True"),
+        _gen_refused(
+            "num_beams=4 with length_penalty",
+            dict(num_beams=4, length_penalty=0.5),
+            r"one sequence.*num_beams=4",
+        ),
+        _gen_refused(
+            "force_words_ids (constrained beam search)",
+            dict(force_words_ids=[[5]]),
+            r"force_words_ids|constrain|beam",
+        ),
+        _gen_refused(
+            "num_return_sequences=3 in the config",
+            dict(generation_config=GenerationConfig(num_return_sequences=3, do_sample=True)),
+            r"num_return_sequences=3",
+        ),
+        _gen_refused(
+            "output_attentions", dict(output_attentions=True), r"dict outputs.*output_attentions=True"
+        ),
+        _gen_refused(
+            "output_hidden_states in the config",
+            dict(generation_config=GenerationConfig(output_hidden_states=True)),
+            r"output_hidden_states=True",
+        ),
         _gen_refused("output_logits", dict(output_logits=True), r"output_logits=True"),
         _gen_refused("cache= given", dict(cache=None), r"run_turn sets cache itself"),
-        _gen_refused("position_ids given", dict(position_ids=torch.arange(3)[None]), r"run_turn sets position_ids"),
-        _gen_refused("inputs_embeds given", dict(inputs_embeds=torch.zeros(1, 3, 64)), r"run_turn sets inputs_embeds"),
+        _gen_refused(
+            "position_ids given", dict(position_ids=torch.arange(3)[None]), r"run_turn sets position_ids"
+        ),
+        _gen_refused(
+            "inputs_embeds given", dict(inputs_embeds=torch.zeros(1, 3, 64)), r"run_turn sets inputs_embeds"
+        ),
         _gen_refused("use_cache=False", dict(use_cache=False), r"run_turn sets use_cache"),
-        _gen_refused("an attention mask for two rows", lambda: dict(attention_mask=torch.ones(2, _prompt().shape[1])), r"shape \[1, \d+\]; got shape \[2, \d+\]"),
-        _gen_refused("a left-padded attention mask", lambda: dict(attention_mask=torch.tensor([[0, 0] + [1] * (_prompt().shape[1] - 2)])), r"all ones.*2 zeros"),
-        _gen_refused("an attention mask that is a string", dict(attention_mask="ones"), r"attention_mask must be a tensor of ones, got 'ones'"),
-        _gen_refused("a logits processor that is not a list", dict(logits_processor=_ban_first), r"logits_processor must be a list.*function"),
-        _gen_refused("stopping_criteria that is not a list", dict(stopping_criteria=_StopAfter(2)), r"stopping_criteria must be a list.*_StopAfter"),
+        _gen_refused(
+            "an attention mask for two rows",
+            lambda: dict(attention_mask=torch.ones(2, _prompt().shape[1])),
+            r"shape \[1, \d+\]; got shape \[2, \d+\]",
+        ),
+        _gen_refused(
+            "a left-padded attention mask",
+            lambda: dict(attention_mask=torch.tensor([[0, 0] + [1] * (_prompt().shape[1] - 2)])),
+            r"all ones.*2 zeros",
+        ),
+        _gen_refused(
+            "an attention mask that is a string",
+            dict(attention_mask="ones"),
+            r"attention_mask must be a tensor of ones, got 'ones'",
+        ),
+        _gen_refused(
+            "a logits processor that is not a list",
+            dict(logits_processor=_ban_first),
+            r"logits_processor must be a list.*function",
+        ),
+        _gen_refused(
+            "stopping_criteria that is not a list",
+            dict(stopping_criteria=_StopAfter(2)),
+            r"stopping_criteria must be a list.*_StopAfter",
+        ),
         _gen_refused("a streamer without put/end", dict(streamer=object()), r"streamer.*put.*end.*object"),
-        _gen_refused("assistant_model (assisted decoding)", lambda: dict(assistant_model=_model()), r"assistant_model"),
-        _gen_refused("negative_prompt_ids", dict(negative_prompt_ids=torch.ones(1, 2, dtype=torch.long)), r"negative_prompt_ids"),
-        _gen_refused("a generation_config that is a GenerationConfig class", dict(generation_config=GenerationConfig), r"GenerationConfig, got type"),
-        _gen_refused("force_output for two rows", dict(force_output=[[5, 6], [7, 8]]), r"force_output.*one sequence|shape"),
-        _gen_refused("force_output with a keyword", dict(force_output=[5], streamer=_Streamer()), r"force_output= teacher-forces"),
+        _gen_refused(
+            "assistant_model (assisted decoding)", lambda: dict(assistant_model=_model()), r"assistant_model"
+        ),
+        _gen_refused(
+            "negative_prompt_ids",
+            dict(negative_prompt_ids=torch.ones(1, 2, dtype=torch.long)),
+            r"negative_prompt_ids",
+        ),
+        _gen_refused(
+            "a generation_config that is a GenerationConfig class",
+            dict(generation_config=GenerationConfig),
+            r"GenerationConfig, got type",
+        ),
+        _gen_refused(
+            "force_output for two rows",
+            dict(force_output=[[5, 6], [7, 8]]),
+            r"force_output.*one sequence|shape",
+        ),
+        _gen_refused(
+            "force_output with a keyword",
+            dict(force_output=[5], streamer=_Streamer()),
+            r"force_output= teacher-forces",
+        ),
     ]
 
 
@@ -726,7 +840,9 @@ def _greedy_of(ids: torch.Tensor, n: int, model=None) -> list[int]:
     model = model or _model()
     prompt = ids[None]
     with torch.no_grad():
-        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False)
+        out = model.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False
+        )
     return Session(model, _tok(), "nonshared")._strip_eos(out[0, prompt.shape[1] :]).tolist()
 
 
@@ -736,7 +852,10 @@ def _input_ok(label, turns, method="nonshared", tokenizer=None):
 
     def run():
         session = Session(_model(), tokenizer or _tok(), method)
-        return [session.run_turn(agent, segments() if callable(segments) else segments, max_new_tokens=3) for agent, segments in turns]
+        return [
+            session.run_turn(agent, segments() if callable(segments) else segments, max_new_tokens=3)
+            for agent, segments in turns
+        ]
 
     def check(results):
         return all(r.output_ids.tolist() == _greedy_of(r.prompt_ids, 3) for r in results)
@@ -758,7 +877,11 @@ def _input_refused(label, turns, match, tokenizer=None, model=None):
 
     def after():
         s = box.get("s")
-        return s is None or "before" not in box or (dict(s.slots), dict(s.aliases), len(s.turns)) == box["before"]
+        return (
+            s is None
+            or "before" not in box
+            or (dict(s.slots), dict(s.aliases), len(s.turns)) == box["before"]
+        )
 
     return Case(_INPUTS, label, run, match, None, after)
 
@@ -783,44 +906,152 @@ def _input_cases():
         _input_refused("agent None", [(None, q)], r"agent must be a non-empty string, got None"),
         _input_refused("agent 5", [(5, q)], r"agent must be a non-empty string, got 5"),
         _input_refused("agent b'x'", [(b"x", q)], r"agent must be a non-empty string, got b'x'"),
-        _input_ok("a unicode agent name and text", [("планировщик", [PF("Задача: "), PH("query", "сложить 2 и 2 ✓"), PF("\n→")])]),
+        _input_ok(
+            "a unicode agent name and text",
+            [("планировщик", [PF("Задача: "), PH("query", "сложить 2 и 2 ✓"), PF("\n→")])],
+        ),
         _input_ok("an agent name with newlines and spaces", [("a b\nc", q)]),
         _input_ok("an agent name of 10000 characters", [("a" * 10000, q)]),
         _input_ok("one agent twice (a#2)", [("a", q), ("a", q + [PF(" "), PH("a")])]),
-        _input_ok("agent 'a#2' after two turns of 'a' (its output: 'a#2#2')", [("a", q), ("a", q), ("a#2", q + [PF(" "), PH("a#2")])]),
-        Case(_INPUTS, "output_slot naming a given slot", lambda: Session(_model(), _tok(), "fullshared").run_turn("a", q, output_slot="query"), r"output slot 'query' already exists"),
-        Case(_INPUTS, "output_slot naming an output", lambda: (lambda s: (s.run_turn("a", q, max_new_tokens=2), s.run_turn("b", q, output_slot="a")))(Session(_model(), _tok(), "fullshared")), r"output slot 'a' already exists"),
-        _input_refused("one slot, two texts in one turn", [("a", [PH("x", "one"), PF(" "), PH("x", "two")])], r"PH slot 'x' already holds 'one'.*'two'"),
-        _input_refused("a slot never recorded", [("a", [PF("Read "), PH("nobody")])], r"PH slot 'nobody' was never recorded.*recorded slots: none"),
-        _input_refused("PH text ''", [("a", [PF("x"), PH("q", "")])], r"PH slot 'q': text '' tokenizes to zero tokens"),
-        _input_refused("PF text ''", [("a", [PF(""), PH("q", "hi")])], r"segment 0 \(PF ''\) tokenizes to zero tokens"),
+        _input_ok(
+            "agent 'a#2' after two turns of 'a' (its output: 'a#2#2')",
+            [("a", q), ("a", q), ("a#2", q + [PF(" "), PH("a#2")])],
+        ),
+        Case(
+            _INPUTS,
+            "output_slot naming a given slot",
+            lambda: Session(_model(), _tok(), "fullshared").run_turn("a", q, output_slot="query"),
+            r"output slot 'query' already exists",
+        ),
+        Case(
+            _INPUTS,
+            "output_slot naming an output",
+            lambda: (lambda s: (s.run_turn("a", q, max_new_tokens=2), s.run_turn("b", q, output_slot="a")))(
+                Session(_model(), _tok(), "fullshared")
+            ),
+            r"output slot 'a' already exists",
+        ),
+        _input_refused(
+            "one slot, two texts in one turn",
+            [("a", [PH("x", "one"), PF(" "), PH("x", "two")])],
+            r"PH slot 'x' already holds 'one'.*'two'",
+        ),
+        _input_refused(
+            "a slot never recorded",
+            [("a", [PF("Read "), PH("nobody")])],
+            r"PH slot 'nobody' was never recorded.*recorded slots: none",
+        ),
+        _input_refused(
+            "PH text ''", [("a", [PF("x"), PH("q", "")])], r"PH slot 'q': text '' tokenizes to zero tokens"
+        ),
+        _input_refused(
+            "PF text ''", [("a", [PF(""), PH("q", "hi")])], r"segment 0 \(PF ''\) tokenizes to zero tokens"
+        ),
         _input_ok("PF text ' '", [("a", [PF(" "), PH("q", "hi there")])]),
-        _input_ok("a NUL and control characters in text", [("a", [PF("x\x00\x01\t"), PH("q", "\x7f\x00 y")])]),
-        _input_refused("20000 words", [("a", [PF("go "), PH("q", "word " * 20000)])], r"needs \d+ prompt \+ 2 new tokens.*supports 512"),
-        _input_refused("segments a str", [("a", "hello")], r"segments must be a list of PF/PH.*not a single segment"),
+        _input_ok(
+            "a NUL and control characters in text", [("a", [PF("x\x00\x01\t"), PH("q", "\x7f\x00 y")])]
+        ),
+        _input_refused(
+            "20000 words",
+            [("a", [PF("go "), PH("q", "word " * 20000)])],
+            r"needs \d+ prompt \+ 2 new tokens.*supports 512",
+        ),
+        _input_refused(
+            "segments a str", [("a", "hello")], r"segments must be a list of PF/PH.*not a single segment"
+        ),
         _input_refused("segments a PF", [("a", PF("hello"))], r"not a single segment"),
         _input_refused("segments []", [("a", [])], r"a turn needs at least one segment"),
-        _input_refused("a None segment", [("a", [PF("x"), None])], r"segment 1 is a NoneType; expected PF, PH or str"),
-        _input_refused("an int segment", [("a", [PF("x"), 3])], r"segment 1 is a int; expected PF, PH or str"),
-        _input_refused("a dict among segments", [("a", [PF("x"), {"role": "user", "content": "y"}])], r"segment 1 is a dict"),
+        _input_refused(
+            "a None segment", [("a", [PF("x"), None])], r"segment 1 is a NoneType; expected PF, PH or str"
+        ),
+        _input_refused(
+            "an int segment", [("a", [PF("x"), 3])], r"segment 1 is a int; expected PF, PH or str"
+        ),
+        _input_refused(
+            "a dict among segments",
+            [("a", [PF("x"), {"role": "user", "content": "y"}])],
+            r"segment 1 is a dict",
+        ),
         _input_ok("segments a generator", [("a", lambda: (s for s in q))]),
         _input_ok("segments a tuple", [("a", tuple(q))]),
-        _input_refused("chat without a template", [("a", msgs("hello"))], r"no chat template", tokenizer=_plain_tokenizer()),
+        _input_refused(
+            "chat without a template",
+            [("a", msgs("hello"))],
+            r"no chat template",
+            tokenizer=_plain_tokenizer(),
+        ),
         _input_ok("PF/PH without a template", [("a", q)], tokenizer=_plain_tokenizer()),
-        _input_refused("a message without content", [("a", [{"role": "user"}])], r"needs 'role' and 'content'; got keys \['role'\]"),
-        _input_refused("message content None", [("a", msgs(None))], r"content must be a str, PF, PH or a list of them; got a NoneType"),
-        _input_refused("message role None", [("a", [{"role": None, "content": "x"}])], r"role must be a string.*got None"),
-        _input_refused("message content [1]", [("a", msgs([1]))], r"content items must be str, PF or PH; got int"),
-        _input_ok("the segment marker in message text (kept as text)", [("a", msgs(["a \u27e6hfkv:0\u27e7 b"]))]),
-        _input_ok("a PH in a system message", [("a", lambda: _chat([{"role": "system", "content": [PH("query", "Add.")]}, {"role": "user", "content": "go"}]))]),
-        _input_refused("PH kind 'answer'", [("a", lambda: [PH("q", "x", kind="answer")])], r"kind must be one of 'question', 'observation' or None.*'answer'"),
-        _input_refused("two questions in one request", [("a", [PH("q1", "one", kind="question"), PF(" "), PH("q2", "two", kind="question")])], r"question"),
-        _input_refused("a slot restated with another kind", [("a", [PH("q", "one", kind="observation"), PF(" ")]), ("b", [PH("q", kind="question"), PF(" ")])], r"stated as kind='question'.*observation"),
-        _input_refused("an output restated as a question", [("a", q), ("b", [PH("a", kind="question"), PF(" ")])], r"stated as kind='question'.*output of 'a'"),
-        _input_refused("PH slot b'q'", [("a", lambda: [PH(b"q", "x")])], r"PH slot must be a non-empty string.*b'q'"),
-        _input_refused("PF label 3", [("a", lambda: [PF("x", label=3)])], r"PF label must be a string or None; got 3"),
-        _input_refused("text past a small model's vocabulary", [("a", [PF("Task: "), PH("query", "Add two and two.")])], r"token ids \[\d+.*outside the model's vocabulary of 1000", model=lambda: _model_vocab(1000)),
-        _input_ok("one text under two names", [("a", [PH("x", "same text"), PF(" and "), PH("y", "same text")])]),
+        _input_refused(
+            "a message without content",
+            [("a", [{"role": "user"}])],
+            r"needs 'role' and 'content'; got keys \['role'\]",
+        ),
+        _input_refused(
+            "message content None",
+            [("a", msgs(None))],
+            r"content must be a str, PF, PH or a list of them; got a NoneType",
+        ),
+        _input_refused(
+            "message role None", [("a", [{"role": None, "content": "x"}])], r"role must be a string.*got None"
+        ),
+        _input_refused(
+            "message content [1]", [("a", msgs([1]))], r"content items must be str, PF or PH; got int"
+        ),
+        _input_ok(
+            "the segment marker in message text (kept as text)", [("a", msgs(["a \u27e6hfkv:0\u27e7 b"]))]
+        ),
+        _input_ok(
+            "a PH in a system message",
+            [
+                (
+                    "a",
+                    lambda: _chat(
+                        [
+                            {"role": "system", "content": [PH("query", "Add.")]},
+                            {"role": "user", "content": "go"},
+                        ]
+                    ),
+                )
+            ],
+        ),
+        _input_refused(
+            "PH kind 'answer'",
+            [("a", lambda: [PH("q", "x", kind="answer")])],
+            r"kind must be one of 'question', 'observation' or None.*'answer'",
+        ),
+        _input_refused(
+            "two questions in one request",
+            [("a", [PH("q1", "one", kind="question"), PF(" "), PH("q2", "two", kind="question")])],
+            r"question",
+        ),
+        _input_refused(
+            "a slot restated with another kind",
+            [
+                ("a", [PH("q", "one", kind="observation"), PF(" ")]),
+                ("b", [PH("q", kind="question"), PF(" ")]),
+            ],
+            r"stated as kind='question'.*observation",
+        ),
+        _input_refused(
+            "an output restated as a question",
+            [("a", q), ("b", [PH("a", kind="question"), PF(" ")])],
+            r"stated as kind='question'.*output of 'a'",
+        ),
+        _input_refused(
+            "PH slot b'q'", [("a", lambda: [PH(b"q", "x")])], r"PH slot must be a non-empty string.*b'q'"
+        ),
+        _input_refused(
+            "PF label 3", [("a", lambda: [PF("x", label=3)])], r"PF label must be a string or None; got 3"
+        ),
+        _input_refused(
+            "text past a small model's vocabulary",
+            [("a", [PF("Task: "), PH("query", "Add two and two.")])],
+            r"token ids \[\d+.*outside the model's vocabulary of 1000",
+            model=lambda: _model_vocab(1000),
+        ),
+        _input_ok(
+            "one text under two names", [("a", [PH("x", "same text"), PF(" and "), PH("y", "same text")])]
+        ),
         _input_ok("a prompt ending in an output", [("a", q), ("b", [PF("Read: "), PH("a")])]),
         _input_ok("a one-token prompt", [("a", [PF("Hi")])]),
     ]
@@ -856,7 +1087,10 @@ def _runs(name, options, layers=4):
     """A method built from ``options`` runs a two-turn workflow on a tiny model of ``layers`` layers."""
     model = _model(layers=layers)
     session = Session(model, _tok(), METHODS[name](**options))
-    return [session.run_turn(agent, segments, max_new_tokens=2).output_ids.tolist() for agent, segments in STEPS[:2]]
+    return [
+        session.run_turn(agent, segments, max_new_tokens=2).output_ids.tolist()
+        for agent, segments in STEPS[:2]
+    ]
 
 
 def _option_refused(name, options, match, layers=4):
@@ -899,10 +1133,18 @@ def _options_cases():
         _option_refused("kvcmas", {"capacity": 0}, r"capacity must be an int >= 2 .*got 0"),
         _option_refused("kvcmas", {"capacity": 2.5}, r"capacity must be an int >= 2 .*got 2.5"),
         _option_refused("kvcmas", {"capacity": True}, r"capacity must be an int >= 2 .*got True"),
-        _option_refused("kvcmas", {"base_rank": 0}, r"base_rank must be a positive int or None \(dense\), got 0"),
-        _option_refused("kvcmas", {"delta_rank": "32"}, r"delta_rank must be a positive int or None \(dense\), got '32'"),
+        _option_refused(
+            "kvcmas", {"base_rank": 0}, r"base_rank must be a positive int or None \(dense\), got 0"
+        ),
+        _option_refused(
+            "kvcmas", {"delta_rank": "32"}, r"delta_rank must be a positive int or None \(dense\), got '32'"
+        ),
         _option_refused("kvcmas", {"temperature": 0}, r"temperature must be a finite real number > 0, got 0"),
-        _option_refused("kvcmas", {"token_temperature": -1.0}, r"token_temperature must be a finite real number > 0, got -1.0"),
+        _option_refused(
+            "kvcmas",
+            {"token_temperature": -1.0},
+            r"token_temperature must be a finite real number > 0, got -1.0",
+        ),
         _option_refused("kvcmas", {"eviction_window": 0}, r"eviction_window must be an int >= 1, got 0"),
         _option_refused("kvcmas", {"gate_scope": "bogus"}, r"gate_scope.*'bogus'"),
         _option_refused("kvcmas", {"output_source": "bogus"}, r"output_source.*'bogus'"),
@@ -933,25 +1175,62 @@ def _options_cases():
         _option_refused("cacheblend", {"check_layers": "1"}, r"check_layers.*'1'"),
         _option_refused("cacheblend", {"check_layers": (1.5,)}, r"check_layers.*1.5"),
         _option_refused("droidspeak", {"max_groups": 0}, r"max_groups must be an int >= 1; got 0"),
-        _option_refused("droidspeak", {"layer_profile": [0.1, 0.2]}, r"layer profile has 2 entries but the model has 4 layers"),
+        _option_refused(
+            "droidspeak",
+            {"layer_profile": [0.1, 0.2]},
+            r"layer profile has 2 entries but the model has 4 layers",
+        ),
         _option_refused("droidspeak", {"layer_profile": []}, r"layer_profile.*\[\]|at least one"),
         _option_refused("droidspeak", {"layer_profile": "0.1,0.2"}, r"layer_profile.*'0.1,0.2'|path|file"),
         _option_refused("droidspeak", {"rho": -0.5}, r"rho.*-0.5"),
         _option_refused("relaycaching", {"band": (0.8, 0.2)}, r"band.*\(0.8, 0.2\)"),
         _option_refused("relaycaching", {"band": (0.0, 2.0)}, r"band.*2.0"),
         _option_refused("relaycaching", {"band": "x"}, r"band.*'x'"),
-        _option_refused("relaycaching", {"band": (0.25, 0.75)}, r"band \(0.25, 0.75\) covers layers \[1, 2\) of 3.*at least two layers", layers=3),
-        _option_refused("graphflow", {"calibration_requests": 0}, r"calibration_requests must be an int >= 1, got 0"),
+        _option_refused(
+            "relaycaching",
+            {"band": (0.25, 0.75)},
+            r"band \(0.25, 0.75\) covers layers \[1, 2\) of 3.*at least two layers",
+            layers=3,
+        ),
+        _option_refused(
+            "graphflow", {"calibration_requests": 0}, r"calibration_requests must be an int >= 1, got 0"
+        ),
         _option_refused("graphflow", {"rank": 0}, r"rank must be a positive int or None \(dense\), got 0"),
         _option_refused("graphflow", {"max_profiles": -1}, r"max_profiles must be an int >= 1, got -1"),
         _option_refused("fullshared", {"prefix_scope": "bogus"}, r"prefix_scope.*'bogus'"),
         _option_refused("fullshared", {"prefix_reuse": 1}, r"prefix_reuse.*1"),
         _option_runs("fullshared", {"prefix_reuse": True, "prefix_scope": "request"}),
-        Case(_OPTIONS, "get_method('KVCMAS')", lambda: METHODS.get("KVCMAS") or __import__("hf_kvshare").get_method("KVCMAS"), r"unknown method 'KVCMAS'; registered methods: .*kvcmas"),
-        Case(_OPTIONS, "get_method(None)", lambda: __import__("hf_kvshare").get_method(None), r"registry name or a Method instance, got NoneType"),
-        Case(_OPTIONS, "an instance with options", lambda: __import__("hf_kvshare").get_method(METHODS["kvcmas"](), tau=0.5), r"options \['tau'\] were given with a KVCMAS instance"),
-        Case(_OPTIONS, "Session(method=..., unknown option)", lambda: Session(_model(), _tok(), "kvcmas", colour=1), r"method 'kvcmas' has no option 'colour'"),
-        Case(_OPTIONS, "a positional option is its field", lambda: METHODS["kvcmas"](4), None, lambda m: m.base_rank == 4),
+        Case(
+            _OPTIONS,
+            "get_method('KVCMAS')",
+            lambda: METHODS.get("KVCMAS") or __import__("hf_kvshare").get_method("KVCMAS"),
+            r"unknown method 'KVCMAS'; registered methods: .*kvcmas",
+        ),
+        Case(
+            _OPTIONS,
+            "get_method(None)",
+            lambda: __import__("hf_kvshare").get_method(None),
+            r"registry name or a Method instance, got NoneType",
+        ),
+        Case(
+            _OPTIONS,
+            "an instance with options",
+            lambda: __import__("hf_kvshare").get_method(METHODS["kvcmas"](), tau=0.5),
+            r"options \['tau'\] were given with a KVCMAS instance",
+        ),
+        Case(
+            _OPTIONS,
+            "Session(method=..., unknown option)",
+            lambda: Session(_model(), _tok(), "kvcmas", colour=1),
+            r"method 'kvcmas' has no option 'colour'",
+        ),
+        Case(
+            _OPTIONS,
+            "a positional option is its field",
+            lambda: METHODS["kvcmas"](4),
+            None,
+            lambda m: m.base_rank == 4,
+        ),
         _spec("kvcmas:tau=abc", r"tau must be a real number in \[0, 1\], got 'abc'"),
         _spec("kvcmas:", kwargs={}),
         _spec("kvcmas:tau", r"'tau' in 'kvcmas:tau' is not of the form key=value"),
@@ -998,7 +1277,9 @@ class _Held:
 
         def run():
             try:
-                self.result = session.run_turn(agent, segments, max_new_tokens=3, logits_processor=[hold]).output_ids.tolist()
+                self.result = session.run_turn(
+                    agent, segments, max_new_tokens=3, logits_processor=[hold]
+                ).output_ids.tolist()
             except BaseException as error:  # reported by the case
                 self.result = error
 
@@ -1030,7 +1311,11 @@ def _overlap(label, method, options, shared):
         try:
             if shared == "session":
                 return first.run_turn("other", STEPS[0][1], max_new_tokens=3).output_ids.tolist()
-            return Session(_model(layers=4), _tok(), instance).run_turn(*STEPS[0], max_new_tokens=3).output_ids.tolist()
+            return (
+                Session(_model(layers=4), _tok(), instance)
+                .run_turn(*STEPS[0], max_new_tokens=3)
+                .output_ids.tolist()
+            )
         finally:
             box["a"] = held.finish()
 
@@ -1040,7 +1325,14 @@ def _overlap(label, method, options, shared):
     def check(b):
         return a_unharmed() and b == _sequential(method, options, STEPS[:1])[0]
 
-    return Case(_THREADS, label, run, r"in use by a turn in another thread.*cannot run concurrently", check, a_unharmed)
+    return Case(
+        _THREADS,
+        label,
+        run,
+        r"in use by a turn in another thread.*cannot run concurrently",
+        check,
+        a_unharmed,
+    )
 
 
 def _threads_ok(label, method, options, jobs=2):
@@ -1066,7 +1358,9 @@ def _threads_ok(label, method, options, jobs=2):
             raise errors[0]
         return got
 
-    return Case(_THREADS, label, run, None, lambda got: all(g == _sequential(method, options, STEPS) for g in got))
+    return Case(
+        _THREADS, label, run, None, lambda got: all(g == _sequential(method, options, STEPS) for g in got)
+    )
 
 
 def _one_after_another(label, method, options):
@@ -1076,7 +1370,11 @@ def _one_after_another(label, method, options):
         session = Session(_model(layers=4), _tok(), METHODS[method](**options))
         out = []
         for agent, segments in STEPS:
-            thread = threading.Thread(target=lambda: out.append(session.run_turn(agent, segments, max_new_tokens=3).output_ids.tolist()))
+            thread = threading.Thread(
+                target=lambda a=agent, s=segments: out.append(
+                    session.run_turn(a, s, max_new_tokens=3).output_ids.tolist()
+                )
+            )
             thread.start()
             thread.join()
         return out
@@ -1108,7 +1406,11 @@ def _rollback_across_threads():
         release.wait(60)
         raise Fail("A fails after B ran")
 
-    thread = threading.Thread(target=lambda: _swallow(lambda: session.run_turn(*STEPS[0], max_new_tokens=2, logits_processor=[hold_then_fail]), Fail))
+    thread = threading.Thread(
+        target=lambda: _swallow(
+            lambda: session.run_turn(*STEPS[0], max_new_tokens=2, logits_processor=[hold_then_fail]), Fail
+        )
+    )
     thread.start()
     assert inside.wait(60)
     try:
@@ -1139,11 +1441,27 @@ def _concurrency_cases():
     }
     return [
         *[_overlap(f"one Session, two threads at once: {m}", m, o, "session") for m, o in methods.items()],
-        *[_overlap(f"one {m} instance, two Sessions in two threads at once", m, o, "method") for m, o in methods.items()],
-        Case(_THREADS, "build_cache on a Session running a turn in another thread", _build_during_turn, r"in use by a turn in another thread"),
-        Case(_THREADS, "a failed turn's rollback and another thread's turn", _rollback_across_threads, r"in use by a turn in another thread", lambda kept: kept),
+        *[
+            _overlap(f"one {m} instance, two Sessions in two threads at once", m, o, "method")
+            for m, o in methods.items()
+        ],
+        Case(
+            _THREADS,
+            "build_cache on a Session running a turn in another thread",
+            _build_during_turn,
+            r"in use by a turn in another thread",
+        ),
+        Case(
+            _THREADS,
+            "a failed turn's rollback and another thread's turn",
+            _rollback_across_threads,
+            r"in use by a turn in another thread",
+            lambda kept: kept,
+        ),
         _threads_ok("kvcmas: a Session and an instance per thread", "kvcmas", {}, jobs=3),
-        _threads_ok("graphflow: a Session and an instance per thread", "graphflow", {"calibration_requests": 1}),
+        _threads_ok(
+            "graphflow: a Session and an instance per thread", "graphflow", {"calibration_requests": 1}
+        ),
         _one_after_another("kvcmas: one Session, turns from two threads one after another", "kvcmas", {}),
     ]
 

@@ -601,7 +601,9 @@ def _edited(name: str, edit, reseal: bool | None = True) -> Path:
     if reseal:
         write_saved(directory, header, tensors)
     elif reseal is False:
-        save_file(tensors, str(directory / "state.safetensors"), metadata={CHECKSUM: header.get(CHECKSUM, "")})
+        save_file(
+            tensors, str(directory / "state.safetensors"), metadata={CHECKSUM: header.get(CHECKSUM, "")}
+        )
         (directory / "state.json").write_text(json.dumps(header))
     else:
         (directory / "state.json").write_text(json.dumps(header))
@@ -834,7 +836,9 @@ ADVERSARIAL_STATE = [
         for label, edit in edits.items()
     ],
     *[
-        _load_case(f"kvcmas: {label}", "kvcmas", functools.partial(_edited, "kvcmas", edit, False), "checksum")
+        _load_case(
+            f"kvcmas: {label}", "kvcmas", functools.partial(_edited, "kvcmas", edit, False), "checksum"
+        )
         for label, edit in {
             "a tensor negated": _tensor_edit(lambda x: -x),
             "a tensor renamed": _rename,
@@ -850,26 +854,86 @@ ADVERSARIAL_STATE = [
     *[
         _load_case(f"resealed {name}: {label}", name, functools.partial(_edited, name, edit), match)
         for name, label, edit, match in [
-            ("kvcmas", "inf in a tensor", _tensor_edit(lambda x: x.index_fill(-1, torch.tensor([1]), float("inf"))), "NaN or inf"),
-            ("kvcmas", "a tensor in float16", _tensor_edit(lambda x: x.half()), r"dtype|float16.*float32|float32.*float16"),
+            (
+                "kvcmas",
+                "inf in a tensor",
+                _tensor_edit(lambda x: x.index_fill(-1, torch.tensor([1]), float("inf"))),
+                "NaN or inf",
+            ),
+            (
+                "kvcmas",
+                "a tensor in float16",
+                _tensor_edit(lambda x: x.half()),
+                r"dtype|float16.*float32|float32.*float16",
+            ),
             ("kvcmas", "a tensor in int64", _tensor_edit(lambda x: x.long()), r"dtype|int64"),
             ("kvcmas", "a tensor missing", lambda h, t: t.pop(_first_tensor(h, t)), r"t\d+|missing|names"),
             ("kvcmas", "an extra tensor", lambda h, t: t.update(extra=torch.zeros(3)), r"extra"),
             ("kvcmas", "a tensor renamed", _rename, r"t\d+"),
-            ("kvcmas", "a tensor one token short", _tensor_edit(lambda x: x[:-1].contiguous()), r"shape|length|token"),
+            (
+                "kvcmas",
+                "a tensor one token short",
+                _tensor_edit(lambda x: x[:-1].contiguous()),
+                r"shape|length|token",
+            ),
             ("kvcmas", "a scalar tensor", _tensor_edit(lambda x: x.sum()), r"shape|dimension|rank"),
-            ("kvcmas", "an anchor length edited", lambda h, t: _anchor(h)["base"].update(length=_anchor(h)["base"]["length"] + 1), r"length|shape|token"),
-            ("kvcmas", "a layer dropped", lambda h, t: _anchor(h)["base"].update(keys=_anchor(h)["base"]["keys"][:-1]), r"layers"),
-            ("kvcmas", "anchor uses negative", _set(("meta", "pools", 0, "anchors", 0, "uses"), -1), r"uses.*-1"),
-            ("kvcmas", "anchor serial a string", _set(("meta", "pools", 0, "anchors", 0, "serial"), "0"), r"serial.*'0'"),
-            ("kvcmas", "pool capacity other than the option", _set(("meta", "pools", 0, "capacity"), 7), r"capacity.*7"),
-            ("kvcmas", "more anchors than the capacity", lambda h, t: h["meta"]["pools"][0]["anchors"].extend(h["meta"]["pools"][0]["anchors"]), r"anchor|capacity|serial"),
+            (
+                "kvcmas",
+                "an anchor length edited",
+                lambda h, t: _anchor(h)["base"].update(length=_anchor(h)["base"]["length"] + 1),
+                r"length|shape|token",
+            ),
+            (
+                "kvcmas",
+                "a layer dropped",
+                lambda h, t: _anchor(h)["base"].update(keys=_anchor(h)["base"]["keys"][:-1]),
+                r"layers",
+            ),
+            (
+                "kvcmas",
+                "anchor uses negative",
+                _set(("meta", "pools", 0, "anchors", 0, "uses"), -1),
+                r"uses.*-1",
+            ),
+            (
+                "kvcmas",
+                "anchor serial a string",
+                _set(("meta", "pools", 0, "anchors", 0, "serial"), "0"),
+                r"serial.*'0'",
+            ),
+            (
+                "kvcmas",
+                "pool capacity other than the option",
+                _set(("meta", "pools", 0, "capacity"), 7),
+                r"capacity.*7",
+            ),
+            (
+                "kvcmas",
+                "more anchors than the capacity",
+                lambda h, t: h["meta"]["pools"][0]["anchors"].extend(h["meta"]["pools"][0]["anchors"]),
+                r"anchor|capacity|serial",
+            ),
             ("kvcmas", "pools a string", _set(("meta", "pools"), "x"), r"pools.*'x'|pools.*str"),
             ("kvcmas", "meta a list", _set(("meta",), []), r"metadata must be an object.*list"),
-            ("kvcmas", "an unknown meta key", _set(("meta", "surprise"), 1), r"does not save: \['surprise'\]"),
+            (
+                "kvcmas",
+                "an unknown meta key",
+                _set(("meta", "surprise"), 1),
+                r"does not save: \['surprise'\]",
+            ),
             ("kvcmas", "next_request negative", _set(("meta", "next_request"), -5), r"next_request.*-5"),
-            ("kvcmas", "an anchor frame unknown", lambda h, t: _anchor(h).update(frame="bogus"), r"frame.*bogus"),
-            ("kvcmas", "a delta agent not a string", lambda h, t: _anchor(h)["deltas"][0].__setitem__(0, 5), r"agent|5"),
+            (
+                "kvcmas",
+                "an anchor frame unknown",
+                lambda h, t: _anchor(h).update(frame="bogus"),
+                r"frame.*bogus",
+            ),
+            (
+                "kvcmas",
+                "a delta agent not a string",
+                lambda h, t: _anchor(h)["deltas"][0].__setitem__(0, 5),
+                r"agent|5",
+            ),
             ("kvcmas", "a deeply nested meta", _nested(500), r"nested|deep|does not save: \['x'\]"),
             ("kvcmas", "format from the future", _set(("format",), 3), r"format.*3"),
             ("kvcmas", "method renamed", _set(("method",), "kvcomm"), r"'kvcomm', not 'kvcmas'"),
@@ -877,39 +941,133 @@ ADVERSARIAL_STATE = [
             ("kvcmas", "an unknown option", _set(("options", "colour"), "red"), r"colour"),
             ("kvcmas", "the model fingerprint's layers edited", _set(("model", "layers"), 2), _STATE_MODEL),
             ("kvcmas", "the model fingerprint damaged", _set(("model",), "abc"), r"fingerprint"),
-            ("graphflow", "profile counts of another length", lambda h, t: t.update({h["meta"]["profiles"][0]["counts"]: torch.ones(3)}), r"shape|length|count"),
-            ("graphflow", "profile kv_heads edited", _set(("meta", "profiles", 0, "kv_heads"), 4), r"kv heads|kv_heads"),
-            ("graphflow", "profile requests not a list", _set(("meta", "profiles", 0, "requests"), 3), r"requests"),
-            ("graphflow", "two profiles with one key", lambda h, t: h["meta"]["profiles"].__setitem__(1, dict(h["meta"]["profiles"][0])), r"twice|duplicate|same|key"),
-            ("droidspeak", "layer profile NaN", _set(("meta", "layer_profile"), [0.1, None, 0.3]), r"profile"),
-            ("droidspeak", "layer profile of two layers", _set(("meta", "layer_profile"), [0.1, 0.7]), r"2 entries.*3 layers"),
-            ("droidspeak", "layer profile strings", _set(("meta", "layer_profile"), ["a", "b", "c"]), r"profile"),
-            ("fullshared", "kept prefix ids not ints", lambda h, t: h["meta"]["prefixes"][0].update(ids=["a"] * len(h["meta"]["prefixes"][0]["ids"])), r"ids|int"),
+            (
+                "graphflow",
+                "profile counts of another length",
+                lambda h, t: t.update({h["meta"]["profiles"][0]["counts"]: torch.ones(3)}),
+                r"shape|length|count",
+            ),
+            (
+                "graphflow",
+                "profile kv_heads edited",
+                _set(("meta", "profiles", 0, "kv_heads"), 4),
+                r"kv heads|kv_heads",
+            ),
+            (
+                "graphflow",
+                "profile requests not a list",
+                _set(("meta", "profiles", 0, "requests"), 3),
+                r"requests",
+            ),
+            (
+                "graphflow",
+                "two profiles with one key",
+                lambda h, t: h["meta"]["profiles"].__setitem__(1, dict(h["meta"]["profiles"][0])),
+                r"twice|duplicate|same|key",
+            ),
+            (
+                "droidspeak",
+                "layer profile NaN",
+                _set(("meta", "layer_profile"), [0.1, None, 0.3]),
+                r"profile",
+            ),
+            (
+                "droidspeak",
+                "layer profile of two layers",
+                _set(("meta", "layer_profile"), [0.1, 0.7]),
+                r"2 entries.*3 layers",
+            ),
+            (
+                "droidspeak",
+                "layer profile strings",
+                _set(("meta", "layer_profile"), ["a", "b", "c"]),
+                r"profile",
+            ),
+            (
+                "fullshared",
+                "kept prefix ids not ints",
+                lambda h, t: h["meta"]["prefixes"][0].update(
+                    ids=["a"] * len(h["meta"]["prefixes"][0]["ids"])
+                ),
+                r"ids|int",
+            ),
         ]
     ],
-    _load_case("a nonshared state holding metadata", "nonshared", lambda: _edited("nonshared", _set(("meta", "pools"), [])), r"keeps no state|names no model"),
+    _load_case(
+        "a nonshared state holding metadata",
+        "nonshared",
+        lambda: _edited("nonshared", _set(("meta", "pools"), [])),
+        r"keeps no state|names no model",
+    ),
     # -- files
     _load_case("the state dir is a file", "kvcmas", _file_instead_of_dir, r"holds no saved method state"),
     _load_case("state.json truncated", "kvcmas", _truncated("state.json", 0.5), r"not a saved method state"),
-    _load_case("state.safetensors truncated", "kvcmas", _truncated("state.safetensors", 0.7), r"not a readable safetensors"),
-    _load_case("state.safetensors empty", "kvcmas", _truncated("state.safetensors", 0), r"not a readable safetensors"),
+    _load_case(
+        "state.safetensors truncated",
+        "kvcmas",
+        _truncated("state.safetensors", 0.7),
+        r"not a readable safetensors",
+    ),
+    _load_case(
+        "state.safetensors empty", "kvcmas", _truncated("state.safetensors", 0), r"not a readable safetensors"
+    ),
     _load_case("state.json not UTF-8", "kvcmas", _raw_header(b"\xff\xfe{"), r"not a saved method state"),
     _load_case("state.json a list", "kvcmas", _raw_header("[1, 2]"), r"format 2 expected, got \[1, 2\]"),
     _load_case("state.json with NaN", "kvcmas", _raw_header('{"format": NaN}'), r"format|NaN"),
-    _load_case("state.json nested 100000 deep", "kvcmas", _raw_header("[" * 100000 + "]" * 100000), r"not a saved method state|nested|deep"),
-    _load_case("state.json from another save (symlink)", "kvcmas", _json_from_another_state, r"not from one save"),
+    _load_case(
+        "state.json nested 100000 deep",
+        "kvcmas",
+        _raw_header("[" * 100000 + "]" * 100000),
+        r"not a saved method state|nested|deep",
+    ),
+    _load_case(
+        "state.json from another save (symlink)", "kvcmas", _json_from_another_state, r"not from one save"
+    ),
     _load_case("state.json a directory", "kvcmas", _json_is_a_directory, r"holds no saved method state"),
     _load_case("state.json a FIFO", "kvcmas", _fifo_header, r"holds no saved method state"),
-    _load_case("state.safetensors -> /dev/zero", "kvcmas", _dev_zero_tensors, r"holds no saved method state|not a readable"),
+    _load_case(
+        "state.safetensors -> /dev/zero",
+        "kvcmas",
+        _dev_zero_tensors,
+        r"holds no saved method state|not a readable",
+    ),
     _load_case("64 MiB of metadata", "kvcmas", _huge_header, r"does not save: \['comment'\]"),
-    _load_case("the state dir a symlink to a state", "kvcmas", _symlinked_dir, None, check=_same_as_saved("kvcmas")),
-    _load_case("leftover temporary files", "kvcmas", _with_leftover_temporaries, None, check=_same_as_saved("kvcmas")),
+    _load_case(
+        "the state dir a symlink to a state", "kvcmas", _symlinked_dir, None, check=_same_as_saved("kvcmas")
+    ),
+    _load_case(
+        "leftover temporary files", "kvcmas", _with_leftover_temporaries, None, check=_same_as_saved("kvcmas")
+    ),
     # -- models, methods, options
-    _load_case("model= with other weights", "kvcmas", lambda: _saved("kvcmas"), _STATE_MODEL, model=lambda: _model(seed=1)),
-    _load_case("model= with fewer layers", "kvcmas", lambda: _saved("kvcmas"), _STATE_MODEL, model=lambda: _model(layers=2)),
-    _load_case("model= not a model", "kvcmas", lambda: _saved("kvcmas"), r"model.*str|nn\.Module", model=lambda: "model"),
+    _load_case(
+        "model= with other weights",
+        "kvcmas",
+        lambda: _saved("kvcmas"),
+        _STATE_MODEL,
+        model=lambda: _model(seed=1),
+    ),
+    _load_case(
+        "model= with fewer layers",
+        "kvcmas",
+        lambda: _saved("kvcmas"),
+        _STATE_MODEL,
+        model=lambda: _model(layers=2),
+    ),
+    _load_case(
+        "model= not a model",
+        "kvcmas",
+        lambda: _saved("kvcmas"),
+        r"model.*str|nn\.Module",
+        model=lambda: "model",
+    ),
     *[
-        _load_case(f"{source} state into {target}", source, functools.partial(_saved, source), rf"state of method '{source}', not '{target}'", target=target)
+        _load_case(
+            f"{source} state into {target}",
+            source,
+            functools.partial(_saved, source),
+            rf"state of method '{source}', not '{target}'",
+            target=target,
+        )
         for source, target in [
             ("kvcmas", "kvcomm"),
             ("kvcmas", "kvcmas-nonchained"),
@@ -922,9 +1080,9 @@ ADVERSARIAL_STATE = [
     Case(
         "saved method state",
         "into an instance bound to another model",
-        lambda: (
-            lambda m: (Session(_model(seed=1), _tok(), m), m.load_state(_saved("kvcmas")))
-        )(METHODS["kvcmas"](**_TRAINED_OPTIONS["kvcmas"])),
+        lambda: (lambda m: (Session(_model(seed=1), _tok(), m), m.load_state(_saved("kvcmas"))))(
+            METHODS["kvcmas"](**_TRAINED_OPTIONS["kvcmas"])
+        ),
         _STATE_MODEL,
     ),
     Case(
@@ -946,15 +1104,27 @@ ADVERSARIAL_STATE = [
             lambda m: (
                 request(_model(), _tok(), m, QUERIES[0]),
                 m.save_state(_ROOT / "rank1000"),
-                METHODS["graphflow"](calibration_requests=4, rank=1000).load_state(_ROOT / "rank1000", model=_model()),
+                METHODS["graphflow"](calibration_requests=4, rank=1000).load_state(
+                    _ROOT / "rank1000", model=_model()
+                ),
             )
         )(METHODS["graphflow"](calibration_requests=4, rank=1000)),
         None,
         check=lambda _: True,
     ),
     # -- saving
-    _save_case("save into a file", lambda: _trained("kvcmas", QUERIES[:1]), _file_instead_of_dir, r"exists and is not a directory"),
-    _save_case("save under a file", lambda: _trained("kvcmas", QUERIES[:1]), lambda: _file_instead_of_dir() / "sub", r"not a directory|cannot save"),
+    _save_case(
+        "save into a file",
+        lambda: _trained("kvcmas", QUERIES[:1]),
+        _file_instead_of_dir,
+        r"exists and is not a directory",
+    ),
+    _save_case(
+        "save under a file",
+        lambda: _trained("kvcmas", QUERIES[:1]),
+        lambda: _file_instead_of_dir() / "sub",
+        r"not a directory|cannot save",
+    ),
     Case(
         "saved method state",
         "save with model= another model",
@@ -974,13 +1144,17 @@ ADVERSARIAL_STATE = [
             f"round trip of {name}",
             functools.partial(
                 lambda name: (
-                    _trained(name).save_state(_ROOT / f"rt-{name}"),
-                    METHODS[name](**_TRAINED_OPTIONS.get(name, {})).load_state(_ROOT / f"rt-{name}", model=_model()),
-                )
-                if name in _TRAINED_OPTIONS
-                else (
-                    METHODS[name]().save_state(_ROOT / f"rt-{name}"),
-                    METHODS[name]().load_state(_ROOT / f"rt-{name}", model=_model()),
+                    (
+                        _trained(name).save_state(_ROOT / f"rt-{name}"),
+                        METHODS[name](**_TRAINED_OPTIONS.get(name, {})).load_state(
+                            _ROOT / f"rt-{name}", model=_model()
+                        ),
+                    )
+                    if name in _TRAINED_OPTIONS
+                    else (
+                        METHODS[name]().save_state(_ROOT / f"rt-{name}"),
+                        METHODS[name]().load_state(_ROOT / f"rt-{name}", model=_model()),
+                    )
                 ),
                 name,
             ),

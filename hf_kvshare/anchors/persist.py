@@ -282,11 +282,15 @@ def profiles_from_state(meta: list[dict[str, Any]], tensors, dims=None):
         if not isinstance(requests, list) or any(
             isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in requests
         ):
-            raise ValueError(f"{what}: requests must be a list of request uids (ints >= 0), got {requests!r:.80}")
+            raise ValueError(
+                f"{what}: requests must be a list of request uids (ints >= 0), got {requests!r:.80}"
+            )
         for field in ("slot", "target"):
             _check_agent(e[field], f"{what}: {field}")
         if from_json_key(e["key"]) != (e["slot"], e["target"]):
-            raise ValueError(f"{what}: key {e['key']!r} is not [slot, target] = [{e['slot']!r}, {e['target']!r}]")
+            raise ValueError(
+                f"{what}: key {e['key']!r} is not [slot, target] = [{e['slot']!r}, {e['target']!r}]"
+            )
         p.requests = set(requests)
         p._kv_heads = reader.count(e["kv_heads"], f"{what}: kv_heads")
         p._key_sums = [reader.get(n) for n in e["key_sums"]]
