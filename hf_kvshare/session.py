@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import mrope
 from ._compat import cache_kwargs
 from .agents import agent_adapter
 from .cache import SharedCache
@@ -376,6 +377,9 @@ class Session:
         method_kwargs = {**self.method.forward_kwargs(turn), **self.method.generate_kwargs(turn)}
         processors = options.processors + list(method_kwargs.pop("logits_processor", None) or []) + [timer]
         inputs = turn.batch(prompt).contiguous()
+        if getattr(cache, "rope_track", None) is not None:  # multimodal RoPE: the prompt's [4, batch, P] positions
+            slots = torch.arange(inputs.shape[-1], device=inputs.device)[None].expand(inputs.shape[0], -1)
+            method_kwargs["position_ids"] = mrope.forward_positions(cache, slots)
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=inputs,
@@ -394,7 +398,7 @@ class Session:
         with torch.no_grad():
             out = self.model(
                 input_ids=turn.batch(inputs),
-                position_ids=positions.expand(turn.batch_size, -1),
+                position_ids=mrope.forward_positions(cache, positions.expand(turn.batch_size, -1)),
                 use_cache=True,
                 **cache_kwargs(cache),
                 **self.method.forward_kwargs(turn),
