@@ -190,45 +190,41 @@ def test_fullshared_is_exact_where_the_image_lands_at_the_same_positions(vl, ima
 
 
 def test_repositioned_segments_equal_recomputation_at_the_new_positions(vl, image):
-    """FullShared moves the image (nothing before it but text) and an output computed after the image
-    to other slots and other rope positions (the image's rope span differs from its slot count): the
-    moved K/V equal, to fp tolerance, the K/V NonShared computes there when what precedes each moved
-    segment is the same; the shift was needed (unmoved keys differ)."""
+    """FullShared moves the image to other slots (text only before it in both prompts) and the
+    question from before the image (rope shift 0) to after it (the image's rope span is not its slot
+    count: another shift): their layer-0 K/V (a function of the token and its 3D positions only) equal,
+    to fp tolerance, NonShared's at the new place. Unmoved keys differ (the shift was needed)."""
     model, processor = vl
-    first = [PF("<|vision_start|>"), PH("chart", image=image), PF("<|vision_end|>\nColours?")]
+    first = [PF("Q: "), PH("question", QUESTION), PF("\n<|vision_start|>"), PH("chart", image=image),
+             PF("<|vision_end|>\nColours?")]
+    second = [PF("A longer preamble first.\n<|vision_start|>"), PH("chart"), PF("<|vision_end|>\nQ: "),
+              PH("question"), PF("\nBars?")]
 
-    def request(method, first_turn=first):
+    def request(method):
         session = Session(model, processor.tokenizer, method, processor=processor)
-        a = session.run_turn("a", first_turn, max_new_tokens=4, keep_cache=True)
-        b = session.run_turn(
-            "b",
-            [PF("A longer preamble first.\n<|vision_start|>"), PH("chart"), PF("<|vision_end|>\nSaid: "), PH("a"),
-             PF("\nBars?")],
-            force_output=[5, 6],
-            keep_cache=True,
-        )
-        return session, a, b
+        a = session.run_turn("a", first, force_output=[5, 6], keep_cache=True)
+        b = session.run_turn("b", second, force_output=[7], keep_cache=True)
+        return a, b
 
-    session, a, moved = request("fullshared")
-    seg = moved.cache.segment("chart")
-    assert seg.start > 0 and seg.provenance == "reused"
-    # the exact K/V of the image at its new place: NonShared prefill of the same prefix + image
-    exact = Session(model, processor.tokenizer, "nonshared", processor=processor).run_turn(
-        "b", [PF("A longer preamble first.\n<|vision_start|>"), PH("chart", image=image), PF("<|vision_end|>\nx")],
-        force_output=[5], keep_cache=True,
-    )
-    # the image saw only the 1-token prefix in "a", the preamble in "b": compare the image's first
-    # layer keys (computed from its features alone at layer 0: position-free inputs) to fp tolerance
-    got, want = moved.cache.extract(seg.start, seg.end), exact.cache.extract(seg.start, seg.end)
-    assert torch.allclose(got.keys[0], want.keys[0], atol=1e-4)
-    assert torch.allclose(got.values[0], want.values[0], atol=1e-5)
-    unmoved = a.cache.extract(1, 1 + seg.length)
-    assert (unmoved.keys[0] - want.keys[0]).abs().max() > 1e-2  # the shift made them equal
-    # the reused output "a" sits after the image in both prompts: same shift change as its slots
-    out = moved.cache.segment("a")
-    assert out.provenance == "reused"
+    a, moved = request("fullshared")
+    _, exact = request("nonshared")
     track = moved.cache.rope_track
-    assert track.positions(out.start, out.start + 1)[0, 0] != out.start  # a non-zero rope shift
+    for name in ("chart", "question"):
+        seg, src = moved.cache.segment(name), a.cache.segment(name)
+        assert seg.provenance == "reused" and seg.start != src.start, name
+        got, want = moved.cache.extract(seg.start, seg.end), exact.cache.extract(seg.start, seg.end)
+        assert torch.allclose(got.keys[0], want.keys[0], atol=1e-4), name
+        assert torch.allclose(got.values[0], want.values[0], atol=1e-5), name
+        # in the cache's own frame too: the keys the model attends to are the keys at the 3D positions
+        k_got = moved.cache.layer_kv(0)[0][..., seg.start : seg.end, :]
+        k_want = exact.cache.layer_kv(0)[0][..., seg.start : seg.end, :]
+        assert torch.allclose(k_got, k_want, atol=1e-4), name
+        unmoved = a.cache.layer_kv(0)[0][..., src.start : src.end, :]
+        assert (unmoved - k_want).abs().max() > 1e-2, name  # the move was needed
+    question = moved.cache.segment("question")
+    rope_start = int(track.positions(question.start, question.start + 1)[0, 0])
+    slot_shift = question.start - a.cache.segment("question").start
+    assert rope_start - a.cache.segment("question").start != slot_shift  # rope moved by another amount
 
 
 def test_full_recomputation_of_the_image_equals_nonshared(vl, image):
