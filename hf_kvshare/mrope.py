@@ -24,6 +24,7 @@ correction and reference prefill then works on these keys as on a 1D model's.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +48,22 @@ class VisualRope:
         return self.positions.shape[-1]
 
 
+_IS_MROPE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def is_mrope(model: torch.nn.Module) -> bool:
-    """Whether ``model`` rotates by three position components per token (``mrope_section``)."""
-    return _compat.mrope_section(model) is not None
+    """Whether ``model`` rotates by three position components per token (``mrope_section``); found
+    once per model (every prefill asks)."""
+    try:
+        return _IS_MROPE[model]
+    except (KeyError, TypeError):
+        pass
+    found = _compat.mrope_section(model) is not None
+    try:
+        _IS_MROPE[model] = found
+    except TypeError:
+        pass
+    return found
 
 
 def visual_rope(

@@ -14,9 +14,16 @@ embeddings (``CachePart.embeds`` -> :func:`hf_kvshare.prefill.dense_embeds`: the
 ordinary K/V: re-positioning, correction and selective recomputation treat them as any segment's.
 
 Supported: LLaVA-OneVision (Qwen2 language model, 1D RoPE; image features are position-free
-inputs, so a re-positioned image segment is exact up to fp rounding). Models with multimodal RoPE
-(Qwen2-VL: three position components per token) are refused: their positions are not the 1D
-positions the cache and the RoPE shifter use.
+inputs, so a re-positioned image segment is exact up to fp rounding), Qwen2-VL and Qwen2.5-VL
+(multimodal RoPE: three position components ``(t, h, w)`` per token; pixel values as patches with
+their ``[1, 3]`` grid). On the latter an image's rope positions come from the model's own
+``get_rope_index`` (:class:`Visual.rope`, :mod:`hf_kvshare.mrope`), the text after it continues from
+the model's rule, every forward takes ``[4, batch, n]`` position ids (the slots, then the three
+components) and ``generate`` is given the prompt's; the cache keeps K/V in the *slot frame*, so
+moving a segment is a uniform shift of all three components, i.e. the 1D rotation. Put an image
+between Qwen's ``<|vision_start|>`` / ``<|vision_end|>`` markers (text), as its chat template does.
+Refused: Gemma 3 (its image tokens attend to each other bidirectionally: a dense forward would need
+that mask, not the causal one built here), SmolVLM / Idefics3 (not built).
 
 Everything is checked before any model work (the model's own processor rule for the placeholder
 count, the pixel values' dtype and device against the vision tower's, a readable image file, a
