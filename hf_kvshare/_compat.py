@@ -584,9 +584,7 @@ def visual_token_ids(model: Any) -> list[int]:
     return found
 
 
-def visual_features(
-    model: Any, kind: str, pixel_values: Any, image_sizes: Any, grid_thw: Any = None
-) -> Any:
+def visual_features(model: Any, kind: str, pixel_values: Any, image_sizes: Any, grid_thw: Any = None) -> Any:
     """The projected features ``[n, hidden]`` of ONE image or video through the model's public
     ``get_image_features`` / ``get_video_features`` (``grid_thw``: Qwen2-VL's ``[1, 3]`` patch grid;
     transformers 5.24: an output whose

@@ -182,7 +182,12 @@ def prefill_parts(
             ids = torch.cat([p.token_ids for p in dense], dim=-1)
             embeds = dense_embeds(model, dense)
             prefill_dense(
-                cache, model, ids, [p.segment for p in dense], inputs_embeds=embeds, rope=part_ropes(dense),
+                cache,
+                model,
+                ids,
+                [p.segment for p in dense],
+                inputs_embeds=embeds,
+                rope=part_ropes(dense),
                 **model_kwargs,
             )
         try:
@@ -200,7 +205,12 @@ def prefill_parts(
             ids = torch.cat([p.token_ids for p in dense], dim=-1)
             embeds = dense_embeds(model, dense)
             prefill_dense(
-                cache, model, ids, [p.segment for p in dense], inputs_embeds=embeds, rope=part_ropes(dense),
+                cache,
+                model,
+                ids,
+                [p.segment for p in dense],
+                inputs_embeds=embeds,
+                rope=part_ropes(dense),
                 **model_kwargs,
             )
         except BaseException:

@@ -377,7 +377,9 @@ class Session:
         method_kwargs = {**self.method.forward_kwargs(turn), **self.method.generate_kwargs(turn)}
         processors = options.processors + list(method_kwargs.pop("logits_processor", None) or []) + [timer]
         inputs = turn.batch(prompt).contiguous()
-        if getattr(cache, "rope_track", None) is not None:  # multimodal RoPE: the prompt's [4, batch, P] positions
+        if (
+            getattr(cache, "rope_track", None) is not None
+        ):  # multimodal RoPE: the prompt's [4, batch, P] positions
             slots = torch.arange(inputs.shape[-1], device=inputs.device)[None].expand(inputs.shape[0], -1)
             method_kwargs["position_ids"] = mrope.forward_positions(cache, slots)
         with torch.no_grad():

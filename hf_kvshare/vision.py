@@ -51,6 +51,17 @@ SUPPORTED_VISION_MODELS = ("llava_onevision", "qwen2_vl", "qwen2_5_vl")
 #: of those, the models whose pixel values come as patches with a ``[1, 3]`` grid (``image_grid_thw``)
 GRID_VISION_MODELS = ("qwen2_vl", "qwen2_5_vl")
 
+#: families refused, and why (``config.model_type``)
+UNSUPPORTED_VISION_MODELS = {
+    "gemma3": (
+        "its image tokens attend to each other bidirectionally (token_type_ids), and the dense forwards "
+        "here (position-built causal masks, selective recomputation, reference prefills) do not build that "
+        "mask yet"
+    ),
+    "idefics3": "not built yet (its image splitting into tiles and row / column markers)",
+    "smolvlm": "not built yet (its image splitting into tiles and row / column markers)",
+}
+
 VISUAL_KINDS = ("image", "video")
 
 
@@ -104,9 +115,10 @@ def check_vision_model(model: torch.nn.Module, kind: str, slot: str) -> None:
             f"({', '.join(SUPPORTED_VISION_MODELS)})"
         )
     if model_type not in SUPPORTED_VISION_MODELS:
+        why = UNSUPPORTED_VISION_MODELS.get(model_type)
         raise ValueError(
             f"PH {slot!r}: {kind} segments are supported on {', '.join(SUPPORTED_VISION_MODELS)}; "
-            f"got a {model_type} model ({type(model).__name__})"
+            f"got a {model_type} model ({type(model).__name__})" + (f": {why}" if why else "")
         )
     if kind not in placeholder_ids(model).values():
         raise ValueError(f"PH {slot!r}: the {model_type} model has no {kind} placeholder token")
@@ -187,7 +199,9 @@ def prepare_visual(model: torch.nn.Module, processor: Any, spec: PH) -> Visual:
     token = _processor_token(model, processor, kind, spec.slot)
     tower = next(_compat.vision_tower(model).parameters())
     if isinstance(value, Mapping):
-        return _with_rope(model, _from_processed(model, processor, spec.slot, kind, value, token, tower), value)
+        return _with_rope(
+            model, _from_processed(model, processor, spec.slot, kind, value, token, tower), value
+        )
     if kind == "image":
         batch = _processor_call(processor, spec.slot, kind, images=[_load_image(value, spec.slot)])
         pixels, sizes = batch["pixel_values"], batch.get("image_sizes")
@@ -347,15 +361,24 @@ def _from_processed(
 
 
 def _from_processed_grid(
-    model: torch.nn.Module, processor: Any, slot: str, kind: str, given: Mapping[str, Any], token: int, tower,
-    key: str, pixels: torch.Tensor,
+    model: torch.nn.Module,
+    processor: Any,
+    slot: str,
+    kind: str,
+    given: Mapping[str, Any],
+    token: int,
+    tower,
+    key: str,
+    pixels: torch.Tensor,
 ) -> Visual:
     """Qwen2-VL-style processed input: patches ``[patches, channels * t * p * p]`` and a ``[1, 3]`` grid."""
     grid_key = f"{kind}_grid_thw"
     grid = given.get(grid_key)
     grid = None if grid is None else torch.as_tensor(grid).long()
     if grid is None or grid.numel() != 3:
-        raise ValueError(f"PH {slot!r}: processed {kind} input needs {grid_key!r}, the (t, h, w) grid of one {kind}")
+        raise ValueError(
+            f"PH {slot!r}: processed {kind} input needs {grid_key!r}, the (t, h, w) grid of one {kind}"
+        )
     grid = grid.reshape(1, 3)
     if pixels.dim() != 2 or pixels.shape[0] != int(grid.prod()):
         raise ValueError(

@@ -38,12 +38,40 @@ def agents(image):
     image sits between Qwen's vision markers, as its chat template puts it."""
     img = PH("chart", image=image)
     return [
-        ("solver", [PF("You solve.\n<|vision_start|>"), img, PF("<|vision_end|>\n"), PH("question", QUESTION),
-                    PF("\nAnswer:")]),
-        ("checker", [PF("You check the chart.\n<|vision_start|>"), PH("chart"), PF("<|vision_end|>\n"),
-                     PH("question"), PF("\nAnswer:")]),
-        ("reflector", [PF("You reflect.\nQ: "), PH("question"), PF("\nA1: "), PH("solver"), PF("\nA2: "),
-                       PH("checker"), PF("\n<|vision_start|>"), PH("chart"), PF("<|vision_end|>\nFinal:")]),
+        (
+            "solver",
+            [
+                PF("You solve.\n<|vision_start|>"),
+                img,
+                PF("<|vision_end|>\n"),
+                PH("question", QUESTION),
+                PF("\nAnswer:"),
+            ],
+        ),
+        (
+            "checker",
+            [
+                PF("You check the chart.\n<|vision_start|>"),
+                PH("chart"),
+                PF("<|vision_end|>\n"),
+                PH("question"),
+                PF("\nAnswer:"),
+            ],
+        ),
+        (
+            "reflector",
+            [
+                PF("You reflect.\nQ: "),
+                PH("question"),
+                PF("\nA1: "),
+                PH("solver"),
+                PF("\nA2: "),
+                PH("checker"),
+                PF("\n<|vision_start|>"),
+                PH("chart"),
+                PF("<|vision_end|>\nFinal:"),
+            ],
+        ),
     ]
 
 
@@ -111,7 +139,9 @@ def test_nonshared_equals_plain_generate_with_pixel_values(vl, image):
     batch = processor(images=image, text=text, return_tensors="pt", add_special_tokens=False)
     assert torch.equal(batch["input_ids"][0], turns[0].prompt_ids)  # the processor's placeholders
     for turn in turns:
-        plain = plain_generate(model, turn.prompt_ids, pixel_inputs(model, processor, turn.prompt_ids, [image]), 8)
+        plain = plain_generate(
+            model, turn.prompt_ids, pixel_inputs(model, processor, turn.prompt_ids, [image]), 8
+        )
         assert turn.output_ids.tolist() == strip(plain, model), turn.agent
     # the image moves the text after it (rope_deltas): not the 1D positions
     positions = full_positions(model, processor, turns[0].prompt_ids, [image])
@@ -123,15 +153,22 @@ def test_the_cache_layout_is_the_models_rope_index(vl, image):
     model's get_rope_index gives the whole prompt."""
     model, processor = vl
     second = random_image(2, height=30, width=60)
-    segments = [PF("Compare <|vision_start|>"), PH("left", image=image), PF("<|vision_end|> and <|vision_start|>"),
-                PH("right", image=second), PF("<|vision_end|>\nSame?")]
+    segments = [
+        PF("Compare <|vision_start|>"),
+        PH("left", image=image),
+        PF("<|vision_end|> and <|vision_start|>"),
+        PH("right", image=second),
+        PF("<|vision_end|>\nSame?"),
+    ]
     turn = Session(model, processor.tokenizer, processor=processor).run_turn(
         "a", segments, max_new_tokens=6, keep_cache=True
     )
     P = turn.prompt_ids.numel()
     want = full_positions(model, processor, turn.prompt_ids, [image, second])
     assert torch.equal(turn.cache.rope_track.positions(0, P), want)
-    plain = plain_generate(model, turn.prompt_ids, pixel_inputs(model, processor, turn.prompt_ids, [image, second]), 6)
+    plain = plain_generate(
+        model, turn.prompt_ids, pixel_inputs(model, processor, turn.prompt_ids, [image, second]), 6
+    )
     assert turn.output_ids.tolist() == strip(plain, model)
 
 
@@ -141,10 +178,14 @@ def test_uniform_shift_is_the_1d_rotation_on_the_models_rotary(vl):
     component only is not a 1D rotation."""
     model, _ = vl
     rotary = model.model.language_model.rotary_emb
-    head_dim = model.config.get_text_config().hidden_size // model.config.get_text_config().num_attention_heads
+    head_dim = (
+        model.config.get_text_config().hidden_size // model.config.get_text_config().num_attention_heads
+    )
     torch.manual_seed(0)
     keys = torch.randn(1, 2, 12, head_dim)
-    P = torch.stack([torch.full((12,), 5), torch.arange(12) // 4 + 5, torch.arange(12) % 4 + 5])  # an image's grid
+    P = torch.stack(
+        [torch.full((12,), 5), torch.arange(12) // 4 + 5, torch.arange(12) % 4 + 5]
+    )  # an image's grid
 
     def rotated(positions):
         cos, sin = rotary(keys, positions[:, None])  # [1, seq, head_dim]
@@ -195,10 +236,20 @@ def test_repositioned_segments_equal_recomputation_at_the_new_positions(vl, imag
     count: another shift): their layer-0 K/V (a function of the token and its 3D positions only) equal,
     to fp tolerance, NonShared's at the new place. Unmoved keys differ (the shift was needed)."""
     model, processor = vl
-    first = [PF("Q: "), PH("question", QUESTION), PF("\n<|vision_start|>"), PH("chart", image=image),
-             PF("<|vision_end|>\nColours?")]
-    second = [PF("A longer preamble first.\n<|vision_start|>"), PH("chart"), PF("<|vision_end|>\nQ: "),
-              PH("question"), PF("\nBars?")]
+    first = [
+        PF("Q: "),
+        PH("question", QUESTION),
+        PF("\n<|vision_start|>"),
+        PH("chart", image=image),
+        PF("<|vision_end|>\nColours?"),
+    ]
+    second = [
+        PF("A longer preamble first.\n<|vision_start|>"),
+        PH("chart"),
+        PF("<|vision_end|>\nQ: "),
+        PH("question"),
+        PF("\nBars?"),
+    ]
 
     def request(method):
         session = Session(model, processor.tokenizer, method, processor=processor)
@@ -284,8 +335,11 @@ def test_processed_image_input_equals_the_pil_image(vl, image):
     turns = []
     for value in (image, given):
         session = Session(model, processor.tokenizer, processor=processor)
-        turns.append(session.run_turn("a", [PF("<|vision_start|>"), PH("c", image=value), PF("<|vision_end|>?")],
-                                      max_new_tokens=5))
+        turns.append(
+            session.run_turn(
+                "a", [PF("<|vision_start|>"), PH("c", image=value), PF("<|vision_end|>?")], max_new_tokens=5
+            )
+        )
     assert turns[0].output_ids.tolist() == turns[1].output_ids.tolist()
 
 
@@ -300,13 +354,17 @@ def test_processed_video_equals_plain_generate(vl):
     if model.config.model_type == "qwen2_5_vl":
         video["second_per_grid_ts"] = torch.tensor([1.0])
     turn = Session(model, processor.tokenizer, processor=processor).run_turn(
-        "a", [PF("Watch <|vision_start|>"), PH("clip", video=video), PF("<|vision_end|>\nWhat moves?")],
+        "a",
+        [PF("Watch <|vision_start|>"), PH("clip", video=video), PF("<|vision_end|>\nWhat moves?")],
         max_new_tokens=6,
     )
     ids = turn.prompt_ids
     assert int((ids == model.config.video_token_id).sum()) == 2 * 4 * 4 // 4
-    inputs = {"mm_token_type_ids": (ids == model.config.video_token_id).long()[None] * 2,
-              "pixel_values_videos": patches, "video_grid_thw": grid}
+    inputs = {
+        "mm_token_type_ids": (ids == model.config.video_token_id).long()[None] * 2,
+        "pixel_values_videos": patches,
+        "video_grid_thw": grid,
+    }
     if "second_per_grid_ts" in video:
         inputs["second_per_grid_ts"] = video["second_per_grid_ts"]
     assert turn.output_ids.tolist() == strip(plain_generate(model, ids, inputs, 6), model)
@@ -318,8 +376,11 @@ def test_placeholder_count_disagreeing_with_the_processor(vl, image):
     batch = processor(images=image, text=processor.image_token, return_tensors="pt")
     n = int(batch["input_ids"].numel())
     session = Session(model, processor.tokenizer, processor=processor)
-    bad = {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"],
-           "input_ids": torch.full((n - 1,), model.config.image_token_id)}
+    bad = {
+        "pixel_values": batch["pixel_values"],
+        "image_grid_thw": batch["image_grid_thw"],
+        "input_ids": torch.full((n - 1,), model.config.image_token_id),
+    }
     with pytest.raises(ValueError, match=f"{n - 1} image placeholder tokens given; the processor expands"):
         session.run_turn("a", [PF("<|vision_start|>"), PH("c", image=bad), PF("<|vision_end|>?")])
     grid = {"pixel_values": batch["pixel_values"], "image_grid_thw": torch.tensor([[1, 4, 4]])}

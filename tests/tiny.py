@@ -235,7 +235,9 @@ def tiny_qwen_vl(seed: int = 0, version: str = "2", **text_overrides):
         initializer_range=0.2,
         **text_overrides,
     )
-    vision = dict(depth=2, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    vision = dict(
+        depth=2, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2
+    )
     if version == "2":
         config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
         vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
