@@ -61,7 +61,9 @@ class LayerProbe:
         seg_k = engine.kv.keys[self.layer_idx].clone()
         seg_k[..., self.rows, :] = self.fresh_keys.to(seg_k.dtype)
         keys = seg_k if self._prefix_k is None else torch.cat([self._prefix_k, seg_k], dim=-2)
-        q = stack.rotated_queries(self._query, engine.start + self.rows, self.layer_idx)
+        # multimodal RoPE: at the segment's rope shift (exact for text; an image's rows take that 1D
+        # position, an approximation for selection only, never for the recomputed K/V)
+        q = stack.rotated_queries(self._query, engine.start + engine._shift + self.rows, self.layer_idx)
         return received_attention(
             q,
             keys,
