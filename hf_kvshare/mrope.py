@@ -233,6 +233,18 @@ def forward_positions(cache: Any, slots: torch.Tensor) -> torch.Tensor:
     return position_ids(slots, track.positions(first, first + n))
 
 
+def generate_kwargs(cache: Any, prompt_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What ``generate`` needs besides the prompt ``[batch, P]`` and ``cache`` on a multimodal-RoPE
+    model: ``{"position_ids": [4, batch, P]}`` (the prompt's slots and rope positions; ``generate``
+    steps them for each new token). ``{}`` on a 1D model. ``Session`` passes it itself; a caller of
+    ``generate`` over :meth:`Session.build_cache`'s cache adds ``**generate_kwargs(cache, ids)``."""
+    if getattr(cache, "rope_track", None) is None:
+        return {}
+    batch, P = prompt_ids.shape
+    slots = torch.arange(P, device=prompt_ids.device)[None].expand(batch, -1)
+    return {"position_ids": forward_positions(cache, slots)}
+
+
 def check_placeholders(model: torch.nn.Module, ids: torch.Tensor, covered: torch.Tensor) -> None:
     """On a multimodal-RoPE model every image / video placeholder in a forward's ``ids`` ``[batch, n]``
     must be laid out as an image (``covered`` ``[n]`` bool): its rope positions are not text's."""

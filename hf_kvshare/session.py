@@ -216,7 +216,8 @@ class Session:
         """Build ``agent``'s cache for ``segments`` and return it with the prompt ids ``[batch, P]``.
 
         For callers of ``generate`` themselves: pass ``input_ids=prompt_ids`` and the cache (as
-        ``past_key_values=`` or ``cache=``). The session records nothing from such a call. On a
+        ``past_key_values=`` or ``cache=``); on a multimodal-RoPE model (Qwen2-VL) also
+        ``**hf_kvshare.mrope.generate_kwargs(cache, prompt_ids)`` (the prompt's 3D positions). The session records nothing from such a call. On a
         ``PeftModel``, activate the agent's adapter for that call (``model.set_adapter(agent)``).
         """
         with self._rollback():
@@ -377,11 +378,7 @@ class Session:
         method_kwargs = {**self.method.forward_kwargs(turn), **self.method.generate_kwargs(turn)}
         processors = options.processors + list(method_kwargs.pop("logits_processor", None) or []) + [timer]
         inputs = turn.batch(prompt).contiguous()
-        if (
-            getattr(cache, "rope_track", None) is not None
-        ):  # multimodal RoPE: the prompt's [4, batch, P] positions
-            slots = torch.arange(inputs.shape[-1], device=inputs.device)[None].expand(inputs.shape[0], -1)
-            method_kwargs["position_ids"] = mrope.forward_positions(cache, slots)
+        method_kwargs.update(mrope.generate_kwargs(cache, inputs))  # multimodal RoPE: the prompt's positions
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=inputs,

@@ -423,3 +423,23 @@ def test_image_placeholders_without_their_layout_are_refused(vl):
     with pytest.raises(ValueError, match="without their image's layout"):
         prefill_dense(cache, model, ids)
     assert cache.get_seq_length() == 0
+
+
+def test_build_cache_then_generate_with_the_prompts_positions(vl, image):
+    """A caller of generate over build_cache's cache passes mrope.generate_kwargs (the prompt's 3D
+    positions): equal to the session's own turn; batch rows identical."""
+    from hf_kvshare.mrope import generate_kwargs
+
+    model, processor = vl
+    segments = [PF("See <|vision_start|>"), PH("chart", image=image), PF("<|vision_end|>\nSo?")]
+    cache, ids = Session(model, processor.tokenizer, processor=processor).build_cache(
+        "a", segments, batch_size=2
+    )
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, cache=cache, **generate_kwargs(cache, ids), max_new_tokens=6, do_sample=False
+        )
+    turn = Session(model, processor.tokenizer, processor=processor).run_turn("a", segments, max_new_tokens=6)
+    assert strip(out[0, ids.shape[1] :], model) == turn.output_ids.tolist()
+    assert torch.equal(out[0], out[1])
+    assert generate_kwargs(cache, ids)["position_ids"].shape == (4, 2, ids.shape[1])
