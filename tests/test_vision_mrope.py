@@ -443,3 +443,27 @@ def test_build_cache_then_generate_with_the_prompts_positions(vl, image):
     assert strip(out[0, ids.shape[1] :], model) == turn.output_ids.tolist()
     assert torch.equal(out[0], out[1])
     assert generate_kwargs(cache, ids)["position_ids"].shape == (4, 2, ids.shape[1])
+
+
+# ---------------------------------------------------------------------------- random: real shapes
+@pytest.mark.parametrize("name", ["qwen2-vl-7b", "qwen2.5-vl-7b"])
+def test_random_real_shape_vlm_configs(name):
+    """``random:qwen2-vl-7b`` / ``random:qwen2.5-vl-7b``: the cards' shapes (8.29B parameters, counted
+    on the meta device), depth cut on the language model only, and a processor whose markers are the
+    config's token ids (the byte tokenizer's) and whose placeholder count is the grid's."""
+    from hf_kvshare import load_model
+    from hf_kvshare.random_models import parameter_count, random_config
+
+    config = random_config(name)
+    text, vision = config.text_config, config.vision_config
+    assert (text.num_hidden_layers, text.hidden_size, text.num_key_value_heads) == (28, 3584, 4)
+    assert text.rope_parameters["mrope_section"] == [16, 24, 24] and vision.patch_size == 14
+    assert parameter_count(config) / 1e9 == pytest.approx(8.29, abs=0.01)
+    model, processor = load_model(f"random:{name}", num_layers=1, device_map="meta")
+    assert len(model.model.language_model.layers) == 1 and is_mrope(model)
+    assert processor.image_token_id == model.config.image_token_id
+    batch = processor(images=random_image(0, 56, 84), text=processor.image_token, return_tensors="pt")
+    grid = batch["image_grid_thw"][0]
+    assert batch["input_ids"].numel() == int(grid.prod()) // 4 == 6  # 56x84 px: 4x6 patches of 14, merged 2x2
+    with pytest.raises(ValueError, match=r"num_layers must be an int in \[1, 28\]"):
+        random_config(name, 0)
