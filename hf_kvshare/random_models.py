@@ -19,7 +19,7 @@ JSON) build with ``AutoModelForImageTextToText`` and come with their processor i
 tokenizer (``load_model`` returns ``(model, processor)``; a ``Session`` splits it): the byte tokenizer
 plus the four vision markers (ids 259..262, written into the config in place of the card's ids) and
 the family's PIL image processor; ``num_layers`` cuts the language model only (the vision tower keeps
-its depth). Built on CPU with 1 layer in bfloat16 (~3.5 GB), a FullShared request reusing one image ran.
+its depth).
 
 Dtype: bfloat16 on CUDA, float32 on CPU unless given (bfloat16 matmuls are ~3x slower than fp32 on
 the CPUs here). Full depth in fp32 is 4 bytes per parameter (an 8B model: 32 GB); on CPU shrink the
