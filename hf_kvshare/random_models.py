@@ -15,10 +15,10 @@ next agent as token ids, which is what the workflow passes on). A shared context
 ``n`` bytes of text.
 
 Vision-language models (``random:qwen2-vl-7b``, ``random:qwen2.5-vl-7b``: a ``vision_config`` in their
-JSON) build with ``AutoModelForImageTextToText`` and come with their processor in place of the
-tokenizer (``load_model`` returns ``(model, processor)``; a ``Session`` splits it): the byte tokenizer
-plus the four vision markers (ids 259..262, written into the config in place of the card's ids) and
-the family's PIL image processor; ``num_layers`` cuts the language model only (the vision tower keeps
+JSON) build with ``AutoModelForImageTextToText``; their tokenizer is the byte tokenizer plus the four
+vision markers (ids 259..262, written into the config in place of the card's ids) and
+``models.load_processor("random:NAME")`` gives their processor (that tokenizer and the family's PIL
+image processor: :func:`vision_processor`); ``num_layers`` cuts the language model only (the vision tower keeps
 its depth).
 
 Dtype: bfloat16 on CUDA, float32 on CPU unless given (bfloat16 matmuls are ~3x slower than fp32 on
@@ -200,8 +200,8 @@ def load_random_model(
         std = getattr(config.get_text_config(), "initializer_range", 0.02)
         fill_random_weights(model, std=std, seed=seed)
     model.config.name_or_path = f"{PREFIX}{short}"
-    if is_vision_config(config):  # the processor as the tokenizer (a Session splits it)
-        return model.eval(), vision_processor(config)
+    if is_vision_config(config):  # the tokenizer with the vision markers (its processor: load_processor)
+        return model.eval(), vision_processor(config).tokenizer
     return model.eval(), byte_tokenizer()
 
 

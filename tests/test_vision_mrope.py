@@ -452,6 +452,7 @@ def test_random_real_shape_vlm_configs(name):
     on the meta device), depth cut on the language model only, and a processor whose markers are the
     config's token ids (the byte tokenizer's) and whose placeholder count is the grid's."""
     from hf_kvshare import load_model
+    from hf_kvshare.models import load_processor
     from hf_kvshare.random_models import parameter_count, random_config
 
     config = random_config(name)
@@ -459,9 +460,11 @@ def test_random_real_shape_vlm_configs(name):
     assert (text.num_hidden_layers, text.hidden_size, text.num_key_value_heads) == (28, 3584, 4)
     assert text.rope_parameters["mrope_section"] == [16, 24, 24] and vision.patch_size == 14
     assert parameter_count(config) / 1e9 == pytest.approx(8.29, abs=0.01)
-    model, processor = load_model(f"random:{name}", num_layers=1, device_map="meta")
+    model, tokenizer = load_model(f"random:{name}", num_layers=1, device_map="meta")
     assert len(model.model.language_model.layers) == 1 and is_mrope(model)
+    processor = load_processor(f"random:{name}")
     assert processor.image_token_id == model.config.image_token_id
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
     batch = processor(images=random_image(0, 56, 84), text=processor.image_token, return_tensors="pt")
     grid = batch["image_grid_thw"][0]
     assert batch["input_ids"].numel() == int(grid.prod()) // 4 == 6  # 56x84 px: 4x6 patches of 14, merged 2x2
