@@ -27,6 +27,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import transformers
 from packaging.version import Version
 
@@ -535,21 +536,66 @@ def vision_tower(model: Any) -> Any:
     """A vision-language model's vision encoder module (LLaVA-OneVision: ``model.model.vision_tower``;
     the attribute is the model's own name, not an API), or ``None`` for a text-only model."""
     for owner in (model, getattr(model, "model", None)):
-        tower = getattr(owner, "vision_tower", None) if owner is not None else None
-        if tower is not None:
-            return tower
+        for name in ("vision_tower", "visual"):  # Qwen2-VL / Qwen2.5-VL: ``model.model.visual``
+            tower = getattr(owner, name, None) if owner is not None else None
+            if isinstance(tower, torch.nn.Module):
+                return tower
     return None
 
 
-def visual_features(model: Any, kind: str, pixel_values: Any, image_sizes: Any) -> Any:
+def mrope_section(model: Any) -> list[int] | None:
+    """The multimodal-RoPE sections ``[t, h, w]`` of a model whose rotary module reads three position
+    components per token (Qwen2-VL / Qwen2.5-VL: the rotary module's ``mrope_section``, from the text
+    config's rope parameters), or ``None`` for 1D RoPE."""
+    for module in model.modules():
+        section = getattr(module, "mrope_section", None)
+        if section is not None and hasattr(module, "inv_freq"):
+            return list(section)
+    return None
+
+
+def mrope_index(model: Any, kind: str, token_ids: Any, grid_thw: Any, **extra: Any) -> Any:
+    """``[3, n + 1]`` rope positions of one image / video's placeholders ``token_ids`` ``[n]`` and one
+    text token after them, from the model's own ``get_rope_index`` (transformers 5.24: on the inner
+    model, taking ``mm_token_type_ids`` (1 image, 2 video) and the ``[1, 3]`` grid; Qwen2.5-VL also
+    ``second_per_grid_ts`` for a video)."""
+    owner = model if hasattr(model, "get_rope_index") else getattr(model, "model", None)
+    index = getattr(owner, "get_rope_index", None)
+    if index is None:
+        raise ValueError(f"{type(model).__name__} has no get_rope_index for its multimodal RoPE")
+    ids = torch.cat([token_ids.flatten().long().cpu(), torch.zeros(1, dtype=torch.long)])[None]
+    types = torch.full_like(ids, 1 if kind == "image" else 2)
+    types[0, -1] = 0
+    grid = {f"{kind}_grid_thw": torch.as_tensor(grid_thw).reshape(1, 3).cpu()}
+    positions, _ = index(ids, mm_token_type_ids=types, **grid, **extra)
+    return positions[:, 0]
+
+
+def visual_token_ids(model: Any) -> list[int]:
+    """The image / video placeholder token ids in the model's config (none for a text-only model)."""
+    config = model.config
+    found = []
+    for kind in ("image", "video"):
+        for name in (f"{kind}_token_id", f"{kind}_token_index"):
+            token = getattr(config, name, None)
+            if isinstance(token, int):
+                found.append(token)
+                break
+    return found
+
+
+def visual_features(model: Any, kind: str, pixel_values: Any, image_sizes: Any, grid_thw: Any = None) -> Any:
     """The projected features ``[n, hidden]`` of ONE image or video through the model's public
-    ``get_image_features`` / ``get_video_features`` (transformers 5.24: an output whose
+    ``get_image_features`` / ``get_video_features`` (``grid_thw``: Qwen2-VL's ``[1, 3]`` patch grid;
+    transformers 5.24: an output whose
     ``pooler_output`` holds them, a list of per-image tensors for images, ``[1, n, hidden]`` for a
     video; a bare tensor or list accepted too)."""
+    grid = {} if grid_thw is None else {f"{kind}_grid_thw": grid_thw}
     if kind == "image":
-        out = model.get_image_features(pixel_values=pixel_values, image_sizes=image_sizes)
+        sizes = {} if image_sizes is None else {"image_sizes": image_sizes}
+        out = model.get_image_features(pixel_values=pixel_values, **sizes, **grid)
     else:
-        out = model.get_video_features(pixel_values_videos=pixel_values)
+        out = model.get_video_features(pixel_values_videos=pixel_values, **grid)
     features = getattr(out, "pooler_output", out)
     if isinstance(features, (list, tuple)):
         features = features[0]
@@ -576,6 +622,20 @@ def processor_placeholders(processor: Any, kind: str, size: tuple[int, ...]) -> 
             "does (5.24 is tested)"
         )
     return int(counts[0])
+
+
+def grid_placeholders(model: Any, processor: Any, kind: str, grid_thw: Any) -> int:
+    """Placeholders of one Qwen2-VL-style image / video of patch grid ``grid_thw`` ``[1, 3]``: the
+    processor's rule (``_get_num_multimodal_tokens``, a private name) for an image of the grid's pixel
+    size, else (a video, whose count 5.24's processor leaves to its video processor) the count the
+    model's ``get_*_features`` splits its features by, ``t * h * w / spatial_merge_size**2``."""
+    t, h, w = (int(x) for x in torch.as_tensor(grid_thw).reshape(3))
+    vision = model.config.vision_config
+    if kind == "image":
+        patch = int(vision.patch_size)
+        data = processor._get_num_multimodal_tokens(image_sizes=[[h * patch, w * patch]])
+        return int(data["num_image_tokens"][0])
+    return t * h * w // int(vision.spatial_merge_size) ** 2
 
 
 def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:

@@ -86,6 +86,9 @@ class SegmentKV:
     values: list[torch.Tensor]
     start: int
     agent: str | None = None
+    #: an image / video segment's rope layout on a multimodal-RoPE model (``mrope.VisualRope``); keys
+    #: are kept in the slot frame there (:mod:`hf_kvshare.mrope`)
+    rope: Any = None
 
     @property
     def length(self) -> int:
@@ -131,6 +134,8 @@ class CachePart:
     kv: SegmentKV | None = None
     token_ids: torch.Tensor | None = None
     embeds: torch.Tensor | None = None
+    #: an image / video segment's rope layout on a multimodal-RoPE model (``mrope.VisualRope``)
+    rope: Any = None
 
     @property
     def dense(self) -> bool:
@@ -228,6 +233,8 @@ class SegmentedCache(DynamicCache):
         self._recording_at: int | None = None
         #: the model the cache was built with (set by :meth:`bind_model`, e.g. on its first prefill)
         self.model_identity: ModelIdentity | None = None
+        #: multimodal RoPE: the slots' rope layout (``mrope.RopeTrack``, kept by prefill); ``None``: 1D
+        self.rope_track: Any = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -274,7 +281,11 @@ class SegmentedCache(DynamicCache):
             k, v = self.layer_kv(layer_idx)
             keys.append(k[..., start:end, :].clone())
             values.append(v[..., start:end, :].clone())
-        return SegmentKV(keys=keys, values=values, start=start, agent=agent)
+        track = self.rope_track
+        if track is None:
+            return SegmentKV(keys=keys, values=values, start=start, agent=agent)
+        keys = track.rotate(keys, start, -1)  # multimodal RoPE: kept in the slot frame
+        return SegmentKV(keys=keys, values=values, start=start, agent=agent, rope=track.visual(start, end))
 
     def extract_segment(self, name: str, agent: str | None = None) -> SegmentKV:
         seg = self.segment(name)
@@ -380,8 +391,11 @@ class SegmentedCache(DynamicCache):
         else:
             self.check_model(model)
 
-    def append_kv(self, kv: SegmentKV, segment: Segment, shifter: RopeShifter | None = None) -> None:
-        """Append an external segment's K/V, re-positioned to where it lands (the current end)."""
+    def append_kv(
+        self, kv: SegmentKV, segment: Segment, shifter: RopeShifter | None = None, rope: Any = None
+    ) -> None:
+        """Append an external segment's K/V, re-positioned to where it lands (the current end).
+        ``rope``: an image segment's layout on a multimodal-RoPE cache (else ``kv.rope``)."""
         start = self.get_seq_length()
         if segment.start != start or segment.length != kv.length:
             raise ValueError(
@@ -396,8 +410,12 @@ class SegmentedCache(DynamicCache):
                     f"K/V sits at position {kv.start}, not {start}: pass a RopeShifter to move it"
                 )
             kv = kv.repositioned(shifter, start)
+        keys = kv.keys
+        if self.rope_track is not None:  # from the slot frame to the rope positions it lands at
+            self.rope_track.extend(start, [(kv.length, rope if rope is not None else kv.rope)])
+            keys = self.rope_track.rotate(keys, start, +1)
         for layer_idx in range(self.num_layers):
-            self.update(kv.keys[layer_idx], kv.values[layer_idx], layer_idx)
+            self.update(keys[layer_idx], kv.values[layer_idx], layer_idx)
         self.segments.append(segment)
 
     @property
@@ -433,6 +451,8 @@ class SegmentedCache(DynamicCache):
         keep = crop_target_length(self.get_seq_length(), tokens_to_remove)
         super().crop(crop_argument(self.get_seq_length(), keep))
         self._trim_table(keep)
+        if self.rope_track is not None:
+            self.rope_track.crop(keep)
 
     def crop_to(self, length: int) -> None:
         """Keep the first ``length`` positions (any transformers version)."""
@@ -450,6 +470,7 @@ class SegmentedCache(DynamicCache):
         _compat.drop_layer_states(self.layers)
         super().reset()
         self.segments = []
+        self.rope_track = None
 
     def copy(self) -> SegmentedCache:
         """An independent copy (tensors cloned) with the same segment table."""
@@ -463,6 +484,7 @@ class SegmentedCache(DynamicCache):
             if layer.is_initialized and layer.keys is not None:
                 new.layers[layer_idx].update(layer.keys.clone(), layer.values.clone())
         new.segments = [replace(s, info=dict(s.info)) for s in self.segments]
+        new.rope_track = None if self.rope_track is None else self.rope_track.copy()
         return new
 
     def _offload_options(self) -> dict[str, bool]:

@@ -186,6 +186,12 @@ def load_processor(name_or_path: str, **kwargs: Any):
 
     from ._compat import image_only_processor
 
+    if is_random(name_or_path):
+        from .random_models import PREFIX, is_vision_config, random_config, vision_processor
+
+        config = random_config(name_or_path[len(PREFIX) :])
+        if is_vision_config(config):  # random:qwen2-vl-7b, ...: the processor load_model gives
+            return vision_processor(config)
     if is_random(name_or_path) or name_or_path in EMBEDDED_MODELS:
         raise ValueError(f"model {name_or_path!r} is a text-only model: it has no image processor")
     config = model_config(name_or_path, **_config_kwargs(kwargs))

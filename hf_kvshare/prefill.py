@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from . import _compat, mrope
 from ._compat import cache_kwargs
 from .cache import CachePart, Segment, SegmentedCache, check_tiling
 from .rope import RopeShifter
@@ -51,6 +51,7 @@ def prefill_dense(
     segments: Iterable[Segment] = (),
     *,
     inputs_embeds: torch.Tensor | None = None,
+    rope: list[tuple[int, Any]] | None = None,
     **model_kwargs: Any,
 ) -> torch.Tensor | None:
     """Run ``model`` over ``input_ids`` ``[batch, n]`` on top of ``cache`` (positions continue).
@@ -58,7 +59,9 @@ def prefill_dense(
     ``segments`` (positions relative to the whole cache) are appended to the table; they must tile the
     new positions. The cache is bound to ``model`` (:meth:`SegmentedCache.bind_model`: it refuses
     another). ``inputs_embeds`` ``[batch, n, hidden]``: the tokens' input embeddings, fed instead of
-    the ids (an image's projected features; :func:`dense_embeds`). ``model_kwargs`` go to the model call
+    the ids (an image's projected features; :func:`dense_embeds`). ``rope``: on a multimodal-RoPE model,
+    ``(offset in input_ids, mrope.VisualRope)`` of each image among them (:mod:`hf_kvshare.mrope`: the
+    forward then takes ``[4, batch, n]`` position ids). ``model_kwargs`` go to the model call
     (e.g. PEFT's ``adapter_names``). Returns the logits of the last token ``[batch, vocab]`` (``None``
     for no tokens).
     """
@@ -74,26 +77,62 @@ def prefill_dense(
             f"got shape {tuple(inputs_embeds.shape)}"
         )
     cache.bind_model(model)
+    track = mrope.track(cache, model)
     if n == 0:
         return None
     device = model_input_device(model)
     positions = torch.arange(start, start + n, device=device)[None].expand(input_ids.shape[0], -1)
+    if track is not None:
+        positions = mrope.position_ids(positions, _lay_out(model, track, start, input_ids, rope))
     inputs = (
         {"input_ids": input_ids.to(device)}
         if inputs_embeds is None
         else {"inputs_embeds": inputs_embeds.to(device)}
     )
-    with torch.no_grad():
-        out = model(
-            **inputs,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **cache_kwargs(cache),
-            **model_kwargs,
-        )
+    try:
+        with torch.no_grad():
+            out = model(
+                **inputs,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **cache_kwargs(cache),
+                **model_kwargs,
+            )
+    except BaseException:
+        if track is not None:
+            cache.crop_to(start)
+        raise
     cache.segments.extend(segments)
     return out.logits[:, -1]
+
+
+def _lay_out(model, track: mrope.RopeTrack, start: int, input_ids: torch.Tensor, rope) -> torch.Tensor:
+    """Multimodal RoPE: lay out ``input_ids`` (text, and the images ``rope`` names by offset) on the
+    cache's track from ``start``; their rope positions ``[3, n]``. Every placeholder must be an image's."""
+    n = input_ids.shape[-1]
+    covered = torch.zeros(n, dtype=torch.bool)
+    items, at = [], 0
+    for offset, visual in sorted(rope or [], key=lambda r: r[0]):
+        if offset < at or offset + visual.length > n:
+            raise ValueError(f"an image laid out at [{offset}, {offset + visual.length}) of {n} input ids")
+        items += [(offset - at, None), (visual.length, visual)]
+        covered[offset : offset + visual.length] = True
+        at = offset + visual.length
+    items.append((n - at, None))
+    mrope.check_placeholders(model, input_ids, covered)
+    return track.extend(start, [(k, v) for k, v in items if k or v is not None])
+
+
+def part_ropes(parts: list[CachePart]) -> list[tuple[int, Any]] | None:
+    """``(offset, VisualRope)`` of the image parts among consecutive ``parts`` (``prefill_dense``'s
+    ``rope``); ``None`` when none is one."""
+    out, at = [], 0
+    for p in parts:
+        if p.rope is not None:
+            out.append((at, p.rope))
+        at += p.segment.length
+    return out or None
 
 
 def prefill_parts(
@@ -135,24 +174,45 @@ def prefill_parts(
     check_tiling([p.segment for p in parts], start, parts[-1].segment.end)
     _check_parts(parts, shifter)
     cache.bind_model(model)
+    mrope.track(cache, model)
     dense = [p for p in parts if p.dense]
     first_placed = next((i for i, p in enumerate(parts) if not p.dense), len(parts))
     if len(dense) == first_placed:  # no dense token follows a placed one: no mask needed
         if dense:
             ids = torch.cat([p.token_ids for p in dense], dim=-1)
             embeds = dense_embeds(model, dense)
-            prefill_dense(cache, model, ids, [p.segment for p in dense], inputs_embeds=embeds, **model_kwargs)
-        for p in parts[first_placed:]:
-            cache.append_kv(p.kv, p.segment, shifter)
+            prefill_dense(
+                cache,
+                model,
+                ids,
+                [p.segment for p in dense],
+                inputs_embeds=embeds,
+                rope=part_ropes(dense),
+                **model_kwargs,
+            )
+        try:
+            for p in parts[first_placed:]:
+                cache.append_kv(p.kv, p.segment, shifter, rope=p.rope)
+        except BaseException:
+            cache.crop_to(start)
+            raise
         return
     last_placed = max(i for i, p in enumerate(parts) if not p.dense)
     if len(dense) == len(parts) - 1 - last_placed:  # one dense run from the cache's end: causal only
         try:
             for p in parts[: last_placed + 1]:
-                cache.append_kv(p.kv, p.segment, shifter)
+                cache.append_kv(p.kv, p.segment, shifter, rope=p.rope)
             ids = torch.cat([p.token_ids for p in dense], dim=-1)
             embeds = dense_embeds(model, dense)
-            prefill_dense(cache, model, ids, [p.segment for p in dense], inputs_embeds=embeds, **model_kwargs)
+            prefill_dense(
+                cache,
+                model,
+                ids,
+                [p.segment for p in dense],
+                inputs_embeds=embeds,
+                rope=part_ropes(dense),
+                **model_kwargs,
+            )
         except BaseException:
             cache.crop_to(start)
             raise
@@ -226,7 +286,7 @@ def _per_segment(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
         i = 0
         while i < len(parts):
             if not parts[i].dense:
-                cache.append_kv(parts[i].kv, parts[i].segment, shifter)
+                cache.append_kv(parts[i].kv, parts[i].segment, shifter, rope=parts[i].rope)
                 i += 1
                 continue
             j = i
@@ -235,7 +295,13 @@ def _per_segment(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
             ids = torch.cat([p.token_ids for p in parts[i:j]], dim=-1)
             embeds = dense_embeds(model, parts[i:j])
             prefill_dense(
-                cache, model, ids, [p.segment for p in parts[i:j]], inputs_embeds=embeds, **model_kwargs
+                cache,
+                model,
+                ids,
+                [p.segment for p in parts[i:j]],
+                inputs_embeds=embeds,
+                rope=part_ropes(parts[i:j]),
+                **model_kwargs,
             )
             i = j
     except BaseException:
@@ -277,6 +343,10 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
     mask = position_masks(model, queries, end, batch, reference.keys[0].dtype)
     if mask is None:
         return False
+    positions = queries[None].expand(batch, -1)
+    track = cache.rope_track
+    if track is not None:  # multimodal RoPE: lay every part out, placed K/V to their rope positions
+        parts, positions = _rope_parts(model, track, start, parts, positions)
     writer = cache.reserve(parts, queries)
     ids = torch.cat([p.token_ids.expand(batch, -1) for p in parts if p.dense], dim=-1).to(device)
     embeds = dense_embeds(model, [p for p in parts if p.dense], batch)
@@ -285,7 +355,7 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
         with torch.no_grad():
             model(
                 **inputs,
-                position_ids=queries[None].expand(batch, -1),
+                position_ids=positions,
                 attention_mask=mask,
                 use_cache=True,
                 logits_to_keep=1,
@@ -297,3 +367,23 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
         raise
     cache.segments.extend(p.segment for p in parts)
     return True
+
+
+def _rope_parts(model, track: mrope.RopeTrack, start: int, parts: list[CachePart], slots: torch.Tensor):
+    """The one forward on a multimodal-RoPE cache: ``parts`` laid out on ``track`` from ``start``, placed
+    K/V rotated from the slot frame to their rope positions, and the dense tokens' ``[4, batch, q]``
+    position ids."""
+    rope = track.extend(start, [(p.segment.length, p.rope) for p in parts])
+    try:
+        dense = torch.cat([torch.arange(p.segment.start, p.segment.end) for p in parts if p.dense]) - start
+        ids = torch.cat([p.token_ids[:1] for p in parts if p.dense], dim=-1)
+        covered = torch.cat([torch.full((p.segment.length,), p.rope is not None) for p in parts if p.dense])
+        mrope.check_placeholders(model, ids, covered)
+        moved = [
+            p if p.dense else replace(p, kv=replace(p.kv, keys=track.rotate(p.kv.keys, p.segment.start, +1)))
+            for p in parts
+        ]
+    except BaseException:
+        track.crop(start)
+        raise
+    return moved, mrope.position_ids(slots, rope[:, dense])

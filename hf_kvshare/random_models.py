@@ -14,6 +14,13 @@ valid inputs; ids the random model generates beyond 258 decode to nothing (they 
 next agent as token ids, which is what the workflow passes on). A shared context of ``n`` tokens is
 ``n`` bytes of text.
 
+Vision-language models (``random:qwen2-vl-7b``, ``random:qwen2.5-vl-7b``: a ``vision_config`` in their
+JSON) build with ``AutoModelForImageTextToText``; their tokenizer is the byte tokenizer plus the four
+vision markers (ids 259..262, written into the config in place of the card's ids) and
+``models.load_processor("random:NAME")`` gives their processor (that tokenizer and the family's PIL
+image processor: :func:`vision_processor`); ``num_layers`` cuts the language model only (the vision tower keeps
+its depth).
+
 Dtype: bfloat16 on CUDA, float32 on CPU unless given (bfloat16 matmuls are ~3x slower than fp32 on
 the CPUs here). Full depth in fp32 is 4 bytes per parameter (an 8B model: 32 GB); on CPU shrink the
 depth with ``num_layers`` (the embedding and LM head stay full width: ``random:llama-3.1-8b`` with 2
@@ -70,6 +77,8 @@ def random_config(name: str, num_layers: int | None = None):
 
     data = {k: v for k, v in card_config(name).items() if not k.startswith("_")}
     model_type = data.pop("model_type")
+    if "vision_config" in data:  # a vision-language model: the depth is its language model's
+        return _vision_config(name, model_type, data, num_layers)
     config = AutoConfig.for_model(model_type, **data)
     if num_layers is None:
         return config
@@ -85,12 +94,65 @@ def random_config(name: str, num_layers: int | None = None):
     return AutoConfig.for_model(model_type, **data)
 
 
+#: the vision-language models' markers, added to the byte tokenizer (ids 259..262) and written into
+#: their configs in place of the cards' ids (which the byte tokenizer cannot produce)
+VISION_MARKERS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def _vision_config(name: str, model_type: str, data: dict[str, Any], num_layers: int | None):
+    from transformers import AutoConfig
+
+    text = dict(data.pop("text_config"))
+    total = text["num_hidden_layers"]
+    if num_layers is not None:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+            raise ValueError(f"num_layers must be an int in [1, {total}] for {name}; got {num_layers!r}")
+        text["num_hidden_layers"] = num_layers
+    ids = dict(
+        zip(
+            ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
+            range(len(SPECIAL_TOKENS) + 256, len(SPECIAL_TOKENS) + 256 + len(VISION_MARKERS)),
+        )
+    )
+    return AutoConfig.for_model(model_type, text_config=text, **data, **ids)
+
+
+def is_vision_config(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def vision_processor(config):
+    """The processor of a ``random:`` vision-language model: the byte tokenizer with the vision
+    markers, and the model family's PIL image processor at its patch and merge sizes (no video
+    processor: transformers' need torchvision)."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    base = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(config.model_type)
+    if base is None:
+        raise ValueError(f"no random: processor for a {config.model_type} model")
+
+    class ImageOnlyProcessor(base):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [*SPECIAL_TOKENS, *VISION_MARKERS]})
+    if tok.convert_tokens_to_ids(VISION_MARKERS[0]) != config.image_token_id:
+        raise ValueError("the byte tokenizer's image marker is not the config's image token")
+    vision = config.vision_config
+    images = Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+    )
+    return ImageOnlyProcessor(images, tok, chat_template=tok.chat_template)
+
+
 def parameter_count(config) -> int:
     """Parameters of a model built from ``config`` (counted on the meta device: nothing allocated)."""
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = _model_class(config).from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -125,7 +187,6 @@ def load_random_model(
     """``(model, tokenizer)`` for ``random:NAME``: built directly on ``device`` (default CPU) in
     ``dtype`` (default bf16 on CUDA, fp32 on CPU) with weights drawn under ``seed``
     (:func:`fill_random_weights`); eval mode. ``device="meta"`` builds the shapes only (no memory)."""
-    from transformers import AutoModelForCausalLM
 
     short = name[len(PREFIX) :] if is_random(name) else name
     config = random_config(short, num_layers)
@@ -134,11 +195,20 @@ def load_random_model(
     if device.type == "cpu":  # meta: shapes only, nothing allocated
         _check_fits_in_memory(short, config, dtype, num_layers)
     with skipped_weight_init(), torch.device(device):  # buffers (RoPE frequencies) are still computed
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        model = _model_class(config).from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     if device.type != "meta":
-        fill_random_weights(model, std=getattr(config, "initializer_range", 0.02), seed=seed)
+        std = getattr(config.get_text_config(), "initializer_range", 0.02)
+        fill_random_weights(model, std=std, seed=seed)
     model.config.name_or_path = f"{PREFIX}{short}"
+    if is_vision_config(config):  # the tokenizer with the vision markers (its processor: load_processor)
+        return model.eval(), vision_processor(config).tokenizer
     return model.eval(), byte_tokenizer()
+
+
+def _model_class(config):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
 
 
 #: length of the seeded normal block tiled into weights on CPU (a prime: rows never repeat exactly)
@@ -147,8 +217,10 @@ CPU_BLOCK = 1_048_573
 
 @torch.no_grad()
 def fill_random_weights(model: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
-    """Give every ``Linear`` / ``Embedding`` weight N(0, std) values and every ``Linear`` bias zeros;
-    norm weights keep the values their constructors set (ones, or zeros for Gemma's ``1 + w``).
+    """Give every ``Linear`` / ``Embedding`` / convolution weight N(0, std) values and their biases zeros,
+    ``LayerNorm`` weights ones and biases zeros (a vision tower's; the skipped initializer would have
+    set them); other norm weights keep the values their constructors set (ones, or zeros for Gemma's
+    ``1 + w``).
 
     On CUDA each weight is drawn in full (fast there). On CPU drawing billions of normals takes
     minutes, so a seeded block of ``CPU_BLOCK`` normals is tiled through each weight from a
@@ -157,6 +229,19 @@ def fill_random_weights(model: torch.nn.Module, std: float = 0.02, seed: int = 0
     seen: set[int] = set()
     block: torch.Tensor | None = None
     for index, module in enumerate(model.modules()):
+        if isinstance(module, torch.nn.LayerNorm) and module.elementwise_affine:  # vision towers: the
+            module.weight.fill_(1.0)  # initializer skipped, so its constructor's ones / zeros never came
+            if module.bias is not None:
+                module.bias.zero_()
+            continue
+        if isinstance(module, torch.nn.modules.conv._ConvNd):  # a vision tower's patch embedding
+            gen = torch.Generator(device=module.weight.device).manual_seed(seed * 1_000_003 + index)
+            module.weight.copy_(
+                torch.randn(module.weight.shape, generator=gen, device=module.weight.device) * std
+            )
+            if module.bias is not None:
+                module.bias.zero_()
+            continue
         if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             continue
         if isinstance(module, torch.nn.Linear) and module.bias is not None:

@@ -31,6 +31,7 @@ from ._compat import (
     rope_parameters,
     rotary_pairs_interleaved,
     text_config,
+    vision_tower,
 )
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -50,7 +51,11 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
 def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module:
     """The rotary-embedding module of ``model`` (the first submodule with a ``rope_type`` and
     ``inv_freq``, or per-layer-type frequencies as Gemma 3's)."""
+    tower = vision_tower(model)  # a vision-language model's tower has its own (2D) rotary module
+    skip = set() if tower is None else {id(m) for m in tower.modules()}
     for module in model.modules():
+        if id(module) in skip:
+            continue
         if hasattr(module, "rope_type") and (
             hasattr(module, "inv_freq") or isinstance(module.rope_type, dict)
         ):

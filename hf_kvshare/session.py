@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import mrope
 from ._compat import cache_kwargs
 from .agents import agent_adapter
 from .cache import SharedCache
@@ -236,7 +237,8 @@ class Session:
         """Build ``agent``'s cache for ``segments`` and return it with the prompt ids ``[batch, P]``.
 
         For callers of ``generate`` themselves: pass ``input_ids=prompt_ids`` and the cache (as
-        ``past_key_values=`` or ``cache=``). The session records nothing from such a call. On a
+        ``past_key_values=`` or ``cache=``); on a multimodal-RoPE model (Qwen2-VL) also
+        ``**hf_kvshare.mrope.generate_kwargs(cache, prompt_ids)`` (the prompt's 3D positions). The session records nothing from such a call. On a
         ``PeftModel``, activate the agent's adapter for that call (``model.set_adapter(agent)``).
         """
         with self._exclusive(), self._rollback():
@@ -409,6 +411,7 @@ class Session:
         method_kwargs = {**self.method.forward_kwargs(turn), **self.method.generate_kwargs(turn)}
         processors = options.processors + list(method_kwargs.pop("logits_processor", None) or []) + [timer]
         inputs = turn.batch(prompt).contiguous()
+        method_kwargs.update(mrope.generate_kwargs(cache, inputs))  # multimodal RoPE: the prompt's positions
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=inputs,
@@ -427,7 +430,7 @@ class Session:
         with torch.no_grad():
             out = self.model(
                 input_ids=turn.batch(inputs),
-                position_ids=positions.expand(turn.batch_size, -1),
+                position_ids=mrope.forward_positions(cache, positions.expand(turn.batch_size, -1)),
                 use_cache=True,
                 **cache_kwargs(cache),
                 **self.method.forward_kwargs(turn),

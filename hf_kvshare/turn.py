@@ -339,7 +339,10 @@ class Turn:
         if placement is None:
             embeds = None if span.visual is None else span.visual.embeds(self.model, self.batch_size)
             return CachePart(
-                self.segment_for(span, "dense"), token_ids=self.batch(span.token_ids), embeds=embeds
+                self.segment_for(span, "dense"),
+                token_ids=self.batch(span.token_ids),
+                embeds=embeds,
+                rope=span_rope(span),
             )
         kv = placement.kv
         kv.check_finite(
@@ -351,6 +354,13 @@ class Turn:
                 values=[v.expand(self.batch_size, -1, -1, -1) for v in kv.values],
                 start=kv.start,
                 agent=kv.agent,
+                rope=kv.rope,
             )
         segment = self.segment_for(span, placement.provenance, placement.source_agent, placement.info)
-        return CachePart(segment, kv=kv)
+        return CachePart(segment, kv=kv, rope=span_rope(span))
+
+
+def span_rope(span: Span) -> Any:
+    """An image / video span's multimodal-RoPE layout (``mrope.VisualRope``; ``None`` for text or a
+    1D-RoPE model)."""
+    return None if span.visual is None else getattr(span.visual, "rope", None)

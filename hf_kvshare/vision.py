@@ -14,9 +14,16 @@ embeddings (``CachePart.embeds`` -> :func:`hf_kvshare.prefill.dense_embeds`: the
 ordinary K/V: re-positioning, correction and selective recomputation treat them as any segment's.
 
 Supported: LLaVA-OneVision (Qwen2 language model, 1D RoPE; image features are position-free
-inputs, so a re-positioned image segment is exact up to fp rounding). Models with multimodal RoPE
-(Qwen2-VL: three position components per token) are refused: their positions are not the 1D
-positions the cache and the RoPE shifter use.
+inputs, so a re-positioned image segment is exact up to fp rounding), Qwen2-VL and Qwen2.5-VL
+(multimodal RoPE: three position components ``(t, h, w)`` per token; pixel values as patches with
+their ``[1, 3]`` grid). On the latter an image's rope positions come from the model's own
+``get_rope_index`` (:class:`Visual.rope`, :mod:`hf_kvshare.mrope`), the text after it continues from
+the model's rule, every forward takes ``[4, batch, n]`` position ids (the slots, then the three
+components) and ``generate`` is given the prompt's; the cache keeps K/V in the *slot frame*, so
+moving a segment is a uniform shift of all three components, i.e. the 1D rotation. Put an image
+between Qwen's ``<|vision_start|>`` / ``<|vision_end|>`` markers (text), as its chat template does.
+Refused: Gemma 3 (its image tokens attend to each other bidirectionally: a dense forward would need
+that mask, not the causal one built here), SmolVLM / Idefics3 (not built).
 
 Everything is checked before any model work (the model's own processor rule for the placeholder
 count, the pixel values' dtype and device against the vision tower's, a readable image file, a
@@ -33,13 +40,27 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from . import _compat, mrope
 from .prefill import model_input_device
 from .trajectory import PH
 from .turn import Slot, given_text_slot
 
 #: model types whose image / video segments are built and tested here (``config.model_type``)
-SUPPORTED_VISION_MODELS = ("llava_onevision",)
+SUPPORTED_VISION_MODELS = ("llava_onevision", "qwen2_vl", "qwen2_5_vl")
+
+#: of those, the models whose pixel values come as patches with a ``[1, 3]`` grid (``image_grid_thw``)
+GRID_VISION_MODELS = ("qwen2_vl", "qwen2_5_vl")
+
+#: families refused, and why (``config.model_type``)
+UNSUPPORTED_VISION_MODELS = {
+    "gemma3": (
+        "its image tokens attend to each other bidirectionally (token_type_ids), and the dense forwards "
+        "here (position-built causal masks, selective recomputation, reference prefills) do not build that "
+        "mask yet"
+    ),
+    "idefics3": "not built yet (its image splitting into tiles and row / column markers)",
+    "smolvlm": "not built yet (its image splitting into tiles and row / column markers)",
+}
 
 VISUAL_KINDS = ("image", "video")
 
@@ -94,9 +115,10 @@ def check_vision_model(model: torch.nn.Module, kind: str, slot: str) -> None:
             f"({', '.join(SUPPORTED_VISION_MODELS)})"
         )
     if model_type not in SUPPORTED_VISION_MODELS:
+        why = UNSUPPORTED_VISION_MODELS.get(model_type)
         raise ValueError(
             f"PH {slot!r}: {kind} segments are supported on {', '.join(SUPPORTED_VISION_MODELS)}; "
-            f"got a {model_type} model ({type(model).__name__})"
+            f"got a {model_type} model ({type(model).__name__})" + (f": {why}" if why else "")
         )
     if kind not in placeholder_ids(model).values():
         raise ValueError(f"PH {slot!r}: the {model_type} model has no {kind} placeholder token")
@@ -112,6 +134,10 @@ class Visual:
     token_ids: torch.Tensor
     pixel_values: torch.Tensor
     image_sizes: torch.Tensor | None = None
+    #: Qwen2-VL / Qwen2.5-VL: the ``[1, 3]`` (t, h, w) patch grid (``image_grid_thw`` / ``video_grid_thw``)
+    grid_thw: torch.Tensor | None = None
+    #: multimodal RoPE: the image's rope positions by the model's rule (:class:`mrope.VisualRope`)
+    rope: mrope.VisualRope | None = None
     #: vision-tower runs this object made (one, once the features exist)
     encodes: int = 0
     _features: torch.Tensor | None = None
@@ -129,7 +155,9 @@ class Visual:
         """The projected features ``[n, hidden]`` (the vision tower runs on the first call only)."""
         if self._features is None:
             with torch.no_grad():
-                features = _compat.visual_features(model, self.kind, self.pixel_values, self.image_sizes)
+                features = _compat.visual_features(
+                    model, self.kind, self.pixel_values, self.image_sizes, self.grid_thw
+                )
             self.encodes += 1
             if features.dim() != 2 or features.shape[0] != self.length:
                 raise ValueError(
@@ -153,6 +181,8 @@ class Visual:
             and torch.equal(self.token_ids, other.token_ids)
             and self.pixel_values.shape == other.pixel_values.shape
             and torch.equal(self.pixel_values.cpu(), other.pixel_values.cpu())
+            and (self.grid_thw is None) == (other.grid_thw is None)
+            and (self.grid_thw is None or torch.equal(self.grid_thw, other.grid_thw))
         )
 
 
@@ -169,10 +199,12 @@ def prepare_visual(model: torch.nn.Module, processor: Any, spec: PH) -> Visual:
     token = _processor_token(model, processor, kind, spec.slot)
     tower = next(_compat.vision_tower(model).parameters())
     if isinstance(value, Mapping):
-        return _from_processed(model, processor, spec.slot, kind, value, token, tower)
+        return _with_rope(
+            model, _from_processed(model, processor, spec.slot, kind, value, token, tower), value
+        )
     if kind == "image":
         batch = _processor_call(processor, spec.slot, kind, images=[_load_image(value, spec.slot)])
-        pixels, sizes = batch["pixel_values"], batch["image_sizes"]
+        pixels, sizes = batch["pixel_values"], batch.get("image_sizes")
     else:
         frames = _frames(value, spec.slot)
         if getattr(processor, "video_processor", None) is None:
@@ -190,7 +222,21 @@ def prepare_visual(model: torch.nn.Module, processor: Any, spec: PH) -> Visual:
             f"only its placeholder token {token}"
         )
     _check_pixel_size(model, spec.slot, pixels)
-    return Visual(kind, ids.long(), pixels.to(tower.device, tower.dtype), sizes)
+    grid = batch.get(f"{kind}_grid_thw")
+    grid = None if grid is None else torch.as_tensor(grid).reshape(1, 3).long()
+    visual = Visual(kind, ids.long(), pixels.to(tower.device, tower.dtype), sizes, grid)
+    return _with_rope(model, visual, batch)
+
+
+def _with_rope(model: torch.nn.Module, visual: Visual, inputs: Mapping[str, Any]) -> Visual:
+    """On a multimodal-RoPE model: the visual's rope positions (the model's ``get_rope_index``)."""
+    if not mrope.is_mrope(model):
+        return visual
+    extra = {}
+    if visual.kind == "video" and inputs.get("second_per_grid_ts") is not None:  # Qwen2.5-VL
+        extra["second_per_grid_ts"] = torch.as_tensor(inputs["second_per_grid_ts"]).reshape(-1)[:1]
+    visual.rope = mrope.visual_rope(model, visual.kind, visual.token_ids, visual.grid_thw, **extra)
+    return visual
 
 
 def _check_pixel_size(model: torch.nn.Module, slot: str, pixels: torch.Tensor) -> None:
@@ -265,6 +311,8 @@ def _from_processed(
         raise ValueError(
             f"PH {slot!r}: processed {kind} input needs {key!r} (a tensor); got keys {sorted(given)}"
         )
+    if model.config.model_type in GRID_VISION_MODELS:
+        return _from_processed_grid(model, processor, slot, kind, given, token, tower, key, pixels)
     if pixels.dim() == 4:
         pixels = pixels[None]
     if pixels.dim() != 5 or pixels.shape[0] != 1:
@@ -310,6 +358,58 @@ def _from_processed(
             f"(size {size}) into {expected}"
         )
     return Visual(kind, ids, pixels, sizes)
+
+
+def _from_processed_grid(
+    model: torch.nn.Module,
+    processor: Any,
+    slot: str,
+    kind: str,
+    given: Mapping[str, Any],
+    token: int,
+    tower,
+    key: str,
+    pixels: torch.Tensor,
+) -> Visual:
+    """Qwen2-VL-style processed input: patches ``[patches, channels * t * p * p]`` and a ``[1, 3]`` grid."""
+    grid_key = f"{kind}_grid_thw"
+    grid = given.get(grid_key)
+    grid = None if grid is None else torch.as_tensor(grid).long()
+    if grid is None or grid.numel() != 3:
+        raise ValueError(
+            f"PH {slot!r}: processed {kind} input needs {grid_key!r}, the (t, h, w) grid of one {kind}"
+        )
+    grid = grid.reshape(1, 3)
+    if pixels.dim() != 2 or pixels.shape[0] != int(grid.prod()):
+        raise ValueError(
+            f"PH {slot!r}: {key} must be [{int(grid.prod())} patches (the grid {grid[0].tolist()}), features]; "
+            f"got shape {tuple(pixels.shape)}"
+        )
+    if int(grid.min()) <= 0:
+        what = "a video needs at least one frame" if kind == "video" else "an image needs at least one patch"
+        raise ValueError(f"PH {slot!r}: {what}; got {grid_key} {grid[0].tolist()}")
+    if pixels.dtype != tower.dtype or pixels.device != tower.device:
+        raise ValueError(
+            f"PH {slot!r}: {key} must be {tower.dtype} on {tower.device} (the vision tower's); got "
+            f"{pixels.dtype} on {pixels.device}"
+        )
+    expected = _compat.grid_placeholders(model, processor, kind, grid)
+    ids = given.get("input_ids")
+    if ids is None:
+        ids = torch.full((expected,), token, dtype=torch.long)
+    ids = torch.as_tensor(ids).flatten().long()
+    count = int((ids == token).sum())
+    if count != ids.numel():
+        raise ValueError(
+            f"PH {slot!r}: the {kind}'s input_ids must be its placeholder tokens (id {token}) only; "
+            f"{ids.numel() - count} of {ids.numel()} are other tokens"
+        )
+    if count != expected:
+        raise ValueError(
+            f"PH {slot!r}: {count} {kind} placeholder tokens given; the processor expands this {kind} "
+            f"(grid {grid[0].tolist()}) into {expected}"
+        )
+    return Visual(kind, ids, pixels, None, grid)
 
 
 def visual_slot(model: torch.nn.Module, processor: Any, spec: PH, slots: Mapping[str, Slot]) -> Slot:

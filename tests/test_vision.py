@@ -490,3 +490,37 @@ def test_prompt_longer_than_the_language_model_is_refused(vlm, processor, image)
     limit = vlm.config.get_text_config().max_position_embeddings
     long = [PF("word " * limit), PH("chart", image=image), PF("\nSo?")]
     refused(session, long, "max_position_embeddings", vlm)
+
+
+def test_gemma3_vlm_is_refused_with_the_reason(processor, image):
+    """Gemma 3's image tokens attend to each other bidirectionally: not the causal masks built here,
+    so its images are refused clearly before any model work (not silently computed causally)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(
+        text_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=49216,
+            sliding_window=16,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        mm_tokens_per_image=4,
+        image_token_index=processor.image_token_id,
+    )
+    model = Gemma3ForConditionalGeneration(config).eval()
+    session = Session(model, processor.tokenizer, processor=processor)
+    with pytest.raises(ValueError, match="gemma3 model .*bidirectionally"):
+        session.run_turn("a", [PF("x"), PH("c", image=image), PF("?")])
+    assert not session.slots and not session.turns

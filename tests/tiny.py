@@ -199,3 +199,85 @@ def save_tiny_vlm(directory, seed: int = 0):
     )
     path.write_text(json.dumps(config, indent=2))
     return directory
+
+
+QWEN_VL_MARKERS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def tiny_qwen_vl_tokenizer():
+    """The embedded tokenizer with Qwen2-VL's image / video / vision markers added (ids 49152..49155)."""
+    tok = embedded_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN_VL_MARKERS)})
+    return tok
+
+
+def tiny_qwen_vl(seed: int = 0, version: str = "2", **text_overrides):
+    """A tiny random Qwen2-VL (``version="2"``) or Qwen2.5-VL (``"2.5"``): a 2-layer vision tower
+    (patch 4, merge 2) and a 3-layer language model with multimodal RoPE (``mrope_section`` [2, 3, 3]
+    of head_dim 16), biases made non-zero. Weights drawn with std 0.2 (``initializer_range``): at the
+    default 0.02 the positions barely move this model's logits (1D instead of 3D positions changed
+    the last logits by 0.003), at 0.2 they change its next token."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    tok = tiny_qwen_vl_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_MARKERS}
+    text = dict(
+        TINY,
+        vocab_size=49216,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        initializer_range=0.2,
+        **text_overrides,
+    )
+    vision = dict(
+        depth=2, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2
+    )
+    if version == "2":
+        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+    else:
+        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision.update(intermediate_size=64, out_hidden_size=64, window_size=16, fullatt_block_indexes=[1])
+    config = config_cls(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and "language_model" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def tiny_qwen_vl_processor(tokenizer=None, version: str = "2"):
+    """A Qwen2-VL / Qwen2.5-VL processor built offline: the PIL image processor at the tiny model's
+    patch (4) and merge (2) sizes, images resized to 16x16 .. 64x64 pixels, and
+    :func:`tiny_qwen_vl_tokenizer`; without a video processor (transformers' video processors need
+    torchvision), so videos enter as processed patches."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    base = Qwen2VLProcessor if version == "2" else Qwen2_5_VLProcessor
+
+    class ImageOnlyProcessor(base):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    tokenizer = tokenizer or tiny_qwen_vl_tokenizer()
+    images = Qwen2VLImageProcessorPil(
+        min_pixels=16 * 16, max_pixels=64 * 64, patch_size=4, merge_size=2, temporal_patch_size=2
+    )
+    return ImageOnlyProcessor(images, tokenizer, chat_template=tokenizer.chat_template)

@@ -237,7 +237,9 @@ class Scope:
                 lead = tokenize_text(turn.tokenizer, reference_lead(turn.tokenizer, lead_in))
             visual = turn.slot(span.name).visual  # an image / video slot: its features, not its ids
             embeds = None if visual is None else visual.embeds(turn.model)
-            reference = state.references[span.name] = reference_prefill(turn.model, lead, ids, embeds)
+            reference = state.references[span.name] = reference_prefill(
+                turn.model, lead, ids, embeds, None if visual is None else visual.rope
+            )
             turn.stats.tokens_prefilled += lead.numel() + ids.numel()
         return reference
 

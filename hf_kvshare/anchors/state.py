@@ -75,19 +75,21 @@ class RequestStates:
 
 
 def context_free_reference(
-    model: torch.nn.Module, token_ids: torch.Tensor, embeds: torch.Tensor | None = None
+    model: torch.nn.Module, token_ids: torch.Tensor, embeds: torch.Tensor | None = None, rope: Any = None
 ) -> SegmentKV:
     """Prefill ``token_ids`` ``[S]`` alone at positions ``0 .. S-1`` and return its K/V (batch 1).
 
     This is the reference KVComm, GraphFlow and non-chained KVCMAS correct from; it is a prefill
     outside the agent workflow. ``embeds`` ``[1, S, hidden]``: the segment's own input embeddings (an
-    image's features, ``Slot.visual``), fed instead of its ids.
+    image's features, ``Slot.visual``), fed instead of its ids; ``rope``: its multimodal-RoPE layout
+    (``Visual.rope``) on such a model.
     """
     token_ids = torch.as_tensor(token_ids).flatten()
     if token_ids.numel() == 0:
         raise ValueError("cannot build a reference for an empty segment")
     cache = SegmentedCache(model.config)
-    prefill_dense(cache, model, token_ids[None], inputs_embeds=embeds)
+    layout = None if rope is None else [(0, rope)]
+    prefill_dense(cache, model, token_ids[None], inputs_embeds=embeds, rope=layout)
     return cache.extract(0, token_ids.numel(), agent=REFERENCE)
 
 
@@ -96,6 +98,7 @@ def reference_prefill(
     lead_ids: torch.Tensor,
     token_ids: torch.Tensor,
     embeds: torch.Tensor | None = None,
+    rope: Any = None,
 ) -> SegmentKV:
     """Prefill ``lead_ids + token_ids`` and return the K/V of ``token_ids`` only (batch 1, ``start =
     len(lead_ids)``): the leading context is kept during the prefill, then dropped (KVComm's
@@ -109,7 +112,11 @@ def reference_prefill(
     cache = SegmentedCache(model.config)
     inputs = input_embeds(model, [(lead_ids, None), (token_ids, embeds)])
     prefill_dense(
-        cache, model, torch.cat([lead_ids.to(token_ids.device), token_ids])[None], inputs_embeds=inputs
+        cache,
+        model,
+        torch.cat([lead_ids.to(token_ids.device), token_ids])[None],
+        inputs_embeds=inputs,
+        rope=None if rope is None else [(lead, rope)],
     )
     return cache.extract(lead, lead + token_ids.numel(), agent=REFERENCE)
 

@@ -120,7 +120,9 @@ class GraphFlow(Method):
             ids = turn.slot(slot).token_ids.to(turn.device)
             visual = turn.slot(slot).visual  # an image / video slot: its features, not its ids
             embeds = None if visual is None else visual.embeds(turn.model)
-            reference = state.references[slot] = context_free_reference(turn.model, ids, embeds)
+            reference = state.references[slot] = context_free_reference(
+                turn.model, ids, embeds, None if visual is None else visual.rope
+            )
             turn.stats.tokens_prefilled += ids.numel()
         return reference
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from .. import mrope
 from .._compat import decoder_layer_cache_kwarg
 from ..cache import SegmentedCache, SegmentKV
 from ..hooks import thread_hook
@@ -60,7 +61,9 @@ class LayerProbe:
         seg_k = engine.kv.keys[self.layer_idx].clone()
         seg_k[..., self.rows, :] = self.fresh_keys.to(seg_k.dtype)
         keys = seg_k if self._prefix_k is None else torch.cat([self._prefix_k, seg_k], dim=-2)
-        q = stack.rotated_queries(self._query, engine.start + self.rows, self.layer_idx)
+        # multimodal RoPE: at the segment's rope shift (exact for text; an image's rows take that 1D
+        # position, an approximation for selection only, never for the recomputed K/V)
+        q = stack.rotated_queries(self._query, engine.start + engine._shift + self.rows, self.layer_idx)
         return received_attention(
             q,
             keys,
@@ -164,6 +167,11 @@ class SegmentRecompute:
             )
         self.stack = stack
         self.cache = cache
+        #: multimodal RoPE: the segment's rope positions where it lands, and its shift from its slots; the
+        #: engine works on the cache's frame (the reused K/V moved there, the result moved back)
+        self._rope, self._shift = mrope.segment_layout(cache, kv) or (None, 0)
+        if self._shift:
+            kv = replace(kv, keys=mrope.shift_keys(stack.shifter, kv.keys, kv.start, self._shift))
         self.kv = kv
         if embeds is not None and tuple(embeds.shape[:2]) != (1, token_ids.numel()):
             raise ValueError(
@@ -230,7 +238,8 @@ class SegmentRecompute:
         if rows.numel() == 0:
             return hidden, rows
         positions = (self.start + rows)[None]
-        position_embeddings = self.stack.rope(hidden, positions, layer_idx)
+        rope = positions if self._rope is None else self._rope.to(rows.device)[:, rows][:, None]
+        position_embeddings = self.stack.rope(hidden, rope, layer_idx)
         query_box: dict[str, torch.Tensor] = {}
         splice = _SpliceCache(self, layer_idx, rows, choose, query_box)
         layer = self.stack.layers[layer_idx]
@@ -278,4 +287,6 @@ class SegmentRecompute:
             keys[layer_idx][..., target, :] = k[..., select, :].to(keys[layer_idx].dtype)
             values[layer_idx][..., target, :] = v[..., select, :].to(values[layer_idx].dtype)
             entries += int(target.numel())
+        if self._shift:  # back to the slot frame every SegmentKV is kept in
+            keys = mrope.shift_keys(self.stack.shifter, keys, self.start + self._shift, -self._shift)
         return replace(self.kv, keys=keys, values=values), entries
