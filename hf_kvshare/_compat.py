@@ -551,7 +551,15 @@ def mrope_section(model: Any) -> list[int] | None:
         section = getattr(module, "mrope_section", None)
         if section is not None and hasattr(module, "inv_freq"):
             return list(section)
-    return None
+    # transformers < 5.17 or so: the rotary module returns cos/sin per component and the attention
+    # interleaves them by the text config's ``rope_parameters["mrope_section"]``
+    owner = model if hasattr(model, "get_rope_index") else getattr(model, "model", None)
+    if owner is None or not hasattr(owner, "get_rope_index"):
+        return None
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    section = params.get("mrope_section") if isinstance(params, dict) else None
+    return None if section is None else list(section)
 
 
 def mrope_index(model: Any, kind: str, token_ids: Any, grid_thw: Any, **extra: Any) -> Any:
