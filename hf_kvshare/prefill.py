@@ -17,7 +17,6 @@ each taking ``(cache, model)``:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -269,7 +268,6 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
     end = parts[-1].segment.end
     device = model_input_device(model)
     batch = max(p.token_ids.shape[0] for p in parts if p.dense)
-    parts = [p if p.dense else replace(p, kv=p.kv.repositioned(shifter, p.segment.start)) for p in parts]
     reference = next(p.kv for p in parts if not p.dense)
     if reference.num_layers != cache.num_layers and cache.signature[0] is not None:
         raise ValueError(f"K/V has {reference.num_layers} layers, the cache {cache.num_layers}")
@@ -277,7 +275,7 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
     mask = position_masks(model, queries, end, batch, reference.keys[0].dtype)
     if mask is None:
         return False
-    writer = cache.reserve(parts, queries)
+    writer = cache.reserve(parts, queries, shifter)  # placed K/V re-positioned there, layer by layer
     ids = torch.cat([p.token_ids.expand(batch, -1) for p in parts if p.dense], dim=-1).to(device)
     embeds = dense_embeds(model, [p for p in parts if p.dense], batch)
     inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds.to(device)}

@@ -88,7 +88,8 @@ def context_free_reference(
         raise ValueError("cannot build a reference for an empty segment")
     cache = SegmentedCache(model.config)
     prefill_dense(cache, model, token_ids[None], inputs_embeds=embeds)
-    return cache.extract(0, token_ids.numel(), agent=REFERENCE)
+    with cache.sharing_storage():  # the reference is the whole cache: its layers, not a copy
+        return cache.extract(0, token_ids.numel(), agent=REFERENCE)
 
 
 def reference_prefill(
@@ -111,7 +112,8 @@ def reference_prefill(
     prefill_dense(
         cache, model, torch.cat([lead_ids.to(token_ids.device), token_ids])[None], inputs_embeds=inputs
     )
-    return cache.extract(lead, lead + token_ids.numel(), agent=REFERENCE)
+    with cache.sharing_storage():  # views: the dropped lead keeps its few rows alive, no copy is made
+        return cache.extract(lead, lead + token_ids.numel(), agent=REFERENCE)
 
 
 def chat_markers(tokenizer: Any) -> tuple[str, str, str]:
