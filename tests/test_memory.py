@@ -71,7 +71,8 @@ def test_recorded_slot_kv_are_views_of_the_turn_cache(wide, tokenizer, context):
         row = cache.segment(name)
         for layer in range(cache.num_layers):
             keys, values = cache.layer_kv(layer)
-            assert kv.keys[layer].untyped_storage().data_ptr() == keys.untyped_storage().data_ptr()
+            shared = kv.keys[layer].untyped_storage().data_ptr() == keys.untyped_storage().data_ptr()
+            assert shared, f"layer {layer}: the slot's keys are a copy, not a view of the cache"
             assert torch.equal(kv.keys[layer], keys[..., row.start : row.end, :])
             assert torch.equal(kv.values[layer], values[..., row.start : row.end, :])
     # what the session holds is counted whole, each storage once (the views keep the layers alive)
