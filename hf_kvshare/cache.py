@@ -16,7 +16,7 @@ Storage only, as transformers' caches are: the model is run over a cache by
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -111,9 +111,22 @@ class SegmentKV:
         """A copy whose keys sit at ``new_start .. new_start + length - 1`` (values need no rotation)."""
         if new_start == self.start:
             return self
+        return replace(self, keys=list(self.keys_at(shifter, new_start)), start=new_start)
+
+    def keys_at(self, shifter: RopeShifter | None, new_start: int) -> Iterator[torch.Tensor]:
+        """Each layer's keys as they sit at ``new_start``, one layer at a time (a generator: a caller that
+        copies each layer into a cache holds one layer's rotated keys at once, not every layer's, as
+        :meth:`repositioned` does). The same values as :meth:`repositioned`'s keys."""
+        if new_start == self.start:
+            yield from self.keys
+            return
+        if shifter is None:
+            raise ValueError(
+                f"K/V sits at position {self.start}, not {new_start}: pass a RopeShifter to move it"
+            )
         rotation = shifter.rotation(self.start, new_start, self.length)
-        keys = [shifter.apply(k, rotation, layer=i) for i, k in enumerate(self.keys)]
-        return replace(self, keys=keys, start=new_start)
+        for i, k in enumerate(self.keys):
+            yield shifter.apply(k, rotation, layer=i)
 
     def prefix(self, length: int) -> SegmentKV:
         return replace(
@@ -271,21 +284,39 @@ class SegmentedCache(DynamicCache):
         return layer.keys, layer.values
 
     def extract(self, start: int, end: int, agent: str | None = None) -> SegmentKV:
-        """Copy positions ``[start, end)`` of every layer into a detached :class:`SegmentKV`."""
+        """Copy positions ``[start, end)`` of every layer into a detached :class:`SegmentKV` (inside
+        :meth:`sharing_storage`: views of the cache's storage instead, no copy)."""
         if not 0 <= start < end <= self.get_seq_length():
             raise ValueError(
                 f"cannot extract [{start}, {end}) from a cache of length {self.get_seq_length()}"
             )
+        views = self.__dict__.get("_extract_views", False)
         keys, values = [], []
         for layer_idx in range(self.num_layers):
             k, v = self.layer_kv(layer_idx)
-            keys.append(k[..., start:end, :].clone())
-            values.append(v[..., start:end, :].clone())
+            k, v = k[..., start:end, :], v[..., start:end, :]
+            keys.append(k if views else k.clone())
+            values.append(v if views else v.clone())
         track = self.rope_track
         if track is None:
             return SegmentKV(keys=keys, values=values, start=start, agent=agent)
         keys = track.rotate(keys, start, -1)  # multimodal RoPE: kept in the slot frame
         return SegmentKV(keys=keys, values=values, start=start, agent=agent, rope=track.visual(start, end))
+
+    @contextmanager
+    def sharing_storage(self) -> Iterator[SegmentedCache]:
+        """A block in which :meth:`extract` returns views of this cache's per-layer K/V rather than
+        copies: the session's record of a turn's slots (their K/V stay the cache's, no second copy is
+        made while the cache is alive). Safe because the cache never writes into stored positions: an
+        update appends by concatenation (new storage), ``crop`` / ``reset`` drop references, and only a
+        :class:`SlotWriter` writes in place, into slots it reserved in the same prefill. A view keeps
+        the whole layer tensor alive: :func:`compact` copies views that hold little of it."""
+        previous = self.__dict__.get("_extract_views", False)
+        self._extract_views = True
+        try:
+            yield self
+        finally:
+            self._extract_views = previous
 
     def extract_segment(self, name: str, agent: str | None = None) -> SegmentKV:
         seg = self.segment(name)
@@ -404,18 +435,18 @@ class SegmentedCache(DynamicCache):
             )
         if kv.num_layers != self.num_layers:
             raise ValueError(f"K/V has {kv.num_layers} layers, the cache {self.num_layers}")
-        if kv.start != start:
-            if shifter is None:
-                raise ValueError(
-                    f"K/V sits at position {kv.start}, not {start}: pass a RopeShifter to move it"
-                )
-            kv = kv.repositioned(shifter, start)
-        keys = kv.keys
-        if self.rope_track is not None:  # from the slot frame to the rope positions it lands at
-            self.rope_track.extend(start, [(kv.length, rope if rope is not None else kv.rope)])
-            keys = self.rope_track.rotate(keys, start, +1)
-        for layer_idx in range(self.num_layers):
-            self.update(keys[layer_idx], kv.values[layer_idx], layer_idx)
+        if kv.start != start and shifter is None:
+            raise ValueError(f"K/V sits at position {kv.start}, not {start}: pass a RopeShifter to move it")
+        track = self.rope_track
+        if track is not None:  # multimodal RoPE: from the slot frame to the rope positions it lands at
+            track.extend(start, [(kv.length, rope if rope is not None else kv.rope)])
+            moved = track.rotate(list(kv.keys_at(shifter, start)), start, +1)
+            for layer_idx in range(self.num_layers):
+                self.update(moved[layer_idx], kv.values[layer_idx], layer_idx)
+        else:
+            # re-positioned layer by layer: one layer's rotated keys alive at a time, not a whole copy
+            for layer_idx, keys in enumerate(kv.keys_at(shifter, start)):
+                self.update(keys, kv.values[layer_idx], layer_idx)
         self.segments.append(segment)
 
     @property
@@ -424,15 +455,19 @@ class SegmentedCache(DynamicCache):
         layers, not offloaded."""
         return not self.offloading and all(type(layer) is DynamicLayer for layer in self.layers)
 
-    def reserve(self, parts: Sequence[CachePart], slots: torch.Tensor) -> SlotWriter:
+    def reserve(
+        self, parts: Sequence[CachePart], slots: torch.Tensor, shifter: RopeShifter | None = None
+    ) -> SlotWriter:
         """Store ``parts`` (in positional order, tiling the positions after the end, at least one placed
-        and one dense) with the dense parts' K/V still to come: each placed part's K/V (already at its
-        positions) in its slots, zeros in the dense parts' slots ``slots`` (their positions, in order).
+        and one dense) with the dense parts' K/V still to come: each placed part's K/V in its slots
+        (re-positioned there by ``shifter`` layer by layer where it sits elsewhere: one layer's rotated
+        keys alive at a time), zeros in the dense parts' slots ``slots`` (their positions, in order).
         Returns the :class:`SlotWriter` a forward of the dense tokens writes through to fill them
         (:func:`hf_kvshare.prefill.prefill_parts`). The table is left to the caller; ``crop_to`` the
         old length undoes it."""
         batch = max(p.token_ids.shape[0] for p in parts if p.dense)
         reference = next(p.kv for p in parts if not p.dense)
+        placed = {id(p): p.kv.keys_at(shifter, p.segment.start) for p in parts if not p.dense}
         for layer_idx in range(reference.num_layers):
             ks, vs = [], []
             for p in parts:
@@ -441,7 +476,7 @@ class SegmentedCache(DynamicCache):
                         shape = (batch, like.shape[1], p.segment.length, like.shape[3])
                         out.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
                 else:
-                    ks.append(p.kv.keys[layer_idx].expand(batch, -1, -1, -1))
+                    ks.append(next(placed[id(p)]).expand(batch, -1, -1, -1))
                     vs.append(p.kv.values[layer_idx].expand(batch, -1, -1, -1))
             self.update(torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), layer_idx)
         return SlotWriter(self, slots)
@@ -753,3 +788,28 @@ def _fmt(value: Any) -> str:
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], float):
         return "[" + ", ".join(f"{v:.2f}" for v in value) + "]"
     return str(value)
+
+
+def compact(kvs: Iterable[SegmentKV], storage_tokens: int, share: float = 0.5) -> bool:
+    """Copy ``kvs`` (views of one cache's storage, :meth:`SegmentedCache.sharing_storage`, of disjoint
+    spans) into storage of their own, in place (every holder of a :class:`SegmentKV` sees the copy),
+    when together they hold less than ``share`` of the ``storage_tokens`` positions the views keep
+    alive: a short span (an agent's output) then stops holding a whole cache. Returns whether it
+    copied."""
+    kvs = list(kvs)
+    if not kvs or sum(kv.length for kv in kvs) >= share * storage_tokens:
+        return False
+    for kv in kvs:
+        kv.keys[:] = [k.clone() for k in kv.keys]
+        kv.values[:] = [v.clone() for v in kv.values]
+    return True
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages ``tensors`` keep alive, each counted once and whole (views of one cache's
+    layers count that layer's tensor, not the span they show)."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())

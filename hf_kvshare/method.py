@@ -93,7 +93,9 @@ def option_names(cls: type[Method]) -> list[str] | None:
 class Placement:
     """How a PH segment's K/V is obtained without a dense prefill of the whole segment.
 
-    ``kv`` sits at the segment's target positions. ``reused_tokens`` counts the tokens whose K/V
+    ``kv`` sits at the segment's target positions, or where its source sat (the builder re-positions it
+    layer by layer as it copies it into the cache: :meth:`SegmentedCache.append_kv`,
+    :meth:`SegmentedCache.reserve`). ``reused_tokens`` counts the tokens whose K/V
     was not computed by the model for this agent (all of them for reuse and correction; ``None``
     means all). Methods that recompute some layers of a token count token-equivalents: reused
     (token, layer) entries divided by the number of layers, possibly fractional.

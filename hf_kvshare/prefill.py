@@ -335,7 +335,6 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
     end = parts[-1].segment.end
     device = model_input_device(model)
     batch = max(p.token_ids.shape[0] for p in parts if p.dense)
-    parts = [p if p.dense else replace(p, kv=p.kv.repositioned(shifter, p.segment.start)) for p in parts]
     reference = next(p.kv for p in parts if not p.dense)
     if reference.num_layers != cache.num_layers and cache.signature[0] is not None:
         raise ValueError(f"K/V has {reference.num_layers} layers, the cache {cache.num_layers}")
@@ -345,9 +344,10 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
         return False
     positions = queries[None].expand(batch, -1)
     track = cache.rope_track
-    if track is not None:  # multimodal RoPE: lay every part out, placed K/V to their rope positions
+    if track is not None:  # multimodal RoPE: placed K/V re-positioned, then to their rope positions
+        parts = [p if p.dense else replace(p, kv=p.kv.repositioned(shifter, p.segment.start)) for p in parts]
         parts, positions = _rope_parts(model, track, start, parts, positions)
-    writer = cache.reserve(parts, queries)
+    writer = cache.reserve(parts, queries, shifter)  # placed K/V re-positioned there, layer by layer
     ids = torch.cat([p.token_ids.expand(batch, -1) for p in parts if p.dense], dim=-1).to(device)
     embeds = dense_embeds(model, [p for p in parts if p.dense], batch)
     inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds.to(device)}

@@ -23,7 +23,7 @@ import torch
 from . import mrope
 from ._compat import cache_kwargs
 from .agents import agent_adapter
-from .cache import SharedCache
+from .cache import SharedCache, compact, storage_bytes
 from .generate_options import GenerateOptions, check_attention_mask, generate_options
 from .measure import FirstTokenTimer, PeakMemory, Phases, TensorPeak, synchronize, timing, turn_phases
 from .method import Method, get_method
@@ -68,6 +68,10 @@ class Session:
         self.method.bind(model)
         self._shifter: RopeShifter | None = None
         self.slots: dict[str, Slot] = {}
+        #: per recorded turn, its cache's length and weak references to the slot K/V that are views of it
+        #: (:meth:`_record`, re-checked by :meth:`_compact_views`)
+        self._views: list[tuple[int, list[weakref.ref]]] = []
+        self._rolled_back: dict[str, Any] = {}
         #: given-text PH names whose text equals an output of this request -> that output's slot name
         #: (:func:`~hf_kvshare.turn.given_text_slot`): the PH is read as the output
         self.aliases: dict[str, str] = {}
@@ -97,7 +101,13 @@ class Session:
         the tensors a method keeps with it (``slot.extras``: e.g. hidden states to restart from) and
         the method's per-request state (:meth:`Method.request_state_bytes`: PReCache's base + LR
         caches). Turn caches handed to the caller are not included."""
-        total = sum(slot.latest.nbytes for slot in self.slots.values() if slot.latest is not None)
+        # the slots' K/V may be views of one turn's cache: each storage counted once, whole
+        total = storage_bytes(
+            t
+            for slot in self.slots.values()
+            if slot.latest is not None
+            for t in (*slot.latest.keys, *slot.latest.values)
+        )
         total += sum(_tensor_bytes(slot.extras) for slot in self.slots.values())
         total += sum(slot.visual.nbytes for slot in self.slots.values() if slot.visual is not None)
         return total + self.method.request_state_bytes(self)
@@ -262,6 +272,7 @@ class Session:
         the slot table (slots it added dropped) and each slot's latest K/V."""
         slots, aliases = dict(self.slots), dict(self.aliases)
         latest = {name: slot.latest for name, slot in slots.items()}
+        self._rolled_back = latest  # what only the rollback may still hold (see _compact_views)
         try:
             yield
         except BaseException:
@@ -269,6 +280,8 @@ class Session:
             for name, slot in slots.items():
                 slot.latest = latest[name]
             raise
+        finally:
+            self._rolled_back = {}
 
     def _build(self, turn: Turn) -> SharedCache:
         turn.stats.ph_tokens = sum(s.length for s in turn.spans if s.kind == "PH")
@@ -466,21 +479,44 @@ class Session:
             tail = output_ids[output_ids.numel() - missing :].to(self.device)
             with cache.unsealed():
                 prefill_dense(cache, self.model, turn.batch(tail))
-        for span in turn.spans:
-            if span.kind == "PH":
-                self.slots[span.name].latest = cache.extract(span.start, span.end, agent=turn.agent)
-        slot.latest = cache.extract(P, end, agent=turn.agent)
+        # the slots' K/V stay views of the turn's cache (no second copy of every segment while the turn's
+        # cache is alive); _release then copies the ones that hold little of it (compact)
+        with cache.sharing_storage():
+            for span in turn.spans:
+                if span.kind == "PH":
+                    self.slots[span.name].latest = cache.extract(span.start, span.end, agent=turn.agent)
+            slot.latest = cache.extract(P, end, agent=turn.agent)
+        names = dict.fromkeys([*(s.name for s in turn.spans if s.kind == "PH"), turn.output_slot])
+        self._views.append((cache.get_seq_length(), [weakref.ref(self.slots[n].latest) for n in names]))
         return slot
 
     def _release(self, turn: Turn) -> None:
         """After the method's record: drop the latest K/V of this turn's slots that no later turn can
-        read (:meth:`Method.reads_latest`), so the memory is freed now, not when the session ends."""
+        read (:meth:`Method.reads_latest`), so the memory is freed now, not when the session ends; then
+        the views of the turn's cache still held (by a slot or the method) are copied out of it when
+        they hold less than half of it (:func:`~hf_kvshare.cache.compact`): a short span does not keep
+        the whole cache alive."""
         if not self.method.uses_sources:
             return
         for name in dict.fromkeys([*(s.name for s in turn.spans if s.kind == "PH"), turn.output_slot]):
             slot = self.slots.get(name)
             if slot is not None and slot.latest is not None and not self.method.reads_latest(turn, name):
                 slot.latest = None
+        self._compact_views()
+
+    def _compact_views(self) -> None:
+        """Re-check every turn cache the slots' K/V are views of (:meth:`_record`): the views still held
+        by a slot or the method (not the ones only this turn's rollback still holds: replaced) are
+        copied out when they hold less than half of that cache (:func:`~hf_kvshare.cache.compact`);
+        a cache no view of which is held any more is forgotten."""
+        current = {id(slot.latest) for slot in self.slots.values()}
+        replaced = {id(kv) for kv in self._rolled_back.values() if kv is not None} - current
+        groups = []
+        for length, refs in self._views:
+            alive = [kv for kv in (ref() for ref in refs) if kv is not None and id(kv) not in replaced]
+            if alive and not compact(alive, length):
+                groups.append((length, refs))
+        self._views = groups
 
 
 _IN_USE_LOCK = threading.Lock()

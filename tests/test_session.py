@@ -224,8 +224,8 @@ def test_failed_turn_leaves_session_unchanged(tiny_llama, tokenizer):
 
 
 def test_held_bytes_count_the_reuse_sources_exactly(tiny_llama, tokenizer):
-    """FullShared keeps each slot's latest K/V (layers x 2 x kv_heads x head_dim fp32 per token);
-    NonShared keeps nothing for later turns."""
+    """FullShared keeps each slot's latest K/V (layers x 2 x kv_heads x head_dim fp32 per token), as views
+    of the last turn's cache, which is what stays alive; NonShared keeps nothing for later turns."""
     cfg = tiny_llama.config
     per_token = (
         cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
@@ -234,7 +234,8 @@ def test_held_bytes_count_the_reuse_sources_exactly(tiny_llama, tokenizer):
         session = Session(tiny_llama, tokenizer, method)
         assert session.held_bytes() == 0
         session.run_turn("a", [PF("You plan."), PH("query", "Reverse a list.")], max_new_tokens=3)
-        session.run_turn("b", [PF("You code."), PH("query"), PH("a")], max_new_tokens=3)
-        tokens = sum(slot.token_ids.numel() for slot in session.slots.values())
-        assert tokens > 0
+        b = session.run_turn("b", [PF("You code."), PH("query"), PH("a")], max_new_tokens=3)
+        # the slots' K/V are views of b's turn cache (prompt + output): held whole, once
+        tokens = b.prompt_ids.numel() + b.output_ids.numel()
+        assert tokens > sum(slot.token_ids.numel() for slot in session.slots.values()) > 0
         assert session.held_bytes() == (tokens if expected_tokens is None else expected_tokens) * per_token

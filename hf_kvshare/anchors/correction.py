@@ -22,7 +22,7 @@ depend on the token and its position only, so the re-positioned source is alread
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -245,9 +245,18 @@ def _reconstruct_all(factors: list[MatrixFactors], rows: int) -> torch.Tensor:
 
 def canonical_keys(kv: SegmentKV, shifter: RopeShifter, rows: int | None = None) -> list[torch.Tensor]:
     """``kv``'s keys (first ``rows`` rows) moved to positions ``0 ..``, batch element 0."""
+    return list(canonical_key_layers(kv, shifter, rows))
+
+
+def canonical_key_layers(
+    kv: SegmentKV, shifter: RopeShifter, rows: int | None = None
+) -> Iterator[torch.Tensor]:
+    """:func:`canonical_keys` one layer at a time (a generator: a consumer that factorizes each layer
+    holds one layer's rotated keys at once); the same values."""
     rows = kv.length if rows is None else rows
     rotation = shifter.rotation(kv.start, 0, rows)
-    return [shifter.apply(k[:1, :, :rows], rotation, layer=i) for i, k in enumerate(kv.keys)]
+    for i, k in enumerate(kv.keys):
+        yield shifter.apply(k[:1, :, :rows], rotation, layer=i)
 
 
 @dataclass

@@ -89,7 +89,9 @@ class EdgeScope(Scope):
     def observe(self, turn: Turn, span, edge: Edge, cache) -> None:
         """A rejected edge stores its observed correction (accepted corrections are never inserted)."""
         if not edge.decision.accepted:
-            self.insert(edge, cache.extract(span.start, span.end, agent=turn.agent), turn)
+            with cache.sharing_storage():  # a view of the turn's cache: the delta is computed from it
+                exact = cache.extract(span.start, span.end, agent=turn.agent)
+            self.insert(edge, exact, turn)
 
     def learned(self, turn: Turn, output: SegmentKV | None) -> None:
         state = self.request(turn)

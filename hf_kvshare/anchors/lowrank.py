@@ -12,6 +12,7 @@ Keys are stored in the canonical positional frame (as if the segment started at 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -240,6 +241,26 @@ class FactoredKV:
             length=keys[0].shape[0],
             kv_heads=kv_heads,
         )
+
+    @classmethod
+    def from_layers(
+        cls,
+        layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        rank: int | None,
+        svd: SVD = "exact",
+    ) -> FactoredKV:
+        """:meth:`from_kv` over ``(keys, values)`` of each layer in turn (an iterable, e.g. a generator
+        computing each layer's matrices only when asked): one layer's tensors alive at a time, not
+        every layer's. The same factors as :meth:`from_kv` (each matrix factorized on its own, the
+        randomized range finder seeded per matrix)."""
+        keys, values, length, kv_heads = [], [], 0, 0
+        for k, v in layers:
+            length, kv_heads = k.shape[-2], k.shape[1]
+            keys.append(MatrixFactors.from_matrix(to_matrix(k), rank, svd))
+            values.append(MatrixFactors.from_matrix(to_matrix(v), rank, svd))
+        if not keys:
+            raise ValueError("need the same non-zero number of key and value layers, got none")
+        return cls(keys=keys, values=values, length=length, kv_heads=kv_heads)
 
     @property
     def num_layers(self) -> int:

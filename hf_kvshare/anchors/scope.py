@@ -23,7 +23,7 @@ the Turn's read API.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ import torch
 
 from ..cache import SegmentKV, check_finite
 from ..trajectory import tokenize_text
-from .correction import canonical_keys
+from .correction import canonical_key_layers, canonical_keys
 from .gate import GateDecision
 from .lowrank import FactoredKV
 from .pool import REFERENCE, AnchorPool, LRUDict
@@ -260,9 +260,9 @@ class Scope:
             if edge is None or edge.source is None:
                 continue
             checks.append((f"{self.name}: the source of PH slot {span.name!r}", edge.source))
-            checks.append(
-                (f"{self.name}: PH slot {span.name!r} of this turn", cache.extract(span.start, span.end))
-            )
+            with cache.sharing_storage():  # views: checked where they sit, not copied
+                exact = cache.extract(span.start, span.end)
+            checks.append((f"{self.name}: PH slot {span.name!r} of this turn", exact))
         check_finite(checks)
 
     def difference(
@@ -270,35 +270,44 @@ class Scope:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``C_consumer - Align(C_source)`` (Eq. 12) per layer, batch element 0, keys in ``delta_frame``
         (``source_keys``: the source's canonical keys when already computed)."""
+        pairs = list(self.difference_layers(exact, source, turn, source_keys))
+        return [k for k, _ in pairs], [v for _, v in pairs]
+
+    def difference_layers(
+        self, exact: SegmentKV, source: SegmentKV, turn: Turn, source_keys: list[torch.Tensor] | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`difference` one layer at a time (a generator: the source re-positioned and the
+        difference computed for a layer only when it is asked for; the same values)."""
         if self.options.delta_frame == "writer":
-            placed = source.repositioned(turn.shifter, exact.start)
-            keys = [k[:1] - s[:1] for k, s in zip(exact.keys, placed.keys)]
+            placed = source.keys_at(turn.shifter, exact.start)
+            keys = (k[:1] - s[:1] for k, s in zip(exact.keys, placed))
         else:
             source_keys = source_keys or canonical_keys(source, turn.shifter)
-            keys = [k - s for k, s in zip(canonical_keys(exact, turn.shifter), source_keys)]
-        return keys, [v[:1] - s[:1] for v, s in zip(exact.values, source.values)]
+            keys = (k - s for k, s in zip(canonical_key_layers(exact, turn.shifter), source_keys))
+        for key, v, s in zip(keys, exact.values, source.values):
+            yield key, v[:1] - s[:1]
 
     def delta(
         self, edge: Edge, exact: SegmentKV, turn: Turn
-    ) -> tuple[FactoredKV, Callable[[], list[torch.Tensor]]]:
-        """The consumer's observed correction of a PH span, factorized at ``delta_rank``; and the
-        source's canonical keys (for the base) as a callable computing them once, when first asked
-        (the writer frame's delta needs none: a turn that stores no base rotates nothing)."""
-        held: list[list[torch.Tensor]] = []
+    ) -> tuple[FactoredKV, Callable[[], Iterable[torch.Tensor]]]:
+        """The consumer's observed correction of a PH span, factorized at ``delta_rank`` layer by layer
+        (one layer's difference alive at a time); and the source's canonical keys (for the base) as a
+        callable: the ones the delta computed (canonical frame), else computed layer by layer when
+        asked (the writer frame's delta needs none: a turn that stores no base rotates nothing)."""
+        canonical = (
+            canonical_keys(edge.source, turn.shifter) if self.options.delta_frame != "writer" else None
+        )
 
-        def source_keys() -> list[torch.Tensor]:
-            if not held:
-                held.append(canonical_keys(edge.source, turn.shifter))
-            return held[0]
+        def source_keys() -> Iterable[torch.Tensor]:
+            return canonical if canonical is not None else canonical_key_layers(edge.source, turn.shifter)
 
-        canonical = source_keys() if self.options.delta_frame != "writer" else None
-        keys, values = self.difference(exact, edge.source, turn, canonical)
-        return FactoredKV.from_kv(keys, values, self.options.delta_rank, self.options.svd), source_keys
+        layers = self.difference_layers(exact, edge.source, turn, canonical)
+        return FactoredKV.from_layers(layers, self.options.delta_rank, self.options.svd), source_keys
 
-    def base(self, edge: Edge, source_keys: Callable[[], list[torch.Tensor]]) -> FactoredKV:
-        """An anchor's base: the source, keys canonical, factorized at ``base_rank``."""
-        values = [v[:1] for v in edge.source.values]
-        return FactoredKV.from_kv(source_keys(), values, self.options.base_rank, self.options.svd)
+    def base(self, edge: Edge, source_keys: Callable[[], Iterable[torch.Tensor]]) -> FactoredKV:
+        """An anchor's base: the source, keys canonical, factorized at ``base_rank`` (layer by layer)."""
+        layers = zip(source_keys(), (v[:1] for v in edge.source.values))
+        return FactoredKV.from_layers(layers, self.options.base_rank, self.options.svd)
 
 
 def span_index(turn: Turn, span) -> int:

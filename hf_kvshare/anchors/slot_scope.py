@@ -260,7 +260,8 @@ class SlotScope(Scope):
             return
         rejected = edge.decision is not None and not edge.decision.accepted
         if rejected or edge.decision is None:  # ungated given text: admitted while the pool has room
-            exact = cache.extract(span.start, span.end, agent=turn.agent)
+            with cache.sharing_storage():  # a view of the turn's cache: the delta is computed from it
+                exact = cache.extract(span.start, span.end, agent=turn.agent)
             self.add_delta(edge, exact, turn, may_evict=edge.decision is not None, span=span, cache=cache)
 
     def learned(self, turn: Turn, output: SegmentKV | None) -> None:

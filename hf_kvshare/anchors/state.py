@@ -90,7 +90,8 @@ def context_free_reference(
     cache = SegmentedCache(model.config)
     layout = None if rope is None else [(0, rope)]
     prefill_dense(cache, model, token_ids[None], inputs_embeds=embeds, rope=layout)
-    return cache.extract(0, token_ids.numel(), agent=REFERENCE)
+    with cache.sharing_storage():  # the reference is the whole cache: its layers, not a copy
+        return cache.extract(0, token_ids.numel(), agent=REFERENCE)
 
 
 def reference_prefill(
@@ -118,7 +119,8 @@ def reference_prefill(
         inputs_embeds=inputs,
         rope=None if rope is None else [(lead, rope)],
     )
-    return cache.extract(lead, lead + token_ids.numel(), agent=REFERENCE)
+    with cache.sharing_storage():  # views: the dropped lead keeps its few rows alive, no copy is made
+        return cache.extract(lead, lead + token_ids.numel(), agent=REFERENCE)
 
 
 def chat_markers(tokenizer: Any) -> tuple[str, str, str]:

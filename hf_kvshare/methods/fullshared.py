@@ -41,8 +41,6 @@ class FullShared(PrefixReuse, Method):
         source = turn.slot(span.name).latest
         if source is None:
             return None
-        return Placement(
-            kv=source.repositioned(turn.shifter, span.start),
-            provenance="reused",
-            source_agent=source.agent,
-        )
+        # left where it sits: the cache re-positions it layer by layer as it copies it in (no whole
+        # rotated copy of the segment beside the source and the cache)
+        return Placement(kv=source, provenance="reused", source_agent=source.agent)
