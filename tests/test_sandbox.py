@@ -217,6 +217,41 @@ def test_a_setsid_child_ends_with_the_run(isolate, parent, environment):
 
 
 @pytest.mark.parametrize("isolate", MODES)
+@pytest.mark.parametrize("clears_pdeathsig", [False, True], ids=["plain", "clears-pdeathsig"])
+def test_nothing_survives_when_the_program_sigkills_its_launcher(isolate, clears_pdeathsig):
+    """The program double-forks a ``setsid`` child with an empty environment (no run tag), may clear
+    its own parent-death signal, then SIGKILLs its parent (the launcher, the checker's parent): no
+    process of the tree may remain, and the run is no pass. Isolated, the kill is refused (another
+    user) and the run times out; nothing survives either."""
+    marker = f"{random.randint(10**6, 10**7)}.{random.randint(10**5, 10**6)}"
+    clear = "ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\n" if clears_pdeathsig else ""
+    program = (
+        "import ctypes, posix, signal, time\n"
+        + clear
+        + "if posix.fork() == 0:\n"
+        "    posix.setsid()\n"
+        "    if posix.fork() == 0:\n"
+        f"        posix.execve('/bin/sleep', ['sleep', {marker!r}], {{}})\n"
+        "    posix._exit(0)\n"
+        "time.sleep(0.3)\n"
+        "try:\n"
+        "    posix.kill(posix.getppid(), signal.SIGKILL)\n"
+        "except OSError:\n"
+        "    pass\n"
+        f"posix.execve('/bin/sleep', ['sleep', {marker + '0'!r}], {{}})\n"  # the candidate itself
+    )
+    start = time.monotonic()
+    result = run_python(program, timeout=3.0, isolate=isolate)
+    assert time.monotonic() - start < 8.0
+    assert not result.passed and result.status in ("failed", "timeout"), result
+    for _ in range(40):  # SIGKILL is asynchronous; a bounded wait
+        if not _alive(marker):
+            break
+        time.sleep(0.05)
+    assert _alive(marker) == []
+
+
+@pytest.mark.parametrize("isolate", MODES)
 def test_an_output_flood_keeps_memory_bounded(isolate):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     program = "import os\nwhile True:\n    os.write(2, b'x' * 65536)\n    os.write(1, b'y' * 65536)\n"
