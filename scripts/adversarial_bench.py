@@ -15,8 +15,8 @@ Cases that are meant to be accepted (``ok=True``) count as ``clear`` when they e
     OMP_NUM_THREADS=1 python scripts/adversarial_bench.py            # every case, a table at the end
     OMP_NUM_THREADS=1 python scripts/adversarial_bench.py -k out     # cases whose name holds "out"
 
-Some cases need root (a read-only or full tmpfs mounted in a private mount namespace with
-``unshare -m``); without it they are skipped.
+Some cases need root (a read-only or full tmpfs mounted under the case's directory, unmounted
+after it); without root they are skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = "random:tiny-llama"
 TRACE = ["--workload", "trace", "--shared-tokens", "16", "--agents", "2", "--rounds", "1",
          "--output-tokens", "2", "--requests", "1"]  # fmt: skip
@@ -137,12 +140,13 @@ def cases() -> list[Case]:
         Case("run: output", "out-full-fs", [*run, "--out", "{tmp}/full/out"], ("--out", "full"),
              mount="mkdir -p {tmp}/full && mount -t tmpfs -o size=256k tmpfs {tmp}/full"),
         Case("run: output", "out-fills-up-during-the-run", [*run, "--out", "{tmp}/small/out"], ("No space",),
-             mount="mkdir -p {tmp}/small && mount -t tmpfs -o size=1100k tmpfs {tmp}/small && "
-             "head -c 40000 /dev/zero > {tmp}/small/pad", after=lambda tmp: _no_leftovers(tmp / "small")),
+             mount="mkdir -p {tmp}/small && mount -t tmpfs -o size=4m tmpfs {tmp}/small && "
+             "( while [ ! -d {tmp}/small/out ]; do sleep 0.02; done; cat /dev/zero > {tmp}/small/pad ) "
+             "2>/dev/null &", after=lambda tmp: _no_leftovers(tmp / "small")),
         Case("run: output", "state-out-is-a-file", [*run, "--out", "{tmp}/out", "--state-out", "{tmp}/f"],
              ("--state-out", "not a directory"), _file("f", "x"), after=_nothing_written),
         Case("run: output", "out-and-state-out-the-same", [*run, "--out", "{tmp}/out", "--state-out", "{tmp}/out"],
-             ("--state-out", "--out"), after=_nothing_written),
+             ok=True),  # configuration directories and method state directories have distinct names
         # ------------------------------------------------------------ run: inputs
         Case("run: inputs", "state-in-is-a-file", [*run, "--out", "{tmp}/out", "--state-in", "{tmp}/f"],
              ("--state-in", "not a directory"), _file("f", "x"), after=_nothing_written),
@@ -265,28 +269,89 @@ def cases() -> list[Case]:
     ]  # fmt: skip
 
 
-def _bench(argv: list[str], tmp: Path, timeout: float, mount: str | None = None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "hf_kvshare.bench", *argv]
-    if mount is not None:
-        line = mount + " && exec " + " ".join(_quote(a) for a in command)
-        command = ["unshare", "-m", "--propagation", "private", "sh", "-c", line]
-    return subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+class _Done:
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def _quote(text: str) -> str:
-    import shlex
+def _bench(argv: list[str], tmp: Path, timeout: float) -> _Done:
+    """``python -m hf_kvshare.bench ARGV`` in a forked child of this process (the bench imported
+    once, here), in ``tmp``, with stdout/stderr captured. ``subprocess.TimeoutExpired`` when it
+    runs past ``timeout``."""
+    import signal
+    import time
+    import traceback
 
-    return shlex.quote(text)
+    out, err = tmp / ".stdout", tmp / ".stderr"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            fd_out, fd_err = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), os.open(
+                err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            )
+            os.dup2(fd_out, 1)
+            os.dup2(fd_err, 2)
+            os.chdir(tmp)
+            os.setsid()
+            from hf_kvshare.bench.__main__ import main
+
+            try:
+                code = main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if e.code is not None and not isinstance(e.code, int):
+                    print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - what the interpreter would print
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code or 0)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired(argv, timeout)
+        time.sleep(0.05)
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+    text = [path.read_text(errors="replace") if path.exists() else "" for path in (out, err)]
+    for path in (out, err):
+        path.unlink(missing_ok=True)
+    return _Done(code, *text)
 
 
 def classify(case: Case, tmp: Path) -> tuple[str, str]:
     argv = [a.replace("{tmp}", str(tmp)) for a in case.argv]
-    mount = case.mount.replace("{tmp}", str(tmp)) if case.mount else None
     try:
-        done = _bench(argv, tmp, case.timeout, mount)
-    except subprocess.TimeoutExpired:
-        return "unclear", f"hung (killed after {case.timeout:g} s)"
+        if case.mount:  # in this process's mount namespace (root); unmounted after the case
+            subprocess.run(["sh", "-c", case.mount.replace("{tmp}", str(tmp))], check=True)
+        try:
+            done = _bench(argv, tmp, case.timeout)
+        except subprocess.TimeoutExpired:
+            return "unclear", f"hung (killed after {case.timeout:g} s)"
+        return _judge(case, tmp, done)
+    finally:
+        if case.mount:
+            _unmount_under(tmp)
+
+
+def _unmount_under(tmp: Path) -> None:
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1] for line in f]
+    for point in reversed(points):
+        if point == str(tmp) or point.startswith(f"{tmp}/"):
+            subprocess.run(["umount", "-l", point], capture_output=True)
+
+
+def _judge(case: Case, tmp: Path, done: _Done) -> tuple[str, str]:
     err = done.stderr
     if "Traceback" in err:
         return "traceback", err.strip().splitlines()[-1][:200]
@@ -312,13 +377,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-k", default="", help="only cases whose name holds this text")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
-    root_user = os.geteuid() == 0 and shutil.which("unshare") is not None
+    root_user = os.geteuid() == 0 and shutil.which("mount") is not None
+    import torch  # noqa: F401 - imported once, before the cases fork
+    import transformers  # noqa: F401
+
+    import hf_kvshare.bench.__main__  # noqa: F401
+    import hf_kvshare.bench.runner  # noqa: F401
     results = []
     for case in cases():
         if args.k not in case.name:
             continue
         if case.mount and not root_user:
-            print(f"skip {case.name} (needs root for unshare -m)")
+            print(f"skip {case.name} (needs root to mount a tmpfs)")
             continue
         with tempfile.TemporaryDirectory(prefix="hfkv-adv-") as tmp:
             if case.setup:
