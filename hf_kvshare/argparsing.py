@@ -74,7 +74,9 @@ def positive_int_at_most(high: int):
     def parse(text: str) -> int:
         value = positive_int(text)
         if value > high:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 1 and at most {high}, got {_shown(text)}")
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= 1 and at most {high}, got {_shown(text)}"
+            )
         return value
 
     parse.__name__ = "integer"

@@ -289,8 +289,9 @@ def _bench(argv: list[str], tmp: Path, timeout: float) -> _Done:
     if pid == 0:  # the child: never returns
         code = 1
         try:
-            fd_out, fd_err = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), os.open(
-                err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            fd_out, fd_err = (
+                os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
             )
             os.dup2(fd_out, 1)
             os.dup2(fd_err, 2)
@@ -383,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import hf_kvshare.bench.__main__  # noqa: F401
     import hf_kvshare.bench.runner  # noqa: F401
+
     results = []
     for case in cases():
         if args.k not in case.name:

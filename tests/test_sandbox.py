@@ -226,9 +226,7 @@ def test_nothing_survives_when_the_program_sigkills_its_launcher(isolate, clears
     marker = f"{random.randint(10**6, 10**7)}.{random.randint(10**5, 10**6)}"
     clear = "ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\n" if clears_pdeathsig else ""
     program = (
-        "import ctypes, posix, signal, time\n"
-        + clear
-        + "if posix.fork() == 0:\n"
+        "import ctypes, posix, signal, time\n" + clear + "if posix.fork() == 0:\n"
         "    posix.setsid()\n"
         "    if posix.fork() == 0:\n"
         f"        posix.execve('/bin/sleep', ['sleep', {marker!r}], {{}})\n"

@@ -103,7 +103,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda, cuda:1, ...")
     add_model_arguments(g, dtype=False)  # --load-in-4bit, --load-in-8bit, --bnb-4bit-quant-type, --device-map
     g.add_argument(
-        "--num-layers", type=positive_int, default=None, help="random: models only: keep the first N decoder layers"
+        "--num-layers",
+        type=positive_int,
+        default=None,
+        help="random: models only: keep the first N decoder layers",
     )
     g.add_argument(
         "--attn-implementation",

@@ -507,7 +507,9 @@ class BenchRunner:
                 ]
             bar = tqdm(tasks, desc=self.dir.name[:60], disable=not self.progress, unit="request")
             for index, task in enumerate(bar):
-                self._started = True  # from here on the configuration directory is kept (partial folders are not)
+                self._started = (
+                    True  # from here on the configuration directory is kept (partial folders are not)
+                )
                 run = run_paired(
                     self.model,
                     self.tokenizer,
