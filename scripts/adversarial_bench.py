@@ -174,7 +174,7 @@ def cases() -> list[Case]:
              after=lambda tmp: None if not any(tmp.glob("x*")) and not (tmp.parent / "x").exists()
              else "wrote outside --out"),
         Case("run: inputs", "state-in-truncated", [*run, "--out", "{tmp}/out2", "--state-in", "{tmp}/state"],
-             ("--state-in",), setup=lambda tmp: (
+             ("state.json",), setup=lambda tmp: (
                  _bench([*run, "--methods", "graphflow", "--out", str(tmp / "out"), "--state-out",
                          str(tmp / "state")], tmp, 300),
                  [p.write_bytes(p.read_bytes()[:10]) for p in (tmp / "state").rglob("state.*")]),

@@ -444,6 +444,13 @@ def cmd_study(argv: list[str]) -> int:
         print(f"usage: {PROG} study NAME [args...]\nstudies: {studies}")
         return 0 if argv else 2
     module_name = f"{STUDIES_PACKAGE}.{argv[0]}"
+    if not argv[0].isidentifier():  # a dotted or path-like name never reaches the importer
+        print(
+            f"error: no study named {argv[0]!r} (a study is a module of {STUDIES_PACKAGE}, named by a "
+            f"Python identifier); available: {studies}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         main_fn = getattr(importlib.import_module(module_name), "main", None)
     except ModuleNotFoundError as e:
