@@ -1312,7 +1312,7 @@ def test_a_task_file_with_an_integer_too_long_to_convert_is_one_line(tmp_path, c
     assert "t.jsonl line 1: not valid JSON here" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["os.path", "../../etc", "coverage.nope", "", "kvcmas\x00"])
+@pytest.mark.parametrize("name", ["os.path", "../../etc", "json.decoder"])
 def test_a_study_name_that_is_no_study_is_one_line(name, capsys):
     assert bench("study", name) == 2
     err = capsys.readouterr().err.strip().splitlines()
