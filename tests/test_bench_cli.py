@@ -82,13 +82,56 @@ def check_method_output(config_dir: Path, method: str, n_turns: int, n_requests:
 
 
 # ----------------------------------------------------------- every method
-@pytest.mark.parametrize("method", PROMPT_METHODS)
-def test_every_method_on_a_controlled_trace(method, tiny_dir, tmp_path, capsys):
-    assert (
-        bench("run", *TRACE, "--methods", method, "--model", tiny_dir, "--out", tmp_path, "--no-progress")
-        == 0
+@dataclass
+class SharedRun:
+    """One ``bench run`` of many methods, shared by the tests of a module (each checks its method's
+    folder: methods run interleaved, each with its own instances, so a method's records are what a
+    run of that method alone writes; NonShared, the model load and the plots are paid once)."""
+
+    code: int
+    out: Path
+    printed: str
+
+
+def shared_run(tmp_path_factory, name: str, *argv) -> SharedRun:
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp(name)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = bench("run", *argv, "--out", out, "--no-progress")
+    return SharedRun(code, out, printed.getvalue())
+
+
+@pytest.fixture(scope="module")
+def trace_run(tiny_dir, tmp_path_factory) -> SharedRun:
+    """Every prompt method on the controlled trace, with plots."""
+    return shared_run(
+        tmp_path_factory, "trace-run", *TRACE, "--methods", *PROMPT_METHODS, "--model", tiny_dir
     )
-    config = only_config(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def graph_run(tiny_dir, tmp_path_factory) -> SharedRun:
+    """Every prompt method on the task-file graph."""
+    data = write_jsonl(tmp_path_factory.mktemp("graph") / "graph.jsonl", GRAPH_TASKS)
+    argv = ["--workload", "file", "--data", data, "--methods", *PROMPT_METHODS, "--model", tiny_dir]
+    return shared_run(tmp_path_factory, "graph-run", *argv, "--no-plots")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_dir, adapters, tmp_path_factory) -> SharedRun:
+    """Every method on the multi-LoRA workload with the random adapters."""
+    argv = ["--workload", "autoact", "--limit", "1", "--max-new-tokens", "3", "--methods", *ALL_METHODS]
+    argv += ["--model", tiny_dir, *[f"--adapter={name}={path}" for name, path in adapters.items()]]
+    return shared_run(tmp_path_factory, "lora-run", *argv, "--no-plots")
+
+
+@pytest.mark.parametrize("method", PROMPT_METHODS)
+def test_every_method_on_a_controlled_trace(method, trace_run):
+    assert trace_run.code == 0
+    config = only_config(trace_run.out)
     summary = check_method_output(config, method, n_turns=6, n_requests=1)
     ref = json.loads((config / "nonshared" / "summary.json").read_text())
     assert (
@@ -109,32 +152,13 @@ def test_every_method_on_a_controlled_trace(method, tiny_dir, tmp_path, capsys):
     assert method in (config / "summary.csv").read_text()
     for name in ("fidelity_vs_ttft", "kv_error_by_layer", "kv_error_by_agent", "effective_rank_by_layer"):
         assert (config / "plots" / f"{name}.csv").exists() and (config / "plots" / f"{name}.png").exists()
-    assert method in capsys.readouterr().out
+    assert re.search(rf"(?<![\w-]){re.escape(method)}(?![\w-])", trace_run.printed)  # its row of the table
 
 
 @pytest.mark.parametrize("method", PROMPT_METHODS)
-def test_every_method_on_a_task_file_graph(method, tiny_dir, tmp_path):
-    data = write_jsonl(tmp_path / "graph.jsonl", GRAPH_TASKS)
-    out = tmp_path / "out"
-    assert (
-        bench(
-            "run",
-            "--workload",
-            "file",
-            "--data",
-            data,
-            "--methods",
-            method,
-            "--model",
-            tiny_dir,
-            "--out",
-            out,
-            "--no-progress",
-            "--no-plots",
-        )
-        == 0
-    )
-    config = only_config(out)
+def test_every_method_on_a_task_file_graph(method, graph_run):
+    assert graph_run.code == 0
+    config = only_config(graph_run.out)
     summary = check_method_output(config, method, n_turns=7, n_requests=2)
     assert summary["checked"] == 1  # graph-1 has a numeric checker, graph-2 none
     turns = read_jsonl(config / MethodSpec.parse(method).tag / "turns.jsonl")
@@ -151,14 +175,9 @@ def test_every_method_on_a_task_file_graph(method, tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
-def test_every_method_on_the_multi_lora_workload(method, tiny_dir, adapters, tmp_path):
-    args = [f"--adapter={name}={path}" for name, path in adapters.items()]
-    rc = bench(
-        "run", "--workload", "autoact", "--limit", "1", "--max-new-tokens", "3", "--methods", method,
-        "--model", tiny_dir, *args, "--out", tmp_path, "--no-progress", "--no-plots",
-    )  # fmt: skip
-    assert rc == 0
-    config = only_config(tmp_path)
+def test_every_method_on_the_multi_lora_workload(method, adapters, lora_run):
+    assert lora_run.code == 0
+    config = only_config(lora_run.out)
     summary = check_method_output(config, method, n_turns=8, n_requests=1)
     turns = read_jsonl(config / MethodSpec.parse(method).tag / "turns.jsonl")
     assert [t["agent"] for t in turns] == ["plan", "act", "plan", "act", "reflect", "plan", "act", "reflect"]
@@ -777,12 +796,11 @@ def test_a_run_that_cannot_start_leaves_no_directory(tiny_dir, tmp_path, capsys)
     assert set(_files(tmp_path / "kept")) == set(before)
 
 
-def test_limit_row_is_measured_beside_the_methods(tiny_dir, tmp_path):
+def test_limit_row_is_measured_beside_the_methods(trace_run):
     """The `limit` pseudo-method: one forward over each reuse turn's non-reused tokens on top of the
     reused K/V, measured in the same run, with its NonShared/limit ratio in the summaries."""
-    argv = ("run", *TRACE, "--methods", "fullshared", "--model", tiny_dir, "--out", tmp_path, "--no-progress")
-    assert bench(*argv, "--no-plots") == 0
-    config = only_config(tmp_path)
+    assert trace_run.code == 0
+    config = only_config(trace_run.out)
     turns = read_jsonl(config / "limit" / "turns.jsonl")
     fullshared = read_jsonl(config / "fullshared" / "turns.jsonl")
     assert len(turns) == sum(t["reuse_turn"] for t in fullshared) == 5

@@ -538,6 +538,7 @@ def _guard(report: int) -> None:
 def main() -> None:
     with open(sys.argv[1]) as f:
         config = json.load(f)
+    os.remove(sys.argv[1])  # it holds the tests: gone before any program runs (its directory is readable)
     isolated = config["mode"] == "isolated"
     report = config["report_fd"]
     try:
@@ -551,6 +552,7 @@ def main() -> None:
             _prctl(PR_SET_CHILD_SUBREAPER, 1)
             _prctl(PR_SET_DUMPABLE, 0)
             _guard(report)  # returns in the launcher proper, a child of the guard
+            os.setpgid(0, 0)  # a group of its own: the program's killpg(0, ...) does not reach the guard
             _prctl(PR_SET_CHILD_SUBREAPER, 1)  # not inherited across fork
             _prctl(PR_SET_DUMPABLE, 0)
             workdir = config["workdir"]
