@@ -181,7 +181,7 @@ def cases() -> list[Case]:
             "        print(open(path).read())\n"
             "    except OSError:\n"
             "        pass\n",
-            leaked("candidate(2, 3)"),
+            lambda result, marker, canary: leaked(f"tests-{marker}")(result, marker, canary),
         ),
         Case(
             "read-the-launchers-cmdline-and-environ",
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             program = case.program.format(marker=marker, canary=f.name)
             try:
                 result = run_python(
-                    program, timeout=case.timeout, isolate=mode, test=TEST + "\ncheck(add)\n",
+                    program, timeout=case.timeout, isolate=mode, test=TEST + f"# tests-{marker}\ncheck(add)\n",
                     context=PROMPT, entry_point="add",
                 )  # fmt: skip
             except Exception as e:  # noqa: BLE001
