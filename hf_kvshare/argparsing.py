@@ -26,12 +26,21 @@ def fail(prog: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def _shown(text: str) -> str:
+    """``text`` as an error message quotes it: at most 40 characters."""
+    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
+
+
+def _integer(text: str, expected: str) -> int:
+    try:
+        return int(text)
+    except ValueError:  # not an integer, or more digits than Python converts
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {_shown(text)}") from None
+
+
 def positive_int(text: str) -> int:
     """``type=`` for options that must be integers >= 1 (``--threads``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    value = _integer(text, "an integer >= 1")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
@@ -39,12 +48,49 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """``type=`` for options that must be integers >= 0 (``--warmup``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    value = _integer(text, "an integer >= 0")
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def int_in(low: int, high: int):
+    """``type=`` for options that must be integers in ``[low, high]`` (``--seed``, ``--threads``)."""
+    expected = f"an integer in [{low}, {high}]"
+
+    def parse(text: str) -> int:
+        value = _integer(text, expected)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {_shown(str(value))}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its own messages
+    return parse
+
+
+def positive_int_at_most(high: int):
+    """``type=`` for integers in ``[1, high]`` (``--threads``): :func:`positive_int`'s message below 1."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= 1 and at most {high}, got {_shown(text)}"
+            )
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """``type=`` for options that must be finite numbers > 0 (``--exec-timeout``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {_shown(text)}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text.strip()}")
     return value
 
 

@@ -82,13 +82,56 @@ def check_method_output(config_dir: Path, method: str, n_turns: int, n_requests:
 
 
 # ----------------------------------------------------------- every method
-@pytest.mark.parametrize("method", PROMPT_METHODS)
-def test_every_method_on_a_controlled_trace(method, tiny_dir, tmp_path, capsys):
-    assert (
-        bench("run", *TRACE, "--methods", method, "--model", tiny_dir, "--out", tmp_path, "--no-progress")
-        == 0
+@dataclass
+class SharedRun:
+    """One ``bench run`` of many methods, shared by the tests of a module (each checks its method's
+    folder: methods run interleaved, each with its own instances, so a method's records are what a
+    run of that method alone writes; NonShared, the model load and the plots are paid once)."""
+
+    code: int
+    out: Path
+    printed: str
+
+
+def shared_run(tmp_path_factory, name: str, *argv) -> SharedRun:
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp(name)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = bench("run", *argv, "--out", out, "--no-progress")
+    return SharedRun(code, out, printed.getvalue())
+
+
+@pytest.fixture(scope="module")
+def trace_run(tiny_dir, tmp_path_factory) -> SharedRun:
+    """Every prompt method on the controlled trace, with plots."""
+    return shared_run(
+        tmp_path_factory, "trace-run", *TRACE, "--methods", *PROMPT_METHODS, "--model", tiny_dir
     )
-    config = only_config(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def graph_run(tiny_dir, tmp_path_factory) -> SharedRun:
+    """Every prompt method on the task-file graph."""
+    data = write_jsonl(tmp_path_factory.mktemp("graph") / "graph.jsonl", GRAPH_TASKS)
+    argv = ["--workload", "file", "--data", data, "--methods", *PROMPT_METHODS, "--model", tiny_dir]
+    return shared_run(tmp_path_factory, "graph-run", *argv, "--no-plots")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_dir, adapters, tmp_path_factory) -> SharedRun:
+    """Every method on the multi-LoRA workload with the random adapters."""
+    argv = ["--workload", "autoact", "--limit", "1", "--max-new-tokens", "3", "--methods", *ALL_METHODS]
+    argv += ["--model", tiny_dir, *[f"--adapter={name}={path}" for name, path in adapters.items()]]
+    return shared_run(tmp_path_factory, "lora-run", *argv, "--no-plots")
+
+
+@pytest.mark.parametrize("method", PROMPT_METHODS)
+def test_every_method_on_a_controlled_trace(method, trace_run):
+    assert trace_run.code == 0
+    config = only_config(trace_run.out)
     summary = check_method_output(config, method, n_turns=6, n_requests=1)
     ref = json.loads((config / "nonshared" / "summary.json").read_text())
     assert (
@@ -109,32 +152,13 @@ def test_every_method_on_a_controlled_trace(method, tiny_dir, tmp_path, capsys):
     assert method in (config / "summary.csv").read_text()
     for name in ("fidelity_vs_ttft", "kv_error_by_layer", "kv_error_by_agent", "effective_rank_by_layer"):
         assert (config / "plots" / f"{name}.csv").exists() and (config / "plots" / f"{name}.png").exists()
-    assert method in capsys.readouterr().out
+    assert re.search(rf"(?<![\w-]){re.escape(method)}(?![\w-])", trace_run.printed)  # its row of the table
 
 
 @pytest.mark.parametrize("method", PROMPT_METHODS)
-def test_every_method_on_a_task_file_graph(method, tiny_dir, tmp_path):
-    data = write_jsonl(tmp_path / "graph.jsonl", GRAPH_TASKS)
-    out = tmp_path / "out"
-    assert (
-        bench(
-            "run",
-            "--workload",
-            "file",
-            "--data",
-            data,
-            "--methods",
-            method,
-            "--model",
-            tiny_dir,
-            "--out",
-            out,
-            "--no-progress",
-            "--no-plots",
-        )
-        == 0
-    )
-    config = only_config(out)
+def test_every_method_on_a_task_file_graph(method, graph_run):
+    assert graph_run.code == 0
+    config = only_config(graph_run.out)
     summary = check_method_output(config, method, n_turns=7, n_requests=2)
     assert summary["checked"] == 1  # graph-1 has a numeric checker, graph-2 none
     turns = read_jsonl(config / MethodSpec.parse(method).tag / "turns.jsonl")
@@ -151,14 +175,9 @@ def test_every_method_on_a_task_file_graph(method, tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
-def test_every_method_on_the_multi_lora_workload(method, tiny_dir, adapters, tmp_path):
-    args = [f"--adapter={name}={path}" for name, path in adapters.items()]
-    rc = bench(
-        "run", "--workload", "autoact", "--limit", "1", "--max-new-tokens", "3", "--methods", method,
-        "--model", tiny_dir, *args, "--out", tmp_path, "--no-progress", "--no-plots",
-    )  # fmt: skip
-    assert rc == 0
-    config = only_config(tmp_path)
+def test_every_method_on_the_multi_lora_workload(method, adapters, lora_run):
+    assert lora_run.code == 0
+    config = only_config(lora_run.out)
     summary = check_method_output(config, method, n_turns=8, n_requests=1)
     turns = read_jsonl(config / MethodSpec.parse(method).tag / "turns.jsonl")
     assert [t["agent"] for t in turns] == ["plan", "act", "plan", "act", "reflect", "plan", "act", "reflect"]
@@ -747,9 +766,11 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_a_run_that_cannot_start_leaves_no_directory(tiny_dir, tmp_path, capsys):
+def test_a_run_that_cannot_start_leaves_no_directory(tiny_dir, finished_run, tmp_path, capsys):
     """Failures after the model loads but before the first request (a method refusing the model when it
     binds, a missing saved state) leave no configuration directory; an existing one is untouched."""
+    import shutil
+
     profile = tmp_path / "profile.json"
     profile.write_text("[0.1, 0.2, 0.3]")  # 3 layers; the tiny model has 4: refused when bound
     bad = ["--methods", f"droidspeak:layer_profile={profile}"]
@@ -764,7 +785,7 @@ def test_a_run_that_cannot_start_leaves_no_directory(tiny_dir, tmp_path, capsys)
     assert "no saved state for this method" in capsys.readouterr().err
     assert not (tmp_path / "fresh").exists()
     # an existing configuration with results: neither the failed run nor --redo touches it
-    assert bench("run", *common, "--methods", "fullshared", "--out", tmp_path / "kept") == 0
+    shutil.copytree(finished_run, tmp_path / "kept")  # a finished fullshared run of the same trace
     before = _files(tmp_path / "kept")
     assert "nonshared/summary.json" in "".join(before)
     for redo in ([], ["--redo"]):
@@ -777,12 +798,11 @@ def test_a_run_that_cannot_start_leaves_no_directory(tiny_dir, tmp_path, capsys)
     assert set(_files(tmp_path / "kept")) == set(before)
 
 
-def test_limit_row_is_measured_beside_the_methods(tiny_dir, tmp_path):
+def test_limit_row_is_measured_beside_the_methods(trace_run):
     """The `limit` pseudo-method: one forward over each reuse turn's non-reused tokens on top of the
     reused K/V, measured in the same run, with its NonShared/limit ratio in the summaries."""
-    argv = ("run", *TRACE, "--methods", "fullshared", "--model", tiny_dir, "--out", tmp_path, "--no-progress")
-    assert bench(*argv, "--no-plots") == 0
-    config = only_config(tmp_path)
+    assert trace_run.code == 0
+    config = only_config(trace_run.out)
     turns = read_jsonl(config / "limit" / "turns.jsonl")
     fullshared = read_jsonl(config / "fullshared" / "turns.jsonl")
     assert len(turns) == sum(t["reuse_turn"] for t in fullshared) == 5
@@ -1012,3 +1032,310 @@ def test_a_json_write_that_fails_keeps_the_old_file_and_leaves_no_temporary(tmp_
     assert json.loads(path.read_text()) == {"a": 1} and sorted(p.name for p in tmp_path.iterdir()) == [
         "summary.json"
     ]
+
+
+# --------------------------------- nothing half-written, every subcommand one line (issue 26, item 1)
+def _stray(root: Path) -> list[str]:
+    """What a later run could wrongly trust or what a run leaves behind: a method folder holding
+    records without its summary, hidden partial folders, temporary files."""
+    found = []
+    for path in root.rglob("*") if root.exists() else ():
+        name = path.name
+        if name.endswith(".tmp") or ".partial-" in name or ".old-" in name:
+            found.append(str(path.relative_to(root)))
+        elif path.is_dir() and (path / "turns.jsonl").exists() and not (path / "summary.json").exists():
+            found.append(str(path.relative_to(root)))
+    return found
+
+
+@pytest.mark.parametrize("failure", ["disk-full", "interrupted"])
+def test_a_run_that_fails_midway_leaves_no_half_method_folder(
+    failure, tiny_dir, tmp_path, capsys, monkeypatch
+):
+    """The run fails after its first request (the disk fills up as the summaries are written, or
+    Ctrl-C): one error line, and no method folder that a later run would trust or run half from."""
+    import errno
+
+    import hf_kvshare.bench.runner as runner_module
+
+    def fail(*args, **kwargs):
+        if failure == "disk-full":
+            raise OSError(errno.ENOSPC, "No space left on device", "summary.json")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner_module, "summarize_method", fail)
+    argv = ["run", *TRACE, "--methods", "fullshared", "--model", tiny_dir, "--no-progress", "--no-plots"]
+    if failure == "disk-full":
+        assert bench(*argv, "--out", tmp_path) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].endswith("error: OSError 'summary.json': No space left on device"), err
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            bench(*argv, "--out", tmp_path)
+    assert _stray(tmp_path) == []
+    config = only_config(tmp_path)
+    assert not (config / "fullshared").exists() and not (config / "nonshared").exists()
+    monkeypatch.undo()
+    assert bench(*argv, "--out", tmp_path) == 0  # the next run runs everything, from the start
+    assert "already done" not in capsys.readouterr().out and _stray(tmp_path) == []
+
+
+def test_redo_keeps_the_earlier_results_until_the_new_ones_are_complete(
+    tiny_dir, finished_run, tmp_path, monkeypatch
+):
+    import hf_kvshare.bench.runner as runner_module
+
+    argv = ["run", *TRACE, "--methods", "fullshared", "--model", tiny_dir, "--no-progress", "--no-plots"]
+    out = _copy_run(finished_run, tmp_path)
+    before = _files(tmp_path)
+    real = runner_module.summarize_method
+    calls = []
+
+    def second_fails(*args, **kwargs):  # nonshared's summary is computed, fullshared's fails
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "summarize_method", second_fails)
+    assert bench(*argv, "--redo", "--out", out) == 1
+    assert _files(tmp_path) == before and _stray(tmp_path) == []
+
+
+def test_a_killed_runs_partial_folder_is_neither_trusted_nor_kept(tiny_dir, finished_run, tmp_path, capsys):
+    """A run killed (SIGKILL) while it wrote leaves a hidden partial folder, even one holding a
+    summary (killed between the summary and the rename): the next run neither counts it as done nor
+    lists it, and removes it (its process is gone)."""
+    import shutil
+
+    argv = ["run", *TRACE, "--methods", "fullshared", "--model", tiny_dir, "--no-progress", "--no-plots"]
+    done = only_config(finished_run)
+    out = tmp_path / "out"
+    config = out / done.name
+    config.mkdir(parents=True)
+    shutil.copy(done / "config.json", config / "config.json")
+    dead = 2**22 + 12345  # above the default pid_max: no such process
+    for tag in ("nonshared", "fullshared"):
+        shutil.copytree(done / tag, config / f".{tag}.partial-{dead}")
+    capsys.readouterr()
+    assert bench(*argv, "--out", out) == 0
+    assert "already done" not in capsys.readouterr().out
+    assert sorted(p.name for p in config.iterdir() if p.is_dir()) == ["fullshared", "limit", "nonshared"]
+    rows = json.loads((config / "summary.json").read_text())["methods"]
+    assert [m["method"] for m in rows] == ["nonshared", "fullshared", "limit"]
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (b'{"config": ', "is not valid JSON"),
+        (b"[1, 2]", "must hold a JSON object, got list"),
+        (b"\xff\xfe", "is not UTF-8"),
+        (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    ],
+    ids=["truncated", "not-an-object", "non-utf8", "deeply-nested"],
+)
+def test_a_damaged_earlier_result_is_one_line_when_the_run_resumes(
+    damage, expected, tiny_dir, finished_run, tmp_path, capsys
+):
+    argv = ["run", *TRACE, "--methods", "fullshared", "--model", tiny_dir, "--no-progress", "--no-plots"]
+    out = _copy_run(finished_run, tmp_path)
+    victim = only_config(out) / "fullshared" / "summary.json"
+    victim.write_bytes(damage)
+    capsys.readouterr()
+    assert bench(*argv, "--out", out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err) and err[-1].startswith("error: "), err
+    assert expected in err[-1] and "summary.json" in err[-1] and "--redo" in err[-1], err
+    assert victim.read_bytes() == damage  # nothing replaced without --redo
+    if damage.startswith(b'{"config"'):  # --redo replaces it (once: the same for every damage)
+        assert bench(*argv, "--redo", "--out", out) == 0
+        assert json.loads(victim.read_text())["method"] == "fullshared"
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_dir, tmp_path_factory) -> Path:
+    """One finished configuration (fullshared with plots), for the commands that read runs."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("finished")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert (
+            bench(
+                "run", *TRACE, "--methods", "fullshared", "--model", tiny_dir, "--out", out, "--no-progress"
+            )
+            == 0
+        )
+    return out
+
+
+def _copy_run(finished: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(finished, tmp_path / "out"))
+
+
+READ_DAMAGE = {
+    "truncated": (b"{", "is not valid JSON"),
+    "not-an-object": (b"[1, 2]", "must hold a JSON object"),
+    "no-methods": (b'{"config": {}}', "expected 'methods'"),
+    "non-utf8": (b"\xff\xfe", "is not UTF-8"),
+    "deeply-nested": (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    "fifo": (None, "must be a regular file, got a FIFO"),
+}
+
+
+@pytest.mark.parametrize("command", ["report", "plot"])
+@pytest.mark.parametrize("damage", sorted(READ_DAMAGE))
+def test_report_and_plot_refuse_a_damaged_summary_in_one_line(
+    command, damage, finished_run, tmp_path, capsys
+):
+    import os
+
+    out = _copy_run(finished_run, tmp_path)
+    summary = only_config(out) / "summary.json"
+    data, expected = READ_DAMAGE[damage]
+    if data is None:
+        summary.unlink()
+        os.mkfifo(summary)
+    else:
+        summary.write_bytes(data)
+    plots = {p: p.read_bytes() for p in (only_config(out) / "plots").iterdir()}
+    _alarm()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            bench(command, out)
+    finally:
+        import signal
+
+        signal.alarm(0)
+    assert exit_info.value.code == 2
+    assert one_line_error(capsys.readouterr().err, expected, "summary.json")
+    assert {p: p.read_bytes() for p in (only_config(out) / "plots").iterdir()} == plots  # nothing redrawn
+
+
+@pytest.mark.parametrize("where", ["out-is-a-file", "plots-read-only"])
+def test_plot_checks_where_it_writes_before_drawing(where, finished_run, tmp_path, capsys, monkeypatch):
+    from hf_kvshare.bench import plots
+
+    out = _copy_run(finished_run, tmp_path)
+    monkeypatch.setattr(plots, "_pyplot", lambda: pytest.fail("a figure was drawn before the check"))
+    if where == "out-is-a-file":
+        blocker = tmp_path / "blocker"
+        blocker.write_text("x")
+        argv, expected = ["--out", blocker], ("--out", "exists and is not a directory")
+    else:
+        import hf_kvshare.bench.inputs as inputs
+
+        real = inputs.tempfile.mkstemp
+
+        def read_only(*args, dir=None, **kwargs):
+            if dir is not None and Path(dir).name == "plots":
+                raise OSError(30, "Read-only file system")
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(inputs.tempfile, "mkstemp", read_only)
+        argv, expected = [], ("plots", "is not writable (Read-only file system)")
+    with pytest.raises(SystemExit) as exit_info:
+        bench("plot", out, *argv)
+    assert exit_info.value.code == 2
+    assert one_line_error(capsys.readouterr().err, *expected)
+
+
+def test_serve_checks_its_output_place_before_vllm(tmp_path, capsys, monkeypatch):
+    import subprocess
+
+    from hf_kvshare.bench import serve
+
+    monkeypatch.setattr(
+        subprocess, "run", lambda *a, **k: pytest.fail("vLLM was probed before --out was checked")
+    )
+    monkeypatch.setattr(serve, "connector_server_class", lambda: pytest.fail("a server was prepared"))
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    for argv, expected in (
+        (["--out", blocker / "deeper"], ("--out", "exists and is not a directory")),
+        (["--out", tmp_path / "out", "--port", "70000"], ("--port 70000", "not a TCP port")),
+    ):
+        assert bench("serve", *argv, "--vllm-python", sys.executable) == 2
+        assert one_line_error(capsys.readouterr().err, *expected)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_dangling_symlink_is_named_as_one(tmp_path, capsys, no_model_load):
+    import os
+
+    link = tmp_path / "link"
+    os.symlink(tmp_path / "nowhere", link)
+    with pytest.raises(SystemExit) as exit_info:
+        bench("run", *TRACE, "--out", link / "runs", "--no-progress")
+    assert exit_info.value.code == 2
+    assert one_line_error(capsys.readouterr().err, "--out", "is a symbolic link to a missing target")
+    assert not (tmp_path / "nowhere").exists()
+
+
+MORE_ARGUMENT_ERRORS = [
+    (["--workload", "gsm8k", "--limit", "-1"], "--limit: expected an integer >= 0, got -1"),
+    (["--workload", "gsm8k", "--offset", "-5"], "--offset: expected an integer >= 0, got -5"),
+    (["--workload", "gsm8k", "--max-new-tokens", "-3"], "--max-new-tokens: expected an integer >= 1"),
+    ([*TRACE, "--exec-timeout", "-1"], "--exec-timeout: expected a finite number > 0, got -1"),
+    ([*TRACE, "--exec-timeout", "nan"], "--exec-timeout: expected a finite number > 0, got nan"),
+    ([*TRACE, "--seed", str(2**70)], "--seed: expected an integer in [0, 4294967295]"),
+    ([*TRACE, "--threads", str(10**12)], "--threads: expected an integer >= 1 and at most 4096"),
+    ([*TRACE, "--num-layers", "0"], "--num-layers: expected an integer >= 1, got 0"),
+    ([*TRACE, "--limit", "1" * 5000], "--limit: expected an integer >= 0, got '111"),
+    ([*TRACE, "--adapter", "a=/dev/zero"], "--adapter a=/dev/zero: expected a PEFT adapter directory"),
+]
+
+
+@pytest.mark.parametrize(
+    "argv, message", MORE_ARGUMENT_ERRORS, ids=[" ".join(a[-2:])[:40] for a, _ in MORE_ARGUMENT_ERRORS]
+)
+def test_more_argument_errors_are_one_line_before_the_model_loads(
+    argv, message, tmp_path, capsys, no_model_load
+):
+    with pytest.raises(SystemExit) as exit_info:
+        bench("run", *argv, "--out", tmp_path / "out", "--no-progress")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert one_line_error(err, message) and len(err) < 600
+    assert not (tmp_path / "out").exists()
+
+
+CALIBRATE_ERRORS = [
+    (["--target-rho", "2"], "--target-rho: expected a reuse ratio in [0, 1], got 2"),
+    (["--target-rho", "nan"], "--target-rho: expected a reuse ratio in [0, 1], got nan"),
+    (
+        ["--target-rho", "0.5", "--tau-min", "0.9", "--tau-max", "0.1"],
+        "--tau-min < --tau-max, got 0.9 and 0.1",
+    ),
+    (["--target-rho", "0.5", "--iterations", "-2"], "--iterations: expected an integer >= 1, got -2"),
+    (["--target-rho", "0.5", "--tolerance", "-1"], "--tolerance: expected a finite number >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CALIBRATE_ERRORS, ids=[" ".join(a) for a, _ in CALIBRATE_ERRORS])
+def test_calibrate_numbers_are_checked_before_the_model_loads(argv, message, tmp_path, capsys, no_model_load):
+    with pytest.raises(SystemExit) as exit_info:
+        bench("calibrate", *TRACE, "--method", "kvcmas", *argv, "--out", tmp_path / "out")
+    assert exit_info.value.code == 2
+    assert one_line_error(capsys.readouterr().err, message, about="kvcmas")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_task_file_with_an_integer_too_long_to_convert_is_one_line(tmp_path, capsys, no_model_load):
+    data = _write_bytes(tmp_path / "t.jsonl", b'{"id": "x", "max_new_tokens": ' + b"1" * 5000 + b"}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        bench("run", "--workload", "file", "--data", data, "--out", tmp_path / "out")
+    assert exit_info.value.code == 2
+    assert one_line_error(capsys.readouterr().err, "t.jsonl line 1: not valid JSON here")
+    assert bench("validate", data) == 1
+    assert "t.jsonl line 1: not valid JSON here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["os.path", "../../etc", "json.decoder"])
+def test_a_study_name_that_is_no_study_is_one_line(name, capsys):
+    assert bench("study", name) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"no study named {name!r}" in err[0] and "available: coverage" in err[0], err

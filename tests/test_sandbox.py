@@ -216,6 +216,43 @@ def test_a_setsid_child_ends_with_the_run(isolate, parent, environment):
     assert _alive(marker) == []
 
 
+@pytest.mark.parametrize("isolate", [False], ids=["unisolated"])  # isolated: the PID namespace test above
+@pytest.mark.parametrize(
+    "clears_pdeathsig, kill",
+    [(False, "posix.kill(posix.getppid(), signal.SIGKILL)"), (True, "posix.kill(posix.getppid(), signal.SIGKILL)"),
+     (False, "posix.killpg(0, signal.SIGKILL)")],
+    ids=["plain", "clears-pdeathsig", "its-whole-group"],
+)  # fmt: skip
+def test_nothing_survives_when_the_program_sigkills_its_launcher(isolate, clears_pdeathsig, kill):
+    """The program double-forks a ``setsid`` child with an empty environment (no run tag), may clear
+    its own parent-death signal, then SIGKILLs its parent (the launcher, the checker's parent) or its
+    whole process group: no process of the tree may remain, and the run is no pass."""
+    marker = f"{random.randint(10**6, 10**7)}.{random.randint(10**5, 10**6)}"
+    clear = "ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\n" if clears_pdeathsig else ""
+    program = (
+        "import ctypes, posix, signal, time\n" + clear + "if posix.fork() == 0:\n"
+        "    posix.setsid()\n"
+        "    if posix.fork() == 0:\n"
+        f"        posix.execve('/bin/sleep', ['sleep', {marker!r}], {{}})\n"
+        "    posix._exit(0)\n"
+        "time.sleep(0.3)\n"
+        "try:\n"
+        f"    {kill}\n"
+        "except OSError:\n"
+        "    pass\n"
+        f"posix.execve('/bin/sleep', ['sleep', {marker + '0'!r}], {{}})\n"  # the candidate itself
+    )
+    start = time.monotonic()
+    result = run_python(program, timeout=3.0, isolate=isolate)
+    assert time.monotonic() - start < 8.0
+    assert not result.passed and result.status in ("failed", "timeout"), result
+    for _ in range(40):  # SIGKILL is asynchronous; a bounded wait
+        if not _alive(marker):
+            break
+        time.sleep(0.05)
+    assert _alive(marker) == []
+
+
 @pytest.mark.parametrize("isolate", MODES)
 def test_an_output_flood_keeps_memory_bounded(isolate):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -360,3 +397,24 @@ def test_isolation_holds_for_an_interpreter_that_lives_under_tmp(tmp_path):
         check=True,
     )
     assert out.stdout.strip().splitlines()[-1] == "None", (sys.executable, out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("isolate", [False], ids=["unisolated"])  # isolated: the host's /tmp is not there
+def test_the_tests_cannot_be_read_from_the_launchers_configuration(isolate):
+    """The launcher's configuration file holds the tests (HumanEval's hidden asserts): a program that
+    looks for it beside its directory finds nothing (removed before the program runs; isolated, the
+    host's /tmp is not even there)."""
+    marker = f"hidden-{random.randint(10**8, 10**9)}"
+    program = (
+        "import glob\n"
+        "for path in glob.glob('../*') + glob.glob('/tmp/hfkv-exec-*/*'):\n"
+        "    try:\n"
+        "        print(open(path, errors='replace').read())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "def add(a, b):\n    return a + b\n"
+    )
+    test = f"def check(candidate):\n    assert candidate(2, 3) == 5  # {marker}\n\ncheck(add)\n"
+    result = run_python(program, timeout=5.0, isolate=isolate, test=test)
+    assert result.passed, result
+    assert marker not in result.stdout and marker not in result.stderr

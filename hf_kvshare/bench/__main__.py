@@ -11,7 +11,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..argparsing import ArgumentParser, device_name, dtype_name, non_negative_int, positive_int
+from ..argparsing import (
+    ArgumentParser,
+    device_name,
+    dtype_name,
+    int_in,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    positive_int_at_most,
+)
 from .command import (
     DEFAULT_METHODS,
     WORKLOAD_PARAMS,
@@ -28,9 +37,9 @@ WORKLOAD_OPTIONS = {  # option: (type, help); the workload parameter is the opti
     "--data": (str, "data source: JSONL task file (file), hub name or local file (gsm8k, mmlu, autoact)"),
     "--data-config": (str, "dataset configuration on the hub (gsm8k: main, mmlu: all)"),
     "--split": (str, "dataset split (default test)"),
-    "--limit": (int, "number of requests (tasks) to run; 0: all"),
-    "--offset": (int, "index of the first task"),
-    "--max-new-tokens": (int, "tokens generated per agent turn (task workloads)"),
+    "--limit": (non_negative_int, "number of requests (tasks) to run; 0: all"),
+    "--offset": (non_negative_int, "index of the first task"),
+    "--max-new-tokens": (positive_int, "tokens generated per agent turn (task workloads)"),
     "--agents": (int, "trace: agents per round (N)"),
     "--rounds": (int, "trace/autoact: rounds (R)"),
     "--output-tokens": (int, "trace/stress: fixed output length per turn"),
@@ -38,6 +47,9 @@ WORKLOAD_OPTIONS = {  # option: (type, help); the workload parameter is the opti
     "--hops": (int, "stress: agents in the chain"),
 }
 
+
+#: the most torch CPU threads ``--threads`` takes
+MAX_THREADS = 4096
 
 #: how the bench is invoked, for usage lines: ``hf-kvshare bench`` sets it through ``main(prog=...)``
 PROG = "python -m hf_kvshare.bench"
@@ -91,7 +103,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda, cuda:1, ...")
     add_model_arguments(g, dtype=False)  # --load-in-4bit, --load-in-8bit, --bnb-4bit-quant-type, --device-map
     g.add_argument(
-        "--num-layers", type=int, default=None, help="random: models only: keep the first N decoder layers"
+        "--num-layers",
+        type=positive_int,
+        default=None,
+        help="random: models only: keep the first N decoder layers",
     )
     g.add_argument(
         "--attn-implementation",
@@ -105,10 +120,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="load a PEFT adapter under NAME (repeat; agents that name an adapter run with it)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     g.add_argument(
         "--threads",
-        type=positive_int,
+        type=positive_int_at_most(MAX_THREADS),
         default=None,
         help="torch CPU threads (default: torch's). On a shared machine 1 thread times far more steadily",
     )
@@ -207,7 +222,7 @@ def parse_run(
     g.add_argument(
         "--execute", action="store_true", help="HumanEval: execute the final code (sandboxed subprocess)"
     )
-    g.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per HumanEval program")
+    g.add_argument("--exec-timeout", type=positive_float, default=10.0, help="seconds per HumanEval program")
     if "adapters" in defaults:
         defaults["adapter"] = [f"{name}={path}" for name, path in defaults.pop("adapters").items()]
     if "workload_tau" in defaults:
@@ -232,13 +247,20 @@ def cmd_plot(argv: list[str]) -> int:
     p.add_argument("dirs", nargs="+", help="configuration directories (or an output root holding them)")
     p.add_argument("--out", default=None, help="where sweep plots go (default: <first root>/plots)")
     args = p.parse_args(argv)
-    try:
+    from .inputs import check_output_dir
+    from .report import read_configuration_summary
+
+    try:  # every summary read and every place written checked before the first figure is drawn
         configs = find_configurations(args.dirs)
-    except FileNotFoundError as e:
+        for c in configs:
+            read_configuration_summary(c)
+            check_output_dir(c / "plots", f"plot: {c}/plots")
+        out = Path(args.out) if args.out else configs[0].parent / "plots" / "sweep"
+        check_output_dir(out, "--out" if args.out else "plot: the sweep plots' directory")
+    except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     for c in configs:
         print(f"{c}: {len(plots.configuration_plots(c))} files")
-    out = Path(args.out) if args.out else configs[0].parent / "plots" / "sweep"
     if plots.sweep_plots(configs, out):
         print(f"sweep plots: {out}")
     return 0
@@ -282,6 +304,19 @@ def cmd_calibrate(argv: list[str]) -> int:
             f"--workload {workload.name} puts images in the prompts; calibrate runs text workloads only "
             "(bench run takes it)"
         )
+    import math
+
+    if args.target_rho is not None and not 0.0 <= args.target_rho <= 1.0:
+        p.error(f"--target-rho: expected a reuse ratio in [0, 1], got {args.target_rho:g}")
+    if not (math.isfinite(args.tau_min) and math.isfinite(args.tau_max) and args.tau_min < args.tau_max):
+        p.error(
+            f"--tau-min / --tau-max: expected finite numbers with --tau-min < --tau-max, got "
+            f"{args.tau_min:g} and {args.tau_max:g}"
+        )
+    if args.iterations < 1:
+        p.error(f"--iterations: expected an integer >= 1, got {args.iterations}")
+    if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        p.error(f"--tolerance: expected a finite number >= 0, got {args.tolerance:g}")
     profile = args.target_rho is None
     if profile and not has_offline_profile(spec.cls):
         p.error(
@@ -409,6 +444,13 @@ def cmd_study(argv: list[str]) -> int:
         print(f"usage: {PROG} study NAME [args...]\nstudies: {studies}")
         return 0 if argv else 2
     module_name = f"{STUDIES_PACKAGE}.{argv[0]}"
+    if not argv[0].isidentifier():  # a dotted or path-like name never reaches the importer
+        print(
+            f"error: no study named {argv[0]!r} (a study is a module of {STUDIES_PACKAGE}, named by a "
+            f"Python identifier); available: {studies}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         main_fn = getattr(importlib.import_module(module_name), "main", None)
     except ModuleNotFoundError as e:

@@ -110,7 +110,10 @@ def parse_adapters(items: Sequence[str]) -> dict[str, str]:
         if name in adapters:
             raise ValueError(f"--adapter {name} is given twice")
         where = f"--adapter {name}={path}"
-        if Path(path).is_dir() and not (Path(path) / "adapter_config.json").exists():
+        if os.path.lexists(path) and not Path(path).is_dir():
+            kind = "a file" if Path(path).is_file() else "not a directory"
+            raise ValueError(f"{where}: expected a PEFT adapter directory (or hub id), got {kind}")
+        if Path(path).is_dir() and not (Path(path) / "adapter_config.json").is_file():
             raise ValueError(f"{where}: the directory has no adapter_config.json (a PEFT adapter)")
         if not Path(path).exists() and (os.sep in path or path.startswith(".")):
             raise ValueError(f"{where}: no such directory (expected a PEFT adapter dir or hub id)")

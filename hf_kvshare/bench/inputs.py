@@ -93,6 +93,7 @@ def check_output_dir(path: str | os.PathLike, what: str) -> None:
     component is a directory and the deepest existing one takes a file (a probe file is created
     and removed). Nothing is created. :class:`InputFileError` naming ``what`` otherwise."""
     target = Path(path)
+    check_no_dangling_link(target, what)
     probe = target
     while not os.path.lexists(probe):
         if probe.parent == probe:
@@ -123,3 +124,41 @@ def check_input_dir(path: str | os.PathLike, what: str) -> None:
     if not os.path.isdir(path):
         state = "is not a directory" if os.path.lexists(path) else "does not exist"
         raise InputFileError(f"{what} {str(path)!r} {state}")
+
+
+#: the largest JSON file of a run's output the bench reads back (summary.json, config.json)
+MAX_RESULT_FILE = 64 * 2**20
+
+
+def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = MAX_RESULT_FILE) -> Any:
+    """The JSON value in ``path`` (read as :func:`read_input_text`); :class:`InputFileError` naming
+    ``what`` and the reason for a file that is not valid JSON (truncated, nested too deeply)."""
+    import json
+
+    text = read_input_text(path, what, max_bytes)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputFileError(f"{what} {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise InputFileError(f"{what} {str(path)!r} is JSON nested too deeply") from None
+
+
+def read_json_object(path: str | os.PathLike, what: str, max_bytes: int = MAX_RESULT_FILE) -> dict:
+    """:func:`read_json_file` that must give a JSON object."""
+    value = read_json_file(path, what, max_bytes)
+    if not isinstance(value, dict):
+        raise InputFileError(f"{what} {str(path)!r} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def check_no_dangling_link(path: str | os.PathLike, what: str) -> None:
+    """``path`` and its ancestors hold no symbolic link to a missing target (``mkdir`` would fail
+    late with a confusing ``FileExistsError``)."""
+    target = Path(path)
+    for candidate in [target, *target.parents]:
+        if os.path.islink(candidate) and not os.path.exists(candidate):
+            raise InputFileError(
+                f"{what} {str(path)!r}: {str(candidate)!r} is a symbolic link to a missing target "
+                f"({os.readlink(candidate)!r})"
+            )

@@ -5,7 +5,6 @@ residual each method leaves (for FullShared, the cross-agent correction).
 
 from __future__ import annotations
 
-import json
 import textwrap
 import warnings
 from collections.abc import Sequence
@@ -14,7 +13,7 @@ from typing import Any
 
 from ..evaluation.metrics import pareto_front
 from .methods import short_label
-from .report import write_csv
+from .report import read_configuration_summary, write_csv
 
 
 def _pyplot():
@@ -112,7 +111,7 @@ def configuration_plots(config_dir: str | Path) -> list[Path]:
     summary_path = config_dir / "summary.json"
     if not summary_path.exists():
         raise FileNotFoundError(f"{summary_path} does not exist: run the benchmark first")
-    summary = json.loads(summary_path.read_text())
+    summary = read_configuration_summary(config_dir)
     methods, title = summary["methods"], run_title(summary.get("config") or {})
     out = config_dir / "plots"
     out.mkdir(exist_ok=True)
@@ -263,7 +262,7 @@ def sweep_plots(
     """TTFT (mean, p50, p90) and throughput vs ``param`` per method across configurations."""
     rows, configs = [], []
     for d in config_dirs:
-        data = json.loads((Path(d) / "summary.json").read_text())
+        data = read_configuration_summary(d)
         configs.append(data["config"])
         value = (data["config"].get("workload_params") or {}).get(param)
         if value is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import csv
-import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -123,11 +123,35 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str
 def write_csv(path: Path, rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> Path:
     """``rows`` as CSV: the ``columns`` given (default: every key, in order of appearance)."""
     columns = list(dict.fromkeys(k for row in rows for k in row)) if columns is None else columns
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    try:  # the previous file, if any, is kept until the new one is complete
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def read_configuration_summary(config_dir: str | Path) -> dict[str, Any]:
+    """A configuration's ``summary.json`` (``{"config": {...}, "methods": [...]}``), read as a bounded
+    regular file; :class:`~hf_kvshare.bench.inputs.InputFileError` (a ``ValueError``) saying what is
+    wrong with it otherwise."""
+    from .inputs import InputFileError, read_json_object
+
+    path = Path(config_dir) / "summary.json"
+    data = read_json_object(path, "summary")
+    methods, config = data.get("methods"), data.get("config")
+    if not isinstance(methods, list) or not all(isinstance(m, dict) and "method" in m for m in methods):
+        raise InputFileError(
+            f"summary {str(path)!r}: expected 'methods', a list of method rows (written by bench run)"
+        )
+    if not isinstance(config, dict):
+        raise InputFileError(f"summary {str(path)!r}: expected 'config', an object (written by bench run)")
+    return data
 
 
 def find_configurations(dirs: list[str | Path]) -> list[Path]:
@@ -171,12 +195,12 @@ def report(
     if kind == "sweep":
         rows = []
         for c in configs:
-            data = json.loads((c / "summary.json").read_text())
+            data = read_configuration_summary(c)
             length = (data["config"].get("workload_params") or {}).get("shared_tokens")
             rows += [{"shared_tokens": length, **m} for m in data["methods"] if length is not None]
         return markdown_table(rows, REPORT_COLUMNS["sweep"])
     for c in configs:
-        data = json.loads((c / "summary.json").read_text())
+        data = read_configuration_summary(c)
         out += [f"\n**{c.name}**\n", markdown_table(data["methods"], REPORT_COLUMNS[kind])]
         for metric in by_hop:
             out += [f"\n{metric} by hop:\n", hop_matrix(data["methods"], metric)]

@@ -121,6 +121,27 @@ def _remove_created(created: Path, directory: Path) -> None:
             break
 
 
+def _read_result(path: Path) -> dict[str, Any]:
+    """A summary.json / config.json the run wrote; :class:`BenchInputError` when it cannot be read
+    (truncated, edited, not a file): the run does not guess which results to trust."""
+    from .inputs import InputFileError, read_json_object
+
+    try:
+        return read_json_object(path, "the earlier result")
+    except InputFileError as e:
+        raise BenchInputError(f"{e}; remove it, or use --redo or another --out") from None
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _device_map_tag(device_map: str) -> str:
     """``auto`` / ``cuda_0`` as they are; a JSON placement by a short hash of its text."""
     if device_map.lstrip().startswith("{"):
@@ -252,7 +273,7 @@ class BenchRunner:
         summary = self.method_dir(spec) / "summary.json"
         if not summary.exists():
             return False
-        stored = json.loads(summary.read_text()).get("config")
+        stored = _read_result(summary).get("config")
         if _clean(stored) != _jsonable(self.method_config(spec)):
             raise ConfigMismatch(
                 f"{self.method_dir(spec)} holds a finished run with a different configuration; "
@@ -266,7 +287,7 @@ class BenchRunner:
         path = self.dir / "config.json"
         current = _jsonable(self.config.to_dict())
         if path.exists():
-            stored = json.loads(path.read_text()).get("config")
+            stored = _read_result(path).get("config")
             if stored != current:
                 diff = sorted(
                     k for k in set(stored or {}) | set(current) if (stored or {}).get(k) != current.get(k)
@@ -416,23 +437,68 @@ class BenchRunner:
             if pair.forced is not None:
                 pair.forced.save_state(directory / "forced", model=self.model)
 
+    def _partial_dir(self, name: str) -> Path:
+        """Where method folder ``name`` is written while the run runs: a hidden sibling that no
+        reader trusts (``load_summaries`` and skip-if-done ignore dot names), renamed into place by
+        :meth:`_publish` once complete."""
+        return self.dir / f".{name}.partial-{os.getpid()}"
+
+    def _publish(self, name: str) -> None:
+        """Rename the complete partial folder of ``name`` into place; a folder already there (an
+        earlier run's, replaced by ``--redo``, or one an interrupted run of an older version left) is
+        moved aside first and removed after."""
+        import shutil
+
+        final, partial = self.dir / name, self._partial_dir(name)
+        old = self.dir / f".{name}.old-{os.getpid()}"
+        if os.path.lexists(final):
+            os.replace(final, old)
+        os.replace(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _remove_stale_partials(self, names: Sequence[str]) -> None:
+        """Partial folders of ``names`` left by runs that were killed (their process is gone)."""
+        import shutil
+
+        for name in names:
+            for path in self.dir.glob(f".{name}.partial-*") if self.dir.is_dir() else ():
+                pid = path.name.rpartition("-")[2]
+                if pid.isdigit() and (int(pid) == os.getpid() or not _process_exists(int(pid))):
+                    shutil.rmtree(path, ignore_errors=True)
+
     def _run_pending(self, tasks: list[TaskSpec], pending: list[MethodSpec], redo: bool = False) -> None:
         """Run ``pending`` on ``tasks``. Everything that can fail before the first request (methods'
-        options and binding, saved states, the warm-up turn) runs before anything is written; with
-        ``redo`` the earlier summaries are removed only then."""
+        options and binding, saved states, the warm-up turn) runs before anything is written. Each
+        method's folder is written as a hidden partial folder and renamed into place when complete
+        (with ``redo`` the earlier folder is replaced only then); a run that fails or is interrupted
+        removes its partial folders, and one that is killed leaves only hidden ones, which no later
+        run trusts."""
         self.pairs = pairs = self._pairs(pending)
         self._warm_up()
-        if redo and self.dir.exists():
-            for spec in pending:
-                (self.method_dir(spec) / "summary.json").unlink(missing_ok=True)
         self._write_config()
+        names = [s.tag for s in pending] + ([LIMIT] if self.limit else [])
+        self._remove_stale_partials(names)
+        try:
+            self._record(tasks, pending, pairs)
+        except BaseException:
+            import shutil
+
+            for name in names:
+                shutil.rmtree(self._partial_dir(name), ignore_errors=True)
+            raise
+        for collector in self.collectors:
+            collector.finish(self)
+        if self.state_out is not None:
+            self.save_states()
+
+    def _record(self, tasks: list[TaskSpec], pending: list[MethodSpec], pairs: list[MethodPair]) -> None:
         collected: dict[MethodSpec, tuple[list, list]] = {s: ([], []) for s in pending}
         limit_rows: list[dict[str, Any]] = []
         with ExitStack() as files:
             writers = {}
             for spec in pending:
-                d = self.method_dir(spec)
-                d.mkdir(parents=True, exist_ok=True)
+                d = self._partial_dir(spec.tag)
+                d.mkdir(parents=True)
                 write_json(
                     d / "config.json", {"config": self.method_config(spec), "environment": environment()}
                 )
@@ -441,7 +507,9 @@ class BenchRunner:
                 ]
             bar = tqdm(tasks, desc=self.dir.name[:60], disable=not self.progress, unit="request")
             for index, task in enumerate(bar):
-                self._started = True  # from here on, what the run wrote is kept (partial results)
+                self._started = (
+                    True  # from here on the configuration directory is kept (partial folders are not)
+                )
                 run = run_paired(
                     self.model,
                     self.tokenizer,
@@ -472,21 +540,21 @@ class BenchRunner:
                     limit_rows += [{"request": task.id, "request_index": index, **r} for r in rows]
                 run.release_caches()  # the kept caches go before the next request runs
                 del run
-        for spec in pending:
+        for spec in pending:  # every summary written before any folder is published
             summary = summarize_method(*collected[spec])
             summary.update({"method": str(spec), "tag": spec.tag, "config": self.method_config(spec)})
-            write_json(self.method_dir(spec) / "summary.json", _clean(summary))
+            write_json(self._partial_dir(spec.tag) / "summary.json", _clean(summary))
         if limit_rows:
             self._write_limit(limit_rows)
-        for collector in self.collectors:
-            collector.finish(self)
-        if self.state_out is not None:
-            self.save_states()
+        for spec in pending:
+            self._publish(spec.tag)
+        if limit_rows:
+            self._publish(LIMIT)
 
     def _write_limit(self, rows: list[dict[str, Any]]) -> None:
         """The ``limit`` pseudo-method's turns and summary, beside the methods' (see bench/limit.py)."""
-        d = self.dir / LIMIT
-        d.mkdir(parents=True, exist_ok=True)
+        d = self._partial_dir(LIMIT)
+        d.mkdir(parents=True)
         (d / "turns.jsonl").write_text("".join(json.dumps(_clean(r)) + "\n" for r in rows))
         config = {**self.config.to_dict(), "method": LIMIT, "method_options": {}}
         write_json(d / "summary.json", _clean({**summarize_limit(rows), "config": config}))
@@ -519,7 +587,9 @@ class BenchRunner:
         current = _jsonable(self.config.to_dict())
         found = {}
         for path in sorted(self.dir.glob("*/summary.json")):
-            data = json.loads(path.read_text())
+            if path.parent.name.startswith("."):  # a partial folder (being written, or left by a kill)
+                continue
+            data = _read_result(path)
             stored = {
                 k: v for k, v in (data.get("config") or {}).items() if k not in ("method", "method_options")
             }

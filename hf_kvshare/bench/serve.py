@@ -1028,7 +1028,12 @@ class Plan:
 
 def validate(args: argparse.Namespace, prog: str) -> Plan:
     """Every argument checked before any server starts; ``ValueError`` with a one-line reason."""
+    from .inputs import check_output_dir
     from .methods import MethodSpec
+
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: not a TCP port (1 to 65535)")
+    check_output_dir(args.out, "--out")  # before vLLM is probed or a server starts
 
     workload = ServeTrace(args.shared_tokens, args.agents, args.tasks, args.output_tokens)
     methods = list(dict.fromkeys(args.methods))
@@ -1087,8 +1092,6 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
             f"a prompt may reach ~{need} tokens (shared tokens + agents x (output + glue) + template); "
             f"--max-model-len {max_len} (model positions: {limit}) is too short"
         )
-    if args.port is not None and args.port > 65535:
-        raise ValueError(f"--port {args.port}: not a TCP port")
     if args.port is not None:
         with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
             try:

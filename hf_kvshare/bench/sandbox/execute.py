@@ -38,8 +38,15 @@ Used for HumanEval pass@1 (opt-in with ``--execute``). What each mode promises:
   every orphan the program leaves (a double-forked ``setsid`` child with an empty environment) is
   re-parented to it and killed; the parent also kills the process group, the ``/proc`` descendants
   and every process carrying the run's environment tag (:data:`TAG_VARIABLE`). A program that
-  SIGKILLs the launcher first can leave an orphan with an empty environment in a new session:
-  only the isolated mode (PID namespace) closes that. The disk quota is ``RLIMIT_FSIZE`` per file
+  SIGKILLs the launcher (the checker's parent) leaves nothing either: the candidate and the
+  checker die with it (``PR_SET_PDEATHSIG``, which the program may clear in itself, so it is not
+  relied on alone) and the launcher runs under a *guard*, a subreaper too, to which every orphan
+  then comes back and which kills the rest of the tree before it exits; the launcher proper has a
+  process group of its own, so the program's ``killpg(0, SIGKILL)`` does not reach the guard. The
+  launcher's configuration file (it holds the tests) is removed as soon as the launcher has read
+  it, before any program runs, so an unisolated program cannot read the tests from it. A program that SIGKILLs
+  the guard as well (it runs as your user) can leave an orphan with an empty environment in a new
+  session: only the isolated mode (PID namespace) closes that; no cgroup is used. The disk quota is ``RLIMIT_FSIZE`` per file
   plus the total size of the private directory, checked every 20 ms and at the end (a run over it
   fails; it can overshoot by what is written in 20 ms, and files outside the directory are not
   counted).

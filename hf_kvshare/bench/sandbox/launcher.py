@@ -28,8 +28,11 @@ home directory); every mount read-only, nosuid, nodev except ``/tmp``. The launc
 into it, then the candidate drops to ``nobody`` (no groups, ``no_new_privs``, no capabilities).
 The launcher is PID 1 of the namespace: when it exits, every process left in it is killed.
 
-**Unisolated**: the launcher makes itself a child subreaper (``PR_SET_CHILD_SUBREAPER``) and
-non-dumpable, so every orphan of the candidate (a double-forked ``setsid`` child, whatever its
+**Unisolated**: the process started first is a *guard* (:func:`_guard`): a non-dumpable child
+subreaper that forks the launcher proper and waits for it, then kills whatever is left of the tree,
+so a program that SIGKILLs the launcher leaves no orphan (the candidate and the checker also die
+with the launcher: ``PR_SET_PDEATHSIG``). The launcher makes itself a child subreaper
+(``PR_SET_CHILD_SUBREAPER``) and non-dumpable too, so every orphan of the candidate (a double-forked ``setsid`` child, whatever its
 environment) is re-parented to it and killed with the rest of the tree when the checker is done,
 at the timeout or over the quota; the quota is ``RLIMIT_FSIZE`` per file plus the total bytes of
 the private directory, checked every 20 ms and at the end.
@@ -48,7 +51,13 @@ import traceback
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 32, 4096, 8192, 16384, 1 << 18
-PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 22, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = (
+    1,
+    4,
+    22,
+    36,
+    38,
+)
 PASSED, FAILED, QUOTA, TIMEOUT, SETUP_FAILED = 0, 1, 3, 124, 125
 #: uid/gid the checker runs as, isolated (distinct from the candidate's ``nobody``)
 CHECKER_UID = 65533
@@ -75,6 +84,15 @@ def _prctl(option, value) -> None:
     ):
         errno = ctypes.get_errno()
         raise SetupError(f"prctl({option}, {value}): {os.strerror(errno)}")
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when ``parent`` (the launcher that forked it) ends, even by SIGKILL
+    (``PR_SET_PDEATHSIG``; set after any change of user, which clears it); if the launcher is
+    already gone, end now."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(FAILED)
 
 
 # --- the isolated root ------------------------------------------------------------------------------
@@ -246,6 +264,7 @@ def _candidate(config: dict, requests: int, replies: int, workdir: str, isolated
             os.setuid(config["uid"])  # from root to a non-zero uid: every capability is dropped
             if os.getuid() == 0 or os.geteuid() == 0:
                 raise SetupError("still root after setuid")
+        _die_with(config["launcher_pid"])
         try:
             _seccomp()
         except SetupError:
@@ -402,6 +421,7 @@ def _checker(config, codec, requests, replies, report, isolated) -> None:
             os.setgroups([])
             os.setgid(CHECKER_UID)
             os.setuid(CHECKER_UID)
+        _die_with(config["launcher_pid"])
         _prctl(PR_SET_DUMPABLE, 0)
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
         code = _check(config, codec, requests, replies, report)
@@ -489,9 +509,36 @@ def _disk_usage(top: str) -> int:
     return total
 
 
+def _guard(report: int) -> None:
+    """Unisolated: fork the launcher proper and return in it; this process (a subreaper too) only
+    waits for it. However the launcher ends (its verdict, or a SIGKILL from the program), every
+    process left of the tree (the candidate and checker die with the launcher by
+    ``PR_SET_PDEATHSIG``; their orphans, a double-forked ``setsid`` child with an empty
+    environment, are re-parented here) is killed before this process exits with the launcher's
+    status (``FAILED`` when a signal ended it)."""
+    launcher = os.fork()
+    if launcher == 0:
+        return
+    os.close(report)  # the launcher's; the parent then sees the report end when the launcher ends
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_IGN)
+    while True:
+        try:
+            _, status = os.waitpid(launcher, 0)
+            break
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            status = 1 << 8
+            break
+    _kill_tree()
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else FAILED)
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         config = json.load(f)
+    os.remove(sys.argv[1])  # it holds the tests: gone before any program runs (its directory is readable)
     isolated = config["mode"] == "isolated"
     report = config["report_fd"]
     try:
@@ -504,10 +551,15 @@ def main() -> None:
         else:
             _prctl(PR_SET_CHILD_SUBREAPER, 1)
             _prctl(PR_SET_DUMPABLE, 0)
+            _guard(report)  # returns in the launcher proper, a child of the guard
+            os.setpgid(0, 0)  # a group of its own: the program's killpg(0, ...) does not reach the guard
+            _prctl(PR_SET_CHILD_SUBREAPER, 1)  # not inherited across fork
+            _prctl(PR_SET_DUMPABLE, 0)
             workdir = config["workdir"]
     except (OSError, SetupError) as error:
         print(f"sandbox setup failed: {error}", file=sys.stderr)
         os._exit(SETUP_FAILED)
+    config["launcher_pid"] = os.getpid()
     requests_r, requests_w = os.pipe()
     replies_r, replies_w = os.pipe()
     candidate = os.fork()

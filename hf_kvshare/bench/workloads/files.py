@@ -64,6 +64,10 @@ def _validate_text(
             raise WorkloadFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         except RecursionError:
             raise WorkloadFormatError(f"{where}: JSON nested too deeply") from None
+        except ValueError as e:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+            raise WorkloadFormatError(
+                f"{where}: not valid JSON here ({' '.join(str(e).split())[:200]})"
+            ) from None
         task = TaskSpec.from_record(record, where=where, default_id=f"line-{number}")
         if adapters is not None:
             check_adapters(task, adapters, where)
