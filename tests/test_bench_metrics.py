@@ -273,6 +273,33 @@ def test_summarize_method_on_hand_built_records():
         protocol.summarize_method([], [])
 
 
+def test_fidelity_over_all_turns_counts_an_approximated_first_read():
+    """A turn that reads nothing an earlier turn read (not a reuse turn) can still be approximated
+    (KVComm corrects the first reader of an observation from a reference prefill): the reuse-turn
+    means leave it out, the all-turn means and the count do not."""
+    requests = [
+        {
+            "e2e_s": 1.0,
+            "ref_e2e_s": 1.0,
+            "trajectory_tokens": 10,
+            "ref_trajectory_tokens": 10,
+            "peak_memory_bytes": 0,
+            "ref_peak_memory_bytes": 0,
+            "final_exact_match": True,
+        }
+    ]
+    first = dict(first_token_agreement=1.0, kl=0.3, agreement=0.5, kv_error=0.6, tokens_corrected=8)
+    later = dict(first_token_agreement=1.0, kl=0.1, agreement=0.9, kv_error=0.2, tokens_corrected=8)
+    turns = [_turn(0, False, 1.0, 1.0, 0, 0, **first), _turn(1, True, 1.0, 1.0, 8, 8, **later)]
+    s = protocol.summarize_method(turns, requests)
+    assert s["kl"] == pytest.approx(0.1) and s["kv_error"] == pytest.approx(0.2)  # reuse turns only
+    assert s["kl_all_turns"] == pytest.approx(0.2) and s["kv_error_all_turns"] == pytest.approx(0.4)
+    assert s["agreement_all_turns"] == pytest.approx(0.7) and s["approximated_first_reads"] == 1
+    exact_first = dict(first, kl=0.0, agreement=1.0, kv_error=0.0, tokens_corrected=0)
+    s = protocol.summarize_method([_turn(0, False, 1.0, 1.0, 0, 0, **exact_first), turns[1]], requests)
+    assert s["approximated_first_reads"] == 0 and s["kl_all_turns"] == pytest.approx(0.05)
+
+
 def test_hop_matrix_lays_methods_by_hop():
     from hf_kvshare.bench.report import hop_matrix
 

@@ -343,7 +343,9 @@ def summarize_method(turns: Sequence[dict[str, Any]], requests: Sequence[dict[st
     ``requests.jsonl``) into its summary.
 
     TTFT statistics and fidelity are over *reuse turns* (turns that read a slot an earlier turn
-    read or produced; all turns when a workload has none); ``ttft_ratio`` is NonShared's mean TTFT
+    read or produced; all turns when a workload has none); ``*_all_turns`` fidelity is over every
+    turn, and ``approximated_first_reads`` counts the turns outside the reuse turns a method did
+    not compute exactly (corrected or reused shared tokens); ``ttft_ratio`` is NonShared's mean TTFT
     over the same turns, measured in the same run, divided by the method's (> 1: faster).
     rho = reused / reusable shared tokens over all turns.
     """
@@ -400,6 +402,18 @@ def summarize_method(turns: Sequence[dict[str, Any]], requests: Sequence[dict[st
                 "first_token_agreement": M.mean(t["first_token_agreement"] for t in reuse),
                 "kl": M.mean(t["kl"] for t in reuse),
                 "kv_error": M.mean(t["kv_error"] for t in reuse if t.get("kv_error") is not None),
+                # every turn: a method may approximate a turn that reads nothing an earlier turn read
+                # (KVComm corrects the first reader of an observation from its reference prefill), which
+                # the reuse-turn means leave out; over all turns every method is averaged over the same set
+                "agreement_all_turns": M.mean(t["agreement"] for t in turns),
+                "kl_all_turns": M.mean(t["kl"] for t in turns),
+                "kv_error_all_turns": M.mean(t["kv_error"] for t in turns if t.get("kv_error") is not None),
+                "approximated_first_reads": sum(
+                    1
+                    for t in turns
+                    if not t.get("reuse_turn")
+                    and (t.get("tokens_corrected") or t.get("tokens_reused_uncorrected"))
+                ),
             }
         )
     summary.update(reuse_accounting(turns))
