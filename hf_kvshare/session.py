@@ -520,8 +520,10 @@ class Session:
 
 
 _IN_USE_LOCK = threading.Lock()
-#: Session / method instance -> (thread ident, depth) of the turn running on it
-_IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: id of a Session / method instance -> (thread ident, depth) of the turn running on it; keyed by id, not
+#: the object (a user's method may be an unhashable dataclass); an entry lives only while a turn, which
+#: holds the object, runs on it
+_IN_USE: dict[int, tuple[int, int]] = {}
 
 
 @contextlib.contextmanager
@@ -529,22 +531,22 @@ def _in_use(owner: Any, what: str) -> Iterator[None]:
     """Mark ``owner`` in use by this thread (re-entrant within it); another thread's turn is refused."""
     me = threading.get_ident()
     with _IN_USE_LOCK:
-        thread, depth = _IN_USE.get(owner, (me, 0))
+        thread, depth = _IN_USE.get(id(owner), (me, 0))
         if thread != me:
             raise RuntimeError(
                 f"{what} is in use by a turn in another thread (thread {thread}); a Session and a method "
                 "instance cannot run concurrently: give each thread its own Session and method instance "
                 "(they may share the model), or run the turns one after another"
             )
-        _IN_USE[owner] = (me, depth + 1)
+        _IN_USE[id(owner)] = (me, depth + 1)
     try:
         yield
     finally:
         with _IN_USE_LOCK:
             if depth == 0:
-                _IN_USE.pop(owner, None)
+                _IN_USE.pop(id(owner), None)
             else:
-                _IN_USE[owner] = (me, depth)
+                _IN_USE[id(owner)] = (me, depth)
 
 
 def _preview(text: str, n: int = 40) -> str:

@@ -80,6 +80,26 @@ def test_a_method_instance_refuses_a_second_model(name, tokenizer):
     Session(first, tokenizer, method).run_turn(*STEPS[0], max_new_tokens=2)  # the first model still works
 
 
+def test_an_unhashable_user_method_runs_a_turn(tokenizer):
+    """A user's method may be a plain ``@dataclass`` (``eq=True``: unhashable); the per-thread turn guard
+    must not need to hash it (it raised TypeError in a WeakKeyDictionary)."""
+    from dataclasses import dataclass
+
+    base = METHODS["fullshared"]
+
+    @dataclass
+    class Plain(base):
+        name = "plain-dataclass-test"
+
+    method = Plain()
+    with pytest.raises(TypeError):
+        hash(method)
+    model = tiny_model("llama", seed=3, num_hidden_layers=4)
+    session = Session(model, tokenizer, method)
+    for step in STEPS[:2]:
+        session.run_turn(*step, max_new_tokens=2)
+
+
 # ---------------------------------------------------------------- 3. caches bound to their model
 
 
