@@ -918,6 +918,41 @@ def test_a_truncated_saved_state_is_one_line_and_leaves_no_directory(tiny_dir, t
         victim.write_bytes(data)
 
 
+def test_a_state_save_that_fails_leaves_the_earlier_states_whole(tiny_dir, tmp_path, capsys, monkeypatch):
+    """``--state-out`` over an earlier run's states: a save that fails (disk full) on the last file
+    leaves every method's earlier state as it was (not the new free state beside the old forced
+    one), no hidden folder, and one error line; a save that succeeds replaces them all."""
+    import errno
+
+    from hf_kvshare.persistence import StatePersistence
+
+    common = [*TRACE, "--methods", "graphflow", "--model", tiny_dir, "--no-progress", "--no-plots"]
+    state = tmp_path / "state"
+    assert bench("run", *common, "--requests", "2", "--out", tmp_path / "first", "--state-out", state) == 0
+    before = {p.relative_to(state): p.read_bytes() for p in sorted(state.rglob("*")) if p.is_file()}
+    assert {p.parent.name for p in before} >= {"graphflow", "nonshared", "forced"}
+    original, calls = StatePersistence.save_state, []
+
+    def full_disk(self, directory, model=None):
+        calls.append(type(self).__name__)
+        if len(calls) == 4:  # the last save: graphflow's fidelity instance
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        return original(self, directory, model=model)
+
+    monkeypatch.setattr(StatePersistence, "save_state", full_disk)
+    capsys.readouterr()
+    assert bench("run", *common, "--requests", "1", "--out", tmp_path / "second", "--state-out", state) == 1
+    assert calls[-2:] == ["GraphFlow", "GraphFlow"]
+    assert one_line_error(capsys.readouterr().err.strip().splitlines()[-1], "No space left on device")
+    after = {p.relative_to(state): p.read_bytes() for p in sorted(state.rglob("*")) if p.is_file()}
+    assert after == before and sorted(p.name for p in state.iterdir()) == ["graphflow", "nonshared"]
+    monkeypatch.setattr(StatePersistence, "save_state", original)  # the control: a save that completes
+    assert bench("run", *common, "--requests", "1", "--out", tmp_path / "third", "--state-out", state) == 0
+    saved = state / "graphflow" / "state.json"
+    assert saved.read_bytes() != before[saved.relative_to(state)]
+    assert sorted(p.name for p in state.iterdir()) == ["graphflow", "nonshared"]
+
+
 HOSTILE_TASK_FILES = {
     "non-utf8": lambda tmp: _write_bytes(tmp / "t.jsonl", b'{"id": "\xff\xfe"}\n'),
     "deeply-nested": lambda tmp: _write_bytes(tmp / "t.jsonl", b"[" * 100000 + b"]" * 100000 + b"\n"),

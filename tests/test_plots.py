@@ -107,3 +107,39 @@ def test_sweep_plot_ticks_are_plain_numbers_and_titled(tmp_path, saved_figures):
         assert [t.get_text() for t in ax.get_xticklabels()] == ["64", "128", "256"]
     title = fig._suptitle.get_text()
     assert "trace" in title and "SmolLM2-135M-Instruct" in title and "64, 128, 256" in title
+
+
+def test_a_figure_save_that_fails_midway_keeps_the_previous_figure(tmp_path, monkeypatch):
+    """A save that fails after writing part of the file (disk full): every figure already there is
+    kept byte for byte, a figure not there yet is not created, and no temporary file is left."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    config = write_config(
+        tmp_path / "config", 256, [method("nonshared", 1.0, 1.0), method("fullshared", 0.5, 0.8)]
+    )
+    plots.configuration_plots(config)
+    before = {p.name: p.read_bytes() for p in (config / "plots").glob("*.png")}
+    assert "fidelity_vs_ttft.png" in before and all(before.values())
+    original = Figure.savefig
+
+    def full_disk(self, fname, *args, **kwargs):
+        original(self, fname, *args, **kwargs)
+        with open(fname, "r+b") as f:  # what a failed write leaves: the first half of the file
+            f.truncate(max(1, Path(fname).stat().st_size // 2))
+        raise OSError(errno.ENOSPC, "No space left on device", str(fname))
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    summary = json.loads((config / "summary.json").read_text())
+    summary["methods"][1]["agreement"] = 0.5  # another figure than the one on disk
+    (config / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(OSError, match="No space left"):
+        plots.configuration_plots(config)
+    assert {p.name: p.read_bytes() for p in (config / "plots").glob("*.png")} == before
+    sweep = tmp_path / "sweep"
+    dirs = [write_config(tmp_path / str(n), n, [method("nonshared", n / 64, 1.0)]) for n in (64, 128)]
+    with pytest.raises(OSError, match="No space left"):
+        plots.sweep_plots(dirs, sweep)
+    assert not list(sweep.glob("*.png"))
+    assert not [p for d in (config / "plots", sweep) for p in d.iterdir() if p.name.startswith(".")]

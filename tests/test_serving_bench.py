@@ -194,6 +194,110 @@ def test_outputs_json_csv_and_figure(tmp_path):
         assert (tmp_path / "ttft_vs_qps.png") in written and (tmp_path / "ttft_vs_qps.png").stat().st_size > 0
 
 
+def test_an_incomplete_summary_is_refused_by_every_reader(tmp_path):
+    from hf_kvshare.bench.report import read_configuration_summary
+
+    rows = [{"method": "plain", "qps": 1.0, "repeat": 0, "ttft_p50_s": 0.1, "ttft_p90_s": 0.2}]
+    config = {"model": "m", "workload": {"agents": 2, "shared_tokens": 16, "output_tokens": 2, "tasks": 1}}
+    sb.write_outputs(tmp_path / "done", config, rows, plots=False)
+    assert list(sb.iter_rows(tmp_path / "done" / "summary.json")) == rows
+    assert sb.summary_complete(tmp_path / "done" / "summary.json")
+    sb.write_outputs(tmp_path / "cut", config, rows, plots=False, complete=False, stopped="interrupted")
+    summary = tmp_path / "cut" / "summary.json"
+    assert not sb.summary_complete(summary)  # the skip-if-done check replaces it instead of refusing
+    with pytest.raises(ValueError, match=r"incomplete run \(interrupted\)"):
+        list(sb.iter_rows(summary))
+    with pytest.raises(ValueError, match=r"is an incomplete run \(interrupted\): not read"):
+        read_configuration_summary(tmp_path / "cut")  # report and plot
+
+
+class _Interrupt(KeyboardInterrupt):
+    pass
+
+
+@pytest.mark.parametrize("failure", [_Interrupt, RuntimeError])
+def test_an_interrupted_or_failed_serve_run_never_looks_finished(failure, tmp_path, monkeypatch, capsys):
+    """The serve loop with the server, the warm-up and the client replaced (no vLLM): a finished run
+    is renamed into place; a second run of the same folder (``--redo``) that is interrupted or fails
+    at its second configuration leaves the first run's folder byte for byte, and its own rows only in
+    a hidden partial folder whose summary is marked incomplete (which the next run removes)."""
+    import contextlib
+
+    import transformers
+
+    from hf_kvshare.bench.report import find_configurations
+
+    out = tmp_path / "out" / "serve-config"
+    plan = sb.Plan(
+        sb.ServeTrace(16, 2, 1, 2),
+        ["plain"],
+        [sb.ServerGroup("plain", ["plain"])],
+        [1.0, 2.0],
+        tmp_path,
+        out,
+        512,
+    )
+    calls = []
+
+    def run_once(port, spec, workload, tokenizer, log=None):
+        calls.append(spec.qps)
+        if fail_at is not None and len(calls) == fail_at:
+            raise failure("the server went away")
+        records = [{**_record(i, 0.1 * len(calls), position=i), "method": spec.method} for i in range(2)]
+        return {
+            "method": spec.method,
+            "qps": spec.qps,
+            "repeat": spec.repeat,
+            **sb.summarize_run(records),
+        }, records
+
+    monkeypatch.setattr(sb, "validate", lambda args, prog: plan)
+    monkeypatch.setattr(sb, "_server", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(sb, "_warm_up", lambda *a, **k: None)
+    monkeypatch.setattr(sb, "run_once", run_once)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    argv = [
+        "--methods",
+        "plain",
+        "--qps",
+        "1",
+        "2",
+        "--port",
+        "9",
+        "--no-plots",
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    fail_at = None
+    assert sb.main(argv) == 0
+    finished = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert (
+        len(list(sb.iter_rows(out / "summary.json"))) == 2
+        and len(finished["requests.jsonl"].splitlines()) == 4
+    )
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["serve-config"]  # no partial folder left
+    capsys.readouterr()
+    fail_at = len(calls) + 2  # the second configuration of the second run
+    assert sb.main([*argv, "--redo"]) == (130 if failure is _Interrupt else 1)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == finished
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "1 row(s) so far" in err and "incomplete" in err, err
+    (partial,) = [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+    assert partial.name.startswith(".serve-config.partial-")
+    cut = json.loads((partial / "summary.json").read_text())
+    assert cut["complete"] is False and len(cut["rows"]) == 1
+    assert cut["stopped"] == ("interrupted" if failure is _Interrupt else "error: the server went away")
+    with pytest.raises(ValueError, match="incomplete run"):
+        list(sb.iter_rows(partial / "summary.json"))
+    assert find_configurations([tmp_path / "out"]) == [out]  # report never finds the partial folder
+    fail_at = None
+    assert sb.main([*argv, "--redo"]) == 0  # the next run removes it and replaces the finished one
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["serve-config"]
+    assert (
+        json.loads((out / "summary.json").read_text())["rows"] != json.loads(finished["summary.json"])["rows"]
+    )
+
+
 # -- workload: fresh documents, layouts ------------------------------------------------------------
 
 

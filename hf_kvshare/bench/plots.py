@@ -5,6 +5,7 @@ residual each method leaves (for FullShared, the cross-agent correction).
 
 from __future__ import annotations
 
+import os
 import textwrap
 import warnings
 from collections.abc import Sequence
@@ -37,7 +38,21 @@ def _save(fig, legend_ax, path: Path, title: str = "") -> Path:
         fig.suptitle(wrap_title(title), fontsize=10)
     fig.tight_layout()
     legend_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """``fig`` saved as ``path`` (its suffix names the format) through a temporary file in the same
+    directory, renamed over ``path`` once complete: a save that fails midway (disk full, a backend
+    error) leaves the previous figure, or none, never a truncated one, and no temporary file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -162,8 +177,7 @@ def _tradeoff(methods, out: Path, plt, key: str, name: str, label: str, title: s
             label,
         )
         fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")
-        written.append(out / f"{name}.png")
+        written.append(save_figure(fig, out / f"{name}.png"))
     return written
 
 

@@ -147,6 +147,10 @@ def read_configuration_summary(config_dir: str | Path) -> dict[str, Any]:
 
     path = Path(config_dir) / "summary.json"
     data = read_json_object(path, "summary")
+    if data.get("complete") is False:  # a bench serve run still going, interrupted or failed
+        raise InputFileError(
+            f"summary {str(path)!r} is an incomplete run ({data.get('stopped') or 'not finished'}): not read"
+        )
     methods, config = data.get("methods"), data.get("config")
     if not isinstance(methods, list) or not all(isinstance(m, dict) and "method" in m for m in methods):
         raise InputFileError(
@@ -162,8 +166,10 @@ def find_configurations(dirs: list[str | Path]) -> list[Path]:
     configs: list[Path] = []
     for d in map(Path, dirs):
         configs += (
-            [d] if (d / "summary.json").exists() else sorted(c.parent for c in d.glob("*/summary.json"))
-        )
+            [d]
+            if (d / "summary.json").exists()
+            else sorted(c.parent for c in d.glob("*/summary.json") if not c.parent.name.startswith("."))
+        )  # a hidden folder is a run being written (or one a killed run left): never read
     if not configs:
         raise FileNotFoundError("no configuration directory (with a summary.json) found")
     return sorted(configs, key=_natural)

@@ -184,6 +184,21 @@ def write_json(path: Path, data: Any) -> None:
         raise
 
 
+def publish_directory(partial: Path, final: Path) -> None:
+    """Rename the complete folder ``partial`` to its sibling ``final``; a folder already there (an
+    earlier run's, replaced by ``--redo``, or one an interrupted run of an older version left) is
+    moved aside first and removed after, so ``final`` is at every moment the old folder, nothing or
+    the new one, never a mix."""
+    import shutil
+
+    partial, final = Path(partial), Path(final)
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if os.path.lexists(final):
+        os.replace(final, old)
+    os.replace(partial, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.tolist()
@@ -430,12 +445,31 @@ class BenchRunner:
             ) from e
 
     def save_states(self) -> None:
-        """Save every method instance's state to ``<state_out>/<tag>/`` (fidelity instance: ``forced/``)."""
-        for spec, pair in self._specs_pairs:
-            directory = self.state_out / spec.tag
-            pair.free.save_state(directory, model=self.model)
-            if pair.forced is not None:
-                pair.forced.save_state(directory / "forced", model=self.model)
+        """Save every method instance's state to ``<state_out>/<tag>/`` (fidelity instance: ``forced/``).
+
+        Each method's state is saved (``save_state``, atomic per file) into a fresh hidden sibling,
+        ``<state_out>/.<tag>.partial-<pid>/``; only when every method's is complete are they renamed
+        into place, each replacing the whole earlier folder (a ``forced/`` an earlier run left is not
+        kept beside a new state without one). A save that fails removes the hidden folders and leaves
+        the earlier states as they were, never some methods' old state beside others' new one."""
+        import shutil
+
+        staged: list[tuple[Path, Path]] = []
+        try:
+            for spec, pair in self._specs_pairs:
+                final = self.state_out / spec.tag
+                partial = self.state_out / f".{spec.tag}.partial-{os.getpid()}"
+                shutil.rmtree(partial, ignore_errors=True)
+                staged.append((partial, final))
+                pair.free.save_state(partial, model=self.model)
+                if pair.forced is not None:
+                    pair.forced.save_state(partial / "forced", model=self.model)
+        except BaseException:
+            for partial, _ in staged:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        for partial, final in staged:
+            publish_directory(partial, final)
 
     def _partial_dir(self, name: str) -> Path:
         """Where method folder ``name`` is written while the run runs: a hidden sibling that no
@@ -444,17 +478,8 @@ class BenchRunner:
         return self.dir / f".{name}.partial-{os.getpid()}"
 
     def _publish(self, name: str) -> None:
-        """Rename the complete partial folder of ``name`` into place; a folder already there (an
-        earlier run's, replaced by ``--redo``, or one an interrupted run of an older version left) is
-        moved aside first and removed after."""
-        import shutil
-
-        final, partial = self.dir / name, self._partial_dir(name)
-        old = self.dir / f".{name}.old-{os.getpid()}"
-        if os.path.lexists(final):
-            os.replace(final, old)
-        os.replace(partial, final)
-        shutil.rmtree(old, ignore_errors=True)
+        """Rename the complete partial folder of ``name`` into place (:func:`publish_directory`)."""
+        publish_directory(self._partial_dir(name), self.dir / name)
 
     def _remove_stale_partials(self, names: Sequence[str]) -> None:
         """Partial folders of ``names`` left by runs that were killed (their process is gone)."""

@@ -419,14 +419,25 @@ def exact_match(
 
 
 def write_outputs(
-    out: Path, config: Mapping[str, Any], rows: list[dict[str, Any]], plots: bool = True
+    out: Path,
+    config: Mapping[str, Any],
+    rows: list[dict[str, Any]],
+    plots: bool = True,
+    complete: bool = True,
+    stopped: str | None = None,
 ) -> list[Path]:
-    """``summary.json`` (config + rows), ``summary.csv`` and, with matplotlib, ``ttft_vs_qps.png``."""
+    """``summary.json`` (config + rows + ``complete``), ``summary.csv`` and, with matplotlib,
+    ``ttft_vs_qps.png``. ``complete=False``: the rows of a run still going, interrupted or failed
+    (``stopped``: why it stopped), which no reader takes for a finished run (:func:`iter_rows`,
+    ``report``, ``plot`` and the skip-if-done check refuse or replace it)."""
     from .report import write_csv
     from .runner import write_json
 
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "summary.json", {"config": dict(config), "rows": _clean(rows)})
+    summary: dict[str, Any] = {"config": dict(config), "rows": _clean(rows), "complete": complete}
+    if not complete and stopped is not None:
+        summary["stopped"] = stopped
+    write_json(out / "summary.json", summary)
     written = [out / "summary.json", write_csv(out / "summary.csv", rows, list(SUMMARY_COLUMNS))]
     if plots:
         written += ttft_plot(rows, out / "ttft_vs_qps.png", title=_title(config))
@@ -1100,7 +1111,9 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
                 raise ValueError(f"--port {args.port}: already in use on {HOST}") from None
     out = Path(args.out) / f"{workload.tag()}__{Path(args.model).name}-{args.dtype}-seed{args.seed}"
     if (out / "summary.json").exists() and not args.redo:
-        raise ValueError(f"{out} holds a finished run; use --redo to replace it, or another --out")
+        if summary_complete(out / "summary.json"):
+            raise ValueError(f"{out} holds a finished run; use --redo to replace it, or another --out")
+        print(f"{prog} serve: note: {out} holds an incomplete run (interrupted or failed): replacing it")
     return Plan(workload, methods, groups, list(args.qps), model_dir, out, max_len)
 
 
@@ -1145,8 +1158,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
         "joined_messages": args.joined_messages,
         "argv": list(argv) if argv is not None else sys.argv[1:],
     }
-    plan.out.mkdir(parents=True, exist_ok=True)
-    (plan.out / "requests.jsonl").unlink(missing_ok=True)
+    # the run is written into a hidden sibling of its folder, renamed into place once complete: an
+    # interrupted or failed run leaves only that (its summary marked incomplete), never a folder
+    # that looks finished, and an earlier finished run (--redo) stays whole until then
+    remove_stale_partials(plan.out)
+    work = partial_dir(plan.out)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     rows: list[dict[str, Any]] = []
     runs: dict[tuple[str, int, float], list[dict[str, Any]]] = {}  # (method, repeat, qps) -> records
     forced: dict[str, Any] = {}
@@ -1166,7 +1184,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
             order = plan.groups if repeat % 2 == 0 else plan.groups[::-1]
             for group in order:
                 port = args.port or free_port()
-                log_path = plan.out / "logs" / f"{group.key}-r{repeat}.log"
+                log_path = work / "logs" / f"{group.key}-r{repeat}.log"
                 report_path = log_path.with_suffix(".reports.jsonl") if group.method is not None else None
                 if report_path is not None:
                     report_path.unlink(missing_ok=True)
@@ -1204,19 +1222,59 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
                             rows.append(row)
                             runs[(method, repeat, qps)] = records
                             fill_exact(rows, runs)
-                            with open(plan.out / "requests.jsonl", "a") as f:
+                            with open(work / "requests.jsonl", "a") as f:
                                 f.writelines(json.dumps(_clean(r)) + "\n" for r in records)
-                            write_outputs(plan.out, config, rows, plots=False)
+                            write_outputs(work, config, rows, plots=False, complete=False)
     except KeyboardInterrupt:
-        print("interrupted: the rows so far are written", file=sys.stderr)
+        write_outputs(work, config, rows, plots=False, complete=False, stopped="interrupted")
+        print(
+            f"{prog} serve: interrupted: {len(rows)} row(s) so far in {work / 'summary.json'}, marked "
+            "incomplete (not a finished run; the next run of this configuration removes it)",
+            file=sys.stderr,
+        )
+        return 130
     except RuntimeError as e:
-        print(f"{prog} serve: error: {e}", file=sys.stderr)
-        if rows:
-            write_outputs(plan.out, config, rows, plots=not args.no_plots)
+        reason = " ".join(str(e).split())
+        write_outputs(work, config, rows, plots=False, complete=False, stopped=f"error: {reason[:500]}")
+        print(
+            f"{prog} serve: error: {reason} ({len(rows)} row(s) so far in {work / 'summary.json'}, "
+            "marked incomplete)",
+            file=sys.stderr,
+        )
         return 1
-    written = write_outputs(plan.out, config, rows, plots=not args.no_plots)
-    print("\n".join(str(p) for p in written))
+    from .runner import publish_directory
+
+    written = write_outputs(work, config, rows, plots=not args.no_plots)
+    publish_directory(work, plan.out)
+    print("\n".join(str(plan.out / p.relative_to(work)) for p in written))
     return 0
+
+
+def partial_dir(out: Path) -> Path:
+    """Where the run of folder ``out`` is written while it runs: a hidden sibling (``report``
+    and the skip-if-done check ignore it), renamed to ``out`` when the run completes."""
+    return out.with_name(f".{out.name}.partial-{os.getpid()}")
+
+
+def remove_stale_partials(out: Path) -> None:
+    """The partial folders of ``out`` that runs which are gone (interrupted, failed, killed) left."""
+    from .runner import _process_exists
+
+    for path in out.parent.glob(f".{out.name}.partial-*") if out.parent.is_dir() else ():
+        pid = path.name.rpartition("-")[2]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _process_exists(int(pid))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def summary_complete(path: Path) -> bool:
+    """Whether ``summary.json`` at ``path`` is a finished run's: not marked ``"complete": false``
+    (a file that cannot be read counts as finished: it is refused, not silently replaced)."""
+    from .inputs import read_json_object
+
+    try:
+        return read_json_object(path, "serve summary").get("complete") is not False
+    except (ValueError, OSError):
+        return True
 
 
 class _ConnectorServer:
@@ -1400,8 +1458,17 @@ def _agreement_columns(method: str, forced: Mapping[str, Any]) -> dict[str, Any]
 
 
 def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
-    """The rows of a finished run's ``summary.json``."""
-    yield from json.loads(Path(path).read_text())["rows"]
+    """The rows of a finished run's ``summary.json``; ``ValueError`` (one line) for the summary of a
+    run that did not finish (``"complete": false``: still running, interrupted or failed)."""
+    from .inputs import read_json_object
+
+    data = read_json_object(path, "serve summary")
+    if data.get("complete") is False:
+        raise ValueError(
+            f"serve summary {str(path)!r} is an incomplete run ({data.get('stopped') or 'not finished'}): "
+            "its rows are not a finished run's"
+        )
+    yield from data["rows"]
 
 
 if __name__ == "__main__":
