@@ -342,21 +342,7 @@ def _from_processed(
     else:
         size = (int(pixels.shape[1]), int(pixels.shape[-2]), int(pixels.shape[-1]))
     expected = _compat.processor_placeholders(processor, kind, size)
-    ids = given.get("input_ids")
-    if ids is None:
-        ids = torch.full((expected,), token, dtype=torch.long)
-    ids = torch.as_tensor(ids).flatten().long()
-    count = int((ids == token).sum())
-    if count != ids.numel():
-        raise ValueError(
-            f"PH {slot!r}: the {kind}'s input_ids must be its placeholder tokens (id {token}) only; "
-            f"{ids.numel() - count} of {ids.numel()} are other tokens"
-        )
-    if count != expected:
-        raise ValueError(
-            f"PH {slot!r}: {count} {kind} placeholder tokens given; the processor expands this {kind} "
-            f"(size {size}) into {expected}"
-        )
+    ids = _placeholder_ids(given, token, expected, slot, kind, f"size {size}")
     return Visual(kind, ids, pixels, sizes)
 
 
@@ -394,21 +380,7 @@ def _from_processed_grid(
             f"{pixels.dtype} on {pixels.device}"
         )
     expected = _compat.grid_placeholders(model, processor, kind, grid)
-    ids = given.get("input_ids")
-    if ids is None:
-        ids = torch.full((expected,), token, dtype=torch.long)
-    ids = torch.as_tensor(ids).flatten().long()
-    count = int((ids == token).sum())
-    if count != ids.numel():
-        raise ValueError(
-            f"PH {slot!r}: the {kind}'s input_ids must be its placeholder tokens (id {token}) only; "
-            f"{ids.numel() - count} of {ids.numel()} are other tokens"
-        )
-    if count != expected:
-        raise ValueError(
-            f"PH {slot!r}: {count} {kind} placeholder tokens given; the processor expands this {kind} "
-            f"(grid {grid[0].tolist()}) into {expected}"
-        )
+    ids = _placeholder_ids(given, token, expected, slot, kind, f"grid {grid[0].tolist()}")
     return Visual(kind, ids, pixels, None, grid)
 
 
@@ -453,3 +425,26 @@ def check_spans(spans: Sequence[Any], method: Any) -> None:
             f"the prompt ends with the {spans[-1].visual.kind} segment {spans[-1].name!r}; end it with text "
             "(the last prompt token is generate's input id), e.g. PF('\\nAnswer:')"
         )
+
+
+def _placeholder_ids(
+    given: Mapping, token: int, expected: int, slot: str, kind: str, shape: str
+) -> torch.Tensor:
+    """The segment's placeholder ids (``given["input_ids"]``, or ``expected`` placeholders): only the
+    ``token`` placeholder, as many as the processor expands this image / video into (``shape`` names it)."""
+    ids = given.get("input_ids")
+    if ids is None:
+        ids = torch.full((expected,), token, dtype=torch.long)
+    ids = torch.as_tensor(ids).flatten().long()
+    count = int((ids == token).sum())
+    if count != ids.numel():
+        raise ValueError(
+            f"PH {slot!r}: the {kind}'s input_ids must be its placeholder tokens (id {token}) only; "
+            f"{ids.numel() - count} of {ids.numel()} are other tokens"
+        )
+    if count != expected:
+        raise ValueError(
+            f"PH {slot!r}: {count} {kind} placeholder tokens given; the processor expands this {kind} "
+            f"({shape}) into {expected}"
+        )
+    return ids
