@@ -184,6 +184,12 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
     parser.add_argument("--max-store-bytes", type=int, default=2 << 30, help="bound of the captured K/V")
     parser.add_argument("--max-tasks", type=int, default=1024, help="tasks (requests' workflows) kept")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for vLLM")
+    parser.add_argument(
+        "--inline-admission",
+        action="store_true",
+        help="decide claims and record turns on vLLM's engine loop (default: on a background thread, "
+        "so a correction or a record does not stop the other requests)",
+    )
     args, vllm_args = parser.parse_known_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
@@ -215,6 +221,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
             vllm_args=vllm_args,
             max_bytes=args.max_store_bytes,
             max_tasks=args.max_tasks,
+            background=not args.inline_admission,
         )
     except ValueError as e:
         fail(prog, str(e))

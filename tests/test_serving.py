@@ -466,3 +466,137 @@ def test_a_vision_language_model_is_refused_before_serving(tmp_path):
 
     with pytest.raises(ServingError, match="vision-language model"):  # before any vLLM process starts
         Server(tmp_path, "fullshared")
+
+
+# ------------------------------------------------- admission off the engine loop (serving.admission)
+def _decided(background, *args, limit_s=30.0):
+    """Ask for a plan as vLLM's scheduler does (again on "not decided yet"), bounded in time."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        plan = background.plan(*args)
+        if plan is not None:
+            return plan
+    raise AssertionError("the plan was never decided")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_background_admission_gives_the_inline_claims_and_tokens(tiny_llama, tokenizer, enabled):
+    from hf_kvshare.serving.admission import Background
+
+    sys1, doc, q1, q2 = (ids_of(tokenizer, t) for t in (SYS1, DOC, Q1, Q2))
+    inline = Sharing(tiny_llama, tokenizer, "fullshared")
+    i1 = inline.plan("r1", sys1 + doc + q1, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0)
+    o1, k1, v1 = engine(tiny_llama, i1)
+    inline.record(i1, k1, v1, o1, set())
+    i2 = inline.plan("r2", doc + q2, layout("t", "a2", [{"slot": "doc", "start": 0, "end": len(doc)}]), 0)
+
+    background = Background(Sharing(tiny_llama, tokenizer, "fullshared"), enabled=enabled)
+    try:
+        p1 = _decided(background, "r1", sys1 + doc + q1, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0)
+        out1, k, v = engine(tiny_llama, p1)
+        assert out1 == o1
+        background.record(p1, k, v, out1, set())  # queued: returns before the record has run
+        # asked right after: the queue runs in order, so this plan sees a1's record
+        p2 = _decided(
+            background, "r2", doc + q2, layout("t", "a2", [{"slot": "doc", "start": 0, "end": len(doc)}]), 0
+        )
+        assert (p2.claim_start, p2.claim_end) == (i2.claim_start, i2.claim_end) == (0, len(doc))
+        assert all(torch.equal(a, b) for a, b in zip(p2.keys, i2.keys))
+        assert engine(tiny_llama, p2)[0] == engine(tiny_llama, i2)[0]
+        background.drain()
+        summary = background.summary()
+        assert summary["background"] is enabled and summary["queued_jobs"] == 0
+        assert summary["requests"] == 2 and summary["claimed_requests"] == 1
+    finally:
+        background.close()
+
+
+def test_a_plan_being_decided_does_not_stop_the_engine_loop(tiny_llama, tokenizer):
+    """While a plan (a KVCMAS correction, say) runs, the scheduler's query answers "not yet" at once,
+    the store's summary is read without waiting for it, and the plan arrives when it is done."""
+    import threading
+    import time
+
+    from hf_kvshare.serving.admission import Background
+
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    started, go = threading.Event(), threading.Event()
+    plan_inline = sharing.plan
+
+    def slow_plan(*args):
+        with sharing._lock:  # what a real plan holds while it computes
+            started.set()
+            assert go.wait(30)
+            return plan_inline(*args)
+
+    sharing.plan = slow_plan
+    background = Background(sharing, wait_s=0.01)
+    try:
+        prompt = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC)
+        args = ("r1", prompt, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0)
+        t0 = time.monotonic()
+        assert background.plan(*args) is None
+        assert started.wait(30)
+        assert background.plan(*args) is None and background.plan(*args) is None
+        summary = background.summary()  # Sharing.state_summary would wait for the lock
+        assert time.monotonic() - t0 < 5
+        assert not sharing._lock.acquire(timeout=0.05)
+        assert summary["queued_jobs"] == 1 and summary["deferred_queries"] == 3
+        go.set()
+        plan = _decided(background, *args)
+        assert plan.error is None and plan.claimed == 0 and plan.turn is not None
+    finally:
+        go.set()
+        background.close()
+
+
+def test_a_request_that_ends_while_its_plan_is_decided_frees_its_output_slot(tiny_llama, tokenizer):
+    import threading
+
+    from hf_kvshare.serving.admission import Background
+
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    go = threading.Event()
+    plan_inline = sharing.plan
+    sharing.plan = lambda *args: (go.wait(30), plan_inline(*args))[1]
+    background = Background(sharing, wait_s=0.0)
+    try:
+        prompt = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC)
+        assert background.plan("r1", prompt, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0) is None
+        background.forget("r1")  # vLLM: request_finished (an abort) before it was admitted
+        go.set()
+        background.drain()
+        assert sharing.hosts["t"].reserved == set()  # the decided plan's output slot was released
+        # the same request asked again is decided afresh (nothing left pending under its id)
+        assert _decided(background, "r1", prompt, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0).turn
+    finally:
+        go.set()
+        background.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [({"enabled": "yes"}, TypeError), ({"wait_s": -1}, ValueError), ({"wait_s": True}, ValueError)],
+)
+def test_background_options_are_checked(tiny_llama, tokenizer, kwargs, error):
+    from hf_kvshare.serving.admission import Background
+
+    with pytest.raises(error):
+        Background(Sharing(tiny_llama, tokenizer, "nonshared"), **kwargs)
+
+
+def test_the_server_passes_the_admission_mode_to_the_connector(tmp_path):
+    import json
+
+    from hf_kvshare.serving.server import Server
+
+    def extra(server):
+        command = server.command()
+        return json.loads(command[command.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+    assert extra(Server(tmp_path, "fullshared", port=1))["background"] is True
+    assert extra(Server(tmp_path, "fullshared", port=1, background=False))["background"] is False
+    with pytest.raises(TypeError, match="background must be True or False"):
+        Server(tmp_path, "fullshared", port=1, background="no")

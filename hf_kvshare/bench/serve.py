@@ -1019,6 +1019,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--vllm-arg", action="append", default=[], metavar="ARG", help="extra server argument (repeat)"
     )
+    p.add_argument(
+        "--inline-admission",
+        action="store_true",
+        help="the connector decides claims and records turns on vLLM's engine loop (default: on its "
+        "background thread; hf_kvshare.serving.admission)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_runs/serve", help="output root (default bench_runs/serve)")
     p.add_argument("--redo", action="store_true", help="replace a finished run of the same configuration")
@@ -1109,7 +1115,8 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
                 s.bind((HOST, args.port))
             except OSError:
                 raise ValueError(f"--port {args.port}: already in use on {HOST}") from None
-    out = Path(args.out) / f"{workload.tag()}__{Path(args.model).name}-{args.dtype}-seed{args.seed}"
+    inline = "-inline" if args.inline_admission else ""
+    out = Path(args.out) / f"{workload.tag()}__{Path(args.model).name}-{args.dtype}-seed{args.seed}{inline}"
     if (out / "summary.json").exists() and not args.redo:
         if summary_complete(out / "summary.json"):
             raise ValueError(f"{out} holds a finished run; use --redo to replace it, or another --out")
@@ -1156,6 +1163,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
         "seed": args.seed,
         "explicit_layout": args.explicit_layout,
         "joined_messages": args.joined_messages,
+        "inline_admission": args.inline_admission,
         "argv": list(argv) if argv is not None else sys.argv[1:],
     }
     # the run is written into a hidden sibling of its folder, renamed into place once complete: an
@@ -1337,6 +1345,7 @@ def _server(
         group.options,
         port=port,
         vllm_args=vllm_args,
+        background=not args.inline_admission,
         log=log,
         python=args.vllm_python,
     )

@@ -12,10 +12,14 @@ Loaded out of tree (no patch of vLLM)::
 
 ``hf-kvshare serve`` sets this up (:mod:`.server`). What each hook does:
 
-- ``get_num_new_matched_tokens`` (scheduler, once per admission): :meth:`Sharing.plan
+- ``get_num_new_matched_tokens`` (scheduler, at admission): :meth:`Sharing.plan
   <hf_kvshare.serving.host.Sharing.plan>` runs the method's contract on the request's layout
   (:mod:`.layout`) and claims the longest placed range that starts at vLLM's own (block-aligned)
-  prefix-cache hit, the only shape vLLM accepts (one contiguous range per request).
+  prefix-cache hit, the only shape vLLM accepts (one contiguous range per request). The plan is
+  decided on the connector's background thread (:mod:`.admission`); until it is, the hook answers
+  ``None`` (vLLM's "not decided yet": the request is skipped this step and asked again), so a KVCMAS
+  correction never stops the other requests. ``"background": false`` in ``kv_connector_extra_config``
+  (``--inline-admission``) decides inline.
 - ``update_state_after_alloc`` / ``build_connector_meta``: the claimed K/V and the request's block ids
   go to the worker in the step's metadata.
 - ``start_load_kv`` (worker, before the forward): writes them with vLLM's own CPU writer
@@ -23,7 +27,8 @@ Loaded out of tree (no patch of vLLM)::
 - ``request_finished`` (scheduler, before the blocks are freed): a finished request keeps its blocks
   (``delay_free``) until the worker has read back the K/V it used (prompt + output but its last token)
   in the next step's ``wait_for_save``; they come back in ``build_connector_worker_meta`` and
-  ``update_connector_output`` records the turn (slots, ``method.record``), then the blocks are freed
+  ``update_connector_output`` queues the turn's record (slots, ``method.record``, on the same
+  background thread, behind the plans asked for before it), then the blocks are freed
   (``get_finished``). ``has_pending_push_work`` keeps the engine stepping until then. One worker
   (tensor and pipeline parallel size 1) is supported; more are refused at start-up.
 
@@ -58,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import paged
+from .admission import DEFAULT_WAIT_S, Background
 from .host import Plan, ServingError, Sharing, skeleton_model
 
 if TYPE_CHECKING:
@@ -160,6 +166,11 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 if key not in _SHARING:
                     _SHARING[key] = self._make_sharing(vllm_config)
                 self._sharing = _SHARING[key]
+            self._background = Background(
+                self._sharing,
+                enabled=self._extra.get("background", True),
+                wait_s=self._extra.get("plan_wait_s", DEFAULT_WAIT_S),
+            )
 
     def _make_sharing(self, vllm_config: VllmConfig) -> Sharing:
         from transformers import AutoTokenizer
@@ -265,14 +276,21 @@ class HFKVShareConnector(KVConnectorBase_V1):
         return (sent or None), None
 
     # ============================================================= scheduler side
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         old = self._plans.get(request.request_id)
         if old is not None:
             if old.local_hit == num_computed_tokens:
                 return old.claimed, False
-            self._sharing.release(old)
+            del self._plans[request.request_id]
+            self._background.release(old)
         prompt = list(request.prompt_token_ids or [])
-        plan = self._sharing.plan(request.request_id, prompt, request.kv_transfer_params, num_computed_tokens)
+        plan = self._background.plan(
+            request.request_id, prompt, request.kv_transfer_params, num_computed_tokens
+        )
+        if plan is None:  # still being decided off the engine loop: vLLM skips the request and asks again
+            return None, False
         if plan.error:
             logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
         self._plans[request.request_id] = plan
@@ -308,15 +326,16 @@ class HFKVShareConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
 
         self._loads.pop(request.request_id, None)
+        self._background.forget(request.request_id)  # a plan still being decided is released when done
         plan = self._plans.pop(request.request_id, None)
         if plan is None:
             return False, None
-        report = {"hf_kvshare": {**plan.report(), "store": self._sharing.state_summary()}}
+        report = {"hf_kvshare": {**plan.report(), "store": self._background.summary()}}
         if self._report_path:
             self._write_report(request, report["hf_kvshare"])
         finished = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
         if plan.turn is None or not finished or not block_ids:
-            self._sharing.release(plan)
+            self._background.release(plan)
             return False, report
         stop = set(request.sampling_params.all_stop_token_ids or ()) if request.sampling_params else set()
         eos = getattr(request.sampling_params, "eos_token_id", None) if request.sampling_params else None
@@ -348,9 +367,15 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 continue
             kv = captured.get(request_id)
             if kv is None:
-                self._sharing.release(finishing.plan)
+                self._background.release(finishing.plan)
                 continue
-            self._sharing.record(finishing.plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids)
+            self._background.record(finishing.plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._to_capture or self._finishing)
+
+    def shutdown(self) -> None:
+        background = getattr(self, "_background", None)
+        if background is not None:
+            background.close()
+        super().shutdown()

@@ -50,8 +50,10 @@ def free_port() -> int:
 
 
 def kv_transfer_config(
-    method: str, options: dict[str, Any], max_bytes: int, max_tasks: int
+    method: str, options: dict[str, Any], max_bytes: int, max_tasks: int, background: bool = True
 ) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for the connector. ``background=False`` decides claims and
+    records turns inline on the engine loop (:mod:`.admission`)."""
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": MODULE,
@@ -61,6 +63,7 @@ def kv_transfer_config(
             "options": options,
             "max_bytes": int(max_bytes),
             "max_tasks": int(max_tasks),
+            "background": bool(background),
         },
     }
 
@@ -90,6 +93,7 @@ class Server:
         vllm_args: list[str] | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_tasks: int = DEFAULT_MAX_TASKS,
+        background: bool = True,
         log: Any = None,
         python: str = sys.executable,
     ):
@@ -107,6 +111,9 @@ class Server:
         self.vllm_args = list(vllm_args or [])
         check_vllm_args(self.vllm_args)
         self.max_bytes, self.max_tasks = max_bytes, max_tasks
+        if not isinstance(background, bool):
+            raise TypeError(f"background must be True or False; got {background!r}")
+        self.background = background
         self.log = log
         self.python = python
         self.process: subprocess.Popen | None = None
@@ -116,7 +123,9 @@ class Server:
         return f"http://{HOST}:{self.port}"
 
     def command(self) -> list[str]:
-        config = kv_transfer_config(self.method, self.options, self.max_bytes, self.max_tasks)
+        config = kv_transfer_config(
+            self.method, self.options, self.max_bytes, self.max_tasks, self.background
+        )
         args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir]
         if not any(a.split("=", 1)[0] == "--host" for a in self.vllm_args):
             args += ["--host", HOST]
