@@ -55,16 +55,22 @@ class Segment:
 def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
     """Raise ``ValueError`` for the first ``(what, kv)`` of ``items`` whose K/V hold NaN or inf, naming
     ``what``, the layer and keys/values. One reduction per tensor and one host read in all, whatever
-    the number of segments (per-layer tensors may sit on several devices)."""
-    flags, where = [], []
+    the number of segments (per-layer tensors may sit on several devices).
+
+    The reduction is ``torch.aminmax`` (NaN propagates into both, +inf is the max, -inf the min): one
+    pass without the tensor-sized boolean mask of ``isfinite(t).all()``, which was ~18x slower on a
+    CPU (a 700-token SmolLM2 layer: 1.1 ms vs 62 us) and most of a serving record's time."""
+    bounds, where = [], []
     for what, kv in items:
         for layer, pair in enumerate(zip(kv.keys, kv.values)):
             for kind, tensor in zip(("keys", "values"), pair):
-                flags.append(torch.isfinite(tensor).all())
+                if tensor.numel() == 0:
+                    continue
+                bounds.append(torch.stack(torch.aminmax(tensor)).float())
                 where.append((what, layer, kind))
-    if not flags:
+    if not bounds:
         return
-    ok = torch.stack([f.to(flags[0].device) for f in flags]).cpu()
+    ok = torch.isfinite(torch.stack([b.to(bounds[0].device) for b in bounds])).all(dim=1).cpu()
     if bool(ok.all()):
         return
     what, layer, kind = where[int((~ok).nonzero()[0, 0])]

@@ -144,6 +144,26 @@ def _state(session, method) -> tuple:
     return slots, len(session.turns), method.state_bytes(), anchors, profiles, decisions
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_check_finite_names_the_first_bad_tensor_in_every_dtype(dtype, bad):
+    from hf_kvshare.cache import SegmentKV, check_finite
+
+    def kv(n):
+        return SegmentKV(
+            keys=[torch.randn(1, 2, n, 4, dtype=dtype) * 1e3 for _ in range(3)],
+            values=[torch.randn(1, 2, n, 4, dtype=dtype) for _ in range(3)],
+            start=0,
+        )
+
+    good, empty, broken = kv(5), kv(0), kv(5)
+    check_finite([("good", good), ("empty", empty)])  # large finite values and empty tensors pass
+    broken.values[1][0, 1, 3, 2] = bad
+    broken.keys[2][0, 0, 0, 0] = bad
+    with pytest.raises(ValueError, match=r"^broken: non-finite K/V \(NaN or inf\) in layer 1 \(values\)"):
+        check_finite([("good", good), ("empty", empty), ("broken", broken)])
+
+
 @pytest.mark.parametrize("name", ["fullshared", "kvcmas", "kvcomm"])
 def test_non_finite_kv_is_never_reused_or_pooled(name, tokenizer):
     model = tiny_model("llama", seed=3, num_hidden_layers=4)
