@@ -508,7 +508,12 @@ def test_background_admission_gives_the_inline_claims_and_tokens(tiny_llama, tok
         background.drain()
         summary = background.summary()
         assert summary["background"] is enabled and summary["queued_jobs"] == 0
-        assert summary["requests"] == 2 and summary["claimed_requests"] == 1
+        assert summary["requests"] == 2 and summary["claimed_requests"] == 1 and summary["records"] == 1
+        assert summary["plan_seconds"] > 0 and summary["record_seconds"] > 0
+        report = p2.report()
+        assert 0 < report["plan_s"] and (report["admission_wait_s"] is None) is (not enabled)
+        if enabled:
+            assert report["admission_wait_s"] >= report["plan_s"] > 0
     finally:
         background.close()
 

@@ -144,6 +144,19 @@ def test_connector_columns_from_the_per_request_reports(tmp_path):
     assert "1 of 3 completed requests without a report" in cols["rho_note"]
     assert records[1]["connector"]["segments"] == [["PH", 3, 263, "reused"]]
     assert sb.connector_columns("fullshared", [{"request": 0, "ok": True}])["rho"] is None
+    # the method's admission time per request and the engine's wait for it, from the same reports
+    assert cols["plan_mean_s"] is None and cols["admission_wait_p50_s"] is None  # reports without them
+    timed = [
+        {
+            "request": i,
+            "ok": True,
+            "connector": {**_report(None, 10, 0, 0), "plan_s": p, "admission_wait_s": w},
+        }
+        for i, (p, w) in enumerate([(0.1, 0.5), (0.3, 1.5), (0.2, None)])
+    ]
+    cols = sb.connector_columns("fullshared", timed)
+    assert cols["plan_mean_s"] == pytest.approx(0.2) and cols["admission_wait_p50_s"] == pytest.approx(1.0)
+    assert sb.compact_report(timed[0]["connector"])["plan_s"] == 0.1
 
 
 def test_exact_match_against_plain():

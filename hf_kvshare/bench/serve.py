@@ -248,6 +248,8 @@ SUMMARY_COLUMNS = (
     "ph_tokens",
     "rho",
     "rho_note",
+    "plan_mean_s",
+    "admission_wait_p50_s",
     "exact_match",
     "exact_note",
     "agreement",
@@ -306,6 +308,8 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "supplied_pf_tokens": None,
         "ph_tokens": None,
         "rho": None,
+        "plan_mean_s": None,
+        "admission_wait_p50_s": None,
     }
     if method in BASELINES:
         return {**empty, "rho_note": "plain vLLM: no connector"}
@@ -332,7 +336,19 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "ph_tokens": ph,
         "rho": total("supplied_ph_tokens") / ph if ph else None,
         "rho_note": "; ".join(notes) if notes else ("" if ph else "no PH tokens"),
+        # the method's admission work per request, and how long the engine waited for it (queued behind
+        # other plans and records on the connector's thread); None from a connector that reports neither
+        "plan_mean_s": _stat(reports, "plan_s", "mean"),
+        "admission_wait_p50_s": _stat(reports, "admission_wait_s", "p50"),
     }
+
+
+def _stat(reports: Sequence[Mapping[str, Any]], key: str, stat: str) -> float | None:
+    from ..evaluation.metrics import latency_stats
+
+    values = [r.get(key) for r in reports]
+    real = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return latency_stats(real)[stat] if real else None
 
 
 def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -349,6 +365,8 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "supplied_pf_tokens",
         "missing",
         "error",
+        "plan_s",
+        "admission_wait_s",
     )
     out = {k: report.get(k) for k in keys}
     out["segments"] = [

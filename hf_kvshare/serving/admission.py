@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -54,7 +55,7 @@ class Background:
         self._executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_kvshare") if enabled else None
         )
-        self._pending: dict[str, tuple[int, Future]] = {}
+        self._pending: dict[str, tuple[tuple[int, float], Future]] = {}  # id -> ((hit, asked at), plan)
         self._jobs = 0  # submitted and not finished
         self._summary_lock = threading.Lock()
         self._summary: dict[str, Any] = sharing.state_summary()
@@ -69,13 +70,13 @@ class Background:
             self._refresh()
             return plan
         pending = self._pending.get(request_id)
-        if pending is not None and pending[0] != local_hit:  # vLLM's own hit changed: decide again
+        if pending is not None and pending[0][0] != local_hit:  # vLLM's own hit changed: decide again
             self.forget(request_id)
             pending = None
         if pending is None:
             future = self._enqueue(self.sharing.plan, request_id, list(prompt), params, local_hit)
-            pending = self._pending[request_id] = (local_hit, future)
-        future = pending[1]
+            pending = self._pending[request_id] = ((local_hit, time.perf_counter()), future)
+        (_, asked), future = pending
         try:
             plan = future.result(timeout=self.wait_s)
         except FutureTimeout:
@@ -86,6 +87,7 @@ class Background:
             plan = Plan(request_id=request_id, prompt=list(prompt), local_hit=local_hit)
             plan.error = f"{type(error).__name__}: {error}"
         del self._pending[request_id]
+        plan.admission_wait_s = time.perf_counter() - asked
         return plan
 
     def forget(self, request_id: str) -> None:

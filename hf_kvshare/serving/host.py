@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +213,11 @@ class Plan:
     error: str | None = None
     opt_out: bool = False
     missing: list[str] = field(default_factory=list)
+    #: seconds the method's plan took (the claim decided: gates, corrections, the claimed K/V built)
+    plan_s: float = 0.0
+    #: seconds from the engine's first admission query to the decision (the plan plus the records and
+    #: plans queued before it on the connector's thread; :mod:`.admission`), ``None`` when inline
+    admission_wait_s: float | None = None
 
     @property
     def claimed(self) -> int:
@@ -264,6 +270,8 @@ class Plan:
             else [],
             "missing": self.missing,
             "error": self.error,
+            "plan_s": round(self.plan_s, 6),
+            "admission_wait_s": None if self.admission_wait_s is None else round(self.admission_wait_s, 6),
         }
 
 
@@ -304,6 +312,9 @@ class Sharing:
         self.claimed_requests = 0
         self.supplied_tokens = 0
         self.errors = 0
+        self.records = 0
+        self.plan_seconds = 0.0  # summed over every plan (admission) and record: where the method's time goes
+        self.record_seconds = 0.0
         self._lock = threading.RLock()
         self.salt = salt(self.method)
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -315,6 +326,7 @@ class Sharing:
         nothing recorded)."""
         plan = Plan(request_id=request_id, prompt=list(prompt), local_hit=local_hit)
         with self._lock:
+            t0 = time.perf_counter()
             self.requests += 1
             try:
                 request = lay.parse(params)
@@ -331,6 +343,9 @@ class Sharing:
                 plan.error = f"{type(error).__name__}: {error}"
                 plan.turn, plan.placements, plan.keys, plan.values = None, [], [], []
                 plan.claim_start = plan.claim_end = 0
+            finally:
+                plan.plan_s = time.perf_counter() - t0
+                self.plan_seconds += plan.plan_s
         return plan
 
     def _host(self, task: str) -> ServingHost:
@@ -463,6 +478,7 @@ class Sharing:
         if plan.turn is None:
             return
         with self._lock:
+            t0 = time.perf_counter()
             try:
                 self._record(plan, keys, values, list(output_ids), stop_ids)
             except Exception as error:  # noqa: BLE001 - the engine must keep running
@@ -471,6 +487,8 @@ class Sharing:
             finally:
                 plan.host.reserved.discard(plan.turn.output_slot)
             self._bound(plan.host)
+            self.records += 1
+            self.record_seconds += time.perf_counter() - t0
 
     def _record(self, plan: Plan, keys, values, output_ids: list[int], stop_ids: set[int]) -> None:
         turn, host, method = plan.turn, plan.host, self.method
@@ -564,6 +582,9 @@ class Sharing:
                 "claimed_requests": self.claimed_requests,
                 "supplied_tokens": self.supplied_tokens,
                 "errors": self.errors,
+                "records": self.records,
+                "plan_seconds": round(self.plan_seconds, 6),
+                "record_seconds": round(self.record_seconds, 6),
                 "method": self.method.name,
                 "method_state": self.method.state_summary(),
             }
