@@ -536,7 +536,8 @@ def vision_tower(model: Any) -> Any:
     """A vision-language model's vision encoder module (LLaVA-OneVision: ``model.model.vision_tower``;
     the attribute is the model's own name, not an API), or ``None`` for a text-only model."""
     for owner in (model, getattr(model, "model", None)):
-        for name in ("vision_tower", "visual"):  # Qwen2-VL / Qwen2.5-VL: ``model.model.visual``
+        # Qwen2-VL / Qwen2.5-VL: ``model.model.visual``; Idefics3 / SmolVLM: ``model.model.vision_model``
+        for name in ("vision_tower", "visual", "vision_model"):
             tower = getattr(owner, name, None) if owner is not None else None
             if isinstance(tower, torch.nn.Module):
                 return tower
@@ -592,15 +593,26 @@ def visual_token_ids(model: Any) -> list[int]:
     return found
 
 
-def visual_features(model: Any, kind: str, pixel_values: Any, image_sizes: Any, grid_thw: Any = None) -> Any:
+def visual_features(
+    model: Any,
+    kind: str,
+    pixel_values: Any,
+    image_sizes: Any,
+    grid_thw: Any = None,
+    pixel_attention_mask: Any = None,
+) -> Any:
     """The projected features ``[n, hidden]`` of ONE image or video through the model's public
     ``get_image_features`` / ``get_video_features`` (``grid_thw``: Qwen2-VL's ``[1, 3]`` patch grid;
-    transformers 5.24: an output whose
-    ``pooler_output`` holds them, a list of per-image tensors for images, ``[1, n, hidden]`` for a
-    video; a bare tensor or list accepted too)."""
+    ``pixel_attention_mask``: Idefics3 / SmolVLM's mask of the tiles' padding). The output:
+    transformers 5.24: one whose ``pooler_output`` holds them, a list of per-image tensors for images
+    (Idefics3 / SmolVLM: one ``[tiles * n, hidden]`` per image), ``[1, n, hidden]`` for a video;
+    5.16: Idefics3 / SmolVLM's ``pooler_output`` is ``[tiles, n, hidden]``, flattened here in tile
+    order (the order the model's own merge scatters them in); a bare tensor or list accepted too."""
     grid = {} if grid_thw is None else {f"{kind}_grid_thw": grid_thw}
     if kind == "image":
         sizes = {} if image_sizes is None else {"image_sizes": image_sizes}
+        if pixel_attention_mask is not None:
+            sizes["pixel_attention_mask"] = pixel_attention_mask
         out = model.get_image_features(pixel_values=pixel_values, **sizes, **grid)
     else:
         out = model.get_video_features(pixel_values_videos=pixel_values, **grid)
@@ -608,8 +620,17 @@ def visual_features(model: Any, kind: str, pixel_values: Any, image_sizes: Any, 
     if isinstance(features, (list, tuple)):
         features = features[0]
     elif features.dim() == 3:
-        features = features[0]
+        features = features.reshape(-1, features.shape[-1])
     return features
+
+
+def tiled_image_ids(processor: Any, rows: int, cols: int) -> list[int]:
+    """The token ids an Idefics3 / SmolVLM processor expands one image split into ``rows x cols``
+    tiles (and its global view; ``0, 0``: the global view alone) into: its ``replace_image_token``
+    (the rule its ``__call__`` applies, the same signature on 5.16 and 5.24), tokenized as its
+    ``__call__`` tokenizes the expanded text."""
+    text = processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
+    return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def processor_placeholders(processor: Any, kind: str, size: tuple[int, ...]) -> int:
@@ -652,8 +673,10 @@ def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:
     torchvision): the class its ``processor_config.json`` names, subclassed with an ``__init__`` that
     takes no video processor (``ProcessorMixin`` reads its sub-processors from the ``__init__``
     signature), given the folder's image processor, tokenizer and processor options. The expansion
-    rule is the class's own; video segments are then refused (no video processor). ``ValueError``
-    when the folder names no processor class transformers has."""
+    rule is the class's own; video segments are then refused (no video processor). A class that
+    takes no video processor (Idefics3) is built as it is, from the folder's image processor on its
+    PIL backend where ``AutoImageProcessor`` needs torchvision. ``ValueError`` when the folder names
+    no processor class transformers has."""
     import inspect
     import json
     from pathlib import Path
@@ -669,21 +692,25 @@ def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:
     saved = dict(options)
     name = options.pop("processor_class", None)
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
-    if cls is None or "video_processor" not in inspect.signature(cls.__init__).parameters:
+    taken = inspect.signature(cls.__init__).parameters if cls is not None else {}
+    if cls is None or "image_processor" not in taken:
         raise ValueError(
             f"{name_or_path}: processor_config.json names processor class {name!r}; expected a transformers "
             "vision-language processor (e.g. LlavaOnevisionProcessor)"
         )
-    taken = inspect.signature(cls.__init__).parameters
     options = {k: v for k, v in options.items() if k in taken and k not in ("image_processor", "tokenizer")}
 
-    class ImageOnlyProcessor(cls):
-        def __init__(self, image_processor=None, tokenizer=None, **options):
-            super().__init__(
-                image_processor=image_processor, tokenizer=tokenizer, video_processor=None, **options
-            )
+    if "video_processor" in taken:
 
-    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{cls.__name__}"
+        class ImageOnlyProcessor(cls):
+            def __init__(self, image_processor=None, tokenizer=None, **options):
+                super().__init__(
+                    image_processor=image_processor, tokenizer=tokenizer, video_processor=None, **options
+                )
+
+        ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{cls.__name__}"
+    else:  # an image-only processor class (Idefics3Processor)
+        ImageOnlyProcessor = cls
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     try:
         images = AutoImageProcessor.from_pretrained(name_or_path, **kwargs)
@@ -711,8 +738,16 @@ def pil_image_processor(name_or_path: str, processor_options: dict, **kwargs: An
         )
         entry = json.loads(Path(path).read_text()) if path else {}
     name = str(entry.get("image_processor_type", "")).removesuffix("Fast")
+    from transformers.image_processing_utils import BaseImageProcessor
+
     cls = getattr(transformers, f"{name}Pil", None) if name else None
-    if cls is None:
+    if isinstance(cls, type) and not issubclass(cls, BaseImageProcessor):
+        # transformers 5.16's top-level Idefics3 / SmolVLM PIL names are placeholders that demand
+        # torchvision; the class itself, in the module the placeholder names, needs none
+        import importlib
+
+        cls = getattr(importlib.import_module(cls.__module__), f"{name}Pil", None)
+    if not (isinstance(cls, type) and issubclass(cls, BaseImageProcessor)):
         raise ImportError(
             f"{name_or_path}: image processor {name!r} needs torchvision and has no PIL backend"
         )

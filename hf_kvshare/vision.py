@@ -22,8 +22,15 @@ the model's rule, every forward takes ``[4, batch, n]`` position ids (the slots,
 components) and ``generate`` is given the prompt's; the cache keeps K/V in the *slot frame*, so
 moving a segment is a uniform shift of all three components, i.e. the 1D rotation. Put an image
 between Qwen's ``<|vision_start|>`` / ``<|vision_end|>`` markers (text), as its chat template does.
+Idefics3 and SmolVLM (a Llama language model, 1D RoPE): the processor splits an image into tiles
+plus a global view and expands it into ``<fake_token_around_image>`` / ``<row_i_col_j>`` /
+``<global-img>`` marker tokens (text) around each tile's ``<image>`` placeholders; the slot's token
+ids are that whole expansion, the markers embedded as text and the tiles' features (pixel-shuffled
+by the connector, ``pixel_attention_mask`` marking the padding) scattered over the placeholders, as
+the model's own merge does (:meth:`Visual.embeds`). Their videos are refused (SmolVLM's come as
+frames through its video processor, which needs torchvision; Idefics3 has none).
 Refused: Gemma 3 (its image tokens attend to each other bidirectionally: a dense forward would need
-that mask, not the causal one built here), SmolVLM / Idefics3 (not built).
+that mask, not the causal one built here).
 
 Everything is checked before any model work (the model's own processor rule for the placeholder
 count, the pixel values' dtype and device against the vision tower's, a readable image file, a
@@ -46,10 +53,15 @@ from .trajectory import PH
 from .turn import Slot, given_text_slot
 
 #: model types whose image / video segments are built and tested here (``config.model_type``)
-SUPPORTED_VISION_MODELS = ("llava_onevision", "qwen2_vl", "qwen2_5_vl")
+SUPPORTED_VISION_MODELS = ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm")
 
 #: of those, the models whose pixel values come as patches with a ``[1, 3]`` grid (``image_grid_thw``)
 GRID_VISION_MODELS = ("qwen2_vl", "qwen2_5_vl")
+
+#: of those, the models whose processor splits an image into tiles and expands it into marker text
+#: tokens around each tile's placeholders (``pixel_values`` ``[1, tiles, 3, size, size]``, a
+#: ``pixel_attention_mask``); images only
+TILED_VISION_MODELS = ("idefics3", "smolvlm")
 
 #: families refused, and why (``config.model_type``)
 UNSUPPORTED_VISION_MODELS = {
@@ -58,8 +70,6 @@ UNSUPPORTED_VISION_MODELS = {
         "here (position-built causal masks, selective recomputation, reference prefills) do not build that "
         "mask yet"
     ),
-    "idefics3": "not built yet (its image splitting into tiles and row / column markers)",
-    "smolvlm": "not built yet (its image splitting into tiles and row / column markers)",
 }
 
 VISUAL_KINDS = ("image", "video")
@@ -120,6 +130,12 @@ def check_vision_model(model: torch.nn.Module, kind: str, slot: str) -> None:
             f"PH {slot!r}: {kind} segments are supported on {', '.join(SUPPORTED_VISION_MODELS)}; "
             f"got a {model_type} model ({type(model).__name__})" + (f": {why}" if why else "")
         )
+    if kind == "video" and model_type in TILED_VISION_MODELS:
+        raise ValueError(
+            f"PH {slot!r}: video segments are not supported on {model_type} (SmolVLM's videos come as "
+            "frames through its video processor, which needs torchvision, and a timestamped layout not "
+            "built here; Idefics3 has no video input); pass the frames as images, one PH(slot, image=...) each"
+        )
     if kind not in placeholder_ids(model).values():
         raise ValueError(f"PH {slot!r}: the {model_type} model has no {kind} placeholder token")
 
@@ -138,6 +154,11 @@ class Visual:
     grid_thw: torch.Tensor | None = None
     #: multimodal RoPE: the image's rope positions by the model's rule (:class:`mrope.VisualRope`)
     rope: mrope.VisualRope | None = None
+    #: Idefics3 / SmolVLM: the placeholder token id; the segment's other ids are the processor's
+    #: marker text tokens (``None``: every id is a placeholder)
+    placeholder: int | None = None
+    #: Idefics3 / SmolVLM: the tiles' pixel mask ``[1, tiles, size, size]`` (the processor's padding)
+    pixel_attention_mask: torch.Tensor | None = None
     #: vision-tower runs this object made (one, once the features exist)
     encodes: int = 0
     _features: torch.Tensor | None = None
@@ -147,8 +168,15 @@ class Visual:
         return self.token_ids.numel()
 
     @property
+    def feature_count(self) -> int:
+        """How many features the vision tower must give: one per placeholder token."""
+        if self.placeholder is None:
+            return self.length
+        return int((self.token_ids == self.placeholder).sum())
+
+    @property
     def nbytes(self) -> int:
-        held = [self.pixel_values, self._features]
+        held = [self.pixel_values, self._features, self.pixel_attention_mask]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def features(self, model: torch.nn.Module) -> torch.Tensor:
@@ -156,23 +184,35 @@ class Visual:
         if self._features is None:
             with torch.no_grad():
                 features = _compat.visual_features(
-                    model, self.kind, self.pixel_values, self.image_sizes, self.grid_thw
+                    model,
+                    self.kind,
+                    self.pixel_values,
+                    self.image_sizes,
+                    self.grid_thw,
+                    self.pixel_attention_mask,
                 )
             self.encodes += 1
-            if features.dim() != 2 or features.shape[0] != self.length:
+            if features.dim() != 2 or features.shape[0] != self.feature_count:
                 raise ValueError(
                     f"the model's vision tower gives {tuple(features.shape)} {self.kind} features for "
-                    f"{self.length} placeholder tokens (the processor's count): the processor does not "
-                    "match the model (image size, patch size or feature strategy)"
+                    f"{self.feature_count} placeholder tokens (the processor's count): the processor does "
+                    "not match the model (image size, patch size or feature strategy)"
                 )
             self._features = features.detach()
         return self._features
 
     def embeds(self, model: torch.nn.Module, batch: int = 1) -> torch.Tensor:
         """The segment's input embeddings ``[batch, n, hidden]`` on the input embeddings' device and
-        dtype (the model's own cast of its features)."""
-        weight = model.get_input_embeddings().weight
-        features = self.features(model).to(model_input_device(model), weight.dtype)
+        dtype (the model's own cast of its features). Idefics3 / SmolVLM: the marker tokens' input
+        embeddings with the features scattered over the placeholders, in order (the model's merge)."""
+        embedding = model.get_input_embeddings()
+        device = model_input_device(model)
+        features = self.features(model).to(device, embedding.weight.dtype)
+        if self.placeholder is not None:
+            ids = self.token_ids.to(device)
+            with torch.no_grad():
+                rows = embedding(ids)
+            features = rows.masked_scatter((ids == self.placeholder)[:, None], features)
         return features[None].expand(batch, -1, -1)
 
     def same_content(self, other: Visual) -> bool:
@@ -183,7 +223,14 @@ class Visual:
             and torch.equal(self.pixel_values.cpu(), other.pixel_values.cpu())
             and (self.grid_thw is None) == (other.grid_thw is None)
             and (self.grid_thw is None or torch.equal(self.grid_thw, other.grid_thw))
+            and _same_optional(self.pixel_attention_mask, other.pixel_attention_mask)
         )
+
+
+def _same_optional(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
 
 
 # ----------------------------------------------------------------------------- preparing
@@ -198,12 +245,17 @@ def prepare_visual(model: torch.nn.Module, processor: Any, spec: PH) -> Visual:
         )
     token = _processor_token(model, processor, kind, spec.slot)
     tower = next(_compat.vision_tower(model).parameters())
+    tiled = model.config.model_type in TILED_VISION_MODELS
+    if tiled:
+        _check_tile_length(model, processor, spec.slot)
     if isinstance(value, Mapping):
         return _with_rope(
             model, _from_processed(model, processor, spec.slot, kind, value, token, tower), value
         )
     if kind == "image":
         batch = _processor_call(processor, spec.slot, kind, images=[_load_image(value, spec.slot)])
+        if tiled:
+            return _tiled_visual(model, processor, spec.slot, batch, token, tower)
         pixels, sizes = batch["pixel_values"], batch.get("image_sizes")
     else:
         frames = _frames(value, spec.slot)
@@ -237,6 +289,44 @@ def _with_rope(model: torch.nn.Module, visual: Visual, inputs: Mapping[str, Any]
         extra["second_per_grid_ts"] = torch.as_tensor(inputs["second_per_grid_ts"]).reshape(-1)[:1]
     visual.rope = mrope.visual_rope(model, visual.kind, visual.token_ids, visual.grid_thw, **extra)
     return visual
+
+
+def model_tile_length(model: torch.nn.Module) -> int:
+    """Idefics3 / SmolVLM: the placeholders per tile, the model's rule (its vision tower's patches,
+    pixel-shuffled by ``scale_factor`` in each direction)."""
+    vision = model.config.vision_config
+    return int((vision.image_size // vision.patch_size) ** 2 / model.config.scale_factor**2)
+
+
+def _check_tile_length(model: torch.nn.Module, processor: Any, slot: str) -> None:
+    expected = model_tile_length(model)
+    got = getattr(processor, "image_seq_len", None)
+    if got != expected:
+        raise ValueError(
+            f"PH {slot!r}: the processor expands each image tile into {got!r} placeholders "
+            f"(image_seq_len); the model's tiles give {expected} features ((image_size / patch_size)^2 / "
+            "scale_factor^2): the processor is not this model's"
+        )
+
+
+def _tiled_visual(
+    model: torch.nn.Module, processor: Any, slot: str, batch: Mapping[str, Any], token: int, tower
+) -> Visual:
+    """Idefics3 / SmolVLM: the processor's expansion (markers and placeholders), the tiles and their mask."""
+    ids = torch.as_tensor(batch["input_ids"]).flatten().long()
+    pixels = batch["pixel_values"]
+    count = int((ids == token).sum())
+    if count == 0 or count != pixels.shape[1] * processor.image_seq_len:
+        raise ValueError(
+            f"PH {slot!r}: the processor expanded the image into {count} placeholders for "
+            f"{pixels.shape[1]} tiles of {processor.image_seq_len}; expected one image"
+        )
+    _check_pixel_size(model, slot, pixels)
+    mask = batch.get("pixel_attention_mask")
+    mask = None if mask is None else torch.as_tensor(mask).to(tower.device)
+    return Visual(
+        "image", ids, pixels.to(tower.device, tower.dtype), None, placeholder=token, pixel_attention_mask=mask
+    )
 
 
 def _check_pixel_size(model: torch.nn.Module, slot: str, pixels: torch.Tensor) -> None:
@@ -313,6 +403,8 @@ def _from_processed(
         )
     if model.config.model_type in GRID_VISION_MODELS:
         return _from_processed_grid(model, processor, slot, kind, given, token, tower, key, pixels)
+    if model.config.model_type in TILED_VISION_MODELS:
+        return _from_processed_tiles(model, processor, slot, given, token, tower, pixels)
     if pixels.dim() == 4:
         pixels = pixels[None]
     if pixels.dim() != 5 or pixels.shape[0] != 1:
@@ -382,6 +474,77 @@ def _from_processed_grid(
     expected = _compat.grid_placeholders(model, processor, kind, grid)
     ids = _placeholder_ids(given, token, expected, slot, kind, f"grid {grid[0].tolist()}")
     return Visual(kind, ids, pixels, None, grid)
+
+
+def _from_processed_tiles(
+    model: torch.nn.Module,
+    processor: Any,
+    slot: str,
+    given: Mapping[str, Any],
+    token: int,
+    tower,
+    pixels: torch.Tensor,
+) -> Visual:
+    """Idefics3 / SmolVLM processed input: tiles ``[1, tiles, 3, size, size]``, their
+    ``pixel_attention_mask`` (optional: all pixels then) and the ``input_ids`` the processor expanded
+    the image into (required: the tiles' row / column layout is in them), checked against the
+    processor's rule for every ``rows x cols`` layout of that many tiles."""
+    if pixels.dim() == 4:
+        pixels = pixels[None]
+    if pixels.dim() != 5 or pixels.shape[0] != 1:
+        raise ValueError(
+            f"PH {slot!r}: pixel_values must be one image's tiles, [1, tiles, channels, height, width]; "
+            f"got shape {tuple(pixels.shape)}"
+        )
+    tiles = int(pixels.shape[1])
+    if tiles == 0:
+        raise ValueError(
+            f"PH {slot!r}: an image needs at least one tile; got pixel_values of shape {tuple(pixels.shape)}"
+        )
+    _check_pixel_size(model, slot, pixels)
+    if pixels.dtype != tower.dtype or pixels.device != tower.device:
+        raise ValueError(
+            f"PH {slot!r}: pixel_values must be {tower.dtype} on {tower.device} (the vision tower's); got "
+            f"{pixels.dtype} on {pixels.device}"
+        )
+    mask = given.get("pixel_attention_mask")
+    if mask is not None:
+        mask = torch.as_tensor(mask)
+        if mask.dim() == 3:
+            mask = mask[None]
+        if tuple(mask.shape) != (1, tiles, *pixels.shape[-2:]):
+            raise ValueError(
+                f"PH {slot!r}: pixel_attention_mask must be [1, {tiles}, {pixels.shape[-2]}, "
+                f"{pixels.shape[-1]}] (one per tile pixel); got shape {tuple(mask.shape)}"
+            )
+        if mask.dtype.is_floating_point or mask.device != tower.device:
+            raise ValueError(
+                f"PH {slot!r}: pixel_attention_mask must be a bool / integer mask on {tower.device}; got "
+                f"{mask.dtype} on {mask.device}"
+            )
+    if given.get("input_ids") is None:
+        raise ValueError(
+            f"PH {slot!r}: processed {model.config.model_type} image input needs the 'input_ids' the "
+            "processor expanded it into (the tiles' row / column markers and placeholders)"
+        )
+    ids = torch.as_tensor(given["input_ids"]).flatten().long()
+    layouts = (
+        [(0, 0)] if tiles == 1 else [(r, (tiles - 1) // r) for r in range(1, tiles) if (tiles - 1) % r == 0]
+    )
+    expanded = {layout: _compat.tiled_image_ids(processor, *layout) for layout in layouts}
+    if not any(ids.tolist() == want for want in expanded.values()):
+        count, expected = int((ids == token).sum()), tiles * processor.image_seq_len
+        if count != expected:
+            raise ValueError(
+                f"PH {slot!r}: {count} image placeholder tokens given; the processor expands this image "
+                f"({tiles} tiles) into {expected}"
+            )
+        shown = ", ".join(f"{r}x{c}" if r else "the global view alone" for r, c in layouts)
+        raise ValueError(
+            f"PH {slot!r}: the image's input_ids are not the processor's expansion of {tiles} tiles "
+            f"(as {shown} tiles and a global view): markers or placeholders out of place"
+        )
+    return Visual("image", ids, pixels, None, placeholder=token, pixel_attention_mask=mask)
 
 
 def visual_slot(model: torch.nn.Module, processor: Any, spec: PH, slots: Mapping[str, Slot]) -> Slot:

@@ -281,3 +281,107 @@ def tiny_qwen_vl_processor(tokenizer=None, version: str = "2"):
         min_pixels=16 * 16, max_pixels=64 * 64, patch_size=4, merge_size=2, temporal_patch_size=2
     )
     return ImageOnlyProcessor(images, tokenizer, chat_template=tokenizer.chat_template)
+
+
+# ------------------------------------------------------------------ tiny Idefics3 / SmolVLM
+#: the marker tokens an Idefics3 / SmolVLM processor expands an image into (``<row_i_col_j>`` up to 6x6)
+IDEFICS3_MARKERS = [
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)),
+]
+#: the tiny tiled VLMs' vision tower: 2 layers, 32x32 tiles in 8x8 patches, pixel shuffle 2: 4
+#: placeholders per tile
+TINY_TILED_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+)
+
+
+def tiny_idefics3_tokenizer():
+    """The embedded tokenizer with Idefics3 / SmolVLM's image markers added (``<image>`` is 49153)."""
+    tok = embedded_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": IDEFICS3_MARKERS})
+    return tok
+
+
+def tiny_idefics3(seed: int = 0, family: str = "idefics3", **text_overrides):
+    """A tiny random Idefics3 (``family="idefics3"``) or SmolVLM (``"smolvlm"``): a 2-layer vision
+    tower on 32x32 tiles, the pixel-shuffle connector (scale 2) and a 3-layer Llama language model."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+    )
+
+    tok = tiny_idefics3_tokenizer()
+    config_cls, model_cls = {
+        "idefics3": (Idefics3Config, Idefics3ForConditionalGeneration),
+        "smolvlm": (SmolVLMConfig, SmolVLMForConditionalGeneration),
+    }[family]
+    config = config_cls(
+        text_config=dict(TINY, vocab_size=49216, model_type="llama", **text_overrides),
+        vision_config=TINY_TILED_VISION,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        pad_token_id=TINY["pad_token_id"],
+    )
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+def tiny_idefics3_processor(tokenizer=None, family: str = "idefics3", tile: int = 32, longest_edge: int = 64):
+    """An Idefics3 / SmolVLM processor built offline: the PIL image processor splitting an image into
+    ``tile``-pixel tiles (the longest edge resized to ``longest_edge``: up to 2x2 tiles and a global
+    view) and :func:`tiny_idefics3_tokenizer`; 4 placeholders per tile (the tiny model's). SmolVLM's
+    without its video processor (it needs torchvision): ``SmolVLMProcessor`` checks its video
+    processor's class on construction, so the subclass passes none (its expansion rule unchanged);
+    ``SmolVLMProcessor`` also needs the ``num2words`` package."""
+    # the PIL image processors from their modules: transformers 5.16's top-level names for them are
+    # placeholders that demand torchvision
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = tokenizer or tiny_idefics3_tokenizer()
+    size = dict(size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile})
+    seq = (tile // TINY_TILED_VISION["patch_size"]) ** 2 // 4
+    if family == "idefics3":
+        return Idefics3Processor(
+            Idefics3ImageProcessorPil(**size),
+            tokenizer,
+            image_seq_len=seq,
+            chat_template=tokenizer.chat_template,
+        )
+    from transformers import SmolVLMProcessor
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    class ImageOnlySmolVLMProcessor(SmolVLMProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, image_seq_len=169, **kwargs):
+            super().__init__(image_processor, tokenizer, None, image_seq_len=image_seq_len, **kwargs)
+
+    return ImageOnlySmolVLMProcessor(
+        SmolVLMImageProcessorPil(**size), tokenizer, image_seq_len=seq, chat_template=tokenizer.chat_template
+    )
+
+
+def save_tiny_idefics3(directory, family: str = "idefics3", seed: int = 0):
+    """:func:`tiny_idefics3` and :func:`tiny_idefics3_processor` saved as a hub folder of the family
+    holds them (``processor_config.json`` names ``Idefics3Processor`` / ``SmolVLMProcessor``, not the
+    test helper's image-only subclass)."""
+    import json
+
+    directory = Path(directory)
+    tiny_idefics3(seed, family).save_pretrained(directory)
+    tiny_idefics3_processor(family=family).save_pretrained(directory)
+    path = directory / "processor_config.json"
+    config = json.loads(path.read_text())
+    config["processor_class"] = {"idefics3": "Idefics3Processor", "smolvlm": "SmolVLMProcessor"}[family]
+    path.write_text(json.dumps(config, indent=2))
+    return directory
