@@ -60,7 +60,8 @@ class RequestStates:
             self.next_uid += 1
             # the request's deferred bases are factorized when it ends: off every turn's critical path,
             # and a base no later request reads does not keep its source's cache alive in the pool
-            weakref.finalize(session, settle_deferred, state.deferred)
+            done = weakref.finalize(session, settle_deferred, state.deferred)
+            done.atexit = False  # at interpreter exit no one reads them
         return state
 
     def nbytes(self, session: Any) -> int:
