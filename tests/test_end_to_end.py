@@ -174,6 +174,11 @@ def test_a_deferred_base_has_the_factors_of_an_eager_one(tiny_llama, tokenizer):
     assert not again.base_deferred and torch.equal(again.base.values[1].a, anchor.base.values[1].a)
 
 
+def test_defer_base_bad_input_refused():
+    with pytest.raises(ValueError, match=r"defer_base must be True or False, got 'yes'"):
+        KVCMAS(defer_base="yes")
+
+
 def test_kvcomm_record_counts_its_prefix_deltas(tiny_llama, tokenizer):
     """KVComm also stores the (dense) PF deltas: one more key/value pair per layer per dense PH span; its
     question comes from a reference prefill, so the planner's turn stores one too."""
