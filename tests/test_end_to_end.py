@@ -59,8 +59,10 @@ def test_turn_breakdown_adds_up_to_the_time_after_the_first_token(tiny_llama, to
 
 
 # ----------------------------------------------------------- factorizations
-def count_per_recorded_turn(method, model, tok, requests):
-    """Matrices factorized in each turn's ``method.record`` (nothing else factorizes), per request."""
+def count_per_recorded_turn(method, model, tok, requests, outside=None):
+    """Matrices factorized in each turn's ``method.record`` per request; ``outside``: a list that gets,
+    per request, what the request factorized outside its records (a deferred base settled when the
+    request ends), else nothing may be factorized outside a record."""
     counts: list[list[int]] = []
     original = method.record
 
@@ -74,7 +76,12 @@ def count_per_recorded_turn(method, model, tok, requests):
             counts.append([])
             before = FACTORIZATIONS.snapshot()
             run_request(model, tok, method, query)
-            assert FACTORIZATIONS.since(before)["matrices"] == sum(counts[-1])  # only records factorize
+            gc.collect()  # the request's session is gone: its deferred bases are settled
+            extra = FACTORIZATIONS.since(before)["matrices"] - sum(counts[-1])
+            if outside is None:
+                assert extra == 0  # only records factorize
+            else:
+                outside.append(extra)
     return counts
 
 
@@ -87,15 +94,89 @@ def test_a_recorded_turn_factorizes_only_what_it_stores(tiny_llama, tokenizer):
     method = KVCMAS(tau=1.0)
     counts = count_per_recorded_turn(method, tiny_llama, tokenizer, [QUERIES[0]] * 3)
     # request 1 and 2: planner (no source: nothing stored); designer: deltas of query + planner, bases of
-    # both (new anchors); reviewer: deltas of query, planner, designer; bases: the query's rebased
+    # both (new anchors); coder: deltas of query, planner, designer; bases: the query's rebased
     # (chained), the designer's new anchor. Request 3: every gate accepts, nothing stored.
     expected = [0, (2 + 2) * per_kv, (3 + 2) * per_kv]
     assert counts == [expected, expected, [0, 0, 0]]
-    # each stored tensor is one factorization, plus the query's base the reviewer's rebase replaced
-    # (chained source, once per request: factorized by the designer's record, read by no one)
+    # each stored tensor is one factorization, plus the query's base the coder's rebase replaced
+    # (chained source, once per request: factorized by the designer's record, read by no one; see
+    # defer_base=True below)
     pools = list(method.pools.values())
     stored = sum(len(a.deltas) + 1 for pool in pools for a in pool)
     assert (stored + 2) * per_kv == sum(map(sum, counts))
+
+
+def test_a_deferred_base_is_factorized_once_per_request(tiny_llama, tokenizer):
+    """``defer_base=True``: a chained question's base is factorized once per request, when the request
+    ends (before, and with the default: by the designer's record, then thrown away unread by the
+    coder's rebase, whose base is factorized again); the rest as above, the same anchors."""
+    layers = tiny_llama.config.num_hidden_layers
+    per_kv = 2 * layers
+    method = KVCMAS(tau=1.0, defer_base=True)
+    outside: list[int] = []
+    counts = count_per_recorded_turn(method, tiny_llama, tokenizer, [QUERIES[0]] * 3, outside)
+    # designer: deltas of query + planner, the planner's new base (the query's deferred); coder: deltas
+    # of query, planner, designer, the designer's new base (the query's rebased base deferred, the
+    # designer's deferred one dropped unread). Request 3: every gate accepts, nothing stored.
+    expected = [0, (2 + 1) * per_kv, (3 + 1) * per_kv]
+    assert counts == [expected, expected, [0, 0, 0]]
+    assert outside == [per_kv, per_kv, 0]  # the query's base, once per request, when it ends
+    pools = list(method.pools.values())
+    assert not any(a.base_deferred for pool in pools for a in pool)
+    stored = sum(len(a.deltas) + 1 for pool in pools for a in pool)
+    assert stored * per_kv == sum(map(sum, counts)) + sum(outside)  # none wasted
+    eager = KVCMAS(tau=1.0)
+    count_per_recorded_turn(eager, tiny_llama, tokenizer, [QUERIES[0]] * 3)
+    for key, pool in method.pools.items():  # the same anchors, bases and deltas
+        for got, want in zip(pool, eager.pools[key], strict=True):
+            assert got.origin == want.origin and sorted(got.deltas) == sorted(want.deltas)
+            for g, w in zip((*got.base.keys, *got.base.values), (*want.base.keys, *want.base.values)):
+                assert torch.equal(g.a, w.a) and (g.b is None or torch.equal(g.b, w.b))
+
+
+def test_a_deferred_base_has_the_factors_of_an_eager_one(tiny_llama, tokenizer):
+    """The chained question's deferred base (the third agent's rebase: the designer's reading) holds its
+    source's bytes until read, then the factors of factorizing that source at once (the same seeded
+    range finder over the same canonical keys), factorized once, on the read; saved state holds
+    factors (the format unchanged) and loads back."""
+    from hf_kvshare.anchors.correction import canonical_key_layers
+    from hf_kvshare.anchors.lowrank import FactoredKV
+    from hf_kvshare.cache import storage_bytes
+
+    method = KVCMAS(tau=1.0, defer_base=True)
+    session = Session(tiny_llama, tokenizer, method)
+    designer_query = None
+    for i, agent in enumerate(AGENTS):
+        session.run_turn(agent, turn_segments(i, QUERIES[0]), max_new_tokens=3)
+        if agent == "designer":
+            designer_query = session.slots["query"].latest
+    (anchor,) = method.pools["query"].anchors
+    assert anchor.base_deferred and anchor.length == designer_query.length
+    assert anchor.nbytes - sum(d.nbytes for d in anchor.deltas.values()) == storage_bytes(
+        (*designer_query.keys, *designer_query.values)
+    )
+    layers = zip(
+        canonical_key_layers(designer_query, session.shifter), (v[:1] for v in designer_query.values)
+    )
+    eager = FactoredKV.from_layers(layers, method.base_rank, method.svd)
+    before = FACTORIZATIONS.snapshot()
+    tensors, meta = method.export_state()  # reads every base: the deferred one is factorized here
+    assert FACTORIZATIONS.since(before)["matrices"] == 2 * tiny_llama.config.num_hidden_layers
+    assert not anchor.base_deferred
+    for got, want in zip((*anchor.base.keys, *anchor.base.values), (*eager.keys, *eager.values)):
+        assert torch.equal(got.a, want.a) and (got.b is None or torch.equal(got.b, want.b))
+    before = FACTORIZATIONS.snapshot()
+    anchor.base  # noqa: B018  (read again: nothing more)
+    assert FACTORIZATIONS.since(before)["matrices"] == 0
+    loaded = KVCMAS(tau=1.0)  # defer_base is no state option: the state loads into the default
+    loaded.import_state(tensors, meta)
+    (again,) = loaded.pools["query"].anchors
+    assert not again.base_deferred and torch.equal(again.base.values[1].a, anchor.base.values[1].a)
+
+
+def test_defer_base_bad_input_refused():
+    with pytest.raises(ValueError, match=r"defer_base must be True or False, got 'yes'"):
+        KVCMAS(defer_base="yes")
 
 
 def test_kvcomm_record_counts_its_prefix_deltas(tiny_llama, tokenizer):

@@ -172,3 +172,56 @@ def test_compact_copies_only_views_that_hold_little():
     assert views[0].keys[0]._base is base[0]
     assert compact(views, storage_tokens=100)  # 10 of 100: copied, same values
     assert views[0].keys[0]._base is None and torch.equal(views[0].keys[0], base[0][..., :10, :])
+
+
+def test_cacheblend_recomputes_into_one_copy_of_its_segments(wide, tokenizer, context):
+    """CacheBlend's reuse turn: the source stays where it sits (each layer re-positioned when the engine
+    reads it) and the blended K/V are assembled layer by layer as the cache copies them in, so above
+    what the session held its tensors peak at the cache plus the recomputation's per-layer work (before:
+    a whole re-positioned copy of the keys, then a blended copy of every layer, then the cache: 2.0x)."""
+    session = Session(wide, tokenizer, "cacheblend", tensor_memory=True)
+    (_, reuse), held = run_agents(session, context, keep_cache=True)
+    assert reuse.tokens_reused > 600
+    cache_bytes = reuse.cache.nbytes
+    above = reuse.tensor_peak_bytes - held[1]
+    assert cache_bytes < above < 1.6 * cache_bytes, (above, cache_bytes)
+
+
+@pytest.mark.parametrize("name", ["cacheblend", "droidspeak", "relaycaching"])
+def test_selective_recomputation_placed_layer_by_layer_is_unchanged(tiny, tokenizer, name):
+    """The selective methods with the source re-positioned per layer and the result assembled per layer
+    give the tokens and, in every layer, the cache of re-positioning the whole source first (the way
+    before), bit for bit."""
+    from test_kvcmas import AGENTS as ROLES
+    from test_kvcmas import QUERIES, turn_segments
+
+    from hf_kvshare.methods import selective
+    from hf_kvshare.recompute.layers import SegmentRecompute
+
+    options = {
+        "cacheblend": {},
+        "droidspeak": {"rho": 0.5, "layer_profile": [0.0, 1.0, 2.0]},  # the tiny models' 3 layers
+        "relaycaching": {"band": (0.0, 1.0)},
+    }[name]
+
+    class Whole(SegmentRecompute):  # the source re-positioned as a whole before the engine sees it
+        def __init__(self, stack, cache, kv, token_ids, embeds=None, start=None, shifter=None):
+            super().__init__(stack, cache, kv.repositioned(shifter, start), token_ids, embeds)
+
+    def run():
+        session = Session(tiny, tokenizer, name, **options)
+        return [
+            session.run_turn(agent, turn_segments(i, QUERIES[0]), max_new_tokens=6, keep_cache=True)
+            for i, agent in enumerate(ROLES)
+        ]
+
+    layered = run()
+    with mock.patch.object(selective, "SegmentRecompute", Whole):
+        whole = run()
+    assert any(t.tokens_recomputed for t in layered)
+    for a, b in zip(layered, whole):
+        assert a.output_ids.tolist() == b.output_ids.tolist()
+        assert a.tokens_recomputed == b.tokens_recomputed
+        for layer in range(a.cache.num_layers):
+            for x, y in zip(a.cache.layer_kv(layer), b.cache.layer_kv(layer)):
+                assert torch.equal(x, y)

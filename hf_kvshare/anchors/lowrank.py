@@ -12,12 +12,13 @@ Keys are stored in the canonical positional frame (as if the segment started at 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from ..cache import storage_bytes
 from ..measure import phase
 
 #: how :meth:`MatrixFactors.from_matrix` truncates: ``"exact"`` (``torch.linalg.svd``) or
@@ -269,3 +270,62 @@ class FactoredKV:
     @property
     def nbytes(self) -> int:
         return sum(f.nbytes for f in (*self.keys, *self.values))
+
+
+class DeferredFactoredKV:
+    """A :class:`FactoredKV` whose factorization waits for its first read (:meth:`resolve`).
+
+    KVCMAS's anchor of a chained question takes each later consumer's source as its base (the
+    reference's ``entry.update``): a base factorized when the anchor is stored is thrown away by the
+    next consumer's rebase in the same request, read by no one. Deferred, a replaced base is never
+    factorized. Until then it holds what the factorization needs: ``layers`` gives each layer's
+    ``(keys, values)`` ``[1, kv_heads, L, head_dim]`` (keys canonical) when called, ``held`` the
+    tensors that keeps alive (:attr:`nbytes`: their storages, each counted once and whole).
+    :meth:`resolve` runs :meth:`FactoredKV.from_layers` once (the same factors as storing it
+    factorized at once) and drops them. ``tag`` is the owner's (e.g. the request that stored it).
+    """
+
+    def __init__(
+        self,
+        layers: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+        held: Callable[[], Iterable[torch.Tensor]],
+        rank: int | None,
+        svd: SVD,
+        *,
+        length: int,
+        kv_heads: int,
+        num_layers: int,
+        tag: Any = None,
+    ):
+        check_svd(svd)
+        self._layers: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]] | None = layers
+        self._held: Callable[[], Iterable[torch.Tensor]] | None = held
+        self.rank, self.svd, self.tag = rank, svd, tag
+        self.length, self.kv_heads, self.num_layers = length, kv_heads, num_layers
+        self._factors: FactoredKV | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return self._factors is not None
+
+    def resolve(self) -> FactoredKV:
+        """The factors (computed on the first call, then kept; the source is released)."""
+        if self._factors is None:
+            assert self._layers is not None
+            self._factors = FactoredKV.from_layers(self._layers(), self.rank, self.svd)
+            self._layers = self._held = None
+        return self._factors
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the factors once resolved, else the storages of the source it keeps alive."""
+        if self._factors is not None:
+            return self._factors.nbytes
+        assert self._held is not None
+        return storage_bytes(self._held())
+
+    def __repr__(self) -> str:
+        state = "resolved" if self.resolved else "deferred"
+        return (
+            f"DeferredFactoredKV({self.length} tokens, {self.num_layers} layers, rank {self.rank}, {state})"
+        )

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
-from .lowrank import FactoredKV
+from .lowrank import DeferredFactoredKV, FactoredKV
 
 #: label of the context-free reference (the segment prefilled with nothing before it)
 REFERENCE = "reference"
@@ -54,12 +55,15 @@ class LRUDict(OrderedDict):
             self.move_to_end(key)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Anchor:
     """One stored observation of a PH slot.
 
     Args:
-        base: the cache the corrections are relative to, keys canonical.
+        base: the cache the corrections are relative to, keys canonical: factors, or a
+            :class:`~.lowrank.DeferredFactoredKV` factorized on its first read (reading ``base``
+            resolves it; :attr:`base_deferred` tells without resolving; a chained question's base,
+            replaced by the next consumer's rebase, is then never factorized).
         source: who produced ``base``: the source agent's name, or :data:`REFERENCE`.
         origin: identifies the exact ``base`` (request, slot, version), so that later consumers of
             the same base add their delta to this anchor instead of inserting a duplicate.
@@ -85,12 +89,51 @@ class Anchor:
 
     @property
     def length(self) -> int:
-        return self.base.length
+        return self.__dict__["base"].length  # a deferred base knows its length: nothing factorized
+
+    @property
+    def base_deferred(self) -> bool:
+        """The base is still waiting for its factorization (its first read)."""
+        base = self.__dict__["base"]
+        return isinstance(base, DeferredFactoredKV) and not base.resolved
 
     @property
     def nbytes(self) -> int:
+        """Bytes held: the base's factors (a deferred base: the source storages it keeps alive), deltas."""
         deltas = sum(d.nbytes for d in self.deltas.values())
-        return self.base.nbytes + deltas + sum(d.nbytes for _, d in self.prefix_deltas.values())
+        base = self.__dict__["base"].nbytes
+        return base + deltas + sum(d.nbytes for _, d in self.prefix_deltas.values())
+
+    def settle_base(self, keep: Any = None) -> None:
+        """Factorize a deferred base now unless it was stored under tag ``keep`` (e.g. the request still
+        running, whose next consumer may replace it)."""
+        base = self.__dict__["base"]
+        if isinstance(base, DeferredFactoredKV) and not base.resolved and (keep is None or base.tag != keep):
+            self.__dict__["base"] = base.resolve()
+
+    def __repr__(self) -> str:
+        return (
+            f"Anchor({self.source!r}, origin={self.origin!r}, {self.length} tokens, "
+            f"deltas for {sorted(self.deltas)}, serial {self.serial}"
+            f"{', base deferred' if self.base_deferred else ''})"
+        )
+
+
+def _read_base(anchor: Anchor) -> FactoredKV:
+    """``anchor.base``: a deferred base is factorized here, on its first read, and replaced by its factors."""
+    base = anchor.__dict__["base"]
+    if isinstance(base, DeferredFactoredKV):
+        base = anchor.__dict__["base"] = base.resolve()
+    return base
+
+
+def _write_base(anchor: Anchor, base: FactoredKV | DeferredFactoredKV) -> None:
+    anchor.__dict__["base"] = base
+
+
+# a property over the dataclass field (set after the decorator, so the generated __init__ assigns
+# through it): every reader of ``anchor.base`` gets factors
+Anchor.base = property(_read_base, _write_base, doc=Anchor.__doc__)  # type: ignore[assignment]
 
 
 class AnchorPool:

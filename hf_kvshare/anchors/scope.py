@@ -23,6 +23,7 @@ the Turn's read API.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from ..cache import SegmentKV, check_finite
 from ..trajectory import tokenize_text
 from .correction import canonical_key_layers, canonical_keys
 from .gate import GateDecision
-from .lowrank import FactoredKV
+from .lowrank import DeferredFactoredKV, FactoredKV
 from .pool import REFERENCE, AnchorPool, LRUDict
 from .state import RequestState, reference_lead, reference_prefill
 from .store import BoundedStore
@@ -133,6 +134,7 @@ class Scope:
         slots = turn.slots
         output = slots[turn.output_slot].latest
         self.check_finite(turn, cache, output)  # before anything changes
+        self.settle(turn)
         if output is not None and o.output_source == "producer":
             state.produced[turn.output_slot] = output
         edges = self.edges(turn)
@@ -308,6 +310,38 @@ class Scope:
         """An anchor's base: the source, keys canonical, factorized at ``base_rank`` (layer by layer)."""
         layers = zip(source_keys(), (v[:1] for v in edge.source.values))
         return FactoredKV.from_layers(layers, self.options.base_rank, self.options.svd)
+
+    def deferred_base(self, edge: Edge, turn: Turn) -> DeferredFactoredKV:
+        """:meth:`base`, factorized on its first read (or when the request ends) instead of now: a
+        chained question's base, which the next consumer's rebase replaces in the same request. It
+        holds the source (the slot's K/V of the previous hop) until then; the same factors (the
+        canonical keys are computed again, layer by layer, from the source)."""
+        source, shifter = edge.source, turn.shifter
+        state = self.request(turn)
+
+        def layers() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+            return zip(canonical_key_layers(source, shifter), (v[:1] for v in source.values))
+
+        deferred = DeferredFactoredKV(
+            layers,
+            lambda: (*source.keys, *source.values),
+            self.options.base_rank,
+            self.options.svd,
+            length=source.length,
+            kv_heads=source.keys[0].shape[1],
+            num_layers=source.num_layers,
+            tag=state.uid,
+        )
+        state.deferred.append(weakref.ref(deferred))
+        return deferred
+
+    def settle(self, turn: Turn) -> None:
+        """Factorize the deferred bases other requests stored (a request whose session is still alive
+        but no longer running: its next consumer will not replace them)."""
+        uid = self.request(turn).uid
+        for pool in self.pools.values():
+            for anchor in pool:
+                anchor.settle_base(keep=uid)
 
 
 def span_index(turn: Turn, span) -> int:

@@ -283,12 +283,14 @@ class SlotScope(Scope):
         delta, source_keys = self.delta(edge, exact, turn)
         prefix = self.prefix_delta(turn, span, cache) if o.prefix_delta and o.prefix_reuse else None
         new = anchor is None
+        # a chained source's base is replaced by the next consumer's (the rebase below), most often in
+        # this same request: with ``defer_base``, factorized on its first read, so a replaced one never is
+        defer = edge.rebase and o.defer_base
+        base = (lambda: self.deferred_base(edge, turn)) if defer else (lambda: self.base(edge, source_keys))
         if new:
-            anchor = Anchor(
-                base=self.base(edge, source_keys), source=edge.label, origin=edge.origin, frame=o.delta_frame
-            )
+            anchor = Anchor(base=base(), source=edge.label, origin=edge.origin, frame=o.delta_frame)
         elif edge.rebase:  # the reference's entry.update: the base becomes this consumer's source
-            anchor.base, anchor.source = self.base(edge, source_keys), edge.label
+            anchor.base, anchor.source = base(), edge.label
         anchor.deltas[turn.agent] = delta
         anchor.base_start = exact.start  # ... as this consumer placed it (KVComm compares keys there)
         if prefix is not None:

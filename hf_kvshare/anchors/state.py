@@ -34,6 +34,9 @@ class RequestState:
     gate_reports: dict[str, tuple[int, list[float] | None]] = field(default_factory=dict)
     #: (slot, anchors, rows) -> token-wise (key, value) weights, computed once and reused by later consumers
     weights: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: weak references to the anchor bases this request stored deferred (a chained question's): the
+    #: ones still deferred and still held are factorized when the request ends (its session is freed)
+    deferred: list[weakref.ref] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +58,10 @@ class RequestStates:
         if state is None:
             state = self._states[session] = RequestState(uid=self.next_uid)
             self.next_uid += 1
+            # the request's deferred bases are factorized when it ends: off every turn's critical path,
+            # and a base no later request reads does not keep its source's cache alive in the pool
+            done = weakref.finalize(session, settle_deferred, state.deferred)
+            done.atexit = False  # at interpreter exit no one reads them
         return state
 
     def nbytes(self, session: Any) -> int:
@@ -72,6 +79,15 @@ class RequestStates:
 
     def clear(self) -> None:
         self._states = weakref.WeakKeyDictionary()
+
+
+def settle_deferred(deferred: list[weakref.ref]) -> None:
+    """Factorize the deferred bases (:class:`~.lowrank.DeferredFactoredKV`) still held and unresolved."""
+    for ref in deferred:
+        base = ref()
+        if base is not None and not base.resolved:
+            base.resolve()
+    deferred.clear()
 
 
 def context_free_reference(

@@ -193,6 +193,14 @@ class KVCMAS(PrefixReuse, Method):
         max_pools: pools kept by the instance (one per producing agent or PH slot name); past it the
             least recently used pool (read or written by a recorded turn) is dropped, so a workload
             with a new name per request (``doc{i}``) stays bounded. :meth:`state_summary` reports it.
+        defer_base: the base of an anchor whose source is chained (the question, hop to hop) is
+            factorized on its first read, at save, or when the request ends, instead of when the
+            anchor is stored: the next consumer's rebase (the reference's ``entry.update``) replaces
+            it in the same request, so a replaced base is never factorized (one base per chained slot
+            and request instead of one per consumer). The price: the pool holds that source (the
+            previous hop's K/V of the slot, which the session no longer does) until then, i.e. during
+            the next consumer's turn; the same factors, the saved state the same. ``False`` (default):
+            factorized when stored (memory first). Not a state option (a state loads either way).
 
     >>> method = KVCMAS()  # one instance, shared by every request's Session  # doctest: +SKIP
     >>> for query in queries:  # doctest: +SKIP
@@ -209,6 +217,8 @@ class KVCMAS(PrefixReuse, Method):
     corrects: ClassVar[bool] = True
     rank_options: ClassVar[tuple[str, ...]] = ("base_rank", "delta_rank")
     state_keys: ClassVar[tuple[str, ...] | None] = ("pools", "next_request", "evicted", "prefixes")
+    #: knobs a saved state need not match: the deferred base is factorized at save (same content)
+    state_fields: ClassVar[tuple[str, ...]] = ("defer_base",)
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
         "key_frame": "canonical",
@@ -245,6 +255,7 @@ class KVCMAS(PrefixReuse, Method):
     prefix_reuse: bool = True
     prefix_scope: str = "agent"
     max_pools: int = 64
+    defer_base: bool = False
 
     def __post_init__(self) -> None:
         self.check_prefix_reuse()
@@ -289,7 +300,7 @@ class KVCMAS(PrefixReuse, Method):
             )
         if self.lead_in is not None and not isinstance(self.lead_in, str):
             raise ValueError(f"{self.name}: lead_in must be a string or None, got {self.lead_in!r}")
-        for knob in ("partial_coverage", "skip_layer0", "weights_cache", "prefix_delta"):
+        for knob in ("partial_coverage", "skip_layer0", "weights_cache", "prefix_delta", "defer_base"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
         if isinstance(self.max_pools, bool) or not isinstance(self.max_pools, int) or self.max_pools < 1:

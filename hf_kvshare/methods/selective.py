@@ -68,13 +68,16 @@ class SelectiveRecompute(BoundaryCapture, Method):
         source = turn.slot(span.name).latest
         if source is None:
             return None  # first time this slot is seen: dense
-        kv = source.repositioned(turn.shifter, span.start)
         recorder = self.recorder(turn)
         if recorder is not None:  # the reused rows' boundary inputs are the source's until recomputed
             for layer in recorder.layers:
                 recorder.put(layer, span.start, self.source_boundary(turn, span.name, layer))
         embeds = None if span.visual is None else span.visual.embeds(turn.model)  # an image's features
-        engine = SegmentRecompute(self.stack, cache, kv, span.token_ids, embeds)
+        # the source stays where it sits: the engine re-positions a layer when it reads it, and its
+        # result is assembled layer by layer as the cache copies it in (no whole copy of the segment)
+        engine = SegmentRecompute(
+            self.stack, cache, source, span.token_ids, embeds, start=span.start, shifter=turn.shifter
+        )
         final_rows, info = self.recompute(engine, turn, span)
         new_kv, entries = engine.result(final_rows)
         total = span.length * self.stack.num_layers

@@ -13,7 +13,7 @@ arithmetic (projections, biases, RoPE and its scaling, GQA, attention kernel) st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -22,6 +22,7 @@ from .. import mrope
 from .._compat import decoder_layer_cache_kwarg
 from ..cache import SegmentedCache, SegmentKV
 from ..hooks import thread_hook
+from ..rope import RopeShifter
 from .selection import kv_deviation, received_attention
 from .stack import DecoderStack
 
@@ -40,8 +41,9 @@ class LayerProbe:
         self.rows = rows
         self.fresh_keys = fresh_k
         self.fresh_values = fresh_v
-        self.reused_keys = engine.kv.keys[layer_idx][..., rows, :]
-        self.reused_values = engine.kv.values[layer_idx][..., rows, :]
+        reused_k, reused_v = engine.reused(layer_idx)
+        self.reused_keys = reused_k[..., rows, :]
+        self.reused_values = reused_v[..., rows, :]
         self._prefix_k = prefix_k
         self._query = query  # pre-RoPE queries, from the hook on DecoderStack.query_source
 
@@ -58,7 +60,7 @@ class LayerProbe:
         if self._query is None:
             raise RuntimeError("attention was not requested for this layer (run_layer(..., attention=True))")
         engine, stack = self.engine, self.engine.stack
-        seg_k = engine.kv.keys[self.layer_idx].clone()
+        seg_k = engine.reused(self.layer_idx)[0].clone()
         seg_k[..., self.rows, :] = self.fresh_keys.to(seg_k.dtype)
         keys = seg_k if self._prefix_k is None else torch.cat([self._prefix_k, seg_k], dim=-2)
         # multimodal RoPE: at the segment's rope shift (exact for text; an image's rows take that 1D
@@ -102,8 +104,8 @@ class _SpliceCache:
             )
             keep = _as_sorted_indices(self.choose(probe), self.rows.numel()).to(self.rows.device)
         kept_rows = self.rows[keep]
-        seg_k = engine.kv.keys[layer_idx].clone()
-        seg_v = engine.kv.values[layer_idx].clone()
+        reused_k, reused_v = engine.reused(layer_idx)
+        seg_k, seg_v = reused_k.clone(), reused_v.clone()
         fresh_k = key_states[..., keep, :]
         fresh_v = value_states[..., keep, :]
         seg_k[..., kept_rows, :] = fresh_k.to(seg_k.dtype)
@@ -129,15 +131,19 @@ class SegmentRecompute:
         stack: the model's :class:`DecoderStack`.
         cache: a cache holding at least positions ``[0, kv.start)`` (the agent's prefix); later
             positions are ignored.
-        kv: the segment's reused K/V at its target positions (``kv.start`` ..); never modified.
+        kv: the segment's reused K/V, at its target positions (``kv.start`` ..) or, with ``start``,
+            where its source sat; never modified.
         token_ids: the segment's token ids ``[S]``.
         embeds: the segment's own input embeddings ``[1, S, hidden]`` where its ids do not give them
             (an image's features, ``Span.visual``), else ``None``.
+        start: where the segment lands (default ``kv.start``); ``kv`` elsewhere is re-positioned
+            there by ``shifter`` (default the stack's) one layer at a time, when a layer reads it,
+            never as a whole copy (a multimodal-RoPE cache moves the whole segment first, as before).
 
     Run layers with :meth:`run_layer` (hidden states ``[1, q, hidden]`` of segment ``rows``), then
     :meth:`result` gives the segment K/V with the recomputed rows written in.
 
-    >>> engine = SegmentRecompute(stack, cache, source.repositioned(shifter, start), ids)  # doctest: +SKIP
+    >>> engine = SegmentRecompute(stack, cache, source, ids, start=start)  # doctest: +SKIP
     >>> h, rows = engine.embeddings(), engine.all_rows()  # doctest: +SKIP
     >>> for layer in range(stack.num_layers):  # doctest: +SKIP
     ...     h, rows = engine.run_layer(layer, h, rows)
@@ -151,6 +157,8 @@ class SegmentRecompute:
         kv: SegmentKV,
         token_ids: torch.Tensor,
         embeds: torch.Tensor | None = None,
+        start: int | None = None,
+        shifter: RopeShifter | None = None,
     ):
         if kv.num_layers != stack.num_layers:
             raise ValueError(f"the segment K/V has {kv.num_layers} layers, the model {stack.num_layers}")
@@ -161,27 +169,59 @@ class SegmentRecompute:
         token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
         if token_ids.numel() != kv.length:
             raise ValueError(f"{token_ids.numel()} token ids for a segment K/V of {kv.length} tokens")
-        if cache.get_seq_length() < kv.start:
+        start = kv.start if start is None else start
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start must be a position (an int >= 0); got {start!r}")
+        if cache.get_seq_length() < start:
             raise ValueError(
-                f"the segment starts at {kv.start} but the cache holds only {cache.get_seq_length()} positions"
+                f"the segment starts at {start} but the cache holds only {cache.get_seq_length()} positions"
             )
         self.stack = stack
         self.cache = cache
+        shifter = stack.shifter if shifter is None else shifter
         #: multimodal RoPE: the segment's rope positions where it lands, and its shift from its slots; the
         #: engine works on the cache's frame (the reused K/V moved there, the result moved back)
-        self._rope, self._shift = mrope.segment_layout(cache, kv) or (None, 0)
-        if self._shift:
+        self._rope, self._shift = mrope.segment_layout(cache, replace(kv, start=start)) or (None, 0)
+        if self._shift:  # the whole segment moved first (its slots, then its rope shift), as before
+            kv = kv.repositioned(shifter, start)
             kv = replace(kv, keys=mrope.shift_keys(stack.shifter, kv.keys, kv.start, self._shift))
-        self.kv = kv
+        #: the reused K/V where they sit (keys rotated to ``start`` per layer when read: :meth:`reused`)
+        self.source = kv
+        self._rotation = None if kv.start == start else shifter.rotation(kv.start, start, kv.length)
+        self._shifter = shifter
+        self._reused: tuple[int, torch.Tensor] | None = None  # the last layer's re-positioned keys
         if embeds is not None and tuple(embeds.shape[:2]) != (1, token_ids.numel()):
             raise ValueError(
                 f"embeds must be [1, {token_ids.numel()}, hidden] for the segment; got {tuple(embeds.shape)}"
             )
         self.token_ids = token_ids
         self.embeds = embeds
-        self.start = kv.start
+        self.start = start
         self.length = kv.length
         self.fresh: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ reused K/V
+    def reused(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The segment's reused keys and values of ``layer_idx`` at ``start .. start + S - 1``: the
+        source's keys rotated there for this layer only (the last layer's kept for the next read),
+        never modified by the engine."""
+        source = self.source
+        if self._rotation is None:
+            return source.keys[layer_idx], source.values[layer_idx]
+        if self._reused is None or self._reused[0] != layer_idx:
+            keys = self._shifter.apply(source.keys[layer_idx], self._rotation, layer=layer_idx)
+            self._reused = (layer_idx, keys)
+        return self._reused[1], source.values[layer_idx]
+
+    @property
+    def kv(self) -> SegmentKV:
+        """The reused K/V at ``start`` (every layer re-positioned: a copy of the keys when the source
+        sits elsewhere; the engine itself reads one layer at a time, :meth:`reused`)."""
+        if self._rotation is None:
+            return self.source
+        return replace(
+            self.source, keys=[self.reused(i)[0] for i in range(self.source.num_layers)], start=self.start
+        )
 
     # ------------------------------------------------------------------ inputs
     def all_rows(self) -> torch.Tensor:
@@ -201,7 +241,7 @@ class SegmentRecompute:
     def mask(self, rows: torch.Tensor, layer_idx: int | None = None) -> torch.Tensor:
         """Additive float mask ``[1, 1, q, start + S]``: row ``i`` sees keys at positions ``<= start + rows[i]``
         (on a sliding-window layer, only the last ``W`` of them, as the model's own mask)."""
-        dtype = self.kv.keys[0].dtype
+        dtype = self.source.keys[0].dtype
         key_pos = torch.arange(self.start + self.length, device=rows.device)
         query_pos = (self.start + rows)[:, None]
         allowed = key_pos[None, :] <= query_pos
@@ -268,12 +308,18 @@ class SegmentRecompute:
 
     # ------------------------------------------------------------------ result
     def result(self, rows: torch.Tensor | None = None) -> tuple[SegmentKV, int]:
-        """The segment K/V with recomputed rows written in, and the number of (token, layer) entries written.
+        """The segment K/V at ``start`` with recomputed rows written in, and the number of (token, layer)
+        entries written.
 
         ``rows``: write only these rows' fresh K/V (e.g. the final selection of a method that
         narrowed its candidates over layers); default: every row run through each layer.
+
+        Each layer of the result is assembled when it is read (:class:`LayerSequence`: the reused
+        layer, re-positioned, with its fresh rows written in), so a caller that copies the layers into
+        a cache one by one (:meth:`~hf_kvshare.cache.SegmentedCache.append_kv`) holds one layer's
+        copy at a time, not a whole segment's; the same values on every read.
         """
-        keys, values = list(self.kv.keys), list(self.kv.values)
+        writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         entries = 0
         for layer_idx, (layer_rows, k, v) in sorted(self.fresh.items()):
             select = torch.ones_like(layer_rows, dtype=torch.bool)
@@ -282,11 +328,53 @@ class SegmentRecompute:
             if not bool(select.any()):
                 continue
             target = layer_rows[select]
-            keys[layer_idx] = keys[layer_idx].clone()
-            values[layer_idx] = values[layer_idx].clone()
-            keys[layer_idx][..., target, :] = k[..., select, :].to(keys[layer_idx].dtype)
-            values[layer_idx][..., target, :] = v[..., select, :].to(values[layer_idx].dtype)
+            writes[layer_idx] = (target, k[..., select, :], v[..., select, :])
             entries += int(target.numel())
-        if self._shift:  # back to the slot frame every SegmentKV is kept in
+        if (
+            self._shift
+        ):  # multimodal RoPE: written out whole, back to the slot frame every SegmentKV is kept in
+            keys = [self._written(i, writes, 0) for i in range(self.stack.num_layers)]
+            values = [self._written(i, writes, 1) for i in range(self.stack.num_layers)]
             keys = mrope.shift_keys(self.stack.shifter, keys, self.start + self._shift, -self._shift)
-        return replace(self.kv, keys=keys, values=values), entries
+            return replace(self.source, keys=keys, values=values), entries
+        n = self.stack.num_layers
+        keys = LayerSequence(n, lambda i: self._written(i, writes, 0))
+        values = LayerSequence(n, lambda i: self._written(i, writes, 1))
+        return replace(self.source, keys=keys, values=values, start=self.start), entries
+
+    def _written(self, layer_idx: int, writes: dict, side: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s reused keys (``side`` 0) or values (1) at ``start`` with its fresh rows
+        in ``writes`` written in (a copy where any are; else the reused tensor itself)."""
+        reused = self.reused(layer_idx)[side]
+        if layer_idx not in writes:
+            return reused
+        target, fresh = writes[layer_idx][0], writes[layer_idx][1 + side]
+        out = reused.clone()
+        out[..., target, :] = fresh.to(out.dtype)
+        return out
+
+
+class LayerSequence(Sequence):
+    """A read-only list of per-layer tensors, each computed by ``layer(i)`` when read (the last one read
+    kept, so that a reader asking twice for the same layer computes it once): a
+    :class:`~hf_kvshare.cache.SegmentKV` whose layers are assembled one at a time."""
+
+    def __init__(self, length: int, layer: Callable[[int], torch.Tensor]):
+        self._length, self._layer = length, layer
+        self._last: tuple[int, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._length))]
+        i = index + self._length if index < 0 else index
+        if not 0 <= i < self._length:
+            raise IndexError(f"layer {index} of {self._length}")
+        if self._last is None or self._last[0] != i:
+            self._last = (i, self._layer(i))
+        return self._last[1]
+
+    def __repr__(self) -> str:
+        return f"LayerSequence({self._length} layers, assembled when read)"
