@@ -1,6 +1,7 @@
 """The ``hf-kvshare`` command (also ``python -m hf_kvshare``): ``demo``, ``bench ...``, ``train-roles``.
 
 hf-kvshare demo [--methods fullshared kvcmas:tau=0.4] [--max-new-tokens 48]
+hf-kvshare demo --workload mathvista --model <a vision-language model>   (an image shared by the agents)
 hf-kvshare bench run --workload trace --methods nonshared fullshared    (= python -m hf_kvshare.bench)
 hf-kvshare train-roles --out runs/adapters                              (= python -m hf_kvshare.bench.train_roles)
 hf-kvshare serve --model smollm2-135m --method fullshared [vLLM options]   (vLLM's OpenAI server + the connector)
@@ -86,6 +87,14 @@ def demo_specs(texts: list[str], prog: str) -> list:
     return specs
 
 
+def demo_workloads() -> list[str]:
+    """What ``demo --workload`` runs: the text workflow and the bench's visual workloads (their images
+    are drawn by the workload, so they need no files)."""
+    from .bench.workloads import WORKLOADS
+
+    return ["text", *sorted(name for name, cls in WORKLOADS.items() if cls.visual and name != "file")]
+
+
 def demo(argv: list[str], prog: str = f"{PROG} demo") -> int:
     from .evaluation.protocol import REFERENCE
     from .models import DEFAULT_MODEL, add_model_arguments, model_arguments
@@ -108,6 +117,15 @@ def demo(argv: list[str], prog: str = f"{PROG} demo") -> int:
         "methods run on the bench's autoact workload",
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, hub id or local path")
+    parser.add_argument(
+        "--workload",
+        default="text",
+        choices=demo_workloads(),
+        help="text: the 4-agent text workflow (default); mathvista / videomme: the bench's first task of "
+        "that workload (a drawn chart or video shared by three task agents and a reflection agent), on "
+        "a vision-language --model (a LLaVA-OneVision / Qwen2-VL / Idefics3 / SmolVLM hub id or folder, "
+        "or random:llava-onevision-0.5b for timing)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_model_arguments(
@@ -121,6 +139,22 @@ def demo(argv: list[str], prog: str = f"{PROG} demo") -> int:
     except (ValueError, ImportError) as e:
         parser.error(str(e))
     specs = demo_specs(args.methods, prog)  # every check before the model loads
+    visual = args.workload != "text"
+    if visual:
+        from .models import is_vision_language, model_config
+
+        try:
+            config = model_config(args.model)
+        except (OSError, ValueError) as e:
+            fail(prog, f"--model {args.model}: {e}")
+        if not is_vision_language(config):
+            fail(
+                prog,
+                f"--workload {args.workload} shares an image among the agents; --model {args.model} is a "
+                f"text-only model ({getattr(config, 'model_type', type(config).__name__)}, no vision_config): "
+                "give a vision-language model (a LLaVA-OneVision hub id or local folder, or "
+                "random:llava-onevision-0.5b for timing)",
+            )
 
     from .bench.report import format_table
     from .evaluation import MethodPair, compare_methods, demo_workflow
@@ -128,6 +162,26 @@ def demo(argv: list[str], prog: str = f"{PROG} demo") -> int:
 
     print(f"loading {args.model} ...", file=sys.stderr)
     model, tok = load_model(args.model, **loading)
+    if visual:
+        from .bench.workloads import make_workload
+        from .models import load_processor
+
+        try:
+            processor = load_processor(args.model)
+        except ValueError as e:
+            fail(prog, str(e))
+        task = make_workload(args.workload, limit=1, max_new_tokens=args.max_new_tokens).tasks(tok, seed=0)[0]
+        print(f"{args.workload} task {task.id}: answer {task.answer!r}", file=sys.stderr)
+
+        def workflow():
+            return task.to_workflow(tok)
+
+        tok = processor  # the session splits a processor into its tokenizer and image processor
+    else:
+
+        def workflow():
+            return demo_workflow(tok, max_new_tokens=args.max_new_tokens)
+
     pairs = []
     for spec in specs:
         pair = MethodPair(str(spec), spec.create(), spec.create())
@@ -137,13 +191,7 @@ def demo(argv: list[str], prog: str = f"{PROG} demo") -> int:
         except ValueError as e:
             fail(prog, f"method {spec}: {e}")
         pairs.append(pair)
-    reports = compare_methods(
-        model,
-        tok,
-        lambda: demo_workflow(tok, max_new_tokens=args.max_new_tokens),
-        pairs,
-        progress=not args.no_progress,
-    )
+    reports = compare_methods(model, tok, workflow, pairs, progress=not args.no_progress)
     reference = reports[REFERENCE]
     rows = [r.summary(reference) for r in reports.values()]
     print()

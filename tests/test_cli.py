@@ -111,3 +111,32 @@ def test_demo_runs_methods_with_options_on_a_local_model(tmp_path, tokenizer, ca
         main([*argv, "--methods", "droidspeak:rho=0.5,layer_profile=[1.0,2.0,3.0]"])
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading messages
     assert exit_info.value.code == 2 and "layer profile has 3 entries" in one_line(last)
+
+
+def test_demo_runs_a_visual_workload_on_a_vision_language_model(tmp_path, capsys):
+    """``demo --workload mathvista``: the bench's first drawn chart shared by its agents, every method
+    beside NonShared; NonShared's own row is exact (KV error 0, same output)."""
+    from tiny import save_tiny_vlm
+
+    vlm = save_tiny_vlm(tmp_path / "vlm")
+    argv = ["demo", "--workload", "mathvista", "--model", str(vlm), "--max-new-tokens", "2", "--no-progress"]
+    assert main([*argv, "--methods", "fullshared", "kvcmas"]) == 0
+    captured = capsys.readouterr()
+    assert "mathvista task mathvista-0" in captured.err
+    rows = {line.split()[0]: line.split() for line in captured.out.splitlines() if line.split()}
+    assert {"nonshared", "fullshared", "kvcmas"} <= set(rows)
+    per_turn = [line.split() for line in captured.out.split("per turn")[1].splitlines() if line.strip()]
+    fullshared = next(
+        line for line in per_turn if line[0] == "fullshared"
+    )  # fidelity ran on the image workflow
+    assert "mathematical_analyst:" in fullshared and "final:" in fullshared
+
+
+def test_demo_refuses_a_visual_workload_on_a_text_model_before_loading(capsys, no_model_load):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--workload", "mathvista"])
+    err = one_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and "text-only model" in err and "--workload mathvista" in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--workload", "nosuch"])
+    assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
