@@ -135,7 +135,7 @@ def test_three_task_agents_then_a_reflection_agent_read_the_shared_image():
 
 def test_an_image_slot_is_not_part_of_the_file_format():
     task = make_workload("mathvista", limit=1).tasks(None)[0]
-    with pytest.raises(WorkloadFormatError, match="'chart' hold an image; the JSONL task format"):
+    with pytest.raises(WorkloadFormatError, match="'chart' hold an image or a video; the JSONL task format"):
         task.to_record()
     record = {
         "agents": [{"name": "a"}],

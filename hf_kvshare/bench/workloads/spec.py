@@ -104,6 +104,17 @@ class SlotSpec:
     #: "question" or "observation" (:class:`~hf_kvshare.trajectory.PH`); None: :meth:`TaskSpec.slot_kinds`
     kind: str | None = None
     image: Any = field(default=None, compare=False, repr=False, metadata={"file": False})
+    #: a video: a list of frames (``PIL.Image`` s or image files' paths), ``PH(name, video=...)``
+    video: Any = field(default=None, compare=False, repr=False, metadata={"file": False})
+
+    @property
+    def media(self) -> tuple[str, Any] | None:
+        """``("image", value)`` / ``("video", frames)`` for an image or video slot, else ``None``."""
+        if self.image is not None:
+            return "image", self.image
+        if self.video is not None:
+            return "video", self.video
+        return None
 
 
 @dataclass(frozen=True)
@@ -244,9 +255,12 @@ class TaskSpec:
         for i, s in enumerate(self.slots):
             if slot_names.index(s.name) != i:
                 fail(f"slots[{i}].name", f"slot {s.name!r} is defined twice")
-            if s.image is not None and s.text:
-                fail(f"slots[{i}]", "give text or an image, not both")
-            if not s.text and s.image is None:
+            given = ["text"] * bool(s.text) + [n for n in ("image", "video") if getattr(s, n) is not None]
+            if len(given) > 1:
+                fail(f"slots[{i}]", f"give one of text, an image or a video; got {' and '.join(given)}")
+            if s.video is not None and (not isinstance(s.video, (list, tuple)) or not s.video):
+                fail(f"slots[{i}].video", f"a video needs a non-empty list of frames; got {s.video!r}")
+            if not s.text and s.media is None:
                 fail(f"slots[{i}].text", "must be a non-empty string")
             if s.kind is not None and s.kind not in GIVEN_KINDS:
                 fail(
@@ -313,8 +327,9 @@ class TaskSpec:
                     content.append(PF(glue))
                 if slot in given:  # kinds stated where the session's default would read them otherwise
                     kind = kinds[slot] if explicit or given[slot].kind else None
-                    if given[slot].image is not None:
-                        content.append(PH(slot, image=given[slot].image, kind=kind))
+                    media = given[slot].media
+                    if media is not None:
+                        content.append(PH(slot, kind=kind, **dict([media])))
                     else:
                         content.append(PH(slot, given[slot].text, kind=kind))
                 else:
@@ -430,10 +445,10 @@ class TaskSpec:
     def to_record(self) -> dict[str, Any]:
         """The JSON object of this task in the file format (``meta`` is not part of it); a task with
         an image slot has none (``WorkloadFormatError``: the file format holds text slots only)."""
-        images = [s.name for s in self.slots if s.image is not None]
+        images = [s.name for s in self.slots if s.media is not None]
         if images:
             raise WorkloadFormatError(
-                f"task {self.id!r}: slot(s) {', '.join(map(repr, images))} hold an image; the JSONL task "
+                f"task {self.id!r}: slot(s) {', '.join(map(repr, images))} hold an image or a video; the JSONL task "
                 "format holds text slots only"
             )
         return {
@@ -441,7 +456,7 @@ class TaskSpec:
             "chat": self.chat,
             "max_new_tokens": self.max_new_tokens,
             "agents": [asdict(a) for a in self.agents],
-            "slots": [{k: v for k, v in asdict(s).items() if k != "image"} for s in self.slots],
+            "slots": [{k: v for k, v in asdict(s).items() if k not in ("image", "video")} for s in self.slots],
             "schedule": [{**asdict(s), "reads": list(s.reads)} for s in self.schedule],
             "answer": self.answer,
             "checker": self.checker if self.checker in FILE_CHECKERS else None,
