@@ -162,7 +162,7 @@ def test_three_task_agents_then_a_reflection_agent_read_the_shared_video():
     videos = [seg for turn in task.turns() for seg in turn.content if getattr(seg, "video", None) is not None]
     assert len(videos) == 4 and all(seg.video is task.slots[0].video for seg in videos)
     assert all(seg.kind == "observation" for seg in videos)
-    with pytest.raises(WorkloadFormatError, match="'video' hold an image or a video"):
+    with pytest.raises(WorkloadFormatError, match="'video' hold an image or a video in memory"):
         task.to_record()
 
 
