@@ -216,7 +216,9 @@ def prepare_visual(model: torch.nn.Module, processor: Any, spec: PH) -> Visual:
                 )
             pixels = pil_video_pixels(processor, frames, spec.slot)[None].to(tower.device, tower.dtype)
             given = {"pixel_values_videos": pixels}
-            return _with_rope(model, _from_processed(model, processor, spec.slot, kind, given, token, tower), given)
+            return _with_rope(
+                model, _from_processed(model, processor, spec.slot, kind, given, token, tower), given
+            )
         batch = _processor_call(processor, spec.slot, kind, videos=[frames])
         pixels, sizes = batch["pixel_values_videos"], None
     ids = torch.as_tensor(batch["input_ids"]).flatten()
@@ -324,7 +326,10 @@ def pil_video_pixels(processor: Any, frames: Sequence[Any], slot: str = "video")
         return value if value is not None else getattr(images, name, default)
 
     size = option("size") or {}
-    height, width = size.get("height", size.get("shortest_edge")), size.get("width", size.get("shortest_edge"))
+    height, width = (
+        size.get("height", size.get("shortest_edge")),
+        size.get("width", size.get("shortest_edge")),
+    )
     if not isinstance(height, int) or not isinstance(width, int):
         raise ValueError(
             f"PH {slot!r}: the processor's video size must give height and width (or shortest_edge); got {size}"

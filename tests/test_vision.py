@@ -413,7 +413,9 @@ def test_video_with_zero_frames(vlm, processor):
     # frames without a video processor (none without torchvision) are prepared in PIL: each must be an image
     frames = [random_image(0), "not a frame"]
     refused(session, [PH("clip", video=frames), PF("\nSo?")], "no image file at 'not a frame'", vlm)
-    refused(session, [PH("clip", video=[random_image(0), object()]), PF("\nSo?")], "frame 1 is not an image", vlm)
+    refused(
+        session, [PH("clip", video=[random_image(0), object()]), PF("\nSo?")], "frame 1 is not an image", vlm
+    )
 
 
 def test_pixel_values_on_the_wrong_dtype_or_device(vlm, processor, image):
