@@ -76,6 +76,14 @@ def write_jsonl(path, records):
     return path
 
 
+def video_pixels(processor, frames):
+    """``[1, frames, 3, h, w]``: the processor's video processor's pixel values where it has one
+    (torchvision installed), else the PIL preparation the session uses without one."""
+    if getattr(processor, "video_processor", None) is not None:
+        return processor.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
+    return pil_video_pixels(processor, frames)[None]
+
+
 def counts_video_tokens(processor) -> bool:
     data = processor._get_num_multimodal_tokens(video_sizes=[[2, 32, 32]])
     return getattr(data, "num_video_tokens", None) is not None
@@ -222,7 +230,7 @@ def test_jsonl_images_and_frames_run_exactly_through_the_bench(tmp_path):
     inputs = {"pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"]}
     if slots is None:
         frames = [Image.open(tmp_path / "media" / f"f{i}.png") for i in range(3)]
-        inputs["pixel_values_videos"] = pil_video_pixels(processor, frames)[None]
+        inputs["pixel_values_videos"] = video_pixels(processor, frames)
         clip = next(s for s in turns[0]["segments"] if s["name"] == "clip")
         assert clip["end"] - clip["start"] == 3 * 4 + 1
     with torch.no_grad():
