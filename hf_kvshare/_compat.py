@@ -717,7 +717,14 @@ def image_only_processor(name_or_path: str, **kwargs: Any) -> Any:
     except ImportError:  # transformers < 5.24 resolves it to the torchvision backend: take the PIL one
         images = pil_image_processor(name_or_path, saved, **kwargs)
     chat_template = getattr(tokenizer, "chat_template", None)
-    return ImageOnlyProcessor(images, tokenizer, chat_template=chat_template, **options)
+    processor = ImageOnlyProcessor(images, tokenizer, chat_template=chat_template, **options)
+    # the folder's video processor options, for video frames prepared without it
+    # (:func:`hf_kvshare.vision.pil_video_pixels`)
+    video = cached_file(
+        name_or_path, "video_preprocessor_config.json", _raise_exceptions_for_missing_entries=False, **kwargs
+    )
+    processor.video_options = json.loads(Path(video).read_text()) if video else None
+    return processor
 
 
 def pil_image_processor(name_or_path: str, processor_options: dict, **kwargs: Any) -> Any:

@@ -14,9 +14,10 @@ valid inputs; ids the random model generates beyond 258 decode to nothing (they 
 next agent as token ids, which is what the workflow passes on). A shared context of ``n`` tokens is
 ``n`` bytes of text.
 
-Vision-language models (``random:qwen2-vl-7b``, ``random:qwen2.5-vl-7b``: a ``vision_config`` in their
-JSON) build with ``AutoModelForImageTextToText``; their tokenizer is the byte tokenizer plus the four
-vision markers (ids 259..262, written into the config in place of the card's ids) and
+Vision-language models (``random:qwen2-vl-7b``, ``random:qwen2.5-vl-7b``, ``random:llava-onevision-0.5b``:
+a ``vision_config`` in their JSON) build with ``AutoModelForImageTextToText``; their tokenizer is the
+byte tokenizer plus the vision markers (Qwen's four, ids 259..262; LLaVA-OneVision's ``<image>`` /
+``<video>``, ids 259, 260; written into the config in place of the card's ids) and
 ``models.load_processor("random:NAME")`` gives their processor (that tokenizer and the family's PIL
 image processor: :func:`vision_processor`); ``num_layers`` cuts the language model only (the vision tower keeps
 its depth).
@@ -108,17 +109,21 @@ def _vision_config(name: str, model_type: str, data: dict[str, Any], num_layers:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
             raise ValueError(f"num_layers must be an int in [1, {total}] for {name}; got {num_layers!r}")
         text["num_hidden_layers"] = num_layers
-    ids = dict(
-        zip(
-            ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
-            range(len(SPECIAL_TOKENS) + 256, len(SPECIAL_TOKENS) + 256 + len(VISION_MARKERS)),
-        )
-    )
+    first = len(SPECIAL_TOKENS) + 256
+    if model_type == "llava_onevision":  # its markers <image>, <video> (ids 259, 260)
+        ids = {"image_token_index": first, "video_token_index": first + 1}
+    else:
+        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        ids = dict(zip(names, range(first, first + len(VISION_MARKERS))))
     return AutoConfig.for_model(model_type, text_config=text, **data, **ids)
 
 
 def is_vision_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None
+
+
+#: LLaVA-OneVision's markers, added to the byte tokenizer (ids 259, 260)
+LLAVA_MARKERS = ("<image>", "<video>")
 
 
 def vision_processor(config):
@@ -127,6 +132,8 @@ def vision_processor(config):
     processor: transformers' need torchvision)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
+    if config.model_type == "llava_onevision":
+        return _llava_onevision_processor(config)
     base = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(config.model_type)
     if base is None:
         raise ValueError(f"no random: processor for a {config.model_type} model")
@@ -154,6 +161,40 @@ def parameter_count(config) -> int:
     with torch.device("meta"):
         model = _model_class(config).from_config(config)
     return sum(p.numel() for p in model.parameters())
+
+
+def _llava_onevision_processor(config):
+    """LLaVA-OneVision's processor for ``random:llava-onevision-*``: its PIL image processor at the
+    vision tower's size with the config's anyres grid and SigLIP's mean / std (0.5, as the card's
+    preprocessor config has them), the byte tokenizer with ``<image>`` / ``<video>``, the card's
+    processor options (729 tokens per 384-pixel tile, the full feature strategy, anyres_max_9); no
+    video processor (frames are prepared in PIL: :func:`hf_kvshare.vision.pil_video_pixels`)."""
+    from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor
+
+    class ImageOnlyLlavaOnevisionProcessor(LlavaOnevisionProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, **kwargs)
+
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [*SPECIAL_TOKENS, *LLAVA_MARKERS]})
+    if tok.convert_tokens_to_ids(LLAVA_MARKERS[0]) != config.image_token_index:
+        raise ValueError("the byte tokenizer's image marker is not the config's image token")
+    vision = config.vision_config
+    size = int(vision.image_size)
+    images = LlavaOnevisionImageProcessorPil(
+        size={"height": size, "width": size},
+        image_grid_pinpoints=config.image_grid_pinpoints,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    return ImageOnlyLlavaOnevisionProcessor(
+        images,
+        tok,
+        num_image_tokens=(size // int(vision.patch_size)) ** 2,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        vision_aspect_ratio=config.vision_aspect_ratio,
+        chat_template=tok.chat_template,
+    )
 
 
 def byte_tokenizer():

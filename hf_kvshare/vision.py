@@ -260,10 +260,16 @@ def prepare_visual(model: torch.nn.Module, processor: Any, spec: PH) -> Visual:
     else:
         frames = _frames(value, spec.slot)
         if getattr(processor, "video_processor", None) is None:
-            raise ValueError(
-                f"PH {spec.slot!r}: the processor {type(processor).__name__} has no video processor "
-                "(transformers' video processors need torchvision); pass the processed video instead: "
-                "PH(slot, video={'pixel_values_videos': ...})"
+            if model.config.model_type in GRID_VISION_MODELS:
+                raise ValueError(
+                    f"PH {spec.slot!r}: the processor {type(processor).__name__} has no video processor "
+                    "(transformers' video processors need torchvision); pass the processed video instead: "
+                    "PH(slot, video={'pixel_values_videos': ..., 'video_grid_thw': ...})"
+                )
+            pixels = pil_video_pixels(processor, frames, spec.slot)[None].to(tower.device, tower.dtype)
+            given = {"pixel_values_videos": pixels}
+            return _with_rope(
+                model, _from_processed(model, processor, spec.slot, kind, given, token, tower), given
             )
         batch = _processor_call(processor, spec.slot, kind, videos=[frames])
         pixels, sizes = batch["pixel_values_videos"], None
@@ -389,6 +395,53 @@ def _frames(value: Any, slot: str) -> list[Any]:
     if len(value) == 0:
         raise ValueError(f"PH {slot!r}: a video needs at least one frame; got 0")
     return [_load_image(f, slot) if isinstance(f, (str, os.PathLike)) else f for f in value]
+
+
+def pil_video_pixels(processor: Any, frames: Sequence[Any], slot: str = "video") -> torch.Tensor:
+    """``[frames, 3, height, width]`` pixel values of a video's frames without transformers' video
+    processor (it needs torchvision): each frame as LLaVA-OneVision's video processor prepares it
+    (RGB, resized to its square size, rescaled, normalized), in PIL and numpy. The options are the
+    folder's video processor's (``processor.video_options``: its ``video_preprocessor_config.json``,
+    which :func:`hf_kvshare.models.load_processor` keeps) where given, else the image processor's
+    (``size``, ``resample``, ``rescale_factor``, ``image_mean``, ``image_std``). PIL's resampling is
+    not torchvision's: the values are close to, not bit-equal with, the torchvision processor's."""
+    import numpy as np
+    from PIL import Image
+
+    images = getattr(processor, "image_processor", None)
+    options = dict(getattr(processor, "video_options", None) or {})
+
+    def option(name: str, default: Any = None) -> Any:
+        value = options.get(name)
+        return value if value is not None else getattr(images, name, default)
+
+    size = option("size") or {}
+    height, width = (
+        size.get("height", size.get("shortest_edge")),
+        size.get("width", size.get("shortest_edge")),
+    )
+    if not isinstance(height, int) or not isinstance(width, int):
+        raise ValueError(
+            f"PH {slot!r}: the processor's video size must give height and width (or shortest_edge); got {size}"
+        )
+    resample = option("resample", Image.Resampling.BICUBIC)
+    scale = float(option("rescale_factor", 1 / 255))
+    mean = np.asarray(option("image_mean", (0.5, 0.5, 0.5)), dtype=np.float32).reshape(3, 1, 1)
+    std = np.asarray(option("image_std", (0.5, 0.5, 0.5)), dtype=np.float32).reshape(3, 1, 1)
+    out = []
+    for i, frame in enumerate(frames):
+        if not isinstance(frame, Image.Image):
+            try:
+                frame = Image.fromarray(np.asarray(frame, dtype=np.uint8))
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"PH {slot!r}: frame {i} is not an image (a PIL image or an [height, width, 3] "
+                    f"uint8 array); got {type(frame).__name__}: {error}"
+                ) from error
+        frame = frame.convert("RGB").resize((width, height), resample=Image.Resampling(int(resample)))
+        array = np.asarray(frame, dtype=np.float32).transpose(2, 0, 1) * scale
+        out.append(torch.from_numpy((array - mean) / std))
+    return torch.stack(out)
 
 
 def _from_processed(

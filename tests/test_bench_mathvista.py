@@ -133,16 +133,21 @@ def test_three_task_agents_then_a_reflection_agent_read_the_shared_image():
     assert task.reused_slots()[3] == {"chart", "question", "chart_reader", "mathematical_analyst", "critic"}
 
 
-def test_an_image_slot_is_not_part_of_the_file_format():
+def test_a_drawn_image_is_not_part_of_the_file_format():
+    """A drawn chart (a PIL image in memory) has no file record; a record names an image file instead."""
     task = make_workload("mathvista", limit=1).tasks(None)[0]
-    with pytest.raises(WorkloadFormatError, match="'chart' hold an image; the JSONL task format"):
+    with pytest.raises(
+        WorkloadFormatError, match="'chart' hold an image or a video in memory; the JSONL task format"
+    ):
         task.to_record()
     record = {
         "agents": [{"name": "a"}],
         "slots": [{"name": "q", "text": "hi", "image": "chart.png"}],
         "schedule": [{"agent": "a", "reads": ["q"]}],
     }
-    with pytest.raises(WorkloadFormatError, match=r"slots\[0\]\.image: unknown field"):
+    with pytest.raises(
+        WorkloadFormatError, match=r"slots\[0\]: give one of text, image or video; got text and image"
+    ):
         TaskSpec.from_record(record)
 
 

@@ -410,8 +410,12 @@ def test_video_with_zero_frames(vlm, processor):
     session = Session(vlm, processor.tokenizer, processor=processor)
     empty = {"pixel_values_videos": torch.zeros(1, 0, 3, 32, 32)}
     refused(session, [PH("clip", video=empty), PF("\nSo?")], "a video needs at least one frame", vlm)
-    frames = [random_image(0)]  # frames need a video processor (none without torchvision): said so
-    refused(session, [PH("clip", video=frames), PF("\nSo?")], "has no video processor", vlm)
+    # frames without a video processor (none without torchvision) are prepared in PIL: each must be an image
+    frames = [random_image(0), "not a frame"]
+    refused(session, [PH("clip", video=frames), PF("\nSo?")], "no image file at 'not a frame'", vlm)
+    refused(
+        session, [PH("clip", video=[random_image(0), object()]), PF("\nSo?")], "frame 1 is not an image", vlm
+    )
 
 
 def test_pixel_values_on_the_wrong_dtype_or_device(vlm, processor, image):

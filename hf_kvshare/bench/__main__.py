@@ -45,6 +45,8 @@ WORKLOAD_OPTIONS = {  # option: (type, help); the workload parameter is the opti
     "--output-tokens": (int, "trace/stress: fixed output length per turn"),
     "--requests": (int, "trace/stress: number of requests"),
     "--hops": (int, "stress: agents in the chain"),
+    "--frames": (int, "videomme: frames per drawn video (2..32)"),
+    "--frame-size": (int, "videomme: pixels a side of the drawn frames (32..768)"),
 }
 
 

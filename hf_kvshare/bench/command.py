@@ -38,6 +38,8 @@ WORKLOAD_PARAMS = (
     "hops",
     "first_prefix",
     "agent_adapters",
+    "frames",
+    "frame_size",
 )
 
 
@@ -67,6 +69,8 @@ class RunOptions:
     shared_tokens: list[int] | None = None
     first_prefix: bool | None = None
     agent_adapters: bool | None = None
+    frames: int | None = None
+    frame_size: int | None = None
     # the model
     model: str = DEFAULT_MODEL
     dtype: str | None = None

@@ -9,6 +9,7 @@ from .spec import AgentSpec, BenchStep, SlotSpec, StepSpec, TaskSpec, WorkloadFo
 from .stress import StressWorkload
 from .tasks import GSM8KWorkload, HumanEvalWorkload, MMLUWorkload
 from .trace import TraceWorkload, synthetic_text
+from .videomme import Clip, VideoMMEWorkload
 
 __all__ = [
     "workload_tau",
@@ -17,6 +18,7 @@ __all__ = [
     "AutoActWorkload",
     "BarChart",
     "BenchStep",
+    "Clip",
     "FileWorkload",
     "GSM8KWorkload",
     "HumanEvalWorkload",
@@ -27,6 +29,7 @@ __all__ = [
     "StressWorkload",
     "TaskSpec",
     "TraceWorkload",
+    "VideoMMEWorkload",
     "Workload",
     "WorkloadFormatError",
     "load_table",

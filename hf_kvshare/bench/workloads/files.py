@@ -68,7 +68,8 @@ def _validate_text(
             raise WorkloadFormatError(
                 f"{where}: not valid JSON here ({' '.join(str(e).split())[:200]})"
             ) from None
-        task = TaskSpec.from_record(record, where=where, default_id=f"line-{number}")
+        task = TaskSpec.from_record(record, where=where, default_id=f"line-{number}", base=path.parent)
+        check_media(task, where)
         if adapters is not None:
             check_adapters(task, adapters, where)
         if max_positions is not None:
@@ -129,10 +130,48 @@ def load_task_file(path: str | os.PathLike) -> list[TaskSpec]:
             f"{path}: datasets read {len(rows)} rows, the file has {len(validated)} tasks"
         )
     # rows carry every column of the file (None where a line lacks it): parse them again
+    base = Path(path).parent
     return [
-        TaskSpec.from_record(row, where=f"{Path(path).name} task {i + 1}", default_id=first.id)
+        TaskSpec.from_record(row, where=f"{Path(path).name} task {i + 1}", default_id=first.id, base=base)
         for i, (row, first) in enumerate(zip(rows, validated))
     ]
+
+
+def check_media(task: TaskSpec, where: str) -> None:
+    """Every image file and video frame a slot of ``task`` names is a readable image (opened and
+    decoded with PIL); ``WorkloadFormatError`` naming ``where``, the slot's field and the file."""
+    for i, slot in enumerate(task.slots):
+        if slot.media is None:
+            continue
+        kind, value = slot.media
+        named = (
+            [(f"slots[{i}].image", value)]
+            if kind == "image"
+            else [(f"slots[{i}].video[{j}]", frame) for j, frame in enumerate(value)]
+        )
+        for field, name in named:
+            if not isinstance(name, (str, os.PathLike)):
+                continue  # an image in memory (a workload's): nothing to read
+            problem = image_file_problem(name)
+            if problem:
+                raise WorkloadFormatError(f"{where}: {field}: {problem}")
+
+
+def image_file_problem(name: str | os.PathLike) -> str | None:
+    """Why ``name`` is not a readable image file, or ``None``."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(name)
+    if not path.exists():
+        return f"no image file at {str(path)!r}"
+    if not path.is_file():
+        return f"{str(path)!r} is not a regular file"
+    try:
+        with Image.open(path) as image:
+            image.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        return f"could not read image file {str(path)!r} ({type(error).__name__}: {error})"
+    return None
 
 
 def load_table(source: str, config: str | None = None, split: str = "test") -> Any:
@@ -183,6 +222,15 @@ class FileWorkload(Workload):
     data: str = ""
     limit: int | None = None
     offset: int = 0
+
+    @property
+    def visual(self) -> bool:
+        """The file names image files or video frames for its slots: the bench then loads the model's
+        processor and refuses a text-only model before it loads (read from the file once)."""
+        if self.__dict__.get("_visual") is None:
+            tasks = validate_task_file(self.data) if self.data else []
+            self.__dict__["_visual"] = any(s.media is not None for t in tasks for s in t.slots)
+        return self.__dict__["_visual"]
 
     def tag(self) -> str:
         path = Path(self.data)

@@ -12,8 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .base import Workload, register_workload
-from .spec import AgentSpec, SlotSpec, StepSpec, TaskSpec
+from .base import register_workload
+from .visual import Drawn, VisualQAWorkload
 
 LABELS = (
     "apple",
@@ -147,7 +147,7 @@ def chart_question(rng: random.Random, chart: BarChart) -> tuple[str, str, str]:
 
 @register_workload
 @dataclass
-class MathVistaWorkload(Workload):
+class MathVistaWorkload(VisualQAWorkload):
     """Bar charts with known answers, four agents (three task agents, a reflection agent)."""
 
     name = "mathvista"
@@ -155,50 +155,13 @@ class MathVistaWorkload(Workload):
         "MathVista-like: generated bar charts + a question with a known answer (needs a vision-language "
         "model, e.g. LLaVA-OneVision): chart reader, analyst, critic, final"
     )
-    #: the requests put images in the prompts: the bench loads the model's processor
-    visual: ClassVar[bool] = True
-
-    limit: int | None = 4  # how many charts (requests)
-    offset: int = 0  # the first chart's index (charts are drawn from the run's seed and the index)
-    max_new_tokens: int = 48
+    roles = ROLES
+    media_slot, media_label, media_kind = "chart", "Chart", "image"
     #: pixels a side of the chart images (LLaVA-OneVision's input size)
     image_size: ClassVar[int] = 384
 
-    def check(self, adapters=()) -> None:
-        if self.limit is None or self.limit < 1 or self.offset < 0:
-            raise ValueError(
-                f"mathvista draws its charts: --limit must be >= 1 and --offset >= 0; got limit={self.limit}, "
-                f"offset={self.offset}"
-            )
-
-    def tasks(self, tokenizer: Any = None, seed: int = 0) -> list[TaskSpec]:
-        self.check()
-        names = list(ROLES)
-        solvers, final = names[:-1], names[-1]
-        tasks = []
-        for i in range(self.offset, self.offset + self.limit):
-            rng = random.Random(f"mathvista-{seed}-{i}")
-            chart = random_chart(rng)
-            question, answer, checker = chart_question(rng, chart)
-            tasks.append(
-                TaskSpec(
-                    id=f"mathvista-{i}",
-                    agents=[AgentSpec(name=n, system=ROLES[n], tail="\n\nYour answer:") for n in names],
-                    slots=[
-                        SlotSpec(
-                            name="chart",
-                            image=chart.image(self.image_size),
-                            label="Chart",
-                            kind="observation",
-                        ),
-                        SlotSpec(name="question", text=question, label="Question", kind="question"),
-                    ],
-                    schedule=[StepSpec(agent=n, reads=("chart", "question")) for n in solvers]
-                    + [StepSpec(agent=final, reads=("chart", "question", *solvers))],
-                    max_new_tokens=self.max_new_tokens,
-                    answer=answer,
-                    checker=checker,
-                    meta={"labels": list(chart.labels), "values": list(chart.values)},
-                )
-            )
-        return tasks
+    def draw(self, rng: random.Random) -> Drawn:
+        chart = random_chart(rng)
+        question, answer, checker = chart_question(rng, chart)
+        meta = {"labels": list(chart.labels), "values": list(chart.values)}
+        return Drawn(chart.image(self.image_size), question, answer, checker, meta)

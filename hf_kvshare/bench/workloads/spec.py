@@ -5,6 +5,7 @@ schedule. :meth:`TaskSpec.from_record` validates a record and names the offendin
 
 from __future__ import annotations
 
+import os
 import re
 import string
 from collections.abc import Mapping
@@ -95,15 +96,27 @@ class AgentSpec:
 class SlotSpec:
     """Shared content given with the request (the user query, a document, an instruction), or an
     image (``image``: a ``PIL.Image`` or an image file's path, read by a vision-language model's
-    processor as ``PH(name, image=...)``; ``text`` then stays empty). Image slots are built by
-    workloads (``mathvista``); the JSONL file format holds text slots only."""
+    processor as ``PH(name, image=...)``; ``text`` then stays empty) or a video (``video``: its
+    frames). Workloads draw them in memory (``mathvista``, ``videomme``); the JSONL file format names
+    image files (``"image": "chart.png"``, ``"video": ["f0.png", ...]``, relative to the file)."""
 
     name: str
     text: str = ""
     label: str | None = None  # how glue names it; default: the slot name
     #: "question" or "observation" (:class:`~hf_kvshare.trajectory.PH`); None: :meth:`TaskSpec.slot_kinds`
     kind: str | None = None
-    image: Any = field(default=None, compare=False, repr=False, metadata={"file": False})
+    image: Any = field(default=None, compare=False, repr=False)
+    #: a video: a list of frames (``PIL.Image`` s or image files' paths), ``PH(name, video=...)``
+    video: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def media(self) -> tuple[str, Any] | None:
+        """``("image", value)`` / ``("video", frames)`` for an image or video slot, else ``None``."""
+        if self.image is not None:
+            return "image", self.image
+        if self.video is not None:
+            return "video", self.video
+        return None
 
 
 @dataclass(frozen=True)
@@ -201,9 +214,11 @@ class TaskSpec:
         question = any(kind == "question" for kind in stated.values())
         order = [slot for step in self.schedule for slot in step.reads if slot in stated]
         order = list(dict.fromkeys(order + list(stated)))
+        media = {s.name for s in self.slots if s.media is not None}  # images aside, as the session
+        first = next((name for name in order if name not in media), None)
         return {
-            name: stated[name] or ("observation" if question or i else "question")
-            for i, name in enumerate(order)
+            name: stated[name] or ("observation" if question or name != first else "question")
+            for name in order
         }
 
     def _labels(self) -> list[str]:
@@ -244,9 +259,12 @@ class TaskSpec:
         for i, s in enumerate(self.slots):
             if slot_names.index(s.name) != i:
                 fail(f"slots[{i}].name", f"slot {s.name!r} is defined twice")
-            if s.image is not None and s.text:
-                fail(f"slots[{i}]", "give text or an image, not both")
-            if not s.text and s.image is None:
+            given = ["text"] * bool(s.text) + [n for n in ("image", "video") if getattr(s, n) is not None]
+            if len(given) > 1:
+                fail(f"slots[{i}]", f"give one of text, an image or a video; got {' and '.join(given)}")
+            if s.video is not None and (not isinstance(s.video, (list, tuple)) or not s.video):
+                fail(f"slots[{i}].video", f"a video needs a non-empty list of frames; got {s.video!r}")
+            if not s.text and s.media is None:
                 fail(f"slots[{i}].text", "must be a non-empty string")
             if s.kind is not None and s.kind not in GIVEN_KINDS:
                 fail(
@@ -313,8 +331,9 @@ class TaskSpec:
                     content.append(PF(glue))
                 if slot in given:  # kinds stated where the session's default would read them otherwise
                     kind = kinds[slot] if explicit or given[slot].kind else None
-                    if given[slot].image is not None:
-                        content.append(PH(slot, image=given[slot].image, kind=kind))
+                    media = given[slot].media
+                    if media is not None:
+                        content.append(PH(slot, kind=kind, **dict([media])))
                     else:
                         content.append(PH(slot, given[slot].text, kind=kind))
                 else:
@@ -366,9 +385,18 @@ class TaskSpec:
         return Workflow(steps=steps, max_new_tokens=self.max_new_tokens, name=self.id)
 
     @classmethod
-    def from_record(cls, record: Any, where: str = "record", default_id: str = "task") -> TaskSpec:
+    def from_record(
+        cls,
+        record: Any,
+        where: str = "record",
+        default_id: str = "task",
+        base: str | os.PathLike | None = None,
+    ) -> TaskSpec:
         """Parse and validate one record (a JSON object; ``None`` values count as absent); a
-        :class:`WorkloadFormatError` names ``where`` and the field."""
+        :class:`WorkloadFormatError` names ``where`` and the field. A slot's image file and video
+        frames are paths relative to ``base`` (the task file's folder; default the working
+        directory); whether they are readable images is the file loader's check
+        (:func:`hf_kvshare.bench.workloads.files.check_media`)."""
         r = _Reader(where)
         obj = r.mapping(record, "")
         r.no_unknown(obj, "", _TOP_KEYS)
@@ -382,15 +410,19 @@ class TaskSpec:
             )
             for path, a in r.records(obj, "agents", AgentSpec, required=True)
         ]
-        slots = [
-            SlotSpec(
-                name=r.string(s, "name", path, required=True),
-                text=r.string(s, "text", path, required=True),
-                label=r.string(s, "label", path),
-                kind=r.string(s, "kind", path),
+        slots = []
+        for path, s in r.records(obj, "slots", SlotSpec):
+            image, video = r.media(s, path, base)
+            slots.append(
+                SlotSpec(
+                    name=r.string(s, "name", path, required=True),
+                    text=r.string(s, "text", path, required=image is None and video is None, default=""),
+                    label=r.string(s, "label", path),
+                    kind=r.string(s, "kind", path),
+                    image=image,
+                    video=video,
+                )
             )
-            for path, s in r.records(obj, "slots", SlotSpec)
-        ]
         schedule = []
         for path, st in r.records(obj, "schedule", StepSpec, required=True):
             reads = r.list_of(st, "reads", path)
@@ -428,20 +460,30 @@ class TaskSpec:
             raise WorkloadFormatError(f"{where}: {e}") from None
 
     def to_record(self) -> dict[str, Any]:
-        """The JSON object of this task in the file format (``meta`` is not part of it); a task with
-        an image slot has none (``WorkloadFormatError``: the file format holds text slots only)."""
-        images = [s.name for s in self.slots if s.image is not None]
-        if images:
+        """The JSON object of this task in the file format (``meta`` is not part of it); image files and
+        frames as the paths the slots hold. A task with an image or a frame in memory (a drawn one, a
+        ``PIL.Image``) has none (``WorkloadFormatError``: the file format names image files)."""
+        drawn = [s.name for s in self.slots if s.media is not None and not _all_paths(s.media)]
+        if drawn:
             raise WorkloadFormatError(
-                f"task {self.id!r}: slot(s) {', '.join(map(repr, images))} hold an image; the JSONL task "
-                "format holds text slots only"
+                f"task {self.id!r}: slot(s) {', '.join(map(repr, drawn))} hold an image or a video in memory; "
+                'the JSONL task format names image files ("image": "chart.png", "video": ["frame0.png", ...])'
             )
+
+        def slot(s: SlotSpec) -> dict[str, Any]:
+            out = {k: v for k, v in asdict(s).items() if k not in ("image", "video")}
+            if s.image is not None:
+                out.update(text=None, image=os.fspath(s.image))
+            if s.video is not None:
+                out.update(text=None, video=[os.fspath(f) for f in s.video])
+            return out
+
         return {
             "id": self.id,
             "chat": self.chat,
             "max_new_tokens": self.max_new_tokens,
             "agents": [asdict(a) for a in self.agents],
-            "slots": [{k: v for k, v in asdict(s).items() if k != "image"} for s in self.slots],
+            "slots": [slot(s) for s in self.slots],
             "schedule": [{**asdict(s), "reads": list(s.reads)} for s in self.schedule],
             "answer": self.answer,
             "checker": self.checker if self.checker in FILE_CHECKERS else None,
@@ -507,6 +549,33 @@ class _Reader:
             self.fail(_join(path, key), f"must be >= {minimum}, got {value}")
         return value
 
+    def media(
+        self, obj: Mapping, path: str, base: str | os.PathLike | None
+    ) -> tuple[str | None, list | None]:
+        """A slot's ``image`` (an image file's path) and ``video`` (a non-empty list of frame paths),
+        resolved against ``base``: at most one of them, and no text beside it."""
+        image = self.string(obj, "image", path)
+        video = None
+        if obj.get("video") is not None:
+            video = self.list_of(obj, "video", path)
+            if not video:
+                self.fail(_join(path, "video"), "a video needs at least one frame; got an empty list")
+            for j, frame in enumerate(video):
+                if not isinstance(frame, str) or not frame:
+                    self.fail(
+                        f"{path}.video[{j}]", f"expected a frame's image file path (string), got {frame!r}"
+                    )
+        given = [k for k in ("text", "image", "video") if obj.get(k) is not None]
+        if len(given) > 1:
+            self.fail(path, f"give one of text, image or video; got {' and '.join(given)}")
+
+        def resolve(name: str) -> str:
+            return name if base is None or os.path.isabs(name) else os.path.join(os.fspath(base), name)
+
+        return (None if image is None else resolve(image)), (
+            None if video is None else [resolve(f) for f in video]
+        )
+
     def list_of(self, obj: Mapping, key: str, path: str = "", required: bool = False) -> list:
         value = self._get(obj, key, path, required)
         if value is None:
@@ -516,6 +585,12 @@ class _Reader:
         if required and not value:
             self.fail(_join(path, key), "must not be empty")
         return list(value)
+
+
+def _all_paths(media: tuple[str, Any]) -> bool:
+    kind, value = media
+    items = [value] if kind == "image" else list(value)
+    return all(isinstance(v, (str, os.PathLike)) for v in items)
 
 
 def _join(path: str, key: str) -> str:
