@@ -468,6 +468,7 @@ def generating_input_ids(min_length: int, max_depth: int = 60) -> Any:
     the whole sequence while the forward below sees only the uncached tail) whose local ``input_ids``
     is an integer tensor that long; ``None`` when none is found (inputs_embeds, only new tokens fed,
     compiled code). Lets a cache check on its first forward which prompt it is used with."""
+    import inspect
     import sys
 
     import torch
@@ -480,6 +481,9 @@ def generating_input_ids(min_length: int, max_depth: int = 60) -> Any:
         if (
             isinstance(owner, torch.nn.Module)
             and callable(getattr(owner, "generate", None))
+            # the model's own forward holds only what it is fed (a direct call, e.g. a teacher-forced
+            # pass, is no generate call at all): only generate's frames hold the whole sequence
+            and frame.f_code is not getattr(inspect.unwrap(type(owner).forward), "__code__", None)
             and isinstance(ids, torch.Tensor)
             and ids.dim() == 2
             and not ids.is_floating_point()

@@ -14,7 +14,8 @@ valid inputs; ids the random model generates beyond 258 decode to nothing (they 
 next agent as token ids, which is what the workflow passes on). A shared context of ``n`` tokens is
 ``n`` bytes of text.
 
-Vision-language models (``random:qwen2-vl-7b``, ``random:qwen2.5-vl-7b``, ``random:llava-onevision-0.5b``:
+Vision-language models (``random:qwen2-vl-7b``, ``random:qwen2.5-vl-7b``, ``random:llava-onevision-0.5b``,
+``random:llava-onevision-7b``:
 a ``vision_config`` in their JSON) build with ``AutoModelForImageTextToText``; their tokenizer is the
 byte tokenizer plus the vision markers (Qwen's four, ids 259..262; LLaVA-OneVision's ``<image>`` /
 ``<video>``, ids 259, 260; written into the config in place of the card's ids) and

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import STEPS, tiny_model
 
-from hf_kvshare import METHODS, Session
+from hf_kvshare import METHODS, PF, Session
 from hf_kvshare._compat import cache_kwargs
 from hf_kvshare.prefill import prefill_dense
 
@@ -432,6 +432,26 @@ def test_generate_options_run_turn_cannot_honour_are_refused_before_any_work(tok
         with pytest.raises(ValueError, match=message):
             session.run_turn(*STEPS[0], **options)
         assert session.slots == {} and session.turns == []
+
+
+@pytest.mark.parametrize("name", ["nonshared", "fullshared"])
+def test_teacher_forcing_more_tokens_than_the_prompt_holds(name, tokenizer):
+    """The teacher-forced pass is a direct forward over the built cache, no generate call: its inputs
+    are not a prompt to check against the cache's digest. Forcing more tokens than the prompt has
+    (a short prompt, a long output) was refused as "another prompt" (found by a text-only task on a
+    vision-language model: a 40-token prompt, 48 forced tokens). The forced logits are the plain
+    forward's over prompt + forced tokens."""
+    model = tiny_model("llama", seed=3)
+    forced = torch.arange(40, 40 + 30) % 300
+    turn = Session(model, tokenizer, name).run_turn("a", [PF("Hi:")], force_output=forced)
+    prompt = turn.prompt_ids.reshape(1, -1)
+    assert forced.numel() > prompt.shape[1] + 1  # the case: more forced tokens than the prompt holds
+    assert turn.output_ids.tolist() == forced.tolist()
+    with torch.no_grad():
+        plain = model(input_ids=torch.cat([prompt, forced[None, :-1]], dim=1)).logits[
+            0, prompt.shape[1] - 1 :
+        ]
+    torch.testing.assert_close(turn.logits, plain.float(), rtol=1e-4, atol=1e-4)
 
 
 def test_a_cache_refuses_a_prompt_it_was_not_built_for(tokenizer):

@@ -67,3 +67,19 @@ def test_its_processor_expands_images_and_videos_by_the_familys_rule():
     )
     if videos is not None:  # transformers 5.16's processors do not count video tokens
         assert videos == [4 * 14 * 14 + 1]  # 27 x 27 pooled to 14 x 14 a frame, and a newline
+
+
+def test_the_seeds_7b_shape_for_gpu_timing():
+    """``random:llava-onevision-7b``: llava-hf/llava-onevision-qwen2-7b-ov-hf's shape (the model KVCMAS
+    ran), 8.03B parameters as its card says, the same tower and processor rule as the 0.5B."""
+    config = random_config("llava-onevision-7b")
+    text, vision = config.text_config, config.vision_config
+    assert (text.num_hidden_layers, text.hidden_size, text.intermediate_size) == (28, 3584, 18944)
+    assert (text.num_attention_heads, text.num_key_value_heads) == (28, 4) and not text.tie_word_embeddings
+    small = random_config("llava-onevision-0.5b").vision_config
+    assert vision.to_dict() == small.to_dict()
+    assert parameter_count(config) / 1e9 == pytest.approx(8.03, abs=0.01)  # the card: 8.03B
+    model, tokenizer = load_model("random:llava-onevision-7b", num_layers=1, device_map="meta")
+    assert len(model.model.language_model.layers) == 1
+    assert tokenizer.convert_tokens_to_ids("<image>") == model.config.image_token_index
+    assert load_processor("random:llava-onevision-7b").image_token_id == config.image_token_index

@@ -563,13 +563,14 @@ def test_a_request_that_ends_while_its_plan_is_decided_frees_its_output_slot(tin
     from hf_kvshare.serving.admission import Background
 
     sharing = Sharing(tiny_llama, tokenizer, "fullshared")
-    go = threading.Event()
+    started, go = threading.Event(), threading.Event()
     plan_inline = sharing.plan
-    sharing.plan = lambda *args: (go.wait(30), plan_inline(*args))[1]
+    sharing.plan = lambda *args: (started.set(), go.wait(30), plan_inline(*args))[2]
     background = Background(sharing, wait_s=0.0)
     try:
         prompt = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC)
         assert background.plan("r1", prompt, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0) is None
+        assert started.wait(30)  # the plan is running
         background.forget("r1")  # vLLM: request_finished (an abort) before it was admitted
         go.set()
         background.drain()
@@ -581,9 +582,97 @@ def test_a_request_that_ends_while_its_plan_is_decided_frees_its_output_slot(tin
         background.close()
 
 
+class _Recorder:
+    """A stand-in Sharing that logs what runs, in order; plans and records can be held."""
+
+    def __init__(self):
+        import threading
+
+        self.log: list[str] = []
+        self.hold = threading.Event()
+        self.held = threading.Event()
+
+    def state_summary(self):
+        return {}
+
+    def plan(self, request_id, prompt, params, local_hit):
+        from hf_kvshare.serving.host import Plan
+
+        self.log.append(f"plan {request_id}")
+        return Plan(request_id=request_id, prompt=prompt, local_hit=local_hit)
+
+    def record(self, plan, *args):
+        if plan.request_id == "hold":
+            self.held.set()
+            assert self.hold.wait(30)
+        self.log.append(f"record {plan.request_id}")
+
+    def release(self, plan):
+        self.log.append(f"release {plan.request_id}")
+
+
+def _finished(request_id, task):
+    from types import SimpleNamespace
+
+    from hf_kvshare.serving.host import Plan
+
+    return Plan(request_id=request_id, prompt=[1], host=SimpleNamespace(task=task))
+
+
+def test_a_plan_waits_only_for_its_own_tasks_records():
+    """Queued: records of tasks A and B, then plans of B, C and A. C's plan runs at once; B's (the oldest
+    waiting) right after B's record, A's after A's: no plan waits behind another task's record (those
+    only teach the pools)."""
+    from hf_kvshare.serving.admission import Background
+
+    sharing = _Recorder()
+    background = Background(sharing, wait_s=0.0)
+    try:
+        background.record(_finished("hold", "Z"), [], [], [1], set())  # keeps the thread busy meanwhile
+        assert sharing.held.wait(30)
+        background.record(_finished("rA", "A"), [], [], [1], set())
+        background.record(_finished("rB", "B"), [], [], [1], set())
+        for rid, task in (("pB", "B"), ("pC", "C"), ("pA", "A")):
+            assert background.plan(rid, [1], layout(task, "x", []), 0) is None
+        assert background.queued() == 6
+        sharing.hold.set()
+        background.drain()
+        assert sharing.log == ["record hold", "plan pC", "record rB", "plan pB", "record rA", "plan pA"]
+    finally:
+        sharing.hold.set()
+        background.close()
+
+
+def test_plans_do_not_starve_records_past_the_bound_and_a_dropped_plan_never_runs():
+    from hf_kvshare.serving.admission import Background
+
+    sharing = _Recorder()
+    background = Background(sharing, wait_s=0.0, max_queued_records=1)
+    try:
+        background.record(_finished("hold", "Z"), [], [], [1], set())
+        assert sharing.held.wait(30)
+        background.record(_finished("r1", "A"), [], [], [1], set())
+        background.record(_finished("r2", "B"), [], [], [1], set())
+        assert background.plan("p1", [1], layout("C", "x", []), 0) is None
+        assert background.plan("gone", [1], layout("C", "y", []), 0) is None
+        background.forget("gone")  # never started: dropped, nothing to release
+        sharing.hold.set()
+        background.drain()
+        # two records queued > the bound of 1: the oldest runs first, then the plan
+        assert sharing.log == ["record hold", "record r1", "plan p1", "record r2"]
+    finally:
+        sharing.hold.set()
+        background.close()
+
+
 @pytest.mark.parametrize(
     "kwargs, error",
-    [({"enabled": "yes"}, TypeError), ({"wait_s": -1}, ValueError), ({"wait_s": True}, ValueError)],
+    [
+        ({"enabled": "yes"}, TypeError),
+        ({"wait_s": -1}, ValueError),
+        ({"wait_s": True}, ValueError),
+        ({"max_queued_records": -1}, ValueError),
+    ],
 )
 def test_background_options_are_checked(tiny_llama, tokenizer, kwargs, error):
     from hf_kvshare.serving.admission import Background
