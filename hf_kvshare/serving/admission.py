@@ -115,7 +115,7 @@ class Background:
             pending = None
         if pending is None:
             job = self._enqueue(
-                "plan", _task_of(params), self.sharing.plan, request_id, list(prompt), params, local_hit
+                "plan", task_of(params), self.sharing.plan, request_id, list(prompt), params, local_hit
             )
             pending = self._pending[request_id] = ((local_hit, time.perf_counter()), job)
         (_, asked), job = pending
@@ -131,6 +131,11 @@ class Background:
         del self._pending[request_id]
         plan.admission_wait_s = time.perf_counter() - asked
         return plan
+
+    @property
+    def deciding(self) -> set[str]:
+        """Ids of the requests whose plans are queued or running."""
+        return set(self._pending)
 
     def forget(self, request_id: str) -> None:
         """A request whose plan may still be deciding ended (aborted, finished before admission): a plan
@@ -268,7 +273,7 @@ class Background:
             self._summary = summary
 
 
-def _task_of(params: Any) -> str | None:
+def task_of(params: Any) -> str | None:
     """The task a request's layout names (``None`` when it does not parse: its plan fails fast)."""
     try:
         return lay.parse(params).task

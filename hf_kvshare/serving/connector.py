@@ -63,7 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import paged
-from .admission import DEFAULT_WAIT_S, Background
+from .admission import DEFAULT_WAIT_S, Background, task_of
 from .host import Plan, ServingError, Sharing, skeleton_model
 
 if TYPE_CHECKING:
@@ -285,6 +285,12 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 return old.claimed, False
             del self._plans[request.request_id]
             self._background.release(old)
+        if request.request_id not in self._background.deciding and self._unrecorded(
+            task_of(request.kv_transfer_params)
+        ):
+            # an earlier request of this task finished but its K/V is not read back yet (the next step
+            # does it): its record comes first, or this plan would not see the output it reads
+            return None, False
         prompt = list(request.prompt_token_ids or [])
         plan = self._background.plan(
             request.request_id, prompt, request.kv_transfer_params, num_computed_tokens
@@ -295,6 +301,12 @@ class HFKVShareConnector(KVConnectorBase_V1):
             logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
         self._plans[request.request_id] = plan
         return plan.claimed, False
+
+    def _unrecorded(self, task: str | None) -> bool:
+        """Whether a finished request of ``task`` waits to be read back and recorded."""
+        return task is not None and any(
+            f.plan.host is not None and f.plan.host.task == task for f in self._finishing.values()
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
