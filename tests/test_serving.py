@@ -694,3 +694,42 @@ def test_the_server_passes_the_admission_mode_to_the_connector(tmp_path):
     assert extra(Server(tmp_path, "fullshared", port=1, background=False))["background"] is False
     with pytest.raises(TypeError, match="background must be True or False"):
         Server(tmp_path, "fullshared", port=1, background="no")
+
+
+def test_a_plan_made_on_arrival_claims_from_the_hit_vllm_has_at_admission(tiny_llama, tokenizer):
+    """``Background.prepare`` (vLLM's on_new_request) plans before vLLM knows its prefix-cache hit; the
+    claim at admission is the one an inline plan at that hit makes, K/V bit for bit; the store's lock
+    is not needed for it."""
+    from hf_kvshare.serving.admission import Background
+
+    prompt = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC) + ids_of(tokenizer, Q1)
+    seg = [{"slot": "doc", "text": DOC}]
+    claims = {}
+    for ahead in (False, True):
+        sharing = Sharing(tiny_llama, tokenizer, "fullshared", prefix_reuse=True)
+        background = Background(sharing, wait_s=0.0)
+        try:
+            p1 = _decided(background, "r1", prompt, layout("t", "a1", seg), 0)
+            out1, k, v = engine(tiny_llama, p1)
+            background.record(p1, k, v, out1, set())
+            background.drain()
+            if ahead:
+                background.prepare("r2", prompt, layout("t", "a1", seg))
+                background.drain()  # decided before admission asks
+                with sharing._lock:  # a record running on the thread: the claim does not wait for it
+                    p2 = background.plan("r2", prompt, layout("t", "a1", seg), 3)
+            else:
+                p2 = _decided(background, "r2", prompt, layout("t", "a1", seg), 3)
+            assert p2 is not None and p2.local_hit == 3 and p2.report()["prefix_cache_hit"] == 3
+            claims[ahead] = p2
+            assert sharing.state_summary()["claimed_requests"] == 1
+        finally:
+            background.close()
+    inline, ahead = claims[False], claims[True]
+    assert (
+        (ahead.claim_start, ahead.claim_end) == (inline.claim_start, inline.claim_end) == (3, len(prompt) - 1)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(ahead.keys, inline.keys))
+    assert engine(tiny_llama, ahead)[0] == engine(tiny_llama, inline)[0]
+    with pytest.raises(ValueError, match="already claimed"):
+        sharing.claim(ahead, 3)

@@ -157,6 +157,17 @@ def test_connector_columns_from_the_per_request_reports(tmp_path):
     cols = sb.connector_columns("fullshared", timed)
     assert cols["plan_mean_s"] == pytest.approx(0.2) and cols["admission_wait_p50_s"] == pytest.approx(1.0)
     assert sb.compact_report(timed[0]["connector"])["plan_s"] == 0.1
+    # the store's evictions (cumulative since the server started) as of the run's last report
+    assert cols["store_evicted_tasks"] is None
+    stored = [
+        {
+            "request": i,
+            "ok": True,
+            "connector": sb.compact_report({**_report(None, 10, 0, 0), "store": {"evicted_tasks": n}}),
+        }
+        for i, n in enumerate([0, 3, 2])
+    ]
+    assert sb.connector_columns("fullshared", stored)["store_evicted_tasks"] == 3
 
 
 def test_exact_match_against_plain():

@@ -250,6 +250,7 @@ SUMMARY_COLUMNS = (
     "rho_note",
     "plan_mean_s",
     "admission_wait_p50_s",
+    "store_evicted_tasks",
     "exact_match",
     "exact_note",
     "agreement",
@@ -310,6 +311,7 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "rho": None,
         "plan_mean_s": None,
         "admission_wait_p50_s": None,
+        "store_evicted_tasks": None,
     }
     if method in BASELINES:
         return {**empty, "rho_note": "plain vLLM: no connector"}
@@ -340,6 +342,12 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         # other plans and records on the connector's thread); None from a connector that reports neither
         "plan_mean_s": _stat(reports, "plan_s", "mean"),
         "admission_wait_p50_s": _stat(reports, "admission_wait_s", "p50"),
+        # tasks the store's bound evicted since the server started, as of the run's last report (a
+        # task evicted while in flight computes what it would have reused)
+        "store_evicted_tasks": max(
+            (r["store_evicted_tasks"] for r in reports if isinstance(r.get("store_evicted_tasks"), int)),
+            default=None,
+        ),
     }
 
 
@@ -369,6 +377,8 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "admission_wait_s",
     )
     out = {k: report.get(k) for k in keys}
+    store = report.get("store")
+    out["store_evicted_tasks"] = store.get("evicted_tasks") if isinstance(store, Mapping) else None
     out["segments"] = [
         [
             seg.get("kind"),

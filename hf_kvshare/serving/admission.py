@@ -103,6 +103,16 @@ class Background:
             self._thread.start()
 
     # ------------------------------------------------------------------ admission
+    def prepare(self, request_id: str, prompt: list[int], params: Any) -> None:
+        """Start the request's plan when it arrives (vLLM's ``on_new_request``), so it runs while the
+        engine finishes the step in progress; :meth:`plan` at admission claims from vLLM's hit."""
+        if self._thread is None or request_id in self._pending:
+            return
+        job = self._enqueue(
+            "plan", task_of(params), self.sharing.plan, request_id, list(prompt), params, None
+        )
+        self._pending[request_id] = ((None, time.perf_counter()), job)
+
     def plan(self, request_id: str, prompt: list[int], params: Any, local_hit: int) -> Plan | None:
         """The request's plan, or ``None`` while it is still being decided (ask again)."""
         if self._thread is None:
@@ -110,7 +120,7 @@ class Background:
             self._refresh()
             return plan
         pending = self._pending.get(request_id)
-        if pending is not None and pending[0][0] != local_hit:  # vLLM's own hit changed: decide again
+        if pending is not None and pending[0][0] not in (None, local_hit):  # vLLM's hit changed: decide again
             self.forget(request_id)
             pending = None
         if pending is None:
@@ -128,7 +138,12 @@ class Background:
             logger.exception("hf_kvshare: planning request %s failed", request_id)
             plan = Plan(request_id=request_id, prompt=list(prompt), local_hit=local_hit)
             plan.error = f"{type(error).__name__}: {error}"
+            plan.admission_wait_s = time.perf_counter() - asked
+            del self._pending[request_id]
+            return plan
         del self._pending[request_id]
+        if plan.local_hit is None:  # planned ahead: claim from the hit vLLM has now
+            self.sharing.claim(plan, local_hit)
         plan.admission_wait_s = time.perf_counter() - asked
         return plan
 

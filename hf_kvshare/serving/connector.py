@@ -78,6 +78,8 @@ logger = logging.getLogger("hf_kvshare.serving")
 
 #: environment variable naming the JSONL file each finished request's report is appended to
 REPORTS_ENV = "HF_KVSHARE_REPORTS"
+#: the store summary's counts each report line of that file carries
+STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv", "queued_jobs")
 
 
 @dataclass
@@ -308,6 +310,14 @@ class HFKVShareConnector(KVConnectorBase_V1):
             f.plan.host is not None and f.plan.host.task == task for f in self._finishing.values()
         )
 
+    def on_new_request(self, request: Request) -> None:
+        # plan ahead while the engine finishes its step (not when an earlier request of the task still
+        # waits to be read back: that request's record must come first; admission plans it then)
+        if not self._unrecorded(task_of(request.kv_transfer_params)):
+            self._background.prepare(
+                request.request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
+            )
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -363,6 +373,8 @@ class HFKVShareConnector(KVConnectorBase_V1):
             "request_id": request.request_id,
             "external_id": getattr(request, "external_req_id", None),
             **{k: v for k, v in report.items() if k != "store"},
+            # the store's counts when the request ended (its bound's evictions explain a claim missing)
+            "store": {k: report.get("store", {}).get(k) for k in STORE_COUNTS},
         }
         try:
             with open(self._report_path, "a") as f:

@@ -204,7 +204,7 @@ class Plan:
     host: ServingHost | None = None
     turn: Turn | None = None
     placements: list[Placement | None] = field(default_factory=list)
-    local_hit: int = 0
+    local_hit: int | None = 0  # None: planned ahead, not claimed yet
     claim_start: int = 0
     claim_end: int = 0
     #: per layer ``[claim_end - claim_start, kv_heads, head_dim]`` (what the connector writes)
@@ -316,14 +316,15 @@ class Sharing:
         self.plan_seconds = 0.0  # summed over every plan (admission) and record: where the method's time goes
         self.record_seconds = 0.0
         self._lock = threading.RLock()
+        self._counts = threading.Lock()
         self.salt = salt(self.method)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: set[int] = {eos} if isinstance(eos, int) else set()
 
     # ---------------------------------------------------------------- admission
-    def plan(self, request_id: str, prompt: list[int], params: Any, local_hit: int) -> Plan:
+    def plan(self, request_id: str, prompt: list[int], params: Any, local_hit: int | None) -> Plan:
         """Decide the claim for one request; never raises (an error is kept in ``plan.error``: no claim,
-        nothing recorded)."""
+        nothing recorded). ``local_hit=None`` plans ahead of admission: :meth:`claim` then claims."""
         plan = Plan(request_id=request_id, prompt=list(prompt), local_hit=local_hit)
         with self._lock:
             t0 = time.perf_counter()
@@ -377,7 +378,8 @@ class Sharing:
             if placement is not None and placement.kv.start != span.start:
                 placement.kv = placement.kv.repositioned(turn.shifter, span.start)
             plan.placements.append(placement)
-        self._claim(plan)
+        if plan.local_hit is not None:  # None: planned ahead, claimed at admission (:meth:`claim`)
+            self._claim(plan)
 
     def _turn(self, host: ServingHost, resolved: lay.ResolvedLayout, prompt: list[int]) -> Turn:
         """The request as a :class:`Turn`: each located segment a PH span. A slot the task does not
@@ -424,6 +426,18 @@ class Sharing:
             spec=PF(self.tokenizer.decode(ids.tolist())), name=f"pf{index}", token_ids=ids, start=start
         )
 
+    def claim(self, plan: Plan, local_hit: int) -> Plan:
+        """Claim for a plan made ahead of admission (``plan(..., local_hit=None)``, when the request
+        arrived): its placements do not depend on vLLM's prefix-cache hit, the claim does. Cheap
+        (slices of the placed K/V) and without the store's lock, so the engine loop never waits for a
+        record running on the connector's thread."""
+        if plan.local_hit is not None:
+            raise ValueError(f"request {plan.request_id}: already claimed from position {plan.local_hit}")
+        plan.local_hit = int(local_hit)
+        if plan.turn is not None and plan.error is None and not plan.opt_out:
+            self._claim(plan)
+        return plan
+
     def _claim(self, plan: Plan) -> None:
         """The longest run of placed positions from the engine's prefix-cache hit (module docstring)."""
         turn, start = plan.turn, plan.local_hit
@@ -455,8 +469,9 @@ class Sharing:
         plan.keys = [torch.cat(parts).contiguous() for parts in keys]
         plan.values = [torch.cat(parts).contiguous() for parts in values]
         plan.claim_start, plan.claim_end = start, end
-        self.claimed_requests += 1
-        self.supplied_tokens += end - start
+        with self._counts:  # claim() runs outside the store's lock
+            self.claimed_requests += 1
+            self.supplied_tokens += end - start
 
     # ------------------------------------------------------------------ record
     def release(self, plan: Plan) -> None:
