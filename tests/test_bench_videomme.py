@@ -219,6 +219,9 @@ def test_the_folders_video_processor_options_prepare_the_frames(tmp_path):
     plain = load_processor(str(directory))
     if getattr(plain, "video_processor", None) is not None:
         pytest.skip("torchvision is installed: the processor has its video processor")
+    if not counts_video_tokens(plain):  # 5.16: video segments are refused (above); its AutoVideoProcessor
+        # also fails on a folder whose video_preprocessor_config.json names no class, without torchvision
+        pytest.skip("this transformers' processor does not count video tokens: video segments are refused")
     assert plain.video_options is None
     options = {
         "size": {"height": 32, "width": 32},
