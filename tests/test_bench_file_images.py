@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from bench_helpers import save_tiny
-from tiny import random_image, save_tiny_vlm
+from tiny import counts_video_tokens, random_image, save_tiny_vlm, video_pixels
 
 from hf_kvshare import Session
 from hf_kvshare.bench.__main__ import main
@@ -23,7 +23,6 @@ from hf_kvshare.bench.workloads import (
     validate_task_file,
 )
 from hf_kvshare.models import load_model, load_processor
-from hf_kvshare.vision import pil_video_pixels
 
 
 def bench(*argv) -> int:
@@ -74,19 +73,6 @@ TEXT_ONLY = {
 def write_jsonl(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
-
-
-def video_pixels(processor, frames):
-    """``[1, frames, 3, h, w]``: the processor's video processor's pixel values where it has one
-    (torchvision installed), else the PIL preparation the session uses without one."""
-    if getattr(processor, "video_processor", None) is not None:
-        return processor.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
-    return pil_video_pixels(processor, frames)[None]
-
-
-def counts_video_tokens(processor) -> bool:
-    data = processor._get_num_multimodal_tokens(video_sizes=[[2, 32, 32]])
-    return getattr(data, "num_video_tokens", None) is not None
 
 
 # ------------------------------------------------------------------------------- the format

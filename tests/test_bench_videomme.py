@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny import save_tiny_vlm, tiny_vlm, tiny_vlm_processor
+from tiny import counts_video_tokens, save_tiny_vlm, tiny_vlm, tiny_vlm_processor, video_pixels
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare.bench import make_workload
@@ -30,19 +30,6 @@ def bench(*argv) -> int:
 
 def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def video_pixels(processor, frames):
-    """``[1, frames, 3, h, w]``: the processor's video processor's pixel values where it has one
-    (torchvision installed), else the PIL preparation the session uses without one."""
-    if getattr(processor, "video_processor", None) is not None:
-        return processor.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
-    return pil_video_pixels(processor, frames)[None]
-
-
-def counts_video_tokens(processor) -> bool:
-    data = processor._get_num_multimodal_tokens(video_sizes=[[2, 32, 32]])
-    return getattr(data, "num_video_tokens", None) is not None
 
 
 # ------------------------------------------------------------------------------- the videos

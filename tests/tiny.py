@@ -385,3 +385,20 @@ def save_tiny_idefics3(directory, family: str = "idefics3", seed: int = 0):
     config["processor_class"] = {"idefics3": "Idefics3Processor", "smolvlm": "SmolVLMProcessor"}[family]
     path.write_text(json.dumps(config, indent=2))
     return directory
+
+
+def video_pixels(processor, frames):
+    """``[1, frames, 3, h, w]``: the processor's video processor's pixel values where it has one
+    (torchvision installed), else the PIL preparation the session uses without one."""
+    if getattr(processor, "video_processor", None) is not None:
+        return processor.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
+    from hf_kvshare.vision import pil_video_pixels
+
+    return pil_video_pixels(processor, frames)[None]
+
+
+def counts_video_tokens(processor) -> bool:
+    """Whether this transformers' processor counts video tokens (5.16's does not: video segments are
+    refused there)."""
+    data = processor._get_num_multimodal_tokens(video_sizes=[[2, 32, 32]])
+    return getattr(data, "num_video_tokens", None) is not None
