@@ -153,10 +153,9 @@ class Background:
         plan.admission_wait_s = time.perf_counter() - asked
         return plan
 
-    @property
-    def deciding(self) -> set[str]:
-        """Ids of the requests whose plans are queued or running."""
-        return set(self._pending)
+    def deciding(self, request_id: str) -> bool:
+        """Whether the request's plan is queued, running, or decided and not yet asked for."""
+        return request_id in self._pending
 
     def forget(self, request_id: str) -> None:
         """A request whose plan may still be deciding ended (aborted, finished before admission): a plan
@@ -188,12 +187,20 @@ class Background:
         stop_ids: set[int],
     ) -> None:
         """Record a finished request (queued; the task's later plans wait for it)."""
-        task = plan.host.task if plan.host is not None else None
-        self._submit("record", task, self.sharing.record, plan, keys, values, list(output_ids), set(stop_ids))
+        self._submit(
+            "record",
+            _task_of_plan(plan),
+            self.sharing.record,
+            plan,
+            keys,
+            values,
+            list(output_ids),
+            set(stop_ids),
+        )
 
     def release(self, plan: Plan) -> None:
         """A planned request that will not be recorded."""
-        self._submit("record", plan.host.task if plan.host is not None else None, self.sharing.release, plan)
+        self._submit("record", _task_of_plan(plan), self.sharing.release, plan)
 
     # ------------------------------------------------------------------- reading
     def summary(self) -> dict[str, Any]:
@@ -300,3 +307,7 @@ def task_of(params: Any) -> str | None:
         return lay.parse(params).task
     except Exception:  # noqa: BLE001 - the plan itself reports the layout's error
         return None
+
+
+def _task_of_plan(plan: Plan) -> str | None:
+    return plan.host.task if plan.host is not None else None

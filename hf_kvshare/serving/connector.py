@@ -287,7 +287,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 return old.claimed, False
             del self._plans[request.request_id]
             self._background.release(old)
-        if request.request_id not in self._background.deciding and self._unrecorded(
+        if not self._background.deciding(request.request_id) and self._unrecorded(
             task_of(request.kv_transfer_params)
         ):
             # an earlier request of this task finished but its K/V is not read back yet (the next step
