@@ -211,7 +211,10 @@ class HFKVShareConnector(KVConnectorBase_V1):
             if layer is None:
                 raise ServingError(f"hf_kvshare: no attention layer {name!r} in vLLM's forward context")
             # clear errors here, at start-up, for a cache or backend the connector cannot read and write
-            self._io[name] = paged.LayerIO(name, tensor, paged.backend_writer(layer), self._block_size)
+            try:
+                self._io[name] = paged.LayerIO(name, tensor, paged.backend_writer(layer), self._block_size)
+            except ValueError as error:
+                raise ServingError(f"hf_kvshare: layer {name!r}: {error}") from error
         self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

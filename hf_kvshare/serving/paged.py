@@ -152,7 +152,8 @@ def backend_writer(layer: torch.nn.Module) -> Writer:
 
 
 class LayerIO:
-    """Reads and writes one layer's paged cache: vLLM's writer, and a reader probed from it (once)."""
+    """Reads and writes one layer's paged cache: vLLM's writer, and a reader probed from it when built
+    (so a cache the writer does not fill one to one is refused at start-up, not at the first read)."""
 
     def __init__(self, name: str, kv_cache: torch.Tensor, writer: Writer, block_size: int):
         self.name = name
@@ -165,13 +166,7 @@ class LayerIO:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self._writer = writer
-        self._layout: BlockLayout | None = None
-
-    @property
-    def layout(self) -> BlockLayout:
-        if self._layout is None:
-            self._layout = probe_layout(self._writer, self.kv_cache)
-        return self._layout
+        self.layout = probe_layout(writer, kv_cache)
 
     def write(self, block_ids: list[int], start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[n, heads, dim]`` at token positions ``[start, start + n)`` of a
