@@ -164,6 +164,9 @@ class HFKVShareConnector(KVConnectorBase_V1):
         self._loads: dict[str, Load] = {}
         self._to_capture: list[Capture] = []
         self._finishing: dict[str, _Finishing] = {}
+        #: requests that arrived while their task had a finished request not yet recorded: planned as soon
+        #: as that record is queued (update_connector_output), not a step later at their next admission
+        self._waiting: dict[str, Request] = {}
         # worker side
         self._io: dict[str, paged.LayerIO] = {}
         self._layer_of: dict[str, int] = {}
@@ -281,6 +284,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         ):
             # an earlier request of this task finished but its K/V is not read back yet (the next step
             # does it): its record comes first, or this plan would not see the output it reads
+            self._waiting[request.request_id] = request
             return None, False
         prompt = list(request.prompt_token_ids or [])
         plan = self._background.plan(
@@ -302,7 +306,9 @@ class HFKVShareConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         # plan ahead while the engine finishes its step (not when an earlier request of the task still
         # waits to be read back: that request's record must come first; admission plans it then)
-        if not self._unrecorded(task_of(request.kv_transfer_params)):
+        if self._unrecorded(task_of(request.kv_transfer_params)):
+            self._waiting[request.request_id] = request
+        else:
             self._background.prepare(
                 request.request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
             )
@@ -337,6 +343,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
 
         self._loads.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
         self._background.forget(request.request_id)  # a plan still being decided is released when done
         plan = self._plans.pop(request.request_id, None)
         if plan is None:
@@ -383,6 +390,13 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 self._background.release(finishing.plan)
                 continue
             self._background.record(finishing.plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids)
+        # the requests that waited for these records: planned now, behind them in the task's queue order
+        for request_id, request in list(self._waiting.items()):
+            if not self._unrecorded(task_of(request.kv_transfer_params)):
+                del self._waiting[request_id]
+                self._background.prepare(
+                    request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
+                )
 
     def has_pending_push_work(self) -> bool:
         return bool(self._to_capture or self._finishing)
