@@ -19,6 +19,8 @@ before vLLM knows its prefix-cache hit: the method's placements do not depend on
 claim does, which admission cuts (:meth:`~hf_kvshare.serving.host.Sharing.claim`, cheap and without
 the store's lock). A plan started only at admission costs its request a whole engine step when it is
 not ready at once (measured: ``admission_wait_s`` 2-3.5 s at 2 QPS beside 0.14-0.26 s of planning).
+A request arriving while its task has a finished request not yet read back is planned when that
+request's record is queued (the connector's ``update_connector_output``), behind it.
 
 The queue's order: a plan waits only for the records (and releases) of **its own task** queued before
 it (the next agent reads the last one's output slot and its gate decision); it runs ahead of other

@@ -22,15 +22,16 @@ Loaded out of tree (no patch of vLLM)::
   (``--inline-admission``) decides inline.
 - ``update_state_after_alloc`` / ``build_connector_meta``: the claimed K/V and the request's block ids
   go to the worker in the step's metadata.
-- ``start_load_kv`` (worker, before the forward): writes them with vLLM's own CPU writer
-  (:mod:`.paged`), synchronously.
+- ``start_load_kv`` (worker, before the forward): writes them with the attention backend's own
+  writer (:mod:`.paged`: CPU and CUDA backends alike), synchronously.
 - ``request_finished`` (scheduler, before the blocks are freed): a finished request keeps its blocks
   (``delay_free``) until the worker has read back the K/V it used (prompt + output but its last token)
-  in the next step's ``wait_for_save``; they come back in ``build_connector_worker_meta`` and
-  ``update_connector_output`` queues the turn's record (slots, ``method.record``, on the same
-  background thread, behind the plans asked for before it), then the blocks are freed
-  (``get_finished``). ``has_pending_push_work`` keeps the engine stepping until then. One worker
-  (tensor and pipeline parallel size 1) is supported; more are refused at start-up.
+  in the next step's ``wait_for_save`` (into host memory, where the store is, on any device); they
+  come back in ``build_connector_worker_meta`` and ``update_connector_output`` queues the turn's
+  record (slots, ``method.record``, on the same background thread, behind the plans asked for before
+  it), then the blocks are freed (``get_finished``). ``has_pending_push_work`` keeps the engine
+  stepping until then. One worker (tensor and pipeline parallel size 1) and one KV cache group are
+  supported; more are refused at start-up, as is a cache :mod:`.paged` cannot read (MLA, quantized).
 
 Each finished request's report (what admission decided: the claim, its PH / PF tokens, each span's
 placement; :meth:`Plan.report <hf_kvshare.serving.host.Plan.report>`) is the reply's
@@ -80,6 +81,8 @@ logger = logging.getLogger("hf_kvshare.serving")
 REPORTS_ENV = "HF_KVSHARE_REPORTS"
 #: the store summary's counts each report line of that file carries
 STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv", "queued_jobs")
+#: where read-back K/V go: the store, the method's state and its plans are in host memory on every device
+STORE_DEVICE = torch.device("cpu")
 
 
 @dataclass
@@ -148,6 +151,12 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 "hf_kvshare's connector supports one worker (tensor_parallel_size = pipeline_parallel_size = 1); "
                 f"got {parallel.tensor_parallel_size} x {parallel.pipeline_parallel_size}"
             )
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise ServingError(
+                "hf_kvshare's connector supports models whose layers share one KV cache group (one block "
+                f"table per request); this model has {len(groups)} (sliding-window / hybrid layers)"
+            )
         self._block_size = vllm_config.cache_config.block_size
         self._extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         # scheduler side
@@ -155,10 +164,12 @@ class HFKVShareConnector(KVConnectorBase_V1):
         self._loads: dict[str, Load] = {}
         self._to_capture: list[Capture] = []
         self._finishing: dict[str, _Finishing] = {}
+        #: requests that arrived while their task had a finished request not yet recorded: planned as soon
+        #: as that record is queued (update_connector_output), not a step later at their next admission
+        self._waiting: dict[str, Request] = {}
         # worker side
-        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._io: dict[str, paged.LayerIO] = {}
         self._layer_of: dict[str, int] = {}
-        self._isa: dict[str, str] = {}
         self._captured: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]] | None] = {}
         self._sent: set[str] = set()
         self._report_path = self._extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
@@ -196,41 +207,27 @@ class HFKVShareConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        self._kv_caches = dict(kv_caches)
-        self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
+        layers = self._vllm_config.compilation_config.static_forward_context
+        self._io = {}
         for name, tensor in kv_caches.items():
-            paged.split_kv_cache(tensor)  # a clear error for a cache layout other than the CPU backend's
-            self._isa[name] = self._layer_isa(name, tensor)
-
-    def _layer_isa(self, name: str, kv_cache: torch.Tensor) -> str:
-        layer = self._vllm_config.compilation_config.static_forward_context.get(name)
-        isa = getattr(layer, "isa", None)
-        if isa is None:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            isa = _get_attn_isa(
-                self._vllm_config.model_config.dtype,
-                kv_cache.shape[2],
-                kv_cache.shape[3] // 2,
-                self._vllm_config.cache_config.cache_dtype,
-            )
-        return isa
+            layer = layers.get(name)
+            if layer is None:
+                raise ServingError(f"hf_kvshare: no attention layer {name!r} in vLLM's forward context")
+            # clear errors here, at start-up, for a cache or backend the connector cannot read and write
+            try:
+                self._io[name] = paged.LayerIO(name, tensor, paged.backend_writer(layer), self._block_size)
+            except ValueError as error:
+                raise ServingError(f"hf_kvshare: layer {name!r}: {error}") from error
+        self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         if not isinstance(metadata, HFKVShareMetadata):
             return
         for load in metadata.loads:
-            for name, kv_cache in self._kv_caches.items():
+            for name, io in self._io.items():
                 layer = self._layer_of[name]
-                paged.write(
-                    kv_cache,
-                    self._isa[name],
-                    load.block_ids,
-                    load.start,
-                    load.keys[layer],
-                    load.values[layer],
-                )
+                io.write(load.block_ids, load.start, load.keys[layer], load.values[layer])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -255,15 +252,10 @@ class HFKVShareConnector(KVConnectorBase_V1):
     def _read(self, capture: Capture) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        for name in sorted(self._kv_caches, key=self._layer_of.__getitem__):
-            kv_cache = self._kv_caches[name]
-            key_cache, _ = paged.split_kv_cache(kv_cache)
-            layout = paged.probe_layout(
-                self._isa[name], kv_cache.dtype, key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
-            )
-            k, v = layout.read(kv_cache, capture.block_ids, 0, capture.tokens)
-            keys.append(k.clone())
-            values.append(v.clone())
+        for name in sorted(self._io, key=self._layer_of.__getitem__):
+            k, v = self._io[name].read(capture.block_ids, 0, capture.tokens)
+            keys.append(k.to(STORE_DEVICE))  # the store (and the method's plans) live in host memory
+            values.append(v.to(STORE_DEVICE))
         return keys, values
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
@@ -292,6 +284,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         ):
             # an earlier request of this task finished but its K/V is not read back yet (the next step
             # does it): its record comes first, or this plan would not see the output it reads
+            self._waiting[request.request_id] = request
             return None, False
         prompt = list(request.prompt_token_ids or [])
         plan = self._background.plan(
@@ -313,7 +306,9 @@ class HFKVShareConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         # plan ahead while the engine finishes its step (not when an earlier request of the task still
         # waits to be read back: that request's record must come first; admission plans it then)
-        if not self._unrecorded(task_of(request.kv_transfer_params)):
+        if self._unrecorded(task_of(request.kv_transfer_params)):
+            self._waiting[request.request_id] = request
+        else:
             self._background.prepare(
                 request.request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
             )
@@ -348,6 +343,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
 
         self._loads.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
         self._background.forget(request.request_id)  # a plan still being decided is released when done
         plan = self._plans.pop(request.request_id, None)
         if plan is None:
@@ -394,6 +390,13 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 self._background.release(finishing.plan)
                 continue
             self._background.record(finishing.plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids)
+        # the requests that waited for these records: planned now, behind them in the task's queue order
+        for request_id, request in list(self._waiting.items()):
+            if not self._unrecorded(task_of(request.kv_transfer_params)):
+                del self._waiting[request_id]
+                self._background.prepare(
+                    request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
+                )
 
     def has_pending_push_work(self) -> bool:
         return bool(self._to_capture or self._finishing)

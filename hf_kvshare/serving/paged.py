@@ -1,53 +1,73 @@
-"""Reading and writing K/V in vLLM's paged cache, whatever its block interior looks like.
+"""Reading and writing K/V in vLLM's paged cache, whatever its block interior looks like, on any device.
 
-vLLM's CPU attention backend writes K/V with ``ops.cpu_attn_reshape_and_cache`` into a per-layer
-tensor ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` whose block interior depends on the ISA
-(fp32 ``vec`` stores keys transposed per block and values plain; bf16 on an AMX CPU packs them). We
-write with vLLM's own op (so every layout it knows is written right) and read back through a
-permutation *probed from that op*: :class:`BlockLayout` writes token/head/feature codes into a
-one-block scratch cache once per (isa, dtype, shape) and inverts where they landed. A layout the op
-does not fill bijectively (quantized caches, padding) is refused with the reason.
+Every standard attention backend of vLLM (>= 0.32: CPU, FlashAttention, FlashInfer, Triton, Flex)
+registers a layer's cache as the logical tensor ``[num_blocks, kv_heads, block_size, 2 * head_dim]``
+and writes it with its own ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)``.
+What a block holds where differs: the CPU backend reinterprets the block per ISA (fp32 ``vec`` stores
+keys transposed per block and values plain; bf16 on an AMX CPU packs them), the CUDA backends split
+the last axis into keys and values; the physical strides differ again (the backend's stride order).
 
-Only the CPU backend is supported; a CUDA cache (flash layout ``[2, blocks, block_size, heads, dim]``)
-is refused with a clear error (see the package docstring).
+So nothing here assumes a layout. :class:`LayerIO` writes with the layer's own backend writer (vLLM's
+code, so every layout it knows is written right) and reads back through a permutation *probed from
+that writer*: :func:`probe_layout` writes token/head/feature codes into a one-block scratch cache of
+the layer's shape, dtype and device once, and inverts where they landed in the block's logical
+elements. A writer that does not fill a block one to one (a quantized cache, padding) is refused
+with the reason, as is a cache that is not the 4-D standard one (MLA, Mamba state).
+
+Positions are addressed by vLLM's flat slots (``block_id * block_size + offset`` with the scheduler's
+block size): a backend that splits a scheduler block into smaller kernel blocks (its cache's axis 2)
+reads the same flat slot as ``(slot // kernel_block, slot % kernel_block)``, as its writer does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from typing import Any
 
 import torch
 
 #: digits of a probe code: exact in bf16 / fp16 / fp32 (integers up to 256 are exact in bf16)
 _BASE = 64
 
+#: a backend writer: (key [n, heads, dim], value [n, heads, dim], kv_cache, slot_mapping [n] long)
+Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
-def _write(key, value, key_cache, value_cache, slots, isa: str) -> None:
-    from vllm import _custom_ops as ops
-
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+_EXACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[blocks, heads, block_size, 2 * dim]`` -> (key_cache, value_cache) views, as the CPU backend
-    splits it (``CPUAttentionBackendImpl.do_kv_cache_update``)."""
-    if kv_cache.device.type != "cpu" or kv_cache.dim() != 4:
+def check_kv_cache(name: str, kv_cache: Any) -> tuple[int, int, int, int]:
+    """``(blocks, heads, kernel_block, head_dim)`` of a layer's cache; a clear error for any cache this
+    module cannot read and write (not the 4-D standard attention cache, or not a float dtype whose
+    probe codes are exact)."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or kv_cache.shape[3] % 2:
+        shape = tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__
         raise ValueError(
-            "hf_kvshare's serving connector reads and writes vLLM's CPU attention cache only "
-            f"([blocks, kv_heads, block_size, 2 * head_dim] on cpu); got {tuple(kv_cache.shape)} on "
-            f"{kv_cache.device}"
+            f"hf_kvshare's serving connector reads and writes vLLM's standard attention cache "
+            f"[num_blocks, kv_heads, block_size, 2 * head_dim] only; layer {name!r} has {shape} "
+            "(an MLA, Mamba or other state cache is not supported)"
         )
-    blocks, heads, block_size, _ = kv_cache.shape
-    view = kv_cache.view(blocks, heads, block_size * 2, -1)
-    key_cache, value_cache = view.chunk(2, dim=2)
-    return key_cache, value_cache
+    if kv_cache.dtype not in _EXACT_DTYPES:
+        raise ValueError(
+            f"layer {name!r}: a {kv_cache.dtype} KV cache (a quantized --kv-cache-dtype) is not supported: "
+            "the connector writes and reads K/V as they are; serve with --kv-cache-dtype auto"
+        )
+    blocks, heads, block, width = kv_cache.shape
+    return blocks, heads, block, width // 2
+
+
+def slots(block_ids: list[int], block_size: int, start: int, n: int) -> torch.Tensor:
+    """vLLM's flat slots of token positions ``[start, start + n)`` of a request whose (scheduler)
+    blocks are ``block_ids``."""
+    positions = torch.arange(start, start + n)
+    table = torch.tensor(block_ids, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
 
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """Where (token in block, head, feature) lands inside one block, for keys and for values: flat
-    indices into ``cache[block].reshape(-1)`` ordered as ``[block_size, heads, dim]``."""
+    """Where (token in block, head, feature) lands among one block's logical elements
+    (``kv_cache[block].reshape(-1)``): flat indices ordered as ``[block_size, heads, dim]``."""
 
     block_size: int
     heads: int
@@ -55,68 +75,117 @@ class BlockLayout:
     key_index: torch.Tensor  # [block_size * heads * dim] long
     value_index: torch.Tensor
 
-    def read(self, kv_cache: torch.Tensor, block_ids: list[int], start: int, end: int):
-        """K/V of token positions ``[start, end)`` of a request whose blocks are ``block_ids``, as
-        ``[end - start, heads, dim]`` each."""
-        key_cache, value_cache = split_kv_cache(kv_cache)
-        first, last = start // self.block_size, (end - 1) // self.block_size + 1
-        ids = torch.tensor(block_ids[first:last], dtype=torch.long)
+    def read(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V at ``slot_mapping`` (flat slots), as ``[n, heads, dim]`` each, on the cache's device."""
+        device = kv_cache.device
+        slot_mapping = slot_mapping.to(device)
+        kernel_blocks = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
+        offsets = slot_mapping % self.block_size
+        unique, rows = torch.unique(kernel_blocks, return_inverse=True)
+        flat = kv_cache.index_select(0, unique).reshape(unique.numel(), -1)  # only the blocks read
+        n, features = slot_mapping.numel(), self.heads * self.dim
         out = []
-        for cache, index in ((key_cache, self.key_index), (value_cache, self.value_index)):
-            blocks = cache.index_select(0, ids).reshape(len(ids), -1)
-            tokens = blocks[:, index].reshape(len(ids) * self.block_size, self.heads, self.dim)
-            offset = start - first * self.block_size
-            out.append(tokens[offset : offset + end - start])
+        for index in (self.key_index, self.value_index):
+            columns = index.to(device).view(self.block_size, features)[offsets]  # [n, heads * dim]
+            out.append(flat[rows[:, None], columns].view(n, self.heads, self.dim))
         return out[0], out[1]
 
 
-def write(
-    kv_cache: torch.Tensor, isa: str, block_ids: list[int], start: int, key: torch.Tensor, value: torch.Tensor
-) -> None:
-    """Write ``key``/``value`` ``[n, heads, dim]`` at token positions ``[start, start + n)`` of a
-    request whose blocks are ``block_ids`` (vLLM's own op, so any block layout it writes is right)."""
-    key_cache, value_cache = split_kv_cache(kv_cache)
-    block_size = key_cache.shape[2]
-    positions = torch.arange(start, start + key.shape[0])
-    table = torch.tensor(block_ids, dtype=torch.long)
-    slots = table[positions // block_size] * block_size + positions % block_size
-    dtype = kv_cache.dtype
-    _write(key.to(dtype).contiguous(), value.to(dtype).contiguous(), key_cache, value_cache, slots, isa)
-
-
-@lru_cache(maxsize=16)
-def probe_layout(isa: str, dtype: torch.dtype, heads: int, block_size: int, dim: int) -> BlockLayout:
-    """The block interior vLLM's writer uses for this (isa, dtype, shape), found by writing codes
-    into a one-block scratch cache and reading where they landed."""
-    n = block_size * heads * dim
+def probe_layout(writer: Writer, like: torch.Tensor) -> BlockLayout:
+    """The block interior ``writer`` uses for caches like ``like`` (its shape but one block, dtype,
+    device), found by writing codes into a one-block scratch cache and reading where they landed."""
+    _, heads, block, dim = check_kv_cache("probe", like)
+    n = block * heads * dim
     digits = 1
-    while _BASE**digits < n:
+    while _BASE**digits < 2 * n:
         digits += 1
-    codes = torch.arange(n, dtype=torch.long).reshape(block_size, heads, dim)
-    scratch = torch.empty(1, heads, block_size, 2 * dim, dtype=dtype)
-    key_cache, value_cache = split_kv_cache(scratch)
-    slots = torch.arange(block_size, dtype=torch.long)
-    found = [torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)]
+    codes = torch.arange(2 * n, dtype=torch.long, device=like.device).view(2, block, heads, dim)
+    # one block with the layer's own strides (a backend writer may depend on the physical order)
+    scratch = torch.empty_strided((1, *like.shape[1:]), like.stride(), dtype=like.dtype, device=like.device)
+    slot_mapping = torch.arange(block, dtype=torch.long, device=like.device)
+    found = torch.zeros(2 * n, dtype=torch.long, device=like.device)
     for d in range(digits):
         scratch.fill_(-1)
-        digit = (codes // _BASE**d) % _BASE
-        _write(digit.to(dtype), digit.to(dtype), key_cache, value_cache, slots, isa)
-        for i, cache in enumerate((key_cache, value_cache)):
-            flat = cache[0].reshape(-1).to(torch.float64)
-            if bool((flat < 0).any()) or bool((flat != flat.round()).any()) or bool((flat >= _BASE).any()):
-                raise ValueError(
-                    f"vLLM's CPU K/V writer (isa={isa!r}, dtype={dtype}) does not store every element of a "
-                    "block as written (padding or a quantized cache); hf_kvshare cannot read it back"
-                )
-            found[i] += flat.long() * _BASE**d
-    indices = []
-    for landed in found:
-        if not torch.equal(torch.sort(landed).values, torch.arange(n)):
+        digit = ((codes // _BASE**d) % _BASE).to(like.dtype)
+        writer(digit[0], digit[1], scratch, slot_mapping)
+        flat = scratch[0].reshape(-1).to(torch.float64)
+        if bool((flat < 0).any()) or bool((flat != flat.round()).any()) or bool((flat >= _BASE).any()):
             raise ValueError(
-                f"vLLM's CPU K/V writer (isa={isa!r}, dtype={dtype}) does not place a block's elements "
-                "one to one; hf_kvshare cannot read it back"
+                f"vLLM's K/V writer for this cache ({like.dtype}, {tuple(like.shape[1:])} per block, "
+                f"{like.device}) does not store every element of a block as written (padding or a "
+                "quantized cache); hf_kvshare cannot read it back"
             )
-        index = torch.empty(n, dtype=torch.long)
-        index[landed] = torch.arange(n)  # code c (token, head, feature) sits at flat position index[c]
-        indices.append(index)
-    return BlockLayout(block_size, heads, dim, indices[0], indices[1])
+        found += flat.long() * _BASE**d
+    if not torch.equal(torch.sort(found).values, torch.arange(2 * n, device=like.device)):
+        raise ValueError(
+            f"vLLM's K/V writer for this cache ({like.dtype}, {like.device}) does not place a block's "
+            "elements one to one; hf_kvshare cannot read it back"
+        )
+    index = torch.empty(2 * n, dtype=torch.long, device=like.device)
+    index[found] = torch.arange(2 * n, device=like.device)  # code c sits at logical position index[c]
+    index = index.cpu()
+    return BlockLayout(block, heads, dim, index[:n].clone(), index[n:].clone())
+
+
+def backend_writer(layer: torch.nn.Module) -> Writer:
+    """The attention layer's own cache writer (``layer.impl.do_kv_cache_update``)."""
+    impl = getattr(layer, "impl", None)
+    update = getattr(impl, "do_kv_cache_update", None)
+    if update is None:
+        raise ValueError(
+            f"{type(impl).__name__ if impl is not None else type(layer).__name__}: the attention backend "
+            "has no do_kv_cache_update (it writes K/V inside its forward); hf_kvshare's connector needs "
+            "vLLM's separate cache writer (vLLM >= 0.32 standard backends)"
+        )
+    if getattr(type(impl), "forward_includes_kv_cache_update", False):
+        raise ValueError(
+            f"{type(impl).__name__}: this attention backend writes K/V inside its forward "
+            "(forward_includes_kv_cache_update); hf_kvshare's connector supports backends with a separate writer"
+        )
+
+    def write(
+        key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        update(layer, key, value, kv_cache, slot_mapping)
+
+    return write
+
+
+class LayerIO:
+    """Reads and writes one layer's paged cache: vLLM's writer, and a reader probed from it when built
+    (so a cache the writer does not fill one to one is refused at start-up, not at the first read)."""
+
+    def __init__(self, name: str, kv_cache: torch.Tensor, writer: Writer, block_size: int):
+        self.name = name
+        _, self.heads, self.kernel_block, self.dim = check_kv_cache(name, kv_cache)
+        if block_size % self.kernel_block:
+            raise ValueError(
+                f"layer {name!r}: kernel block {self.kernel_block} does not divide the scheduler's block "
+                f"size {block_size}"
+            )
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self._writer = writer
+        self.layout = probe_layout(writer, kv_cache)
+
+    def write(self, block_ids: list[int], start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write ``key``/``value`` ``[n, heads, dim]`` at token positions ``[start, start + n)`` of a
+        request whose blocks are ``block_ids``."""
+        if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (self.heads, self.dim):
+            raise ValueError(
+                f"layer {self.name!r}: K/V to write must be [n, {self.heads}, {self.dim}] each; "
+                f"got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        cache = self.kv_cache
+        slot_mapping = slots(block_ids, self.block_size, start, key.shape[0]).to(cache.device)
+        self._writer(
+            key.to(device=cache.device, dtype=cache.dtype).contiguous(),
+            value.to(device=cache.device, dtype=cache.dtype).contiguous(),
+            cache,
+            slot_mapping,
+        )
+
+    def read(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of token positions ``[start, end)`` as ``[end - start, heads, dim]`` each (fresh tensors
+        on the cache's device)."""
+        return self.layout.read(self.kv_cache, slots(block_ids, self.block_size, start, end - start))
