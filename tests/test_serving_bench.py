@@ -341,6 +341,36 @@ def test_fresh_documents_per_run(tokenizer):
     assert w.task_specs(tokenizer, 5)[0].slots[0].text == w.task_specs(tokenizer, 5)[0].slots[0].text
 
 
+def test_every_server_of_a_repeat_warms_up_on_the_same_documents(tokenizer, monkeypatch):
+    """Warm-up tasks teach a method's pools (KVCMAS's gates depend on them): every server of a repeat
+    gets the same ones whatever port it listens on, other repeats and the timed runs other ones."""
+    w = sb.ServeTrace(shared_tokens=64, agents=2, tasks=3, output_tokens=4)
+
+    def docs(tasks):
+        return [t.slots[0].text for t in tasks]
+
+    first = docs(sb.warmup_tasks(w, 2, tokenizer, seed=0, repeat=0))
+    assert len(first) == 2 and first == docs(sb.warmup_tasks(w, 2, tokenizer, seed=0, repeat=0))
+    assert not set(first) & set(docs(sb.warmup_tasks(w, 2, tokenizer, seed=0, repeat=1)))
+    timed = {d for q in range(2) for d in docs(w.task_specs(tokenizer, sb.run_seed(0, "run", 0, q)))}
+    assert not set(first) & timed
+
+    # and _warm_up sends those documents on any port
+    sent = []
+    monkeypatch.setattr(
+        sb, "stream_chat", lambda port, body, timeout: sent.append(body) or {"ok": True, "text": "x"}
+    )
+    plan = type("P", (), {"workload": w})()
+    args = type("A", (), {"warmup_tasks": 2, "seed": 0, "request_timeout": 1.0})()
+    bodies = []
+    for port in (8001, 8002):
+        sent.clear()
+        sb._warm_up(port, plan, args, tokenizer, 0)
+        bodies.append(json.dumps(sent, sort_keys=True))
+    contents = [str(m["content"]) for body in sent for m in body["messages"]]
+    assert bodies[0] == bodies[1] and all(any(d in c for c in contents) for d in first)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -36,6 +36,8 @@ def logical_cache(blocks, heads, block, dim, dtype=torch.float32, physical="cont
         return torch.zeros(blocks, heads, block, 2 * dim, dtype=dtype)
     if physical == "NHD":  # tokens outer, heads inner inside a block (FlashAttention's NHD stride order)
         return torch.zeros(blocks, block, heads, 2 * dim, dtype=dtype).permute(0, 2, 1, 3)
+    if physical == "blocks-inner":  # the block axis innermost: one block's elements span the whole buffer
+        return torch.zeros(2 * dim, block, heads, blocks, dtype=dtype).permute(3, 2, 1, 0)
     raise ValueError(physical)
 
 
@@ -49,7 +51,7 @@ def reference_read(kv_cache, slot_mapping):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("physical", ["contiguous", "NHD"])
+@pytest.mark.parametrize("physical", ["contiguous", "NHD", "blocks-inner"])
 def test_written_kv_reads_back_exactly_at_odd_starts(dtype, physical):
     torch.manual_seed(0)
     cache = logical_cache(12, 2, 16, 8, dtype, physical)
@@ -64,6 +66,23 @@ def test_written_kv_reads_back_exactly_at_odd_starts(dtype, physical):
         # and they sit where vLLM's own kernels read them
         rk, rv = reference_read(cache, paged.slots(block_ids, 16, start, n))
         assert torch.equal(rk, key) and torch.equal(rv, value)
+
+
+def test_the_probe_allocates_about_one_block_whatever_the_strides():
+    # a cache whose block axis is innermost: one block's elements lie across the whole buffer, so a
+    # scratch block with the layer's strides would be as large as the layer's cache
+    scratch_bytes = []
+
+    def recording_writer(key, value, kv_cache, slot_mapping):
+        if kv_cache.shape[0] == 1:
+            scratch_bytes.append(kv_cache.untyped_storage().nbytes())
+        flash_writer(key, value, kv_cache, slot_mapping)
+
+    block_bytes = 2 * 16 * 2 * 8 * 4
+    for physical in ("contiguous", "NHD", "blocks-inner"):
+        scratch_bytes.clear()
+        paged.LayerIO("l", logical_cache(256, 2, 16, 8, physical=physical), recording_writer, block_size=16)
+        assert scratch_bytes and max(scratch_bytes) <= 4 * block_bytes, (physical, scratch_bytes)
 
 
 def test_a_scheduler_block_split_into_kernel_blocks_is_addressed_by_flat_slots():

@@ -1393,6 +1393,16 @@ def _with_env(environment: Any, extra: Mapping[str, str]) -> Any:
     return merged
 
 
+def warmup_tasks(workload: ServeTrace, n: int, tokenizer: Any, seed: int, repeat: int) -> list[Any]:
+    """The ``n`` warm-up tasks of a repeat: documents of their own, the same for every server of the
+    repeat (as the timed runs' are the same for every method at a QPS), so each method's pools and kept
+    prefixes learn from the same texts. (They once depended on the server's port, a free port picked at
+    random: every server warmed up on other documents and KVCMAS's gates, which its warm-up anchors
+    decide, changed from run to run.)"""
+    warm = ServeTrace(workload.shared_tokens, workload.agents, n, workload.output_tokens)
+    return warm.task_specs(tokenizer, run_seed(seed, "warmup", repeat))
+
+
 def _warm_up(
     port: int, plan: Plan, args: argparse.Namespace, tokenizer: Any, repeat: int, explicit: bool = False
 ) -> None:
@@ -1401,10 +1411,7 @@ def _warm_up(
     method's pools and kept prefixes learn under the names the timed runs use)."""
     if not args.warmup_tasks:
         return
-    workload = ServeTrace(
-        plan.workload.shared_tokens, plan.workload.agents, args.warmup_tasks, plan.workload.output_tokens
-    )
-    for i, task in enumerate(workload.task_specs(tokenizer, run_seed(args.seed, "warmup", repeat, port))):
+    for i, task in enumerate(warmup_tasks(plan.workload, args.warmup_tasks, tokenizer, args.seed, repeat)):
         traj = task_trajectory(task, f"warmup-{repeat}-{i}" if explicit else None)
         for agent, messages, slot, max_tokens, min_tokens in task_turns(task):
             request = traj.request(

@@ -100,8 +100,14 @@ def probe_layout(writer: Writer, like: torch.Tensor) -> BlockLayout:
     while _BASE**digits < 2 * n:
         digits += 1
     codes = torch.arange(2 * n, dtype=torch.long, device=like.device).view(2, block, heads, dim)
-    # one block with the layer's own strides (a backend writer may depend on the physical order)
-    scratch = torch.empty_strided((1, *like.shape[1:]), like.stride(), dtype=like.dtype, device=like.device)
+    # one block with the layer's own strides (a backend writer may depend on the physical order), unless
+    # a block's elements are spread over much more than its size (a block axis inside the others)
+    shape = (1, *like.shape[1:])
+    span = 1 + sum((size - 1) * stride for size, stride in zip(shape, like.stride()))
+    if span <= 4 * 2 * n:
+        scratch = torch.empty_strided(shape, like.stride(), dtype=like.dtype, device=like.device)
+    else:
+        scratch = torch.empty(shape, dtype=like.dtype, device=like.device)
     slot_mapping = torch.arange(block, dtype=torch.long, device=like.device)
     found = torch.zeros(2 * n, dtype=torch.long, device=like.device)
     for d in range(digits):
