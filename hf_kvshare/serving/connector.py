@@ -217,7 +217,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
             try:
                 self._io[name] = paged.LayerIO(name, tensor, paged.backend_writer(layer), self._block_size)
             except ValueError as error:
-                raise ServingError(f"hf_kvshare: layer {name!r}: {error}") from error
+                raise ServingError(f"hf_kvshare: {error}") from error
         self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

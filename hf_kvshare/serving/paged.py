@@ -172,7 +172,10 @@ class LayerIO:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self._writer = writer
-        self.layout = probe_layout(writer, kv_cache)
+        try:
+            self.layout = probe_layout(writer, kv_cache)
+        except ValueError as error:
+            raise ValueError(f"layer {name!r}: {error}") from error
 
     def write(self, block_ids: list[int], start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``key``/``value`` ``[n, heads, dim]`` at token positions ``[start, start + n)`` of a
