@@ -72,7 +72,7 @@ class BlockLayout:
     block_size: int
     heads: int
     dim: int
-    key_index: torch.Tensor  # [block_size * heads * dim] long
+    key_index: torch.Tensor  # [block_size * heads * dim] long, on the probed cache's device
     value_index: torch.Tensor
 
     def read(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +129,6 @@ def probe_layout(writer: Writer, like: torch.Tensor) -> BlockLayout:
         )
     index = torch.empty(2 * n, dtype=torch.long, device=like.device)
     index[found] = torch.arange(2 * n, device=like.device)  # code c sits at logical position index[c]
-    index = index.cpu()
     return BlockLayout(block, heads, dim, index[:n].clone(), index[n:].clone())
 
 
