@@ -322,6 +322,8 @@ def test_kvcmas_gate_decisions_equal_the_session_on_the_same_trajectory(tiny_lla
     sessions = [Session(tiny_llama, tokenizer, method=hf_method) for _ in range(tasks)]
     served: dict[tuple[int, str], list[str]] = {}
     hf: dict[tuple[int, str], list[str]] = {}
+    served_gates: dict[tuple[int, str], list[dict]] = {}
+    hf_gates: dict[tuple[int, str], list[dict]] = {}
     claimed_whole = 0
     order = [(t, a) for t in range(warm) for a in agents] + [
         (t, a) for a in agents for t in range(warm, tasks)
@@ -347,11 +349,26 @@ def test_kvcmas_gate_decisions_equal_the_session_on_the_same_trajectory(tiny_lla
         ph = [(s, p) for s, p in zip(plan.turn.spans, plan.placements) if s.kind == "PH"]
         served[t, agent] = [p.provenance if p is not None else "dense" for _, p in ph]
         claimed_whole += plan.claimed == len(ids) - 1
+        # the report says why, as the Session's segment table does: the gate outcome of every PH span
+        # (a dense one's known once recorded), with its entropy or its reason and anchors compared
+        served_gates[t, agent] = [
+            {k: seg["gate"][k] for k in ("gate", "anchors", "reason") if k in seg.get("gate", {})}
+            for seg in plan.report()["segments"]
+            if seg["kind"] == "PH"
+        ]
         result = sessions[t].run_turn(
             agent, hf_segments, force_output=sharing.hosts[f"t{t}"].slots[agent].token_ids
         )
         hf[t, agent] = [s.provenance for s in result.segments if s.kind == "PH"]
+        hf_gates[t, agent] = [
+            {k: s.info[k] for k in ("gate", "anchors", "reason") if k in s.info}
+            for s in result.segments
+            if s.kind == "PH"
+        ]
     assert served == hf
+    assert served_gates == hf_gates
+    outcomes = [g.get("gate") for gates in served_gates.values() for g in gates]
+    assert "fallback" in outcomes and "accepted" in outcomes and None not in outcomes
     assert any("corrected" in kinds for kinds in served.values())  # the gates accepted somewhere
     assert claimed_whole > 0
 
@@ -497,7 +514,10 @@ def test_background_admission_gives_the_inline_claims_and_tokens(tiny_llama, tok
         p1 = _decided(background, "r1", sys1 + doc + q1, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0)
         out1, k, v = engine(tiny_llama, p1)
         assert out1 == o1
-        background.record(p1, k, v, out1, set())  # queued: returns before the record has run
+        seen = []  # what runs after the record (the connector writes the report file's line there)
+        background.record(
+            p1, k, v, out1, set(), then=lambda plan: seen.append((plan, plan.host.slots.get("a1")))
+        )
         # asked right after: the queue runs in order, so this plan sees a1's record
         p2 = _decided(
             background, "r2", doc + q2, layout("t", "a2", [{"slot": "doc", "start": 0, "end": len(doc)}]), 0
@@ -506,6 +526,11 @@ def test_background_admission_gives_the_inline_claims_and_tokens(tiny_llama, tok
         assert all(torch.equal(a, b) for a, b in zip(p2.keys, i2.keys))
         assert engine(tiny_llama, p2)[0] == engine(tiny_llama, i2)[0]
         background.drain()
+        assert len(seen) == 1 and seen[0][0] is p1 and seen[0][1] is not None  # after a1's output was kept
+        released = []
+        background.release(p2, then=released.append)
+        background.drain()
+        assert released == [p2] and "a2" not in p2.host.reserved
         summary = background.summary()
         assert summary["background"] is enabled and summary["queued_jobs"] == 0
         assert summary["requests"] == 2 and summary["claimed_requests"] == 1 and summary["records"] == 1

@@ -157,6 +157,27 @@ def test_connector_columns_from_the_per_request_reports(tmp_path):
     cols = sb.connector_columns("fullshared", timed)
     assert cols["plan_mean_s"] == pytest.approx(0.2) and cols["admission_wait_p50_s"] == pytest.approx(1.0)
     assert sb.compact_report(timed[0]["connector"])["plan_s"] == 0.1
+    # a gate's outcome per segment where the method gates, and the requests a rejection sent dense
+    assert cols["gate_rejected_requests"] is None  # reports without gate outcomes
+    fallback = {"gate": "fallback", "anchors": 2, "entropy": 0.45, "reason": "entropy 0.45 > tau 0.3"}
+    gated = [
+        {**_report(None, 10, 0, 0), "segments": [{"kind": "PH", "span": [0, 10], "placed": False, "gate": g}]}
+        for g in (fallback, {"gate": "accepted", "anchors": 3, "entropy": 0.1}, {"gate": "first"})
+    ]
+    compact = [sb.compact_report(r) for r in gated]
+    assert compact[0]["segments"] == [["PH", 0, 10, "dense", fallback]]
+    assert [c["gate_rejected"] for c in compact] == [True, False, False]
+    assert sb.compact_report(_report(None, 10, 0, 0))["gate_rejected"] is None
+    records = [{"request": i, "ok": True, "connector": c} for i, c in enumerate(compact)]
+    cols = sb.connector_columns("kvcmas", records)
+    assert cols["gate_rejected_requests"] == 1 and "anchors" not in cols["rho_note"]
+    # a rejection for want of anchors says so (the pools were still filling: warm up longer)
+    unfilled = {**fallback, "reason": "fewer than 2 anchors at least 7 tokens long (1 of 1)"}
+    records[0]["connector"]["segments"] = [["PH", 0, 10, "dense", unfilled]]
+    assert (
+        "1 of 3 requests dense because a gate had fewer than 2 anchors"
+        in (sb.connector_columns("kvcmas", records)["rho_note"])
+    )
     # the store's evictions (cumulative since the server started) as of the run's last report
     assert cols["store_evicted_tasks"] is None
     stored = [

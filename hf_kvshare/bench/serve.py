@@ -251,6 +251,7 @@ SUMMARY_COLUMNS = (
     "plan_mean_s",
     "admission_wait_p50_s",
     "store_evicted_tasks",
+    "gate_rejected_requests",
     "exact_match",
     "exact_note",
     "agreement",
@@ -312,6 +313,7 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "plan_mean_s": None,
         "admission_wait_p50_s": None,
         "store_evicted_tasks": None,
+        "gate_rejected_requests": None,
     }
     if method in BASELINES:
         return {**empty, "rho_note": "plain vLLM: no connector"}
@@ -324,12 +326,19 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         return int(sum(rep.get(key) or 0 for rep in reports))
 
     ph = total("ph_tokens")
+    rejected = [r for r in (rep.get("gate_rejected") for rep in reports) if r is not None]
     notes = []
     if len(reports) < len(done):
         notes.append(f"{len(done) - len(reports)} of {len(done)} completed requests without a report")
     errors = sum(1 for rep in reports if rep.get("error"))
     if errors:
         notes.append(f"{errors} requests with a layout error (no claim)")
+    unfilled = sum(1 for rep in reports if _unfilled_pool(rep))
+    if unfilled:
+        notes.append(
+            f"{unfilled} of {len(reports)} requests dense because a gate had fewer than 2 anchors to compare "
+            "(its pool still filling: a longer --warmup-tasks fills it before timing)"
+        )
     return {
         "claimed_requests": sum(1 for rep in reports if rep.get("supplied_tokens")),
         "supplied_tokens": total("supplied_tokens"),
@@ -348,6 +357,9 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
             (r["store_evicted_tasks"] for r in reports if isinstance(r.get("store_evicted_tasks"), int)),
             default=None,
         ),
+        # requests a gate rejection sent dense (their PH spans prefilled, the delta anchored); None when
+        # no report carries a gate outcome
+        "gate_rejected_requests": sum(rejected) if rejected else None,
     }
 
 
@@ -377,6 +389,7 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "admission_wait_s",
     )
     out = {k: report.get(k) for k in keys}
+    out["gate_rejected"] = gate_rejected(report)
     store = report.get("store")
     out["store_evicted_tasks"] = store.get("evicted_tasks") if isinstance(store, Mapping) else None
     out["segments"] = [
@@ -384,10 +397,31 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
             seg.get("kind"),
             *seg.get("span", []),
             seg.get("provenance", "dense" if not seg.get("placed") else "?"),
+            *([seg["gate"]] if seg.get("gate") else []),  # the method's gate outcome, where it gates
         ]
         for seg in report.get("segments") or []
     ]
     return out
+
+
+def _unfilled_pool(report: Mapping[str, Any]) -> bool:
+    """A compact report whose request a gate sent dense for want of anchors (``SlotScope.gate``'s reason)."""
+    for seg in report.get("segments") or []:
+        gate = seg[4] if isinstance(seg, list) and len(seg) > 4 and isinstance(seg[4], Mapping) else {}
+        if gate.get("gate") == "fallback" and "fewer than 2 anchors" in str(gate.get("reason", "")):
+            return True
+    return False
+
+
+def gate_rejected(report: Mapping[str, Any]) -> bool | None:
+    """Whether a gate rejection made the request dense (a segment's gate ``fallback``), ``None`` when
+    its report carries no gate outcome (a method that does not gate, or an older server)."""
+    gates = [
+        seg["gate"] for seg in report.get("segments") or [] if isinstance(seg, Mapping) and seg.get("gate")
+    ]
+    if not gates:
+        return None
+    return any(g.get("gate") == "fallback" for g in gates)
 
 
 def read_reports(path: Path | None, ids: Sequence[str], wait_s: float = 10.0) -> dict[str, dict[str, Any]]:
@@ -759,7 +793,13 @@ def run_once(
         print(
             f"  {spec.method} @ {spec.qps:g} QPS: {row['completed']}/{row['requests']} done, "
             f"p50 TTFT {row['ttft_p50_s']:.3f} s, p90 {row['ttft_p90_s']:.3f} s, "
-            f"prefix hits {row['prefix_cache_hits']}, supplied {row['supplied_tokens']} (rho {row['rho']})",
+            f"prefix hits {row['prefix_cache_hits']}, supplied {row['supplied_tokens']} (rho {row['rho']})"
+            + (
+                f", {row['gate_rejected_requests']} dense by a gate"
+                if row.get("gate_rejected_requests")
+                else ""
+            )
+            + (f"; {row['rho_note']}" if row.get("rho_note") else ""),
             file=log,
             flush=True,
         )

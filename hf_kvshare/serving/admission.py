@@ -187,12 +187,14 @@ class Background:
         values: list[torch.Tensor],
         output_ids: list[int],
         stop_ids: set[int],
+        then: Callable[[Plan], None] | None = None,
     ) -> None:
-        """Record a finished request (queued; the task's later plans wait for it)."""
+        """Record a finished request (queued; the task's later plans wait for it); ``then(plan)`` runs
+        after it on the same thread (the connector writes the request's report there)."""
         self._submit(
             "record",
             _task_of_plan(plan),
-            self.sharing.record,
+            _then(self.sharing.record, then),
             plan,
             keys,
             values,
@@ -200,9 +202,9 @@ class Background:
             set(stop_ids),
         )
 
-    def release(self, plan: Plan) -> None:
-        """A planned request that will not be recorded."""
-        self._submit("record", _task_of_plan(plan), self.sharing.release, plan)
+    def release(self, plan: Plan, then: Callable[[Plan], None] | None = None) -> None:
+        """A planned request that will not be recorded (``then`` as :meth:`record`'s)."""
+        self._submit("record", _task_of_plan(plan), _then(self.sharing.release, then), plan)
 
     # ------------------------------------------------------------------- reading
     def summary(self) -> dict[str, Any]:
@@ -301,6 +303,20 @@ class Background:
             return
         with self._summary_lock:
             self._summary = summary
+
+
+def _then(fn: Callable[..., None], then: Callable[[Plan], None] | None) -> Callable[..., None]:
+    """``fn(plan, ...)``, then ``then(plan)`` (even when ``fn`` failed: a report is still written)."""
+    if then is None:
+        return fn
+
+    def both(plan: Plan, *args: Any) -> None:
+        try:
+            fn(plan, *args)
+        finally:
+            then(plan)
+
+    return both
 
 
 def task_of(params: Any) -> str | None:

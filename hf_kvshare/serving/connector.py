@@ -37,7 +37,8 @@ Each finished request's report (what admission decided: the claim, its PH / PF t
 placement; :meth:`Plan.report <hf_kvshare.serving.host.Plan.report>`) is the reply's
 ``kv_transfer_params["hf_kvshare"]`` (non-streaming replies: vLLM's streaming chat path drops
 ``kv_transfer_params``) and, with ``report_path`` in ``kv_connector_extra_config`` (or the environment
-variable :data:`REPORTS_ENV`), one JSON line of that file, with vLLM's request ids (``request_id``,
+variable :data:`REPORTS_ENV`), one JSON line of that file, written once the request is recorded (so
+each dense span carries its gate outcome too: why it was not reused), with vLLM's request ids (``request_id``,
 and ``external_id``: the id the OpenAI server made from the client's ``request_id``), which is how
 ``hf-kvshare bench serve`` reads them for streamed requests.
 
@@ -129,6 +130,7 @@ class _Finishing:
     plan: Plan
     output_ids: list[int]
     stop_ids: set[int]
+    ids: tuple[str, str | None]  # the request's id and external id (its report line)
 
 
 _LOCK = threading.Lock()
@@ -349,10 +351,11 @@ class HFKVShareConnector(KVConnectorBase_V1):
         if plan is None:
             return False, None
         report = {"hf_kvshare": {**plan.report(), "store": self._background.summary()}}
-        if self._report_path:
-            self._write_report(request, report["hf_kvshare"])
+        ids = (request.request_id, getattr(request, "external_req_id", None))
         finished = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
         if plan.turn is None or not finished or not block_ids:
+            if self._report_path:
+                self._write_report(ids, report["hf_kvshare"])
             self._background.release(plan)
             return False, report
         stop = set(request.sampling_params.all_stop_token_ids or ()) if request.sampling_params else set()
@@ -360,14 +363,26 @@ class HFKVShareConnector(KVConnectorBase_V1):
         if eos is not None:
             stop.add(eos)
         tokens = min(request.num_computed_tokens, len(block_ids) * self._block_size)
-        self._finishing[request.request_id] = _Finishing(plan, list(request.output_token_ids), stop)
+        # the report file's line is written once the request is recorded: a dense span's gate outcome
+        # (why it was not reused) is known then (the reply carries the admission's report)
+        self._finishing[request.request_id] = _Finishing(plan, list(request.output_token_ids), stop, ids)
         self._to_capture.append(Capture(request.request_id, list(block_ids), tokens))
         return True, report  # the blocks stay until the worker has read them (get_finished)
 
-    def _write_report(self, request: Request, report: dict[str, Any]) -> None:
+    def _reporter(self, ids: tuple[str, str | None]):
+        """What runs after the request's record: its report file line (``None`` without a file)."""
+        if not self._report_path:
+            return None
+
+        def write(plan: Plan) -> None:
+            self._write_report(ids, {**plan.report(), "store": self._background.summary()})
+
+        return write
+
+    def _write_report(self, ids: tuple[str, str | None], report: dict[str, Any]) -> None:
         line = {
-            "request_id": request.request_id,
-            "external_id": getattr(request, "external_req_id", None),
+            "request_id": ids[0],
+            "external_id": ids[1],
             **{k: v for k, v in report.items() if k != "store"},
             # the store's counts when the request ended (its bound's evictions explain a claim missing)
             "store": {k: report.get("store", {}).get(k) for k in STORE_COUNTS},
@@ -376,7 +391,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
             with open(self._report_path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         except OSError:  # the engine must keep running
-            logger.exception("hf_kvshare: writing the report of request %s failed", request.request_id)
+            logger.exception("hf_kvshare: writing the report of request %s failed", ids[0])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -386,10 +401,13 @@ class HFKVShareConnector(KVConnectorBase_V1):
             if finishing is None:
                 continue
             kv = captured.get(request_id)
+            then = self._reporter(finishing.ids)
             if kv is None:
-                self._background.release(finishing.plan)
+                self._background.release(finishing.plan, then)
                 continue
-            self._background.record(finishing.plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids)
+            self._background.record(
+                finishing.plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids, then
+            )
         # the requests that waited for these records: planned now, behind them in the task's queue order
         for request_id, request in list(self._waiting.items()):
             if not self._unrecorded(task_of(request.kv_transfer_params)):

@@ -218,6 +218,11 @@ class Plan:
     #: seconds from the engine's first admission query to the decision (the plan plus the records and
     #: plans queued before it on the connector's thread; :mod:`.admission`), ``None`` when inline
     admission_wait_s: float | None = None
+    #: span name -> the method's gate outcome for it (:data:`GATE_KEYS` of the segment row's ``info``:
+    #: ``gate`` accepted / fallback / turn / first / ungated, ``entropy``, ``anchors`` compared,
+    #: ``reason``): a placed span's from admission, a dense one's from the record (``method.finish``
+    #: writes it on the dense rows, as in a Session's segment table)
+    gates: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def claimed(self) -> int:
@@ -240,7 +245,9 @@ class Plan:
         supplied: re-positioned or corrected, not computed by the engine), as ``TurnResult.reuse_ratio``
         counts it; ``supplied_pf_tokens`` is the agent's own text placed by prefix reuse (not in rho).
         A segment's ``placed`` says the method placed it; ``supplied`` that it lies in the claim (a
-        placed span after the first unplaced one is computed by the engine)."""
+        placed span after the first unplaced one is computed by the engine). ``gate`` (where the method
+        gates) says why: accepted and its normalized entropy, or the fallback's reason and how many
+        anchors the gate compared; a dense span's is known once the request is recorded."""
         turn = self.turn
         return {
             "task": self.host.task if self.host else None,
@@ -263,6 +270,7 @@ class Plan:
                     and self.claim_start <= s.start
                     and s.end <= self.claim_end,
                     "provenance": p.provenance if p is not None else "dense",
+                    **({"gate": self.gates[s.name]} if s.name in self.gates else {}),
                 }
                 for s, p in zip(turn.spans, self.placements)
             ]
@@ -272,6 +280,17 @@ class Plan:
             "error": self.error,
             "plan_s": round(self.plan_s, 6),
             "admission_wait_s": None if self.admission_wait_s is None else round(self.admission_wait_s, 6),
+        }
+
+
+#: the keys of a segment row's ``info`` a report keeps (the gate's outcome; not its distances)
+GATE_KEYS = ("gate", "entropy", "anchors", "reason")
+
+
+def _keep_gate(plan: Plan, name: str, info: dict[str, Any] | None) -> None:
+    if info and "gate" in info:
+        plan.gates[name] = {
+            k: round(float(info[k]), 6) if k == "entropy" else info[k] for k in GATE_KEYS if k in info
         }
 
 
@@ -378,6 +397,8 @@ class Sharing:
             if placement is not None and placement.kv.start != span.start:
                 placement.kv = placement.kv.repositioned(turn.shifter, span.start)
             plan.placements.append(placement)
+            if placement is not None:
+                _keep_gate(plan, span.name, placement.info)
         if plan.local_hit is not None:  # None: planned ahead, claimed at admission (:meth:`claim`)
             self._claim(plan)
 
@@ -533,6 +554,9 @@ class Sharing:
         if n > P:
             cache.append_kv(kv(P, n), Segment("generated", "PF", P, n))
         method.finish(turn, cache)
+        for segment in cache.segments:
+            if segment.kind == "PH" and segment.provenance == "dense":
+                _keep_gate(plan, segment.name, segment.info)
         out = list(output_ids)
         stop_ids = set(stop_ids) | self.stop_ids
         while len(out) > 1 and out[-1] in stop_ids:
