@@ -50,6 +50,18 @@ def test_plan_is_agent_major_with_dependencies():
         (2, 1, 2),
     ]
     assert len(sb.plan_run(3, 2, [0.0, 0.1])) == 2  # a time bound cuts the plan
+    # task-major (the authors' serving traces): one task's agents, then the next task's
+    task_major = sb.plan_run(tasks=3, agents=2, arrivals=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5], order="task")
+    assert [(p.task, p.position, p.depends_on) for p in task_major] == [
+        (0, 0, None),
+        (0, 1, 0),
+        (1, 0, None),
+        (1, 1, 2),
+        (2, 0, None),
+        (2, 1, 4),
+    ]
+    with pytest.raises(ValueError, match="order must be one of agent, task; got 'tasks'"):
+        sb.plan_run(3, 2, [0.0], order="tasks")
 
 
 # -- summaries, CSV / JSON ---------------------------------------------------------------------------

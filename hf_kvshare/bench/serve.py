@@ -169,14 +169,34 @@ class PlannedRequest:
     depends_on: int | None  # index of the request whose reply this one reads
 
 
-def plan_run(tasks: int, agents: int, arrivals: Sequence[float]) -> list[PlannedRequest]:
-    """Agent-major order (every task's first agent, then every task's second, ...): request ``i`` is
-    task ``i % tasks``, position ``i // tasks``, and reads the reply of request ``i - tasks``.
-    ``arrivals`` may be shorter than ``tasks * agents`` (a time bound): the rest are not planned."""
+#: the orders a run's requests arrive in (``--order``)
+ORDERS = ("agent", "task")
+
+
+def request_place(i: int, tasks: int, agents: int, order: str = "agent") -> tuple[int, int, int | None]:
+    """``(task, position, depends_on)`` of request ``i``. ``"agent"``-major (the default: every task's
+    first agent, then every task's second, ...): task ``i % tasks``, position ``i // tasks``, reading
+    the reply of request ``i - tasks``. ``"task"``-major (the authors' serving traces: one task's agents,
+    then the next task's): task ``i // agents``, position ``i % agents``, reading request ``i - 1``."""
+    if order == "agent":
+        task, position = i % tasks, i // tasks
+        return task, position, (i - tasks if position else None)
+    if order == "task":
+        task, position = i // agents, i % agents
+        return task, position, (i - 1 if position else None)
+    raise ValueError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
+
+
+def plan_run(
+    tasks: int, agents: int, arrivals: Sequence[float], order: str = "agent"
+) -> list[PlannedRequest]:
+    """The requests of a run in ``order`` (:func:`request_place`), the ``i``-th arriving at
+    ``arrivals[i]``; ``arrivals`` may be shorter than ``tasks * agents`` (a time bound): the rest are
+    not planned."""
     planned = []
     for i, arrival in enumerate(arrivals[: tasks * agents]):
-        task, position = i % tasks, i // tasks
-        planned.append(PlannedRequest(i, task, position, arrival, i - tasks if position else None))
+        task, position, depends_on = request_place(i, tasks, agents, order)
+        planned.append(PlannedRequest(i, task, position, arrival, depends_on))
     return planned
 
 
@@ -223,6 +243,7 @@ SUMMARY_COLUMNS = (
     "method",
     "qps",
     "repeat",
+    "order",
     "requests",
     "completed",
     "failed",
@@ -684,6 +705,7 @@ class RunSpec:
     extra_body: dict[str, Any] = field(default_factory=dict)
     #: the connector's report file (``None``: a plain server)
     report_path: Path | None = None
+    order: str = "agent"  # the requests' arrival order (:func:`request_place`)
 
     def request_id(self, index: int) -> str:
         """The ``request_id`` the bench sends (unique per run; the connector's report is matched by it)."""
@@ -698,7 +720,7 @@ def run_once(
     tasks = workload.task_specs(tokenizer, spec.seed)
     n = workload.tasks * workload.agents
     arrivals = poisson_schedule(n, spec.qps, spec.seed, spec.max_duration)
-    planned = plan_run(workload.tasks, workload.agents, arrivals)
+    planned = plan_run(workload.tasks, workload.agents, arrivals, spec.order)
     trajectories = [task_trajectory(t, f"{spec.seed:x}-{t.id}") for t in tasks]
     turns = [list(task_turns(t)) for t in tasks]
     records: list[dict[str, Any]] = [
@@ -707,8 +729,8 @@ def run_once(
             "qps": spec.qps,
             "repeat": spec.repeat,
             "request": i,
-            "task": i % workload.tasks,
-            "position": i // workload.tasks,
+            "task": request_place(i, workload.tasks, workload.agents, spec.order)[0],
+            "position": request_place(i, workload.tasks, workload.agents, spec.order)[1],
             "arrival_s": arrivals[i] if i < len(arrivals) else None,
             "sent_s": None,
             "ok": False,
@@ -785,7 +807,13 @@ def run_once(
             report = reports.get(spec.request_id(r["request"]))
             if report is not None:
                 r["connector"] = compact_report(report)
-    row = {"method": spec.method, "qps": spec.qps, "repeat": spec.repeat, **summarize_run(snapshot, wall)}
+    row = {
+        "method": spec.method,
+        "qps": spec.qps,
+        "repeat": spec.repeat,
+        "order": spec.order,
+        **summarize_run(snapshot, wall),
+    }
     row["prefix_cache_queries"] = metric_delta(before, after, *PREFIX_QUERIES)
     row["prefix_cache_hits"] = metric_delta(before, after, *PREFIX_HITS)
     row.update(connector_columns(spec.method, snapshot))
@@ -1035,6 +1063,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--repeats", type=positive_int, default=1, help="rounds over the servers, ABBA order (default 1)"
+    )
+    p.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="agent",
+        help="the requests' arrival order: agent-major (every task's first agent, then every task's second, "
+        "...; default) or task-major (one task's agents, then the next task's: the authors' serving traces)",
     )
     p.add_argument(
         "--warmup-tasks",
@@ -1293,6 +1328,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
                             if method == DOC_FIRST:  # the same documents must not be served twice
                                 spec.seed = run_seed(args.seed, "run-docfirst", repeat, qi)
                             spec.report_path = report_path
+                            spec.order = args.order
                             row, records = run_once(port, spec, plan.workload, tokenizer, log=sys.stdout)
                             row.update(_agreement_columns(method, forced))
                             rows.append(row)
