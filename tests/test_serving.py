@@ -527,6 +527,8 @@ def test_background_admission_gives_the_inline_claims_and_tokens(tiny_llama, tok
         assert engine(tiny_llama, p2)[0] == engine(tiny_llama, i2)[0]
         background.drain()
         assert len(seen) == 1 and seen[0][0] is p1 and seen[0][1] is not None  # after a1's output was kept
+        assert p1.record_s > 0 and p1.report()["record_s"] == round(p1.record_s, 6)
+        assert p2.record_s is None and p2.report()["record_s"] is None  # not recorded
         released = []
         background.release(p2, then=released.append)
         background.drain()

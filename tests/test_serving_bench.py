@@ -162,12 +162,16 @@ def test_connector_columns_from_the_per_request_reports(tmp_path):
         {
             "request": i,
             "ok": True,
-            "connector": {**_report(None, 10, 0, 0), "plan_s": p, "admission_wait_s": w},
+            "connector": {**_report(None, 10, 0, 0), "plan_s": p, "admission_wait_s": w, "record_s": w},
         }
         for i, (p, w) in enumerate([(0.1, 0.5), (0.3, 1.5), (0.2, None)])
     ]
     cols = sb.connector_columns("fullshared", timed)
     assert cols["plan_mean_s"] == pytest.approx(0.2) and cols["admission_wait_p50_s"] == pytest.approx(1.0)
+    assert (
+        cols["record_mean_s"] == pytest.approx(1.0)
+        and sb.compact_report(timed[1]["connector"])["record_s"] == 1.5
+    )
     assert sb.compact_report(timed[0]["connector"])["plan_s"] == 0.1
     # a gate's outcome per segment where the method gates, and the requests a rejection sent dense
     assert cols["gate_rejected_requests"] is None  # reports without gate outcomes

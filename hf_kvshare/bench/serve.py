@@ -270,6 +270,7 @@ SUMMARY_COLUMNS = (
     "rho",
     "rho_note",
     "plan_mean_s",
+    "record_mean_s",
     "admission_wait_p50_s",
     "store_evicted_tasks",
     "gate_rejected_requests",
@@ -332,6 +333,7 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "ph_tokens": None,
         "rho": None,
         "plan_mean_s": None,
+        "record_mean_s": None,
         "admission_wait_p50_s": None,
         "store_evicted_tasks": None,
         "gate_rejected_requests": None,
@@ -371,6 +373,8 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         # the method's admission work per request, and how long the engine waited for it (queued behind
         # other plans and records on the connector's thread); None from a connector that reports neither
         "plan_mean_s": _stat(reports, "plan_s", "mean"),
+        # the method's work after each request (its record, on the same thread as the plans)
+        "record_mean_s": _stat(reports, "record_s", "mean"),
         "admission_wait_p50_s": _stat(reports, "admission_wait_s", "p50"),
         # tasks the store's bound evicted since the server started, as of the run's last report (a
         # task evicted while in flight computes what it would have reused)
@@ -408,6 +412,7 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "error",
         "plan_s",
         "admission_wait_s",
+        "record_s",
     )
     out = {k: report.get(k) for k in keys}
     out["gate_rejected"] = gate_rejected(report)

@@ -223,6 +223,9 @@ class Plan:
     #: ``reason``): a placed span's from admission, a dense one's from the record (``method.finish``
     #: writes it on the dense rows, as in a Session's segment table)
     gates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: seconds the request's record took (the method's work after the request: slots, observed deltas
+    #: factorized into anchors, kept prefixes), ``None`` until recorded; the task's later plans wait for it
+    record_s: float | None = None
 
     @property
     def claimed(self) -> int:
@@ -280,6 +283,7 @@ class Plan:
             "error": self.error,
             "plan_s": round(self.plan_s, 6),
             "admission_wait_s": None if self.admission_wait_s is None else round(self.admission_wait_s, 6),
+            "record_s": None if self.record_s is None else round(self.record_s, 6),
         }
 
 
@@ -524,7 +528,8 @@ class Sharing:
                 plan.host.reserved.discard(plan.turn.output_slot)
             self._bound(plan.host)
             self.records += 1
-            self.record_seconds += time.perf_counter() - t0
+            plan.record_s = time.perf_counter() - t0
+            self.record_seconds += plan.record_s
 
     def _record(self, plan: Plan, keys, values, output_ids: list[int], stop_ids: set[int]) -> None:
         turn, host, method = plan.turn, plan.host, self.method
