@@ -5,6 +5,7 @@ the store's bound, the middleware's 400s and salts, and `hf-kvshare serve`'s che
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 import torch
@@ -743,10 +744,15 @@ def test_a_plan_made_on_arrival_claims_from_the_hit_vllm_has_at_admission(tiny_l
             if ahead:
                 background.prepare("r2", prompt, layout("t", "a1", seg))
                 background.drain()  # decided before admission asks
+                time.sleep(0.3)  # vLLM's own queue: the request waits for admission
                 with sharing._lock:  # a record running on the thread: the claim does not wait for it
                     p2 = background.plan("r2", prompt, layout("t", "a1", seg), 3)
+                # the wait is counted from vLLM's first admission query, the queue before it apart
+                assert p2.queued_s >= 0.3 > p2.admission_wait_s
+                assert p2.report()["queued_s"] == round(p2.queued_s, 6)
             else:
                 p2 = _decided(background, "r2", prompt, layout("t", "a1", seg), 3)
+                assert p2.queued_s == 0.0  # asked at once: no queue before the first query
             assert p2 is not None and p2.local_hit == 3 and p2.report()["prefix_cache_hit"] == 3
             claims[ahead] = p2
             assert sharing.state_summary()["claimed_requests"] == 1

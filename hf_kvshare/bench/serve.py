@@ -272,6 +272,7 @@ SUMMARY_COLUMNS = (
     "plan_mean_s",
     "record_mean_s",
     "admission_wait_p50_s",
+    "queued_p50_s",
     "store_evicted_tasks",
     "gate_rejected_requests",
     "exact_match",
@@ -335,6 +336,7 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "plan_mean_s": None,
         "record_mean_s": None,
         "admission_wait_p50_s": None,
+        "queued_p50_s": None,
         "store_evicted_tasks": None,
         "gate_rejected_requests": None,
     }
@@ -376,6 +378,8 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         # the method's work after each request (its record, on the same thread as the plans)
         "record_mean_s": _stat(reports, "record_s", "mean"),
         "admission_wait_p50_s": _stat(reports, "admission_wait_s", "p50"),
+        # arrival to vLLM's first admission query (vLLM's own queue; the plan runs meanwhile)
+        "queued_p50_s": _stat(reports, "queued_s", "p50"),
         # tasks the store's bound evicted since the server started, as of the run's last report (a
         # task evicted while in flight computes what it would have reused)
         "store_evicted_tasks": max(
@@ -412,6 +416,7 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "error",
         "plan_s",
         "admission_wait_s",
+        "queued_s",
         "record_s",
     )
     out = {k: report.get(k) for k in keys}

@@ -119,7 +119,8 @@ class Background:
         job = self._enqueue(
             "plan", task_of(params), self.sharing.plan, request_id, list(prompt), params, None
         )
-        self._pending[request_id] = ((None, time.perf_counter()), job)
+        # (claimed-from hit, first admission query, arrival): the query's time is set when vLLM first asks
+        self._pending[request_id] = ((None, None, time.perf_counter()), job)
 
     def plan(self, request_id: str, prompt: list[int], params: Any, local_hit: int) -> Plan | None:
         """The request's plan, or ``None`` while it is still being decided (ask again)."""
@@ -135,8 +136,12 @@ class Background:
             job = self._enqueue(
                 "plan", task_of(params), self.sharing.plan, request_id, list(prompt), params, local_hit
             )
-            pending = self._pending[request_id] = ((local_hit, time.perf_counter()), job)
-        (_, asked), job = pending
+            now = time.perf_counter()
+            pending = self._pending[request_id] = ((local_hit, now, now), job)
+        (hit, asked, arrived), job = pending
+        if asked is None:  # planned on arrival; this is vLLM's first admission query
+            asked = time.perf_counter()
+            self._pending[request_id] = ((hit, asked, arrived), job)
         try:
             plan = job.future.result(timeout=self.wait_s)
         except FutureTimeout:
@@ -147,12 +152,14 @@ class Background:
             plan = Plan(request_id=request_id, prompt=list(prompt), local_hit=local_hit)
             plan.error = f"{type(error).__name__}: {error}"
             plan.admission_wait_s = time.perf_counter() - asked
+            plan.queued_s = asked - arrived
             del self._pending[request_id]
             return plan
         del self._pending[request_id]
         if plan.local_hit is None:  # planned ahead: claim from the hit vLLM has now
             self.sharing.claim(plan, local_hit)
         plan.admission_wait_s = time.perf_counter() - asked
+        plan.queued_s = asked - arrived
         return plan
 
     def deciding(self, request_id: str) -> bool:

@@ -218,6 +218,10 @@ class Plan:
     #: seconds from the engine's first admission query to the decision (the plan plus the records and
     #: plans queued before it on the connector's thread; :mod:`.admission`), ``None`` when inline
     admission_wait_s: float | None = None
+    #: seconds from the request's arrival (its plan started: :meth:`.admission.Background.prepare`) to
+    #: vLLM's first admission query: vLLM's own queue (its token budget, running requests), not the
+    #: method's; ``None`` when inline
+    queued_s: float | None = None
     #: span name -> the method's gate outcome for it (:data:`GATE_KEYS` of the segment row's ``info``:
     #: ``gate`` accepted / fallback / turn / first / ungated, ``entropy``, ``anchors`` compared,
     #: ``reason``): a placed span's from admission, a dense one's from the record (``method.finish``
@@ -283,6 +287,7 @@ class Plan:
             "error": self.error,
             "plan_s": round(self.plan_s, 6),
             "admission_wait_s": None if self.admission_wait_s is None else round(self.admission_wait_s, 6),
+            "queued_s": None if self.queued_s is None else round(self.queued_s, 6),
             "record_s": None if self.record_s is None else round(self.record_s, 6),
         }
 
