@@ -20,7 +20,10 @@ claim does, which admission cuts (:meth:`~hf_kvshare.serving.host.Sharing.claim`
 the store's lock). A plan started only at admission costs its request a whole engine step when it is
 not ready at once (measured: ``admission_wait_s`` 2-3.5 s at 2 QPS beside 0.14-0.26 s of planning).
 A request arriving while its task has a finished request not yet read back is planned when that
-request's record is queued (the connector's ``update_connector_output``), behind it.
+request's record is queued (the connector's ``update_connector_output``), behind it. A plan's
+``admission_wait_s`` counts from vLLM's first admission query (what the method costs the engine);
+``queued_s``, from the arrival to that query, is vLLM's own queue (before 2026-12-02 a plan made on
+arrival counted its wait from the arrival, vLLM's queue included).
 
 The queue's order: a plan waits only for the records (and releases) of **its own task** queued before
 it (the next agent reads the last one's output slot and its gate decision); it runs ahead of other
