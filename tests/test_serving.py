@@ -585,6 +585,50 @@ def test_a_plan_being_decided_does_not_stop_the_engine_loop(tiny_llama, tokenize
         background.close()
 
 
+@pytest.mark.parametrize("running_wait_s", [0.0, 0.5])
+def test_a_running_plan_is_waited_for_briefly_a_queued_one_not(tiny_llama, tokenizer, running_wait_s):
+    """A plan running when vLLM asks is waited for up to ``running_wait_s`` (a "not yet" costs the
+    request the engine's next step); one queued behind another job is answered "not yet" at once."""
+    import threading
+
+    from hf_kvshare.serving.admission import Background
+
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    started, go = threading.Event(), threading.Event()
+    plan_inline = sharing.plan
+
+    def slow_plan(request_id, *args):
+        if request_id == "r1":
+            started.set()
+            assert go.wait(30)
+        else:
+            time.sleep(0.2)
+        return plan_inline(request_id, *args)
+
+    sharing.plan = slow_plan
+    background = Background(sharing, wait_s=0.0, running_wait_s=running_wait_s)
+    prompt = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC)
+    try:
+        background.prepare("r1", prompt, layout("t1", "a1", [{"slot": "doc", "text": DOC}]))
+        background.prepare("r2", prompt, layout("t2", "a1", [{"slot": "doc", "text": DOC}]))
+        assert started.wait(30)
+        t0 = time.monotonic()
+        assert background.plan("r2", prompt, layout("t2", "a1", [{"slot": "doc", "text": DOC}]), 0) is None
+        assert time.monotonic() - t0 < 0.15  # queued behind r1: not waited for
+        t0 = time.monotonic()
+        r1 = background.plan("r1", prompt, layout("t1", "a1", [{"slot": "doc", "text": DOC}]), 0)
+        assert r1 is None and time.monotonic() - t0 >= running_wait_s  # running, but not done in time
+        go.set()
+        while not background._pending["r2"][1].future.running():  # r2 starts: 0.2 s of planning
+            time.sleep(0.001)
+        r2 = background.plan("r2", prompt, layout("t2", "a1", [{"slot": "doc", "text": DOC}]), 0)
+        assert (r2 is not None) is (running_wait_s > 0)
+        assert background.deferred_queries == 2 + (running_wait_s == 0)
+    finally:
+        go.set()
+        background.close()
+
+
 def test_a_request_that_ends_while_its_plan_is_decided_frees_its_output_slot(tiny_llama, tokenizer):
     import threading
 
@@ -699,6 +743,7 @@ def test_plans_do_not_starve_records_past_the_bound_and_a_dropped_plan_never_run
         ({"enabled": "yes"}, TypeError),
         ({"wait_s": -1}, ValueError),
         ({"wait_s": True}, ValueError),
+        ({"running_wait_s": 2}, ValueError),
         ({"max_queued_records": -1}, ValueError),
     ],
 )

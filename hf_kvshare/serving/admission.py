@@ -57,6 +57,12 @@ logger = logging.getLogger("hf_kvshare.serving")
 #: bounds the engine loop's spinning while the plan is the only work, and costs the other requests at
 #: most this per step
 DEFAULT_WAIT_S = 0.002
+#: how long one admission query waits for a plan already *running* on the thread (seconds): a plan not
+#: ready at vLLM's query costs its request the whole engine step vLLM runs before asking again (another
+#: request's prefill: seconds), while a running plan ends in its own time (0.01-0.6 s measured); only
+#: one plan runs at a time, so this bounds the engine loop's wait per step. ``0``: never wait longer
+#: than ``wait_s``
+DEFAULT_RUNNING_WAIT_S = 0.5
 #: records queued beyond this run before any plan (each holds a finished request's K/V until it runs)
 DEFAULT_MAX_QUEUED_RECORDS = 16
 
@@ -83,12 +89,14 @@ class Background:
         *,
         enabled: bool = True,
         wait_s: float = DEFAULT_WAIT_S,
+        running_wait_s: float = DEFAULT_RUNNING_WAIT_S,
         max_queued_records: int = DEFAULT_MAX_QUEUED_RECORDS,
     ):
         if not isinstance(enabled, bool):
             raise TypeError(f"background must be true or false; got {enabled!r}")
-        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= 1:
-            raise ValueError(f"plan_wait_s must be a number of seconds in [0, 1]; got {wait_s!r}")
+        for name, value in (("plan_wait_s", wait_s), ("plan_running_wait_s", running_wait_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a number of seconds in [0, 1]; got {value!r}")
         if (
             isinstance(max_queued_records, bool)
             or not isinstance(max_queued_records, int)
@@ -98,6 +106,7 @@ class Background:
         self.sharing = sharing
         self.enabled = enabled
         self.wait_s = float(wait_s)
+        self.running_wait_s = float(running_wait_s)
         self.max_queued_records = max_queued_records
         self._pending: dict[str, tuple[tuple[int, float], _Job]] = {}  # id -> ((hit, asked at), plan job)
         self._cond = threading.Condition()
@@ -146,7 +155,7 @@ class Background:
             asked = time.perf_counter()
             self._pending[request_id] = ((hit, asked, arrived), job)
         try:
-            plan = job.future.result(timeout=self.wait_s)
+            plan = self._result(job)
         except FutureTimeout:
             self.deferred_queries += 1
             return None
@@ -164,6 +173,16 @@ class Background:
         plan.admission_wait_s = time.perf_counter() - asked
         plan.queued_s = asked - arrived
         return plan
+
+    def _result(self, job: _Job) -> Plan:
+        """The plan when it is decided within ``wait_s``, or within ``running_wait_s`` once it is
+        running on the thread; else ``FutureTimeout``."""
+        try:
+            return job.future.result(timeout=self.wait_s)
+        except FutureTimeout:
+            if not job.future.running() or self.running_wait_s <= self.wait_s:
+                raise
+        return job.future.result(timeout=self.running_wait_s - self.wait_s)
 
     def deciding(self, request_id: str) -> bool:
         """Whether the request's plan is queued, running, or decided and not yet asked for."""

@@ -65,7 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import paged
-from .admission import DEFAULT_WAIT_S, Background, task_of
+from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
 from .host import Plan, ServingError, Sharing, skeleton_model
 
 if TYPE_CHECKING:
@@ -185,6 +185,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 self._sharing,
                 enabled=self._extra.get("background", True),
                 wait_s=self._extra.get("plan_wait_s", DEFAULT_WAIT_S),
+                running_wait_s=self._extra.get("plan_running_wait_s", DEFAULT_RUNNING_WAIT_S),
             )
 
     def _make_sharing(self, vllm_config: VllmConfig) -> Sharing:
