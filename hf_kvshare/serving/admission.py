@@ -9,7 +9,8 @@ decode step; run inline they stop the whole engine — every other request's pre
 :class:`Background` runs them on one thread of its own, in the order the engine asked for them (a
 plan submitted after a record sees that record, as a Session's next turn sees the last one): the
 connector answers "not decided yet" (vLLM's ``None``: the scheduler skips the request this step and
-asks again) until the plan is ready, and a record is queued and returns at once. The engine keeps
+asks again) until the plan is ready (after waiting up to ``running_wait_s`` when it is already
+running: a "not yet" costs the request the whole next step), and a record is queued and returns at once. The engine keeps
 stepping the other requests meanwhile; torch's kernels release the GIL, so the method's work runs
 beside vLLM's forward (on another core when there is one). ``enabled=False`` runs everything inline
 (the earlier behaviour), for comparison and debugging.
