@@ -181,8 +181,10 @@ class Background:
         try:
             return job.future.result(timeout=self.wait_s)
         except FutureTimeout:
+            if job.future.done():  # it ended just after the wait: take it
+                return job.future.result()
             if not job.future.running() or self.running_wait_s <= self.wait_s:
-                raise
+                raise  # queued behind other jobs
         return job.future.result(timeout=self.running_wait_s - self.wait_s)
 
     def deciding(self, request_id: str) -> bool:
