@@ -9,40 +9,15 @@ import time
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from hf_kvshare import PF, PH, Session
-from hf_kvshare._compat import cache_kwargs
 from hf_kvshare.method import get_method
 from hf_kvshare.serving import layout as lay
 from hf_kvshare.serving.host import ServingError, Sharing, check_serving_method, salt
 from hf_kvshare.serving.middleware import LayoutCheck
+from hf_kvshare.serving.standin import engine
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-
-
-def engine(model, plan, max_new_tokens=8):
-    """What vLLM does with a plan: positions [0, local_hit) from its prefix cache (here a plain prefill),
-    the claimed K/V written, every other token computed; greedy. Returns output ids and the K/V used
-    per layer [n, kv_heads, head_dim] (prompt + output but its last token)."""
-    prompt = torch.tensor(plan.prompt)[None]
-    cache = DynamicCache()
-    with torch.no_grad():
-        if plan.local_hit:
-            model(input_ids=prompt[:, : plan.local_hit], use_cache=True, **cache_kwargs(cache))
-        for layer, (k, v) in enumerate(zip(plan.keys, plan.values)):
-            cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)
-        out = model.generate(
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            **cache_kwargs(cache),
-        )
-    ids = out[0, prompt.shape[1] :].tolist()
-    keys = [cache.layers[i].keys[0].transpose(0, 1) for i in range(len(cache.layers))]
-    values = [cache.layers[i].values[0].transpose(0, 1) for i in range(len(cache.layers))]
-    return ids, keys, values
 
 
 def ids_of(tok, text):

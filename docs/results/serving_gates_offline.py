@@ -16,8 +16,8 @@ run one request at a time; the timed tasks then in ORDER:
 - ``wave``: the bench's order, every task's request of one position planned before any of them is
   run and recorded (a server at a high rate: plans run ahead of the other tasks' records).
 
-The engine is :func:`engine` (a prefill of the claimed-from hit, the claimed K/V written, greedy
-generation over the rest; what ``tests/test_serving.py`` uses), so outputs are the HF model's, not
+The engine is :func:`hf_kvshare.serving.standin.engine` (a prefill of the claimed-from hit, the
+claimed K/V written, greedy generation over the rest; what ``tests/test_serving.py`` uses), so outputs are the HF model's, not
 vLLM's. Prints per task each agent's treatment (``C`` corrected, ``R`` reused uncorrected, ``D``
 dense) and, for a dense turn, each gated slot's outcome (entropy, anchors compared). Not a benchmark.
 """
@@ -28,36 +28,12 @@ import argparse
 import sys
 
 import torch
-from transformers import DynamicCache
 
 from hf_kvshare import load_model
-from hf_kvshare._compat import cache_kwargs
 from hf_kvshare.bench import serve as sb
 from hf_kvshare.serving.client import task_trajectory, task_turns
 from hf_kvshare.serving.host import Sharing
-
-
-def engine(model, plan, max_new_tokens):
-    """What vLLM does with a plan (``tests/test_serving.py``'s stand-in)."""
-    prompt = torch.tensor(plan.prompt)[None]
-    cache = DynamicCache()
-    with torch.no_grad():
-        if plan.local_hit:
-            model(input_ids=prompt[:, : plan.local_hit], use_cache=True, **cache_kwargs(cache))
-        for layer, (k, v) in enumerate(zip(plan.keys, plan.values)):
-            cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], layer)
-        out = model.generate(
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            **cache_kwargs(cache),
-        )
-    ids = out[0, prompt.shape[1] :].tolist()
-    keys = [cache.layers[i].keys[0].transpose(0, 1) for i in range(len(cache.layers))]
-    values = [cache.layers[i].values[0].transpose(0, 1) for i in range(len(cache.layers))]
-    return ids, keys, values
+from hf_kvshare.serving.standin import engine
 
 
 def treatment(plan):
@@ -113,7 +89,7 @@ class Driver:
 
     def run(self, task, planned):
         plan, slot, max_tokens = planned
-        out, k, v = engine(self.model, plan, max_tokens)
+        out, k, v = engine(self.model, plan, max_tokens, min_new_tokens=max_tokens)
         self.sharing.record(plan, k, v, out, set())
         assert plan.error is None, plan.error
         task.traj.record(slot, self.tok.decode(out, skip_special_tokens=True))
