@@ -189,7 +189,10 @@ def test_connector_columns_from_the_per_request_reports(tmp_path):
     assert cols["gate_rejected_requests"] == 1 and "anchors" not in cols["rho_note"]
     # a rejection for want of anchors says so (the pools were still filling: warm up longer)
     unfilled = {**fallback, "reason": "fewer than 2 anchors at least 7 tokens long (1 of 1)"}
-    records[0]["connector"]["segments"] = [["PH", 0, 10, "dense", unfilled]]
+    records[0]["connector"] = sb.compact_report(
+        {**gated[0], "segments": [{**gated[0]["segments"][0], "gate": unfilled}]}
+    )
+    assert records[0]["connector"]["gate_unfilled"] and not compact[0]["gate_unfilled"]
     assert (
         "1 of 3 requests dense because a gate had fewer than 2 anchors"
         in (sb.connector_columns("kvcmas", records)["rho_note"])

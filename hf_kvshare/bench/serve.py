@@ -358,7 +358,7 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
     errors = sum(1 for rep in reports if rep.get("error"))
     if errors:
         notes.append(f"{errors} requests with a layout error (no claim)")
-    unfilled = sum(1 for rep in reports if _unfilled_pool(rep))
+    unfilled = sum(1 for rep in reports if rep.get("gate_unfilled"))
     if unfilled:
         notes.append(
             f"{unfilled} of {len(reports)} requests dense because a gate had fewer than 2 anchors to compare "
@@ -421,6 +421,7 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
     )
     out = {k: report.get(k) for k in keys}
     out["gate_rejected"] = gate_rejected(report)
+    out["gate_unfilled"] = gate_unfilled(report)
     store = report.get("store")
     out["store_evicted_tasks"] = store.get("evicted_tasks") if isinstance(store, Mapping) else None
     out["segments"] = [
@@ -435,24 +436,27 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _unfilled_pool(report: Mapping[str, Any]) -> bool:
-    """A compact report whose request a gate sent dense for want of anchors (``SlotScope.gate``'s reason)."""
-    for seg in report.get("segments") or []:
-        gate = seg[4] if isinstance(seg, list) and len(seg) > 4 and isinstance(seg[4], Mapping) else {}
-        if gate.get("gate") == "fallback" and "fewer than 2 anchors" in str(gate.get("reason", "")):
-            return True
-    return False
-
-
-def gate_rejected(report: Mapping[str, Any]) -> bool | None:
-    """Whether a gate rejection made the request dense (a segment's gate ``fallback``), ``None`` when
-    its report carries no gate outcome (a method that does not gate, or an older server)."""
+def _fallbacks(report: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
+    """The gate outcomes of a connector report's segments that fell back (a gate rejection made the
+    request dense), ``None`` when it carries no gate outcome (a method that does not gate, or an older
+    server)."""
     gates = [
         seg["gate"] for seg in report.get("segments") or [] if isinstance(seg, Mapping) and seg.get("gate")
     ]
     if not gates:
         return None
-    return any(g.get("gate") == "fallback" for g in gates)
+    return [g for g in gates if g.get("gate") == "fallback"]
+
+
+def gate_rejected(report: Mapping[str, Any]) -> bool | None:
+    """Whether a gate rejection made the request dense, ``None`` without gate outcomes (:func:`_fallbacks`)."""
+    fallbacks = _fallbacks(report)
+    return None if fallbacks is None else bool(fallbacks)
+
+
+def gate_unfilled(report: Mapping[str, Any]) -> bool:
+    """Whether a gate sent the request dense for want of anchors (``SlotScope.gate``'s reason)."""
+    return any("fewer than 2 anchors" in str(g.get("reason", "")) for g in _fallbacks(report) or [])
 
 
 def read_reports(path: Path | None, ids: Sequence[str], wait_s: float = 10.0) -> dict[str, dict[str, Any]]:
@@ -731,6 +735,7 @@ def run_once(
     n = workload.tasks * workload.agents
     arrivals = poisson_schedule(n, spec.qps, spec.seed, spec.max_duration)
     planned = plan_run(workload.tasks, workload.agents, arrivals, spec.order)
+    places = [request_place(i, workload.tasks, workload.agents, spec.order) for i in range(n)]
     trajectories = [task_trajectory(t, f"{spec.seed:x}-{t.id}") for t in tasks]
     turns = [list(task_turns(t)) for t in tasks]
     records: list[dict[str, Any]] = [
@@ -739,8 +744,8 @@ def run_once(
             "qps": spec.qps,
             "repeat": spec.repeat,
             "request": i,
-            "task": request_place(i, workload.tasks, workload.agents, spec.order)[0],
-            "position": request_place(i, workload.tasks, workload.agents, spec.order)[1],
+            "task": places[i][0],
+            "position": places[i][1],
             "arrival_s": arrivals[i] if i < len(arrivals) else None,
             "sent_s": None,
             "ok": False,
