@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from . import mrope
+from ._compat import is_peft_model
 from .cache import CachePart, SegmentKV, SharedCache
 from .identity import ModelBinding
 from .persistence import STATE_FORMAT, STATE_JSON, STATE_TENSORS, StatePersistence
@@ -199,7 +201,10 @@ class Method(StatePersistence):
         """Build the turn's cache: :meth:`plan`, place what :meth:`placeholder` / :meth:`prefix`
         return, then compute every token left dense in ONE forward (:func:`~hf_kvshare.prefill.prefill_parts`:
         true positions, a mask built from positions), then :meth:`finish`. The prompt's last token is
-        left out for ``generate``. A method that reads the cache built so far (``reads_prefix``) gets it
+        left out for ``generate``; so is the whole run of computed agent (PF) text after the last
+        placed or PH part when the caller's forward starts at the cache's end (``turn.generate_tail``:
+        :meth:`tail_for_generate`), which then computes that text with the last token in one forward
+        instead of two. A method that reads the cache built so far (``reads_prefix``) gets it
         complete up to each PH segment."""
         self.plan(turn)
         cache = self.new_cache(turn)
@@ -229,9 +234,43 @@ class Method(StatePersistence):
             else:
                 last.kv = last.kv.prefix(last.segment.length)
             parts.append(last)
+        tail = self.tail_for_generate(turn, parts)
+        del parts[len(parts) - len(tail) :]
+        turn.tail_segments = [p.segment for p in tail]
         flush()
         self.finish(turn, cache)
         return cache
+
+    def tail_for_generate(self, turn: Turn, parts: list[CachePart]) -> list[CachePart]:
+        """The trailing parts of ``parts`` (the prompt minus its last token, in order) that
+        :meth:`build` leaves to the caller's forward: the run of computed PF text after the last part
+        that is placed, a PH span or an image. That forward (``generate``'s first) computes the prompt's
+        uncached tokens in one pass with the causal mask, which is exactly their attention here (they
+        follow everything in the cache), so the turn runs one forward fewer than prefilling them and
+        then feeding the last token, and no explicit mask is built for them.
+
+        Empty unless ``turn.generate_tail`` (``Session.run_turn`` sets it; ``build_cache`` does not),
+        and on a multimodal-RoPE model (generate's positions come from the cache's track), for a
+        method whose generation differs from its prefill (its own ``generation_context`` or
+        ``forward_kwargs``: an adapter selected for generation, layer inputs recorded), and on a PEFT
+        model (the LoRA methods are such methods, so every method there prefills the text and
+        NonShared stays their exact reference: one forward or two differ by float rounding, by 1e-3
+        on a 4-bit base): there the text is prefilled as before."""
+        if not turn.generate_tail or mrope.is_mrope(turn.model) or is_peft_model(turn.model):
+            return []
+        own = type(self)
+        if (
+            own.generation_context is not Method.generation_context
+            or own.forward_kwargs is not Method.forward_kwargs
+        ):
+            return []
+        n = len(parts)
+        while n and parts[n - 1].dense and parts[n - 1].segment.kind == "PF":
+            p = parts[n - 1]
+            if p.embeds is not None or p.rope is not None:
+                break
+            n -= 1
+        return parts[n:]
 
     # ------------------------------------------------------------ learning
     def record(self, turn: Turn, cache: SharedCache) -> None:

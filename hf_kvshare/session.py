@@ -331,6 +331,7 @@ class Session:
         with self._exclusive(), self._rollback():
             turn = self.prepare_turn(agent, segments, output_slot)
             turn.keep_cache = keep_cache
+            turn.generate_tail = True  # generate's first forward computes the trailing agent text
             with agent_adapter(self.model, agent):  # checks the agent's adapter first (on a PeftModel)
                 if force_output is not None:
                     force_output = self._check_forced(force_output)
@@ -357,6 +358,7 @@ class Session:
                             output_ids, t_first, logits = self._teacher_force(
                                 turn, prompt, cache, force_output.to(device)
                             )
+                        cache.segments.extend(turn.tail_segments)  # their K/V written by that forward
                         t_decoded = time.perf_counter()
                         with timing(phases):
                             with phases.phase("record"):
@@ -437,8 +439,8 @@ class Session:
         return self._strip_eos(generated), timer.first_call
 
     def _teacher_force(self, turn, prompt, cache, forced):
-        inputs = torch.cat([prompt[-1:], forced[:-1]])
-        start = cache.get_seq_length()
+        start = cache.get_seq_length()  # the prompt's tokens from here (at least its last) come first
+        inputs = torch.cat([prompt[start:], forced[:-1]])
         positions = torch.arange(start, start + inputs.numel(), device=prompt.device)[None]
         with torch.no_grad():
             out = self.model(
@@ -449,7 +451,7 @@ class Session:
                 **self.method.forward_kwargs(turn),
             )
         synchronize(prompt.device)
-        return forced, time.perf_counter(), out.logits[0].float()
+        return forced, time.perf_counter(), out.logits[0, -forced.numel() :].float()
 
     def _strip_eos(self, generated: torch.Tensor) -> torch.Tensor:
         """Drop trailing EOS/pad tokens (kept when the output is nothing else, so the slot is never empty)."""

@@ -258,6 +258,13 @@ class Turn:
     #: the caller keeps the built cache (``run_turn(keep_cache=True)``): a method whose cache reads
     #: shared state lazily must leave it reading what this turn saw
     keep_cache: bool = False
+    #: the caller runs ``generate`` (or a teacher-forced forward) over the built cache from its end, so
+    #: the trailing run of computed agent text may be left to that forward (``Session.run_turn``; not
+    #: ``build_cache``, whose cache ends at the prompt's last token): see :meth:`Method.build`
+    generate_tail: bool = False
+    #: the segments of that trailing run, left out of the cache by ``build``; the caller adds them to the
+    #: cache's table once its forward has written their K/V
+    tail_segments: list = field(default_factory=list)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -335,3 +335,104 @@ def test_unknown_option_lists_the_valid_ones(tiny_llama, tokenizer):
         Session(tiny_llama, tokenizer, "fullshared", prefix_reus=True)
     with pytest.raises(ValueError, match="no option 'foo'.*prefix_reuse"):
         Session(tiny_llama, tokenizer, "kvcmas", foo=1)
+
+
+# ------------------------------------------------------- the trailing agent text in generate's forward
+class _PrefillsTail(METHODS["fullshared"]):
+    """FullShared with the trailing agent text prefilled in build (the behaviour before it was left to
+    generate's first forward)."""
+
+    name = "fullshared-prefills-tail"
+
+    def tail_for_generate(self, turn, parts):
+        return []
+
+
+def _turn_forwards(session, agent, segments, n=4):
+    """The turn's result and the number of tokens each model forward fed, in order."""
+    fed: list[int] = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        fed.append((ids if ids is not None else kwargs["inputs_embeds"]).shape[1])
+
+    handle = session.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        result = session.run_turn(agent, segments, max_new_tokens=n)
+    finally:
+        handle.remove()
+    return result, fed
+
+
+@pytest.mark.parametrize("prefix_reuse", [False, True])
+def test_trailing_agent_text_is_computed_by_generates_first_forward(tiny, tokenizer, prefix_reuse):
+    """The run of computed PF text after the last placed span is left to generate's first forward: the
+    reuse turn runs one forward fewer (with prefix reuse none but generate's before the first token),
+    with the same tokens, the same segment table and the same K/V as prefilling it in build."""
+    kwargs = {"prefix_reuse": prefix_reuse, "prefix_scope": "request"}
+    agent, segments = STEPS[1][0], STEPS[1][1] + [PF("\nNow answer:")]
+    runs = []
+    for method in (METHODS["fullshared"](**kwargs), _PrefillsTail(**kwargs)):
+        session = Session(tiny, tokenizer, method)
+        session.run_turn(*STEPS[0], max_new_tokens=4)
+        session.run_turn(agent, STEPS[1][1], max_new_tokens=4)  # the agent's prefix, kept when asked
+        runs.append(_turn_forwards(session, agent, segments))
+    (folded, fed), (before, fed_before) = runs
+    tail = folded.segments[-1].length + 1  # "\nNow answer:" and the prompt's last token
+    assert fed[-3:] == fed_before[-3:] == [1, 1, 1]  # the same decode
+    if prefix_reuse:  # everything before the text is placed: generate's forward is the only one
+        assert fed_before[:2] == [tail - 1, 1] and fed[:1] == [tail] and len(fed) == len(fed_before) - 1
+    else:  # the agent's template is computed before the placed span either way, the text after it not
+        assert fed_before[1] == 1 and fed[0] == fed_before[0] - (tail - 1) and fed[1] == tail
+        assert len(fed) == len(fed_before)
+    assert folded.output_ids.tolist() == before.output_ids.tolist()
+    assert [(s.name, s.kind, s.start, s.end, s.provenance) for s in folded.segments] == [
+        (s.name, s.kind, s.start, s.end, s.provenance) for s in before.segments
+    ]
+    assert folded.tokens_prefilled == before.tokens_prefilled
+    assert (
+        folded.segments[-1].provenance == "dense" and folded.segments[-1].end == folded.prompt_ids.numel() - 1
+    )
+
+
+def test_trailing_agent_text_in_generate_keeps_the_cache(tiny, tokenizer):
+    """The turn cache after generate holds the same K/V either way (to float tolerance: one forward
+    over the text instead of two), so what a method records from it is unchanged."""
+    caches = []
+    for method in (METHODS["fullshared"](), _PrefillsTail()):
+        session = Session(tiny, tokenizer, method)
+        session.run_turn(*STEPS[0], max_new_tokens=4)
+        result = session.run_turn(
+            STEPS[1][0], STEPS[1][1] + [PF("\nNow answer:")], max_new_tokens=4, keep_cache=True
+        )
+        caches.append(result.cache)
+    a, b = caches
+    assert a.get_seq_length() == b.get_seq_length()
+    for i in range(len(a.layers)):
+        ka, va = a.layer_kv(i)
+        kb, vb = b.layer_kv(i)
+        torch.testing.assert_close(ka, kb, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)
+
+
+def test_build_cache_still_ends_at_the_prompts_last_token(tiny, tokenizer):
+    """``build_cache`` (a caller's own generate) is unchanged: its cache holds every prompt token but the last."""
+    session = reuse_session(tiny, tokenizer)
+    agent, segments = STEPS[1][0], STEPS[1][1] + [PF("\nNow answer:")]
+    cache, ids = session.build_cache(agent, segments)
+    assert cache.get_seq_length() == ids.shape[-1] - 1
+    assert cache.segments[-1].end == ids.shape[-1] - 1
+
+
+def test_teacher_forcing_feeds_the_trailing_text_and_keeps_the_logits(tiny, tokenizer):
+    """A teacher-forced turn feeds the trailing text with the forced tokens; its logits are the forced
+    tokens' only, equal to prefilling the text in build."""
+    logits = []
+    for method in (METHODS["fullshared"](), _PrefillsTail()):
+        session = Session(tiny, tokenizer, method)
+        session.run_turn(*STEPS[0], max_new_tokens=4)
+        forced = torch.tensor([5, 6, 7])
+        r = session.run_turn(STEPS[1][0], STEPS[1][1] + [PF("\nNow answer:")], force_output=forced)
+        assert r.logits.shape[0] == 3
+        logits.append(r.logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)

@@ -240,8 +240,23 @@ def qlora(request, tiny_dir):
     return request.param, *_qlora(tiny_dir, request.param, seed=7)
 
 
-def _close(got, ref, n: int, dtype, layers=None) -> None:
-    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+def _rounds_inputs(model) -> bool:
+    """Whether the base's 4-bit projections compute below float32 on this CPU (measured, not assumed):
+    an input moved by ~1e-5 of its scale moves a float32 kernel's outputs by about as much, while one
+    that rounds its inputs to bfloat16 (bitsandbytes' CPU path on an AVX512-BF16 AMD EPYC, 2026-12-02)
+    leaves most unchanged and flips some by ~1e-3. Two methods whose float32 rounding differs by 4e-7
+    before such a layer then differ by ~1e-3 after it, which is that kernel's precision, not theirs."""
+    proj = model.get_base_model().model.layers[0].self_attn.v_proj
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, proj.in_features, generator=generator)
+    with torch.no_grad():
+        moved = proj(x * (1 + 1e-5 * torch.randn(x.shape, generator=generator))) - proj(x)
+    return bool(moved.abs().max() > 2e-4)  # measured: float32 nn.Linear 2.3e-5, this nf4 layer 2.0e-3
+
+
+def _close(got, ref, n: int, dtype, layers=None, model=None) -> None:
+    exact = dtype == torch.float32 and not (model is not None and _rounds_inputs(model))
+    tol = dict(atol=2e-6, rtol=1e-5) if exact else dict(atol=1e-2, rtol=1e-2)
     for layer in range(ref.cache.num_layers) if layers is None else layers:
         k, v = got.cache.layer_kv(layer)
         ek, ev = ref.cache.layer_kv(layer)
@@ -267,7 +282,7 @@ def test_qlora_exact_single_agent(qlora, method):
     for g, e in zip(got[1:], exact[1:]):
         n = max(s.end for s in g.segments if s.provenance in ("reused", "recomputed"))
         assert n > 0
-        _close(g, e, n, dtype, layers=[0] if method.startswith("rebaseshared") else None)
+        _close(g, e, n, dtype, layers=[0] if method.startswith("rebaseshared") else None, model=model)
         assert _cache_dtypes(g.cache) == {dtype}
     if not method.startswith("rebaseshared") and dtype == torch.float32:
         free = run_trajectory(Session(model, tok, method), agents)
@@ -289,7 +304,7 @@ def test_qlora_exact_when_hidden_states_do_not_depend_on_the_adapter(tiny_dir, t
         Session(model, tok, method), agents, forced=[r.output_ids for r in exact], keep_cache=True
     )
     for g, e in zip(got[1:], exact[1:]):
-        _close(g, e, g.cache.view.length, torch.float32)
+        _close(g, e, g.cache.view.length, torch.float32, model=model)
 
 
 # ------------------------------------------------------------------ accelerate device_map with disk offload
