@@ -244,10 +244,14 @@ class Method(StatePersistence):
     def tail_for_generate(self, turn: Turn, parts: list[CachePart]) -> list[CachePart]:
         """The trailing parts of ``parts`` (the prompt minus its last token, in order) that
         :meth:`build` leaves to the caller's forward: the run of computed PF text after the last part
-        that is placed, a PH span or an image. That forward (``generate``'s first) computes the prompt's
-        uncached tokens in one pass with the causal mask, which is exactly their attention here (they
-        follow everything in the cache), so the turn runs one forward fewer than prefilling them and
-        then feeding the last token, and no explicit mask is built for them.
+        that is placed, a PH span or an image, when every part before it is placed (so build runs no
+        forward: a FullShared or KVCMAS turn with prefix reuse). That forward (``generate``'s first)
+        computes the prompt's uncached tokens in one pass with the causal mask, which is exactly their
+        attention here (they follow everything in the cache), so the turn runs one forward fewer than
+        prefilling them and then feeding the last token. Where build computes other text anyway the
+        trailing text stays in that forward: splitting it off measured slower (FullShared without
+        prefix reuse, trace at 2,048 tokens: 0.72 s against 0.61 s per reuse turn,
+        ``docs/results/tail_in_generate.py``).
 
         Empty unless ``turn.generate_tail`` (``Session.run_turn`` sets it; ``build_cache`` does not),
         and on a multimodal-RoPE model (generate's positions come from the cache's track), for a
@@ -270,6 +274,8 @@ class Method(StatePersistence):
             if p.embeds is not None or p.rope is not None:
                 break
             n -= 1
+        if any(p.dense for p in parts[:n]):
+            return []  # build runs a forward anyway: the text goes into that one (measured faster)
         return parts[n:]
 
     # ------------------------------------------------------------ learning

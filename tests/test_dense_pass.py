@@ -348,7 +348,7 @@ class _PrefillsTail(METHODS["fullshared"]):
         return []
 
 
-def _turn_forwards(session, agent, segments, n=4):
+def _turn_forwards(session, agent, segments, n=4, **kwargs):
     """The turn's result and the number of tokens each model forward fed, in order."""
     fed: list[int] = []
 
@@ -358,7 +358,7 @@ def _turn_forwards(session, agent, segments, n=4):
 
     handle = session.model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        result = session.run_turn(agent, segments, max_new_tokens=n)
+        result = session.run_turn(agent, segments, **(kwargs or {"max_new_tokens": n}))
     finally:
         handle.remove()
     return result, fed
@@ -366,9 +366,10 @@ def _turn_forwards(session, agent, segments, n=4):
 
 @pytest.mark.parametrize("prefix_reuse", [False, True])
 def test_trailing_agent_text_is_computed_by_generates_first_forward(tiny, tokenizer, prefix_reuse):
-    """The run of computed PF text after the last placed span is left to generate's first forward: the
-    reuse turn runs one forward fewer (with prefix reuse none but generate's before the first token),
-    with the same tokens, the same segment table and the same K/V as prefilling it in build."""
+    """The run of computed PF text after the last placed span is left to generate's first forward when
+    everything before it is placed (prefix reuse): the reuse turn runs no forward but generate's, with
+    the same tokens and the same segment table as prefilling it in build; where build computes the
+    agent's template anyway, the text stays in that forward."""
     kwargs = {"prefix_reuse": prefix_reuse, "prefix_scope": "request"}
     agent, segments = STEPS[1][0], STEPS[1][1] + [PF("\nNow answer:")]
     runs = []
@@ -382,9 +383,8 @@ def test_trailing_agent_text_is_computed_by_generates_first_forward(tiny, tokeni
     assert fed[-3:] == fed_before[-3:] == [1, 1, 1]  # the same decode
     if prefix_reuse:  # everything before the text is placed: generate's forward is the only one
         assert fed_before[:2] == [tail - 1, 1] and fed[:1] == [tail] and len(fed) == len(fed_before) - 1
-    else:  # the agent's template is computed before the placed span either way, the text after it not
-        assert fed_before[1] == 1 and fed[0] == fed_before[0] - (tail - 1) and fed[1] == tail
-        assert len(fed) == len(fed_before)
+    else:  # the agent's template is computed in build: the text after the placed span goes with it
+        assert fed == fed_before and fed[1] == 1
     assert folded.output_ids.tolist() == before.output_ids.tolist()
     assert [(s.name, s.kind, s.start, s.end, s.provenance) for s in folded.segments] == [
         (s.name, s.kind, s.start, s.end, s.provenance) for s in before.segments
@@ -395,17 +395,28 @@ def test_trailing_agent_text_is_computed_by_generates_first_forward(tiny, tokeni
     )
 
 
+def _folding_session(tiny, tokenizer, method):
+    """A session whose next turn of ``STEPS[1]``'s agent with text after its last PH span places
+    everything before that text (the agent's prefix kept from its earlier turn)."""
+    session = Session(tiny, tokenizer, method)
+    session.run_turn(*STEPS[0], max_new_tokens=4)
+    session.run_turn(STEPS[1][0], STEPS[1][1], max_new_tokens=4)
+    return session, STEPS[1][0], STEPS[1][1] + [PF("\nNow answer:")]
+
+
+REUSE = {"prefix_reuse": True, "prefix_scope": "request"}
+
+
 def test_trailing_agent_text_in_generate_keeps_the_cache(tiny, tokenizer):
     """The turn cache after generate holds the same K/V either way (to float tolerance: one forward
     over the text instead of two), so what a method records from it is unchanged."""
-    caches = []
-    for method in (METHODS["fullshared"](), _PrefillsTail()):
-        session = Session(tiny, tokenizer, method)
-        session.run_turn(*STEPS[0], max_new_tokens=4)
-        result = session.run_turn(
-            STEPS[1][0], STEPS[1][1] + [PF("\nNow answer:")], max_new_tokens=4, keep_cache=True
-        )
-        caches.append(result.cache)
+    caches, fed = [], []
+    for method in (METHODS["fullshared"](**REUSE), _PrefillsTail(**REUSE)):
+        session, agent, segments = _folding_session(tiny, tokenizer, method)
+        result, calls = _turn_forwards(session, agent, segments)
+        fed.append(calls[0])
+        caches.append(session.run_turn(agent, segments, max_new_tokens=4, keep_cache=True).cache)
+    assert fed[0] == fed[1] + 1 > 2  # generate's first forward fed the text and the last token
     a, b = caches
     assert a.get_seq_length() == b.get_seq_length()
     for i in range(len(a.layers)):
@@ -427,12 +438,17 @@ def test_build_cache_still_ends_at_the_prompts_last_token(tiny, tokenizer):
 def test_teacher_forcing_feeds_the_trailing_text_and_keeps_the_logits(tiny, tokenizer):
     """A teacher-forced turn feeds the trailing text with the forced tokens; its logits are the forced
     tokens' only, equal to prefilling the text in build."""
-    logits = []
-    for method in (METHODS["fullshared"](), _PrefillsTail()):
-        session = Session(tiny, tokenizer, method)
-        session.run_turn(*STEPS[0], max_new_tokens=4)
-        forced = torch.tensor([5, 6, 7])
-        r = session.run_turn(STEPS[1][0], STEPS[1][1] + [PF("\nNow answer:")], force_output=forced)
+    logits, fed = [], []
+    forced = torch.tensor([5, 6, 7])
+    for method in (METHODS["fullshared"](**REUSE), _PrefillsTail(**REUSE)):
+        session, agent, segments = _folding_session(tiny, tokenizer, method)
+        r, calls = _turn_forwards(session, agent, segments, force_output=forced)
         assert r.logits.shape[0] == 3
         logits.append(r.logits)
+        fed.append(calls)
+    tail = fed[1][0] + 1  # the text prefilled in build, and the last token
+    assert fed == [
+        [tail + 2, 1],
+        [tail - 1, 3, 1],
+    ]  # text, last token, 2 forced in one forward (or two); the record
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
