@@ -8,7 +8,10 @@ of the trace workload (3 agents) twice, alternating request by request: as the s
 left to generate's first forward) and with that text prefilled in build (the behaviour before, a
 subclass whose ``tail_for_generate`` returns nothing), each with its own method instance. Prints every
 reuse turn's TTFT and whether the output tokens are equal, then the mean TTFT of the reuse turns after
-the first (warm-up) request and the ratio. Not a benchmark: run it alone on the machine.
+the first (warm-up) request and the ratio. Since acc4b89 the text is left to generate only when every
+part before it is placed, so ``fullshared`` (its template computed before the document) runs the same
+path both ways; the run in docs/results/runs/tail-in-generate/ (at 1e65350) is the measurement that
+rule came from. Not a benchmark: run it alone on the machine.
 """
 
 from __future__ import annotations
