@@ -201,10 +201,10 @@ class Method(StatePersistence):
         """Build the turn's cache: :meth:`plan`, place what :meth:`placeholder` / :meth:`prefix`
         return, then compute every token left dense in ONE forward (:func:`~hf_kvshare.prefill.prefill_parts`:
         true positions, a mask built from positions), then :meth:`finish`. The prompt's last token is
-        left out for ``generate``; so is the whole run of computed agent (PF) text after the last
-        placed or PH part when the caller's forward starts at the cache's end (``turn.generate_tail``:
-        :meth:`tail_for_generate`), which then computes that text with the last token in one forward
-        instead of two. A method that reads the cache built so far (``reads_prefix``) gets it
+        left out for ``generate``; so is the run of computed agent (PF) text after the last placed or
+        PH part when every part before it is placed and the caller's forward starts at the cache's end
+        (``turn.generate_tail``: :meth:`tail_for_generate`), which then computes that text with the
+        last token in one forward instead of two. A method that reads the cache built so far (``reads_prefix``) gets it
         complete up to each PH segment."""
         self.plan(turn)
         cache = self.new_cache(turn)
