@@ -720,3 +720,60 @@ def test_guard_bad_input_refused(kwargs, message):
     for cls in (KVCMAS, KVComm):
         with pytest.raises(ValueError, match=message):
             cls(**kwargs)
+
+
+def _counting_distances(monkeypatch):
+    """Every ``token_distances`` call of the slot scope: (source length, anchor serials), in order."""
+    import hf_kvshare.anchors.slot_scope as slot_scope
+
+    calls: list[tuple[int, tuple[int, ...]]] = []
+    inner = slot_scope.token_distances
+
+    def counted(source, anchors, *args, **kwargs):
+        calls.append((id(source), tuple(a.serial for a in anchors)))
+        return inner(source, anchors, *args, **kwargs)
+
+    monkeypatch.setattr(slot_scope, "token_distances", counted)
+    return calls
+
+
+def test_token_distances_are_computed_once_per_anchor_and_source(tiny_llama, tokenizer, monkeypatch):
+    """Each anchor's token distances from a source are computed once per request, whichever anchor
+    set a consumer's weights take; an accepted output's are computed at its producer's record (the
+    gate), so its consumers' placements compare no anchor for it."""
+    method = KVCMAS(tau=1.0)
+    for _ in range(2):
+        run_request(tiny_llama, tokenizer, method, QUERIES[0])
+    calls = _counting_distances(monkeypatch)
+    session = Session(tiny_llama, tokenizer, method)
+    turns, during = [], []
+    for i, agent in enumerate(AGENTS):
+        before = len(calls)
+        turns.append(session.run_turn(agent, turn_segments(i, QUERIES[0]), max_new_tokens=3, keep_cache=True))
+        during.append(calls[before:])
+    pairs = [(source, serial) for source, serials in calls for serial in serials]
+    assert pairs and len(pairs) == len(set(pairs))  # no (source, anchor) compared twice
+    planner = id(method._requests.get(session).produced["planner"])
+    assert [s for t in turns[1:] for s in [t.cache.segment("planner")] if s.provenance != "corrected"] == []
+    assert [source for source, _ in during[0]] == [planner]  # the planner's record compared its output
+    assert planner not in {source for turn in during[1:] for source, _ in turn}  # no consumer again
+
+
+def test_per_anchor_distances_give_the_weights_of_a_fresh_computation(tiny_llama, tokenizer):
+    """The weights served from per-anchor distances (primed at the gate, shared across consumers) equal
+    recomputing them for every consumer (``weights_cache=False``): the same tokens and corrected K/V."""
+    runs = []
+    for cache in (True, False):
+        method = KVCMAS(tau=1.0, weights_cache=cache)
+        for _ in range(2):
+            run_request(tiny_llama, tokenizer, method, QUERIES[0])
+        runs.append(run_request(tiny_llama, tokenizer, method, QUERIES[0], keep_cache=True))
+    cached, fresh = runs
+    assert any(s.provenance == "corrected" for t in cached for s in t.cache.segments)
+    for a, b in zip(cached, fresh):
+        assert a.output_ids.tolist() == b.output_ids.tolist()
+        for layer in range(a.cache.num_layers):
+            ka, va = a.cache.layer_kv(layer)
+            kb, vb = b.cache.layer_kv(layer)
+            torch.testing.assert_close(ka, kb, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(va, vb, rtol=1e-6, atol=1e-6)

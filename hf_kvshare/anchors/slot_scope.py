@@ -229,12 +229,62 @@ class SlotScope(Scope):
         temperature = self.options.token_temperature
 
         def compute():
-            kd, vd = token_distances(edge.source, anchors, turn.shifter, rows, reader_start=reader)
+            kd, vd = self.distances(turn, edge.slot, edge.pool, edge.source, anchors, rows, reader)
             return token_weights(kd, temperature), token_weights(vd, temperature)
 
         key = (edge.slot, edge.pool, tuple(a.serial for a in anchors), rows)
         (wk, wv), cached = self.cached_weights(turn, key, compute)
         return wk, wv, cached
+
+    def distances(
+        self,
+        turn: Turn,
+        slot: str,
+        pool: str,
+        source: SegmentKV,
+        anchors: list[Anchor],
+        rows: int,
+        reader: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~.correction.token_distances` of ``source`` from ``anchors`` (``[n, rows]`` keys,
+        values), each anchor's computed once per request and source (``weights_cache``): a token's
+        distance from one anchor depends on that anchor and the source alone, so consumers whose
+        weights take other anchor sets (each the anchors holding its own delta) share the rows they
+        have in common, and rows the gate already computed (:meth:`prime`) are not computed again. The
+        missing anchors are compared together, as before; an anchor whose base was replaced since
+        (a rebase, a deferred base factorized) is compared again."""
+        if not self.options.weights_cache:
+            return token_distances(source, anchors, turn.shifter, rows, reader_start=reader)
+        store = self.request(turn).distances
+        key = (slot, pool, reader)
+        held = store.get(key)
+        if held is None or held[0] is not source:
+            held = store[key] = (source, {})
+        known = held[1]
+
+        def fresh(a: Anchor) -> bool:
+            entry = known.get(a.serial)
+            return entry is not None and entry[0] is a.__dict__["base"] and entry[1].shape[-1] >= rows
+
+        missing = [a for a in anchors if not fresh(a)]
+        if missing:
+            kd, vd = token_distances(source, missing, turn.shifter, rows, reader_start=reader)
+            for a, k, v in zip(missing, kd, vd):
+                known[a.serial] = (a.__dict__["base"], k, v)
+        if len(missing) == len(anchors):  # all computed just now, in this order
+            return kd, vd
+        rows_of = [known[a.serial] for a in anchors]
+        return torch.stack([e[1][:rows] for e in rows_of]), torch.stack([e[2][:rows] for e in rows_of])
+
+    def prime(self, turn: Turn, slot: str, source: SegmentKV, anchors: list[Anchor]) -> None:
+        """After the producer's accepted gate (its record, off the next turn's critical path): the token
+        distances of its output from the anchors it was compared with, for the consumers' weights
+        (:meth:`distances`). Only anchors of the covering length (those a consumer's weights read)."""
+        rows = source.length
+        covering = [a for a in anchors if a.length >= rows and a.deltas]
+        if self.options.weights_cache and covering and self.options.key_frame == "canonical":
+            with phase("gate"):
+                self.distances(turn, slot, self.pool_key(turn, slot), source, covering, rows)
 
     def correct_prefix(self, turn: Turn, span, kv: SegmentKV) -> tuple[SegmentKV, Any] | None:
         """With ``prefix_delta``, the PF right after a corrected PH span gets the anchors' prefix deltas
@@ -266,7 +316,10 @@ class SlotScope(Scope):
 
     def learned(self, turn: Turn, output: SegmentKV | None) -> None:
         if output is not None and self.options.output_source != "context_free":
-            self.decide(turn, turn.output_slot, output)  # the producer gates its own output, once
+            decision = self.decide(turn, turn.output_slot, output)  # the producer gates its own output, once
+            pool = self.pools.get(self.pool_key(turn, turn.output_slot))
+            if decision.accepted and pool is not None:
+                self.prime(turn, turn.output_slot, output, list(pool))
 
     def add_delta(self, edge: Edge, exact: SegmentKV, turn: Turn, may_evict: bool, span, cache) -> None:
         """Add this consumer's delta to the one anchor of (slot, request), creating it if needed

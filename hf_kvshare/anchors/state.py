@@ -34,6 +34,12 @@ class RequestState:
     gate_reports: dict[str, tuple[int, list[float] | None]] = field(default_factory=dict)
     #: (slot, anchors, rows) -> token-wise (key, value) weights, computed once and reused by later consumers
     weights: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: (slot, pool, reader frame) -> (the source compared, {anchor serial: (its base, key distances
+    #: [rows], value distances [rows])}): each anchor's token distances from a source computed once per
+    #: request, whichever anchor set a consumer's weights take (``weights_cache``)
+    distances: dict[Any, tuple[Any, dict[int, tuple[Any, torch.Tensor, torch.Tensor]]]] = field(
+        default_factory=dict
+    )
     #: weak references to the anchor bases this request stored deferred (a chained question's): the
     #: ones still deferred and still held are factorized when the request ends (its session is freed)
     deferred: list[weakref.ref] = field(default_factory=list)

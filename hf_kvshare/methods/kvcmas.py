@@ -156,7 +156,10 @@ class KVCMAS(PrefixReuse, Method):
         partial_coverage: with no anchor covering the segment, the longest correct their rows
             (reference KVCMAS); ``False``: reuse uncorrected (reference KVComm).
         skip_layer0: leave layer 0 uncorrected (reference; its K/V do not depend on the context).
-        weights_cache: reuse token weights per (slot, request, anchor set) across consumers (reference).
+        weights_cache: reuse token weights per (slot, request, anchor set) across consumers (reference),
+            and each anchor's token distances from a source per request (ours: consumers with other
+            anchor sets share them; an accepted output's are computed at its producer's record, off
+            the consumers' time to first token). ``False``: computed for every placement.
         svd: ``"randomized"`` (``torch.svd_lowrank(q=r, niter=2)``, seeded; reference) or ``"exact"``.
         pool_peak: ``"capacity+1"`` (evict when more than V are held, as the reference) or ``"capacity"``.
         delta_frame: ``"writer"`` (reference: a delta's keys are stored in the absolute positions of
