@@ -740,7 +740,9 @@ def _counting_distances(monkeypatch):
 def test_token_distances_are_computed_once_per_anchor_and_source(tiny_llama, tokenizer, monkeypatch):
     """Each anchor's token distances from a source are computed once per request, whichever anchor
     set a consumer's weights take; an accepted output's are computed at its producer's record (the
-    gate), so its consumers' placements compare no anchor for it."""
+    gate) and so are the chained question's for the next hop, so the consumers' placements compare
+    no anchor for them; the question's next sources are not compared at all (later consumers take the
+    weights cached for the slot, as the reference)."""
     method = KVCMAS(tau=1.0)
     for _ in range(2):
         run_request(tiny_llama, tokenizer, method, QUERIES[0])
@@ -753,10 +755,15 @@ def test_token_distances_are_computed_once_per_anchor_and_source(tiny_llama, tok
         during.append(calls[before:])
     pairs = [(source, serial) for source, serials in calls for serial in serials]
     assert pairs and len(pairs) == len(set(pairs))  # no (source, anchor) compared twice
-    planner = id(method._requests.get(session).produced["planner"])
+    state = method._requests.get(session)
+    planner = id(state.produced["planner"])
     assert [s for t in turns[1:] for s in [t.cache.segment("planner")] if s.provenance != "corrected"] == []
-    assert [source for source, _ in during[0]] == [planner]  # the planner's record compared its output
-    assert planner not in {source for turn in during[1:] for source, _ in turn}  # no consumer again
+    assert [t.cache.segment("query").provenance for t in turns[1:]] == ["corrected", "corrected"]
+    first = {source for source, _ in during[0]}  # the planner's record: its output, its question
+    assert planner in first and len(first) == 2
+    assert not first & {source for turn in during[1:] for source, _ in turn}  # no consumer again
+    question_sources = {key[0]: held[0] for key, held in state.distances.items()}
+    assert id(question_sources["query"]) in first  # the designer's source, primed by the planner
 
 
 def test_per_anchor_distances_give_the_weights_of_a_fresh_computation(tiny_llama, tokenizer):

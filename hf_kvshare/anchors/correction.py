@@ -102,6 +102,10 @@ def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int)
     return total.clamp_min(0).sqrt()  # on the values' device: the gate reads it in one transfer
 
 
+#: rows of a source compared at a time by :func:`token_distances` (bounds its transient memory)
+DISTANCE_ROWS = 512
+
+
 def token_distances(
     source: SegmentKV,
     anchors: list[Anchor],
@@ -110,8 +114,13 @@ def token_distances(
     reader_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-wise mean absolute distances ``[n, rows]`` (keys, values) between ``source`` and each
-    anchor's base, over layers, heads and head dims: the inputs of :func:`token_weights`. Per layer
-    the anchors are reconstructed together (one batched product).
+    anchor's base, over layers, heads and head dims: the inputs of :func:`token_weights`.
+
+    Computed :data:`DISTANCE_ROWS` rows at a time, layer by layer, one anchor's reconstruction at a
+    time: the transient memory is a few ``[DISTANCE_ROWS, D]`` matrices whatever the segment's length
+    and the number of anchors (a record that computes them for the next turn stays within a small
+    fraction of a segment), and a token's distance from an anchor does not depend on the other
+    anchors compared or on the rows around it.
 
     Keys are compared in the canonical frame (both at positions ``0 ..``; the KVCMAS reference), or
     with ``reader_start`` in the KVComm reference's frames: the source placed at ``reader_start`` (where
@@ -120,42 +129,44 @@ def token_distances(
         raise ValueError("token_distances needs at least one anchor")
     if not 1 <= rows <= source.length or any(a.length < rows for a in anchors):
         raise ValueError(f"cannot compare {rows} rows of a {source.length}-token source with these anchors")
-    rotation = shifter.rotation(source.start, 0 if reader_start is None else reader_start, rows)
-    placed = None if reader_start is None else _base_rotations(anchors, shifter, rows)
     device = source.values[0].device
     n = len(anchors)
     key_abs = torch.zeros(n, rows, dtype=torch.float64, device=device)
     value_abs = torch.zeros(n, rows, dtype=torch.float64, device=device)
-    features = 0
-    for layer in range(source.num_layers):
-        src_v = to_matrix(source.values[layer][:1, :, :rows]).float()
-        src_k = to_matrix(shifter.apply(source.keys[layer][:1, :, :rows], rotation, layer=layer)).float()
-        features += src_v.shape[1]
-        for src, acc, pick in ((src_k, key_abs, "keys"), (src_v, value_abs, "values")):
-            recon = _reconstruct_all([getattr(a.base, pick)[layer] for a in anchors], rows)
-            if pick == "keys" and placed is not None:
-                recon = _rotate_rows(recon, placed, shifter, layer, source.keys[layer].shape[1])
-            acc += (recon - src).abs().sum(-1).double().to(device)  # per-layer devices (device_map)
+    heads = source.keys[0].shape[1]
+    features = sum(v.shape[1] * v.shape[3] for v in source.values)
+    target = 0 if reader_start is None else reader_start
+    for first in range(0, rows, DISTANCE_ROWS):
+        last = min(rows, first + DISTANCE_ROWS)
+        rotation = shifter.rotation(source.start + first, target + first, last - first)
+        placed = None if reader_start is None else _base_rotations(anchors, shifter, last - first, first)
+        for layer in range(source.num_layers):
+            for acc, pick in ((key_abs, "keys"), (value_abs, "values")):
+                src = getattr(source, pick)[layer][:1, :, first:last]
+                if pick == "keys":
+                    src = shifter.apply(src, rotation, layer=layer)
+                src = to_matrix(src).float()
+                for i, a in enumerate(anchors):
+                    factors = getattr(a.base, pick)[layer]
+                    recon = factors.a[first:last].float()
+                    recon = recon if factors.b is None else recon @ factors.b.float()
+                    if placed is not None and pick == "keys":
+                        recon = to_matrix(
+                            shifter.apply(to_heads(recon, heads), placed[i], layer=layer)
+                        ).float()
+                    # per-layer devices (device_map): accumulate on the source's first layer's
+                    acc[i, first:last] += (recon - src).abs().sum(-1).double().to(device)
     return key_abs / features, value_abs / features  # stay on the device: weights are applied there
 
 
-def _base_rotations(anchors: list[Anchor], shifter: RopeShifter, rows: int) -> list:
-    """Per anchor, the rotation moving its canonical base rows ``0 .. rows`` to where it was last
-    placed (``base_start ..``); anchors placed alike share one."""
+def _base_rotations(anchors: list[Anchor], shifter: RopeShifter, rows: int, first: int = 0) -> list:
+    """Per anchor, the rotation moving its canonical base rows ``first .. first + rows`` to where it was
+    last placed (``base_start + first ..``); anchors placed alike share one."""
     cache: dict[int, object] = {}
     for a in anchors:
         if a.base_start not in cache:
-            cache[a.base_start] = shifter.rotation(0, a.base_start, rows)
+            cache[a.base_start] = shifter.rotation(first, a.base_start + first, rows)
     return [cache[a.base_start] for a in anchors]
-
-
-def _rotate_rows(
-    recon: torch.Tensor, rotations: list, shifter: RopeShifter, layer: int, heads: int
-) -> torch.Tensor:
-    """``recon`` ``[n, rows, D]`` with anchor ``i``'s rows rotated by ``rotations[i]``."""
-    return torch.stack(
-        [to_matrix(shifter.apply(to_heads(m, heads), r, layer=layer)) for m, r in zip(recon, rotations)]
-    )
 
 
 def prefix_weights(
@@ -230,17 +241,6 @@ def prefix_correction(
         )
         values[layer] = values[layer][:1] + to_heads(dv, heads).to(values[layer].dtype)
     return SegmentKV(keys=keys, values=values, start=kv.start, agent=kv.agent)
-
-
-def _reconstruct_all(factors: list[MatrixFactors], rows: int) -> torch.Tensor:
-    """``[n, rows, D]`` float32: every factor's first ``rows`` rows, low-rank ones in one ``bmm``
-    when they share a rank."""
-    ranks = {f.rank for f in factors if not f.dense}
-    if not any(f.dense for f in factors) and len(ranks) == 1:
-        a = torch.stack([f.a[:rows].float() for f in factors])
-        b = torch.stack([f.b.float() for f in factors])
-        return torch.bmm(a, b)
-    return torch.stack([f.reconstruct(rows).float() for f in factors])
 
 
 def canonical_keys(kv: SegmentKV, shifter: RopeShifter, rows: int | None = None) -> list[torch.Tensor]:

@@ -277,14 +277,24 @@ class SlotScope(Scope):
         return torch.stack([e[1][:rows] for e in rows_of]), torch.stack([e[2][:rows] for e in rows_of])
 
     def prime(self, turn: Turn, slot: str, source: SegmentKV, anchors: list[Anchor]) -> None:
-        """After the producer's accepted gate (its record, off the next turn's critical path): the token
-        distances of its output from the anchors it was compared with, for the consumers' weights
-        (:meth:`distances`). Only anchors of the covering length (those a consumer's weights read)."""
-        rows = source.length
-        covering = [a for a in anchors if a.length >= rows and a.deltas]
-        if self.options.weights_cache and covering and self.options.key_frame == "canonical":
-            with phase("gate"):
-                self.distances(turn, slot, self.pool_key(turn, slot), source, covering, rows)
+        """In a turn's record, off the next turn's critical path: the token distances of a source the
+        next consumers will correct from ``anchors`` (:meth:`distances`), for their weights. Sources:
+        an output after its producer's accepted gate, and a chained slot's latest cache (the next hop's
+        source: this turn's materialization of the question or document). Only anchors of the covering
+        length holding some delta (those a consumer's weights read), whose base is factorized (a
+        deferred base is read, so factorized, only by a placement); a consumer whose anchor set has
+        others computes those when it places the span. Not when the request already holds weights of
+        the slot for these rows: later consumers take those (``weights_cache``, keyed by slot and
+        anchor set as the reference's, not by source), so nothing computed here would be read."""
+        rows, pool = source.length, self.pool_key(turn, slot)
+        covering = [a for a in anchors if a.length >= rows and a.deltas and not a.base_deferred]
+        if not (self.options.weights_cache and covering and self.options.key_frame == "canonical"):
+            return
+        weighted = (k for k in self.request(turn).weights if isinstance(k, tuple) and len(k) == 4)
+        if any(k[0] == slot and k[1] == pool and k[3] == rows for k in weighted):
+            return  # later consumers take the weights cached for the slot (the reference's cache)
+        with phase("gate"):
+            self.distances(turn, slot, pool, source, covering, rows)
 
     def correct_prefix(self, turn: Turn, span, kv: SegmentKV) -> tuple[SegmentKV, Any] | None:
         """With ``prefix_delta``, the PF right after a corrected PH span gets the anchors' prefix deltas
@@ -320,6 +330,11 @@ class SlotScope(Scope):
             pool = self.pools.get(self.pool_key(turn, turn.output_slot))
             if decision.accepted and pool is not None:
                 self.prime(turn, turn.output_slot, output, list(pool))
+        for name in dict.fromkeys(s.name for s in turn.spans if s.kind == "PH"):  # the next hop's sources
+            latest = turn.slot(name).latest
+            pool = self.pools.get(self.pool_key(turn, name))
+            if latest is not None and pool is not None and self.source_kind(turn, name) == "chained":
+                self.prime(turn, name, latest, list(pool))
 
     def add_delta(self, edge: Edge, exact: SegmentKV, turn: Turn, may_evict: bool, span, cache) -> None:
         """Add this consumer's delta to the one anchor of (slot, request), creating it if needed
