@@ -325,11 +325,15 @@ class SlotScope(Scope):
             self.add_delta(edge, exact, turn, may_evict=edge.decision is not None, span=span, cache=cache)
 
     def learned(self, turn: Turn, output: SegmentKV | None) -> None:
+        rejected = False
         if output is not None and self.options.output_source != "context_free":
             decision = self.decide(turn, turn.output_slot, output)  # the producer gates its own output, once
             pool = self.pools.get(self.pool_key(turn, turn.output_slot))
             if decision.accepted and pool is not None:
                 self.prime(turn, turn.output_slot, output, list(pool))
+            rejected = not decision.accepted
+        if rejected and self.options.turn_fallback == "turn":
+            return  # the next consumer reads this output: its whole turn is dense, nothing to prime
         for name in dict.fromkeys(s.name for s in turn.spans if s.kind == "PH"):  # the next hop's sources
             latest = turn.slot(name).latest
             pool = self.pools.get(self.pool_key(turn, name))
