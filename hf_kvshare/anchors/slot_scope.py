@@ -12,6 +12,7 @@ delta (:meth:`SlotScope.place`). Token weights are computed once per (slot, requ
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -258,8 +259,8 @@ class SlotScope(Scope):
         store = self.request(turn).distances
         key = (slot, pool, reader)
         held = store.get(key)
-        if held is None or held[0] is not source:
-            held = store[key] = (source, {})
+        if held is None or held[0]() is not source:  # weakly: the session decides how long a source lives
+            held = store[key] = (weakref.ref(source), {})
         known = held[1]
 
         def fresh(a: Anchor) -> bool:

@@ -34,9 +34,10 @@ class RequestState:
     gate_reports: dict[str, tuple[int, list[float] | None]] = field(default_factory=dict)
     #: (slot, anchors, rows) -> token-wise (key, value) weights, computed once and reused by later consumers
     weights: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    #: (slot, pool, reader frame) -> (the source compared, {anchor serial: (its base, key distances
-    #: [rows], value distances [rows])}): each anchor's token distances from a source computed once per
-    #: request, whichever anchor set a consumer's weights take (``weights_cache``)
+    #: (slot, pool, reader frame) -> (a weak reference to the source compared, {anchor serial: (its
+    #: base, key distances [rows], value distances [rows])}): each anchor's token distances from a
+    #: source computed once per request, whichever anchor set a consumer's weights take
+    #: (``weights_cache``); the source is not kept alive by this (the session drops it when no turn reads it)
     distances: dict[Any, tuple[Any, dict[int, tuple[Any, torch.Tensor, torch.Tensor]]]] = field(
         default_factory=dict
     )
