@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -281,6 +282,13 @@ class Method(StatePersistence):
     # ------------------------------------------------------------ learning
     def record(self, turn: Turn, cache: SharedCache) -> None:
         """Learn from the finished turn (after the session stored the slot caches)."""
+
+    def deferred_work(self) -> list[Callable[[], None]]:
+        """Work the records since the last call left for later (e.g. KVCMAS's anchor factorizations
+        with ``defer_factorization``), one callable per part, none by default. Nothing reads a result
+        before it is there: a turn that needs one first computes it itself. The session runs them
+        right after :meth:`record`; the serving host on its background thread when no plan waits."""
+        return []
 
     def reads_latest(self, turn: Turn, slot: str) -> bool:
         """Whether a later turn may read ``slot``'s latest K/V (``Slot.latest``, which this turn just

@@ -365,6 +365,8 @@ class Session:
                                 output = self._record(turn, cache, output_ids)
                             with phases.phase("method_record"):
                                 self.method.record(turn, cache)
+                                for work in self.method.deferred_work():  # in the record, as undeferred
+                                    work()
                                 self._release(turn)
                             synchronize(device)  # the session's own sync: queued work lands in bookkeeping
                     t_end = time.perf_counter()

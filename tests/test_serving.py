@@ -442,7 +442,10 @@ def test_serving_states_the_observation_reading_it_runs(tiny_llama, tokenizer, c
     assert serving_options("kvcomm", {"text_source": "chained"})[0] == {
         "text_source": "chained",
         "observation_source": "question",
+        "defer_factorization": True,  # the same anchors, their factorizations off admission's way
     }
+    assert sharing.method.defer_factorization is True
+    assert serving_options("kvcmas", {"defer_factorization": False})[0]["defer_factorization"] is False
 
 
 def test_a_vision_language_model_is_refused_before_serving(tmp_path):
@@ -638,6 +641,9 @@ class _Recorder:
         self.log: list[str] = []
         self.hold = threading.Event()
         self.held = threading.Event()
+        self.leave: dict[str, int] = {}  # request id -> parts of work its record leaves for later
+        self.slow_settle_s = 0.0
+        self.hold_settle = False  # the first settle waits for ``hold``
 
     def state_summary(self):
         return {}
@@ -648,11 +654,28 @@ class _Recorder:
         self.log.append(f"plan {request_id}")
         return Plan(request_id=request_id, prompt=prompt, local_hit=local_hit)
 
-    def record(self, plan, *args):
+    def record(self, plan, *args, settle=True):
         if plan.request_id == "hold":
             self.held.set()
             assert self.hold.wait(30)
         self.log.append(f"record {plan.request_id}")
+        rid = plan.request_id
+        plan.deferred = [
+            lambda i=i: self.log.append(f"settle {rid}.{i}") for i in range(self.leave.get(rid, 0))
+        ]
+        assert not settle  # the background thread leaves them to its settle jobs
+
+    def settle(self, work):
+        import time
+
+        if self.hold_settle:
+            self.hold_settle = False
+            self.held.set()
+            assert self.hold.wait(30)
+        if self.slow_settle_s:
+            self.held.set()
+            time.sleep(self.slow_settle_s)
+        work()
 
     def release(self, plan):
         self.log.append(f"release {plan.request_id}")
@@ -709,6 +732,79 @@ def test_plans_do_not_starve_records_past_the_bound_and_a_dropped_plan_never_run
         assert sharing.log == ["record hold", "record r1", "plan p1", "record r2"]
     finally:
         sharing.hold.set()
+        background.close()
+
+
+def test_a_records_deferred_work_runs_when_no_plan_or_record_waits():
+    """What a record leaves for later (KVCMAS's factorizations) runs after every plan and record
+    queued, and blocks no plan of the record's own task; past the bound it runs first."""
+    from hf_kvshare.serving.admission import Background
+
+    sharing = _Recorder()
+    sharing.leave = {"rA": 2, "rB": 1}
+    background = Background(sharing, wait_s=0.0)
+    try:
+        background.record(_finished("hold", "Z"), [], [], [1], set())
+        assert sharing.held.wait(30)
+        background.record(_finished("rA", "A"), [], [], [1], set())
+        background.record(_finished("rB", "B"), [], [], [1], set())
+        assert background.plan("pA", [1], layout("A", "x", []), 0) is None
+        sharing.hold.set()
+        background.drain()
+        assert sharing.log == [
+            "record hold",
+            "record rA",
+            "plan pA",
+            "record rB",
+            "settle rA.0",
+            "settle rA.1",
+            "settle rB.0",
+        ]
+    finally:
+        sharing.hold.set()
+        background.close()
+
+
+def test_settles_past_the_bound_run_before_plans():
+    from hf_kvshare.serving.admission import Background
+
+    sharing = _Recorder()
+    sharing.leave = {"rA": 3}
+    sharing.hold_settle = True
+    background = Background(sharing, wait_s=0.0, max_queued_records=1)
+    try:
+        background.record(_finished("rA", "A"), [], [], [1], set())
+        assert sharing.held.wait(30)  # its first settle is running, two are queued
+        assert background.plan("pC", [1], layout("C", "x", []), 0) is None
+        sharing.hold.set()
+        background.drain()
+        # 2 settles queued > the bound of 1: one more runs before the plan, the last one after it
+        assert sharing.log == ["record rA", "settle rA.0", "settle rA.1", "plan pC", "settle rA.2"]
+    finally:
+        sharing.hold.set()
+        background.close()
+
+
+@pytest.mark.parametrize("running_wait_s", [0.0, 0.5])
+def test_a_plan_next_behind_a_running_settle_is_waited_for(running_wait_s):
+    """A settle is one factorization: a plan queued right behind a running one is waited for as a
+    running plan is (``running_wait_s``), not sent back for the engine's next step."""
+
+    from hf_kvshare.serving.admission import Background
+
+    sharing = _Recorder()
+    sharing.leave = {"rA": 1}
+    sharing.slow_settle_s = 0.2
+    background = Background(sharing, wait_s=0.0, running_wait_s=running_wait_s)
+    try:
+        background.record(_finished("rA", "A"), [], [], [1], set())
+        assert sharing.held.wait(30)  # the settle is running
+        plan = background.plan("pA", [1], layout("A", "x", []), 0)
+        assert (plan is not None) is (running_wait_s > 0)
+        background.drain()
+        assert sharing.log == ["record rA", "settle rA.0", "plan pA"]
+        assert background.deferred_queries == (running_wait_s == 0)
+    finally:
         background.close()
 
 

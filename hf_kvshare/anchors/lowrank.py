@@ -27,6 +27,8 @@ SVD = Literal["exact", "randomized"]
 SVD_METHODS = ("exact", "randomized")
 #: seed of the randomized range finder (fixed: anchors are reproducible, the global RNG untouched)
 RANDOMIZED_SVD_SEED = 0
+#: the tag of a :class:`DeferredFactoredKV` a record left as ``Method.deferred_work`` (its caller runs it)
+DEFERRED_WORK = "deferred_work"
 
 
 class FactorizationCount:
@@ -303,6 +305,7 @@ class DeferredFactoredKV:
         self.rank, self.svd, self.tag = rank, svd, tag
         self.length, self.kv_heads, self.num_layers = length, kv_heads, num_layers
         self._factors: FactoredKV | None = None
+        self._lock = threading.Lock()  # two readers (a session's thread and another's) factorize once
 
     @property
     def resolved(self) -> bool:
@@ -311,9 +314,11 @@ class DeferredFactoredKV:
     def resolve(self) -> FactoredKV:
         """The factors (computed on the first call, then kept; the source is released)."""
         if self._factors is None:
-            assert self._layers is not None
-            self._factors = FactoredKV.from_layers(self._layers(), self.rank, self.svd)
-            self._layers = self._held = None
+            with self._lock:
+                if self._factors is None:
+                    assert self._layers is not None
+                    self._factors = FactoredKV.from_layers(self._layers(), self.rank, self.svd)
+                    self._layers = self._held = None
         return self._factors
 
     @property

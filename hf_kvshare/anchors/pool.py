@@ -16,7 +16,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .lowrank import DeferredFactoredKV, FactoredKV
+from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV
 
 #: label of the context-free reference (the segment prefilled with nothing before it)
 REFERENCE = "reference"
@@ -55,6 +55,37 @@ class LRUDict(OrderedDict):
             self.move_to_end(key)
 
 
+class Deltas(dict):
+    """An anchor's ``consumer -> delta`` factors: a :class:`~.lowrank.DeferredFactoredKV` value (a
+    record that left its factorization for later) is factorized on its first read and replaced by its
+    factors, so every reader (``[]``, ``get``, ``values``, ``items``) gets factors; membership and
+    iteration over the consumers never factorize. :meth:`held` gives the values as stored."""
+
+    def __getitem__(self, key: Any) -> FactoredKV:
+        value = super().__getitem__(key)
+        if isinstance(value, DeferredFactoredKV):
+            value = value.resolve()
+            super().__setitem__(key, value)
+        return value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def values(self) -> list[FactoredKV]:  # type: ignore[override]
+        return [self[key] for key in self]
+
+    def items(self) -> list[tuple[Any, FactoredKV]]:  # type: ignore[override]
+        return [(key, self[key]) for key in self]
+
+    def held(self) -> list[FactoredKV | DeferredFactoredKV]:
+        """The values as stored (a deferred one not factorized)."""
+        return list(super().values())
+
+    def deferred(self) -> bool:
+        """Whether some delta still waits for its factorization."""
+        return any(isinstance(v, DeferredFactoredKV) and not v.resolved for v in self.held())
+
+
 @dataclass(eq=False, repr=False)
 class Anchor:
     """One stored observation of a PH slot.
@@ -67,7 +98,8 @@ class Anchor:
         source: who produced ``base``: the source agent's name, or :data:`REFERENCE`.
         origin: identifies the exact ``base`` (request, slot, version), so that later consumers of
             the same base add their delta to this anchor instead of inserting a duplicate.
-        deltas: consuming agent -> observed correction of the segment.
+        deltas: consuming agent -> observed correction of the segment (a :class:`Deltas`: a delta
+            whose factorization a record left for later is factorized on its first read).
         frame: the position frame of the deltas' keys: ``"canonical"`` (positions ``0 ..``, rotated
             to where the segment lands when applied) or ``"writer"`` (the absolute positions of the
             consumer that observed it, added unrotated: the authors' code).
@@ -80,12 +112,16 @@ class Anchor:
     base: FactoredKV
     source: str
     origin: Hashable
-    deltas: dict[str, FactoredKV] = field(default_factory=dict)
+    deltas: dict[str, FactoredKV] = field(default_factory=Deltas)
     uses: int = 0
     serial: int = -1  # insertion number within its pool (set by the pool)
     frame: str = "canonical"
     base_start: int = 0
     prefix_deltas: dict[str, tuple[tuple[int, ...], FactoredKV]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.deltas, Deltas):
+            self.deltas = Deltas(self.deltas)
 
     @property
     def length(self) -> int:
@@ -100,15 +136,21 @@ class Anchor:
     @property
     def nbytes(self) -> int:
         """Bytes held: the base's factors (a deferred base: the source storages it keeps alive), deltas."""
-        deltas = sum(d.nbytes for d in self.deltas.values())
+        deltas = sum(d.nbytes for d in self.deltas.held())  # a deferred delta: what it holds
         base = self.__dict__["base"].nbytes
         return base + deltas + sum(d.nbytes for _, d in self.prefix_deltas.values())
 
     def settle_base(self, keep: Any = None) -> None:
         """Factorize a deferred base now unless it was stored under tag ``keep`` (e.g. the request still
-        running, whose next consumer may replace it)."""
+        running, whose next consumer may replace it) or as a record's work for later (tag
+        :data:`~.lowrank.DEFERRED_WORK`: its caller runs it)."""
         base = self.__dict__["base"]
-        if isinstance(base, DeferredFactoredKV) and not base.resolved and (keep is None or base.tag != keep):
+        if (
+            isinstance(base, DeferredFactoredKV)
+            and not base.resolved
+            and base.tag != DEFERRED_WORK
+            and (keep is None or base.tag != keep)
+        ):
             self.__dict__["base"] = base.resolve()
 
     def __repr__(self) -> str:

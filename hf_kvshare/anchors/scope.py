@@ -11,7 +11,10 @@ A scope is driven exactly as the method contract is (``Method.build`` or a servi
 - :meth:`Scope.report` (``Method.finish``): the gate outcome on the dense PH rows;
 - :meth:`Scope.learn` then :meth:`Scope.commit` (``Method.record``): store what the turn observed,
   then apply the pending changes (gate decisions, LFU counters, pool recency). A turn that fails
-  before changes nothing.
+  before changes nothing;
+- :meth:`Scope.deferred_work` (``Method.deferred_work``): with ``defer_factorization``, the anchors'
+  factorizations the records stored for later, one callable each (a reader that gets there first
+  factorizes it itself: the same factors).
 
 The implementations are :class:`~.slot_scope.SlotScope` (the reference: one decision per (slot,
 request), obeyed by every consumer) and :class:`~.edge_scope.EdgeScope` (every edge gated on its own).
@@ -23,6 +26,7 @@ the Turn's read API.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,7 +38,7 @@ from ..cache import SegmentKV, check_finite
 from ..trajectory import tokenize_text
 from .correction import canonical_key_layers, canonical_keys
 from .gate import GateDecision
-from .lowrank import DeferredFactoredKV, FactoredKV
+from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV
 from .pool import REFERENCE, AnchorPool, LRUDict
 from .state import RequestState, reference_lead, reference_prefill
 from .store import BoundedStore
@@ -102,6 +106,45 @@ class Scope:
 
     def __init__(self, name: str, options: Any, store: BoundedStore):
         self.name, self.options, self.store = name, options, store
+        #: the factorizations records stored for later (``defer_factorization``), weakly: an anchor
+        #: evicted before its turn came is not factorized at all (:meth:`deferred_work`)
+        self._later: list[weakref.ref] = []
+
+    def deferred_work(self) -> list[Callable[[], None]]:
+        """The factorizations the records since the last call left for later, one callable per
+        delta or base (each factorizes it, a no-op once a reader did or the anchor is gone); empty
+        unless ``defer_factorization``. The caller runs them when it likes: the session at once
+        (in the record, as without deferral), the serving host on its background thread when no plan
+        waits."""
+        refs, self._later = self._later, []
+        return [functools.partial(_resolve, ref) for ref in refs]
+
+    @property
+    def deferring(self) -> bool:
+        return bool(getattr(self.options, "defer_factorization", False))
+
+    def later(
+        self,
+        layers: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+        held: SegmentKV,
+        *others: SegmentKV,
+        rank: int | None,
+    ) -> DeferredFactoredKV:
+        """A factorization of ``layers()`` stored for later (:meth:`deferred_work`): it holds the K/V of
+        ``held`` and ``others`` (``layers`` reads them) until it runs."""
+        kvs = (held, *others)
+        deferred = DeferredFactoredKV(
+            layers,
+            lambda: [t for kv in kvs for t in (*kv.keys, *kv.values)],
+            rank,
+            self.options.svd,
+            length=held.length,
+            kv_heads=held.keys[0].shape[1],
+            num_layers=held.num_layers,
+            tag=DEFERRED_WORK,
+        )
+        self._later.append(weakref.ref(deferred))
+        return deferred
 
     # ---------------------------------------------------------------- interface
     def plan(self, turn: Turn) -> None:
@@ -280,14 +323,7 @@ class Scope:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`difference` one layer at a time (a generator: the source re-positioned and the
         difference computed for a layer only when it is asked for; the same values)."""
-        if self.options.delta_frame == "writer":
-            placed = source.keys_at(turn.shifter, exact.start)
-            keys = (k[:1] - s[:1] for k, s in zip(exact.keys, placed))
-        else:
-            source_keys = source_keys or canonical_keys(source, turn.shifter)
-            keys = (k - s for k, s in zip(canonical_key_layers(exact, turn.shifter), source_keys))
-        for key, v, s in zip(keys, exact.values, source.values):
-            yield key, v[:1] - s[:1]
+        return _difference_layers(exact, source, turn.shifter, self.options.delta_frame, source_keys)
 
     def delta(
         self, edge: Edge, exact: SegmentKV, turn: Turn
@@ -295,7 +331,18 @@ class Scope:
         """The consumer's observed correction of a PH span, factorized at ``delta_rank`` layer by layer
         (one layer's difference alive at a time); and the source's canonical keys (for the base) as a
         callable: the ones the delta computed (canonical frame), else computed layer by layer when
-        asked (the writer frame's delta needs none: a turn that stores no base rotates nothing)."""
+        asked (the writer frame's delta needs none: a turn that stores no base rotates nothing).
+        With ``defer_factorization`` the delta is stored for later (:meth:`later`: it holds this
+        consumer's and the source's K/V until then) and the keys are computed when asked."""
+        if self.deferring:
+            source, shifter, frame = edge.source, turn.shifter, self.options.delta_frame
+            delta = self.later(
+                lambda: _difference_layers(exact, source, shifter, frame),
+                exact,
+                source,
+                rank=self.options.delta_rank,
+            )
+            return delta, lambda: canonical_key_layers(source, shifter)
         canonical = (
             canonical_keys(edge.source, turn.shifter) if self.options.delta_frame != "writer" else None
         )
@@ -306,10 +353,19 @@ class Scope:
         layers = self.difference_layers(exact, edge.source, turn, canonical)
         return FactoredKV.from_layers(layers, self.options.delta_rank, self.options.svd), source_keys
 
-    def base(self, edge: Edge, source_keys: Callable[[], Iterable[torch.Tensor]]) -> FactoredKV:
-        """An anchor's base: the source, keys canonical, factorized at ``base_rank`` (layer by layer)."""
-        layers = zip(source_keys(), (v[:1] for v in edge.source.values))
-        return FactoredKV.from_layers(layers, self.options.base_rank, self.options.svd)
+    def base(
+        self, edge: Edge, source_keys: Callable[[], Iterable[torch.Tensor]]
+    ) -> FactoredKV | DeferredFactoredKV:
+        """An anchor's base: the source, keys canonical, factorized at ``base_rank`` (layer by layer;
+        with ``defer_factorization`` stored for later, holding the source until then)."""
+        source = edge.source
+
+        def layers() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+            return zip(source_keys(), (v[:1] for v in source.values))
+
+        if self.deferring:
+            return self.later(layers, source, rank=self.options.base_rank)
+        return FactoredKV.from_layers(layers(), self.options.base_rank, self.options.svd)
 
     def deferred_base(self, edge: Edge, turn: Turn) -> DeferredFactoredKV:
         """:meth:`base`, factorized on its first read (or when the request ends) instead of now: a
@@ -342,6 +398,31 @@ class Scope:
         for pool in self.pools.values():
             for anchor in pool:
                 anchor.settle_base(keep=uid)
+
+
+def _resolve(ref: weakref.ref) -> None:
+    deferred = ref()
+    if deferred is not None:
+        deferred.resolve()
+
+
+def _difference_layers(
+    exact: SegmentKV,
+    source: SegmentKV,
+    shifter,
+    frame: str,
+    source_keys: list[torch.Tensor] | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """:meth:`Scope.difference_layers` from what it reads alone (a deferred delta holds no turn)."""
+    if frame == "writer":
+        placed = source.keys_at(shifter, exact.start)
+        keys = (k[:1] - s[:1] for k, s in zip(exact.keys, placed))
+    else:
+        if source_keys is None:  # one layer's rotated keys at a time
+            source_keys = canonical_key_layers(source, shifter)
+        keys = (k - s for k, s in zip(canonical_key_layers(exact, shifter), source_keys))
+    for key, v, s in zip(keys, exact.values, source.values):
+        yield key, v[:1] - s[:1]
 
 
 def span_index(turn: Turn, span) -> int:

@@ -67,6 +67,7 @@ The previous behaviour of each method, for ablations (given text read as the que
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -204,6 +205,13 @@ class KVCMAS(PrefixReuse, Method):
             previous hop's K/V of the slot, which the session no longer does) until then, i.e. during
             the next consumer's turn; the same factors, the saved state the same. ``False`` (default):
             factorized when stored (memory first). Not a state option (a state loads either way).
+        defer_factorization: a record stores its anchors' deltas and bases unfactorized, each
+            factorized by :meth:`deferred_work`'s callables or on its first read, whichever comes
+            first (the same factors: the randomized SVD is seeded). The session runs them at once, in
+            the record (no change); the serving host runs them on its background thread when no plan
+            waits, so a dense record (the factorizations: most of its time) no longer holds up other
+            requests' admission. The price: each holds the consumer's and the source's K/V of the
+            span until it runs. ``hf-kvshare serve`` states it; default ``False``. Not a state option.
 
     >>> method = KVCMAS()  # one instance, shared by every request's Session  # doctest: +SKIP
     >>> for query in queries:  # doctest: +SKIP
@@ -221,7 +229,7 @@ class KVCMAS(PrefixReuse, Method):
     rank_options: ClassVar[tuple[str, ...]] = ("base_rank", "delta_rank")
     state_keys: ClassVar[tuple[str, ...] | None] = ("pools", "next_request", "evicted", "prefixes")
     #: knobs a saved state need not match: the deferred base is factorized at save (same content)
-    state_fields: ClassVar[tuple[str, ...]] = ("defer_base",)
+    state_fields: ClassVar[tuple[str, ...]] = ("defer_base", "defer_factorization")
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
         "key_frame": "canonical",
@@ -259,6 +267,7 @@ class KVCMAS(PrefixReuse, Method):
     prefix_scope: str = "agent"
     max_pools: int = 64
     defer_base: bool = False
+    defer_factorization: bool = False
 
     def __post_init__(self) -> None:
         self.check_prefix_reuse()
@@ -303,7 +312,14 @@ class KVCMAS(PrefixReuse, Method):
             )
         if self.lead_in is not None and not isinstance(self.lead_in, str):
             raise ValueError(f"{self.name}: lead_in must be a string or None, got {self.lead_in!r}")
-        for knob in ("partial_coverage", "skip_layer0", "weights_cache", "prefix_delta", "defer_base"):
+        for knob in (
+            "partial_coverage",
+            "skip_layer0",
+            "weights_cache",
+            "prefix_delta",
+            "defer_base",
+            "defer_factorization",
+        ):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
         if isinstance(self.max_pools, bool) or not isinstance(self.max_pools, int) or self.max_pools < 1:
@@ -445,3 +461,7 @@ class KVCMAS(PrefixReuse, Method):
         self.scope.learn(turn, cache)
         super().record(turn, cache)  # PrefixReuse: keep the agent's newly computed PF text
         self.scope.commit(turn)
+
+    def deferred_work(self) -> list[Callable[[], None]]:
+        """The anchors' factorizations the records left for later (``defer_factorization``)."""
+        return self.scope.deferred_work()

@@ -33,11 +33,21 @@ the records finished when it runs). Without that a plan waited behind every othe
 seconds under load (measured: ``admission_wait_s`` 3-9 s beside 0.1-0.4 s of planning at 2 QPS).
 More than ``max_queued_records`` records waiting (their captured K/V held in memory) run first.
 
+What a record leaves for later (``Method.deferred_work``: KVCMAS's anchor factorizations with
+``defer_factorization``, which serving states) is queued as *settle* jobs, one per part (one anchor's
+delta or base), run only when no plan or record is waiting: a dense record (its factorizations most of
+its time, measured 1.2-1.7 s on the server) no longer holds up the plans queued behind it, and a
+plan queued behind a settle that is running is waited for as a running plan is (``running_wait_s``:
+a part is one factorization, ~0.1 s at 1K tokens). A plan that reads an anchor whose part has not run
+factorizes it itself (the same factors). More than ``max_queued_records`` settles waiting (each holds
+the K/V it factorizes) run before plans.
+
 No vLLM import here (tests drive it with a plain :class:`~hf_kvshare.serving.host.Sharing`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -70,7 +80,7 @@ DEFAULT_MAX_QUEUED_RECORDS = 16
 
 @dataclass
 class _Job:
-    kind: str  # "plan", or "record" (a record or a release: both end a request of their task)
+    kind: str  # "plan", "record" (a record or a release: both end a request of their task), "settle"
     task: str | None
     fn: Callable[..., Any]
     args: tuple
@@ -177,15 +187,26 @@ class Background:
 
     def _result(self, job: _Job) -> Plan:
         """The plan when it is decided within ``wait_s``, or within ``running_wait_s`` once it is
-        running on the thread; else ``FutureTimeout``."""
+        running on the thread or next behind a settle job that is (one factorization); else
+        ``FutureTimeout``."""
         try:
             return job.future.result(timeout=self.wait_s)
         except FutureTimeout:
             if job.future.done():  # it ended just after the wait: take it
                 return job.future.result()
-            if not job.future.running() or self.running_wait_s <= self.wait_s:
+            if (
+                not (job.future.running() or self._next_behind_settle(job))
+                or self.running_wait_s <= self.wait_s
+            ):
                 raise  # queued behind other jobs
         return job.future.result(timeout=self.running_wait_s - self.wait_s)
+
+    def _next_behind_settle(self, job: _Job) -> bool:
+        with self._cond:
+            running = self._running
+            return (
+                running is not None and running.kind == "settle" and bool(self._queue) and self._next() is job
+            )
 
     def deciding(self, request_id: str) -> bool:
         """Whether the request's plan is queued, running, or decided and not yet asked for."""
@@ -226,13 +247,26 @@ class Background:
         self._submit(
             "record",
             _task_of_plan(plan),
-            _then(self.sharing.record, then),
+            self._settling(_then(functools.partial(self.sharing.record, settle=False), then)),
             plan,
             keys,
             values,
             list(output_ids),
             set(stop_ids),
         )
+
+    def _settling(self, record: Callable[..., None]) -> Callable[..., None]:
+        """``record(plan, ...)``, then what it left for later queued as settle jobs (run at once inline)."""
+
+        def run(plan: Plan, *args: Any) -> None:
+            try:
+                record(plan, *args)
+            finally:
+                deferred, plan.deferred = plan.deferred, []
+                for work in deferred:
+                    self._submit("settle", None, self.sharing.settle, work)
+
+        return run
 
     def release(self, plan: Plan, then: Callable[[Plan], None] | None = None) -> None:
         """A planned request that will not be recorded (``then`` as :meth:`record`'s)."""
@@ -290,13 +324,18 @@ class Background:
 
     def _next(self) -> _Job:
         """The job to run now (the queue is not empty; called under the condition's lock)."""
-        records = [job for job in self._queue if job.kind != "plan"]
+        records = [job for job in self._queue if job.kind == "record"]
+        settles = [job for job in self._queue if job.kind == "settle"]
         if len(records) > self.max_queued_records:
             return records[0]
+        if len(settles) > self.max_queued_records:
+            return settles[0]
         ended: set[str | None] = set()  # tasks with a record queued before the job looked at
         blocked: list[str | None] = []
         for job in self._queue:
-            if job.kind != "plan":
+            if job.kind == "settle":
+                continue  # ends no request: waited for by nothing
+            if job.kind == "record":
                 ended.add(job.task)
             elif job.task is None or job.task not in ended:
                 return job  # the oldest plan free to run
@@ -304,7 +343,7 @@ class Background:
                 blocked.append(job.task)
         if blocked:  # the record the oldest blocked plan waits for
             return next(job for job in records if job.task == blocked[0])
-        return self._queue[0]
+        return records[0] if records else self._queue[0]  # settles last
 
     def _work(self) -> None:
         while True:

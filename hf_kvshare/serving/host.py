@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,8 @@ def serving_options(method: str, options: dict[str, Any] | None = None) -> tuple
     kvcmas' and kvcomm's default: an HF forward outside the workflow), serving states
     ``observation_source="question"`` (observations read as the question: chained, ungated for
     KVCMAS) and says so; a user who states ``lead`` is refused by :func:`check_serving_method`.
+    Where the method can leave its record's factorizations for later (``defer_factorization``: the same
+    anchors, so no note), serving states it: the background thread runs them when no plan waits.
     Unknown methods / options raise ``ValueError`` as :func:`~hf_kvshare.method.get_method` does."""
     options = dict(options or {})
     instance = get_method(method, **options)
@@ -110,6 +113,8 @@ def serving_options(method: str, options: dict[str, Any] | None = None) -> tuple
             f"the default {instance.observation_source!r} prefills each observation outside the workflow "
             "(an HF forward), which serving cannot run"
         )
+    if "defer_factorization" not in options and getattr(instance, "defer_factorization", None) is False:
+        options["defer_factorization"] = True  # the same anchors; the factorizations off admission's way
     return options, notes
 
 
@@ -230,6 +235,9 @@ class Plan:
     #: seconds the request's record took (the method's work after the request: slots, observed deltas
     #: factorized into anchors, kept prefixes), ``None`` until recorded; the task's later plans wait for it
     record_s: float | None = None
+    #: what the method's record left for later (``Method.deferred_work``): run by the background thread
+    #: when no plan waits (:mod:`.admission`), or at once inline; not part of the report
+    deferred: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
     def claimed(self) -> int:
@@ -343,6 +351,8 @@ class Sharing:
         self.records = 0
         self.plan_seconds = 0.0  # summed over every plan (admission) and record: where the method's time goes
         self.record_seconds = 0.0
+        self.settles = 0  # parts of records' deferred work run (:meth:`settle`)
+        self.settle_seconds = 0.0
         self._lock = threading.RLock()
         self._counts = threading.Lock()
         self.salt = salt(self.method)
@@ -517,9 +527,13 @@ class Sharing:
         values: list[torch.Tensor],
         output_ids: list[int],
         stop_ids: set[int],
+        *,
+        settle: bool = True,
     ) -> None:
         """Record a finished request: ``keys``/``values`` per layer ``[n, kv_heads, head_dim]`` hold the
-        K/V the engine used for positions ``[0, n)`` (prompt + output but its last token)."""
+        K/V the engine used for positions ``[0, n)`` (prompt + output but its last token). What the
+        method's record leaves for later is run here too, unless ``settle=False`` (the background
+        thread's: it is left in :attr:`Plan.deferred` for the caller)."""
         if plan.turn is None:
             return
         with self._lock:
@@ -531,10 +545,28 @@ class Sharing:
                 plan.error = f"record: {type(error).__name__}: {error}"
             finally:
                 plan.host.reserved.discard(plan.turn.output_slot)
+                plan.deferred = self.method.deferred_work()
             self._bound(plan.host)
             self.records += 1
             plan.record_s = time.perf_counter() - t0
             self.record_seconds += plan.record_s
+        if settle:
+            deferred, plan.deferred = plan.deferred, []
+            for work in deferred:
+                self.settle(work)
+
+    def settle(self, work: Callable[[], None]) -> None:
+        """Run one part of what a record left for later (:attr:`Plan.deferred`: e.g. one anchor's
+        factorization); never raises (an error is counted: a reader that needs the result computes it)."""
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - the engine must keep running
+                self.errors += 1
+                logger.exception("hf_kvshare: a record's deferred work failed")
+            self.settles += 1
+            self.settle_seconds += time.perf_counter() - t0
 
     def _record(self, plan: Plan, keys, values, output_ids: list[int], stop_ids: set[int]) -> None:
         turn, host, method = plan.turn, plan.host, self.method
@@ -634,6 +666,8 @@ class Sharing:
                 "records": self.records,
                 "plan_seconds": round(self.plan_seconds, 6),
                 "record_seconds": round(self.record_seconds, 6),
+                "settles": self.settles,
+                "settle_seconds": round(self.settle_seconds, 6),
                 "method": self.method.name,
                 "method_state": self.method.state_summary(),
             }
