@@ -231,6 +231,47 @@ def test_kvcmas_runs_through_the_same_contract(tiny_llama, tokenizer):
     assert sharing.state_summary()["method_state"]["bytes"] > 0  # anchors and kept PF text were recorded
 
 
+def test_kvcmas_plans_reading_unfactorized_anchors_claim_what_eager_anchors_give(tiny_llama, tokenizer):
+    """The serving host's records leave their factorizations for later (``defer_factorization``); with
+    none of them run (every plan reads anchors no settle job has factorized yet), every plan's claim and
+    K/V equal those of anchors factorized inside the record, corrections included."""
+    sharing = {
+        defer: Sharing(
+            tiny_llama, tokenizer, "kvcmas", tau=1.0, defer_factorization=defer, min_segment_tokens=4
+        )
+        for defer in (True, False)
+    }
+    systems = {"planner": "You plan.\n", "critic": "You criticise.\n", "writer": "You write it up.\n"}
+    docs = [f"Report {t}: the river Lune reaches the sea at Plover Scar, site {t}." for t in range(5)]
+    left, corrected = 0, 0
+    for t, doc in enumerate(docs):
+        for position, agent in enumerate(systems):
+            plans = {}
+            for defer, host in sharing.items():
+                ids = ids_of(tokenizer, systems[agent]) + ids_of(tokenizer, doc)
+                segments = [{"slot": "doc", "text": doc}]
+                for reader in list(systems)[:position]:
+                    ids += (
+                        ids_of(tokenizer, "\nNotes:") + host.hosts[f"t{t}"].slots[reader].token_ids.tolist()
+                    )
+                    segments.append({"slot": reader})
+                ids += ids_of(tokenizer, Q2)
+                plan = host.plan(f"{t}-{agent}", ids, layout(f"t{t}", agent, segments, output=agent), 0)
+                assert plan.error is None
+                out, k, v = engine(tiny_llama, plan, max_new_tokens=4)
+                host.record(plan, k, v, out, set(), settle=False)
+                assert plan.error is None
+                left += len(plan.deferred) if defer else 0
+                assert defer or not plan.deferred
+                plans[defer] = (plan, out)
+            (a, out_a), (b, out_b) = plans[True], plans[False]
+            assert out_a == out_b and (a.claim_start, a.claim_end) == (b.claim_start, b.claim_end)
+            assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+            corrected += any(p is not None and p.provenance == "corrected" for p in a.placements)
+    assert left > 0 and corrected > 0
+    assert sharing[True].state_summary()["settles"] == 0
+
+
 @pytest.mark.parametrize(
     "method, reason",
     [
@@ -566,7 +607,8 @@ def test_a_plan_being_decided_does_not_stop_the_engine_loop(tiny_llama, tokenize
 @pytest.mark.parametrize("running_wait_s", [0.0, 0.5])
 def test_a_running_plan_is_waited_for_briefly_a_queued_one_not(tiny_llama, tokenizer, running_wait_s):
     """A plan running when vLLM asks is waited for up to ``running_wait_s`` (a "not yet" costs the
-    request the engine's next step); one queued behind another job is answered "not yet" at once."""
+    request the engine's next step), and so is one next in line behind the job running; one queued
+    behind a job that is not running is answered "not yet" at once."""
     import threading
 
     from hf_kvshare.serving.admission import Background
@@ -589,10 +631,14 @@ def test_a_running_plan_is_waited_for_briefly_a_queued_one_not(tiny_llama, token
     try:
         background.prepare("r1", prompt, layout("t1", "a1", [{"slot": "doc", "text": DOC}]))
         background.prepare("r2", prompt, layout("t2", "a1", [{"slot": "doc", "text": DOC}]))
+        background.prepare("r3", prompt, layout("t3", "a1", [{"slot": "doc", "text": DOC}]))
         assert started.wait(30)
         t0 = time.monotonic()
+        assert background.plan("r3", prompt, layout("t3", "a1", [{"slot": "doc", "text": DOC}]), 0) is None
+        assert time.monotonic() - t0 < 0.15  # queued behind r2, which is not running: not waited for
+        t0 = time.monotonic()
         assert background.plan("r2", prompt, layout("t2", "a1", [{"slot": "doc", "text": DOC}]), 0) is None
-        assert time.monotonic() - t0 < 0.15  # queued behind r1: not waited for
+        assert time.monotonic() - t0 >= running_wait_s  # next in line behind r1, which does not end in time
         t0 = time.monotonic()
         r1 = background.plan("r1", prompt, layout("t1", "a1", [{"slot": "doc", "text": DOC}]), 0)
         assert r1 is None and time.monotonic() - t0 >= running_wait_s  # running, but not done in time
@@ -601,7 +647,7 @@ def test_a_running_plan_is_waited_for_briefly_a_queued_one_not(tiny_llama, token
             time.sleep(0.001)
         r2 = background.plan("r2", prompt, layout("t2", "a1", [{"slot": "doc", "text": DOC}]), 0)
         assert (r2 is not None) is (running_wait_s > 0)
-        assert background.deferred_queries == 2 + (running_wait_s == 0)
+        assert background.deferred_queries == 3 + (running_wait_s == 0)
     finally:
         go.set()
         background.close()

@@ -10,7 +10,8 @@ decode step; run inline they stop the whole engine — every other request's pre
 plan submitted after a record sees that record, as a Session's next turn sees the last one): the
 connector answers "not decided yet" (vLLM's ``None``: the scheduler skips the request this step and
 asks again) until the plan is ready (after waiting up to ``running_wait_s`` when it is already
-running: a "not yet" costs the request the whole next step), and a record is queued and returns at once. The engine keeps
+running or next in line behind the one job running: a "not yet" costs the request the whole next
+step), and a record is queued and returns at once. The engine keeps
 stepping the other requests meanwhile; torch's kernels release the GIL, so the method's work runs
 beside vLLM's forward (on another core when there is one). ``enabled=False`` runs everything inline
 (the earlier behaviour), for comparison and debugging.
@@ -36,9 +37,8 @@ More than ``max_queued_records`` records waiting (their captured K/V held in mem
 What a record leaves for later (``Method.deferred_work``: KVCMAS's anchor factorizations with
 ``defer_factorization``, which serving states) is queued as *settle* jobs, one per part (one anchor's
 delta or base), run only when no plan or record is waiting: a dense record (its factorizations most of
-its time, measured 1.2-1.7 s on the server) no longer holds up the plans queued behind it, and a
-plan queued behind a settle that is running is waited for as a running plan is (``running_wait_s``:
-a part is one factorization, ~0.1 s at 1K tokens). A plan that reads an anchor whose part has not run
+its time, measured 1.2-1.7 s on the server) no longer holds up the plans queued behind it (a part is
+one factorization, ~0.1 s at 1K tokens: a plan next in line behind it is waited for). A plan that reads an anchor whose part has not run
 factorizes it itself (the same factors). More than ``max_queued_records`` settles waiting (each holds
 the K/V it factorizes) run before plans.
 
@@ -187,26 +187,21 @@ class Background:
 
     def _result(self, job: _Job) -> Plan:
         """The plan when it is decided within ``wait_s``, or within ``running_wait_s`` once it is
-        running on the thread or next behind a settle job that is (one factorization); else
-        ``FutureTimeout``."""
+        running on the thread or next in line behind the job that is (a record, a settle, another
+        plan: short since records leave their factorizations for later); else ``FutureTimeout``."""
         try:
             return job.future.result(timeout=self.wait_s)
         except FutureTimeout:
             if job.future.done():  # it ended just after the wait: take it
                 return job.future.result()
-            if (
-                not (job.future.running() or self._next_behind_settle(job))
-                or self.running_wait_s <= self.wait_s
-            ):
+            if not (job.future.running() or self._next_in_line(job)) or self.running_wait_s <= self.wait_s:
                 raise  # queued behind other jobs
         return job.future.result(timeout=self.running_wait_s - self.wait_s)
 
-    def _next_behind_settle(self, job: _Job) -> bool:
+    def _next_in_line(self, job: _Job) -> bool:
+        """Whether ``job`` runs as soon as the job running ends."""
         with self._cond:
-            running = self._running
-            return (
-                running is not None and running.kind == "settle" and bool(self._queue) and self._next() is job
-            )
+            return self._running is not None and bool(self._queue) and self._next() is job
 
     def deciding(self, request_id: str) -> bool:
         """Whether the request's plan is queued, running, or decided and not yet asked for."""

@@ -81,7 +81,7 @@ logger = logging.getLogger("hf_kvshare.serving")
 #: environment variable naming the JSONL file each finished request's report is appended to
 REPORTS_ENV = "HF_KVSHARE_REPORTS"
 #: the store summary's counts each report line of that file carries
-STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv", "queued_jobs")
+STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv", "queued_jobs", "settles")
 #: where read-back K/V go: the store, the method's state and its plans are in host memory on every device
 STORE_DEVICE = torch.device("cpu")
 
