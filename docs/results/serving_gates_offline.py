@@ -2,6 +2,7 @@
 by an HF stand-in for the engine, in three orders.
 
     OMP_NUM_THREADS=1 python docs/results/serving_gates_offline.py [ORDER ...] [--warmup-tasks N ...]
+        [--record-phases] [--method kvcmas:defer_factorization=False]
     # ~3 min per order and warm-up count on one core
 
 The requests are the ones ``hf-kvshare bench serve --shared-tokens 1024 --agents 4 --tasks 5
@@ -20,6 +21,8 @@ The engine is :func:`hf_kvshare.serving.standin.engine` (a prefill of the claime
 claimed K/V written, greedy generation over the rest; what ``tests/test_serving.py`` uses), so outputs are the HF model's, not
 vLLM's. Prints per task each agent's treatment (``C`` corrected, ``R`` reused uncorrected, ``D``
 dense) and, for a dense turn, each gated slot's outcome (entropy, anchors compared). Not a benchmark.
+``--record-phases`` prints each record's time and its phases (``hf_kvshare.measure.phase``: factorize,
+anchor_store, gate); ``--method`` gives the method with options, as the bench writes it (default kvcmas).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import torch
 
 from hf_kvshare import load_model
 from hf_kvshare.bench import serve as sb
+from hf_kvshare.bench.methods import MethodSpec
+from hf_kvshare.measure import Phases, timing
 from hf_kvshare.serving.client import task_trajectory, task_turns
 from hf_kvshare.serving.host import Sharing
 from hf_kvshare.serving.standin import engine
@@ -68,10 +73,12 @@ class Task:
 class Driver:
     """The serving host and the stand-in engine, one request at a time."""
 
-    def __init__(self, model, tok):
+    def __init__(self, model, tok, method="kvcmas", phases=False):
         self.model, self.tok = model, tok
-        self.sharing = Sharing(model, tok, "kvcmas")
+        spec = MethodSpec.parse(method)
+        self.sharing = Sharing(model, tok, spec.name, **spec.kwargs)
         self.n = 0
+        self.phases = phases
 
     def plan(self, task, position):
         agent, messages, slot, max_tokens, min_tokens = task.turns[position]
@@ -90,8 +97,19 @@ class Driver:
     def run(self, task, planned):
         plan, slot, max_tokens = planned
         out, k, v = engine(self.model, plan, max_tokens, min_new_tokens=max_tokens)
-        self.sharing.record(plan, k, v, out, set())
+        phases = Phases()
+        with timing(phases):
+            self.sharing.record(plan, k, v, out, set(), settle=False)
         assert plan.error is None, plan.error
+        if self.phases:
+            times = " ".join(f"{n}={t:.3f}" for n, t in sorted(phases.times.items()))
+            print(
+                f"    {task.traj.task} {plan.turn.agent}: record {plan.record_s:.3f} s ({times}); "
+                f"{len(plan.deferred)} parts left for later",
+                flush=True,
+            )
+        for work in plan.deferred:  # what the serving host's settle jobs run after the record
+            self.sharing.settle(work)
         task.traj.record(slot, self.tok.decode(out, skip_special_tokens=True))
         t = treatment(plan)
         task.row.append(t)
@@ -99,9 +117,9 @@ class Driver:
             task.notes.append(f"{plan.turn.agent}: {' '.join(gates(plan))}")
 
 
-def run_order(model, tok, order, warmup):
+def run_order(model, tok, order, warmup, method="kvcmas", phases=False):
     workload = sb.ServeTrace(shared_tokens=1024, agents=4, tasks=5, output_tokens=8)
-    d = Driver(model, tok)
+    d = Driver(model, tok, method, phases)
     warm = [Task(s, f"warmup-0-{i}") for i, s in enumerate(sb.warmup_tasks(workload, warmup, tok, 0, 0))]
     for task in warm:
         for p in range(len(task.turns)):
@@ -139,12 +157,14 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("orders", nargs="*", default=["task", "agent", "wave"])
     parser.add_argument("--warmup-tasks", type=int, nargs="+", default=[3])
+    parser.add_argument("--record-phases", action="store_true")
+    parser.add_argument("--method", default="kvcmas")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, tok = load_model()
     for warmup in args.warmup_tasks:
         for order in args.orders:
-            run_order(model, tok, order, warmup)
+            run_order(model, tok, order, warmup, args.method, args.record_phases)
 
 
 if __name__ == "__main__":
