@@ -786,3 +786,32 @@ def test_per_anchor_distances_give_the_weights_of_a_fresh_computation(tiny_llama
             kb, vb = b.cache.layer_kv(layer)
             torch.testing.assert_close(ka, kb, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(va, vb, rtol=1e-6, atol=1e-6)
+
+
+def test_a_chained_source_is_primed_for_a_consumer_whose_anchor_set_has_no_cached_weights(
+    tiny_llama, tokenizer, monkeypatch
+):
+    """The question's next source is primed in the record for the later consumers whose anchor sets
+    the request holds no weights for (the served trace's critic): here the coder's anchor set differs
+    from the designer's, so the coder's placement compares nothing; it used to be skipped whenever any
+    weights of the slot were cached, and the coder compared its anchors from that source when placing."""
+    method = KVCMAS(tau=1.0)
+    for _ in range(2):
+        run_request(tiny_llama, tokenizer, method, QUERIES[0])
+    pool = method.pools["query"]
+    assert [sorted(a.deltas) for a in pool] == [["coder", "designer"]] * 2
+    del pool.anchors[1].deltas["coder"]  # the coder's anchors: {0}; the designer's: {0, 1}
+    calls = _counting_distances(monkeypatch)
+    session = Session(tiny_llama, tokenizer, method)
+    during = []
+    for i, agent in enumerate(AGENTS):
+        before = len(calls)
+        result = session.run_turn(agent, turn_segments(i, QUERIES[0]), max_new_tokens=3, keep_cache=True)
+        during.append(calls[before:])
+    assert result.cache.segment("query").provenance == "corrected"
+    assert result.cache.segment("query").info["anchors"] == [0]
+    state = method._requests.get(session)
+    # the coder's turn compares only its own output (its gate, in its record)
+    assert {source for source, _ in during[2]} <= {id(state.produced["coder"])}
+    pairs = [(source, serial) for source, serials in calls for serial in serials]
+    assert len(pairs) == len(set(pairs))

@@ -284,18 +284,25 @@ class SlotScope(Scope):
         source: this turn's materialization of the question or document). Only anchors of the covering
         length holding some delta (those a consumer's weights read), whose base is factorized (a
         deferred base is read, so factorized, only by a placement); a consumer whose anchor set has
-        others computes those when it places the span. Not when the request already holds weights of
-        the slot for these rows: later consumers take those (``weights_cache``, keyed by slot and
-        anchor set as the reference's, not by source), so nothing computed here would be read."""
+        others computes those when it places the span. Only the anchor sets of later consumers (the
+        other agents holding a delta) whose weights the request does not cache already: a consumer
+        takes cached weights of its anchor set (``weights_cache``, keyed by slot and anchor set as the
+        reference's, not by source), so nothing computed for it here would be read."""
         rows, pool = source.length, self.pool_key(turn, slot)
-        covering = [a for a in anchors if a.length >= rows and a.deltas and not a.base_deferred]
-        if not (self.options.weights_cache and covering and self.options.key_frame == "canonical"):
+        if not (self.options.weights_cache and self.options.key_frame == "canonical"):
             return
-        weighted = (k for k in self.request(turn).weights if isinstance(k, tuple) and len(k) == 4)
-        if any(k[0] == slot and k[1] == pool and k[3] == rows for k in weighted):
-            return  # later consumers take the weights cached for the slot (the reference's cache)
-        with phase("gate"):
-            self.distances(turn, slot, pool, source, covering, rows)
+        full = [a for a in anchors if a.length >= rows]
+        weights = self.request(turn).weights
+        needed: dict[int, Anchor] = {}
+        # a later consumer: another agent holding a delta here; its weights take the full-length anchors
+        # holding its delta, unless the request caches weights for that anchor set (it takes those)
+        for agent in sorted({agent for a in full for agent in a.deltas} - {turn.agent}):
+            chosen = [a for a in full if agent in a.deltas]
+            if (slot, pool, tuple(a.serial for a in chosen), rows) not in weights:
+                needed.update((a.serial, a) for a in chosen if not a.base_deferred)
+        if needed:
+            with phase("gate"):
+                self.distances(turn, slot, pool, source, [a for a in full if a.serial in needed], rows)
 
     def correct_prefix(self, turn: Turn, span, kv: SegmentKV) -> tuple[SegmentKV, Any] | None:
         """With ``prefix_delta``, the PF right after a corrected PH span gets the anchors' prefix deltas
