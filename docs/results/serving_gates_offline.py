@@ -21,7 +21,7 @@ The engine is :func:`hf_kvshare.serving.standin.engine` (a prefill of the claime
 claimed K/V written, greedy generation over the rest; what ``tests/test_serving.py`` uses), so outputs are the HF model's, not
 vLLM's. Prints per task each agent's treatment (``C`` corrected, ``R`` reused uncorrected, ``D``
 dense) and, for a dense turn, each gated slot's outcome (entropy, anchors compared). Not a benchmark.
-``--record-phases`` prints each record's time and its phases (``hf_kvshare.measure.phase``: factorize,
+``--record-phases`` prints each plan's time, each record's and its phases (``hf_kvshare.measure.phase``: factorize,
 anchor_store, gate); ``--method`` gives the method with options, as the bench writes it (default kvcmas).
 """
 
@@ -104,7 +104,7 @@ class Driver:
         if self.phases:
             times = " ".join(f"{n}={t:.3f}" for n, t in sorted(phases.times.items()))
             print(
-                f"    {task.traj.task} {plan.turn.agent}: record {plan.record_s:.3f} s ({times}); "
+                f"    {task.traj.task} {plan.turn.agent}: plan {plan.plan_s:.3f} s, record {plan.record_s:.3f} s ({times}); "
                 f"{len(plan.deferred)} parts left for later",
                 flush=True,
             )
