@@ -123,17 +123,18 @@ class Scope:
     def deferring(self) -> bool:
         return bool(getattr(self.options, "defer_factorization", False))
 
-    def later(
+    def deferred_factors(
         self,
         layers: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
         held: SegmentKV,
         *others: SegmentKV,
         rank: int | None,
+        tag: Any,
     ) -> DeferredFactoredKV:
-        """A factorization of ``layers()`` stored for later (:meth:`deferred_work`): it holds the K/V of
-        ``held`` and ``others`` (``layers`` reads them) until it runs."""
+        """A factorization of ``layers()`` on its first read: it holds the K/V of ``held`` (whose shape
+        it has) and ``others`` (``layers`` reads them) until then."""
         kvs = (held, *others)
-        deferred = DeferredFactoredKV(
+        return DeferredFactoredKV(
             layers,
             lambda: [t for kv in kvs for t in (*kv.keys, *kv.values)],
             rank,
@@ -141,8 +142,18 @@ class Scope:
             length=held.length,
             kv_heads=held.keys[0].shape[1],
             num_layers=held.num_layers,
-            tag=DEFERRED_WORK,
+            tag=tag,
         )
+
+    def later(
+        self,
+        layers: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+        held: SegmentKV,
+        *others: SegmentKV,
+        rank: int | None,
+    ) -> DeferredFactoredKV:
+        """:meth:`deferred_factors` stored as a record's work for later (:meth:`deferred_work`)."""
+        deferred = self.deferred_factors(layers, held, *others, rank=rank, tag=DEFERRED_WORK)
         self._later.append(weakref.ref(deferred))
         return deferred
 
@@ -378,16 +389,7 @@ class Scope:
         def layers() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
             return zip(canonical_key_layers(source, shifter), (v[:1] for v in source.values))
 
-        deferred = DeferredFactoredKV(
-            layers,
-            lambda: (*source.keys, *source.values),
-            self.options.base_rank,
-            self.options.svd,
-            length=source.length,
-            kv_heads=source.keys[0].shape[1],
-            num_layers=source.num_layers,
-            tag=state.uid,
-        )
+        deferred = self.deferred_factors(layers, source, rank=self.options.base_rank, tag=state.uid)
         state.deferred.append(weakref.ref(deferred))
         return deferred
 
