@@ -455,6 +455,24 @@ class SegmentedCache(DynamicCache):
                 self.update(keys, kv.values[layer_idx], layer_idx)
         self.segments.append(segment)
 
+    def append_tiled(self, kv: SegmentKV, segments: Sequence[Segment]) -> None:
+        """Append K/V already at the positions it lands at (``kv.start`` = the cache's end) whose
+        rows ``segments`` tile in order: one update per layer, where :meth:`append_kv` per segment
+        would copy the layer once per segment (``DynamicLayer`` appends by concatenation). What the
+        serving host records: the K/V an engine computed for a whole request, its table already
+        known. Nothing is stored when the arguments disagree."""
+        start = self.get_seq_length()
+        if kv.start != start:
+            raise ValueError(f"K/V sits at position {kv.start}, the cache ends at {start}")
+        if kv.num_layers != self.num_layers:
+            raise ValueError(f"K/V has {kv.num_layers} layers, the cache {self.num_layers}")
+        if self.rope_track is not None:
+            raise ValueError("append_tiled does not place multimodal-RoPE K/V: use append_kv")
+        check_tiling(segments, start, start + kv.length)
+        for layer_idx in range(self.num_layers):
+            self.update(kv.keys[layer_idx], kv.values[layer_idx], layer_idx)
+        self.segments.extend(segments)
+
     @property
     def can_reserve(self) -> bool:
         """Whether :meth:`reserve` can write into this cache's layers in place: plain ``DynamicLayer``

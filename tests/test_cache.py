@@ -73,6 +73,30 @@ def test_append_kv_checks_and_positions(tiny):
     assert target.segment("x").source_agent == "a"
 
 
+def test_append_tiled_stores_what_appending_segment_by_segment_stores(tiny):
+    src = dense(tiny, torch.randint(3, 1000, (10,)))
+    kv = src.extract(0, 10, agent="a")
+    table = [Segment("a", "PF", 0, 3), Segment("x", "PH", 3, 8, "reused", "b"), Segment("t", "PF", 8, 10)]
+    one, each = SegmentedCache(tiny.config), SegmentedCache(tiny.config)
+    one.append_tiled(kv, table)
+    for seg in table:
+        each.append_kv(src.extract(seg.start, seg.end), seg)
+    assert one.segments == each.segments and one.get_seq_length() == 10
+    for layer in range(tiny.config.num_hidden_layers):
+        for x, y in zip(one.layer_kv(layer), each.layer_kv(layer)):
+            assert torch.equal(x, y)
+    # the cache holds a copy: writing the source leaves it alone
+    kv.keys[0].zero_()
+    assert torch.equal(one.layer_kv(0)[0], each.layer_kv(0)[0])
+    empty = SegmentedCache(tiny.config)
+    with pytest.raises(ValueError, match="tile"):
+        empty.append_tiled(src.extract(0, 10), [Segment("a", "PF", 0, 3), Segment("b", "PF", 4, 10)])
+    with pytest.raises(ValueError, match="10 tokens were given"):
+        empty.append_tiled(src.extract(0, 10), [Segment("a", "PF", 0, 9)])
+    with pytest.raises(ValueError, match="cache ends at 0"):
+        empty.append_tiled(src.extract(2, 10), [Segment("a", "PF", 2, 10)])
+    assert empty.get_seq_length() == 0 and empty.segments == []  # nothing stored
+
 def test_crop_copy_reset_keep_table_consistent(tiny):
     cache = SegmentedCache(tiny.config)
     prefill_dense(

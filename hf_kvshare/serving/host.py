@@ -575,26 +575,29 @@ class Sharing:
         if n < P:
             raise ValueError(f"the engine holds K/V of {n} positions, the prompt has {P}")
 
-        def kv(start: int, end: int) -> SegmentKV:
-            return SegmentKV(
-                keys=[k[start:end].transpose(0, 1)[None].clone() for k in keys],
-                values=[v[start:end].transpose(0, 1)[None].clone() for v in values],
-                start=start,
-                agent=turn.agent,
-            )
-
         cache = method.new_cache(turn)
         covered = max(plan.claim_end, plan.local_hit)
+        segments = []
         for i, (span, placement) in enumerate(zip(turn.spans, plan.placements)):
             placed = placement if placement is not None and span.end <= covered else None
             part = turn.part(span, placed)
             end = span.end - 1 if i == len(turn.spans) - 1 else span.end
             if end > span.start:
                 part.segment.end = end
-                cache.append_kv(kv(span.start, end), part.segment)
-        cache.append_kv(kv(P - 1, P), Segment("prompt_tail", "PF", P - 1, P))
+                segments.append(part.segment)
+        segments.append(Segment("prompt_tail", "PF", P - 1, P))
         if n > P:
-            cache.append_kv(kv(P, n), Segment("generated", "PF", P, n))
+            segments.append(Segment("generated", "PF", P, n))
+        # the engine's K/V of [0, n) into the cache in one copy per layer (the update concatenates)
+        cache.append_tiled(
+            SegmentKV(
+                keys=[k[:n].transpose(0, 1)[None] for k in keys],
+                values=[v[:n].transpose(0, 1)[None] for v in values],
+                start=0,
+                agent=turn.agent,
+            ),
+            segments,
+        )
         method.finish(turn, cache)
         for segment in cache.segments:
             if segment.kind == "PH" and segment.provenance == "dense":
