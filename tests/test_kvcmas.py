@@ -815,3 +815,21 @@ def test_a_chained_source_is_primed_for_a_consumer_whose_anchor_set_has_no_cache
     assert {source for source, _ in during[2]} <= {id(state.produced["coder"])}
     pairs = [(source, serial) for source, serials in calls for serial in serials]
     assert len(pairs) == len(set(pairs))
+
+
+def test_a_span_fallback_still_places_the_agents_kept_text(tiny_llama, tokenizer):
+    """``turn_fallback="span"``: a rejected gate prefills only the rejected span, so the consumer's kept
+    PF text (prefix reuse) is placed as on an accepted turn; the reference's ``"turn"`` prefills it
+    too. (Before: both prefilled it; on a server, whose claim starts at the prompt's first token, a
+    span fallback then claimed nothing.)"""
+    kinds = {}
+    for mode in ("turn", "span"):
+        method = KVCMAS(turn_fallback=mode)
+        for _ in range(2):  # the second request: kept text exists, the planner's gate has < 2 anchors
+            got = run_request(tiny_llama, tokenizer, method, QUERIES[0], keep_cache=True)
+        designer = got[1].cache
+        assert designer.segment("planner").info["gate"] == "fallback"
+        assert designer.segment("planner").provenance == "dense"
+        kinds[mode] = {s.name: s.provenance for s in designer.segments if s.kind == "PF"}
+    assert set(kinds["turn"].values()) == {"dense"}
+    assert set(kinds["span"].values()) == {"reused"}, kinds["span"]

@@ -23,11 +23,16 @@ vLLM's. Prints per task each agent's treatment (``C`` corrected, ``R`` reused un
 dense) and, for a dense turn, each gated slot's outcome (entropy, anchors compared). Not a benchmark.
 ``--record-phases`` prints each plan's time, each record's and its phases (``hf_kvshare.measure.phase``: factorize,
 anchor_store, gate); ``--method`` gives the method with options, as the bench writes it (default kvcmas).
+``--profile`` prints a cProfile of the timed tasks' plans and of their records apart (the 30 most
+expensive calls by cumulative time) and their mean times.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 
 import torch
@@ -79,6 +84,18 @@ class Driver:
         self.sharing = Sharing(model, tok, spec.name, **spec.kwargs)
         self.n = 0
         self.phases = phases
+        #: cProfiles of plans and records while profiling (``None``: not profiling)
+        self.profiles: dict[str, cProfile.Profile] | None = None
+        self.times: dict[str, list[float]] = {"plan": [], "record": []}
+
+    def _profiled(self, what, call):
+        if self.profiles is None:
+            return call()
+        self.profiles[what].enable()
+        try:
+            return call()
+        finally:
+            self.profiles[what].disable()
 
     def plan(self, task, position):
         agent, messages, slot, max_tokens, min_tokens = task.turns[position]
@@ -90,8 +107,12 @@ class Driver:
             body["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
         self.n += 1
-        plan = self.sharing.plan(f"r{self.n}", prompt, body["kv_transfer_params"], 0)
+        plan = self._profiled(
+            "plan", lambda: self.sharing.plan(f"r{self.n}", prompt, body["kv_transfer_params"], 0)
+        )
         assert plan.error is None, plan.error
+        if self.profiles is not None:
+            self.times["plan"].append(plan.plan_s)
         return plan, slot, max_tokens
 
     def run(self, task, planned):
@@ -99,8 +120,10 @@ class Driver:
         out, k, v = engine(self.model, plan, max_tokens, min_new_tokens=max_tokens)
         phases = Phases()
         with timing(phases):
-            self.sharing.record(plan, k, v, out, set(), settle=False)
+            self._profiled("record", lambda: self.sharing.record(plan, k, v, out, set(), settle=False))
         assert plan.error is None, plan.error
+        if self.profiles is not None:
+            self.times["record"].append(plan.record_s)
         if self.phases:
             times = " ".join(f"{n}={t:.3f}" for n, t in sorted(phases.times.items()))
             print(
@@ -117,13 +140,15 @@ class Driver:
             task.notes.append(f"{plan.turn.agent}: {' '.join(gates(plan))}")
 
 
-def run_order(model, tok, order, warmup, method="kvcmas", phases=False):
+def run_order(model, tok, order, warmup, method="kvcmas", phases=False, profile=False):
     workload = sb.ServeTrace(shared_tokens=1024, agents=4, tasks=5, output_tokens=8)
     d = Driver(model, tok, method, phases)
     warm = [Task(s, f"warmup-0-{i}") for i, s in enumerate(sb.warmup_tasks(workload, warmup, tok, 0, 0))]
     for task in warm:
         for p in range(len(task.turns)):
             d.run(task, d.plan(task, p))
+    if profile:  # the timed tasks only
+        d.profiles = {"plan": cProfile.Profile(), "record": cProfile.Profile()}
     seed = sb.run_seed(0, "run", 0, 0)
     timed = [Task(s, f"{seed:x}-{s.id}") for s in workload.task_specs(tok, seed)]
     if order == "task":
@@ -151,6 +176,15 @@ def run_order(model, tok, order, warmup, method="kvcmas", phases=False):
     for t in warm + timed:
         for note in t.notes:
             print("   ", note, flush=True)
+    if d.profiles is not None:
+        for what, prof in d.profiles.items():
+            times = d.times[what]
+            print(
+                f"== {what}s: {len(times)}, mean {sum(times) / max(1, len(times)):.3f} s (under the profiler)"
+            )
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+            print(out.getvalue(), flush=True)
 
 
 def main(argv):
@@ -159,12 +193,13 @@ def main(argv):
     parser.add_argument("--warmup-tasks", type=int, nargs="+", default=[3])
     parser.add_argument("--record-phases", action="store_true")
     parser.add_argument("--method", default="kvcmas")
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, tok = load_model()
     for warmup in args.warmup_tasks:
         for order in args.orders:
-            run_order(model, tok, order, warmup, args.method, args.record_phases)
+            run_order(model, tok, order, warmup, args.method, args.record_phases, args.profile)
 
 
 if __name__ == "__main__":

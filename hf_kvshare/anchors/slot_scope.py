@@ -144,6 +144,12 @@ class SlotScope(Scope):
         return state.gate_reports.get(slot) or self.pending(turn)["reports"].get(slot, (0, None))
 
     def dense_turn(self, turn: Turn) -> bool:
+        """With ``turn_fallback="turn"`` (the reference's dense mode) a rejection prefills the whole
+        turn, its kept PF text too; with ``"span"`` only the rejected spans, so the agent's kept text
+        is still placed (before 2026-12-02 it was prefilled there too: on a server, whose claim is one
+        range from the prompt's start, a span fallback then claimed nothing at all)."""
+        if self.options.turn_fallback != "turn":
+            return False
         return any(edge.dense in ("fallback", "turn") for edge in self.edges(turn).values())
 
     # --------------------------------------------------------------- place
