@@ -468,6 +468,8 @@ class SegmentedCache(DynamicCache):
             raise ValueError(f"K/V has {kv.num_layers} layers, the cache {self.num_layers}")
         if self.rope_track is not None:
             raise ValueError("append_tiled does not place multimodal-RoPE K/V: use append_kv")
+        if not segments:
+            raise ValueError(f"no segments for the {kv.length} tokens of K/V")
         check_tiling(segments, start, start + kv.length)
         for layer_idx in range(self.num_layers):
             self.update(kv.keys[layer_idx], kv.values[layer_idx], layer_idx)

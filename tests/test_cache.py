@@ -93,9 +93,12 @@ def test_append_tiled_stores_what_appending_segment_by_segment_stores(tiny):
         empty.append_tiled(src.extract(0, 10), [Segment("a", "PF", 0, 3), Segment("b", "PF", 4, 10)])
     with pytest.raises(ValueError, match="10 tokens were given"):
         empty.append_tiled(src.extract(0, 10), [Segment("a", "PF", 0, 9)])
+    with pytest.raises(ValueError, match="no segments"):
+        empty.append_tiled(src.extract(0, 10), [])
     with pytest.raises(ValueError, match="cache ends at 0"):
         empty.append_tiled(src.extract(2, 10), [Segment("a", "PF", 2, 10)])
     assert empty.get_seq_length() == 0 and empty.segments == []  # nothing stored
+
 
 def test_crop_copy_reset_keep_table_consistent(tiny):
     cache = SegmentedCache(tiny.config)
