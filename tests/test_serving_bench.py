@@ -39,8 +39,9 @@ def test_poisson_schedule_refuses_bad_rates(qps):
         sb.poisson_schedule(4, qps, 0)
 
 
-def test_plan_is_agent_major_with_dependencies():
-    plan = sb.plan_run(tasks=3, agents=2, arrivals=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
+def test_plan_orders_with_dependencies():
+    arrivals = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+    plan = sb.plan_run(tasks=3, agents=2, arrivals=arrivals, order="agent")
     assert [(p.task, p.position, p.depends_on) for p in plan] == [
         (0, 0, None),
         (1, 0, None),
@@ -50,8 +51,9 @@ def test_plan_is_agent_major_with_dependencies():
         (2, 1, 2),
     ]
     assert len(sb.plan_run(3, 2, [0.0, 0.1])) == 2  # a time bound cuts the plan
-    # task-major (the authors' serving traces): one task's agents, then the next task's
-    task_major = sb.plan_run(tasks=3, agents=2, arrivals=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5], order="task")
+    # task-major (the authors' serving traces, the default): one task's agents, then the next task's
+    task_major = sb.plan_run(tasks=3, agents=2, arrivals=arrivals)
+    assert task_major == sb.plan_run(tasks=3, agents=2, arrivals=arrivals, order="task")
     assert [(p.task, p.position, p.depends_on) for p in task_major] == [
         (0, 0, None),
         (0, 1, 0),
@@ -62,6 +64,7 @@ def test_plan_is_agent_major_with_dependencies():
     ]
     with pytest.raises(ValueError, match="order must be one of agent, task; got 'tasks'"):
         sb.plan_run(3, 2, [0.0], order="tasks")
+    assert sb.build_parser("hf-kvshare bench").parse_args([]).order == "task"  # the CLI's default too
 
 
 # -- summaries, CSV / JSON ---------------------------------------------------------------------------

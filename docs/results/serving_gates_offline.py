@@ -12,9 +12,9 @@ model's chat template makes of them, and the method with the options serving sta
 run one request at a time; the timed tasks then in ORDER:
 
 - ``task``: one task after the other (what a Session does);
-- ``agent``: the bench's order (every task's first agent, then every task's second, ...), each
+- ``agent``: the bench's ``--order agent`` (every task's first agent, then every task's second, ...), each
   request planned, run and recorded before the next (a server at a very low rate);
-- ``wave``: the bench's order, every task's request of one position planned before any of them is
+- ``wave``: the bench's ``--order agent``, every task's request of one position planned before any of them is
   run and recorded (a server at a high rate: plans run ahead of the other tasks' records).
 
 The engine is :func:`hf_kvshare.serving.standin.engine` (a prefill of the claimed-from hit, the

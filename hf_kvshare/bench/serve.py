@@ -10,8 +10,9 @@ shares nothing across agents) and ``document-first`` (the shared document moved 
 every prompt, so vLLM's own prefix cache hits: it changes the prompt, an upper bound for reuse).
 
 Every run (one method at one QPS) gets fresh seeded documents, so no run is served from an earlier
-run's cache; the requests of a run are agent-major (every task's first agent, then every task's
-second, ...) and a request whose input is another agent's reply is sent at its arrival time or
+run's cache; the requests of a run are task-major (one task's agents, then the next task's: the
+authors' serving traces; ``--order agent``: every task's first agent, then every task's second, ...)
+and a request whose input is another agent's reply is sent at its arrival time or
 when that reply is complete, whichever is later (``dependency_wait_s`` in its record). A run is
 bounded in count (``--tasks`` x ``--agents`` requests) and in time (no request is sent after
 ``--max-duration`` seconds; each request is cut at ``--request-timeout``). One vLLM server per
@@ -173,11 +174,12 @@ class PlannedRequest:
 ORDERS = ("agent", "task")
 
 
-def request_place(i: int, tasks: int, agents: int, order: str = "agent") -> tuple[int, int, int | None]:
-    """``(task, position, depends_on)`` of request ``i``. ``"agent"``-major (the default: every task's
-    first agent, then every task's second, ...): task ``i % tasks``, position ``i // tasks``, reading
-    the reply of request ``i - tasks``. ``"task"``-major (the authors' serving traces: one task's agents,
-    then the next task's): task ``i // agents``, position ``i % agents``, reading request ``i - 1``."""
+def request_place(i: int, tasks: int, agents: int, order: str = "task") -> tuple[int, int, int | None]:
+    """``(task, position, depends_on)`` of request ``i``. ``"task"``-major (the default, the authors'
+    serving traces: one task's agents, then the next task's): task ``i // agents``, position
+    ``i % agents``, reading request ``i - 1``. ``"agent"``-major (every task's first agent, then every
+    task's second, ...; the default before 2026-12-02): task ``i % tasks``, position ``i // tasks``,
+    reading the reply of request ``i - tasks``."""
     if order == "agent":
         task, position = i % tasks, i // tasks
         return task, position, (i - tasks if position else None)
@@ -187,9 +189,7 @@ def request_place(i: int, tasks: int, agents: int, order: str = "agent") -> tupl
     raise ValueError(f"order must be one of {', '.join(ORDERS)}; got {order!r}")
 
 
-def plan_run(
-    tasks: int, agents: int, arrivals: Sequence[float], order: str = "agent"
-) -> list[PlannedRequest]:
+def plan_run(tasks: int, agents: int, arrivals: Sequence[float], order: str = "task") -> list[PlannedRequest]:
     """The requests of a run in ``order`` (:func:`request_place`), the ``i``-th arriving at
     ``arrivals[i]``; ``arrivals`` may be shorter than ``tasks * agents`` (a time bound): the rest are
     not planned."""
@@ -719,7 +719,7 @@ class RunSpec:
     extra_body: dict[str, Any] = field(default_factory=dict)
     #: the connector's report file (``None``: a plain server)
     report_path: Path | None = None
-    order: str = "agent"  # the requests' arrival order (:func:`request_place`)
+    order: str = "task"  # the requests' arrival order (:func:`request_place`)
 
     def request_id(self, index: int) -> str:
         """The ``request_id`` the bench sends (unique per run; the connector's report is matched by it)."""
@@ -1082,9 +1082,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--order",
         choices=ORDERS,
-        default="agent",
-        help="the requests' arrival order: agent-major (every task's first agent, then every task's second, "
-        "...; default) or task-major (one task's agents, then the next task's: the authors' serving traces)",
+        default="task",
+        help="the requests' arrival order: task-major (one task's agents, then the next task's: the authors' "
+        "serving traces; default) or agent-major (every task's first agent, then every task's second, ...)",
     )
     p.add_argument(
         "--warmup-tasks",
