@@ -455,6 +455,47 @@ class SegmentedCache(DynamicCache):
                 self.update(keys, kv.values[layer_idx], layer_idx)
         self.segments.append(segment)
 
+    def append_placed(self, parts: Sequence[CachePart], shifter: RopeShifter | None = None) -> None:
+        """Append placed parts (``kv=``, in positional order from the cache's end), each re-positioned
+        to where it lands as :meth:`append_kv` does, with **one** update per layer: ``DynamicLayer``
+        appends by concatenation, so appending part by part copies the whole layer once per part (a
+        turn placing its kept prefix, a document and the text after it copied the document's K/V once
+        for each part after it). The same K/V and table as :meth:`append_kv` per part. A multimodal-RoPE
+        cache (the parts' rope layouts) and a cache that cannot reserve (offloaded, other layer types)
+        append part by part. Every part is checked against where it lands before anything is stored."""
+        parts = list(parts)
+        if not parts:
+            return
+        start = self.get_seq_length()
+        check_tiling([p.segment for p in parts], start, parts[-1].segment.end)
+        for p in parts:
+            if p.kv is None:
+                raise ValueError(
+                    f"part {p.segment.name!r} has no K/V to place (token_ids are computed, not placed)"
+                )
+            if p.segment.length != p.kv.length:
+                raise ValueError(
+                    f"segment {p.segment.name!r} says [{p.segment.start}, {p.segment.end}) but the K/V has "
+                    f"{p.kv.length} tokens"
+                )
+            if p.kv.num_layers != self.num_layers:
+                raise ValueError(f"K/V has {p.kv.num_layers} layers, the cache {self.num_layers}")
+            if p.kv.start != p.segment.start and shifter is None:
+                raise ValueError(
+                    f"K/V sits at position {p.kv.start}, not {p.segment.start}: pass a RopeShifter to move it"
+                )
+        if len(parts) == 1 or self.rope_track is not None or not self.can_reserve:
+            for p in parts:
+                self.append_kv(p.kv, p.segment, shifter, rope=p.rope)
+            return
+        # re-positioned layer by layer: one layer's rotated keys (of every part) alive at a time
+        streams = [p.kv.keys_at(shifter, p.segment.start) for p in parts]
+        for layer_idx in range(self.num_layers):
+            keys = torch.cat([next(s) for s in streams], dim=-2)
+            values = torch.cat([p.kv.values[layer_idx] for p in parts], dim=-2)
+            self.update(keys, values, layer_idx)
+        self.segments.extend(p.segment for p in parts)
+
     def append_tiled(self, kv: SegmentKV, segments: Sequence[Segment]) -> None:
         """Append K/V already at the positions it lands at (``kv.start`` = the cache's end) whose
         rows ``segments`` tile in order: one update per layer, where :meth:`append_kv` per segment

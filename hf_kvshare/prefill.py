@@ -143,7 +143,8 @@ def prefill_parts(
     **model_kwargs: Any,
 ) -> None:
     """Append ``parts`` (in positional order, tiling the positions after the cache's end) to ``cache``:
-    placed K/V as they are, and every dense part's tokens in **one** model forward.
+    placed K/V as they are (consecutive placed parts with one cache update per layer:
+    :meth:`SegmentedCache.append_placed`), and every dense part's tokens in **one** model forward.
 
     That forward feeds the dense tokens at their true ``position_ids`` with an explicit 4D mask built
     from positions alone (:func:`position_masks`): the query at position ``q`` sees the cache slot
@@ -191,8 +192,7 @@ def prefill_parts(
                 **model_kwargs,
             )
         try:
-            for p in parts[first_placed:]:
-                cache.append_kv(p.kv, p.segment, shifter, rope=p.rope)
+            cache.append_placed(parts[first_placed:], shifter)
         except BaseException:
             cache.crop_to(start)
             raise
@@ -200,8 +200,7 @@ def prefill_parts(
     last_placed = max(i for i, p in enumerate(parts) if not p.dense)
     if len(dense) == len(parts) - 1 - last_placed:  # one dense run from the cache's end: causal only
         try:
-            for p in parts[: last_placed + 1]:
-                cache.append_kv(p.kv, p.segment, shifter, rope=p.rope)
+            cache.append_placed(parts[: last_placed + 1], shifter)
             ids = torch.cat([p.token_ids for p in dense], dim=-1)
             embeds = dense_embeds(model, dense)
             prefill_dense(
@@ -285,11 +284,13 @@ def _per_segment(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
     try:
         i = 0
         while i < len(parts):
-            if not parts[i].dense:
-                cache.append_kv(parts[i].kv, parts[i].segment, shifter, rope=parts[i].rope)
-                i += 1
-                continue
             j = i
+            if not parts[i].dense:
+                while j < len(parts) and not parts[j].dense:
+                    j += 1
+                cache.append_placed(parts[i:j], shifter)
+                i = j
+                continue
             while j < len(parts) and parts[j].dense:
                 j += 1
             ids = torch.cat([p.token_ids for p in parts[i:j]], dim=-1)

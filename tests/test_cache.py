@@ -73,6 +73,58 @@ def test_append_kv_checks_and_positions(tiny):
     assert target.segment("x").source_agent == "a"
 
 
+def test_append_placed_stores_what_appending_part_by_part_stores_in_one_update_per_layer(tiny):
+    from hf_kvshare.cache import CachePart
+    from hf_kvshare.prefill import prefill_parts
+
+    shifter = RopeShifter.from_model(tiny)
+    src = dense(tiny, torch.randint(3, 1000, (14,)), start=3)
+    kvs = [src.extract(3, 7, agent="a"), src.extract(7, 12), src.extract(12, 17, agent="b")]
+    # the first and last parts land elsewhere (re-positioned), the middle one where it was computed
+    table = [
+        Segment("sys", "PF", 0, 4, "reused"),
+        Segment("doc", "PH", 4, 9, "reused", "a"),
+        Segment("t", "PF", 9, 14, "reused"),
+    ]
+    kvs[1] = src.extract(4, 9)
+    parts = [CachePart(seg, kv=kv) for seg, kv in zip(table, kvs)]
+    one, each = SegmentedCache(tiny.config), SegmentedCache(tiny.config)
+    updates = []
+    inner = one.update
+    one.update = lambda k, v, i, *a, **kw: updates.append(i) or inner(k, v, i, *a, **kw)
+    one.append_placed(parts, shifter)
+    for part in parts:
+        each.append_kv(part.kv, part.segment, shifter)
+    assert updates == list(range(tiny.config.num_hidden_layers))  # one update per layer, not per part
+    assert one.segments == each.segments == table and one.get_seq_length() == 14
+    for layer in range(tiny.config.num_hidden_layers):
+        for x, y in zip(one.layer_kv(layer), each.layer_kv(layer)):
+            assert torch.equal(x, y)
+    # prefill_parts places a run of placed parts the same way (a turn with nothing dense)
+    via = SegmentedCache(tiny.config)
+    inner_via = via.update
+    counted = []
+    via.update = lambda k, v, i, *a, **kw: counted.append(i) or inner_via(k, v, i, *a, **kw)
+    prefill_parts(via, tiny, parts, shifter)
+    assert counted == updates and via.segments == table
+    assert all(
+        torch.equal(via.layer_kv(i)[0], one.layer_kv(i)[0]) for i in range(tiny.config.num_hidden_layers)
+    )
+    # refused before anything is stored
+    empty = SegmentedCache(tiny.config)
+    with pytest.raises(ValueError, match="RopeShifter"):
+        empty.append_placed(parts)
+    with pytest.raises(ValueError, match="tile"):
+        empty.append_placed([parts[0], parts[2]], shifter)
+    with pytest.raises(ValueError, match="has 5 tokens"):
+        empty.append_placed([CachePart(Segment("sys", "PF", 0, 4), kv=kvs[2])], shifter)
+    with pytest.raises(ValueError, match="no K/V"):
+        empty.append_placed(
+            [CachePart(Segment("sys", "PF", 0, 4), token_ids=torch.zeros(1, 4, dtype=torch.long))]
+        )
+    assert empty.get_seq_length() == 0 and empty.segments == []
+
+
 def test_append_tiled_stores_what_appending_segment_by_segment_stores(tiny):
     src = dense(tiny, torch.randint(3, 1000, (10,)))
     kv = src.extract(0, 10, agent="a")
