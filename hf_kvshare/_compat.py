@@ -95,6 +95,21 @@ def drop_layer_states(layers: Any) -> None:
             layer.is_initialized = False
 
 
+def adopt_layer_states(layer: Any, keys: Any, values: Any) -> bool:
+    """Make an empty plain ``DynamicLayer`` hold ``keys`` / ``values`` themselves, as its first
+    ``update`` would hold a copy of them (it concatenates them onto an empty tensor: the whole layer
+    copied once more, into fresh memory). For tensors the caller owns (just built, not read by anyone
+    else). Returns ``False`` and does nothing for any other layer (initialized, sliding, quantized,
+    offloaded): update it. The same ``lazy_initialization`` then states on 5.16-5.24."""
+    from transformers.cache_utils import DynamicLayer
+
+    if type(layer) is not DynamicLayer or layer.is_initialized:
+        return False
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    return True
+
+
 def peft_lora_layer_types() -> tuple[type, ...]:
     """PEFT's LoRA layer classes (``peft.tuners.lora.LoraLayer``)."""
     from peft.tuners.lora import LoraLayer

@@ -393,6 +393,21 @@ class SegmentedCache(DynamicCache):
         self._check_shapes(key_states, layer_idx)
         self._check_positions(key_states, layer_idx, args, kwargs)
 
+    def _store_new(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> None:
+        """``update`` with tensors just built for this layer and read by no one else: an empty plain
+        layer holds them as they are (``_compat.adopt_layer_states``), where ``DynamicLayer.update``
+        would copy them once more; any other layer is updated."""
+        if (
+            type(self).update is SegmentedCache.update
+            and layer_idx < len(self.layers)
+            and not self.offloading
+        ):
+            self._before_update(keys, layer_idx, (), {})  # the guards of update, then store
+            if not _compat.adopt_layer_states(self.layers[layer_idx], keys, values):
+                DynamicCache.update(self, keys, values, layer_idx)
+            return
+        self.update(keys, values, layer_idx)
+
     def activate_past_recording(self) -> None:
         """``generate`` calls this before assisted decoding (and, on CUDA, after a prefill): remember
         where, so that a refused first step can name the mode."""
@@ -488,12 +503,10 @@ class SegmentedCache(DynamicCache):
             for p in parts:
                 self.append_kv(p.kv, p.segment, shifter, rope=p.rope)
             return
-        # re-positioned layer by layer: one layer's rotated keys (of every part) alive at a time
-        streams = [p.kv.keys_at(shifter, p.segment.start) for p in parts]
+        rotations = _rotations(parts, shifter)
+        batch = max(p.kv.keys[0].shape[0] for p in parts)
         for layer_idx in range(self.num_layers):
-            keys = torch.cat([next(s) for s in streams], dim=-2)
-            values = torch.cat([p.kv.values[layer_idx] for p in parts], dim=-2)
-            self.update(keys, values, layer_idx)
+            self._store_new(*_laid_out(parts, layer_idx, shifter, rotations, batch), layer_idx)
         self.segments.extend(p.segment for p in parts)
 
     def append_tiled(self, kv: SegmentKV, segments: Sequence[Segment]) -> None:
@@ -534,18 +547,9 @@ class SegmentedCache(DynamicCache):
         old length undoes it."""
         batch = max(p.token_ids.shape[0] for p in parts if p.dense)
         reference = next(p.kv for p in parts if not p.dense)
-        placed = {id(p): p.kv.keys_at(shifter, p.segment.start) for p in parts if not p.dense}
+        rotations = _rotations(parts, shifter)
         for layer_idx in range(reference.num_layers):
-            ks, vs = [], []
-            for p in parts:
-                if p.dense:
-                    for out, like in ((ks, reference.keys[layer_idx]), (vs, reference.values[layer_idx])):
-                        shape = (batch, like.shape[1], p.segment.length, like.shape[3])
-                        out.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
-                else:
-                    ks.append(next(placed[id(p)]).expand(batch, -1, -1, -1))
-                    vs.append(p.kv.values[layer_idx].expand(batch, -1, -1, -1))
-            self.update(torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), layer_idx)
+            self._store_new(*_laid_out(parts, layer_idx, shifter, rotations, batch), layer_idx)
         return SlotWriter(self, slots)
 
     # ------------------------------------------- what generate may call on us
@@ -834,6 +838,59 @@ class SlotWriter(DynamicCache):
         layer.keys.index_copy_(-2, slots, key_states.to(layer.keys.dtype))
         layer.values.index_copy_(-2, slots, value_states.to(layer.values.dtype))
         return layer.keys, layer.values
+
+
+def _rotations(parts: Sequence[CachePart], shifter: RopeShifter | None) -> dict[int, Any]:
+    """Each placed part's re-positioning to where it lands (``None``: it sits there), computed once
+    for every layer; ``ValueError`` when one must move and there is no shifter."""
+    rotations = {}
+    for p in parts:
+        if p.dense:
+            continue
+        if p.kv.start == p.segment.start:
+            rotations[id(p)] = None
+        elif shifter is None:
+            raise ValueError(
+                f"K/V sits at position {p.kv.start}, not {p.segment.start}: pass a RopeShifter to move it"
+            )
+        else:
+            rotations[id(p)] = shifter.rotation(p.kv.start, p.segment.start, p.kv.length)
+    return rotations
+
+
+def _laid_out(
+    parts: Sequence[CachePart],
+    layer_idx: int,
+    shifter: RopeShifter | None,
+    rotations: dict[int, Any],
+    batch: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer_idx``'s keys and values of ``parts`` end to end, each in ONE new tensor of
+    ``batch`` rows: a placed part's keys re-positioned straight into its slots
+    (:meth:`RopeShifter.apply_into`: the values of ``SegmentKV.keys_at``) and its values copied there,
+    a dense part's slots zero (its K/V still to come). One layer alive at a time; no concatenation."""
+    reference = next(p.kv for p in parts if not p.dense)
+    like_k, like_v = reference.keys[layer_idx], reference.values[layer_idx]
+    total = sum(p.segment.length for p in parts)
+    keys = like_k.new_empty((batch, like_k.shape[1], total, like_k.shape[3]))
+    values = like_v.new_empty((batch, like_v.shape[1], total, like_v.shape[3]))
+    at = 0
+    for p in parts:
+        n = p.segment.length
+        k_out, v_out = keys[..., at : at + n, :], values[..., at : at + n, :]
+        if p.dense:
+            k_out.zero_()
+            v_out.zero_()
+        else:
+            k = p.kv.keys[layer_idx].expand(batch, -1, -1, -1)
+            rotation = rotations[id(p)]
+            if rotation is None:
+                k_out.copy_(k)
+            else:
+                shifter.apply_into(k, rotation, k_out, layer=layer_idx)
+            v_out.copy_(p.kv.values[layer_idx].expand(batch, -1, -1, -1))
+        at += n
+    return keys, values
 
 
 def check_tiling(segments: Sequence[Segment], start: int, end: int) -> None:

@@ -278,6 +278,45 @@ class RopeShifter:
             moved = torch.cat((moved, rest), dim=-1)
         return moved.to(keys.dtype)
 
+    def apply_into(
+        self,
+        keys: torch.Tensor,
+        rotation: tuple[torch.Tensor, torch.Tensor] | LayerRotations | None,
+        out: torch.Tensor,
+        layer: int | None = None,
+    ) -> torch.Tensor:
+        """:meth:`apply` written into ``out`` (a tensor of ``keys``' shape: e.g. a cache layer's slots),
+        the same values bit for bit: the products and their sum are the same float32 operations, with
+        one scratch tensor where :meth:`apply` allocates four (the half-rotation, its two products, the
+        sum), and no copy into ``out`` afterwards. Keys of another dtype, interleaved pairs: ``out``
+        gets :meth:`apply`'s result."""
+        if isinstance(rotation, LayerRotations):
+            if layer is None:
+                raise ValueError(
+                    "this model's layers rotate differently: pass the layer index to apply_into(...)"
+                )
+            rotation = rotation[layer]
+        if rotation is None:
+            return out.copy_(keys)
+        if self.interleaved or keys.dtype != torch.float32 or out.dtype != torch.float32:
+            return out.copy_(self.apply(keys, rotation))
+        if isinstance(rotation, Rotation):
+            cos, sin = rotation.on(keys.device)
+        else:
+            cos, sin = (t.to(keys.device) for t in rotation)
+        rd = cos.shape[-1]
+        half = rd // 2
+        rot, moved = keys[..., :rd], out[..., :rd]
+        turned = torch.empty_like(rot)  # rotate_half(rot): [-x2, x1]
+        torch.neg(rot[..., half:], out=turned[..., :half])
+        turned[..., half:].copy_(rot[..., :half])
+        turned.mul_(sin)
+        torch.mul(rot, cos, out=moved)
+        moved.add_(turned)  # rot * cos + rotate_half(rot) * sin, as apply computes it
+        if rd < keys.shape[-1]:
+            out[..., rd:].copy_(keys[..., rd:])
+        return out
+
     def reposition(
         self,
         keys: torch.Tensor,

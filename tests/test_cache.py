@@ -73,7 +73,7 @@ def test_append_kv_checks_and_positions(tiny):
     assert target.segment("x").source_agent == "a"
 
 
-def test_append_placed_stores_what_appending_part_by_part_stores_in_one_update_per_layer(tiny):
+def test_append_placed_stores_what_appending_part_by_part_stores_each_layer_once(tiny):
     from hf_kvshare.cache import CachePart
     from hf_kvshare.prefill import prefill_parts
 
@@ -89,22 +89,22 @@ def test_append_placed_stores_what_appending_part_by_part_stores_in_one_update_p
     kvs[1] = src.extract(4, 9)
     parts = [CachePart(seg, kv=kv) for seg, kv in zip(table, kvs)]
     one, each = SegmentedCache(tiny.config), SegmentedCache(tiny.config)
-    updates = []
-    inner = one.update
-    one.update = lambda k, v, i, *a, **kw: updates.append(i) or inner(k, v, i, *a, **kw)
+    updates = []  # each layer stored once (a layer's K/V assembled in one tensor), not once per part
+    inner = one._store_new
+    one._store_new = lambda k, v, i: updates.append(i) or inner(k, v, i)
     one.append_placed(parts, shifter)
     for part in parts:
         each.append_kv(part.kv, part.segment, shifter)
-    assert updates == list(range(tiny.config.num_hidden_layers))  # one update per layer, not per part
+    assert updates == list(range(tiny.config.num_hidden_layers))
     assert one.segments == each.segments == table and one.get_seq_length() == 14
     for layer in range(tiny.config.num_hidden_layers):
         for x, y in zip(one.layer_kv(layer), each.layer_kv(layer)):
             assert torch.equal(x, y)
     # prefill_parts places a run of placed parts the same way (a turn with nothing dense)
     via = SegmentedCache(tiny.config)
-    inner_via = via.update
+    inner_via = via._store_new
     counted = []
-    via.update = lambda k, v, i, *a, **kw: counted.append(i) or inner_via(k, v, i, *a, **kw)
+    via._store_new = lambda k, v, i: counted.append(i) or inner_via(k, v, i)
     prefill_parts(via, tiny, parts, shifter)
     assert counted == updates and via.segments == table
     assert all(
@@ -345,3 +345,22 @@ def test_pytree_round_trip_and_torch_export(tiny_llama):
     assert torch.allclose(got.logits, want.logits, atol=1e-6)
     got_cache = output_cache(got)
     assert type(got_cache) is CorrectedCache and got_cache.get_seq_length() == 6
+
+
+def test_an_empty_layer_adopts_the_tensors_it_is_given_and_a_full_one_refuses():
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_kvshare._compat import adopt_layer_states
+
+    keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    layer = DynamicLayer()
+    assert adopt_layer_states(layer, keys, values)
+    assert layer.keys is keys and layer.values is values and layer.get_seq_length() == 5
+    layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))  # appends as it would have
+    assert layer.get_seq_length() == 6 and torch.equal(layer.keys[..., :5, :], keys)
+    assert not adopt_layer_states(layer, keys, values)  # initialized: update it instead
+
+    class Other(DynamicLayer):  # a sliding, quantized or offloaded layer keeps its own update
+        pass
+
+    assert not adopt_layer_states(Other(), keys, values)

@@ -106,3 +106,25 @@ def test_bad_shapes_are_refused():
         shifter.reposition(torch.randn(2, 4, 16), 0, 3)
     with pytest.raises(ValueError, match="positions"):
         shifter.reposition(torch.randn(1, 2, 4, 16), torch.arange(3), 0)
+
+
+@pytest.mark.parametrize(
+    "shifter",
+    [
+        RopeShifter(inv_freq=1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))),  # Llama halves
+        RopeShifter(inv_freq=1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), head_dim=16),  # partial
+        RopeShifter(inv_freq=1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), interleaved=True),
+    ],
+    ids=["halves", "partial", "interleaved"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_into_writes_what_apply_returns_bit_for_bit(shifter, dtype):
+    torch.manual_seed(2)
+    keys = torch.randn(2, 3, 11, 16).to(dtype)
+    rotation = shifter.rotation(5, 40, 11)
+    slots = torch.full((2, 3, 20, 16), 7.0, dtype=dtype)  # the keys land in rows 4..14 of a layer
+    out = shifter.apply_into(keys, rotation, slots[..., 4:15, :])
+    assert out.data_ptr() == slots[..., 4:15, :].data_ptr()  # written in place
+    assert torch.equal(slots[..., 4:15, :], shifter.apply(keys, rotation))
+    assert (slots[..., :4, :] == 7).all() and (slots[..., 15:, :] == 7).all()  # nothing else touched
+    assert torch.equal(shifter.apply_into(keys, None, torch.empty_like(keys)), keys)  # no move: a copy
