@@ -498,3 +498,39 @@ def test_prefix_weights_and_correction_follow_the_reference(shifter):
         assert torch.allclose(to_matrix(out.values[layer]), to_matrix(pf.values[layer]) + want, atol=1e-5)
     with pytest.raises(ValueError, match="prefix deltas of"):
         prefix_correction(random_kv(5, start=11), deltas, wk, wv, "writer", shifter)
+
+
+@pytest.mark.parametrize("frame", ["canonical", "writer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_corrected_kv_is_its_formula_bit_for_bit(shifter, frame, dtype):
+    """``Align(source) + Rot(delta)`` on the first ``rows`` rows, layer 0 skipped, written with
+    :meth:`RopeShifter.apply` and plain tensor arithmetic: the same bits (keys written straight into
+    their tensor by ``apply_into`` must not change a value)."""
+    from hf_kvshare.anchors.correction import corrected_kv
+    from hf_kvshare.anchors.lowrank import to_heads
+
+    base = random_kv(7, start=4, seed=3)
+    source = SegmentKV(
+        keys=[k.to(dtype) for k in base.keys], values=[v.to(dtype) for v in base.values], start=4
+    )
+    g = torch.Generator().manual_seed(5)
+    deltas = [
+        (torch.randn(5, HEADS * HEAD_DIM, generator=g), torch.randn(5, HEADS * HEAD_DIM, generator=g))
+        for _ in range(LAYERS)
+    ]
+    out = corrected_kv(source, 19, shifter, 5, lambda layer: deltas[layer], skip_layer0=True, frame=frame)
+    to_target = shifter.rotation(4, 19, 7)
+    for layer in range(LAYERS):
+        key = shifter.apply(source.keys[layer], to_target).clone()
+        value = source.values[layer].clone()
+        if layer:
+            dk = to_heads(deltas[layer][0], HEADS)
+            if frame == "canonical":
+                dk = shifter.apply(dk, shifter.rotation(0, 19, 5))
+            key[:, :, :5] += dk.to(dtype)
+            value[:, :, :5] += to_heads(deltas[layer][1], HEADS).to(dtype)
+        assert out.keys[layer].dtype == dtype and torch.equal(out.keys[layer], key)
+        assert torch.equal(out.values[layer], value)
+    assert out.start == 19
+    # the source is left as it was
+    assert all(torch.equal(k, b.to(dtype)) for k, b in zip(source.keys, base.keys))

@@ -350,15 +350,19 @@ def corrected_kv(
     keys, values = [], []
     for layer in range(source.num_layers):
         k_src, v_src = source.keys[layer][:1], source.values[layer][:1]
-        key = shifter.apply(k_src, to_target, layer=layer)
-        key = key.clone() if key is k_src else key
-        value = v_src.clone()
+        # new tensors, written once: the re-positioned keys straight into theirs (RopeShifter.apply_into)
+        key = shifter.apply_into(k_src, to_target, torch.empty_like(k_src), layer=layer)
         if rows and not (skip_layer0 and layer == 0):
             delta_k, delta_v = layer_delta(layer)
-            key[:, :, :rows] += shifter.apply(to_heads(delta_k, heads), delta_to_target, layer=layer).to(
-                key.dtype
-            )
-            value[:, :, :rows] += to_heads(delta_v, heads).to(value.dtype)
+            delta_k = to_heads(delta_k, heads)
+            if delta_to_target is not None:
+                delta_k = shifter.apply_into(delta_k, delta_to_target, torch.empty_like(delta_k), layer=layer)
+            key[:, :, :rows] += delta_k.to(key.dtype)
+            value = torch.empty_like(v_src)
+            torch.add(v_src[:, :, :rows], to_heads(delta_v, heads).to(value.dtype), out=value[:, :, :rows])
+            value[:, :, rows:] = v_src[:, :, rows:]
+        else:
+            value = v_src.clone()
         keys.append(key)
         values.append(value)
     return SegmentKV(keys=keys, values=values, start=target_start, agent=source.agent)
