@@ -472,10 +472,12 @@ class SegmentedCache(DynamicCache):
 
     def append_placed(self, parts: Sequence[CachePart], shifter: RopeShifter | None = None) -> None:
         """Append placed parts (``kv=``, in positional order from the cache's end), each re-positioned
-        to where it lands as :meth:`append_kv` does, with **one** update per layer: ``DynamicLayer``
-        appends by concatenation, so appending part by part copies the whole layer once per part (a
-        turn placing its kept prefix, a document and the text after it copied the document's K/V once
-        for each part after it). The same K/V and table as :meth:`append_kv` per part. A multimodal-RoPE
+        to where it lands as :meth:`append_kv` does, each layer written once: ``DynamicLayer`` appends
+        by concatenation, so appending part by part copies the whole layer once per part (a turn
+        placing its kept prefix, a document and the text after it copied the document's K/V once for
+        each part after it). Here each layer's K/V are laid out in one new tensor (keys rotated
+        straight into their slots), which an empty layer holds as it is. The same K/V and table as
+        :meth:`append_kv` per part, bit for bit. A multimodal-RoPE
         cache (the parts' rope layouts) and a cache that cannot reserve (offloaded, other layer types)
         append part by part. Every part is checked against where it lands before anything is stored."""
         parts = list(parts)
@@ -540,8 +542,9 @@ class SegmentedCache(DynamicCache):
     ) -> SlotWriter:
         """Store ``parts`` (in positional order, tiling the positions after the end, at least one placed
         and one dense) with the dense parts' K/V still to come: each placed part's K/V in its slots
-        (re-positioned there by ``shifter`` layer by layer where it sits elsewhere: one layer's rotated
-        keys alive at a time), zeros in the dense parts' slots ``slots`` (their positions, in order).
+        (re-positioned there by ``shifter`` layer by layer where it sits elsewhere, rotated straight
+        into the layer's new tensor: one layer alive at a time, no concatenation), zeros in the dense
+        parts' slots ``slots`` (their positions, in order).
         Returns the :class:`SlotWriter` a forward of the dense tokens writes through to fill them
         (:func:`hf_kvshare.prefill.prefill_parts`). The table is left to the caller; ``crop_to`` the
         old length undoes it."""
