@@ -5,8 +5,9 @@
 Runs 4 requests of the trace workload (3 agents, 32 output tokens) with
 ``fullshared:prefix_reuse=True`` and the default ``kvcmas``, one instance each; for the last two
 requests prints every reuse turn's TTFT and the seconds spent in ``gate_distances``,
-``token_distances`` and ``apply_correction`` (wall-clock timers around the functions). Not a
-benchmark: run it alone on the machine.
+``token_distances`` and ``apply_correction`` (wall-clock timers around the functions where the anchor
+scopes call them; ``token_distances`` mostly runs in records, primed for the next turn, not in a
+TTFT). Not a benchmark: run it alone on the machine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 
 import torch
 
+import hf_kvshare.anchors.edge_scope as E
+import hf_kvshare.anchors.slot_scope as S
 import hf_kvshare.methods.kvcmas as K
 from hf_kvshare import Session, load_model
 from hf_kvshare.bench.workloads.trace import TraceWorkload
@@ -34,8 +37,8 @@ seconds: dict[str, float] = collections.defaultdict(float)
 measuring = [False]
 
 
-def timed(name: str) -> None:
-    inner = getattr(K, name)
+def timed(module, name: str) -> None:
+    inner = getattr(module, name)
 
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
@@ -44,11 +47,15 @@ def timed(name: str) -> None:
             seconds[name] += time.perf_counter() - start
         return out
 
-    setattr(K, name, wrapper)  # KVCMAS looks these up in its module at call time
+    setattr(module, name, wrapper)  # the anchor scopes look these up in their module at call time
 
 
-for name in ("gate_distances", "token_distances", "apply_correction"):
-    timed(name)
+for module, names in (
+    (S, ("gate_distances", "token_distances", "apply_correction")),
+    (E, ("apply_correction",)),
+):
+    for name in names:
+        timed(module, name)
 for label, method in (
     ("fullshared:prefix_reuse=True", FullShared(prefix_reuse=True)),
     ("kvcmas", K.KVCMAS()),
