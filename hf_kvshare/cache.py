@@ -449,15 +449,11 @@ class SegmentedCache(DynamicCache):
         """Append an external segment's K/V, re-positioned to where it lands (the current end).
         ``rope``: an image segment's layout on a multimodal-RoPE cache (else ``kv.rope``)."""
         start = self.get_seq_length()
-        if segment.start != start or segment.length != kv.length:
+        if segment.start != start:
             raise ValueError(
-                f"segment {segment.name!r} says [{segment.start}, {segment.end}) but the cache ends at {start} "
-                f"and the K/V has {kv.length} tokens"
+                f"segment {segment.name!r} says [{segment.start}, {segment.end}) but the cache ends at {start}"
             )
-        if kv.num_layers != self.num_layers:
-            raise ValueError(f"K/V has {kv.num_layers} layers, the cache {self.num_layers}")
-        if kv.start != start and shifter is None:
-            raise ValueError(f"K/V sits at position {kv.start}, not {start}: pass a RopeShifter to move it")
+        self.check_placeable(kv, segment, shifter)
         track = self.rope_track
         if track is not None:  # multimodal RoPE: from the slot frame to the rope positions it lands at
             track.extend(start, [(kv.length, rope if rope is not None else kv.rope)])
@@ -469,6 +465,23 @@ class SegmentedCache(DynamicCache):
             for layer_idx, keys in enumerate(kv.keys_at(shifter, start)):
                 self.update(keys, kv.values[layer_idx], layer_idx)
         self.segments.append(segment)
+
+    def check_placeable(
+        self, kv: SegmentKV, segment: Segment, shifter: RopeShifter | None, *, layers: bool = True
+    ) -> None:
+        """Raise ``ValueError`` unless ``kv`` can be stored at ``segment``: as many tokens, this
+        cache's layer count (``layers``), and a shifter where it sits elsewhere."""
+        if segment.length != kv.length:
+            raise ValueError(
+                f"segment {segment.name!r} says [{segment.start}, {segment.end}) but the K/V has "
+                f"{kv.length} tokens"
+            )
+        if layers and kv.num_layers != self.num_layers:
+            raise ValueError(f"K/V has {kv.num_layers} layers, the cache {self.num_layers}")
+        if kv.start != segment.start and shifter is None:
+            raise ValueError(
+                f"K/V sits at position {kv.start}, not {segment.start}: pass a RopeShifter to move it"
+            )
 
     def append_placed(self, parts: Sequence[CachePart], shifter: RopeShifter | None = None) -> None:
         """Append placed parts (``kv=``, in positional order from the cache's end), each re-positioned
@@ -490,17 +503,7 @@ class SegmentedCache(DynamicCache):
                 raise ValueError(
                     f"part {p.segment.name!r} has no K/V to place (token_ids are computed, not placed)"
                 )
-            if p.segment.length != p.kv.length:
-                raise ValueError(
-                    f"segment {p.segment.name!r} says [{p.segment.start}, {p.segment.end}) but the K/V has "
-                    f"{p.kv.length} tokens"
-                )
-            if p.kv.num_layers != self.num_layers:
-                raise ValueError(f"K/V has {p.kv.num_layers} layers, the cache {self.num_layers}")
-            if p.kv.start != p.segment.start and shifter is None:
-                raise ValueError(
-                    f"K/V sits at position {p.kv.start}, not {p.segment.start}: pass a RopeShifter to move it"
-                )
+            self.check_placeable(p.kv, p.segment, shifter)
         if len(parts) == 1 or self.rope_track is not None or not self.can_reserve:
             for p in parts:
                 self.append_kv(p.kv, p.segment, shifter, rope=p.rope)
@@ -547,7 +550,11 @@ class SegmentedCache(DynamicCache):
         parts' slots ``slots`` (their positions, in order).
         Returns the :class:`SlotWriter` a forward of the dense tokens writes through to fill them
         (:func:`hf_kvshare.prefill.prefill_parts`). The table is left to the caller; ``crop_to`` the
-        old length undoes it."""
+        old length undoes it. Placed parts that do not fit their segments are refused
+        (:meth:`check_placeable`) before anything is stored."""
+        for p in parts:
+            if not p.dense:  # a cache without a config learns its layers from the first update
+                self.check_placeable(p.kv, p.segment, shifter, layers=self.signature[0] is not None)
         batch = max(p.token_ids.shape[0] for p in parts if p.dense)
         reference = next(p.kv for p in parts if not p.dense)
         rotations = _rotations(parts, shifter)
@@ -845,20 +852,14 @@ class SlotWriter(DynamicCache):
 
 def _rotations(parts: Sequence[CachePart], shifter: RopeShifter | None) -> dict[int, Any]:
     """Each placed part's re-positioning to where it lands (``None``: it sits there), computed once
-    for every layer; ``ValueError`` when one must move and there is no shifter."""
-    rotations = {}
-    for p in parts:
-        if p.dense:
-            continue
-        if p.kv.start == p.segment.start:
-            rotations[id(p)] = None
-        elif shifter is None:
-            raise ValueError(
-                f"K/V sits at position {p.kv.start}, not {p.segment.start}: pass a RopeShifter to move it"
-            )
-        else:
-            rotations[id(p)] = shifter.rotation(p.kv.start, p.segment.start, p.kv.length)
-    return rotations
+    for every layer; the parts are checked (``SegmentedCache.check_placeable``) first."""
+    return {
+        id(p): None
+        if p.kv.start == p.segment.start
+        else shifter.rotation(p.kv.start, p.segment.start, p.kv.length)
+        for p in parts
+        if not p.dense
+    }
 
 
 def _laid_out(

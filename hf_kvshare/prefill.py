@@ -143,7 +143,7 @@ def prefill_parts(
     **model_kwargs: Any,
 ) -> None:
     """Append ``parts`` (in positional order, tiling the positions after the cache's end) to ``cache``:
-    placed K/V as they are (consecutive placed parts with one cache update per layer:
+    placed K/V as they are (consecutive placed parts with each layer written once:
     :meth:`SegmentedCache.append_placed`), and every dense part's tokens in **one** model forward.
 
     That forward feeds the dense tokens at their true ``position_ids`` with an explicit 4D mask built
@@ -337,8 +337,9 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
     device = model_input_device(model)
     batch = max(p.token_ids.shape[0] for p in parts if p.dense)
     reference = next(p.kv for p in parts if not p.dense)
-    if reference.num_layers != cache.num_layers and cache.signature[0] is not None:
-        raise ValueError(f"K/V has {reference.num_layers} layers, the cache {cache.num_layers}")
+    for p in parts:  # before a multimodal-RoPE track is extended below
+        if not p.dense:
+            cache.check_placeable(p.kv, p.segment, shifter, layers=cache.signature[0] is not None)
     queries = torch.cat([torch.arange(p.segment.start, p.segment.end) for p in parts if p.dense]).to(device)
     mask = position_masks(model, queries, end, batch, reference.keys[0].dtype)
     if mask is None:

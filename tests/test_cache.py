@@ -125,6 +125,24 @@ def test_append_placed_stores_what_appending_part_by_part_stores_each_layer_once
     assert empty.get_seq_length() == 0 and empty.segments == []
 
 
+def test_reserve_refuses_a_placed_part_that_does_not_fit_before_storing_anything(tiny):
+    from hf_kvshare.cache import CachePart
+
+    shifter = RopeShifter.from_model(tiny)
+    src = dense(tiny, torch.randint(3, 1000, (12,)))
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    sys_ = CachePart(Segment("sys", "PF", 0, 3), token_ids=ids)
+    doc = Segment("doc", "PH", 3, 8, "reused", "a")
+    cache = SegmentedCache(tiny.config)
+    with pytest.raises(ValueError, match="has 6 tokens"):
+        cache.reserve([sys_, CachePart(doc, kv=src.extract(2, 8))], torch.arange(3), shifter)
+    with pytest.raises(ValueError, match="RopeShifter"):
+        cache.reserve([sys_, CachePart(doc, kv=src.extract(0, 5))], torch.arange(3))
+    assert cache.get_seq_length() == 0 and all(not layer.is_initialized for layer in cache.layers)
+    writer = cache.reserve([sys_, CachePart(doc, kv=src.extract(0, 5))], torch.arange(3), shifter)
+    assert writer is not None and cache.get_seq_length() == 8
+
+
 def test_append_tiled_stores_what_appending_segment_by_segment_stores(tiny):
     src = dense(tiny, torch.randint(3, 1000, (10,)))
     kv = src.extract(0, 10, agent="a")
