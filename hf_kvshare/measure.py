@@ -59,17 +59,41 @@ def current_rss_bytes() -> int:
         return 0
 
 
+def module_bytes(module: torch.nn.Module, device: torch.device | str) -> int:
+    """Bytes of ``module``'s parameters and buffers on ``device`` (each storage once: tied weights
+    count once): what its weights take there before anything runs."""
+    device = torch.device(device)
+    seen: dict[int, int] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        if t.device.type == device.type and (device.index is None or t.device.index in (None, device.index)):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 class PeakMemory:
     """Context manager measuring peak memory over its body.
 
-    ``peak_bytes``: max CUDA allocation when ``device`` is CUDA, else peak RSS sampled every
-    ``interval_s`` seconds by a background thread.
+    ``peak_bytes``: on CUDA, the device's peak allocation over the body; given ``baseline_bytes``
+    (what the body's owner holds when it starts: its model's weights, its session's and method's
+    state), that baseline plus the body's peak *above what was allocated when it started*, so what
+    other code in the process holds meanwhile (another method's anchor pools, in a benchmark that runs
+    methods side by side) is not counted: the peak a process running only the owner would reach.
+    Elsewhere, the process's peak RSS sampled every ``interval_s`` seconds by a background thread
+    (``baseline_bytes`` unused: the tensor-level count is :class:`TensorPeak`).
     """
 
-    def __init__(self, device: torch.device | str | None = None, interval_s: float = 0.002):
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        interval_s: float = 0.002,
+        baseline_bytes: int | None = None,
+    ):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.interval_s = interval_s
+        self.baseline_bytes = baseline_bytes
         self.peak_bytes = 0
+        self._start_bytes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -81,6 +105,7 @@ class PeakMemory:
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._start_bytes = torch.cuda.memory_allocated(self.device)
         else:
             self.peak_bytes = current_rss_bytes()
             self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -89,7 +114,10 @@ class PeakMemory:
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            if self.baseline_bytes is not None:
+                peak = self.baseline_bytes + max(0, peak - self._start_bytes)
+            self.peak_bytes = peak
         else:
             self._stop.set()
             self._thread.join()

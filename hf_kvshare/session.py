@@ -25,7 +25,16 @@ from ._compat import cache_kwargs
 from .agents import agent_adapter
 from .cache import SharedCache, compact, storage_bytes
 from .generate_options import GenerateOptions, check_attention_mask, generate_options
-from .measure import FirstTokenTimer, PeakMemory, Phases, TensorPeak, synchronize, timing, turn_phases
+from .measure import (
+    FirstTokenTimer,
+    PeakMemory,
+    Phases,
+    TensorPeak,
+    module_bytes,
+    synchronize,
+    timing,
+    turn_phases,
+)
 from .method import Method, get_method
 from .prefill import model_input_device, prefill_dense
 from .rope import RopeShifter
@@ -344,9 +353,16 @@ class Session:
                 prompt = turn.prompt_ids.to(device)
                 logits = None
                 phases = Phases()
-                held = self.held_bytes() + self.method.state_bytes() if self.tensor_memory else 0
+                held = (
+                    self.held_bytes() + self.method.state_bytes()
+                    if self.tensor_memory or device.type == "cuda"
+                    else 0
+                )
+                # on CUDA: the weights and what this session and method hold, plus the turn's own peak
+                # (not what other code in the process holds: measure.PeakMemory)
+                baseline = module_bytes(self.model, device) + held if device.type == "cuda" else None
                 tensors = TensorPeak(device) if self.tensor_memory else contextlib.nullcontext()
-                with PeakMemory(device) as memory, tensors:
+                with PeakMemory(device, baseline_bytes=baseline) as memory, tensors:
                     synchronize(device)
                     t0 = time.perf_counter()
                     cache = self._build(turn)

@@ -1374,3 +1374,37 @@ def test_a_study_name_that_is_no_study_is_one_line(name, capsys):
     assert bench("study", name) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"no study named {name!r}" in err[0] and "available: coverage" in err[0], err
+
+
+def test_a_sweep_frees_each_configurations_method_instances_when_it_ends(tiny_dir, tmp_path):
+    """A configuration's method instances (their anchor pools) do not outlive it: before, every runner
+    of a sweep kept its instances, alive through the next configurations' turns and in their peaks
+    (docs/results/gpu.md: KVComm's pools of the 8K configuration in the 32K one's)."""
+    import gc
+    import weakref
+
+    from hf_kvshare.bench.command import RunOptions, run_command
+    from hf_kvshare.bench.runner import Collector
+
+    refs: list[weakref.ref] = []
+
+    class Watch(Collector):
+        def finish(self, runner):  # collectors still read the instances at the run's end
+            refs.extend(weakref.ref(pair.free) for pair in runner.pairs)
+
+    options = RunOptions(
+        workload="trace",
+        model=str(tiny_dir),
+        shared_tokens=[16, 32],
+        agents=2,
+        output_tokens=2,
+        methods=["fullshared", "kvcmas"],
+        no_fidelity=True,
+        no_plots=True,
+        no_progress=True,
+        out=str(tmp_path),
+    )
+    code, runners = run_command(options, collectors=[Watch()])
+    gc.collect()
+    assert code == 0 and len(runners) == 2 and all(r.pairs == [] for r in runners)
+    assert len(refs) >= 2 * 2 and all(ref() is None for ref in refs)

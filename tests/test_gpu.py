@@ -75,3 +75,19 @@ def test_kvcmas_corrects_on_cuda_and_tau0_is_nonshared(cuda_model):
     exact = run(model, tok, KVCMAS(tau=0.0))
     for a, b in zip(exact, ref):
         assert torch.equal(a.output_ids.cpu(), b.output_ids.cpu())
+
+
+def test_a_turns_cuda_peak_does_not_count_what_other_code_holds(cuda_model):
+    """Another method's pools alive in the same process (a benchmark running methods side by side)
+    are not part of this session's peak; the weights and what this session holds are."""
+    model, tok = cuda_model
+    from hf_kvshare.measure import module_bytes
+
+    alone = run(model, tok, "nonshared")
+    other = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB held elsewhere
+    beside = run(model, tok, "nonshared")
+    del other
+    weights = module_bytes(model, "cuda")
+    for a, b in zip(alone, beside):
+        assert weights < b.peak_memory_bytes < weights + (64 << 20)
+        assert abs(a.peak_memory_bytes - b.peak_memory_bytes) < (4 << 20), (a.agent, a.peak_memory_bytes)

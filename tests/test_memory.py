@@ -225,3 +225,40 @@ def test_selective_recomputation_placed_layer_by_layer_is_unchanged(tiny, tokeni
         for layer in range(a.cache.num_layers):
             for x, y in zip(a.cache.layer_kv(layer), b.cache.layer_kv(layer)):
                 assert torch.equal(x, y)
+
+
+def test_cuda_peak_is_the_baseline_plus_the_bodys_own_peak_not_the_process_allocation():
+    """``PeakMemory`` on CUDA with a baseline: what the owner holds + the body's peak above what was
+    allocated when it started (the allocator's counters stand in for a device here)."""
+    from hf_kvshare.measure import PeakMemory
+
+    allocated = {"now": 10_000, "peak": 10_000}  # 10,000 bytes held by other code when the body starts
+
+    def alloc(n):
+        allocated["now"] += n
+        allocated["peak"] = max(allocated["peak"], allocated["now"])
+
+    with (
+        mock.patch("torch.cuda.reset_peak_memory_stats", lambda *_: allocated.update(peak=allocated["now"])),
+        mock.patch("torch.cuda.memory_allocated", lambda *_: allocated["now"]),
+        mock.patch("torch.cuda.max_memory_allocated", lambda *_: allocated["peak"]),
+    ):
+        with PeakMemory("cuda", baseline_bytes=300) as own:
+            alloc(500)
+            alloc(-400)
+        with PeakMemory("cuda") as whole:
+            alloc(50)
+    assert own.peak_bytes == 300 + 500
+    assert whole.peak_bytes == 10_000 + 100 + 50  # without a baseline: the device's whole peak
+
+
+def test_module_bytes_counts_tied_weights_once():
+    from hf_kvshare.measure import module_bytes
+
+    emb = torch.nn.Embedding(100, 8)
+    head = torch.nn.Linear(8, 100, bias=False)
+    head.weight = emb.weight  # tied, as most small LMs' input and output embeddings
+    model = torch.nn.ModuleDict({"emb": emb, "head": head, "norm": torch.nn.BatchNorm1d(8)})
+    # 100 x 8 floats once, the norm's weight and bias, and its three buffers (two float, one int64)
+    assert module_bytes(model, "cpu") == 4 * (800 + 8 + 8 + 8 + 8) + 8
+    assert module_bytes(model, "cuda") == 0

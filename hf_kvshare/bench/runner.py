@@ -259,7 +259,8 @@ class BenchRunner:
         self.tau = workload_tau(workload.name, tau)
         self.model = model
         self.collectors = list(collectors)
-        # the method instances of the last run (collectors read their state)
+        # the method instances of the run in progress (collectors read their state at its end; released
+        # when it ends)
         self.pairs: list[MethodPair] = []
         self._specs_pairs: list[tuple[MethodSpec, MethodPair]] = []
         self.tokenizer = tokenizer
@@ -511,10 +512,15 @@ class BenchRunner:
             for name in names:
                 shutil.rmtree(self._partial_dir(name), ignore_errors=True)
             raise
-        for collector in self.collectors:
-            collector.finish(self)
-        if self.state_out is not None:
-            self.save_states()
+        try:
+            for collector in self.collectors:
+                collector.finish(self)
+            if self.state_out is not None:
+                self.save_states()
+        finally:
+            # the configuration is done: its method instances (anchor pools: KVComm's are GBs at 32K)
+            # would otherwise stay alive beside the next configuration's, in every later peak
+            self.pairs, self._specs_pairs = [], []
 
     def _record(self, tasks: list[TaskSpec], pending: list[MethodSpec], pairs: list[MethodPair]) -> None:
         collected: dict[MethodSpec, tuple[list, list]] = {s: ([], []) for s in pending}
