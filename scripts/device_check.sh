@@ -5,7 +5,7 @@
 #       token; re-positioned keys == keys computed at the new position (layer 0), round trip exact;
 #   (b) single-stream TTFT / E2E / peak memory sweep, random:llama-3.1-8b in bf16, trace workload
 #       (3 agents, 1 warm-up + 1 measured request, 8 output tokens), shared 4K/8K/16K/32K tokens:
-#       nonshared fullshared kvcmas kvcomm cacheblend; prelrshared / rebaseshared-lp with random
+#       nonshared fullshared fullshared:prefix_reuse=True kvcmas kvcomm cacheblend; prelrshared / rebaseshared-lp with random
 #       q/v rank-8 LoRA adapters (one per agent) at 8K;
 #   (c) device_check.json (raw numbers) and device_check.md (the table).
 # Sizing (the estimate made before any run): an 8B prefill costs ~2 * 8e9 FLOPs per token plus attention

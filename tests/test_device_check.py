@@ -27,7 +27,8 @@ def test_device_check_tiny_mode_writes_json_and_table(tmp_path):
     assert data["tiny"] and data["exactness"]["passed"], data["exactness"]
     assert data["exactness"]["nonshared_tokens"] == data["exactness"]["generate_tokens"]
     methods = {(r["method"], r["lora"]) for r in data["rows"]}
-    expected = {"nonshared", "fullshared", "kvcmas:tau=1.0", "kvcomm:tau=1.0", "cacheblend"}
+    expected = {"nonshared", "fullshared", "fullshared:prefix_reuse=True", "kvcmas:tau=1.0", "kvcomm:tau=1.0"}
+    expected.add("cacheblend")
     assert {(m, False) for m in expected} <= methods
     assert {("prelrshared", True), ("rebaseshared-lp", True)} <= methods
     limits = [r for r in data["rows"] if r["method"] == "limit"]
@@ -43,6 +44,7 @@ def test_device_check_tiny_mode_writes_json_and_table(tmp_path):
     assert all(r["reuse_ratio"] > 0.5 for r in corrected), corrected  # the correction path was timed
     table = (tmp_path / "device_check.md").read_text()
     assert "| 256 | kvcmas:tau=1.0 |" in table and "random weights" in table
+    assert "| record s |" in table  # the time after the first token, split
 
 
 def test_a_check_stopped_by_sigint_keeps_the_configurations_that_finished(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ single-stream TTFT / E2E / memory sweep of the seeds' setup, through the bench's
 - ``adapters/``: the random LoRA adapters of the PReCache timings.
 
 Full mode: ``random:llama-3.1-8b`` in bf16 at 4K, 8K, 16K and 32K shared tokens for nonshared,
-fullshared, kvcmas, kvcomm, cacheblend (3 agents, 2 warm-up requests that fill the anchor pools,
+fullshared (also with prefix reuse: KVCMAS's like-for-like pair), kvcmas, kvcomm, cacheblend (3 agents, 2 warm-up requests that fill the anchor pools,
 1 measured request (``--measured N``), 8 output tokens per turn; ``--lengths`` replaces the
 lengths), plus prelrshared / rebaseshared-lp with random q/v rank-8 LoRA adapters (one per agent)
 at 8K on the trace's trajectory layout (one append-only trajectory, agents differing by adapter). ``--tiny``: ``random:tiny-llama`` (2 layers, hidden
@@ -36,7 +36,15 @@ FULL = {
     "lengths": [4096, 8192, 16384, 32768],
     # tau = 1: every gate with two or more anchors accepts (random weights give no meaningful
     # entropy), so the timed path is the correction, as at the seeds' rho = 0.8 point
-    "methods": ["nonshared", "fullshared", "kvcmas:tau=1.0", "kvcomm:tau=1.0", "cacheblend"],
+    # fullshared:prefix_reuse=True: KVCMAS's like-for-like pair (both reuse each agent's own prompt)
+    "methods": [
+        "nonshared",
+        "fullshared",
+        "fullshared:prefix_reuse=True",
+        "kvcmas:tau=1.0",
+        "kvcomm:tau=1.0",
+        "cacheblend",
+    ],
     "lora_length": 8192,
     "lora_methods": ["nonshared", "prelrshared", "rebaseshared-lp"],
     "output_tokens": 8,
@@ -203,6 +211,12 @@ TABLE = [
     ("e2e_ratio", "NonShared/E2E", ".2f"),
     ("peak_memory_mb", "peak MB", ".0f"),
     ("reuse_ratio", "rho", ".2f"),
+    # after the first token, mean seconds per turn (measure.PHASES): where E2E goes beyond the TTFT
+    ("decode_mean_s", "decode s", ".3f"),
+    ("record_mean_s", "record s", ".3f"),
+    ("gate_mean_s", "gate s", ".3f"),
+    ("factorize_mean_s", "factorize s", ".3f"),
+    ("anchor_store_mean_s", "anchor store s", ".3f"),
 ]
 
 
