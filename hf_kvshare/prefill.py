@@ -220,6 +220,49 @@ def prefill_parts(
         _per_segment(cache, model, parts, shifter, model_kwargs)
 
 
+def recompute_is_cheaper(model: torch.nn.Module, placed: int, dense: int) -> bool:
+    """Whether computing ``placed`` leading tokens again, with the ``dense`` tokens after them in one
+    forward from an empty cache, costs less than computing only the ``dense`` tokens on top of the
+    placed K/V.
+
+    The second is a forward from the cache's end, and there transformers gives SDPA (or eager
+    attention) an explicit ``[q, kv]`` mask (bottom-right causal is no ``is_causal`` call): the kernel
+    then computes every query-key pair of the ``dense x (placed + dense)`` rectangle, about
+    ``dense^2 / 2`` pairs more than the causal triangle it computes from an empty cache, and the mask
+    itself is ``dense x (placed + dense)`` bytes (1 GiB at 32K). Recomputing costs about ``placed``
+    tokens of the whole model. With ``2 x`` the non-embedding parameters per token (the output
+    projection runs for the last token only) and ``4 x layers x heads x head_dim`` per query-key pair,
+    recomputing is cheaper when ``dense^2 / 2 x pair > placed x token`` (on the embedded SmolLM2-135M
+    at 40 placed tokens: beyond ~500 dense tokens; measured on one CPU thread, about where the two
+    forwards cost the same). ``False`` for an attention implementation that builds no such mask
+    (flash / flex attention keep their own causal alignment) and where the model's shape is unknown."""
+    if placed <= 0 or dense <= 0:
+        return False
+    config = getattr(model, "config", None)
+    if (
+        config is None
+        or _compat.attention_implementation(config) not in _compat.EXPLICIT_MASK_IMPLEMENTATIONS
+    ):
+        return False
+    text = _compat.text_config(config)
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    hidden = getattr(text, "hidden_size", None)
+    count = getattr(model, "num_parameters", None)
+    if not (layers and heads and hidden and callable(count)):
+        return False
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    weights = count(exclude_embeddings=True)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if output is not None and getattr(output, "weight", None) is not None:
+        if inputs is None or output.weight is not getattr(inputs, "weight", None):  # untied: counted above
+            weights -= output.weight.numel()
+    per_token = 2 * max(weights, 1)
+    per_pair = 4 * layers * heads * head_dim
+    return dense * dense * per_pair / 2 > placed * per_token
+
+
 def dense_embeds(
     model: torch.nn.Module, dense: list[CachePart], batch: int | None = None
 ) -> torch.Tensor | None:

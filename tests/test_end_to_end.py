@@ -14,13 +14,14 @@ import pytest
 import torch
 from test_kvcmas import AGENTS, QUERIES, run_request, turn_segments
 
-from hf_kvshare import SegmentedCache, Session
+from hf_kvshare import SegmentedCache, Session, _compat
 from hf_kvshare.anchors.lowrank import FACTORIZATIONS
 from hf_kvshare.cache import CachePart, Segment
 from hf_kvshare.measure import PHASES, Phases, TensorPeak, phase, timing, turn_phases
+from hf_kvshare.methods.fullshared import FullShared
 from hf_kvshare.methods.kvcmas import KVCMAS
 from hf_kvshare.methods.kvcomm import KVComm
-from hf_kvshare.prefill import _one_forward, prefill_dense, prefill_parts
+from hf_kvshare.prefill import _one_forward, prefill_dense, prefill_parts, recompute_is_cheaper
 from hf_kvshare.rope import RopeShifter
 
 
@@ -272,6 +273,61 @@ def test_a_prefill_from_the_cache_start_reaches_sdpa_without_a_mask(tiny_llama, 
             SegmentedCache(tiny_llama.config), tiny_llama, parts, RopeShifter.from_model(tiny_llama)
         )
     assert masks and all(m is None for m in masks)
+
+
+def first_agent_turn(model, tok, method, query):
+    """The planner's turn of a request over ``query``, its SDPA masks and the masks its forwards got."""
+    with sdpa_masks() as masks, model_masks(model) as given:
+        turn = Session(model, tok, method).run_turn(AGENTS[0], turn_segments(0, query), max_new_tokens=3)
+    return turn, masks, given
+
+
+def test_kept_text_before_a_long_computed_run_is_computed_with_it(tiny_llama, tokenizer):
+    """Prefix reuse on a first agent's turn over a new document: the agent's kept system text would be
+    placed and the document computed behind it with an explicit mask (the kernel then computes the
+    whole query x key rectangle); where computing the text again is cheaper it is computed with the
+    document in one forward from the cache's start: no mask, the same tokens as NonShared, the text's
+    row dense and counted as computed. The kept glue after the document stays placed."""
+    method = FullShared(prefix_reuse=True)
+    run_request(tiny_llama, tokenizer, method, QUERIES[0])  # keeps every agent's PF text
+    long = " ".join([QUERIES[1]] * 12)
+    turn, masks, given = first_agent_turn(tiny_llama, tokenizer, method, long)
+    head, doc, glue = turn.segments[0], turn.segments[1], turn.segments[-1]
+    assert recompute_is_cheaper(tiny_llama, head.length, doc.length)  # the case this test is about
+    assert (head.provenance, head.info) == ("dense", {"prefix_recomputed": True})
+    # the glue's span counts the prompt's last token too (its row ends before it: generate's)
+    assert glue.provenance == "reused" and turn.prefix_reused == glue.length + 1
+    assert turn.tokens_prefilled == head.length + doc.length + 1  # and the last token, generate's
+    assert given[0] is None  # the build's forward: no mask of ours ...
+    layers = tiny_llama.config.num_hidden_layers
+    assert len(masks) > layers and all(m is None for m in masks[:layers])  # ... nor transformers'
+    ref = Session(tiny_llama, tokenizer, "nonshared").run_turn(
+        AGENTS[0], turn_segments(0, long), max_new_tokens=3
+    )
+    assert turn.output_ids.tolist() == ref.output_ids.tolist()
+
+
+def test_kept_text_before_a_short_computed_run_stays_placed(tiny_llama, tokenizer):
+    method = FullShared(prefix_reuse=True)
+    run_request(tiny_llama, tokenizer, method, QUERIES[0])
+    turn, _, given = first_agent_turn(tiny_llama, tokenizer, method, QUERIES[1])
+    head, doc = turn.segments[0], turn.segments[1]
+    assert not recompute_is_cheaper(tiny_llama, head.length, doc.length)
+    assert head.provenance == "reused" and "prefix_recomputed" not in head.info
+    assert turn.prefix_reused == head.length + turn.segments[-1].length + 1
+    assert given[0] is not None  # the document computed behind the placed text: the position mask
+
+
+def test_recompute_is_cheaper_where_the_forwards_cost_the_same(real, monkeypatch):
+    """The rule's crossover on the embedded model at 40 placed tokens is where one CPU thread measured
+    the two forwards at the same cost (~500 dense tokens: 512 were within the noise, 128 cheaper
+    placed, 2,048 cheaper computed); no rule for an attention that builds no explicit mask."""
+    model, _ = real
+    assert not recompute_is_cheaper(model, 40, 400)
+    assert recompute_is_cheaper(model, 40, 600)
+    assert not recompute_is_cheaper(model, 0, 2048) and not recompute_is_cheaper(model, 40, 0)
+    monkeypatch.setattr(_compat, "attention_implementation", lambda config: "flash_attention_2")
+    assert not recompute_is_cheaper(model, 40, 32768)
 
 
 def test_fullshared_turns_unchanged_by_the_mask_free_path(tiny_llama, tokenizer):

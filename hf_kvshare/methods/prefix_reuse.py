@@ -39,7 +39,9 @@ class PrefixReuse:
     counted in :meth:`state_bytes`); ``"request"`` keeps it for one request (a Session) only. A reused
     PF row of the segment table has provenance ``reused``, the agent as source, and
     ``info["prefix_reuse"]`` = the position it was computed at. Counted in ``TurnResult.prefix_reused``
-    (PF tokens), not in rho, which stays over PH tokens as the reference counts it.
+    (PF tokens), not in rho, which stays over PH tokens as the reference counts it. In a Session,
+    ``Method.build`` computes kept text at the cache's start again where only computed text follows
+    it and that is cheaper than the masked forward behind it (``info["prefix_recomputed"]``).
 
     Subclasses declare the ``prefix_reuse: bool`` and ``prefix_scope`` options and may narrow
     :meth:`prefix_reuse_allowed`.
