@@ -232,6 +232,8 @@ class Method(StatePersistence):
             turn.stats.count(span, placement)
         last = parts.pop()  # the prompt's last token is generate's
         last.segment.end -= 1
+        if not last.dense and last.segment.kind == "PF":
+            turn.stats.pf_reused -= 1  # generate computes it (counted in tokens_prefilled), not reused
         if last.segment.length:
             if last.dense:
                 last.token_ids = last.token_ids[..., :-1]

@@ -295,9 +295,9 @@ def test_kept_text_before_a_long_computed_run_is_computed_with_it(tiny_llama, to
     head, doc, glue = turn.segments[0], turn.segments[1], turn.segments[-1]
     assert recompute_is_cheaper(tiny_llama, head.length, doc.length)  # the case this test is about
     assert (head.provenance, head.info) == ("dense", {"prefix_recomputed": True})
-    # the glue's span counts the prompt's last token too (its row ends before it: generate's)
-    assert glue.provenance == "reused" and turn.prefix_reused == glue.length + 1
+    assert glue.provenance == "reused" and turn.prefix_reused == glue.length  # the last token: generate's
     assert turn.tokens_prefilled == head.length + doc.length + 1  # and the last token, generate's
+    assert turn.prefix_reused + turn.tokens_prefilled == turn.prompt_ids.numel()
     assert given[0] is None  # the build's forward: no mask of ours ...
     layers = tiny_llama.config.num_hidden_layers
     assert len(masks) > layers and all(m is None for m in masks[:layers])  # ... nor transformers'
@@ -314,7 +314,8 @@ def test_kept_text_before_a_short_computed_run_stays_placed(tiny_llama, tokenize
     head, doc = turn.segments[0], turn.segments[1]
     assert not recompute_is_cheaper(tiny_llama, head.length, doc.length)
     assert head.provenance == "reused" and "prefix_recomputed" not in head.info
-    assert turn.prefix_reused == head.length + turn.segments[-1].length + 1
+    assert turn.prefix_reused == head.length + turn.segments[-1].length
+    assert turn.prefix_reused + turn.tokens_prefilled == turn.prompt_ids.numel()  # each token counted once
     assert given[0] is not None  # the document computed behind the placed text: the position mask
 
 
