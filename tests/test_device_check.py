@@ -45,6 +45,8 @@ def test_device_check_tiny_mode_writes_json_and_table(tmp_path):
     table = (tmp_path / "device_check.md").read_text()
     assert "| 256 | kvcmas:tau=1.0 |" in table and "random weights" in table
     assert "| record s |" in table  # the time after the first token, split
+    assert "| TTFT s (all turns) |" in table  # the first agents' turns too
+    assert all(r["ttft_all_mean_s"] > 0 for r in data["rows"] if r["method"] != "limit")
 
 
 def test_a_check_stopped_by_sigint_keeps_the_configurations_that_finished(tmp_path, monkeypatch):
