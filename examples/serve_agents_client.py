@@ -3,7 +3,7 @@
 Three agents work on one shared document; each agent's reply is fed to the next one as text. The
 requests are ordinary chat completions sent with the ``openai`` client: by default the server
 derives the shared segments from the messages (the document and earlier replies are messages of
-their own); ``--explicit-layout`` also sends the layout in ``kv_transfer_params`` (docs/serving.md).
+their own); ``--explicit-layout`` also sends the layout in ``kv_transfer_params`` (README.md, "Serving on vLLM").
 
     python examples/serve_agents_client.py --base-url http://127.0.0.1:8000/v1 --model model
 

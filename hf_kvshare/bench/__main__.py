@@ -490,7 +490,7 @@ def cmd_report(argv: list[str]) -> int:
 
 
 def cmd_serve(argv: list[str]) -> int:
-    from .serve import main as serve_main  # concurrent serving on vLLM (docs/serving.md)
+    from .serve import main as serve_main  # concurrent serving on vLLM (docs/serving-bench.md)
 
     return serve_main(argv, prog=PROG)
 

