@@ -210,7 +210,6 @@ class Method(StatePersistence):
         self.plan(turn)
         cache = self.new_cache(turn)
         parts: list[CachePart] = []
-        spans: list = []  # parts[i]'s span (placed K/V can be given back: _compute_kept_text)
 
         def flush() -> None:
             if parts:
@@ -218,7 +217,6 @@ class Method(StatePersistence):
                 moved = any(not p.dense and p.kv.start != p.segment.start for p in parts)
                 prefill_parts(cache, turn.model, parts, turn.shifter if moved else None)
                 parts.clear()
-                spans.clear()
 
         for span in turn.spans:
             if span.kind == "PH":
@@ -228,7 +226,6 @@ class Method(StatePersistence):
             else:
                 placement = self.prefix(turn, span, cache)
             parts.append(turn.part(span, placement))
-            spans.append(span)
             turn.stats.count(span, placement)
         last = parts.pop()  # the prompt's last token is generate's
         last.segment.end -= 1
@@ -241,7 +238,7 @@ class Method(StatePersistence):
                 last.kv = last.kv.prefix(last.segment.length)
             parts.append(last)
         if not cache.get_seq_length():
-            _compute_kept_text(turn, parts, spans)
+            _compute_kept_text(turn, parts)
         tail = self.tail_for_generate(turn, parts)
         del parts[len(parts) - len(tail) :]
         turn.tail_segments = [p.segment for p in tail]
@@ -337,7 +334,7 @@ class Method(StatePersistence):
         return f"{type(self).__name__}()"
 
 
-def _compute_kept_text(turn: Turn, parts: list[CachePart], spans: list) -> None:
+def _compute_kept_text(turn: Turn, parts: list[CachePart]) -> None:
     """Give back the agent's own kept text at the start of an empty cache (prefix reuse's placed PF
     parts) when one run of computed parts follows it, with nothing computed after the placed parts
     that may follow that run, and computing the kept text with the run is cheaper
@@ -362,8 +359,9 @@ def _compute_kept_text(turn: Turn, parts: list[CachePart], spans: list) -> None:
     placed = sum(p.segment.length for p in parts[:n])
     if not recompute_is_cheaper(turn.model, placed, sum(p.segment.length for p in parts[n:end])):
         return
+    spans = {s.start: s for s in turn.spans}
     for i in range(n):
-        part = turn.part(spans[i], None)  # never the prompt's last part: computed parts follow
-        part.segment.info["prefix_recomputed"] = True
-        parts[i] = part
-        turn.stats.pf_reused -= spans[i].length
+        span = spans[parts[i].segment.start]  # never the prompt's last part: computed parts follow
+        parts[i] = turn.part(span, None)
+        parts[i].segment.info["prefix_recomputed"] = True
+        turn.stats.pf_reused -= span.length
