@@ -3,6 +3,7 @@ the end-to-end run is marked ``serving`` and skipped where vLLM is not installed
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import json
@@ -382,6 +383,35 @@ def test_fresh_documents_per_run(tokenizer):
             docs.append(slot.text)
     assert len(set(docs)) == len(docs)  # no document served twice
     assert w.task_specs(tokenizer, 5)[0].slots[0].text == w.task_specs(tokenizer, 5)[0].slots[0].text
+
+
+def test_every_row_of_a_rate_arrives_on_one_schedule(tokenizer):
+    """Document-first reads documents of its own (it shares the plain row's server) but must arrive on
+    the plain and connector rows' Poisson schedule: a bound measured under another load (its own
+    schedule until 2026-12-03: 9.8 s for the first five arrivals at 0.5 QPS against 3.4 s) is no bound."""
+    w = sb.ServeTrace(shared_tokens=64, agents=4, tasks=5, output_tokens=4)
+    args = argparse.Namespace(
+        seed=3,
+        max_duration=600.0,
+        request_timeout=60.0,
+        explicit_layout=True,
+        joined_messages=False,
+        order="task",
+    )
+    n = w.tasks * w.agents
+    for qi, qps in enumerate((0.5, 2.0)):
+        specs = {
+            m: sb.run_spec(m, qps, qi, 0, args, None) for m in ("plain", sb.DOC_FIRST, "fullshared", "kvcmas")
+        }
+        schedules = {m: s.arrivals(n) for m, s in specs.items()}
+        assert len({tuple(a) for a in schedules.values()}) == 1 and len(schedules["plain"]) == n
+        docs = {m: [t.slots[0].text for t in w.task_specs(tokenizer, s.seed)] for m, s in specs.items()}
+        assert docs["plain"] == docs["fullshared"] == docs["kvcmas"]
+        assert not set(docs[sb.DOC_FIRST]) & set(docs["plain"])
+        assert specs[sb.DOC_FIRST].layout == sb.DOC_FIRST and specs["plain"].layout == "agent-first"
+        assert not specs["plain"].explicit_layout and specs["fullshared"].explicit_layout
+    other = sb.run_spec("plain", 0.5, 1, 0, args, None)  # another rate's run: its own schedule
+    assert other.arrivals(n) != sb.run_spec("plain", 0.5, 0, 0, args, None).arrivals(n)
 
 
 def test_every_server_of_a_repeat_warms_up_on_the_same_documents(tokenizer, monkeypatch):

@@ -720,11 +720,47 @@ class RunSpec:
     #: the connector's report file (``None``: a plain server)
     report_path: Path | None = None
     order: str = "task"  # the requests' arrival order (:func:`request_place`)
+    #: the Poisson schedule's seed (``None``: ``seed``); every method at a QPS gets the same one, the
+    #: document-first row too, whose documents (``seed``) must differ from the plain row's on one server
+    arrival_seed: int | None = None
+
+    def arrivals(self, n: int) -> list[float]:
+        """The run's arrival offsets (:func:`poisson_schedule` of ``arrival_seed``)."""
+        seed = self.seed if self.arrival_seed is None else self.arrival_seed
+        return poisson_schedule(n, self.qps, seed, self.max_duration)
 
     def request_id(self, index: int) -> str:
         """The ``request_id`` the bench sends (unique per run; the connector's report is matched by it)."""
         tag = hashlib.sha1(f"{self.method}/{self.qps!r}/{self.repeat}/{self.seed}".encode()).hexdigest()[:10]
         return f"hfkvbench-{tag}-{index}"
+
+
+def run_spec(
+    method: str, qps: float, qps_index: int, repeat: int, args: argparse.Namespace, report_path: Path | None
+) -> RunSpec:
+    """The run of ``method`` at the ``qps_index``-th rate of ``repeat``: every method gets the same
+    documents and the same arrival schedule, except that document-first reads documents of its own
+    (it shares the plain row's server, whose prefix cache must not serve it the plain row's) on the
+    same schedule, so that its row is a bound measured under the same load."""
+    seed = run_seed(args.seed, "run", repeat, qps_index)
+    spec = RunSpec(
+        method,
+        qps,
+        repeat,
+        seed,
+        args.max_duration,
+        args.request_timeout,
+        "model",
+        DOC_FIRST if method == DOC_FIRST else "agent-first",
+        args.explicit_layout and method not in BASELINES,
+        not args.joined_messages,
+        report_path=report_path,
+        order=args.order,
+        arrival_seed=seed,
+    )
+    if method == DOC_FIRST:  # the same documents must not be served twice
+        spec.seed = run_seed(args.seed, "run-docfirst", repeat, qps_index)
+    return spec
 
 
 def run_once(
@@ -733,7 +769,7 @@ def run_once(
     """One (method, QPS) run against a server on ``port``: returns its summary row and records."""
     tasks = workload.task_specs(tokenizer, spec.seed)
     n = workload.tasks * workload.agents
-    arrivals = poisson_schedule(n, spec.qps, spec.seed, spec.max_duration)
+    arrivals = spec.arrivals(n)
     planned = plan_run(workload.tasks, workload.agents, arrivals, spec.order)
     places = [request_place(i, workload.tasks, workload.agents, spec.order) for i in range(n)]
     trajectories = [task_trajectory(t, f"{spec.seed:x}-{t.id}") for t in tasks]
@@ -1328,22 +1364,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
                         )
                     for qi, qps in enumerate(plan.qps):
                         for method in group.methods:
-                            spec = RunSpec(
-                                method,
-                                qps,
-                                repeat,
-                                run_seed(args.seed, "run", repeat, qi),
-                                args.max_duration,
-                                args.request_timeout,
-                                "model",
-                                DOC_FIRST if method == DOC_FIRST else "agent-first",
-                                args.explicit_layout and method not in BASELINES,
-                                not args.joined_messages,
-                            )
-                            if method == DOC_FIRST:  # the same documents must not be served twice
-                                spec.seed = run_seed(args.seed, "run-docfirst", repeat, qi)
-                            spec.report_path = report_path
-                            spec.order = args.order
+                            spec = run_spec(method, qps, qi, repeat, args, report_path)
                             row, records = run_once(port, spec, plan.workload, tokenizer, log=sys.stdout)
                             row.update(_agreement_columns(method, forced))
                             rows.append(row)
