@@ -371,16 +371,26 @@ def _require_gguf(name: str) -> None:
         )
 
 
+def plain_config(model):
+    """``model``'s config as its dequantized weights are written: a copy without the GGUF
+    quantization a first load from the embedded file leaves in it (it no longer applies to the fp32
+    weights, and an engine reading the folder refuses or misreads it), naming the model's class in
+    ``architectures`` (what ``model.save_pretrained`` would write; ``config.save_pretrained`` alone
+    leaves it out, and vLLM picks its model class by it)."""
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    return config
+
+
 def _save_plain_copy(model, tok, directory: Path) -> None:
     """Save the dequantized weights as plain safetensors (transformers refuses to re-save a GGUF-loaded
     model: its config still names the GGUF quantization, which no longer applies to fp32 weights)."""
     from safetensors.torch import save_model
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(directory)
+    plain_config(model).save_pretrained(directory)
     model.generation_config.save_pretrained(directory)
     save_model(model, str(directory / "model.safetensors"))  # handles the tied embedding / lm_head
     tok.save_pretrained(directory)

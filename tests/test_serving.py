@@ -928,3 +928,35 @@ def test_a_plan_made_on_arrival_claims_from_the_hit_vllm_has_at_admission(tiny_l
     assert engine(tiny_llama, ahead)[0] == engine(tiny_llama, inline)[0]
     with pytest.raises(ValueError, match="already claimed"):
         sharing.claim(ahead, 3)
+
+
+def test_the_served_folder_of_an_embedded_model_names_no_quantization(tmp_path, monkeypatch):
+    """A first load of an embedded model reads its GGUF file and leaves the GGUF quantization in the
+    config (transformers 5.24); the folder vLLM serves holds dequantized fp32 weights, so its
+    config.json must not name it (vLLM refuses ``quant_method: gguf`` without a .gguf file) and must
+    name the model's class (vLLM picks its model by ``architectures``). A folder of the earlier format
+    is written again, a current one reused."""
+    import json
+
+    import hf_kvshare.models as models
+    from hf_kvshare.serving.models import MARKER, served_model_dir
+    from tests.tiny import embedded_tokenizer, tiny_model
+
+    model = tiny_model()
+    model.config.quantization_config = {"quant_method": "gguf", "gguf_file": "x.gguf", "dequantize": False}
+    loads = []
+    monkeypatch.setattr(
+        models, "load_model", lambda name: loads.append(name) or (model, embedded_tokenizer())
+    )
+    monkeypatch.setenv("HF_KVSHARE_CACHE", str(tmp_path))
+    stale = tmp_path / "serve" / "smollm2-135m"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text('{"quantization_config": {"quant_method": "gguf"}}')
+    (stale / MARKER).write_text(json.dumps({"model": "smollm2-135m", "tensors": 1}))  # format 1
+
+    folder = served_model_dir("smollm2-135m")
+    config = json.loads((folder / "config.json").read_text())
+    assert folder == stale and loads == ["smollm2-135m"]
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    assert model.config.quantization_config["quant_method"] == "gguf"  # the loaded model's config untouched
+    assert served_model_dir("smollm2-135m") == folder and loads == ["smollm2-135m"]  # reused, not rewritten

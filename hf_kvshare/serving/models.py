@@ -17,6 +17,16 @@ from pathlib import Path
 from ..models import EMBEDDED_MODELS, _cache_root
 
 MARKER = "hf_kvshare-serving.json"
+#: the folder's format (in the marker): a folder written by an earlier format is written again
+#: (format 1 kept a first load's GGUF ``quantization_config`` and named no ``architectures``)
+FORMAT = 2
+
+
+def _current(target: Path) -> bool:
+    try:
+        return json.loads((target / MARKER).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def served_model_dir(name_or_path: str) -> Path:
@@ -31,17 +41,17 @@ def served_model_dir(name_or_path: str) -> Path:
             f"({', '.join(EMBEDDED_MODELS)}); a Hub id: download it first (e.g. huggingface-cli download)"
         )
     target = _cache_root() / "serve" / name_or_path
-    if (target / MARKER).is_file():
+    if _current(target):
         return target
     from safetensors.torch import save_file
 
-    from ..models import load_model
+    from ..models import load_model, plain_config
 
     model, tokenizer = load_model(name_or_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name_or_path}-", dir=target.parent))
     try:
-        model.config.save_pretrained(tmp)
+        plain_config(model).save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -51,7 +61,9 @@ def served_model_dir(name_or_path: str) -> Path:
             if not (tied and name == "lm_head.weight")
         }
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / MARKER).write_text(json.dumps({"model": name_or_path, "tensors": len(state)}))
+        (tmp / MARKER).write_text(
+            json.dumps({"model": name_or_path, "tensors": len(state), "format": FORMAT})
+        )
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
