@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ..cache import Segment, SegmentKV
+from ..cache import Segment, SegmentKV, compact, storage_bytes
 from ..method import Method, Placement, get_method
 from ..rope import RopeShifter, find_rotary_module
 from ..trajectory import PF, PH, Span
@@ -188,7 +188,11 @@ class ServingHost:
         return torch.device("cpu")
 
     def held_bytes(self) -> int:
-        return sum(s.latest.nbytes for s in self.slots.values() if s.latest is not None)
+        """Bytes of the storages the slots' K/V keep alive (views of one turn's cache count that
+        cache's layers once and whole: :func:`~hf_kvshare.cache.storage_bytes`)."""
+        return storage_bytes(
+            t for s in self.slots.values() if s.latest is not None for t in (*s.latest.keys, *s.latest.values)
+        )
 
     def next_output_slot(self, agent: str) -> str:
         taken = set(self.slots) | self.reserved
@@ -621,13 +625,21 @@ class Sharing:
             producer=turn.agent,
         )
         host.slots[turn.output_slot] = slot
+        held: list[SegmentKV] = []
         if method.uses_sources:
-            for span in turn.spans:
-                if span.kind == "PH":
-                    host.slots[span.name].latest = cache.extract(span.start, span.end, agent=turn.agent)
-            if P + len(out) <= n:  # the output's K/V is complete (generation stopped on a stop token)
-                slot.latest = cache.extract(P, P + len(out), agent=turn.agent)
+            # views of the turn's cache, as Session._record keeps them (no second copy of every segment);
+            # copied out below when together they hold little of it (compact)
+            with cache.sharing_storage():
+                for span in turn.spans:
+                    if span.kind == "PH":
+                        held.append(cache.extract(span.start, span.end, agent=turn.agent))
+                        host.slots[span.name].latest = held[-1]
+                if P + len(out) <= n:  # the output's K/V is complete (generation stopped on a stop token)
+                    held.append(cache.extract(P, P + len(out), agent=turn.agent))
+                    slot.latest = held[-1]
         method.record(turn, cache)
+        current = {id(s.latest) for s in host.slots.values()}
+        compact([kv for kv in held if id(kv) in current], cache.get_seq_length())
 
     # ------------------------------------------------------------------ bounds
     def held_bytes(self) -> int:

@@ -76,18 +76,24 @@ class BlockLayout:
     value_index: torch.Tensor
 
     def read(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V at ``slot_mapping`` (flat slots), as ``[n, heads, dim]`` each, on the cache's device."""
+        """K/V at ``slot_mapping`` (flat slots), as ``[n, heads, dim]`` each, on the cache's device.
+
+        Whole blocks are gathered and un-permuted with one 1-D ``index_select`` each (a request's slots
+        run through its blocks in order, so the runs of equal blocks are few), then the slots' rows are
+        picked: no ``[n, heads * dim]`` index is built (per-element gathers made the read-back of a
+        1K-token request ~0.14 s on one CPU thread, on the worker's step)."""
         device = kv_cache.device
         slot_mapping = slot_mapping.to(device)
         kernel_blocks = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
         offsets = slot_mapping % self.block_size
-        unique, rows = torch.unique(kernel_blocks, return_inverse=True)
-        flat = kv_cache.index_select(0, unique).reshape(unique.numel(), -1)  # only the blocks read
-        n, features = slot_mapping.numel(), self.heads * self.dim
+        runs, counts = torch.unique_consecutive(kernel_blocks, return_counts=True)  # in slot order
+        run_of = torch.repeat_interleave(torch.arange(runs.numel(), device=device), counts)
+        rows = run_of * self.block_size + offsets  # each slot's row among the gathered blocks' tokens
+        flat = kv_cache.index_select(0, runs).reshape(runs.numel(), -1)  # only the blocks read
         out = []
         for index in (self.key_index, self.value_index):
-            columns = index.to(device).view(self.block_size, features)[offsets]  # [n, heads * dim]
-            out.append(flat[rows[:, None], columns].view(n, self.heads, self.dim))
+            tokens = flat.index_select(1, index.to(device)).view(-1, self.heads, self.dim)
+            out.append(tokens.index_select(0, rows))
         return out[0], out[1]
 
 
