@@ -216,6 +216,41 @@ def test_store_stays_within_its_bound(tiny_llama, tokenizer):
     assert summary["evicted_tasks"] >= 3
 
 
+def test_a_record_keeps_views_and_an_output_read_by_no_later_turn_gives_its_turn_cache_back(
+    tiny_llama, tokenizer
+):
+    """As the session's record: a request's slots keep views of its turn cache (no copy of the
+    document per request), the store counts the storages they keep alive, and a view that holds
+    little of a cache nobody else reads (an agent's output after a later agent took the document
+    over) is copied out, so it does not keep that whole cache alive."""
+    from hf_kvshare.cache import storage_bytes
+
+    doc = ids_of(tokenizer, DOC)
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    for agent, question in (("a1", Q1), ("a2", Q2)):
+        prompt = doc + ids_of(tokenizer, question)
+        plan = sharing.plan(
+            agent, prompt, layout("t", agent, [{"slot": "doc", "start": 0, "end": len(doc)}], output=agent), 0
+        )
+        out, k, v = engine(tiny_llama, plan, max_new_tokens=4)
+        sharing.record(plan, k, v, out, set())
+        assert plan.error is None
+    host = sharing.hosts["t"]
+    doc_kv, a1, a2 = (host.slots[name].latest for name in ("doc", "a1", "a2"))
+    assert a1 is not None and a2 is not None
+
+    def tensors(kv):
+        return [*kv.keys, *kv.values]
+
+    def storages(kv):
+        return {t.untyped_storage().data_ptr() for t in tensors(kv)}
+
+    assert storages(doc_kv) == storages(a2)  # views of a2's turn cache: one copy of the document
+    assert storage_bytes(tensors(a1)) == a1.nbytes  # a1's output copied out of a1's turn cache
+    assert host.held_bytes() == storage_bytes(tensors(doc_kv)) + a1.nbytes
+    assert host.held_bytes() > doc_kv.nbytes + a2.nbytes + a1.nbytes  # a2's whole cache, counted once
+
+
 def test_kvcmas_runs_through_the_same_contract(tiny_llama, tokenizer):
     sharing = Sharing(tiny_llama, tokenizer, "kvcmas", tau=0.9, min_segment_tokens=4)
     doc = ids_of(tokenizer, DOC)

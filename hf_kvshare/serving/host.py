@@ -33,9 +33,10 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,8 @@ class ServingHost:
         self.method_state: dict[str, Any] = {}
         self._shifter = shifter
         self.reserved: set[str] = set()  # output slots of requests in flight
+        #: (turn cache length, weak references to the slot K/V that are views of it): Session._views
+        self._views: list[tuple[int, list[weakref.ref]]] = []
 
     @property
     def shifter(self) -> RopeShifter:
@@ -186,6 +189,22 @@ class ServingHost:
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def add_views(self, length: int, kvs: list[SegmentKV]) -> None:
+        """Remember ``kvs``, slot K/V that are views of one ``length``-token turn cache (a record's)."""
+        self._views.append((length, [weakref.ref(kv) for kv in kvs]))
+
+    def compact_views(self) -> None:
+        """Re-check every turn cache whose views are still held (by a slot or the method): the views of
+        one that together hold less than half of it are copied out (:func:`~hf_kvshare.cache.compact`),
+        so an output read by no later turn does not keep its whole turn cache alive; a cache none of
+        whose views is held any more is forgotten (``Session._compact_views``)."""
+        groups = []
+        for length, refs in self._views:
+            alive = [kv for kv in (ref() for ref in refs) if kv is not None]
+            if alive and not compact(alive, length):
+                groups.append((length, refs))
+        self._views = groups
 
     def held_bytes(self) -> int:
         """Bytes of the storages the slots' K/V keep alive (views of one turn's cache count that
@@ -246,6 +265,13 @@ class Plan:
     @property
     def claimed(self) -> int:
         return self.claim_end - self.claim_start
+
+    def drop_kv(self) -> None:
+        """After the record: the claimed K/V and the placements' are not read again (the report reads
+        each placement's provenance only), so the plan stops holding them; what the task keeps is then
+        only what its slots and the method hold (:meth:`ServingHost.compact_views` sees that)."""
+        self.keys, self.values = [], []
+        self.placements = [None if p is None else replace(p, kv=None) for p in self.placements]
 
     def supplied_in(self, kind: str) -> int:
         """Tokens of ``kind`` ("PH" or "PF") spans inside the claimed range (what the connector wrote)."""
@@ -550,6 +576,8 @@ class Sharing:
             finally:
                 plan.host.reserved.discard(plan.turn.output_slot)
                 plan.deferred = self.method.deferred_work()
+                plan.drop_kv()
+            plan.host.compact_views()
             self._bound(plan.host)
             self.records += 1
             plan.record_s = time.perf_counter() - t0
@@ -638,8 +666,8 @@ class Sharing:
                     held.append(cache.extract(P, P + len(out), agent=turn.agent))
                     slot.latest = held[-1]
         method.record(turn, cache)
-        current = {id(s.latest) for s in host.slots.values()}
-        compact([kv for kv in held if id(kv) in current], cache.get_seq_length())
+        if held:
+            host.add_views(cache.get_seq_length(), held)
 
     # ------------------------------------------------------------------ bounds
     def held_bytes(self) -> int:
