@@ -85,6 +85,10 @@ def test_exact_reuse_and_prefix_reuse_claim_the_whole_prompt_but_its_last_token(
     p3 = sharing.plan("r3", prompt, layout("t", "a1", seg), 3)
     assert (p3.claim_start, p3.claim_end) == (3, len(prompt) - 1)
     assert p3.keys[0].shape[0] == len(prompt) - 4
+    # the claim is one [layers, n, heads, dim] tensor per K and V (one buffer across vLLM's processes)
+    layers, heads, dim = model.config.num_hidden_layers, model.config.num_key_value_heads, k[0].shape[-1]
+    assert p3.keys.shape == p3.values.shape == (layers, len(prompt) - 4, heads, dim)
+    assert p3.keys.is_contiguous() and p3.values.is_contiguous()
     out3, _, _ = engine(model, p3)
     assert out3 == out1
 

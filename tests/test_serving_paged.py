@@ -63,6 +63,9 @@ def test_written_kv_reads_back_exactly_at_odd_starts(dtype, physical):
         io.write(block_ids, start, key, value)
         k, v = io.read(block_ids, start, start + n)
         assert torch.equal(k, key) and torch.equal(v, value)
+        into = torch.full((2, n, 2, 8), -1.0, dtype=dtype)  # read into slices of one buffer, as the connector
+        io.read(block_ids, start, start + n, out=(into[0], into[1]))
+        assert torch.equal(into[0], key) and torch.equal(into[1], value)
         # and they sit where vLLM's own kernels read them
         rk, rv = reference_read(cache, paged.slots(block_ids, 16, start, n))
         assert torch.equal(rk, key) and torch.equal(rv, value)

@@ -93,8 +93,8 @@ class Load:
     request_id: str
     block_ids: list[int]
     start: int
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: torch.Tensor  # [layers, n, kv_heads, head_dim]: one buffer to the worker (Plan.keys)
+    values: torch.Tensor
 
 
 @dataclass
@@ -114,10 +114,10 @@ class HFKVShareMetadata(KVConnectorMetadata):
 
 @dataclass
 class Captured(KVConnectorWorkerMetadata):
-    """K/V read back by the worker: request id -> (keys, values), per layer ``[n, kv_heads, head_dim]``
-    (``None`` when reading failed)."""
+    """K/V read back by the worker: request id -> (keys, values), ``[layers, n, kv_heads, head_dim]``
+    each (one buffer apiece back to the scheduler; ``None`` when reading failed)."""
 
-    kv: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]] | None] = field(default_factory=dict)
+    kv: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, Captured):
@@ -252,14 +252,18 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 self._captured[capture.request_id] = None
             self._sent.add(capture.request_id)
 
-    def _read(self, capture: Capture) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        for name in sorted(self._io, key=self._layer_of.__getitem__):
-            k, v = self._io[name].read(capture.block_ids, 0, capture.tokens)
-            keys.append(k.to(STORE_DEVICE))  # the store (and the method's plans) live in host memory
-            values.append(v.to(STORE_DEVICE))
-        return keys, values
+    def _read(self, capture: Capture) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's K/V of the capture into one ``[layers, n, kv_heads, head_dim]`` tensor each,
+        read straight into it, moved to the store's device at once."""
+        names = sorted(self._io, key=self._layer_of.__getitem__)
+        first = self._io[names[0]]
+        shape = (len(names), capture.tokens, first.heads, first.dim)
+        keys = torch.empty(shape, dtype=first.kv_cache.dtype, device=first.kv_cache.device)
+        values = torch.empty_like(keys)
+        for i, name in enumerate(names):
+            self._io[name].read(capture.block_ids, 0, capture.tokens, out=(keys[i], values[i]))
+        # the store (and the method's plans) live in host memory
+        return keys.to(STORE_DEVICE), values.to(STORE_DEVICE)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._captured:
@@ -325,8 +329,8 @@ class HFKVShareConnector(KVConnectorBase_V1):
         if num_external_tokens != plan.claimed:  # vLLM took less (prompt_logprobs, a local partial block)
             keep = max(0, min(num_external_tokens, plan.claimed))
             plan.claim_end = plan.claim_start + keep
-            plan.keys = [k[:keep] for k in plan.keys] if keep else []
-            plan.values = [v[:keep] for v in plan.values] if keep else []
+            plan.keys = plan.keys[:, :keep] if keep else []
+            plan.values = plan.values[:, :keep] if keep else []
         if plan.claimed:
             self._loads[request.request_id] = Load(
                 request.request_id, [], plan.claim_start, plan.keys, plan.values

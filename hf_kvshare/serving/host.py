@@ -235,9 +235,10 @@ class Plan:
     local_hit: int | None = 0  # None: planned ahead, not claimed yet
     claim_start: int = 0
     claim_end: int = 0
-    #: per layer ``[claim_end - claim_start, kv_heads, head_dim]`` (what the connector writes)
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
+    #: ``[layers, claim_end - claim_start, kv_heads, head_dim]`` (what the connector writes; ``keys[i]``
+    #: is layer ``i``'s), an empty list without a claim
+    keys: torch.Tensor | list = field(default_factory=list)
+    values: torch.Tensor | list = field(default_factory=list)
     error: str | None = None
     opt_out: bool = False
     missing: list[str] = field(default_factory=list)
@@ -522,8 +523,13 @@ class Sharing:
         end = min(end, last)
         if end <= start:
             return
-        keys: list[list[torch.Tensor]] = []
-        values: list[list[torch.Tensor]] = []
+        # one [layers, n, heads, dim] tensor per K and V: it crosses vLLM's process boundary (the
+        # scheduler's metadata to the worker) as one out-of-band buffer, not 2 x layers pickled copies
+        first = next(p.kv for p in plan.placements if p is not None)
+        k0 = first.keys[0]
+        shape = (len(first.keys), end - start, k0.shape[1], k0.shape[3])
+        plan.keys = torch.empty(shape, dtype=k0.dtype)
+        plan.values = torch.empty(shape, dtype=first.values[0].dtype)
         for span, placement in zip(turn.spans, plan.placements):
             lo, hi = max(span.start, start), min(span.end, end)
             if hi <= lo:
@@ -531,13 +537,8 @@ class Sharing:
             kv = placement.kv
             a, b = lo - span.start, hi - span.start
             for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
-                if layer == len(keys):
-                    keys.append([])
-                    values.append([])
-                keys[layer].append(k[0, :, a:b].transpose(0, 1))  # [n, heads, dim]
-                values[layer].append(v[0, :, a:b].transpose(0, 1))
-        plan.keys = [torch.cat(parts).contiguous() for parts in keys]
-        plan.values = [torch.cat(parts).contiguous() for parts in values]
+                plan.keys[layer, lo - start : hi - start] = k[0, :, a:b].transpose(0, 1)  # [n, heads, dim]
+                plan.values[layer, lo - start : hi - start] = v[0, :, a:b].transpose(0, 1)
         plan.claim_start, plan.claim_end = start, end
         with self._counts:  # claim() runs outside the store's lock
             self.claimed_requests += 1
@@ -553,15 +554,15 @@ class Sharing:
     def record(
         self,
         plan: Plan,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
+        keys: torch.Tensor | list[torch.Tensor],
+        values: torch.Tensor | list[torch.Tensor],
         output_ids: list[int],
         stop_ids: set[int],
         *,
         settle: bool = True,
     ) -> None:
-        """Record a finished request: ``keys``/``values`` per layer ``[n, kv_heads, head_dim]`` hold the
-        K/V the engine used for positions ``[0, n)`` (prompt + output but its last token). What the
+        """Record a finished request: ``keys``/``values`` (``[layers, n, kv_heads, head_dim]``, or a list of
+        the layers' ``[n, kv_heads, head_dim]``) hold the K/V the engine used for positions ``[0, n)`` (prompt + output but its last token). What the
         method's record leaves for later is run here too, unless ``settle=False`` (the background
         thread's: it is left in :attr:`Plan.deferred` for the caller)."""
         if plan.turn is None:
@@ -603,7 +604,7 @@ class Sharing:
     def _record(self, plan: Plan, keys, values, output_ids: list[int], stop_ids: set[int]) -> None:
         turn, host, method = plan.turn, plan.host, self.method
         P = len(plan.prompt)
-        n = keys[0].shape[0] if keys else 0
+        n = keys[0].shape[0] if len(keys) else 0
         if n < P:
             raise ValueError(f"the engine holds K/V of {n} positions, the prompt has {P}")
 

@@ -75,8 +75,14 @@ class BlockLayout:
     key_index: torch.Tensor  # [block_size * heads * dim] long, on the probed cache's device
     value_index: torch.Tensor
 
-    def read(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V at ``slot_mapping`` (flat slots), as ``[n, heads, dim]`` each, on the cache's device.
+    def read(
+        self,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V at ``slot_mapping`` (flat slots), as ``[n, heads, dim]`` each, on the cache's device
+        (into ``out``, two contiguous ``[n, heads, dim]`` tensors there, when given).
 
         Whole blocks are gathered and un-permuted with one 1-D ``index_select`` each (a request's slots
         run through its blocks in order, so the runs of equal blocks are few), then the slots' rows are
@@ -90,11 +96,15 @@ class BlockLayout:
         run_of = torch.repeat_interleave(torch.arange(runs.numel(), device=device), counts)
         rows = run_of * self.block_size + offsets  # each slot's row among the gathered blocks' tokens
         flat = kv_cache.index_select(0, runs).reshape(runs.numel(), -1)  # only the blocks read
-        out = []
-        for index in (self.key_index, self.value_index):
+        read = []
+        for i, index in enumerate((self.key_index, self.value_index)):
             tokens = flat.index_select(1, index.to(device)).view(-1, self.heads, self.dim)
-            out.append(tokens.index_select(0, rows))
-        return out[0], out[1]
+            read.append(
+                tokens.index_select(0, rows)
+                if out is None
+                else torch.index_select(tokens, 0, rows, out=out[i])
+            )
+        return read[0], read[1]
 
 
 def probe_layout(writer: Writer, like: torch.Tensor) -> BlockLayout:
@@ -199,7 +209,9 @@ class LayerIO:
             slot_mapping,
         )
 
-    def read(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, block_ids: list[int], start: int, end: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of token positions ``[start, end)`` as ``[end - start, heads, dim]`` each (fresh tensors
-        on the cache's device)."""
-        return self.layout.read(self.kv_cache, slots(block_ids, self.block_size, start, end - start))
+        on the cache's device, or written into ``out``: :meth:`BlockLayout.read`)."""
+        return self.layout.read(self.kv_cache, slots(block_ids, self.block_size, start, end - start), out)

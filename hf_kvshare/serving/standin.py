@@ -13,10 +13,10 @@ from .host import Plan
 
 def engine(
     model: torch.nn.Module, plan: Plan, max_new_tokens: int = 8, min_new_tokens: int | None = None
-) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """Positions ``[0, local_hit)`` from a prefix cache (here a plain prefill), the claimed K/V written,
-    every other token computed; greedy. Returns the output ids and the K/V used per layer
-    ``[n, kv_heads, head_dim]`` (prompt + output but its last token), as :meth:`Sharing.record
+    every other token computed; greedy. Returns the output ids and the K/V used,
+    ``[layers, n, kv_heads, head_dim]`` each (prompt + output but its last token), as :meth:`Sharing.record
     <hf_kvshare.serving.host.Sharing.record>` takes them."""
     prompt = torch.tensor(plan.prompt)[None]
     cache = DynamicCache()
@@ -35,6 +35,7 @@ def engine(
             **cache_kwargs(cache),
         )
     ids = out[0, prompt.shape[1] :].tolist()
-    keys = [cache.layers[i].keys[0].transpose(0, 1) for i in range(len(cache.layers))]
-    values = [cache.layers[i].values[0].transpose(0, 1) for i in range(len(cache.layers))]
+    # one [layers, n, kv_heads, head_dim] tensor per K and V, as the connector's worker reads them back
+    keys = torch.stack([layer.keys[0].transpose(0, 1) for layer in cache.layers])
+    values = torch.stack([layer.values[0].transpose(0, 1) for layer in cache.layers])
     return ids, keys, values
