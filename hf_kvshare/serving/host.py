@@ -561,10 +561,11 @@ class Sharing:
         *,
         settle: bool = True,
     ) -> None:
-        """Record a finished request: ``keys``/``values`` (``[layers, n, kv_heads, head_dim]``, or a list of
-        the layers' ``[n, kv_heads, head_dim]``) hold the K/V the engine used for positions ``[0, n)`` (prompt + output but its last token). What the
-        method's record leaves for later is run here too, unless ``settle=False`` (the background
-        thread's: it is left in :attr:`Plan.deferred` for the caller)."""
+        """Record a finished request: ``keys``/``values`` (``[layers, n, kv_heads, head_dim]``, or a
+        list of the layers' ``[n, kv_heads, head_dim]``) hold the K/V the engine used for positions
+        ``[0, n)`` (prompt + output but its last token). What the method's record leaves for later is
+        run here too, unless ``settle=False`` (the background thread's: it is left in
+        :attr:`Plan.deferred` for the caller)."""
         if plan.turn is None:
             return
         with self._lock:
