@@ -217,6 +217,8 @@ def test_store_stays_within_its_bound(tiny_llama, tokenizer):
         sharing.record(plan, k, v, out, set())
         summary = sharing.state_summary()
         assert summary["bytes"] <= summary["max_bytes"] and summary["tasks"] <= 3
+        # the bound sums each task's count of its last record: the count of what is held now
+        assert summary["bytes"] == sum(h.held_bytes() for h in sharing.hosts.values())
     assert summary["evicted_tasks"] >= 3
 
 
@@ -253,6 +255,7 @@ def test_a_record_keeps_views_and_an_output_read_by_no_later_turn_gives_its_turn
     assert storage_bytes(tensors(a1)) == a1.nbytes  # a1's output copied out of a1's turn cache
     assert host.held_bytes() == storage_bytes(tensors(doc_kv)) + a1.nbytes
     assert host.held_bytes() > doc_kv.nbytes + a2.nbytes + a1.nbytes  # a2's whole cache, counted once
+    assert sharing.held_bytes() == host.held == host.held_bytes()
 
 
 def test_kvcmas_runs_through_the_same_contract(tiny_llama, tokenizer):

@@ -179,6 +179,9 @@ class ServingHost:
         self.reserved: set[str] = set()  # output slots of requests in flight
         #: (turn cache length, weak references to the slot K/V that are views of it): Session._views
         self._views: list[tuple[int, list[weakref.ref]]] = []
+        #: :meth:`held_bytes` as of the last change of the slots' K/V (a record, the bound's drops):
+        #: what the store's bound sums over its tasks without walking every tensor of every task
+        self.held = 0
 
     @property
     def shifter(self) -> RopeShifter:
@@ -580,6 +583,7 @@ class Sharing:
                 plan.deferred = self.method.deferred_work()
                 plan.drop_kv()
             plan.host.compact_views()
+            plan.host.held = plan.host.held_bytes()
             self._bound(plan.host)
             self.records += 1
             plan.record_s = time.perf_counter() - t0
@@ -673,7 +677,8 @@ class Sharing:
 
     # ------------------------------------------------------------------ bounds
     def held_bytes(self) -> int:
-        return sum(h.held_bytes() for h in self.hosts.values())
+        """Bytes the tasks' slots keep alive (each task's count as of its last record: ServingHost.held)."""
+        return sum(h.held for h in self.hosts.values())
 
     def _evict_one(self, keep: ServingHost) -> bool:
         for task in self.hosts:
@@ -691,6 +696,7 @@ class Sharing:
                 if slot.latest is not None:
                     slot.latest = None
                     self.dropped_slots += 1
+                    current.held = current.held_bytes()
                     if self.held_bytes() <= self.max_bytes:
                         break
 
