@@ -662,7 +662,7 @@ class Sharing:
         held: list[SegmentKV] = []
         if method.uses_sources:
             # views of the turn's cache, as Session._record keeps them (no second copy of every segment);
-            # copied out below when together they hold little of it (compact)
+            # copied out after the record when together they hold little of it (ServingHost.compact_views)
             with cache.sharing_storage():
                 for span in turn.spans:
                     if span.kind == "PH":
