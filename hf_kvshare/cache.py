@@ -408,11 +408,12 @@ class SegmentedCache(DynamicCache):
             return
         self.update(keys, values, layer_idx)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: Any) -> None:
         """``generate`` calls this before assisted decoding (and, on CUDA, after a prefill): remember
-        where, so that a refused first step can name the mode."""
+        where, so that a refused first step can name the mode. Whatever ``generate`` passes (since
+        transformers 5.25: ``recurrent_states_to_keep``) goes on to the cache's own method."""
         self._recording_at = self.get_seq_length()
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)
 
     def check_model(self, model_or_config: Any) -> None:
         """Raise if this cache was built for another model: another shape (layers, kv heads, head dim)
