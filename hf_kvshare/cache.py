@@ -59,8 +59,12 @@ def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
 
     The reduction is ``torch.aminmax`` (NaN propagates into both, +inf is the max, -inf the min): one
     pass without the tensor-sized boolean mask of ``isfinite(t).all()``, which was ~18x slower on a
-    CPU (a 700-token SmolLM2 layer: 1.1 ms vs 62 us) and most of a serving record's time."""
+    CPU (a 700-token SmolLM2 layer: 1.1 ms vs 62 us) and most of a serving record's time.
+
+    A :class:`SegmentKV` that passed once is marked (:attr:`SegmentKV.finite`) and not read again: a
+    slot's K/V is checked once, not once per consumer that takes it as its source."""
     bounds, where = [], []
+    items = [(what, kv) for what, kv in items if not kv.finite]  # checked already (SegmentKV.finite)
     for what, kv in items:
         for layer, pair in enumerate(zip(kv.keys, kv.values)):
             for kind, tensor in zip(("keys", "values"), pair):
@@ -68,10 +72,11 @@ def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
                     continue
                 bounds.append(torch.stack(torch.aminmax(tensor)).float())
                 where.append((what, layer, kind))
-    if not bounds:
-        return
-    ok = torch.isfinite(torch.stack([b.to(bounds[0].device) for b in bounds])).all(dim=1).cpu()
-    if bool(ok.all()):
+    if bounds:
+        ok = torch.isfinite(torch.stack([b.to(bounds[0].device) for b in bounds])).all(dim=1).cpu()
+    if not bounds or bool(ok.all()):
+        for _, kv in items:
+            kv.finite = True
         return
     what, layer, kind = where[int((~ok).nonzero()[0, 0])]
     raise ValueError(
@@ -95,6 +100,11 @@ class SegmentKV:
     #: an image / video segment's rope layout on a multimodal-RoPE model (``mrope.VisualRope``); keys
     #: are kept in the slot frame there (:mod:`hf_kvshare.mrope`)
     rope: Any = None
+    #: known to hold no NaN / inf: it passed :func:`check_finite`, or was extracted from a cache whose
+    #: whole K/V did (:meth:`SegmentedCache.append_tiled`). Never set by construction or ``replace``
+    #: (``init=False``): a K/V derived from this one (re-positioned, corrected) is checked on its own.
+    #: K/V is never written in place, so the mark stays true.
+    finite: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -305,9 +315,18 @@ class SegmentedCache(DynamicCache):
             values.append(v if views else v.clone())
         track = self.rope_track
         if track is None:
-            return SegmentKV(keys=keys, values=values, start=start, agent=agent)
+            kv = SegmentKV(keys=keys, values=values, start=start, agent=agent)
+            kv.finite = self.known_finite
+            return kv
         keys = track.rotate(keys, start, -1)  # multimodal RoPE: kept in the slot frame
         return SegmentKV(keys=keys, values=values, start=start, agent=agent, rope=track.visual(start, end))
+
+    @property
+    def known_finite(self) -> bool:
+        """Whether every layer's K/V is known to hold no NaN / inf: the cache holds exactly a checked
+        :class:`SegmentKV` given whole to :meth:`append_tiled` (``adopt=True``) and nothing was written
+        since. Extracts are then marked (:attr:`SegmentKV.finite`) and not checked again."""
+        return self.__dict__.get("_known_finite", False)
 
     @contextmanager
     def sharing_storage(self) -> Iterator[SegmentedCache]:
@@ -392,6 +411,7 @@ class SegmentedCache(DynamicCache):
     def _before_update(self, key_states: torch.Tensor, layer_idx: int, args: tuple, kwargs: dict) -> None:
         self._check_shapes(key_states, layer_idx)
         self._check_positions(key_states, layer_idx, args, kwargs)
+        self._known_finite = False  # new K/V, unchecked
 
     def _store_new(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> None:
         """``update`` with tensors just built for this layer and read by no one else: an empty plain
@@ -515,12 +535,17 @@ class SegmentedCache(DynamicCache):
             self._store_new(*_laid_out(parts, layer_idx, shifter, rotations, batch), layer_idx)
         self.segments.extend(p.segment for p in parts)
 
-    def append_tiled(self, kv: SegmentKV, segments: Sequence[Segment]) -> None:
+    def append_tiled(self, kv: SegmentKV, segments: Sequence[Segment], adopt: bool = False) -> None:
         """Append K/V already at the positions it lands at (``kv.start`` = the cache's end) whose
         rows ``segments`` tile in order: one update per layer, where :meth:`append_kv` per segment
         would copy the layer once per segment (``DynamicLayer`` appends by concatenation). What the
         serving host records: the K/V an engine computed for a whole request, its table already
-        known. Nothing is stored when the arguments disagree."""
+        known. Nothing is stored when the arguments disagree.
+
+        ``adopt=True``: ``kv``'s tensors are the caller's to give (read by no one else afterwards: the
+        engine's read-back of one request). An empty cache of plain layers then holds them as they
+        are, no copy (views of the caller's storage; :func:`storage_bytes` counts it whole), and when
+        ``kv`` is :attr:`~SegmentKV.finite` the cache is :attr:`known_finite`."""
         start = self.get_seq_length()
         if kv.start != start:
             raise ValueError(f"K/V sits at position {kv.start}, the cache ends at {start}")
@@ -531,9 +556,14 @@ class SegmentedCache(DynamicCache):
         if not segments:
             raise ValueError(f"no segments for the {kv.length} tokens of K/V")
         check_tiling(segments, start, start + kv.length)
+        held = adopt and start == 0
         for layer_idx in range(self.num_layers):
-            self.update(kv.keys[layer_idx], kv.values[layer_idx], layer_idx)
+            if held:
+                self._store_new(kv.keys[layer_idx], kv.values[layer_idx], layer_idx)
+            else:
+                self.update(kv.keys[layer_idx], kv.values[layer_idx], layer_idx)
         self.segments.extend(segments)
+        self._known_finite = held and kv.finite
 
     @property
     def can_reserve(self) -> bool:
@@ -588,6 +618,7 @@ class SegmentedCache(DynamicCache):
         super().reset()
         self.segments = []
         self.rope_track = None
+        self._known_finite = False
 
     def copy(self) -> SegmentedCache:
         """An independent copy (tensors cloned) with the same segment table."""
@@ -844,6 +875,7 @@ class SlotWriter(DynamicCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.cache._check_shapes(key_states, layer_idx)
+        self.cache._known_finite = False  # written in place, unchecked
         layer = self.layers[layer_idx]
         slots = self.slots.to(layer.keys.device)
         layer.keys.index_copy_(-2, slots, key_states.to(layer.keys.dtype))

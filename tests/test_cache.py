@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tiny import tiny_model
@@ -9,7 +11,7 @@ from transformers import DynamicCache
 
 from hf_kvshare import RopeShifter, Segment, SegmentedCache, SharedCache, cache_kwargs
 from hf_kvshare._compat import output_cache
-from hf_kvshare.cache import LayerIndexError, PositionMismatchError
+from hf_kvshare.cache import LayerIndexError, PositionMismatchError, SegmentKV, check_finite
 from hf_kvshare.prefill import prefill_dense
 
 
@@ -168,6 +170,54 @@ def test_append_tiled_stores_what_appending_segment_by_segment_stores(tiny):
     with pytest.raises(ValueError, match="cache ends at 0"):
         empty.append_tiled(src.extract(2, 10), [Segment("a", "PF", 2, 10)])
     assert empty.get_seq_length() == 0 and empty.segments == []  # nothing stored
+
+
+def test_an_adopted_read_back_is_held_without_a_copy_and_its_extracts_are_known_finite(tiny):
+    src = dense(tiny, torch.randint(3, 1000, (10,)))
+    # an engine's read-back: one [layers, n, heads, dim] tensor per K and V, given as per-layer views
+    keys = torch.stack([src.layer_kv(i)[0][0].transpose(0, 1) for i in range(tiny.config.num_hidden_layers)])
+    values = torch.stack(
+        [src.layer_kv(i)[1][0].transpose(0, 1) for i in range(tiny.config.num_hidden_layers)]
+    )
+    used = SegmentKV(
+        keys=[k.transpose(0, 1)[None] for k in keys],
+        values=[v.transpose(0, 1)[None] for v in values],
+        start=0,
+    )
+    table = [Segment("a", "PF", 0, 4), Segment("x", "PH", 4, 10)]
+    unchecked = SegmentedCache(tiny.config)
+    unchecked.append_tiled(used, table, adopt=True)
+    assert not unchecked.known_finite and not unchecked.extract(4, 10).finite  # never checked
+    used.check_finite("the read-back")
+    assert used.finite
+    cache = SegmentedCache(tiny.config)
+    cache.append_tiled(used, table, adopt=True)
+    assert cache.known_finite and cache.segments == table
+    assert cache.layer_kv(0)[0].untyped_storage().data_ptr() == keys.untyped_storage().data_ptr()  # no copy
+    for layer in range(tiny.config.num_hidden_layers):
+        for x, y in zip(cache.layer_kv(layer), src.layer_kv(layer)):
+            assert torch.equal(x, y)
+    with cache.sharing_storage():
+        view = cache.extract(4, 10)
+    assert view.finite and cache.extract(4, 10).finite
+    # a K/V made from a checked one is not marked: re-positioned, it is checked on its own
+    assert not replace(view, start=4).finite
+    # marked K/V is not read again (here: spoiled behind the mark's back, as nothing in the library does)
+    view.keys[1][0, 0, 0, 0] = float("nan")
+    check_finite([("the view", view)])
+    fresh = cache.extract(4, 10)
+    fresh.finite = False
+    with pytest.raises(ValueError, match="the slot: non-finite K/V .* layer 1 \\(keys\\)"):
+        fresh.check_finite("the slot")
+    # anything written afterwards is unchecked: the mark goes
+    more = dense(tiny, torch.randint(3, 1000, (12,))).extract(10, 12)
+    cache.append_kv(more, Segment("t", "PF", 10, 12))
+    assert not cache.known_finite and not cache.extract(10, 12).finite
+    # a cache that held something already copies, and is not marked
+    copy = SegmentedCache(tiny.config)
+    copy.append_tiled(src.extract(0, 4), [Segment("a", "PF", 0, 4)])
+    copy.append_tiled(src.extract(4, 10), [Segment("x", "PH", 4, 10)], adopt=True)
+    assert not copy.known_finite
 
 
 def test_crop_copy_reset_keep_table_consistent(tiny):

@@ -69,6 +69,50 @@ def test_fullshared_through_the_contract_equals_session(tiny_llama, tokenizer):
     assert p3.error is None and p3.claimed == 0 and p3.placements[1] is not None
 
 
+@pytest.mark.parametrize("method", ["fullshared", "kvcmas"])
+def test_a_record_of_non_finite_engine_kv_stores_nothing_and_a_checked_one_is_not_read_again(
+    tiny_llama, tokenizer, method, monkeypatch
+):
+    model = tiny_llama
+    sys1, doc, q1, q2 = (ids_of(tokenizer, t) for t in (SYS1, DOC, Q1, Q2))
+    sharing = Sharing(model, tokenizer, method)
+    p1 = sharing.plan("r1", sys1 + doc + q1, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0)
+    out1, k, v = engine(model, p1)
+    spoiled = k.clone()
+    spoiled[2, len(sys1) + 2, 0, 0] = float("nan")  # a document token's key, layer 2
+    sharing.record(p1, spoiled, v, out1, set())
+    host = sharing.hosts["t"]
+    assert "record: ValueError" in p1.error and "non-finite K/V" in p1.error and "layer 2 (keys)" in p1.error
+    assert host.slots["doc"].latest is None and "a1" not in host.slots and sharing.records == 1
+    # the same request recorded from finite K/V: the slots hold views of it, checked once
+    p1 = sharing.plan("r1b", sys1 + doc + q1, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0)
+    out1, k, v = engine(model, p1)
+    sharing.record(p1, k, v, out1, set())
+    assert p1.error is None and host.slots["doc"].latest.finite
+    assert host.slots["doc"].latest.keys[0].untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    checked = []
+    import hf_kvshare.cache as cache_module
+
+    inner = cache_module.check_finite
+
+    def counted(items):
+        items = list(items)
+        checked.extend(what for what, kv in items if not kv.finite)
+        return inner(items)
+
+    import hf_kvshare.anchors.scope as scope_module
+
+    monkeypatch.setattr(cache_module, "check_finite", counted)  # SegmentKV.check_finite's
+    monkeypatch.setattr(scope_module, "check_finite", counted)  # the anchors' record (KVCMAS)
+    p2 = sharing.plan("r2", doc + q2, layout("t", "a2", [{"slot": "doc", "start": 0, "end": len(doc)}]), 0)
+    assert p2.claimed  # the document placed from a1's
+    out2, k, v = engine(model, p2)
+    sharing.record(p2, k, v, out2, set())
+    assert p2.error is None
+    # the read-back is checked, whole; neither a1's document (the source) nor what was placed again
+    assert checked == ["the engine's K/V of request r2"]
+
+
 def test_exact_reuse_and_prefix_reuse_claim_the_whole_prompt_but_its_last_token(tiny_llama, tokenizer):
     model = tiny_llama
     prompt = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC) + ids_of(tokenizer, Q1)

@@ -149,13 +149,15 @@ def token_distances(
                 for i, a in enumerate(anchors):
                     factors = getattr(a.base, pick)[layer]
                     recon = factors.a[first:last].float()
-                    recon = recon if factors.b is None else recon @ factors.b.float()
+                    # a new tensor from here on (the product, a rotation or a copy), so the difference
+                    # and its absolute value are taken in place: the same values, no more temporaries
+                    recon = recon.clone() if factors.b is None else recon @ factors.b.float()
                     if placed is not None and pick == "keys":
                         recon = to_matrix(
                             shifter.apply(to_heads(recon, heads), placed[i], layer=layer)
                         ).float()
                     # per-layer devices (device_map): accumulate on the source's first layer's
-                    acc[i, first:last] += (recon - src).abs().sum(-1).double().to(device)
+                    acc[i, first:last] += recon.sub_(src).abs_().sum(-1).double().to(device)
     return key_abs / features, value_abs / features  # stay on the device: weights are applied there
 
 
@@ -314,12 +316,18 @@ def weighted_sum(factors: list[MatrixFactors], weights: torch.Tensor, rows: int)
     low = [(w, f) for w, f in zip(weights, factors) if not f.dense]
     out = None
     if low:
-        a = torch.cat([w[:, None] * f.a[:rows].float() for w, f in low], dim=1)
+        # each weighted block written straight into its columns (no per-anchor product, then a cat)
+        ranks = [f.a.shape[1] for _, f in low]
+        a = torch.empty(rows, sum(ranks), dtype=torch.float32, device=weights.device)
+        offset = 0
+        for (w, f), r in zip(low, ranks):
+            torch.mul(w[:, None], f.a[:rows], out=a[:, offset : offset + r])
+            offset += r
         b = torch.cat([f.b.float() for _, f in low], dim=0)
         out = a @ b
     for w, f in dense:
         term = w[:, None] * f.a[:rows].float()
-        out = term if out is None else out + term
+        out = term if out is None else out.add_(term)
     return out
 
 

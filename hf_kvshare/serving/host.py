@@ -613,29 +613,33 @@ class Sharing:
         if n < P:
             raise ValueError(f"the engine holds K/V of {n} positions, the prompt has {P}")
 
+        # the K/V the engine used, injected and computed alike: checked once, whole (one reduction per
+        # layer), before anything is recorded; the turn's slots and the method's checks then read it as
+        # checked (SegmentKV.finite), and a placement's K/V is not checked again (what was injected is in it)
+        used = SegmentKV(
+            keys=[k[:n].transpose(0, 1)[None] for k in keys],
+            values=[v[:n].transpose(0, 1)[None] for v in values],
+            start=0,
+            agent=turn.agent,
+        )
+        used.check_finite(f"the engine's K/V of request {plan.request_id}")
         cache = method.new_cache(turn)
         covered = max(plan.claim_end, plan.local_hit)
         segments = []
         for i, (span, placement) in enumerate(zip(turn.spans, plan.placements)):
-            placed = placement if placement is not None and span.end <= covered else None
-            part = turn.part(span, placed)
+            if placement is not None and span.end <= covered:
+                segment = turn.segment_for(span, placement.provenance, placement.source_agent, placement.info)
+            else:
+                segment = turn.segment_for(span, "dense")
             end = span.end - 1 if i == len(turn.spans) - 1 else span.end
             if end > span.start:
-                part.segment.end = end
-                segments.append(part.segment)
+                segment.end = end
+                segments.append(segment)
         segments.append(Segment("prompt_tail", "PF", P - 1, P))
         if n > P:
             segments.append(Segment("generated", "PF", P, n))
-        # the engine's K/V of [0, n) into the cache in one copy per layer (the update concatenates)
-        cache.append_tiled(
-            SegmentKV(
-                keys=[k[:n].transpose(0, 1)[None] for k in keys],
-                values=[v[:n].transpose(0, 1)[None] for v in values],
-                start=0,
-                agent=turn.agent,
-            ),
-            segments,
-        )
+        # the cache holds the engine's K/V of [0, n) as they are (views of the read-back, no copy)
+        cache.append_tiled(used, segments, adopt=True)
         method.finish(turn, cache)
         for segment in cache.segments:
             if segment.kind == "PH" and segment.provenance == "dense":
