@@ -212,6 +212,21 @@ def test_connector_columns_from_the_per_request_reports(tmp_path):
         for i, n in enumerate([0, 3, 2])
     ]
     assert sb.connector_columns("fullshared", stored)["store_evicted_tasks"] == 3
+    # what the server held beyond vLLM's KV cache: the most over the run's reports, from a report file's
+    # line (method_bytes) or a reply's (the method's whole state summary)
+    assert cols["store_bytes_max"] is None and cols["method_bytes_max"] is None
+    held = [
+        {"store": {"bytes": 500, "method_bytes": 70}},
+        {"store": {"bytes": 900, "method_state": {"bytes": 40, "anchors": 2}}},
+        {"store": {"bytes": 300, "method_bytes": None}},
+    ]
+    held = [
+        {"request": i, "ok": True, "connector": sb.compact_report({**_report(None, 10, 0, 0), **h})}
+        for i, h in enumerate(held)
+    ]
+    assert [r["connector"]["method_bytes"] for r in held] == [70, 40, None]
+    cols = sb.connector_columns("kvcmas", held)
+    assert cols["store_bytes_max"] == 900 and cols["method_bytes_max"] == 70
 
 
 def test_exact_match_against_plain():

@@ -274,6 +274,8 @@ SUMMARY_COLUMNS = (
     "admission_wait_p50_s",
     "queued_p50_s",
     "store_evicted_tasks",
+    "store_bytes_max",
+    "method_bytes_max",
     "gate_rejected_requests",
     "exact_match",
     "exact_note",
@@ -338,6 +340,8 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "admission_wait_p50_s": None,
         "queued_p50_s": None,
         "store_evicted_tasks": None,
+        "store_bytes_max": None,
+        "method_bytes_max": None,
         "gate_rejected_requests": None,
     }
     if method in BASELINES:
@@ -386,10 +390,19 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
             (r["store_evicted_tasks"] for r in reports if isinstance(r.get("store_evicted_tasks"), int)),
             default=None,
         ),
+        # the most the server held beyond vLLM's own KV cache as of any request's report: the slots' K/V
+        # in the store (counted by storage), and what the method keeps across requests (anchor pools)
+        "store_bytes_max": _max_int(reports, "store_bytes"),
+        "method_bytes_max": _max_int(reports, "method_bytes"),
         # requests a gate rejection sent dense (their PH spans prefilled, the delta anchored); None when
         # no report carries a gate outcome
         "gate_rejected_requests": sum(rejected) if rejected else None,
     }
+
+
+def _max_int(reports: Sequence[Mapping[str, Any]], key: str) -> int | None:
+    values = [r.get(key) for r in reports]
+    return max((v for v in values if isinstance(v, int) and not isinstance(v, bool)), default=None)
 
 
 def _stat(reports: Sequence[Mapping[str, Any]], key: str, stat: str) -> float | None:
@@ -423,7 +436,14 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
     out["gate_rejected"] = gate_rejected(report)
     out["gate_unfilled"] = gate_unfilled(report)
     store = report.get("store")
-    out["store_evicted_tasks"] = store.get("evicted_tasks") if isinstance(store, Mapping) else None
+    store = store if isinstance(store, Mapping) else {}
+    out["store_evicted_tasks"] = store.get("evicted_tasks")
+    out["store_bytes"] = store.get("bytes")
+    # a report file's line carries method_bytes; a reply's report the method's whole state summary
+    method_state = store.get("method_state")
+    out["method_bytes"] = store.get(
+        "method_bytes", method_state.get("bytes") if isinstance(method_state, Mapping) else None
+    )
     out["segments"] = [
         [
             seg.get("kind"),

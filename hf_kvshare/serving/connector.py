@@ -389,8 +389,12 @@ class HFKVShareConnector(KVConnectorBase_V1):
             "request_id": ids[0],
             "external_id": ids[1],
             **{k: v for k, v in report.items() if k != "store"},
-            # the store's counts when the request ended (its bound's evictions explain a claim missing)
-            "store": {k: report.get("store", {}).get(k) for k in STORE_COUNTS},
+            # the store's counts when the request ended (its bound's evictions explain a claim missing),
+            # and the bytes the method keeps across requests (KVCMAS's anchor pools, kept prefixes)
+            "store": {
+                **{k: report.get("store", {}).get(k) for k in STORE_COUNTS},
+                "method_bytes": (report.get("store", {}).get("method_state") or {}).get("bytes"),
+            },
         }
         try:
             with open(self._report_path, "a") as f:
