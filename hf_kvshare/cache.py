@@ -61,8 +61,9 @@ def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
     pass without the tensor-sized boolean mask of ``isfinite(t).all()``, which was ~18x slower on a
     CPU (a 700-token SmolLM2 layer: 1.1 ms vs 62 us) and most of a serving record's time.
 
-    A :class:`SegmentKV` that passed once is marked (:attr:`SegmentKV.finite`) and not read again: a
-    slot's K/V is checked once, not once per consumer that takes it as its source."""
+    A :class:`SegmentKV` marked :attr:`SegmentKV.finite` (taken from a checked engine read-back that
+    nothing writes: the serving record's) is not read again. Passing does not mark: K/V a session holds
+    is checked again at every use, so a tensor written in place after a check is still caught."""
     bounds, where = [], []
     items = [(what, kv) for what, kv in items if not kv.finite]  # checked already (SegmentKV.finite)
     for what, kv in items:
@@ -72,11 +73,10 @@ def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
                     continue
                 bounds.append(torch.stack(torch.aminmax(tensor)).float())
                 where.append((what, layer, kind))
-    if bounds:
-        ok = torch.isfinite(torch.stack([b.to(bounds[0].device) for b in bounds])).all(dim=1).cpu()
-    if not bounds or bool(ok.all()):
-        for _, kv in items:
-            kv.finite = True
+    if not bounds:
+        return
+    ok = torch.isfinite(torch.stack([b.to(bounds[0].device) for b in bounds])).all(dim=1).cpu()
+    if bool(ok.all()):
         return
     what, layer, kind = where[int((~ok).nonzero()[0, 0])]
     raise ValueError(
@@ -100,10 +100,11 @@ class SegmentKV:
     #: an image / video segment's rope layout on a multimodal-RoPE model (``mrope.VisualRope``); keys
     #: are kept in the slot frame there (:mod:`hf_kvshare.mrope`)
     rope: Any = None
-    #: known to hold no NaN / inf: it passed :func:`check_finite`, or was extracted from a cache whose
-    #: whole K/V did (:meth:`SegmentedCache.append_tiled`). Never set by construction or ``replace``
-    #: (``init=False``): a K/V derived from this one (re-positioned, corrected) is checked on its own.
-    #: K/V is never written in place, so the mark stays true.
+    #: known to hold no NaN / inf: extracted from a cache that holds exactly a checked K/V
+    #: (:attr:`SegmentedCache.known_finite`: the serving record's read-back, which the store holds and
+    #: nothing writes), or set so by whoever checked it and keeps it unwritten. :func:`check_finite` skips
+    #: it. Never set by construction or ``replace`` (``init=False``): a K/V derived from this one
+    #: (re-positioned, corrected) is checked on its own.
     finite: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property

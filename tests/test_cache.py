@@ -189,7 +189,8 @@ def test_an_adopted_read_back_is_held_without_a_copy_and_its_extracts_are_known_
     unchecked.append_tiled(used, table, adopt=True)
     assert not unchecked.known_finite and not unchecked.extract(4, 10).finite  # never checked
     used.check_finite("the read-back")
-    assert used.finite
+    assert not used.finite  # passing does not mark (a session's K/V is checked at every use)
+    used.finite = True  # what the serving record states of the read-back it checked and holds
     cache = SegmentedCache(tiny.config)
     cache.append_tiled(used, table, adopt=True)
     assert cache.known_finite and cache.segments == table

@@ -623,6 +623,7 @@ class Sharing:
             agent=turn.agent,
         )
         used.check_finite(f"the engine's K/V of request {plan.request_id}")
+        used.finite = True  # the store holds it from here, and nothing writes it
         cache = method.new_cache(turn)
         covered = max(plan.claim_end, plan.local_hit)
         segments = []
