@@ -386,10 +386,7 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "queued_p50_s": _stat(reports, "queued_s", "p50"),
         # tasks the store's bound evicted since the server started, as of the run's last report (a
         # task evicted while in flight computes what it would have reused)
-        "store_evicted_tasks": max(
-            (r["store_evicted_tasks"] for r in reports if isinstance(r.get("store_evicted_tasks"), int)),
-            default=None,
-        ),
+        "store_evicted_tasks": _max_int(reports, "store_evicted_tasks"),
         # the most the server held beyond vLLM's own KV cache as of any request's report: the slots' K/V
         # in the store (counted by storage), and what the method keeps across requests (anchor pools)
         "store_bytes_max": _max_int(reports, "store_bytes"),

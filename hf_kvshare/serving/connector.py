@@ -385,6 +385,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         return write
 
     def _write_report(self, ids: tuple[str, str | None], report: dict[str, Any]) -> None:
+        store = report.get("store", {})
         line = {
             "request_id": ids[0],
             "external_id": ids[1],
@@ -392,8 +393,8 @@ class HFKVShareConnector(KVConnectorBase_V1):
             # the store's counts when the request ended (its bound's evictions explain a claim missing),
             # and the bytes the method keeps across requests (KVCMAS's anchor pools, kept prefixes)
             "store": {
-                **{k: report.get("store", {}).get(k) for k in STORE_COUNTS},
-                "method_bytes": (report.get("store", {}).get("method_state") or {}).get("bytes"),
+                **{k: store.get(k) for k in STORE_COUNTS},
+                "method_bytes": (store.get("method_state") or {}).get("bytes"),
             },
         }
         try:
