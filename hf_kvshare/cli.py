@@ -238,6 +238,12 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         help="decide claims and record turns on vLLM's engine loop (default: on a background thread, "
         "so a correction or a record does not stop the other requests)",
     )
+    parser.add_argument(
+        "--no-read-back-channel",
+        action="store_true",
+        help="hand finished requests' K/V to the connector's records with vLLM's step output only "
+        "(default: through a side channel before the next step's forward; hf_kvshare.serving.channel)",
+    )
     args, vllm_args = parser.parse_known_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
@@ -270,6 +276,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
             max_bytes=args.max_store_bytes,
             max_tasks=args.max_tasks,
             background=not args.inline_admission,
+            read_back_channel=not args.no_read_back_channel,
         )
     except ValueError as e:
         fail(prog, str(e))

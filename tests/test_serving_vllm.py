@@ -40,13 +40,16 @@ Q2 = " Summary in five words:"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    from hf_kvshare.serving.connector import REPORTS_ENV
     from hf_kvshare.serving.models import served_model_dir
     from hf_kvshare.serving.server import Server
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    log = open(tmp_path_factory.mktemp("serve") / "vllm.log", "w")  # noqa: SIM115 - closed below
+    folder = tmp_path_factory.mktemp("serve")
+    log = open(folder / "vllm.log", "w")  # noqa: SIM115 - closed below
+    reports = folder / "reports.jsonl"  # each recorded request's report line (REPORTS_ENV)
     srv = Server(
         served_model_dir("smollm2-135m"),
         METHOD,
@@ -55,6 +58,8 @@ def server(tmp_path_factory):
         max_bytes=MAX_BYTES,
         log=log,
     )
+    srv.environment = lambda: {**Server.environment(srv), REPORTS_ENV: str(reports)}
+    srv.reports = reports
     srv.start()
     try:
         srv.wait_ready(timeout=480)
@@ -156,6 +161,25 @@ def test_exact_mode_and_fullshared(server, tok):
     plain_b2, _ = complete(server, b, PLAIN)
     assert plain_b2 == plain_b
     assert report["store"]["bytes"] <= MAX_BYTES
+    # every recorded request of the task reached its record through the read-back channel (before the
+    # next step's forward), so the exact-mode and FullShared tokens above were served from K/V it carried
+    lines = recorded(server, "t1", 4)
+    assert [line["read_back"] for line in lines] == ["channel"] * 4, lines
+    assert all(line["read_back_s"] >= 0 for line in lines)
+
+
+def recorded(server, task, n, timeout=60):
+    """The report lines of ``task`` once ``n`` are written (a line is written after the request's record)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        text = server.reports.read_text() if server.reports.exists() else ""
+        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+        lines = [line for line in lines if line.get("task") == task]
+        if len(lines) >= n or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize(

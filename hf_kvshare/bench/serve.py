@@ -273,6 +273,8 @@ SUMMARY_COLUMNS = (
     "record_mean_s",
     "admission_wait_p50_s",
     "queued_p50_s",
+    "read_back_p50_s",
+    "record_wait_p50_s",
     "store_evicted_tasks",
     "store_bytes_max",
     "method_bytes_max",
@@ -339,6 +341,8 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "record_mean_s": None,
         "admission_wait_p50_s": None,
         "queued_p50_s": None,
+        "read_back_p50_s": None,
+        "record_wait_p50_s": None,
         "store_evicted_tasks": None,
         "store_bytes_max": None,
         "method_bytes_max": None,
@@ -384,6 +388,10 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "admission_wait_p50_s": _stat(reports, "admission_wait_s", "p50"),
         # arrival to vLLM's first admission query (vLLM's own queue; the plan runs meanwhile)
         "queued_p50_s": _stat(reports, "queued_s", "p50"),
+        # a request's end to its record queued (the worker's read-back), and how long a later request of
+        # its task waited for that before its plan could start (only requests that waited)
+        "read_back_p50_s": _stat(reports, "read_back_s", "p50"),
+        "record_wait_p50_s": _stat(reports, "record_wait_s", "p50"),
         # tasks the store's bound evicted since the server started, as of the run's last report (a
         # task evicted while in flight computes what it would have reused)
         "store_evicted_tasks": _max_int(reports, "store_evicted_tasks"),
@@ -428,6 +436,9 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "admission_wait_s",
         "queued_s",
         "record_s",
+        "record_wait_s",
+        "read_back",
+        "read_back_s",
     )
     out = {k: report.get(k) for k in keys}
     out["gate_rejected"] = gate_rejected(report)
@@ -1196,6 +1207,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="the connector decides claims and records turns on vLLM's engine loop (default: on its "
         "background thread; hf_kvshare.serving.admission)",
     )
+    p.add_argument(
+        "--no-read-back-channel",
+        action="store_true",
+        help="the connector gets finished requests' K/V with vLLM's step output only (default: through "
+        "its side channel before the next step's forward; hf_kvshare.serving.channel)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_runs/serve", help="output root (default bench_runs/serve)")
     p.add_argument("--redo", action="store_true", help="replace a finished run of the same configuration")
@@ -1286,7 +1303,9 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
                 s.bind((HOST, args.port))
             except OSError:
                 raise ValueError(f"--port {args.port}: already in use on {HOST}") from None
-    inline = "-inline" if args.inline_admission else ""
+    inline = ("-inline" if args.inline_admission else "") + (
+        "-no-channel" if args.no_read_back_channel else ""
+    )
     out = Path(args.out) / f"{workload.tag()}__{Path(args.model).name}-{args.dtype}-seed{args.seed}{inline}"
     if (out / "summary.json").exists() and not args.redo:
         if summary_complete(out / "summary.json"):
@@ -1335,6 +1354,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
         "explicit_layout": args.explicit_layout,
         "joined_messages": args.joined_messages,
         "inline_admission": args.inline_admission,
+        "read_back_channel": not args.no_read_back_channel,
         "argv": list(argv) if argv is not None else sys.argv[1:],
     }
     # the run is written into a hidden sibling of its folder, renamed into place once complete: an
@@ -1503,6 +1523,7 @@ def _server(
         port=port,
         vllm_args=vllm_args,
         background=not args.inline_admission,
+        read_back_channel=not args.no_read_back_channel,
         log=log,
         python=args.vllm_python,
     )

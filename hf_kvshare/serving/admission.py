@@ -91,8 +91,10 @@ class Background:
     """Plans, records and releases of a :class:`Sharing`, run on one background thread (the order in
     the module docstring).
 
-    Only the engine's scheduler thread calls this object (vLLM's scheduler side is one thread); the
-    background thread only runs :class:`Sharing` calls, which take its lock."""
+    The engine's scheduler thread calls this object (vLLM's scheduler side is one thread), and the
+    connector's read-back channel thread queues records and releases (:meth:`record`, :meth:`release`:
+    they only append to the queue, under its condition's lock); the background thread only runs
+    :class:`Sharing` calls, which take its lock."""
 
     def __init__(
         self,

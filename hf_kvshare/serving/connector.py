@@ -26,11 +26,16 @@ Loaded out of tree (no patch of vLLM)::
   writer (:mod:`.paged`: CPU and CUDA backends alike), synchronously.
 - ``request_finished`` (scheduler, before the blocks are freed): a finished request keeps its blocks
   (``delay_free``) until the worker has read back the K/V it used (prompt + output but its last token)
-  in the next step's ``wait_for_save`` (into host memory, where the store is, on any device); they
-  come back in ``build_connector_worker_meta`` and ``update_connector_output`` queues the turn's
-  record (slots, ``method.record``, on the same background thread, behind the plans asked for before
-  it), then the blocks are freed (``get_finished``). ``has_pending_push_work`` keeps the engine
-  stepping until then. One worker (tensor and pipeline parallel size 1) and one KV cache group are
+  at the start of the next step, when vLLM binds that step's metadata (``bind_connector_metadata``,
+  before the forward; into host memory, where the store is, on any device), and sent them through the
+  read-back channel (:mod:`.channel`): the connector's channel thread in the scheduler's process queues
+  the turn's record (slots, ``method.record``, on the same background thread, behind the plans asked
+  for before it) while the worker runs that step's forward. Without the channel (refused, full, or
+  ``"read_back_channel": false``; always with inline admission) they are read in ``wait_for_save``
+  and come back in ``build_connector_worker_meta``, and ``update_connector_output`` queues the record
+  after the step. Then the blocks are freed (``get_finished``). ``has_pending_push_work`` keeps the
+  engine stepping until then. A report line says which way a request's K/V came (``read_back``) and
+  how long after its end its record was queued (``read_back_s``). One worker (tensor and pipeline parallel size 1) and one KV cache group are
   supported; more are refused at start-up, as is a cache :mod:`.paged` cannot read (MLA, quantized).
 
 Each finished request's report (what admission decided: the claim, its PH / PF tokens, each span's
@@ -53,6 +58,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from . import paged
+from . import channel, paged
 from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
 from .host import Plan, ServingError, Sharing, skeleton_model
 
@@ -82,6 +88,9 @@ logger = logging.getLogger("hf_kvshare.serving")
 REPORTS_ENV = "HF_KVSHARE_REPORTS"
 #: the store summary's counts each report line of that file carries
 STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv", "queued_jobs", "settles")
+#: how long the scheduler waits, at the end of a step, for a read-back the worker sent through the
+#: channel before that step's forward and that has not arrived (a step without a forward; seconds)
+READ_BACK_WAIT_S = 5.0
 #: where read-back K/V go: the store, the method's state and its plans are in host memory on every device
 STORE_DEVICE = torch.device("cpu")
 
@@ -110,6 +119,9 @@ class Capture:
 class HFKVShareMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
     captures: list[Capture] = field(default_factory=list)
+    #: the scheduler's read-back channel (:mod:`.channel`), ``None`` without one: the worker connects
+    #: to it when it first sees it and sends each capture through it before the step's forward
+    read_back: str | None = None
 
 
 @dataclass
@@ -118,10 +130,13 @@ class Captured(KVConnectorWorkerMetadata):
     each (one buffer apiece back to the scheduler; ``None`` when reading failed)."""
 
     kv: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=dict)
+    #: requests whose K/V went through the read-back channel instead (the scheduler waits for them)
+    sent: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, Captured):
             self.kv.update(other.kv)
+            self.sent |= other.sent
         return self
 
 
@@ -131,6 +146,7 @@ class _Finishing:
     output_ids: list[int]
     stop_ids: set[int]
     ids: tuple[str, str | None]  # the request's id and external id (its report line)
+    finished_at: float = 0.0  # time.perf_counter() at request_finished (the report's read_back_s)
 
 
 _LOCK = threading.Lock()
@@ -165,15 +181,24 @@ class HFKVShareConnector(KVConnectorBase_V1):
         self._plans: dict[str, Plan] = {}
         self._loads: dict[str, Load] = {}
         self._to_capture: list[Capture] = []
+        #: finished requests waiting for their K/V (read back by the worker); the read-back channel's
+        #: thread takes them too, so every access holds this condition's lock
         self._finishing: dict[str, _Finishing] = {}
+        self._finishing_cond = threading.Condition()
         #: requests that arrived while their task had a finished request not yet recorded: planned as soon
         #: as that record is queued (update_connector_output), not a step later at their next admission
-        self._waiting: dict[str, Request] = {}
+        self._waiting: dict[str, tuple[Request, float]] = {}
+        #: seconds each such request waited before its plan could start (its report's record_wait_s)
+        self._record_waits: dict[str, float] = {}
+        self._receiver: channel.Receiver | None = None
         # worker side
         self._io: dict[str, paged.LayerIO] = {}
         self._layer_of: dict[str, int] = {}
         self._captured: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]] | None] = {}
         self._sent: set[str] = set()
+        self._sent_on_channel: set[str] = set()
+        self._sender: channel.Sender | None = None
+        self._sender_address: str | None = None
         self._report_path = self._extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
         if role == KVConnectorRole.SCHEDULER:
             key = str(vllm_config.kv_transfer_config.engine_id)
@@ -187,6 +212,17 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 wait_s=self._extra.get("plan_wait_s", DEFAULT_WAIT_S),
                 running_wait_s=self._extra.get("plan_running_wait_s", DEFAULT_RUNNING_WAIT_S),
             )
+            read_back = self._extra.get("read_back_channel", True)
+            if not isinstance(read_back, bool):
+                raise ServingError(f"hf_kvshare: read_back_channel must be true or false; got {read_back!r}")
+            # inline admission records on the engine loop: its read-backs keep the step's output path
+            if read_back and self._background.enabled:
+                try:
+                    self._receiver = channel.Receiver(self._on_read_back)
+                except Exception:  # noqa: BLE001 - serving works without it (the step's output path)
+                    logger.exception(
+                        "hf_kvshare: no read-back channel; read-backs come with the step's output"
+                    )
 
     def _make_sharing(self, vllm_config: VllmConfig) -> Sharing:
         from transformers import AutoTokenizer
@@ -240,17 +276,47 @@ class HFKVShareConnector(KVConnectorBase_V1):
     ) -> None:
         return
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, HFKVShareMetadata):
+            return
+        if connector_metadata.read_back and connector_metadata.read_back != self._sender_address:
+            self._connect(connector_metadata.read_back)
+        if self._sender is not None:
+            # before the step's forward (vLLM binds the metadata first): the record runs beside it
+            for capture in connector_metadata.captures:
+                self._take(capture)
+
+    def _connect(self, address: str) -> None:
+        if self._sender is not None:
+            self._sender.close()
+        self._sender, self._sender_address = None, address
+        try:
+            self._sender = channel.Sender(address)
+        except Exception:  # noqa: BLE001 - read-backs then go with the step's output
+            logger.exception("hf_kvshare: connecting the read-back channel %s failed", address)
+
     def wait_for_save(self) -> None:
         metadata = self._get_connector_metadata()
         if not isinstance(metadata, HFKVShareMetadata):
             return
         for capture in metadata.captures:
-            try:
-                self._captured[capture.request_id] = self._read(capture)
-            except Exception:  # noqa: BLE001 - the engine must keep running; the turn is not recorded
-                logger.exception("hf_kvshare: reading back request %s failed", capture.request_id)
-                self._captured[capture.request_id] = None
-            self._sent.add(capture.request_id)
+            if capture.request_id not in self._sent:  # not taken before the forward
+                self._take(capture)
+
+    def _take(self, capture: Capture) -> None:
+        """Read a finished request's K/V back: through the channel when it takes them, else with the
+        step's output (``None`` when reading failed: the request is released, not recorded)."""
+        kv = None
+        try:
+            kv = self._read(capture)
+        except Exception:  # noqa: BLE001 - the engine must keep running; the turn is not recorded
+            logger.exception("hf_kvshare: reading back request %s failed", capture.request_id)
+        if kv is not None and self._sender is not None and self._sender.send(capture.request_id, *kv):
+            self._sent_on_channel.add(capture.request_id)
+        else:
+            self._captured[capture.request_id] = kv
+        self._sent.add(capture.request_id)
 
     def _read(self, capture: Capture) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's K/V of the capture into one ``[layers, n, kv_heads, head_dim]`` tensor each,
@@ -266,10 +332,10 @@ class HFKVShareConnector(KVConnectorBase_V1):
         return keys.to(STORE_DEVICE), values.to(STORE_DEVICE)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._captured:
+        if not self._captured and not self._sent_on_channel:
             return None
-        meta = Captured(kv=self._captured)
-        self._captured = {}
+        meta = Captured(kv=self._captured, sent=self._sent_on_channel)
+        self._captured, self._sent_on_channel = {}, set()
         return meta
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -291,7 +357,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         ):
             # an earlier request of this task finished but its K/V is not read back yet (the next step
             # does it): its record comes first, or this plan would not see the output it reads
-            self._waiting[request.request_id] = request
+            self._wait_for_record(request)
             return None, False
         prompt = list(request.prompt_token_ids or [])
         plan = self._background.plan(
@@ -301,20 +367,26 @@ class HFKVShareConnector(KVConnectorBase_V1):
             return None, False
         if plan.error:
             logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
+        plan.record_wait_s = self._record_waits.pop(request.request_id, None)
         self._plans[request.request_id] = plan
         return plan.claimed, False
 
     def _unrecorded(self, task: str | None) -> bool:
         """Whether a finished request of ``task`` waits to be read back and recorded."""
-        return task is not None and any(
-            f.plan.host is not None and f.plan.host.task == task for f in self._finishing.values()
-        )
+        if task is None:
+            return False
+        with self._finishing_cond:
+            return any(f.plan.host is not None and f.plan.host.task == task for f in self._finishing.values())
+
+    def _wait_for_record(self, request: Request) -> None:
+        if request.request_id not in self._waiting:
+            self._waiting[request.request_id] = (request, time.perf_counter())
 
     def on_new_request(self, request: Request) -> None:
         # plan ahead while the engine finishes its step (not when an earlier request of the task still
         # waits to be read back: that request's record must come first; admission plans it then)
         if self._unrecorded(task_of(request.kv_transfer_params)):
-            self._waiting[request.request_id] = request
+            self._wait_for_record(request)
         else:
             self._background.prepare(
                 request.request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
@@ -344,6 +416,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 load.block_ids = list(new.block_ids[0])
                 meta.loads.append(load)
         meta.captures, self._to_capture = self._to_capture, []
+        meta.read_back = self._receiver.address if self._receiver is not None else None
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -351,6 +424,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
 
         self._loads.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
+        self._record_waits.pop(request.request_id, None)
         self._background.forget(request.request_id)  # a plan still being decided is released when done
         plan = self._plans.pop(request.request_id, None)
         if plan is None:
@@ -370,7 +444,10 @@ class HFKVShareConnector(KVConnectorBase_V1):
         tokens = min(request.num_computed_tokens, len(block_ids) * self._block_size)
         # the report file's line is written once the request is recorded: a dense span's gate outcome
         # (why it was not reused) is known then (the reply carries the admission's report)
-        self._finishing[request.request_id] = _Finishing(plan, list(request.output_token_ids), stop, ids)
+        with self._finishing_cond:
+            self._finishing[request.request_id] = _Finishing(
+                plan, list(request.output_token_ids), stop, ids, time.perf_counter()
+            )
         self._to_capture.append(Capture(request.request_id, list(block_ids), tokens))
         return True, report  # the blocks stay until the worker has read them (get_finished)
 
@@ -403,33 +480,66 @@ class HFKVShareConnector(KVConnectorBase_V1):
         except OSError:  # the engine must keep running
             logger.exception("hf_kvshare: writing the report of request %s failed", ids[0])
 
+    def _on_read_back(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A read-back from the channel (its thread), while the worker runs the step's forward: the
+        request's record is queued now, not after the step."""
+        with self._finishing_cond:
+            finishing = self._finishing.pop(request_id, None)
+            if finishing is not None:  # else given up on (update_connector_output): dropped
+                # queued under the lock: whoever sees the request gone sees its record queued first
+                self._record(finishing, (keys, values), "channel")
+            self._finishing_cond.notify_all()
+
+    def _record(self, finishing: _Finishing, kv: tuple[torch.Tensor, torch.Tensor] | None, how: str) -> None:
+        then = self._reporter(finishing.ids)
+        plan = finishing.plan
+        plan.read_back = how
+        plan.read_back_s = time.perf_counter() - finishing.finished_at
+        if kv is None:
+            self._background.release(plan, then)
+        else:
+            self._background.record(plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids, then)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         captured = meta.kv if isinstance(meta, Captured) else {}
-        for request_id in set(captured) | set(connector_output.finished_sending or ()):
-            finishing = self._finishing.pop(request_id, None)
-            if finishing is None:
-                continue
-            kv = captured.get(request_id)
-            then = self._reporter(finishing.ids)
-            if kv is None:
-                self._background.release(finishing.plan, then)
-                continue
-            self._background.record(
-                finishing.plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids, then
-            )
+        on_channel = meta.sent if isinstance(meta, Captured) else set()
+        for request_id in set(captured) | on_channel | set(connector_output.finished_sending or ()):
+            with self._finishing_cond:
+                if request_id in on_channel:
+                    # sent before this step's forward: here already but for a step without one
+                    self._finishing_cond.wait_for(
+                        lambda rid=request_id: rid not in self._finishing, READ_BACK_WAIT_S
+                    )
+                finishing = self._finishing.pop(request_id, None)
+                if finishing is None:
+                    continue
+                if request_id in on_channel:
+                    logger.warning(
+                        "hf_kvshare: request %s's K/V did not come through the read-back channel within "
+                        "%s s: not recorded",
+                        request_id,
+                        READ_BACK_WAIT_S,
+                    )
+                self._record(finishing, captured.get(request_id), "step output")
         # the requests that waited for these records: planned now, behind them in the task's queue order
-        for request_id, request in list(self._waiting.items()):
+        for request_id, (request, since) in list(self._waiting.items()):
             if not self._unrecorded(task_of(request.kv_transfer_params)):
                 del self._waiting[request_id]
+                self._record_waits[request_id] = time.perf_counter() - since
                 self._background.prepare(
                     request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
                 )
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._to_capture or self._finishing)
+        with self._finishing_cond:
+            return bool(self._to_capture or self._finishing)
 
     def shutdown(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+        if self._sender is not None:
+            self._sender.close()
         background = getattr(self, "_background", None)
         if background is not None:
             background.close()

@@ -262,6 +262,14 @@ class Plan:
     #: seconds the request's record took (the method's work after the request: slots, observed deltas
     #: factorized into anchors, kept prefixes), ``None`` until recorded; the task's later plans wait for it
     record_s: float | None = None
+    #: seconds this request waited, before its plan could start, for an earlier request of its task to be
+    #: read back and its record queued (the connector); ``None`` when it did not wait
+    record_wait_s: float | None = None
+    #: how this request's K/V reached its record: ``"channel"`` (the worker's read-back channel, before
+    #: the next step's forward) or ``"step output"`` (the worker's metadata, after it); ``None`` unrecorded
+    read_back: str | None = None
+    #: seconds from the request's end (vLLM's ``request_finished``) to its record queued
+    read_back_s: float | None = None
     #: what the method's record left for later (``Method.deferred_work``): run by the background thread
     #: when no plan waits (:mod:`.admission`), or at once inline; not part of the report
     deferred: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -331,6 +339,9 @@ class Plan:
             "admission_wait_s": None if self.admission_wait_s is None else round(self.admission_wait_s, 6),
             "queued_s": None if self.queued_s is None else round(self.queued_s, 6),
             "record_s": None if self.record_s is None else round(self.record_s, 6),
+            "record_wait_s": None if self.record_wait_s is None else round(self.record_wait_s, 6),
+            "read_back": self.read_back,
+            "read_back_s": None if self.read_back_s is None else round(self.read_back_s, 6),
         }
 
 

@@ -50,10 +50,16 @@ def free_port() -> int:
 
 
 def kv_transfer_config(
-    method: str, options: dict[str, Any], max_bytes: int, max_tasks: int, background: bool = True
+    method: str,
+    options: dict[str, Any],
+    max_bytes: int,
+    max_tasks: int,
+    background: bool = True,
+    read_back_channel: bool = True,
 ) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for the connector. ``background=False`` decides claims and
-    records turns inline on the engine loop (:mod:`.admission`)."""
+    records turns inline on the engine loop (:mod:`.admission`); ``read_back_channel=False`` hands
+    finished requests' K/V to the scheduler with the step's output only (:mod:`.channel`)."""
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": MODULE,
@@ -64,6 +70,7 @@ def kv_transfer_config(
             "max_bytes": int(max_bytes),
             "max_tasks": int(max_tasks),
             "background": bool(background),
+            "read_back_channel": bool(read_back_channel),
         },
     }
 
@@ -94,6 +101,7 @@ class Server:
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_tasks: int = DEFAULT_MAX_TASKS,
         background: bool = True,
+        read_back_channel: bool = True,
         log: Any = None,
         python: str = sys.executable,
     ):
@@ -114,6 +122,9 @@ class Server:
         if not isinstance(background, bool):
             raise TypeError(f"background must be True or False; got {background!r}")
         self.background = background
+        if not isinstance(read_back_channel, bool):
+            raise TypeError(f"read_back_channel must be True or False; got {read_back_channel!r}")
+        self.read_back_channel = read_back_channel
         self.log = log
         self.python = python
         self.process: subprocess.Popen | None = None
@@ -124,7 +135,7 @@ class Server:
 
     def command(self) -> list[str]:
         config = kv_transfer_config(
-            self.method, self.options, self.max_bytes, self.max_tasks, self.background
+            self.method, self.options, self.max_bytes, self.max_tasks, self.background, self.read_back_channel
         )
         args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir]
         if not any(a.split("=", 1)[0] == "--host" for a in self.vllm_args):

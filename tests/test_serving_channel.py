@@ -1,0 +1,114 @@
+"""The read-back side channel (hf_kvshare.serving.channel): the worker's K/V reach the scheduler's
+thread as they were read, bounded and without blocking the sender. No vLLM (pyzmq only: one of vLLM's
+dependencies; skipped where it is absent)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("zmq")
+
+from hf_kvshare.serving import channel  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_message_decodes_to_the_tensors_it_was_made_of(dtype):
+    keys = torch.randn(3, 5, 2, 4).to(dtype)
+    values = torch.randn(3, 5, 2, 4).to(dtype)
+    before = keys.clone()
+    request_id, k, v = channel.decode(channel.encode("req-1", keys, values))
+    assert request_id == "req-1"
+    assert k.dtype == v.dtype == dtype and k.shape == v.shape == keys.shape
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    k.add_(1)  # writable memory of its own: the sender's tensors are not touched
+    assert torch.equal(keys, before) and not torch.equal(k, keys)
+
+
+def test_bad_messages_are_refused_with_what_was_expected():
+    keys = torch.zeros(2, 3, 1, 4)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        channel.encode("r", keys, torch.zeros(2, 4, 1, 4))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        channel.encode("r", keys.to(torch.int32), keys.to(torch.int32))
+    with pytest.raises(ValueError, match="3 frames"):
+        channel.decode([b"{}"])
+    with pytest.raises(ValueError, match="known dtype"):
+        channel.decode([b'{"request_id": "r", "dtype": "torch.int8", "shape": [1]}', b"\0", b"\0"])
+
+
+def test_the_receiver_delivers_each_read_back_on_its_thread_and_cleans_up():
+    got: list[tuple[str, torch.Tensor, torch.Tensor, str]] = []
+    arrived = threading.Event()
+
+    def deliver(request_id, keys, values):
+        got.append((request_id, keys, values, threading.current_thread().name))
+        if len(got) == 2:
+            arrived.set()
+
+    receiver = channel.Receiver(deliver)
+    folder = Path(receiver.address.removeprefix("ipc://")).parent
+    sender = channel.Sender(receiver.address)
+    kv = [(torch.randn(2, 7, 3, 4), torch.randn(2, 7, 3, 4)) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 10
+        sent = 0
+        while sent < 2 and time.monotonic() < deadline:  # the connection completes asynchronously
+            if sender.send(f"r{sent}", *kv[sent]):
+                sent += 1
+            else:
+                time.sleep(0.01)
+        assert sent == 2, "the sender never connected to the receiver"
+        assert arrived.wait(10), f"delivered {len(got)} of 2"
+    finally:
+        sender.close()
+        receiver.close()
+    assert [g[0] for g in got] == ["r0", "r1"]
+    for (_, k, v, thread), (keys, values) in zip(got, kv):
+        assert torch.equal(k, keys) and torch.equal(v, values)
+        assert thread == "hf_kvshare-read-back"
+    assert receiver.received == 2
+    assert not folder.exists()  # its socket's folder is removed on close
+
+
+def test_a_sender_without_a_receiver_refuses_at_once_and_a_full_one_never_blocks(tmp_path):
+    sender = channel.Sender(f"ipc://{tmp_path / 'nobody'}", max_queued=1)
+    try:
+        t0 = time.monotonic()
+        assert not sender.send("r", torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        sender.close()
+    with pytest.raises(ValueError, match="max_queued must be an int >= 1"):
+        channel.Sender(f"ipc://{tmp_path / 'x'}", max_queued=0)
+
+
+def test_one_undeliverable_message_does_not_stop_the_channel():
+    got = []
+    done = threading.Event()
+
+    def deliver(request_id, keys, values):
+        if request_id == "bad":
+            raise RuntimeError("the scheduler refused it")
+        got.append(request_id)
+        done.set()
+
+    receiver = channel.Receiver(deliver)
+    sender = channel.Sender(receiver.address)
+    try:
+        deadline = time.monotonic() + 10
+        pending = ["bad", "good"]
+        while pending and time.monotonic() < deadline:
+            if sender.send(pending[0], torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2)):
+                pending.pop(0)
+            else:
+                time.sleep(0.01)
+        assert done.wait(10)
+    finally:
+        sender.close()
+        receiver.close()
+    assert got == ["good"]
