@@ -330,6 +330,7 @@ def test_kvcmas_plans_reading_unfactorized_anchors_claim_what_eager_anchors_give
     systems = {"planner": "You plan.\n", "critic": "You criticise.\n", "writer": "You write it up.\n"}
     docs = [f"Report {t}: the river Lune reaches the sea at Plover Scar, site {t}." for t in range(5)]
     left, corrected = 0, 0
+    factorize = {(defer, what): 0.0 for defer in (True, False) for what in ("plan", "record")}
     for t, doc in enumerate(docs):
         for position, agent in enumerate(systems):
             plans = {}
@@ -349,6 +350,12 @@ def test_kvcmas_plans_reading_unfactorized_anchors_claim_what_eager_anchors_give
                 assert plan.error is None
                 left += len(plan.deferred) if defer else 0
                 assert defer or not plan.deferred
+                report = plan.report()
+                for what in ("plan", "record"):  # the method's phases, as the report line carries them
+                    assert report[f"{what}_phases"] == {
+                        k: round(v, 6) for k, v in getattr(plan, f"{what}_phases").items()
+                    }
+                    factorize[defer, what] += report[f"{what}_phases"].get("factorize", 0.0)
                 plans[defer] = (plan, out)
             (a, out_a), (b, out_b) = plans[True], plans[False]
             assert out_a == out_b and (a.claim_start, a.claim_end) == (b.claim_start, b.claim_end)
@@ -356,6 +363,9 @@ def test_kvcmas_plans_reading_unfactorized_anchors_claim_what_eager_anchors_give
             corrected += any(p is not None and p.provenance == "corrected" for p in a.placements)
     assert left > 0 and corrected > 0
     assert sharing[True].state_summary()["settles"] == 0
+    # where the factorizations ran, as each request's report says: with none settled, inside the plans
+    # that read the anchors; factorized eagerly, inside the records
+    assert factorize[True, "plan"] > 0 and factorize[False, "record"] > 0, factorize
 
 
 @pytest.mark.parametrize(
@@ -970,6 +980,12 @@ def test_the_server_passes_the_admission_mode_to_the_connector(tmp_path):
     assert extra(Server(tmp_path, "fullshared", port=1, background=False))["background"] is False
     with pytest.raises(TypeError, match="background must be True or False"):
         Server(tmp_path, "fullshared", port=1, background="no")
+    assert extra(Server(tmp_path, "fullshared", port=1))["read_back_channel"] is True
+    assert (
+        extra(Server(tmp_path, "fullshared", port=1, read_back_channel=False))["read_back_channel"] is False
+    )
+    with pytest.raises(TypeError, match="read_back_channel must be True or False"):
+        Server(tmp_path, "fullshared", port=1, read_back_channel=1)
 
 
 def test_a_plan_made_on_arrival_claims_from_the_hit_vllm_has_at_admission(tiny_llama, tokenizer):

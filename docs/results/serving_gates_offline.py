@@ -40,7 +40,6 @@ import torch
 from hf_kvshare import load_model
 from hf_kvshare.bench import serve as sb
 from hf_kvshare.bench.methods import MethodSpec
-from hf_kvshare.measure import Phases, timing
 from hf_kvshare.serving.client import task_trajectory, task_turns
 from hf_kvshare.serving.host import Sharing
 from hf_kvshare.serving.standin import engine
@@ -118,14 +117,12 @@ class Driver:
     def run(self, task, planned):
         plan, slot, max_tokens = planned
         out, k, v = engine(self.model, plan, max_tokens, min_new_tokens=max_tokens)
-        phases = Phases()
-        with timing(phases):
-            self._profiled("record", lambda: self.sharing.record(plan, k, v, out, set(), settle=False))
+        self._profiled("record", lambda: self.sharing.record(plan, k, v, out, set(), settle=False))
         assert plan.error is None, plan.error
         if self.profiles is not None:
             self.times["record"].append(plan.record_s)
         if self.phases:
-            times = " ".join(f"{n}={t:.3f}" for n, t in sorted(phases.times.items()))
+            times = " ".join(f"{n}={t:.3f}" for n, t in sorted(plan.record_phases.items()))
             print(
                 f"    {task.traj.task} {plan.turn.agent}: plan {plan.plan_s:.3f} s, record {plan.record_s:.3f} s ({times}); "
                 f"{len(plan.deferred)} parts left for later",

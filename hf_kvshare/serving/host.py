@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ..cache import Segment, SegmentKV, compact, storage_bytes
+from ..measure import Phases, timing
 from ..method import Method, Placement, get_method
 from ..rope import RopeShifter, find_rotary_module
 from ..trajectory import PF, PH, Span
@@ -270,6 +271,11 @@ class Plan:
     read_back: str | None = None
     #: seconds from the request's end (vLLM's ``request_finished``) to its record queued
     read_back_s: float | None = None
+    #: the method's named phases (:data:`hf_kvshare.measure.PHASES`: ``gate``, ``factorize``,
+    #: ``anchor_store``, ...) inside the plan and inside the record, seconds each (exclusive): e.g. a plan
+    #: that factorizes an anchor a record left for later shows it under ``factorize``
+    plan_phases: dict[str, float] = field(default_factory=dict)
+    record_phases: dict[str, float] = field(default_factory=dict)
     #: what the method's record left for later (``Method.deferred_work``): run by the background thread
     #: when no plan waits (:mod:`.admission`), or at once inline; not part of the report
     deferred: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -342,6 +348,8 @@ class Plan:
             "record_wait_s": None if self.record_wait_s is None else round(self.record_wait_s, 6),
             "read_back": self.read_back,
             "read_back_s": None if self.read_back_s is None else round(self.read_back_s, 6),
+            "plan_phases": {k: round(v, 6) for k, v in self.plan_phases.items()},
+            "record_phases": {k: round(v, 6) for k, v in self.record_phases.items()},
         }
 
 
@@ -421,7 +429,11 @@ class Sharing:
                     raise lay.LayoutError(
                         f"this server runs method {self.method.name!r}; the request asks {request.method!r}"
                     )
-                self._plan(plan, request)
+                with timing(Phases()) as phases:
+                    try:
+                        self._plan(plan, request)
+                    finally:
+                        plan.plan_phases = dict(phases.times)
             except Exception as error:  # noqa: BLE001 - the engine must keep running
                 self.errors += 1
                 plan.error = f"{type(error).__name__}: {error}"
@@ -584,12 +596,15 @@ class Sharing:
             return
         with self._lock:
             t0 = time.perf_counter()
+            phases = Phases()
             try:
-                self._record(plan, keys, values, list(output_ids), stop_ids)
+                with timing(phases):
+                    self._record(plan, keys, values, list(output_ids), stop_ids)
             except Exception as error:  # noqa: BLE001 - the engine must keep running
                 self.errors += 1
                 plan.error = f"record: {type(error).__name__}: {error}"
             finally:
+                plan.record_phases = dict(phases.times)
                 plan.host.reserved.discard(plan.turn.output_slot)
                 plan.deferred = self.method.deferred_work()
                 plan.drop_kv()
