@@ -21,8 +21,8 @@ def test_a_message_decodes_to_the_tensors_it_was_made_of(dtype):
     keys = torch.randn(3, 5, 2, 4).to(dtype)
     values = torch.randn(3, 5, 2, 4).to(dtype)
     before = keys.clone()
-    request_id, k, v = channel.decode(channel.encode("req-1", keys, values))
-    assert request_id == "req-1"
+    request_id, k, v, via = channel.decode(channel.encode("req-1", keys, values, "at finish"))
+    assert request_id == "req-1" and via == "at finish"
     assert k.dtype == v.dtype == dtype and k.shape == v.shape == keys.shape
     assert torch.equal(k, keys) and torch.equal(v, values)
     k.add_(1)  # writable memory of its own: the sender's tensors are not touched
@@ -45,7 +45,8 @@ def test_the_receiver_delivers_each_read_back_on_its_thread_and_cleans_up():
     got: list[tuple[str, torch.Tensor, torch.Tensor, str]] = []
     arrived = threading.Event()
 
-    def deliver(request_id, keys, values):
+    def deliver(request_id, keys, values, via):
+        assert via == "next step"
         got.append((request_id, keys, values, threading.current_thread().name))
         if len(got) == 2:
             arrived.set()
@@ -58,7 +59,7 @@ def test_the_receiver_delivers_each_read_back_on_its_thread_and_cleans_up():
         deadline = time.monotonic() + 10
         sent = 0
         while sent < 2 and time.monotonic() < deadline:  # the connection completes asynchronously
-            if sender.send(f"r{sent}", *kv[sent]):
+            if sender.send(f"r{sent}", *kv[sent], "next step"):
                 sent += 1
             else:
                 time.sleep(0.01)
@@ -91,7 +92,7 @@ def test_one_undeliverable_message_does_not_stop_the_channel():
     got = []
     done = threading.Event()
 
-    def deliver(request_id, keys, values):
+    def deliver(request_id, keys, values, via):
         if request_id == "bad":
             raise RuntimeError("the scheduler refused it")
         got.append(request_id)
@@ -112,3 +113,37 @@ def test_one_undeliverable_message_does_not_stop_the_channel():
         sender.close()
         receiver.close()
     assert got == ["good"]
+
+
+def test_orders_reach_the_workers_thread_and_a_bad_one_is_skipped():
+    """The order channel (scheduler -> worker): each JSON order reaches ``take`` on the listener's
+    thread, in order; a frame that is not a JSON object is logged and skipped."""
+    got, done = [], threading.Event()
+
+    def take(order):
+        got.append((order, threading.current_thread().name))
+        if order.get("request_id") == "r2":
+            done.set()
+
+    orders = channel.Orders(take)
+    sender = channel.Sender(orders.address)
+    try:
+        queue = [{"request_id": "r1", "block_ids": [3, 4], "tokens": 20}, None, {"request_id": "r2"}]
+        deadline = time.monotonic() + 10
+        while queue and time.monotonic() < deadline:
+            item = queue[0]
+            ok = sender._send([b"[1, 2]"]) if item is None else sender.order(item)
+            if ok:
+                queue.pop(0)
+            else:
+                time.sleep(0.01)
+        assert done.wait(10), got
+    finally:
+        sender.close()
+        orders.close()
+    assert [o for o, _ in got] == [
+        {"request_id": "r1", "block_ids": [3, 4], "tokens": 20},
+        {"request_id": "r2"},
+    ]
+    assert {name for _, name in got} == {"hf_kvshare-orders"}
+    assert orders.received == 3  # the bad one was received, then skipped

@@ -161,10 +161,12 @@ def test_exact_mode_and_fullshared(server, tok):
     plain_b2, _ = complete(server, b, PLAIN)
     assert plain_b2 == plain_b
     assert report["store"]["bytes"] <= MAX_BYTES
-    # every recorded request of the task reached its record through the read-back channel (before the
-    # next step's forward), so the exact-mode and FullShared tokens above were served from K/V it carried
+    # every recorded request of the task reached its record through the side channels (read back on
+    # the scheduler's order as it finished, or else when vLLM bound the next step), so the exact-mode
+    # and FullShared tokens above were served from K/V they carried
     lines = recorded(server, "t1", 4)
-    assert [line["read_back"] for line in lines] == ["channel"] * 4, lines
+    reads = [line["read_back"] for line in lines]
+    assert len(reads) == 4 and set(reads) <= {"at finish", "next step"} and "at finish" in reads, lines
     assert all(line["read_back_s"] >= 0 for line in lines)
 
 

@@ -1,23 +1,36 @@
-"""A side channel from vLLM's worker to its scheduler for the K/V a finished request used.
+"""Side channels between vLLM's scheduler and its worker for the K/V a finished request used.
 
 vLLM hands what a worker's connector returns (``build_connector_worker_meta``) to the scheduler only
-at the end of the engine step, after that step's forward. A finished request's K/V are read back in
-the step after it finished, so through that path its record (and the next agent's plan, which waits
-for it) starts only once that whole next step has run: behind another request's prefill, seconds.
-This channel carries the read-back the moment the worker has it, before the step's forward
-(:meth:`HFKVShareConnector.bind_connector_metadata <hf_kvshare.serving.connector.HFKVShareConnector>`):
-the record runs on the connector's thread beside the forward.
+at the end of the engine step, after that step's forward, and the scheduler's orders to the worker
+(the connector metadata) only at the start of the next step, after the scheduler has scheduled it
+(which waits for the plans being decided: :mod:`.admission`). A finished request's K/V went both
+ways: its record (and the next agent's plan, which waits for it) started only once the whole next
+step had run: behind another request's prefill, seconds. Two channels take them off vLLM's steps:
 
-A ZeroMQ PUSH / PULL pair over an ``ipc://`` socket in a private temporary folder (pyzmq is one of
-vLLM's own dependencies; NIXL's connector has a ZeroMQ side channel of its own), named by the
-scheduler and sent to the worker in the step's connector metadata, so the two never guess each
-other's address (the worker process may be vLLM's engine-core process or a child of it). One message
-per request: a JSON header (request id, shape, dtype), then the keys' and the values' bytes.
+- **orders** (scheduler -> worker; :class:`Orders` in the worker, :meth:`Sender.order` in the
+  scheduler): when a request finishes (``request_finished``), the scheduler orders its read-back at
+  once; the worker's order thread reads it from the paged cache (its blocks are kept until the worker
+  reports them read) while the engine goes on;
+- **read-back** (worker -> scheduler; :meth:`Sender.send` in the worker, :class:`Receiver` in the
+  scheduler): the K/V the moment the worker has them; the scheduler's channel thread queues the
+  record.
 
-Bounded: the sender never blocks (a full or absent channel: ``send`` returns ``False`` and the
-connector hands that request's K/V through the worker's metadata, as without the channel), at most
-``max_queued`` messages wait in it, and the receiver's thread polls with a timeout, so it stops
-within ``POLL_S`` of :meth:`Receiver.close`. No vLLM import here (tests drive it directly).
+Without an order (the order channel not up yet, or full), the worker reads the request when vLLM
+binds the next step's metadata (``bind_connector_metadata``, before that step's forward) and sends it
+on the read-back channel; without that channel, with the step's output as before.
+
+ZeroMQ PUSH / PULL pairs over ``ipc://`` sockets in private temporary folders (pyzmq is one of
+vLLM's own dependencies; NIXL's connector has a ZeroMQ side channel of its own). Each listener names
+its own address and the other side learns it from vLLM's own messages (the read-back address in the
+connector metadata, the order address in the worker's metadata), so the two never guess each
+other's address (the worker process may be vLLM's engine-core process or a child of it). A read-back
+is one message per request: a JSON header (request id, shape, dtype, when it was read), then the
+keys' and the values' bytes; an order is one JSON frame.
+
+Bounded: a sender never blocks (a full or absent channel: ``send`` / ``order`` return ``False`` and
+the connector takes the next path above), at most ``max_queued`` messages wait in it, and a
+listener's thread polls with a timeout, so it stops within ``POLL_S`` of ``close``. No vLLM import
+here (tests drive it directly).
 """
 
 from __future__ import annotations
@@ -43,8 +56,9 @@ DEFAULT_MAX_QUEUED = 8
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
-def encode(request_id: str, keys: torch.Tensor, values: torch.Tensor) -> list[Any]:
-    """The frames of one message: a JSON header, then the keys' and values' bytes (not copied)."""
+def encode(request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str = "") -> list[Any]:
+    """The frames of one message: a JSON header, then the keys' and values' bytes (not copied);
+    ``via`` says when the sender read them (the report's ``read_back``)."""
     if keys.shape != values.shape or keys.dtype != values.dtype:
         raise ValueError(
             f"keys and values must have one shape and dtype; got {tuple(keys.shape)} {keys.dtype} and "
@@ -52,7 +66,7 @@ def encode(request_id: str, keys: torch.Tensor, values: torch.Tensor) -> list[An
         )
     if str(keys.dtype) not in _DTYPES:
         raise ValueError(f"a read-back's dtype must be one of {sorted(_DTYPES)}; got {keys.dtype}")
-    header = {"request_id": request_id, "shape": list(keys.shape), "dtype": str(keys.dtype)}
+    header = {"request_id": request_id, "shape": list(keys.shape), "dtype": str(keys.dtype), "via": via}
     return [json.dumps(header).encode(), *(_bytes(t) for t in (keys, values))]
 
 
@@ -60,8 +74,9 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def decode(frames: list[Any]) -> tuple[str, torch.Tensor, torch.Tensor]:
-    """``(request_id, keys, values)`` of a message :func:`encode` made (writable tensors of their own)."""
+def decode(frames: list[Any]) -> tuple[str, torch.Tensor, torch.Tensor, str]:
+    """``(request_id, keys, values, via)`` of a message :func:`encode` made (writable tensors of their
+    own)."""
     if len(frames) != 3:
         raise ValueError(f"a read-back message has 3 frames (header, keys, values); got {len(frames)}")
     header = json.loads(bytes(frames[0]))
@@ -74,27 +89,29 @@ def decode(frames: list[Any]) -> tuple[str, torch.Tensor, torch.Tensor]:
         raw = bytearray(frame)  # one copy: the tensor owns writable memory
         tensor = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         out.append(tensor.view(dtype).reshape(shape))
-    return str(header["request_id"]), out[0], out[1]
+    return str(header["request_id"]), out[0], out[1], str(header.get("via", ""))
 
 
-class Receiver:
-    """The scheduler's end: binds a PULL socket in a temporary folder of its own and calls
-    ``deliver(request_id, keys, values)`` on its own thread for each message."""
+class _Listener:
+    """A PULL socket bound in a temporary folder of its own and a thread that hands each message's
+    frames to ``handle`` (its errors logged: one bad message does not stop the channel)."""
 
-    def __init__(self, deliver: Callable[[str, torch.Tensor, torch.Tensor], None]):
+    kind = "read-back"
+
+    def __init__(self, handle: Callable[[list[Any]], None]):
         import zmq
 
-        self._deliver = deliver
+        self._handle = handle
         self._dir = tempfile.mkdtemp(prefix="hf_kvshare-")
-        self.address = f"ipc://{Path(self._dir) / 'read-back'}"
+        self.address = f"ipc://{Path(self._dir) / self.kind}"
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.address)
         self._closed = threading.Event()
-        #: messages received and delivered (the connector's tests and reports)
+        #: messages received and handed on (the connector's tests and reports)
         self.received = 0
-        self._thread = threading.Thread(target=self._run, name="hf_kvshare-read-back", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"hf_kvshare-{self.kind}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -108,18 +125,16 @@ class Receiver:
                     continue
                 frames = self._socket.recv_multipart(copy=False)
             except zmq.ZMQError:
-                if self._closed.is_set():
-                    return
-                logger.exception(
-                    "hf_kvshare: the read-back channel failed; read-backs come with the step's output"
-                )
+                if not self._closed.is_set():
+                    logger.exception(
+                        "hf_kvshare: the %s channel failed; the step's output path is used", self.kind
+                    )
                 return
             try:
-                request_id, keys, values = decode([f.buffer for f in frames])
                 self.received += 1
-                self._deliver(request_id, keys, values)
+                self._handle([f.buffer for f in frames])
             except Exception:  # noqa: BLE001 - one bad message must not stop the channel
-                logger.exception("hf_kvshare: a read-back message could not be delivered")
+                logger.exception("hf_kvshare: a %s message could not be handled", self.kind)
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed.set()
@@ -129,8 +144,37 @@ class Receiver:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class Receiver(_Listener):
+    """The scheduler's end of the read-back channel: ``deliver(request_id, keys, values, via)`` on its
+    own thread for each message (``via``: what the sender said of when it read them)."""
+
+    kind = "read-back"
+
+    def __init__(self, deliver: Callable[[str, torch.Tensor, torch.Tensor, str], None]):
+        super().__init__(lambda frames: deliver(*decode(frames)))
+
+
+class Orders(_Listener):
+    """The worker's end of the order channel: ``take(order)`` on its own thread for each JSON order the
+    scheduler sent (:meth:`Sender.order`: read a finished request's K/V now, not at the next step)."""
+
+    kind = "orders"
+
+    def __init__(self, take: Callable[[dict[str, Any]], None]):
+        def handle(frames: list[Any]) -> None:
+            if len(frames) != 1:
+                raise ValueError(f"an order has 1 frame; got {len(frames)}")
+            order = json.loads(bytes(frames[0]))
+            if not isinstance(order, dict):
+                raise ValueError(f"an order is a JSON object; got {order!r}")
+            take(order)
+
+        super().__init__(handle)
+
+
 class Sender:
-    """The worker's end: a PUSH socket connected to the receiver's address; never blocks."""
+    """A PUSH socket connected to a listener's address; never blocks, and one thread at a time sends
+    (its own lock: ZeroMQ sockets are not thread-safe)."""
 
     def __init__(self, address: str, max_queued: int = DEFAULT_MAX_QUEUED):
         import zmq
@@ -138,6 +182,7 @@ class Sender:
         if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
             raise ValueError(f"max_queued must be an int >= 1; got {max_queued!r}")
         self.address = address
+        self._lock = threading.Lock()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -146,16 +191,25 @@ class Sender:
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._socket.connect(address)
 
-    def send(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Queue one read-back; ``False`` when the channel is full or not connected (nothing sent)."""
+    def _send(self, frames: list[Any]) -> bool:
         import zmq
 
-        try:
-            self._socket.send_multipart(encode(request_id, keys, values), flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return False
+        with self._lock:
+            try:
+                self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
         return True
 
+    def send(self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str = "") -> bool:
+        """Queue one read-back; ``False`` when the channel is full or not connected (nothing sent)."""
+        return self._send(encode(request_id, keys, values, via))
+
+    def order(self, order: dict[str, Any]) -> bool:
+        """Queue one JSON order; ``False`` when the channel is full or not connected (nothing sent)."""
+        return self._send([json.dumps(order).encode()])
+
     def close(self) -> None:
-        self._socket.close(0)
+        with self._lock:
+            self._socket.close(0)
         self._context.term()

@@ -59,6 +59,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +92,9 @@ STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv
 #: how long the scheduler waits, at the end of a step, for a read-back the worker sent through the
 #: channel before that step's forward and that has not arrived (a step without a forward; seconds)
 READ_BACK_WAIT_S = 5.0
+#: request ids the worker remembers having read back (an order arriving after the step's own read of
+#: the same request is then ignored, never read from blocks vLLM may have freed)
+TAKEN_MAX = 4096
 #: where read-back K/V go: the store, the method's state and its plans are in host memory on every device
 STORE_DEVICE = torch.device("cpu")
 
@@ -132,11 +136,14 @@ class Captured(KVConnectorWorkerMetadata):
     kv: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=dict)
     #: requests whose K/V went through the read-back channel instead (the scheduler waits for them)
     sent: set[str] = field(default_factory=set)
+    #: the worker's order channel (:mod:`.channel`), once: the scheduler orders read-backs there
+    orders: str | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, Captured):
             self.kv.update(other.kv)
             self.sent |= other.sent
+            self.orders = self.orders or other.orders
         return self
 
 
@@ -191,6 +198,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         #: seconds each such request waited before its plan could start (its report's record_wait_s)
         self._record_waits: dict[str, float] = {}
         self._receiver: channel.Receiver | None = None
+        self._order_sender: channel.Sender | None = None
         # worker side
         self._io: dict[str, paged.LayerIO] = {}
         self._layer_of: dict[str, int] = {}
@@ -199,6 +207,12 @@ class HFKVShareConnector(KVConnectorBase_V1):
         self._sent_on_channel: set[str] = set()
         self._sender: channel.Sender | None = None
         self._sender_address: str | None = None
+        self._orders: channel.Orders | None = None
+        self._orders_announced = False
+        #: request ids read back (or being read), oldest first, at most TAKEN_MAX; with the sets above,
+        #: shared by the worker's step and its order thread, under this lock
+        self._taken: OrderedDict[str, None] = OrderedDict()
+        self._worker_lock = threading.Lock()
         self._report_path = self._extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
         if role == KVConnectorRole.SCHEDULER:
             key = str(vllm_config.kv_transfer_config.engine_id)
@@ -283,9 +297,10 @@ class HFKVShareConnector(KVConnectorBase_V1):
         if connector_metadata.read_back and connector_metadata.read_back != self._sender_address:
             self._connect(connector_metadata.read_back)
         if self._sender is not None:
-            # before the step's forward (vLLM binds the metadata first): the record runs beside it
+            # before the step's forward (vLLM binds the metadata first): the record runs beside it;
+            # a request the order thread took already is skipped
             for capture in connector_metadata.captures:
-                self._take(capture)
+                self._take(capture, "next step")
 
     def _connect(self, address: str) -> None:
         if self._sender is not None:
@@ -295,28 +310,52 @@ class HFKVShareConnector(KVConnectorBase_V1):
             self._sender = channel.Sender(address)
         except Exception:  # noqa: BLE001 - read-backs then go with the step's output
             logger.exception("hf_kvshare: connecting the read-back channel %s failed", address)
+            return
+        if self._orders is None:
+            try:
+                self._orders = channel.Orders(self._on_order)
+            except Exception:  # noqa: BLE001 - read-backs then wait for the next step
+                logger.exception("hf_kvshare: no order channel; read-backs wait for the next step")
+
+    def _on_order(self, order: dict[str, Any]) -> None:
+        """The scheduler's order (its thread): read a request that just finished back now."""
+        try:
+            capture = Capture(
+                str(order["request_id"]), [int(b) for b in order["block_ids"]], int(order["tokens"])
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"an order needs request_id, block_ids and tokens; got {order!r}") from error
+        self._take(capture, "at finish")
 
     def wait_for_save(self) -> None:
         metadata = self._get_connector_metadata()
         if not isinstance(metadata, HFKVShareMetadata):
             return
-        for capture in metadata.captures:
-            if capture.request_id not in self._sent:  # not taken before the forward
-                self._take(capture)
+        for capture in metadata.captures:  # those not taken before the forward
+            self._take(capture, "next step")
 
-    def _take(self, capture: Capture) -> None:
-        """Read a finished request's K/V back: through the channel when it takes them, else with the
-        step's output (``None`` when reading failed: the request is released, not recorded)."""
+    def _take(self, capture: Capture, via: str) -> None:
+        """Read a finished request's K/V back, once (the step's thread or the order thread, whichever
+        comes first): through the read-back channel when it takes them, else with the step's output
+        (``None`` when reading failed: the request is released, not recorded)."""
+        with self._worker_lock:
+            if capture.request_id in self._taken:
+                return
+            self._taken[capture.request_id] = None
+            while len(self._taken) > TAKEN_MAX:
+                self._taken.popitem(last=False)
         kv = None
         try:
             kv = self._read(capture)
         except Exception:  # noqa: BLE001 - the engine must keep running; the turn is not recorded
             logger.exception("hf_kvshare: reading back request %s failed", capture.request_id)
-        if kv is not None and self._sender is not None and self._sender.send(capture.request_id, *kv):
-            self._sent_on_channel.add(capture.request_id)
-        else:
-            self._captured[capture.request_id] = kv
-        self._sent.add(capture.request_id)
+        sent = kv is not None and self._sender is not None and self._sender.send(capture.request_id, *kv, via)
+        with self._worker_lock:
+            if sent:
+                self._sent_on_channel.add(capture.request_id)
+            else:
+                self._captured[capture.request_id] = kv
+            self._sent.add(capture.request_id)  # its blocks may be freed now (get_finished)
 
     def _read(self, capture: Capture) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's K/V of the capture into one ``[layers, n, kv_heads, head_dim]`` tensor each,
@@ -332,14 +371,19 @@ class HFKVShareConnector(KVConnectorBase_V1):
         return keys.to(STORE_DEVICE), values.to(STORE_DEVICE)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._captured and not self._sent_on_channel:
-            return None
-        meta = Captured(kv=self._captured, sent=self._sent_on_channel)
-        self._captured, self._sent_on_channel = {}, set()
+        announce = self._orders is not None and not self._orders_announced
+        with self._worker_lock:
+            if not self._captured and not self._sent_on_channel and not announce:
+                return None
+            meta = Captured(kv=self._captured, sent=self._sent_on_channel)
+            self._captured, self._sent_on_channel = {}, set()
+        if announce:
+            meta.orders, self._orders_announced = self._orders.address, True
         return meta
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sent, self._sent = self._sent, set()
+        with self._worker_lock:
+            sent, self._sent = self._sent, set()
         return (sent or None), None
 
     # ============================================================= scheduler side
@@ -448,7 +492,12 @@ class HFKVShareConnector(KVConnectorBase_V1):
             self._finishing[request.request_id] = _Finishing(
                 plan, list(request.output_token_ids), stop, ids, time.perf_counter()
             )
-        self._to_capture.append(Capture(request.request_id, list(block_ids), tokens))
+        capture = Capture(request.request_id, list(block_ids), tokens)
+        self._to_capture.append(capture)  # the next step's metadata, unless the worker took it already
+        if self._order_sender is not None:  # read back now, not at the next step
+            self._order_sender.order(
+                {"request_id": capture.request_id, "block_ids": capture.block_ids, "tokens": capture.tokens}
+            )
         return True, report  # the blocks stay until the worker has read them (get_finished)
 
     def _reporter(self, ids: tuple[str, str | None]):
@@ -480,14 +529,14 @@ class HFKVShareConnector(KVConnectorBase_V1):
         except OSError:  # the engine must keep running
             logger.exception("hf_kvshare: writing the report of request %s failed", ids[0])
 
-    def _on_read_back(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A read-back from the channel (its thread), while the worker runs the step's forward: the
-        request's record is queued now, not after the step."""
+    def _on_read_back(self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str) -> None:
+        """A read-back from the channel (its thread), while the engine goes on: the request's record is
+        queued now, not after the step."""
         with self._finishing_cond:
             finishing = self._finishing.pop(request_id, None)
             if finishing is not None:  # else given up on (update_connector_output): dropped
                 # queued under the lock: whoever sees the request gone sees its record queued first
-                self._record(finishing, (keys, values), "channel")
+                self._record(finishing, (keys, values), via or "next step")
             self._finishing_cond.notify_all()
 
     def _record(self, finishing: _Finishing, kv: tuple[torch.Tensor, torch.Tensor] | None, how: str) -> None:
@@ -504,6 +553,16 @@ class HFKVShareConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         captured = meta.kv if isinstance(meta, Captured) else {}
         on_channel = meta.sent if isinstance(meta, Captured) else set()
+        if (
+            isinstance(meta, Captured)
+            and meta.orders
+            and self._order_sender is None
+            and self._receiver is not None
+        ):
+            try:
+                self._order_sender = channel.Sender(meta.orders)
+            except Exception:  # noqa: BLE001 - read-backs then wait for the next step
+                logger.exception("hf_kvshare: connecting the order channel %s failed", meta.orders)
         for request_id in set(captured) | on_channel | set(connector_output.finished_sending or ()):
             with self._finishing_cond:
                 if request_id in on_channel:
@@ -536,10 +595,9 @@ class HFKVShareConnector(KVConnectorBase_V1):
             return bool(self._to_capture or self._finishing)
 
     def shutdown(self) -> None:
-        if self._receiver is not None:
-            self._receiver.close()
-        if self._sender is not None:
-            self._sender.close()
+        for end in (self._receiver, self._order_sender, self._orders, self._sender):
+            if end is not None:
+                end.close()
         background = getattr(self, "_background", None)
         if background is not None:
             background.close()

@@ -266,8 +266,10 @@ class Plan:
     #: seconds this request waited, before its plan could start, for an earlier request of its task to be
     #: read back and its record queued (the connector); ``None`` when it did not wait
     record_wait_s: float | None = None
-    #: how this request's K/V reached its record: ``"channel"`` (the worker's read-back channel, before
-    #: the next step's forward) or ``"step output"`` (the worker's metadata, after it); ``None`` unrecorded
+    #: how this request's K/V reached its record: ``"at finish"`` (read by the worker on the scheduler's
+    #: order as the request finished, sent through the read-back channel), ``"next step"`` (read when
+    #: vLLM bound the next step, before its forward, through that channel) or ``"step output"`` (with the
+    #: next step's output, after its forward: no channel); ``None`` unrecorded
     read_back: str | None = None
     #: seconds from the request's end (vLLM's ``request_finished``) to its record queued
     read_back_s: float | None = None
