@@ -242,7 +242,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         "--no-read-back-channel",
         action="store_true",
         help="hand finished requests' K/V to the connector's records with vLLM's step output only "
-        "(default: through a side channel before the next step's forward; hf_kvshare.serving.channel)",
+        "(default: read back as each request finishes, through side channels; hf_kvshare.serving.channel)",
     )
     args, vllm_args = parser.parse_known_args(argv)
     if not 0 < args.port < 65536:

@@ -1210,8 +1210,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--no-read-back-channel",
         action="store_true",
-        help="the connector gets finished requests' K/V with vLLM's step output only (default: through "
-        "its side channel before the next step's forward; hf_kvshare.serving.channel)",
+        help="the connector gets finished requests' K/V with vLLM's step output only (default: read back "
+        "as each request finishes, through its side channels; hf_kvshare.serving.channel)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_runs/serve", help="output root (default bench_runs/serve)")

@@ -25,18 +25,21 @@ Loaded out of tree (no patch of vLLM)::
 - ``start_load_kv`` (worker, before the forward): writes them with the attention backend's own
   writer (:mod:`.paged`: CPU and CUDA backends alike), synchronously.
 - ``request_finished`` (scheduler, before the blocks are freed): a finished request keeps its blocks
-  (``delay_free``) until the worker has read back the K/V it used (prompt + output but its last token)
-  at the start of the next step, when vLLM binds that step's metadata (``bind_connector_metadata``,
-  before the forward; into host memory, where the store is, on any device), and sent them through the
-  read-back channel (:mod:`.channel`): the connector's channel thread in the scheduler's process queues
-  the turn's record (slots, ``method.record``, on the same background thread, behind the plans asked
-  for before it) while the worker runs that step's forward. Without the channel (refused, full, or
-  ``"read_back_channel": false``; always with inline admission) they are read in ``wait_for_save``
-  and come back in ``build_connector_worker_meta``, and ``update_connector_output`` queues the record
-  after the step. Then the blocks are freed (``get_finished``). ``has_pending_push_work`` keeps the
-  engine stepping until then. A report line says which way a request's K/V came (``read_back``) and
-  how long after its end its record was queued (``read_back_s``). One worker (tensor and pipeline parallel size 1) and one KV cache group are
-  supported; more are refused at start-up, as is a cache :mod:`.paged` cannot read (MLA, quantized).
+  (``delay_free``) until the worker has read back the K/V it used (prompt + output but its last token,
+  into host memory, where the store is, on any device). The scheduler orders the read-back at once on
+  the order channel (:mod:`.channel`); the worker's order thread reads the blocks and sends the K/V on
+  the read-back channel, and the connector's channel thread in the scheduler's process queues the
+  turn's record (slots, ``method.record``, on the same background thread, behind the plans asked for
+  before it) while the engine goes on. A request no order reached is read when vLLM binds the next
+  step's metadata (``bind_connector_metadata``, before its forward), once whichever comes first.
+  Without the channels (refused, full, ``"read_back_channel": false``; always with inline admission)
+  it is read in ``wait_for_save`` and comes back in ``build_connector_worker_meta``, and
+  ``update_connector_output`` queues the record after the next step. Then the blocks are freed
+  (``get_finished``). ``has_pending_push_work`` keeps the engine stepping until then. A report line
+  says how a request's K/V came (``read_back``: ``"at finish"``, ``"next step"``, ``"step output"``)
+  and how long after its end its record was queued (``read_back_s``). One worker (tensor and
+  pipeline parallel size 1) and one KV cache group are supported; more are refused at start-up, as is
+  a cache :mod:`.paged` cannot read (MLA, quantized).
 
 Each finished request's report (what admission decided: the claim, its PH / PF tokens, each span's
 placement; :meth:`Plan.report <hf_kvshare.serving.host.Plan.report>`) is the reply's

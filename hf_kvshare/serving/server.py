@@ -59,7 +59,8 @@ def kv_transfer_config(
 ) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for the connector. ``background=False`` decides claims and
     records turns inline on the engine loop (:mod:`.admission`); ``read_back_channel=False`` hands
-    finished requests' K/V to the scheduler with the step's output only (:mod:`.channel`)."""
+    finished requests' K/V to the scheduler with the step's output only, without the side channels
+    (:mod:`.channel`)."""
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": MODULE,
