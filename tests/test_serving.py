@@ -796,6 +796,9 @@ class _Recorder:
         self.log.append(f"plan {request_id}")
         return Plan(request_id=request_id, prompt=prompt, local_hit=local_hit)
 
+    def claim(self, plan, local_hit):  # a plan made on arrival, claimed at admission
+        plan.local_hit = local_hit
+
     def record(self, plan, *args, settle=True):
         if plan.request_id == "hold":
             self.held.set()
@@ -851,6 +854,48 @@ def test_a_plan_waits_only_for_its_own_tasks_records():
         background.drain()
         assert sharing.log == ["record hold", "plan pC", "record rB", "plan pB", "record rA", "plan pA"]
     finally:
+        sharing.hold.set()
+        background.close()
+
+
+def test_a_request_gets_one_plan_when_two_threads_ask_for_it_at_once():
+    """The connector's read-back channel thread plans a request that waited for a record (prepare)
+    while the scheduler's thread may ask for the same request's plan at admission: each request is
+    planned once, whichever comes first (the pending plans are kept under the queue's lock)."""
+    import sys
+    import threading
+
+    from hf_kvshare.serving.admission import Background
+
+    sharing = _Recorder()
+    background = Background(sharing, wait_s=0.0, running_wait_s=0.0)
+    ids = [f"r{i}" for i in range(300)]
+    start = threading.Barrier(2)
+
+    def prepare_all():
+        start.wait()
+        for rid in ids:
+            background.prepare(rid, [1], layout("T", rid, []))
+
+    def ask_all():
+        start.wait()
+        for rid in ids:
+            background.plan(rid, [1], layout("T", rid, []), 0)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between bytecodes often: the race, if any, shows
+    try:
+        threads = [threading.Thread(target=prepare_all), threading.Thread(target=ask_all)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        sys.setswitchinterval(switch)
+        background.drain()
+        planned = [line.split()[1] for line in sharing.log if line.startswith("plan ")]
+        assert sorted(planned) == sorted(ids), [rid for rid in ids if planned.count(rid) != 1]
+    finally:
+        sys.setswitchinterval(switch)
         sharing.hold.set()
         background.close()
 

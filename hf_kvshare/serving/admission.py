@@ -92,9 +92,10 @@ class Background:
     the module docstring).
 
     The engine's scheduler thread calls this object (vLLM's scheduler side is one thread), and the
-    connector's read-back channel thread queues records and releases (:meth:`record`, :meth:`release`:
-    they only append to the queue, under its condition's lock); the background thread only runs
-    :class:`Sharing` calls, which take its lock."""
+    connector's read-back channel thread queues records, releases and plans (:meth:`record`,
+    :meth:`release`, :meth:`prepare`): the queue and the plans pending are kept under its condition's
+    (re-entrant) lock, so a request gets one plan whichever thread asks first; the background thread
+    only runs :class:`Sharing` calls, which take its lock."""
 
     def __init__(
         self,
@@ -139,13 +140,14 @@ class Background:
     def prepare(self, request_id: str, prompt: list[int], params: Any) -> None:
         """Start the request's plan when it arrives (vLLM's ``on_new_request``), so it runs while the
         engine finishes the step in progress; :meth:`plan` at admission claims from vLLM's hit."""
-        if self._thread is None or request_id in self._pending:
-            return
-        job = self._enqueue(
-            "plan", task_of(params), self.sharing.plan, request_id, list(prompt), params, None
-        )
-        # (claimed-from hit, first admission query, arrival): the query's time is set when vLLM first asks
-        self._pending[request_id] = ((None, None, time.perf_counter()), job)
+        with self._cond:  # one plan per request, whichever thread asks first (the connector's channel)
+            if self._thread is None or request_id in self._pending:
+                return
+            job = self._enqueue(
+                "plan", task_of(params), self.sharing.plan, request_id, list(prompt), params, None
+            )
+            # (claimed-from hit, first admission query, arrival): the query's time is set when vLLM asks
+            self._pending[request_id] = ((None, None, time.perf_counter()), job)
 
     def plan(self, request_id: str, prompt: list[int], params: Any, local_hit: int) -> Plan | None:
         """The request's plan, or ``None`` while it is still being decided (ask again)."""
@@ -153,20 +155,21 @@ class Background:
             plan = self.sharing.plan(request_id, prompt, params, local_hit)
             self._refresh()
             return plan
-        pending = self._pending.get(request_id)
-        if pending is not None and pending[0][0] not in (None, local_hit):  # vLLM's hit changed: decide again
-            self.forget(request_id)
-            pending = None
-        if pending is None:
-            job = self._enqueue(
-                "plan", task_of(params), self.sharing.plan, request_id, list(prompt), params, local_hit
-            )
-            now = time.perf_counter()
-            pending = self._pending[request_id] = ((local_hit, now, now), job)
-        (hit, asked, arrived), job = pending
-        if asked is None:  # planned on arrival; this is vLLM's first admission query
-            asked = time.perf_counter()
-            self._pending[request_id] = ((hit, asked, arrived), job)
+        with self._cond:  # the bookkeeping only: the wait for the plan is outside the lock
+            pending = self._pending.get(request_id)
+            if pending is not None and pending[0][0] not in (None, local_hit):  # vLLM's hit changed
+                self.forget(request_id)
+                pending = None
+            if pending is None:
+                job = self._enqueue(
+                    "plan", task_of(params), self.sharing.plan, request_id, list(prompt), params, local_hit
+                )
+                now = time.perf_counter()
+                pending = self._pending[request_id] = ((local_hit, now, now), job)
+            (hit, asked, arrived), job = pending
+            if asked is None:  # planned on arrival; this is vLLM's first admission query
+                asked = time.perf_counter()
+                self._pending[request_id] = ((hit, asked, arrived), job)
         try:
             plan = self._result(job)
         except FutureTimeout:
@@ -178,9 +181,9 @@ class Background:
             plan.error = f"{type(error).__name__}: {error}"
             plan.admission_wait_s = time.perf_counter() - asked
             plan.queued_s = asked - arrived
-            del self._pending[request_id]
+            self._drop_pending(request_id)
             return plan
-        del self._pending[request_id]
+        self._drop_pending(request_id)
         if plan.local_hit is None:  # planned ahead: claim from the hit vLLM has now
             self.sharing.claim(plan, local_hit)
         plan.admission_wait_s = time.perf_counter() - asked
@@ -205,18 +208,23 @@ class Background:
         with self._cond:
             return self._running is not None and bool(self._queue) and self._next() is job
 
+    def _drop_pending(self, request_id: str) -> None:
+        with self._cond:
+            self._pending.pop(request_id, None)
+
     def deciding(self, request_id: str) -> bool:
         """Whether the request's plan is queued, running, or decided and not yet asked for."""
-        return request_id in self._pending
+        with self._cond:
+            return request_id in self._pending
 
     def forget(self, request_id: str) -> None:
         """A request whose plan may still be deciding ended (aborted, finished before admission): a plan
         not started is dropped; one running or decided is released (its reserved output slot freed)."""
-        pending = self._pending.pop(request_id, None)
-        if pending is None:
-            return
-        job = pending[1]
         with self._cond:
+            pending = self._pending.pop(request_id, None)
+            if pending is None:
+                return
+            job = pending[1]
             if job in self._queue:  # never started: nothing to release
                 self._queue.remove(job)
                 job.future.cancel()

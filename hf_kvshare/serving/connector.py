@@ -192,11 +192,13 @@ class HFKVShareConnector(KVConnectorBase_V1):
         self._loads: dict[str, Load] = {}
         self._to_capture: list[Capture] = []
         #: finished requests waiting for their K/V (read back by the worker); the read-back channel's
-        #: thread takes them too, so every access holds this condition's lock
+        #: thread takes them too, so every access holds this condition's (re-entrant) lock, as do
+        #: those of the requests waiting for them
         self._finishing: dict[str, _Finishing] = {}
-        self._finishing_cond = threading.Condition()
+        self._finishing_cond = threading.Condition(threading.RLock())
         #: requests that arrived while their task had a finished request not yet recorded: planned as soon
-        #: as that record is queued (update_connector_output), not a step later at their next admission
+        #: as that record is queued (by the channel's thread when it brings the K/V, or at the step's
+        #: end), not a step later at their next admission
         self._waiting: dict[str, tuple[Request, float]] = {}
         #: seconds each such request waited before its plan could start (its report's record_wait_s)
         self._record_waits: dict[str, float] = {}
@@ -399,12 +401,9 @@ class HFKVShareConnector(KVConnectorBase_V1):
                 return old.claimed, False
             del self._plans[request.request_id]
             self._background.release(old)
-        if not self._background.deciding(request.request_id) and self._unrecorded(
-            task_of(request.kv_transfer_params)
-        ):
-            # an earlier request of this task finished but its K/V is not read back yet (the next step
-            # does it): its record comes first, or this plan would not see the output it reads
-            self._wait_for_record(request)
+        if not self._background.deciding(request.request_id) and self._waits_for_record(request):
+            # an earlier request of this task finished but its K/V is not read back yet: its record
+            # comes first, or this plan would not see the output it reads
             return None, False
         prompt = list(request.prompt_token_ids or [])
         plan = self._background.plan(
@@ -425,19 +424,39 @@ class HFKVShareConnector(KVConnectorBase_V1):
         with self._finishing_cond:
             return any(f.plan.host is not None and f.plan.host.task == task for f in self._finishing.values())
 
-    def _wait_for_record(self, request: Request) -> None:
-        if request.request_id not in self._waiting:
-            self._waiting[request.request_id] = (request, time.perf_counter())
+    def _waits_for_record(self, request: Request) -> bool:
+        """Whether a finished request of ``request``'s task waits to be recorded; if so ``request``
+        waits for it (checked and noted under the lock the channel's thread takes to record)."""
+        with self._finishing_cond:
+            if not self._unrecorded(task_of(request.kv_transfer_params)):
+                return False
+            if request.request_id not in self._waiting:
+                self._waiting[request.request_id] = (request, time.perf_counter())
+            return True
 
-    def on_new_request(self, request: Request) -> None:
-        # plan ahead while the engine finishes its step (not when an earlier request of the task still
-        # waits to be read back: that request's record must come first; admission plans it then)
-        if self._unrecorded(task_of(request.kv_transfer_params)):
-            self._wait_for_record(request)
-        else:
+    def _ready(self) -> list[Request]:
+        """The waiting requests whose task has no unrecorded request left (taken off the waiting list;
+        under the lock)."""
+        ready = []
+        with self._finishing_cond:
+            for request_id, (request, since) in list(self._waiting.items()):
+                if not self._unrecorded(task_of(request.kv_transfer_params)):
+                    del self._waiting[request_id]
+                    self._record_waits[request_id] = time.perf_counter() - since
+                    ready.append(request)
+        return ready
+
+    def _prepare(self, requests: list[Request]) -> None:
+        for request in requests:  # planned behind the records queued before (the task's queue order)
             self._background.prepare(
                 request.request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
             )
+
+    def on_new_request(self, request: Request) -> None:
+        # plan ahead while the engine finishes its step (not when an earlier request of the task still
+        # waits to be read back: that request's record must come first; it is planned then)
+        if not self._waits_for_record(request):
+            self._prepare([request])
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -470,9 +489,10 @@ class HFKVShareConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
 
         self._loads.pop(request.request_id, None)
-        self._waiting.pop(request.request_id, None)
+        with self._finishing_cond:  # the channel's thread may be planning it (a waiting request)
+            self._waiting.pop(request.request_id, None)
+            self._background.forget(request.request_id)  # a plan being decided is released when done
         self._record_waits.pop(request.request_id, None)
-        self._background.forget(request.request_id)  # a plan still being decided is released when done
         plan = self._plans.pop(request.request_id, None)
         if plan is None:
             return False, None
@@ -540,6 +560,9 @@ class HFKVShareConnector(KVConnectorBase_V1):
             if finishing is not None:  # else given up on (update_connector_output): dropped
                 # queued under the lock: whoever sees the request gone sees its record queued first
                 self._record(finishing, (keys, values), via or "next step")
+                # the requests that waited for it: planned now, behind it (under the lock, so a request
+                # ending meanwhile is forgotten after its plan is queued, never before)
+                self._prepare(self._ready())
             self._finishing_cond.notify_all()
 
     def _record(self, finishing: _Finishing, kv: tuple[torch.Tensor, torch.Tensor] | None, how: str) -> None:
@@ -585,13 +608,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
                     )
                 self._record(finishing, captured.get(request_id), "step output")
         # the requests that waited for these records: planned now, behind them in the task's queue order
-        for request_id, (request, since) in list(self._waiting.items()):
-            if not self._unrecorded(task_of(request.kv_transfer_params)):
-                del self._waiting[request_id]
-                self._record_waits[request_id] = time.perf_counter() - since
-                self._background.prepare(
-                    request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
-                )
+        self._prepare(self._ready())
 
     def has_pending_push_work(self) -> bool:
         with self._finishing_cond:
