@@ -147,3 +147,17 @@ def test_orders_reach_the_workers_thread_and_a_bad_one_is_skipped():
     ]
     assert {name for _, name in got} == {"hf_kvshare-orders"}
     assert orders.received == 3  # the bad one was received, then skipped
+
+
+def test_a_closed_sender_refuses_instead_of_raising(tmp_path):
+    """The worker's step sends from inside vLLM's forward path: a channel that broke (closed socket,
+    terminated context) must hand the read-back to the step's output, not raise into the engine."""
+    receiver = channel.Receiver(lambda *args: None)
+    sender = channel.Sender(receiver.address)
+    try:
+        sender._socket.close(0)
+        assert not sender.send("r", torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+        assert not sender.order({"request_id": "r"})
+    finally:
+        sender._context.term()
+        receiver.close()

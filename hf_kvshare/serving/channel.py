@@ -199,6 +199,9 @@ class Sender:
                 self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return False
+            except zmq.ZMQError:  # closed, or the context terminated: the caller takes its other path
+                logger.exception("hf_kvshare: sending on %s failed", self.address)
+                return False
         return True
 
     def send(self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str = "") -> bool:

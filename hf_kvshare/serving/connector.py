@@ -92,8 +92,8 @@ logger = logging.getLogger("hf_kvshare.serving")
 REPORTS_ENV = "HF_KVSHARE_REPORTS"
 #: the store summary's counts each report line of that file carries
 STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv", "queued_jobs", "settles")
-#: how long the scheduler waits, at the end of a step, for a read-back the worker sent through the
-#: channel before that step's forward and that has not arrived (a step without a forward; seconds)
+#: how long the scheduler waits, at the end of a step, for a read-back the worker says it sent
+#: through the channel and that has not arrived yet (seconds; then the request is not recorded)
 READ_BACK_WAIT_S = 5.0
 #: request ids the worker remembers having read back (an order arriving after the step's own read of
 #: the same request is then ignored, never read from blocks vLLM may have freed)
@@ -429,6 +429,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         waits for it (checked and noted under the lock the channel's thread takes to record)."""
         with self._finishing_cond:
             if not self._unrecorded(task_of(request.kv_transfer_params)):
+                self._waiting.pop(request.request_id, None)  # planned now: never again from the list
                 return False
             if request.request_id not in self._waiting:
                 self._waiting[request.request_id] = (request, time.perf_counter())
