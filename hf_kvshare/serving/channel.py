@@ -107,7 +107,13 @@ class _Listener:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(self.address)
+        try:
+            self._socket.bind(self.address)
+        except Exception:
+            self._socket.close(0)
+            self._context.term()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self._closed = threading.Event()
         #: messages received and handed on (the connector's tests and reports)
         self.received = 0
