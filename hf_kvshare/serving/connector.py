@@ -593,7 +593,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         for request_id in set(captured) | on_channel | set(connector_output.finished_sending or ()):
             with self._finishing_cond:
                 if request_id in on_channel:
-                    # sent before this step's forward: here already but for a step without one
+                    # sent on the channel before the worker's output was built: here already, or soon
                     self._finishing_cond.wait_for(
                         lambda rid=request_id: rid not in self._finishing, READ_BACK_WAIT_S
                     )
