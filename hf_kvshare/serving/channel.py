@@ -94,9 +94,10 @@ def decode(frames: list[Any]) -> tuple[str, torch.Tensor, torch.Tensor, str]:
 
 class _Listener:
     """A PULL socket bound in a temporary folder of its own and a thread that hands each message's
-    frames to ``handle`` (its errors logged: one bad message does not stop the channel)."""
+    frames to ``handle`` (its errors logged: one bad message does not stop the channel); ``kind``
+    names its socket and thread."""
 
-    kind = "read-back"
+    kind: str
 
     def __init__(self, handle: Callable[[list[Any]], None]):
         import zmq

@@ -63,7 +63,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -519,9 +519,7 @@ class HFKVShareConnector(KVConnectorBase_V1):
         capture = Capture(request.request_id, list(block_ids), tokens)
         self._to_capture.append(capture)  # the next step's metadata, unless the worker took it already
         if self._order_sender is not None:  # read back now, not at the next step
-            self._order_sender.order(
-                {"request_id": capture.request_id, "block_ids": capture.block_ids, "tokens": capture.tokens}
-            )
+            self._order_sender.order(asdict(capture))
         return True, report  # the blocks stay until the worker has read them (get_finished)
 
     def _reporter(self, ids: tuple[str, str | None]):

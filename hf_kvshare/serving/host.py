@@ -422,6 +422,7 @@ class Sharing:
         with self._lock:
             t0 = time.perf_counter()
             self.requests += 1
+            phases = Phases()
             try:
                 request = lay.parse(params)
                 if request.method == "nonshared" and self.method.name != "nonshared":
@@ -431,17 +432,15 @@ class Sharing:
                     raise lay.LayoutError(
                         f"this server runs method {self.method.name!r}; the request asks {request.method!r}"
                     )
-                with timing(Phases()) as phases:
-                    try:
-                        self._plan(plan, request)
-                    finally:
-                        plan.plan_phases = dict(phases.times)
+                with timing(phases):
+                    self._plan(plan, request)
             except Exception as error:  # noqa: BLE001 - the engine must keep running
                 self.errors += 1
                 plan.error = f"{type(error).__name__}: {error}"
                 plan.turn, plan.placements, plan.keys, plan.values = None, [], [], []
                 plan.claim_start = plan.claim_end = 0
             finally:
+                plan.plan_phases = dict(phases.times)
                 plan.plan_s = time.perf_counter() - t0
                 self.plan_seconds += plan.plan_s
         return plan
