@@ -749,6 +749,61 @@ def test_a_running_plan_is_waited_for_briefly_a_queued_one_not(tiny_llama, token
         background.close()
 
 
+def test_a_plans_report_says_where_its_admission_time_went(tiny_llama, tokenizer):
+    """A plan queued while its task's record runs reports the time behind it as ``task record``, one
+    of another task as ``other record`` and behind the plan before it as ``plan``; each "not decided
+    yet" answer is counted; the whole wait is the queue, the plan and what followed its decision."""
+    import threading
+
+    from hf_kvshare.serving.admission import BEHIND_KINDS, Background
+
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    recording, go = threading.Event(), threading.Event()
+    record_inline = sharing.record
+
+    def slow_record(*args, **kwargs):
+        recording.set()
+        assert go.wait(30)
+        time.sleep(0.3)
+        return record_inline(*args, **kwargs)
+
+    sharing.record = slow_record
+    background = Background(sharing, wait_s=0.0, running_wait_s=0.0)
+    seg = [{"slot": "doc", "text": DOC}]
+    prompt = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC)
+    try:
+        p1 = _decided(background, "r1", prompt, layout("t", "a1", seg), 0)
+        assert p1.plan_queue_s >= 0 and p1.not_ready >= 0 and set(p1.plan_behind) <= set(BEHIND_KINDS)
+        out1, k, v = engine(tiny_llama, p1)
+        background.record(p1, k, v, out1, set())
+        assert recording.wait(30)
+        background.prepare("r2", prompt, layout("t", "a2", seg))  # waits for t's record
+        background.prepare("r3", prompt, layout("u", "b1", seg))  # free, but the thread is busy
+        nones = 0
+        while background.plan("r2", prompt, layout("t", "a2", seg), 0) is None and nones < 3:
+            nones += 1
+        assert nones == 3
+        go.set()
+        p2 = _decided(background, "r2", prompt, layout("t", "a2", seg), 0)
+        p3 = _decided(background, "r3", prompt, layout("u", "b1", seg), 0)
+        assert p2.error is None and p3.error is None
+        assert p2.not_ready >= 3 and p2.report()["not_ready"] == p2.not_ready
+        assert p2.plan_behind["task record"] >= 0.3 and "other record" not in p2.plan_behind
+        assert p3.plan_behind["other record"] >= 0.3 and p3.plan_behind["plan"] > 0  # r2 ran first
+        assert "task record" not in p3.plan_behind
+        for plan in (p2, p3):
+            assert plan.plan_queue_s >= sum(plan.plan_behind.values()) - 1e-6 > 0.3
+            assert plan.taken_after_s >= 0
+            assert plan.admission_wait_s + plan.queued_s >= plan.plan_queue_s + plan.plan_s - 1e-6
+            report = plan.report()
+            assert report["plan_queue_s"] == round(plan.plan_queue_s, 6)
+            assert report["plan_behind"] == {k: round(v, 6) for k, v in plan.plan_behind.items()}
+            assert report["taken_after_s"] == round(plan.taken_after_s, 6)
+    finally:
+        go.set()
+        background.close()
+
+
 def test_a_request_that_ends_while_its_plan_is_decided_frees_its_output_slot(tiny_llama, tokenizer):
     import threading
 

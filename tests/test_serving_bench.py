@@ -177,6 +177,29 @@ def test_connector_columns_from_the_per_request_reports(tmp_path):
         and sb.compact_report(timed[1]["connector"])["record_s"] == 1.5
     )
     assert sb.compact_report(timed[0]["connector"])["plan_s"] == 0.1
+    # where the admission wait went: the queue before the plan, "not decided yet" answers, the decision
+    assert cols["plan_queue_p50_s"] is None and cols["not_ready_requests"] is None
+    behind = {"task record": 0.25, "settle": 0.05}
+    queued = [
+        {
+            "request": i,
+            "ok": True,
+            "connector": sb.compact_report(
+                {
+                    **_report(None, 10, 0, 0),
+                    "plan_queue_s": q,
+                    "not_ready": n,
+                    "taken_after_s": t,
+                    "plan_behind": behind,
+                }
+            ),
+        }
+        for i, (q, n, t) in enumerate([(0.3, 0, 0.01), (0.1, 2, 1.5), (0.2, 1, None)])
+    ]
+    cols = sb.connector_columns("kvcmas", queued)
+    assert cols["plan_queue_p50_s"] == pytest.approx(0.2) and cols["not_ready_requests"] == 2
+    assert cols["taken_after_p50_s"] == pytest.approx(0.755)
+    assert queued[0]["connector"]["plan_behind"] == behind and queued[1]["connector"]["not_ready"] == 2
     # a gate's outcome per segment where the method gates, and the requests a rejection sent dense
     assert cols["gate_rejected_requests"] is None  # reports without gate outcomes
     fallback = {"gate": "fallback", "anchors": 2, "entropy": 0.45, "reason": "entropy 0.45 > tau 0.3"}

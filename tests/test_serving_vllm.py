@@ -168,6 +168,11 @@ def test_exact_mode_and_fullshared(server, tok):
     reads = [line["read_back"] for line in lines]
     assert len(reads) == 4 and set(reads) <= {"at finish", "next step"} and "at finish" in reads, lines
     assert all(line["read_back_s"] >= 0 for line in lines)
+    # and each says where its admission time went on the connector's thread
+    for line in lines:
+        assert line["plan_queue_s"] >= 0 and isinstance(line["not_ready"], int) and line["not_ready"] >= 0
+        assert set(line["plan_behind"]) <= {"task record", "other record", "settle", "plan", "summary"}
+        assert line["plan_queue_s"] + 1e-6 >= sum(line["plan_behind"].values())
 
 
 def recorded(server, task, n, timeout=60):

@@ -273,6 +273,9 @@ SUMMARY_COLUMNS = (
     "record_mean_s",
     "admission_wait_p50_s",
     "queued_p50_s",
+    "plan_queue_p50_s",
+    "not_ready_requests",
+    "taken_after_p50_s",
     "read_back_p50_s",
     "record_wait_p50_s",
     "store_evicted_tasks",
@@ -341,6 +344,9 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "record_mean_s": None,
         "admission_wait_p50_s": None,
         "queued_p50_s": None,
+        "plan_queue_p50_s": None,
+        "not_ready_requests": None,
+        "taken_after_p50_s": None,
         "read_back_p50_s": None,
         "record_wait_p50_s": None,
         "store_evicted_tasks": None,
@@ -388,6 +394,13 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "admission_wait_p50_s": _stat(reports, "admission_wait_s", "p50"),
         # arrival to vLLM's first admission query (vLLM's own queue; the plan runs meanwhile)
         "queued_p50_s": _stat(reports, "queued_s", "p50"),
+        # where the admission wait went: the plan's submission to its start on the connector's thread
+        # (behind what, per request: ``plan_behind`` in requests.jsonl), the requests vLLM was told "not
+        # decided yet" at least once (each such answer costs an engine step), and the decision to the
+        # admission query that took it
+        "plan_queue_p50_s": _stat(reports, "plan_queue_s", "p50"),
+        "not_ready_requests": _count_positive(reports, "not_ready"),
+        "taken_after_p50_s": _stat(reports, "taken_after_s", "p50"),
         # a request's end to its record queued (the worker's read-back), and how long a later request of
         # its task waited for that before its plan could start (only requests that waited)
         "read_back_p50_s": _stat(reports, "read_back_s", "p50"),
@@ -403,6 +416,12 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         # no report carries a gate outcome
         "gate_rejected_requests": sum(rejected) if rejected else None,
     }
+
+
+def _count_positive(reports: Sequence[Mapping[str, Any]], key: str) -> int | None:
+    values = [r.get(key) for r in reports]
+    real = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    return sum(1 for v in real if v > 0) if real else None
 
 
 def _max_int(reports: Sequence[Mapping[str, Any]], key: str) -> int | None:
@@ -435,6 +454,10 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "plan_s",
         "admission_wait_s",
         "queued_s",
+        "plan_queue_s",
+        "plan_behind",
+        "not_ready",
+        "taken_after_s",
         "record_s",
         "record_wait_s",
         "read_back",

@@ -42,6 +42,12 @@ one factorization, ~0.1 s at 1K tokens: a plan next in line behind it is waited 
 factorizes it itself (the same factors). More than ``max_queued_records`` settles waiting (each holds
 the K/V it factorizes) run before plans.
 
+Each plan says where its request's admission time went (:class:`~hf_kvshare.serving.host.Plan`'s
+``plan_queue_s`` and ``plan_behind``: the time from its submission to its start, split by what the
+thread ran meanwhile; ``not_ready``: the queries answered "not yet"; ``taken_after_s``: what they cost
+after the decision), so a slow first token can be traced to the record it had to see, another task's
+work, or an engine step it missed.
+
 No vLLM import here (tests drive it with a plain :class:`~hf_kvshare.serving.host.Sharing`).
 """
 
@@ -54,7 +60,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -85,6 +91,25 @@ class _Job:
     fn: Callable[..., Any]
     args: tuple
     future: Future
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    ended_at: float | None = None
+    #: a plan's: seconds of the jobs the thread ran while it was queued, by kind (:data:`BEHIND_KINDS`)
+    behind: dict[str, float] = field(default_factory=dict)
+    #: a plan's: admission queries answered "not decided yet" (each costs the request an engine step)
+    not_ready: int = 0
+
+
+#: what a queued plan can wait behind on the thread (its report's ``plan_behind``): a record (or release)
+#: of its own task (the one it must see), another task's, a record's deferred work (``settle``), another
+#: plan, the store's summary refreshed after each job
+BEHIND_KINDS = ("task record", "other record", "settle", "plan", "summary")
+
+
+def _behind_kind(ran: _Job, waiting: _Job) -> str:
+    if ran.kind == "record":
+        return "task record" if ran.task is not None and ran.task == waiting.task else "other record"
+    return ran.kind
 
 
 class Background:
@@ -173,22 +198,35 @@ class Background:
         try:
             plan = self._result(job)
         except FutureTimeout:
-            self.deferred_queries += 1
+            with self._cond:
+                self.deferred_queries += 1
+                job.not_ready += 1
             return None
         except Exception as error:  # noqa: BLE001 - Sharing.plan never raises; the engine must keep running
             logger.exception("hf_kvshare: planning request %s failed", request_id)
             plan = Plan(request_id=request_id, prompt=list(prompt), local_hit=local_hit)
             plan.error = f"{type(error).__name__}: {error}"
-            plan.admission_wait_s = time.perf_counter() - asked
-            plan.queued_s = asked - arrived
             self._drop_pending(request_id)
+            self._timings(plan, job, asked, arrived)
             return plan
         self._drop_pending(request_id)
         if plan.local_hit is None:  # planned ahead: claim from the hit vLLM has now
             self.sharing.claim(plan, local_hit)
-        plan.admission_wait_s = time.perf_counter() - asked
-        plan.queued_s = asked - arrived
+        self._timings(plan, job, asked, arrived)
         return plan
+
+    @staticmethod
+    def _timings(plan: Plan, job: _Job, asked: float, arrived: float) -> None:
+        """Where the request's admission time went (the report's fields; :class:`Plan`)."""
+        now = time.perf_counter()
+        plan.admission_wait_s = now - asked
+        plan.queued_s = asked - arrived
+        plan.not_ready = job.not_ready
+        if job.started_at is not None:
+            plan.plan_queue_s = job.started_at - job.queued_at
+            plan.plan_behind = {kind: job.behind[kind] for kind in BEHIND_KINDS if kind in job.behind}
+        if job.ended_at is not None:  # a plan decided before vLLM asked was waited for by no one
+            plan.taken_after_s = max(0.0, now - max(job.ended_at, asked))
 
     def _result(self, job: _Job) -> Plan:
         """The plan when it is decided within ``wait_s``, or within ``running_wait_s`` once it is
@@ -360,16 +398,34 @@ class Background:
                 self._queue.remove(job)
                 self._running = job
             if job.future.set_running_or_notify_cancel():
+                job.started_at = time.perf_counter()
                 try:
-                    job.future.set_result(job.fn(*job.args))
+                    result = job.fn(*job.args)
                 except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the job
+                    job.ended_at = time.perf_counter()
                     job.future.set_exception(error)
                     if job.kind != "plan":
                         logger.exception("hf_kvshare: a background %s job failed", job.kind)
+                else:
+                    job.ended_at = time.perf_counter()
+                    job.future.set_result(result)
+                self._waited(job, job.started_at, job.ended_at)
+            started = time.perf_counter()
             self._refresh()
+            self._waited(None, started, time.perf_counter())
             with self._cond:
                 self._running = None
                 self._cond.notify_all()
+
+    def _waited(self, ran: _Job | None, started: float, ended: float) -> None:
+        """The plans still queued waited behind ``ran`` (``None``: the summary's refresh) from
+        ``started`` (or from their submission, if later) to ``ended``."""
+        with self._cond:
+            for waiting in self._queue:
+                if waiting.kind == "plan" and ended > waiting.queued_at:
+                    kind = "summary" if ran is None else _behind_kind(ran, waiting)
+                    seconds = ended - max(started, waiting.queued_at)
+                    waiting.behind[kind] = waiting.behind.get(kind, 0.0) + seconds
 
     def _refresh(self) -> None:
         try:

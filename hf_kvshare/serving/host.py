@@ -255,6 +255,17 @@ class Plan:
     #: vLLM's first admission query: vLLM's own queue (its token budget, running requests), not the
     #: method's; ``None`` when inline
     queued_s: float | None = None
+    #: where ``admission_wait_s`` went on the connector's thread (``None`` when inline): seconds from the
+    #: plan's submission (the arrival, or vLLM's first query) to its start, ``plan_behind`` that time split
+    #: by what the thread ran meanwhile (:data:`.admission.BEHIND_KINDS`: ``task record`` (the record
+    #: it must see), ``other record``, ``settle``, ``plan``, ``summary``), ``not_ready`` the admission
+    #: queries answered "not decided yet" (each one costs the request the engine step vLLM runs before it
+    #: asks again) and ``taken_after_s`` the seconds from the decision (or vLLM's first query, if later)
+    #: to the query that took it: what those answers cost beyond the plan
+    plan_queue_s: float | None = None
+    plan_behind: dict[str, float] = field(default_factory=dict)
+    not_ready: int | None = None
+    taken_after_s: float | None = None
     #: span name -> the method's gate outcome for it (:data:`GATE_KEYS` of the segment row's ``info``:
     #: ``gate`` accepted / fallback / turn / first / ungated, ``entropy``, ``anchors`` compared,
     #: ``reason``): a placed span's from admission, a dense one's from the record (``method.finish``
@@ -346,6 +357,10 @@ class Plan:
             "plan_s": round(self.plan_s, 6),
             "admission_wait_s": None if self.admission_wait_s is None else round(self.admission_wait_s, 6),
             "queued_s": None if self.queued_s is None else round(self.queued_s, 6),
+            "plan_queue_s": None if self.plan_queue_s is None else round(self.plan_queue_s, 6),
+            "plan_behind": {k: round(v, 6) for k, v in self.plan_behind.items()},
+            "not_ready": self.not_ready,
+            "taken_after_s": None if self.taken_after_s is None else round(self.taken_after_s, 6),
             "record_s": None if self.record_s is None else round(self.record_s, 6),
             "record_wait_s": None if self.record_wait_s is None else round(self.record_wait_s, 6),
             "read_back": self.read_back,
