@@ -196,7 +196,14 @@ def test_connector_columns_from_the_per_request_reports(tmp_path):
         }
         for i, (q, n, t) in enumerate([(0.3, 0, 0.01), (0.1, 2, 1.5), (0.2, 1, None)])
     ]
+    queued[0]["ttft_s"], queued[0]["connector"]["queued_s"], queued[0]["connector"]["admission_wait_s"] = (
+        1.0,
+        0.1,
+        0.4,
+    )
+    queued[1]["ttft_s"], queued[1]["connector"]["admission_wait_s"] = 2.0, 0.5  # queued_s None: 0
     cols = sb.connector_columns("kvcmas", queued)
+    assert cols["after_admission_p50_s"] == pytest.approx((0.5 + 1.5) / 2)  # the third has no TTFT
     assert cols["plan_queue_p50_s"] == pytest.approx(0.2) and cols["not_ready_requests"] == 2
     assert cols["taken_after_p50_s"] == pytest.approx(0.755)
     assert queued[0]["connector"]["plan_behind"] == behind and queued[1]["connector"]["not_ready"] == 2

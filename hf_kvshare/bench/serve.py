@@ -276,6 +276,7 @@ SUMMARY_COLUMNS = (
     "plan_queue_p50_s",
     "not_ready_requests",
     "taken_after_p50_s",
+    "after_admission_p50_s",
     "read_back_p50_s",
     "record_wait_p50_s",
     "store_evicted_tasks",
@@ -347,6 +348,7 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "plan_queue_p50_s": None,
         "not_ready_requests": None,
         "taken_after_p50_s": None,
+        "after_admission_p50_s": None,
         "read_back_p50_s": None,
         "record_wait_p50_s": None,
         "store_evicted_tasks": None,
@@ -401,6 +403,10 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "plan_queue_p50_s": _stat(reports, "plan_queue_s", "p50"),
         "not_ready_requests": _count_positive(reports, "not_ready"),
         "taken_after_p50_s": _stat(reports, "taken_after_s", "p50"),
+        # the client's TTFT less the connector's queue and admission wait: the engine's step(s) after
+        # admission (the claimed K/V sent and written, the forward of what was not claimed) and the API
+        # server's way to the client
+        "after_admission_p50_s": _stat(_after_admission(done), "after_admission_s", "p50"),
         # a request's end to its record queued (the worker's read-back), and how long a later request of
         # its task waited for that before its plan could start (only requests that waited)
         "read_back_p50_s": _stat(reports, "read_back_s", "p50"),
@@ -416,6 +422,16 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         # no report carries a gate outcome
         "gate_rejected_requests": sum(rejected) if rejected else None,
     }
+
+
+def _after_admission(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+    out = []
+    for r in records:
+        rep, ttft = r.get("connector") or {}, r.get("ttft_s")
+        wait = rep.get("admission_wait_s")
+        if isinstance(ttft, (int, float)) and isinstance(wait, (int, float)):
+            out.append({"after_admission_s": float(ttft) - float(rep.get("queued_s") or 0.0) - float(wait)})
+    return out
 
 
 def _count_positive(reports: Sequence[Mapping[str, Any]], key: str) -> int | None:
@@ -458,6 +474,7 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "plan_behind",
         "not_ready",
         "taken_after_s",
+        "claim_s",
         "record_s",
         "record_wait_s",
         "read_back",

@@ -211,7 +211,9 @@ class Background:
             return plan
         self._drop_pending(request_id)
         if plan.local_hit is None:  # planned ahead: claim from the hit vLLM has now
+            started = time.perf_counter()
             self.sharing.claim(plan, local_hit)
+            plan.claim_s = time.perf_counter() - started
         self._timings(plan, job, asked, arrived)
         return plan
 

@@ -261,11 +261,13 @@ class Plan:
     #: it must see), ``other record``, ``settle``, ``plan``, ``summary``), ``not_ready`` the admission
     #: queries answered "not decided yet" (each one costs the request the engine step vLLM runs before it
     #: asks again) and ``taken_after_s`` the seconds from the decision (or vLLM's first query, if later)
-    #: to the query that took it: what those answers cost beyond the plan
+    #: to the query that took it: what those answers cost beyond the plan, and the claim (``claim_s``:
+    #: the claimed K/V laid out for the worker, on vLLM's scheduler thread) with it
     plan_queue_s: float | None = None
     plan_behind: dict[str, float] = field(default_factory=dict)
     not_ready: int | None = None
     taken_after_s: float | None = None
+    claim_s: float | None = None
     #: span name -> the method's gate outcome for it (:data:`GATE_KEYS` of the segment row's ``info``:
     #: ``gate`` accepted / fallback / turn / first / ungated, ``entropy``, ``anchors`` compared,
     #: ``reason``): a placed span's from admission, a dense one's from the record (``method.finish``
@@ -361,6 +363,7 @@ class Plan:
             "plan_behind": {k: round(v, 6) for k, v in self.plan_behind.items()},
             "not_ready": self.not_ready,
             "taken_after_s": None if self.taken_after_s is None else round(self.taken_after_s, 6),
+            "claim_s": None if self.claim_s is None else round(self.claim_s, 6),
             "record_s": None if self.record_s is None else round(self.record_s, 6),
             "record_wait_s": None if self.record_wait_s is None else round(self.record_wait_s, 6),
             "read_back": self.read_back,
