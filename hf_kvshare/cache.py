@@ -65,24 +65,40 @@ def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
     nothing writes: the serving record's) is not read again. Passing does not mark: K/V a session holds
     is checked again at every use, so a tensor written in place after a check is still caught."""
     bounds, where = [], []
+    # a correction not computed yet: its source now, the corrected rows where they are computed
+    items = [(what, stored(kv)) for what, kv in items]
     items = [(what, kv) for what, kv in items if not kv.finite]  # checked already (SegmentKV.finite)
     for what, kv in items:
         for layer, pair in enumerate(zip(kv.keys, kv.values)):
             for kind, tensor in zip(("keys", "values"), pair):
                 if tensor.numel() == 0:
                     continue
-                bounds.append(torch.stack(torch.aminmax(tensor)).float())
+                bounds.append(_bounds(tensor))
                 where.append((what, layer, kind))
-    if not bounds:
-        return
-    ok = torch.isfinite(torch.stack([b.to(bounds[0].device) for b in bounds])).all(dim=1).cpu()
-    if bool(ok.all()):
-        return
-    what, layer, kind = where[int((~ok).nonzero()[0, 0])]
-    raise ValueError(
+    bad = _first_non_finite(bounds)
+    if bad is not None:
+        raise non_finite(*where[bad])
+
+
+def non_finite(what: str, layer: int, kind: str) -> ValueError:
+    """The error for K/V holding NaN or inf where it was to be reused or stored."""
+    return ValueError(
         f"{what}: non-finite K/V (NaN or inf) in layer {layer} ({kind}); such K/V is never reused "
         "or stored (the turn changed nothing). Check the model's dtype / weights or what wrote this K/V"
     )
+
+
+def _bounds(tensor: torch.Tensor) -> torch.Tensor:
+    """``[min, max]`` of ``tensor`` (float32): NaN propagates into both, +inf is the max, -inf the min."""
+    return torch.stack(torch.aminmax(tensor)).float()
+
+
+def _first_non_finite(bounds: list[torch.Tensor]) -> int | None:
+    """The index of the first ``bounds`` (:func:`_bounds`) holding NaN or inf, one host read in all."""
+    if not bounds:
+        return None
+    ok = torch.isfinite(torch.stack([b.to(bounds[0].device) for b in bounds])).all(dim=1).cpu()
+    return None if bool(ok.all()) else int((~ok).nonzero()[0, 0])
 
 
 @dataclass
@@ -124,6 +140,10 @@ class SegmentKV:
         (one reduction per tensor, one device sync in all): :func:`check_finite`."""
         check_finite([(what, self)])
 
+    def materialize(self) -> SegmentKV:
+        """K/V held in tensors: itself (a :class:`CorrectedKV` computes its own)."""
+        return self
+
     def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:
         """A copy whose keys sit at ``new_start .. new_start + length - 1`` (values need no rotation)."""
         if new_start == self.start:
@@ -151,6 +171,157 @@ class SegmentKV:
             keys=[k[..., :length, :] for k in self.keys],
             values=[v[..., :length, :] for v in self.values],
         )
+
+
+class CorrectedKV(SegmentKV):
+    """``source`` re-positioned to ``start`` plus an additive correction of its first ``rows`` tokens,
+    computed layer by layer where it is written: a corrected segment (``Align(source) + delta``).
+
+    ``delta(layer)`` returns that layer's key and value corrections ``[1, kv_heads, rows, head_dim]``
+    at the target positions (any float dtype; added in the K/V's own), or ``None`` where the layer
+    keeps the re-positioned source. A cache that lays the segment out (:meth:`SegmentedCache.append_placed`,
+    :meth:`SegmentedCache.reserve`) writes each layer straight into its slots (:meth:`write_layer`), so
+    the corrected segment is never held whole beside the cache being built; anything that reads
+    :attr:`keys` / :attr:`values` gets them computed once, the same values bit for bit (the same
+    :meth:`write_layer`, into new tensors). :func:`check_finite` checks the source before the
+    correction is computed; the corrected rows are checked where they are written or computed
+    (a non-finite correction raises ``ValueError`` there, and the cache is left as it was).
+
+    A ``dataclasses.replace`` of it (which reads :attr:`keys`) gives plain K/V of this class."""
+
+    def __init__(
+        self,
+        keys: list[torch.Tensor] | None = None,
+        values: list[torch.Tensor] | None = None,
+        start: int = 0,
+        agent: str | None = None,
+        rope: Any = None,
+        *,
+        source: SegmentKV | None = None,
+        rows: int = 0,
+        delta: Any = None,
+        shifter: RopeShifter | None = None,
+    ):
+        self.start, self.agent, self.rope, self.finite = start, agent, rope, False
+        self.source, self.rows, self.delta, self.shifter = source, rows, delta, shifter
+        if source is None:  # dataclasses.replace: plain K/V
+            if keys is None or values is None:
+                raise ValueError("CorrectedKV needs a source to correct, or keys and values")
+            self.keys, self.values = keys, values
+            return
+        if keys is not None or values is not None:
+            raise ValueError("CorrectedKV takes a source to correct or keys and values, not both")
+        if not 0 <= rows <= source.length:
+            raise ValueError(f"cannot correct {rows} rows of a {source.length}-token source")
+        if source.start != start and shifter is None:
+            raise ValueError(
+                f"K/V sits at position {source.start}, not {start}: pass a RopeShifter to move it"
+            )
+        if agent is None:
+            self.agent = source.agent
+        self.rotation = (
+            None if source.start == start else shifter.rotation(source.start, start, source.length)
+        )
+
+    def __getattr__(self, name: str) -> Any:  # attributes not set: keys / values before they are read
+        if name in ("keys", "values") and self.__dict__.get("source") is not None:
+            self._materialize()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:  # without computing it
+        state = "computed" if self.materialized else f"from the source at {self.source.start}, not computed"
+        return f"CorrectedKV(start={self.start}, length={self.length}, rows={self.rows}, {state})"
+
+    @property
+    def materialized(self) -> bool:
+        """Whether :attr:`keys` / :attr:`values` are held (read once, or given)."""
+        return "keys" in self.__dict__
+
+    @property
+    def stored(self) -> SegmentKV:
+        """What this K/V is read from while it is not materialized: the source (shapes, dtypes,
+        devices; the corrected K/V has the source's); itself once it is."""
+        return self if self.materialized else self.source
+
+    @property
+    def length(self) -> int:
+        return self.stored.keys[0].shape[-2]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.stored.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return self.stored.nbytes  # the corrected K/V has the source's shapes and dtypes
+
+    def write_layer(self, layer: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        """Write layer ``layer``'s corrected keys and values into ``keys_out`` / ``values_out``
+        (``[batch, kv_heads, length, head_dim]``, batch >= 1: batch row 0 of the source, broadcast):
+        the source's keys re-positioned straight into ``keys_out``, its values copied, then the
+        correction added to the first :attr:`rows` tokens."""
+        if self.materialized:
+            keys_out.copy_(self.keys[layer].expand_as(keys_out))
+            values_out.copy_(self.values[layer].expand_as(values_out))
+            return
+        k_src, v_src = self.source.keys[layer][:1], self.source.values[layer][:1]
+        if self.rotation is None:
+            keys_out.copy_(k_src.expand_as(keys_out))
+        else:
+            self.shifter.apply_into(k_src.expand_as(keys_out), self.rotation, keys_out, layer=layer)
+        change = self.delta(layer) if self.rows else None
+        if change is None:
+            values_out.copy_(v_src.expand_as(values_out))
+            return
+        delta_k, delta_v = change
+        rows = self.rows
+        keys_out[..., :rows, :] += delta_k.to(keys_out.dtype)
+        head = values_out[..., :rows, :]
+        torch.add(v_src[..., :rows, :].expand_as(head), delta_v.to(values_out.dtype), out=head)
+        values_out[..., rows:, :] = v_src[..., rows:, :]
+
+    def _materialize(self) -> None:
+        keys, values = [], []
+        for layer in range(self.num_layers):
+            k_src, v_src = self.source.keys[layer], self.source.values[layer]
+            key = k_src.new_empty((1, *k_src.shape[1:]))
+            value = v_src.new_empty((1, *v_src.shape[1:]))
+            self.write_layer(layer, key, value)
+            keys.append(key)
+            values.append(value)
+        check_finite(
+            [(f"a correction of {self.rows} rows at position {self.start}", _plain(keys, values, self))]
+        )
+        self.keys, self.values = keys, values
+        self.source = self.delta = self.rotation = None  # what computed them is not held any longer
+
+    def materialize(self) -> SegmentKV:
+        """Plain K/V of the same values (computed now if they were not)."""
+        return _plain(self.keys, self.values, self)
+
+    def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:
+        return self.materialize().repositioned(shifter, new_start)
+
+    def keys_at(self, shifter: RopeShifter | None, new_start: int) -> Iterator[torch.Tensor]:
+        return self.materialize().keys_at(shifter, new_start)
+
+    def prefix(self, length: int) -> SegmentKV:
+        return self.materialize().prefix(length)
+
+
+def _plain(keys: list[torch.Tensor], values: list[torch.Tensor], like: SegmentKV) -> SegmentKV:
+    return SegmentKV(keys=keys, values=values, start=like.start, agent=like.agent, rope=like.rope)
+
+
+def unread(kv: SegmentKV) -> bool:
+    """Whether ``kv`` is a :class:`CorrectedKV` not computed yet (written layer by layer where it lands)."""
+    return isinstance(kv, CorrectedKV) and not kv.materialized
+
+
+def stored(kv: SegmentKV) -> SegmentKV:
+    """The K/V ``kv``'s shapes, dtypes and devices can be read from without computing it."""
+    return kv.stored if isinstance(kv, CorrectedKV) else kv
 
 
 @dataclass
@@ -512,9 +683,11 @@ class SegmentedCache(DynamicCache):
         placing its kept prefix, a document and the text after it copied the document's K/V once for
         each part after it). Here each layer's K/V are laid out in one new tensor (keys rotated
         straight into their slots), which an empty layer holds as it is. The same K/V and table as
-        :meth:`append_kv` per part, bit for bit. A multimodal-RoPE
+        :meth:`append_kv` per part, bit for bit; a :class:`CorrectedKV` is computed in its slots
+        (:meth:`CorrectedKV.write_layer`), never whole beside them. A lone plain part, a multimodal-RoPE
         cache (the parts' rope layouts) and a cache that cannot reserve (offloaded, other layer types)
-        append part by part. Every part is checked against where it lands before anything is stored."""
+        append part by part. Every part is checked against where it lands before anything is stored;
+        a non-finite correction stores nothing."""
         parts = list(parts)
         if not parts:
             return
@@ -526,14 +699,14 @@ class SegmentedCache(DynamicCache):
                     f"part {p.segment.name!r} has no K/V to place (token_ids are computed, not placed)"
                 )
             self.check_placeable(p.kv, p.segment, shifter)
-        if len(parts) == 1 or self.rope_track is not None or not self.can_reserve:
+        one = len(parts) == 1 and not unread(parts[0].kv)  # a lone K/V held as it is (no copy)
+        if one or self.rope_track is not None or not self.can_reserve:
             for p in parts:
                 self.append_kv(p.kv, p.segment, shifter, rope=p.rope)
             return
         rotations = _rotations(parts, shifter)
-        batch = max(p.kv.keys[0].shape[0] for p in parts)
-        for layer_idx in range(self.num_layers):
-            self._store_new(*_laid_out(parts, layer_idx, shifter, rotations, batch), layer_idx)
+        batch = max(stored(p.kv).keys[0].shape[0] for p in parts)
+        self._lay_out(parts, shifter, rotations, batch, self.num_layers)
         self.segments.extend(p.segment for p in parts)
 
     def append_tiled(self, kv: SegmentKV, segments: Sequence[Segment], adopt: bool = False) -> None:
@@ -590,9 +763,40 @@ class SegmentedCache(DynamicCache):
         batch = max(p.token_ids.shape[0] for p in parts if p.dense)
         reference = next(p.kv for p in parts if not p.dense)
         rotations = _rotations(parts, shifter)
-        for layer_idx in range(reference.num_layers):
-            self._store_new(*_laid_out(parts, layer_idx, shifter, rotations, batch), layer_idx)
+        self._lay_out(parts, shifter, rotations, batch, reference.num_layers)
         return SlotWriter(self, slots)
+
+    def _lay_out(
+        self,
+        parts: Sequence[CachePart],
+        shifter: RopeShifter | None,
+        rotations: dict,
+        batch: int,
+        layers: int,
+    ) -> None:
+        """Store ``parts`` end to end, each layer laid out in one new tensor (:func:`_laid_out`); the rows
+        a :class:`CorrectedKV` corrects as it is written are checked finite, once for all layers, and
+        a failure leaves the cache as it was (``ValueError``)."""
+        start = self.get_seq_length()
+        bounds: list[tuple[str, int, str, torch.Tensor]] = []
+        try:
+            for layer_idx in range(layers):
+                self._store_new(*_laid_out(parts, layer_idx, shifter, rotations, batch, bounds), layer_idx)
+            bad = _first_non_finite([b for *_, b in bounds])
+        except BaseException:
+            self._drop_after(start)
+            raise
+        if bad is not None:
+            self._drop_after(start)
+            raise non_finite(*bounds[bad][:3])
+
+    def _drop_after(self, start: int) -> None:
+        """Crop every layer that holds more than ``start`` positions back to ``start`` (a layout that
+        stopped part way extended only some; ``crop`` would remove as many from each)."""
+        for layer in self.layers:
+            length = layer.get_seq_length()
+            if length > start:
+                layer.crop(crop_argument(length, start))
 
     # ------------------------------------------- what generate may call on us
     def crop(self, tokens_to_remove: int) -> None:
@@ -902,12 +1106,15 @@ def _laid_out(
     shifter: RopeShifter | None,
     rotations: dict[int, Any],
     batch: int,
+    bounds: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``layer_idx``'s keys and values of ``parts`` end to end, each in ONE new tensor of
     ``batch`` rows: a placed part's keys re-positioned straight into its slots
     (:meth:`RopeShifter.apply_into`: the values of ``SegmentKV.keys_at``) and its values copied there,
-    a dense part's slots zero (its K/V still to come). One layer alive at a time; no concatenation."""
-    reference = next(p.kv for p in parts if not p.dense)
+    a :class:`CorrectedKV` computed there (:meth:`CorrectedKV.write_layer`; the ``[min, max]`` of the
+    rows it corrects appended to ``bounds`` as ``(what, layer, kind, bounds)``), a dense part's slots
+    zero (its K/V still to come). One layer alive at a time; no concatenation."""
+    reference = stored(next(p.kv for p in parts if not p.dense))
     like_k, like_v = reference.keys[layer_idx], reference.values[layer_idx]
     total = sum(p.segment.length for p in parts)
     keys = like_k.new_empty((batch, like_k.shape[1], total, like_k.shape[3]))
@@ -919,6 +1126,13 @@ def _laid_out(
         if p.dense:
             k_out.zero_()
             v_out.zero_()
+        elif unread(p.kv) and rotations[id(p)] is None:
+            p.kv.write_layer(layer_idx, k_out, v_out)
+            rows = p.kv.rows
+            if bounds is not None and rows:
+                what = f"{p.segment.kind} segment {p.segment.name!r} (corrected)"
+                bounds.append((what, layer_idx, "keys", _bounds(k_out[:1, :, :rows])))
+                bounds.append((what, layer_idx, "values", _bounds(v_out[:1, :, :rows])))
         else:
             k = p.kv.keys[layer_idx].expand(batch, -1, -1, -1)
             rotation = rotations[id(p)]

@@ -24,7 +24,7 @@ import torch
 
 from . import _compat, mrope
 from ._compat import cache_kwargs
-from .cache import CachePart, Segment, SegmentedCache, check_tiling
+from .cache import CachePart, Segment, SegmentedCache, check_tiling, stored
 from .rope import RopeShifter
 
 
@@ -384,7 +384,7 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
         if not p.dense:
             cache.check_placeable(p.kv, p.segment, shifter, layers=cache.signature[0] is not None)
     queries = torch.cat([torch.arange(p.segment.start, p.segment.end) for p in parts if p.dense]).to(device)
-    mask = position_masks(model, queries, end, batch, reference.keys[0].dtype)
+    mask = position_masks(model, queries, end, batch, stored(reference).keys[0].dtype)
     if mask is None:
         return False
     positions = queries[None].expand(batch, -1)
@@ -392,11 +392,11 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
     if track is not None:  # multimodal RoPE: placed K/V re-positioned, then to their rope positions
         parts = [p if p.dense else replace(p, kv=p.kv.repositioned(shifter, p.segment.start)) for p in parts]
         parts, positions = _rope_parts(model, track, start, parts, positions)
-    writer = cache.reserve(parts, queries, shifter)  # placed K/V re-positioned there, layer by layer
     ids = torch.cat([p.token_ids.expand(batch, -1) for p in parts if p.dense], dim=-1).to(device)
     embeds = dense_embeds(model, [p for p in parts if p.dense], batch)
     inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds.to(device)}
     try:
+        writer = cache.reserve(parts, queries, shifter)  # placed K/V re-positioned there, layer by layer
         with torch.no_grad():
             model(
                 **inputs,

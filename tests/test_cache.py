@@ -433,3 +433,112 @@ def test_an_empty_layer_adopts_the_tensors_it_is_given_and_a_full_one_refuses():
         pass
 
     assert not adopt_layer_states(Other(), keys, values)
+
+
+def _corrected(tiny, source, start, rows, nan_layer=None):
+    """A CorrectedKV of ``source`` at ``start`` with seeded random deltas (layer 0 uncorrected), and the
+    layers its delta was asked for."""
+    from hf_kvshare.cache import CorrectedKV
+
+    heads, dim = source.keys[0].shape[1], source.keys[0].shape[3]
+    g = torch.Generator().manual_seed(7)
+    deltas = [None] + [
+        (torch.randn(1, heads, rows, dim, generator=g), torch.randn(1, heads, rows, dim, generator=g))
+        for _ in range(1, source.num_layers)
+    ]
+    if nan_layer is not None:
+        deltas[nan_layer][1][0, 0, 1, 0] = float("nan")
+    asked = []
+
+    def delta(layer):
+        asked.append(layer)
+        return deltas[layer]
+
+    shifter = RopeShifter.from_model(tiny)
+    return CorrectedKV(source=source, start=start, rows=rows, delta=delta, shifter=shifter), asked
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_corrected_part_is_computed_in_its_slots_as_reading_it_computes_it(tiny, batch):
+    """A CorrectedKV laid out by append_placed / reserve is written layer by layer into the cache's
+    slots (its delta asked once per layer, the corrected segment never held whole): the same K/V bit
+    for bit as its materialized keys / values placed as plain K/V."""
+    from hf_kvshare.cache import CachePart, check_finite
+
+    layers = tiny.config.num_hidden_layers
+    shifter = RopeShifter.from_model(tiny)
+    src = dense(tiny, torch.randint(3, 1000, (14,)), start=3)
+    table = [
+        Segment("sys", "PF", 0, 4, "reused"),
+        Segment("doc", "PH", 4, 10, "corrected", "a"),
+        Segment("q", "PF", 10, 13, "reused"),
+    ]
+    source = src.extract(7, 13, agent="a")  # lands at 4: re-positioned as it is written
+
+    def parts(doc_kv, dense_q=False):
+        q = (
+            CachePart(table[2], token_ids=torch.randint(3, 1000, (batch, 3)))
+            if dense_q
+            else CachePart(table[2], kv=src.extract(12, 15))
+        )
+        return [CachePart(table[0], kv=src.extract(3, 7)), CachePart(table[1], kv=doc_kv), q]
+
+    lazy, asked = _corrected(tiny, source, 4, 4)
+    check_finite([("doc", lazy)])  # checks the source; computes nothing
+    assert asked == [] and not lazy.materialized and lazy.length == 6 and lazy.num_layers == layers
+    plain, _ = _corrected(tiny, source, 4, 4)
+    plain = plain.materialize()
+    assert type(plain).__name__ == "SegmentKV" and plain.start == 4
+    if batch == 1:
+        one, other = SegmentedCache(tiny.config), SegmentedCache(tiny.config)
+        one.append_placed(parts(lazy), shifter)
+        other.append_placed(parts(plain), shifter)
+    else:  # reserve: dense rows of batch 2, the corrected part broadcast to both
+        one, other = SegmentedCache(tiny.config), SegmentedCache(tiny.config)
+        dense_parts = parts(lazy, dense_q=True)
+        one.reserve(dense_parts, torch.arange(10, 13), shifter)
+        other.reserve([*parts(plain, dense_q=True)[:2], dense_parts[2]], torch.arange(10, 13), shifter)
+    assert asked == list(range(layers)) and not lazy.materialized  # written in place, once a layer
+    for layer in range(layers):
+        for x, y in zip(one.layer_kv(layer), other.layer_kv(layer)):
+            assert x.shape[0] == batch and torch.equal(x, y)
+    # a lone corrected part is laid out in place too
+    alone, asked_alone = _corrected(tiny, source, 4, 4)
+    single = dense(tiny, torch.randint(3, 1000, (4,)))
+    single.append_placed([CachePart(table[1], kv=alone)], shifter)
+    assert not alone.materialized and asked_alone == list(range(layers))
+    assert torch.equal(single.layer_kv(2)[1][..., 4:, :], other.layer_kv(2)[1][:1, :, 4:10])
+    # reading it, or replacing a field, gives the same values as plain K/V
+    assert all(torch.equal(a, b) for a, b in zip(lazy.values, plain.values)) and lazy.materialized
+    fresh, _ = _corrected(tiny, source, 4, 4)
+    moved = replace(fresh, start=9)
+    assert moved.start == 9 and torch.equal(moved.keys[-1], plain.keys[-1]) and moved.source is None
+
+
+@pytest.mark.parametrize("how", ["append_placed", "reserve", "read"])
+def test_a_non_finite_correction_stores_nothing(tiny, how):
+    """A correction whose delta holds NaN in layer 2: laid out, the cache is left as it was (every
+    layer, the table) with a ValueError naming the segment and the layer; read, it raises too."""
+    from hf_kvshare.cache import CachePart
+
+    layers = tiny.config.num_hidden_layers
+    shifter = RopeShifter.from_model(tiny)
+    src = dense(tiny, torch.randint(3, 1000, (10,)), start=3)
+    kv, _ = _corrected(tiny, src.extract(6, 12, agent="a"), 4, 4, nan_layer=2)
+    if how == "read":
+        with pytest.raises(ValueError, match="non-finite K/V .* layer 2 \\(values\\)"):
+            kv.values  # noqa: B018
+        return
+    cache = dense(tiny, torch.randint(3, 1000, (4,)))
+    before = [tuple(t.clone() for t in cache.layer_kv(i)) for i in range(layers)]
+    table = list(cache.segments)
+    doc = CachePart(Segment("doc", "PH", 4, 10, "corrected", "a"), kv=kv)
+    with pytest.raises(ValueError, match="'doc' \\(corrected\\): non-finite K/V .* layer 2 \\(values\\)"):
+        if how == "append_placed":
+            cache.append_placed([doc, CachePart(Segment("q", "PF", 10, 12), kv=src.extract(3, 5))], shifter)
+        else:
+            q = CachePart(Segment("q", "PF", 10, 12), token_ids=torch.zeros(1, 2, dtype=torch.long))
+            cache.reserve([doc, q], torch.arange(10, 12), shifter)
+    assert cache.get_seq_length() == 4 and cache.segments == table
+    for layer in range(layers):
+        assert all(torch.equal(x, y) for x, y in zip(cache.layer_kv(layer), before[layer]))

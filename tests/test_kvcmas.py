@@ -136,6 +136,42 @@ def test_identical_requests_are_corrected_exactly(tiny_llama, tokenizer, cls, pr
     assert corrected == expected  # 1 + 2 + 3 PH segments
 
 
+@pytest.mark.parametrize("cls", [KVCMAS, KVComm])
+def test_a_session_writes_corrections_into_the_turn_cache_never_whole_beside_it(
+    tiny_llama, tokenizer, monkeypatch, cls
+):
+    """A corrected segment reaches the turn's cache layer by layer (``CorrectedKV.write_layer`` in the
+    cache's slots): no turn materializes one, and every turn's cache and logits are the ones a
+    correction computed whole first gives (the generic path, forced), bit for bit."""
+    import hf_kvshare.cache as cache_module
+    from hf_kvshare.cache import CorrectedKV
+
+    ref = exact_forced(tiny_llama, tokenizer, QUERIES[0])
+    whole = []
+    inner = CorrectedKV._materialize
+    monkeypatch.setattr(CorrectedKV, "_materialize", lambda self: whole.append(self) or inner(self))
+
+    def requests():
+        method = cls(tau=1.0)
+        return [run_forced(tiny_llama, tokenizer, method, QUERIES[0], ref) for _ in range(3)]
+
+    in_place = requests()
+    corrected = sum(
+        seg.provenance == "corrected" for req in in_place for t in req for seg in t.cache.placeholders()
+    )
+    assert corrected >= 5 and whole == []
+    monkeypatch.setattr(cache_module, "unread", lambda kv: False)  # every part read as plain K/V
+    generic = requests()
+    assert len(whole) == corrected
+    for a_req, b_req in zip(in_place, generic):
+        for a, b in zip(a_req, b_req):
+            assert a.cache.segments == b.cache.segments and torch.equal(a.logits, b.logits)
+            for layer in range(a.cache.num_layers):
+                assert all(
+                    torch.equal(x, y) for x, y in zip(a.cache.layer_kv(layer), b.cache.layer_kv(layer))
+                )
+
+
 def test_chained_and_nonchained_coincide_when_corrections_are_exact(tiny_llama, tokenizer):
     ref = exact_forced(tiny_llama, tokenizer, QUERIES[1])
     caches = {}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import SegmentKV
+from ..cache import CorrectedKV, SegmentKV
 from ..rope import RopeShifter
 from .lowrank import FactoredKV, MatrixFactors, to_heads, to_matrix
 from .pool import Anchor
@@ -339,41 +339,34 @@ def corrected_kv(
     layer_delta: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     skip_layer0: bool = False,
     frame: str = "canonical",
-) -> SegmentKV:
-    """``Align(source) + Rot(delta)`` at ``target_start``, one layer at a time.
+) -> CorrectedKV:
+    """``Align(source) + Rot(delta)`` at ``target_start``, one layer at a time, computed where it is read
+    (:class:`~hf_kvshare.cache.CorrectedKV`: a cache laying it out writes each layer straight into its
+    slots; reading ``keys`` / ``values`` computes them all, batch 1).
 
     ``layer_delta(layer)`` returns the key and value corrections ``[rows, D]`` of the first ``rows``
     tokens, keys canonical (rotated to the target) or, with ``frame="writer"``, in the absolute
     positions of the consumer that observed them (added as they are: the authors' code); rows
-    ``rows:`` keep the re-positioned source. Only the output (batch 1) is materialized in full
-    dimension. ``skip_layer0``: layer 0 keeps the re-positioned source.
+    ``rows:`` keep the re-positioned source. ``skip_layer0``: layer 0 keeps the re-positioned source.
+    ``layer_delta`` is called when a layer is written, so what it reads must stay unchanged until then.
     """
     if not 0 <= rows <= source.length:
         raise ValueError(f"cannot correct {rows} rows of a {source.length}-token source")
     if frame not in ("canonical", "writer"):
         raise ValueError(f"frame must be 'canonical' or 'writer', got {frame!r}")
     heads = source.keys[0].shape[1]
-    to_target = shifter.rotation(source.start, target_start, source.length)
     delta_to_target = shifter.rotation(0, target_start, rows) if rows and frame == "canonical" else None
-    keys, values = [], []
-    for layer in range(source.num_layers):
-        k_src, v_src = source.keys[layer][:1], source.values[layer][:1]
-        # new tensors, written once: the re-positioned keys straight into theirs (RopeShifter.apply_into)
-        key = shifter.apply_into(k_src, to_target, torch.empty_like(k_src), layer=layer)
-        if rows and not (skip_layer0 and layer == 0):
-            delta_k, delta_v = layer_delta(layer)
-            delta_k = to_heads(delta_k, heads)
-            if delta_to_target is not None:
-                delta_k = shifter.apply_into(delta_k, delta_to_target, torch.empty_like(delta_k), layer=layer)
-            key[:, :, :rows] += delta_k.to(key.dtype)
-            value = torch.empty_like(v_src)
-            torch.add(v_src[:, :, :rows], to_heads(delta_v, heads).to(value.dtype), out=value[:, :, :rows])
-            value[:, :, rows:] = v_src[:, :, rows:]
-        else:
-            value = v_src.clone()
-        keys.append(key)
-        values.append(value)
-    return SegmentKV(keys=keys, values=values, start=target_start, agent=source.agent)
+
+    def target_delta(layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if skip_layer0 and layer == 0:
+            return None
+        delta_k, delta_v = layer_delta(layer)
+        delta_k = to_heads(delta_k, heads)
+        if delta_to_target is not None:
+            delta_k = shifter.apply_into(delta_k, delta_to_target, torch.empty_like(delta_k), layer=layer)
+        return delta_k, to_heads(delta_v, heads)
+
+    return CorrectedKV(source=source, start=target_start, rows=rows, delta=target_delta, shifter=shifter)
 
 
 def apply_correction(
@@ -397,7 +390,8 @@ def apply_correction(
         skip_layer0: leave layer 0 uncorrected (the reference code's choice).
 
     Returns:
-        A :class:`SegmentKV` of batch 1 at ``target_start`` (``agent`` = the source's).
+        A :class:`~hf_kvshare.cache.CorrectedKV` of batch 1 at ``target_start`` (``agent`` = the
+        source's), computed where it is read or laid out (:func:`corrected_kv`).
     """
     n, k = key_weights.shape
     if value_weights.shape != key_weights.shape or n != len(anchors):

@@ -489,8 +489,8 @@ class Sharing:
                 placement = method.placeholder(turn, span, scratch_cache)
             else:
                 placement = method.prefix(turn, span, scratch_cache)
-            if placement is not None and placement.kv.start != span.start:
-                placement.kv = placement.kv.repositioned(turn.shifter, span.start)
+            if placement is not None:  # computed here, on the plan's thread, not where it is claimed
+                placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
             plan.placements.append(placement)
             if placement is not None:
                 _keep_gate(plan, span.name, placement.info)
