@@ -6,7 +6,8 @@ Runs 4 requests of the trace workload (3 agents, 32 output tokens) with
 ``fullshared:prefix_reuse=True`` and the default ``kvcmas``, one instance each; for the last two
 requests prints every reuse turn's TTFT and the seconds spent in ``gate_distances``,
 ``token_distances`` and ``apply_correction`` (wall-clock timers around the functions where the anchor
-scopes call them; ``token_distances`` mostly runs in records, primed for the next turn, not in a
+scopes call them; ``CorrectedKV.write_layer`` / ``_materialize``: where the correction is computed since
+it is written where it lands; ``token_distances`` mostly runs in records, primed for the next turn, not in a
 TTFT). Not a benchmark: run it alone on the machine.
 """
 
@@ -20,6 +21,7 @@ import torch
 
 import hf_kvshare.anchors.edge_scope as E
 import hf_kvshare.anchors.slot_scope as S
+import hf_kvshare.cache as C
 import hf_kvshare.methods.kvcmas as K
 from hf_kvshare import Session, load_model
 from hf_kvshare.bench.workloads.trace import TraceWorkload
@@ -56,6 +58,10 @@ for module, names in (
 ):
     for name in names:
         timed(module, name)
+# since 2026-12-05 apply_correction returns a CorrectedKV computed where the cache lays it out: its
+# arithmetic is in CorrectedKV.write_layer (or in _materialize where something reads it whole)
+timed(C.CorrectedKV, "write_layer")
+timed(C.CorrectedKV, "_materialize")
 for label, method in (
     ("fullshared:prefix_reuse=True", FullShared(prefix_reuse=True)),
     ("kvcmas", K.KVCMAS()),
