@@ -93,6 +93,22 @@ def test_a_reuse_turn_holds_one_copy_of_its_segments(wide, tokenizer, context):
     assert cache_bytes < above < 1.3 * cache_bytes, (above, cache_bytes)
 
 
+@pytest.mark.parametrize("turn_fallback", ["turn", "span"])
+def test_a_corrected_reuse_turn_holds_one_copy_of_its_segments(wide, tokenizer, context, turn_fallback):
+    """KVCMAS's corrected reuse turn: each corrected layer is written straight into the turn's cache
+    (``cache.CorrectedKV``), so above what the session held its tensors peak at the cache plus a
+    layer's worth and the gate's work, as FullShared's (before: the corrected segment computed whole
+    beside the cache being built, 1.97x / 2.0x the cache here)."""
+    method = KVCMAS(tau=1.0, turn_fallback=turn_fallback)
+    for _ in range(3):  # the third request's consumer is corrected (the earlier ones gave the anchors)
+        session = Session(wide, tokenizer, method, tensor_memory=True)
+        (_, reuse), held = run_agents(session, context, keep_cache=True)
+    assert reuse.cache.segment("context").provenance == "corrected" and reuse.tokens_reused > 600
+    cache_bytes = reuse.cache.nbytes
+    above = reuse.tensor_peak_bytes - held[1]
+    assert cache_bytes < above < 1.3 * cache_bytes, (above, cache_bytes)
+
+
 def test_append_kv_repositions_one_layer_at_a_time(wide):
     """Appending K/V that sits elsewhere rotates each layer as it is copied in: the peak above the final
     cache is a fraction of the keys (before: every layer's rotated keys at once, then the cache), and
