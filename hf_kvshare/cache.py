@@ -66,7 +66,7 @@ def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
     is checked again at every use, so a tensor written in place after a check is still caught."""
     bounds, where = [], []
     # a correction not computed yet: its source now, the corrected rows where they are computed
-    items = [(what, stored(kv)) for what, kv in items]
+    items = [(what, kv.stored) for what, kv in items]
     items = [(what, kv) for what, kv in items if not kv.finite]  # checked already (SegmentKV.finite)
     for what, kv in items:
         for layer, pair in enumerate(zip(kv.keys, kv.values)):
@@ -142,6 +142,12 @@ class SegmentKV:
 
     def materialize(self) -> SegmentKV:
         """K/V held in tensors: itself (a :class:`CorrectedKV` computes its own)."""
+        return self
+
+    @property
+    def stored(self) -> SegmentKV:
+        """The K/V this one's shapes, dtypes and devices can be read from without computing anything:
+        itself (a :class:`CorrectedKV` not computed yet: its source)."""
         return self
 
     def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:
@@ -260,11 +266,7 @@ class CorrectedKV(SegmentKV):
         """Write layer ``layer``'s corrected keys and values into ``keys_out`` / ``values_out``
         (``[batch, kv_heads, length, head_dim]``, batch >= 1: batch row 0 of the source, broadcast):
         the source's keys re-positioned straight into ``keys_out``, its values copied, then the
-        correction added to the first :attr:`rows` tokens."""
-        if self.materialized:
-            keys_out.copy_(self.keys[layer].expand_as(keys_out))
-            values_out.copy_(self.values[layer].expand_as(values_out))
-            return
+        correction added to the first :attr:`rows` tokens. Only while not :attr:`materialized`."""
         k_src, v_src = self.source.keys[layer][:1], self.source.values[layer][:1]
         if self.rotation is None:
             keys_out.copy_(k_src.expand_as(keys_out))
@@ -317,11 +319,6 @@ def _plain(keys: list[torch.Tensor], values: list[torch.Tensor], like: SegmentKV
 def unread(kv: SegmentKV) -> bool:
     """Whether ``kv`` is a :class:`CorrectedKV` not computed yet (written layer by layer where it lands)."""
     return isinstance(kv, CorrectedKV) and not kv.materialized
-
-
-def stored(kv: SegmentKV) -> SegmentKV:
-    """The K/V ``kv``'s shapes, dtypes and devices can be read from without computing it."""
-    return kv.stored if isinstance(kv, CorrectedKV) else kv
 
 
 @dataclass
@@ -705,7 +702,7 @@ class SegmentedCache(DynamicCache):
                 self.append_kv(p.kv, p.segment, shifter, rope=p.rope)
             return
         rotations = _rotations(parts, shifter)
-        batch = max(stored(p.kv).keys[0].shape[0] for p in parts)
+        batch = max(p.kv.stored.keys[0].shape[0] for p in parts)
         self._lay_out(parts, shifter, rotations, batch, self.num_layers)
         self.segments.extend(p.segment for p in parts)
 
@@ -1114,7 +1111,7 @@ def _laid_out(
     a :class:`CorrectedKV` computed there (:meth:`CorrectedKV.write_layer`; the ``[min, max]`` of the
     rows it corrects appended to ``bounds`` as ``(what, layer, kind, bounds)``), a dense part's slots
     zero (its K/V still to come). One layer alive at a time; no concatenation."""
-    reference = stored(next(p.kv for p in parts if not p.dense))
+    reference = next(p.kv for p in parts if not p.dense).stored
     like_k, like_v = reference.keys[layer_idx], reference.values[layer_idx]
     total = sum(p.segment.length for p in parts)
     keys = like_k.new_empty((batch, like_k.shape[1], total, like_k.shape[3]))

@@ -24,7 +24,7 @@ import torch
 
 from . import _compat, mrope
 from ._compat import cache_kwargs
-from .cache import CachePart, Segment, SegmentedCache, check_tiling, stored
+from .cache import CachePart, Segment, SegmentedCache, check_tiling
 from .rope import RopeShifter
 
 
@@ -384,7 +384,7 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
         if not p.dense:
             cache.check_placeable(p.kv, p.segment, shifter, layers=cache.signature[0] is not None)
     queries = torch.cat([torch.arange(p.segment.start, p.segment.end) for p in parts if p.dense]).to(device)
-    mask = position_masks(model, queries, end, batch, stored(reference).keys[0].dtype)
+    mask = position_masks(model, queries, end, batch, reference.stored.keys[0].dtype)
     if mask is None:
         return False
     positions = queries[None].expand(batch, -1)
