@@ -256,7 +256,7 @@ class Method(StatePersistence):
         prefilling them and then feeding the last token. Where build computes other text anyway the
         trailing text stays in that forward: splitting it off measured slower (FullShared without
         prefix reuse, trace at 2,048 tokens: 0.72 s against 0.61 s per reuse turn,
-        ``docs/results/tail_in_generate.py``).
+        measured at commit 1e65350).
 
         Empty unless ``turn.generate_tail`` (``Session.run_turn`` sets it; ``build_cache`` does not),
         and on a multimodal-RoPE model (generate's positions come from the cache's track), for a

@@ -1,6 +1,6 @@
 """An HF stand-in for the engine: what vLLM does with a :class:`~hf_kvshare.serving.host.Plan`, run
 through the model's own ``generate``, so the serving contract (plan -> claim -> record) can be driven
-without vLLM (``tests/test_serving.py``, ``docs/results/serving_gates_offline.py``)."""
+without vLLM (``tests/test_serving.py``)."""
 
 from __future__ import annotations
 

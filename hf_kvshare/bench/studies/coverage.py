@@ -1,6 +1,6 @@
 """Coverage study: reconstruction coverage of selective recomputation and the recomputation methods' fidelity.
 
-    python -m hf_kvshare.bench study coverage --rho 0.9 0.8 --calibration 2 --out docs/results/runs --threads 1
+    python -m hf_kvshare.bench study coverage --rho 0.9 0.8 --calibration 2 --out runs/studies --threads 1
 
 The KVCMAS paper's Table 2 (:func:`~hf_kvshare.evaluation.coverage.reconstruction_coverage`, collected
 by :class:`Coverage`) on the requests after the ``--calibration`` ones, which profile DroidSpeak offline.

@@ -1,6 +1,6 @@
 """KVCMAS study: the correction methods side by side on the 4-agent HumanEval workload.
 
-    python -m hf_kvshare.bench study kvcmas --out docs/results/runs --threads 1
+    python -m hf_kvshare.bench study kvcmas --out runs/studies --threads 1
 
 3 warm-up requests put anchor pools and GraphFlow's profiles in steady state; collectors:
 :class:`DeltaRanks`, :class:`AnchorBytes` and :class:`Pools`.

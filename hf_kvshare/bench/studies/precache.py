@@ -1,6 +1,6 @@
 """PReCache study: the LoRA-agent methods on the AutoAct plan -> act -> reflect loop with role adapters.
 
-    python -m hf_kvshare.bench study precache --adapters runs/adapters --out docs/results/runs --threads 1
+    python -m hf_kvshare.bench study precache --adapters runs/adapters --out runs/studies --threads 1
 
 ``--adapters DIR`` loads ``DIR/<role>`` for each role, training them first when missing
 (``--adapter NAME=PATH`` works as in ``bench run``); :class:`AdapterFree` tells whether the role
