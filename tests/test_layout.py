@@ -10,12 +10,17 @@
   method (subclasses ``Method``, e.g. the evaluation's recorder), never a mixin, and none is in an
   engine; no registered method shadows a contract hook with another signature;
 - the import graph (function-level imports included, ``if TYPE_CHECKING:`` imports excluded)
-  has no cycle.
+  has no cycle;
+- results (``docs/architecture.md``, "Results and benchmarks"): no module under ``hf_kvshare`` cites a
+  ``docs/results/...py`` script; ``docs/results`` stays a few pages and small summaries (at most
+  :data:`RESULTS_MAX_FILES` files, none over :data:`RESULTS_MAX_BYTES`); the scripts in ``benchmarks/``
+  use the public API only (no private ``hf_kvshare`` name, no ``setattr``).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import hf_kvshare
@@ -427,3 +432,96 @@ def test_serving_drives_the_method_contract_only():
         and "vllm" in _top_imports(ast.parse(MODULES[m].read_text(), filename=str(MODULES[m])))
     )
     assert not vllm, f"serving modules importing vLLM (only {sorted(SERVING_VLLM)} may): {vllm}"
+
+
+# ----------------------------------------------------------------------------------- results and benchmarks
+REPO = PACKAGE.parent
+RESULTS = REPO / "docs" / "results"
+BENCHMARKS = REPO / "benchmarks"
+#: ``docs/results`` is a few pages by topic plus per-table summary CSVs, not run files
+RESULTS_MAX_FILES = 40
+RESULTS_MAX_BYTES = 200_000
+#: a path to a script under docs/results (package code cites no doc script)
+DOC_SCRIPT = re.compile(r"docs/results/[\w./-]*\.py\b")
+
+
+def doc_script_citations(text: str) -> list[str]:
+    return DOC_SCRIPT.findall(text)
+
+
+def test_package_code_cites_no_doc_script():
+    bad = [
+        f"{name}: {cited}"
+        for name, path in MODULES.items()
+        for cited in doc_script_citations(path.read_text())
+    ]
+    assert not bad, "package modules citing a script under docs/results:\n" + "\n".join(bad)
+
+
+def test_the_doc_script_finder_finds_one():
+    assert doc_script_citations("measured (``docs/results/profile_x.py``).") == ["docs/results/profile_x.py"]
+    assert doc_script_citations("see docs/results/memory.md and --out docs/results/runs") == []
+
+
+def test_docs_results_holds_pages_and_small_summaries():
+    if not RESULTS.is_dir():  # an installed package without its repository
+        return
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
+    assert len(files) <= RESULTS_MAX_FILES, (
+        f"docs/results holds {len(files)} files (at most {RESULTS_MAX_FILES}): raw run files stay out of the "
+        "repository, keep a small summary CSV per table"
+    )
+    big = sorted(
+        f"{p.relative_to(REPO)} ({p.stat().st_size} bytes)"
+        for p in files
+        if p.stat().st_size > RESULTS_MAX_BYTES
+    )
+    assert not big, f"files over {RESULTS_MAX_BYTES} bytes in docs/results: {big}"
+
+
+def private_uses(tree: ast.AST) -> list[str]:
+    """What a benchmark script reaches past the public API with: a private name imported from
+    ``hf_kvshare`` (``from hf_kvshare.x import _y``, ``import hf_kvshare._x``), and any ``setattr``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == ROOT:
+            parts = (node.module or "").split(".") + [a.name for a in node.names]
+            found += [
+                f"from {node.module} import {a.name}"
+                for a in node.names
+                if any(p.startswith("_") for p in parts)
+            ]
+        elif isinstance(node, ast.Import):
+            found += [
+                f"import {a.name}"
+                for a in node.names
+                if a.name.split(".")[0] == ROOT and any(p.startswith("_") for p in a.name.split("."))
+            ]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            found.append(f"setattr (line {node.lineno})")
+    return found
+
+
+def test_benchmark_scripts_use_the_public_api_only():
+    if not BENCHMARKS.is_dir():
+        return
+    scripts = sorted(BENCHMARKS.glob("*.py"))
+    assert scripts, "benchmarks/ holds no script"
+    bad = [
+        f"{path.name}: {use}"
+        for path in scripts
+        for use in private_uses(ast.parse(path.read_text(), filename=str(path)))
+    ]
+    assert not bad, "benchmark scripts reaching past the public API:\n" + "\n".join(bad)
+
+
+def test_the_private_use_finder_finds_them():
+    tree = ast.parse(
+        "from hf_kvshare._compat import cache_kwargs\nfrom hf_kvshare import Session\n"
+        "import hf_kvshare.anchors._x\nfrom torch import _C\nsetattr(m, 'f', g)\n"
+    )
+    assert private_uses(tree) == [
+        "from hf_kvshare._compat import cache_kwargs",
+        "import hf_kvshare.anchors._x",
+        "setattr (line 5)",
+    ]
