@@ -32,21 +32,29 @@ def test_generate_calls_in_readme_and_notebooks_use_the_current_keyword():
 
 
 def test_readme_python_examples_run_without_future_warnings(tiny_llama, tokenizer, monkeypatch):
-    first, session_example = python_blocks(README)[:2]
-    assert "model.generate(" in first and "load_model()" in session_example
+    blocks = python_blocks(README)
+    ten_lines = blocks[0]  # the first screen's example
+    keywords = next(b for b in blocks if "cache=shared_cache" in b)  # generate's two keyword forms
+    session_example = next(b for b in blocks[1:] if "load_model()" in b)
+    assert "model.generate(" in ten_lines and "load_model()" in ten_lines
+    assert len([line for line in ten_lines.strip().splitlines() if line.strip()]) <= 10
+    assert "model.generate(" in keywords and "build_cache(" in session_example
     monkeypatch.setattr(hf_kvshare, "load_model", lambda *a, **k: (tiny_llama, tokenizer))
-    namespace: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         warnings.simplefilter("error", DeprecationWarning)
+        first: dict = {}
+        exec(compile(ten_lines, "README.md (ten lines)", "exec"), first)
+        assert first["out"].shape[1] > first["ids"].shape[1]
+        namespace: dict = {}
         exec(compile(session_example, "README.md (Python)", "exec"), namespace)
-        # the first example's lines, with its names bound to this session's cache and prompt
-        for line in first.strip().splitlines():
+        # the keyword example's lines, with its names bound to this session's cache and prompt
+        for line in keywords.strip().splitlines():
             if "cache=" in line and CACHE_KWARG != "cache":
                 continue  # the `cache=` line is for transformers >= 5.24
             cache, ids = namespace["s"].build_cache("reviewer", [hf_kvshare.PH("coder")])
             namespace.update(shared_cache=cache, prompt_ids=ids)
-            exec(compile(line, "README.md (first example)", "exec"), namespace)
+            exec(compile(line, "README.md (generate keywords)", "exec"), namespace)
     assert namespace["out"].shape[1] > namespace["ids"].shape[1]
 
 
