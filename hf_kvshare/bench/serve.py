@@ -33,20 +33,20 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..serving.client import ChatRequest, task_requests, task_trajectory, task_turns
+from ..serving.server import HOST, Server, free_port
 
-HOST = "127.0.0.1"
 #: the two plain-vLLM rows (no connector): the real layout and the document-first upper bound
 PLAIN, DOC_FIRST = "plain", "document-first"
 BASELINES = (PLAIN, DOC_FIRST)
@@ -1013,12 +1013,6 @@ def agreement(reference: Sequence[Sequence[int]], method: Sequence[Sequence[int 
 # servers
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def served_model_path(model: str) -> Path:
     """An HF folder vLLM can load (config, weights, tokenizer): a local folder as given, or an
     embedded model written as one by the serving package (``hf_kvshare.serving.models``; the
@@ -1026,25 +1020,9 @@ def served_model_path(model: str) -> Path:
     read as the input embedding)."""
     if (Path(model).expanduser() / "config.json").is_file():
         return Path(model).expanduser()
-    try:
-        from ..serving.models import served_model_dir  # type: ignore[import-not-found]
-    except ImportError:
-        raise ValueError(
-            f"--model {model!r}: give an HF model folder (config, weights, tokenizer); writing an embedded "
-            "model as one needs hf_kvshare.serving.models, which this tree does not have"
-        ) from None
+    from ..serving.models import served_model_dir
+
     return served_model_dir(model)
-
-
-def connector_server_class() -> Any:
-    """The serving package's launcher (``hf_kvshare.serving.server.Server``: vLLM's OpenAI server with
-    the connector, its layout middleware and per-method ``cache_salt``), or ``None`` when this tree
-    has none."""
-    try:
-        from ..serving.server import Server  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return Server
 
 
 @dataclass
@@ -1056,78 +1034,6 @@ class ServerGroup:
     methods: list[str]
     method: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
-
-
-class VLLMServer:
-    """vLLM's OpenAI server on 127.0.0.1 in its own process group, with a bounded wait for readiness;
-    stopped (SIGINT, then SIGKILL after a grace period) when the block ends."""
-
-    def __init__(
-        self,
-        python: str,
-        model_dir: Path,
-        port: int,
-        args: Sequence[str],
-        log_path: Path,
-        env: Mapping[str, str],
-        startup_timeout: float,
-    ) -> None:
-        self.cmd = [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--model",
-            str(model_dir),
-            *args,
-        ]
-        self.port, self.log_path, self.env, self.startup_timeout = port, log_path, dict(env), startup_timeout
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> VLLMServer:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")
-        self._log.write(" ".join(self.cmd) + "\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-        )
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(
-                    f"the vLLM server exited with code {self.proc.returncode}; see {self.log_path}"
-                )
-            try:
-                if get(self.port, "/v1/models", timeout=2.0)[0] == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise RuntimeError(
-            f"the vLLM server was not ready within {self.startup_timeout:g} s; see {self.log_path}"
-        )
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            for sig, wait in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, sig)
-                try:
-                    self.proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        if getattr(self, "_log", None) is not None and not self._log.closed:
-            self._log.close()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1298,15 +1204,9 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
         if m in BASELINES:
             continue
         spec = MethodSpec.parse(m)  # unknown names / options: ValueError with the registry's names
-        server_class = connector_server_class()
-        if server_class is None:
-            raise ValueError(
-                f"method {m!r} is served through the hf_kvshare vLLM connector, which this tree does not have "
-                f"(hf_kvshare.serving.server); use {PLAIN} / {DOC_FIRST}"
-            )
         # a method the connector cannot serve (LoRA agents, ...) is refused here, before any server starts
-        checked = server_class(Path("."), spec.name, spec.kwargs, port=1, python=sys.executable)
-        for note in getattr(checked, "notes", ()):
+        checked = Server(Path("."), spec.name, spec.kwargs, port=1, python=sys.executable)
+        for note in checked.notes:
             print(f"{prog}: note: {note}", file=sys.stderr)
         groups.append(ServerGroup(spec.tag, [m], spec.name, spec.kwargs))
     if args.agreement and len(groups) < 2:
@@ -1355,15 +1255,14 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
 
 
 def server_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS=str(threads),
-        MKL_NUM_THREADS=str(threads),
-        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
-        VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-        VLLM_CPU_NUM_OF_RESERVED_CPU=env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
-    )
-    return env
+    """What a server's environment sets over this process's: its threads and vLLM's CPU options."""
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+    }
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> int:
@@ -1502,26 +1401,6 @@ def summary_complete(path: Path) -> bool:
         return True
 
 
-class _ConnectorServer:
-    """The serving package's ``Server`` with its log file, a bounded readiness wait and a stop."""
-
-    def __init__(self, server: Any, log_path: Path, startup_timeout: float) -> None:
-        self.server, self.log_path, self.startup_timeout = server, log_path, startup_timeout
-
-    def __enter__(self) -> _ConnectorServer:
-        self.server.start()
-        try:
-            self.server.wait_ready(self.startup_timeout)
-        except BaseException:
-            self.server.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.stop()
-        self.server.log.close()
-
-
 def fill_exact(rows: list[dict[str, Any]], runs: Mapping[tuple[str, int, float], Sequence[Mapping]]) -> None:
     """``exact_match`` of every connector row against the ``plain`` row of its round and QPS (the
     same documents; plain vLLM's replies are the exact ones): the fraction of identical replies."""
@@ -1547,40 +1426,31 @@ def _server(
     env: Mapping[str, str],
     vllm_args: list[str],
     report_path: Path | None = None,
-) -> Any:
-    """A context manager running the group's server: plain vLLM, or vLLM with the connector."""
-    vllm_args = [*vllm_args, "--served-model-name", "model"]
-    if group.method is None:
-        return VLLMServer(
-            args.vllm_python, plan.model_dir, port, vllm_args, log_path, env, args.startup_timeout
-        )
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "w")
-    server = connector_server_class()(
+) -> contextlib.AbstractContextManager[Server]:
+    """The group's server, started and ready inside the block: plain vLLM (``group.method`` None) or
+    vLLM with the connector (its reports to ``report_path``), by the serving package's launcher."""
+    server = Server(
         plan.model_dir,
         group.method,
         group.options,
         port=port,
-        vllm_args=vllm_args,
+        vllm_args=[*vllm_args, "--served-model-name", "model"],
         background=not args.inline_admission,
         read_back_channel=not args.no_read_back_channel,
-        log=log,
+        log=log_path,
         python=args.vllm_python,
+        env={**env, **({REPORTS: str(report_path)} if report_path is not None else {})},
     )
-    server.environment = _with_env(
-        server.environment, {**env, **({REPORTS: str(report_path)} if report_path is not None else {})}
-    )
-    return _ConnectorServer(server, log_path, args.startup_timeout)
+    return running(server, args.startup_timeout)
 
 
-def _with_env(environment: Any, extra: Mapping[str, str]) -> Any:
-    def merged() -> dict[str, str]:
-        return {
-            **environment(),
-            **{k: v for k, v in extra.items() if k.startswith(("OMP_", "MKL_", "VLLM_CPU")) or k == REPORTS},
-        }
-
-    return merged
+@contextlib.contextmanager
+def running(server: Server, startup_timeout: float) -> Iterator[Server]:
+    """``server`` started, ready within ``startup_timeout`` seconds, stopped when the block ends (also
+    when it never got ready)."""
+    with server:
+        server.wait_ready(startup_timeout)
+        yield server
 
 
 def warmup_tasks(workload: ServeTrace, n: int, tokenizer: Any, seed: int, repeat: int) -> list[Any]:
@@ -1703,6 +1573,42 @@ def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
             "its rows are not a finished run's"
         )
     yield from data["rows"]
+
+
+def _vllm_server(
+    python: str,
+    model_dir: Path,
+    port: int,
+    args: Sequence[str],
+    log_path: Path,
+    env: Mapping[str, str],
+    startup_timeout: float,
+) -> contextlib.AbstractContextManager[Server]:
+    warnings.warn(
+        "hf_kvshare.bench.serve.VLLMServer is deprecated: use hf_kvshare.serving.server.Server(model_dir, "
+        "None, ...) (plain vLLM), with its wait_ready()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    server = Server(
+        model_dir, None, port=port, vllm_args=list(args), log=log_path, python=python, env=dict(env)
+    )
+    return running(server, startup_timeout)
+
+
+def __getattr__(name: str) -> Any:
+    """Deprecated names: ``VLLMServer`` (the bench's own launcher, now the serving package's ``Server``)
+    and ``connector_server_class`` (that ``Server``, always there)."""
+    if name == "VLLMServer":
+        return _vllm_server
+    if name == "connector_server_class":
+        warnings.warn(
+            "hf_kvshare.bench.serve.connector_server_class is deprecated: use hf_kvshare.serving.server.Server",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return lambda: Server
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":
