@@ -364,10 +364,12 @@ def test_an_interrupted_or_failed_serve_run_never_looks_finished(failure, tmp_pa
             **sb.summarize_run(records),
         }, records
 
-    monkeypatch.setattr(sb, "validate", lambda args, prog: plan)
-    monkeypatch.setattr(sb, "_server", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(sb, "_warm_up", lambda *a, **k: None)
-    monkeypatch.setattr(sb, "run_once", run_once)
+    from hf_kvshare.bench.serve import cli, runs
+
+    monkeypatch.setattr(cli, "validate", lambda args, prog: plan)
+    monkeypatch.setattr(runs, "group_server", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(runs, "warm_up", lambda *a, **k: None)
+    monkeypatch.setattr(runs, "run_once", run_once)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
     argv = [
         "--methods",
@@ -473,17 +475,19 @@ def test_every_server_of_a_repeat_warms_up_on_the_same_documents(tokenizer, monk
     timed = {d for q in range(2) for d in docs(w.task_specs(tokenizer, sb.run_seed(0, "run", 0, q)))}
     assert not set(first) & timed
 
-    # and _warm_up sends those documents on any port
+    # and warm_up sends those documents on any port
+    from hf_kvshare.bench.serve import client
+
     sent = []
     monkeypatch.setattr(
-        sb, "stream_chat", lambda port, body, timeout: sent.append(body) or {"ok": True, "text": "x"}
+        client, "stream_chat", lambda port, body, timeout: sent.append(body) or {"ok": True, "text": "x"}
     )
     plan = type("P", (), {"workload": w})()
     args = type("A", (), {"warmup_tasks": 2, "seed": 0, "request_timeout": 1.0})()
     bodies = []
     for port in (8001, 8002):
         sent.clear()
-        sb._warm_up(port, plan, args, tokenizer, 0)
+        sb.warm_up(port, plan, args, tokenizer, 0)
         bodies.append(json.dumps(sent, sort_keys=True))
     contents = [str(m["content"]) for body in sent for m in body["messages"]]
     assert bodies[0] == bodies[1] and all(any(d in c for c in contents) for d in first)
