@@ -28,12 +28,10 @@ and the sweep), ``cli`` (options, checks, ``main``).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
 from ...serving.server import HOST, Server, free_port
+from . import runs
 from .cli import (
     VLLM_PYTHON_ENV,
     build_parser,
@@ -173,28 +171,6 @@ __all__ = [
 ]
 
 
-def _vllm_server(
-    python: str,
-    model_dir: Path,
-    port: int,
-    args: Sequence[str],
-    log_path: Path,
-    env: Mapping[str, str],
-    startup_timeout: float,
-) -> AbstractContextManager[Server]:
-    """``VLLMServer(...)`` as it was called: plain vLLM by the one launcher, ready inside the block."""
-    warnings.warn(
-        "hf_kvshare.bench.serve.VLLMServer is deprecated: use hf_kvshare.serving.server.Server(model_dir, "
-        "None, ...) (plain vLLM) with hf_kvshare.bench.serve.running",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    server = Server(
-        model_dir, None, port=port, vllm_args=list(args), log=log_path, python=python, env=dict(env)
-    )
-    return running(server, startup_timeout)
-
-
 def _connector_server_class() -> type[Server]:
     warnings.warn(
         "hf_kvshare.bench.serve.connector_server_class is deprecated: use hf_kvshare.serving.server.Server",
@@ -207,7 +183,10 @@ def _connector_server_class() -> type[Server]:
 def __getattr__(name: str) -> Any:
     """Deprecated names: ``VLLMServer`` (the bench's own vLLM launcher, now the serving package's
     ``Server``) and ``connector_server_class`` (that ``Server``, always part of hf_kvshare)."""
-    deprecated = {"VLLMServer": _vllm_server, "connector_server_class": _connector_server_class}
+    deprecated = {
+        "VLLMServer": runs.vllm_server_deprecated,
+        "connector_server_class": _connector_server_class,
+    }
     if name in deprecated:
         return deprecated[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

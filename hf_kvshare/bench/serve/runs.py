@@ -11,7 +11,8 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -245,3 +246,26 @@ def remove_stale_partials(out: Path) -> None:
         pid = path.name.rpartition("-")[2]
         if pid.isdigit() and (int(pid) == os.getpid() or not _process_exists(int(pid))):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def vllm_server_deprecated(
+    python: str,
+    model_dir: Path,
+    port: int,
+    args: Sequence[str],
+    log_path: Path,
+    env: Mapping[str, str],
+    startup_timeout: float,
+) -> contextlib.AbstractContextManager[Server]:
+    """``hf_kvshare.bench.serve.VLLMServer(...)`` (deprecated) as it was called: plain vLLM by the one
+    launcher, ready inside the block."""
+    warnings.warn(
+        "hf_kvshare.bench.serve.VLLMServer is deprecated: use hf_kvshare.serving.server.Server(model_dir, "
+        "None, ...) (plain vLLM) with hf_kvshare.bench.serve.running",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    server = Server(
+        model_dir, None, port=port, vllm_args=list(args), log=log_path, python=python, env=dict(env)
+    )
+    return running(server, startup_timeout)

@@ -15,17 +15,9 @@ from ...serving.client import ChatRequest
 
 #: the two plain-vLLM rows (no connector): the real layout and the document-first upper bound
 PLAIN, DOC_FIRST = "plain", "document-first"
-
-
 BASELINES = (PLAIN, DOC_FIRST)
-
-
 DEFAULT_METHODS = (PLAIN, DOC_FIRST, "fullshared")
-
-
 MAX_REQUESTS = 2000  # per run: tasks x agents
-
-
 #: the orders a run's requests arrive in (``--order``)
 ORDERS = ("agent", "task")
 
