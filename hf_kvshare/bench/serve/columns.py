@@ -418,6 +418,7 @@ def write_outputs(
 
 
 def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, inf) as ``None``, nested dicts and lists too."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
