@@ -1281,12 +1281,12 @@ def test_plot_checks_where_it_writes_before_drawing(where, finished_run, tmp_pat
 def test_serve_checks_its_output_place_before_vllm(tmp_path, capsys, monkeypatch):
     import subprocess
 
-    from hf_kvshare.bench import serve
+    from hf_kvshare.serving.server import Server
 
     monkeypatch.setattr(
         subprocess, "run", lambda *a, **k: pytest.fail("vLLM was probed before --out was checked")
     )
-    monkeypatch.setattr(serve, "connector_server_class", lambda: pytest.fail("a server was prepared"))
+    monkeypatch.setattr(Server, "__init__", lambda *a, **k: pytest.fail("a server was prepared"))
     blocker = tmp_path / "blocker"
     blocker.write_text("x")
     for argv, expected in (

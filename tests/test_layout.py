@@ -15,6 +15,10 @@
   ``docs/results/...py`` script; ``docs/results`` stays a few pages and small summaries (at most
   :data:`RESULTS_MAX_FILES` files, none over :data:`RESULTS_MAX_BYTES`); the scripts in ``benchmarks/``
   use the public API only (no private ``hf_kvshare`` name, no ``setattr``).
+- one vLLM launcher: only ``serving/server.py`` names vLLM's server in a command line and, besides
+  the sandbox, calls ``subprocess.Popen``; ``bench serve`` is a package of one job per module (trace,
+  client, columns, runs, cli: each job's calls in its module only) and no bench module is longer
+  than 700 lines.
 """
 
 from __future__ import annotations
@@ -525,3 +529,75 @@ def test_the_private_use_finder_finds_them():
         "import hf_kvshare.anchors._x",
         "setattr (line 5)",
     ]
+
+
+# ------------------------------------------------------------ one vLLM launcher; the bench's serve by job
+#: vLLM's OpenAI server module, as a launcher names it in its command line (``python -m ...``)
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: the one module that starts vLLM (``hf-kvshare serve`` and ``hf-kvshare bench serve`` both use it)
+LAUNCHER = f"{ROOT}.serving.server"
+#: the other modules that start a process with ``subprocess.Popen`` (none of them vLLM), and why
+OTHER_PROCESSES = {f"{ROOT}.bench.sandbox.execute": "a task's generated program, in the sandbox"}
+#: the modules of ``bench serve``, one job each, told by what they call (a job's callees are called in
+#: its module only): the requests and their arrivals; HTTP to the server; the tables and the figure;
+#: starting the servers (the launcher's ``Server``); the command line
+SERVE = f"{ROOT}.bench.serve"
+SERVE_JOBS = {
+    "trace": {"expovariate", "TraceWorkload"},
+    "client": {"HTTPConnection"},
+    "columns": {"write_csv", "write_json", "subplots"},
+    "runs": {"Server"},
+    "cli": {"ArgumentParser"},
+}
+#: no module of the bench is longer (lines): the bench's serve command was one module of 1,709
+BENCH_MODULE_LINES = 700
+
+
+def _callees(tree: ast.AST) -> set[str]:
+    """Names of what ``tree`` calls (``f(...)``: ``f``; ``a.b.f(...)``: ``f``)."""
+    return {_name_of(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)} - {None}
+
+
+def _string_constants(tree: ast.AST) -> set[str]:
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def test_one_module_starts_vllm():
+    """Only ``serving/server.py`` names vLLM's server in a command line, and it is the only module
+    besides the sandbox's that calls ``subprocess.Popen``: the bench starts vLLM through its ``Server``."""
+    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+    popen = sorted(name for name, tree in trees.items() if "Popen" in _callees(tree))
+    assert popen == sorted([LAUNCHER, *OTHER_PROCESSES]), f"modules calling subprocess.Popen: {popen}"
+    naming = sorted(name for name, tree in trees.items() if VLLM_SERVER_MODULE in _string_constants(tree))
+    assert naming == [LAUNCHER], f"modules with vLLM's server in a command line (only {LAUNCHER}): {naming}"
+
+
+def test_the_bench_serve_modules_hold_one_job_each():
+    modules = {name for name in MODULES if name.startswith(SERVE + ".")}
+    assert modules, f"{SERVE} is not a package"
+    jobs = {f"{SERVE}.{job}" for job in SERVE_JOBS}
+    extra = sorted(modules - jobs - {f"{SERVE}.__main__"})
+    assert not extra, f"modules of {SERVE} without a job in SERVE_JOBS: {extra}"
+    bad = []
+    for job, callees in SERVE_JOBS.items():
+        calling = sorted(
+            name for name in modules | {SERVE} if _callees(ast.parse(MODULES[name].read_text())) & callees
+        )
+        if calling != [f"{SERVE}.{job}"]:
+            bad.append(f"{sorted(callees)} called in {calling} (the {job} module's job only)")
+    assert not bad, f"{SERVE}: a job in another module:\n" + "\n".join(bad)
+
+
+def test_no_bench_module_is_longer_than_the_bound():
+    long = {
+        name: n
+        for name, path in MODULES.items()
+        if _inside(name, "bench") and (n := len(path.read_text().splitlines())) > BENCH_MODULE_LINES
+    }
+    assert not long, f"bench modules over {BENCH_MODULE_LINES} lines (split them by job): {long}"
+
+
+def test_the_callee_and_constant_finders():
+    tree = ast.parse("import subprocess\nsubprocess.Popen(['python', '-m', 'x.y'])\nServer(1).start()\n")
+    assert _callees(tree) == {"Popen", "Server", "start"}
+    assert _string_constants(tree) == {"python", "-m", "x.y"}

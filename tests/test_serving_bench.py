@@ -364,10 +364,12 @@ def test_an_interrupted_or_failed_serve_run_never_looks_finished(failure, tmp_pa
             **sb.summarize_run(records),
         }, records
 
-    monkeypatch.setattr(sb, "validate", lambda args, prog: plan)
-    monkeypatch.setattr(sb, "_server", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(sb, "_warm_up", lambda *a, **k: None)
-    monkeypatch.setattr(sb, "run_once", run_once)
+    from hf_kvshare.bench.serve import cli, runs
+
+    monkeypatch.setattr(cli, "validate", lambda args, prog: plan)
+    monkeypatch.setattr(runs, "group_server", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(runs, "warm_up", lambda *a, **k: None)
+    monkeypatch.setattr(runs, "run_once", run_once)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
     argv = [
         "--methods",
@@ -473,17 +475,19 @@ def test_every_server_of_a_repeat_warms_up_on_the_same_documents(tokenizer, monk
     timed = {d for q in range(2) for d in docs(w.task_specs(tokenizer, sb.run_seed(0, "run", 0, q)))}
     assert not set(first) & timed
 
-    # and _warm_up sends those documents on any port
+    # and warm_up sends those documents on any port
+    from hf_kvshare.bench.serve import client
+
     sent = []
     monkeypatch.setattr(
-        sb, "stream_chat", lambda port, body, timeout: sent.append(body) or {"ok": True, "text": "x"}
+        client, "stream_chat", lambda port, body, timeout: sent.append(body) or {"ok": True, "text": "x"}
     )
     plan = type("P", (), {"workload": w})()
     args = type("A", (), {"warmup_tasks": 2, "seed": 0, "request_timeout": 1.0})()
     bodies = []
     for port in (8001, 8002):
         sent.clear()
-        sb._warm_up(port, plan, args, tokenizer, 0)
+        sb.warm_up(port, plan, args, tokenizer, 0)
         bodies.append(json.dumps(sent, sort_keys=True))
     contents = [str(m["content"]) for body in sent for m in body["messages"]]
     assert bodies[0] == bodies[1] and all(any(d in c for c in contents) for d in first)
@@ -715,6 +719,66 @@ def test_cli_dispatch_and_a_python_without_vllm(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+# -- the one vLLM launcher (hf_kvshare.serving.server.Server) -----------------------------------------
+
+
+def test_the_plain_rows_and_the_connector_rows_start_vllm_through_one_launcher(tmp_path):
+    """``Server(method=None)`` is plain vLLM (no connector, no middleware, no method variable); the
+    bench's environment is set over the process's; every server's command is vLLM's OpenAI server."""
+    from hf_kvshare.serving.middleware import ENV
+    from hf_kvshare.serving.server import MIDDLEWARE, Server
+
+    env = sb.server_env(threads=3, kv_cache_gib=2)
+    assert env["OMP_NUM_THREADS"] == "3" and env["VLLM_CPU_KVCACHE_SPACE"] == "2" and "PATH" not in env
+    plain = Server(tmp_path, None, port=5, vllm_args=["--dtype", "float32"], env=env, python="py")
+    assert plain.command() == [
+        "py", "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path),
+        "--host", sb.HOST, "--port", "5", "--dtype", "float32",
+    ]  # fmt: skip
+    environment = plain.environment()
+    assert environment["OMP_NUM_THREADS"] == "3" and ENV not in environment and "PATH" in environment
+    connector = Server(tmp_path, "fullshared", port=5, env={sb.REPORTS: "r.jsonl"})
+    command = connector.command()
+    assert "--kv-transfer-config" in command and command[command.index("--middleware") + 1] == MIDDLEWARE
+    assert connector.environment()[sb.REPORTS] == "r.jsonl" and ENV in connector.environment()
+    with pytest.raises(ValueError, match="--middleware is set by"):
+        Server(tmp_path, "fullshared", port=5, vllm_args=["--middleware", "x"])
+    Server(tmp_path, None, port=5, vllm_args=["--middleware", "x"])  # plain vLLM sets none of its own
+    with pytest.raises(ValueError, match="--port is set by"):
+        Server(tmp_path, None, vllm_args=["--port", "1"])
+    with pytest.raises(ValueError, match="listens on 127.0.0.1 only"):
+        Server(tmp_path, None, vllm_args=["--host", "0.0.0.0"])
+    with pytest.raises(ValueError, match="takes no method options"):
+        Server(tmp_path, None, {"prefix_reuse": True})
+
+
+def test_a_server_that_exits_is_reported_with_its_log_and_stopped(tmp_path):
+    """A Python without vLLM: the launcher's process exits; ``running`` raises with the log's path (the
+    command line first, then the server's output) and leaves no process behind."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this Python has vLLM")
+    from hf_kvshare.serving.server import Server
+
+    log = tmp_path / "logs" / "plain.log"
+    server = Server(tmp_path, None, log=log, python=sys.executable)
+    with pytest.raises(RuntimeError, match=f"exited \\(code 1\\) before it answered; see {log}"):
+        with sb.running(server, startup_timeout=120):
+            pytest.fail("a server without vLLM answered")
+    assert server.process is None and server._opened_log is None
+    lines = log.read_text().splitlines()
+    assert lines[0] == " ".join(server.command()) and "vllm" in "\n".join(lines[1:])
+
+
+def test_the_bench_launchers_old_names_are_deprecated_aliases(tmp_path):
+    from hf_kvshare.serving.server import Server
+
+    with pytest.warns(DeprecationWarning, match="serving.server.Server"):
+        assert sb.connector_server_class() is Server
+    with pytest.warns(DeprecationWarning, match=r"serving.server.Server\(model_dir, None"):
+        launcher = sb.VLLMServer(sys.executable, tmp_path, 5, [], tmp_path / "x.log", {}, 1.0)
+    assert hasattr(launcher, "__enter__")  # a context manager, as VLLMServer was; not started here
+
+
 # -- end to end (a server) -------------------------------------------------------------------------
 
 VLLM_PYTHON = os.environ.get(sb.VLLM_PYTHON_ENV) or sys.executable
@@ -753,9 +817,6 @@ def test_bench_serve_runs_plain_and_document_first(tmp_path):
 @pytest.mark.serving
 @pytest.mark.skipif(
     not _has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
-)
-@pytest.mark.skipif(
-    sb.connector_server_class() is None, reason="needs the connector (hf_kvshare.serving.server)"
 )
 def test_bench_serve_runs_a_connector_method_with_agreement(tmp_path):
     out = tmp_path / "out"

@@ -10,7 +10,9 @@ It runs ``python -m vllm.entrypoints.openai.api_server`` (the CPU wheel ``vllm-c
 - ``--host 127.0.0.1`` (another host is refused) and the port.
 
 Every other vLLM option passes through. :class:`Server` starts it, waits (bounded) until ``/health``
-answers, and stops it (SIGINT to its process group, then SIGTERM, then SIGKILL, each bounded).
+answers, and stops it (SIGINT to its process group, then SIGTERM, then SIGKILL, each bounded). It is
+the package's one vLLM launcher: ``hf-kvshare serve`` and ``hf-kvshare bench serve`` (whose plain-vLLM
+rows run it with ``method=None``: no connector, no middleware) both start vLLM through it.
 """
 
 from __future__ import annotations
@@ -76,25 +78,32 @@ def kv_transfer_config(
     }
 
 
-def check_vllm_args(args: list[str]) -> None:
-    """Refuse vLLM options that would break the contract (another host, our own options given twice)."""
+def check_vllm_args(args: list[str], connector: bool = True) -> None:
+    """Refuse vLLM options that would break the contract (another host, our own options given twice;
+    ``connector=False``: a plain server, which sets no connector or middleware of its own)."""
+    own = ("--model", "--port") + (("--kv-transfer-config", "--middleware") if connector else ())
     for i, arg in enumerate(args):
         key = arg.split("=", 1)[0]
         if key == "--host":
             value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
             if value not in (HOST, "localhost"):
                 raise ValueError(f"hf-kvshare serve listens on {HOST} only; got --host {value}")
-        if key in ("--kv-transfer-config", "--middleware", "--model", "--port"):
+        if key in own:
             raise ValueError(f"{key} is set by hf-kvshare serve (use its own options)")
 
 
 class Server:
-    """vLLM's OpenAI server with the connector, as a child process (a context manager)."""
+    """vLLM's OpenAI server with the connector, as a child process (a context manager: started on
+    entry, stopped on exit; :meth:`wait_ready` waits for it).
+
+    ``method=None`` runs plain vLLM (no connector, no middleware). ``env``: variables set over this
+    process's environment for the server (threads, vLLM's CPU options, the connector's report file).
+    ``log``: a file object, or a path the server's output is written to (its command line first)."""
 
     def __init__(
         self,
         model_dir: str | Path,
-        method: str = "nonshared",
+        method: str | None = "nonshared",
         options: dict[str, Any] | None = None,
         *,
         port: int | None = None,
@@ -105,20 +114,25 @@ class Server:
         read_back_channel: bool = True,
         log: Any = None,
         python: str = sys.executable,
+        env: dict[str, str] | None = None,
     ):
-        from ..method import get_method
-
-        self.options, self.notes = serving_options(method, options)  # unknown method / option: ValueError
-        instance = get_method(method, **self.options)
-        check_serving_method(instance)
         self.method = method
-        self.salt = salt(instance)
         self.model_dir = str(model_dir)
-        if (Path(self.model_dir) / "config.json").is_file():  # what the connector will build, checked now
-            skeleton_model(self.model_dir)  # a VLM, a model without RoPE: ServingError before vLLM starts
+        self.options, self.notes, self.salt = {}, [], None
+        if method is not None:
+            from ..method import get_method
+
+            self.options, self.notes = serving_options(method, options)  # unknown method / option: ValueError
+            instance = get_method(method, **self.options)
+            check_serving_method(instance)
+            self.salt = salt(instance)
+            if (Path(self.model_dir) / "config.json").is_file():  # what the connector builds, checked now
+                skeleton_model(self.model_dir)  # a VLM, a model without RoPE: ServingError before vLLM starts
+        elif options:
+            raise ValueError("plain vLLM (method=None) takes no method options")
         self.port = port or free_port()
         self.vllm_args = list(vllm_args or [])
-        check_vllm_args(self.vllm_args)
+        check_vllm_args(self.vllm_args, connector=method is not None)
         self.max_bytes, self.max_tasks = max_bytes, max_tasks
         if not isinstance(background, bool):
             raise TypeError(f"background must be True or False; got {background!r}")
@@ -128,37 +142,55 @@ class Server:
         self.read_back_channel = read_back_channel
         self.log = log
         self.python = python
+        self.env = dict(env or {})
         self.process: subprocess.Popen | None = None
+        self._opened_log: Any = None  # the file start() opened for a ``log`` path
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
     def command(self) -> list[str]:
-        config = kv_transfer_config(
-            self.method, self.options, self.max_bytes, self.max_tasks, self.background, self.read_back_channel
-        )
         args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir]
         if not any(a.split("=", 1)[0] == "--host" for a in self.vllm_args):
             args += ["--host", HOST]
-        args += ["--port", str(self.port), "--kv-transfer-config", json.dumps(config)]
-        args += ["--middleware", MIDDLEWARE, *self.vllm_args]
-        return args
+        args += ["--port", str(self.port)]
+        if self.method is not None:
+            config = kv_transfer_config(
+                self.method,
+                self.options,
+                self.max_bytes,
+                self.max_tasks,
+                self.background,
+                self.read_back_channel,
+            )
+            args += ["--kv-transfer-config", json.dumps(config), "--middleware", MIDDLEWARE]
+        return [*args, *self.vllm_args]
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env[ENV] = json.dumps({"method": self.method, "salt": self.salt, "model": self.model_dir})
+        env = {**os.environ, **self.env}
+        if self.method is not None:
+            env[ENV] = json.dumps({"method": self.method, "salt": self.salt, "model": self.model_dir})
         return env
 
     def start(self) -> Server:
+        command, log = self.command(), self.log
+        if isinstance(log, (str, Path)):  # a path: the command line first, then the server's output
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+            log = self._opened_log = open(log, "w")
+            log.write(" ".join(command) + "\n")
+            log.flush()
         self.process = subprocess.Popen(
-            self.command(),
+            command,
             env=self.environment(),
-            stdout=self.log or None,
-            stderr=subprocess.STDOUT if self.log else None,
+            stdout=log or None,
+            stderr=subprocess.STDOUT if log else None,
             start_new_session=True,  # its own process group: stop() ends vLLM's engine and worker too
         )
         return self
+
+    def _see_log(self) -> str:
+        return f"see {self.log}" if isinstance(self.log, (str, Path)) else "see its log"
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         """Until ``/health`` answers 200; raises ``RuntimeError`` when the server exits or time runs out."""
@@ -166,7 +198,9 @@ class Server:
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
                 code = None if self.process is None else self.process.returncode
-                raise RuntimeError(f"vLLM's server exited (code {code}) before it answered; see its log")
+                raise RuntimeError(
+                    f"vLLM's server exited (code {code}) before it answered; {self._see_log()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
@@ -175,12 +209,15 @@ class Server:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise RuntimeError(f"vLLM's server did not answer on {self.url}/health within {timeout:.0f} s")
+        raise RuntimeError(
+            f"vLLM's server did not answer on {self.url}/health within {timeout:.0f} s; {self._see_log()}"
+        )
 
     def stop(self, grace: float = 30.0) -> int | None:
         """SIGINT to the server's process group, then SIGTERM, then SIGKILL (each waited on, bounded)."""
         process = self.process
         if process is None:
+            self._close_log()
             return None
         for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
             if process.poll() is not None:
@@ -198,7 +235,13 @@ class Server:
         except (ProcessLookupError, PermissionError):
             pass
         self.process = None
+        self._close_log()
         return process.returncode
+
+    def _close_log(self) -> None:
+        if self._opened_log is not None:
+            self._opened_log.close()
+            self._opened_log = None
 
     def __enter__(self) -> Server:
         return self.start()

@@ -1,0 +1,271 @@
+"""Starting servers and running the sweep of ``bench serve``: one server per server configuration
+(:class:`ServerGroup`; the two plain rows share one), started by the serving package's launcher
+(:class:`hf_kvshare.serving.server.Server`, ``method=None`` for plain vLLM) and ready within
+``--startup-timeout``; every round's (method, QPS) runs, written as they come into a hidden partial
+folder that is renamed into place once the sweep is complete."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...serving.server import HOST, Server, free_port
+from .client import RunSpec, forced_pass, run_once, warm_up
+from .columns import agreement_columns, fill_exact, json_safe, write_outputs
+from .trace import BASELINES, DOC_FIRST, ServeTrace, run_seed
+
+if TYPE_CHECKING:
+    import argparse
+
+#: the connector's report file variable (``hf_kvshare.serving.connector.REPORTS_ENV``; that module
+#: imports vLLM, so the name is repeated here)
+REPORTS = "HF_KVSHARE_REPORTS"
+
+
+@dataclass
+class ServerGroup:
+    """Methods served by one server configuration (the two plain rows share a plain server); a
+    connector method's registry name and options (``None``: plain vLLM)."""
+
+    key: str
+    methods: list[str]
+    method: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    workload: ServeTrace
+    methods: list[str]
+    groups: list[ServerGroup]
+    qps: list[float]
+    model_dir: Path
+    out: Path
+    max_model_len: int
+
+
+def served_model_path(model: str) -> Path:
+    """An HF folder vLLM can load (config, weights, tokenizer): a local folder as given, or an
+    embedded model written as one by the serving package (``hf_kvshare.serving.models``; the
+    embedded fp32 copy keeps its tied embedding under ``lm_head.weight`` only, which vLLM does not
+    read as the input embedding)."""
+    if (Path(model).expanduser() / "config.json").is_file():
+        return Path(model).expanduser()
+    from ...serving.models import served_model_dir
+
+    return served_model_dir(model)
+
+
+def connector_group(method: str) -> tuple[ServerGroup, list[str]]:
+    """The server configuration of a connector method (``name[:key=value,...]``), checked before any
+    server starts: an unknown method or option, or one the connector cannot serve (LoRA agents, ...),
+    is a ``ValueError``. Returns the group and the launcher's notes on its options."""
+    from ..methods import MethodSpec
+
+    spec = MethodSpec.parse(method)  # unknown names / options: ValueError with the registry's names
+    checked = Server(Path("."), spec.name, spec.kwargs, port=1, python=sys.executable)
+    return ServerGroup(spec.tag, [method], spec.name, spec.kwargs), list(checked.notes)
+
+
+def server_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
+    """What a server's environment sets over this process's: its threads and vLLM's CPU options."""
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+    }
+
+
+def group_server(
+    group: ServerGroup,
+    plan: Plan,
+    args: argparse.Namespace,
+    port: int,
+    log_path: Path,
+    env: Mapping[str, str],
+    vllm_args: list[str],
+    report_path: Path | None = None,
+) -> contextlib.AbstractContextManager[Server]:
+    """The group's server, started and ready inside the block: plain vLLM (``group.method`` None) or
+    vLLM with the connector (its reports to ``report_path``), by the serving package's launcher."""
+    server = Server(
+        plan.model_dir,
+        group.method,
+        group.options,
+        port=port,
+        vllm_args=[*vllm_args, "--served-model-name", "model"],
+        background=not args.inline_admission,
+        read_back_channel=not args.no_read_back_channel,
+        log=log_path,
+        python=args.vllm_python,
+        env={**env, **({REPORTS: str(report_path)} if report_path is not None else {})},
+    )
+    return running(server, args.startup_timeout)
+
+
+@contextlib.contextmanager
+def running(server: Server, startup_timeout: float) -> Iterator[Server]:
+    """``server`` started, ready within ``startup_timeout`` seconds, stopped when the block ends (also
+    when it never got ready)."""
+    with server:
+        server.wait_ready(startup_timeout)
+        yield server
+
+
+def run_spec(
+    method: str, qps: float, qps_index: int, repeat: int, args: argparse.Namespace, report_path: Path | None
+) -> RunSpec:
+    """The run of ``method`` at the ``qps_index``-th rate of ``repeat``: every method gets the same
+    documents and the same arrival schedule, except that document-first reads documents of its own
+    (it shares the plain row's server, whose prefix cache must not serve it the plain row's) on the
+    same schedule, so that its row is a bound measured under the same load."""
+    seed = run_seed(args.seed, "run", repeat, qps_index)
+    spec = RunSpec(
+        method,
+        qps,
+        repeat,
+        seed,
+        args.max_duration,
+        args.request_timeout,
+        "model",
+        DOC_FIRST if method == DOC_FIRST else "agent-first",
+        args.explicit_layout and method not in BASELINES,
+        not args.joined_messages,
+        report_path=report_path,
+        order=args.order,
+        arrival_seed=seed,
+    )
+    if method == DOC_FIRST:  # the same documents must not be served twice
+        spec.seed = run_seed(args.seed, "run-docfirst", repeat, qps_index)
+    return spec
+
+
+def sweep(plan: Plan, args: argparse.Namespace, tokenizer: Any, config: Mapping[str, Any], prog: str) -> int:
+    """Every round over the servers (ABBA), each server started, warmed up (and its teacher-forced pass
+    on the first round), then its (method, QPS) runs; rows written as they come. Returns the exit
+    code: 0 (published), 130 (interrupted), 1 (a server or a run failed)."""
+    # the run is written into a hidden sibling of its folder, renamed into place once complete: an
+    # interrupted or failed run leaves only that (its summary marked incomplete), never a folder
+    # that looks finished, and an earlier finished run (--redo) stays whole until then
+    remove_stale_partials(plan.out)
+    work = partial_dir(plan.out)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    rows: list[dict[str, Any]] = []
+    runs: dict[tuple[str, int, float], list[dict[str, Any]]] = {}  # (method, repeat, qps) -> records
+    forced: dict[str, Any] = {}
+    env = server_env(args.threads, args.kv_cache_gib)
+    base_args = [
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(plan.max_model_len),
+        "--enable-prompt-tokens-details",
+    ]
+    print(
+        f"{prog} serve: {len(plan.groups)} server(s), QPS {' '.join(f'{q:g}' for q in plan.qps)}; out {plan.out}"
+    )
+    try:
+        for repeat in range(args.repeats):
+            order = plan.groups if repeat % 2 == 0 else plan.groups[::-1]
+            for group in order:
+                port = args.port or free_port()
+                log_path = work / "logs" / f"{group.key}-r{repeat}.log"
+                report_path = log_path.with_suffix(".reports.jsonl") if group.method is not None else None
+                if report_path is not None:
+                    report_path.unlink(missing_ok=True)
+                server = group_server(
+                    group, plan, args, port, log_path, env, [*base_args, *args.vllm_arg], report_path
+                )
+                print(f"server {group.key} (repeat {repeat}) on {HOST}:{port} ...", flush=True)
+                with server:
+                    warm_up(
+                        port, plan, args, tokenizer, repeat, args.explicit_layout and group.method is not None
+                    )
+                    if args.agreement and repeat == 0:
+                        forced[group.key] = forced_pass(
+                            port, plan, args, tokenizer, group, forced.get("plain")
+                        )
+                    for qi, qps in enumerate(plan.qps):
+                        for method in group.methods:
+                            spec = run_spec(method, qps, qi, repeat, args, report_path)
+                            row, records = run_once(port, spec, plan.workload, tokenizer, log=sys.stdout)
+                            row.update(agreement_columns(method, forced))
+                            rows.append(row)
+                            runs[(method, repeat, qps)] = records
+                            fill_exact(rows, runs)
+                            with open(work / "requests.jsonl", "a") as f:
+                                f.writelines(json.dumps(json_safe(r)) + "\n" for r in records)
+                            write_outputs(work, config, rows, plots=False, complete=False)
+    except KeyboardInterrupt:
+        write_outputs(work, config, rows, plots=False, complete=False, stopped="interrupted")
+        print(
+            f"{prog} serve: interrupted: {len(rows)} row(s) so far in {work / 'summary.json'}, marked "
+            "incomplete (not a finished run; the next run of this configuration removes it)",
+            file=sys.stderr,
+        )
+        return 130
+    except RuntimeError as e:
+        reason = " ".join(str(e).split())
+        write_outputs(work, config, rows, plots=False, complete=False, stopped=f"error: {reason[:500]}")
+        print(
+            f"{prog} serve: error: {reason} ({len(rows)} row(s) so far in {work / 'summary.json'}, "
+            "marked incomplete)",
+            file=sys.stderr,
+        )
+        return 1
+    from ..runner import publish_directory
+
+    written = write_outputs(work, config, rows, plots=not args.no_plots)
+    publish_directory(work, plan.out)
+    print("\n".join(str(plan.out / p.relative_to(work)) for p in written))
+    return 0
+
+
+def partial_dir(out: Path) -> Path:
+    """Where the run of folder ``out`` is written while it runs: a hidden sibling (``report``
+    and the skip-if-done check ignore it), renamed to ``out`` when the run completes."""
+    return out.with_name(f".{out.name}.partial-{os.getpid()}")
+
+
+def remove_stale_partials(out: Path) -> None:
+    """The partial folders of ``out`` that runs which are gone (interrupted, failed, killed) left."""
+    from ..runner import _process_exists
+
+    for path in out.parent.glob(f".{out.name}.partial-*") if out.parent.is_dir() else ():
+        pid = path.name.rpartition("-")[2]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _process_exists(int(pid))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def vllm_server_deprecated(
+    python: str,
+    model_dir: Path,
+    port: int,
+    args: Sequence[str],
+    log_path: Path,
+    env: Mapping[str, str],
+    startup_timeout: float,
+) -> contextlib.AbstractContextManager[Server]:
+    """``hf_kvshare.bench.serve.VLLMServer(...)`` (deprecated) as it was called: plain vLLM by the one
+    launcher, ready inside the block."""
+    warnings.warn(
+        "hf_kvshare.bench.serve.VLLMServer is deprecated: use hf_kvshare.serving.server.Server(model_dir, "
+        "None, ...) (plain vLLM) with hf_kvshare.bench.serve.running",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    server = Server(
+        model_dir, None, port=port, vllm_args=list(args), log=log_path, python=python, env=dict(env)
+    )
+    return running(server, startup_timeout)
