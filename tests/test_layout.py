@@ -384,9 +384,13 @@ def test_storage_and_model_run_finders_find_them():
 
 
 SERVING = "serving"
-#: serving modules that may import vLLM (the connector and its paged-cache access); the others (layout,
+#: serving modules that may import vLLM (the connector, its two sides and their messages, and its
+#: paged-cache access); the others (layout,
 #: host, middleware, server, models) import without vLLM, so the main suite tests them
-SERVING_VLLM = {f"{ROOT}.serving.connector", f"{ROOT}.serving.paged"}
+SERVING_VLLM = {
+    f"{ROOT}.serving.{name}"
+    for name in ("connector", "connector_common", "connector_scheduler", "connector_worker", "paged")
+}
 
 
 def _top_imports(tree: ast.AST) -> set[str]:
