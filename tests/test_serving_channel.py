@@ -1,12 +1,14 @@
 """The read-back side channel (hf_kvshare.serving.channel): the worker's K/V reach the scheduler's
 thread as they were read, bounded and without blocking the sender. No vLLM (pyzmq only: one of vLLM's
-dependencies; skipped where it is absent)."""
+dependencies; skipped where it is absent); the connector's worker side on them (with vLLM only)."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -160,4 +162,82 @@ def test_a_closed_sender_refuses_instead_of_raising(tmp_path):
         assert not sender.order({"request_id": "r"})
     finally:
         sender._context.term()
+        receiver.close()
+
+
+# ------------------------------------------------ the connector's worker side: one path, one fallback
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _flash_update(layer, key, value, kv_cache, slot_mapping):
+    """A ``do_kv_cache_update`` with the semantics of vLLM's CUDA backends (tests/test_serving_paged.py)."""
+    dim = kv_cache.shape[3] // 2
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(dim, dim=-1)
+    block = kv_cache.shape[2]
+    key_cache[slot_mapping // block, slot_mapping % block] = key
+    value_cache[slot_mapping // block, slot_mapping % block] = value
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="the connector's sides import vLLM (.ci/run's serving venv)")
+def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output():
+    """A finished request ordered at its end is read on the order channel's thread and sent on the
+    read-back channel (``"at finish"``), once; a capture no order took is read in ``wait_for_save`` and
+    returned with the step's output (the one fallback), never sent on the channel."""
+    from dataclasses import asdict
+
+    from hf_kvshare.serving.connector_common import Capture, Captured, HFKVShareMetadata, Load
+    from hf_kvshare.serving.connector_worker import HFKVShareWorker
+
+    block, heads, dim, layers = 16, 2, 8, 3
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    impl = SimpleNamespace(do_kv_cache_update=_flash_update)
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block),
+        compilation_config=SimpleNamespace(
+            static_forward_context={n: SimpleNamespace(impl=impl) for n in names}
+        ),
+    )
+    worker = HFKVShareWorker(config)
+    worker.register_kv_caches({n: torch.zeros(6, heads, block, 2 * dim) for n in names})
+    got: dict[str, tuple[torch.Tensor, torch.Tensor, str]] = {}
+    arrived = threading.Event()
+
+    def deliver(request_id, keys, values, via):
+        got[request_id] = (keys, values, via)
+        arrived.set()
+
+    receiver = channel.Receiver(deliver)
+    orders = None
+    try:
+        torch.manual_seed(0)
+        keys, values = torch.randn(layers, 40, heads, dim), torch.randn(layers, 40, heads, dim)
+        # a claim written before the forward; the metadata names the scheduler's read-back channel
+        worker.start_load_kv(
+            HFKVShareMetadata(loads=[Load("a", [3, 0, 5], 0, keys, values)], read_back=receiver.address)
+        )
+        announced = worker.build_connector_worker_meta()
+        assert isinstance(announced, Captured) and announced.orders and not announced.kv
+        orders = channel.Sender(announced.orders)
+        # the path: ordered at its end, read on the order thread, sent on the read-back channel
+        capture = Capture("a", [3, 0, 5], 40)
+        deadline = time.monotonic() + 10
+        while not orders.order(asdict(capture)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the connection completes asynchronously
+        assert arrived.wait(10), "the order's read-back never arrived"
+        k, v, via = got["a"]
+        assert torch.equal(k, keys) and torch.equal(v, values) and via == "at finish"
+        # the same capture in the next step's metadata is not read again
+        worker.wait_for_save(HFKVShareMetadata(captures=[capture]))
+        step = worker.build_connector_worker_meta()
+        assert step.sent == {"a"} and not step.kv
+        # the fallback: a capture no order took goes with the step's output, not on the channel
+        worker.wait_for_save(HFKVShareMetadata(captures=[Capture("b", [3, 0], 20)]))
+        step = worker.build_connector_worker_meta()
+        assert set(step.kv) == {"b"} and not step.sent and set(got) == {"a"}
+        assert torch.equal(step.kv["b"][0], keys[:, :20]) and torch.equal(step.kv["b"][1], values[:, :20])
+        assert worker.get_finished() == ({"a", "b"}, None)  # both requests' blocks may be freed
+    finally:
+        if orders is not None:
+            orders.close()
+        worker.shutdown()
         receiver.close()

@@ -130,11 +130,6 @@ class HFKVShareConnector(KVConnectorBase_V1):
     ) -> None:
         return
 
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        if isinstance(connector_metadata, HFKVShareMetadata):
-            self.connector_worker.bind(connector_metadata)
-
     def wait_for_save(self) -> None:
         metadata = self._get_connector_metadata()
         if isinstance(metadata, HFKVShareMetadata):

@@ -14,11 +14,12 @@ request's record, over one :class:`~hf_kvshare.serving.host.Sharing` of its own.
 - ``request_finished`` (before the blocks are freed): a finished request keeps its blocks
   (``delay_free``) until the worker has read back the K/V it used; the scheduler orders the read-back
   at once on the order channel (:mod:`.channel`) and the capture also rides in the next step's
-  metadata. The K/V come back on the read-back channel (this side's channel thread queues the turn's
-  record, ``method.record``, on the admission thread, behind the plans asked for before it, while the
-  engine goes on) or with the worker's step output (``update_connector_output`` queues the record).
-  Without the channels (refused, ``"read_back_channel": false``; always with inline admission) only
-  the step's output. ``has_pending_push_work`` keeps the engine stepping until then.
+  metadata. The K/V come back on the read-back channel (the path: this side's channel thread queues
+  the turn's record, ``method.record``, on the admission thread, behind the plans asked for before
+  it, while the engine goes on) or, the fallback, with the worker's step output
+  (``update_connector_output`` queues the record; :mod:`.connector_worker` says when). Without the
+  channels (refused, ``"read_back_channel": false``; always with inline admission) only the step's
+  output. ``has_pending_push_work`` keeps the engine stepping until then.
 
 Each finished request's report (:meth:`Plan.report <hf_kvshare.serving.host.Plan.report>`) is the
 reply's ``kv_transfer_params["hf_kvshare"]`` and, with ``report_path`` in ``kv_connector_extra_config``
@@ -303,7 +304,7 @@ class HFKVShareScheduler:
             finishing = self._finishing.pop(request_id, None)
             if finishing is not None:  # else given up on (update_connector_output): dropped
                 # queued under the lock: whoever sees the request gone sees its record queued first
-                self._record(finishing, (keys, values), via or "next step")
+                self._record(finishing, (keys, values), via or "at finish")
                 # the requests that waited for it: planned now, behind it (under the lock, so a request
                 # ending meanwhile is forgotten after its plan is queued, never before)
                 self._prepare(self._ready())
@@ -333,7 +334,7 @@ class HFKVShareScheduler:
         ):
             try:
                 self._order_sender = channel.Sender(meta.orders)
-            except Exception:  # noqa: BLE001 - read-backs then wait for the next step
+            except Exception:  # noqa: BLE001 - read-backs then come with the step's output
                 logger.exception("hf_kvshare: connecting the order channel %s failed", meta.orders)
         for request_id in set(captured) | on_channel | set(connector_output.finished_sending or ()):
             with self._finishing_cond:

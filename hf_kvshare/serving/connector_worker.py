@@ -4,11 +4,22 @@ the forward and reads a finished request's K/V back for its record.
 - ``start_load_kv``: each claim is written with the attention backend's own writer (:mod:`.paged`: CPU
   and CUDA backends alike), synchronously, before the forward.
 - A finished request's K/V (prompt + output but its last token; its blocks kept until this side says
-  they are read, ``get_finished``) are read once, whichever comes first: on the scheduler's order
-  (the order channel's thread, :mod:`.channel`: ``"at finish"``), when vLLM binds the next step's
-  metadata (before its forward: ``"next step"``), or in ``wait_for_save`` (after it). They go to the
-  scheduler on the read-back channel when it takes them, else with the step's output
-  (``build_connector_worker_meta``).
+  they are read, ``get_finished``) are read once, on one path with one fallback:
+
+  - **the path**: the scheduler's order (the order channel's thread, :mod:`.channel`), as the request
+    finishes; the K/V go back on the read-back channel (``read_back: "at finish"``), beside the
+    engine's next forward;
+  - **the fallback**: the capture in the next step's metadata, read in ``wait_for_save`` (after that
+    step's forward) when no order took it first (the channels refused or not connected yet, an order
+    lost), or an order's K/V the read-back channel refused; they go with the step's output
+    (``build_connector_worker_meta``: ``"step output"``).
+
+  A third path, reading the step's captures when vLLM binds its metadata (before the forward) and
+  sending them on the read-back channel (``"next step"``), was removed: measured with ``hf-kvshare
+  bench serve`` (FullShared, 2 QPS, four runs with and without it; docs/architecture.md, "Serving on
+  vLLM") it only caught the 4-6 of 32 requests whose order's thread had not started yet, later than
+  the order path takes its own (p50 0.36-0.43 s against 0.17-0.18 s), and no read-back or TTFT
+  quantile moved beyond the runs' spread without it.
 
 Two threads touch this object (the engine's step and the order thread): the sets of requests read,
 sent and taken are shared under one lock.
@@ -77,21 +88,12 @@ class HFKVShareWorker:
         self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
 
     def start_load_kv(self, metadata: HFKVShareMetadata) -> None:
+        if metadata.read_back and metadata.read_back != self._sender_address:
+            self._connect(metadata.read_back)  # the scheduler's read-back channel, new
         for load in metadata.loads:
             for name, io in self._io.items():
                 layer = self._layer_of[name]
                 io.write(load.block_ids, load.start, load.keys[layer], load.values[layer])
-
-    def bind(self, metadata: HFKVShareMetadata) -> None:
-        """vLLM bound the step's metadata (before its forward): connect to the scheduler's read-back
-        channel when it is new, and read the captures the order thread has not taken yet."""
-        if metadata.read_back and metadata.read_back != self._sender_address:
-            self._connect(metadata.read_back)
-        if self._sender is not None:
-            # before the step's forward: the record runs beside it; a request the order thread took
-            # already is skipped
-            for capture in metadata.captures:
-                self._take(capture, "next step")
 
     def _connect(self, address: str) -> None:
         if self._sender is not None:
@@ -105,27 +107,28 @@ class HFKVShareWorker:
         if self._orders is None:
             try:
                 self._orders = channel.Orders(self._on_order)
-            except Exception:  # noqa: BLE001 - read-backs then wait for the next step
-                logger.exception("hf_kvshare: no order channel; read-backs wait for the next step")
+            except Exception:  # noqa: BLE001 - read-backs then come with the step's output
+                logger.exception("hf_kvshare: no order channel; read-backs come with the step's output")
 
     def _on_order(self, order: dict[str, Any]) -> None:
-        """The scheduler's order (its thread): read a request that just finished back now."""
+        """The scheduler's order (its thread): read a request that just finished back now and send it
+        on the read-back channel (the path)."""
         try:
             capture = Capture(
                 str(order["request_id"]), [int(b) for b in order["block_ids"]], int(order["tokens"])
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"an order needs request_id, block_ids and tokens; got {order!r}") from error
-        self._take(capture, "at finish")
+        self._take(capture, on_channel=True)
 
     def wait_for_save(self, metadata: HFKVShareMetadata) -> None:
-        for capture in metadata.captures:  # those not taken before the forward
-            self._take(capture, "next step")
+        for capture in metadata.captures:  # the fallback: those no order took, with the step's output
+            self._take(capture, on_channel=False)
 
-    def _take(self, capture: Capture, via: str) -> None:
-        """Read a finished request's K/V back, once (the step's thread or the order thread, whichever
-        comes first): through the read-back channel when it takes them, else with the step's output
-        (``None`` when reading failed: the request is released, not recorded)."""
+    def _take(self, capture: Capture, on_channel: bool) -> None:
+        """Read a finished request's K/V back, once (the order thread or the step's, whichever comes
+        first): through the read-back channel when ``on_channel`` and it takes them, else with the
+        step's output (``None`` when reading failed: the request is released, not recorded)."""
         with self._lock:
             if capture.request_id in self._taken:
                 return
@@ -137,7 +140,12 @@ class HFKVShareWorker:
             kv = self._read(capture)
         except Exception:  # noqa: BLE001 - the engine must keep running; the turn is not recorded
             logger.exception("hf_kvshare: reading back request %s failed", capture.request_id)
-        sent = kv is not None and self._sender is not None and self._sender.send(capture.request_id, *kv, via)
+        sent = (
+            on_channel
+            and kv is not None
+            and self._sender is not None
+            and self._sender.send(capture.request_id, *kv, "at finish")
+        )
         with self._lock:
             if sent:
                 self._sent_on_channel.add(capture.request_id)
