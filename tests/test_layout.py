@@ -19,12 +19,17 @@
   the sandbox, calls ``subprocess.Popen``; ``bench serve`` is a package of one job per module (trace,
   client, columns, runs, cli: each job's calls in its module only) and no bench module is longer
   than 700 lines.
+- serving: no module keeps mutable state at its top level (a container, lock or thread; no
+  ``global``): state lives on instances; ``serving/connector.py`` is a facade (one
+  ``KVConnectorBase_V1`` class that sets only its two sides and whose hooks delegate; no thread,
+  lock or channel), the scheduler and worker sides in their own modules.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import hf_kvshare
@@ -393,9 +398,13 @@ def test_storage_and_model_run_finders_find_them():
 
 
 SERVING = "serving"
-#: serving modules that may import vLLM (the connector and its paged-cache access); the others (layout,
+#: serving modules that may import vLLM (the connector, its two sides and their messages, and its
+#: paged-cache access); the others (layout,
 #: host, middleware, server, models) import without vLLM, so the main suite tests them
-SERVING_VLLM = {f"{ROOT}.serving.connector", f"{ROOT}.serving.paged"}
+SERVING_VLLM = {
+    f"{ROOT}.serving.{name}"
+    for name in ("connector", "connector_common", "connector_scheduler", "connector_worker", "paged")
+}
 
 
 def _top_imports(tree: ast.AST) -> set[str]:
@@ -601,3 +610,165 @@ def test_the_callee_and_constant_finders():
     tree = ast.parse("import subprocess\nsubprocess.Popen(['python', '-m', 'x.y'])\nServer(1).start()\n")
     assert _callees(tree) == {"Popen", "Server", "start"}
     assert _string_constants(tree) == {"python", "-m", "x.y"}
+
+
+# ------------------------------------------------------------- serving: no module state; the connector a facade
+#: calls that build mutable state (containers, locks, threads): not at a serving module's top level
+MUTABLE_FACTORIES = frozenset(
+    {
+        "dict",
+        "list",
+        "set",
+        "OrderedDict",
+        "defaultdict",
+        "deque",
+        "Counter",
+        "WeakValueDictionary",
+        "WeakKeyDictionary",
+        "Queue",
+        "Lock",
+        "RLock",
+        "Condition",
+        "Event",
+        "Semaphore",
+        "Thread",
+    }
+)
+#: the connector facade's module: the class vLLM loads, delegating each hook to a side
+CONNECTOR = f"{ROOT}.serving.connector"
+#: what only the two sides touch (the facade imports none of them)
+CONNECTOR_MACHINERY = frozenset({"threading", "channel", "paged", "admission"})
+#: the attributes the facade's class sets: its two sides (vLLM's base class keeps the step's metadata)
+FACADE_ATTRIBUTES = frozenset({"connector_scheduler", "connector_worker"})
+#: statements in one delegating hook of the facade (its ``__init__`` excepted)
+FACADE_HOOK_STATEMENTS = 3
+
+
+def _top_level(tree: ast.Module) -> Iterator[ast.stmt]:
+    """The module's own statements, through top-level ``if`` / ``try`` / ``with`` blocks."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop(0)
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            stack[:0] = [
+                *node.body,
+                *getattr(node, "orelse", []),
+                *getattr(node, "finalbody", []),
+                *(s for h in getattr(node, "handlers", []) for s in h.body),
+            ]
+        else:
+            yield node
+
+
+def _mutable(value: ast.expr | None) -> bool:
+    if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)):
+        return True
+    return isinstance(value, ast.Call) and _name_of(value.func) in MUTABLE_FACTORIES
+
+
+def _dunder(target: ast.expr) -> bool:
+    return isinstance(target, ast.Name) and target.id.startswith("__") and target.id.endswith("__")
+
+
+def module_state(tree: ast.Module) -> list[str]:
+    """``name:line`` of each mutable object a module keeps at its top level (a container, a lock, a
+    thread; not the module's own ``__all__``), and of each ``global`` statement (a function rebinding
+    module state)."""
+    found = []
+    for node in _top_level(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and _mutable(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [f"{ast.unparse(t)}:{node.lineno}" for t in targets if not _dunder(t)]
+    found += [f"global {', '.join(n.names)}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    return found
+
+
+def test_serving_modules_keep_no_module_state():
+    """State lives on instances (the connector's sides, the Sharing service, the server): no serving
+    module keeps a mutable container, lock or thread at its top level, nor rebinds a global (constants
+    are tuples, frozensets, read-only mappings)."""
+    bad = [
+        f"{name}: {found}"
+        for name, path in sorted(MODULES.items())
+        if _inside(name, SERVING)
+        for found in module_state(ast.parse(path.read_text(), filename=str(path)))
+    ]
+    assert not bad, "mutable module-level state in hf_kvshare.serving:\n" + "\n".join(bad)
+
+
+def test_the_module_state_finder_finds_it():
+    tree = ast.parse(
+        "__all__ = ['f']\nA = (1, 2)\nB = frozenset({1})\n_R: dict[str, int] = {}\nif True:\n    L = threading.Lock()\n"
+        "C = {k: 1 for k in A}\ndef f():\n    global B\n    B = 2\n"
+    )
+    assert module_state(tree) == ["_R:4", "L:6", "C:7", "global B:9"]
+
+
+def facade_faults(tree: ast.Module) -> list[str]:
+    """Why the connector module is not a facade: it imports the sides' machinery, its connector class
+    (the one deriving from ``KVConnectorBase_V1``) sets attributes other than its two sides, or a
+    hook does more than delegate (over :data:`FACADE_HOOK_STATEMENTS` statements)."""
+    faults = [
+        f"imports {name}"
+        for node in _import_nodes(tree)
+        for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+        if name.split(".")[0] in CONNECTOR_MACHINERY or name.rpartition(".")[2] in CONNECTOR_MACHINERY
+    ]
+    faults += [
+        f"imports {alias.name}"
+        for node in _import_nodes(tree)
+        if isinstance(node, ast.ImportFrom) and node.level and not node.module
+        for alias in node.names
+        if alias.name in CONNECTOR_MACHINERY
+    ]
+    classes = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and "KVConnectorBase_V1" in _base_names(node)
+    ]
+    if len(classes) != 1:
+        return [*faults, f"{len(classes)} KVConnectorBase_V1 classes (one facade expected)"]
+    for fn in classes[0].body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        attributes = {
+            target.attr
+            for node in ast.walk(fn)
+            if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name)
+            and target.value.id == "self"
+        }
+        faults += [f"{fn.name} sets self.{a}" for a in sorted(attributes - FACADE_ATTRIBUTES)]
+        body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+        if fn.name != "__init__" and len(body) > FACADE_HOOK_STATEMENTS:
+            faults.append(f"{fn.name} has {len(body)} statements (a hook delegates)")
+    return faults
+
+
+def test_the_connector_is_a_facade_over_its_two_sides():
+    """``serving/connector.py`` is the class vLLM loads and nothing more: each hook goes to the
+    scheduler side (``connector_scheduler``) or the worker side (``connector_worker``), each in its own
+    module, as vLLM's in-tree connectors are laid out; threads, locks and channels live there."""
+    tree = ast.parse(MODULES[CONNECTOR].read_text())
+    assert not facade_faults(tree), "the connector is not a facade:\n" + "\n".join(facade_faults(tree))
+    sides = {f"{ROOT}.serving.connector_scheduler", f"{ROOT}.serving.connector_worker"}
+    assert sides <= imports_of(CONNECTOR), f"the facade must delegate to {sorted(sides)}"
+    assert f"{ROOT}.serving.connector_worker" not in imports_of(f"{ROOT}.serving.connector_scheduler")
+    assert f"{ROOT}.serving.connector_scheduler" not in imports_of(f"{ROOT}.serving.connector_worker")
+
+
+def test_the_facade_checker_finds_faults():
+    source = (
+        "import threading\nfrom . import channel\n"
+        "class C(KVConnectorBase_V1):\n"
+        "    def __init__(self):\n        self.connector_worker = 1\n        self._lock = threading.Lock()\n"
+        "    def hook(self):\n        a = 1\n        b = 2\n        c = 3\n        return a + b + c\n"
+    )
+    assert facade_faults(ast.parse(source)) == [
+        "imports threading",
+        "imports channel",
+        "__init__ sets self._lock",
+        "hook has 4 statements (a hook delegates)",
+    ]

@@ -1,12 +1,14 @@
 """The read-back side channel (hf_kvshare.serving.channel): the worker's K/V reach the scheduler's
 thread as they were read, bounded and without blocking the sender. No vLLM (pyzmq only: one of vLLM's
-dependencies; skipped where it is absent)."""
+dependencies; skipped where it is absent); the connector's worker side on them (with vLLM only)."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -161,3 +163,206 @@ def test_a_closed_sender_refuses_instead_of_raising(tmp_path):
     finally:
         sender._context.term()
         receiver.close()
+
+
+# ------------------------------------------------ the connector's worker side: one path, one fallback
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _flash_update(layer, key, value, kv_cache, slot_mapping):
+    """A ``do_kv_cache_update`` with the semantics of vLLM's CUDA backends (tests/test_serving_paged.py)."""
+    dim = kv_cache.shape[3] // 2
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(dim, dim=-1)
+    block = kv_cache.shape[2]
+    key_cache[slot_mapping // block, slot_mapping % block] = key
+    value_cache[slot_mapping // block, slot_mapping % block] = value
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="the connector's sides import vLLM (.ci/run's serving venv)")
+def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output():
+    """A finished request ordered at its end is read on the order channel's thread and sent on the
+    read-back channel (``"at finish"``), once; a capture no order took is read in ``wait_for_save`` and
+    returned with the step's output (the one fallback), never sent on the channel."""
+    from dataclasses import asdict
+
+    from hf_kvshare.serving.connector_common import Capture, Captured, HFKVShareMetadata, Load
+    from hf_kvshare.serving.connector_worker import HFKVShareWorker
+
+    block, heads, dim, layers = 16, 2, 8, 3
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    impl = SimpleNamespace(do_kv_cache_update=_flash_update)
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block),
+        compilation_config=SimpleNamespace(
+            static_forward_context={n: SimpleNamespace(impl=impl) for n in names}
+        ),
+    )
+    worker = HFKVShareWorker(config)
+    worker.register_kv_caches({n: torch.zeros(6, heads, block, 2 * dim) for n in names})
+    got: dict[str, tuple[torch.Tensor, torch.Tensor, str]] = {}
+    arrived = threading.Event()
+
+    def deliver(request_id, keys, values, via):
+        got[request_id] = (keys, values, via)
+        arrived.set()
+
+    receiver = channel.Receiver(deliver)
+    orders = None
+    try:
+        torch.manual_seed(0)
+        keys, values = torch.randn(layers, 40, heads, dim), torch.randn(layers, 40, heads, dim)
+        # a claim written before the forward; the metadata names the scheduler's read-back channel
+        worker.start_load_kv(
+            HFKVShareMetadata(loads=[Load("a", [3, 0, 5], 0, keys, values)], read_back=receiver.address)
+        )
+        announced = worker.build_connector_worker_meta()
+        assert isinstance(announced, Captured) and announced.orders and not announced.kv
+        orders = channel.Sender(announced.orders)
+        # the path: ordered at its end, read on the order thread, sent on the read-back channel
+        capture = Capture("a", [3, 0, 5], 40)
+        deadline = time.monotonic() + 10
+        while not orders.order(asdict(capture)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the connection completes asynchronously
+        assert arrived.wait(10), "the order's read-back never arrived"
+        k, v, via = got["a"]
+        assert torch.equal(k, keys) and torch.equal(v, values) and via == "at finish"
+        # the same capture in the next step's metadata is not read again
+        worker.wait_for_save(HFKVShareMetadata(captures=[capture]))
+        step = worker.build_connector_worker_meta()
+        assert step.sent == {"a"} and not step.kv
+        # the fallback: a capture no order took goes with the step's output, not on the channel
+        worker.wait_for_save(HFKVShareMetadata(captures=[Capture("b", [3, 0], 20)]))
+        step = worker.build_connector_worker_meta()
+        assert set(step.kv) == {"b"} and not step.sent and set(got) == {"a"}
+        assert torch.equal(step.kv["b"][0], keys[:, :20]) and torch.equal(step.kv["b"][1], values[:, :20])
+        assert worker.get_finished() == ({"a", "b"}, None)  # both requests' blocks may be freed
+    finally:
+        if orders is not None:
+            orders.close()
+        worker.shutdown()
+        receiver.close()
+
+
+def _request(request_id, prompt, params, output=(), block=16):
+    """What the connector's scheduler side reads of a vLLM ``Request`` (a finished one: ``output``)."""
+    from vllm.v1.request import RequestStatus
+
+    return SimpleNamespace(
+        request_id=request_id,
+        external_req_id=None,
+        prompt_token_ids=list(prompt),
+        kv_transfer_params=params,
+        status=RequestStatus.FINISHED_STOPPED,
+        sampling_params=SimpleNamespace(all_stop_token_ids=[], eos_token_id=None),
+        output_token_ids=list(output),
+        num_computed_tokens=len(prompt) + len(output) - 1,
+    )
+
+
+def _reports(path, n, timeout=30.0):
+    import json
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        if len(lines) >= n:
+            return {line["request_id"]: line for line in lines}
+        time.sleep(0.02)
+    raise AssertionError(f"{n} report lines never written")
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="the connector's sides import vLLM (.ci/run's serving venv)")
+def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the_waiting(
+    tiny_llama, tokenizer, tmp_path
+):
+    """The scheduler side, given its Sharing (no module registry): a finished request's K/V arriving on
+    the read-back channel are recorded at once (``"at finish"``) and the task's next request, waiting
+    for that record, is planned then and reads the document; K/V with the step's output (the fallback)
+    are recorded at the step's end (``"step output"``)."""
+    from hf_kvshare.serving import layout as lay
+    from hf_kvshare.serving.connector_common import Captured
+    from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
+    from hf_kvshare.serving.host import Sharing
+    from hf_kvshare.serving.standin import engine
+
+    reports = tmp_path / "reports.jsonl"
+    extra = {"report_path": str(reports)}
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        cache_config=SimpleNamespace(block_size=16),
+    )
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    scheduler = HFKVShareScheduler(config, sharing)
+    assert scheduler.sharing is sharing
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    doc, q1, q2 = (
+        ids("The river Lune reaches the sea at Plover Scar near Glasson."),
+        ids(" Where?"),
+        ids(" Why?"),
+    )
+
+    def params(agent, start):
+        return {
+            lay.KEY: {
+                "task": "t",
+                "agent": agent,
+                "segments": [{"slot": "doc", "start": start, "end": start + len(doc)}],
+            }
+        }
+
+    def admitted(request):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            claimed, _ = scheduler.get_num_new_matched_tokens(request, 0)
+            if claimed is not None:
+                return claimed
+            time.sleep(0.01)
+        raise AssertionError(f"{request.request_id} was never planned")
+
+    sender = None
+    try:
+        first = _request("r1", q1 + doc, params("a1", len(q1)))
+        scheduler.on_new_request(first)
+        assert admitted(first) == 0  # the first agent computes the document
+        plan = scheduler._plans["r1"]
+        out, keys, values = engine(tiny_llama, plan, max_new_tokens=4)
+        finished = _request("r1", first.prompt_token_ids, first.kv_transfer_params, out)
+        assert scheduler.request_finished(finished, [0, 1, 2, 3])[0]  # blocks kept until read back
+        meta = scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[]))
+        assert [c.request_id for c in meta.captures] == ["r1"] and meta.read_back
+        # the task's next agent arrives before the record: it waits for it
+        second = _request("r2", doc + q2, params("a2", 0))
+        scheduler.on_new_request(second)
+        assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)
+        # the path: the K/V on the read-back channel, recorded on the channel's thread, r2 planned behind
+        sender = channel.Sender(meta.read_back)
+        deadline = time.monotonic() + 10
+        while not sender.send("r1", keys, values, "at finish") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert admitted(second) == len(doc)  # reads the document r1's record stored
+        assert _reports(reports, 1)["r1"]["read_back"] == "at finish"
+        assert not scheduler.has_pending_push_work()
+        # the worker's step output saying r1 went on the channel: already recorded, nothing waits
+        scheduler.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=Captured(sent={"r1"}), finished_sending={"r1"})
+        )
+        # the fallback: r2's K/V with the step's output
+        out2, keys2, values2 = engine(tiny_llama, scheduler._plans["r2"], max_new_tokens=4)
+        scheduler.request_finished(
+            _request("r2", second.prompt_token_ids, second.kv_transfer_params, out2), [4, 5]
+        )
+        scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[]))
+        scheduler.update_connector_output(
+            SimpleNamespace(
+                kv_connector_worker_meta=Captured(kv={"r2": (keys2, values2)}), finished_sending={"r2"}
+            )
+        )
+        assert _reports(reports, 2)["r2"]["read_back"] == "step output"
+        assert not scheduler.has_pending_push_work()
+    finally:
+        if sender is not None:
+            sender.close()
+        scheduler.shutdown()

@@ -161,12 +161,13 @@ def test_exact_mode_and_fullshared(server, tok):
     plain_b2, _ = complete(server, b, PLAIN)
     assert plain_b2 == plain_b
     assert report["store"]["bytes"] <= MAX_BYTES
-    # every recorded request of the task reached its record through the side channels (read back on
-    # the scheduler's order as it finished, or else when vLLM bound the next step), so the exact-mode
-    # and FullShared tokens above were served from K/V they carried
+    # every recorded request of the task reached its record on the connector's one path (read back on
+    # the scheduler's order as it finished, through the side channels) or its one fallback (the step's
+    # output: a request the idle engine's next step read before the order's thread), and the path
+    # carried K/V the exact-mode and FullShared tokens above were served from
     lines = recorded(server, "t1", 4)
     reads = [line["read_back"] for line in lines]
-    assert len(reads) == 4 and set(reads) <= {"at finish", "next step"} and "at finish" in reads, lines
+    assert len(reads) == 4 and set(reads) <= {"at finish", "step output"} and "at finish" in reads, lines
     assert all(line["read_back_s"] >= 0 for line in lines)
     # and each says where its admission time went on the connector's thread
     for line in lines:

@@ -15,9 +15,9 @@ step had run: behind another request's prefill, seconds. Two channels take them 
   scheduler): the K/V the moment the worker has them; the scheduler's channel thread queues the
   record.
 
-Without an order (the order channel not up yet, or full), the worker reads the request when vLLM
-binds the next step's metadata (``bind_connector_metadata``, before that step's forward) and sends it
-on the read-back channel; without that channel, with the step's output as before.
+Without an order (the order channel not up yet, or full) or when the read-back channel refuses, the
+worker reads the request in the next step's ``wait_for_save`` and returns it with the step's output, as
+before the channels (the one fallback: :mod:`.connector_worker`).
 
 ZeroMQ PUSH / PULL pairs over ``ipc://`` sockets in private temporary folders (pyzmq is one of
 vLLM's own dependencies; NIXL's connector has a ZeroMQ side channel of its own). Each listener names
@@ -28,7 +28,7 @@ is one message per request: a JSON header (request id, shape, dtype, when it was
 keys' and the values' bytes; an order is one JSON frame.
 
 Bounded: a sender never blocks (a full or absent channel: ``send`` / ``order`` return ``False`` and
-the connector takes the next path above), at most ``max_queued`` messages wait in it, and a
+the connector takes the fallback above), at most ``max_queued`` messages wait in it, and a
 listener's thread polls with a timeout, so it stops within ``POLL_S`` of ``close``. No vLLM import
 here (tests drive it directly).
 """
@@ -42,6 +42,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ POLL_S = 0.1
 #: messages the sender holds before ``send`` refuses (each is one request's read-back K/V)
 DEFAULT_MAX_QUEUED = 8
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+_DTYPES = MappingProxyType({str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)})
 
 
 def encode(request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str = "") -> list[Any]:

@@ -88,8 +88,8 @@ MIN_SEGMENT_TOKENS = 16
 #: the key under ``kv_transfer_params`` that holds hf_kvshare's layout
 KEY = "hf_kvshare"
 DEFAULT_TASK = "default"
-_REQUEST_KEYS = {"task", "agent", "output", "method", "segments"}
-_SEGMENT_KEYS = {"slot", "text", "start", "end", "kind"}
+_REQUEST_KEYS = frozenset({"task", "agent", "output", "method", "segments"})
+_SEGMENT_KEYS = frozenset({"slot", "text", "start", "end", "kind"})
 
 
 class LayoutError(ValueError):

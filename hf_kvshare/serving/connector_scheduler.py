@@ -1,0 +1,368 @@
+"""The connector's scheduler side (vLLM's engine-core process): admission, claims, and each finished
+request's record, over one :class:`~hf_kvshare.serving.host.Sharing` of its own.
+
+- ``get_num_new_matched_tokens`` (at admission): :meth:`Sharing.plan
+  <hf_kvshare.serving.host.Sharing.plan>` runs the method's contract on the request's layout
+  (:mod:`.layout`) and claims the longest placed range that starts at vLLM's own (block-aligned)
+  prefix-cache hit, the only shape vLLM accepts (one contiguous range per request). The plan is
+  decided on the admission thread (:mod:`.admission`); until it is, the hook answers ``None`` (vLLM's
+  "not decided yet": the request is skipped this step and asked again), so a KVCMAS correction never
+  stops the other requests. ``"background": false`` in ``kv_connector_extra_config``
+  (``--inline-admission``) decides inline.
+- ``update_state_after_alloc`` / ``build_connector_meta``: the claimed K/V and the request's block ids
+  go to the worker in the step's metadata.
+- ``request_finished`` (before the blocks are freed): a finished request keeps its blocks
+  (``delay_free``) until the worker has read back the K/V it used; the scheduler orders the read-back
+  at once on the order channel (:mod:`.channel`) and the capture also rides in the next step's
+  metadata. The K/V come back on the read-back channel (the path: this side's channel thread queues
+  the turn's record, ``method.record``, on the admission thread, behind the plans asked for before
+  it, while the engine goes on) or, the fallback, with the worker's step output
+  (``update_connector_output`` queues the record; :mod:`.connector_worker` says when). Without the
+  channels (refused, ``"read_back_channel": false``; always with inline admission) only the step's
+  output. ``has_pending_push_work`` keeps the engine stepping until then.
+
+Each finished request's report (:meth:`Plan.report <hf_kvshare.serving.host.Plan.report>`) is the
+reply's ``kv_transfer_params["hf_kvshare"]`` and, with ``report_path`` in ``kv_connector_extra_config``
+(or the environment variable :data:`REPORTS_ENV`), one JSON line of that file, written once the
+request is recorded.
+
+Two threads touch this object (the engine's scheduler thread and the read-back channel's thread): the
+finishing and waiting requests are shared under one condition's lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import channel
+from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
+from .connector_common import Capture, Captured, HFKVShareMetadata, Load
+from .host import Plan, ServingError, Sharing, skeleton_model
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("hf_kvshare.serving")
+
+#: environment variable naming the JSONL file each finished request's report is appended to
+REPORTS_ENV = "HF_KVSHARE_REPORTS"
+#: the store summary's counts each report line of that file carries
+STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv", "queued_jobs", "settles")
+#: how long the scheduler waits, at the end of a step, for a read-back the worker says it sent
+#: through the channel and that has not arrived yet (seconds; then the request is not recorded)
+READ_BACK_WAIT_S = 5.0
+
+
+@dataclass
+class _Finishing:
+    plan: Plan
+    output_ids: list[int]
+    stop_ids: set[int]
+    ids: tuple[str, str | None]  # the request's id and external id (its report line)
+    finished_at: float = 0.0  # time.perf_counter() at request_finished (the report's read_back_s)
+
+
+def make_sharing(vllm_config: VllmConfig) -> Sharing:
+    """The :class:`Sharing` service ``kv_connector_extra_config`` describes, for the served model."""
+    from transformers import AutoTokenizer
+
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    model_config = vllm_config.model_config
+    tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model)
+    sharing = Sharing(
+        skeleton_model(model_config.model),
+        tokenizer,
+        extra.get("method", "nonshared"),
+        max_bytes=int(extra.get("max_bytes", 2 << 30)),
+        max_tasks=int(extra.get("max_tasks", 1024)),
+        min_segment_tokens=int(extra.get("min_segment_tokens", 16)),
+        **dict(extra.get("options") or {}),
+    )
+    logger.info("hf_kvshare: serving method %r (cache_salt %r)", sharing.method, sharing.salt)
+    return sharing
+
+
+class HFKVShareScheduler:
+    """The scheduler side of :class:`~hf_kvshare.serving.connector.HFKVShareConnector` (see the module
+    docstring). ``sharing``: the service to drive (built from ``kv_connector_extra_config`` when not
+    given)."""
+
+    def __init__(self, vllm_config: VllmConfig, sharing: Sharing | None = None):
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self._block_size = vllm_config.cache_config.block_size
+        self.sharing = sharing if sharing is not None else make_sharing(vllm_config)
+        self._plans: dict[str, Plan] = {}
+        self._loads: dict[str, Load] = {}
+        self._to_capture: list[Capture] = []
+        #: finished requests waiting for their K/V (read back by the worker); the read-back channel's
+        #: thread takes them too, so every access holds this condition's (re-entrant) lock, as do
+        #: those of the requests waiting for them
+        self._finishing: dict[str, _Finishing] = {}
+        self._finishing_cond = threading.Condition(threading.RLock())
+        #: requests that arrived while their task had a finished request not yet recorded: planned as soon
+        #: as that record is queued (by the channel's thread when it brings the K/V, or at the step's
+        #: end), not a step later at their next admission
+        self._waiting: dict[str, tuple[Request, float]] = {}
+        #: seconds each such request waited before its plan could start (its report's record_wait_s)
+        self._record_waits: dict[str, float] = {}
+        self._receiver: channel.Receiver | None = None
+        self._order_sender: channel.Sender | None = None
+        self._report_path = extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
+        self._background = Background(
+            self.sharing,
+            enabled=extra.get("background", True),
+            wait_s=extra.get("plan_wait_s", DEFAULT_WAIT_S),
+            running_wait_s=extra.get("plan_running_wait_s", DEFAULT_RUNNING_WAIT_S),
+        )
+        read_back = extra.get("read_back_channel", True)
+        if not isinstance(read_back, bool):
+            raise ServingError(f"hf_kvshare: read_back_channel must be true or false; got {read_back!r}")
+        # inline admission records on the engine loop: its read-backs keep the step's output path
+        if read_back and self._background.enabled:
+            try:
+                self._receiver = channel.Receiver(self._on_read_back)
+            except Exception:  # noqa: BLE001 - serving works without it (the step's output path)
+                logger.exception("hf_kvshare: no read-back channel; read-backs come with the step's output")
+
+    # ================================================================ admission
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        old = self._plans.get(request.request_id)
+        if old is not None:
+            if old.local_hit == num_computed_tokens:
+                return old.claimed, False
+            del self._plans[request.request_id]
+            self._background.release(old)
+        if not self._background.deciding(request.request_id) and self._waits_for_record(request):
+            # an earlier request of this task finished but its K/V is not read back yet: its record
+            # comes first, or this plan would not see the output it reads
+            return None, False
+        prompt = list(request.prompt_token_ids or [])
+        plan = self._background.plan(
+            request.request_id, prompt, request.kv_transfer_params, num_computed_tokens
+        )
+        if plan is None:  # still being decided off the engine loop: vLLM skips the request and asks again
+            return None, False
+        if plan.error:
+            logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
+        plan.record_wait_s = self._record_waits.pop(request.request_id, None)
+        self._plans[request.request_id] = plan
+        return plan.claimed, False
+
+    def _unrecorded(self, task: str | None) -> bool:
+        """Whether a finished request of ``task`` waits to be read back and recorded."""
+        if task is None:
+            return False
+        with self._finishing_cond:
+            return any(f.plan.host is not None and f.plan.host.task == task for f in self._finishing.values())
+
+    def _waits_for_record(self, request: Request) -> bool:
+        """Whether a finished request of ``request``'s task waits to be recorded; if so ``request``
+        waits for it (checked and noted under the lock the channel's thread takes to record)."""
+        with self._finishing_cond:
+            if not self._unrecorded(task_of(request.kv_transfer_params)):
+                self._waiting.pop(request.request_id, None)  # planned now: never again from the list
+                return False
+            if request.request_id not in self._waiting:
+                self._waiting[request.request_id] = (request, time.perf_counter())
+            return True
+
+    def _ready(self) -> list[Request]:
+        """The waiting requests whose task has no unrecorded request left (taken off the waiting list;
+        under the lock)."""
+        ready = []
+        with self._finishing_cond:
+            for request_id, (request, since) in list(self._waiting.items()):
+                if not self._unrecorded(task_of(request.kv_transfer_params)):
+                    del self._waiting[request_id]
+                    self._record_waits[request_id] = time.perf_counter() - since
+                    ready.append(request)
+        return ready
+
+    def _prepare(self, requests: list[Request]) -> None:
+        for request in requests:  # planned behind the records queued before (the task's queue order)
+            self._background.prepare(
+                request.request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
+            )
+
+    def on_new_request(self, request: Request) -> None:
+        # plan ahead while the engine finishes its step (not when an earlier request of the task still
+        # waits to be read back: that request's record must come first; it is planned then)
+        if not self._waits_for_record(request):
+            self._prepare([request])
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return
+        if num_external_tokens != plan.claimed:  # vLLM took less (prompt_logprobs, a local partial block)
+            keep = max(0, min(num_external_tokens, plan.claimed))
+            plan.claim_end = plan.claim_start + keep
+            plan.keys = plan.keys[:, :keep] if keep else []
+            plan.values = plan.values[:, :keep] if keep else []
+        if plan.claimed:
+            self._loads[request.request_id] = Load(
+                request.request_id, [], plan.claim_start, plan.keys, plan.values
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HFKVShareMetadata:
+        meta = HFKVShareMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            load = self._loads.pop(new.req_id, None)
+            if load is not None:
+                load.block_ids = list(new.block_ids[0])
+                meta.loads.append(load)
+        meta.captures, self._to_capture = self._to_capture, []
+        meta.read_back = self._receiver.address if self._receiver is not None else None
+        return meta
+
+    # ================================================================ finish and record
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        self._loads.pop(request.request_id, None)
+        with self._finishing_cond:  # the channel's thread may be planning it (a waiting request)
+            self._waiting.pop(request.request_id, None)
+            self._background.forget(request.request_id)  # a plan being decided is released when done
+        self._record_waits.pop(request.request_id, None)
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None:
+            return False, None
+        report = {"hf_kvshare": {**plan.report(), "store": self._background.summary()}}
+        ids = (request.request_id, getattr(request, "external_req_id", None))
+        finished = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+        if plan.turn is None or not finished or not block_ids:
+            if self._report_path:
+                self._write_report(ids, report["hf_kvshare"])
+            self._background.release(plan)
+            return False, report
+        stop = set(request.sampling_params.all_stop_token_ids or ()) if request.sampling_params else set()
+        eos = getattr(request.sampling_params, "eos_token_id", None) if request.sampling_params else None
+        if eos is not None:
+            stop.add(eos)
+        tokens = min(request.num_computed_tokens, len(block_ids) * self._block_size)
+        # the report file's line is written once the request is recorded: a dense span's gate outcome
+        # (why it was not reused) is known then (the reply carries the admission's report)
+        with self._finishing_cond:
+            self._finishing[request.request_id] = _Finishing(
+                plan, list(request.output_token_ids), stop, ids, time.perf_counter()
+            )
+        capture = Capture(request.request_id, list(block_ids), tokens)
+        self._to_capture.append(capture)  # the next step's metadata, unless the worker took it already
+        if self._order_sender is not None:  # read back now, not at the next step
+            self._order_sender.order(asdict(capture))
+        return True, report  # the blocks stay until the worker has read them (get_finished)
+
+    def _reporter(self, ids: tuple[str, str | None]):
+        """What runs after the request's record: its report file line (``None`` without a file)."""
+        if not self._report_path:
+            return None
+
+        def write(plan: Plan) -> None:
+            self._write_report(ids, {**plan.report(), "store": self._background.summary()})
+
+        return write
+
+    def _write_report(self, ids: tuple[str, str | None], report: dict[str, Any]) -> None:
+        store = report.get("store", {})
+        line = {
+            "request_id": ids[0],
+            "external_id": ids[1],
+            **{k: v for k, v in report.items() if k != "store"},
+            # the store's counts when the request ended (its bound's evictions explain a claim missing),
+            # and the bytes the method keeps across requests (KVCMAS's anchor pools, kept prefixes)
+            "store": {
+                **{k: store.get(k) for k in STORE_COUNTS},
+                "method_bytes": (store.get("method_state") or {}).get("bytes"),
+            },
+        }
+        try:
+            with open(self._report_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError:  # the engine must keep running
+            logger.exception("hf_kvshare: writing the report of request %s failed", ids[0])
+
+    def _on_read_back(self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str) -> None:
+        """A read-back from the channel (its thread), while the engine goes on: the request's record is
+        queued now, not after the step."""
+        with self._finishing_cond:
+            finishing = self._finishing.pop(request_id, None)
+            if finishing is not None:  # else given up on (update_connector_output): dropped
+                # queued under the lock: whoever sees the request gone sees its record queued first
+                self._record(finishing, (keys, values), via or "at finish")
+                # the requests that waited for it: planned now, behind it (under the lock, so a request
+                # ending meanwhile is forgotten after its plan is queued, never before)
+                self._prepare(self._ready())
+            self._finishing_cond.notify_all()
+
+    def _record(self, finishing: _Finishing, kv: tuple[torch.Tensor, torch.Tensor] | None, how: str) -> None:
+        then = self._reporter(finishing.ids)
+        plan = finishing.plan
+        plan.read_back = how
+        plan.read_back_s = time.perf_counter() - finishing.finished_at
+        if kv is None:
+            self._background.release(plan, then)
+        else:
+            self._background.record(plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids, then)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The worker's step output: its :class:`Captured` and the requests whose blocks it has read
+        (``finished_sending``)."""
+        meta = connector_output.kv_connector_worker_meta
+        captured = meta.kv if isinstance(meta, Captured) else {}
+        on_channel = meta.sent if isinstance(meta, Captured) else set()
+        if (
+            isinstance(meta, Captured)
+            and meta.orders
+            and self._order_sender is None
+            and self._receiver is not None
+        ):
+            try:
+                self._order_sender = channel.Sender(meta.orders)
+            except Exception:  # noqa: BLE001 - read-backs then come with the step's output
+                logger.exception("hf_kvshare: connecting the order channel %s failed", meta.orders)
+        for request_id in set(captured) | on_channel | set(connector_output.finished_sending or ()):
+            with self._finishing_cond:
+                if request_id in on_channel:
+                    # sent on the channel before the worker's output was built: here already, or soon
+                    self._finishing_cond.wait_for(
+                        lambda rid=request_id: rid not in self._finishing, READ_BACK_WAIT_S
+                    )
+                finishing = self._finishing.pop(request_id, None)
+                if finishing is None:
+                    continue
+                if request_id in on_channel:
+                    logger.warning(
+                        "hf_kvshare: request %s's K/V did not come through the read-back channel within "
+                        "%s s: not recorded",
+                        request_id,
+                        READ_BACK_WAIT_S,
+                    )
+                self._record(finishing, captured.get(request_id), "step output")
+        # the requests that waited for these records: planned now, behind them in the task's queue order
+        self._prepare(self._ready())
+
+    def has_pending_push_work(self) -> bool:
+        with self._finishing_cond:
+            return bool(self._to_capture or self._finishing)
+
+    def shutdown(self) -> None:
+        for end in (self._receiver, self._order_sender):
+            if end is not None:
+                end.close()
+        self._background.close()
