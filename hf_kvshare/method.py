@@ -8,9 +8,10 @@ calibration profiles) and may be shared by many sessions; per-request state (slo
 latest materialized cache of each slot) lives with the request (the
 :class:`~hf_kvshare.session.Session`), read through the :class:`~hf_kvshare.turn.Turn`.
 
-The hooks every host drives (:meth:`Method.build` here, the Session, a serving host): ``plan(turn)``,
-then ``placeholder`` / ``prefix`` per span, ``finish(turn, cache)``, and after the output
-``record(turn, cache)``. Saving and loading the cross-request state is
+The hooks every host drives through the one walk (:class:`~hf_kvshare.walk.Walk`: the Session's HF
+executor, :mod:`hf_kvshare.executor`, and the serving host): ``plan(turn)``, then ``placeholder`` /
+``prefix`` per span, ``finish(turn, cache)``, and after the output ``record(turn, cache)``. This module
+defines the contract and runs no model. Saving and loading the cross-request state is
 :class:`~hf_kvshare.persistence.StatePersistence` (a base of :class:`Method`).
 """
 
@@ -18,18 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from . import mrope
-from ._compat import is_peft_model
-from .cache import CachePart, SegmentKV, SharedCache
+from .cache import SegmentKV, SharedCache
 from .identity import ModelBinding
 from .persistence import STATE_FORMAT, STATE_JSON, STATE_TENSORS, StatePersistence
-from .prefill import prefill_parts, recompute_is_cheaper
 from .rope import RopeShifter
 
 if TYPE_CHECKING:
@@ -178,7 +177,7 @@ class Method(StatePersistence):
 
     # ------------------------------------------------------------ building
     def new_cache(self, turn: Turn) -> SharedCache:
-        """The empty cache :meth:`build` fills (a method may return a :class:`SharedCache` subclass)."""
+        """The empty cache the walk fills (a method may return a :class:`SharedCache` subclass)."""
         return turn.new_cache()
 
     def placeholder(self, turn: Turn, span, cache: SharedCache) -> Placement | None:
@@ -192,96 +191,34 @@ class Method(StatePersistence):
 
     def plan(self, turn: Turn) -> None:
         """Decide what the turn will place before any span is placed (e.g. the correction methods'
-        gate, taken once for the whole turn). Every host calls it first: :meth:`build` here, the
-        serving connector before it asks :meth:`placeholder` / :meth:`prefix` for each span."""
+        gate, taken once for the whole turn). Every host calls it first (:meth:`hf_kvshare.walk.Walk.plan`),
+        before it asks :meth:`placeholder` / :meth:`prefix` for each span."""
 
     def finish(self, turn: Turn, cache: SharedCache) -> None:
         """Called with the built cache, before ``generate`` (e.g. report rows of the segment table)."""
 
     def build(self, turn: Turn) -> SharedCache:
-        """Build the turn's cache: :meth:`plan`, place what :meth:`placeholder` / :meth:`prefix`
-        return, then compute every token left dense in ONE forward (:func:`~hf_kvshare.prefill.prefill_parts`:
-        true positions, a mask built from positions), then :meth:`finish`. The prompt's last token is
-        left out for ``generate``; so is the run of computed agent (PF) text after the last placed or
-        PH part when every part before it is placed and the caller's forward starts at the cache's end
-        (``turn.generate_tail``: :meth:`tail_for_generate`), which then computes that text with the
-        last token in one forward instead of two. A method that reads the cache built so far (``reads_prefix``) gets it
-        complete up to each PH segment."""
-        self.plan(turn)
-        cache = self.new_cache(turn)
-        parts: list[CachePart] = []
+        """The turn's cache, built by the executor that runs the turn (``turn.executor``: the HF
+        executor's :meth:`~hf_kvshare.executor.HFExecutor.walk`: the walk over this method's
+        hooks, every token left dense in ONE forward, the prompt's last token left to ``generate``). A
+        method may wrap it (boundary capture records around it) or build its cache itself (PReCache)."""
+        if turn.executor is None:
+            raise TypeError(
+                f"{type(self).__name__}.build runs on the HF executor (hf_kvshare.executor.HFExecutor, "
+                "which a Session's turn has); this turn has none (a served turn: the engine computes it)"
+            )
+        return turn.executor.walk(self, turn)
 
-        def flush() -> None:
-            if parts:
-                turn.stats.tokens_prefilled += sum(p.segment.length for p in parts if p.dense)
-                moved = any(not p.dense and p.kv.start != p.segment.start for p in parts)
-                prefill_parts(cache, turn.model, parts, turn.shifter if moved else None)
-                parts.clear()
-
-        for span in turn.spans:
-            if span.kind == "PH":
-                if self.reads_prefix:
-                    flush()
-                placement = self.placeholder(turn, span, cache)
-            else:
-                placement = self.prefix(turn, span, cache)
-            parts.append(turn.part(span, placement))
-            turn.stats.count(span, placement)
-        last = parts.pop()  # the prompt's last token is generate's
-        last.segment.end -= 1
-        if not last.dense and last.segment.kind == "PF":
-            turn.stats.pf_reused -= 1  # generate computes it (counted in tokens_prefilled), not reused
-        if last.segment.length:
-            if last.dense:
-                last.token_ids = last.token_ids[..., :-1]
-            else:
-                last.kv = last.kv.prefix(last.segment.length)
-            parts.append(last)
-        if not cache.get_seq_length():
-            _compute_kept_text(turn, parts)
-        tail = self.tail_for_generate(turn, parts)
-        del parts[len(parts) - len(tail) :]
-        turn.tail_segments = [p.segment for p in tail]
-        flush()
-        self.finish(turn, cache)
-        return cache
-
-    def tail_for_generate(self, turn: Turn, parts: list[CachePart]) -> list[CachePart]:
-        """The trailing parts of ``parts`` (the prompt minus its last token, in order) that
-        :meth:`build` leaves to the caller's forward: the run of computed PF text after the last part
-        that is placed, a PH span or an image, when every part before it is placed (so build runs no
-        forward: a FullShared or KVCMAS turn with prefix reuse). That forward (``generate``'s first)
-        computes the prompt's uncached tokens in one pass with the causal mask, which is exactly their
-        attention here (they follow everything in the cache), so the turn runs one forward fewer than
-        prefilling them and then feeding the last token. Where build computes other text anyway the
-        trailing text stays in that forward: splitting it off measured slower (FullShared without
-        prefix reuse, trace at 2,048 tokens: 0.72 s against 0.61 s per reuse turn,
-        measured at commit 1e65350).
-
-        Empty unless ``turn.generate_tail`` (``Session.run_turn`` sets it; ``build_cache`` does not),
-        and on a multimodal-RoPE model (generate's positions come from the cache's track), for a
-        method whose generation differs from its prefill (its own ``generation_context`` or
-        ``forward_kwargs``: an adapter selected for generation, layer inputs recorded), and on a PEFT
-        model (the LoRA methods are such methods, so every method there prefills the text and
-        NonShared stays their exact reference: one forward or two differ by float rounding, by 1e-3
-        on a 4-bit base): there the text is prefilled as before."""
-        if not turn.generate_tail or mrope.is_mrope(turn.model) or is_peft_model(turn.model):
-            return []
-        own = type(self)
-        if (
-            own.generation_context is not Method.generation_context
-            or own.forward_kwargs is not Method.forward_kwargs
-        ):
-            return []
-        n = len(parts)
-        while n and parts[n - 1].dense and parts[n - 1].segment.kind == "PF":
-            p = parts[n - 1]
-            if p.embeds is not None or p.rope is not None:
-                break
-            n -= 1
-        if any(p.dense for p in parts[:n]):
-            return []  # build runs a forward anyway: the text goes into that one (measured faster)
-        return parts[n:]
+    def tail_for_generate(self, turn: Turn, parts: list) -> list:
+        """Deprecated: the HF executor decides what it leaves to ``generate``
+        (:meth:`hf_kvshare.executor.HFExecutor.tail_for_generate`); this calls it. A subclass that
+        still overrides it decides in its place."""
+        warnings.warn(
+            "Method.tail_for_generate is deprecated: use hf_kvshare.executor.HFExecutor.tail_for_generate",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return [] if turn.executor is None else turn.executor.tail_for_generate(self, turn, parts)
 
     # ------------------------------------------------------------ learning
     def record(self, turn: Turn, cache: SharedCache) -> None:
@@ -332,36 +269,3 @@ class Method(StatePersistence):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-def _compute_kept_text(turn: Turn, parts: list[CachePart]) -> None:
-    """Give back the agent's own kept text at the start of an empty cache (prefix reuse's placed PF
-    parts) when one run of computed parts follows it, with nothing computed after the placed parts
-    that may follow that run, and computing the kept text with the run is cheaper
-    (:func:`~hf_kvshare.prefill.recompute_is_cheaper`). The run is then one forward from the cache's
-    start with the causal mask alone (SDPA keeps its causal kernels, no ``[q, kv]`` mask), the later
-    placed parts appended after it, instead of a forward from behind the kept text with an explicit
-    mask: a first agent's turn over a new document, whose dense prefill ran about 1.3x slower behind 40
-    placed tokens at 2,048 tokens on one CPU thread. The kept K/V are the same tokens at the same
-    positions, so only the time changes; the rows become ``dense`` with ``info["prefix_recomputed"]``
-    and the turn's counts say so (``pf_reused`` less, ``tokens_prefilled`` more)."""
-    n = 0
-    while n < len(parts) and not parts[n].dense:
-        segment = parts[n].segment
-        if segment.kind != "PF" or segment.provenance != "reused" or segment.source_agent != turn.agent:
-            return
-        n += 1
-    end = n
-    while end < len(parts) and parts[end].dense:
-        end += 1
-    if not n or end == n or any(p.dense for p in parts[end:]):
-        return
-    placed = sum(p.segment.length for p in parts[:n])
-    if not recompute_is_cheaper(turn.model, placed, sum(p.segment.length for p in parts[n:end])):
-        return
-    spans = {s.start: s for s in turn.spans}
-    for i in range(n):
-        span = spans[parts[i].segment.start]  # never the prompt's last part: computed parts follow
-        parts[i] = turn.part(span, None)
-        parts[i].segment.info["prefix_recomputed"] = True
-        turn.stats.pf_reused -= span.length

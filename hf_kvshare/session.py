@@ -1,8 +1,9 @@
 """Sessions: one request's multi-agent workflow.
 
-``Session.run_turn`` builds the agent's cache with the method, calls ``model.generate``
-unchanged, records the output as a new PH slot (named after the agent), lets the method learn
-from the turn, and returns the text, token ids and metrics. Within a session a PH slot's content
+``Session.run_turn`` prepares the turn (the request: :mod:`hf_kvshare.request`), walks the method
+over it (:mod:`hf_kvshare.walk`) on the HF executor (:mod:`hf_kvshare.executor`: the dense parts in
+one forward), calls ``model.generate`` unchanged, records the output as a new PH slot (named after
+the agent), lets the method learn from the turn, and returns the text, token ids and metrics. Within a session a PH slot's content
 is fixed; a new request is a new session (which may share the method instance).
 
 The session drives the method contract (:mod:`hf_kvshare.method`) and never imports the methods:
@@ -14,37 +15,28 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from . import mrope
-from ._compat import cache_kwargs
 from .agents import agent_adapter
-from .cache import SharedCache, compact, storage_bytes
-from .generate_options import GenerateOptions, check_attention_mask, generate_options
-from .measure import (
-    FirstTokenTimer,
-    PeakMemory,
-    Phases,
-    TensorPeak,
-    module_bytes,
-    synchronize,
-    timing,
-    turn_phases,
-)
+from .cache import SharedCache
+from .executor import HFExecutor, strip_eos
+from .generate_options import check_attention_mask, generate_options
+from .measure import PeakMemory, Phases, TensorPeak, module_bytes, synchronize, timing, turn_phases
 from .method import Method, get_method
-from .prefill import model_input_device, prefill_dense
-from .rope import RopeShifter
+from .prefill import model_input_device
+from .request import NewSlots, Request
 from .trajectory import PH, Span, chat, is_messages, tokenize_text, validate_segments
-from .turn import Slot, Turn, TurnResult, check_slot_kind, given_text_slot
+from .turn import Slot, Turn, TurnResult
 from .vision import check_same_content, check_spans, check_text_ids, split_processor, visual_slot
+from .walk import Walk
 
 
-class Session:
-    """One request's workflow over a shared model.
+class Session(Request):
+    """One request's workflow over a shared model: a :class:`~hf_kvshare.request.Request` whose turns
+    run on the HF executor (:mod:`hf_kvshare.executor`).
 
     Args:
         model: a causal LM, or a ``peft.PeftModel`` for LoRA-specialized agents: then an agent's
@@ -61,6 +53,8 @@ class Session:
     >>> session.run_turn("coder", [PF("You code.\\n"), PH("query"), PF("\\nPlan: "), PH("planner")])  # doctest: +SKIP
     """
 
+    described = "this session"
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -71,33 +65,15 @@ class Session:
         processor: Any = None,
         **options,
     ):
-        self.model = model
-        self.tokenizer, self.processor = split_processor(tokenizer, processor)
+        tokenizer, self.processor = split_processor(tokenizer, processor)
+        super().__init__(model, tokenizer)
         self.method = get_method(method, **options)
         self.method.bind(model)
-        self._shifter: RopeShifter | None = None
-        self.slots: dict[str, Slot] = {}
-        #: per recorded turn, its cache's length and weak references to the slot K/V that are views of it
-        #: (:meth:`_record`, re-checked by :meth:`_compact_views`)
-        self._views: list[tuple[int, list[weakref.ref]]] = []
-        self._rolled_back: dict[str, Any] = {}
-        #: given-text PH names whose text equals an output of this request -> that output's slot name
-        #: (:func:`~hf_kvshare.turn.given_text_slot`): the PH is read as the output
-        self.aliases: dict[str, str] = {}
         self.turns: list[TurnResult] = []
-        #: per-request state a method keeps between turns, keyed by method name (e.g. the PReCache
-        #: methods' shared base + LR caches); the method instance itself holds cross-request state only
-        self.method_state: dict[str, Any] = {}
         #: measure each turn's peak of torch tensor bytes (:class:`~hf_kvshare.measure.TensorPeak`, the
         #: profiler's allocation events: ``TurnResult.tensor_peak_bytes``); a profiler's overhead, so off
         #: by default and not for timed runs
         self.tensor_memory = tensor_memory
-
-    @property
-    def shifter(self) -> RopeShifter:
-        if self._shifter is None:
-            self._shifter = RopeShifter.from_model(self.model)
-        return self._shifter
 
     @property
     def device(self) -> torch.device:
@@ -110,25 +86,7 @@ class Session:
         the tensors a method keeps with it (``slot.extras``: e.g. hidden states to restart from) and
         the method's per-request state (:meth:`Method.request_state_bytes`: PReCache's base + LR
         caches). Turn caches handed to the caller are not included."""
-        # the slots' K/V may be views of one turn's cache: each storage counted once, whole
-        total = storage_bytes(
-            t
-            for slot in self.slots.values()
-            if slot.latest is not None
-            for t in (*slot.latest.keys, *slot.latest.values)
-        )
-        total += sum(_tensor_bytes(slot.extras) for slot in self.slots.values())
-        total += sum(slot.visual.nbytes for slot in self.slots.values() if slot.visual is not None)
-        return total + self.method.request_state_bytes(self)
-
-    def next_output_slot(self, agent: str) -> str:
-        """Output slot name for ``agent``'s next turn: the agent's name, then ``agent#2``, ``agent#3``..."""
-        if agent not in self.slots:
-            return agent
-        n = 2
-        while f"{agent}#{n}" in self.slots:
-            n += 1
-        return f"{agent}#{n}"
+        return super().held_bytes() + self.method.request_state_bytes(self)
 
     def prepare_turn(
         self, agent: str, segments: Any, output_slot: str | None = None, batch_size: int = 1
@@ -152,14 +110,13 @@ class Session:
         if is_messages(segments):
             segments = chat(self.tokenizer, segments)
         specs = validate_segments(segments)
-        new_slots: dict[str, Slot] = {}
-        new_aliases: dict[str, str] = {}
+        new = NewSlots()
         spans: list[Span] = []
         pos = 0
         pf_count = 0
         for i, spec in enumerate(specs):
             if isinstance(spec, PH):
-                slot = self._resolve_slot(spec, new_slots, new_aliases)
+                slot = self._resolve_slot(spec, new)
                 ids, name = slot.token_ids, slot.name  # an output passed as text is read as the output
             else:
                 ids = tokenize_text(self.tokenizer, spec.text)
@@ -172,39 +129,34 @@ class Session:
             spans.append(Span(spec=spec, name=name, token_ids=ids, start=pos, visual=visual))
             pos += ids.numel()
         check_spans(spans, self.method)
-        slot_name = output_slot or self.next_output_slot(agent)
-        if slot_name in self.slots or slot_name in new_slots:
-            raise ValueError(f"output slot {slot_name!r} already exists in this session")
-        self.slots.update(new_slots)
-        self.aliases.update(new_aliases)
-        return Turn(host=self, agent=agent, spans=spans, output_slot=slot_name, batch_size=batch_size)
+        return self.open_turn(agent, spans, output_slot, new, batch_size)
 
-    def _resolve_slot(self, spec: PH, new_slots: dict[str, Slot], new_aliases: dict[str, str]) -> Slot:
-        alias = self.aliases.get(spec.slot) or new_aliases.get(spec.slot)
-        slot = self.slots.get(alias or spec.slot) or new_slots.get(alias or spec.slot)
+    def _resolve_slot(self, spec: PH, new: NewSlots) -> Slot:
+        slot, _ = self.held_slot(spec.slot, new)
         if slot is None and spec.visual is not None:  # an image / video (hf_kvshare.vision)
-            slot = new_slots[spec.slot] = visual_slot(
-                self.model, self.processor, spec, {**self.slots, **new_slots}
+            slot = new.slots[spec.slot] = visual_slot(
+                self.model, self.processor, spec, {**self.slots, **new.slots}
             )
             return slot
-        if slot is None:
-            if spec.text is None:
-                known = ", ".join(sorted(self.slots)) or "none"
-                raise ValueError(
-                    f"PH slot {spec.slot!r} was never recorded in this session and no text was given; "
-                    f"recorded slots: {known}"
-                )
-            ids = tokenize_text(self.tokenizer, spec.text)
-            if ids.numel() == 0:
-                raise ValueError(f"PH slot {spec.slot!r}: text {spec.text!r} tokenizes to zero tokens")
-            self._check_ids(ids, f"PH slot {spec.slot!r}")
-            slot = given_text_slot(spec, ids, {**self.slots, **new_slots})
-            if slot.name == spec.slot:
-                new_slots[spec.slot] = slot
-            else:  # the text is an output of this request: read as that output from now on
-                new_aliases[spec.slot] = slot.name
-            return slot
-        check_slot_kind(spec, slot)
+        return self.resolve(spec, new, lambda: self._given_ids(spec))
+
+    def _given_ids(self, spec: PH) -> torch.Tensor:
+        """The token ids of the text a PH the session does not hold yet gives (checked)."""
+        if spec.text is None:
+            known = ", ".join(sorted(self.slots)) or "none"
+            raise ValueError(
+                f"PH slot {spec.slot!r} was never recorded in this session and no text was given; "
+                f"recorded slots: {known}"
+            )
+        ids = tokenize_text(self.tokenizer, spec.text)
+        if ids.numel() == 0:
+            raise ValueError(f"PH slot {spec.slot!r}: text {spec.text!r} tokenizes to zero tokens")
+        self._check_ids(ids, f"PH slot {spec.slot!r}")
+        return ids
+
+    def check_held(self, spec: PH, slot: Slot, alias: str | None) -> None:
+        """A PH naming a slot the session holds gives its content again or none: the same image, the
+        same text (an alias: the output's token ids)."""
         check_same_content(self.model, self.processor, spec, slot)
         if alias is not None:
             if spec.text is not None and not torch.equal(
@@ -219,7 +171,6 @@ class Session:
                 f"PH slot {spec.slot!r} already holds {_preview(slot.text)} in this session; got a different text "
                 f"{_preview(spec.text)}. A slot's content is fixed within a session (a new request is a new Session)"
             )
-        return slot
 
     def _vocabulary(self) -> int | None:
         embeddings = (
@@ -260,11 +211,12 @@ class Session:
         ``**hf_kvshare.mrope.generate_kwargs(cache, prompt_ids)`` (the prompt's 3D positions). The session records nothing from such a call. On a
         ``PeftModel``, activate the agent's adapter for that call (``model.set_adapter(agent)``).
         """
-        with self._exclusive(), self._rollback():
+        with self._exclusive(), self.rollback():
             turn = self.prepare_turn(agent, segments, batch_size=batch_size)
             with agent_adapter(self.model, agent):  # checks the agent's adapter first (on a PeftModel)
                 self._check_length(turn, 1)
-                cache = self._build(turn)
+                cache = HFExecutor().prefill(self.method, turn)
+            self.drop_turn(turn)  # nothing is recorded from such a turn
         return cache, turn.batch(turn.prompt_ids).to(self.device)
 
     @contextlib.contextmanager
@@ -274,30 +226,6 @@ class Session:
         the rollback of a failed turn, and the method's pools / profiles / counters are unlocked)."""
         with _in_use(self, "this Session"), _in_use(self.method, f"method instance {self.method.name!r}"):
             yield
-
-    @contextlib.contextmanager
-    def _rollback(self) -> Iterator[None]:
-        """A block that raises (anything, an interrupt too) leaves the session's slots as they were:
-        the slot table (slots it added dropped) and each slot's latest K/V."""
-        slots, aliases = dict(self.slots), dict(self.aliases)
-        latest = {name: slot.latest for name, slot in slots.items()}
-        self._rolled_back = latest  # what only the rollback may still hold (see _compact_views)
-        try:
-            yield
-        except BaseException:
-            self.slots, self.aliases = slots, aliases
-            for name, slot in slots.items():
-                slot.latest = latest[name]
-            raise
-        finally:
-            self._rolled_back = {}
-
-    def _build(self, turn: Turn) -> SharedCache:
-        turn.stats.ph_tokens = sum(s.length for s in turn.spans if s.kind == "PH")
-        cache = self.method.build(turn)
-        cache.bind_model(self.model)  # a cache refuses any other model (see SegmentedCache.check_model)
-        cache.seal(turn.prompt_length, token_ids=turn.prompt_ids)  # generate over other ids is refused
-        return cache
 
     # ------------------------------------------------------------------ turns
     def run_turn(
@@ -337,10 +265,12 @@ class Session:
             if force_output is not None
             else generate_options(self.model, max_new_tokens, generate_kwargs, self.tokenizer)
         )
-        with self._exclusive(), self._rollback():
-            turn = self.prepare_turn(agent, segments, output_slot)
+        with self._exclusive(), self.rollback():
+            turn = self.prepare_turn(agent, segments, output_slot)  # prepare
             turn.keep_cache = keep_cache
-            turn.generate_tail = True  # generate's first forward computes the trailing agent text
+            executor = HFExecutor(
+                leave_tail=True
+            )  # generate's first forward computes the trailing agent text
             with agent_adapter(self.model, agent):  # checks the agent's adapter first (on a PeftModel)
                 if force_output is not None:
                     force_output = self._check_forced(force_output)
@@ -365,25 +295,29 @@ class Session:
                 with PeakMemory(device, baseline_bytes=baseline) as memory, tensors:
                     synchronize(device)
                     t0 = time.perf_counter()
-                    cache = self._build(turn)
+                    cache = executor.prefill(self.method, turn)  # the walk over the method's hooks
                     turn.stats.tokens_prefilled += turn.prompt_length - cache.get_seq_length()
                     with self.method.generation_context(turn):
-                        if force_output is None:
-                            output_ids, t_first = self._generate(turn, prompt, cache, options)
+                        if force_output is None:  # generate
+                            output_ids, t_first = executor.generate(self.method, turn, prompt, cache, options)
                         else:
-                            output_ids, t_first, logits = self._teacher_force(
-                                turn, prompt, cache, force_output.to(device)
+                            output_ids, t_first, logits = executor.teacher_force(
+                                self.method, turn, prompt, cache, force_output.to(device)
                             )
-                        cache.segments.extend(turn.tail_segments)  # their K/V written by that forward
                         t_decoded = time.perf_counter()
-                        with timing(phases):
+                        with timing(phases):  # record
                             with phases.phase("record"):
-                                output = self._record(turn, cache, output_ids)
+                                if self.method.uses_sources:
+                                    executor.complete_output(turn, cache, output_ids)
+                                text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+                                output = self.record_output(
+                                    turn, cache, output_ids, text, keep_kv=self.method.uses_sources
+                                )
                             with phases.phase("method_record"):
-                                self.method.record(turn, cache)
+                                Walk(self.method, turn).record(cache)
                                 for work in self.method.deferred_work():  # in the record, as undeferred
                                     work()
-                                self._release(turn)
+                                self.release(turn, self.method)
                             synchronize(device)  # the session's own sync: queued work lands in bookkeeping
                     t_end = time.perf_counter()
                 # after the first token: decode + the phases of the record (+ the sync, in bookkeeping)
@@ -439,104 +373,9 @@ class Session:
             raise ValueError(f"force_output ids must be in [0, {vocab}) (the model's vocabulary); got {bad}")
         return ids
 
-    def _generate(self, turn, prompt, cache, options: GenerateOptions):
-        timer = FirstTokenTimer(prompt.device)
-        method_kwargs = {**self.method.forward_kwargs(turn), **self.method.generate_kwargs(turn)}
-        processors = options.processors + list(method_kwargs.pop("logits_processor", None) or []) + [timer]
-        inputs = turn.batch(prompt).contiguous()
-        method_kwargs.update(mrope.generate_kwargs(cache, inputs))  # multimodal RoPE: the prompt's positions
-        with torch.no_grad():
-            out = self.model.generate(
-                input_ids=inputs,
-                attention_mask=torch.ones_like(inputs),
-                logits_processor=processors,
-                **cache_kwargs(cache),
-                **{**options.kwargs, **method_kwargs},
-            )
-        generated = out[0, prompt.numel() :]
-        return self._strip_eos(generated), timer.first_call
-
-    def _teacher_force(self, turn, prompt, cache, forced):
-        start = cache.get_seq_length()  # the prompt's tokens from here (at least its last) come first
-        inputs = torch.cat([prompt[start:], forced[:-1]])
-        positions = torch.arange(start, start + inputs.numel(), device=prompt.device)[None]
-        with torch.no_grad():
-            out = self.model(
-                input_ids=turn.batch(inputs),
-                position_ids=mrope.forward_positions(cache, positions.expand(turn.batch_size, -1)),
-                use_cache=True,
-                **cache_kwargs(cache),
-                **self.method.forward_kwargs(turn),
-            )
-        synchronize(prompt.device)
-        return forced, time.perf_counter(), out.logits[0, -forced.numel() :].float()
-
     def _strip_eos(self, generated: torch.Tensor) -> torch.Tensor:
-        """Drop trailing EOS/pad tokens (kept when the output is nothing else, so the slot is never empty)."""
-        config = self.model.generation_config
-        stop = set()
-        for tok in (config.eos_token_id, config.pad_token_id):
-            if tok is None:
-                continue
-            stop.update(tok if isinstance(tok, (list, tuple)) else [tok])
-        end = generated.numel()
-        while end > 0 and int(generated[end - 1]) in stop:
-            end -= 1
-        return generated[: max(end, 1)]
-
-    def _record(self, turn: Turn, cache: SharedCache, output_ids: torch.Tensor) -> Slot:
-        """Store the output as a slot (returned: its text decoded here, once) and, for methods that
-        reuse, each slot's materialized cache."""
-        P = turn.prompt_length
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        slot = Slot(name=turn.output_slot, token_ids=output_ids.cpu(), text=text, producer=turn.agent)
-        self.slots[turn.output_slot] = slot
-        if not self.method.uses_sources:
-            return slot
-        end = P + output_ids.numel()
-        missing = end - cache.get_seq_length()
-        if missing > 0:  # generate does not feed its last token: complete the output's K/V
-            tail = output_ids[output_ids.numel() - missing :].to(self.device)
-            with cache.unsealed():
-                prefill_dense(cache, self.model, turn.batch(tail))
-        # the slots' K/V stay views of the turn's cache (no second copy of every segment while the turn's
-        # cache is alive); _release then copies the ones that hold little of it (compact)
-        with cache.sharing_storage():
-            for span in turn.spans:
-                if span.kind == "PH":
-                    self.slots[span.name].latest = cache.extract(span.start, span.end, agent=turn.agent)
-            slot.latest = cache.extract(P, end, agent=turn.agent)
-        names = dict.fromkeys([*(s.name for s in turn.spans if s.kind == "PH"), turn.output_slot])
-        self._views.append((cache.get_seq_length(), [weakref.ref(self.slots[n].latest) for n in names]))
-        return slot
-
-    def _release(self, turn: Turn) -> None:
-        """After the method's record: drop the latest K/V of this turn's slots that no later turn can
-        read (:meth:`Method.reads_latest`), so the memory is freed now, not when the session ends; then
-        the views of the turn's cache still held (by a slot or the method) are copied out of it when
-        they hold less than half of it (:func:`~hf_kvshare.cache.compact`): a short span does not keep
-        the whole cache alive."""
-        if not self.method.uses_sources:
-            return
-        for name in dict.fromkeys([*(s.name for s in turn.spans if s.kind == "PH"), turn.output_slot]):
-            slot = self.slots.get(name)
-            if slot is not None and slot.latest is not None and not self.method.reads_latest(turn, name):
-                slot.latest = None
-        self._compact_views()
-
-    def _compact_views(self) -> None:
-        """Re-check every turn cache the slots' K/V are views of (:meth:`_record`): the views still held
-        by a slot or the method (not the ones only this turn's rollback still holds: replaced) are
-        copied out when they hold less than half of that cache (:func:`~hf_kvshare.cache.compact`);
-        a cache no view of which is held any more is forgotten."""
-        current = {id(slot.latest) for slot in self.slots.values()}
-        replaced = {id(kv) for kv in self._rolled_back.values() if kv is not None} - current
-        groups = []
-        for length, refs in self._views:
-            alive = [kv for kv in (ref() for ref in refs) if kv is not None and id(kv) not in replaced]
-            if alive and not compact(alive, length):
-                groups.append((length, refs))
-        self._views = groups
+        """Drop trailing EOS/pad tokens (:func:`hf_kvshare.executor.strip_eos`)."""
+        return strip_eos(self.model, generated)
 
 
 _IN_USE_LOCK = threading.Lock()
@@ -571,14 +410,3 @@ def _in_use(owner: Any, what: str) -> Iterator[None]:
 
 def _preview(text: str, n: int = 40) -> str:
     return repr(text if len(text) <= n else text[:n] + "...")
-
-
-def _tensor_bytes(value: Any) -> int:
-    """Bytes of the tensors in ``value`` (a tensor, or dicts / lists / tuples holding them)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0

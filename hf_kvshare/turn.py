@@ -7,6 +7,7 @@ session; :class:`TurnResult` is what :meth:`~hf_kvshare.session.Session.run_turn
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -57,8 +58,8 @@ class TurnStats:
     def count(self, span: Span, placement: Placement | None) -> None:
         """Count the reuse of ``span`` placed by ``placement`` (``None``: computed, nothing to count):
         PH tokens as the placement reports them (token-equivalents: reused, of which corrected, and the
-        rest of the span recomputed), PF tokens all. The builder (:meth:`~hf_kvshare.method.Method.build`,
-        a serving host) calls it for every span it places."""
+        rest of the span recomputed), PF tokens all. The walk (:meth:`hf_kvshare.walk.Walk.place`) calls
+        it for every span."""
         if placement is None:
             return
         if span.kind == "PH":
@@ -218,9 +219,9 @@ def check_slot_kind(spec: PH, slot: Slot) -> None:
 
 
 class TurnHost(Protocol):
-    """What runs turns and holds one request's state: the :class:`~hf_kvshare.session.Session` (HF
-    ``generate``) or a serving request. Methods and engines never read it directly: they use the
-    :class:`Turn`'s read API (``turn.slot``, ``turn.request_state``, ...)."""
+    """What runs turns and holds one request's state: a :class:`~hf_kvshare.request.Request` (the
+    :class:`~hf_kvshare.session.Session`, HF ``generate``; a served task). Methods and engines never
+    read it directly: they use the :class:`Turn`'s read API (``turn.slot``, ``turn.request_state``, ...)."""
 
     model: torch.nn.Module
     tokenizer: Any
@@ -256,15 +257,32 @@ class Turn:
     #: which the session replaces in ``slot.latest`` before ``method.record`` runs)
     scratch: dict[str, Any] = field(default_factory=dict)
     #: the caller keeps the built cache (``run_turn(keep_cache=True)``): a method whose cache reads
-    #: shared state lazily must leave it reading what this turn saw
+    #: shared state lazily must leave it reading what this turn saw (a fact of the request a method
+    #: reads, not a setting of the executor)
     keep_cache: bool = False
-    #: the caller runs ``generate`` (or a teacher-forced forward) over the built cache from its end, so
-    #: the trailing run of computed agent text may be left to that forward (``Session.run_turn``; not
-    #: ``build_cache``, whose cache ends at the prompt's last token): see :meth:`Method.build`
-    generate_tail: bool = False
-    #: the segments of that trailing run, left out of the cache by ``build``; the caller adds them to the
-    #: cache's table once its forward has written their K/V
-    tail_segments: list = field(default_factory=list)
+    #: what runs this turn's model work: the HF executor (:class:`hf_kvshare.executor.HFExecutor`, set
+    #: by it before it asks ``method.build(turn)``); ``None`` on a served turn (the engine computes it)
+    executor: Any = None
+
+    @property
+    def generate_tail(self) -> bool:
+        """Deprecated: the HF executor's :attr:`~hf_kvshare.executor.HFExecutor.leave_tail`."""
+        warnings.warn(
+            "Turn.generate_tail is deprecated: use turn.executor.leave_tail (hf_kvshare.executor.HFExecutor)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return bool(getattr(self.executor, "leave_tail", False))
+
+    @property
+    def tail_segments(self) -> list:
+        """Deprecated: the HF executor's :attr:`~hf_kvshare.executor.HFExecutor.tail_segments`."""
+        warnings.warn(
+            "Turn.tail_segments is deprecated: use turn.executor.tail_segments (hf_kvshare.executor.HFExecutor)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return list(getattr(self.executor, "tail_segments", []))
 
     @property
     def model(self) -> torch.nn.Module:

@@ -340,12 +340,14 @@ def test_unknown_option_lists_the_valid_ones(tiny_llama, tokenizer):
 # ------------------------------------------------------- the trailing agent text in generate's forward
 class _PrefillsTail(METHODS["fullshared"]):
     """FullShared with the trailing agent text prefilled in build (the behaviour before it was left to
-    generate's first forward)."""
+    generate's first forward): a method with its own ``forward_kwargs`` (the same, none) is one whose
+    generation may differ from its prefill, for which the HF executor prefills the text
+    (``HFExecutor.tail_for_generate``)."""
 
     name = "fullshared-prefills-tail"
 
-    def tail_for_generate(self, turn, parts):
-        return []
+    def forward_kwargs(self, turn):
+        return {}
 
 
 def _turn_forwards(session, agent, segments, n=4, **kwargs):

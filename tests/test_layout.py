@@ -23,6 +23,9 @@
   ``global``): state lives on instances; ``serving/connector.py`` is a facade (one
   ``KVConnectorBase_V1`` class that sets only its two sides and whose hooks delegate; no thread,
   lock or channel), the scheduler and worker sides in their own modules.
+- one request, one walk, two executors: the contract modules, ``request.py`` and ``walk.py`` import
+  neither ``prefill`` nor the HF ``executor``; the Session and the serving host are each a ``Request``
+  and define none of its bookkeeping; only ``walk.py`` (and ``methods/``) calls a method's span hooks.
 """
 
 from __future__ import annotations
@@ -772,3 +775,77 @@ def test_the_facade_checker_finds_faults():
         "__init__ sets self._lock",
         "hook has 4 statements (a hook delegates)",
     ]
+
+
+# ----------------------------------------------------------------------- one request, one walk, two executors
+#: modules that define the contract or the request and walk every host shares: they run no model
+SHARED_CONTRACT = (*CONTRACT, "request", "walk")
+#: modules that run the model for a turn (the HF executor and what it calls)
+EXECUTORS = ("prefill", "executor")
+#: the request's bookkeeping, defined once (``request.py``): neither host defines its own
+REQUEST_BOOKKEEPING = frozenset(
+    {"_record", "_release", "_compact_views", "compact_views", "add_views", "record_output", "open_turn"}
+    | {"next_output_slot", "_rollback", "rollback", "held_slot"}
+)
+HOSTS = (f"{ROOT}.session", f"{ROOT}.serving.host")
+
+
+def test_the_contract_and_the_request_run_no_model():
+    """``method.py`` / ``persistence.py`` (the contract), ``request.py`` and ``walk.py`` import neither the
+    prefill nor the HF executor, not even inside a function: ``Method.build`` reaches the executor through
+    ``turn.executor``."""
+    bad = [
+        f"{ROOT}.{module} imports {target}"
+        for module in SHARED_CONTRACT
+        for target in sorted(imports_of(f"{ROOT}.{module}"))
+        if any(_inside(target, executor) for executor in EXECUTORS)
+    ]
+    assert not bad, "the contract / request / walk import the model's executor:\n" + "\n".join(bad)
+
+
+def _defined_functions(tree: ast.AST) -> set[str]:
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _hook_calls(tree: ast.AST) -> list[int]:
+    """Lines calling a method's span hooks: ``x.placeholder(turn, span, cache)`` / ``x.prefix(...)``
+    with three arguments (``SegmentKV.prefix(n)`` takes one)."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("placeholder", "prefix")
+        and len(node.args) == 3
+    ]
+
+
+def test_one_request_and_one_walk_serve_both_hosts():
+    """The Session and the serving host are each a :class:`hf_kvshare.request.Request` and define none
+    of its bookkeeping themselves (prepare / record / release / compact views); outside ``methods/`` only
+    ``walk.py`` calls a method's span hooks (``placeholder`` / ``prefix``): both hosts walk the method
+    with :class:`hf_kvshare.walk.Walk`."""
+    trees = {name: ast.parse(MODULES[name].read_text(), filename=str(MODULES[name])) for name in MODULES}
+    bad = []
+    for host, cls in zip(HOSTS, ("Session", "ServingHost")):
+        classes = {n.name: n for n in ast.walk(trees[host]) if isinstance(n, ast.ClassDef)}
+        assert cls in classes, f"{host} defines no {cls}"
+        if "Request" not in _base_names(classes[cls]):
+            bad.append(f"{host}.{cls} is not a Request")
+        bad += [
+            f"{host} defines {name}" for name in sorted(_defined_functions(trees[host]) & REQUEST_BOOKKEEPING)
+        ]
+    assert f"{ROOT}.request" in MODULES and REQUEST_BOOKKEEPING & _defined_functions(trees[f"{ROOT}.request"])
+    assert _hook_calls(trees[f"{ROOT}.walk"]), "the finder sees no hook call in the walk"
+    bad += [
+        f"{name}:{line} calls a method's span hook"
+        for name, tree in trees.items()
+        if name != f"{ROOT}.walk" and not _inside(name, "methods")
+        for line in _hook_calls(tree)
+    ]
+    assert not bad, "request bookkeeping or the walk written twice:\n" + "\n".join(bad)
+
+
+def test_the_hook_call_finder_finds_one():
+    tree = ast.parse("a = m.placeholder(turn, span, cache)\nb = kv.prefix(3)\nc = m.prefix(t, s, c)\n")
+    assert _hook_calls(tree) == [1, 3]

@@ -2,19 +2,23 @@
 task, a :class:`~hf_kvshare.turn.Turn` per engine request, and the bounded store of captured K/V.
 
 :class:`Sharing` drives a method inside an engine exactly as :class:`~hf_kvshare.session.Session`
-drives it inside HF ``generate``, with the engine's forward in place of the dense pass:
+drives it inside HF ``generate``: the same request bookkeeping (a :class:`ServingHost` is a
+:class:`~hf_kvshare.request.Request`), the same walk over the method's hooks
+(:class:`~hf_kvshare.walk.Walk`), with the engine's forward in place of the HF executor:
+prepare -> walk -> claim -> record.
 
 1. admission (:meth:`Sharing.plan`): the request's layout (:mod:`.layout`) becomes a ``Turn`` over
-   the task's :class:`ServingHost`; ``method.plan(turn)``, then ``method.placeholder`` for each PH
-   span and ``method.prefix`` for each PF span. The engine can take K/V for ONE contiguous range
-   starting at its own prefix-cache hit, so the claim runs from that hit through the last position
-   covered by consecutive placements (at most the prompt's last token but one); every other token
-   is computed by the engine (a span placed after the first dense one is computed too, and recorded
-   as dense). A rejected KVCMAS gate places nothing: no claim.
+   the task's :class:`ServingHost` (prepare); ``method.plan(turn)``, then ``method.placeholder`` for
+   each PH span and ``method.prefix`` for each PF span (the walk). The engine can take K/V for ONE
+   contiguous range starting at its own prefix-cache hit, so the claim runs from that hit through the
+   last position covered by consecutive placements (at most the prompt's last token but one); every
+   other token is computed by the engine (a span placed after the first dense one is computed too,
+   and recorded as dense). A rejected KVCMAS gate places nothing: no claim.
 2. after the request ran (:meth:`Sharing.record`): the K/V the engine used (read back from its paged
    cache: injected and computed alike) fill ``method.new_cache(turn)`` with the turn's segment table
-   (``append_kv``), ``method.finish``, the output becomes the agent's PH slot, each PH slot's
-   materialized K/V becomes its ``latest`` (as ``Session._record``), then ``method.record``.
+   (``append_kv``), ``method.finish``, the task records the output (``Request.record_output``: the
+   agent's PH slot, each PH slot's materialized K/V its ``latest``), then ``method.record``, then the
+   task releases what no later turn reads (``Request.release``).
 
 No HF forward runs in serving: the "model" is a skeleton built on ``meta`` from the served model's
 ``config.json`` with only its rotary module materialized (:func:`skeleton_model`; enough for
@@ -33,7 +37,6 @@ import json
 import logging
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -42,12 +45,14 @@ from typing import Any
 
 import torch
 
-from ..cache import Segment, SegmentKV, compact, storage_bytes
+from ..cache import Segment, SegmentKV, SharedCache
 from ..measure import Phases, timing
 from ..method import Method, Placement, get_method
+from ..request import NewSlots, Request
 from ..rope import RopeShifter, find_rotary_module
 from ..trajectory import PF, PH, Span
-from ..turn import Slot, Turn, check_slot_kind, given_text_slot
+from ..turn import Turn
+from ..walk import Walk
 from . import layout as lay
 
 logger = logging.getLogger(__name__)
@@ -163,23 +168,14 @@ def skeleton_model(model_dir: str | Path) -> torch.nn.Module:
     return model
 
 
-class ServingHost:
-    """One multi-agent task (what a :class:`~hf_kvshare.session.Session` is for one request): its slots
-    and the method's per-request state. A :class:`~hf_kvshare.turn.TurnHost`."""
+class ServingHost(Request):
+    """One multi-agent task: a :class:`~hf_kvshare.request.Request` (what a
+    :class:`~hf_kvshare.session.Session` is for one request) whose turns the engine computes."""
 
     def __init__(self, task: str, model: torch.nn.Module, tokenizer: Any, shifter: RopeShifter | None):
+        super().__init__(model, tokenizer, shifter)
         self.task = task
-        self.model = model
-        self.tokenizer = tokenizer
-        self.slots: dict[str, Slot] = {}
-        #: a given slot name whose text was an output of this task -> that output's slot (as
-        #: ``Session.aliases``: :func:`~hf_kvshare.turn.given_text_slot`)
-        self.aliases: dict[str, str] = {}
-        self.method_state: dict[str, Any] = {}
-        self._shifter = shifter
-        self.reserved: set[str] = set()  # output slots of requests in flight
-        #: (turn cache length, weak references to the slot K/V that are views of it): Session._views
-        self._views: list[tuple[int, list[weakref.ref]]] = []
+        self.described = f"task {task!r}"
         #: :meth:`held_bytes` as of the last change of the slots' K/V (a record, the bound's drops):
         #: what the store's bound sums over its tasks without walking every tensor of every task
         self.held = 0
@@ -193,38 +189,6 @@ class ServingHost:
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
-
-    def add_views(self, length: int, kvs: list[SegmentKV]) -> None:
-        """Remember ``kvs``, slot K/V that are views of one ``length``-token turn cache (a record's)."""
-        self._views.append((length, [weakref.ref(kv) for kv in kvs]))
-
-    def compact_views(self) -> None:
-        """Re-check every turn cache whose views are still held (by a slot or the method): the views of
-        one that together hold less than half of it are copied out (:func:`~hf_kvshare.cache.compact`),
-        so an output read by no later turn does not keep its whole turn cache alive; a cache none of
-        whose views is held any more is forgotten (``Session._compact_views``)."""
-        groups = []
-        for length, refs in self._views:
-            alive = [kv for kv in (ref() for ref in refs) if kv is not None]
-            if alive and not compact(alive, length):
-                groups.append((length, refs))
-        self._views = groups
-
-    def held_bytes(self) -> int:
-        """Bytes of the storages the slots' K/V keep alive (views of one turn's cache count that
-        cache's layers once and whole: :func:`~hf_kvshare.cache.storage_bytes`)."""
-        return storage_bytes(
-            t for s in self.slots.values() if s.latest is not None for t in (*s.latest.keys, *s.latest.values)
-        )
-
-    def next_output_slot(self, agent: str) -> str:
-        taken = set(self.slots) | self.reserved
-        if agent not in taken:
-            return agent
-        n = 2
-        while f"{agent}#{n}" in taken:
-            n += 1
-        return f"{agent}#{n}"
 
 
 @dataclass
@@ -480,62 +444,38 @@ class Sharing:
         resolved = lay.resolve(request, plan.prompt, self.tokens, known, self.min_segment_tokens)
         turn = self._turn(host, resolved, plan.prompt)
         plan.host, plan.turn, plan.missing = host, turn, resolved.missing
-        turn.stats.ph_tokens = sum(s.length for s in turn.spans if s.kind == "PH")
-        method = self.method
-        method.plan(turn)
-        scratch_cache = method.new_cache(turn)
-        for span in turn.spans:
-            if span.kind == "PH":
-                placement = method.placeholder(turn, span, scratch_cache)
-            else:
-                placement = method.prefix(turn, span, scratch_cache)
+        walk = Walk(self.method, turn)
+        scratch_cache = walk.plan()
+        for span, placement in walk.place(scratch_cache):
             if placement is not None:  # computed here, on the plan's thread, not where it is claimed
                 placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
-            plan.placements.append(placement)
-            if placement is not None:
                 _keep_gate(plan, span.name, placement.info)
+            plan.placements.append(placement)
         if plan.local_hit is not None:  # None: planned ahead, claimed at admission (:meth:`claim`)
             self._claim(plan)
 
     def _turn(self, host: ServingHost, resolved: lay.ResolvedLayout, prompt: list[int]) -> Turn:
-        """The request as a :class:`Turn`: each located segment a PH span. A slot the task does not
-        hold yet is what :func:`~hf_kvshare.turn.given_text_slot` makes of it (the rule a ``Session``
-        applies): an output of this task given again as text is read as that output; otherwise given
-        text of its stated kind, by default the task's first given text its question and later ones
-        observations. Nothing of the host changes when the request is refused."""
+        """The request as a :class:`Turn` over its task: each located segment a PH span, the slot it
+        reads resolved by the task (:meth:`~hf_kvshare.request.Request.resolve`: the rule a ``Session``
+        applies); nothing of the task changes when the request is refused."""
         ids = torch.tensor(prompt, dtype=torch.long)
         spans: list[Span] = []
-        new_slots: dict[str, Slot] = {}
-        new_aliases: dict[str, str] = {}
+        new = NewSlots()
         pos, pf = 0, 0
         for seg in resolved.segments:
             if seg.start > pos:
                 spans.append(self._pf(ids[pos : seg.start], pos, pf))
                 pf += 1
             seg_ids = ids[seg.start : seg.end]
-            name = host.aliases.get(seg.slot) or new_aliases.get(seg.slot) or seg.slot
-            slot = host.slots.get(name) or new_slots.get(name)
-            if slot is None:
-                text = seg.text if seg.text is not None else self.tokenizer.decode(seg_ids.tolist())
-                spec = PH(seg.slot, text, kind=seg.kind)
-                slot = given_text_slot(spec, seg_ids.clone(), {**host.slots, **new_slots})
-                if slot.name == seg.slot:
-                    new_slots[seg.slot] = slot
-                else:  # the text is an output of this task: read as that output from now on
-                    new_aliases[seg.slot] = slot.name
-            else:
-                check_slot_kind(PH(seg.slot, kind=seg.kind), slot)
+            text = seg.text
+            if text is None and host.held_slot(seg.slot, new)[0] is None:  # given text: the slot keeps it
+                text = self.tokenizer.decode(seg_ids.tolist())
+            slot = host.resolve(PH(seg.slot, text, kind=seg.kind), new, seg_ids.clone)
             spans.append(Span(spec=PH(slot.name), name=slot.name, token_ids=seg_ids, start=seg.start))
             pos = seg.end
         if pos < len(prompt):
             spans.append(self._pf(ids[pos:], pos, pf))
-        output = resolved.output or host.next_output_slot(resolved.agent)
-        if output in host.slots or output in host.reserved or output in new_slots or output in host.aliases:
-            raise lay.LayoutError(f"output slot {output!r} already exists in task {host.task!r}")
-        host.slots.update(new_slots)
-        host.aliases.update(new_aliases)
-        host.reserved.add(output)
-        return Turn(host=host, agent=resolved.agent, spans=spans, output_slot=output)
+        return host.open_turn(resolved.agent, spans, resolved.output, new)
 
     def _pf(self, ids: torch.Tensor, start: int, index: int) -> Span:
         return Span(
@@ -594,7 +534,7 @@ class Sharing:
         """A request that will not be recorded (aborted, preempted, an error): free its output slot."""
         with self._lock:
             if plan.host is not None and plan.turn is not None:
-                plan.host.reserved.discard(plan.turn.output_slot)
+                plan.host.drop_turn(plan.turn)
 
     def record(
         self,
@@ -616,18 +556,23 @@ class Sharing:
         with self._lock:
             t0 = time.perf_counter()
             phases = Phases()
+            recorded = False
             try:
                 with timing(phases):
-                    self._record(plan, keys, values, list(output_ids), stop_ids)
+                    self._finish_request(plan, keys, values, list(output_ids), stop_ids)
+                recorded = True
             except Exception as error:  # noqa: BLE001 - the engine must keep running
                 self.errors += 1
                 plan.error = f"record: {type(error).__name__}: {error}"
             finally:
                 plan.record_phases = dict(phases.times)
-                plan.host.reserved.discard(plan.turn.output_slot)
+                plan.host.drop_turn(plan.turn)
                 plan.deferred = self.method.deferred_work()
                 plan.drop_kv()
-            plan.host.compact_views()
+            if recorded:  # as a Session's: the K/V no later turn reads dropped, the views compacted
+                plan.host.release(plan.turn, self.method)
+            else:
+                plan.host.compact_views()
             plan.host.held = plan.host.held_bytes()
             self._bound(plan.host)
             self.records += 1
@@ -651,16 +596,47 @@ class Sharing:
             self.settles += 1
             self.settle_seconds += time.perf_counter() - t0
 
-    def _record(self, plan: Plan, keys, values, output_ids: list[int], stop_ids: set[int]) -> None:
+    def _finish_request(self, plan: Plan, keys, values, output_ids: list[int], stop_ids: set[int]) -> None:
+        """The rest of the walk for a request the engine ran: its K/V as the turn's cache
+        (:meth:`_engine_cache`), ``finish``, the output recorded by the task
+        (:meth:`~hf_kvshare.request.Request.record_output`), then the method's ``record``."""
         turn, host, method = plan.turn, plan.host, self.method
+        walk = Walk(method, turn)
+        cache = self._engine_cache(plan, keys, values)
+        walk.finish(cache)
+        for segment in cache.segments:
+            if segment.kind == "PH" and segment.provenance == "dense":
+                _keep_gate(plan, segment.name, segment.info)
+        P, n = len(plan.prompt), cache.get_seq_length()
+        out = list(output_ids)
+        stop_ids = set(stop_ids) | self.stop_ids
+        while len(out) > 1 and out[-1] in stop_ids:
+            out.pop()
+        if method.uses_sources and P + len(out) > n >= P + 1:
+            # generation stopped on its length: the engine never fed the last token, so it holds no K/V
+            # for it (the HF Session computes it with one more dense step; serving runs no HF forward).
+            # The slot is the output whose K/V the producer computed (all but that last token): later
+            # agents find these ids in their prompts and the token after them is their own text. With
+            # output_source="producer" this is what lets KVCMAS gate and place the output at all.
+            out = out[: n - P]
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        output = torch.tensor(out, dtype=torch.long)
+        host.record_output(turn, cache, output, text, keep_kv=method.uses_sources)
+        walk.record(cache)
+
+    def _engine_cache(self, plan: Plan, keys, values) -> SharedCache:
+        """The serving executor's read-back: the K/V the engine used for positions ``[0, n)``, injected
+        and computed alike, as ``method.new_cache(turn)`` with the turn's segment table (a placed span
+        inside the claim keeps its placement's row; everything else is dense)."""
+        turn = plan.turn
         P = len(plan.prompt)
         n = keys[0].shape[0] if len(keys) else 0
         if n < P:
             raise ValueError(f"the engine holds K/V of {n} positions, the prompt has {P}")
 
-        # the K/V the engine used, injected and computed alike: checked once, whole (one reduction per
-        # layer), before anything is recorded; the turn's slots and the method's checks then read it as
-        # checked (SegmentKV.finite), and a placement's K/V is not checked again (what was injected is in it)
+        # checked once, whole (one reduction per layer), before anything is recorded; the turn's slots
+        # and the method's checks then read it as checked (SegmentKV.finite), and a placement's K/V is
+        # not checked again (what was injected is in it)
         used = SegmentKV(
             keys=[k[:n].transpose(0, 1)[None] for k in keys],
             values=[v[:n].transpose(0, 1)[None] for v in values],
@@ -669,7 +645,7 @@ class Sharing:
         )
         used.check_finite(f"the engine's K/V of request {plan.request_id}")
         used.finite = True  # the store holds it from here, and nothing writes it
-        cache = method.new_cache(turn)
+        cache = self.method.new_cache(turn)
         covered = max(plan.claim_end, plan.local_hit)
         segments = []
         for i, (span, placement) in enumerate(zip(turn.spans, plan.placements)):
@@ -686,44 +662,7 @@ class Sharing:
             segments.append(Segment("generated", "PF", P, n))
         # the cache holds the engine's K/V of [0, n) as they are (views of the read-back, no copy)
         cache.append_tiled(used, segments, adopt=True)
-        method.finish(turn, cache)
-        for segment in cache.segments:
-            if segment.kind == "PH" and segment.provenance == "dense":
-                _keep_gate(plan, segment.name, segment.info)
-        out = list(output_ids)
-        stop_ids = set(stop_ids) | self.stop_ids
-        while len(out) > 1 and out[-1] in stop_ids:
-            out.pop()
-        if method.uses_sources and P + len(out) > n >= P + 1:
-            # generation stopped on its length: the engine never fed the last token, so it holds no K/V
-            # for it (the HF Session computes it with one more dense step; serving runs no HF forward).
-            # The slot is the output whose K/V the producer computed (all but that last token): later
-            # agents find these ids in their prompts and the token after them is their own text. With
-            # output_source="producer" this is what lets KVCMAS gate and place the output at all.
-            out = out[: n - P]
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        slot = Slot(
-            name=turn.output_slot,
-            token_ids=torch.tensor(out, dtype=torch.long),
-            text=text,
-            producer=turn.agent,
-        )
-        host.slots[turn.output_slot] = slot
-        held: list[SegmentKV] = []
-        if method.uses_sources:
-            # views of the turn's cache, as Session._record keeps them (no second copy of every segment);
-            # copied out after the record when together they hold little of it (ServingHost.compact_views)
-            with cache.sharing_storage():
-                for span in turn.spans:
-                    if span.kind == "PH":
-                        held.append(cache.extract(span.start, span.end, agent=turn.agent))
-                        host.slots[span.name].latest = held[-1]
-                if P + len(out) <= n:  # the output's K/V is complete (generation stopped on a stop token)
-                    held.append(cache.extract(P, P + len(out), agent=turn.agent))
-                    slot.latest = held[-1]
-        method.record(turn, cache)
-        if held:
-            host.add_views(cache.get_seq_length(), held)
+        return cache
 
     # ------------------------------------------------------------------ bounds
     def held_bytes(self) -> int:

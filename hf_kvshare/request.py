@@ -1,0 +1,225 @@
+"""One request's bookkeeping, the same for every host: the :class:`~hf_kvshare.session.Session` (HF
+``generate``) and a served task (:class:`~hf_kvshare.serving.host.ServingHost`) are each a
+:class:`Request`.
+
+A request holds its PH slots (token ids, producer, latest K/V), the aliases of given text that is an
+output of the request, the method's per-request state and the turn caches its slots' K/V are views
+of. It prepares a turn (:meth:`Request.resolve` each PH, :meth:`Request.open_turn`: nothing changes on
+error) and records one (:meth:`Request.record_output`, then :meth:`Request.release` after the method's
+record). It runs no model: the executors do (:mod:`hf_kvshare.executor`, :mod:`hf_kvshare.serving`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .cache import SharedCache, compact, storage_bytes
+from .rope import RopeShifter
+from .trajectory import PH, Span
+from .turn import Slot, Turn, check_slot_kind, given_text_slot
+
+if TYPE_CHECKING:
+    from .method import Method
+
+
+@dataclass
+class NewSlots:
+    """What a turn being prepared adds to its request: given-text slots and aliases (committed by
+    :meth:`Request.open_turn`, dropped when the turn is refused)."""
+
+    slots: dict[str, Slot] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+class Request:
+    """One request's slots and state (a :class:`~hf_kvshare.turn.TurnHost`); a subclass says where
+    its input ids go (``device``)."""
+
+    #: how errors name the request ("this session", "task 't'")
+    described = "this request"
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, shifter: RopeShifter | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self._shifter = shifter
+        self.slots: dict[str, Slot] = {}
+        #: given-text PH names whose text equals an output of this request -> that output's slot name
+        #: (:func:`~hf_kvshare.turn.given_text_slot`): the PH is read as the output
+        self.aliases: dict[str, str] = {}
+        #: per-request state a method keeps between turns, keyed by a name the method owns (e.g. the
+        #: PReCache methods' shared base + LR caches); the method instance holds cross-request state only
+        self.method_state: dict[str, Any] = {}
+        #: output slots of turns prepared and not recorded yet (a served request in flight)
+        self.reserved: set[str] = set()
+        #: per recorded turn, its cache's length and weak references to the slot K/V that are views of it
+        #: (:meth:`record_output`, re-checked by :meth:`compact_views`)
+        self._views: list[tuple[int, list[weakref.ref]]] = []
+        #: each slot's latest K/V as a turn under :meth:`rollback` found it (what only the rollback may
+        #: still hold: :meth:`compact_views` leaves those views alone)
+        self._rolled_back: dict[str, Any] = {}
+
+    @property
+    def shifter(self) -> RopeShifter:
+        if self._shifter is None:
+            self._shifter = RopeShifter.from_model(self.model)
+        return self._shifter
+
+    # ------------------------------------------------------------------ preparing
+    def next_output_slot(self, agent: str) -> str:
+        """Output slot name for ``agent``'s next turn: the agent's name, then ``agent#2``, ``agent#3``..."""
+        taken = set(self.slots) | self.reserved
+        if agent not in taken:
+            return agent
+        n = 2
+        while f"{agent}#{n}" in taken:
+            n += 1
+        return f"{agent}#{n}"
+
+    def held_slot(self, name: str, new: NewSlots) -> tuple[Slot | None, str | None]:
+        """The slot PH ``name`` reads (an alias read as its output), or ``None``; and the alias' target."""
+        alias = self.aliases.get(name) or new.aliases.get(name)
+        target = alias or name
+        return self.slots.get(target) or new.slots.get(target), alias
+
+    def resolve(self, spec: PH, new: NewSlots, given_ids: Callable[[], torch.Tensor]) -> Slot:
+        """The slot PH ``spec`` reads. A slot the request does not hold yet is what
+        :func:`~hf_kvshare.turn.given_text_slot` makes of its text (``given_ids()``: its token ids): an
+        output of this request given again as text is read as that output (an alias), otherwise given
+        text of its stated kind; either is added to ``new``. A held slot is checked against ``spec``
+        (its kind; :meth:`check_held`)."""
+        slot, alias = self.held_slot(spec.slot, new)
+        if slot is None:
+            slot = given_text_slot(spec, given_ids(), {**self.slots, **new.slots})
+            if slot.name == spec.slot:
+                new.slots[spec.slot] = slot
+            else:  # the text is an output of this request: read as that output from now on
+                new.aliases[spec.slot] = slot.name
+            return slot
+        check_slot_kind(spec, slot)
+        self.check_held(spec, slot, alias)
+        return slot
+
+    def check_held(self, spec: PH, slot: Slot, alias: str | None) -> None:
+        """Refuse ``spec`` when it gives other content than the held ``slot`` (nothing to check here:
+        a host that reads a PH's content checks it)."""
+
+    def open_turn(
+        self, agent: str, spans: list[Span], output_slot: str | None, new: NewSlots, batch_size: int = 1
+    ) -> Turn:
+        """Commit a prepared turn: ``new``'s slots and aliases join the request, the output slot
+        (default :meth:`next_output_slot`) is reserved; a taken output slot is refused first."""
+        name = output_slot or self.next_output_slot(agent)
+        if name in self.slots or name in new.slots or name in self.reserved or name in self.aliases:
+            raise ValueError(f"output slot {name!r} already exists in {self.described}")
+        self.slots.update(new.slots)
+        self.aliases.update(new.aliases)
+        self.reserved.add(name)
+        turn = Turn(host=self, agent=agent, spans=spans, output_slot=name, batch_size=batch_size)
+        turn.stats.ph_tokens = sum(s.length for s in spans if s.kind == "PH")
+        return turn
+
+    def drop_turn(self, turn: Turn) -> None:
+        """A prepared turn that will not be recorded (a cache built for the caller, an aborted request)
+        frees its output slot."""
+        self.reserved.discard(turn.output_slot)
+
+    @contextlib.contextmanager
+    def rollback(self) -> Iterator[None]:
+        """A block that raises (anything, an interrupt too) leaves the request's slots as they were:
+        the slot table (slots it added dropped), the aliases, the reserved outputs and each slot's
+        latest K/V."""
+        slots, aliases, reserved = dict(self.slots), dict(self.aliases), set(self.reserved)
+        latest = {name: slot.latest for name, slot in slots.items()}
+        self._rolled_back = latest
+        try:
+            yield
+        except BaseException:
+            self.slots, self.aliases, self.reserved = slots, aliases, reserved
+            for name, slot in slots.items():
+                slot.latest = latest[name]
+            raise
+        finally:
+            self._rolled_back = {}
+
+    # ------------------------------------------------------------------ recording
+    def record_output(
+        self, turn: Turn, cache: SharedCache, output_ids: torch.Tensor, text: str, *, keep_kv: bool
+    ) -> Slot:
+        """The turn's output becomes the agent's slot (returned). With ``keep_kv`` (the method reads
+        sources: ``Method.uses_sources``) each PH slot's K/V in ``cache`` and the output's (when the
+        cache holds all of it) become their ``latest``: views of the turn's cache, no second copy of
+        every segment while it is alive; :meth:`release` copies out the ones that hold little of it."""
+        P = turn.prompt_length
+        slot = Slot(name=turn.output_slot, token_ids=output_ids.cpu(), text=text, producer=turn.agent)
+        self.slots[turn.output_slot] = slot
+        self.reserved.discard(turn.output_slot)
+        if not keep_kv:
+            return slot
+        end = P + output_ids.numel()
+        kept: dict[str, Any] = {}
+        with cache.sharing_storage():
+            for span in turn.spans:
+                if span.kind == "PH":
+                    kept[span.name] = self.slots[span.name].latest = cache.extract(
+                        span.start, span.end, agent=turn.agent
+                    )
+            if end <= cache.get_seq_length():
+                kept[turn.output_slot] = slot.latest = cache.extract(P, end, agent=turn.agent)
+        self._views.append((cache.get_seq_length(), [weakref.ref(kv) for kv in kept.values()]))
+        return slot
+
+    def release(self, turn: Turn, method: Method) -> None:
+        """After the method's record: drop the latest K/V of this turn's slots that no later turn can
+        read (:meth:`Method.reads_latest`), so the memory is freed now, not when the request ends; then
+        :meth:`compact_views`."""
+        if not method.uses_sources:
+            return
+        for name in dict.fromkeys([*(s.name for s in turn.spans if s.kind == "PH"), turn.output_slot]):
+            slot = self.slots.get(name)
+            if slot is not None and slot.latest is not None and not method.reads_latest(turn, name):
+                slot.latest = None
+        self.compact_views()
+
+    def compact_views(self) -> None:
+        """Re-check every turn cache the slots' K/V are views of (:meth:`record_output`): the views
+        still held by a slot or the method (not the ones only a turn's rollback still holds: replaced)
+        are copied out when together they hold less than half of that cache
+        (:func:`~hf_kvshare.cache.compact`); a cache no view of which is held any more is forgotten."""
+        current = {id(slot.latest) for slot in self.slots.values()}
+        replaced = {id(kv) for kv in self._rolled_back.values() if kv is not None} - current
+        groups = []
+        for length, refs in self._views:
+            alive = [kv for kv in (ref() for ref in refs) if kv is not None and id(kv) not in replaced]
+            if alive and not compact(alive, length):
+                groups.append((length, refs))
+        self._views = groups
+
+    def held_bytes(self) -> int:
+        """Exact bytes the slots keep for later turns: each slot's latest K/V (views of one turn's cache
+        count that cache's storage once and whole: :func:`~hf_kvshare.cache.storage_bytes`), the
+        tensors a method keeps with it (``slot.extras``) and images' pixels / features."""
+        total = storage_bytes(
+            t
+            for slot in self.slots.values()
+            if slot.latest is not None
+            for t in (*slot.latest.keys, *slot.latest.values)
+        )
+        total += sum(_tensor_bytes(slot.extras) for slot in self.slots.values())
+        return total + sum(slot.visual.nbytes for slot in self.slots.values() if slot.visual is not None)
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or dicts / lists / tuples holding them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
