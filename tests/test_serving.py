@@ -1162,3 +1162,25 @@ def test_the_served_folder_of_an_embedded_model_names_no_quantization(tmp_path, 
     assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
     assert model.config.quantization_config["quant_method"] == "gguf"  # the loaded model's config untouched
     assert served_model_dir("smollm2-135m") == folder and loads == ["smollm2-135m"]  # reused, not rewritten
+
+
+def test_a_served_task_is_a_request_and_a_refused_plan_frees_its_output_slot(tiny_llama, tokenizer):
+    """The serving host's task is the Session's request (:class:`hf_kvshare.request.Request`); a plan
+    refused after its turn was opened (the method's plan raised) leaves the output slot free, so the
+    task's next request takes the name and the task stays evictable."""
+    from hf_kvshare.methods.fullshared import FullShared
+    from hf_kvshare.request import Request
+    from hf_kvshare.serving.host import ServingHost
+
+    class Failing(FullShared):
+        def plan(self, turn):
+            raise RuntimeError("no plan")
+
+    sharing = Sharing(tiny_llama, tokenizer, Failing())
+    prompt = ids_of(tokenizer, SYS1 + DOC + Q1)
+    params = layout("t", "a1", [{"slot": "doc", "text": DOC}])
+    plan = sharing.plan("r1", prompt, params, 0)
+    assert plan.error == "RuntimeError: no plan" and plan.turn is None
+    host = sharing.hosts["t"]
+    assert isinstance(host, ServingHost) and isinstance(host, Request)
+    assert host.reserved == set() and host.next_output_slot("a1") == "a1"

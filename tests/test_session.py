@@ -239,3 +239,94 @@ def test_held_bytes_count_the_reuse_sources_exactly(tiny_llama, tokenizer):
         tokens = b.prompt_ids.numel() + b.output_ids.numel()
         assert tokens > sum(slot.token_ids.numel() for slot in session.slots.values()) > 0
         assert session.held_bytes() == (tokens if expected_tokens is None else expected_tokens) * per_token
+
+
+# ------------------------------------------------------------ one request, one walk, the HF executor
+def test_the_session_is_a_request_and_the_walk_calls_the_hooks_in_order(tiny_llama, tokenizer):
+    """A Session is a :class:`~hf_kvshare.request.Request`; its turns walk the method's hooks in the
+    contract's order (plan, then placeholder / prefix per span, finish; record after the output)."""
+    from hf_kvshare.request import Request
+
+    calls: list[str] = []
+
+    class Tracing(METHODS["fullshared"]):
+        name = "fullshared-tracing"
+
+        def plan(self, turn):
+            calls.append("plan")
+
+        def placeholder(self, turn, span, cache):
+            calls.append(f"placeholder:{span.name}")
+            return super().placeholder(turn, span, cache)
+
+        def prefix(self, turn, span, cache):
+            calls.append(f"prefix:{span.name}")
+            return super().prefix(turn, span, cache)
+
+        def finish(self, turn, cache):
+            calls.append("finish")
+
+        def record(self, turn, cache):
+            calls.append("record")
+
+    session = Session(tiny_llama, tokenizer, Tracing())
+    assert isinstance(session, Request)
+    session.run_turn("a", [PF("You are a."), PH("query", QUERY), PF("\nGo:")], max_new_tokens=2)
+    assert calls == ["plan", "prefix:pf0", "placeholder:query", "prefix:pf1", "finish", "record"]
+    assert session.reserved == set()  # the output slot was recorded
+
+
+def test_build_cache_reserves_no_output_slot(tiny_llama, tokenizer):
+    session = Session(tiny_llama, tokenizer, "fullshared")
+    session.build_cache("a", roles("a"))
+    assert session.reserved == set() and session.next_output_slot("a") == "a"
+
+
+def test_an_output_slot_named_like_an_alias_is_refused(tiny_llama, tokenizer):
+    """A PH name read as an output (an alias) cannot also name a new output: the request's one rule
+    (the serving host's too)."""
+    session = Session(tiny_llama, tokenizer, "fullshared")
+    text = " First sort the numbers, then return them."
+    session.run_turn("a", roles("a"), force_output=tokenizer(text, add_special_tokens=False)["input_ids"])
+    session.run_turn("b", roles("b") + [PH("notes", text), PF("\nGo:")], max_new_tokens=2)
+    assert session.aliases == {"notes": "a"}
+    with pytest.raises(ValueError, match="output slot 'notes' already exists in this session"):
+        session.run_turn("c", roles("c"), output_slot="notes", max_new_tokens=2)
+
+
+def test_method_build_needs_the_hf_executor(tiny_llama, tokenizer):
+    """``Method.build`` builds with the executor that runs the turn; a turn without one (a served turn)
+    is refused with the reason."""
+    session = Session(tiny_llama, tokenizer, "fullshared")
+    turn = session.prepare_turn("a", roles("a"))
+    with pytest.raises(TypeError, match="HF executor"):
+        session.method.build(turn)
+
+
+def test_the_executor_flags_left_the_turn_with_deprecation_shims(tiny_llama, tokenizer):
+    """``Turn.generate_tail`` / ``Turn.tail_segments`` and ``Method.tail_for_generate`` still answer,
+    with a DeprecationWarning naming the HF executor; a method that still overrides
+    ``tail_for_generate`` decides in the executor's place."""
+    from hf_kvshare.executor import HFExecutor
+
+    session = Session(tiny_llama, tokenizer, "fullshared")
+    turn = session.prepare_turn("a", roles("a"))
+    turn.executor = HFExecutor(leave_tail=True)
+    with pytest.warns(DeprecationWarning, match="HFExecutor"):
+        assert turn.generate_tail is True
+    with pytest.warns(DeprecationWarning, match="HFExecutor"):
+        assert turn.tail_segments == []
+    with pytest.warns(DeprecationWarning, match="HFExecutor.tail_for_generate"):
+        assert session.method.tail_for_generate(turn, []) == []
+
+    asked = []
+
+    class OwnTail(METHODS["fullshared"]):
+        name = "fullshared-own-tail"
+
+        def tail_for_generate(self, turn, parts):
+            asked.append(len(parts))
+            return []
+
+    Session(tiny_llama, tokenizer, OwnTail()).run_turn("a", roles("a"), max_new_tokens=2)
+    assert asked and asked[0] > 0

@@ -419,6 +419,8 @@ class Sharing:
             except Exception as error:  # noqa: BLE001 - the engine must keep running
                 self.errors += 1
                 plan.error = f"{type(error).__name__}: {error}"
+                if plan.host is not None and plan.turn is not None:  # refused after its turn was opened
+                    plan.host.drop_turn(plan.turn)
                 plan.turn, plan.placements, plan.keys, plan.values = None, [], [], []
                 plan.claim_start = plan.claim_end = 0
             finally:
