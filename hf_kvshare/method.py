@@ -5,8 +5,8 @@ A method turns one agent turn (a tokenized trajectory) into a :class:`SharedCach
 :mod:`hf_kvshare.methods`, each a dataclass whose fields are its options; each registers itself
 with :func:`register`. A method *instance* holds what outlives one request (anchor pools,
 calibration profiles) and may be shared by many sessions; per-request state (slot contents, the
-latest materialized cache of each slot) lives with the request (the
-:class:`~hf_kvshare.session.Session`), read through the :class:`~hf_kvshare.turn.Turn`.
+latest materialized cache of each slot) lives with the request (a :class:`~hf_kvshare.request.Request`:
+the :class:`~hf_kvshare.session.Session`, a served task), read through the :class:`~hf_kvshare.turn.Turn`.
 
 The hooks every host drives through the one walk (:class:`~hf_kvshare.walk.Walk`: the Session's HF
 executor, :mod:`hf_kvshare.executor`, and the serving host): ``plan(turn)``, then ``placeholder`` /
