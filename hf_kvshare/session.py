@@ -13,6 +13,7 @@ the registry is filled by the package (``hf_kvshare/__init__.py`` imports :mod:`
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -111,12 +112,13 @@ class Session(Request):
             segments = chat(self.tokenizer, segments)
         specs = validate_segments(segments)
         new = NewSlots()
+        self._resolve_images(specs, new)
         spans: list[Span] = []
         pos = 0
         pf_count = 0
         for i, spec in enumerate(specs):
             if isinstance(spec, PH):
-                slot = self._resolve_slot(spec, new)
+                slot = self.resolve(spec, new, functools.partial(self._given_ids, spec))
                 ids, name = slot.token_ids, slot.name  # an output passed as text is read as the output
             else:
                 ids = tokenize_text(self.tokenizer, spec.text)
@@ -131,14 +133,19 @@ class Session(Request):
         check_spans(spans, self.method)
         return self.open_turn(agent, spans, output_slot, new, batch_size)
 
-    def _resolve_slot(self, spec: PH, new: NewSlots) -> Slot:
-        slot, _ = self.held_slot(spec.slot, new)
-        if slot is None and spec.visual is not None:  # an image / video (hf_kvshare.vision)
-            slot = new.slots[spec.slot] = visual_slot(
-                self.model, self.processor, spec, {**self.slots, **new.slots}
-            )
-            return slot
-        return self.resolve(spec, new, lambda: self._given_ids(spec))
+    def _resolve_images(self, specs: list[Any], new: NewSlots) -> None:
+        """The turn's images and videos, resolved once before its spans: a new one becomes a slot of
+        ``new`` (:func:`~hf_kvshare.vision.visual_slot`: checks, the processor, no model work); one the
+        request holds (or this turn gave already) must be given again as it was."""
+        for spec in specs:
+            if not isinstance(spec, PH) or spec.visual is None:
+                continue
+            slot, _ = self.held_slot(spec.slot, new)
+            if slot is None:
+                slot = visual_slot(self.model, self.processor, spec, {**self.slots, **new.slots})
+                new.slots[spec.slot] = slot
+            else:
+                check_same_content(self.model, self.processor, spec, slot)
 
     def _given_ids(self, spec: PH) -> torch.Tensor:
         """The token ids of the text a PH the session does not hold yet gives (checked)."""
@@ -156,8 +163,9 @@ class Session(Request):
 
     def check_held(self, spec: PH, slot: Slot, alias: str | None) -> None:
         """A PH naming a slot the session holds gives its content again or none: the same image, the
-        same text (an alias: the output's token ids)."""
-        check_same_content(self.model, self.processor, spec, slot)
+        same text (an alias: the output's token ids); images were checked before (:meth:`_resolve_images`)."""
+        if spec.visual is None:
+            check_same_content(self.model, self.processor, spec, slot)  # no text for an image
         if alias is not None:
             if spec.text is not None and not torch.equal(
                 tokenize_text(self.tokenizer, spec.text), slot.token_ids
