@@ -276,9 +276,8 @@ class Session(Request):
         with self._exclusive(), self.rollback():
             turn = self.prepare_turn(agent, segments, output_slot)  # prepare
             turn.keep_cache = keep_cache
-            executor = HFExecutor(
-                leave_tail=True
-            )  # generate's first forward computes the trailing agent text
+            # the HF executor: generate's first forward computes the trailing agent text
+            executor = HFExecutor(leave_tail=True)
             with agent_adapter(self.model, agent):  # checks the agent's adapter first (on a PeftModel)
                 if force_output is not None:
                     force_output = self._check_forced(force_output)
