@@ -115,7 +115,8 @@ class Request:
         """Commit a prepared turn: ``new``'s slots and aliases join the request, the output slot
         (default :meth:`next_output_slot`) is reserved; a taken output slot is refused first."""
         name = output_slot or self.next_output_slot(agent)
-        if name in self.slots or name in new.slots or name in self.reserved or name in self.aliases:
+        taken = (self.slots, new.slots, self.reserved, self.aliases, new.aliases)
+        if any(name in names for names in taken):
             raise ValueError(f"output slot {name!r} already exists in {self.described}")
         self.slots.update(new.slots)
         self.aliases.update(new.aliases)
