@@ -65,7 +65,7 @@ def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
     nothing writes: the serving record's) is not read again. Passing does not mark: K/V a session holds
     is checked again at every use, so a tensor written in place after a check is still caught."""
     bounds, where = [], []
-    # a correction not computed yet: its source now, the corrected rows where they are computed
+    # K/V not computed yet (DeferredKV): what it is computed from now, its own rows where they are computed
     items = [(what, kv.stored) for what, kv in items]
     items = [(what, kv) for what, kv in items if not kv.finite]  # checked already (SegmentKV.finite)
     for what, kv in items:
@@ -141,14 +141,19 @@ class SegmentKV:
         check_finite([(what, self)])
 
     def materialize(self) -> SegmentKV:
-        """K/V held in tensors: itself (a :class:`CorrectedKV` computes its own)."""
+        """K/V held in tensors: itself (a :class:`DeferredKV` computes its own)."""
         return self
 
     @property
     def stored(self) -> SegmentKV:
         """The K/V this one's shapes, dtypes and devices can be read from without computing anything:
-        itself (a :class:`CorrectedKV` not computed yet: its source)."""
+        itself (a :class:`DeferredKV` not computed yet: what it is computed from)."""
         return self
+
+    @property
+    def deferred(self) -> bool:
+        """Whether this K/V is computed where it is written (a :class:`DeferredKV` not read yet)."""
+        return False
 
     def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:
         """A copy whose keys sit at ``new_start .. new_start + length - 1`` (values need no rotation)."""
@@ -179,76 +184,67 @@ class SegmentKV:
         )
 
 
-class CorrectedKV(SegmentKV):
-    """``source`` re-positioned to ``start`` plus an additive correction of its first ``rows`` tokens,
-    computed layer by layer where it is written: a corrected segment (``Align(source) + delta``).
+class DeferredKV(SegmentKV):
+    """K/V computed layer by layer where it is written, not held until it is read: the interface a
+    cache that lays K/V out (:meth:`SegmentedCache.append_placed`, :meth:`SegmentedCache.reserve`)
+    writes through, so such K/V is never held whole beside the cache being built.
 
-    ``delta(layer)`` returns that layer's key and value corrections ``[1, kv_heads, rows, head_dim]``
-    at the target positions (any float dtype; added in the K/V's own), or ``None`` where the layer
-    keeps the re-positioned source. A cache that lays the segment out (:meth:`SegmentedCache.append_placed`,
-    :meth:`SegmentedCache.reserve`) writes each layer straight into its slots (:meth:`write_layer`), so
-    the corrected segment is never held whole beside the cache being built; anything that reads
-    :attr:`keys` / :attr:`values` gets them computed once, the same values bit for bit (the same
-    :meth:`write_layer`, into new tensors). :func:`check_finite` checks the source before the
-    correction is computed; the corrected rows are checked where they are written or computed
-    (a non-finite correction raises ``ValueError`` there, and the cache is left as it was).
+    While :attr:`deferred`, a cache calls :meth:`write_layer` into the slots of each layer and checks
+    the first :attr:`checked_rows` rows it wrote (the rows computed there; the others are copies of
+    :attr:`stored`, checked by :func:`check_finite` before). Anything that reads :attr:`keys` /
+    :attr:`values` gets them computed once, the same values bit for bit (the same :meth:`write_layer`,
+    into new tensors), checked finite; what computed them is then dropped (:meth:`release`).
 
-    A ``dataclasses.replace`` of it (which reads :attr:`keys`) gives plain K/V of this class."""
+    An engine implements :attr:`stored`, :meth:`write_layer`, :attr:`checked_rows` and :meth:`release`
+    (``hf_kvshare.anchors.corrected.CorrectedKV``, a correction). The constructor of a subclass must
+    also take plain ``keys`` / ``values`` (what ``dataclasses.replace`` passes, reading :attr:`keys`):
+    K/V held in tensors, never deferred."""
 
-    def __init__(
-        self,
-        keys: list[torch.Tensor] | None = None,
-        values: list[torch.Tensor] | None = None,
-        start: int = 0,
-        agent: str | None = None,
-        rope: Any = None,
-        *,
-        source: SegmentKV | None = None,
-        rows: int = 0,
-        delta: Any = None,
-        shifter: RopeShifter | None = None,
-    ):
-        self.start, self.agent, self.rope, self.finite = start, agent, rope, False
-        self.source, self.rows, self.delta, self.shifter = source, rows, delta, shifter
-        if source is None:  # dataclasses.replace: plain K/V
-            if keys is None or values is None:
-                raise ValueError("CorrectedKV needs a source to correct, or keys and values")
-            self.keys, self.values = keys, values
-            return
-        if keys is not None or values is not None:
-            raise ValueError("CorrectedKV takes a source to correct or keys and values, not both")
-        if not 0 <= rows <= source.length:
-            raise ValueError(f"cannot correct {rows} rows of a {source.length}-token source")
-        if source.start != start and shifter is None:
-            raise ValueError(
-                f"K/V sits at position {source.start}, not {start}: pass a RopeShifter to move it"
-            )
-        if agent is None:
-            self.agent = source.agent
-        self.rotation = (
-            None if source.start == start else shifter.rotation(source.start, start, source.length)
-        )
+    _keys: list[torch.Tensor] | None = None
+    _values: list[torch.Tensor] | None = None
 
-    def __getattr__(self, name: str) -> Any:  # attributes not set: keys / values before they are read
-        if name in ("keys", "values") and self.__dict__.get("source") is not None:
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        if self._keys is None:
             self._materialize()
-            return self.__dict__[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self._keys
 
-    def __repr__(self) -> str:  # without computing it
-        state = "computed" if self.materialized else f"from the source at {self.source.start}, not computed"
-        return f"CorrectedKV(start={self.start}, length={self.length}, rows={self.rows}, {state})"
+    @keys.setter
+    def keys(self, keys: list[torch.Tensor]) -> None:
+        self._keys = keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        if self._values is None:
+            self._materialize()
+        return self._values
+
+    @values.setter
+    def values(self, values: list[torch.Tensor]) -> None:
+        self._values = values
 
     @property
     def materialized(self) -> bool:
         """Whether :attr:`keys` / :attr:`values` are held (read once, or given)."""
-        return "keys" in self.__dict__
+        return self._keys is not None
 
     @property
-    def stored(self) -> SegmentKV:
-        """What this K/V is read from while it is not materialized: the source (shapes, dtypes,
-        devices; the corrected K/V has the source's); itself once it is."""
-        return self if self.materialized else self.source
+    def deferred(self) -> bool:
+        return not self.materialized
+
+    @property
+    def checked_rows(self) -> int:
+        """How many leading rows :meth:`write_layer` computes (checked finite where they are written)."""
+        raise NotImplementedError
+
+    def write_layer(self, layer: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        """Write layer ``layer``'s keys and values into ``keys_out`` / ``values_out``
+        (``[batch, kv_heads, length, head_dim]``, batch >= 1: every row the same). Only while
+        :attr:`deferred`."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop what computes the K/V (called once :attr:`keys` / :attr:`values` are held)."""
 
     @property
     def length(self) -> int:
@@ -260,43 +256,25 @@ class CorrectedKV(SegmentKV):
 
     @property
     def nbytes(self) -> int:
-        return self.stored.nbytes  # the corrected K/V has the source's shapes and dtypes
-
-    def write_layer(self, layer: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
-        """Write layer ``layer``'s corrected keys and values into ``keys_out`` / ``values_out``
-        (``[batch, kv_heads, length, head_dim]``, batch >= 1: batch row 0 of the source, broadcast):
-        the source's keys re-positioned straight into ``keys_out``, its values copied, then the
-        correction added to the first :attr:`rows` tokens. Only while not :attr:`materialized`."""
-        k_src, v_src = self.source.keys[layer][:1], self.source.values[layer][:1]
-        if self.rotation is None:
-            keys_out.copy_(k_src.expand_as(keys_out))
-        else:
-            self.shifter.apply_into(k_src.expand_as(keys_out), self.rotation, keys_out, layer=layer)
-        change = self.delta(layer) if self.rows else None
-        if change is None:
-            values_out.copy_(v_src.expand_as(values_out))
-            return
-        delta_k, delta_v = change
-        rows = self.rows
-        keys_out[..., :rows, :] += delta_k.to(keys_out.dtype)
-        head = values_out[..., :rows, :]
-        torch.add(v_src[..., :rows, :].expand_as(head), delta_v.to(values_out.dtype), out=head)
-        values_out[..., rows:, :] = v_src[..., rows:, :]
+        return self.stored.nbytes  # computed K/V has the stored one's shapes and dtypes
 
     def _materialize(self) -> None:
+        stored = self.stored
         keys, values = [], []
         for layer in range(self.num_layers):
-            k_src, v_src = self.source.keys[layer], self.source.values[layer]
+            k_src, v_src = stored.keys[layer], stored.values[layer]
             key = k_src.new_empty((1, *k_src.shape[1:]))
             value = v_src.new_empty((1, *v_src.shape[1:]))
             self.write_layer(layer, key, value)
             keys.append(key)
             values.append(value)
-        check_finite(
-            [(f"a correction of {self.rows} rows at position {self.start}", _plain(keys, values, self))]
-        )
-        self.keys, self.values = keys, values
-        self.source = self.delta = self.rotation = None  # what computed them is not held any longer
+        check_finite([(self.describe(), _plain(keys, values, self))])
+        self._keys, self._values = keys, values
+        self.release()
+
+    def describe(self) -> str:
+        """What this K/V is, for an error message."""
+        return f"{type(self).__name__} at position {self.start}"
 
     def materialize(self) -> SegmentKV:
         """Plain K/V of the same values (computed now if they were not)."""
@@ -314,11 +292,6 @@ class CorrectedKV(SegmentKV):
 
 def _plain(keys: list[torch.Tensor], values: list[torch.Tensor], like: SegmentKV) -> SegmentKV:
     return SegmentKV(keys=keys, values=values, start=like.start, agent=like.agent, rope=like.rope)
-
-
-def unread(kv: SegmentKV) -> bool:
-    """Whether ``kv`` is a :class:`CorrectedKV` not computed yet (written layer by layer where it lands)."""
-    return isinstance(kv, CorrectedKV) and not kv.materialized
 
 
 @dataclass
@@ -680,8 +653,8 @@ class SegmentedCache(DynamicCache):
         placing its kept prefix, a document and the text after it copied the document's K/V once for
         each part after it). Here each layer's K/V are laid out in one new tensor (keys rotated
         straight into their slots), which an empty layer holds as it is. The same K/V and table as
-        :meth:`append_kv` per part, bit for bit; a :class:`CorrectedKV` is computed in its slots
-        (:meth:`CorrectedKV.write_layer`), never whole beside them. A lone plain part, a multimodal-RoPE
+        :meth:`append_kv` per part, bit for bit; a :class:`DeferredKV` (a correction) is computed in its
+        slots (:meth:`DeferredKV.write_layer`), never whole beside them. A lone plain part, a multimodal-RoPE
         cache (the parts' rope layouts) and a cache that cannot reserve (offloaded, other layer types)
         append part by part. Every part is checked against where it lands before anything is stored;
         a non-finite correction stores nothing."""
@@ -696,7 +669,7 @@ class SegmentedCache(DynamicCache):
                     f"part {p.segment.name!r} has no K/V to place (token_ids are computed, not placed)"
                 )
             self.check_placeable(p.kv, p.segment, shifter)
-        one = len(parts) == 1 and not unread(parts[0].kv)  # a lone K/V held as it is (no copy)
+        one = len(parts) == 1 and not parts[0].kv.deferred  # a lone K/V held as it is (no copy)
         if one or self.rope_track is not None or not self.can_reserve:
             for p in parts:
                 self.append_kv(p.kv, p.segment, shifter, rope=p.rope)
@@ -772,7 +745,7 @@ class SegmentedCache(DynamicCache):
         layers: int,
     ) -> None:
         """Store ``parts`` end to end, each layer laid out in one new tensor (:func:`_laid_out`); the rows
-        a :class:`CorrectedKV` corrects as it is written are checked finite, once for all layers, and
+        a :class:`DeferredKV` computes as it is written are checked finite, once for all layers, and
         a failure leaves the cache as it was (``ValueError``)."""
         start = self.get_seq_length()
         bounds: list[tuple[str, int, str, torch.Tensor]] = []
@@ -1108,8 +1081,8 @@ def _laid_out(
     """Layer ``layer_idx``'s keys and values of ``parts`` end to end, each in ONE new tensor of
     ``batch`` rows: a placed part's keys re-positioned straight into its slots
     (:meth:`RopeShifter.apply_into`: the values of ``SegmentKV.keys_at``) and its values copied there,
-    a :class:`CorrectedKV` computed there (:meth:`CorrectedKV.write_layer`; the ``[min, max]`` of the
-    rows it corrects appended to ``bounds`` as ``(what, layer, kind, bounds)``), a dense part's slots
+    a :class:`DeferredKV` computed there (:meth:`DeferredKV.write_layer`; the ``[min, max]`` of the
+    rows it computes appended to ``bounds`` as ``(what, layer, kind, bounds)``), a dense part's slots
     zero (its K/V still to come). One layer alive at a time; no concatenation."""
     reference = next(p.kv for p in parts if not p.dense).stored
     like_k, like_v = reference.keys[layer_idx], reference.values[layer_idx]
@@ -1123,11 +1096,11 @@ def _laid_out(
         if p.dense:
             k_out.zero_()
             v_out.zero_()
-        elif unread(p.kv) and rotations[id(p)] is None:
+        elif p.kv.deferred and rotations[id(p)] is None:
             p.kv.write_layer(layer_idx, k_out, v_out)
-            rows = p.kv.rows
+            rows = p.kv.checked_rows
             if bounds is not None and rows:
-                what = f"{p.segment.kind} segment {p.segment.name!r} (corrected)"
+                what = f"{p.segment.kind} segment {p.segment.name!r} ({p.segment.provenance})"
                 bounds.append((what, layer_idx, "keys", _bounds(k_out[:1, :, :rows])))
                 bounds.append((what, layer_idx, "values", _bounds(v_out[:1, :, :rows])))
         else:

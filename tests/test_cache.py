@@ -438,7 +438,7 @@ def test_an_empty_layer_adopts_the_tensors_it_is_given_and_a_full_one_refuses():
 def _corrected(tiny, source, start, rows, nan_layer=None):
     """A CorrectedKV of ``source`` at ``start`` with seeded random deltas (layer 0 uncorrected), and the
     layers its delta was asked for."""
-    from hf_kvshare.cache import CorrectedKV
+    from hf_kvshare.anchors.corrected import CorrectedKV
 
     heads, dim = source.keys[0].shape[1], source.keys[0].shape[3]
     g = torch.Generator().manual_seed(7)
