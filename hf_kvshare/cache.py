@@ -18,17 +18,47 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from copy import deepcopy
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from . import _compat
 from ._compat import crop_argument, crop_target_length, update_position_ids
+from .cache_layer import SegmentLayer, laid_out, own_layers, rotations
 from .identity import ModelIdentity, config_signature, model_identity
 from .rope import RopeShifter
+from .segment_kv import (
+    DeferredKV,
+    SegmentKV,
+    _first_non_finite,
+    check_finite,
+    compact,
+    non_finite,
+    storage_bytes,
+)
+
+__all__ = [
+    "PROVENANCES",
+    "CachePart",
+    "DeferredKV",
+    "LayerIndexError",
+    "PositionMismatchError",
+    "Segment",
+    "SegmentKV",
+    "SegmentedCache",
+    "SharedCache",
+    "SlotWriter",
+    "check_finite",
+    "check_tiling",
+    "compact",
+    "config_signature",
+    "non_finite",
+    "storage_bytes",
+    "token_digest",
+]
 
 Kind = Literal["PF", "PH"]
 Provenance = Literal["dense", "reused", "corrected", "recomputed"]
@@ -50,248 +80,6 @@ class Segment:
     @property
     def length(self) -> int:
         return self.end - self.start
-
-
-def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
-    """Raise ``ValueError`` for the first ``(what, kv)`` of ``items`` whose K/V hold NaN or inf, naming
-    ``what``, the layer and keys/values. One reduction per tensor and one host read in all, whatever
-    the number of segments (per-layer tensors may sit on several devices).
-
-    The reduction is ``torch.aminmax`` (NaN propagates into both, +inf is the max, -inf the min): one
-    pass without the tensor-sized boolean mask of ``isfinite(t).all()``, which was ~18x slower on a
-    CPU (a 700-token SmolLM2 layer: 1.1 ms vs 62 us) and most of a serving record's time.
-
-    A :class:`SegmentKV` marked :attr:`SegmentKV.finite` (taken from a checked engine read-back that
-    nothing writes: the serving record's) is not read again. Passing does not mark: K/V a session holds
-    is checked again at every use, so a tensor written in place after a check is still caught."""
-    bounds, where = [], []
-    # K/V not computed yet (DeferredKV): what it is computed from now, its own rows where they are computed
-    items = [(what, kv.stored) for what, kv in items]
-    items = [(what, kv) for what, kv in items if not kv.finite]  # checked already (SegmentKV.finite)
-    for what, kv in items:
-        for layer, pair in enumerate(zip(kv.keys, kv.values)):
-            for kind, tensor in zip(("keys", "values"), pair):
-                if tensor.numel() == 0:
-                    continue
-                bounds.append(_bounds(tensor))
-                where.append((what, layer, kind))
-    bad = _first_non_finite(bounds)
-    if bad is not None:
-        raise non_finite(*where[bad])
-
-
-def non_finite(what: str, layer: int, kind: str) -> ValueError:
-    """The error for K/V holding NaN or inf where it was to be reused or stored."""
-    return ValueError(
-        f"{what}: non-finite K/V (NaN or inf) in layer {layer} ({kind}); such K/V is never reused "
-        "or stored (the turn changed nothing). Check the model's dtype / weights or what wrote this K/V"
-    )
-
-
-def _bounds(tensor: torch.Tensor) -> torch.Tensor:
-    """``[min, max]`` of ``tensor`` (float32): NaN propagates into both, +inf is the max, -inf the min."""
-    return torch.stack(torch.aminmax(tensor)).float()
-
-
-def _first_non_finite(bounds: list[torch.Tensor]) -> int | None:
-    """The index of the first ``bounds`` (:func:`_bounds`) holding NaN or inf, one host read in all."""
-    if not bounds:
-        return None
-    ok = torch.isfinite(torch.stack([b.to(bounds[0].device) for b in bounds])).all(dim=1).cpu()
-    return None if bool(ok.all()) else int((~ok).nonzero()[0, 0])
-
-
-@dataclass
-class SegmentKV:
-    """The per-layer K/V of one segment, detached from any cache.
-
-    ``keys[l]`` / ``values[l]`` are ``[batch, kv_heads, seq, head_dim]``; keys are post-RoPE at
-    positions ``start .. start + seq - 1``.
-    """
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    start: int
-    agent: str | None = None
-    #: an image / video segment's rope layout on a multimodal-RoPE model (``mrope.VisualRope``); keys
-    #: are kept in the slot frame there (:mod:`hf_kvshare.mrope`)
-    rope: Any = None
-    #: known to hold no NaN / inf: extracted from a cache that holds exactly a checked K/V
-    #: (:attr:`SegmentedCache.known_finite`: the serving record's read-back, which the store holds and
-    #: nothing writes), or set so by whoever checked it and keeps it unwritten. :func:`check_finite` skips
-    #: it. Never set by construction or ``replace`` (``init=False``): a K/V derived from this one
-    #: (re-positioned, corrected) is checked on its own.
-    finite: bool = field(default=False, init=False, repr=False, compare=False)
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[-2]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.keys)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def check_finite(self, what: str) -> None:
-        """Raise ``ValueError`` naming ``what`` and the first layer whose K/V hold NaN or inf
-        (one reduction per tensor, one device sync in all): :func:`check_finite`."""
-        check_finite([(what, self)])
-
-    def materialize(self) -> SegmentKV:
-        """K/V held in tensors: itself (a :class:`DeferredKV` computes its own)."""
-        return self
-
-    @property
-    def stored(self) -> SegmentKV:
-        """The K/V this one's shapes, dtypes and devices can be read from without computing anything:
-        itself (a :class:`DeferredKV` not computed yet: what it is computed from)."""
-        return self
-
-    @property
-    def deferred(self) -> bool:
-        """Whether this K/V is computed where it is written (a :class:`DeferredKV` not read yet)."""
-        return False
-
-    def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:
-        """A copy whose keys sit at ``new_start .. new_start + length - 1`` (values need no rotation)."""
-        if new_start == self.start:
-            return self
-        return replace(self, keys=list(self.keys_at(shifter, new_start)), start=new_start)
-
-    def keys_at(self, shifter: RopeShifter | None, new_start: int) -> Iterator[torch.Tensor]:
-        """Each layer's keys as they sit at ``new_start``, one layer at a time (a generator: a caller that
-        copies each layer into a cache holds one layer's rotated keys at once, not every layer's, as
-        :meth:`repositioned` does). The same values as :meth:`repositioned`'s keys."""
-        if new_start == self.start:
-            yield from self.keys
-            return
-        if shifter is None:
-            raise ValueError(
-                f"K/V sits at position {self.start}, not {new_start}: pass a RopeShifter to move it"
-            )
-        rotation = shifter.rotation(self.start, new_start, self.length)
-        for i, k in enumerate(self.keys):
-            yield shifter.apply(k, rotation, layer=i)
-
-    def prefix(self, length: int) -> SegmentKV:
-        return replace(
-            self,
-            keys=[k[..., :length, :] for k in self.keys],
-            values=[v[..., :length, :] for v in self.values],
-        )
-
-
-class DeferredKV(SegmentKV):
-    """K/V computed layer by layer where it is written, not held until it is read: the interface a
-    cache that lays K/V out (:meth:`SegmentedCache.append_placed`, :meth:`SegmentedCache.reserve`)
-    writes through, so such K/V is never held whole beside the cache being built.
-
-    While :attr:`deferred`, a cache calls :meth:`write_layer` into the slots of each layer and checks
-    the first :attr:`checked_rows` rows it wrote (the rows computed there; the others are copies of
-    :attr:`stored`, checked by :func:`check_finite` before). Anything that reads :attr:`keys` /
-    :attr:`values` gets them computed once, the same values bit for bit (the same :meth:`write_layer`,
-    into new tensors), checked finite; what computed them is then dropped (:meth:`release`).
-
-    An engine implements :attr:`stored`, :meth:`write_layer`, :attr:`checked_rows` and :meth:`release`
-    (``hf_kvshare.anchors.corrected.CorrectedKV``, a correction). The constructor of a subclass must
-    also take plain ``keys`` / ``values`` (what ``dataclasses.replace`` passes, reading :attr:`keys`):
-    K/V held in tensors, never deferred."""
-
-    _keys: list[torch.Tensor] | None = None
-    _values: list[torch.Tensor] | None = None
-
-    @property
-    def keys(self) -> list[torch.Tensor]:
-        if self._keys is None:
-            self._materialize()
-        return self._keys
-
-    @keys.setter
-    def keys(self, keys: list[torch.Tensor]) -> None:
-        self._keys = keys
-
-    @property
-    def values(self) -> list[torch.Tensor]:
-        if self._values is None:
-            self._materialize()
-        return self._values
-
-    @values.setter
-    def values(self, values: list[torch.Tensor]) -> None:
-        self._values = values
-
-    @property
-    def materialized(self) -> bool:
-        """Whether :attr:`keys` / :attr:`values` are held (read once, or given)."""
-        return self._keys is not None
-
-    @property
-    def deferred(self) -> bool:
-        return not self.materialized
-
-    @property
-    def checked_rows(self) -> int:
-        """How many leading rows :meth:`write_layer` computes (checked finite where they are written)."""
-        raise NotImplementedError
-
-    def write_layer(self, layer: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
-        """Write layer ``layer``'s keys and values into ``keys_out`` / ``values_out``
-        (``[batch, kv_heads, length, head_dim]``, batch >= 1: every row the same). Only while
-        :attr:`deferred`."""
-        raise NotImplementedError
-
-    def release(self) -> None:
-        """Drop what computes the K/V (called once :attr:`keys` / :attr:`values` are held)."""
-
-    @property
-    def length(self) -> int:
-        return self.stored.keys[0].shape[-2]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.stored.keys)
-
-    @property
-    def nbytes(self) -> int:
-        return self.stored.nbytes  # computed K/V has the stored one's shapes and dtypes
-
-    def _materialize(self) -> None:
-        stored = self.stored
-        keys, values = [], []
-        for layer in range(self.num_layers):
-            k_src, v_src = stored.keys[layer], stored.values[layer]
-            key = k_src.new_empty((1, *k_src.shape[1:]))
-            value = v_src.new_empty((1, *v_src.shape[1:]))
-            self.write_layer(layer, key, value)
-            keys.append(key)
-            values.append(value)
-        check_finite([(self.describe(), _plain(keys, values, self))])
-        self._keys, self._values = keys, values
-        self.release()
-
-    def describe(self) -> str:
-        """What this K/V is, for an error message."""
-        return f"{type(self).__name__} at position {self.start}"
-
-    def materialize(self) -> SegmentKV:
-        """Plain K/V of the same values (computed now if they were not)."""
-        return _plain(self.keys, self.values, self)
-
-    def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:
-        return self.materialize().repositioned(shifter, new_start)
-
-    def keys_at(self, shifter: RopeShifter | None, new_start: int) -> Iterator[torch.Tensor]:
-        return self.materialize().keys_at(shifter, new_start)
-
-    def prefix(self, length: int) -> SegmentKV:
-        return self.materialize().prefix(length)
-
-
-def _plain(keys: list[torch.Tensor], values: list[torch.Tensor], like: SegmentKV) -> SegmentKV:
-    return SegmentKV(keys=keys, values=values, start=like.start, agent=like.agent, rope=like.rope)
 
 
 @dataclass
@@ -390,7 +178,7 @@ class SegmentedCache(DynamicCache):
             offloading=offloading,
             offload_only_non_sliding=offload_only_non_sliding,
         )
-        _keep_sliding_layers_whole(self)
+        own_layers(self)  # every layer a SegmentLayer: it stores (cache_layer.py), the cache is the table
         self.config = config
         #: (layers, kv heads, head dim); ``None`` entries are fixed by the first update (no config)
         self.signature: tuple[int | None, int | None, int | None] = (
@@ -556,17 +344,17 @@ class SegmentedCache(DynamicCache):
         self._known_finite = False  # new K/V, unchecked
 
     def _store_new(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> None:
-        """``update`` with tensors just built for this layer and read by no one else: an empty plain
-        layer holds them as they are (``_compat.adopt_layer_states``), where ``DynamicLayer.update``
-        would copy them once more; any other layer is updated."""
+        """``update`` with tensors just built for this layer and read by no one else: a segment layer
+        holds them (:meth:`SegmentLayer.hold`: as they are if it is empty, where ``DynamicLayer.update``
+        would copy them once more), behind the guards of ``update``; any other layer is updated."""
         if (
             type(self).update is SegmentedCache.update
             and layer_idx < len(self.layers)
+            and isinstance(self.layers[layer_idx], SegmentLayer)
             and not self.offloading
         ):
             self._before_update(keys, layer_idx, (), {})  # the guards of update, then store
-            if not _compat.adopt_layer_states(self.layers[layer_idx], keys, values):
-                DynamicCache.update(self, keys, values, layer_idx)
+            self.layers[layer_idx].hold(keys, values)
             return
         self.update(keys, values, layer_idx)
 
@@ -674,9 +462,8 @@ class SegmentedCache(DynamicCache):
             for p in parts:
                 self.append_kv(p.kv, p.segment, shifter, rope=p.rope)
             return
-        rotations = _rotations(parts, shifter)
         batch = max(p.kv.stored.keys[0].shape[0] for p in parts)
-        self._lay_out(parts, shifter, rotations, batch, self.num_layers)
+        self._lay_out(parts, shifter, batch, self.num_layers)
         self.segments.extend(p.segment for p in parts)
 
     def append_tiled(self, kv: SegmentKV, segments: Sequence[Segment], adopt: bool = False) -> None:
@@ -711,9 +498,9 @@ class SegmentedCache(DynamicCache):
 
     @property
     def can_reserve(self) -> bool:
-        """Whether :meth:`reserve` can write into this cache's layers in place: plain ``DynamicLayer``
+        """Whether :meth:`reserve` can write into this cache's layers in place: :class:`SegmentLayer`
         layers, not offloaded."""
-        return not self.offloading and all(type(layer) is DynamicLayer for layer in self.layers)
+        return not self.offloading and all(type(layer) is SegmentLayer for layer in self.layers)
 
     def reserve(
         self, parts: Sequence[CachePart], slots: torch.Tensor, shifter: RopeShifter | None = None
@@ -732,41 +519,31 @@ class SegmentedCache(DynamicCache):
                 self.check_placeable(p.kv, p.segment, shifter, layers=self.signature[0] is not None)
         batch = max(p.token_ids.shape[0] for p in parts if p.dense)
         reference = next(p.kv for p in parts if not p.dense)
-        rotations = _rotations(parts, shifter)
-        self._lay_out(parts, shifter, rotations, batch, reference.num_layers)
+        self._lay_out(parts, shifter, batch, reference.num_layers)
         return SlotWriter(self, slots)
 
     def _lay_out(
-        self,
-        parts: Sequence[CachePart],
-        shifter: RopeShifter | None,
-        rotations: dict,
-        batch: int,
-        layers: int,
+        self, parts: Sequence[CachePart], shifter: RopeShifter | None, batch: int, layers: int
     ) -> None:
-        """Store ``parts`` end to end, each layer laid out in one new tensor (:func:`_laid_out`); the rows
-        a :class:`DeferredKV` computes as it is written are checked finite, once for all layers, and
-        a failure leaves the cache as it was (``ValueError``)."""
+        """Store ``parts`` end to end, each layer laid out in one new tensor (:func:`cache_layer.laid_out`);
+        the rows a :class:`DeferredKV` computes as it is written are checked finite, once for all
+        layers, and a failure leaves the cache as it was (``ValueError``; every layer cut back to where
+        it started: a layout that stopped part way extended only some)."""
         start = self.get_seq_length()
+        moves = rotations(parts, shifter)
         bounds: list[tuple[str, int, str, torch.Tensor]] = []
         try:
             for layer_idx in range(layers):
-                self._store_new(*_laid_out(parts, layer_idx, shifter, rotations, batch, bounds), layer_idx)
+                self._store_new(*laid_out(parts, layer_idx, shifter, moves, batch, bounds), layer_idx)
             bad = _first_non_finite([b for *_, b in bounds])
         except BaseException:
-            self._drop_after(start)
+            for layer in self.layers:
+                layer.keep(start)
             raise
         if bad is not None:
-            self._drop_after(start)
+            for layer in self.layers:
+                layer.keep(start)
             raise non_finite(*bounds[bad][:3])
-
-    def _drop_after(self, start: int) -> None:
-        """Crop every layer that holds more than ``start`` positions back to ``start`` (a layout that
-        stopped part way extended only some; ``crop`` would remove as many from each)."""
-        for layer in self.layers:
-            length = layer.get_seq_length()
-            if length > start:
-                layer.crop(crop_argument(length, start))
 
     # ------------------------------------------- what generate may call on us
     def crop(self, tokens_to_remove: int) -> None:
@@ -800,12 +577,10 @@ class SegmentedCache(DynamicCache):
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
         DynamicCache.__init__(new, config=self.config, **self._offload_options())
-        _keep_sliding_layers_whole(new)
-        for layer_idx, layer in enumerate(self.layers):
-            if layer_idx >= len(new.layers):  # no config: layers are created lazily
-                new.layers.append(type(layer)())
-            if layer.is_initialized and layer.keys is not None:
-                new.layers[layer_idx].update(layer.keys.clone(), layer.values.clone())
+        own_layers(new)
+        new.layers = [
+            layer.copy() if isinstance(layer, SegmentLayer) else deepcopy(layer) for layer in self.layers
+        ]
         new.segments = [replace(s, info=dict(s.info)) for s in self.segments]
         new.rope_track = None if self.rope_track is None else self.rope_track.copy()
         return new
@@ -1016,25 +791,6 @@ def token_digest(token_ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.numpy().tobytes()).hexdigest()
 
 
-def _keep_sliding_layers_whole(cache: DynamicCache) -> None:
-    """Replace the sliding-window layers ``DynamicCache(config=...)`` builds by plain ``DynamicLayer`` s.
-
-    A sliding layer evicts all but its last ``W - 1`` keys, but a segment table must be able to hand
-    out any segment's K/V (reuse sources, recomputation prefixes). So every layer keeps all its
-    positions, and the model's own sliding-window mask (built from absolute positions, the cache
-    reporting ``kv_offset = 0``) hides from each sliding layer exactly the keys plain generation would
-    have evicted: attention sees what it sees in plain generation. The cost is memory: a sliding
-    layer holds the whole sequence instead of ``W - 1`` positions.
-    """
-    for layer_idx, layer in enumerate(cache.layers):
-        if not getattr(layer, "is_sliding", False):
-            continue
-        whole = DynamicLayer()
-        if layer.is_initialized and layer.keys is not None:
-            whole.update(layer.keys, layer.values)
-        cache.layers[layer_idx] = whole
-
-
 class SlotWriter(DynamicCache):
     """What a forward writes through when its tokens fill slots a :class:`SegmentedCache` reserved
     (:meth:`SegmentedCache.reserve`) rather than its end: a ``DynamicCache`` over the cache's own layer
@@ -1051,68 +807,7 @@ class SlotWriter(DynamicCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.cache._check_shapes(key_states, layer_idx)
         self.cache._known_finite = False  # written in place, unchecked
-        layer = self.layers[layer_idx]
-        slots = self.slots.to(layer.keys.device)
-        layer.keys.index_copy_(-2, slots, key_states.to(layer.keys.dtype))
-        layer.values.index_copy_(-2, slots, value_states.to(layer.values.dtype))
-        return layer.keys, layer.values
-
-
-def _rotations(parts: Sequence[CachePart], shifter: RopeShifter | None) -> dict[int, Any]:
-    """Each placed part's re-positioning to where it lands (``None``: it sits there), computed once
-    for every layer; the parts are checked (``SegmentedCache.check_placeable``) first."""
-    return {
-        id(p): None
-        if p.kv.start == p.segment.start
-        else shifter.rotation(p.kv.start, p.segment.start, p.kv.length)
-        for p in parts
-        if not p.dense
-    }
-
-
-def _laid_out(
-    parts: Sequence[CachePart],
-    layer_idx: int,
-    shifter: RopeShifter | None,
-    rotations: dict[int, Any],
-    batch: int,
-    bounds: list | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer_idx``'s keys and values of ``parts`` end to end, each in ONE new tensor of
-    ``batch`` rows: a placed part's keys re-positioned straight into its slots
-    (:meth:`RopeShifter.apply_into`: the values of ``SegmentKV.keys_at``) and its values copied there,
-    a :class:`DeferredKV` computed there (:meth:`DeferredKV.write_layer`; the ``[min, max]`` of the
-    rows it computes appended to ``bounds`` as ``(what, layer, kind, bounds)``), a dense part's slots
-    zero (its K/V still to come). One layer alive at a time; no concatenation."""
-    reference = next(p.kv for p in parts if not p.dense).stored
-    like_k, like_v = reference.keys[layer_idx], reference.values[layer_idx]
-    total = sum(p.segment.length for p in parts)
-    keys = like_k.new_empty((batch, like_k.shape[1], total, like_k.shape[3]))
-    values = like_v.new_empty((batch, like_v.shape[1], total, like_v.shape[3]))
-    at = 0
-    for p in parts:
-        n = p.segment.length
-        k_out, v_out = keys[..., at : at + n, :], values[..., at : at + n, :]
-        if p.dense:
-            k_out.zero_()
-            v_out.zero_()
-        elif p.kv.deferred and rotations[id(p)] is None:
-            p.kv.write_layer(layer_idx, k_out, v_out)
-            rows = p.kv.checked_rows
-            if bounds is not None and rows:
-                what = f"{p.segment.kind} segment {p.segment.name!r} ({p.segment.provenance})"
-                bounds.append((what, layer_idx, "keys", _bounds(k_out[:1, :, :rows])))
-                bounds.append((what, layer_idx, "values", _bounds(v_out[:1, :, :rows])))
-        else:
-            k = p.kv.keys[layer_idx].expand(batch, -1, -1, -1)
-            rotation = rotations[id(p)]
-            if rotation is None:
-                k_out.copy_(k)
-            else:
-                shifter.apply_into(k, rotation, k_out, layer=layer_idx)
-            v_out.copy_(p.kv.values[layer_idx].expand(batch, -1, -1, -1))
-        at += n
-    return keys, values
+        return self.layers[layer_idx].write_slots(self.slots, key_states, value_states)
 
 
 def check_tiling(segments: Sequence[Segment], start: int, end: int) -> None:
@@ -1134,28 +829,3 @@ def _fmt(value: Any) -> str:
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], float):
         return "[" + ", ".join(f"{v:.2f}" for v in value) + "]"
     return str(value)
-
-
-def compact(kvs: Iterable[SegmentKV], storage_tokens: int, share: float = 0.5) -> bool:
-    """Copy ``kvs`` (views of one cache's storage, :meth:`SegmentedCache.sharing_storage`, of disjoint
-    spans) into storage of their own, in place (every holder of a :class:`SegmentKV` sees the copy),
-    when together they hold less than ``share`` of the ``storage_tokens`` positions the views keep
-    alive: a short span (an agent's output) then stops holding a whole cache. Returns whether it
-    copied."""
-    kvs = list(kvs)
-    if not kvs or sum(kv.length for kv in kvs) >= share * storage_tokens:
-        return False
-    for kv in kvs:
-        kv.keys[:] = [k.clone() for k in kv.keys]
-        kv.values[:] = [v.clone() for v in kv.values]
-    return True
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages ``tensors`` keep alive, each counted once and whole (views of one cache's
-    layers count that layer's tensor, not the span they show)."""
-    seen: dict[tuple[torch.device, int], int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[(t.device, storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ..cache import DeferredKV, SegmentKV
 from ..rope import RopeShifter
+from ..segment_kv import DeferredKV, SegmentKV
 
 
 class CorrectedKV(DeferredKV):
