@@ -243,13 +243,12 @@ class SegmentedCache(DynamicCache):
             k, v = k[..., start:end, :], v[..., start:end, :]
             keys.append(k if views else k.clone())
             values.append(v if views else v.clone())
-        track = self.rope_track
-        if track is None:
+        if self.rope_track is None:
             kv = SegmentKV(keys=keys, values=values, start=start, agent=agent)
             kv.finite = self.known_finite
             return kv
-        keys = track.rotate(keys, start, -1)  # multimodal RoPE: kept in the slot frame
-        return SegmentKV(keys=keys, values=values, start=start, agent=agent, rope=track.visual(start, end))
+        keys, rope = self.rope_track.slot_frame(keys, start)  # multimodal RoPE: kept in the slot frame
+        return SegmentKV(keys=keys, values=values, start=start, agent=agent, rope=rope)
 
     @property
     def known_finite(self) -> bool:
@@ -405,10 +404,8 @@ class SegmentedCache(DynamicCache):
                 f"segment {segment.name!r} says [{segment.start}, {segment.end}) but the cache ends at {start}"
             )
         self.check_placeable(kv, segment, shifter)
-        track = self.rope_track
-        if track is not None:  # multimodal RoPE: from the slot frame to the rope positions it lands at
-            track.extend(start, [(kv.length, rope if rope is not None else kv.rope)])
-            moved = track.rotate(list(kv.keys_at(shifter, start)), start, +1)
+        if self.rope_track is not None:  # multimodal RoPE: from the slot frame to its rope positions
+            moved = self.rope_track.place(kv, start, shifter, rope)
             for layer_idx in range(self.num_layers):
                 self.update(moved[layer_idx], kv.values[layer_idx], layer_idx)
         else:

@@ -202,6 +202,20 @@ class RopeTrack:
             self.next_shift = shift if rope is None else shift + rope.advance - (e - s)
 
     # ------------------------------------------------------------------ keys
+    def place(self, kv: Any, start: int, shifter: RopeShifter | None, rope: VisualRope | None = None) -> list:
+        """Lay ``kv`` (a ``SegmentKV`` in the slot frame) out from slot ``start`` (the cache's end; ``rope``:
+        its image layout, else ``kv.rope``) and return its per-layer keys at their rope positions."""
+        self.extend(start, [(kv.length, rope if rope is not None else kv.rope)])
+        return self.rotate(list(kv.keys_at(shifter, start)), start, +1)
+
+    def slot_frame(
+        self, keys: list[torch.Tensor], start: int
+    ) -> tuple[list[torch.Tensor], VisualRope | None]:
+        """Per-layer ``keys`` of slots ``start ..`` read from the cache, moved to the slot frame, and the
+        image laid out at exactly those slots (``None`` for text)."""
+        end = start + keys[0].shape[-2]
+        return self.rotate(keys, start, -1), self.visual(start, end)
+
     def rotate(self, keys: list[torch.Tensor], start: int, sign: int) -> list[torch.Tensor]:
         """``keys`` (per layer, slots ``start ..``) moved by ``sign * shift`` per run: ``-1`` from the
         cache's (rope) frame to the slot frame, ``+1`` back. Runs with shift 0 are left as they are."""
@@ -299,12 +313,18 @@ def lay_out_ids(
 
 
 def lay_out_parts(
-    model: torch.nn.Module, track: RopeTrack, start: int, parts: list[Any], slots: torch.Tensor
+    model: torch.nn.Module,
+    track: RopeTrack,
+    start: int,
+    parts: list[Any],
+    slots: torch.Tensor,
+    shifter: RopeShifter | None,
 ) -> tuple[list[Any], torch.Tensor]:
     """The one forward over cache ``parts`` on a multimodal-RoPE cache: the parts laid out on ``track``
-    from ``start``, the placed parts' K/V (re-positioned to their slots, in the slot frame) rotated to
-    their rope positions, and the dense tokens' ``[4, batch, q]`` position ids (``slots`` ``[batch, q]``
-    their slots). On error the track is as it was."""
+    from ``start``, the placed parts' K/V re-positioned to their slots (slot frame, by ``shifter``) then
+    rotated to their rope positions, and the dense tokens' ``[4, batch, q]`` position ids (``slots``
+    ``[batch, q]`` their slots). On error the track is as it was."""
+    parts = [p if p.dense else replace(p, kv=p.kv.repositioned(shifter, p.segment.start)) for p in parts]
     rope = track.extend(start, [(p.segment.length, p.rope) for p in parts])
     try:
         dense = torch.cat([torch.arange(p.segment.start, p.segment.end) for p in parts if p.dense]) - start

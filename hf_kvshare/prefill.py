@@ -17,7 +17,6 @@ each taking ``(cache, model)``:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -363,8 +362,7 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
     positions = queries[None].expand(batch, -1)
     track = cache.rope_track
     if track is not None:  # multimodal RoPE: placed K/V re-positioned, then to their rope positions
-        parts = [p if p.dense else replace(p, kv=p.kv.repositioned(shifter, p.segment.start)) for p in parts]
-        parts, positions = mrope.lay_out_parts(model, track, start, parts, positions)
+        parts, positions = mrope.lay_out_parts(model, track, start, parts, positions, shifter)
     ids = torch.cat([p.token_ids.expand(batch, -1) for p in parts if p.dense], dim=-1).to(device)
     embeds = dense_embeds(model, [p for p in parts if p.dense], batch)
     inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds.to(device)}
