@@ -375,15 +375,13 @@ class SegmentedCache(DynamicCache):
                 f"{self.signature}, the model has {other}"
             )
         if isinstance(model_or_config, torch.nn.Module) and self.model_identity is not None:
-            self._check_identity(model_identity(model_or_config))
-
-    def _check_identity(self, identity: ModelIdentity) -> None:
-        if identity != self.model_identity:
-            raise ValueError(
-                f"cache/model mismatch: this {type(self).__name__} was built with the model {self.model_identity}; "
-                f"it is used with the model {identity}. K/V of one model are meaningless for another: build "
-                "the cache with the model that uses it"
-            )
+            identity = model_identity(model_or_config)
+            if identity != self.model_identity:
+                raise ValueError(
+                    f"cache/model mismatch: this {type(self).__name__} was built with the model "
+                    f"{self.model_identity}; it is used with the model {identity}. K/V of one model are "
+                    "meaningless for another: build the cache with the model that uses it"
+                )
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """Record the model this cache is built with (a cache that knows one refuses another)."""
@@ -546,21 +544,13 @@ class SegmentedCache(DynamicCache):
     def crop(self, tokens_to_remove: int) -> None:
         keep = crop_target_length(self.get_seq_length(), tokens_to_remove)
         super().crop(crop_argument(self.get_seq_length(), keep))
-        self._trim_table(keep)
+        self.segments = cropped_table(self.segments, keep)
         if self.rope_track is not None:
             self.rope_track.crop(keep)
 
     def crop_to(self, length: int) -> None:
         """Keep the first ``length`` positions (any transformers version)."""
         self.crop(crop_argument(self.get_seq_length(), length))
-
-    def _trim_table(self, keep: int) -> None:
-        kept = []
-        for seg in self.segments:
-            if seg.start >= keep:
-                break
-            kept.append(replace(seg, end=min(seg.end, keep)) if seg.end > keep else seg)
-        self.segments = kept
 
     def reset(self) -> None:
         _compat.drop_layer_states(self.layers)
@@ -573,7 +563,10 @@ class SegmentedCache(DynamicCache):
         """An independent copy (tensors cloned) with the same segment table."""
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
-        DynamicCache.__init__(new, config=self.config, **self._offload_options())
+        offload = (
+            {"offloading": True, "offload_only_non_sliding": self.only_non_sliding} if self.offloading else {}
+        )
+        DynamicCache.__init__(new, config=self.config, **offload)
         own_layers(new)
         new.layers = [
             layer.copy() if isinstance(layer, SegmentLayer) else deepcopy(layer) for layer in self.layers
@@ -581,11 +574,6 @@ class SegmentedCache(DynamicCache):
         new.segments = [replace(s, info=dict(s.info)) for s in self.segments]
         new.rope_track = None if self.rope_track is None else self.rope_track.copy()
         return new
-
-    def _offload_options(self) -> dict[str, bool]:
-        if not self.offloading:
-            return {}
-        return {"offloading": True, "offload_only_non_sliding": self.only_non_sliding}
 
     # ----------------------------------------------------------------- report
     def report(self) -> str:
@@ -805,6 +793,16 @@ class SlotWriter(DynamicCache):
         self.cache._check_shapes(key_states, layer_idx)
         self.cache._known_finite = False  # written in place, unchecked
         return self.layers[layer_idx].write_slots(self.slots, key_states, value_states)
+
+
+def cropped_table(segments: Sequence[Segment], keep: int) -> list[Segment]:
+    """The rows of ``segments`` within the first ``keep`` positions (a row across ``keep`` cut there)."""
+    kept = []
+    for seg in segments:
+        if seg.start >= keep:
+            break
+        kept.append(replace(seg, end=min(seg.end, keep)) if seg.end > keep else seg)
+    return kept
 
 
 def check_tiling(segments: Sequence[Segment], start: int, end: int) -> None:
