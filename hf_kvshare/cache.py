@@ -1,9 +1,11 @@
 """KV caches that ``model.generate`` accepts unchanged.
 
-``SegmentedCache`` is a :class:`transformers.DynamicCache` (per-layer storage stays in
-transformers' ``DynamicLayer`` objects) plus a *segment table*: which prompt positions hold which
-PF/PH segment and where their K/V came from (dense / reused / corrected / recomputed, and from
-which agent). ``SharedCache`` is the user-facing cache a method builds for one agent turn: a
+``SegmentedCache`` is a :class:`transformers.DynamicCache` plus a *segment table*: which prompt
+positions hold which PF/PH segment and where their K/V came from (dense / reused / corrected /
+recomputed, and from which agent). As in transformers, the cache is a table that dispatches to its
+layers and the layers store: each is a :class:`~hf_kvshare.cache_layer.SegmentLayer` (a
+``DynamicLayer`` that keeps every position); detached K/V are :mod:`hf_kvshare.segment_kv`'s.
+``SharedCache`` is the user-facing cache a method builds for one agent turn: a
 ``SegmentedCache`` that holds the prompt minus its last token and refuses to be silently reused
 for a second ``generate``.
 
@@ -33,9 +35,9 @@ from .rope import RopeShifter
 from .segment_kv import (
     DeferredKV,
     SegmentKV,
-    _first_non_finite,
     check_finite,
     compact,
+    first_non_finite,
     non_finite,
     storage_bytes,
 )
@@ -530,7 +532,7 @@ class SegmentedCache(DynamicCache):
         try:
             for layer_idx in range(layers):
                 self._store_new(*laid_out(parts, layer_idx, shifter, moves, batch, bounds), layer_idx)
-            bad = _first_non_finite([b for *_, b in bounds])
+            bad = first_non_finite([b for *_, b in bounds])
         except BaseException:
             for layer in self.layers:
                 layer.keep(start)

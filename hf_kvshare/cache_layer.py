@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicLayer
 
 from . import _compat
 from .rope import RopeShifter
-from .segment_kv import _bounds
+from .segment_kv import value_bounds
 
 if TYPE_CHECKING:
     from .cache import CachePart
@@ -131,8 +131,8 @@ def laid_out(
             rows = p.kv.checked_rows
             if bounds is not None and rows:
                 what = f"{p.segment.kind} segment {p.segment.name!r} ({p.segment.provenance})"
-                bounds.append((what, layer_idx, "keys", _bounds(k_out[:1, :, :rows])))
-                bounds.append((what, layer_idx, "values", _bounds(v_out[:1, :, :rows])))
+                bounds.append((what, layer_idx, "keys", value_bounds(k_out[:1, :, :rows])))
+                bounds.append((what, layer_idx, "values", value_bounds(v_out[:1, :, :rows])))
         else:
             k = p.kv.keys[layer_idx].expand(batch, -1, -1, -1)
             rotation = rotations[id(p)]

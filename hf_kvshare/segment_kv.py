@@ -36,9 +36,9 @@ def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
             for kind, tensor in zip(("keys", "values"), pair):
                 if tensor.numel() == 0:
                     continue
-                bounds.append(_bounds(tensor))
+                bounds.append(value_bounds(tensor))
                 where.append((what, layer, kind))
-    bad = _first_non_finite(bounds)
+    bad = first_non_finite(bounds)
     if bad is not None:
         raise non_finite(*where[bad])
 
@@ -51,13 +51,13 @@ def non_finite(what: str, layer: int, kind: str) -> ValueError:
     )
 
 
-def _bounds(tensor: torch.Tensor) -> torch.Tensor:
+def value_bounds(tensor: torch.Tensor) -> torch.Tensor:
     """``[min, max]`` of ``tensor`` (float32): NaN propagates into both, +inf is the max, -inf the min."""
     return torch.stack(torch.aminmax(tensor)).float()
 
 
-def _first_non_finite(bounds: list[torch.Tensor]) -> int | None:
-    """The index of the first ``bounds`` (:func:`_bounds`) holding NaN or inf, one host read in all."""
+def first_non_finite(bounds: list[torch.Tensor]) -> int | None:
+    """The index of the first ``bounds`` (:func:`value_bounds`) holding NaN or inf, one host read in all."""
     if not bounds:
         return None
     ok = torch.isfinite(torch.stack([b.to(bounds[0].device) for b in bounds])).all(dim=1).cpu()
