@@ -105,9 +105,16 @@ def adopt_layer_states(layer: Any, keys: Any, values: Any) -> bool:
 
     if type(layer) is not DynamicLayer or layer.is_initialized:
         return False
+    hold_layer_states(layer, keys, values)
+    return True
+
+
+def hold_layer_states(layer: Any, keys: Any, values: Any) -> None:
+    """Make an empty ``DynamicLayer`` (or a subclass that appends as it does: the cache's
+    ``SegmentLayer``) hold ``keys`` / ``values`` themselves (:func:`adopt_layer_states` without its
+    check of the class)."""
     layer.lazy_initialization(keys, values)
     layer.keys, layer.values = keys, values
-    return True
 
 
 def peft_lora_layer_types() -> tuple[type, ...]:

@@ -1,9 +1,11 @@
 """KV caches that ``model.generate`` accepts unchanged.
 
-``SegmentedCache`` is a :class:`transformers.DynamicCache` (per-layer storage stays in
-transformers' ``DynamicLayer`` objects) plus a *segment table*: which prompt positions hold which
-PF/PH segment and where their K/V came from (dense / reused / corrected / recomputed, and from
-which agent). ``SharedCache`` is the user-facing cache a method builds for one agent turn: a
+``SegmentedCache`` is a :class:`transformers.DynamicCache` plus a *segment table*: which prompt
+positions hold which PF/PH segment and where their K/V came from (dense / reused / corrected /
+recomputed, and from which agent). As in transformers, the cache is a table that dispatches to its
+layers and the layers store: each is a :class:`~hf_kvshare.cache_layer.SegmentLayer` (a
+``DynamicLayer`` that keeps every position); detached K/V are :mod:`hf_kvshare.segment_kv`'s.
+``SharedCache`` is the user-facing cache a method builds for one agent turn: a
 ``SegmentedCache`` that holds the prompt minus its last token and refuses to be silently reused
 for a second ``generate``.
 
@@ -18,17 +20,47 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from copy import deepcopy
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from . import _compat
 from ._compat import crop_argument, crop_target_length, update_position_ids
+from .cache_layer import SegmentLayer, laid_out, own_layers, rotations
 from .identity import ModelIdentity, config_signature, model_identity
 from .rope import RopeShifter
+from .segment_kv import (
+    DeferredKV,
+    SegmentKV,
+    check_finite,
+    compact,
+    first_non_finite,
+    non_finite,
+    storage_bytes,
+)
+
+__all__ = [
+    "PROVENANCES",
+    "CachePart",
+    "DeferredKV",
+    "LayerIndexError",
+    "PositionMismatchError",
+    "Segment",
+    "SegmentKV",
+    "SegmentedCache",
+    "SharedCache",
+    "SlotWriter",
+    "check_finite",
+    "check_tiling",
+    "compact",
+    "config_signature",
+    "non_finite",
+    "storage_bytes",
+    "token_digest",
+]
 
 Kind = Literal["PF", "PH"]
 Provenance = Literal["dense", "reused", "corrected", "recomputed"]
@@ -50,275 +82,6 @@ class Segment:
     @property
     def length(self) -> int:
         return self.end - self.start
-
-
-def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
-    """Raise ``ValueError`` for the first ``(what, kv)`` of ``items`` whose K/V hold NaN or inf, naming
-    ``what``, the layer and keys/values. One reduction per tensor and one host read in all, whatever
-    the number of segments (per-layer tensors may sit on several devices).
-
-    The reduction is ``torch.aminmax`` (NaN propagates into both, +inf is the max, -inf the min): one
-    pass without the tensor-sized boolean mask of ``isfinite(t).all()``, which was ~18x slower on a
-    CPU (a 700-token SmolLM2 layer: 1.1 ms vs 62 us) and most of a serving record's time.
-
-    A :class:`SegmentKV` marked :attr:`SegmentKV.finite` (taken from a checked engine read-back that
-    nothing writes: the serving record's) is not read again. Passing does not mark: K/V a session holds
-    is checked again at every use, so a tensor written in place after a check is still caught."""
-    bounds, where = [], []
-    # a correction not computed yet: its source now, the corrected rows where they are computed
-    items = [(what, kv.stored) for what, kv in items]
-    items = [(what, kv) for what, kv in items if not kv.finite]  # checked already (SegmentKV.finite)
-    for what, kv in items:
-        for layer, pair in enumerate(zip(kv.keys, kv.values)):
-            for kind, tensor in zip(("keys", "values"), pair):
-                if tensor.numel() == 0:
-                    continue
-                bounds.append(_bounds(tensor))
-                where.append((what, layer, kind))
-    bad = _first_non_finite(bounds)
-    if bad is not None:
-        raise non_finite(*where[bad])
-
-
-def non_finite(what: str, layer: int, kind: str) -> ValueError:
-    """The error for K/V holding NaN or inf where it was to be reused or stored."""
-    return ValueError(
-        f"{what}: non-finite K/V (NaN or inf) in layer {layer} ({kind}); such K/V is never reused "
-        "or stored (the turn changed nothing). Check the model's dtype / weights or what wrote this K/V"
-    )
-
-
-def _bounds(tensor: torch.Tensor) -> torch.Tensor:
-    """``[min, max]`` of ``tensor`` (float32): NaN propagates into both, +inf is the max, -inf the min."""
-    return torch.stack(torch.aminmax(tensor)).float()
-
-
-def _first_non_finite(bounds: list[torch.Tensor]) -> int | None:
-    """The index of the first ``bounds`` (:func:`_bounds`) holding NaN or inf, one host read in all."""
-    if not bounds:
-        return None
-    ok = torch.isfinite(torch.stack([b.to(bounds[0].device) for b in bounds])).all(dim=1).cpu()
-    return None if bool(ok.all()) else int((~ok).nonzero()[0, 0])
-
-
-@dataclass
-class SegmentKV:
-    """The per-layer K/V of one segment, detached from any cache.
-
-    ``keys[l]`` / ``values[l]`` are ``[batch, kv_heads, seq, head_dim]``; keys are post-RoPE at
-    positions ``start .. start + seq - 1``.
-    """
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    start: int
-    agent: str | None = None
-    #: an image / video segment's rope layout on a multimodal-RoPE model (``mrope.VisualRope``); keys
-    #: are kept in the slot frame there (:mod:`hf_kvshare.mrope`)
-    rope: Any = None
-    #: known to hold no NaN / inf: extracted from a cache that holds exactly a checked K/V
-    #: (:attr:`SegmentedCache.known_finite`: the serving record's read-back, which the store holds and
-    #: nothing writes), or set so by whoever checked it and keeps it unwritten. :func:`check_finite` skips
-    #: it. Never set by construction or ``replace`` (``init=False``): a K/V derived from this one
-    #: (re-positioned, corrected) is checked on its own.
-    finite: bool = field(default=False, init=False, repr=False, compare=False)
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[-2]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.keys)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def check_finite(self, what: str) -> None:
-        """Raise ``ValueError`` naming ``what`` and the first layer whose K/V hold NaN or inf
-        (one reduction per tensor, one device sync in all): :func:`check_finite`."""
-        check_finite([(what, self)])
-
-    def materialize(self) -> SegmentKV:
-        """K/V held in tensors: itself (a :class:`CorrectedKV` computes its own)."""
-        return self
-
-    @property
-    def stored(self) -> SegmentKV:
-        """The K/V this one's shapes, dtypes and devices can be read from without computing anything:
-        itself (a :class:`CorrectedKV` not computed yet: its source)."""
-        return self
-
-    def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:
-        """A copy whose keys sit at ``new_start .. new_start + length - 1`` (values need no rotation)."""
-        if new_start == self.start:
-            return self
-        return replace(self, keys=list(self.keys_at(shifter, new_start)), start=new_start)
-
-    def keys_at(self, shifter: RopeShifter | None, new_start: int) -> Iterator[torch.Tensor]:
-        """Each layer's keys as they sit at ``new_start``, one layer at a time (a generator: a caller that
-        copies each layer into a cache holds one layer's rotated keys at once, not every layer's, as
-        :meth:`repositioned` does). The same values as :meth:`repositioned`'s keys."""
-        if new_start == self.start:
-            yield from self.keys
-            return
-        if shifter is None:
-            raise ValueError(
-                f"K/V sits at position {self.start}, not {new_start}: pass a RopeShifter to move it"
-            )
-        rotation = shifter.rotation(self.start, new_start, self.length)
-        for i, k in enumerate(self.keys):
-            yield shifter.apply(k, rotation, layer=i)
-
-    def prefix(self, length: int) -> SegmentKV:
-        return replace(
-            self,
-            keys=[k[..., :length, :] for k in self.keys],
-            values=[v[..., :length, :] for v in self.values],
-        )
-
-
-class CorrectedKV(SegmentKV):
-    """``source`` re-positioned to ``start`` plus an additive correction of its first ``rows`` tokens,
-    computed layer by layer where it is written: a corrected segment (``Align(source) + delta``).
-
-    ``delta(layer)`` returns that layer's key and value corrections ``[1, kv_heads, rows, head_dim]``
-    at the target positions (any float dtype; added in the K/V's own), or ``None`` where the layer
-    keeps the re-positioned source. A cache that lays the segment out (:meth:`SegmentedCache.append_placed`,
-    :meth:`SegmentedCache.reserve`) writes each layer straight into its slots (:meth:`write_layer`), so
-    the corrected segment is never held whole beside the cache being built; anything that reads
-    :attr:`keys` / :attr:`values` gets them computed once, the same values bit for bit (the same
-    :meth:`write_layer`, into new tensors). :func:`check_finite` checks the source before the
-    correction is computed; the corrected rows are checked where they are written or computed
-    (a non-finite correction raises ``ValueError`` there, and the cache is left as it was).
-
-    A ``dataclasses.replace`` of it (which reads :attr:`keys`) gives plain K/V of this class."""
-
-    def __init__(
-        self,
-        keys: list[torch.Tensor] | None = None,
-        values: list[torch.Tensor] | None = None,
-        start: int = 0,
-        agent: str | None = None,
-        rope: Any = None,
-        *,
-        source: SegmentKV | None = None,
-        rows: int = 0,
-        delta: Any = None,
-        shifter: RopeShifter | None = None,
-    ):
-        self.start, self.agent, self.rope, self.finite = start, agent, rope, False
-        self.source, self.rows, self.delta, self.shifter = source, rows, delta, shifter
-        if source is None:  # dataclasses.replace: plain K/V
-            if keys is None or values is None:
-                raise ValueError("CorrectedKV needs a source to correct, or keys and values")
-            self.keys, self.values = keys, values
-            return
-        if keys is not None or values is not None:
-            raise ValueError("CorrectedKV takes a source to correct or keys and values, not both")
-        if not 0 <= rows <= source.length:
-            raise ValueError(f"cannot correct {rows} rows of a {source.length}-token source")
-        if source.start != start and shifter is None:
-            raise ValueError(
-                f"K/V sits at position {source.start}, not {start}: pass a RopeShifter to move it"
-            )
-        if agent is None:
-            self.agent = source.agent
-        self.rotation = (
-            None if source.start == start else shifter.rotation(source.start, start, source.length)
-        )
-
-    def __getattr__(self, name: str) -> Any:  # attributes not set: keys / values before they are read
-        if name in ("keys", "values") and self.__dict__.get("source") is not None:
-            self._materialize()
-            return self.__dict__[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __repr__(self) -> str:  # without computing it
-        state = "computed" if self.materialized else f"from the source at {self.source.start}, not computed"
-        return f"CorrectedKV(start={self.start}, length={self.length}, rows={self.rows}, {state})"
-
-    @property
-    def materialized(self) -> bool:
-        """Whether :attr:`keys` / :attr:`values` are held (read once, or given)."""
-        return "keys" in self.__dict__
-
-    @property
-    def stored(self) -> SegmentKV:
-        """What this K/V is read from while it is not materialized: the source (shapes, dtypes,
-        devices; the corrected K/V has the source's); itself once it is."""
-        return self if self.materialized else self.source
-
-    @property
-    def length(self) -> int:
-        return self.stored.keys[0].shape[-2]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.stored.keys)
-
-    @property
-    def nbytes(self) -> int:
-        return self.stored.nbytes  # the corrected K/V has the source's shapes and dtypes
-
-    def write_layer(self, layer: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
-        """Write layer ``layer``'s corrected keys and values into ``keys_out`` / ``values_out``
-        (``[batch, kv_heads, length, head_dim]``, batch >= 1: batch row 0 of the source, broadcast):
-        the source's keys re-positioned straight into ``keys_out``, its values copied, then the
-        correction added to the first :attr:`rows` tokens. Only while not :attr:`materialized`."""
-        k_src, v_src = self.source.keys[layer][:1], self.source.values[layer][:1]
-        if self.rotation is None:
-            keys_out.copy_(k_src.expand_as(keys_out))
-        else:
-            self.shifter.apply_into(k_src.expand_as(keys_out), self.rotation, keys_out, layer=layer)
-        change = self.delta(layer) if self.rows else None
-        if change is None:
-            values_out.copy_(v_src.expand_as(values_out))
-            return
-        delta_k, delta_v = change
-        rows = self.rows
-        keys_out[..., :rows, :] += delta_k.to(keys_out.dtype)
-        head = values_out[..., :rows, :]
-        torch.add(v_src[..., :rows, :].expand_as(head), delta_v.to(values_out.dtype), out=head)
-        values_out[..., rows:, :] = v_src[..., rows:, :]
-
-    def _materialize(self) -> None:
-        keys, values = [], []
-        for layer in range(self.num_layers):
-            k_src, v_src = self.source.keys[layer], self.source.values[layer]
-            key = k_src.new_empty((1, *k_src.shape[1:]))
-            value = v_src.new_empty((1, *v_src.shape[1:]))
-            self.write_layer(layer, key, value)
-            keys.append(key)
-            values.append(value)
-        check_finite(
-            [(f"a correction of {self.rows} rows at position {self.start}", _plain(keys, values, self))]
-        )
-        self.keys, self.values = keys, values
-        self.source = self.delta = self.rotation = None  # what computed them is not held any longer
-
-    def materialize(self) -> SegmentKV:
-        """Plain K/V of the same values (computed now if they were not)."""
-        return _plain(self.keys, self.values, self)
-
-    def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:
-        return self.materialize().repositioned(shifter, new_start)
-
-    def keys_at(self, shifter: RopeShifter | None, new_start: int) -> Iterator[torch.Tensor]:
-        return self.materialize().keys_at(shifter, new_start)
-
-    def prefix(self, length: int) -> SegmentKV:
-        return self.materialize().prefix(length)
-
-
-def _plain(keys: list[torch.Tensor], values: list[torch.Tensor], like: SegmentKV) -> SegmentKV:
-    return SegmentKV(keys=keys, values=values, start=like.start, agent=like.agent, rope=like.rope)
-
-
-def unread(kv: SegmentKV) -> bool:
-    """Whether ``kv`` is a :class:`CorrectedKV` not computed yet (written layer by layer where it lands)."""
-    return isinstance(kv, CorrectedKV) and not kv.materialized
 
 
 @dataclass
@@ -417,7 +180,7 @@ class SegmentedCache(DynamicCache):
             offloading=offloading,
             offload_only_non_sliding=offload_only_non_sliding,
         )
-        _keep_sliding_layers_whole(self)
+        own_layers(self)  # every layer a SegmentLayer: it stores (cache_layer.py), the cache is the table
         self.config = config
         #: (layers, kv heads, head dim); ``None`` entries are fixed by the first update (no config)
         self.signature: tuple[int | None, int | None, int | None] = (
@@ -482,13 +245,12 @@ class SegmentedCache(DynamicCache):
             k, v = k[..., start:end, :], v[..., start:end, :]
             keys.append(k if views else k.clone())
             values.append(v if views else v.clone())
-        track = self.rope_track
-        if track is None:
+        if self.rope_track is None:
             kv = SegmentKV(keys=keys, values=values, start=start, agent=agent)
             kv.finite = self.known_finite
             return kv
-        keys = track.rotate(keys, start, -1)  # multimodal RoPE: kept in the slot frame
-        return SegmentKV(keys=keys, values=values, start=start, agent=agent, rope=track.visual(start, end))
+        keys, rope = self.rope_track.slot_frame(keys, start)  # multimodal RoPE: kept in the slot frame
+        return SegmentKV(keys=keys, values=values, start=start, agent=agent, rope=rope)
 
     @property
     def known_finite(self) -> bool:
@@ -583,17 +345,17 @@ class SegmentedCache(DynamicCache):
         self._known_finite = False  # new K/V, unchecked
 
     def _store_new(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> None:
-        """``update`` with tensors just built for this layer and read by no one else: an empty plain
-        layer holds them as they are (``_compat.adopt_layer_states``), where ``DynamicLayer.update``
-        would copy them once more; any other layer is updated."""
+        """``update`` with tensors just built for this layer and read by no one else: a segment layer
+        holds them (:meth:`SegmentLayer.hold`: as they are if it is empty, where ``DynamicLayer.update``
+        would copy them once more), behind the guards of ``update``; any other layer is updated."""
         if (
             type(self).update is SegmentedCache.update
             and layer_idx < len(self.layers)
+            and isinstance(self.layers[layer_idx], SegmentLayer)
             and not self.offloading
         ):
             self._before_update(keys, layer_idx, (), {})  # the guards of update, then store
-            if not _compat.adopt_layer_states(self.layers[layer_idx], keys, values):
-                DynamicCache.update(self, keys, values, layer_idx)
+            self.layers[layer_idx].hold(keys, values)
             return
         self.update(keys, values, layer_idx)
 
@@ -615,15 +377,13 @@ class SegmentedCache(DynamicCache):
                 f"{self.signature}, the model has {other}"
             )
         if isinstance(model_or_config, torch.nn.Module) and self.model_identity is not None:
-            self._check_identity(model_identity(model_or_config))
-
-    def _check_identity(self, identity: ModelIdentity) -> None:
-        if identity != self.model_identity:
-            raise ValueError(
-                f"cache/model mismatch: this {type(self).__name__} was built with the model {self.model_identity}; "
-                f"it is used with the model {identity}. K/V of one model are meaningless for another: build "
-                "the cache with the model that uses it"
-            )
+            identity = model_identity(model_or_config)
+            if identity != self.model_identity:
+                raise ValueError(
+                    f"cache/model mismatch: this {type(self).__name__} was built with the model "
+                    f"{self.model_identity}; it is used with the model {identity}. K/V of one model are "
+                    "meaningless for another: build the cache with the model that uses it"
+                )
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """Record the model this cache is built with (a cache that knows one refuses another)."""
@@ -644,10 +404,8 @@ class SegmentedCache(DynamicCache):
                 f"segment {segment.name!r} says [{segment.start}, {segment.end}) but the cache ends at {start}"
             )
         self.check_placeable(kv, segment, shifter)
-        track = self.rope_track
-        if track is not None:  # multimodal RoPE: from the slot frame to the rope positions it lands at
-            track.extend(start, [(kv.length, rope if rope is not None else kv.rope)])
-            moved = track.rotate(list(kv.keys_at(shifter, start)), start, +1)
+        if self.rope_track is not None:  # multimodal RoPE: from the slot frame to its rope positions
+            moved = self.rope_track.place(kv, start, shifter, rope)
             for layer_idx in range(self.num_layers):
                 self.update(moved[layer_idx], kv.values[layer_idx], layer_idx)
         else:
@@ -680,8 +438,8 @@ class SegmentedCache(DynamicCache):
         placing its kept prefix, a document and the text after it copied the document's K/V once for
         each part after it). Here each layer's K/V are laid out in one new tensor (keys rotated
         straight into their slots), which an empty layer holds as it is. The same K/V and table as
-        :meth:`append_kv` per part, bit for bit; a :class:`CorrectedKV` is computed in its slots
-        (:meth:`CorrectedKV.write_layer`), never whole beside them. A lone plain part, a multimodal-RoPE
+        :meth:`append_kv` per part, bit for bit; a :class:`DeferredKV` (a correction) is computed in its
+        slots (:meth:`DeferredKV.write_layer`), never whole beside them. A lone plain part, a multimodal-RoPE
         cache (the parts' rope layouts) and a cache that cannot reserve (offloaded, other layer types)
         append part by part. Every part is checked against where it lands before anything is stored;
         a non-finite correction stores nothing."""
@@ -696,14 +454,13 @@ class SegmentedCache(DynamicCache):
                     f"part {p.segment.name!r} has no K/V to place (token_ids are computed, not placed)"
                 )
             self.check_placeable(p.kv, p.segment, shifter)
-        one = len(parts) == 1 and not unread(parts[0].kv)  # a lone K/V held as it is (no copy)
+        one = len(parts) == 1 and not parts[0].kv.deferred  # a lone K/V held as it is (no copy)
         if one or self.rope_track is not None or not self.can_reserve:
             for p in parts:
                 self.append_kv(p.kv, p.segment, shifter, rope=p.rope)
             return
-        rotations = _rotations(parts, shifter)
         batch = max(p.kv.stored.keys[0].shape[0] for p in parts)
-        self._lay_out(parts, shifter, rotations, batch, self.num_layers)
+        self._lay_out(parts, shifter, batch, self.num_layers)
         self.segments.extend(p.segment for p in parts)
 
     def append_tiled(self, kv: SegmentKV, segments: Sequence[Segment], adopt: bool = False) -> None:
@@ -738,9 +495,9 @@ class SegmentedCache(DynamicCache):
 
     @property
     def can_reserve(self) -> bool:
-        """Whether :meth:`reserve` can write into this cache's layers in place: plain ``DynamicLayer``
+        """Whether :meth:`reserve` can write into this cache's layers in place: :class:`SegmentLayer`
         layers, not offloaded."""
-        return not self.offloading and all(type(layer) is DynamicLayer for layer in self.layers)
+        return not self.offloading and all(type(layer) is SegmentLayer for layer in self.layers)
 
     def reserve(
         self, parts: Sequence[CachePart], slots: torch.Tensor, shifter: RopeShifter | None = None
@@ -759,61 +516,43 @@ class SegmentedCache(DynamicCache):
                 self.check_placeable(p.kv, p.segment, shifter, layers=self.signature[0] is not None)
         batch = max(p.token_ids.shape[0] for p in parts if p.dense)
         reference = next(p.kv for p in parts if not p.dense)
-        rotations = _rotations(parts, shifter)
-        self._lay_out(parts, shifter, rotations, batch, reference.num_layers)
+        self._lay_out(parts, shifter, batch, reference.num_layers)
         return SlotWriter(self, slots)
 
     def _lay_out(
-        self,
-        parts: Sequence[CachePart],
-        shifter: RopeShifter | None,
-        rotations: dict,
-        batch: int,
-        layers: int,
+        self, parts: Sequence[CachePart], shifter: RopeShifter | None, batch: int, layers: int
     ) -> None:
-        """Store ``parts`` end to end, each layer laid out in one new tensor (:func:`_laid_out`); the rows
-        a :class:`CorrectedKV` corrects as it is written are checked finite, once for all layers, and
-        a failure leaves the cache as it was (``ValueError``)."""
+        """Store ``parts`` end to end, each layer laid out in one new tensor (:func:`cache_layer.laid_out`);
+        the rows a :class:`DeferredKV` computes as it is written are checked finite, once for all
+        layers, and a failure leaves the cache as it was (``ValueError``; every layer cut back to where
+        it started: a layout that stopped part way extended only some)."""
         start = self.get_seq_length()
+        moves = rotations(parts, shifter)
         bounds: list[tuple[str, int, str, torch.Tensor]] = []
         try:
             for layer_idx in range(layers):
-                self._store_new(*_laid_out(parts, layer_idx, shifter, rotations, batch, bounds), layer_idx)
-            bad = _first_non_finite([b for *_, b in bounds])
+                self._store_new(*laid_out(parts, layer_idx, shifter, moves, batch, bounds), layer_idx)
+            bad = first_non_finite([b for *_, b in bounds])
         except BaseException:
-            self._drop_after(start)
+            for layer in self.layers:
+                layer.keep(start)
             raise
         if bad is not None:
-            self._drop_after(start)
+            for layer in self.layers:
+                layer.keep(start)
             raise non_finite(*bounds[bad][:3])
-
-    def _drop_after(self, start: int) -> None:
-        """Crop every layer that holds more than ``start`` positions back to ``start`` (a layout that
-        stopped part way extended only some; ``crop`` would remove as many from each)."""
-        for layer in self.layers:
-            length = layer.get_seq_length()
-            if length > start:
-                layer.crop(crop_argument(length, start))
 
     # ------------------------------------------- what generate may call on us
     def crop(self, tokens_to_remove: int) -> None:
         keep = crop_target_length(self.get_seq_length(), tokens_to_remove)
         super().crop(crop_argument(self.get_seq_length(), keep))
-        self._trim_table(keep)
+        self.segments = cropped_table(self.segments, keep)
         if self.rope_track is not None:
             self.rope_track.crop(keep)
 
     def crop_to(self, length: int) -> None:
         """Keep the first ``length`` positions (any transformers version)."""
         self.crop(crop_argument(self.get_seq_length(), length))
-
-    def _trim_table(self, keep: int) -> None:
-        kept = []
-        for seg in self.segments:
-            if seg.start >= keep:
-                break
-            kept.append(replace(seg, end=min(seg.end, keep)) if seg.end > keep else seg)
-        self.segments = kept
 
     def reset(self) -> None:
         _compat.drop_layer_states(self.layers)
@@ -826,21 +565,17 @@ class SegmentedCache(DynamicCache):
         """An independent copy (tensors cloned) with the same segment table."""
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
-        DynamicCache.__init__(new, config=self.config, **self._offload_options())
-        _keep_sliding_layers_whole(new)
-        for layer_idx, layer in enumerate(self.layers):
-            if layer_idx >= len(new.layers):  # no config: layers are created lazily
-                new.layers.append(type(layer)())
-            if layer.is_initialized and layer.keys is not None:
-                new.layers[layer_idx].update(layer.keys.clone(), layer.values.clone())
+        offload = (
+            {"offloading": True, "offload_only_non_sliding": self.only_non_sliding} if self.offloading else {}
+        )
+        DynamicCache.__init__(new, config=self.config, **offload)
+        own_layers(new)
+        new.layers = [
+            layer.copy() if isinstance(layer, SegmentLayer) else deepcopy(layer) for layer in self.layers
+        ]
         new.segments = [replace(s, info=dict(s.info)) for s in self.segments]
         new.rope_track = None if self.rope_track is None else self.rope_track.copy()
         return new
-
-    def _offload_options(self) -> dict[str, bool]:
-        if not self.offloading:
-            return {}
-        return {"offloading": True, "offload_only_non_sliding": self.only_non_sliding}
 
     # ----------------------------------------------------------------- report
     def report(self) -> str:
@@ -1043,25 +778,6 @@ def token_digest(token_ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.numpy().tobytes()).hexdigest()
 
 
-def _keep_sliding_layers_whole(cache: DynamicCache) -> None:
-    """Replace the sliding-window layers ``DynamicCache(config=...)`` builds by plain ``DynamicLayer`` s.
-
-    A sliding layer evicts all but its last ``W - 1`` keys, but a segment table must be able to hand
-    out any segment's K/V (reuse sources, recomputation prefixes). So every layer keeps all its
-    positions, and the model's own sliding-window mask (built from absolute positions, the cache
-    reporting ``kv_offset = 0``) hides from each sliding layer exactly the keys plain generation would
-    have evicted: attention sees what it sees in plain generation. The cost is memory: a sliding
-    layer holds the whole sequence instead of ``W - 1`` positions.
-    """
-    for layer_idx, layer in enumerate(cache.layers):
-        if not getattr(layer, "is_sliding", False):
-            continue
-        whole = DynamicLayer()
-        if layer.is_initialized and layer.keys is not None:
-            whole.update(layer.keys, layer.values)
-        cache.layers[layer_idx] = whole
-
-
 class SlotWriter(DynamicCache):
     """What a forward writes through when its tokens fill slots a :class:`SegmentedCache` reserved
     (:meth:`SegmentedCache.reserve`) rather than its end: a ``DynamicCache`` over the cache's own layer
@@ -1078,68 +794,17 @@ class SlotWriter(DynamicCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.cache._check_shapes(key_states, layer_idx)
         self.cache._known_finite = False  # written in place, unchecked
-        layer = self.layers[layer_idx]
-        slots = self.slots.to(layer.keys.device)
-        layer.keys.index_copy_(-2, slots, key_states.to(layer.keys.dtype))
-        layer.values.index_copy_(-2, slots, value_states.to(layer.values.dtype))
-        return layer.keys, layer.values
+        return self.layers[layer_idx].write_slots(self.slots, key_states, value_states)
 
 
-def _rotations(parts: Sequence[CachePart], shifter: RopeShifter | None) -> dict[int, Any]:
-    """Each placed part's re-positioning to where it lands (``None``: it sits there), computed once
-    for every layer; the parts are checked (``SegmentedCache.check_placeable``) first."""
-    return {
-        id(p): None
-        if p.kv.start == p.segment.start
-        else shifter.rotation(p.kv.start, p.segment.start, p.kv.length)
-        for p in parts
-        if not p.dense
-    }
-
-
-def _laid_out(
-    parts: Sequence[CachePart],
-    layer_idx: int,
-    shifter: RopeShifter | None,
-    rotations: dict[int, Any],
-    batch: int,
-    bounds: list | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer_idx``'s keys and values of ``parts`` end to end, each in ONE new tensor of
-    ``batch`` rows: a placed part's keys re-positioned straight into its slots
-    (:meth:`RopeShifter.apply_into`: the values of ``SegmentKV.keys_at``) and its values copied there,
-    a :class:`CorrectedKV` computed there (:meth:`CorrectedKV.write_layer`; the ``[min, max]`` of the
-    rows it corrects appended to ``bounds`` as ``(what, layer, kind, bounds)``), a dense part's slots
-    zero (its K/V still to come). One layer alive at a time; no concatenation."""
-    reference = next(p.kv for p in parts if not p.dense).stored
-    like_k, like_v = reference.keys[layer_idx], reference.values[layer_idx]
-    total = sum(p.segment.length for p in parts)
-    keys = like_k.new_empty((batch, like_k.shape[1], total, like_k.shape[3]))
-    values = like_v.new_empty((batch, like_v.shape[1], total, like_v.shape[3]))
-    at = 0
-    for p in parts:
-        n = p.segment.length
-        k_out, v_out = keys[..., at : at + n, :], values[..., at : at + n, :]
-        if p.dense:
-            k_out.zero_()
-            v_out.zero_()
-        elif unread(p.kv) and rotations[id(p)] is None:
-            p.kv.write_layer(layer_idx, k_out, v_out)
-            rows = p.kv.rows
-            if bounds is not None and rows:
-                what = f"{p.segment.kind} segment {p.segment.name!r} (corrected)"
-                bounds.append((what, layer_idx, "keys", _bounds(k_out[:1, :, :rows])))
-                bounds.append((what, layer_idx, "values", _bounds(v_out[:1, :, :rows])))
-        else:
-            k = p.kv.keys[layer_idx].expand(batch, -1, -1, -1)
-            rotation = rotations[id(p)]
-            if rotation is None:
-                k_out.copy_(k)
-            else:
-                shifter.apply_into(k, rotation, k_out, layer=layer_idx)
-            v_out.copy_(p.kv.values[layer_idx].expand(batch, -1, -1, -1))
-        at += n
-    return keys, values
+def cropped_table(segments: Sequence[Segment], keep: int) -> list[Segment]:
+    """The rows of ``segments`` within the first ``keep`` positions (a row across ``keep`` cut there)."""
+    kept = []
+    for seg in segments:
+        if seg.start >= keep:
+            break
+        kept.append(replace(seg, end=min(seg.end, keep)) if seg.end > keep else seg)
+    return kept
 
 
 def check_tiling(segments: Sequence[Segment], start: int, end: int) -> None:
@@ -1161,28 +826,3 @@ def _fmt(value: Any) -> str:
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], float):
         return "[" + ", ".join(f"{v:.2f}" for v in value) + "]"
     return str(value)
-
-
-def compact(kvs: Iterable[SegmentKV], storage_tokens: int, share: float = 0.5) -> bool:
-    """Copy ``kvs`` (views of one cache's storage, :meth:`SegmentedCache.sharing_storage`, of disjoint
-    spans) into storage of their own, in place (every holder of a :class:`SegmentKV` sees the copy),
-    when together they hold less than ``share`` of the ``storage_tokens`` positions the views keep
-    alive: a short span (an agent's output) then stops holding a whole cache. Returns whether it
-    copied."""
-    kvs = list(kvs)
-    if not kvs or sum(kv.length for kv in kvs) >= share * storage_tokens:
-        return False
-    for kv in kvs:
-        kv.keys[:] = [k.clone() for k in kv.keys]
-        kv.values[:] = [v.clone() for v in kv.values]
-    return True
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages ``tensors`` keep alive, each counted once and whole (views of one cache's
-    layers count that layer's tensor, not the span they show)."""
-    seen: dict[tuple[torch.device, int], int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[(t.device, storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())

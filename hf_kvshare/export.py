@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicLayer
 
 from . import _compat
 from .cache import Segment, SegmentedCache
+from .cache_layer import SegmentLayer
 
 
 def register_export_support() -> None:
@@ -53,7 +54,7 @@ def register_export_support() -> None:
 
 
 def _pytree_dict(cache: SegmentedCache) -> dict[str, list[torch.Tensor]]:
-    odd = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    odd = {type(layer).__name__ for layer in cache.layers if type(layer) not in (DynamicLayer, SegmentLayer)}
     if odd:
         raise RuntimeError(
             f"{type(cache).__name__} holds {sorted(odd)} layers; only plain DynamicLayer K/V can be flattened "

@@ -25,8 +25,8 @@ correction and reference prefill then works on these keys as on a 1D model's.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,6 +64,24 @@ def is_mrope(model: torch.nn.Module) -> bool:
     except TypeError:
         pass
     return found
+
+
+def visual_layout(
+    model: torch.nn.Module,
+    kind: str,
+    token_ids: torch.Tensor,
+    grid_thw: torch.Tensor,
+    inputs: Mapping[str, Any],
+) -> VisualRope | None:
+    """An image's / video's rope layout on a multimodal-RoPE model (``None`` on any other) from its
+    placeholders, its grid and the processor's output ``inputs`` (Qwen2.5-VL: a video's
+    ``second_per_grid_ts``): :func:`visual_rope`."""
+    if not is_mrope(model):
+        return None
+    extra = {}
+    if kind == "video" and inputs.get("second_per_grid_ts") is not None:  # Qwen2.5-VL
+        extra["second_per_grid_ts"] = torch.as_tensor(inputs["second_per_grid_ts"]).reshape(-1)[:1]
+    return visual_rope(model, kind, token_ids, grid_thw, **extra)
 
 
 def visual_rope(
@@ -184,6 +202,20 @@ class RopeTrack:
             self.next_shift = shift if rope is None else shift + rope.advance - (e - s)
 
     # ------------------------------------------------------------------ keys
+    def place(self, kv: Any, start: int, shifter: RopeShifter | None, rope: VisualRope | None = None) -> list:
+        """Lay ``kv`` (a ``SegmentKV`` in the slot frame) out from slot ``start`` (the cache's end; ``rope``:
+        its image layout, else ``kv.rope``) and return its per-layer keys at their rope positions."""
+        self.extend(start, [(kv.length, rope if rope is not None else kv.rope)])
+        return self.rotate(list(kv.keys_at(shifter, start)), start, +1)
+
+    def slot_frame(
+        self, keys: list[torch.Tensor], start: int
+    ) -> tuple[list[torch.Tensor], VisualRope | None]:
+        """Per-layer ``keys`` of slots ``start ..`` read from the cache, moved to the slot frame, and the
+        image laid out at exactly those slots (``None`` for text)."""
+        end = start + keys[0].shape[-2]
+        return self.rotate(keys, start, -1), self.visual(start, end)
+
     def rotate(self, keys: list[torch.Tensor], start: int, sign: int) -> list[torch.Tensor]:
         """``keys`` (per layer, slots ``start ..``) moved by ``sign * shift`` per run: ``-1`` from the
         cache's (rope) frame to the slot frame, ``+1`` back. Runs with shift 0 are left as they are."""
@@ -243,6 +275,70 @@ def generate_kwargs(cache: Any, prompt_ids: torch.Tensor) -> dict[str, torch.Ten
     batch, P = prompt_ids.shape
     slots = torch.arange(P, device=prompt_ids.device)[None].expand(batch, -1)
     return {"position_ids": forward_positions(cache, slots)}
+
+
+def part_ropes(parts: Sequence[Any]) -> list[tuple[int, VisualRope]] | None:
+    """``(offset, VisualRope)`` of the image parts among consecutive cache ``parts`` (what
+    :func:`lay_out_ids` takes, through ``prefill_dense``'s ``rope``); ``None`` when none is one."""
+    out, at = [], 0
+    for p in parts:
+        if p.rope is not None:
+            out.append((at, p.rope))
+        at += p.segment.length
+    return out or None
+
+
+def lay_out_ids(
+    model: torch.nn.Module,
+    track: RopeTrack,
+    start: int,
+    input_ids: torch.Tensor,
+    rope: Sequence[tuple[int, VisualRope]] | None,
+) -> torch.Tensor:
+    """Lay out a forward's ``input_ids`` ``[batch, n]`` (text, and the images ``rope`` names by offset)
+    on the cache's ``track`` from slot ``start``; their rope positions ``[3, n]``. Every placeholder
+    must be an image's (:func:`check_placeholders`)."""
+    n = input_ids.shape[-1]
+    covered = torch.zeros(n, dtype=torch.bool)
+    items, at = [], 0
+    for offset, visual in sorted(rope or [], key=lambda r: r[0]):
+        if offset < at or offset + visual.length > n:
+            raise ValueError(f"an image laid out at [{offset}, {offset + visual.length}) of {n} input ids")
+        items += [(offset - at, None), (visual.length, visual)]
+        covered[offset : offset + visual.length] = True
+        at = offset + visual.length
+    items.append((n - at, None))
+    check_placeholders(model, input_ids, covered)
+    return track.extend(start, [(k, v) for k, v in items if k or v is not None])
+
+
+def lay_out_parts(
+    model: torch.nn.Module,
+    track: RopeTrack,
+    start: int,
+    parts: list[Any],
+    slots: torch.Tensor,
+    shifter: RopeShifter | None,
+) -> tuple[list[Any], torch.Tensor]:
+    """The one forward over cache ``parts`` on a multimodal-RoPE cache: the parts laid out on ``track``
+    from ``start``, the placed parts' K/V re-positioned to their slots (slot frame, by ``shifter``) then
+    rotated to their rope positions, and the dense tokens' ``[4, batch, q]`` position ids (``slots``
+    ``[batch, q]`` their slots). On error the track is as it was."""
+    parts = [p if p.dense else replace(p, kv=p.kv.repositioned(shifter, p.segment.start)) for p in parts]
+    rope = track.extend(start, [(p.segment.length, p.rope) for p in parts])
+    try:
+        dense = torch.cat([torch.arange(p.segment.start, p.segment.end) for p in parts if p.dense]) - start
+        ids = torch.cat([p.token_ids[:1] for p in parts if p.dense], dim=-1)
+        covered = torch.cat([torch.full((p.segment.length,), p.rope is not None) for p in parts if p.dense])
+        check_placeholders(model, ids, covered)
+        moved = [
+            p if p.dense else replace(p, kv=replace(p.kv, keys=track.rotate(p.kv.keys, p.segment.start, +1)))
+            for p in parts
+        ]
+    except BaseException:
+        track.crop(start)
+        raise
+    return moved, position_ids(slots, rope[:, dense])
 
 
 def check_placeholders(model: torch.nn.Module, ids: torch.Tensor, covered: torch.Tensor) -> None:

@@ -17,7 +17,6 @@ each taking ``(cache, model)``:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from . import _compat, mrope
 from ._compat import cache_kwargs
 from .cache import CachePart, Segment, SegmentedCache, check_tiling
+from .mrope import part_ropes
 from .rope import RopeShifter
 
 
@@ -83,7 +83,7 @@ def prefill_dense(
     device = model_input_device(model)
     positions = torch.arange(start, start + n, device=device)[None].expand(input_ids.shape[0], -1)
     if track is not None:
-        positions = mrope.position_ids(positions, _lay_out(model, track, start, input_ids, rope))
+        positions = mrope.position_ids(positions, mrope.lay_out_ids(model, track, start, input_ids, rope))
     inputs = (
         {"input_ids": input_ids.to(device)}
         if inputs_embeds is None
@@ -105,34 +105,6 @@ def prefill_dense(
         raise
     cache.segments.extend(segments)
     return out.logits[:, -1]
-
-
-def _lay_out(model, track: mrope.RopeTrack, start: int, input_ids: torch.Tensor, rope) -> torch.Tensor:
-    """Multimodal RoPE: lay out ``input_ids`` (text, and the images ``rope`` names by offset) on the
-    cache's track from ``start``; their rope positions ``[3, n]``. Every placeholder must be an image's."""
-    n = input_ids.shape[-1]
-    covered = torch.zeros(n, dtype=torch.bool)
-    items, at = [], 0
-    for offset, visual in sorted(rope or [], key=lambda r: r[0]):
-        if offset < at or offset + visual.length > n:
-            raise ValueError(f"an image laid out at [{offset}, {offset + visual.length}) of {n} input ids")
-        items += [(offset - at, None), (visual.length, visual)]
-        covered[offset : offset + visual.length] = True
-        at = offset + visual.length
-    items.append((n - at, None))
-    mrope.check_placeholders(model, input_ids, covered)
-    return track.extend(start, [(k, v) for k, v in items if k or v is not None])
-
-
-def part_ropes(parts: list[CachePart]) -> list[tuple[int, Any]] | None:
-    """``(offset, VisualRope)`` of the image parts among consecutive ``parts`` (``prefill_dense``'s
-    ``rope``); ``None`` when none is one."""
-    out, at = [], 0
-    for p in parts:
-        if p.rope is not None:
-            out.append((at, p.rope))
-        at += p.segment.length
-    return out or None
 
 
 def prefill_parts(
@@ -390,8 +362,7 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
     positions = queries[None].expand(batch, -1)
     track = cache.rope_track
     if track is not None:  # multimodal RoPE: placed K/V re-positioned, then to their rope positions
-        parts = [p if p.dense else replace(p, kv=p.kv.repositioned(shifter, p.segment.start)) for p in parts]
-        parts, positions = _rope_parts(model, track, start, parts, positions)
+        parts, positions = mrope.lay_out_parts(model, track, start, parts, positions, shifter)
     ids = torch.cat([p.token_ids.expand(batch, -1) for p in parts if p.dense], dim=-1).to(device)
     embeds = dense_embeds(model, [p for p in parts if p.dense], batch)
     inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds.to(device)}
@@ -412,23 +383,3 @@ def _one_forward(cache: SegmentedCache, model, parts: list[CachePart], shifter, 
         raise
     cache.segments.extend(p.segment for p in parts)
     return True
-
-
-def _rope_parts(model, track: mrope.RopeTrack, start: int, parts: list[CachePart], slots: torch.Tensor):
-    """The one forward on a multimodal-RoPE cache: ``parts`` laid out on ``track`` from ``start``, placed
-    K/V rotated from the slot frame to their rope positions, and the dense tokens' ``[4, batch, q]``
-    position ids."""
-    rope = track.extend(start, [(p.segment.length, p.rope) for p in parts])
-    try:
-        dense = torch.cat([torch.arange(p.segment.start, p.segment.end) for p in parts if p.dense]) - start
-        ids = torch.cat([p.token_ids[:1] for p in parts if p.dense], dim=-1)
-        covered = torch.cat([torch.full((p.segment.length,), p.rope is not None) for p in parts if p.dense])
-        mrope.check_placeholders(model, ids, covered)
-        moved = [
-            p if p.dense else replace(p, kv=replace(p.kv, keys=track.rotate(p.kv.keys, p.segment.start, +1)))
-            for p in parts
-        ]
-    except BaseException:
-        track.crop(start)
-        raise
-    return moved, mrope.position_ids(slots, rope[:, dense])

@@ -288,12 +288,7 @@ def prepare_visual(model: torch.nn.Module, processor: Any, spec: PH) -> Visual:
 
 def _with_rope(model: torch.nn.Module, visual: Visual, inputs: Mapping[str, Any]) -> Visual:
     """On a multimodal-RoPE model: the visual's rope positions (the model's ``get_rope_index``)."""
-    if not mrope.is_mrope(model):
-        return visual
-    extra = {}
-    if visual.kind == "video" and inputs.get("second_per_grid_ts") is not None:  # Qwen2.5-VL
-        extra["second_per_grid_ts"] = torch.as_tensor(inputs["second_per_grid_ts"]).reshape(-1)[:1]
-    visual.rope = mrope.visual_rope(model, visual.kind, visual.token_ids, visual.grid_thw, **extra)
+    visual.rope = mrope.visual_layout(model, visual.kind, visual.token_ids, visual.grid_thw, inputs)
     return visual
 
 

@@ -298,6 +298,39 @@ def test_constructor_without_config_builds_layers_lazily(tiny):
     assert copy.get_seq_length() == 7 and copy.layer_kv(2)[0] is not ours.layer_kv(2)[0]
 
 
+def test_every_layer_is_a_segment_layer_that_keeps_every_position(tiny_llama):
+    """The cache is a table over its layers and the layers store (``cache_layer.SegmentLayer``, a
+    ``DynamicLayer``): built from a config with sliding-window layers (kept whole), lazily, from
+    DataParallel pairs and copied; a layout that stops part way cuts every
+    layer back (``SegmentLayer.keep``)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_kvshare.cache_layer import SegmentLayer
+
+    config = tiny_llama.config.__class__(**{**tiny_llama.config.to_dict(), "layer_types": None})
+    config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    config.sliding_window = 4
+    built = SegmentedCache(config)
+    assert [type(layer) for layer in built.layers] == [SegmentLayer] * 3 and built.can_reserve
+    assert isinstance(built.layers[0], DynamicLayer) and not built.layers[0].is_sliding
+    lazy = SegmentedCache()
+    lazy.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 1)
+    assert [type(layer) for layer in lazy.layers] == [SegmentLayer] * 2
+    src = SegmentedCache(tiny_llama.config)
+    prefill_dense(src, tiny_llama, torch.randint(3, 1000, (1, 9)), [Segment("a", "PF", 0, 9)])
+    pairs = SegmentedCache([(k, v) for k, v, _ in src])
+    assert all(type(layer) is SegmentLayer for layer in pairs.layers)
+    assert torch.equal(pairs.layer_kv(2)[0], src.layer_kv(2)[0])
+    copy = src.copy()
+    assert all(type(layer) is SegmentLayer for layer in copy.layers)
+    assert (
+        torch.equal(copy.layer_kv(1)[1], src.layer_kv(1)[1]) and copy.layer_kv(1)[1] is not src.layer_kv(1)[1]
+    )
+    for layer in copy.layers[:2]:
+        layer.keep(4)
+    assert [layer.get_seq_length() for layer in copy.layers] == [4, 4, 9]
+
+
 def test_rebuild_from_pairs_like_dataparallel(tiny_llama):
     """DataParallel's gather (and pytree unflattening) call ``type(cache)(iterable of per-layer tuples)``."""
     from hf_kvshare.anchors.cache import CorrectedCache
@@ -438,7 +471,7 @@ def test_an_empty_layer_adopts_the_tensors_it_is_given_and_a_full_one_refuses():
 def _corrected(tiny, source, start, rows, nan_layer=None):
     """A CorrectedKV of ``source`` at ``start`` with seeded random deltas (layer 0 uncorrected), and the
     layers its delta was asked for."""
-    from hf_kvshare.cache import CorrectedKV
+    from hf_kvshare.anchors.corrected import CorrectedKV
 
     heads, dim = source.keys[0].shape[1], source.keys[0].shape[3]
     g = torch.Generator().manual_seed(7)

@@ -143,8 +143,7 @@ def test_a_session_writes_corrections_into_the_turn_cache_never_whole_beside_it(
     """A corrected segment reaches the turn's cache layer by layer (``CorrectedKV.write_layer`` in the
     cache's slots): no turn materializes one, and every turn's cache and logits are the ones a
     correction computed whole first gives (the generic path, forced), bit for bit."""
-    import hf_kvshare.cache as cache_module
-    from hf_kvshare.cache import CorrectedKV
+    from hf_kvshare.anchors.corrected import CorrectedKV
 
     ref = exact_forced(tiny_llama, tokenizer, QUERIES[0])
     whole = []
@@ -160,7 +159,7 @@ def test_a_session_writes_corrections_into_the_turn_cache_never_whole_beside_it(
         seg.provenance == "corrected" for req in in_place for t in req for seg in t.cache.placeholders()
     )
     assert corrected >= 5 and whole == []
-    monkeypatch.setattr(cache_module, "unread", lambda kv: False)  # every part read as plain K/V
+    monkeypatch.setattr(CorrectedKV, "deferred", False)  # every part read as plain K/V
     generic = requests()
     assert len(whole) == corrected
     for a_req, b_req in zip(in_place, generic):

@@ -26,6 +26,11 @@
 - one request, one walk, two executors: the contract modules, ``request.py`` and ``walk.py`` import
   neither ``prefill`` nor the HF ``executor``; the Session and the serving host are each a ``Request``
   and define none of its bookkeeping; only ``walk.py`` (and ``methods/``) calls a method's span hooks.
+- the cache stores as transformers' caches do: ``cache.py`` (the table, its guards, dispatch) writes no
+  tensor itself, its layer class ``cache_layer.SegmentLayer`` derives from ``DynamicLayer``, and
+  ``SegmentedCache`` stays under a method budget; the cache's modules import no engine and every
+  ``DeferredKV`` kind (``CorrectedKV``) lives in an engine; multimodal-RoPE internals are named only in
+  ``mrope.py`` (and ``_compat.py``).
 """
 
 from __future__ import annotations
@@ -849,3 +854,134 @@ def test_one_request_and_one_walk_serve_both_hosts():
 def test_the_hook_call_finder_finds_one():
     tree = ast.parse("a = m.placeholder(turn, span, cache)\nb = kv.prefix(3)\nc = m.prefix(t, s, c)\n")
     assert _hook_calls(tree) == [1, 3]
+
+
+# ------------------------------------------------ the cache: a table over layers that store; engines above
+#: the core's storage modules: the segment table (cache), the layers that store (cache_layer), detached K/V
+#: and the interface of K/V computed where it is written (segment_kv)
+CACHE_CORE = ("cache", "cache_layer", "segment_kv")
+#: in-place tensor writes and fresh buffers: K/V are written by the layer class and the K/V kinds, not the
+#: cache that dispatches to them
+TENSOR_WRITES = frozenset({"copy_", "index_copy_", "zero_", "add_", "fill_", "apply_into", "new_empty"})
+#: the most methods ``SegmentedCache`` may define itself (the table, its guards, dispatch to its layers)
+MAX_CACHE_METHODS = 34
+
+
+def tensor_writes(tree: ast.AST) -> list[int]:
+    """Line numbers of calls ``<x>.<w>(...)`` for ``w`` in :data:`TENSOR_WRITES`."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in TENSOR_WRITES
+    ]
+
+
+def subclasses_of(trees: dict[str, ast.AST], base: str) -> dict[str, list[str]]:
+    """``{module: [class names]}`` of the classes deriving, directly or through others, from ``base``."""
+    classes = [(m, n) for m, tree in trees.items() for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    known, found, changed = {base}, {}, True
+    while changed:
+        changed = False
+        for module, node in classes:
+            if node.name not in found.get(module, []) and any(_name_of(b) in known for b in node.bases):
+                found.setdefault(module, []).append(node.name)
+                known.add(node.name)
+                changed = True
+    return found
+
+
+def _methods(cls: ast.ClassDef) -> list[str]:
+    return [n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_the_cache_is_a_table_over_layers_that_store():
+    """``SegmentedCache`` is the segment table, its guards and dispatch (at most
+    :data:`MAX_CACHE_METHODS` methods of its own); its layers store (``cache_layer.SegmentLayer``, a
+    ``DynamicLayer``: hold, write slots, keep, copy; ``laid_out``), so ``cache.py`` writes no tensor."""
+    trees = {name: ast.parse(MODULES[name].read_text()) for name in MODULES}
+    cache = trees[f"{ROOT}.cache"]
+    lines = tensor_writes(cache)
+    assert not lines, f"hf_kvshare/cache.py writes tensors itself (lines {lines}); its layers store"
+    layers = subclasses_of(trees, "DynamicLayer").get(f"{ROOT}.cache_layer", [])
+    assert "SegmentLayer" in layers, "the cache's layer class (a DynamicLayer) is missing from cache_layer.py"
+    table = next(n for n in cache.body if isinstance(n, ast.ClassDef) and n.name == "SegmentedCache")
+    assert len(_methods(table)) <= MAX_CACHE_METHODS, (
+        f"SegmentedCache defines {len(_methods(table))} methods (at most {MAX_CACHE_METHODS}): put storage "
+        "on the layer class (cache_layer.py), the multimodal-RoPE track in mrope.py"
+    )
+
+
+def test_the_core_cache_holds_no_engine():
+    """The cache's modules import no engine, method, host or driver, and every kind of K/V computed where
+    it is written (``DeferredKV``: the interface the cache consumes) is an engine's, defined beside it
+    (``anchors/corrected.py``: ``CorrectedKV``)."""
+    edges = graph()
+    above = (*ENGINES, *ABOVE_ENGINES, "serving")
+    bad = [
+        f"{module} imports {target}"
+        for module in (f"{ROOT}.{m}" for m in CACHE_CORE)
+        for target in sorted(edges[module])
+        if any(_inside(target, area) for area in above)
+    ]
+    assert not bad, "the core cache imports engines or modules above them:\n" + "\n".join(bad)
+    trees = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+    kinds = subclasses_of(trees, "DeferredKV")
+    assert kinds, "no DeferredKV kind found (CorrectedKV in anchors/corrected.py)"
+    outside = {m: c for m, c in kinds.items() if not any(_inside(m, e) for e in ENGINES)}
+    assert not outside, f"kinds of deferred K/V defined outside the engines: {outside}"
+
+
+#: multimodal-RoPE internals: its types, the model's rope index (through ``_compat``), the track's state;
+#: named (called or read) only in ``mrope.py`` (and ``_compat.py``, which holds the private access)
+MROPE_NAMES = frozenset(
+    {"RopeTrack", "VisualRope", "visual_rope", "mrope_index", "mrope_section", "visual_token_ids"}
+    | {"get_rope_index", "next_shift", "second_per_grid_ts"}
+)
+MROPE_HOMES = {f"{ROOT}.mrope", f"{ROOT}._compat"}
+
+
+def mrope_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, name)`` of the code (not docstrings or annotations) in ``tree`` naming a multimodal-RoPE
+    internal (:data:`MROPE_NAMES`): a call or a read of the name or attribute, or a string key."""
+    annotations = {
+        id(n)
+        for node in ast.walk(tree)
+        for a in (getattr(node, "annotation", None), getattr(node, "returns", None))
+        if isinstance(a, ast.AST)
+        for n in ast.walk(a)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in annotations:
+            continue
+        name = _name_of(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MROPE_NAMES:
+            name = node.value
+        if name in MROPE_NAMES:
+            found.append((node.lineno, name))
+    return sorted(found)
+
+
+def test_multimodal_rope_lives_in_mrope():
+    """Multimodal RoPE (Qwen2-VL's 3D positions) is one module: the image layouts, the cache's rope
+    track, the forward's position ids and the slot-frame rotations are in ``mrope.py``; the cache, the
+    prefill, vision, recomputation and the session only call it."""
+    bad = [
+        f"{name}:{line} ({what})"
+        for name, path in MODULES.items()
+        if name not in MROPE_HOMES
+        for line, what in mrope_uses(ast.parse(path.read_text()))
+    ]
+    assert not bad, "multimodal-RoPE internals outside mrope.py:\n" + "\n".join(bad)
+
+
+def test_the_cache_rule_finders_find_them():
+    tree = ast.parse(
+        "class A(DeferredKV): pass\nclass B(A):\n    def f(self, k: VisualRope):\n"
+        "        k.copy_(1)\n        return RopeTrack(s), x['second_per_grid_ts'], self.next_shift\n"
+    )
+    assert tensor_writes(tree) == [4]
+    assert subclasses_of({"m": tree}, "DeferredKV") == {"m": ["A", "B"]}
+    assert mrope_uses(tree) == [(5, "RopeTrack"), (5, "next_shift"), (5, "second_per_grid_ts")]

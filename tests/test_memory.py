@@ -96,7 +96,7 @@ def test_a_reuse_turn_holds_one_copy_of_its_segments(wide, tokenizer, context):
 @pytest.mark.parametrize("turn_fallback", ["turn", "span"])
 def test_a_corrected_reuse_turn_holds_one_copy_of_its_segments(wide, tokenizer, context, turn_fallback):
     """KVCMAS's corrected reuse turn: each corrected layer is written straight into the turn's cache
-    (``cache.CorrectedKV``), so above what the session held its tensors peak at the cache plus a
+    (``anchors.corrected.CorrectedKV``), so above what the session held its tensors peak at the cache plus a
     layer's worth and the gate's work, as FullShared's (before: the corrected segment computed whole
     beside the cache being built, 1.97x / 2.0x the cache here)."""
     method = KVCMAS(tau=1.0, turn_fallback=turn_fallback)

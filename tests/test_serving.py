@@ -91,9 +91,9 @@ def test_a_record_of_non_finite_engine_kv_stores_nothing_and_a_checked_one_is_no
     assert p1.error is None and host.slots["doc"].latest.finite
     assert host.slots["doc"].latest.keys[0].untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
     checked = []
-    import hf_kvshare.cache as cache_module
+    import hf_kvshare.segment_kv as kv_module
 
-    inner = cache_module.check_finite
+    inner = kv_module.check_finite
 
     def counted(items):
         items = list(items)
@@ -102,7 +102,7 @@ def test_a_record_of_non_finite_engine_kv_stores_nothing_and_a_checked_one_is_no
 
     import hf_kvshare.anchors.scope as scope_module
 
-    monkeypatch.setattr(cache_module, "check_finite", counted)  # SegmentKV.check_finite's
+    monkeypatch.setattr(kv_module, "check_finite", counted)  # SegmentKV.check_finite's
     monkeypatch.setattr(scope_module, "check_finite", counted)  # the anchors' record (KVCMAS)
     p2 = sharing.plan("r2", doc + q2, layout("t", "a2", [{"slot": "doc", "start": 0, "end": len(doc)}]), 0)
     assert p2.claimed  # the document placed from a1's

@@ -4,6 +4,7 @@
 - :mod:`.pool`: anchors and one bounded pool per PH slot with LFU-among-oldest eviction.
 - :mod:`.gate`: the normalized-entropy reliability gate.
 - :mod:`.correction`: matching a source cache to anchors and materializing the corrected cache.
+- :mod:`.corrected`: :class:`~.corrected.CorrectedKV`, a corrected segment computed where it is written.
 - :mod:`.profile`: recurring-relation corrections calibrated once (GraphFlow, paper A.2).
 - :mod:`.state`: model binding, per-request state (references, producer caches, gate decisions,
   token weights), KVComm's reference prefill.

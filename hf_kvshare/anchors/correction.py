@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import CorrectedKV, SegmentKV
+from ..cache import SegmentKV
 from ..rope import RopeShifter
+from .corrected import CorrectedKV
 from .lowrank import FactoredKV, MatrixFactors, to_heads, to_matrix
 from .pool import Anchor
 
@@ -341,7 +342,7 @@ def corrected_kv(
     frame: str = "canonical",
 ) -> CorrectedKV:
     """``Align(source) + Rot(delta)`` at ``target_start``, one layer at a time, computed where it is read
-    (:class:`~hf_kvshare.cache.CorrectedKV`: a cache laying it out writes each layer straight into its
+    (:class:`~hf_kvshare.anchors.corrected.CorrectedKV`: a cache laying it out writes each layer straight into its
     slots; reading ``keys`` / ``values`` computes them all, batch 1).
 
     ``layer_delta(layer)`` returns the key and value corrections ``[rows, D]`` of the first ``rows``
@@ -390,7 +391,7 @@ def apply_correction(
         skip_layer0: leave layer 0 uncorrected (the reference code's choice).
 
     Returns:
-        A :class:`~hf_kvshare.cache.CorrectedKV` of batch 1 at ``target_start`` (``agent`` = the
+        A :class:`~hf_kvshare.anchors.corrected.CorrectedKV` of batch 1 at ``target_start`` (``agent`` = the
         source's), computed where it is read or laid out (:func:`corrected_kv`).
     """
     n, k = key_weights.shape
