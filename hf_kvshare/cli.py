@@ -247,6 +247,11 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
     args, vllm_args = parser.parse_known_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
+    if args.max_store_bytes < 1 or args.max_tasks < 1:
+        parser.error(
+            f"--max-store-bytes and --max-tasks must be positive (a store that holds nothing shares nothing: "
+            f"use --method nonshared); got {args.max_store_bytes} and {args.max_tasks}"
+        )
     from .method import get_method
     from .serving.host import check_serving_method, serving_options
     from .serving.server import check_vllm_args
@@ -280,7 +285,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         )
     except ValueError as e:
         fail(prog, str(e))
-    for note in notes:
+    for note in server.notes:
         print(f"{prog}: note: {note}", file=sys.stderr)
     return run(server, timeout=args.startup_timeout)
 

@@ -10,19 +10,28 @@ It runs ``python -m vllm.entrypoints.openai.api_server`` (the CPU wheel ``vllm-c
 - ``--host 127.0.0.1`` (another host is refused) and the port.
 
 Every other vLLM option passes through. :class:`Server` starts it, waits (bounded) until ``/health``
-answers, and stops it (SIGINT to its process group, then SIGTERM, then SIGKILL, each bounded). It is
+answers, and stops it (SIGINT to its process group, then SIGTERM, then SIGKILL, each bounded). The
+server dies with the process that started it, whatever ends that process: :func:`run` stops it on
+SIGTERM and SIGHUP as on Ctrl-C, and on Linux the server gets SIGTERM from the kernel when its parent
+dies (``PR_SET_PDEATHSIG``; a SIGKILL or an OOM kill included), which vLLM answers by shutting its
+engine and workers down. A port another process holds is refused before vLLM starts, and a server
+that exits before it answers is reported with the cause its output gives. It is
 the package's one vLLM launcher: ``hf-kvshare serve`` and ``hf-kvshare bench serve`` (whose plain-vLLM
 rows run it with ``method=None``: no connector, no middleware) both start vLLM through it.
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -43,6 +52,14 @@ HOST = "127.0.0.1"
 CONNECTOR = "HFKVShareConnector"
 MODULE = "hf_kvshare.serving.connector"
 MIDDLEWARE = "hf_kvshare.serving.middleware.LayoutCheck"
+#: vLLM's CPU wheel sizes its KV cache from this variable (GiB); unset, it takes most of the machine's
+#: free memory, so that on a 24 GB machine the model's own load then fails. Set when the user set neither
+#: it nor ``--kv-cache-memory-bytes``; GPU builds ignore it.
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+DEFAULT_CPU_KV_CACHE_GIB = 4
+#: a line of the server's output that names why it failed (the last such line is reported)
+_CAUSE = re.compile(r"(Error|Exception|error:|Address already in use|Killed|out of memory)")
+_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -78,6 +95,44 @@ def kv_transfer_config(
     }
 
 
+def check_store_bounds(max_bytes: Any, max_tasks: Any) -> None:
+    """The connector's store bounds: a positive number of bytes and of tasks (a store that can hold
+    nothing shares nothing: ``--method nonshared`` says so instead)."""
+    for name, value in (("max_bytes (--max-store-bytes)", max_bytes), ("max_tasks (--max-tasks)", max_tasks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+def port_in_use(port: int) -> bool:
+    """Whether another process holds ``port`` on :data:`HOST` (vLLM's own bind would fail later, while
+    that process answers ``/health`` in its place)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return True
+    return False
+
+
+def _die_with_parent_hook():
+    """A ``preexec_fn`` (Linux): the child gets SIGTERM when the thread that started it ends, and ends at
+    once if that happened before the call. Resolved before the fork, so the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return hook
+
+
 def check_vllm_args(args: list[str], connector: bool = True) -> None:
     """Refuse vLLM options that would break the contract (another host, our own options given twice;
     ``connector=False``: a plain server, which sets no connector or middleware of its own)."""
@@ -98,7 +153,11 @@ class Server:
 
     ``method=None`` runs plain vLLM (no connector, no middleware). ``env``: variables set over this
     process's environment for the server (threads, vLLM's CPU options, the connector's report file).
-    ``log``: a file object, or a path the server's output is written to (its command line first)."""
+    ``log``: a file object, or a path the server's output is written to (its command line first);
+    without one the output goes to this process's stdout, its last lines kept for the error message.
+
+    The server is stopped by :meth:`stop`, and on Linux also gets SIGTERM when the thread that called
+    :meth:`start` ends (``PR_SET_PDEATHSIG``): start it from a thread that outlives it."""
 
     def __init__(
         self,
@@ -133,6 +192,7 @@ class Server:
         self.port = port or free_port()
         self.vllm_args = list(vllm_args or [])
         check_vllm_args(self.vllm_args, connector=method is not None)
+        check_store_bounds(max_bytes, max_tasks)
         self.max_bytes, self.max_tasks = max_bytes, max_tasks
         if not isinstance(background, bool):
             raise TypeError(f"background must be True or False; got {background!r}")
@@ -145,6 +205,16 @@ class Server:
         self.env = dict(env or {})
         self.process: subprocess.Popen | None = None
         self._opened_log: Any = None  # the file start() opened for a ``log`` path
+        self._tail: collections.deque[str] = collections.deque(maxlen=400)  # output, without a log
+        self._echo: threading.Thread | None = None
+        if CPU_KV_CACHE_ENV not in {**os.environ, **self.env} and not any(
+            a.split("=", 1)[0] == "--kv-cache-memory-bytes" for a in self.vllm_args
+        ):
+            self.env[CPU_KV_CACHE_ENV] = str(DEFAULT_CPU_KV_CACHE_GIB)
+            self.notes.append(
+                f"{CPU_KV_CACHE_ENV}={DEFAULT_CPU_KV_CACHE_GIB} (GiB of KV cache on a CPU; unset, vLLM's CPU "
+                "wheel takes most of the machine's memory): set it, or --kv-cache-memory-bytes, to change it"
+            )
 
     @property
     def url(self) -> str:
@@ -174,32 +244,74 @@ class Server:
         return env
 
     def start(self) -> Server:
+        """Start the server; ``RuntimeError`` (nothing started) when another process holds the port."""
+        if port_in_use(self.port):
+            raise RuntimeError(
+                f"port {self.port} on {HOST} is in use by another process (is a server already running "
+                "there?); stop it or choose another --port"
+            )
         command, log = self.command(), self.log
         if isinstance(log, (str, Path)):  # a path: the command line first, then the server's output
             Path(log).parent.mkdir(parents=True, exist_ok=True)
             log = self._opened_log = open(log, "w")
             log.write(" ".join(command) + "\n")
             log.flush()
+        self._tail.clear()
         self.process = subprocess.Popen(
             command,
             env=self.environment(),
-            stdout=log or None,
-            stderr=subprocess.STDOUT if log else None,
+            stdout=log or subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop() ends vLLM's engine and worker too
+            preexec_fn=_die_with_parent_hook(),  # and the kernel stops it if this process dies
         )
+        if log is None:  # echoed to stdout as it comes, the last lines kept for an error message
+            self._echo = threading.Thread(target=self._copy_output, args=(self.process.stdout,), daemon=True)
+            self._echo.start()
         return self
+
+    def _copy_output(self, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            self._tail.append(line.rstrip("\n"))
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        stream.close()
+
+    def failure_cause(self) -> str | None:
+        """The last line of the server's output that names an error, if it can be read back (its
+        output kept without a log, or a log path)."""
+        if self._echo is not None:
+            self._echo.join(timeout=5)
+        lines = list(self._tail)
+        if not lines and isinstance(self.log, (str, Path)) and Path(self.log).is_file():
+            with open(self.log, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+                lines = f.read().decode(errors="replace").splitlines()
+        causes = [line.strip() for line in lines if _CAUSE.search(line)]
+        return causes[-1] if causes else None
 
     def _see_log(self) -> str:
         return f"see {self.log}" if isinstance(self.log, (str, Path)) else "see its log"
 
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        """Until ``/health`` answers 200; raises ``RuntimeError`` when the server exits or time runs out."""
+    def wait_ready(self, timeout: float = 600.0, stop_on_timeout: bool = True) -> None:
+        """Until ``/health`` answers 200; raises ``RuntimeError`` when the server exits or time runs out
+        (``stop_on_timeout=False``: ``TimeoutError``, the server left running, for a caller that waits
+        in slices)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
                 code = None if self.process is None else self.process.returncode
+                cause = self.failure_cause()
                 raise RuntimeError(
-                    f"vLLM's server exited (code {code}) before it answered; {self._see_log()}"
+                    f"vLLM's server exited (code {code}) before it answered"
+                    + (f": {cause}" if cause else "")
+                    + f"; {self._see_log()}"
+                    + (
+                        f" (on a CPU, its KV cache takes {CPU_KV_CACHE_ENV} GiB: lower it if memory ran out)"
+                        if cause and re.search(r"memory|Killed", cause, re.I)
+                        else ""
+                    )
                 )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
@@ -208,6 +320,8 @@ class Server:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(1.0)
+        if not stop_on_timeout:
+            raise TimeoutError(f"{self.url}/health did not answer within {timeout:.0f} s")
         self.stop()
         raise RuntimeError(
             f"vLLM's server did not answer on {self.url}/health within {timeout:.0f} s; {self._see_log()}"
@@ -250,11 +364,42 @@ class Server:
         self.stop()
 
 
+class _Stop(Exception):
+    """SIGTERM or SIGHUP reached :func:`run`."""
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
 def run(server: Server, timeout: float = 600.0, out=sys.stdout) -> int:
-    """Start, print where it listens, serve until Ctrl-C (or the server exits), stop cleanly."""
-    server.start()
+    """Start, print where it listens, serve until Ctrl-C, SIGTERM or SIGHUP (or the server exits), stop
+    cleanly. Start-up prints a line every 30 s while vLLM loads and compiles (a minute or more on a CPU)."""
+    handled = (signal.SIGTERM, signal.SIGHUP)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers: the main thread only
+        previous = {sig: signal.signal(sig, _raise_stop) for sig in handled}
     try:
-        server.wait_ready(timeout)
+        server.start()
+    except RuntimeError as error:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        print(f"hf-kvshare serve: {error}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        started = time.monotonic()
+        while True:  # wait_ready in 30 s slices, saying how long it has been
+            left = timeout - (time.monotonic() - started)
+            try:
+                server.wait_ready(min(30.0, left), stop_on_timeout=left <= 30.0)
+                break
+            except TimeoutError:
+                print(
+                    f"hf-kvshare serve: waiting for vLLM to load and compile the model "
+                    f"({time.monotonic() - started:.0f} s of at most {timeout:.0f} s)",
+                    file=out,
+                    flush=True,
+                )
         print(
             f"hf-kvshare serve: method {server.method!r} on {server.url}/v1 (OpenAI API; model {server.model_dir}); "
             "Ctrl-C stops",
@@ -265,7 +410,7 @@ def run(server: Server, timeout: float = 600.0, out=sys.stdout) -> int:
             time.sleep(0.5)
         code = server.process.returncode if server.process is not None else 0
         return 1 if code else 0
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stop):
         print("hf-kvshare serve: stopping ...", file=out, flush=True)
         return 0
     except RuntimeError as error:
@@ -273,3 +418,5 @@ def run(server: Server, timeout: float = 600.0, out=sys.stdout) -> int:
         return 1
     finally:
         server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
