@@ -266,6 +266,35 @@ def test_store_stays_within_its_bound(tiny_llama, tokenizer):
     assert summary["evicted_tasks"] >= 3
 
 
+def test_a_full_task_bound_with_every_task_busy_goes_over_it_instead_of_spinning(tiny_llama, tokenizer):
+    """``max_tasks`` reached while every other task has a request in flight (nothing evictable): the
+    plan is made, the store counts the overshoot, and it comes back within its bound once they finish
+    (before: the eviction loop spun forever holding the store's lock)."""
+    doc = ids_of(tokenizer, DOC)
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", max_tasks=1)
+    plans = []
+    for i in range(3):  # three tasks, none recorded yet: each holds its output slot
+        prompt = doc + ids_of(tokenizer, f"\nQuestion {i}?")
+        plan = sharing.plan(
+            f"r{i}", prompt, layout(f"t{i}", "a", [{"slot": "doc", "start": 0, "end": len(doc)}]), 0
+        )
+        assert plan.error is None
+        plans.append(plan)
+    summary = sharing.state_summary()
+    assert summary["tasks"] == 3 and summary["tasks_over_bound"] == 2
+    for plan in plans:
+        out, k, v = engine(tiny_llama, plan, max_new_tokens=2)
+        sharing.record(plan, k, v, out, set())
+    plan = sharing.plan("r3", doc + ids_of(tokenizer, "\nLast?"), layout("t3", "a", []), 0)
+    assert plan.error is None and sharing.state_summary()["tasks"] == 1
+
+
+@pytest.mark.parametrize("bounds", [{"max_tasks": 0}, {"max_tasks": -1}, {"max_bytes": -1}, {"max_bytes": 0}])
+def test_a_store_bound_that_holds_nothing_is_refused(tiny_llama, tokenizer, bounds):
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        Sharing(tiny_llama, tokenizer, "fullshared", **bounds)
+
+
 def test_a_record_keeps_views_and_an_output_read_by_no_later_turn_gives_its_turn_cache_back(
     tiny_llama, tokenizer
 ):

@@ -375,11 +375,18 @@ class Sharing:
         self.tokens = lay.TokenInfo(tokenizer)
         self.method.bind(model)
         self.shifter = RopeShifter.from_model(model) if self.method.repositions else None
-        self.max_bytes = int(max_bytes)
-        self.max_tasks = int(max_tasks)
+        for name, value in (("max_bytes", max_bytes), ("max_tasks", max_tasks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name} must be a positive integer (a store that holds nothing shares "
+                    f"nothing: use the method nonshared); got {value!r}"
+                )
+        self.max_bytes = max_bytes
+        self.max_tasks = max_tasks
         self.min_segment_tokens = int(min_segment_tokens)
         self.hosts: OrderedDict[str, ServingHost] = OrderedDict()
         self.evicted_tasks = 0
+        self.tasks_over_bound = 0  # times a new task found every other task busy (none evictable)
         self.dropped_slots = 0
         self.requests = 0
         self.claimed_requests = 0
@@ -434,8 +441,12 @@ class Sharing:
         if host is None:
             host = self.hosts[task] = ServingHost(task, self.model, self.tokenizer, self.shifter)
         self.hosts.move_to_end(task)
+        # tasks with a request in flight cannot go: the store stays over its count until they finish
+        # (counted), rather than spinning here with the store's lock held
         while len(self.hosts) > self.max_tasks:
-            self._evict_one(keep=host)
+            if not self._evict_one(keep=host):
+                self.tasks_over_bound += 1
+                break
         return host
 
     def _plan(self, plan: Plan, request: lay.RequestLayout) -> None:
@@ -699,6 +710,7 @@ class Sharing:
                 "tasks": len(self.hosts),
                 "max_tasks": self.max_tasks,
                 "evicted_tasks": self.evicted_tasks,
+                "tasks_over_bound": self.tasks_over_bound,
                 "dropped_slot_kv": self.dropped_slots,
                 "slots": sum(len(h.slots) for h in self.hosts.values()),
                 "requests": self.requests,
