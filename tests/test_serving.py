@@ -184,6 +184,106 @@ def test_bad_layouts_are_errors_and_store_nothing(tiny_llama, tokenizer, params,
         check.check({"prompt": prompt, "kv_transfer_params": params}, "/v1/completions")
 
 
+def test_shared_kv_reach_only_requests_under_the_method_salt_and_stay_within_their_tenant(
+    tiny_llama, tokenizer
+):
+    """Isolation: approximate K/V are planned only for a request under the method's ``cache_salt``
+    (one that passed the layout check); a client's own salt is a tenant whose tasks and agents never
+    meet another tenant's in the store (before: task ``default`` was server-wide across salts)."""
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    method_salt = sharing.salt
+    assert sharing.admit(None, None) is None  # another endpoint: no salt, nothing injected
+    assert sharing.admit(None, "someone-else") is None
+    assert sharing.admit(None, method_salt + "x") is None  # not this method's salt
+    assert sharing.admit(None, method_salt) == {}
+    params = layout("t", "a", [{"slot": "doc", "start": 0, "end": 3}])
+    fenced = sharing.admit(params, f"{method_salt}|tenantA")
+    assert fenced[lay.KEY]["task"] == "tenantA|t" and fenced[lay.KEY]["agent"] == "a|tenantA"
+    assert params[lay.KEY]["task"] == "t"  # the request's own params are not mutated
+    assert Sharing(tiny_llama, tokenizer, "nonshared").admit(None, None) == {}
+
+    doc = ids_of(tokenizer, DOC)
+
+    def run(request_id, tenant, question):
+        prompt = doc + ids_of(tokenizer, question)
+        derived = None  # the layout derived from the prompt (no explicit fields), task "default"
+        plan = sharing.plan(request_id, prompt, sharing.admit(derived, f"{method_salt}|{tenant}"), 0)
+        assert plan.error is None, plan.error
+        out, k, v = engine(tiny_llama, plan, max_new_tokens=2)
+        sharing.record(plan, k, v, out, set())
+        return plan
+
+    explicit = {"start": 0, "end": len(doc)}
+
+    def run_explicit(request_id, tenant, question, agent):
+        prompt = doc + ids_of(tokenizer, question)
+        params = layout("default", agent, [{"slot": "doc", **explicit}])
+        plan = sharing.plan(request_id, prompt, sharing.admit(params, f"{method_salt}|{tenant}"), 0)
+        assert plan.error is None, plan.error
+        out, k, v = engine(tiny_llama, plan, max_new_tokens=2)
+        sharing.record(plan, k, v, out, set())
+        return plan
+
+    assert run_explicit("a1", "A", Q1, "x").claimed == 0  # tenant A computes the document
+    assert run_explicit("a2", "A", Q2, "y").claimed > 0  # and its next agent shares it
+    assert run_explicit("b1", "B", Q2, "y").claimed == 0  # tenant B, same task name: none of A's K/V
+    assert sorted(sharing.hosts) == ["A|default", "B|default"]
+    run("a3", "A", Q1)  # the derived layout is fenced the same way
+    assert "default" not in sharing.hosts
+
+
+def test_requests_outside_the_layout_check_cannot_read_shared_kv(tokenizer):
+    """The middleware: an opted-out request may not send the method's salt itself (it would hit the
+    approximate K/V in vLLM's prefix cache), nor may a request on another endpoint of vLLM's server
+    (no layout check there); anything else on those endpoints passes through untouched."""
+    import asyncio
+    import json
+
+    salt_ = "hf_kvshare:fullshared:x"
+    check = LayoutCheck(app=None)
+    check.method, check.salt = "fullshared", salt_
+    check._tokens = lay.TokenInfo(tokenizer)
+    opted_out = {
+        "prompt": "hi",
+        "cache_salt": salt_,
+        "kv_transfer_params": {lay.KEY: {"method": "nonshared"}},
+    }
+    with pytest.raises(lay.LayoutError, match="reserved"):
+        check.check(opted_out, "/v1/completions")
+    own = {"prompt": "hi", "cache_salt": "mine", "kv_transfer_params": {lay.KEY: {"method": "nonshared"}}}
+    check.check(own, "/v1/completions")
+    assert own["cache_salt"] == "mine"
+
+    def call(path, body):
+        seen, sent = [], []
+
+        async def app(scope, receive, send):
+            seen.append((await receive())["body"])
+
+        async def receive():
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        check.app = app
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": path,
+            "headers": [(b"content-type", b"application/json")],
+        }
+        asyncio.run(check(scope, receive, send))
+        status = next((m["status"] for m in sent if m["type"] == "http.response.start"), None)
+        return status, seen
+
+    for path in ("/v1/responses", "/v1/messages", "/invocations", "/v1/chat/completions/batch"):
+        status, seen = call(path, {"input": "hi", "cache_salt": salt_ + "|mine"})
+        assert status == 400 and not seen, path
+        status, seen = call(path, {"input": "hi", "cache_salt": "mine"})
+        assert status is None and json.loads(seen[0]) == {"input": "hi", "cache_salt": "mine"}, path
+
+
 def test_middleware_sets_the_method_salt(tokenizer):
     check = LayoutCheck(app=None)
     check.method, check.salt = "fullshared", "hf_kvshare:fullshared:x"

@@ -243,8 +243,9 @@ def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output()
         receiver.close()
 
 
-def _request(request_id, prompt, params, output=(), block=16):
-    """What the connector's scheduler side reads of a vLLM ``Request`` (a finished one: ``output``)."""
+def _request(request_id, prompt, params, output=(), block=16, cache_salt=None):
+    """What the connector's scheduler side reads of a vLLM ``Request`` (a finished one: ``output``;
+    ``cache_salt``: what the middleware set, the method's salt for a request it checked)."""
     from vllm.v1.request import RequestStatus
 
     return SimpleNamespace(
@@ -252,6 +253,7 @@ def _request(request_id, prompt, params, output=(), block=16):
         external_req_id=None,
         prompt_token_ids=list(prompt),
         kv_transfer_params=params,
+        cache_salt=cache_salt,
         status=RequestStatus.FINISHED_STOPPED,
         sampling_params=SimpleNamespace(all_stop_token_ids=[], eos_token_id=None),
         output_token_ids=list(output),
@@ -298,6 +300,10 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
     def ids(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    # a request without the method's salt (another endpoint, not through the layout check): exact
+    stray = _request("r0", ids("Some text. " * 20), None)
+    assert scheduler.get_num_new_matched_tokens(stray, 0) == (0, False) and "r0" not in scheduler._plans
+
     doc, q1, q2 = (
         ids("The river Lune reaches the sea at Plover Scar near Glasson."),
         ids(" Where?"),
@@ -324,17 +330,19 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
 
     sender = None
     try:
-        first = _request("r1", q1 + doc, params("a1", len(q1)))
+        first = _request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
         scheduler.on_new_request(first)
         assert admitted(first) == 0  # the first agent computes the document
         plan = scheduler._plans["r1"]
         out, keys, values = engine(tiny_llama, plan, max_new_tokens=4)
-        finished = _request("r1", first.prompt_token_ids, first.kv_transfer_params, out)
+        finished = _request(
+            "r1", first.prompt_token_ids, first.kv_transfer_params, out, cache_salt=sharing.salt
+        )
         assert scheduler.request_finished(finished, [0, 1, 2, 3])[0]  # blocks kept until read back
         meta = scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[]))
         assert [c.request_id for c in meta.captures] == ["r1"] and meta.read_back
         # the task's next agent arrives before the record: it waits for it
-        second = _request("r2", doc + q2, params("a2", 0))
+        second = _request("r2", doc + q2, params("a2", 0), cache_salt=sharing.salt)
         scheduler.on_new_request(second)
         assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)
         # the path: the K/V on the read-back channel, recorded on the channel's thread, r2 planned behind
@@ -352,7 +360,8 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
         # the fallback: r2's K/V with the step's output
         out2, keys2, values2 = engine(tiny_llama, scheduler._plans["r2"], max_new_tokens=4)
         scheduler.request_finished(
-            _request("r2", second.prompt_token_ids, second.kv_transfer_params, out2), [4, 5]
+            _request("r2", second.prompt_token_ids, second.kv_transfer_params, out2, cache_salt=sharing.salt),
+            [4, 5],
         )
         scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[]))
         scheduler.update_connector_output(

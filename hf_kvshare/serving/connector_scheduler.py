@@ -146,14 +146,14 @@ class HFKVShareScheduler:
                 return old.claimed, False
             del self._plans[request.request_id]
             self._background.release(old)
+        if self._admitted(request) is None:
+            return 0, False  # not under the method's cache_salt: exact, nothing injected (Sharing.admit)
         if not self._background.deciding(request.request_id) and self._waits_for_record(request):
             # an earlier request of this task finished but its K/V is not read back yet: its record
             # comes first, or this plan would not see the output it reads
             return None, False
         prompt = list(request.prompt_token_ids or [])
-        plan = self._background.plan(
-            request.request_id, prompt, request.kv_transfer_params, num_computed_tokens
-        )
+        plan = self._background.plan(request.request_id, prompt, self._admitted(request), num_computed_tokens)
         if plan is None:  # still being decided off the engine loop: vLLM skips the request and asks again
             return None, False
         if plan.error:
@@ -161,6 +161,10 @@ class HFKVShareScheduler:
         plan.record_wait_s = self._record_waits.pop(request.request_id, None)
         self._plans[request.request_id] = plan
         return plan.claimed, False
+
+    def _admitted(self, request: Request) -> Any:
+        """The request's layout fenced by its tenant; ``None``: nothing to inject (:meth:`Sharing.admit`)."""
+        return self.sharing.admit(request.kv_transfer_params, getattr(request, "cache_salt", None))
 
     def _unrecorded(self, task: str | None) -> bool:
         """Whether a finished request of ``task`` waits to be read back and recorded."""
@@ -173,7 +177,7 @@ class HFKVShareScheduler:
         """Whether a finished request of ``request``'s task waits to be recorded; if so ``request``
         waits for it (checked and noted under the lock the channel's thread takes to record)."""
         with self._finishing_cond:
-            if not self._unrecorded(task_of(request.kv_transfer_params)):
+            if not self._unrecorded(task_of(self._admitted(request))):
                 self._waiting.pop(request.request_id, None)  # planned now: never again from the list
                 return False
             if request.request_id not in self._waiting:
@@ -186,7 +190,7 @@ class HFKVShareScheduler:
         ready = []
         with self._finishing_cond:
             for request_id, (request, since) in list(self._waiting.items()):
-                if not self._unrecorded(task_of(request.kv_transfer_params)):
+                if not self._unrecorded(task_of(self._admitted(request))):
                     del self._waiting[request_id]
                     self._record_waits[request_id] = time.perf_counter() - since
                     ready.append(request)

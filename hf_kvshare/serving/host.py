@@ -404,6 +404,32 @@ class Sharing:
         self.stop_ids: set[int] = {eos} if isinstance(eos, int) else set()
 
     # ---------------------------------------------------------------- admission
+    def admit(self, params: Any, cache_salt: str | None) -> Any:
+        """The layout a request is planned under, fenced by its tenant, or ``None``: nothing injected.
+
+        Approximate K/V are only ever injected under the method's ``cache_salt`` (vLLM's prefix cache
+        keeps them there): a request without it (one that did not pass the layout check, e.g. another
+        endpoint of vLLM's server) gets none, so it can never leave them in the plain prefix cache.
+        A client's own salt (after the method's: ``"<method salt>|<client salt>"``) is its tenant: its
+        task (and its named agent) are kept apart from every other tenant's in the store."""
+        if self.salt is None:
+            return {} if params is None else params
+        if not isinstance(cache_salt, str) or not (
+            cache_salt == self.salt or cache_salt.startswith(self.salt + "|")
+        ):
+            return None
+        tenant = cache_salt[len(self.salt) + 1 :]
+        if not tenant:
+            return {} if params is None else params
+        raw = params.get(lay.KEY) if isinstance(params, dict) else None
+        if params is not None and (not isinstance(params, dict) or not isinstance(raw, (dict, type(None)))):
+            return params  # malformed: its plan reports the layout's error, nothing is claimed
+        fenced = dict(raw or {})
+        fenced["task"] = f"{tenant}|{fenced.get('task') or lay.DEFAULT_TASK}"
+        if isinstance(fenced.get("agent"), str) and fenced["agent"]:
+            fenced["agent"] = f"{fenced['agent']}|{tenant}"
+        return {**(params or {}), lay.KEY: fenced}
+
     def plan(self, request_id: str, prompt: list[int], params: Any, local_hit: int | None) -> Plan:
         """Decide the claim for one request; never raises (an error is kept in ``plan.error``: no claim,
         nothing recorded). ``local_hit=None`` plans ahead of admission: :meth:`claim` then claims."""

@@ -8,6 +8,11 @@ For ``POST /v1/chat/completions`` and ``/v1/completions`` it
 - sets the request's ``cache_salt`` to the served method's salt (``host.salt``; a client's own salt is
   kept after it), so K/V a method injected never serves another method or a plain request.
 
+Every other endpoint gets no salt and no layout: the connector injects nothing into a request without
+the method's salt (``Sharing.admit``), and a request that sends that salt itself there, or opted out
+with ``"method": "nonshared"`` on the two above, is answered ``400``: shared K/V reach only requests
+whose layout was checked here.
+
 It reads its settings from the environment variable :data:`ENV` (JSON: ``method``, ``salt``,
 ``model``) that :mod:`.server` sets. The prompt is tokenized here as vLLM does it (the tokenizer's
 chat template with the generation prompt; completions with special tokens); where that rendering
@@ -47,8 +52,11 @@ class LayoutCheck:
         return self._tokens
 
     async def __call__(self, scope, receive, send):
-        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
+        if scope.get("type") != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
+            return
+        if scope.get("path") not in PATHS:  # vLLM's other endpoints: no layout, no salt, nothing injected
+            await self._unshared(scope, receive, send)
             return
         chunks = []
         more = True
@@ -75,6 +83,37 @@ class LayoutCheck:
             scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send
         )
 
+    async def _unshared(self, scope, receive, send) -> None:
+        """Another endpoint (``/v1/responses``, ``/v1/messages``, ``/invocations``, batches, ...): the
+        connector injects nothing into a request without the method's salt, and one that carries that
+        salt itself is refused (it would read the shared, approximate K/V without a layout check)."""
+        headers = dict(scope.get("headers") or [])
+        if not self.salt or b"json" not in headers.get(b"content-type", b""):
+            await self.app(scope, receive, send)
+            return
+        messages, body = [], b""
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            data = None
+        if isinstance(data, dict) and _reserved(data.get("cache_salt"), self.salt):
+            await _error(
+                send,
+                400,
+                f"cache_salt starting with this server's method salt is reserved for {' and '.join(PATHS)}, "
+                f"where hf_kvshare checks the layout; {scope.get('path')} gets exact K/V only",
+            )
+            return
+        await self.app(scope, _replay(messages, receive), send)
+
     def check(self, data: dict, path: str) -> None:
         """Validate the request's layout and set its ``cache_salt`` (raises :class:`LayoutError`)."""
         request = lay.parse(data.get("kv_transfer_params"))
@@ -84,6 +123,11 @@ class LayoutCheck:
                 f"{request.method!r}"
             )
         plain = request.method == "nonshared" or self.salt is None
+        if plain and self.salt and _reserved(data.get("cache_salt"), self.salt):
+            raise lay.LayoutError(
+                "cache_salt starting with this server's method salt is reserved for its shared (approximate) "
+                "K/V; a request opted out with method 'nonshared' gets exact K/V only"
+            )
         if not plain:
             user = data.get("cache_salt")
             data["cache_salt"] = self.salt if not user else f"{self.salt}|{user}"
@@ -122,6 +166,10 @@ class LayoutCheck:
         except Exception:  # noqa: BLE001 - vLLM answers malformed requests itself
             return None
         return None
+
+
+def _reserved(cache_salt: Any, salt: str) -> bool:
+    return isinstance(cache_salt, str) and cache_salt.startswith(salt)
 
 
 def _replay(messages: list[dict], then):
