@@ -1313,3 +1313,76 @@ def test_a_served_task_is_a_request_and_a_refused_plan_frees_its_output_slot(tin
     host = sharing.hosts["t"]
     assert isinstance(host, ServingHost) and isinstance(host, Request)
     assert host.reserved == set() and host.next_output_slot("a1") == "a1"
+
+
+def test_locating_a_segment_is_linear_and_finds_what_a_naive_search_finds():
+    """``layout.find`` / ``occurrences`` (KMP) against the obvious search on random small cases, and a
+    300 KB-like prompt of one repeated token (quadratic before: minutes on the API server's loop)."""
+    import random
+    import threading
+
+    def naive(hay, needle, begin=0):
+        return [
+            i for i in range(max(begin, 0), len(hay) - len(needle) + 1) if hay[i : i + len(needle)] == needle
+        ]
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        hay = [rng.randint(0, 2) for _ in range(rng.randint(0, 30))]
+        needle = [rng.randint(0, 2) for _ in range(rng.randint(1, 5))]
+        begin = rng.randint(0, 10)
+        assert list(lay.occurrences(hay, needle, begin)) == naive(hay, needle, begin)
+        assert lay.find(hay, needle, begin) == (naive(hay, needle, begin) or [-1])[0]
+    assert lay.find([1, 2], []) == -1
+    done = threading.Event()
+    result = []
+
+    def search():  # a naive search here compares ~10^9 tokens
+        result.append(lay.find([7] * 75_000, [7] * 37_000 + [8]))
+        done.set()
+
+    threading.Thread(target=search, daemon=True).start()
+    assert done.wait(timeout=30), "the search is not linear"
+    assert result == [-1]
+
+
+def test_the_layout_check_runs_off_the_event_loop(tokenizer):
+    """While a long request is checked, the server's event loop goes on (``/health`` answers)."""
+    import asyncio
+    import json
+    import threading
+
+    events = []
+    release = threading.Event()
+    check = LayoutCheck(app=None)
+    check.method, check.salt = "fullshared", "s"
+
+    def slow_check(data, path):
+        events.append("check started")
+        release.wait(timeout=30)
+        events.append("check done")
+
+    check.check = slow_check
+
+    async def app(scope, receive, send):
+        events.append(f"app {scope['path']}")
+
+    async def main():
+        async def receive():
+            return {"type": "http.request", "body": json.dumps({"prompt": "x"}).encode(), "more_body": False}
+
+        async def send(message):
+            pass
+
+        check.app = app
+        post = asyncio.ensure_future(
+            check({"type": "http", "method": "POST", "path": "/v1/completions"}, receive, send)
+        )
+        while "check started" not in events:
+            await asyncio.sleep(0.01)
+        await check({"type": "http", "method": "GET", "path": "/health"}, receive, send)
+        release.set()
+        await post
+
+    asyncio.run(main())
+    assert events == ["check started", "app /health", "check done", "app /v1/completions"]

@@ -75,7 +75,7 @@ unless ``skip_reading_prefix_cache=False`` is sent too (then with ``detokenize=F
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,16 +212,37 @@ def parse(params: Any) -> RequestLayout:
     return layout
 
 
-def find(haystack: Sequence[int], needle: Sequence[int], begin: int = 0) -> int:
-    """First index >= ``begin`` where ``needle`` occurs in ``haystack`` (-1 if none)."""
+def occurrences(haystack: Sequence[int], needle: Sequence[int], begin: int = 0) -> Iterator[int]:
+    """Every index >= ``begin`` where ``needle`` occurs in ``haystack``, in order, overlapping ones
+    included: one linear pass (Knuth-Morris-Pratt), so a long prompt of repeated tokens costs no more
+    than any other (a naive search is quadratic there: seconds on the event loop for a 300 KB request)."""
     n = len(needle)
     if n == 0:
-        return -1
-    first = needle[0]
-    for i in range(begin, len(haystack) - n + 1):
-        if haystack[i] == first and list(haystack[i : i + n]) == list(needle):
-            return i
-    return -1
+        return
+    needle = list(needle)
+    fallback = [0] * n  # the longest proper border of needle[: i + 1]
+    k = 0
+    for i in range(1, n):
+        while k and needle[i] != needle[k]:
+            k = fallback[k - 1]
+        if needle[i] == needle[k]:
+            k += 1
+        fallback[i] = k
+    k = 0
+    for i in range(max(begin, 0), len(haystack)):
+        token = haystack[i]
+        while k and token != needle[k]:
+            k = fallback[k - 1]
+        if token == needle[k]:
+            k += 1
+        if k == n:
+            yield i - n + 1
+            k = fallback[k - 1]
+
+
+def find(haystack: Sequence[int], needle: Sequence[int], begin: int = 0) -> int:
+    """First index >= ``begin`` where ``needle`` occurs in ``haystack`` (-1 if none); linear."""
+    return next(occurrences(haystack, needle, begin), -1)
 
 
 def slot_name(ids: Sequence[int]) -> str:
@@ -367,9 +388,7 @@ def derive(
     found = []
     for name, ids in sorted(known.items(), key=lambda item: -len(item[1])):
         ids = list(ids)
-        at = find(prompt, ids, 0)
-        while at >= 0 and not free(at, at + len(ids)):
-            at = find(prompt, ids, at + 1)
+        at = next((i for i in occurrences(prompt, ids) if free(i, i + len(ids))), -1)
         if at >= 0 and ids:
             taken.append((at, at + len(ids)))
             found.append(LocatedSegment(name, at, at + len(ids)))

@@ -22,8 +22,10 @@ error in the response's ``kv_transfer_params``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import layout as lay
@@ -42,6 +44,9 @@ class LayoutCheck:
         self.salt = settings.get("salt")
         self.model = settings.get("model")
         self._tokens: lay.TokenInfo | None = None
+        #: the layout checks run here, one at a time (a tokenizer is not for concurrent use), while the
+        #: event loop goes on answering (``/health``, other requests' streams)
+        self._checks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_kvshare-layout")
 
     @property
     def tokens(self) -> lay.TokenInfo | None:
@@ -73,8 +78,10 @@ class LayoutCheck:
         except (ValueError, UnicodeDecodeError):
             data = None
         if isinstance(data, dict):
-            try:
-                self.check(data, scope["path"])
+            try:  # tokenizing and locating a long prompt takes a while: not on the server's event loop
+                await asyncio.get_running_loop().run_in_executor(
+                    self._checks, self.check, data, scope["path"]
+                )
             except lay.LayoutError as error:
                 await _error(send, 400, str(error))
                 return
