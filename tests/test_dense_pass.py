@@ -290,6 +290,25 @@ def test_agent_scope_is_bounded_and_saved(tiny, tokenizer, tmp_path):
     assert a.output_ids.tolist() == b.output_ids.tolist() and a.prefix_reused == b.prefix_reused > 0
 
 
+def test_agent_scope_is_bounded_by_bytes(tiny, tokenizer):
+    """Kept PF text is bounded by bytes as well as by count: a one-message prompt makes an agent's
+    prefix its whole prompt (788 MB after 16 such requests on the 135M model, within the count)."""
+    method = METHODS["fullshared"](prefix_reuse=True)
+    Session(tiny, tokenizer, method).run_turn("agent0", roles("agent0"), max_new_tokens=2)
+    one = method.state_bytes()
+    assert one > 0
+    method.bound_prefixes(2 * one + one // 2)  # room for two agents' text
+    for i in range(1, 6):
+        Session(tiny, tokenizer, method).run_turn(f"agent{i}", roles(f"agent{i}"), max_new_tokens=2)
+        assert method.state_bytes() <= 2 * one + one // 2
+    agents = {agent for agent, _ in method.__dict__["_kept_prefixes"]}
+    assert "agent5" in agents and not agents & {"agent0", "agent1"}  # the least recently used went
+    method.bound_prefixes(0)
+    assert method.state_bytes() == 0
+    with pytest.raises(ValueError, match="non-negative"):
+        method.bound_prefixes(-1)
+
+
 @pytest.mark.parametrize("method", ["kvcmas", "kvcomm"])
 def test_prefix_reuse_keeps_kvcmas_exact_at_tau_zero(tiny, tokenizer, method):
     session = Session(tiny, tokenizer, method, tau=0.0, prefix_reuse=True)

@@ -52,6 +52,9 @@ class PrefixReuse:
     PREFIX_SCOPES: ClassVar[tuple[str, ...]] = ("agent", "request")
     #: PF segments kept per method instance with ``prefix_scope="agent"`` (least recently used dropped)
     PREFIX_LIMIT: ClassVar[int] = 256
+    #: and their bytes (one-message prompts make an agent's "prefix" its whole prompt: hundreds of MB
+    #: within the count); a host with its own budget lowers it with :meth:`bound_prefixes`
+    PREFIX_MAX_BYTES: ClassVar[int] = 256 << 20
 
     def check_prefix_reuse(self) -> None:
         if not isinstance(self.prefix_reuse, bool):
@@ -109,8 +112,21 @@ class PrefixReuse:
             elif span.start in computed:
                 store[key] = cache.extract(span.start, span.end, agent=turn.agent)
         if isinstance(store, OrderedDict):
-            while len(store) > self.PREFIX_LIMIT:
-                store.popitem(last=False)
+            self._trim_prefixes(store)
+
+    def bound_prefixes(self, max_bytes: int) -> None:
+        """Keep the PF K/V kept across requests within ``max_bytes`` from now on (least recently used
+        dropped first); a serving host gives it a share of its store's budget."""
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be a non-negative integer; got {max_bytes!r}")
+        self.__dict__["_prefix_max_bytes"] = max_bytes
+        self._trim_prefixes(self._agent_prefixes())
+
+    def _trim_prefixes(self, store: OrderedDict) -> None:
+        budget = self.__dict__.get("_prefix_max_bytes", self.PREFIX_MAX_BYTES)
+        held = sum(kv.nbytes for kv in store.values())
+        while store and (len(store) > self.PREFIX_LIMIT or held > budget):
+            held -= store.popitem(last=False)[1].nbytes
 
     def prefix_state_bytes(self) -> int:
         """Bytes of the PF K/V kept across requests (``prefix_scope="agent"``)."""

@@ -383,6 +383,8 @@ class Sharing:
                 )
         self.max_bytes = max_bytes
         self.max_tasks = max_tasks
+        if hasattr(self.method, "bound_prefixes"):  # agents' kept text: a quarter of the store's budget
+            self.method.bound_prefixes(min(self.method.PREFIX_MAX_BYTES, max_bytes // 4))
         self.min_segment_tokens = int(min_segment_tokens)
         self.hosts: OrderedDict[str, ServingHost] = OrderedDict()
         self.evicted_tasks = 0
