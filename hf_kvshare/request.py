@@ -57,6 +57,8 @@ class Request:
         self.method_state: dict[str, Any] = {}
         #: output slots of turns prepared and not recorded yet (a served request in flight)
         self.reserved: set[str] = set()
+        #: per reserved output, the slots its turn reads (what a host that forgets slots must keep)
+        self.reading: dict[str, frozenset[str]] = {}
         #: per recorded turn, its cache's length and weak references to the slot K/V that are views of it
         #: (:meth:`record_output`, re-checked by :meth:`compact_views`)
         self._views: list[tuple[int, list[weakref.ref]]] = []
@@ -121,6 +123,7 @@ class Request:
         self.slots.update(new.slots)
         self.aliases.update(new.aliases)
         self.reserved.add(name)
+        self.reading[name] = frozenset(s.name for s in spans if s.kind == "PH")
         turn = Turn(host=self, agent=agent, spans=spans, output_slot=name, batch_size=batch_size)
         turn.stats.ph_tokens = sum(s.length for s in spans if s.kind == "PH")
         return turn
@@ -129,6 +132,7 @@ class Request:
         """A prepared turn that will not be recorded (a cache built for the caller, an aborted request)
         frees its output slot."""
         self.reserved.discard(turn.output_slot)
+        self.reading.pop(turn.output_slot, None)
 
     @contextlib.contextmanager
     def rollback(self) -> Iterator[None]:
@@ -136,12 +140,13 @@ class Request:
         the slot table (slots it added dropped), the aliases, the reserved outputs and each slot's
         latest K/V."""
         slots, aliases, reserved = dict(self.slots), dict(self.aliases), set(self.reserved)
+        reading = dict(self.reading)
         latest = {name: slot.latest for name, slot in slots.items()}
         self._rolled_back = latest
         try:
             yield
         except BaseException:
-            self.slots, self.aliases, self.reserved = slots, aliases, reserved
+            self.slots, self.aliases, self.reserved, self.reading = slots, aliases, reserved, reading
             for name, slot in slots.items():
                 slot.latest = latest[name]
             raise
@@ -160,6 +165,7 @@ class Request:
         slot = Slot(name=turn.output_slot, token_ids=output_ids.cpu(), text=text, producer=turn.agent)
         self.slots[turn.output_slot] = slot
         self.reserved.discard(turn.output_slot)
+        self.reading.pop(turn.output_slot, None)
         if not keep_kv:
             return slot
         end = P + output_ids.numel()

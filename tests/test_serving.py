@@ -1386,3 +1386,29 @@ def test_the_layout_check_runs_off_the_event_loop(tokenizer):
 
     asyncio.run(main())
     assert events == ["check started", "app /health", "check done", "app /v1/completions"]
+
+
+def test_a_long_lived_task_forgets_its_oldest_slots_but_none_a_request_in_flight_reads(tiny_llama, tokenizer):
+    """Task-less requests all go to task ``default``: its slots are bounded (``max_task_slots``), the
+    oldest forgotten first, never one that a request still in flight reads (before: 407 slots after
+    400 requests, every plan searching them all)."""
+    doc = ids_of(tokenizer, DOC)
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", max_task_slots=4)
+    held = sharing.plan(
+        "held",
+        doc + ids_of(tokenizer, "\nHeld?"),
+        layout("default", "h", [{"slot": "doc", "start": 0, "end": len(doc)}]),
+        0,
+    )  # in flight all along: reads "doc"
+    assert held.error is None
+    for i in range(8):
+        plan = sharing.plan(f"r{i}", ids_of(tokenizer, f"Question number {i} about something else?"), None, 0)
+        assert plan.error is None
+        out, k, v = engine(tiny_llama, plan, max_new_tokens=2)
+        sharing.record(plan, k, v, out, set())
+        host = sharing.hosts["default"]
+        assert len(host.slots) <= 4 + 1 and "doc" in host.slots
+    assert sharing.state_summary()["forgotten_slots"] > 0
+    out, k, v = engine(tiny_llama, held, max_new_tokens=2)
+    sharing.record(held, k, v, out, set())  # the request in flight records as if nothing happened
+    assert held.error is None and "h" in sharing.hosts["default"].slots  # then "doc" may go too

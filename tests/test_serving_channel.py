@@ -228,8 +228,11 @@ def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output()
         assert torch.equal(k, keys) and torch.equal(v, values) and via == "at finish"
         # the same capture in the next step's metadata is not read again
         worker.wait_for_save(HFKVShareMetadata(captures=[capture]))
-        step = worker.build_connector_worker_meta()
-        assert step.sent == {"a"} and not step.kv
+        step, deadline = None, time.monotonic() + 10
+        while step is None and time.monotonic() < deadline:  # the order thread notes the send after it
+            step = worker.build_connector_worker_meta()
+            time.sleep(0.01)
+        assert step is not None and step.sent == {"a"} and not step.kv
         # the fallback: a capture no order took goes with the step's output, not on the channel
         worker.wait_for_save(HFKVShareMetadata(captures=[Capture("b", [3, 0], 20)]))
         step = worker.build_connector_worker_meta()

@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 SERVED = ("nonshared", "fullshared", "kvcmas", "kvcmas-nonchained", "kvcomm")
 DEFAULT_MAX_BYTES = 2 << 30
 DEFAULT_MAX_TASKS = 1024
+#: slots one task keeps (the oldest that no request in flight reads are forgotten past it)
+DEFAULT_MAX_TASK_SLOTS = 256
 
 
 class ServingError(ValueError):
@@ -361,6 +363,7 @@ class Sharing:
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_tasks: int = DEFAULT_MAX_TASKS,
+        max_task_slots: int = DEFAULT_MAX_TASK_SLOTS,
         min_segment_tokens: int = lay.MIN_SEGMENT_TOKENS,
         **options: Any,
     ):
@@ -375,7 +378,11 @@ class Sharing:
         self.tokens = lay.TokenInfo(tokenizer)
         self.method.bind(model)
         self.shifter = RopeShifter.from_model(model) if self.method.repositions else None
-        for name, value in (("max_bytes", max_bytes), ("max_tasks", max_tasks)):
+        for name, value in (
+            ("max_bytes", max_bytes),
+            ("max_tasks", max_tasks),
+            ("max_task_slots", max_task_slots),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"{name} must be a positive integer (a store that holds nothing shares "
@@ -383,12 +390,14 @@ class Sharing:
                 )
         self.max_bytes = max_bytes
         self.max_tasks = max_tasks
+        self.max_task_slots = max_task_slots
         if hasattr(self.method, "bound_prefixes"):  # agents' kept text: a quarter of the store's budget
             self.method.bound_prefixes(min(self.method.PREFIX_MAX_BYTES, max_bytes // 4))
         self.min_segment_tokens = int(min_segment_tokens)
         self.hosts: OrderedDict[str, ServingHost] = OrderedDict()
         self.evicted_tasks = 0
         self.tasks_over_bound = 0  # times a new task found every other task busy (none evictable)
+        self.forgotten_slots = 0  # slots forgotten by a task over max_task_slots
         self.dropped_slots = 0
         self.requests = 0
         self.claimed_requests = 0
@@ -614,6 +623,7 @@ class Sharing:
                 plan.host.release(plan.turn, self.method)
             else:
                 plan.host.compact_views()
+            self._forget_oldest_slots(plan.host)
             plan.host.held = plan.host.held_bytes()
             self._bound(plan.host)
             self.records += 1
@@ -710,6 +720,21 @@ class Sharing:
         """Bytes the tasks' slots keep alive (each task's count as of its last record: ServingHost.held)."""
         return sum(h.held for h in self.hosts.values())
 
+    def _forget_oldest_slots(self, host: ServingHost) -> None:
+        """A task holds at most ``max_task_slots`` slots: the oldest ones no request in flight reads
+        are forgotten (their K/V, text and aliases), so a long-lived task (every task-less request is
+        task ``default``) does not make each plan search an ever-growing list."""
+        excess = len(host.slots) - self.max_task_slots
+        if excess <= 0:
+            return
+        busy = set().union(*host.reading.values()) if host.reading else set()
+        for name in [n for n in host.slots if n not in busy][:excess]:
+            del host.slots[name]
+            self.forgotten_slots += 1
+        for alias in [a for a, target in host.aliases.items() if target not in host.slots]:
+            del host.aliases[alias]
+        host.compact_views()
+
     def _evict_one(self, keep: ServingHost) -> bool:
         for task in self.hosts:
             if self.hosts[task] is not keep and not self.hosts[task].reserved:
@@ -739,6 +764,8 @@ class Sharing:
                 "max_tasks": self.max_tasks,
                 "evicted_tasks": self.evicted_tasks,
                 "tasks_over_bound": self.tasks_over_bound,
+                "forgotten_slots": self.forgotten_slots,
+                "max_task_slots": self.max_task_slots,
                 "dropped_slot_kv": self.dropped_slots,
                 "slots": sum(len(h.slots) for h in self.hosts.values()),
                 "requests": self.requests,
