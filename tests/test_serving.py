@@ -195,12 +195,14 @@ def test_shared_kv_reach_only_requests_under_the_method_salt_and_stay_within_the
     assert sharing.admit(None, None) is None  # another endpoint: no salt, nothing injected
     assert sharing.admit(None, "someone-else") is None
     assert sharing.admit(None, method_salt + "x") is None  # not this method's salt
-    assert sharing.admit(None, method_salt) == {}
+    assert lay.parse(sharing.admit(None, method_salt)) == lay.RequestLayout()
+    # a client cannot state a tenant (the server's key): dropped, or refused by the middleware
+    assert lay.TENANT not in sharing.admit({lay.KEY: {lay.TENANT: "B"}}, method_salt)[lay.KEY]
     params = layout("t", "a", [{"slot": "doc", "start": 0, "end": 3}])
     fenced = sharing.admit(params, f"{method_salt}|tenantA")
     assert fenced[lay.KEY]["task"] == "tenantA|t" and fenced[lay.KEY]["agent"] == "a|tenantA"
     assert params[lay.KEY]["task"] == "t"  # the request's own params are not mutated
-    assert Sharing(tiny_llama, tokenizer, "nonshared").admit(None, None) == {}
+    assert lay.parse(Sharing(tiny_llama, tokenizer, "nonshared").admit(None, None)) == lay.RequestLayout()
 
     doc = ids_of(tokenizer, DOC)
 
@@ -228,8 +230,8 @@ def test_shared_kv_reach_only_requests_under_the_method_salt_and_stay_within_the
     assert run_explicit("a2", "A", Q2, "y").claimed > 0  # and its next agent shares it
     assert run_explicit("b1", "B", Q2, "y").claimed == 0  # tenant B, same task name: none of A's K/V
     assert sorted(sharing.hosts) == ["A|default", "B|default"]
-    run("a3", "A", Q1)  # the derived layout is fenced the same way
-    assert "default" not in sharing.hosts
+    derived = run("a3", "A", Q1)  # the derived layout is fenced the same way, its agent too
+    assert "default" not in sharing.hosts and derived.turn.agent.endswith("|A")
 
 
 def test_requests_outside_the_layout_check_cannot_read_shared_kv(tokenizer):
@@ -250,6 +252,8 @@ def test_requests_outside_the_layout_check_cannot_read_shared_kv(tokenizer):
     }
     with pytest.raises(lay.LayoutError, match="reserved"):
         check.check(opted_out, "/v1/completions")
+    with pytest.raises(lay.LayoutError, match="set by the server"):
+        check.check({"prompt": "hi", "kv_transfer_params": {lay.KEY: {lay.TENANT: "B"}}}, "/v1/completions")
     own = {"prompt": "hi", "cache_salt": "mine", "kv_transfer_params": {lay.KEY: {"method": "nonshared"}}}
     check.check(own, "/v1/completions")
     assert own["cache_salt"] == "mine"

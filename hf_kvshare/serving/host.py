@@ -422,23 +422,24 @@ class Sharing:
         keeps them there): a request without it (one that did not pass the layout check, e.g. another
         endpoint of vLLM's server) gets none, so it can never leave them in the plain prefix cache.
         A client's own salt (after the method's: ``"<method salt>|<client salt>"``) is its tenant: its
-        task (and its named agent) are kept apart from every other tenant's in the store."""
-        if self.salt is None:
-            return {} if params is None else params
-        if not isinstance(cache_salt, str) or not (
-            cache_salt == self.salt or cache_salt.startswith(self.salt + "|")
+        task and its agents (named or derived from the prompt: the method's per-agent state, e.g. kept
+        prefix text, included) are kept apart from every other tenant's in the store; a client cannot
+        state a tenant itself."""
+        if self.salt is not None and not (
+            isinstance(cache_salt, str)
+            and (cache_salt == self.salt or cache_salt.startswith(self.salt + "|"))
         ):
             return None
-        tenant = cache_salt[len(self.salt) + 1 :]
-        if not tenant:
-            return {} if params is None else params
         raw = params.get(lay.KEY) if isinstance(params, dict) else None
         if params is not None and (not isinstance(params, dict) or not isinstance(raw, (dict, type(None)))):
             return params  # malformed: its plan reports the layout's error, nothing is claimed
-        fenced = dict(raw or {})
-        fenced["task"] = f"{tenant}|{fenced.get('task') or lay.DEFAULT_TASK}"
-        if isinstance(fenced.get("agent"), str) and fenced["agent"]:
-            fenced["agent"] = f"{fenced['agent']}|{tenant}"
+        fenced = {k: v for k, v in (raw or {}).items() if k != lay.TENANT}  # the server's key, not a client's
+        tenant = cache_salt[len(self.salt) + 1 :] if self.salt is not None else ""
+        if tenant:
+            fenced["task"] = f"{tenant}|{fenced.get('task') or lay.DEFAULT_TASK}"
+            if isinstance(fenced.get("agent"), str) and fenced["agent"]:
+                fenced["agent"] = f"{fenced['agent']}|{tenant}"
+            fenced[lay.TENANT] = tenant  # a derived agent name carries it (layout.resolve)
         return {**(params or {}), lay.KEY: fenced}
 
     def plan(self, request_id: str, prompt: list[int], params: Any, local_hit: int | None) -> Plan:

@@ -89,6 +89,8 @@ MIN_SEGMENT_TOKENS = 16
 KEY = "hf_kvshare"
 DEFAULT_TASK = "default"
 _REQUEST_KEYS = frozenset({"task", "agent", "output", "method", "segments"})
+#: set by the server itself (``Sharing.admit``: the client's ``cache_salt``), never by a client
+TENANT = "tenant"
 _SEGMENT_KEYS = frozenset({"slot", "text", "start", "end", "kind"})
 
 
@@ -118,6 +120,8 @@ class RequestLayout:
     method: str | None = None
     #: ``None``: derive the layout from the prompt
     segments: list[SegmentRequest] | None = None
+    #: the request's tenant (the server's, from its ``cache_salt``): a derived agent name carries it
+    tenant: str | None = None
 
 
 @dataclass
@@ -155,10 +159,10 @@ def parse(params: Any) -> RequestLayout:
         return RequestLayout()
     if not isinstance(raw, Mapping):
         raise LayoutError(f"kv_transfer_params.{KEY} must be an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _REQUEST_KEYS)
+    unknown = sorted(set(raw) - _REQUEST_KEYS - {TENANT})
     if unknown:
         raise LayoutError(f"kv_transfer_params.{KEY}: unknown keys {unknown}; known: {sorted(_REQUEST_KEYS)}")
-    for key in ("task", "agent", "output", "method"):
+    for key in ("task", "agent", "output", "method", TENANT):
         value = raw.get(key)
         if value is not None and (not isinstance(value, str) or not value):
             raise LayoutError(f"kv_transfer_params.{KEY}.{key} must be a non-empty string, got {value!r}")
@@ -167,6 +171,7 @@ def parse(params: Any) -> RequestLayout:
         agent=raw.get("agent"),
         output=raw.get("output"),
         method=raw.get("method"),
+        tenant=raw.get(TENANT),
     )
     segments = raw.get("segments")
     if segments is None:
@@ -310,6 +315,8 @@ def resolve(
     known = known or {}
     pieces = chunks(prompt, tokens.special, tokens.is_space)
     agent = layout.agent or ("a" + slot_name(prompt[pieces[0][0] : pieces[0][1]])[1:] if pieces else "agent")
+    if layout.tenant and not layout.agent:  # a named agent was fenced by the server already
+        agent = f"{agent}|{layout.tenant}"
     resolved = ResolvedLayout(task=layout.task, agent=agent, output=layout.output)
     if layout.segments is None:
         resolved.derived = True

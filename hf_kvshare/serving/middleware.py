@@ -123,7 +123,16 @@ class LayoutCheck:
 
     def check(self, data: dict, path: str) -> None:
         """Validate the request's layout and set its ``cache_salt`` (raises :class:`LayoutError`)."""
-        request = lay.parse(data.get("kv_transfer_params"))
+        params = data.get("kv_transfer_params")
+        if (
+            isinstance(params, dict)
+            and isinstance(params.get(lay.KEY), dict)
+            and lay.TENANT in params[lay.KEY]
+        ):
+            raise lay.LayoutError(
+                f"kv_transfer_params.{lay.KEY}.{lay.TENANT} is set by the server (from the request's cache_salt)"
+            )
+        request = lay.parse(params)
         if request.method is not None and request.method not in (self.method, "nonshared"):
             raise lay.LayoutError(
                 f"this server runs method {self.method!r} (or 'nonshared' to opt out); the request asks "
