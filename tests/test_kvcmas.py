@@ -329,7 +329,7 @@ def test_gate_once_per_slot_and_request_every_consumer_obeys(tiny_llama, tokeniz
 
     monkeypatch.setattr(SlotScope, "gate", counted)
     for cls, given in ((KVCMAS, []), (KVComm, ["query"])):
-        method = cls(tau=1.0)
+        method = cls(tau=1.0, profile="reference")  # the reference's decisions (n < 2: rejected)
         for n, query in enumerate((QUERIES[0], QUERIES[0], QUERIES[0], QUERIES[1])):
             calls.clear()
             session = Session(tiny_llama, tokenizer, method)
@@ -384,7 +384,7 @@ def test_rejection_feeds_one_anchor_per_slot_and_request(tiny_llama, tokenizer):
 def test_outputs_are_sourced_from_the_producers_own_cache(tiny_llama, tokenizer):
     """A consumer without a delta reuses the producer's cache re-positioned (no correction); a later
     consumer gets the same source, not the first consumer's cache of the segment."""
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, profile="reference")  # the reference's pools: an anchor per request
     for _ in range(2):
         run_request(tiny_llama, tokenizer, method, QUERIES[0])
     session = Session(tiny_llama, tokenizer, method)
@@ -831,7 +831,7 @@ def test_a_chained_source_is_primed_for_a_consumer_whose_anchor_set_has_no_cache
     the request holds no weights for (the served trace's critic): here the coder's anchor set differs
     from the designer's, so the coder's placement compares nothing; it used to be skipped whenever any
     weights of the slot were cached, and the coder compared its anchors from that source when placing."""
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, profile="reference")  # the reference's pools: an anchor per request
     for _ in range(2):
         run_request(tiny_llama, tokenizer, method, QUERIES[0])
     pool = method.pools["query"]

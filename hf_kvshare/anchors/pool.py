@@ -7,6 +7,12 @@ correction ``Δ = C_target - Align(base)`` (``deltas[target]``). With per-slot g
 KVComm reference code) there is one anchor per (slot, request) and every consumer that went dense
 adds its delta to it; with per-edge gating an anchor only corrects an edge whose source matches its
 ``source`` label and whose target it has a delta for.
+
+Beyond the reference (KVCMAS's ``profile="reuse"``, slot scope): an observation whose base nearly
+duplicates an anchor's (:meth:`AnchorPool.near_duplicate`) refreshes that anchor instead of joining
+the pool (:meth:`AnchorPool.refresh`), and the anchor remembers how far each consumer's new delta was
+from the one it replaced (``Anchor.agreement``); :func:`correction_agreement` reads that evidence and
+the spread of the candidate anchors' deltas for the gate's agreement rule.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV
+from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV, relative_distance, relative_spread
 
 #: label of the context-free reference (the segment prefilled with nothing before it)
 REFERENCE = "reference"
@@ -107,6 +113,11 @@ class Anchor:
             KVComm reference compares keys in that frame); the stored base keys stay canonical.
         prefix_deltas: consuming agent -> (token ids, correction) of the PF text right after the
             segment in that agent's prompt (KVComm's prefix deltas), in ``frame``.
+        agreement: consuming agent -> :func:`~.lowrank.relative_spread` of its last two observed
+            deltas (set when a near-duplicate observation refreshed this anchor: evidence that its
+            correction repeats; absent: observed once).
+        stale: consuming agents whose delta predates the anchor's current ``origin`` (a refresh
+            re-keys it to the refreshing request; per request, not saved).
     """
 
     base: FactoredKV
@@ -118,6 +129,8 @@ class Anchor:
     frame: str = "canonical"
     base_start: int = 0
     prefix_deltas: dict[str, tuple[tuple[int, ...], FactoredKV]] = field(default_factory=dict)
+    agreement: dict[str, float] = field(default_factory=dict)
+    stale: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not isinstance(self.deltas, Deltas):
@@ -229,6 +242,31 @@ class AnchorPool:
         """Anchors holding a correction for ``target``."""
         return [a for a in self.anchors if target in a.deltas]
 
+    def near_duplicate(
+        self, base: FactoredKV | DeferredFactoredKV, source: str, threshold: float
+    ) -> Anchor | None:
+        """The anchor whose base ``base`` nearly duplicates: the same source label and length, values
+        within ``threshold`` of it relative to its size (:func:`~.lowrank.relative_distance`); the
+        closest such, or ``None`` (always with ``threshold <= 0``). A deferred base of a same-length
+        anchor is factorized here (it is compared)."""
+        if threshold <= 0:
+            return None
+        found, best = None, threshold
+        for anchor in self.anchors:
+            if anchor.source != source or anchor.length != base.length:
+                continue
+            if isinstance(base, DeferredFactoredKV):
+                base = base.resolve()
+            distance = relative_distance(base, anchor.base)
+            if distance <= best:
+                found, best = anchor, distance
+        return found
+
+    def refresh(self, anchor: Anchor) -> None:
+        """``anchor`` was observed again: it becomes the youngest (the last the LFU-among-oldest
+        eviction reaches); its serial and use count stay."""
+        self.anchors = [a for a in self.anchors if a is not anchor] + [anchor]
+
     def eviction_candidate(self) -> Anchor:
         """The anchor :meth:`insert` would evict: LFU among the ``eviction_window`` oldest."""
         if not self.anchors:
@@ -270,3 +308,29 @@ class AnchorPool:
             f"AnchorPool({self.slot!r}, {len(self.anchors)}/{self.capacity} anchors, "
             f"{self.nbytes / 2**20:.2f} MiB)"
         )
+
+
+def correction_agreement(anchors: list[Anchor], rows: int, first_layer: int = 0) -> tuple[float | None, str]:
+    """How well the corrections of ``anchors`` agree, for the gate's agreement rule: per consuming
+    agent they hold a delta for, the :func:`~.lowrank.relative_spread` of those deltas (first ``rows``
+    rows, layers from ``first_layer``) where two or more anchors hold one, and the spread a refresh
+    recorded (``Anchor.agreement``); the worst over the agents, and a description. ``None`` (with the
+    reason) when some agent's correction was observed only once: nothing says it repeats.
+
+    Agreeing corrections are reliable whatever the gate weights: the weighted sum of deltas that
+    agree is close to each of them, so the flat weights of equally close anchors (two anchors of the
+    same text: normalized entropy 1) cost nothing."""
+    agents = sorted({agent for a in anchors for agent in a.deltas})
+    if not agents:
+        return None, "no anchor holds a correction"
+    worst, worst_agent = 0.0, agents[0]
+    for agent in agents:
+        holders = [a for a in anchors if agent in a.deltas]
+        spreads = [a.agreement[agent] for a in holders if agent in a.agreement]
+        if len(holders) >= 2:
+            spreads.append(relative_spread([a.deltas[agent] for a in holders], rows, first_layer))
+        if not spreads:
+            return None, f"the correction for {agent!r} was observed once"
+        if max(spreads) >= worst:
+            worst, worst_agent = max(spreads), agent
+    return worst, f"delta spread {worst:.3g} (worst: {worst_agent!r})"
