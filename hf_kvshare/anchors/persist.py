@@ -243,6 +243,8 @@ def pools_from_state(
             )
             if anchor.frame not in ("canonical", "writer") or not isinstance(anchor.serial, int):
                 raise ValueError(f"{what}: frame {anchor.frame!r}, serial {anchor.serial!r}")
+            if any(x.serial == anchor.serial or x.origin == anchor.origin for x in pool.anchors):
+                raise ValueError(f"{what}: serial {anchor.serial} or origin {anchor.origin!r} appears twice")
             pool.anchors.append(anchor)
         pool._serial = reader.count(entry["serial"], f"pool {p}: serial")
         pool.evicted = reader.count(entry["evicted"], f"pool {p}: evicted")
