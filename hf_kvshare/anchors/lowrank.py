@@ -274,15 +274,18 @@ class FactoredKV:
         return sum(f.nbytes for f in (*self.keys, *self.values))
 
 
-def _squared_norms(kvs: list[FactoredKV], rows: int, first_layer: int) -> tuple[float, float]:
+def squared_spread(kvs: list[FactoredKV], rows: int, first_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum_i ||X_i - mean||^2, sum_i ||X_i||^2)`` over the first ``rows`` rows of every layer from
-    ``first_layer`` on, keys and values, of the segments ``kvs`` (float64 accumulation)."""
-    spread, size = 0.0, 0.0
+    ``first_layer`` on, keys and values, of the segments ``kvs``: float64 0-dim tensors on the first
+    layer's device (no host read)."""
+    device = kvs[0].values[0].a.device
+    spread = torch.zeros((), dtype=torch.float64, device=device)
+    size = torch.zeros((), dtype=torch.float64, device=device)
     for layer in range(first_layer, kvs[0].num_layers):
         for side in ("keys", "values"):
             stacked = torch.stack([getattr(kv, side)[layer].reconstruct(rows).double() for kv in kvs])
-            spread += (stacked - stacked.mean(0)).pow(2).sum().item()
-            size += stacked.pow(2).sum().item()
+            spread += (stacked - stacked.mean(0)).pow(2).sum().to(device)
+            size += stacked.pow(2).sum().to(device)
     return spread, size
 
 
@@ -290,7 +293,7 @@ def relative_spread(kvs: list[FactoredKV], rows: int, first_layer: int = 0) -> f
     """How far apart segments (e.g. the corrections several anchors hold for one consumer) are,
     relative to their own size: ``sqrt(sum_i ||X_i - mean||^2 / sum_i ||X_i||^2)`` over the first
     ``rows`` rows of every layer from ``first_layer`` on, keys and values (0: identical; two
-    opposite segments: 1; two orthogonal ones of one size: ``1/sqrt(2)``). All zero: 0.
+    opposite segments: 1; two orthogonal ones of one size: ``1/sqrt(2)``). All zero: 0. One host read.
 
     >>> x = FactoredKV.from_kv([torch.ones(1, 1, 4, 2)], [torch.ones(1, 1, 4, 2)], None)
     >>> relative_spread([x, x], rows=4)
@@ -301,20 +304,23 @@ def relative_spread(kvs: list[FactoredKV], rows: int, first_layer: int = 0) -> f
     short = [kv.length for kv in kvs if kv.length < rows]
     if short:
         raise ValueError(f"segments of {short} tokens are shorter than the {rows} rows compared")
-    spread, size = _squared_norms(kvs, rows, first_layer)
+    spread, size = torch.stack(squared_spread(kvs, rows, first_layer)).tolist()
     return 0.0 if size == 0 else (spread / size) ** 0.5
 
 
 def relative_distance(x: FactoredKV, y: FactoredKV, rows: int | None = None) -> float:
     """``||X - Y|| / ||Y||`` of the values of two segments over their first ``rows`` rows (default: all
     of the shorter), every layer: how nearly ``x`` duplicates ``y`` (0: the same; ``inf`` when ``y``
-    is all zero and ``x`` is not)."""
+    is all zero and ``x`` is not). One host read."""
     rows = min(x.length, y.length) if rows is None else rows
-    diff, size = 0.0, 0.0
+    device = y.values[0].a.device
+    diff = torch.zeros((), dtype=torch.float64, device=device)
+    size = torch.zeros((), dtype=torch.float64, device=device)
     for fx, fy in zip(x.values, y.values):
         vy = fy.reconstruct(rows).double()
-        diff += (fx.reconstruct(rows).double() - vy).pow(2).sum().item()
-        size += vy.pow(2).sum().item()
+        diff += (fx.reconstruct(rows).double().to(vy.device) - vy).pow(2).sum().to(device)
+        size += vy.pow(2).sum().to(device)
+    diff, size = torch.stack((diff, size)).tolist()
     if size == 0:
         return 0.0 if diff == 0 else float("inf")
     return (diff / size) ** 0.5

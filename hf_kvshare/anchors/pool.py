@@ -22,7 +22,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV, relative_distance, relative_spread
+import torch
+
+from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV, relative_distance, squared_spread
 
 #: label of the context-free reference (the segment prefilled with nothing before it)
 REFERENCE = "reference"
@@ -323,14 +325,18 @@ def correction_agreement(anchors: list[Anchor], rows: int, first_layer: int = 0)
     agents = sorted({agent for a in anchors for agent in a.deltas})
     if not agents:
         return None, "no anchor holds a correction"
-    worst, worst_agent = 0.0, agents[0]
+    recorded, terms = {}, []  # per agent: refreshes' spreads; (agent, spread^2, size^2) of 2+ holders
     for agent in agents:
         holders = [a for a in anchors if agent in a.deltas]
-        spreads = [a.agreement[agent] for a in holders if agent in a.agreement]
+        recorded[agent] = [a.agreement[agent] for a in holders if agent in a.agreement]
         if len(holders) >= 2:
-            spreads.append(relative_spread([a.deltas[agent] for a in holders], rows, first_layer))
-        if not spreads:
+            terms.append((agent, *squared_spread([a.deltas[agent] for a in holders], rows, first_layer)))
+        elif not recorded[agent]:
             return None, f"the correction for {agent!r} was observed once"
-        if max(spreads) >= worst:
-            worst, worst_agent = max(spreads), agent
+    if terms:  # every agent's spread in one host read
+        read = torch.stack([torch.stack((s, z)).to(terms[0][1].device) for _, s, z in terms]).tolist()
+        for (agent, _, _), (spread, size) in zip(terms, read):
+            recorded[agent].append(0.0 if size == 0 else (spread / size) ** 0.5)
+    worst_agent = max(agents, key=lambda agent: max(recorded[agent]))
+    worst = max(recorded[worst_agent])
     return worst, f"delta spread {worst:.3g} (worst: {worst_agent!r})"

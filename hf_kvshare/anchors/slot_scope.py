@@ -49,7 +49,7 @@ from .correction import (
     token_distances,
     token_weights,
 )
-from .gate import GateDecision, gate_weights, reliability_gate, usage_reference
+from .gate import GateDecision, reliability_gate, usage_reference
 from .lowrank import DeferredFactoredKV, FactoredKV, relative_spread
 from .pool import Anchor, correction_agreement
 from .scope import USAGE_MASS, Edge, Reuse, Scope, following_pf
@@ -156,9 +156,7 @@ class SlotScope(Scope):
         o = self.options
         spread, why = correction_agreement(eligible, rows, 1 if o.skip_layer0 else 0)
         if spread is not None and spread <= o.agreement:
-            weights = (
-                decision.weights or gate_weights(torch.tensor(decision.distances), o.temperature).tolist()
-            )
+            weights = decision.weights or [1.0]  # one anchor: the entropy rule computed no weights
             return GateDecision(
                 True,
                 f"anchors agree: {why} <= {o.agreement:g}",
