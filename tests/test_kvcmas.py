@@ -451,7 +451,7 @@ def test_token_weights_are_computed_once_per_anchor_set(tiny_llama, tokenizer):
 def test_full_length_rule_of_the_gate(tiny_llama):
     from test_anchors import make_anchor, random_kv
 
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, profile="reference")  # the reference's gate (the candidate is random)
     candidate = random_kv(6, seed=9)
     pool = method.scope.pool("planner")
     for i, n in enumerate([5, 6, 9]):
@@ -461,7 +461,7 @@ def test_full_length_rule_of_the_gate(tiny_llama):
     method.pools["planner"].anchors.pop()  # {5, 6}: one anchor covers the candidate
     decision, eligible, _ = method.scope.gate("planner", candidate)
     assert not decision.accepted and "fewer than 2 anchors at least 6 tokens long (1 of 2)" in decision.reason
-    prefix = KVCMAS(tau=1.0, match="prefix")  # the earlier reading compares over 5 rows
+    prefix = KVCMAS(tau=1.0, match="prefix", profile="reference")  # the earlier reading: over 5 rows
     prefix.pools["planner"] = method.pools["planner"]
     decision, eligible, _ = prefix.scope.gate("planner", candidate)
     assert decision.accepted and len(eligible) == 2
@@ -679,7 +679,7 @@ def guarded_request(model, tok, guard, seen):
     """Warm-up requests whose agents read the query after unrelated prefixes (alternating), then a
     request with the usual roles; ``seen`` collects (scales, estimate, served, placed, authors') per
     corrected span of the last request."""
-    method = KVCMAS(tau=1.0, guard=guard)
+    method = KVCMAS(tau=1.0, guard=guard, profile="reference")  # the authors' gate accepts these
     unrelated = [
         [PF(f"Ignore all this: zebra {k} quantum {agent} wombat orchestra, number {i * 7 + k}.\n" * 2)]
         for k in range(2)

@@ -84,12 +84,12 @@ def _scaled(kv: SegmentKV, factor: float, noise: SegmentKV | None = None, eps: f
     )
 
 
-def _gate(method: KVCMAS, deltas: list[SegmentKV]):
-    base, candidate = random_kv(6, seed=1), random_kv(6, seed=9)
+def _gate(method: KVCMAS, deltas: list[SegmentKV], candidate: SegmentKV | None = None):
+    base = random_kv(6, seed=1)
     pool = method.scope.pool("planner")
     for i, delta in enumerate(deltas):
         pool.insert(_anchor(base, delta, i))  # the same base: equally close, flat weights
-    return method.scope.gate("planner", candidate)
+    return method.scope.gate("planner", base if candidate is None else candidate)  # the same text
 
 
 def test_the_gate_accepts_agreeing_anchors_however_flat_their_weights():
@@ -104,6 +104,19 @@ def test_the_gate_accepts_agreeing_anchors_however_flat_their_weights():
     assert not decision.accepted and decision.reason == "entropy 1 > tau 0.3"
     decision, _, _ = _gate(KVCMAS(agreement=0), agreeing)  # the rule off
     assert not decision.accepted
+
+
+def test_an_acceptance_stands_only_for_a_candidate_near_an_anchor():
+    """Corrections observed on other content do not carry over: a candidate far from every anchor
+    (another text) is rejected whatever rule accepted it; the reference applies them."""
+    delta = random_kv(6, seed=2)
+    far = random_kv(6, seed=9)
+    decision, _, _ = _gate(KVCMAS(), [delta, delta], candidate=far)
+    assert not decision.accepted and "but the candidate is far from every anchor" in decision.reason
+    decision, _, _ = _gate(KVCMAS(tau=1.0), [delta, delta], candidate=far)  # the entropy rule too
+    assert not decision.accepted and decision.reason.startswith("accepted; but the candidate is far")
+    assert _gate(KVCMAS(nearest=0), [delta, delta], candidate=far)[0].accepted  # the check off
+    assert _gate(KVCMAS(profile="reference", tau=1.0), [delta, delta], candidate=far)[0].accepted
 
 
 @pytest.mark.parametrize("second", ["opposite", "unrelated", "twice as large"])
@@ -127,15 +140,15 @@ def test_one_anchor_is_judged_by_what_its_refreshes_recorded():
     method = KVCMAS()
     pool = method.scope.pool("planner")
     pool.insert(_anchor(base, delta, 0))
-    decision, _, _ = method.scope.gate("planner", random_kv(6, seed=9))
+    decision, _, _ = method.scope.gate("planner", base)
     assert not decision.accepted and "the correction for 'coder' was observed once" in decision.reason
     pool.anchors[0].agreement["coder"] = 0.01  # a refresh saw it repeat
-    decision, eligible, _ = method.scope.gate("planner", random_kv(6, seed=9))
+    decision, eligible, _ = method.scope.gate("planner", base)
     assert decision.accepted and len(eligible) == 1 and decision.weights == [1.0]
     pool.anchors[0].agreement["coder"] = 0.6  # ... or change
-    decision, _, _ = method.scope.gate("planner", random_kv(6, seed=9))
+    decision, _, _ = method.scope.gate("planner", base)
     assert not decision.accepted and "anchors disagree" in decision.reason
-    decision, _, _ = KVCMAS(profile="reference").scope.gate("planner", random_kv(6, seed=9))
+    decision, _, _ = KVCMAS(profile="reference").scope.gate("planner", base)
     assert not decision.accepted  # the reference needs two anchors
 
 
@@ -226,21 +239,10 @@ def test_the_reference_profile_reproduces_mains_decisions(tau, tiny_llama, token
 
 
 def test_profiles_set_their_knobs_and_given_options_win():
-    reference = KVCMAS(profile="reference")
-    assert (reference.agreement, reference.duplicate, reference.learn_dense, reference.turn_fallback) == (
-        0.0,
-        0.0,
-        False,
-        "turn",
-    )
-    reuse = KVCMAS()
-    assert (reuse.profile, reuse.agreement, reuse.duplicate, reuse.learn_dense, reuse.turn_fallback) == (
-        "reuse",
-        0.25,
-        0.05,
-        True,
-        "span",
-    )
+    knobs = ("agreement", "nearest", "duplicate", "learn_dense", "turn_fallback")
+    reference, reuse = KVCMAS(profile="reference"), KVCMAS()
+    assert [getattr(reference, k) for k in knobs] == [0.0, 0.0, 0.0, False, "turn"]
+    assert reuse.profile == "reuse" and [getattr(reuse, k) for k in knobs] == [0.3, 0.5, 0.05, True, "span"]
     assert KVCMAS(profile="reference", turn_fallback="span").turn_fallback == "span"
     assert KVComm().profile == "reference" and KVComm().agreement == 0.0  # as its authors' code runs it
     with pytest.raises(ValueError, match="profile must be one of 'reuse', 'reference'"):
@@ -259,9 +261,5 @@ def test_refresh_evidence_survives_save_and_load(reuse_run, tiny_llama, tmp_path
     for slot in ("note0", "note1"):
         assert fresh.pools[slot].anchors[0].agreement == method.pools[slot].anchors[0].agreement
     # a state saved before profiles existed was built with the reference's rules
-    assert {k: KVCMAS.LEGACY_OPTIONS[k] for k in ("profile", "agreement", "duplicate", "learn_dense")} == {
-        "profile": "reference",
-        "agreement": 0.0,
-        "duplicate": 0.0,
-        "learn_dense": False,
-    }
+    legacy = ("profile", "agreement", "nearest", "duplicate", "learn_dense")
+    assert [KVCMAS.LEGACY_OPTIONS[k] for k in legacy] == ["reference", 0.0, 0.0, 0.0, False]

@@ -308,6 +308,16 @@ def relative_spread(kvs: list[FactoredKV], rows: int, first_layer: int = 0) -> f
     return 0.0 if size == 0 else (spread / size) ** 0.5
 
 
+def row_energy(kv: FactoredKV) -> list[float]:
+    """The cumulative squared norm of ``kv``'s value rows over every layer, ``[length]`` host floats
+    (entry ``i``: ``sum_layers ||values[:i + 1]||^2``). One host read."""
+    device = kv.values[0].a.device
+    total = torch.zeros(kv.length, dtype=torch.float64, device=device)
+    for f in kv.values:
+        total += f.reconstruct().double().pow(2).sum(-1).to(device)
+    return total.cumsum(0).tolist()
+
+
 def relative_distance(x: FactoredKV, y: FactoredKV, rows: int | None = None) -> float:
     """``||X - Y|| / ||Y||`` of the values of two segments over their first ``rows`` rows (default: all
     of the shorter), every layer: how nearly ``x`` duplicates ``y`` (0: the same; ``inf`` when ``y``

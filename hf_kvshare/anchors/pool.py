@@ -17,6 +17,7 @@ the spread of the candidate anchors' deltas for the gate's agreement rule.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -24,7 +25,14 @@ from typing import Any
 
 import torch
 
-from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV, relative_distance, squared_spread
+from .lowrank import (
+    DEFERRED_WORK,
+    DeferredFactoredKV,
+    FactoredKV,
+    relative_distance,
+    row_energy,
+    squared_spread,
+)
 
 #: label of the context-free reference (the segment prefilled with nothing before it)
 REFERENCE = "reference"
@@ -120,6 +128,8 @@ class Anchor:
             correction repeats; absent: observed once).
         stale: consuming agents whose delta predates the anchor's current ``origin`` (a refresh
             re-keys it to the refreshing request; per request, not saved).
+        energy: the base's cumulative squared value-row norms (:meth:`size`; computed by
+            :meth:`measure`, dropped when the base changes; not saved).
     """
 
     base: FactoredKV
@@ -133,10 +143,22 @@ class Anchor:
     prefix_deltas: dict[str, tuple[tuple[int, ...], FactoredKV]] = field(default_factory=dict)
     agreement: dict[str, float] = field(default_factory=dict)
     stale: set[str] = field(default_factory=set)
+    #: cumulative squared norm of the base's value rows, every layer (host floats; ``None``: not yet)
+    energy: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.deltas, Deltas):
             self.deltas = Deltas(self.deltas)
+
+    def measure(self) -> None:
+        """Compute :attr:`energy` now (one host read; factorizes a deferred base)."""
+        self.energy = row_energy(self.base)
+
+    def size(self, rows: int) -> float:
+        """``||base values[:rows]||`` over every layer (:meth:`measure` first when not known)."""
+        if self.energy is None:
+            self.measure()
+        return self.energy[min(rows, len(self.energy)) - 1] ** 0.5 if rows > 0 else 0.0
 
     @property
     def length(self) -> int:
@@ -186,6 +208,7 @@ def _read_base(anchor: Anchor) -> FactoredKV:
 
 def _write_base(anchor: Anchor, base: FactoredKV | DeferredFactoredKV) -> None:
     anchor.__dict__["base"] = base
+    anchor.__dict__["energy"] = None  # the size of another base
 
 
 # a property over the dataclass field (set after the decorator, so the generated __init__ assigns
@@ -316,8 +339,9 @@ def correction_agreement(anchors: list[Anchor], rows: int, first_layer: int = 0)
     """How well the corrections of ``anchors`` agree, for the gate's agreement rule: per consuming
     agent they hold a delta for, the :func:`~.lowrank.relative_spread` of those deltas (first ``rows``
     rows, layers from ``first_layer``) where two or more anchors hold one, and the spread a refresh
-    recorded (``Anchor.agreement``); the worst over the agents, and a description. ``None`` (with the
-    reason) when some agent's correction was observed only once: nothing says it repeats.
+    recorded (``Anchor.agreement``); the worst over the agents and a description (one host read).
+    ``None`` (with the reason) when some agent's correction was observed only once: nothing says it
+    repeats.
 
     Agreeing corrections are reliable whatever the gate weights: the weighted sum of deltas that
     agree is close to each of them, so the flat weights of equally close anchors (two anchors of the
@@ -340,3 +364,14 @@ def correction_agreement(anchors: list[Anchor], rows: int, first_layer: int = 0)
     worst_agent = max(agents, key=lambda agent: max(recorded[agent]))
     worst = max(recorded[worst_agent])
     return worst, f"delta spread {worst:.3g} (worst: {worst_agent!r})"
+
+
+def nearest_relative(anchors: list[Anchor], distances: list[float], rows: int) -> float:
+    """The candidate's nearest anchor, relative: ``min_a d_a / ||base_a values[:rows]||`` over
+    ``anchors`` and their gate ``distances`` (host floats). Each anchor's size comes from
+    :meth:`Anchor.size` (kept on the host: a read only for an anchor whose size is not known yet)."""
+    near = math.inf
+    for anchor, distance in zip(anchors, distances):
+        size = anchor.size(rows)
+        near = min(near, distance / size if size > 0 else (0.0 if distance == 0 else math.inf))
+    return near

@@ -51,7 +51,7 @@ from .correction import (
 )
 from .gate import GateDecision, reliability_gate, usage_reference
 from .lowrank import DeferredFactoredKV, FactoredKV, relative_spread
-from .pool import Anchor, correction_agreement
+from .pool import Anchor, correction_agreement, nearest_relative
 from .scope import USAGE_MASS, Edge, Reuse, Scope, following_pf
 
 if TYPE_CHECKING:
@@ -147,6 +147,8 @@ class SlotScope(Scope):
                 )
             if judge and not decision.accepted:
                 decision = self.agreement(decision, eligible, rows)
+            if o.nearest > 0 and decision.accepted:
+                decision = self.near(decision, eligible, rows)
         return decision, eligible, distances
 
     def agreement(self, decision: GateDecision, eligible: list[Anchor], rows: int) -> GateDecision:
@@ -167,6 +169,18 @@ class SlotScope(Scope):
         tail = why if spread is None else f"anchors disagree: {why} > {o.agreement:g}"
         decision.reason = f"{decision.reason}; {tail}"
         return decision
+
+    def near(self, decision: GateDecision, eligible: list[Anchor], rows: int) -> GateDecision:
+        """``nearest > 0``: an accepted ``decision`` stands only when the candidate is near an anchor,
+        its nearest one's gate distance at most ``nearest`` of that anchor's size
+        (:func:`~.pool.nearest_relative`): a correction observed on other content (another output of
+        the producer) does not carry over, whatever the weights or the anchors' agreement."""
+        o = self.options
+        near = nearest_relative(eligible, decision.distances, rows)
+        if near <= o.nearest:
+            return decision
+        reason = f"{decision.reason}; but the candidate is far from every anchor: {near:.3g} > {o.nearest:g}"
+        return GateDecision(False, reason, decision.entropy, decision.weights, decision.distances)
 
     def decide(self, turn: Turn, slot: str, candidate: SegmentKV, pool: str | None = None) -> GateDecision:
         """The slot's decision for this request (``slot``: its decision key): taken (pending until
@@ -433,6 +447,8 @@ class SlotScope(Scope):
             anchor = Anchor(base=base(), source=edge.label, origin=edge.origin, frame=o.delta_frame)
         elif edge.rebase:  # the reference's entry.update: the base becomes this consumer's source
             anchor.base, anchor.source = base(), edge.label
+        if o.nearest > 0 and anchor.energy is None and not anchor.base_deferred:
+            anchor.measure()  # its size, for the gate's nearness (here, off the next gate's host reads)
         if o.agreement > 0 and turn.agent in anchor.deltas:  # evidence: does its correction repeat?
             held, now = anchor.deltas[turn.agent], delta
             now = now.resolve() if isinstance(now, DeferredFactoredKV) else now

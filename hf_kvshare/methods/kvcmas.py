@@ -11,15 +11,19 @@ documents forever: a pool grows only by rejections, fewer than two anchors rejec
 of the same text are equally close (normalized entropy 1 > tau), so the better the match the surer
 the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
 
-- ``agreement=0.25``: where the entropy rule rejects, the gate accepts when the candidate anchors'
-  corrections agree (per consumer, the deltas' spread relative to their size at most 0.25; one
+- ``agreement=0.3``: where the entropy rule rejects, the gate accepts when the candidate anchors'
+  corrections agree (per consumer, the deltas' spread relative to their size at most 0.3; one
   anchor suffices once a refresh showed its correction repeats); it still rejects when they disagree;
+- ``nearest=0.5``: an acceptance (by either rule) stands only when the candidate is near an anchor
+  (gate distance at most half that anchor's size): corrections observed on other content do not
+  carry over (on the embedded model the entropy rule accepted other outputs' corrections at 2x
+  FullShared's KL);
 - ``duplicate=0.05``: an observation whose base nearly duplicates a pooled anchor's (values within
   5 %) refreshes that anchor instead of joining the pool (no duplicate anchors);
 - ``learn_dense=True``: pools learn from every exact delta a dense span gives, not only rejections;
 - ``turn_fallback="span"``: a rejection prefills the rejected span, not the whole turn.
 
-``profile="reference"`` sets ``agreement=0, duplicate=0, learn_dense=False, turn_fallback="turn"``:
+``profile="reference"`` sets ``agreement=0, nearest=0, duplicate=0, learn_dense=False, turn_fallback="turn"``:
 the accept/reject decisions of the authors' code. Options given beside a profile win over it.
 
 Sources (``output_source`` for agent outputs, ``text_source`` for the request's question,
@@ -107,8 +111,20 @@ if TYPE_CHECKING:
 
 #: what each ``profile`` sets, unless given (``"reference"``: the authors' code; module docstring)
 PROFILES: dict[str, dict[str, Any]] = {
-    "reuse": {"agreement": 0.25, "duplicate": 0.05, "learn_dense": True, "turn_fallback": "span"},
-    "reference": {"agreement": 0.0, "duplicate": 0.0, "learn_dense": False, "turn_fallback": "turn"},
+    "reuse": {
+        "agreement": 0.3,
+        "nearest": 0.5,
+        "duplicate": 0.05,
+        "learn_dense": True,
+        "turn_fallback": "span",
+    },
+    "reference": {
+        "agreement": 0.0,
+        "nearest": 0.0,
+        "duplicate": 0.0,
+        "learn_dense": False,
+        "turn_fallback": "turn",
+    },
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -148,14 +164,19 @@ class KVCMAS(PrefixReuse, Method):
     Args:
         profile: ``"reuse"`` (default: the gate also accepts agreeing corrections, near-duplicate
             anchors refresh, pools learn from every dense span, span fallback) or ``"reference"``
-            (every rule of the authors' code at once). It sets ``agreement``, ``duplicate``,
-            ``learn_dense`` and ``turn_fallback`` unless they are given (module docstring).
-        agreement: the gate's agreement rule (``None``: the profile's, 0.25 / 0): where the entropy
+            (every rule of the authors' code at once). It sets ``agreement``, ``nearest``,
+            ``duplicate``, ``learn_dense`` and ``turn_fallback`` unless they are given (module docstring).
+        agreement: the gate's agreement rule (``None``: the profile's, 0.3 / 0): where the entropy
             rule rejects, accept when, for every consumer the candidate anchors hold a delta for,
             their deltas' spread (RMS distance from their mean over their RMS size, keys and
             values, the layers corrected: :func:`~hf_kvshare.anchors.lowrank.relative_spread`) and
             the spreads refreshes recorded are at most this. A consumer whose correction was seen
             once is not judged (rejected). 0 turns the rule off. Slot scope only.
+        nearest: an accepted gate (by either rule) stands only when the candidate's nearest anchor is
+            within this fraction of that anchor's size (gate distance, values, every layer; ``None``:
+            the profile's, 0.5 / 0; 0: off): a correction observed on other content (another output of
+            the producer) is not applied. The rank-32 base of the same text sits at about 0.3 on the
+            embedded model; other text at 1 or more. Slot scope only.
         duplicate: an observation whose base's values are within this fraction of a pooled anchor's
             (same source, same length) refreshes that anchor instead of joining the pool (``None``:
             the profile's, 0.05 / 0; 0: off). Slot scope only.
@@ -283,6 +304,7 @@ class KVCMAS(PrefixReuse, Method):
         # states saved before profiles were built with every reference rule
         "profile": "reference",
         "agreement": 0.0,
+        "nearest": 0.0,
         "duplicate": 0.0,
         "learn_dense": False,
     }
@@ -318,6 +340,7 @@ class KVCMAS(PrefixReuse, Method):
     defer_factorization: bool = False
     profile: str = "reuse"
     agreement: float | None = None
+    nearest: float | None = None
     duplicate: float | None = None
     learn_dense: bool | None = None
 
@@ -329,7 +352,7 @@ class KVCMAS(PrefixReuse, Method):
         for knob, value in PROFILES[self.profile].items():  # what the profile sets, unless given
             if getattr(self, knob) is None:
                 setattr(self, knob, value)
-        for knob in ("agreement", "duplicate"):
+        for knob in ("agreement", "nearest", "duplicate"):
             value = getattr(self, knob)
             real = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not real or not math.isfinite(value) or value < 0:
