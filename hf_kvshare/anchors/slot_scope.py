@@ -20,6 +20,8 @@ each off):
   (normalized entropy 1, which the reference rejects forever) and their corrections agree. One
   anchor suffices when a refresh showed that its corrections repeat. Anchors that disagree are still
   rejected.
+- ``nearest > 0``: an acceptance (by either rule) stands only when the candidate is near an anchor
+  (:meth:`SlotScope.near`): corrections observed on other content do not carry over.
 - ``duplicate > 0``: a new observation whose base nearly duplicates an anchor of the pool (values
   within ``duplicate`` of it, relative) refreshes that anchor (its base, each consumer's delta and the
   spread from the delta it replaced) instead of joining the pool: no duplicate anchors
