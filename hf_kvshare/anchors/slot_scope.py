@@ -181,7 +181,9 @@ class SlotScope(Scope):
         near = nearest_relative(eligible, decision.distances, rows)
         if near <= o.nearest:
             return decision
-        reason = f"{decision.reason}; but the candidate is far from every anchor: {near:.3g} > {o.nearest:g}"
+        entropy_rule = decision.entropy is not None and decision.entropy <= o.tau
+        rule = "accepted" if entropy_rule else "anchors agree"  # (their spread: fp-sensitive, left out)
+        reason = f"{rule}; but the candidate is far from every anchor: {near:.2g} > {o.nearest:g}"
         return GateDecision(False, reason, decision.entropy, decision.weights, decision.distances)
 
     def decide(self, turn: Turn, slot: str, candidate: SegmentKV, pool: str | None = None) -> GateDecision:
@@ -212,6 +214,17 @@ class SlotScope(Scope):
         if self.options.turn_fallback != "turn":
             return False
         return any(edge.dense in ("fallback", "turn") for edge in self.edges(turn).values())
+
+    def report(self, turn: Turn, cache) -> None:
+        """:meth:`Scope.report` for the spans this scope had prefilled: a row the method placed keeps
+        its placement's report even where the engine computed it again (a server's claim that ended
+        before it), as a placed span does in a Session."""
+        edges = self.edges(turn)
+        for seg in cache.segments:
+            edge = edges.get(seg.start)
+            placed = edge is not None and edge.source is not None and edge.dense is None
+            if seg.kind == "PH" and edge is not None and seg.provenance == "dense" and not placed:
+                seg.info.update(edge.report())
 
     # --------------------------------------------------------------- place
     def place(self, turn: Turn, span) -> Reuse | None:
