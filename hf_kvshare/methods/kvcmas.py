@@ -16,8 +16,8 @@ the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
   anchor suffices once a refresh showed its correction repeats); it still rejects when they disagree;
 - ``nearest=0.5``: an acceptance (by either rule) stands only when the candidate is near an anchor
   (gate distance at most half that anchor's size): corrections observed on other content do not
-  carry over (on the embedded model the entropy rule accepted other outputs' corrections at 2x
-  FullShared's KL);
+  carry over (on the embedded model the entropy rule accepted outputs of other text, 0.7-1.3 of
+  the nearest anchor's size; the same notes sit at about 0.3);
 - ``duplicate=0.05``: an observation whose base nearly duplicates a pooled anchor's (values within
   5 %) refreshes that anchor instead of joining the pool (no duplicate anchors);
 - ``learn_dense=True``: pools learn from every exact delta a dense span gives, not only rejections;
