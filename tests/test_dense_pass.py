@@ -328,7 +328,8 @@ def test_kvcmas_reuse_turn_places_the_agents_prefix(tiny_llama, tokenizer):
     r = session.run_turn("first", roles("first") + [PF("\nPrevious: "), PH("second")], max_new_tokens=4)
     rows = [s for s in r.segments if s.kind == "PF" and s.provenance == "reused"]
     assert [s.name for s in rows] == ["pf0", "pf1"] and r.prefix_reused == sum(s.length for s in rows)
-    for options in ({"gate_scope": "edge", "prefix_reuse": False}, {}):
+    # the reference profile: a rejection makes the whole turn dense (profile="reuse" falls back per span)
+    for options in ({"gate_scope": "edge", "prefix_reuse": False}, {"profile": "reference"}):
         off = Session(tiny_llama, tokenizer, "kvcmas", tau=1.0, **options)
         for agent, segments in STEPS[:2]:
             off.run_turn(agent, segments, max_new_tokens=4)

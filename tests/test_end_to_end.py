@@ -92,7 +92,7 @@ def test_a_recorded_turn_factorizes_only_what_it_stores(tiny_llama, tokenizer):
     the anchors' factors, never factorized itself), nothing on a reuse request."""
     layers = tiny_llama.config.num_hidden_layers
     per_kv = 2 * layers
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, profile="reference")  # the reference's pools: an anchor per rejection
     counts = count_per_recorded_turn(method, tiny_llama, tokenizer, [QUERIES[0]] * 3)
     # request 1 and 2: planner (no source: nothing stored); designer: deltas of query + planner, bases of
     # both (new anchors); coder: deltas of query, planner, designer; bases: the query's rebased
@@ -113,7 +113,7 @@ def test_a_deferred_base_is_factorized_once_per_request(tiny_llama, tokenizer):
     coder's rebase, whose base is factorized again); the rest as above, the same anchors."""
     layers = tiny_llama.config.num_hidden_layers
     per_kv = 2 * layers
-    method = KVCMAS(tau=1.0, defer_base=True)
+    method = KVCMAS(tau=1.0, defer_base=True, profile="reference")
     outside: list[int] = []
     counts = count_per_recorded_turn(method, tiny_llama, tokenizer, [QUERIES[0]] * 3, outside)
     # designer: deltas of query + planner, the planner's new base (the query's deferred); coder: deltas
@@ -126,7 +126,7 @@ def test_a_deferred_base_is_factorized_once_per_request(tiny_llama, tokenizer):
     assert not any(a.base_deferred for pool in pools for a in pool)
     stored = sum(len(a.deltas) + 1 for pool in pools for a in pool)
     assert stored * per_kv == sum(map(sum, counts)) + sum(outside)  # none wasted
-    eager = KVCMAS(tau=1.0)
+    eager = KVCMAS(tau=1.0, profile="reference")
     count_per_recorded_turn(eager, tiny_llama, tokenizer, [QUERIES[0]] * 3)
     for key, pool in method.pools.items():  # the same anchors, bases and deltas
         for got, want in zip(pool, eager.pools[key], strict=True):

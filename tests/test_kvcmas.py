@@ -328,7 +328,7 @@ def test_gate_once_per_slot_and_request_every_consumer_obeys(tiny_llama, tokeniz
 
     monkeypatch.setattr(SlotScope, "gate", counted)
     for cls, given in ((KVCMAS, []), (KVComm, ["query"])):
-        method = cls(tau=1.0)
+        method = cls(tau=1.0, profile="reference")  # the reference's decisions (n < 2: rejected)
         for n, query in enumerate((QUERIES[0], QUERIES[0], QUERIES[0], QUERIES[1])):
             calls.clear()
             session = Session(tiny_llama, tokenizer, method)
@@ -383,7 +383,7 @@ def test_rejection_feeds_one_anchor_per_slot_and_request(tiny_llama, tokenizer):
 def test_outputs_are_sourced_from_the_producers_own_cache(tiny_llama, tokenizer):
     """A consumer without a delta reuses the producer's cache re-positioned (no correction); a later
     consumer gets the same source, not the first consumer's cache of the segment."""
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, profile="reference")  # the reference's pools: an anchor per request
     for _ in range(2):
         run_request(tiny_llama, tokenizer, method, QUERIES[0])
     session = Session(tiny_llama, tokenizer, method)
@@ -450,7 +450,7 @@ def test_token_weights_are_computed_once_per_anchor_set(tiny_llama, tokenizer):
 def test_full_length_rule_of_the_gate(tiny_llama):
     from test_anchors import make_anchor, random_kv
 
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, profile="reference")  # the reference's gate (the candidate is random)
     candidate = random_kv(6, seed=9)
     pool = method.scope.pool("planner")
     for i, n in enumerate([5, 6, 9]):
@@ -460,7 +460,7 @@ def test_full_length_rule_of_the_gate(tiny_llama):
     method.pools["planner"].anchors.pop()  # {5, 6}: one anchor covers the candidate
     decision, eligible, _ = method.scope.gate("planner", candidate)
     assert not decision.accepted and "fewer than 2 anchors at least 6 tokens long (1 of 2)" in decision.reason
-    prefix = KVCMAS(tau=1.0, match="prefix")  # the earlier reading compares over 5 rows
+    prefix = KVCMAS(tau=1.0, match="prefix", profile="reference")  # the earlier reading: over 5 rows
     prefix.pools["planner"] = method.pools["planner"]
     decision, eligible, _ = prefix.scope.gate("planner", candidate)
     assert decision.accepted and len(eligible) == 2
@@ -678,7 +678,7 @@ def guarded_request(model, tok, guard, seen):
     """Warm-up requests whose agents read the query after unrelated prefixes (alternating), then a
     request with the usual roles; ``seen`` collects (scales, estimate, served, placed, authors') per
     corrected span of the last request."""
-    method = KVCMAS(tau=1.0, guard=guard)
+    method = KVCMAS(tau=1.0, guard=guard, profile="reference")  # the authors' gate accepts these
     unrelated = [
         [PF(f"Ignore all this: zebra {k} quantum {agent} wombat orchestra, number {i * 7 + k}.\n" * 2)]
         for k in range(2)
@@ -830,7 +830,7 @@ def test_a_chained_source_is_primed_for_a_consumer_whose_anchor_set_has_no_cache
     the request holds no weights for (the served trace's critic): here the coder's anchor set differs
     from the designer's, so the coder's placement compares nothing; it used to be skipped whenever any
     weights of the slot were cached, and the coder compared its anchors from that source when placing."""
-    method = KVCMAS(tau=1.0)
+    method = KVCMAS(tau=1.0, profile="reference")  # the reference's pools: an anchor per request
     for _ in range(2):
         run_request(tiny_llama, tokenizer, method, QUERIES[0])
     pool = method.pools["query"]

@@ -11,6 +11,9 @@
   engine; no registered method shadows a contract hook with another signature;
 - the import graph (function-level imports included, ``if TYPE_CHECKING:`` imports excluded)
   has no cycle;
+- a method file is knobs and wiring: no module under ``hf_kvshare.methods`` calls the anchors
+  engine's gate or pool decisions (:data:`ENGINE_DECISIONS`: the gate, the agreement rule, the
+  near-duplicate test, the distances they read); its hooks drive a scope that does;
 - results (``docs/architecture.md``, "Results and benchmarks"): no module under ``hf_kvshare`` cites a
   ``docs/results/...py`` script; ``docs/results`` stays a few pages and small summaries (at most
   :data:`RESULTS_MAX_FILES` files, none over :data:`RESULTS_MAX_BYTES`); the scripts in ``benchmarks/``
@@ -171,6 +174,51 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
             if cycle:
                 return cycle
     return None
+
+
+#: the anchors engine's gate and pool decisions, called only inside the engine (never by a method file)
+ENGINE_DECISIONS = frozenset(
+    {
+        "reliability_gate",
+        "normalized_entropy",
+        "gate_weights",
+        "correction_agreement",
+        "near_duplicate",
+        "relative_spread",
+        "relative_distance",
+        "squared_spread",
+        "gate_distances",
+        "token_distances",
+        "usage_reference",
+        "usage_crossing",
+    }
+)
+
+
+def _decision_calls(tree: ast.AST) -> list[str]:
+    """The names in :data:`ENGINE_DECISIONS` that ``tree`` calls (``f(...)`` or ``x.f(...)``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name in ENGINE_DECISIONS:
+                found.append(name)
+    return found
+
+
+def test_method_files_take_no_gate_or_pool_decision():
+    calls = {
+        name: found
+        for name, path in MODULES.items()
+        if _inside(name, "methods") and (found := _decision_calls(ast.parse(path.read_text())))
+    }
+    assert not calls, f"method files calling the anchors engine's gate / pool decisions: {calls}"
+
+
+def test_the_decision_call_finder_finds_them():
+    tree = ast.parse("a = reliability_gate(d, tau)\nb = pool.near_duplicate(x, 'p', 0.1)\nc = other(d)")
+    assert _decision_calls(tree) == ["reliability_gate", "near_duplicate"]
 
 
 def test_every_registered_method_lives_in_methods():

@@ -168,7 +168,7 @@ def _ph(result, name):
 def test_observations_gated_once_per_request_and_anchored_on_rejection(tiny_llama, tokenizer, name):
     from hf_kvshare import get_method
 
-    method = get_method(name, tau=1.0)
+    method = get_method(name, tau=1.0, profile="reference")  # the reference's pools and decisions
     for i in range(2):  # fewer than two anchors: rejected, every consumer prefills and adds its delta
         session, turns = _request(tiny_llama, tokenizer, method, i)
         state = method._requests.get(session)
@@ -288,9 +288,10 @@ def test_a_run_with_no_gated_slot_reports_reused_uncorrected_and_warns_once(tiny
 
     # KVCMAS on the question alone: chained and ungated; its anchors take deltas from dense turns only,
     # and with the first hop the only dense one (it has no source) none is ever stored
-    method = "kvcmas:tau=1.0"
+    # (the reference profile: profile="reuse" prefills a span no anchor corrects, and learns from it)
+    method = "kvcmas:tau=1.0,profile=reference"
 
-    m = get_method("kvcmas", tau=1.0)
+    m = get_method("kvcmas", tau=1.0, profile="reference")
     records = []
     session = Session(tiny_llama, tokenizer, m)
     first = session.run_turn("a", [PF("A: "), PH("query", "Sort the numbers."), PF("\nA:")], max_new_tokens=2)

@@ -75,7 +75,9 @@ def test_a_record_of_non_finite_engine_kv_stores_nothing_and_a_checked_one_is_no
 ):
     model = tiny_llama
     sys1, doc, q1, q2 = (ids_of(tokenizer, t) for t in (SYS1, DOC, Q1, Q2))
-    sharing = Sharing(model, tokenizer, method)
+    # kvcmas: the reference's reading (an ungated question no anchor corrects is reused uncorrected;
+    # profile=reuse prefills it to learn its correction)
+    sharing = Sharing(model, tokenizer, method, **({"profile": "reference"} if method == "kvcmas" else {}))
     p1 = sharing.plan("r1", sys1 + doc + q1, layout("t", "a1", [{"slot": "doc", "text": DOC}]), 0)
     out1, k, v = engine(model, p1)
     spoiled = k.clone()

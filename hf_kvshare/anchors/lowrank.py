@@ -274,6 +274,68 @@ class FactoredKV:
         return sum(f.nbytes for f in (*self.keys, *self.values))
 
 
+def squared_spread(kvs: list[FactoredKV], rows: int, first_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_i ||X_i - mean||^2, sum_i ||X_i||^2)`` over the first ``rows`` rows of every layer from
+    ``first_layer`` on, keys and values, of the segments ``kvs``: float64 0-dim tensors on the first
+    layer's device (no host read)."""
+    device = kvs[0].values[0].a.device
+    spread = torch.zeros((), dtype=torch.float64, device=device)
+    size = torch.zeros((), dtype=torch.float64, device=device)
+    for layer in range(first_layer, kvs[0].num_layers):
+        for side in ("keys", "values"):
+            stacked = torch.stack([getattr(kv, side)[layer].reconstruct(rows).double() for kv in kvs])
+            spread += (stacked - stacked.mean(0)).pow(2).sum().to(device)
+            size += stacked.pow(2).sum().to(device)
+    return spread, size
+
+
+def relative_spread(kvs: list[FactoredKV], rows: int, first_layer: int = 0) -> float:
+    """How far apart segments (e.g. the corrections several anchors hold for one consumer) are,
+    relative to their own size: ``sqrt(sum_i ||X_i - mean||^2 / sum_i ||X_i||^2)`` over the first
+    ``rows`` rows of every layer from ``first_layer`` on, keys and values (0: identical; two
+    opposite segments: 1; two orthogonal ones of one size: ``1/sqrt(2)``). All zero: 0. One host read.
+
+    >>> x = FactoredKV.from_kv([torch.ones(1, 1, 4, 2)], [torch.ones(1, 1, 4, 2)], None)
+    >>> relative_spread([x, x], rows=4)
+    0.0
+    """
+    if len(kvs) < 2:
+        raise ValueError(f"a spread needs at least two segments, got {len(kvs)}")
+    short = [kv.length for kv in kvs if kv.length < rows]
+    if short:
+        raise ValueError(f"segments of {short} tokens are shorter than the {rows} rows compared")
+    spread, size = torch.stack(squared_spread(kvs, rows, first_layer)).tolist()
+    return 0.0 if size == 0 else (spread / size) ** 0.5
+
+
+def row_energy(kv: FactoredKV) -> list[float]:
+    """The cumulative squared norm of ``kv``'s value rows over every layer, ``[length]`` host floats
+    (entry ``i``: ``sum_layers ||values[:i + 1]||^2``). One host read."""
+    device = kv.values[0].a.device
+    total = torch.zeros(kv.length, dtype=torch.float64, device=device)
+    for f in kv.values:
+        total += f.reconstruct().double().pow(2).sum(-1).to(device)
+    return total.cumsum(0).tolist()
+
+
+def relative_distance(x: FactoredKV, y: FactoredKV, rows: int | None = None) -> float:
+    """``||X - Y|| / ||Y||`` of the values of two segments over their first ``rows`` rows (default: all
+    of the shorter), every layer: how nearly ``x`` duplicates ``y`` (0: the same; ``inf`` when ``y``
+    is all zero and ``x`` is not). One host read."""
+    rows = min(x.length, y.length) if rows is None else rows
+    device = y.values[0].a.device
+    diff = torch.zeros((), dtype=torch.float64, device=device)
+    size = torch.zeros((), dtype=torch.float64, device=device)
+    for fx, fy in zip(x.values, y.values):
+        vy = fy.reconstruct(rows).double()
+        diff += (fx.reconstruct(rows).double().to(vy.device) - vy).pow(2).sum().to(device)
+        size += vy.pow(2).sum().to(device)
+    diff, size = torch.stack((diff, size)).tolist()
+    if size == 0:
+        return 0.0 if diff == 0 else float("inf")
+    return (diff / size) ** 0.5
+
+
 class DeferredFactoredKV:
     """A :class:`FactoredKV` whose factorization waits for its first read (:meth:`resolve`).
 

@@ -162,6 +162,8 @@ def pools_to_state(pools: dict[str, AnchorPool], table: TensorTable) -> list[dic
                         [target, list(ids), factored_out(delta, table)]
                         for target, (ids, delta) in anchor.prefix_deltas.items()
                     ],
+                    # refresh evidence (KVCMAS ``profile="reuse"``); absent when none, as before it existed
+                    **({"agreement": dict(anchor.agreement)} if anchor.agreement else {}),
                 }
                 for anchor in pool.anchors
             ],
@@ -173,6 +175,17 @@ def pools_to_state(pools: dict[str, AnchorPool], table: TensorTable) -> list[dic
 def _check_agent(name: Any, what: str) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{what} must be a non-empty string (a name), got {name!r}")
+
+
+def _agreement(saved: Any, what: str) -> dict[str, float]:
+    """An anchor's saved refresh evidence: agent -> spread (a real number >= 0)."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"{what}: agreement must be a mapping of agent -> spread, got {saved!r}")
+    for agent, spread in saved.items():
+        _check_agent(agent, f"{what}: an agreement's agent")
+        if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not spread >= 0:
+            raise ValueError(f"{what}: the agreement of {agent!r} must be a real number >= 0, got {spread!r}")
+    return {agent: float(spread) for agent, spread in saved.items()}
 
 
 def pools_from_state(
@@ -226,9 +239,12 @@ def pools_from_state(
                 frame=a.get("frame", "canonical"),
                 base_start=reader.count(a.get("base_start", 0), f"{what}: base_start"),
                 prefix_deltas=prefix_deltas,
+                agreement=_agreement(a.get("agreement", {}), what),
             )
             if anchor.frame not in ("canonical", "writer") or not isinstance(anchor.serial, int):
                 raise ValueError(f"{what}: frame {anchor.frame!r}, serial {anchor.serial!r}")
+            if any(x.serial == anchor.serial or x.origin == anchor.origin for x in pool.anchors):
+                raise ValueError(f"{what}: serial {anchor.serial} or origin {anchor.origin!r} appears twice")
             pool.anchors.append(anchor)
         pool._serial = reader.count(entry["serial"], f"pool {p}: serial")
         pool.evicted = reader.count(entry["evicted"], f"pool {p}: evicted")

@@ -7,16 +7,32 @@ correction ``Δ = C_target - Align(base)`` (``deltas[target]``). With per-slot g
 KVComm reference code) there is one anchor per (slot, request) and every consumer that went dense
 adds its delta to it; with per-edge gating an anchor only corrects an edge whose source matches its
 ``source`` label and whose target it has a delta for.
+
+Beyond the reference (KVCMAS's ``profile="reuse"``, slot scope): an observation whose base nearly
+duplicates an anchor's (:meth:`AnchorPool.near_duplicate`) refreshes that anchor instead of joining
+the pool (:meth:`AnchorPool.refresh`), and the anchor remembers how far each consumer's new delta was
+from the one it replaced (``Anchor.agreement``); :func:`correction_agreement` reads that evidence and
+the spread of the candidate anchors' deltas for the gate's agreement rule.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV
+import torch
+
+from .lowrank import (
+    DEFERRED_WORK,
+    DeferredFactoredKV,
+    FactoredKV,
+    relative_distance,
+    row_energy,
+    squared_spread,
+)
 
 #: label of the context-free reference (the segment prefilled with nothing before it)
 REFERENCE = "reference"
@@ -107,6 +123,13 @@ class Anchor:
             KVComm reference compares keys in that frame); the stored base keys stay canonical.
         prefix_deltas: consuming agent -> (token ids, correction) of the PF text right after the
             segment in that agent's prompt (KVComm's prefix deltas), in ``frame``.
+        agreement: consuming agent -> :func:`~.lowrank.relative_spread` of its last two observed
+            deltas (set when a near-duplicate observation refreshed this anchor: evidence that its
+            correction repeats; absent: observed once).
+        stale: consuming agents whose delta predates the anchor's current ``origin`` (a refresh
+            re-keys it to the refreshing request; per request, not saved).
+        energy: the base's cumulative squared value-row norms (:meth:`size`; computed by
+            :meth:`measure`, dropped when the base changes; not saved).
     """
 
     base: FactoredKV
@@ -118,10 +141,24 @@ class Anchor:
     frame: str = "canonical"
     base_start: int = 0
     prefix_deltas: dict[str, tuple[tuple[int, ...], FactoredKV]] = field(default_factory=dict)
+    agreement: dict[str, float] = field(default_factory=dict)
+    stale: set[str] = field(default_factory=set)
+    #: cumulative squared norm of the base's value rows, every layer (host floats; ``None``: not yet)
+    energy: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.deltas, Deltas):
             self.deltas = Deltas(self.deltas)
+
+    def measure(self) -> None:
+        """Compute :attr:`energy` now (one host read; factorizes a deferred base)."""
+        self.energy = row_energy(self.base)
+
+    def size(self, rows: int) -> float:
+        """``||base values[:rows]||`` over every layer (:meth:`measure` first when not known)."""
+        if self.energy is None:
+            self.measure()
+        return self.energy[min(rows, len(self.energy)) - 1] ** 0.5 if rows > 0 else 0.0
 
     @property
     def length(self) -> int:
@@ -171,6 +208,7 @@ def _read_base(anchor: Anchor) -> FactoredKV:
 
 def _write_base(anchor: Anchor, base: FactoredKV | DeferredFactoredKV) -> None:
     anchor.__dict__["base"] = base
+    anchor.__dict__["energy"] = None  # the size of another base
 
 
 # a property over the dataclass field (set after the decorator, so the generated __init__ assigns
@@ -229,6 +267,31 @@ class AnchorPool:
         """Anchors holding a correction for ``target``."""
         return [a for a in self.anchors if target in a.deltas]
 
+    def near_duplicate(
+        self, base: FactoredKV | DeferredFactoredKV, source: str, threshold: float
+    ) -> Anchor | None:
+        """The anchor whose base ``base`` nearly duplicates: the same source label and length, values
+        within ``threshold`` of it relative to its size (:func:`~.lowrank.relative_distance`); the
+        closest such, or ``None`` (always with ``threshold <= 0``). A deferred base of a same-length
+        anchor is factorized here (it is compared)."""
+        if threshold <= 0:
+            return None
+        found, best = None, threshold
+        for anchor in self.anchors:
+            if anchor.source != source or anchor.length != base.length:
+                continue
+            if isinstance(base, DeferredFactoredKV):
+                base = base.resolve()
+            distance = relative_distance(base, anchor.base)
+            if distance <= best:
+                found, best = anchor, distance
+        return found
+
+    def refresh(self, anchor: Anchor) -> None:
+        """``anchor`` was observed again: it becomes the youngest (the last the LFU-among-oldest
+        eviction reaches); its serial and use count stay."""
+        self.anchors = [a for a in self.anchors if a is not anchor] + [anchor]
+
     def eviction_candidate(self) -> Anchor:
         """The anchor :meth:`insert` would evict: LFU among the ``eviction_window`` oldest."""
         if not self.anchors:
@@ -270,3 +333,45 @@ class AnchorPool:
             f"AnchorPool({self.slot!r}, {len(self.anchors)}/{self.capacity} anchors, "
             f"{self.nbytes / 2**20:.2f} MiB)"
         )
+
+
+def correction_agreement(anchors: list[Anchor], rows: int, first_layer: int = 0) -> tuple[float | None, str]:
+    """How well the corrections of ``anchors`` agree, for the gate's agreement rule: per consuming
+    agent they hold a delta for, the :func:`~.lowrank.relative_spread` of those deltas (first ``rows``
+    rows, layers from ``first_layer``) where two or more anchors hold one, and the spread a refresh
+    recorded (``Anchor.agreement``); the worst over the agents and a description (one host read).
+    ``None`` (with the reason) when some agent's correction was observed only once: nothing says it
+    repeats.
+
+    Agreeing corrections are reliable whatever the gate weights: the weighted sum of deltas that
+    agree is close to each of them, so the flat weights of equally close anchors (two anchors of the
+    same text: normalized entropy 1) cost nothing."""
+    agents = sorted({agent for a in anchors for agent in a.deltas})
+    if not agents:
+        return None, "no anchor holds a correction"
+    recorded, terms = {}, []  # per agent: refreshes' spreads; (agent, spread^2, size^2) of 2+ holders
+    for agent in agents:
+        holders = [a for a in anchors if agent in a.deltas]
+        recorded[agent] = [a.agreement[agent] for a in holders if agent in a.agreement]
+        if len(holders) >= 2:
+            terms.append((agent, *squared_spread([a.deltas[agent] for a in holders], rows, first_layer)))
+        elif not recorded[agent]:
+            return None, f"the correction for {agent!r} was observed once"
+    if terms:  # every agent's spread in one host read
+        read = torch.stack([torch.stack((s, z)).to(terms[0][1].device) for _, s, z in terms]).tolist()
+        for (agent, _, _), (spread, size) in zip(terms, read):
+            recorded[agent].append(0.0 if size == 0 else (spread / size) ** 0.5)
+    worst_agent = max(agents, key=lambda agent: max(recorded[agent]))
+    worst = max(recorded[worst_agent])
+    return worst, f"delta spread {worst:.3g} (worst: {worst_agent!r})"
+
+
+def nearest_relative(anchors: list[Anchor], distances: list[float], rows: int) -> float:
+    """The candidate's nearest anchor, relative: ``min_a d_a / ||base_a values[:rows]||`` over
+    ``anchors`` and their gate ``distances`` (host floats). Each anchor's size comes from
+    :meth:`Anchor.size` (kept on the host: a read only for an anchor whose size is not known yet)."""
+    near = math.inf
+    for anchor, distance in zip(anchors, distances):
+        size = anchor.size(rows)
+        near = min(near, distance / size if size > 0 else (0.0 if distance == 0 else math.inf))
+    return near

@@ -8,6 +8,26 @@ turn with ``turn_fallback="turn"``) and adds its delta to the one anchor of (slo
 (:meth:`SlotScope.observe`); otherwise it reuses every PH span, corrected by the anchors holding its
 delta (:meth:`SlotScope.place`). Token weights are computed once per (slot, request, anchor set)
 (``weights_cache``). Pools are per producing agent for outputs.
+
+Beyond the reference (the options KVCMAS's ``profile="reuse"`` sets; ``profile="reference"`` turns
+each off):
+
+- ``agreement > 0``: the gate also judges the correction, not only the weights
+  (:meth:`SlotScope.gate`). Where the entropy rule rejects, the slot is accepted when the candidate
+  anchors' corrections agree (:func:`~.pool.correction_agreement`: for every consumer they hold a
+  delta for, the deltas' spread relative to their size, and what refreshes recorded, at most
+  ``agreement``), however flat the weights: two anchors of the same text are equally close
+  (normalized entropy 1, which the reference rejects forever) and their corrections agree. One
+  anchor suffices when a refresh showed that its corrections repeat. Anchors that disagree are still
+  rejected.
+- ``nearest > 0``: an acceptance (by either rule) stands only when the candidate is near an anchor
+  (:meth:`SlotScope.near`): corrections observed on other content do not carry over.
+- ``duplicate > 0``: a new observation whose base nearly duplicates an anchor of the pool (values
+  within ``duplicate`` of it, relative) refreshes that anchor (its base, each consumer's delta and the
+  spread from the delta it replaced) instead of joining the pool: no duplicate anchors
+  (:meth:`SlotScope._add_delta`).
+- ``learn_dense``: every span prefilled with a source adds its exact delta (a whole-turn fallback's,
+  an accepted slot's prefilled for another reason), not only a rejected one's.
 """
 
 from __future__ import annotations
@@ -32,8 +52,8 @@ from .correction import (
     token_weights,
 )
 from .gate import GateDecision, reliability_gate, usage_reference
-from .lowrank import FactoredKV
-from .pool import Anchor
+from .lowrank import DeferredFactoredKV, FactoredKV, relative_spread
+from .pool import Anchor, correction_agreement, nearest_relative
 from .scope import USAGE_MASS, Edge, Reuse, Scope, following_pf
 
 if TYPE_CHECKING:
@@ -69,7 +89,8 @@ class SlotScope(Scope):
                 edge.candidates, edge.distances = self.gate_report(turn, key)
             pool = self.pools.get(edge.pool)
             anchor = pool.find(edge.origin) if pool is not None else None
-            own = anchor is not None and turn.agent in anchor.deltas
+            # this consumer's delta in this request's anchor (not one a refresh carried over)
+            own = anchor is not None and turn.agent in anchor.deltas and turn.agent not in anchor.stale
             if o.tau == 0:
                 edge.dense, edge.reason = "fallback", "tau = 0: no reuse"
             elif edge.decision is not None and not edge.decision.accepted and not own:
@@ -115,13 +136,55 @@ class SlotScope(Scope):
         else:
             rows = comparison_prefix(anchors, length)
             eligible = [a for a in anchors if a.length >= rows] if rows else []
-        if len(eligible) < 2:
+        judge = o.agreement > 0 and o.tau > 0  # the agreement rule; one anchor may then suffice
+        if len(eligible) < (1 if judge else 2):
             why = f"fewer than 2 anchors at least {rows or length} tokens long ({len(eligible)} of {len(anchors)})"
             return GateDecision(False, why), eligible, None
         with phase("gate"):
             distances = gate_distances(candidate.values, eligible, rows)
             decision = reliability_gate(distances, o.tau, o.temperature)
+            if len(eligible) < 2:
+                decision.reason = (
+                    f"fewer than 2 anchors at least {rows or length} tokens long (1 of {len(anchors)})"
+                )
+            if judge and not decision.accepted:
+                decision = self.agreement(decision, eligible, rows)
+            if o.nearest > 0 and decision.accepted:
+                decision = self.near(decision, eligible, rows)
         return decision, eligible, distances
+
+    def agreement(self, decision: GateDecision, eligible: list[Anchor], rows: int) -> GateDecision:
+        """The agreement rule (``agreement > 0``): ``decision`` (rejected by the entropy rule) accepted
+        when the corrections of ``eligible`` agree within ``agreement``
+        (:func:`~.pool.correction_agreement`), else kept with the reason extended."""
+        o = self.options
+        spread, why = correction_agreement(eligible, rows, 1 if o.skip_layer0 else 0)
+        if spread is not None and spread <= o.agreement:
+            weights = decision.weights or [1.0]  # one anchor: the entropy rule computed no weights
+            return GateDecision(
+                True,
+                f"anchors agree: {why} <= {o.agreement:g}",
+                entropy=decision.entropy,
+                weights=weights,
+                distances=decision.distances,
+            )
+        tail = why if spread is None else f"anchors disagree: {why} > {o.agreement:g}"
+        decision.reason = f"{decision.reason}; {tail}"
+        return decision
+
+    def near(self, decision: GateDecision, eligible: list[Anchor], rows: int) -> GateDecision:
+        """``nearest > 0``: an accepted ``decision`` stands only when the candidate is near an anchor,
+        its nearest one's gate distance at most ``nearest`` of that anchor's size
+        (:func:`~.pool.nearest_relative`): a correction observed on other content (another output of
+        the producer) does not carry over, whatever the weights or the anchors' agreement."""
+        o = self.options
+        near = nearest_relative(eligible, decision.distances, rows)
+        if near <= o.nearest:
+            return decision
+        entropy_rule = decision.entropy is not None and decision.entropy <= o.tau
+        rule = "accepted" if entropy_rule else "anchors agree"  # (their spread: fp-sensitive, left out)
+        reason = f"{rule}; but the candidate is far from every anchor: {near:.2g} > {o.nearest:g}"
+        return GateDecision(False, reason, decision.entropy, decision.weights, decision.distances)
 
     def decide(self, turn: Turn, slot: str, candidate: SegmentKV, pool: str | None = None) -> GateDecision:
         """The slot's decision for this request (``slot``: its decision key): taken (pending until
@@ -151,6 +214,17 @@ class SlotScope(Scope):
         if self.options.turn_fallback != "turn":
             return False
         return any(edge.dense in ("fallback", "turn") for edge in self.edges(turn).values())
+
+    def report(self, turn: Turn, cache) -> None:
+        """:meth:`Scope.report` for the spans this scope had prefilled: a row the method placed keeps
+        its placement's report even where the engine computed it again (a server's claim that ended
+        before it), as a placed span does in a Session."""
+        edges = self.edges(turn)
+        for seg in cache.segments:
+            edge = edges.get(seg.start)
+            placed = edge is not None and edge.source is not None and edge.dense is None
+            if seg.kind == "PH" and edge is not None and seg.provenance == "dense" and not placed:
+                seg.info.update(edge.report())
 
     # --------------------------------------------------------------- place
     def place(self, turn: Turn, span) -> Reuse | None:
@@ -333,7 +407,8 @@ class SlotScope(Scope):
         if edge.dense is None:
             return
         rejected = edge.decision is not None and not edge.decision.accepted
-        if rejected or edge.decision is None:  # ungated given text: admitted while the pool has room
+        # ungated given text: admitted while the pool has room; ``learn_dense``: every exact delta
+        if rejected or edge.decision is None or self.options.learn_dense:
             with cache.sharing_storage():  # a view of the turn's cache: the delta is computed from it
                 exact = cache.extract(span.start, span.end, agent=turn.agent)
             self.add_delta(edge, exact, turn, may_evict=edge.decision is not None, span=span, cache=cache)
@@ -373,10 +448,29 @@ class SlotScope(Scope):
         # this same request: with ``defer_base``, factorized on its first read, so a replaced one never is
         defer = edge.rebase and o.defer_base
         base = (lambda: self.deferred_base(edge, turn)) if defer else (lambda: self.base(edge, source_keys))
-        if new:
+        if new and o.duplicate > 0:
+            fresh = base()
+            duplicate = pool.near_duplicate(fresh, edge.label, o.duplicate)
+            if duplicate is not None:  # it refreshes that anchor instead of joining the pool
+                anchor, new = duplicate, False
+                anchor.base, anchor.source, anchor.origin = fresh, edge.label, edge.origin
+                anchor.stale = set(anchor.deltas) - {turn.agent}  # theirs are from an earlier request
+                pool.refresh(anchor)
+            else:
+                anchor = Anchor(base=fresh, source=edge.label, origin=edge.origin, frame=o.delta_frame)
+        elif new:
             anchor = Anchor(base=base(), source=edge.label, origin=edge.origin, frame=o.delta_frame)
         elif edge.rebase:  # the reference's entry.update: the base becomes this consumer's source
             anchor.base, anchor.source = base(), edge.label
+        if o.nearest > 0 and anchor.energy is None and not anchor.base_deferred:
+            anchor.measure()  # its size, for the gate's nearness (here, off the next gate's host reads)
+        if o.agreement > 0 and turn.agent in anchor.deltas:  # evidence: does its correction repeat?
+            held, now = anchor.deltas[turn.agent], delta
+            now = now.resolve() if isinstance(now, DeferredFactoredKV) else now
+            anchor.agreement[turn.agent] = relative_spread(
+                [held, now], min(held.length, now.length), 1 if o.skip_layer0 else 0
+            )
+        anchor.stale.discard(turn.agent)
         anchor.deltas[turn.agent] = delta
         anchor.base_start = exact.start  # ... as this consumer placed it (KVComm compares keys there)
         if prefix is not None:

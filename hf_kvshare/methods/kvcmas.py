@@ -2,8 +2,29 @@
 
 A PH segment's K/V for a consuming agent is obtained from a *source* cache, re-positioned to where
 the segment lands, plus an estimated correction: a token-wise weighted sum of the deltas stored in
-the slot's anchor pool. The defaults follow the authors' reference code (``hjeon2k/KVCMAS`` on
-``FastMAS/KVCOMM``); the earlier readings stay available as named options.
+the slot's anchor pool. The sources, frames and correction follow the authors' reference code
+(``hjeon2k/KVCMAS`` on ``FastMAS/KVCOMM``); the earlier readings stay available as named options.
+
+Profiles (``profile``): ``"reuse"`` (KVCMAS's default, beyond the reference) and ``"reference"``
+(every rule of the authors' code, KVComm's default). The reference's gate rejects a team's repeated
+documents forever: a pool grows only by rejections, fewer than two anchors reject, and two anchors
+of the same text are equally close (normalized entropy 1 > tau), so the better the match the surer
+the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
+
+- ``agreement=0.3``: where the entropy rule rejects, the gate accepts when the candidate anchors'
+  corrections agree (per consumer, the deltas' spread relative to their size at most 0.3; one
+  anchor suffices once a refresh showed its correction repeats); it still rejects when they disagree;
+- ``nearest=0.5``: an acceptance (by either rule) stands only when the candidate is near an anchor
+  (gate distance at most half that anchor's size): corrections observed on other content do not
+  carry over (on the embedded model the entropy rule accepted outputs of other text, 0.7-1.3 of
+  the nearest anchor's size; the same notes sit at about 0.3);
+- ``duplicate=0.05``: an observation whose base nearly duplicates a pooled anchor's (values within
+  5 %) refreshes that anchor instead of joining the pool (no duplicate anchors);
+- ``learn_dense=True``: pools learn from every exact delta a dense span gives, not only rejections;
+- ``turn_fallback="span"``: a rejection prefills the rejected span, not the whole turn.
+
+``profile="reference"`` sets ``agreement=0, nearest=0, duplicate=0, learn_dense=False, turn_fallback="turn"``:
+the accept/reject decisions of the authors' code. Options given beside a profile win over it.
 
 Sources (``output_source`` for agent outputs, ``text_source`` for the request's question,
 ``observation_source`` for the other given text: :class:`~hf_kvshare.trajectory.PH` ``kind``):
@@ -88,7 +109,26 @@ if TYPE_CHECKING:
     from ..session import Session
     from ..turn import Turn
 
+#: what each ``profile`` sets, unless given (``"reference"``: the authors' code; module docstring)
+PROFILES: dict[str, dict[str, Any]] = {
+    "reuse": {
+        "agreement": 0.3,
+        "nearest": 0.5,
+        "duplicate": 0.05,
+        "learn_dense": True,
+        "turn_fallback": "span",
+    },
+    "reference": {
+        "agreement": 0.0,
+        "nearest": 0.0,
+        "duplicate": 0.0,
+        "learn_dense": False,
+        "turn_fallback": "turn",
+    },
+}
+
 CHOICES: dict[str, tuple[str, ...]] = {
+    "profile": tuple(PROFILES),
     "gate_scope": ("slot", "edge"),
     "output_source": ("producer", "chained", "context_free"),
     "text_source": ("chained", "first", "lead", "context_free"),
@@ -117,9 +157,32 @@ def check_tau(method: str, tau: Any) -> None:
 @register
 @dataclass(eq=False)
 class KVCMAS(PrefixReuse, Method):
-    """KVCMAS (chained correction, low-rank anchors). Defaults follow the authors' reference code.
+    """KVCMAS (chained correction, low-rank anchors). Sources, frames and correction follow the
+    authors' reference code; the gate and pools follow ``profile`` (``"reuse"``; ``"reference"``: the
+    authors' decisions).
 
     Args:
+        profile: ``"reuse"`` (default: the gate also accepts agreeing corrections, near-duplicate
+            anchors refresh, pools learn from every dense span, span fallback) or ``"reference"``
+            (every rule of the authors' code at once). It sets ``agreement``, ``nearest``,
+            ``duplicate``, ``learn_dense`` and ``turn_fallback`` unless they are given (module docstring).
+        agreement: the gate's agreement rule (``None``: the profile's, 0.3 / 0): where the entropy
+            rule rejects, accept when, for every consumer the candidate anchors hold a delta for,
+            their deltas' spread (RMS distance from their mean over their RMS size, keys and
+            values, the layers corrected: :func:`~hf_kvshare.anchors.lowrank.relative_spread`) and
+            the spreads refreshes recorded are at most this. A consumer whose correction was seen
+            once is not judged (rejected). 0 turns the rule off. Slot scope only.
+        nearest: an accepted gate (by either rule) stands only when the candidate's nearest anchor is
+            within this fraction of that anchor's size (gate distance, values, every layer; ``None``:
+            the profile's, 0.5 / 0; 0: off): a correction observed on other content (another output of
+            the producer) is not applied. The rank-32 base of the same text sits at about 0.3 on the
+            embedded model; other text at 1 or more. Slot scope only.
+        duplicate: an observation whose base's values are within this fraction of a pooled anchor's
+            (same source, same length) refreshes that anchor instead of joining the pool (``None``:
+            the profile's, 0.05 / 0; 0: off). Slot scope only.
+        learn_dense: every span prefilled with a source stores its exact delta (``None``: the
+            profile's, ``True`` / ``False``); the reference stores only rejected spans' and ungated
+            given text's. Slot scope only.
         base_rank: rank of the stored source caches (used only for matching); ``None`` keeps them dense.
         delta_rank: rank of the stored corrections; ``None`` keeps them dense. A rank above a
             segment's ``min(L, D)`` stores all ``min(L, D)`` components (exact); one above the
@@ -153,7 +216,8 @@ class KVCMAS(PrefixReuse, Method):
         match: ``"full"`` (gate over the full length among anchors at least that long; reference)
             or ``"prefix"`` (over the longest prefix two anchors cover).
         turn_fallback: ``"turn"`` (a consumer obeying a rejection prefills its whole turn;
-            reference) or ``"span"`` (only the rejected spans). Slot scope only.
+            reference) or ``"span"`` (only the rejected spans; ``None``: the profile's, ``"span"`` /
+            ``"turn"``). Slot scope only.
         partial_coverage: with no anchor covering the segment, the longest correct their rows
             (reference KVCMAS); ``False``: reuse uncorrected (reference KVComm).
         skip_layer0: leave layer 0 uncorrected (reference; its K/V do not depend on the context).
@@ -237,6 +301,12 @@ class KVCMAS(PrefixReuse, Method):
         # states saved before given text had kinds read every given text as the question
         "observation_source": "question",
         "gating": "reference",
+        # states saved before profiles were built with every reference rule
+        "profile": "reference",
+        "agreement": 0.0,
+        "nearest": 0.0,
+        "duplicate": 0.0,
+        "learn_dense": False,
     }
 
     base_rank: int | None = 32
@@ -252,7 +322,7 @@ class KVCMAS(PrefixReuse, Method):
     observation_source: str = "lead"
     gating: str = "reference"
     match: str = "full"
-    turn_fallback: str = "turn"
+    turn_fallback: str | None = None
     partial_coverage: bool = True
     skip_layer0: bool = True
     weights_cache: bool = True
@@ -268,8 +338,25 @@ class KVCMAS(PrefixReuse, Method):
     max_pools: int = 64
     defer_base: bool = False
     defer_factorization: bool = False
+    profile: str = "reuse"
+    agreement: float | None = None
+    nearest: float | None = None
+    duplicate: float | None = None
+    learn_dense: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise ValueError(
+                f"{self.name}: profile must be one of {', '.join(map(repr, PROFILES))}, got {self.profile!r}"
+            )
+        for knob, value in PROFILES[self.profile].items():  # what the profile sets, unless given
+            if getattr(self, knob) is None:
+                setattr(self, knob, value)
+        for knob in ("agreement", "nearest", "duplicate"):
+            value = getattr(self, knob)
+            real = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not real or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{self.name}: {knob} must be a finite real number >= 0, got {value!r}")
         self.check_prefix_reuse()
         check_rank("base_rank", self.base_rank)
         check_rank("delta_rank", self.delta_rank)
@@ -319,6 +406,7 @@ class KVCMAS(PrefixReuse, Method):
             "prefix_delta",
             "defer_base",
             "defer_factorization",
+            "learn_dense",
         ):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")

@@ -28,6 +28,10 @@ class KVComm(KVCMAS):
     - The PF text right after a corrected segment, kept per agent (``prefix_reuse``), is corrected
       with the anchors' prefix deltas, weighted per layer and feature (``prefix_delta``).
 
+    - Its gate and pools are the reference's (``profile="reference"``: the entropy rule alone,
+      anchors added on rejection only, a whole-turn fallback); ``kvcomm:profile=reuse`` takes
+      KVCMAS's agreement rule, refreshed near-duplicates and span fallback.
+
     All options of :class:`~hf_kvshare.methods.kvcmas.KVCMAS` apply. One difference from the
     reference stays: its agent template is prefilled once with the placeholder NAMES as text, ours
     keeps the PF text of the agent's first real turn. The earlier reading (context-free references
@@ -46,3 +50,4 @@ class KVComm(KVCMAS):
     partial_coverage: bool = False
     key_frame: str = "reader"
     prefix_delta: bool = True
+    profile: str = "reference"

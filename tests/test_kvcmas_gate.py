@@ -1,0 +1,265 @@
+"""KVCMAS's gate and pools beyond the reference (``profile="reuse"``, the default) and the reference
+kept as one option (``profile="reference"``): the gate judges the correction (agreeing anchors are
+accepted however flat their weights, disagreeing ones still rejected), a near-duplicate refreshes an
+anchor instead of joining the pool, and a team's repeated documents are reused after warm-up."""
+
+from __future__ import annotations
+
+import pytest
+from test_anchors import random_kv
+
+from hf_kvshare import PF, PH, Session
+from hf_kvshare.anchors.lowrank import FactoredKV, relative_spread
+from hf_kvshare.anchors.pool import Anchor, AnchorPool
+from hf_kvshare.cache import SegmentKV
+from hf_kvshare.methods.kvcmas import KVCMAS
+from hf_kvshare.methods.kvcomm import KVComm
+
+AGENTS = ["planner", "designer", "coder"]
+#: a team's fixed reference documents: the same two notes in every request
+NOTES = [
+    "Note A: the service keeps one queue per tenant and retries failed jobs twice.",
+    "Note B: every response must cite the ticket number and stay under fifty words.",
+]
+TASKS = [
+    "Sort a list of numbers and explain the complexity.",
+    "Compute the sum of all primes below fifty.",
+    "Write a short poem about the sea.",
+    "Parse a date string and print the weekday.",
+]
+
+
+def turn_segments(i: int, task: str):
+    """Agent ``i``'s prompt: its role, the task, the two notes, the earlier agents' outputs."""
+    segments = [
+        PF(f"You are the {AGENTS[i]}.\nTask: "),
+        PH("task", task, kind="question"),
+        PF("\nReference notes:\n"),
+        PH("note0", NOTES[0], kind="observation"),
+        PF("\n"),
+        PH("note1", NOTES[1], kind="observation"),
+    ]
+    for earlier in AGENTS[:i]:
+        segments += [PF(f"\nFrom the {earlier}: "), PH(earlier)]
+    segments.append(PF("\nAnswer:"))
+    return segments
+
+
+def run_workflow(model, tok, method, requests: int = len(TASKS)):
+    """The repeated-documents workflow, one Session per request; the turns' results."""
+    results = []
+    for task in TASKS[:requests]:
+        session = Session(model, tok, method)
+        for i, agent in enumerate(AGENTS):
+            results.append(session.run_turn(agent, turn_segments(i, task), max_new_tokens=4, keep_cache=True))
+    return results
+
+
+def decisions(results) -> list[str]:
+    """Each turn's PH spans as ``slot:provenance/gate``."""
+    return [
+        " ".join(f"{s.name}:{s.provenance}/{s.info.get('gate')}" for s in r.cache.segments if s.kind == "PH")
+        for r in results
+    ]
+
+
+# ------------------------------------------------------------------ the gate judges the correction
+def _anchor(base: SegmentKV, delta: SegmentKV, origin: int) -> Anchor:
+    anchor = Anchor(base=FactoredKV.from_kv(base.keys, base.values, None), source="planner", origin=origin)
+    anchor.deltas["coder"] = FactoredKV.from_kv(delta.keys, delta.values, None)
+    return anchor
+
+
+def _scaled(kv: SegmentKV, factor: float, noise: SegmentKV | None = None, eps: float = 0.0) -> SegmentKV:
+    def mix(x, n):
+        return x * factor + (0 if n is None else eps * n)
+
+    nk = noise.keys if noise is not None else [None] * len(kv.keys)
+    nv = noise.values if noise is not None else [None] * len(kv.values)
+    return SegmentKV(
+        keys=[mix(k, n) for k, n in zip(kv.keys, nk)],
+        values=[mix(v, n) for v, n in zip(kv.values, nv)],
+        start=0,
+        agent="src",
+    )
+
+
+def _gate(method: KVCMAS, deltas: list[SegmentKV], candidate: SegmentKV | None = None):
+    base = random_kv(6, seed=1)
+    pool = method.scope.pool("planner")
+    for i, delta in enumerate(deltas):
+        pool.insert(_anchor(base, delta, i))  # the same base: equally close, flat weights
+    return method.scope.gate("planner", base if candidate is None else candidate)  # the same text
+
+
+def test_the_gate_accepts_agreeing_anchors_however_flat_their_weights():
+    delta = random_kv(6, seed=2)
+    agreeing = [delta, _scaled(delta, 1.0, random_kv(6, seed=3), eps=0.05)]
+    decision, eligible, _ = _gate(KVCMAS(), agreeing)
+    assert len(eligible) == 2 and decision.entropy == pytest.approx(1.0)  # the weights are flat
+    assert decision.accepted and decision.reason.startswith("anchors agree: delta spread")
+    assert decision.weights == pytest.approx([0.5, 0.5])
+    # the reference gate (the entropy rule alone) rejects the same anchors: entropy 1 > tau 0.3
+    decision, _, _ = _gate(KVCMAS(profile="reference"), agreeing)
+    assert not decision.accepted and decision.reason == "entropy 1 > tau 0.3"
+    decision, _, _ = _gate(KVCMAS(agreement=0), agreeing)  # the rule off
+    assert not decision.accepted
+
+
+def test_an_acceptance_stands_only_for_a_candidate_near_an_anchor():
+    """Corrections observed on other content do not carry over: a candidate far from every anchor
+    (another text) is rejected whatever rule accepted it; the reference applies them."""
+    delta = random_kv(6, seed=2)
+    far = random_kv(6, seed=9)
+    decision, _, _ = _gate(KVCMAS(), [delta, delta], candidate=far)
+    assert not decision.accepted and "but the candidate is far from every anchor" in decision.reason
+    decision, _, _ = _gate(KVCMAS(tau=1.0), [delta, delta], candidate=far)  # the entropy rule too
+    assert not decision.accepted and decision.reason.startswith("accepted; but the candidate is far")
+    assert _gate(KVCMAS(nearest=0), [delta, delta], candidate=far)[0].accepted  # the check off
+    assert _gate(KVCMAS(profile="reference", tau=1.0), [delta, delta], candidate=far)[0].accepted
+
+
+@pytest.mark.parametrize("second", ["opposite", "unrelated", "twice as large"])
+def test_the_gate_still_rejects_disagreeing_anchors(second):
+    delta = random_kv(6, seed=2)
+    other = {
+        "opposite": _scaled(delta, -1.0),
+        "unrelated": random_kv(6, seed=4),
+        "twice as large": _scaled(delta, 2.0),
+    }[second]
+    decision, eligible, _ = _gate(KVCMAS(), [delta, other])
+    assert len(eligible) == 2 and not decision.accepted
+    assert "entropy 1 > tau 0.3; anchors disagree: delta spread" in decision.reason
+    # a looser threshold accepts what it covers, never an opposite correction (spread 1)
+    decision, _, _ = _gate(KVCMAS(agreement=0.99), [delta, other])
+    assert decision.accepted == (second != "opposite")
+
+
+def test_one_anchor_is_judged_by_what_its_refreshes_recorded():
+    base, delta = random_kv(6, seed=1), random_kv(6, seed=2)
+    method = KVCMAS()
+    pool = method.scope.pool("planner")
+    pool.insert(_anchor(base, delta, 0))
+    decision, _, _ = method.scope.gate("planner", base)
+    assert not decision.accepted and "the correction for 'coder' was observed once" in decision.reason
+    pool.anchors[0].agreement["coder"] = 0.01  # a refresh saw it repeat
+    decision, eligible, _ = method.scope.gate("planner", base)
+    assert decision.accepted and len(eligible) == 1 and decision.weights == [1.0]
+    pool.anchors[0].agreement["coder"] = 0.6  # ... or change
+    decision, _, _ = method.scope.gate("planner", base)
+    assert not decision.accepted and "anchors disagree" in decision.reason
+    decision, _, _ = KVCMAS(profile="reference").scope.gate("planner", base)
+    assert not decision.accepted  # the reference needs two anchors
+
+
+def test_relative_spread_reads_as_documented():
+    x = FactoredKV.from_kv(random_kv(5, seed=1).keys, random_kv(5, seed=1).values, None)
+    minus = FactoredKV.from_kv(
+        [-k for k in random_kv(5, seed=1).keys], [-v for v in random_kv(5, seed=1).values], None
+    )
+    assert relative_spread([x, x], 5) == 0.0
+    assert relative_spread([x, minus], 5) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="at least two"):
+        relative_spread([x], 5)
+    with pytest.raises(ValueError, match="shorter than the 6 rows"):
+        relative_spread([x, x], 6)
+
+
+# ------------------------------------------------------------------ no duplicate anchors
+def test_near_duplicate_is_found_by_its_base():
+    pool = AnchorPool("doc", capacity=4)
+    kv = random_kv(6, seed=1)
+    pool.insert(_anchor(kv, random_kv(6, seed=2), 0))
+    pool.insert(_anchor(random_kv(6, seed=5), random_kv(6, seed=2), 1))
+    same = FactoredKV.from_kv(kv.keys, [v * 1.01 for v in kv.values], None)
+    assert pool.near_duplicate(same, "planner", 0.05).origin == 0
+    assert pool.near_duplicate(same, "planner", 0.0) is None  # off
+    assert pool.near_duplicate(same, "reference", 0.05) is None  # another source
+    other = FactoredKV.from_kv(random_kv(6, seed=7).keys, random_kv(6, seed=7).values, None)
+    assert pool.near_duplicate(other, "planner", 0.05) is None
+    pool.refresh(pool.anchors[0])  # the youngest now, serial kept
+    assert [a.origin for a in pool] == [1, 0] and pool.anchors[1].serial == 0
+
+
+@pytest.fixture(scope="module")
+def reuse_run(tiny_llama, tokenizer):
+    method = KVCMAS()
+    return method, run_workflow(tiny_llama, tokenizer, method)
+
+
+def test_repeated_documents_refresh_one_anchor_instead_of_joining_the_pool(reuse_run, tiny_llama, tokenizer):
+    method, _ = reuse_run
+    for slot in ("note0", "note1"):
+        (anchor,) = method.pools[slot].anchors  # one anchor, refreshed every time the notes were prefilled
+        assert set(anchor.deltas) == set(AGENTS) and set(anchor.agreement) == set(AGENTS)
+        assert all(0 <= s <= method.agreement for s in anchor.agreement.values())
+    reference = KVCMAS(profile="reference")
+    run_workflow(tiny_llama, tokenizer, reference, requests=3)
+    assert [len(reference.pools[slot]) for slot in ("note0", "note1")] == [3, 3]  # a duplicate per request
+
+
+# ------------------------------------------------------------------ repeated documents are reused
+def test_repeated_documents_are_reused_after_warm_up_under_the_new_default(reuse_run):
+    _, results = reuse_run
+    warm = results[2 * len(AGENTS) :]  # requests 0 and 1 fill and refresh the pools
+    assert all(r.reuse_ratio > 0 for r in warm), [r.reuse_ratio for r in warm]
+    for r in warm:
+        for slot in ("note0", "note1"):
+            seg = r.cache.segment(slot)
+            assert seg.provenance == "corrected" and seg.info["gate"] == "accepted"
+    # the first refresh leaves the other consumers' deltas stale: they still prefill in request 1
+    assert "note0:dense/fallback" in decisions(results[4:5])[0]
+
+
+# ------------------------------------------------------------------ the reference, one option
+#: the decisions of main at fbca01c (before profiles existed) on this workflow: produced by running
+#: `decisions(run_workflow(model, tok, KVCMAS(tau=tau)))` with main's code and pasted here
+_FIRST = "task:dense/first note0:dense/fallback note1:dense/fallback"
+_REJECTED = [
+    _FIRST,
+    "task:dense/turn note0:dense/fallback note1:dense/fallback planner:dense/fallback",
+    "task:dense/turn note0:dense/fallback note1:dense/fallback planner:dense/fallback designer:dense/fallback",
+]
+_ACCEPTED = [
+    "task:dense/first note0:dense/turn note1:dense/turn",
+    "task:corrected/ungated note0:corrected/accepted note1:corrected/accepted planner:corrected/accepted",
+    "task:corrected/ungated note0:corrected/accepted note1:corrected/accepted planner:corrected/accepted "
+    "designer:corrected/accepted",
+]
+MAIN_DECISIONS = {
+    "tau=0.3": _REJECTED * 4,  # main's defaults: rho = 0 on every turn
+    "tau=1.0": _REJECTED * 2 + _ACCEPTED * 2,
+}
+
+
+@pytest.mark.parametrize("tau", [0.3, 1.0])
+def test_the_reference_profile_reproduces_mains_decisions(tau, tiny_llama, tokenizer):
+    got = decisions(run_workflow(tiny_llama, tokenizer, KVCMAS(profile="reference", tau=tau)))
+    assert got == MAIN_DECISIONS[f"tau={tau}"]
+
+
+def test_profiles_set_their_knobs_and_given_options_win():
+    knobs = ("agreement", "nearest", "duplicate", "learn_dense", "turn_fallback")
+    reference, reuse = KVCMAS(profile="reference"), KVCMAS()
+    assert [getattr(reference, k) for k in knobs] == [0.0, 0.0, 0.0, False, "turn"]
+    assert reuse.profile == "reuse" and [getattr(reuse, k) for k in knobs] == [0.3, 0.5, 0.05, True, "span"]
+    assert KVCMAS(profile="reference", turn_fallback="span").turn_fallback == "span"
+    assert KVComm().profile == "reference" and KVComm().agreement == 0.0  # as its authors' code runs it
+    with pytest.raises(ValueError, match="profile must be one of 'reuse', 'reference'"):
+        KVCMAS(profile="paper")
+    with pytest.raises(ValueError, match="agreement must be a finite real number >= 0"):
+        KVCMAS(agreement=-0.1)
+    with pytest.raises(ValueError, match="learn_dense must be True or False"):
+        KVCMAS(learn_dense="yes")
+
+
+def test_refresh_evidence_survives_save_and_load(reuse_run, tiny_llama, tmp_path):
+    method, _ = reuse_run
+    method.save_state(tmp_path / "state")
+    fresh = KVCMAS()
+    fresh.load_state(tmp_path / "state", tiny_llama)
+    for slot in ("note0", "note1"):
+        assert fresh.pools[slot].anchors[0].agreement == method.pools[slot].anchors[0].agreement
+    # a state saved before profiles existed was built with the reference's rules
+    legacy = ("profile", "agreement", "nearest", "duplicate", "learn_dense")
+    assert [KVCMAS.LEGACY_OPTIONS[k] for k in legacy] == ["reference", 0.0, 0.0, 0.0, False]
