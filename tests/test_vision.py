@@ -13,6 +13,7 @@ import pytest
 import torch
 from tiny import random_image, tiny_model, tiny_vlm, tiny_vlm_processor
 from transformers import DynamicCache
+from vision_helpers import QUESTION, Calls, kv_error, plain_generate, run_request, strip
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare._compat import cache_kwargs
@@ -20,8 +21,6 @@ from hf_kvshare.method import METHODS
 from hf_kvshare.methods.cacheblend import CacheBlend
 from hf_kvshare.methods.kvcmas import KVCMAS
 from hf_kvshare.methods.kvcomm import KVComm
-
-QUESTION = "How many red bars are there?"
 
 
 @pytest.fixture(scope="module")
@@ -39,86 +38,12 @@ def image():
     return random_image(0)
 
 
-class Calls:
-    """Counts a module's forward calls (a public forward hook)."""
-
-    def __init__(self, module):
-        self.n = 0
-        self.handle = module.register_forward_hook(self.hook)
-
-    def hook(self, *_):
-        self.n += 1
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        self.handle.remove()
-
-
 def tower(model):
     return model.model.vision_tower
 
 
 def language(model):
     return model.model.language_model
-
-
-def agents(image):
-    """A MathVista-like request: two solvers read the image and the question, a reflector reads both
-    and the solvers' answers."""
-    img = PH("chart", image=image)
-    return [
-        ("solver", [PF("You solve.\n"), img, PF("\n"), PH("question", QUESTION), PF("\nAnswer:")]),
-        ("checker", [PF("You check.\n"), PH("chart"), PF("\n"), PH("question"), PF("\nAnswer:")]),
-        (
-            "reflector",
-            [
-                PF("You reflect.\n"),
-                PH("chart"),
-                PF("\nQ: "),
-                PH("question"),
-                PF("\nA1: "),
-                PH("solver"),
-                PF("\nA2: "),
-                PH("checker"),
-                PF("\nFinal:"),
-            ],
-        ),
-    ]
-
-
-def run_request(model, processor, method, image, new_tokens=5, forced=None, keep_cache=False):
-    session = Session(model, processor.tokenizer, method, processor=processor)
-    results = []
-    for i, (agent, segments) in enumerate(agents(image)):
-        kwargs = {"force_output": forced[i]} if forced is not None else {"max_new_tokens": new_tokens}
-        results.append(session.run_turn(agent, segments, keep_cache=keep_cache, **kwargs))
-    return session, results
-
-
-def plain_generate(model, ids, pixels, new_tokens, **inputs):
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids[None], **pixels, **inputs, max_new_tokens=new_tokens, do_sample=False
-        )
-    return out[0, ids.numel() :]
-
-
-def strip(ids, model):
-    stop = {model.generation_config.eos_token_id, model.generation_config.pad_token_id}
-    ids = ids.tolist()
-    while len(ids) > 1 and ids[-1] in stop:
-        ids.pop()
-    return ids
-
-
-def kv_error(cache, exact, start, end):
-    a, b = cache.extract(start, end), exact.extract(start, end)
-    return max(
-        max((x - y).abs().max().item() for x, y in zip(a.keys, b.keys)),
-        max((x - y).abs().max().item() for x, y in zip(a.values, b.values)),
-    )
 
 
 # ---------------------------------------------------------------------------- exactness

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import random_image, tiny_qwen_vl, tiny_qwen_vl_processor
+from vision_helpers import QUESTION, kv_error, strip
+from vision_helpers import run_request as _run_request
 
 from hf_kvshare import PF, PH, Session, _compat
 from hf_kvshare._compat import cache_kwargs
@@ -20,7 +22,6 @@ from hf_kvshare.method import METHODS
 from hf_kvshare.mrope import is_mrope
 from hf_kvshare.rope import RopeShifter, rotate_half
 
-QUESTION = "How many red bars are there?"
 VERSIONS = ["2", "2.5"]
 
 
@@ -76,13 +77,9 @@ def agents(image):
     ]
 
 
-def run_request(model, processor, method, image, new_tokens=5, forced=None, keep_cache=False):
-    session = Session(model, processor.tokenizer, method, processor=processor)
-    results = []
-    for i, (agent, segments) in enumerate(agents(image)):
-        kwargs = {"force_output": forced[i]} if forced is not None else {"max_new_tokens": new_tokens}
-        results.append(session.run_turn(agent, segments, keep_cache=keep_cache, **kwargs))
-    return session, results
+def run_request(model, processor, method, image, **kwargs):
+    """One request laid out as Qwen's chat template puts images (``agents`` above)."""
+    return _run_request(model, processor, method, image, layout=agents, **kwargs)
 
 
 def pixel_inputs(model, processor, ids, images):
@@ -100,22 +97,6 @@ def plain_generate(model, ids, inputs, new_tokens):
     with torch.no_grad():
         out = model.generate(input_ids=ids[None], **inputs, max_new_tokens=new_tokens, do_sample=False)
     return out[0, ids.numel() :]
-
-
-def strip(ids, model):
-    stop = {model.generation_config.eos_token_id, model.generation_config.pad_token_id}
-    ids = ids.tolist()
-    while len(ids) > 1 and ids[-1] in stop:
-        ids.pop()
-    return ids
-
-
-def kv_error(cache, exact, start, end):
-    a, b = cache.extract(start, end), exact.extract(start, end)
-    return max(
-        max((x - y).abs().max().item() for x, y in zip(a.keys, b.keys)),
-        max((x - y).abs().max().item() for x, y in zip(a.values, b.values)),
-    )
 
 
 def full_positions(model, processor, ids, images):

@@ -1,0 +1,90 @@
+"""Helpers the image tests share (tests/test_vision.py, test_vision_tiled.py, test_vision_mrope.py): a
+MathVista-like three-agent request over one image, running it through a Session, plain ``generate``
+for reference, and comparing K/V. The tiny models and processors themselves live in tiny.py."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_kvshare import PF, PH, Session
+
+QUESTION = "How many red bars are there?"
+
+
+class Calls:
+    """Counts a module's forward calls (a public forward hook)."""
+
+    def __init__(self, module):
+        self.n = 0
+        self.handle = module.register_forward_hook(self.hook)
+
+    def hook(self, *_):
+        self.n += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.handle.remove()
+
+
+def agents(image):
+    """A MathVista-like request: two solvers read the image and the question, a reflector reads both
+    and the solvers' answers."""
+    img = PH("chart", image=image)
+    return [
+        ("solver", [PF("You solve.\n"), img, PF("\n"), PH("question", QUESTION), PF("\nAnswer:")]),
+        ("checker", [PF("You check.\n"), PH("chart"), PF("\n"), PH("question"), PF("\nAnswer:")]),
+        (
+            "reflector",
+            [
+                PF("You reflect.\n"),
+                PH("chart"),
+                PF("\nQ: "),
+                PH("question"),
+                PF("\nA1: "),
+                PH("solver"),
+                PF("\nA2: "),
+                PH("checker"),
+                PF("\nFinal:"),
+            ],
+        ),
+    ]
+
+
+def run_request(model, processor, method, image, new_tokens=5, forced=None, keep_cache=False, layout=agents):
+    """One request (``layout(image)``: the agents' turns) in a fresh Session; ``forced``: each turn's
+    output to teacher-force instead of generating ``new_tokens``."""
+    session = Session(model, processor.tokenizer, method, processor=processor)
+    results = []
+    for i, (agent, segments) in enumerate(layout(image)):
+        kwargs = {"force_output": forced[i]} if forced is not None else {"max_new_tokens": new_tokens}
+        results.append(session.run_turn(agent, segments, keep_cache=keep_cache, **kwargs))
+    return session, results
+
+
+def plain_generate(model, ids, pixels, new_tokens, **inputs):
+    """Plain greedy ``generate`` over the prompt ``ids`` with the processor's ``pixels``: the new ids."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids[None], **pixels, **inputs, max_new_tokens=new_tokens, do_sample=False
+        )
+    return out[0, ids.numel() :]
+
+
+def strip(ids, model):
+    """``ids`` as a list without trailing EOS / pad ids (as the session returns an output)."""
+    stop = {model.generation_config.eos_token_id, model.generation_config.pad_token_id}
+    ids = ids.tolist()
+    while len(ids) > 1 and ids[-1] in stop:
+        ids.pop()
+    return ids
+
+
+def kv_error(cache, exact, start, end):
+    """The largest absolute K or V difference between two caches over ``[start, end)``."""
+    a, b = cache.extract(start, end), exact.extract(start, end)
+    return max(
+        max((x - y).abs().max().item() for x, y in zip(a.keys, b.keys)),
+        max((x - y).abs().max().item() for x, y in zip(a.values, b.values)),
+    )
