@@ -100,6 +100,19 @@ STEPS = [
     ("third", [PF("Review.\n"), PH("second"), PF("\nand "), PH("first"), PF("\nfor "), PH("query")]),
 ]
 
+#: options each prompt method runs with on a 4-layer tiny model (others: their defaults); DroidSpeak's
+#: layer profile has one entry per layer
+METHOD_OPTIONS = {
+    "nonshared": {},
+    "cacheblend": {"rho": 0.5},
+    "droidspeak": {"rho": 0.4, "layer_profile": [0.0, 2.0, 0.5, 1.0]},
+    "relaycaching": {"rho": 0.5},
+    "fullshared": {},
+    "kvcmas": {},
+    "kvcomm": {},
+    "graphflow": {},
+}
+
 
 # ------------------------------------------------------------------ a tiny LLaVA-OneVision
 #: the tiny VLM's vision tower: SigLIP, 2 layers, 32x32 images in 8x8 patches (16 features per patch)
