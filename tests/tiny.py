@@ -63,6 +63,7 @@ def embedded_tokenizer(name: str = DEFAULT_MODEL):
 
     root = os.environ.get("HF_KVSHARE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_kvshare")
     cached = Path(root) / f"{name}-tokenizer"
+    broken = cached.exists()
     if (cached / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(cached)
@@ -73,7 +74,10 @@ def embedded_tokenizer(name: str = DEFAULT_MODEL):
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:
         tok.save_pretrained(tmp)
-        if cached.exists():  # another process finished first, or a broken copy
+        if cached.exists() and not broken:  # another process (an xdist worker) finished first: keep its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            return tok
+        if cached.exists():  # the broken copy
             shutil.rmtree(cached, ignore_errors=True)
         os.replace(tmp, cached)
     except OSError:
