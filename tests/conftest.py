@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(config, items):
     if getattr(config.option, "loadgroup", False):
         for item in items:
             if _uses_a_module_fixture(item):
-                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+                item.add_marker(pytest.mark.xdist_group(item.path.stem))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
