@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny import random_image, tiny_model, tiny_vlm, tiny_vlm_processor
 from transformers import DynamicCache
-from vision_helpers import QUESTION, Calls, kv_error, plain_generate, run_request, strip
+from vision_helpers import QUESTION, Calls, kv_error, plain_generate, refused, run_request, strip
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare._compat import cache_kwargs
@@ -261,23 +261,6 @@ def test_image_slot_kind_leaves_the_question_to_the_text(vlm, processor, image):
 
 
 # ---------------------------------------------------------------------------- bad input
-def refused(session, segments, match, model, exc=ValueError):
-    """The turn is refused with ``match`` before any model work; nothing in the session changes."""
-    slots = dict(session.slots)
-    modules = [model] + (
-        [tower(model)] if hasattr(model, "model") and hasattr(model.model, "vision_tower") else []
-    )
-    counters = [Calls(m) for m in modules]  # the language model's and the vision tower's forwards
-    try:
-        with pytest.raises(exc, match=match):
-            session.run_turn("z", segments, max_new_tokens=2)
-    finally:
-        for c in counters:
-            c.handle.remove()
-    assert [c.n for c in counters] == [0] * len(modules)
-    assert session.slots == slots
-
-
 def test_image_for_a_text_only_model(processor, image):
     model = tiny_model("qwen2")
     session = Session(model, processor.tokenizer)

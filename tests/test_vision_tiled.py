@@ -16,7 +16,7 @@ import pytest
 import torch
 from tiny import random_image, save_tiny_idefics3, tiny_idefics3, tiny_idefics3_processor, tiny_model
 from transformers import DynamicCache
-from vision_helpers import QUESTION, Calls, kv_error, plain_generate, run_request, strip
+from vision_helpers import QUESTION, Calls, kv_error, plain_generate, refused, run_request, strip
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare._compat import cache_kwargs
@@ -294,21 +294,6 @@ def test_held_bytes_count_the_image(vl, image):
 
 
 # ---------------------------------------------------------------------------- bad input
-def refused(session, segments, match, model, exc=ValueError):
-    """The turn is refused with ``match`` before any model work; nothing in the session changes."""
-    slots = dict(session.slots)
-    modules = [model] + ([tower(model)] if hasattr(getattr(model, "model", None), "vision_model") else [])
-    counters = [Calls(m) for m in modules]  # the language model's and the vision tower's forwards
-    try:
-        with pytest.raises(exc, match=match):
-            session.run_turn("z", segments, max_new_tokens=2)
-    finally:
-        for c in counters:
-            c.handle.remove()
-    assert [c.n for c in counters] == [0] * len(counters)
-    assert session.slots == slots
-
-
 def test_image_for_a_text_only_model(vl, image):
     _, processor = vl
     model = tiny_model("llama")

@@ -4,6 +4,7 @@ for reference, and comparing K/V. The tiny models and processors themselves live
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_kvshare import PF, PH, Session
@@ -88,3 +89,29 @@ def kv_error(cache, exact, start, end):
         max((x - y).abs().max().item() for x, y in zip(a.keys, b.keys)),
         max((x - y).abs().max().item() for x, y in zip(a.values, b.values)),
     )
+
+
+def vision_tower(model):
+    """The vision tower of a tiny VLM (LLaVA-OneVision: ``vision_tower``; Idefics3, SmolVLM:
+    ``vision_model``), or ``None`` for a text-only model."""
+    inner = getattr(model, "model", None)
+    for name in ("vision_tower", "vision_model"):
+        if getattr(inner, name, None) is not None:
+            return getattr(inner, name)
+    return None
+
+
+def refused(session, segments, match, model, exc=ValueError):
+    """The turn is refused with ``match`` before any model work (no forward of the model or of its
+    vision tower); nothing in the session changes."""
+    slots = dict(session.slots)
+    modules = [model] + [m for m in [vision_tower(model)] if m is not None]
+    counters = [Calls(m) for m in modules]  # the language model's and the vision tower's forwards
+    try:
+        with pytest.raises(exc, match=match):
+            session.run_turn("z", segments, max_new_tokens=2)
+    finally:
+        for c in counters:
+            c.handle.remove()
+    assert [c.n for c in counters] == [0] * len(modules)
+    assert session.slots == slots
