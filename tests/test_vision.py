@@ -13,12 +13,21 @@ import pytest
 import torch
 from tiny import random_image, tiny_model, tiny_vlm, tiny_vlm_processor
 from transformers import DynamicCache
-from vision_helpers import QUESTION, Calls, kv_error, plain_generate, refused, run_request, strip
+from vision_helpers import (
+    QUESTION,
+    Calls,
+    assert_full_recomputation_equals_nonshared,
+    assert_fullshared_exact_at_the_same_positions,
+    kv_error,
+    plain_generate,
+    refused,
+    run_request,
+    strip,
+)
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare._compat import cache_kwargs
 from hf_kvshare.method import METHODS
-from hf_kvshare.methods.cacheblend import CacheBlend
 from hf_kvshare.methods.kvcmas import KVCMAS
 from hf_kvshare.methods.kvcomm import KVComm
 
@@ -101,18 +110,7 @@ def test_vision_tower_runs_once_per_image_per_request(vlm, processor, image):
 def test_fullshared_is_exact_where_the_image_lands_at_the_same_positions(vlm, processor, image):
     """The same prefix before the image in both agents: FullShared's reused image K/V is the exact
     K/V, so its second agent equals NonShared's token for token."""
-
-    def request(method):
-        session = Session(vlm, processor.tokenizer, method, processor=processor)
-        head = [PF("You solve.\n"), PH("chart", image=image), PF("\n")]
-        session.run_turn("a", [*head, PF("Colours?")], max_new_tokens=6)
-        return session.run_turn("b", [*head, PF("Bars?")], max_new_tokens=6, keep_cache=True)
-
-    exact, shared = request("nonshared"), request("fullshared")
-    assert shared.output_ids.tolist() == exact.output_ids.tolist()
-    seg = shared.cache.segment("chart")
-    assert seg.provenance == "reused" and shared.tokens_reused == seg.length
-    assert kv_error(shared.cache, exact.cache, seg.start, seg.end) < 1e-5
+    assert_fullshared_exact_at_the_same_positions(vlm, processor, image)
 
 
 def test_repositioned_image_equals_recomputation_at_the_new_positions(vlm, processor, image):
@@ -145,10 +143,7 @@ def test_repositioned_image_equals_recomputation_at_the_new_positions(vlm, proce
 
 def test_full_recomputation_of_the_image_equals_nonshared(vlm, processor, image):
     """CacheBlend at rho = 0 recomputes every image token from its features (layer 0 input): NonShared."""
-    _, exact = run_request(vlm, processor, "nonshared", image)
-    _, got = run_request(vlm, processor, CacheBlend(rho=0.0), image)
-    assert [t.output_ids.tolist() for t in got] == [t.output_ids.tolist() for t in exact]
-    assert got[1].tokens_recomputed > 0
+    assert_full_recomputation_equals_nonshared(vlm, processor, image)
 
 
 @pytest.mark.parametrize("cls", [KVCMAS, KVComm])

@@ -13,7 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import random_image, tiny_qwen_vl, tiny_qwen_vl_processor
-from vision_helpers import QUESTION, kv_error, strip
+from vision_helpers import (
+    QUESTION,
+    assert_full_recomputation_equals_nonshared,
+    assert_fullshared_exact_at_the_same_positions,
+    kv_error,
+    strip,
+)
 from vision_helpers import run_request as _run_request
 
 from hf_kvshare import PF, PH, Session, _compat
@@ -206,18 +212,9 @@ def test_vision_tower_runs_once_per_image_per_request(vl, image):
 
 def test_fullshared_is_exact_where_the_image_lands_at_the_same_positions(vl, image):
     model, processor = vl
-
-    def request(method):
-        session = Session(model, processor.tokenizer, method, processor=processor)
-        head = [PF("You solve.\n<|vision_start|>"), PH("chart", image=image), PF("<|vision_end|>\n")]
-        session.run_turn("a", [*head, PF("Colours?")], max_new_tokens=6)
-        return session.run_turn("b", [*head, PF("Bars?")], max_new_tokens=6, keep_cache=True)
-
-    exact, shared = request("nonshared"), request("fullshared")
-    assert shared.output_ids.tolist() == exact.output_ids.tolist()
-    seg = shared.cache.segment("chart")
-    assert seg.provenance == "reused" and shared.tokens_reused == seg.length
-    assert kv_error(shared.cache, exact.cache, seg.start, seg.end) < 1e-5
+    assert_fullshared_exact_at_the_same_positions(
+        model, processor, image, before="You solve.\n<|vision_start|>", after="<|vision_end|>\n"
+    )
 
 
 def test_repositioned_segments_equal_recomputation_at_the_new_positions(vl, image):
@@ -270,13 +267,8 @@ def test_repositioned_segments_equal_recomputation_at_the_new_positions(vl, imag
 
 def test_full_recomputation_of_the_image_equals_nonshared(vl, image):
     """CacheBlend at rho = 0 recomputes every image token from its features at their 3D positions."""
-    from hf_kvshare.methods.cacheblend import CacheBlend
-
     model, processor = vl
-    _, exact = run_request(model, processor, "nonshared", image)
-    _, got = run_request(model, processor, CacheBlend(rho=0.0), image)
-    assert [t.output_ids.tolist() for t in got] == [t.output_ids.tolist() for t in exact]
-    assert got[1].tokens_recomputed > 0
+    assert_full_recomputation_equals_nonshared(model, processor, image, layout=agents)
 
 
 @pytest.mark.parametrize("name", ["kvcmas", "kvcomm"])

@@ -16,12 +16,21 @@ import pytest
 import torch
 from tiny import random_image, save_tiny_idefics3, tiny_idefics3, tiny_idefics3_processor, tiny_model
 from transformers import DynamicCache
-from vision_helpers import QUESTION, Calls, kv_error, plain_generate, refused, run_request, strip
+from vision_helpers import (
+    QUESTION,
+    Calls,
+    assert_full_recomputation_equals_nonshared,
+    assert_fullshared_exact_at_the_same_positions,
+    kv_error,
+    plain_generate,
+    refused,
+    run_request,
+    strip,
+)
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare._compat import cache_kwargs
 from hf_kvshare.method import METHODS
-from hf_kvshare.methods.cacheblend import CacheBlend
 
 FAMILIES = ["idefics3", "smolvlm"]
 MARKERS = ("<fake_token_around_image>", "<global-img>", "<row_1_col_1>", "<row_2_col_2>")
@@ -142,18 +151,7 @@ def test_vision_tower_runs_once_per_image_per_request(vl, image):
 
 def test_fullshared_is_exact_where_the_image_lands_at_the_same_positions(vl, image):
     model, processor = vl
-
-    def request(method):
-        session = Session(model, processor.tokenizer, method, processor=processor)
-        head = [PF("You solve.\n"), PH("chart", image=image), PF("\n")]
-        session.run_turn("a", [*head, PF("Colours?")], max_new_tokens=6)
-        return session.run_turn("b", [*head, PF("Bars?")], max_new_tokens=6, keep_cache=True)
-
-    exact, shared = request("nonshared"), request("fullshared")
-    assert shared.output_ids.tolist() == exact.output_ids.tolist()
-    seg = shared.cache.segment("chart")
-    assert seg.provenance == "reused" and shared.tokens_reused == seg.length
-    assert kv_error(shared.cache, exact.cache, seg.start, seg.end) < 1e-5
+    assert_fullshared_exact_at_the_same_positions(model, processor, image)
 
 
 def test_repositioned_image_equals_recomputation_at_the_new_positions(vl, image):
@@ -186,10 +184,7 @@ def test_repositioned_image_equals_recomputation_at_the_new_positions(vl, image)
 def test_full_recomputation_of_the_image_equals_nonshared(vl, image):
     """CacheBlend at rho = 0 recomputes every image token (markers and features) from layer 0."""
     model, processor = vl
-    _, exact = run_request(model, processor, "nonshared", image)
-    _, got = run_request(model, processor, CacheBlend(rho=0.0), image)
-    assert [t.output_ids.tolist() for t in got] == [t.output_ids.tolist() for t in exact]
-    assert got[1].tokens_recomputed > 0
+    assert_full_recomputation_equals_nonshared(model, processor, image)
 
 
 @pytest.mark.parametrize("name", ["kvcmas", "kvcomm"])

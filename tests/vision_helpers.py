@@ -1,6 +1,7 @@
 """Helpers the image tests share (tests/test_vision.py, test_vision_tiled.py, test_vision_mrope.py): a
 MathVista-like three-agent request over one image, running it through a Session, plain ``generate``
-for reference, and comparing K/V. The tiny models and processors themselves live in tiny.py."""
+for reference, comparing K/V, and the checks every image family passes alike. The tiny models and
+processors themselves live in tiny.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from hf_kvshare import PF, PH, Session
+from hf_kvshare.methods.cacheblend import CacheBlend
 
 QUESTION = "How many red bars are there?"
 
@@ -115,3 +117,30 @@ def refused(session, segments, match, model, exc=ValueError):
             c.handle.remove()
     assert [c.n for c in counters] == [0] * len(modules)
     assert session.slots == slots
+
+
+# ------------------------------------------------------------- checks every image family passes alike
+def assert_fullshared_exact_at_the_same_positions(model, processor, image, before="You solve.\n", after="\n"):
+    """The same prefix before the image in both agents (``before`` / ``after`` the image: the family's
+    markers): FullShared's reused image K/V is the exact K/V, so its second agent equals NonShared's
+    token for token."""
+
+    def request(method):
+        session = Session(model, processor.tokenizer, method, processor=processor)
+        head = [PF(before), PH("chart", image=image), PF(after)]
+        session.run_turn("a", [*head, PF("Colours?")], max_new_tokens=6)
+        return session.run_turn("b", [*head, PF("Bars?")], max_new_tokens=6, keep_cache=True)
+
+    exact, shared = request("nonshared"), request("fullshared")
+    assert shared.output_ids.tolist() == exact.output_ids.tolist()
+    seg = shared.cache.segment("chart")
+    assert seg.provenance == "reused" and shared.tokens_reused == seg.length
+    assert kv_error(shared.cache, exact.cache, seg.start, seg.end) < 1e-5
+
+
+def assert_full_recomputation_equals_nonshared(model, processor, image, layout=agents):
+    """CacheBlend at rho = 0 recomputes every image token: the request's outputs are NonShared's."""
+    _, exact = run_request(model, processor, "nonshared", image, layout=layout)
+    _, got = run_request(model, processor, CacheBlend(rho=0.0), image, layout=layout)
+    assert [t.output_ids.tolist() for t in got] == [t.output_ids.tolist() for t in exact]
+    assert got[1].tokens_recomputed > 0
