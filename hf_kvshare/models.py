@@ -355,8 +355,8 @@ def _load_embedded(name: str, attn_implementation: str = "sdpa"):
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             os.replace(tmp, converted)
-    except OSError:
-        pass  # read-only home: convert on every load
+    except OSError:  # read-only home (convert on every load), or another process renamed its copy first
+        shutil.rmtree(tmp, ignore_errors=True)
     return model, tok
 
 

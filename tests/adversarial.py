@@ -14,14 +14,15 @@ A refusal that comes only after the work it should precede (:class:`Late`) is ``
 library) or ``traceback`` (from elsewhere); an input that passes the checks and is then accepted is
 ``wrong``.
 
-The parametrized tests (tests/test_hardening.py, tests/test_method_state.py) require ``ok`` or
-``clear``. The table of a run::
+The parametrized tests (tests/test_generate_options.py, test_bad_session_input.py,
+test_bad_method_options.py, test_concurrency.py, test_method_state.py) require ``ok`` or ``clear``. The table of a run::
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:tests python tests/adversarial.py
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import traceback
@@ -114,6 +115,22 @@ def table(cases: list[Case]) -> str:
     return "\n".join(lines)
 
 
+@functools.cache
+def cached_tokenizer():
+    """The embedded tokenizer, loaded once per process for the cases (they run outside fixtures)."""
+    from tiny import embedded_tokenizer
+
+    return embedded_tokenizer()
+
+
+@functools.cache
+def cached_model(seed: int = 3, layers: int = 3):
+    """A tiny random Llama, built once per process for the cases (not to be modified)."""
+    from tiny import tiny_model
+
+    return tiny_model("llama", seed=seed, num_hidden_layers=layers)
+
+
 def assert_holds(case: Case) -> None:
     outcome, detail = classify(case)
     assert outcome in ("ok", "clear"), f"{outcome}: {detail}"
@@ -121,9 +138,18 @@ def assert_holds(case: Case) -> None:
 
 if __name__ == "__main__":
     import adversarial  # the module the test files import (its Late, not this __main__'s)
-    import test_hardening
+    import test_bad_method_options
+    import test_bad_session_input
+    import test_concurrency
+    import test_generate_options
     import test_method_state
 
     only = sys.argv[1:]
-    cases = [*test_method_state.ADVERSARIAL, *getattr(test_hardening, "ADVERSARIAL", [])]
+    cases = [
+        *test_method_state.ADVERSARIAL,
+        *test_generate_options.ADVERSARIAL,
+        *test_bad_session_input.ADVERSARIAL,
+        *test_bad_method_options.ADVERSARIAL,
+        *test_concurrency.ADVERSARIAL,
+    ]
     print(adversarial.table([c for c in cases if not only or c.surface in only]))

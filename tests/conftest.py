@@ -34,13 +34,26 @@ def tiny_llama():
     return tiny_model("llama")
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def _uses_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects, and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """A test using the embedded model is `real_model` even if its file forgot the mark (so that
-    `-m "not real_model"` never loads it); GPU-only tests are skipped where CUDA is unavailable."""
+    `-m "not real_model"` never loads it); GPU-only tests are skipped where CUDA is unavailable.
+
+    Under ``pytest -n 2 --dist loadgroup`` (.ci/run) the tests of a module that use one of its
+    module-scoped fixtures (a bench run, a tiny VLM) go to one worker, so that the fixture is built
+    once; every other test goes to whichever worker is free."""
     for item in items:
         if "real" in getattr(item, "fixturenames", ()) and "real_model" not in item.keywords:
             item.add_marker(pytest.mark.real_model)
+    if getattr(config.option, "loadgroup", False):
+        for item in items:
+            if _uses_a_module_fixture(item):
+                item.add_marker(pytest.mark.xdist_group(item.path.stem))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

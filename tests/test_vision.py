@@ -13,15 +13,23 @@ import pytest
 import torch
 from tiny import random_image, tiny_model, tiny_vlm, tiny_vlm_processor
 from transformers import DynamicCache
+from vision_helpers import (
+    QUESTION,
+    Calls,
+    assert_full_recomputation_equals_nonshared,
+    assert_fullshared_exact_at_the_same_positions,
+    kv_error,
+    plain_generate,
+    refused,
+    run_request,
+    strip,
+)
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare._compat import cache_kwargs
 from hf_kvshare.method import METHODS
-from hf_kvshare.methods.cacheblend import CacheBlend
 from hf_kvshare.methods.kvcmas import KVCMAS
 from hf_kvshare.methods.kvcomm import KVComm
-
-QUESTION = "How many red bars are there?"
 
 
 @pytest.fixture(scope="module")
@@ -39,86 +47,12 @@ def image():
     return random_image(0)
 
 
-class Calls:
-    """Counts a module's forward calls (a public forward hook)."""
-
-    def __init__(self, module):
-        self.n = 0
-        self.handle = module.register_forward_hook(self.hook)
-
-    def hook(self, *_):
-        self.n += 1
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        self.handle.remove()
-
-
 def tower(model):
     return model.model.vision_tower
 
 
 def language(model):
     return model.model.language_model
-
-
-def agents(image):
-    """A MathVista-like request: two solvers read the image and the question, a reflector reads both
-    and the solvers' answers."""
-    img = PH("chart", image=image)
-    return [
-        ("solver", [PF("You solve.\n"), img, PF("\n"), PH("question", QUESTION), PF("\nAnswer:")]),
-        ("checker", [PF("You check.\n"), PH("chart"), PF("\n"), PH("question"), PF("\nAnswer:")]),
-        (
-            "reflector",
-            [
-                PF("You reflect.\n"),
-                PH("chart"),
-                PF("\nQ: "),
-                PH("question"),
-                PF("\nA1: "),
-                PH("solver"),
-                PF("\nA2: "),
-                PH("checker"),
-                PF("\nFinal:"),
-            ],
-        ),
-    ]
-
-
-def run_request(model, processor, method, image, new_tokens=5, forced=None, keep_cache=False):
-    session = Session(model, processor.tokenizer, method, processor=processor)
-    results = []
-    for i, (agent, segments) in enumerate(agents(image)):
-        kwargs = {"force_output": forced[i]} if forced is not None else {"max_new_tokens": new_tokens}
-        results.append(session.run_turn(agent, segments, keep_cache=keep_cache, **kwargs))
-    return session, results
-
-
-def plain_generate(model, ids, pixels, new_tokens, **inputs):
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids[None], **pixels, **inputs, max_new_tokens=new_tokens, do_sample=False
-        )
-    return out[0, ids.numel() :]
-
-
-def strip(ids, model):
-    stop = {model.generation_config.eos_token_id, model.generation_config.pad_token_id}
-    ids = ids.tolist()
-    while len(ids) > 1 and ids[-1] in stop:
-        ids.pop()
-    return ids
-
-
-def kv_error(cache, exact, start, end):
-    a, b = cache.extract(start, end), exact.extract(start, end)
-    return max(
-        max((x - y).abs().max().item() for x, y in zip(a.keys, b.keys)),
-        max((x - y).abs().max().item() for x, y in zip(a.values, b.values)),
-    )
 
 
 # ---------------------------------------------------------------------------- exactness
@@ -176,18 +110,7 @@ def test_vision_tower_runs_once_per_image_per_request(vlm, processor, image):
 def test_fullshared_is_exact_where_the_image_lands_at_the_same_positions(vlm, processor, image):
     """The same prefix before the image in both agents: FullShared's reused image K/V is the exact
     K/V, so its second agent equals NonShared's token for token."""
-
-    def request(method):
-        session = Session(vlm, processor.tokenizer, method, processor=processor)
-        head = [PF("You solve.\n"), PH("chart", image=image), PF("\n")]
-        session.run_turn("a", [*head, PF("Colours?")], max_new_tokens=6)
-        return session.run_turn("b", [*head, PF("Bars?")], max_new_tokens=6, keep_cache=True)
-
-    exact, shared = request("nonshared"), request("fullshared")
-    assert shared.output_ids.tolist() == exact.output_ids.tolist()
-    seg = shared.cache.segment("chart")
-    assert seg.provenance == "reused" and shared.tokens_reused == seg.length
-    assert kv_error(shared.cache, exact.cache, seg.start, seg.end) < 1e-5
+    assert_fullshared_exact_at_the_same_positions(vlm, processor, image)
 
 
 def test_repositioned_image_equals_recomputation_at_the_new_positions(vlm, processor, image):
@@ -220,10 +143,7 @@ def test_repositioned_image_equals_recomputation_at_the_new_positions(vlm, proce
 
 def test_full_recomputation_of_the_image_equals_nonshared(vlm, processor, image):
     """CacheBlend at rho = 0 recomputes every image token from its features (layer 0 input): NonShared."""
-    _, exact = run_request(vlm, processor, "nonshared", image)
-    _, got = run_request(vlm, processor, CacheBlend(rho=0.0), image)
-    assert [t.output_ids.tolist() for t in got] == [t.output_ids.tolist() for t in exact]
-    assert got[1].tokens_recomputed > 0
+    assert_full_recomputation_equals_nonshared(vlm, processor, image)
 
 
 @pytest.mark.parametrize("cls", [KVCMAS, KVComm])
@@ -336,23 +256,6 @@ def test_image_slot_kind_leaves_the_question_to_the_text(vlm, processor, image):
 
 
 # ---------------------------------------------------------------------------- bad input
-def refused(session, segments, match, model, exc=ValueError):
-    """The turn is refused with ``match`` before any model work; nothing in the session changes."""
-    slots = dict(session.slots)
-    modules = [model] + (
-        [tower(model)] if hasattr(model, "model") and hasattr(model.model, "vision_tower") else []
-    )
-    counters = [Calls(m) for m in modules]  # the language model's and the vision tower's forwards
-    try:
-        with pytest.raises(exc, match=match):
-            session.run_turn("z", segments, max_new_tokens=2)
-    finally:
-        for c in counters:
-            c.handle.remove()
-    assert [c.n for c in counters] == [0] * len(modules)
-    assert session.slots == slots
-
-
 def test_image_for_a_text_only_model(processor, image):
     model = tiny_model("qwen2")
     session = Session(model, processor.tokenizer)

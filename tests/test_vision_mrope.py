@@ -13,6 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny import random_image, tiny_qwen_vl, tiny_qwen_vl_processor
+from vision_helpers import (
+    QUESTION,
+    assert_full_recomputation_equals_nonshared,
+    assert_fullshared_exact_at_the_same_positions,
+    kv_error,
+    strip,
+)
+from vision_helpers import run_request as _run_request
 
 from hf_kvshare import PF, PH, Session, _compat
 from hf_kvshare._compat import cache_kwargs
@@ -20,7 +28,6 @@ from hf_kvshare.method import METHODS
 from hf_kvshare.mrope import is_mrope
 from hf_kvshare.rope import RopeShifter, rotate_half
 
-QUESTION = "How many red bars are there?"
 VERSIONS = ["2", "2.5"]
 
 
@@ -76,13 +83,9 @@ def agents(image):
     ]
 
 
-def run_request(model, processor, method, image, new_tokens=5, forced=None, keep_cache=False):
-    session = Session(model, processor.tokenizer, method, processor=processor)
-    results = []
-    for i, (agent, segments) in enumerate(agents(image)):
-        kwargs = {"force_output": forced[i]} if forced is not None else {"max_new_tokens": new_tokens}
-        results.append(session.run_turn(agent, segments, keep_cache=keep_cache, **kwargs))
-    return session, results
+def run_request(model, processor, method, image, **kwargs):
+    """One request laid out as Qwen's chat template puts images (``agents`` above)."""
+    return _run_request(model, processor, method, image, layout=agents, **kwargs)
 
 
 def pixel_inputs(model, processor, ids, images):
@@ -100,22 +103,6 @@ def plain_generate(model, ids, inputs, new_tokens):
     with torch.no_grad():
         out = model.generate(input_ids=ids[None], **inputs, max_new_tokens=new_tokens, do_sample=False)
     return out[0, ids.numel() :]
-
-
-def strip(ids, model):
-    stop = {model.generation_config.eos_token_id, model.generation_config.pad_token_id}
-    ids = ids.tolist()
-    while len(ids) > 1 and ids[-1] in stop:
-        ids.pop()
-    return ids
-
-
-def kv_error(cache, exact, start, end):
-    a, b = cache.extract(start, end), exact.extract(start, end)
-    return max(
-        max((x - y).abs().max().item() for x, y in zip(a.keys, b.keys)),
-        max((x - y).abs().max().item() for x, y in zip(a.values, b.values)),
-    )
 
 
 def full_positions(model, processor, ids, images):
@@ -225,18 +212,9 @@ def test_vision_tower_runs_once_per_image_per_request(vl, image):
 
 def test_fullshared_is_exact_where_the_image_lands_at_the_same_positions(vl, image):
     model, processor = vl
-
-    def request(method):
-        session = Session(model, processor.tokenizer, method, processor=processor)
-        head = [PF("You solve.\n<|vision_start|>"), PH("chart", image=image), PF("<|vision_end|>\n")]
-        session.run_turn("a", [*head, PF("Colours?")], max_new_tokens=6)
-        return session.run_turn("b", [*head, PF("Bars?")], max_new_tokens=6, keep_cache=True)
-
-    exact, shared = request("nonshared"), request("fullshared")
-    assert shared.output_ids.tolist() == exact.output_ids.tolist()
-    seg = shared.cache.segment("chart")
-    assert seg.provenance == "reused" and shared.tokens_reused == seg.length
-    assert kv_error(shared.cache, exact.cache, seg.start, seg.end) < 1e-5
+    assert_fullshared_exact_at_the_same_positions(
+        model, processor, image, before="You solve.\n<|vision_start|>", after="<|vision_end|>\n"
+    )
 
 
 def test_repositioned_segments_equal_recomputation_at_the_new_positions(vl, image):
@@ -289,13 +267,8 @@ def test_repositioned_segments_equal_recomputation_at_the_new_positions(vl, imag
 
 def test_full_recomputation_of_the_image_equals_nonshared(vl, image):
     """CacheBlend at rho = 0 recomputes every image token from its features at their 3D positions."""
-    from hf_kvshare.methods.cacheblend import CacheBlend
-
     model, processor = vl
-    _, exact = run_request(model, processor, "nonshared", image)
-    _, got = run_request(model, processor, CacheBlend(rho=0.0), image)
-    assert [t.output_ids.tolist() for t in got] == [t.output_ids.tolist() for t in exact]
-    assert got[1].tokens_recomputed > 0
+    assert_full_recomputation_equals_nonshared(model, processor, image, layout=agents)
 
 
 @pytest.mark.parametrize("name", ["kvcmas", "kvcomm"])

@@ -63,6 +63,7 @@ def embedded_tokenizer(name: str = DEFAULT_MODEL):
 
     root = os.environ.get("HF_KVSHARE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_kvshare")
     cached = Path(root) / f"{name}-tokenizer"
+    broken = cached.exists()
     if (cached / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(cached)
@@ -73,7 +74,10 @@ def embedded_tokenizer(name: str = DEFAULT_MODEL):
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:
         tok.save_pretrained(tmp)
-        if cached.exists():  # another process finished first, or a broken copy
+        if cached.exists() and not broken:  # another process (an xdist worker) finished first: keep its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            return tok
+        if cached.exists():  # the broken copy
             shutil.rmtree(cached, ignore_errors=True)
         os.replace(tmp, cached)
     except OSError:
@@ -99,6 +103,19 @@ STEPS = [
     ("second", roles("second") + [PF("\nPrevious: "), PH("first")]),
     ("third", [PF("Review.\n"), PH("second"), PF("\nand "), PH("first"), PF("\nfor "), PH("query")]),
 ]
+
+#: options each prompt method runs with on a 4-layer tiny model (others: their defaults); DroidSpeak's
+#: layer profile has one entry per layer
+METHOD_OPTIONS = {
+    "nonshared": {},
+    "cacheblend": {"rho": 0.5},
+    "droidspeak": {"rho": 0.4, "layer_profile": [0.0, 2.0, 0.5, 1.0]},
+    "relaycaching": {"rho": 0.5},
+    "fullshared": {},
+    "kvcmas": {},
+    "kvcomm": {},
+    "graphflow": {},
+}
 
 
 # ------------------------------------------------------------------ a tiny LLaVA-OneVision

@@ -1,0 +1,65 @@
+"""The test suite's own layout rules, checked on its source (AST only; docs/architecture.md, "Tests").
+
+- a test module is named by its subject (what it tests), not after the issue or the review that added
+  it: no ``issue`` / ``hardening`` / ``review`` in the name, no bare number as a name part;
+- a helper is written once: no top-level function or class (other than a test) of five or more lines
+  stands, identical, in two modules under ``tests/`` (it belongs in a helper module: ``tiny.py``,
+  ``vision_helpers.py``, ``adversarial.py``, ``bench_helpers.py``, ...; fixtures in ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+#: what names a test module after its history rather than its subject
+HISTORY_NAME = re.compile(r"issue|hardening|review|(?:^test|_)\d+(?:_|$)")
+#: a copied helper shorter than this (unparsed lines) is let be (a one-line fixture, a tiny wrapper)
+MIN_HELPER_LINES = 5
+
+
+def history_named(names: list[str]) -> list[str]:
+    """The test module names (``test_*.py``) among ``names`` that name an issue, not a subject."""
+    return [n for n in names if n.startswith("test_") and HISTORY_NAME.search(Path(n).stem)]
+
+
+def copied_helpers(sources: dict[str, str]) -> list[list[str]]:
+    """Groups of ``module:name`` whose top-level (non-test) function or class is the same code in two
+    or more modules of ``sources`` (``{module name: source}``), each of at least MIN_HELPER_LINES."""
+    by_code: dict[str, list[str]] = {}
+    for module, source in sorted(sources.items()):
+        for node in ast.parse(source).body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if node.name.startswith("test_") or len(ast.unparse(node).splitlines()) < MIN_HELPER_LINES:
+                continue
+            by_code.setdefault(ast.dump(node), []).append(f"{module}:{node.name}")
+    return [places for places in by_code.values() if len({p.split(":")[0] for p in places}) > 1]
+
+
+def test_test_modules_are_named_by_subject():
+    bad = history_named(sorted(p.name for p in TESTS.glob("test_*.py")))
+    assert not bad, f"test modules named after their history, not their subject: {bad}"
+
+
+def test_no_helper_is_copied_between_test_modules():
+    sources = {p.name: p.read_text() for p in sorted(TESTS.glob("*.py"))}
+    copies = copied_helpers(sources)
+    assert not copies, "helpers copied between test modules (move them to a helper module):\n" + "\n".join(
+        ", ".join(group) for group in copies
+    )
+
+
+def test_the_finders_find_them():
+    assert history_named(["test_hardening.py", "test_issue26.py", "test_26_items.py", "tiny.py"]) == [
+        "test_hardening.py",
+        "test_issue26.py",
+        "test_26_items.py",
+    ]
+    assert history_named(["test_real_gemma3.py", "test_vision_mrope.py", "test_bad_session_input.py"]) == []
+    helper = "def strip(ids):\n    ids = list(ids)\n    while ids and ids[-1] == 2:\n        ids.pop()\n    return ids\n"
+    short = "def two():\n    return 2\n"
+    sources = {"a.py": helper + short, "b.py": short + helper, "c.py": "def test_x():\n    pass\n"}
+    assert copied_helpers(sources) == [["a.py:strip", "b.py:strip"]]
