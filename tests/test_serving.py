@@ -5,6 +5,7 @@ the store's bound, the middleware's 400s and salts, and `hf-kvshare serve`'s che
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from hf_kvshare import PF, PH, Session
 from hf_kvshare.method import get_method
 from hf_kvshare.serving import layout as lay
 from hf_kvshare.serving.host import ServingError, Sharing, check_serving_method, salt
-from hf_kvshare.serving.middleware import LayoutCheck
+from hf_kvshare.serving.middleware import ENV, LayoutCheck
 from hf_kvshare.serving.standin import engine
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -1418,3 +1419,41 @@ def test_a_long_lived_task_forgets_its_oldest_slots_but_none_a_request_in_flight
     out, k, v = engine(tiny_llama, held, max_new_tokens=2)
     sharing.record(held, k, v, out, set())  # the request in flight records as if nothing happened
     assert held.error is None and "h" in sharing.hosts["default"].slots  # then "doc" may go too
+
+
+def test_the_method_salt_holds_a_server_secret_the_connector_shares(tiny_llama, tokenizer, monkeypatch):
+    """A client cannot compute the served method's salt from its options: the server mixes a secret of
+    its own into it and hands it to the connector's process, which computes the same salt."""
+    from hf_kvshare.serving.host import SALT_SECRET_ENV, salt
+    from hf_kvshare.serving.server import Server
+
+    server = Server(".", "fullshared", port=1)
+    other = Server(".", "fullshared", port=1)
+    public = salt(get_method("fullshared"))
+    assert server.salt not in (public, other.salt)
+    env = server.environment()
+    assert json.loads(env[ENV])["salt"] == server.salt
+    monkeypatch.setenv(SALT_SECRET_ENV, env[SALT_SECRET_ENV])
+    assert Sharing(tiny_llama, tokenizer, "fullshared").salt == server.salt
+
+
+def test_an_oversized_request_is_refused_before_it_is_parsed(tokenizer):
+    import asyncio
+
+    check = LayoutCheck(app=None)
+    check.method, check.salt, check.max_body_bytes = "fullshared", "s", 1000
+    parsed, sent = [], []
+    check.check = lambda data, path: parsed.append(path)
+
+    async def app(scope, receive, send):
+        parsed.append("app")
+
+    async def receive():  # 3 chunks of 400 bytes
+        return {"type": "http.request", "body": b" " * 400, "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    check.app = app
+    asyncio.run(check({"type": "http", "method": "POST", "path": "/v1/completions"}, receive, send))
+    assert sent[0]["status"] == 413 and not parsed

@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -127,13 +128,19 @@ def serving_options(method: str, options: dict[str, Any] | None = None) -> tuple
     return options, notes
 
 
-def salt(method: Method) -> str | None:
+#: the server's secret, mixed into its method's salt (set by :class:`~hf_kvshare.serving.server.Server`
+#: for the middleware's and the connector's processes): a client cannot compute the salt from the options
+SALT_SECRET_ENV = "HF_KVSHARE_SALT_SECRET"
+
+
+def salt(method: Method, secret: str | None = None) -> str | None:
     """The ``cache_salt`` of requests served by ``method``: injected approximate K/V enter vLLM's prefix
     cache under it, so they can never serve a request of another method or a plain one. ``nonshared``
-    injects nothing: no salt (plain vLLM's prefix cache)."""
+    injects nothing: no salt (plain vLLM's prefix cache). ``secret``: the server's (none: the salt is
+    computable from the method's options)."""
     if method.name == "nonshared":
         return None
-    digest = hashlib.sha1(repr(method).encode()).hexdigest()[:16]  # the options; vLLM allows 128 characters
+    digest = hashlib.sha1((repr(method) + (secret or "")).encode()).hexdigest()[:16]  # vLLM allows 128 chars
     return f"hf_kvshare:{method.name}:{digest}"
 
 
@@ -410,7 +417,7 @@ class Sharing:
         self.settle_seconds = 0.0
         self._lock = threading.RLock()
         self._counts = threading.Lock()
-        self.salt = salt(self.method)
+        self.salt = salt(self.method, os.environ.get(SALT_SECRET_ENV))
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: set[int] = {eos} if isinstance(eos, int) else set()
 

@@ -31,6 +31,8 @@ from typing import Any
 from . import layout as lay
 
 ENV = "HF_KVSHARE_SERVE"
+#: the largest request body the layout check reads (a larger one is answered 413 before any parsing)
+MAX_BODY_BYTES = 32 << 20
 PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -44,6 +46,7 @@ class LayoutCheck:
         self.salt = settings.get("salt")
         self.model = settings.get("model")
         self._tokens: lay.TokenInfo | None = None
+        self.max_body_bytes = int(settings.get("max_body_bytes", MAX_BODY_BYTES))
         #: the layout checks run here, one at a time (a tokenizer is not for concurrent use), while the
         #: event loop goes on answering (``/health``, other requests' streams)
         self._checks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_kvshare-layout")
@@ -63,7 +66,7 @@ class LayoutCheck:
         if scope.get("path") not in PATHS:  # vLLM's other endpoints: no layout, no salt, nothing injected
             await self._unshared(scope, receive, send)
             return
-        chunks = []
+        chunks, size = [], 0
         more = True
         while more:
             message = await receive()
@@ -71,6 +74,10 @@ class LayoutCheck:
                 await self.app(scope, _replay([message], receive), send)
                 return
             chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:  # checked before anything is parsed or tokenized
+                await _error(send, 413, f"request body over {self.max_body_bytes} bytes")
+                return
             more = message.get("more_body", False)
         body = b"".join(chunks)
         try:

@@ -27,6 +27,7 @@ import ctypes
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -41,6 +42,7 @@ from typing import Any
 from .host import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_TASKS,
+    SALT_SECRET_ENV,
     check_serving_method,
     salt,
     serving_options,
@@ -184,7 +186,8 @@ class Server:
             self.options, self.notes = serving_options(method, options)  # unknown method / option: ValueError
             instance = get_method(method, **self.options)
             check_serving_method(instance)
-            self.salt = salt(instance)
+            self._secret = secrets.token_hex(16)  # the salt's: no client can compute it
+            self.salt = salt(instance, self._secret)
             if (Path(self.model_dir) / "config.json").is_file():  # what the connector builds, checked now
                 skeleton_model(self.model_dir)  # a VLM, a model without RoPE: ServingError before vLLM starts
         elif options:
@@ -241,6 +244,7 @@ class Server:
         env = {**os.environ, **self.env}
         if self.method is not None:
             env[ENV] = json.dumps({"method": self.method, "salt": self.salt, "model": self.model_dir})
+            env[SALT_SECRET_ENV] = self._secret  # the connector (in vLLM's engine) computes the same salt
         return env
 
     def start(self) -> Server:
