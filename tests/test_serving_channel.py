@@ -305,7 +305,10 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
 
     # a request without the method's salt (another endpoint, not through the layout check): exact
     stray = _request("r0", ids("Some text. " * 20), None)
+    scheduler.on_new_request(stray)  # not planned ahead either
     assert scheduler.get_num_new_matched_tokens(stray, 0) == (0, False) and "r0" not in scheduler._plans
+    scheduler._background.drain()  # whatever was queued for it has run
+    assert sharing.requests == 0  # the method never saw it
 
     doc, q1, q2 = (
         ids("The river Lune reaches the sea at Plover Scar near Glasson."),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 
@@ -58,7 +59,12 @@ def server(tmp_path_factory):
         max_bytes=MAX_BYTES,
         log=log,
     )
-    srv.environment = lambda: {**Server.environment(srv), REPORTS_ENV: str(reports)}
+    # vLLM's development endpoints (POST /reset_prefix_cache: an exact-mode claim with no prefix-cache hit)
+    srv.environment = lambda: {
+        **Server.environment(srv),
+        REPORTS_ENV: str(reports),
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
     srv.reports = reports
     srv.start()
     try:
@@ -130,9 +136,20 @@ def test_exact_mode_and_fullshared(server, tok):
     assert report is None or report["supplied_tokens"] == 0
     first, report = complete(server, a, layout("t1", "a1", len(sys1), len(doc)))
     assert first == plain_a and report["supplied_tokens"] == 0  # the first agent computes everything
-    # exact mode: the same agent again under a fresh salt (no prefix-cache hit): every token but the
-    # last from the K/V captured from vLLM and written back; identical tokens
-    again, report = complete(server, a, layout("t1", "a1", len(sys1), len(doc)), salt="fresh")
+    # another tenant (its own cache_salt), same task name: none of the first tenant's K/V, exact
+    other, report = complete(server, a, layout("t1", "a1", len(sys1), len(doc)), salt="fresh")
+    assert report["prefix_cache_hit"] == 0 and report["supplied_tokens"] == 0, report
+    assert other == plain_a
+    # exact mode: the same agent again with vLLM's prefix cache emptied (no prefix-cache hit): every
+    # token but the last from the K/V captured from vLLM and written back; identical tokens
+    for _ in range(20):  # the reset fails while blocks are held: retried
+        status, reset = post(server, "/reset_prefix_cache", {})
+        assert status == 200, reset
+        if reset.get("success"):
+            break
+        time.sleep(0.5)
+    assert reset.get("success"), reset
+    again, report = complete(server, a, layout("t1", "a1", len(sys1), len(doc)))
     assert report["prefix_cache_hit"] == 0 and report["claimed"] == [0, len(a) - 1], report
     assert again == plain_a
     # odd length, same salt: vLLM's own hit is block-aligned, the claim starts there and ends before the

@@ -198,9 +198,10 @@ class HFKVShareScheduler:
 
     def _prepare(self, requests: list[Request]) -> None:
         for request in requests:  # planned behind the records queued before (the task's queue order)
-            self._background.prepare(
-                request.request_id, list(request.prompt_token_ids or []), request.kv_transfer_params
-            )
+            params = self._admitted(request)
+            if params is None:  # not under the method's salt: never planned (get_num_new_matched_tokens)
+                continue
+            self._background.prepare(request.request_id, list(request.prompt_token_ids or []), params)
 
     def on_new_request(self, request: Request) -> None:
         # plan ahead while the engine finishes its step (not when an earlier request of the task still
