@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import hf_kvshare
@@ -388,14 +388,14 @@ def _name_of(node: ast.expr) -> str | None:
 def storage_classes(trees: dict[str, ast.AST]) -> dict[str, list[str]]:
     """``{module: [class names]}`` of the classes that store K/V: deriving, directly or through other
     such classes of these modules, from one of :data:`STORAGE_BASES`."""
-    classes = [
-        (module, node)
-        for module, tree in trees.items()
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ClassDef)
-    ]
-    known, found = set(STORAGE_BASES), {}
-    changed = True
+    return subclasses_of(trees, STORAGE_BASES)
+
+
+def subclasses_of(trees: dict[str, ast.AST], bases: str | Iterable[str]) -> dict[str, list[str]]:
+    """``{module: [class names]}`` of the classes deriving, directly or through others, from ``bases``
+    (a class name, or several)."""
+    classes = [(m, n) for m, tree in trees.items() for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    known, found, changed = {bases} if isinstance(bases, str) else set(bases), {}, True
     while changed:
         changed = False
         for module, node in classes:
@@ -924,20 +924,6 @@ def tensor_writes(tree: ast.AST) -> list[int]:
         and isinstance(node.func, ast.Attribute)
         and node.func.attr in TENSOR_WRITES
     ]
-
-
-def subclasses_of(trees: dict[str, ast.AST], base: str) -> dict[str, list[str]]:
-    """``{module: [class names]}`` of the classes deriving, directly or through others, from ``base``."""
-    classes = [(m, n) for m, tree in trees.items() for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
-    known, found, changed = {base}, {}, True
-    while changed:
-        changed = False
-        for module, node in classes:
-            if node.name not in found.get(module, []) and any(_name_of(b) in known for b in node.bases):
-                found.setdefault(module, []).append(node.name)
-                known.add(node.name)
-                changed = True
-    return found
 
 
 def _methods(cls: ast.ClassDef) -> list[str]:

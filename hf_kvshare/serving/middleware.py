@@ -66,24 +66,15 @@ class LayoutCheck:
         if scope.get("path") not in PATHS:  # vLLM's other endpoints: no layout, no salt, nothing injected
             await self._unshared(scope, receive, send)
             return
-        chunks, size = [], 0
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                await self.app(scope, _replay([message], receive), send)
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:  # checked before anything is parsed or tokenized
-                await _error(send, 413, f"request body over {self.max_body_bytes} bytes")
-                return
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
         try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            data = None
+            messages, body, complete = await _receive_body(receive, self.max_body_bytes)
+        except _TooLarge:  # checked before anything is parsed or tokenized
+            await _error(send, 413, f"request body over {self.max_body_bytes} bytes")
+            return
+        if not complete:  # the client went away
+            await self.app(scope, _replay(messages[-1:], receive), send)
+            return
+        data = _json(body)
         if isinstance(data, dict):
             try:  # tokenizing and locating a long prompt takes a while: not on the server's event loop
                 await asyncio.get_running_loop().run_in_executor(
@@ -105,19 +96,8 @@ class LayoutCheck:
         if not self.salt or b"json" not in headers.get(b"content-type", b""):
             await self.app(scope, receive, send)
             return
-        messages, body = [], b""
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            data = None
+        messages, body, _ = await _receive_body(receive)
+        data = _json(body)
         if isinstance(data, dict) and _reserved(data.get("cache_salt"), self.salt):
             await _error(
                 send,
@@ -188,6 +168,35 @@ class LayoutCheck:
                 return [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in prompt]
         except Exception:  # noqa: BLE001 - vLLM answers malformed requests itself
             return None
+        return None
+
+
+class _TooLarge(Exception):
+    """A request body past the middleware's limit."""
+
+
+async def _receive_body(receive, limit: int | None = None) -> tuple[list[dict], bytes, bool]:
+    """The request's messages as they came, its body, and whether the body is complete (``False``: the
+    client went away first, its last message says so); :class:`_TooLarge` past ``limit`` bytes."""
+    messages, chunks, size = [], [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages, b"".join(chunks), False
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if limit is not None and size > limit:
+            raise _TooLarge
+        if not message.get("more_body", False):
+            return messages, b"".join(chunks), True
+
+
+def _json(body: bytes) -> Any:
+    """The body as JSON, or ``None`` where it is not JSON (vLLM answers that itself)."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
         return None
 
 
