@@ -11,6 +11,7 @@ hf-kvshare --version
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from .argparsing import ArgumentParser, fail
 
@@ -203,7 +204,23 @@ def demo(argv: list[str], prog: str = f"{PROG} demo") -> int:
             f"{r['agent']}: agree {r['agreement']:.2f} kv-err {r['kv_error']:.3f}" for r in report.per_turn
         )
         print(f"  {name:<{width}} {cells}")
+    print(not_shared_lines(reports))
     return 0
+
+
+def not_shared_lines(reports: dict[str, Any], n: int = 3) -> str:
+    """The demo's "why not shared" lines: per method, its ``n`` most frequent causes of PH tokens
+    computed densely (:mod:`hf_kvshare.reasons`), with their tokens and spans over the run."""
+    from . import reasons
+
+    lines = [
+        "\nnot shared, the most frequent causes (PH tokens computed densely, spans; hf_kvshare.reasons):"
+    ]
+    width = max(len(name) for name in reports)
+    for name, report in reports.items():
+        counts = reasons.merge(reasons.turn_causes(t) for t in report.free)
+        lines.append(f"  {name:<{width}} {reasons.describe(counts, n) or 'everything shared'}")
+    return "\n".join(lines)
 
 
 def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:

@@ -132,14 +132,25 @@ class TurnResult:
         served = self.tokens_corrected if self.corrects else self.tokens_reused
         return served / self.ph_tokens if self.ph_tokens else 0.0
 
-    def accounting(self) -> dict[str, float]:
-        """The split of the shared tokens and both rhos (every turn record carries it)."""
+    def not_shared(self) -> dict[str, dict[str, Any]]:
+        """Why the prefilled PH tokens were not shared: ``{cause: {"tokens", "spans", "detail"}}``, the
+        causes of :data:`hf_kvshare.reasons.CAUSES`, most tokens first; the tokens add up to
+        :attr:`ph_prefilled` (:func:`hf_kvshare.reasons.turn_causes`)."""
+        from . import reasons
+
+        return dict(reasons.top(reasons.turn_causes(self)))
+
+    def accounting(self) -> dict[str, Any]:
+        """The split of the shared tokens, both rhos, and ``not_shared``: the prefilled PH tokens per
+        cause (``{cause: tokens}``, most first; :meth:`not_shared` has the details). Every turn record
+        carries it."""
         return {
             "tokens_corrected": self.tokens_corrected,
             "tokens_reused_uncorrected": self.tokens_reused_uncorrected,
             "tokens_recomputed": self.tokens_recomputed,
             "ph_prefilled": self.ph_prefilled,
             "paper_reuse_ratio": self.paper_reuse_ratio,
+            "not_shared": {name: row["tokens"] for name, row in self.not_shared().items()},
         }
 
     def metrics(self) -> dict[str, Any]:
@@ -358,13 +369,19 @@ class Turn:
             info=dict(info or {}),
         )
 
+    def _dense_info(self, span: Span) -> dict[str, Any]:
+        """A dense PH span's one fact for its cause (:func:`hf_kvshare.reasons.cause`): whether the
+        request held a cache of its slot when the span was built (``slot_cached``)."""
+        slot = self.host.slots.get(span.name) if span.kind == "PH" else None
+        return {} if slot is None else {"slot_cached": slot.latest is not None}
+
     def part(self, span: Span, placement: Placement | None) -> CachePart:
         """The cache part of ``span``: its placed K/V (checked finite, widened to the turn's batch), or
         its tokens to compute (``placement=None``: dense). Counts nothing (:meth:`TurnStats.count`)."""
         if placement is None:
             embeds = None if span.visual is None else span.visual.embeds(self.model, self.batch_size)
             return CachePart(
-                self.segment_for(span, "dense"),
+                self.segment_for(span, "dense", info=self._dense_info(span)),
                 token_ids=self.batch(span.token_ids),
                 embeds=embeds,
                 rope=span_rope(span),

@@ -115,6 +115,15 @@ REPORT_COLUMNS = {
 
 REPORT_COLUMNS["sweep"] = [("shared_tokens", "shared tokens", "d"), *REPORT_COLUMNS["speed"]]
 
+#: why the shared tokens were not shared: each method's most frequent causes (hf_kvshare.reasons), after
+#: every configuration's table (and alone with ``--kind reasons``)
+REPORT_COLUMNS["reasons"] = [
+    ("method", "method", ""),
+    ("reuse_ratio", "rho", ".2f"),
+    ("prefilled_share", "prefilled", ".2f"),
+    ("not_shared_top", "not shared: most frequent causes (PH tokens, spans)", ""),
+]
+
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
     lines = ["| " + " | ".join(title for _, title, _ in columns) + " |"]
@@ -211,6 +220,8 @@ def report(
     for c in configs:
         data = read_configuration_summary(c)
         out += [f"\n**{c.name}**\n", markdown_table(data["methods"], REPORT_COLUMNS[kind])]
+        if kind != "reasons" and any(m.get("not_shared_top") for m in data["methods"]):
+            out += ["\nnot shared, by cause:\n", markdown_table(data["methods"], REPORT_COLUMNS["reasons"])]
         for metric in by_hop:
             out += [f"\n{metric} by hop:\n", hop_matrix(data["methods"], metric)]
         for m in data["methods"] if hops else []:

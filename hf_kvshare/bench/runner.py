@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .. import reasons
 from .._version import __version__
 from ..evaluation import MethodPair, RequestRun, request_record, run_paired, summarize_method, turn_records
 from ..evaluation.protocol import REFERENCE, SUMMARY_COLUMNS
@@ -573,6 +574,7 @@ class BenchRunner:
                 del run
         for spec in pending:  # every summary written before any folder is published
             summary = summarize_method(*collected[spec])
+            summary.update(not_shared_columns(collected[spec][0]))
             summary.update({"method": str(spec), "tag": spec.tag, "config": self.method_config(spec)})
             write_json(self._partial_dir(spec.tag) / "summary.json", _clean(summary))
         if limit_rows:
@@ -632,5 +634,18 @@ class BenchRunner:
         summaries = self.load_summaries()
         rows = [{k: v for k, v in s.items() if k != "config"} for s in summaries.values()]
         write_json(self.dir / "summary.json", {"config": self.config.to_dict(), "methods": rows})
-        write_csv(self.dir / "summary.csv", rows, [k for k in SUMMARY_COLUMNS if any(k in r for r in rows)])
+        columns = [*SUMMARY_COLUMNS, NOT_SHARED_TOP]
+        write_csv(self.dir / "summary.csv", rows, [k for k in columns if any(k in r for r in rows)])
         return summaries
+
+
+#: the summary column naming a method's most frequent causes of PH tokens not shared (CSV-friendly)
+NOT_SHARED_TOP = "not_shared_top"
+
+
+def not_shared_columns(turns: Sequence[Mapping[str, Any]], n: int = 3) -> dict[str, Any]:
+    """A method summary's causes of the PH tokens computed densely over its turn records
+    (:func:`hf_kvshare.reasons.record_causes`): ``not_shared`` (every cause, most tokens first:
+    tokens, spans, the first detail) and ``not_shared_top`` (the ``n`` most frequent in one line)."""
+    counts = reasons.merge(reasons.record_causes(t) for t in turns)
+    return {"not_shared": dict(reasons.top(counts)), NOT_SHARED_TOP: reasons.describe(counts, n)}

@@ -13,6 +13,17 @@ the method's salt (``Sharing.admit``), and a request that sends that salt itself
 with ``"method": "nonshared"`` on the two above, is answered ``400``: shared K/V reach only requests
 whose layout was checked here.
 
+It also keeps the server's reports where a client cannot read the response body (an agent
+framework drops ``kv_transfer_params``): each non-streamed reply's ``kv_transfer_params["hf_kvshare"]``
+(the connector's report: what was supplied, and why each span was not: :mod:`hf_kvshare.reasons`) is
+kept per tenant (the client's own ``cache_salt``; bounded in count and bytes, :class:`ReportBook`) and
+answered by ``GET /v1/hf_kvshare/reports?task=T&last=N`` (header :data:`TENANT_HEADER`: the client's
+``cache_salt``, none for none) with a per-task summary of the causes. A tenant sees only its own
+reports. The path lies under ``/v1`` so that vLLM's ``--api-key`` guards it: the middleware answers it
+only where vLLM's app, its checks passed, found no route (404). Streamed replies carry no report
+(vLLM puts ``kv_transfer_params`` on non-streamed ones only): the report file (``report_path``) has
+them; each API-server process keeps its own book.
+
 It reads its settings from the environment variable :data:`ENV` (JSON: ``method``, ``salt``,
 ``model``) that :mod:`.server` sets. The prompt is tokenized here as vLLM does it (the tokenizer's
 chat template with the generation prompt; completions with special tokens); where that rendering
@@ -23,17 +34,27 @@ error in the response's ``kv_transfer_params``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import parse_qs
 
+from .. import reasons
 from . import layout as lay
 
 ENV = "HF_KVSHARE_SERVE"
 #: the largest request body the layout check reads (a larger one is answered 413 before any parsing)
 MAX_BODY_BYTES = 32 << 20
 PATHS = ("/v1/chat/completions", "/v1/completions")
+#: where a client reads its reports back (:class:`ReportBook`)
+REPORTS_PATH = "/v1/hf_kvshare/reports"
+#: the request header that names the tenant whose reports are read: the client's ``cache_salt``
+TENANT_HEADER = b"x-hf-kvshare-cache-salt"
+#: a reply larger than this is passed on without its report kept
+MAX_REPLY_BYTES = 4 << 20
 
 
 class LayoutCheck:
@@ -50,6 +71,11 @@ class LayoutCheck:
         #: the layout checks run here, one at a time (a tokenizer is not for concurrent use), while the
         #: event loop goes on answering (``/health``, other requests' streams)
         self._checks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_kvshare-layout")
+        self.reports = ReportBook(
+            per_tenant=int(settings.get("reports_per_tenant", ReportBook.per_tenant)),
+            max_bytes=int(settings.get("reports_bytes", ReportBook.max_bytes)),
+            tenants=int(settings.get("report_tenants", ReportBook.tenants)),
+        )
 
     @property
     def tokens(self) -> lay.TokenInfo | None:
@@ -60,6 +86,9 @@ class LayoutCheck:
         return self._tokens
 
     async def __call__(self, scope, receive, send):
+        if scope.get("type") == "http" and scope.get("method") == "GET" and scope.get("path") == REPORTS_PATH:
+            await self.app(scope, receive, self._answer_reports(scope, send))
+            return
         if scope.get("type") != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
@@ -75,6 +104,8 @@ class LayoutCheck:
             await self.app(scope, _replay(messages[-1:], receive), send)
             return
         data = _json(body)
+        if isinstance(data, dict) and not data.get("stream"):
+            send = self._keep_report(_tenant(data.get("cache_salt")), send)
         if isinstance(data, dict):
             try:  # tokenizing and locating a long prompt takes a while: not on the server's event loop
                 await asyncio.get_running_loop().run_in_executor(
@@ -107,6 +138,55 @@ class LayoutCheck:
             )
             return
         await self.app(scope, _replay(messages, receive), send)
+
+    def _keep_report(self, tenant: str, send):
+        """``send`` that passes the reply on as it comes and, once it is whole, keeps its report (a
+        JSON reply of at most :data:`MAX_REPLY_BYTES` carrying ``kv_transfer_params["hf_kvshare"]``)."""
+        chunks: list[bytes] = []
+        state = {"size": 0, "ok": False}
+
+        async def keeping(message):
+            await send(message)
+            if message["type"] == "http.response.start":
+                state["ok"] = message.get("status") == 200
+            elif message["type"] == "http.response.body" and state["ok"]:
+                chunks.append(message.get("body", b""))
+                state["size"] += len(chunks[-1])
+                if state["size"] > MAX_REPLY_BYTES:
+                    state["ok"] = False
+                    chunks.clear()
+                elif not message.get("more_body", False):
+                    reply = _json(b"".join(chunks))
+                    params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
+                    report = params.get(lay.KEY) if isinstance(params, dict) else None
+                    if isinstance(report, dict):
+                        self.reports.add(tenant, report)
+
+        return keeping
+
+    def _answer_reports(self, scope, send):
+        """``send`` for ``GET`` :data:`REPORTS_PATH`: vLLM's own answer where it is not a 404 (its
+        ``--api-key`` check said 401, or a route of that path exists), else the tenant's reports."""
+        query = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
+        headers = dict(scope.get("headers") or [])
+        tenant = _tenant(headers.get(TENANT_HEADER, b"").decode("latin-1"))
+        task = (query.get("task") or [None])[0]
+        last = (query.get("last") or ["20"])[0]
+        state = {"ours": False}
+
+        async def answering(message):
+            if message["type"] == "http.response.start" and message.get("status") == 404:
+                state["ours"] = True
+                try:
+                    n = max(int(last), 0)
+                except ValueError:
+                    await _error(send, 400, f"last must be an integer; got {last!r}")
+                    return
+                await _send_json(send, 200, self.reports.answer(tenant, task, n))
+            elif not state["ours"]:
+                await send(message)
+
+        return answering
 
     def check(self, data: dict, path: str) -> None:
         """Validate the request's layout and set its ``cache_salt`` (raises :class:`LayoutError`)."""
@@ -171,6 +251,98 @@ class LayoutCheck:
         return None
 
 
+class ReportBook:
+    """The latest connector reports of each tenant, bounded: ``per_tenant`` reports and ``max_bytes``
+    of them per tenant (the oldest go first; a report over the bytes alone is kept without its
+    segments), ``tenants`` tenants (the least recently reported goes). Tenants are held by a hash of
+    their ``cache_salt``; each report is kept as the client named things (its task and agent without
+    the server's tenant fence) with its causes (:func:`hf_kvshare.reasons.report_causes`)."""
+
+    per_tenant = 256
+    max_bytes = 512 << 10
+    tenants = 64
+
+    def __init__(self, per_tenant: int = per_tenant, max_bytes: int = max_bytes, tenants: int = tenants):
+        self.per_tenant, self.max_bytes, self.tenants = per_tenant, max_bytes, tenants
+        self._books: OrderedDict[str, deque[tuple[int, dict[str, Any]]]] = OrderedDict()
+        self._bytes: dict[str, int] = {}
+
+    def add(self, tenant: str, report: dict[str, Any]) -> None:
+        key = _key(tenant)
+        kept = _as_client_named(report, tenant)
+        size = len(json.dumps(kept, default=str))
+        if size > self.max_bytes:
+            kept.pop("segments", None)
+            size = len(json.dumps(kept, default=str))
+            if size > self.max_bytes:
+                return
+        book = self._books.setdefault(key, deque())
+        self._books.move_to_end(key)
+        book.append((size, kept))
+        self._bytes[key] = self._bytes.get(key, 0) + size
+        while len(book) > self.per_tenant or self._bytes[key] > self.max_bytes:
+            self._bytes[key] -= book.popleft()[0]
+        while len(self._books) > self.tenants:
+            gone, _ = self._books.popitem(last=False)
+            self._bytes.pop(gone, None)
+
+    def held(self, tenant: str, task: str | None = None) -> list[dict[str, Any]]:
+        """The tenant's reports held (of ``task``), oldest first."""
+        book = self._books.get(_key(tenant)) or ()
+        return [r for _, r in book if task is None or r.get("task") == task]
+
+    def answer(self, tenant: str, task: str | None = None, last: int = 20) -> dict[str, Any]:
+        """What ``GET`` :data:`REPORTS_PATH` answers: the ``last`` reports held (of ``task``) and, per
+        task, the requests, PH tokens supplied of all, and the causes of those not supplied."""
+        held = self.held(tenant, task)
+        tasks: dict[str, list[dict[str, Any]]] = {}
+        for r in held:
+            tasks.setdefault(str(r.get("task")), []).append(r)
+        return {
+            "task": task,
+            "held": len(held),
+            "reports": held[-last:] if last else [],
+            "summary": {name: _summary(rows) for name, rows in tasks.items()},
+        }
+
+
+def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    ph = sum(r.get("ph_tokens") or 0 for r in reports)
+    supplied = sum(r.get("supplied_ph_tokens") or 0 for r in reports)
+    counts = reasons.merge(r.get("not_shared") for r in reports)
+    return {
+        "requests": len(reports),
+        "ph_tokens": ph,
+        "supplied_ph_tokens": supplied,
+        "rho": supplied / ph if ph else None,
+        "not_shared": dict(reasons.top(counts)),
+        "not_shared_top": reasons.describe(counts),
+    }
+
+
+def _tenant(cache_salt: Any) -> str:
+    """A request's tenant: its client's ``cache_salt`` (``""`` for none)."""
+    return cache_salt if isinstance(cache_salt, str) else ""
+
+
+def _key(tenant: str) -> str:
+    return hashlib.sha256(tenant.encode()).hexdigest()
+
+
+def _as_client_named(report: dict[str, Any], tenant: str) -> dict[str, Any]:
+    """``report`` with its task and agent as the client named them (the server fences them by tenant:
+    ``"<tenant>|<task>"``, ``"<agent>|<tenant>"``) and its causes."""
+    kept = dict(report)
+    kept.pop("store", None)  # the whole store's counts: not this tenant's
+    task, agent = kept.get("task"), kept.get("agent")
+    if tenant and isinstance(task, str) and task.startswith(f"{tenant}|"):
+        kept["task"] = task[len(tenant) + 1 :]
+    if tenant and isinstance(agent, str) and agent.endswith(f"|{tenant}"):
+        kept["agent"] = agent[: -len(tenant) - 1]
+    kept["not_shared"] = reasons.report_causes(report)
+    return kept
+
+
 class _TooLarge(Exception):
     """A request body past the middleware's limit."""
 
@@ -217,7 +389,9 @@ def _replay(messages: list[dict], then):
 
 
 async def _error(send, status: int, message: str) -> None:
-    body = json.dumps(
+    await _send_json(
+        send,
+        status,
         {
             "error": {
                 "message": message,
@@ -225,8 +399,12 @@ async def _error(send, status: int, message: str) -> None:
                 "param": "kv_transfer_params",
                 "code": status,
             }
-        }
-    ).encode()
+        },
+    )
+
+
+async def _send_json(send, status: int, payload: Any) -> None:
+    body = json.dumps(payload, default=str).encode()
     await send(
         {
             "type": "http.response.start",

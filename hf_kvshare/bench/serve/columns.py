@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ... import reasons
 from .trace import BASELINES, DOC_FIRST, PLAIN
 
 #: columns of summary.csv, in order
@@ -57,6 +58,7 @@ SUMMARY_COLUMNS = (
     "store_bytes_max",
     "method_bytes_max",
     "gate_rejected_requests",
+    "not_shared_top",
     "exact_match",
     "exact_note",
     "agreement",
@@ -145,6 +147,8 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "store_bytes_max": None,
         "method_bytes_max": None,
         "gate_rejected_requests": None,
+        "not_shared": None,
+        "not_shared_top": None,
     }
     if method in BASELINES:
         return {**empty, "rho_note": "plain vLLM: no connector"}
@@ -211,7 +215,21 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         # requests a gate rejection sent dense (their PH spans prefilled, the delta anchored); None when
         # no report carries a gate outcome
         "gate_rejected_requests": sum(rejected) if rejected else None,
+        # why the PH tokens the engine computed were not supplied: every cause (tokens, spans, a detail),
+        # and the most frequent ones in one line (hf_kvshare.reasons)
+        **not_shared_columns(reports),
     }
+
+
+def not_shared_columns(reports: Sequence[Mapping[str, Any]], n: int = 3) -> dict[str, Any]:
+    """``not_shared`` (per cause: PH tokens, spans, a detail; most tokens first) and ``not_shared_top``
+    (the ``n`` most frequent, one line) over compact reports (:func:`compact_report`'s ``not_shared``);
+    ``None`` where no report carries them (written before)."""
+    found = [rep["not_shared"] for rep in reports if isinstance(rep.get("not_shared"), Mapping)]
+    if not found:
+        return {"not_shared": None, "not_shared_top": None}
+    counts = reasons.merge(found)
+    return {"not_shared": dict(reasons.top(counts)), "not_shared_top": reasons.describe(counts, n)}
 
 
 def _after_admission(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
@@ -272,6 +290,7 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
     )
     out = {k: report.get(k) for k in keys}
     out["gate_rejected"] = gate_rejected(report)
+    out["not_shared"] = reasons.report_causes(report)
     out["gate_unfilled"] = gate_unfilled(report)
     store = report.get("store")
     store = store if isinstance(store, Mapping) else {}
