@@ -34,6 +34,8 @@
   ``SegmentedCache`` stays under a method budget; the cache's modules import no engine and every
   ``DeferredKV`` kind (``CorrectedKV``) lives in an engine; multimodal-RoPE internals are named only in
   ``mrope.py`` (and ``_compat.py``).
+- why a span was not shared is classified in one place: ``reasons.py`` (the vocabulary of causes) is a
+  leaf, importing no hf_kvshare module, and no other module matches a reason's text.
 """
 
 from __future__ import annotations
@@ -1019,3 +1021,60 @@ def test_the_cache_rule_finders_find_them():
     assert tensor_writes(tree) == [4]
     assert subclasses_of({"m": tree}, "DeferredKV") == {"m": ["A", "B"]}
     assert mrope_uses(tree) == [(5, "RopeTrack"), (5, "next_shift"), (5, "second_per_grid_ts")]
+
+
+#: the cause vocabulary of spans not shared is ``reasons.py``: a leaf (it imports no hf_kvshare module,
+#: so the turn, the bench and the server all read it) and the one place a reason's text is matched
+REASONS = f"{ROOT}.reasons"
+#: fragments of the reasons the engines write (anchors/): matching one is classifying a reason
+REASON_FRAGMENTS = (
+    "fewer than 2",
+    "> tau",
+    "tau = 0",
+    "the turn is dense",
+    "no anchor holds",
+    "far from every anchor",
+    "first agent to see",
+)
+_MATCHERS = frozenset({"search", "match", "fullmatch", "compile", "findall", "startswith", "endswith"})
+
+
+def reason_matches(tree: ast.AST) -> list[int]:
+    """Lines of ``tree`` that match a reason's text (:data:`REASON_FRAGMENTS`): a fragment tested with
+    ``in`` / ``not in``, or given to a regex or ``startswith`` / ``endswith`` call."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Call) and _name_of(node.func) in _MATCHERS:
+            operands = list(node.args)
+        else:
+            continue
+        for operand in operands:
+            text = operand.value if isinstance(operand, ast.Constant) else None
+            if isinstance(text, str) and any(f in text for f in REASON_FRAGMENTS):
+                found.append(node.lineno)
+    return sorted(set(found))
+
+
+def test_the_reasons_of_spans_not_shared_are_classified_in_reasons_only():
+    """``reasons.py`` imports no hf_kvshare module, and no other module matches a reason's text
+    (the engines write reasons; the turn, the demo, the bench and the server ask ``reasons`` for the
+    cause)."""
+    assert REASONS in MODULES
+    assert not imports_of(REASONS), f"reasons.py imports {sorted(imports_of(REASONS))}: it must be a leaf"
+    bad = [
+        f"{name}:{line}"
+        for name, path in MODULES.items()
+        if name != REASONS
+        for line in reason_matches(ast.parse(path.read_text()))
+    ]
+    assert not bad, "reason texts matched outside reasons.py:\n" + "\n".join(bad)
+
+
+def test_the_reason_match_finder_finds_them():
+    tree = ast.parse(
+        "a = 'fewer than 2 anchors' in r\nb = re.search(r'entropy .* > tau', r)\n"
+        "c = r.startswith('the turn is dense')\nd = 'x' in r\ne = f('tau = 0')\n"
+    )
+    assert reason_matches(tree) == [1, 2, 3]

@@ -327,3 +327,20 @@ def test_reports_endpoint_is_guarded_by_the_servers_api_key_and_bounded(monkeypa
     big = _report("t", "a", "w", 0) | {"segments": [{"kind": "PF", "span": [0, 1]}] * 400}
     book.add("w", big)
     assert "segments" not in book.held("w")[0]
+
+
+def test_the_demo_prints_each_methods_most_frequent_causes(tiny_llama, tokenizer):
+    from hf_kvshare.cli import not_shared_lines
+    from hf_kvshare.evaluation.protocol import MethodReport
+
+    plain = _request(tiny_llama, tokenizer, get_method("nonshared"), "Doc: a list in order.", "A note.")
+    full = _request(tiny_llama, tokenizer, get_method("fullshared"), "Doc: a list in order.", "A note.")
+    text = not_shared_lines(
+        {
+            "nonshared": MethodReport("nonshared", plain, []),
+            "fullshared": MethodReport("fullshared", full, []),
+        }
+    )
+    ph = sum(t.ph_prefilled for t in plain)
+    assert f"  nonshared  method_off {ph:.0f} tok (8)" in text  # 2 + 3 + 3 spans
+    assert "  fullshared first " in text and "fullshared first" in text.splitlines()[-1]

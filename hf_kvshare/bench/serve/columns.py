@@ -332,8 +332,10 @@ def gate_rejected(report: Mapping[str, Any]) -> bool | None:
 
 
 def gate_unfilled(report: Mapping[str, Any]) -> bool:
-    """Whether a gate sent the request dense for want of anchors (``SlotScope.gate``'s reason)."""
-    return any("fewer than 2 anchors" in str(g.get("reason", "")) for g in _fallbacks(report) or [])
+    """Whether a gate sent the request dense for want of anchors (too few, or none as long as the span:
+    :mod:`hf_kvshare.reasons`)."""
+    wanting = ("no_anchors", "length_rule")
+    return any(reasons.cause_of_reason(str(g.get("reason", ""))) in wanting for g in _fallbacks(report) or [])
 
 
 def exact_match(
