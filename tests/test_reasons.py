@@ -344,3 +344,29 @@ def test_the_demo_prints_each_methods_most_frequent_causes(tiny_llama, tokenizer
     ph = sum(t.ph_prefilled for t in plain)
     assert f"  nonshared  method_off {ph:.0f} tok (8)" in text  # 2 + 3 + 3 spans
     assert "  fullshared first " in text and "fullshared first" in text.splitlines()[-1]
+
+
+def test_kept_reports_are_completed_from_the_report_file(monkeypatch, tmp_path):
+    """A reply's report is the admission's; the recorded line (the report file) replaces it, matched
+    by the reply's id and the request's fenced task, agent and prompt length."""
+    from hf_kvshare.serving.middleware import ENV, REPORTS_ENV, REPORTS_PATH, TENANT_HEADER, LayoutCheck
+
+    path = tmp_path / "reports.jsonl"
+    path.write_text(json.dumps({"external_id": "chatcmpl-1", "task": "alice|t1"}) + "\n")  # before: not ours
+    monkeypatch.setenv(ENV, json.dumps({"method": "kvcmas", "salt": "s"}))
+    monkeypatch.setenv(REPORTS_ENV, str(path))
+    server = _FakeServer()
+    app = LayoutCheck(server)
+    server.reply = _report("t1", "planner", "alice", 0) | {"prompt_tokens": 40}
+    _call(app, "POST", "/v1/chat/completions", {"messages": [], "cache_salt": "alice"})  # reply id "x"
+    gate = {"gate": "fallback", "reason": "entropy 1 > tau 0.3", "anchors": 2}
+    recorded = server.reply | {"request_id": "x-abc", "external_id": "x", "store": {"tasks": 1}}
+    recorded["segments"] = [recorded["segments"][0] | {"gate": gate}]
+    other = recorded | {"task": "bob|t1"}  # another request (tenant) under the same id: not taken
+    half = json.dumps(recorded)[:20]  # a line still being written
+    path.write_text(path.read_text() + json.dumps(recorded) + "\n" + json.dumps(other) + "\n" + half)
+    _, answer = _call(app, "GET", REPORTS_PATH, headers=[(TENANT_HEADER, b"alice")])
+    kept = answer["reports"][0]
+    assert kept["recorded"] is True and kept["task"] == "t1" and "external_id" not in kept
+    assert set(kept["not_shared"]) == {"gate_entropy"} and kept["not_shared"]["gate_entropy"]["tokens"] == 10
+    assert answer["summary"]["t1"]["not_shared_top"].startswith("gate_entropy 10 tok")

@@ -20,9 +20,11 @@ kept per tenant (the client's own ``cache_salt``; bounded in count and bytes, :c
 answered by ``GET /v1/hf_kvshare/reports?task=T&last=N`` (header :data:`TENANT_HEADER`: the client's
 ``cache_salt``, none for none) with a per-task summary of the causes. A tenant sees only its own
 reports. The path lies under ``/v1`` so that vLLM's ``--api-key`` guards it: the middleware answers it
-only where vLLM's app, its checks passed, found no route (404). Streamed replies carry no report
-(vLLM puts ``kv_transfer_params`` on non-streamed ones only): the report file (``report_path``) has
-them; each API-server process keeps its own book.
+only where vLLM's app, its checks passed, found no route (404). A reply's report is the admission's:
+with the connector's report file (:data:`REPORTS_ENV`) each kept report is replaced by its recorded
+line, which adds why each dense span was not shared (its gate). Streamed replies carry no report (vLLM
+puts ``kv_transfer_params`` on non-streamed ones only) and are not kept (the report file has them);
+each API-server process keeps its own book.
 
 It reads its settings from the environment variable :data:`ENV` (JSON: ``method``, ``salt``,
 ``model``) that :mod:`.server` sets. The prompt is tokenized here as vLLM does it (the tokenizer's
@@ -53,6 +55,8 @@ PATHS = ("/v1/chat/completions", "/v1/completions")
 REPORTS_PATH = "/v1/hf_kvshare/reports"
 #: the request header that names the tenant whose reports are read: the client's ``cache_salt``
 TENANT_HEADER = b"x-hf-kvshare-cache-salt"
+#: the connector's report file variable (``connector_scheduler.REPORTS_ENV``; that module imports vLLM)
+REPORTS_ENV = "HF_KVSHARE_REPORTS"
 #: a reply larger than this is passed on without its report kept
 MAX_REPLY_BYTES = 4 << 20
 
@@ -75,6 +79,7 @@ class LayoutCheck:
             per_tenant=int(settings.get("reports_per_tenant", ReportBook.per_tenant)),
             max_bytes=int(settings.get("reports_bytes", ReportBook.max_bytes)),
             tenants=int(settings.get("report_tenants", ReportBook.tenants)),
+            report_file=os.environ.get(REPORTS_ENV) or None,
         )
 
     @property
@@ -160,7 +165,9 @@ class LayoutCheck:
                     params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
                     report = params.get(lay.KEY) if isinstance(params, dict) else None
                     if isinstance(report, dict):
-                        self.reports.add(tenant, report)
+                        self.reports.add(
+                            tenant, report, reply.get("id") if isinstance(reply.get("id"), str) else None
+                        )
 
         return keeping
 
@@ -182,6 +189,7 @@ class LayoutCheck:
                 except ValueError:
                     await _error(send, 400, f"last must be an integer; got {last!r}")
                     return
+                await asyncio.get_running_loop().run_in_executor(self._checks, self.reports.refresh)
                 await _send_json(send, 200, self.reports.answer(tenant, task, n))
             elif not state["ours"]:
                 await send(message)
@@ -256,40 +264,99 @@ class ReportBook:
     of them per tenant (the oldest go first; a report over the bytes alone is kept without its
     segments), ``tenants`` tenants (the least recently reported goes). Tenants are held by a hash of
     their ``cache_salt``; each report is kept as the client named things (its task and agent without
-    the server's tenant fence) with its causes (:func:`hf_kvshare.reasons.report_causes`)."""
+    the server's tenant fence) with its causes (:func:`hf_kvshare.reasons.report_causes`).
+
+    A reply carries the admission's report: a dense span's gate outcome is known once the request is
+    recorded. With the connector's report file (``report_file``, :data:`REPORTS_ENV`) :meth:`refresh`
+    reads the lines appended since (at most ``read_bytes`` a call) and replaces each kept report by its
+    recorded line (matched by the reply's id: vLLM's external request id), ``"recorded": true``."""
 
     per_tenant = 256
     max_bytes = 512 << 10
     tenants = 64
+    read_bytes = 4 << 20
 
-    def __init__(self, per_tenant: int = per_tenant, max_bytes: int = max_bytes, tenants: int = tenants):
+    def __init__(
+        self,
+        per_tenant: int = per_tenant,
+        max_bytes: int = max_bytes,
+        tenants: int = tenants,
+        report_file: str | None = None,
+    ):
         self.per_tenant, self.max_bytes, self.tenants = per_tenant, max_bytes, tenants
-        self._books: OrderedDict[str, deque[tuple[int, dict[str, Any]]]] = OrderedDict()
+        #: per tenant key: its entries, oldest first, each [size, report, reply id, tenant, signature]
+        self._books: OrderedDict[str, deque[list[Any]]] = OrderedDict()
         self._bytes: dict[str, int] = {}
+        self._ids: dict[str, list[Any]] = {}  # a kept report's reply id -> its entry
+        self._file = report_file
+        self._offset = _size(report_file)  # lines written before this server's start are not ours
 
-    def add(self, tenant: str, report: dict[str, Any]) -> None:
+    def add(self, tenant: str, report: dict[str, Any], reply_id: str | None = None) -> None:
         key = _key(tenant)
-        kept = _as_client_named(report, tenant)
+        entry = [0, {}, reply_id, tenant, _signature(report)]
+        if not self._fill(entry, report):
+            return
+        book = self._books.setdefault(key, deque())
+        self._books.move_to_end(key)
+        book.append(entry)
+        self._bytes[key] = self._bytes.get(key, 0) + entry[0]
+        if reply_id:
+            self._ids[reply_id] = entry
+        while len(book) > self.per_tenant or self._bytes[key] > self.max_bytes:
+            self._drop(key, book.popleft())
+        while len(self._books) > self.tenants:
+            gone, book = self._books.popitem(last=False)
+            for old in book:
+                self._drop(gone, old)
+            self._bytes.pop(gone, None)
+
+    def _fill(self, entry: list[Any], report: dict[str, Any]) -> bool:
+        """``entry``'s report as kept (client-named, with its causes; without its segments past the
+        bound); ``False`` where it is over the bound even so."""
+        kept = _as_client_named(report, entry[3])
         size = len(json.dumps(kept, default=str))
         if size > self.max_bytes:
             kept.pop("segments", None)
             size = len(json.dumps(kept, default=str))
             if size > self.max_bytes:
-                return
-        book = self._books.setdefault(key, deque())
-        self._books.move_to_end(key)
-        book.append((size, kept))
-        self._bytes[key] = self._bytes.get(key, 0) + size
-        while len(book) > self.per_tenant or self._bytes[key] > self.max_bytes:
-            self._bytes[key] -= book.popleft()[0]
-        while len(self._books) > self.tenants:
-            gone, _ = self._books.popitem(last=False)
-            self._bytes.pop(gone, None)
+                return False
+        entry[0], entry[1] = size, kept
+        return True
+
+    def _drop(self, key: str, entry: list[Any]) -> None:
+        self._bytes[key] = self._bytes.get(key, 0) - entry[0]
+        if entry[2] is not None and self._ids.get(entry[2]) is entry:
+            del self._ids[entry[2]]
+
+    def refresh(self) -> None:
+        """Kept reports replaced by their recorded lines of the report file (class docstring)."""
+        if not self._file or not self._ids:
+            return
+        try:
+            with open(self._file, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read(self.read_bytes)
+        except OSError:
+            return
+        whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next call
+        self._offset += len(whole) if whole or len(chunk) < self.read_bytes else len(chunk)
+        for raw in whole.splitlines():
+            line = _json(raw)
+            if not isinstance(line, dict):
+                continue
+            external = str(line.get("external_id") or "")
+            entry = self._ids.get(external) or self._ids.get(external.rpartition("-")[0])
+            if entry is None or _signature(line) != entry[4]:  # the same request, as the server fenced it
+                continue
+            key, before = _key(entry[3]), entry[0]
+            report = {k: v for k, v in line.items() if k not in ("request_id", "external_id")}
+            if self._fill(entry, {**report, "recorded": True}):
+                self._bytes[key] = self._bytes.get(key, 0) + entry[0] - before
 
     def held(self, tenant: str, task: str | None = None) -> list[dict[str, Any]]:
         """The tenant's reports held (of ``task``), oldest first."""
         book = self._books.get(_key(tenant)) or ()
-        return [r for _, r in book if task is None or r.get("task") == task]
+        return [e[1] for e in book if task is None or e[1].get("task") == task]
 
     def answer(self, tenant: str, task: str | None = None, last: int = 20) -> dict[str, Any]:
         """What ``GET`` :data:`REPORTS_PATH` answers: the ``last`` reports held (of ``task``) and, per
@@ -304,6 +371,19 @@ class ReportBook:
             "reports": held[-last:] if last else [],
             "summary": {name: _summary(rows) for name, rows in tasks.items()},
         }
+
+
+def _signature(report: dict[str, Any]) -> tuple:
+    """What ties a report file's line to a kept reply's report: the task and agent as the server fenced
+    them (by tenant) and the prompt's length."""
+    return report.get("task"), report.get("agent"), report.get("prompt_tokens")
+
+
+def _size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
 
 
 def _summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
