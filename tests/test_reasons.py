@@ -360,7 +360,7 @@ def test_kept_reports_are_completed_from_the_report_file(monkeypatch, tmp_path):
     server.reply = _report("t1", "planner", "alice", 0) | {"prompt_tokens": 40}
     _call(app, "POST", "/v1/chat/completions", {"messages": [], "cache_salt": "alice"})  # reply id "x"
     gate = {"gate": "fallback", "reason": "entropy 1 > tau 0.3", "anchors": 2}
-    recorded = server.reply | {"request_id": "x-abc", "external_id": "x", "store": {"tasks": 1}}
+    recorded = server.reply | {"request_id": "x-0-1a2b3c4d", "external_id": None, "store": {"tasks": 1}}
     recorded["segments"] = [recorded["segments"][0] | {"gate": gate}]
     other = recorded | {"task": "bob|t1"}  # another request (tenant) under the same id: not taken
     half = json.dumps(recorded)[:20]  # a line still being written

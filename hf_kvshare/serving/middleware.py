@@ -269,7 +269,8 @@ class ReportBook:
     A reply carries the admission's report: a dense span's gate outcome is known once the request is
     recorded. With the connector's report file (``report_file``, :data:`REPORTS_ENV`) :meth:`refresh`
     reads the lines appended since (at most ``read_bytes`` a call) and replaces each kept report by its
-    recorded line (matched by the reply's id: vLLM's external request id), ``"recorded": true``."""
+    recorded line (matched by the reply's id: vLLM's external request id, or its engine id less the
+    suffixes vLLM adds), ``"recorded": true``."""
 
     per_tenant = 256
     max_bytes = 512 << 10
@@ -344,8 +345,7 @@ class ReportBook:
             line = _json(raw)
             if not isinstance(line, dict):
                 continue
-            external = str(line.get("external_id") or "")
-            entry = self._ids.get(external) or self._ids.get(external.rpartition("-")[0])
+            entry = next((self._ids[i] for i in _reply_ids(line) if i in self._ids), None)
             if entry is None or _signature(line) != entry[4]:  # the same request, as the server fenced it
                 continue
             key, before = _key(entry[3]), entry[0]
@@ -371,6 +371,17 @@ class ReportBook:
             "reports": held[-last:] if last else [],
             "summary": {name: _summary(rows) for name, rows in tasks.items()},
         }
+
+
+def _reply_ids(line: dict[str, Any]) -> list[str]:
+    """The reply ids a report line's request may have: vLLM's external id, or its engine id without
+    the suffixes vLLM adds (``"<reply id>-<random>"``; a completion's ``"<reply id>-<i>-<random>"``)."""
+    ids = []
+    for raw in (line.get("external_id"), line.get("request_id")):
+        if isinstance(raw, str) and raw:
+            one = raw.rpartition("-")[0]
+            ids += [raw, one, one.rpartition("-")[0]]
+    return [i for i in ids if i]
 
 
 def _signature(report: dict[str, Any]) -> tuple:
