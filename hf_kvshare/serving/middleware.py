@@ -189,7 +189,8 @@ class LayoutCheck:
                 except ValueError:
                     await _error(send, 400, f"last must be an integer; got {last!r}")
                     return
-                await asyncio.get_running_loop().run_in_executor(self._checks, self.reports.refresh)
+                lines = await asyncio.get_running_loop().run_in_executor(self._checks, self.reports.read)
+                self.reports.apply(lines)
                 await _send_json(send, 200, self.reports.answer(tenant, task, n))
             elif not state["ours"]:
                 await send(message)
@@ -331,20 +332,28 @@ class ReportBook:
 
     def refresh(self) -> None:
         """Kept reports replaced by their recorded lines of the report file (class docstring)."""
-        if not self._file or not self._ids:
-            return
+        self.apply(self.read())
+
+    def read(self) -> list[dict[str, Any]]:
+        """The report file's whole lines appended since the last read (at most :attr:`read_bytes`). Only
+        the file position is touched: the middleware reads on its checks' thread and applies on the
+        event loop (:meth:`apply`), where every other change to the book is made."""
+        if not self._file:
+            return []
         try:
             with open(self._file, "rb") as f:
                 f.seek(self._offset)
                 chunk = f.read(self.read_bytes)
         except OSError:
-            return
+            return []
         whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next call
         self._offset += len(whole) if whole or len(chunk) < self.read_bytes else len(chunk)
-        for raw in whole.splitlines():
-            line = _json(raw)
-            if not isinstance(line, dict):
-                continue
+        return [line for line in map(_json, whole.splitlines()) if isinstance(line, dict)]
+
+    def apply(self, lines: list[dict[str, Any]]) -> None:
+        """Each kept report of ``lines`` (the same request: reply id, fenced task, agent and prompt
+        length) replaced by its line, ``"recorded": true``."""
+        for line in lines:
             entry = next((self._ids[i] for i in _reply_ids(line) if i in self._ids), None)
             if entry is None or _signature(line) != entry[4]:  # the same request, as the server fenced it
                 continue
