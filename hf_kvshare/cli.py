@@ -213,9 +213,7 @@ def not_shared_lines(reports: dict[str, Any], n: int = 3) -> str:
     computed densely (:mod:`hf_kvshare.reasons`), with their tokens and spans over the run."""
     from . import reasons
 
-    lines = [
-        "\nnot shared, the most frequent causes (PH tokens computed densely, spans; hf_kvshare.reasons):"
-    ]
+    lines = ["\nnot shared, the most frequent causes (PH tokens computed densely; hf_kvshare.reasons):"]
     width = max(len(name) for name in reports)
     for name, report in reports.items():
         counts = reasons.merge(reasons.turn_causes(t) for t in report.free)

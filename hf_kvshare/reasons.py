@@ -181,8 +181,12 @@ def top(counts: Mapping[str, Mapping[str, Any]], n: int | None = None) -> list[t
 
 
 def describe(counts: Mapping[str, Mapping[str, Any]], n: int = 3) -> str:
-    """The ``n`` most frequent causes in one line: ``"gate_entropy 379 tok (3), first 120 tok (2)"``."""
-    return ", ".join(f"{name} {_tokens(row['tokens'])} tok ({row['spans']})" for name, row in top(counts, n))
+    """The ``n`` most frequent causes in one line: ``"gate_entropy 379 tok in 3 spans, first 120 tok in
+    1 span"``."""
+    return ", ".join(
+        f"{name} {_tokens(row['tokens'])} tok in {row['spans']} span{'' if row['spans'] == 1 else 's'}"
+        for name, row in top(counts, n)
+    )
 
 
 def _tokens(value: float) -> str:

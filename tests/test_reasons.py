@@ -135,7 +135,7 @@ def test_bench_summary_and_report_list_the_top_causes(tiny_llama, tokenizer, tmp
     }
     assert sum(v["tokens"] for v in columns["not_shared"].values()) == sum(t.ph_prefilled for t in turns)
     top = columns["not_shared_top"]
-    assert top.split(" ")[0] == next(iter(columns["not_shared"])) and "tok (" in top
+    assert top.split(" ")[0] == next(iter(columns["not_shared"])) and " tok in " in top
     config = tmp_path / "config"
     config.mkdir()
     rows = [{"method": "nonshared", "reuse_ratio": 0.0}, {"method": "kvcmas", "reuse_ratio": 0.0, **columns}]
@@ -342,7 +342,7 @@ def test_the_demo_prints_each_methods_most_frequent_causes(tiny_llama, tokenizer
         }
     )
     ph = sum(t.ph_prefilled for t in plain)
-    assert f"  nonshared  method_off {ph:.0f} tok (8)" in text  # 2 + 3 + 3 spans
+    assert f"  nonshared  method_off {ph:.0f} tok in 8 spans" in text  # 2 + 3 + 3
     assert "  fullshared first " in text and "fullshared first" in text.splitlines()[-1]
 
 
@@ -369,4 +369,4 @@ def test_kept_reports_are_completed_from_the_report_file(monkeypatch, tmp_path):
     kept = answer["reports"][0]
     assert kept["recorded"] is True and kept["task"] == "t1" and "external_id" not in kept
     assert set(kept["not_shared"]) == {"gate_entropy"} and kept["not_shared"]["gate_entropy"]["tokens"] == 10
-    assert answer["summary"]["t1"]["not_shared_top"].startswith("gate_entropy 10 tok")
+    assert answer["summary"]["t1"]["not_shared_top"].startswith("gate_entropy 10 tok in 1 span")

@@ -121,7 +121,7 @@ REPORT_COLUMNS["reasons"] = [
     ("method", "method", ""),
     ("reuse_ratio", "rho", ".2f"),
     ("prefilled_share", "prefilled", ".2f"),
-    ("not_shared_top", "not shared: most frequent causes (PH tokens, spans)", ""),
+    ("not_shared_top", "not shared: most frequent causes (PH tokens)", ""),
 ]
 
 
