@@ -151,11 +151,20 @@ def report_causes(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         if seg.get("placed"):
             _add(counts, "not_claimed", _length(seg), CAUSES["not_claimed"])
         else:
-            name, detail = cause(seg.get("gate") if isinstance(seg.get("gate"), Mapping) else None)
+            gate = seg.get("gate") if isinstance(seg.get("gate"), Mapping) else None
+            name, detail = cause(gate) if gate else ("not_placed", _UNPLACED)
             _add(counts, name, _length(seg), detail)
     for slot in report.get("missing") or []:
         _add(counts, "missing", 0, f"slot {slot!r} not found in the prompt")
     return counts
+
+
+#: a server report's span the method did not place and whose report says nothing more
+_UNPLACED = (
+    "the method placed nothing here: no cache of the slot was recorded when the request was planned (its "
+    "first reader, one arriving while it is still computed, or dropped by the store's bound), or a gate "
+    "rejected it (a reply's report is the admission's; the recorded one, in the report file, has the gate)"
+)
 
 
 def _length(seg: Mapping[str, Any]) -> int:

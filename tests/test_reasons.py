@@ -166,6 +166,7 @@ def test_server_reports_give_not_claimed_missing_and_refused(tiny_llama, tokeniz
     sharing.record(p1, k, v, out, set())
     first = reasons.report_causes(p1.report())
     assert set(first) == {"not_placed"} and first["not_placed"]["tokens"] == len(doc)
+    assert "no cache of the slot was recorded" in first["not_placed"]["detail"]
     # a PF span first that nothing places: the document is placed but the claim cannot reach it
     p2 = sharing.plan("r2", sys1 + doc + q1, layout("a2", [{"slot": "doc"}]), 0)
     assert p2.claimed == 0
