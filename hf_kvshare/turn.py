@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
+from . import reasons
 from .cache import CachePart, Segment, SegmentKV, SharedCache
 from .measure import PHASES
 from .trajectory import PH
@@ -136,8 +137,6 @@ class TurnResult:
         """Why the prefilled PH tokens were not shared: ``{cause: {"tokens", "spans", "detail"}}``, the
         causes of :data:`hf_kvshare.reasons.CAUSES`, most tokens first; the tokens add up to
         :attr:`ph_prefilled` (:func:`hf_kvshare.reasons.turn_causes`)."""
-        from . import reasons
-
         return dict(reasons.top(reasons.turn_causes(self)))
 
     def accounting(self) -> dict[str, Any]:
