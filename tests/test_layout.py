@@ -34,6 +34,8 @@
   ``SegmentedCache`` stays under a method budget; the cache's modules import no engine and every
   ``DeferredKV`` kind (``CorrectedKV``) lives in an engine; multimodal-RoPE internals are named only in
   ``mrope.py`` (and ``_compat.py``).
+- images are opened in one place: only ``vision.open_image`` (the pixel limit checked from the file's
+  header before decoding) calls ``Image.open``.
 """
 
 from __future__ import annotations
@@ -1019,3 +1021,48 @@ def test_the_cache_rule_finders_find_them():
     assert tensor_writes(tree) == [4]
     assert subclasses_of({"m": tree}, "DeferredKV") == {"m": ["A", "B"]}
     assert mrope_uses(tree) == [(5, "RopeTrack"), (5, "next_shift"), (5, "second_per_grid_ts")]
+
+
+# ------------------------------------------------------------------ images are opened in one place
+#: the one function that opens an image file: its size is checked from the header before decoding
+IMAGE_OPENER = (f"{ROOT}.vision", "open_image")
+
+
+def image_opens(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, function)`` of each ``Image.open(...)`` / ``PIL.Image.open(...)`` call in ``tree``, with
+    the function it is in (``""`` at the top level)."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr == "open"
+                and _name_of(child.func.value) == "Image"
+            ):
+                found.append((child.lineno, function))
+            visit(child, name)
+
+    visit(tree, "")
+    return found
+
+
+def test_images_are_opened_in_one_place():
+    """Every image file the package reads (the Python API's ``PH(image=path)``, video frames, the bench's
+    task files) goes through ``vision.open_image``, which refuses an image over the pixel limit from its
+    header before decoding it (a decompression bomb): no other code calls ``Image.open``."""
+    bad = [
+        f"{name}:{line} ({function or 'module'})"
+        for name, path in MODULES.items()
+        for line, function in image_opens(ast.parse(path.read_text()))
+        if (name, function) != IMAGE_OPENER
+    ]
+    assert not bad, "Image.open outside vision.open_image:\n" + "\n".join(bad)
+    assert image_opens(ast.parse(MODULES[IMAGE_OPENER[0]].read_text())), "vision.open_image opens no image"
+
+
+def test_the_image_open_finder_finds_them():
+    tree = ast.parse("def f(p):\n    return Image.open(p)\nx = PIL.Image.open('a')\ny = open('b')\n")
+    assert image_opens(tree) == [(2, "f"), (3, "")]

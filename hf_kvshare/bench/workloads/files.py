@@ -159,7 +159,7 @@ def check_media(task: TaskSpec, where: str) -> None:
 
 def image_file_problem(name: str | os.PathLike) -> str | None:
     """Why ``name`` is not a readable image file, or ``None``."""
-    from PIL import Image, UnidentifiedImageError
+    from ...vision import open_image
 
     path = Path(name)
     if not path.exists():
@@ -167,10 +167,9 @@ def image_file_problem(name: str | os.PathLike) -> str | None:
     if not path.is_file():
         return f"{str(path)!r} is not a regular file"
     try:
-        with Image.open(path) as image:
-            image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-        return f"could not read image file {str(path)!r} ({type(error).__name__}: {error})"
+        open_image(path)  # its size checked before it is decoded (a decompression bomb is refused)
+    except ValueError as error:
+        return str(error)
     return None
 
 
