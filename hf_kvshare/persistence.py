@@ -376,6 +376,11 @@ def _read_state(
                 "existed, or with them removed): its content cannot be verified, so it is not loaded. "
                 "If you trust it, load it with load_state(..., allow_legacy=True) and save it again"
             )
+    elif recorded is None and written is None:
+        raise ValueError(
+            f"{header_path.parent}: neither {STATE_JSON} nor {STATE_TENSORS} carries a checksum (state format "
+            f"{header.get('format')} has them): its content cannot be verified, so it is not loaded"
+        )
     elif recorded is None or written is None or recorded != written:
         raise ValueError(
             f"{header_path.parent}: the checksums of {STATE_JSON} ({recorded!r}) and {STATE_TENSORS} "

@@ -450,6 +450,12 @@ def _load_image(value: Any, slot: str) -> Any:
     from PIL import Image
 
     if isinstance(value, Image.Image):
+        limit = max_image_pixels()
+        if limit is not None and value.width * value.height > limit:
+            raise ImageTooLarge(
+                f"PH {slot!r}: the image is {value.width}x{value.height} = {value.width * value.height:,} "
+                f"pixels, over the limit of {limit:,} pixels; set {MAX_PIXELS_ENV} to a larger number to use it"
+            )
         return value
     if isinstance(value, (str, os.PathLike)):
         path = Path(value)

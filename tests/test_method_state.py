@@ -384,6 +384,15 @@ def test_a_state_without_checksums_is_refused_unless_legacy_is_asked_for(tiny_ll
     with pytest.raises(TypeError, match="allow_legacy must be True or False, got 'yes'"):
         target.load_state(tmp_path / "s", model=tiny_llama, allow_legacy="yes")
     assert _observable(target) == before
+    header["format"] = 2  # today's format with both checksums removed: refused whatever is asked
+    write_saved(tmp_path / "s", header, tensors, reseal=False)
+    header_2 = json.loads((tmp_path / "s" / "state.json").read_text())
+    header_2["format"] = 2
+    (tmp_path / "s" / "state.json").write_text(json.dumps(header_2))
+    with pytest.raises(ValueError, match="neither state.json nor state.safetensors carries a checksum"):
+        target.load_state(tmp_path / "s", model=tiny_llama, allow_legacy=True)
+    assert _observable(target) == before
+    write_saved(tmp_path / "s", header, tensors, reseal=False)
     legacy = METHODS["kvcmas"](tau=1.0)
     legacy.load_state(tmp_path / "s", model=tiny_llama, allow_legacy=True)
     assert legacy.state_bytes() == original.state_bytes()

@@ -327,6 +327,9 @@ def test_an_image_over_the_pixel_limit_is_refused_before_decoding(vlm, processor
     random_image(0).save(tmp_path / "small.png")  # 50 x 40 = 2,000 pixels
     monkeypatch.setenv(MAX_PIXELS_ENV, "1999")
     refused(session, [PH("chart", image=tmp_path / "small.png"), PF("\nSo?")], "limit of 1,999 pixels", vlm)
+    refused(
+        session, [PH("chart", image=random_image(0)), PF("\nSo?")], "50x40 = 2,000 pixels", vlm, ImageTooLarge
+    )
     monkeypatch.setenv(MAX_PIXELS_ENV, "lots")
     refused(session, [PH("chart", image=tmp_path / "small.png"), PF("\nSo?")], "must be a positive", vlm)
     monkeypatch.setenv(MAX_PIXELS_ENV, "2000")
