@@ -36,6 +36,8 @@
   ``mrope.py`` (and ``_compat.py``).
 - images are opened in one place: only ``vision.open_image`` (the pixel limit checked from the file's
   header before decoding) calls ``Image.open``.
+- a method's options are checked where they are set: no method overrides ``Method.__setattr__``,
+  which re-runs the constructor's checks for an option assigned after construction.
 """
 
 from __future__ import annotations
@@ -1066,3 +1068,37 @@ def test_images_are_opened_in_one_place():
 def test_the_image_open_finder_finds_them():
     tree = ast.parse("def f(p):\n    return Image.open(p)\nx = PIL.Image.open('a')\ny = open('b')\n")
     assert image_opens(tree) == [(2, "f"), (3, "")]
+
+
+# ------------------------------------------------------------------ options are checked where they are set
+def setattr_overrides(tree: ast.AST) -> list[str]:
+    """Classes in ``tree`` that define ``__setattr__`` / ``__setstate__`` themselves."""
+    return [
+        f"{node.name}.{fn.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        for fn in node.body
+        if isinstance(fn, ast.FunctionDef) and fn.name in ("__setattr__", "__setstate__")
+    ]
+
+
+def test_every_method_option_is_checked_when_set():
+    """A method's options are checked by its constructor and again when assigned later (``m.tau = x``):
+    ``Method.__setattr__`` re-runs the constructor's checks; no method file overrides it (which would
+    let an option change unchecked)."""
+    import hf_kvshare.methods  # noqa: F401  (registration)
+    from hf_kvshare.method import METHODS, Method
+
+    bad = [
+        f"{name}: {found}"
+        for name, path in MODULES.items()
+        if _inside(name, "methods")
+        for found in setattr_overrides(ast.parse(path.read_text()))
+    ]
+    bad += [name for name, cls in METHODS.items() if cls.__setattr__ is not Method.__setattr__]
+    assert not bad, "methods that bypass the option check on assignment:\n" + "\n".join(bad)
+
+
+def test_the_setattr_finder_finds_one():
+    tree = ast.parse("class A:\n    def __setattr__(self, k, v):\n        pass\nclass B:\n    x = 1\n")
+    assert setattr_overrides(tree) == ["A.__setattr__"]
