@@ -331,3 +331,22 @@ def test_kvcmas_tau_set_to_a_string_after_construction_is_refused():
     assert method.tau == 0.3
     method.tau = 1
     assert method.tau == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "kvcmas:lead_in=" + "x" * 200_000,
+        "kvcmas:" + ",".join(f"tau=0.{i % 9}" for i in range(20_000)),
+        "cacheblend:check_layers=" + "1" * 100_000,
+    ],
+)
+def test_a_method_spec_is_bounded_in_length(text):
+    """Issue 52 (inputs): a method option string of 100 KB or more is one short error (not echoed whole)."""
+    from hf_kvshare.bench.methods import MethodSpec
+
+    with pytest.raises(
+        ValueError, match=r"method spec '.{60}'\.\.\. is [\d,]+ characters; at most 4096"
+    ) as error:
+        MethodSpec.parse(text)
+    assert len(str(error.value)) < 300
