@@ -340,6 +340,7 @@ def test_kvcmas_tau_set_to_a_string_after_construction_is_refused():
         "kvcmas:" + ",".join(f"tau=0.{i % 9}" for i in range(20_000)),
         "cacheblend:check_layers=" + "1" * 100_000,
     ],
+    ids=["long-option-value", "many-options", "long-number"],
 )
 def test_a_method_spec_is_bounded_in_length(text):
     """Issue 52 (inputs): a method option string of 100 KB or more is one short error (not echoed whole)."""
