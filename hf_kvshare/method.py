@@ -294,7 +294,8 @@ class Method(StatePersistence, metaclass=_MethodType):
             try:
                 probe = type(self)(**options)  # a throwaway instance: every check of __post_init__
             except (TypeError, ValueError) as error:
-                raise type(error)(f"{type(self).__name__}.{name} = {value!r} refused: {error}") from error
+                kind = TypeError if isinstance(error, TypeError) else ValueError
+                raise kind(f"{type(self).__name__}.{name} = {value!r} refused: {error}") from error
             value = getattr(probe, name)
         object.__setattr__(self, name, value)
 
