@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import reprlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -295,7 +296,8 @@ class Method(StatePersistence, metaclass=_MethodType):
                 probe = type(self)(**options)  # a throwaway instance: every check of __post_init__
             except (TypeError, ValueError) as error:
                 kind = TypeError if isinstance(error, TypeError) else ValueError
-                raise kind(f"{type(self).__name__}.{name} = {value!r} refused: {error}") from error
+                shown = reprlib.repr(value)
+                raise kind(f"{type(self).__name__}.{name} = {shown} refused: {error}") from error
             value = getattr(probe, name)
         object.__setattr__(self, name, value)
 
