@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from ...serving.replicas import DEFAULT_POLICY, POLICIES, affinity_warning, find_router
 from ...serving.server import HOST
 from .columns import summary_complete
 from .runs import Plan, ServerGroup, connector_group, served_model_path, sweep
@@ -119,6 +120,21 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--port", type=positive_int, default=None, help="server port on 127.0.0.1 (default: a free one)"
     )
     p.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=1,
+        help="N > 1: each server configuration as N replicas behind vLLM's router (pip install vllm-router) on "
+        "--port, a task's requests sent with the header 'X-Session-ID: <task>'; the rows add which replica "
+        "served what (default 1: one server)",
+    )
+    p.add_argument(
+        "--router-policy",
+        choices=POLICIES,
+        default=DEFAULT_POLICY,
+        help=f"the router's --policy with --replicas (default {DEFAULT_POLICY}: affinity by X-Session-ID)",
+    )
+    p.add_argument("--router", default=None, help="the vllm-router executable (default: on PATH)")
+    p.add_argument(
         "--startup-timeout",
         type=_positive_float,
         default=600.0,
@@ -157,6 +173,10 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
 
     if args.port is not None and not 1 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: not a TCP port (1 to 65535)")
+    if args.port is not None and args.replicas > 1 and args.port + args.replicas + 1 > 65535:
+        raise ValueError(
+            f"--port {args.port}: the router's metrics and {args.replicas} replicas take the ports after it"
+        )
     check_output_dir(args.out, "--out")  # before vLLM is probed or a server starts
 
     workload = ServeTrace(args.shared_tokens, args.agents, args.tasks, args.output_tokens)
@@ -208,14 +228,26 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
             f"a prompt may reach ~{need} tokens (shared tokens + agents x (output + glue) + template); "
             f"--max-model-len {max_len} (model positions: {limit}) is too short"
         )
+    if args.replicas > 1:
+        if find_router(args.router) is None:
+            raise ValueError(
+                f"--replicas {args.replicas} runs vLLM's router in front of the replicas: pip install vllm-router "
+                "(or name it with --router)"
+            )
+        if (warning := affinity_warning(args.router_policy)) is not None:
+            print(f"{prog} serve: warning: {warning}", file=sys.stderr)
     if args.port is not None:
-        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-            try:
-                s.bind((HOST, args.port))
-            except OSError:
-                raise ValueError(f"--port {args.port}: already in use on {HOST}") from None
-    inline = ("-inline" if args.inline_admission else "") + (
-        "-no-channel" if args.no_read_back_channel else ""
+        # the router, its metrics page and the replicas take the ports after it
+        for port in range(args.port, args.port + (args.replicas + 2 if args.replicas > 1 else 1)):
+            with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+                try:
+                    s.bind((HOST, port))
+                except OSError:
+                    raise ValueError(f"--port {args.port}: port {port} already in use on {HOST}") from None
+    inline = (
+        ("-inline" if args.inline_admission else "")
+        + ("-no-channel" if args.no_read_back_channel else "")
+        + (f"-replicas{args.replicas}" if args.replicas > 1 else "")
     )
     out = Path(args.out) / f"{workload.tag()}__{Path(args.model).name}-{args.dtype}-seed{args.seed}{inline}"
     if (out / "summary.json").exists() and not args.redo:
@@ -254,6 +286,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
         "joined_messages": args.joined_messages,
         "inline_admission": args.inline_admission,
         "read_back_channel": not args.no_read_back_channel,
+        "replicas": args.replicas,
+        **({"router_policy": args.router_policy} if args.replicas > 1 else {}),
         "argv": list(argv) if argv is not None else sys.argv[1:],
     }
     return sweep(plan, args, tokenizer, config, prog)
