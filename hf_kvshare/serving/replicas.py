@@ -86,7 +86,9 @@ def session_headers(body: Mapping[str, Any] | None = None, task: str | None = No
 def find_router(executable: str | None = None) -> str | None:
     """The router's executable: ``executable``, ``$HF_KVSHARE_VLLM_ROUTER``, ``vllm-router`` on ``PATH``
     or beside this Python; ``None`` when none exists."""
-    for candidate in (executable, os.environ.get(ROUTER_ENV), ROUTER):
+    if executable:  # named: that one or none
+        return shutil.which(executable)
+    for candidate in (os.environ.get(ROUTER_ENV), ROUTER):
         if candidate and (found := shutil.which(candidate)):
             return found
     beside = Path(sys.executable).parent / ROUTER

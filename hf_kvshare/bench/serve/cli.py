@@ -178,6 +178,14 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
             f"--port {args.port}: the router's metrics and {args.replicas} replicas take the ports after it"
         )
     check_output_dir(args.out, "--out")  # before vLLM is probed or a server starts
+    if args.replicas > 1:
+        if find_router(args.router) is None:
+            raise ValueError(
+                f"--replicas {args.replicas} runs vLLM's router in front of the replicas: pip install vllm-router "
+                "(or name it with --router)"
+            )
+        if (warning := affinity_warning(args.router_policy)) is not None:
+            print(f"{prog} serve: warning: {warning}", file=sys.stderr)
 
     workload = ServeTrace(args.shared_tokens, args.agents, args.tasks, args.output_tokens)
     methods = list(dict.fromkeys(args.methods))
@@ -228,14 +236,6 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
             f"a prompt may reach ~{need} tokens (shared tokens + agents x (output + glue) + template); "
             f"--max-model-len {max_len} (model positions: {limit}) is too short"
         )
-    if args.replicas > 1:
-        if find_router(args.router) is None:
-            raise ValueError(
-                f"--replicas {args.replicas} runs vLLM's router in front of the replicas: pip install vllm-router "
-                "(or name it with --router)"
-            )
-        if (warning := affinity_warning(args.router_policy)) is not None:
-            print(f"{prog} serve: warning: {warning}", file=sys.stderr)
     if args.port is not None:
         # the router, its metrics page and the replicas take the ports after it
         for port in range(args.port, args.port + (args.replicas + 2 if args.replicas > 1 else 1)):
