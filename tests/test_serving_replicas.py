@@ -170,6 +170,7 @@ STANDIN = textwrap.dedent(
     import json, sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     port = int(sys.argv[sys.argv.index("--port") + 1])
+    served = [0]
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
@@ -181,9 +182,17 @@ STANDIN = textwrap.dedent(
             self.end_headers()
             self.wfile.write(data)
         def do_GET(self):
+            if self.path == "/metrics":  # as vLLM counts finished requests
+                data = f'vllm:request_success_total{{finished_reason="stop"}} {served[0]}.0\\n'.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             self.reply({"object": "list", "data": [{"id": "model", "object": "model"}]})
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            served[0] += 1
             self.reply({"port": port, "session": self.headers.get("X-Session-ID")})
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
     """
@@ -279,15 +288,38 @@ def test_every_process_dies_with_the_wrapper(tmp_path):
 
 
 @needs_router
-def test_without_the_header_a_round_robin_router_scatters_a_task(tmp_path):
-    """What the warning is about: no affinity, and a task's turns reach both replicas."""
+def test_without_affinity_a_router_scatters_a_task_and_the_probe_says_so(tmp_path):
+    """What the warning is about: no affinity, and a task's turns reach both replicas; the probe
+    ``bench serve --url`` runs finds it (and finds none behind a consistent_hash router)."""
     template = Server(tmp_path, None, port=_free_run(4), python=_standin_python(tmp_path))
     group = rp.replicate(template, 2, policy="round_robin")
     assert group.warning is not None
     with group:
         group.wait_ready(60)
         ports = {_post(group.url, {SESSION_HEADER: "one-task"}, f"turn {i}")["port"] for i in range(4)}
-    assert len(ports) == 2
+        assert len(ports) == 2
+        assert rp.router_workers(group.url) and len(rp.served_counts(rp.router_workers(group.url))) == 2
+        warning = rp.probe_affinity(group.url, "model")
+        assert "to 2 replicas" in warning and "--policy consistent_hash" in warning
+    template.port = _free_run(4)  # fresh ports: the replicas' last connections may linger in TIME_WAIT
+    with rp.replicate(template, 2) as group:
+        group.wait_ready(60)
+        assert rp.probe_affinity(group.url, "model") is None
+        counts = rp.served_counts([s.url for s in group.servers])
+        assert sorted(counts) == [0, 4]  # the probe's four requests on one replica
+    assert rp.probe_affinity(template.url, "model") is None  # nothing answers: nothing to check
+
+
+def test_bench_serve_url_is_checked(tmp_path):
+    for extra, match in [
+        (["--url", "http://example.com:8000"], "give http://127.0.0.1:PORT"),
+        (["--url", "http://127.0.0.1"], "give http://127.0.0.1:PORT"),
+        (["--url", "http://127.0.0.1:9", "--replicas", "2", "--router", "/bin/true"], "without --replicas"),
+        (["--url", "http://127.0.0.1:9", "--methods", "plain", "fullshared"], "the one method"),
+        (["--url", "http://127.0.0.1:9", "--methods", "fullshared"], "no model listed on /v1/models"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            sb.validate(_bench_args(tmp_path, *extra), "p")
 
 
 # -- on vLLM: bench serve through two replicas and the router, against one server ---------------------
@@ -305,7 +337,7 @@ def _bench(out: Path, *extra: str) -> dict:
     argv = [
         "--methods", "fullshared:prefix_reuse=True", "--qps", "4", "--shared-tokens", "160", "--agents", "3",
         "--tasks", "4", "--output-tokens", "2", "--max-duration", "120", "--request-timeout", "120",
-        "--warmup-tasks", "1", "--explicit-layout", "--vllm-python", VLLM_PYTHON,
+        "--warmup-tasks", "3", "--explicit-layout", "--vllm-python", VLLM_PYTHON,
         "--vllm-arg=--enforce-eager", "--kv-cache-gib", "1", "--no-plots", "--model", SERVE_MODEL,
         "--out", str(out), *extra,
     ]  # fmt: skip
@@ -327,6 +359,10 @@ def _bench(out: Path, *extra: str) -> dict:
     not _has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
 )
 def test_two_replicas_behind_the_router_share_as_one_server(tmp_path):
+    """Every task's requests on one replica, and the same reuse as one server's. Each replica is warmed
+    up with the same 3 tasks (sent to it directly): FullShared's kept agent text (``prefix_reuse``) is
+    state across tasks, and it reaches its steady state after ~3 tasks on a server; with one warm-up
+    task a replica, which sees half the timed tasks, would still be learning when one server is not."""
     one = _bench(tmp_path / "one")
     two = _bench(tmp_path / "two", "--replicas", "2")
     assert one["completed"] == two["completed"] == 12

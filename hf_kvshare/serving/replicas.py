@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .client import LAYOUT_KEY, SESSION_HEADER
-from .server import HOST, Server, _die_with_parent_hook, port_in_use
+from .server import HOST, Server, _die_with_parent_hook
 
 #: environment variable naming the router's executable (default: ``vllm-router`` on ``PATH``, then
 #: next to this Python)
@@ -95,6 +96,18 @@ def find_router(executable: str | None = None) -> str | None:
     return str(beside) if beside.is_file() else None
 
 
+def port_taken(port: int) -> bool:
+    """Whether a process listens on (holds) ``port`` on :data:`HOST`; a closed connection's TIME_WAIT
+    does not count (vLLM and the router bind with ``SO_REUSEADDR``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return True
+    return False
+
+
 def replica_ports(port: int, replicas: int) -> tuple[list[int], int]:
     """The replicas' ports after the router's ``port``, and the router's Prometheus port after them."""
     return [port + 1 + i for i in range(replicas)], port + replicas + 1
@@ -142,6 +155,62 @@ def router_workers(url: str, timeout: float = 5.0) -> list[str]:
     if status != 200:
         raise RuntimeError(f"{url}/list_workers: HTTP {status}")
     return list(json.loads(text).get("urls") or [])
+
+
+#: vLLM's counter of finished requests, per server (its ``/metrics``)
+SERVED_METRIC = "vllm:request_success_total"
+#: the session the affinity probe sends its requests under
+PROBE_SESSION = "hf-kvshare-affinity-probe"
+
+
+def served_counts(worker_urls: Sequence[str], timeout: float = 5.0) -> list[float | None]:
+    """Each server's finished requests so far (:data:`SERVED_METRIC` summed over its labels; ``None``
+    where ``/metrics`` does not answer)."""
+    counts: list[float | None] = []
+    for url in worker_urls:
+        try:
+            status, text = _get(f"{url.rstrip('/')}/metrics", timeout)
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            status, text = 0, ""
+        lines = [line.split() for line in text.splitlines() if line.startswith(SERVED_METRIC)]
+        counts.append(sum(float(parts[-1]) for parts in lines) if status == 200 and lines else None)
+    return counts
+
+
+def probe_affinity(url: str, model: str, requests: int = 4, timeout: float = 120.0) -> str | None:
+    """Whether the router at ``url`` keeps one session on one replica: ``requests`` one-token requests,
+    each another prompt, under one ``X-Session-ID``, counted on each replica's ``/metrics``. Returns
+    the warning (the replicas they reached, the fix), or ``None`` (one replica; or not a router with
+    several replicas: nothing to check)."""
+    try:
+        workers = router_workers(url)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, RuntimeError, ValueError):
+        return None
+    if len(workers) < 2:
+        return None
+    before = served_counts(workers)
+    for i in range(requests):
+        body = {
+            "model": model,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": f"probe {i}: hello"}],
+        }
+        request = urllib.request.Request(
+            f"{url.rstrip('/')}/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json", SESSION_HEADER: PROBE_SESSION},
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read()
+    time.sleep(1.0)  # the servers' counters follow their replies
+    after = served_counts(workers)
+    reached = [w for w, b, a in zip(workers, before, after) if a is not None and b is not None and a > b]
+    if len(reached) < 2:
+        return None
+    return (
+        f"the router at {url} sent {requests} requests under one {SESSION_HEADER} to {len(reached)} replicas "
+        f"({', '.join(reached)}): it keeps no session on one replica, so sharing misses; {FIX}"
+    )
 
 
 class Router:
@@ -254,7 +323,7 @@ class ReplicaSet:
 
     def start(self) -> ReplicaSet:
         """Start every replica (``RuntimeError``, nothing started, when a port is taken)."""
-        taken = [p for p in self.ports if port_in_use(p)]
+        taken = [p for p in self.ports if port_taken(p)]
         if taken:
             raise RuntimeError(
                 f"port(s) {', '.join(map(str, taken))} on {HOST} in use by another process: the router takes "

@@ -373,7 +373,7 @@ def warm_up(
             request = traj.request(
                 agent, messages, output_slot=slot, max_tokens=max_tokens, min_tokens=min_tokens
             )
-            body = request.body("model", stream=True, explicit_layout=explicit)
+            body = request.body(getattr(args, "served_model", "model"), stream=True, explicit_layout=explicit)
             result = stream_chat(port, body, args.request_timeout)
             if not result["ok"]:
                 raise RuntimeError(f"warm-up request failed: {result.get('error')}")

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...serving.replicas import FIX, ReplicaSet, replica_ports
+from ...serving.replicas import FIX, ReplicaSet, probe_affinity, replica_ports, router_workers, served_counts
 from ...serving.server import HOST, Server, free_port, port_in_use
-from .client import RunSpec, forced_pass, run_once, warm_up
+from .client import RunSpec, forced_pass, get, run_once, warm_up
 from .columns import agreement_columns, fill_exact, json_safe, write_outputs
 from .trace import BASELINES, DOC_FIRST, ServeTrace, run_seed
 
@@ -200,7 +200,7 @@ def run_spec(
         seed,
         args.max_duration,
         args.request_timeout,
-        "model",
+        getattr(args, "served_model", "model"),  # --url: the running server's name
         DOC_FIRST if method == DOC_FIRST else "agent-first",
         args.explicit_layout and method not in BASELINES,
         not args.joined_messages,
@@ -229,6 +229,7 @@ def sweep(plan: Plan, args: argparse.Namespace, tokenizer: Any, config: Mapping[
     forced: dict[str, Any] = {}
     env = server_env(args.threads, args.kv_cache_gib)
     replicas = getattr(args, "replicas", 1)
+    url = getattr(args, "url", None)
     base_args = [
         "--dtype",
         args.dtype,
@@ -245,7 +246,9 @@ def sweep(plan: Plan, args: argparse.Namespace, tokenizer: Any, config: Mapping[
             for group in order:
                 log_path = work / "logs" / f"{group.key}-r{repeat}.log"
                 report_path = log_path.with_suffix(".reports.jsonl") if group.method is not None else None
-                if replicas > 1:  # the router on port, the replicas after it, each its reports
+                if url is not None:  # a running server or router: nothing started here
+                    port, server = int(url.rsplit(":", 1)[1]), contextlib.nullcontext()
+                elif replicas > 1:  # the router on port, the replicas after it, each its reports
                     port = args.port or free_ports(replicas + 2)
                     if report_path is not None:
                         report_path = [report_path.with_suffix(f".replica{i}.jsonl") for i in range(replicas)]
@@ -264,6 +267,7 @@ def sweep(plan: Plan, args: argparse.Namespace, tokenizer: Any, config: Mapping[
                     # warm-up and the teacher-forced pass on each replica directly (the router's choice
                     # is the timed runs')
                     direct = [s.port for s in live.servers] if replicas > 1 else [port]
+                    workers = [s.url for s in live.servers] if replicas > 1 else url_workers(url, prog)
                     for direct_port in direct:
                         warm_up(
                             direct_port,
@@ -280,11 +284,18 @@ def sweep(plan: Plan, args: argparse.Namespace, tokenizer: Any, config: Mapping[
                     for qi, qps in enumerate(plan.qps):
                         for method in group.methods:
                             spec = run_spec(method, qps, qi, repeat, args, report_path)
+                            before = served_counts(workers)
                             row, records = run_once(port, spec, plan.workload, tokenizer, log=sys.stdout)
                             row.update(agreement_columns(method, forced))
-                            if replicas > 1:
+                            if workers:  # each replica's finished requests (its /metrics)
+                                after = served_counts(workers)
+                                row["replica_requests"] = [
+                                    None if a is None or b is None else round(a - b)
+                                    for a, b in zip(after, before)
+                                ]
+                            if replicas > 1 and report_path is not None:  # and which task (its reports)
                                 row.update(replica_columns(records, replicas))
-                                report_replicas(row, prog)
+                            report_replicas(row, prog)
                             rows.append(row)
                             runs[(method, repeat, qps)] = records
                             fill_exact(rows, runs)
@@ -316,15 +327,33 @@ def sweep(plan: Plan, args: argparse.Namespace, tokenizer: Any, config: Mapping[
     return 0
 
 
+def url_workers(url: str | None, prog: str) -> list[str]:
+    """``--url``: the router's replicas (one server: itself), its affinity probed once (a warning when a
+    session reaches several replicas); ``[]`` without ``--url``."""
+    if url is None:
+        return []
+    try:
+        workers = router_workers(url)
+    except (OSError, RuntimeError, ValueError):
+        return [url]  # a server, not a router
+    model = json.loads(get(int(url.rsplit(":", 1)[1]), "/v1/models")[1])["data"][0]["id"]
+    warning = probe_affinity(url, model)
+    if warning:
+        print(f"{prog} serve: warning: {warning}", file=sys.stderr, flush=True)
+    print(f"{prog} serve: {url} routes to {len(workers)} replica(s): {' '.join(workers)}", flush=True)
+    return workers
+
+
 def report_replicas(row: Mapping[str, Any], prog: str) -> None:
     """The run's per-replica counts, and a warning when a task reached several replicas."""
     if "replica_requests" not in row:
         return
     print(
-        f"    replicas: requests {row['replica_requests']}, tasks {row['replica_tasks']}",
+        f"    replicas: requests {row['replica_requests']}"
+        + (f", tasks {row['replica_tasks']}" if "replica_tasks" in row else ""),
         flush=True,
     )
-    if row["tasks_on_several_replicas"]:
+    if row.get("tasks_on_several_replicas"):
         print(
             f"{prog} serve: warning: {row['tasks_on_several_replicas']} task(s) reached several replicas: "
             f"sharing missed there; {FIX}",
