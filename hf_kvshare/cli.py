@@ -211,6 +211,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
     import importlib.util
 
     from .bench.methods import MethodSpec
+    from .serving.replicas import POLICIES as ROUTER_POLICIES
 
     parser = ArgumentParser(
         prog=prog,
@@ -255,6 +256,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
     parser.add_argument(
         "--router-policy",
         default="consistent_hash",
+        choices=ROUTER_POLICIES,
         help="the router's --policy (default consistent_hash: affinity by X-Session-ID; a policy without "
         "affinity is warned about: sharing misses)",
     )

@@ -376,3 +376,34 @@ def test_two_replicas_behind_the_router_share_as_one_server(tmp_path):
     assert all(len(r) == 1 for r in served.values()), served
     assert one["rho"] is not None and two["rho"] == pytest.approx(one["rho"])
     assert two["supplied_tokens"] == one["supplied_tokens"]
+
+
+@needs_router
+def test_serve_with_a_policy_without_affinity_warns_with_the_fix(tmp_path, capfd):
+    """``hf-kvshare serve --replicas 2 --router-policy round_robin``: the warning, then it serves; a
+    process that exits stops the rest (the router here)."""
+    import threading
+
+    template = Server(tmp_path, None, port=_free_run(4), python=_standin_python(tmp_path))
+    group = rp.replicate(template, 2, policy="round_robin")
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(rp.run(group, timeout=60)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not group.running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{group.url}/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.2)
+    servers = [s.process.pid for s in group.servers]
+    group.router.process.terminate()
+    thread.join(30)
+    assert codes == [1]
+    err = capfd.readouterr().err
+    assert "warning: router policy 'round_robin' has no session affinity" in err
+    assert "--policy consistent_hash" in err and "X-Session-ID: <task>" in err
+    time.sleep(1)
+    assert not any(_alive(p) for p in servers)
