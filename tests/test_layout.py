@@ -19,7 +19,8 @@
   :data:`RESULTS_MAX_FILES` files, none over :data:`RESULTS_MAX_BYTES`); the scripts in ``benchmarks/``
   use the public API only (no private ``hf_kvshare`` name, no ``setattr``).
 - one vLLM launcher: only ``serving/server.py`` names vLLM's server in a command line and, besides
-  the sandbox, calls ``subprocess.Popen``; ``bench serve`` is a package of one job per module (trace,
+  the sandbox and the router's module, calls ``subprocess.Popen``; only ``serving/replicas.py`` names
+  vLLM's router (``vllm-router``) and starts it, over replicas that are the launcher's ``Server``; ``bench serve`` is a package of one job per module (trace,
   client, columns, runs, cli: each job's calls in its module only) and no bench module is longer
   than 700 lines.
 - serving: no module keeps mutable state at its top level (a container, lock or thread; no
@@ -606,7 +607,13 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: the one module that starts vLLM (``hf-kvshare serve`` and ``hf-kvshare bench serve`` both use it)
 LAUNCHER = f"{ROOT}.serving.server"
 #: the other modules that start a process with ``subprocess.Popen`` (none of them vLLM), and why
-OTHER_PROCESSES = {f"{ROOT}.bench.sandbox.execute": "a task's generated program, in the sandbox"}
+OTHER_PROCESSES = {
+    f"{ROOT}.bench.sandbox.execute": "a task's generated program, in the sandbox",
+    f"{ROOT}.serving.replicas": "vLLM's router (vllm-router) in front of replicas the launcher starts",
+}
+#: the one module that starts vLLM's router, and the router's executable as it names it
+REPLICAS = f"{ROOT}.serving.replicas"
+ROUTER_EXECUTABLE = "vllm-router"
 #: the modules of ``bench serve``, one job each, told by what they call (a job's callees are called in
 #: its module only): the requests and their arrivals; HTTP to the server; the tables and the figure;
 #: starting the servers (the launcher's ``Server``); the command line
@@ -639,6 +646,15 @@ def test_one_module_starts_vllm():
     assert popen == sorted([LAUNCHER, *OTHER_PROCESSES]), f"modules calling subprocess.Popen: {popen}"
     naming = sorted(name for name, tree in trees.items() if VLLM_SERVER_MODULE in _string_constants(tree))
     assert naming == [LAUNCHER], f"modules with vLLM's server in a command line (only {LAUNCHER}): {naming}"
+
+
+def test_one_module_starts_the_router_over_the_launchers_servers():
+    """Only ``serving/replicas.py`` names vLLM's router as an executable, and its replicas are the
+    launcher's ``Server`` (it names no vLLM server module itself: the test above)."""
+    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+    naming = sorted(name for name, tree in trees.items() if ROUTER_EXECUTABLE in _string_constants(tree))
+    assert naming == [REPLICAS], f"modules naming {ROUTER_EXECUTABLE} (only {REPLICAS}): {naming}"
+    assert "Server" in _callees(trees[REPLICAS]), f"{REPLICAS} starts its replicas as the launcher's Server"
 
 
 def test_the_bench_serve_modules_hold_one_job_each():
