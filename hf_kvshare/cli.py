@@ -226,6 +226,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
     import importlib.util
 
     from .bench.methods import MethodSpec
+    from .serving.replicas import POLICIES as ROUTER_POLICIES
 
     parser = ArgumentParser(
         prog=prog,
@@ -259,9 +260,30 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         help="hand finished requests' K/V to the connector's records with vLLM's step output only "
         "(default: read back as each request finishes, through side channels; hf_kvshare.serving.channel)",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="N > 1: N servers on the ports after --port, behind vLLM's router (pip install vllm-router) on "
+        "--port, which sends a task's requests to one replica by the header 'X-Session-ID: <task>' "
+        "(hf_kvshare/serving/replicas.py)",
+    )
+    parser.add_argument(
+        "--router-policy",
+        default="consistent_hash",
+        choices=ROUTER_POLICIES,
+        help="the router's --policy (default consistent_hash: affinity by X-Session-ID; a policy without "
+        "affinity is warned about: sharing misses)",
+    )
+    parser.add_argument("--router", default=None, help="the vllm-router executable (default: on PATH)")
+    parser.add_argument(
+        "--router-arg", action="append", default=[], metavar="ARG", help="extra router argument (repeat)"
+    )
     args, vllm_args = parser.parse_known_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
+    if args.replicas < 1 or args.port + args.replicas + 1 > 65535:
+        parser.error(f"--replicas {args.replicas}: give 1 or more, with --port + replicas + 1 <= 65535")
     if args.max_store_bytes < 1 or args.max_tasks < 1:
         parser.error(
             f"--max-store-bytes and --max-tasks must be positive (a store that holds nothing shares nothing: "
@@ -300,6 +322,22 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         )
     except ValueError as e:
         fail(prog, str(e))
+    if args.replicas > 1:
+        from .serving import replicas
+
+        try:
+            group = replicas.replicate(
+                server,
+                args.replicas,
+                policy=args.router_policy,
+                router=args.router,
+                router_args=args.router_arg,
+            )
+        except (ValueError, RuntimeError) as e:
+            fail(prog, str(e))
+        for note in group.notes:
+            print(f"{prog}: note: {note}", file=sys.stderr)
+        return replicas.run(group, timeout=args.startup_timeout)
     for note in server.notes:
         print(f"{prog}: note: {note}", file=sys.stderr)
     return run(server, timeout=args.startup_timeout)

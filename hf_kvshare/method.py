@@ -18,7 +18,9 @@ defines the contract and runs no model. Saving and loading the cross-request sta
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import reprlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,7 +115,24 @@ class Placement:
     corrected_tokens: float | None = None
 
 
-class Method(StatePersistence):
+class _MethodType(type):
+    """The methods' metaclass: an instance's options count as checked once its construction (the
+    dataclass ``__init__`` and ``__post_init__``) is done; an option assigned afterwards is checked
+    again (:meth:`Method.__setattr__`)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        instance = super().__call__(*args, **kwargs)
+        instance.__dict__["_options_checked"] = True
+        return instance
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """The class's signature is its ``__init__``'s (its options), not this ``__call__``'s."""
+        init = inspect.signature(cls.__init__)
+        return init.replace(parameters=list(init.parameters.values())[1:])
+
+
+class Method(StatePersistence, metaclass=_MethodType):
     """Base class: every PF and PH segment prefilled densely (i.e. NonShared behaviour).
 
     A method is a ``@dataclass(eq=False)`` subclass whose fields are its options (checked in
@@ -266,6 +285,28 @@ class Method(StatePersistence):
         ``session.method_state``, non-chained correction's context-free references); the slots' K/V
         the session keeps (:meth:`Session.held_bytes` adds them) are not counted here."""
         return 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An option (a dataclass field the saved state compares) assigned after construction is checked
+        as the constructor checks it (``m.tau = "x"`` raises as ``KVCMAS(tau="x")`` does, and the
+        instance keeps its value); the value kept is the one the constructor would keep."""
+        if self.__dict__.get("_options_checked") and name in self._checked_options():
+            options = {**self.state_options(), name: value}
+            try:
+                probe = type(self)(**options)  # a throwaway instance: every check of __post_init__
+            except (TypeError, ValueError) as error:
+                kind = TypeError if isinstance(error, TypeError) else ValueError
+                shown = reprlib.repr(value)
+                raise kind(f"{type(self).__name__}.{name} = {shown} refused: {error}") from error
+            value = getattr(probe, name)
+        object.__setattr__(self, name, value)
+
+    def _checked_options(self) -> frozenset[str]:
+        if not dataclasses.is_dataclass(self):
+            return frozenset()
+        return frozenset(
+            f.name for f in dataclasses.fields(self) if f.init and f.name not in self.state_fields
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .identity import ModelBinding
 
 #: layout version of what :meth:`StatePersistence.save_state` writes (2: with a checksum; format 1,
-#: written before checksums existed, still loads when neither file carries one)
+#: written before checksums existed, loads only when asked for: ``load_state(..., allow_legacy=True)``)
 STATE_FORMAT = 2
 STATE_FORMATS = (1, 2)
 STATE_JSON = "state.json"
@@ -217,8 +217,18 @@ class StatePersistence:
                 path.unlink(missing_ok=True)
         return directory
 
-    def load_state(self, directory: str | os.PathLike, model: torch.nn.Module | None = None) -> None:
+    def load_state(
+        self,
+        directory: str | os.PathLike,
+        model: torch.nn.Module | None = None,
+        *,
+        allow_legacy: bool = False,
+    ) -> None:
         """Replace this instance's cross-request state by the one :meth:`save_state` wrote.
+
+        ``allow_legacy=True`` also takes a state of format 1 (written before checksums existed, neither
+        file carrying one): such a state is checked by content only, so an edited tensor would pass;
+        without it a checksum-less state is refused (save it again once loaded to seal it).
 
         Refused with ``ValueError`` (nothing changes) when the files are missing or damaged (the
         checksum, a non-finite tensor, shapes or ids that disagree), the method or its options
@@ -234,7 +244,9 @@ class StatePersistence:
                 f"{str(directory)!r} holds no saved method state (expected {STATE_JSON} and {STATE_TENSORS} "
                 "written by Method.save_state)"
             )
-        header, tensors = _read_state(header_path, tensor_path)
+        if not isinstance(allow_legacy, bool):
+            raise TypeError(f"{owner}.load_state: allow_legacy must be True or False, got {allow_legacy!r}")
+        header, tensors = _read_state(header_path, tensor_path, allow_legacy)
         if header.get("method") != self.name:
             raise ValueError(
                 f"{header_path} holds the state of method {header.get('method')!r}, not {self.name!r}"
@@ -336,9 +348,11 @@ def _write_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[
     save_file(tensors, str(path), metadata=metadata)
 
 
-def _read_state(header_path: Path, tensor_path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _read_state(
+    header_path: Path, tensor_path: Path, allow_legacy: bool = False
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The header and the tensors (on the CPU), verified: format, checksum (in both files, equal, and
-    equal to the content's), every tensor finite."""
+    equal to the content's; none only for format 1 with ``allow_legacy``), every tensor finite."""
     from safetensors import safe_open
 
     try:
@@ -356,7 +370,17 @@ def _read_state(header_path: Path, tensor_path: Path) -> tuple[dict[str, Any], d
         raise ValueError(f"{tensor_path}: not a readable safetensors file ({error})") from error
     recorded = header.get(CHECKSUM)
     if recorded is None and written is None and header.get("format") == 1:
-        pass  # written before checksums existed: checked by content only
+        if not allow_legacy:
+            raise ValueError(
+                f"{header_path.parent}: a state of format 1, without checksums (written before they "
+                "existed, or with them removed): its content cannot be verified, so it is not loaded. "
+                "If you trust it, load it with load_state(..., allow_legacy=True) and save it again"
+            )
+    elif recorded is None and written is None:
+        raise ValueError(
+            f"{header_path.parent}: neither {STATE_JSON} nor {STATE_TENSORS} carries a checksum (state format "
+            f"{header.get('format')} has them): its content cannot be verified, so it is not loaded"
+        )
     elif recorded is None or written is None or recorded != written:
         raise ValueError(
             f"{header_path.parent}: the checksums of {STATE_JSON} ({recorded!r}) and {STATE_TENSORS} "

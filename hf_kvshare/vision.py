@@ -40,6 +40,8 @@ video with frames), and nothing in the session changes on error.
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,6 +56,10 @@ from .turn import Slot, given_text_slot
 
 #: model types whose image / video segments are built and tested here (``config.model_type``)
 SUPPORTED_VISION_MODELS = ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm")
+
+#: the environment variable that sets the most pixels (width x height) an image file may have; unset,
+#: Pillow's own ``PIL.Image.MAX_IMAGE_PIXELS`` (its decompression-bomb threshold, 89,478,485) is the limit
+MAX_PIXELS_ENV = "HF_KVSHARE_MAX_IMAGE_PIXELS"
 
 #: of those, the models whose pixel values come as patches with a ``[1, 3]`` grid (``image_grid_thw``)
 GRID_VISION_MODELS = ("qwen2_vl", "qwen2_5_vl")
@@ -330,6 +336,25 @@ def _tiled_visual(
     )
 
 
+def _check_patch_count(
+    model: torch.nn.Module, slot: str, pixels: torch.Tensor, size: tuple[int, int]
+) -> None:
+    """LLaVA-OneVision: an image of ``size`` takes as many patches as its grid pinpoints give (the
+    model reads the first that many); fewer is refused."""
+    pinpoints = getattr(model.config, "image_grid_pinpoints", None)
+    tile = getattr(model.config.vision_config, "image_size", None)
+    if not pinpoints or not isinstance(tile, int):
+        return
+    from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+    needed = image_size_to_num_patches(size, pinpoints, tile)
+    if pixels.shape[1] < needed:
+        raise ValueError(
+            f"PH {slot!r}: an image of image_sizes {list(size)} takes {needed} patches (the base view and its "
+            f"grid of {tile}x{tile} tiles); pixel_values has {pixels.shape[1]} (shape {tuple(pixels.shape)})"
+        )
+
+
 def _check_pixel_size(model: torch.nn.Module, slot: str, pixels: torch.Tensor) -> None:
     size = getattr(model.config.vision_config, "image_size", None)
     if isinstance(size, int) and tuple(pixels.shape[-2:]) != (size, size):
@@ -358,23 +383,88 @@ def _processor_call(processor: Any, slot: str, kind: str, **inputs: Any) -> Mapp
         raise ValueError(f"PH {slot!r}: the processor could not read the {kind}: {error}") from error
 
 
-def _load_image(value: Any, slot: str) -> Any:
+def max_image_pixels() -> int | None:
+    """The most pixels (width x height) an image file may have: ``HF_KVSHARE_MAX_IMAGE_PIXELS`` where
+    set, else Pillow's ``PIL.Image.MAX_IMAGE_PIXELS`` (``None``: no limit)."""
+    from PIL import Image
+
+    given = os.environ.get(MAX_PIXELS_ENV)
+    if given is None or not given.strip():
+        return Image.MAX_IMAGE_PIXELS
+    try:
+        limit = int(given)
+    except ValueError:
+        limit = 0
+    if limit <= 0:
+        raise ValueError(f"{MAX_PIXELS_ENV} must be a positive number of pixels; got {given!r}")
+    return limit
+
+
+def open_image(path: str | os.PathLike) -> Any:
+    """The image in file ``path``, decoded (a ``PIL.Image``); its size, read from the file's header, is
+    checked against :func:`max_image_pixels` before anything is decoded (a decompression bomb is an
+    :class:`ImageTooLarge` naming the file, its size and the limit; an unreadable file a ``ValueError``).
+    The one place images are opened (the Python API's paths and the bench's task files)."""
     from PIL import Image, UnidentifiedImageError
 
+    path, limit = Path(path), max_image_pixels()
+    raise_it = f"set {MAX_PIXELS_ENV} (or PIL.Image.MAX_IMAGE_PIXELS) to a larger number of pixels to read it"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit is checked here
+            with Image.open(path) as image:
+                width, height = image.size
+                if limit is not None and width * height > limit:
+                    raise ImageTooLarge(
+                        f"image file {str(path)!r} is {width}x{height} = {width * height:,} pixels, "
+                        f"over the limit of {limit:,} pixels (refused before decoding); {raise_it}"
+                    )
+                image.load()
+                return image.copy()
+    except Image.DecompressionBombError as error:  # over twice Pillow's limit: refused by Image.open
+        found = re.search(r"\((\d+) pixels\)", str(error))
+        size = f"{int(found.group(1)):,} pixels" if found else f"over {2 * Image.MAX_IMAGE_PIXELS:,} pixels"
+        beyond = limit is None or limit >= 2 * Image.MAX_IMAGE_PIXELS
+        raise ImageTooLarge(
+            f"image file {str(path)!r} is {size}, over the limit of "
+            f"{2 * Image.MAX_IMAGE_PIXELS if beyond else limit:,} pixels (refused before decoding); "
+            + (
+                "Pillow refuses twice PIL.Image.MAX_IMAGE_PIXELS: raise that to read it"
+                if beyond
+                else raise_it
+            )
+        ) from error
+    except ImageTooLarge:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        raise ValueError(
+            f"could not read image file {str(path)!r} ({type(error).__name__}: {error})"
+        ) from error
+
+
+class ImageTooLarge(ValueError):
+    """An image file over the pixel limit (:func:`max_image_pixels`): refused before it is decoded."""
+
+
+def _load_image(value: Any, slot: str) -> Any:
+    from PIL import Image
+
     if isinstance(value, Image.Image):
+        limit = max_image_pixels()
+        if limit is not None and value.width * value.height > limit:
+            raise ImageTooLarge(
+                f"PH {slot!r}: the image is {value.width}x{value.height} = {value.width * value.height:,} "
+                f"pixels, over the limit of {limit:,} pixels; set {MAX_PIXELS_ENV} to a larger number to use it"
+            )
         return value
     if isinstance(value, (str, os.PathLike)):
         path = Path(value)
         if not path.is_file():
             raise ValueError(f"PH {slot!r}: no image file at {str(path)!r}")
         try:
-            with Image.open(path) as image:
-                image.load()
-                return image.copy()
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-            raise ValueError(
-                f"PH {slot!r}: could not read image file {str(path)!r} ({type(error).__name__}: {error})"
-            ) from error
+            return open_image(path)
+        except ValueError as error:
+            raise type(error)(f"PH {slot!r}: {error}") from error
     raise TypeError(
         f"PH {slot!r}: image must be a PIL.Image, an image file's path or the processor's output "
         f"(a mapping with pixel_values and image_sizes); got {type(value).__name__}"
@@ -449,6 +539,11 @@ def _from_processed(
         raise ValueError(
             f"PH {slot!r}: processed {kind} input needs {key!r} (a tensor); got keys {sorted(given)}"
         )
+    if pixels.is_floating_point() and pixels.device.type != "meta" and not bool(torch.isfinite(pixels).all()):
+        bad = int((~torch.isfinite(pixels)).sum())
+        raise ValueError(
+            f"PH {slot!r}: {key} must be finite; {bad} of {pixels.numel()} values are NaN or infinite"
+        )
     if model.config.model_type in GRID_VISION_MODELS:
         return _from_processed_grid(model, processor, slot, kind, given, token, tower, key, pixels)
     if model.config.model_type in TILED_VISION_MODELS:
@@ -473,12 +568,19 @@ def _from_processed(
     if kind == "image":
         sizes = given.get("image_sizes")
         sizes = None if sizes is None else torch.as_tensor(sizes).reshape(-1)
-        if sizes is None or sizes.numel() != 2:
+        if sizes is None or sizes.numel() != 2 or sizes.is_floating_point() or sizes.is_complex():
             raise ValueError(
-                f"PH {slot!r}: processed image input needs image_sizes (height, width) of one image"
+                f"PH {slot!r}: processed image input needs image_sizes (height, width) of one image, integers"
             )
         size = (int(sizes[0]), int(sizes[1]))
+        limit = max_image_pixels()
+        if min(size) <= 0 or (limit is not None and size[0] * size[1] > limit):
+            raise ValueError(
+                f"PH {slot!r}: image_sizes {list(size)} must be a positive height and width of at most "
+                f"{limit} pixels in all ({MAX_PIXELS_ENV})"
+            )
         sizes = sizes.reshape(1, 2)
+        _check_patch_count(model, slot, pixels, size)
     else:
         size = (int(pixels.shape[1]), int(pixels.shape[-2]), int(pixels.shape[-1]))
     expected = _compat.processor_placeholders(processor, kind, size)
@@ -514,6 +616,16 @@ def _from_processed_grid(
     if int(grid.min()) <= 0:
         what = "a video needs at least one frame" if kind == "video" else "an image needs at least one patch"
         raise ValueError(f"PH {slot!r}: {what}; got {grid_key} {grid[0].tolist()}")
+    vision = model.config.vision_config
+    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", None))
+    sides = (channels, getattr(vision, "temporal_patch_size", None), getattr(vision, "patch_size", None))
+    if all(isinstance(n, int) for n in sides):
+        features = sides[0] * sides[1] * sides[2] ** 2
+        if pixels.shape[1] != features:
+            raise ValueError(
+                f"PH {slot!r}: {key} must have {features} features per patch (channels x temporal_patch_size "
+                f"x patch_size^2 of the vision tower); got shape {tuple(pixels.shape)}"
+            )
     if pixels.dtype != tower.dtype or pixels.device != tower.device:
         raise ValueError(
             f"PH {slot!r}: {key} must be {tower.dtype} on {tower.device} (the vision tower's); got "

@@ -9,6 +9,7 @@ from adversarial import Case, assert_holds, cached_model, cached_tokenizer
 from tiny import STEPS
 
 from hf_kvshare import METHODS, Session
+from hf_kvshare.method import option_names
 
 
 @pytest.mark.parametrize(
@@ -232,3 +233,121 @@ def test_adversarial_method_options(case):
 
 
 ADVERSARIAL = ADVERSARIAL_OPTIONS
+
+
+# ------------------------------------------------------------ issue 52: inputs (options and paths)
+def _profile_paths(tmp_path):
+    import os
+
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    with open(tmp_path / "huge.json", "wb") as file:  # sparse: 2 GiB of nothing, never read
+        file.truncate(2 << 30)
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "overflow.json").write_text("[0.5, " + "9" * 400 + "]")
+    return [
+        ("", "an empty path"),
+        ("   ", "an empty path"),
+        (str(tmp_path / "dir"), "is a directory"),
+        ("/dev/zero", "not a regular file"),
+        (str(tmp_path / "fifo"), "not a regular file"),
+        (str(tmp_path / "huge.json"), "is over 1048576 bytes"),
+        (str(tmp_path / "binary.json"), "is not JSON"),
+        (str(tmp_path / "overflow.json"), "sequence of numbers"),
+        (str(tmp_path / "none.json"), "no such file"),
+        ("a\x00b", "cannot be read"),
+    ]
+
+
+def test_a_layer_profile_path_that_is_no_small_regular_file_is_refused_without_reading_it(tmp_path):
+    """Issue 52 (inputs): ``droidspeak:layer_profile=`` an empty path, a directory, ``/dev/zero``, a FIFO
+    (opened without blocking: never waited on), a huge file (never read past the bound): one clear
+    ``ValueError`` naming the option, fast; also through the bench's option string."""
+    import time
+
+    from hf_kvshare.bench.methods import MethodSpec
+
+    for value, message in _profile_paths(tmp_path):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=f"layer_profile.*{message}"):
+            METHODS["droidspeak"](layer_profile=value)
+        assert time.monotonic() - start < 5, value
+    with pytest.raises(ValueError, match="creating method droidspeak.*layer_profile is an empty path"):
+        MethodSpec.parse("droidspeak:layer_profile=").create()
+    with pytest.raises(ValueError, match="layer_profile '/dev/zero' is not a regular file"):
+        MethodSpec.parse("droidspeak:layer_profile=/dev/zero").create()
+
+
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        (
+            "cacheblend",
+            {"check_layers": 1.5},
+            r"cacheblend: check_layers must be a layer index .*got 1.5 \(float\)",
+        ),
+        ("cacheblend", {"check_layers": None}, r"check_layers must be .*got None \(NoneType\)"),
+        ("cacheblend", {"check_layers": {1, 2}}, r"check_layers must be .*\(set\)"),
+        ("relaycaching", {"band": 0.5}, r"relaycaching: band must be two fractions .*got 0.5 \(float\)"),
+        ("relaycaching", {"band": 3}, r"band must be two fractions .*got 3 \(int\)"),
+        ("relaycaching", {"band": None}, r"band must be two fractions .*got None"),
+    ],
+)
+def test_a_number_where_layers_or_a_band_are_expected_is_a_clear_type_error(name, options, message):
+    """Issue 52 (inputs): ``cacheblend:check_layers`` / ``relaycaching:band`` given a number (or another
+    wrong type): a ``TypeError`` at construction naming the option, what it expects and what it got."""
+    with pytest.raises(TypeError, match=message):
+        METHODS[name](**options)
+
+
+@pytest.mark.parametrize("name", sorted(name for name, cls in METHODS.items() if option_names(cls)))
+def test_an_option_assigned_after_construction_is_checked(name):
+    """Issue 52 (inputs): an option set to a wrong value after construction (``m.tau = "x"``) is refused
+    there, as the constructor refuses it, naming the option; the instance keeps its value. A right
+    value is taken as the constructor would keep it."""
+    method = METHODS[name]()
+    before = method.state_options()
+    for option in before:
+        for bad in (object(), "surely not a valid value"):
+            if bad == before[option]:
+                continue
+            try:
+                setattr(method, option, bad)
+            except (TypeError, ValueError) as error:
+                assert option in str(error), (name, option, str(error))
+            else:
+                assert isinstance(bad, str), f"{name}.{option} = object() was accepted"
+                setattr(method, option, before[option])
+            assert method.state_options() == before, (name, option)
+    for option, value in before.items():
+        setattr(method, option, value)  # every value the constructor kept is taken again
+    assert method.state_options() == before
+
+
+def test_kvcmas_tau_set_to_a_string_after_construction_is_refused():
+    method = METHODS["kvcmas"](tau=0.3)
+    with pytest.raises(ValueError, match=r"KVCMAS.tau = 'x' refused: kvcmas: tau must be a real number"):
+        method.tau = "x"
+    assert method.tau == 0.3
+    method.tau = 1
+    assert method.tau == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "kvcmas:lead_in=" + "x" * 200_000,
+        "kvcmas:" + ",".join(f"tau=0.{i % 9}" for i in range(20_000)),
+        "cacheblend:check_layers=" + "1" * 100_000,
+    ],
+    ids=["long-option-value", "many-options", "long-number"],
+)
+def test_a_method_spec_is_bounded_in_length(text):
+    """Issue 52 (inputs): a method option string of 100 KB or more is one short error (not echoed whole)."""
+    from hf_kvshare.bench.methods import MethodSpec
+
+    with pytest.raises(
+        ValueError, match=r"method spec '.{60}'\.\.\. is [\d,]+ characters; at most 4096"
+    ) as error:
+        MethodSpec.parse(text)
+    assert len(str(error.value)) < 300

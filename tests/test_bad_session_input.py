@@ -306,3 +306,41 @@ def test_adversarial_session_inputs(case):
 
 
 ADVERSARIAL = ADVERSARIAL_INPUTS
+
+
+def test_one_session_from_two_threads_refuses_the_overlapping_turns_and_loses_no_slot(tokenizer):
+    """Issue 52 (inputs): one Session used by two threads at once, each running the whole workflow.
+    A turn that overlaps the other thread's is refused with a ``RuntimeError`` naming the cause before it
+    touches the session; every turn that ran is recorded (its output is a slot holding exactly its ids),
+    so the session holds what a sequential run of the same turns holds."""
+    import threading
+
+    model = tiny_model("llama", seed=3, num_hidden_layers=2)
+    session = Session(model, tokenizer, "fullshared")
+    barrier, ran, errors = threading.Barrier(2), [], []
+
+    def worker(tag):
+        barrier.wait()
+        for agent, segments in STEPS:
+            try:
+                result = session.run_turn(agent, segments, max_new_tokens=3)
+                ran.append((result.output_slot, result.output_ids.tolist()))
+            except Exception as error:  # noqa: BLE001 - every refusal is checked below
+                errors.append(f"{type(error).__name__}: {error}")
+
+    threads = [threading.Thread(target=worker, args=(tag,)) for tag in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(ran) + len(errors) == 2 * len(STEPS) and ran
+    overlap = [
+        e for e in errors if e.startswith("RuntimeError") and "in use by a turn in another thread" in e
+    ]
+    assert overlap, "the threads never overlapped"
+    # a later turn of a refused thread may read an output its refused turn never made: a clear refusal too
+    assert all(e in overlap or "ValueError" in e for e in errors), errors
+    for slot, ids in ran:
+        assert session.slots[slot].token_ids.tolist() == ids, slot
+    outputs = {name for name, slot in session.slots.items() if slot.producer is not None}
+    assert outputs == {slot for slot, _ in ran}

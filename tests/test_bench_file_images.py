@@ -159,6 +159,23 @@ def test_bench_refuses_a_bad_image_file_before_loading(tmp_path, capsys, monkeyp
     assert len(err) == 1 and "slots[0]" in err[0]
 
 
+def test_bench_validate_refuses_a_decompression_bomb_in_one_line(tmp_path, capsys):
+    """Issue 52 (inputs): a 20000x20000 PNG named by a task file is one line from ``bench validate`` (its
+    size read from the header, nothing decoded), not a traceback."""
+    from vision_helpers import bomb_png
+
+    media = write_images(tmp_path)
+    bomb_png(media / "bomb.png")
+    slots = [{"name": "chart", "image": "media/bomb.png"}, {"name": "question", "text": "Which?"}]
+    path = write_jsonl(tmp_path / "tasks.jsonl", [record(slots=slots)])
+    message = r"slots\[0\]\.image: image file '.*bomb\.png' is 400,000,000 pixels, over the limit of"
+    with pytest.raises(WorkloadFormatError, match=message):
+        validate_task_file(path)
+    assert bench("validate", path) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "400,000,000 pixels" in err[0]
+
+
 def test_bench_refuses_images_for_a_text_only_model_before_loading(tokenizer, tmp_path, capsys, monkeypatch):
     import hf_kvshare.models
 

@@ -130,6 +130,47 @@ def test_bad_records_name_line_and_field(tmp_path, mutate, message):
         load_task_file(path)
 
 
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda r: r["slots"][0].update(label="Task" * 30_000),
+            r"line 3: slots\[0\]\.label: 120,000 characters; at most 256 \(a name or label, not text\)",
+        ),
+        (
+            lambda r: r["agents"][0].update(glue="{label}" * 1000),
+            r"agents\[0\]\.glue: 7,000 characters; at most 4,096",
+        ),
+        (lambda r: r["agents"][1].update(tail="x" * 5000), r"agents\[1\]\.tail: 5,000 characters"),
+        (lambda r: r["agents"][0].update(system="y" * 70_000), r"agents\[0\]\.system: 70,000 characters"),
+        (lambda r: r["agents"][0].update(name="a" * 300), r"agents\[0\]\.name: 300 characters"),
+        (lambda r: r["slots"][0].update(name="q" * 300), r"slots\[0\]\.name: 300 characters"),
+        (lambda r: r["schedule"][0].update(output="o" * 300), r"schedule\[0\]\.output: 300 characters"),
+        (
+            lambda r: r["schedule"][1].update(reads=["query", "r" * 300]),
+            r"schedule\[1\]\.reads\[1\]: 300 characters",
+        ),
+        (lambda r: r.update(id="i" * 300), r"line 3: id: 300 characters"),
+        (
+            lambda r: r["slots"][0].update(text="z" * (2**22 + 1)),
+            r"schedule\[0\]: the turn's prompt holds 4,194,3\d\d characters of given text .*at most 4,194,304",
+        ),
+    ],
+)
+def test_names_labels_and_glue_are_bounded_in_length(tmp_path, capsys, mutate, message):
+    """Issue 52 (inputs): a label repeated to 120 KB, a long glue, tail, system prompt, name or a turn
+    of over 4 M characters: one clear error naming the line, the field, its length and the bound
+    (``bench validate`` exits 1 with one line), before anything is formatted or tokenized."""
+    from hf_kvshare.bench.__main__ import main
+
+    path = _bad(tmp_path, mutate, line_before=2)
+    with pytest.raises(WorkloadFormatError, match=message):
+        validate_task_file(path)
+    assert main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "characters" in err[0]
+
+
 def test_glue_format_specs_within_bounds_are_kept(tokenizer):
     record = copy.deepcopy(GRAPH_TASKS[1])
     record["agents"][1]["glue"] = "{{{label!r:>8.6}}} "  # literal braces, a conversion, width, precision

@@ -19,7 +19,8 @@
   :data:`RESULTS_MAX_FILES` files, none over :data:`RESULTS_MAX_BYTES`); the scripts in ``benchmarks/``
   use the public API only (no private ``hf_kvshare`` name, no ``setattr``).
 - one vLLM launcher: only ``serving/server.py`` names vLLM's server in a command line and, besides
-  the sandbox, calls ``subprocess.Popen``; ``bench serve`` is a package of one job per module (trace,
+  the sandbox and the router's module, calls ``subprocess.Popen``; only ``serving/replicas.py`` names
+  vLLM's router (``vllm-router``) and starts it, over replicas that are the launcher's ``Server``; ``bench serve`` is a package of one job per module (trace,
   client, columns, runs, cli: each job's calls in its module only) and no bench module is longer
   than 700 lines.
 - serving: no module keeps mutable state at its top level (a container, lock or thread; no
@@ -34,6 +35,10 @@
   ``SegmentedCache`` stays under a method budget; the cache's modules import no engine and every
   ``DeferredKV`` kind (``CorrectedKV``) lives in an engine; multimodal-RoPE internals are named only in
   ``mrope.py`` (and ``_compat.py``).
+- images are opened in one place: only ``vision.open_image`` (the pixel limit checked from the file's
+  header before decoding) calls ``Image.open``.
+- a method's options are checked where they are set: no method overrides ``Method.__setattr__``,
+  which re-runs the constructor's checks for an option assigned after construction.
 - why a span was not shared is classified in one place: ``reasons.py`` (the vocabulary of causes) is a
   leaf, importing no hf_kvshare module, and no other module matches a reason's text.
 """
@@ -604,7 +609,13 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: the one module that starts vLLM (``hf-kvshare serve`` and ``hf-kvshare bench serve`` both use it)
 LAUNCHER = f"{ROOT}.serving.server"
 #: the other modules that start a process with ``subprocess.Popen`` (none of them vLLM), and why
-OTHER_PROCESSES = {f"{ROOT}.bench.sandbox.execute": "a task's generated program, in the sandbox"}
+OTHER_PROCESSES = {
+    f"{ROOT}.bench.sandbox.execute": "a task's generated program, in the sandbox",
+    f"{ROOT}.serving.replicas": "vLLM's router (vllm-router) in front of replicas the launcher starts",
+}
+#: the one module that starts vLLM's router, and the router's executable as it names it
+REPLICAS = f"{ROOT}.serving.replicas"
+ROUTER_EXECUTABLE = "vllm-router"
 #: the modules of ``bench serve``, one job each, told by what they call (a job's callees are called in
 #: its module only): the requests and their arrivals; HTTP to the server; the tables and the figure;
 #: starting the servers (the launcher's ``Server``); the command line
@@ -637,6 +648,15 @@ def test_one_module_starts_vllm():
     assert popen == sorted([LAUNCHER, *OTHER_PROCESSES]), f"modules calling subprocess.Popen: {popen}"
     naming = sorted(name for name, tree in trees.items() if VLLM_SERVER_MODULE in _string_constants(tree))
     assert naming == [LAUNCHER], f"modules with vLLM's server in a command line (only {LAUNCHER}): {naming}"
+
+
+def test_one_module_starts_the_router_over_the_launchers_servers():
+    """Only ``serving/replicas.py`` names vLLM's router as an executable, and its replicas are the
+    launcher's ``Server`` (it names no vLLM server module itself: the test above)."""
+    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+    naming = sorted(name for name, tree in trees.items() if ROUTER_EXECUTABLE in _string_constants(tree))
+    assert naming == [REPLICAS], f"modules naming {ROUTER_EXECUTABLE} (only {REPLICAS}): {naming}"
+    assert "Server" in _callees(trees[REPLICAS]), f"{REPLICAS} starts its replicas as the launcher's Server"
 
 
 def test_the_bench_serve_modules_hold_one_job_each():
@@ -1021,6 +1041,85 @@ def test_the_cache_rule_finders_find_them():
     assert tensor_writes(tree) == [4]
     assert subclasses_of({"m": tree}, "DeferredKV") == {"m": ["A", "B"]}
     assert mrope_uses(tree) == [(5, "RopeTrack"), (5, "next_shift"), (5, "second_per_grid_ts")]
+
+
+# ------------------------------------------------------------------ images are opened in one place
+#: the one function that opens an image file: its size is checked from the header before decoding
+IMAGE_OPENER = (f"{ROOT}.vision", "open_image")
+
+
+def image_opens(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, function)`` of each ``Image.open(...)`` / ``PIL.Image.open(...)`` call in ``tree``, with
+    the function it is in (``""`` at the top level)."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr == "open"
+                and _name_of(child.func.value) == "Image"
+            ):
+                found.append((child.lineno, function))
+            visit(child, name)
+
+    visit(tree, "")
+    return found
+
+
+def test_images_are_opened_in_one_place():
+    """Every image file the package reads (the Python API's ``PH(image=path)``, video frames, the bench's
+    task files) goes through ``vision.open_image``, which refuses an image over the pixel limit from its
+    header before decoding it (a decompression bomb): no other code calls ``Image.open``."""
+    bad = [
+        f"{name}:{line} ({function or 'module'})"
+        for name, path in MODULES.items()
+        for line, function in image_opens(ast.parse(path.read_text()))
+        if (name, function) != IMAGE_OPENER
+    ]
+    assert not bad, "Image.open outside vision.open_image:\n" + "\n".join(bad)
+    assert image_opens(ast.parse(MODULES[IMAGE_OPENER[0]].read_text())), "vision.open_image opens no image"
+
+
+def test_the_image_open_finder_finds_them():
+    tree = ast.parse("def f(p):\n    return Image.open(p)\nx = PIL.Image.open('a')\ny = open('b')\n")
+    assert image_opens(tree) == [(2, "f"), (3, "")]
+
+
+# ------------------------------------------------------------------ options are checked where they are set
+def setattr_overrides(tree: ast.AST) -> list[str]:
+    """Classes in ``tree`` that define ``__setattr__`` / ``__setstate__`` themselves."""
+    return [
+        f"{node.name}.{fn.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        for fn in node.body
+        if isinstance(fn, ast.FunctionDef) and fn.name in ("__setattr__", "__setstate__")
+    ]
+
+
+def test_every_method_option_is_checked_when_set():
+    """A method's options are checked by its constructor and again when assigned later (``m.tau = x``):
+    ``Method.__setattr__`` re-runs the constructor's checks; no method file overrides it (which would
+    let an option change unchecked)."""
+    import hf_kvshare.methods  # noqa: F401  (registration)
+    from hf_kvshare.method import METHODS, Method
+
+    bad = [
+        f"{name}: {found}"
+        for name, path in MODULES.items()
+        if _inside(name, "methods")
+        for found in setattr_overrides(ast.parse(path.read_text()))
+    ]
+    bad += [name for name, cls in METHODS.items() if cls.__setattr__ is not Method.__setattr__]
+    assert not bad, "methods that bypass the option check on assignment:\n" + "\n".join(bad)
+
+
+def test_the_setattr_finder_finds_one():
+    tree = ast.parse("class A:\n    def __setattr__(self, k, v):\n        pass\nclass B:\n    x = 1\n")
+    assert setattr_overrides(tree) == ["A.__setattr__"]
 
 
 #: the cause vocabulary of spans not shared is ``reasons.py``: a leaf (it imports no hf_kvshare module,

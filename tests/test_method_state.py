@@ -169,15 +169,15 @@ def test_states_saved_before_delta_frames_load_only_into_the_canonical_frame(tin
     request(tiny_llama, tokenizer, method, QUERIES[1])
     before = (method.state_bytes(), method.state_summary())
     with pytest.raises(ValueError, match="delta_frame: saved 'canonical', this instance 'writer'"):
-        method.load_state(tmp_path / "s")
+        method.load_state(tmp_path / "s", allow_legacy=True)
     assert (method.state_bytes(), method.state_summary()) == before
     restored = METHODS["kvcmas"](tau=1.0, delta_frame="canonical")
-    restored.load_state(tmp_path / "s")
+    restored.load_state(tmp_path / "s", allow_legacy=True)
     assert restored.state_bytes() == old.state_bytes()
     header["options"].update(delta_frame="writer", key_frame="canonical", prefix_delta=False)
     write_saved(tmp_path / "s", header, tensors, reseal=False)
     with pytest.raises(ValueError, match="deltas in the canonical frame.*kvcmas:delta_frame=canonical"):
-        method.load_state(tmp_path / "s")
+        method.load_state(tmp_path / "s", allow_legacy=True)
     assert (method.state_bytes(), method.state_summary()) == before
 
 
@@ -285,11 +285,11 @@ def test_states_saved_before_fullshared_recorded_its_options_still_load(tiny_lla
     header["options"] = {}
     write_saved(tmp_path / "kept", header, tensors, reseal=False)  # as written then (format 1)
     restored = METHODS["fullshared"](prefix_reuse=True)
-    restored.load_state(tmp_path / "kept")
+    restored.load_state(tmp_path / "kept", allow_legacy=True)
     assert restored.state_bytes() == original.state_bytes()
     default = METHODS["fullshared"]()
     with pytest.raises(ValueError, match="prefix_reuse: saved True, this instance False"):
-        default.load_state(tmp_path / "kept")
+        default.load_state(tmp_path / "kept", allow_legacy=True)
     assert default.state_bytes() == 0
     for name, options in [
         ("fullshared", {"prefix_scope": "request"}),
@@ -299,7 +299,7 @@ def test_states_saved_before_fullshared_recorded_its_options_still_load(tiny_lla
         header, tensors = read_saved(tmp_path / name)
         header["options"] = {}
         write_saved(tmp_path / name, header, tensors, reseal=False)
-        METHODS[name](**options).load_state(tmp_path / name)
+        METHODS[name](**options).load_state(tmp_path / name, allow_legacy=True)
 
 
 @pytest.mark.parametrize(
@@ -365,6 +365,37 @@ def test_an_edited_state_is_refused_and_changes_nothing(tiny_llama, tokenizer, t
     with pytest.raises(ValueError, match="checksum"):
         target.load_state(tmp_path / "s", model=tiny_llama)
     assert _observable(target) == before
+
+
+def test_a_state_without_checksums_is_refused_unless_legacy_is_asked_for(tiny_llama, tokenizer, tmp_path):
+    """Issue 52 (inputs): a state edited to format 1 with both checksums removed (and a tensor edited) is
+    refused, naming the keyword that takes it; nothing changes. ``allow_legacy=True`` takes a format-1
+    state (checked by content only); a state written today loads without it."""
+    original = _kvcmas_with_state(tiny_llama, tokenizer)
+    original.save_state(tmp_path / "s")
+    METHODS["kvcmas"](tau=1.0).load_state(tmp_path / "s", model=tiny_llama)  # today's state: no keyword
+    header, tensors = read_saved(tmp_path / "s")
+    next(iter(tensors.values())).mul_(-1.0)
+    write_saved(tmp_path / "s", header, tensors, reseal=False)
+    target = _kvcmas_with_state(tiny_llama, tokenizer, QUERIES[2:3])
+    before = _observable(target)
+    with pytest.raises(ValueError, match=r"format 1, without checksums.*allow_legacy=True"):
+        target.load_state(tmp_path / "s", model=tiny_llama)
+    with pytest.raises(TypeError, match="allow_legacy must be True or False, got 'yes'"):
+        target.load_state(tmp_path / "s", model=tiny_llama, allow_legacy="yes")
+    assert _observable(target) == before
+    header["format"] = 2  # today's format with both checksums removed: refused whatever is asked
+    write_saved(tmp_path / "s", header, tensors, reseal=False)
+    header_2 = json.loads((tmp_path / "s" / "state.json").read_text())
+    header_2["format"] = 2
+    (tmp_path / "s" / "state.json").write_text(json.dumps(header_2))
+    with pytest.raises(ValueError, match="neither state.json nor state.safetensors carries a checksum"):
+        target.load_state(tmp_path / "s", model=tiny_llama, allow_legacy=True)
+    assert _observable(target) == before
+    write_saved(tmp_path / "s", header, tensors, reseal=False)
+    legacy = METHODS["kvcmas"](tau=1.0)
+    legacy.load_state(tmp_path / "s", model=tiny_llama, allow_legacy=True)
+    assert legacy.state_bytes() == original.state_bytes()
 
 
 def test_a_corrupted_byte_of_the_tensor_file_is_refused(tiny_llama, tokenizer, tmp_path):

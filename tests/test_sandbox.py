@@ -161,6 +161,34 @@ def test_files_outside_the_sandbox_are_neither_deleted_nor_created(tmp_path, att
 
 
 @needs_isolation
+def test_an_isolated_program_writes_only_its_own_work_directory():
+    """Issue 52 (inputs): isolated, ``/tmp`` is the sandbox's and read-only to the program (neither the
+    host's ``/tmp`` nor the sandbox's runner and program can be written or removed); its working, home
+    and temporary directory (``TMPDIR``) is ``/tmp/work``, inside the sandbox's quota."""
+    name = f"hfkv-probe-{os.getpid()}-{random.randrange(10**9)}"
+    program = (
+        "import os, posix\n"
+        "assert os.environ['TMPDIR'] == os.environ['HOME'] == '/tmp/work'\n"
+        "open('here.txt', 'w').write('fine')\n"
+        "open('/tmp/work/there.txt', 'w').write('fine')\n"
+        "refused = []\n"
+        f"for target in ['/tmp/{name}', '/tmp/runner.py', '/tmp/program.py']:\n"
+        "    try:\n"
+        "        open(target, 'w').write('x')\n"
+        "    except PermissionError:\n"
+        "        refused.append(target)\n"
+        "try:\n"
+        "    posix.unlink('/tmp/runner.py')\n"
+        "except PermissionError:\n"
+        "    refused.append('unlink')\n"
+        "assert len(refused) == 4, refused\n"
+    )
+    result = run_python(program, isolate=True)
+    assert result.passed and result.isolated, result
+    assert not Path(tempfile.gettempdir(), name).exists() and not Path("/tmp", name).exists()
+
+
+@needs_isolation
 def test_the_network_is_unreachable():
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -239,9 +239,9 @@ def test_states_saved_before_kinds_load_as_the_earlier_reading(tiny_llama, token
     (tmp_path / "state.json").write_text(json.dumps(header))
     save_file(load_file(str(tmp_path / "state.safetensors")), str(tmp_path / "state.safetensors"))
     with pytest.raises(ValueError, match="observation_source: saved 'question', this instance 'lead'"):
-        get_method("kvcmas", tau=1.0).load_state(tmp_path, tiny_llama)
+        get_method("kvcmas", tau=1.0).load_state(tmp_path, tiny_llama, allow_legacy=True)
     earlier = get_method("kvcmas", tau=1.0, observation_source="question")
-    earlier.load_state(tmp_path, tiny_llama)
+    earlier.load_state(tmp_path, tiny_llama, allow_legacy=True)
     assert earlier.state_summary()["anchors"] == method.state_summary()["anchors"]
 
 

@@ -307,6 +307,57 @@ def test_corrupt_and_missing_image_files(vlm, processor, tmp_path):
     refused(session, [PH("chart", image=42), PF("\nSo?")], "image must be a PIL.Image", vlm, TypeError)
 
 
+def test_an_image_over_the_pixel_limit_is_refused_before_decoding(vlm, processor, tmp_path, monkeypatch):
+    """Issue 52 (inputs): a 20000x20000 PNG (a decompression bomb) is refused from its header, naming
+    the file, its size and the limit; ``HF_KVSHARE_MAX_IMAGE_PIXELS`` moves the limit both ways."""
+    from vision_helpers import bomb_png
+
+    from hf_kvshare.vision import MAX_PIXELS_ENV, ImageTooLarge
+
+    bomb = bomb_png(tmp_path / "bomb.png")
+    session = Session(vlm, processor.tokenizer, processor=processor)
+    message = (
+        r"PH 'chart': image file '.*bomb\.png' is 400,000,000 pixels, over the limit of 89,478,485 pixels"
+    )
+    refused(session, [PH("chart", image=bomb), PF("\nSo?")], message, vlm, ImageTooLarge)
+    refused(session, [PH("clip", video=[str(bomb)]), PF("\nSo?")], "400,000,000 pixels", vlm, ImageTooLarge)
+    bomb = bomb_png(tmp_path / "warned.png", 10000, 10000)  # over Pillow's limit, under twice it (a warning)
+    message = r"is 10000x10000 = 100,000,000 pixels, over the limit of 89,478,485 pixels \(refused before"
+    refused(session, [PH("chart", image=bomb), PF("\nSo?")], message, vlm, ImageTooLarge)
+    random_image(0).save(tmp_path / "small.png")  # 50 x 40 = 2,000 pixels
+    monkeypatch.setenv(MAX_PIXELS_ENV, "1999")
+    refused(session, [PH("chart", image=tmp_path / "small.png"), PF("\nSo?")], "limit of 1,999 pixels", vlm)
+    refused(
+        session, [PH("chart", image=random_image(0)), PF("\nSo?")], "50x40 = 2,000 pixels", vlm, ImageTooLarge
+    )
+    monkeypatch.setenv(MAX_PIXELS_ENV, "lots")
+    refused(session, [PH("chart", image=tmp_path / "small.png"), PF("\nSo?")], "must be a positive", vlm)
+    monkeypatch.setenv(MAX_PIXELS_ENV, "2000")
+    session.run_turn("a", [PH("chart", image=tmp_path / "small.png"), PF("\nSo?")], max_new_tokens=1)
+
+
+def test_processed_pixel_values_must_be_finite_and_whole(vlm, processor, image):
+    """Issue 52 (inputs): NaN / infinite pixel values, fewer patches than the image's size takes (one
+    patch of five) and an impossible ``image_sizes`` are refused before the vision tower runs."""
+    batch = dict(processor(images=image, text="<image>", return_tensors="pt", add_special_tokens=False))
+    session = Session(vlm, processor.tokenizer, processor=processor)
+    for value in (float("nan"), float("inf")):
+        poisoned = batch["pixel_values"].clone()
+        poisoned[0, 1, 0, 3, 4] = value
+        bad = {**batch, "pixel_values": poisoned}
+        refused(
+            session, [PH("chart", image=bad), PF("\nSo?")], "must be finite; 1 of .* NaN or infinite", vlm
+        )
+    one_patch = {**batch, "pixel_values": batch["pixel_values"][:, :1]}
+    one_patch.pop("input_ids"), one_patch.pop("attention_mask")
+    refused(session, [PH("chart", image=one_patch), PF("\nSo?")], r"takes 5 patches.*has 1", vlm)
+    for sizes in ([[0, 40]], [[-40, 50]], [[10**6, 10**6]], [[40.5, 50.0]]):
+        bad = {"pixel_values": batch["pixel_values"], "image_sizes": torch.tensor(sizes)}
+        refused(session, [PH("chart", image=bad), PF("\nSo?")], "image_sizes", vlm)
+    frames = torch.full((1, 2, 3, 32, 32), float("nan"))
+    refused(session, [PH("clip", video={"pixel_values_videos": frames}), PF("\nSo?")], "finite", vlm)
+
+
 def test_video_with_zero_frames(vlm, processor):
     with pytest.raises(ValueError, match="at least one frame; got an empty list"):
         PH("clip", video=[])

@@ -144,3 +144,21 @@ def assert_full_recomputation_equals_nonshared(model, processor, image, layout=a
     _, got = run_request(model, processor, CacheBlend(rho=0.0), image, layout=layout)
     assert [t.output_ids.tolist() for t in got] == [t.output_ids.tolist() for t in exact]
     assert got[1].tokens_recomputed > 0
+
+
+def bomb_png(path, width: int = 20000, height: int = 20000):
+    """A PNG whose header claims ``width`` x ``height`` grayscale pixels (a decompression bomb's size)
+    over a few bytes of data: only a reader that decodes before checking the size would notice the rest
+    is missing."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    data = zlib.compress(b"\0" * (width + 1) * 4)
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
+    )
+    return path

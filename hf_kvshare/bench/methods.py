@@ -13,6 +13,9 @@ from typing import Any
 from ..method import option_names
 from ..methods import METHODS, Method
 
+#: the longest method spec taken (``name:key=value,...``): options are knobs, not text
+MAX_SPEC_CHARS = 4096
+
 
 @dataclass(frozen=True)
 class MethodSpec:
@@ -23,6 +26,11 @@ class MethodSpec:
 
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
+        if len(text) > MAX_SPEC_CHARS:
+            raise ValueError(
+                f"method spec {text[:60]!r}... is {len(text):,} characters; at most {MAX_SPEC_CHARS} "
+                "(a registry name and its options)"
+            )
         name, _, rest = text.partition(":")
         name = name.strip()
         if name not in METHODS:

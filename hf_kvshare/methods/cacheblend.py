@@ -53,7 +53,16 @@ class CacheBlend(SelectiveRecompute):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        layers = tuple(self.check_layers) if not isinstance(self.check_layers, int) else (self.check_layers,)
+        given = self.check_layers
+        if isinstance(given, int) and not isinstance(given, bool):
+            layers = (given,)
+        elif isinstance(given, Sequence) and not isinstance(given, (str, bytes)):
+            layers = tuple(given)
+        else:
+            raise TypeError(
+                "cacheblend: check_layers must be a layer index or a list of layer indices (ints >= 1, "
+                f"increasing); got {given!r} ({type(given).__name__})"
+            )
         if not layers:
             raise ValueError("check_layers must name at least one layer")
         if any(not isinstance(layer, int) or isinstance(layer, bool) for layer in layers):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,9 @@ from ..recompute.layers import SegmentRecompute
 from ..recompute.selection import layer_deviation_profile, select_layer_groups
 from ..recompute.stack import DecoderStack
 from .selective import SelectiveRecompute
+
+#: the largest layer-profile file read (a profile is one number per layer: a few kilobytes)
+MAX_PROFILE_BYTES = 1 << 20
 
 if TYPE_CHECKING:
     from ..trajectory import Span
@@ -172,11 +176,16 @@ class DroidSpeak(SelectiveRecompute):
 
 
 def _as_profile(profile: Sequence[float] | str | os.PathLike) -> list[float]:
+    if isinstance(profile, str) and not profile.strip():
+        raise ValueError(
+            "layer_profile is an empty path (expected numbers or the JSON file written by `python -m "
+            "hf_kvshare.bench calibrate --method droidspeak ...`)"
+        )
     if isinstance(profile, (str, os.PathLike)):
         profile = _read_profile(Path(profile))
     try:
         values = [float(x) for x in profile]
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, OverflowError) as error:
         raise ValueError(
             f"layer_profile must be a sequence of numbers, one per layer; got {profile!r}"
         ) from error
@@ -188,15 +197,36 @@ def _as_profile(profile: Sequence[float] | str | os.PathLike) -> list[float]:
 
 
 def _read_profile(path: Path) -> Sequence[float]:
-    """The ``layer_profile`` list of a JSON file (a bare list, or an object with that key)."""
+    """The ``layer_profile`` list of a JSON file (a bare list, or an object with that key): a regular
+    file of at most :data:`MAX_PROFILE_BYTES`, checked before it is read (opened without blocking, so a
+    FIFO or a device is refused, never read)."""
+    expected = (
+        "expected numbers or the JSON file written by `python -m hf_kvshare.bench calibrate --method "
+        "droidspeak ...`"
+    )
     try:
-        data = json.loads(path.read_text())
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
+        raise ValueError(f"layer_profile {str(path)!r}: no such file ({expected})") from None
+    except (OSError, ValueError) as error:  # ValueError: a NUL byte in the path
         raise ValueError(
-            f"layer_profile {str(path)!r}: no such file (expected numbers or the JSON file written by "
-            "`python -m hf_kvshare.bench calibrate --method droidspeak ...`)"
-        ) from None
-    except json.JSONDecodeError as error:
+            f"layer_profile {str(path)!r}: cannot be read ({getattr(error, 'strerror', None) or error})"
+        ) from error
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
+        raise ValueError(f"layer_profile {str(path)!r} is {kind}; {expected}")
+    with os.fdopen(descriptor, "rb") as file:
+        raw = file.read(MAX_PROFILE_BYTES + 1)
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise ValueError(
+            f"layer_profile file {str(path)!r} is over {MAX_PROFILE_BYTES} bytes; a layer profile is one "
+            "number per layer"
+        )
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ValueError(f"layer_profile file {str(path)!r} is not JSON: {error}") from error
     if isinstance(data, dict):
         if "layer_profile" not in data:

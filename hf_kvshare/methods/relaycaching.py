@@ -58,6 +58,11 @@ class RelayCaching(SelectiveRecompute):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.band, Sequence) or isinstance(self.band, (str, bytes)):
+            raise TypeError(
+                "relaycaching: band must be two fractions of depth (start, end), 0 <= start < end <= 1; got "
+                f"{self.band!r} ({type(self.band).__name__})"
+            )
         band = tuple(self.band)
         if (
             len(band) != 2

@@ -26,6 +26,9 @@ from ..trajectory import PF, PH
 
 #: the key of this package's explicit layout inside a request's ``kv_transfer_params``
 LAYOUT_KEY = "hf_kvshare"
+#: the HTTP header vLLM's router (``consistent_hash``) keys its session affinity by: the task, so that a
+#: task's agents reach the replica holding its K/V (:mod:`hf_kvshare.serving.replicas`)
+SESSION_HEADER = "X-Session-ID"
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,11 @@ class ChatRequest:
         if self.task is not None:
             layout = {"task": self.task, **layout}
         return {LAYOUT_KEY: layout}
+
+    def headers(self) -> dict[str, str]:
+        """The request's HTTP headers for replicas behind vLLM's router: ``X-Session-ID: <task>`` (none
+        without a task); with the OpenAI client, ``extra_headers=request.headers()``."""
+        return {SESSION_HEADER: self.task} if self.task else {}
 
     def text(self, span: SharedSpan) -> str:
         """The text of a shared span."""

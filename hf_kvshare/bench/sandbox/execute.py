@@ -23,10 +23,11 @@ Used for HumanEval pass@1 (opt-in with ``--execute``). What each mode promises:
   ``$HOME`` and the Hugging Face / XDG caches covered by empty directories, so neither the checkout,
   installed packages' data (HumanEval's canonical solutions), dataset caches nor the home directory
   can be read, and no host socket path exists; a seccomp filter refuses AF_UNIX sockets (and
-  io_uring) anyway. ``/tmp`` (the working and home directory) is a private tmpfs of ``disk_mb``: the
-  disk quota (``ENOSPC`` past it). The program runs as ``nobody`` with ``no_new_privs`` and no
-  capabilities: no file outside ``/tmp`` can be written or deleted (``posix.unlink``,
-  ``importlib.reload(os)``, ``ctypes``, a remount), no socket reaches anything (only a down loopback
+  io_uring) anyway. ``/tmp`` is a private tmpfs of ``disk_mb``: the disk quota (``ENOSPC`` past it),
+  read-only to the program but for ``/tmp/work``, its working, home and temporary directory
+  (``TMPDIR``). The program runs as ``nobody`` with ``no_new_privs`` and no capabilities: no file
+  outside ``/tmp/work`` can be written or deleted, not the host's ``/tmp`` nor the sandbox's runner
+  (``posix.unlink``, ``importlib.reload(os)``, ``ctypes``, a remount), no socket reaches anything (only a down loopback
   exists), and the checker (another user) cannot be signalled, traced or read. The launcher is PID 1
   of the namespace: when it exits every process in it is killed. Otherwise a
   :class:`RuntimeWarning` says, once, that files and the network are reachable.
@@ -151,7 +152,8 @@ def run_python(
     Args:
         isolate: ``"auto"`` (namespaces when available, else a warning), ``True`` (raise when they
             are not available) or ``False`` (no namespaces: verdict, limits, quota and tree kill only).
-        disk_mb: the disk quota of the program's private ``/tmp`` (isolated: a tmpfs of that size).
+        disk_mb: the disk quota of the program's private directory (isolated: ``/tmp``, a tmpfs of that
+            size, the program writing in ``/tmp/work``).
     """
     if not isinstance(program, str):
         raise TypeError(f"program must be a str, got {type(program).__name__}")

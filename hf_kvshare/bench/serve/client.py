@@ -45,8 +45,14 @@ if TYPE_CHECKING:
     from .runs import Plan, ServerGroup
 
 
-def stream_chat(port: int, body: Mapping[str, Any], timeout: float, host: str = HOST) -> dict[str, Any]:
-    """POST a streaming chat request; returns ``ok``, ``ttft_s`` (send to the first chunk carrying an
+def stream_chat(
+    port: int,
+    body: Mapping[str, Any],
+    timeout: float,
+    host: str = HOST,
+    headers: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """POST a streaming chat request (``headers``: added, e.g. the router's affinity header); returns ``ok``, ``ttft_s`` (send to the first chunk carrying an
     output token), ``e2e_s``, the reply text, usage (prompt / completion / cached tokens) or ``error``."""
     body = {"return_token_ids": True, **body}  # vLLM: each chunk carries its token ids (TTFT, replies)
     t0 = time.perf_counter()
@@ -54,7 +60,12 @@ def stream_chat(port: int, body: Mapping[str, Any], timeout: float, host: str = 
     out: dict[str, Any] = {"ok": False, "ttft_s": None, "text": ""}
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(body),
+            {"Content-Type": "application/json", **(headers or {})},
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             out["error"] = f"HTTP {resp.status}: {resp.read(2000).decode(errors='replace')}"
@@ -154,25 +165,33 @@ def metrics_snapshot(port: int) -> dict[str, float]:
     return parse_metrics(text) if status == 200 else {}
 
 
-def read_reports(path: Path | None, ids: Sequence[str], wait_s: float = 10.0) -> dict[str, dict[str, Any]]:
+def read_reports(
+    path: Path | Sequence[Path] | None, ids: Sequence[str], wait_s: float = 10.0
+) -> dict[str, dict[str, Any]]:
     """The connector's reports (its JSONL file, :data:`hf_kvshare.serving.connector.REPORTS_ENV`) of
     the requests the bench sent with ``request_id`` in ``ids``: vLLM names a request
-    ``chatcmpl-<id>-<random>`` inside the engine. Waits up to ``wait_s`` for missing ones."""
+    ``chatcmpl-<id>-<random>`` inside the engine. Waits up to ``wait_s`` for missing ones. A list of
+    paths: one per replica behind a router, each report tagged with its ``replica`` (the index)."""
     found: dict[str, dict[str, Any]] = {}
     if path is None:
         return found
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
     wanted = set(ids)
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError:
-            lines = []
-        for line in lines:
+        lines = []
+        for replica, one in enumerate(paths):
+            try:
+                lines += [(replica, line) for line in Path(one).read_text().splitlines()]
+            except OSError:
+                pass
+        for replica, line in lines:
             try:
                 report = json.loads(line)
             except ValueError:
                 continue
+            if len(paths) > 1:
+                report["replica"] = replica
             rid = str(report.get("external_id") or report.get("request_id") or "")
             key = rid.removeprefix("chatcmpl-")
             for candidate in (key, key.rsplit("-", 1)[0]):
@@ -197,8 +216,8 @@ class RunSpec:
     explicit_layout: bool = False
     split: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
-    #: the connector's report file (``None``: a plain server)
-    report_path: Path | None = None
+    #: the connector's report file (``None``: a plain server; a list: one per replica behind a router)
+    report_path: Path | list[Path] | None = None
     order: str = "task"  # the requests' arrival order (:func:`request_place`)
     #: the Poisson schedule's seed (``None``: ``seed``); every method at a QPS gets the same one, the
     #: document-first row too, whose documents (``seed``) must differ from the plain row's on one server
@@ -269,6 +288,7 @@ def run_once(
                     min_tokens=min_tokens,
                     split=spec.split,
                 )
+            headers = request.headers()  # the task's affinity header (document-first's request has no task)
             if spec.layout == DOC_FIRST:
                 request = document_first(request)
             body = request.body(
@@ -277,7 +297,7 @@ def run_once(
             body["request_id"] = spec.request_id(p.index)
             rec.update(agent=agent, sent_s=now, dependency_wait_s=max(now - p.arrival_s, 0.0))
             timeout = min(spec.request_timeout, max(hard_stop - time.perf_counter(), 1.0))
-            result = stream_chat(port, body, timeout)
+            result = stream_chat(port, body, timeout, headers=headers)
             rec["finished_s"] = time.perf_counter() - start
             rec.update({k: v for k, v in result.items() if k != "text"})
             rec["output_text"] = result["text"]
@@ -310,6 +330,8 @@ def run_once(
             report = reports.get(spec.request_id(r["request"]))
             if report is not None:
                 r["connector"] = compact_report(report)
+                if "replica" in report:
+                    r["replica"] = report["replica"]
     row = {
         "method": spec.method,
         "qps": spec.qps,
@@ -351,7 +373,7 @@ def warm_up(
             request = traj.request(
                 agent, messages, output_slot=slot, max_tokens=max_tokens, min_tokens=min_tokens
             )
-            body = request.body("model", stream=True, explicit_layout=explicit)
+            body = request.body(getattr(args, "served_model", "model"), stream=True, explicit_layout=explicit)
             result = stream_chat(port, body, args.request_timeout)
             if not result["ok"]:
                 raise RuntimeError(f"warm-up request failed: {result.get('error')}")

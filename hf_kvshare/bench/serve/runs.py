@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...serving.server import HOST, Server, free_port
-from .client import RunSpec, forced_pass, run_once, warm_up
+from ...serving.replicas import FIX, ReplicaSet, probe_affinity, replica_ports, router_workers, served_counts
+from ...serving.server import HOST, Server, free_port, port_in_use
+from .client import RunSpec, forced_pass, get, run_once, warm_up
 from .columns import agreement_columns, fill_exact, json_safe, write_outputs
 from .trace import BASELINES, DOC_FIRST, ServeTrace, run_seed
 
@@ -113,10 +114,72 @@ def group_server(
     return running(server, args.startup_timeout)
 
 
+def group_replicas(
+    group: ServerGroup,
+    plan: Plan,
+    args: argparse.Namespace,
+    port: int,
+    log_path: Path,
+    env: Mapping[str, str],
+    vllm_args: list[str],
+    report_paths: list[Path] | None = None,
+) -> contextlib.AbstractContextManager[ReplicaSet]:
+    """``--replicas N``: the group's server as N replicas (each its log and connector reports) behind
+    vLLM's router on ``port`` (:mod:`hf_kvshare.serving.replicas`), ready inside the block."""
+    ports, metrics_port = replica_ports(port, args.replicas)
+    servers = [
+        Server(
+            plan.model_dir,
+            group.method,
+            group.options,
+            port=replica_port,
+            vllm_args=[*vllm_args, "--served-model-name", "model"],
+            background=not args.inline_admission,
+            read_back_channel=not args.no_read_back_channel,
+            log=log_path.with_suffix(f".replica{i}.log"),
+            python=args.vllm_python,
+            env={**env, **({REPORTS: str(report_paths[i])} if report_paths is not None else {})},
+        )
+        for i, replica_port in enumerate(ports)
+    ]
+    replicas = ReplicaSet(
+        servers,
+        port,
+        metrics_port,
+        policy=args.router_policy,
+        router=args.router,
+        log=log_path.with_suffix(".router.log"),
+    )
+    return running(replicas, args.startup_timeout)
+
+
+def free_ports(n: int) -> int:
+    """A port on :data:`HOST` whose ``n - 1`` successors are free too (the router, its metrics, replicas)."""
+    for _ in range(100):
+        port = free_port()
+        if port + n < 65536 and not any(port_in_use(port + i) for i in range(n)):
+            return port
+    raise RuntimeError(f"no {n} consecutive free ports on {HOST}; give --port")
+
+
+def replica_columns(records: Sequence[Mapping[str, Any]], replicas: int) -> dict[str, Any]:
+    """Which replica served what (from each replica's connector reports): the requests and the tasks
+    per replica, and the tasks whose requests reached more than one (sharing missed there)."""
+    served = [r for r in records if r.get("replica") is not None]
+    by_task: dict[Any, set[int]] = {}
+    for r in served:
+        by_task.setdefault(r["task"], set()).add(r["replica"])
+    return {
+        "replica_requests": [sum(r["replica"] == i for r in served) for i in range(replicas)],
+        "replica_tasks": [sum(i in s for s in by_task.values()) for i in range(replicas)],
+        "tasks_on_several_replicas": sum(len(s) > 1 for s in by_task.values()),
+    }
+
+
 @contextlib.contextmanager
-def running(server: Server, startup_timeout: float) -> Iterator[Server]:
-    """``server`` started, ready within ``startup_timeout`` seconds, stopped when the block ends (also
-    when it never got ready)."""
+def running(server: Server | ReplicaSet, startup_timeout: float) -> Iterator[Server | ReplicaSet]:
+    """``server`` (or a replica set) started, ready within ``startup_timeout`` seconds, stopped when the
+    block ends (also when it never got ready)."""
     with server:
         server.wait_ready(startup_timeout)
         yield server
@@ -137,7 +200,7 @@ def run_spec(
         seed,
         args.max_duration,
         args.request_timeout,
-        "model",
+        getattr(args, "served_model", "model"),  # --url: the running server's name
         DOC_FIRST if method == DOC_FIRST else "agent-first",
         args.explicit_layout and method not in BASELINES,
         not args.joined_messages,
@@ -165,6 +228,8 @@ def sweep(plan: Plan, args: argparse.Namespace, tokenizer: Any, config: Mapping[
     runs: dict[tuple[str, int, float], list[dict[str, Any]]] = {}  # (method, repeat, qps) -> records
     forced: dict[str, Any] = {}
     env = server_env(args.threads, args.kv_cache_gib)
+    replicas = getattr(args, "replicas", 1)
+    url = getattr(args, "url", None)
     base_args = [
         "--dtype",
         args.dtype,
@@ -179,28 +244,58 @@ def sweep(plan: Plan, args: argparse.Namespace, tokenizer: Any, config: Mapping[
         for repeat in range(args.repeats):
             order = plan.groups if repeat % 2 == 0 else plan.groups[::-1]
             for group in order:
-                port = args.port or free_port()
                 log_path = work / "logs" / f"{group.key}-r{repeat}.log"
                 report_path = log_path.with_suffix(".reports.jsonl") if group.method is not None else None
-                if report_path is not None:
-                    report_path.unlink(missing_ok=True)
-                server = group_server(
-                    group, plan, args, port, log_path, env, [*base_args, *args.vllm_arg], report_path
-                )
-                print(f"server {group.key} (repeat {repeat}) on {HOST}:{port} ...", flush=True)
-                with server:
-                    warm_up(
-                        port, plan, args, tokenizer, repeat, args.explicit_layout and group.method is not None
+                if url is not None:  # a running server or router: nothing started here
+                    port, server = int(url.rsplit(":", 1)[1]), contextlib.nullcontext()
+                elif replicas > 1:  # the router on port, the replicas after it, each its reports
+                    port = args.port or free_ports(replicas + 2)
+                    if report_path is not None:
+                        report_path = [report_path.with_suffix(f".replica{i}.jsonl") for i in range(replicas)]
+                    server = group_replicas(
+                        group, plan, args, port, log_path, env, [*base_args, *args.vllm_arg], report_path
                     )
+                else:
+                    port = args.port or free_port()
+                    server = group_server(
+                        group, plan, args, port, log_path, env, [*base_args, *args.vllm_arg], report_path
+                    )
+                for path in [report_path] if isinstance(report_path, Path) else report_path or []:
+                    path.unlink(missing_ok=True)
+                print(f"server {group.key} (repeat {repeat}) on {HOST}:{port} ...", flush=True)
+                with server as live:
+                    # warm-up and the teacher-forced pass on each replica directly (the router's choice
+                    # is the timed runs')
+                    direct = [s.port for s in live.servers] if replicas > 1 else [port]
+                    workers = [s.url for s in live.servers] if replicas > 1 else url_workers(url, prog)
+                    for direct_port in direct:
+                        warm_up(
+                            direct_port,
+                            plan,
+                            args,
+                            tokenizer,
+                            repeat,
+                            args.explicit_layout and group.method is not None,
+                        )
                     if args.agreement and repeat == 0:
                         forced[group.key] = forced_pass(
-                            port, plan, args, tokenizer, group, forced.get("plain")
+                            direct[0], plan, args, tokenizer, group, forced.get("plain")
                         )
                     for qi, qps in enumerate(plan.qps):
                         for method in group.methods:
                             spec = run_spec(method, qps, qi, repeat, args, report_path)
+                            before = served_counts(workers)
                             row, records = run_once(port, spec, plan.workload, tokenizer, log=sys.stdout)
                             row.update(agreement_columns(method, forced))
+                            if workers:  # each replica's finished requests (its /metrics)
+                                after = served_counts(workers)
+                                row["replica_requests"] = [
+                                    None if a is None or b is None else round(a - b)
+                                    for a, b in zip(after, before)
+                                ]
+                            if replicas > 1 and report_path is not None:  # and which task (its reports)
+                                row.update(replica_columns(records, replicas))
+                            report_replicas(row, prog)
                             rows.append(row)
                             runs[(method, repeat, qps)] = records
                             fill_exact(rows, runs)
@@ -230,6 +325,41 @@ def sweep(plan: Plan, args: argparse.Namespace, tokenizer: Any, config: Mapping[
     publish_directory(work, plan.out)
     print("\n".join(str(plan.out / p.relative_to(work)) for p in written))
     return 0
+
+
+def url_workers(url: str | None, prog: str) -> list[str]:
+    """``--url``: the router's replicas (one server: itself), its affinity probed once (a warning when a
+    session reaches several replicas); ``[]`` without ``--url``."""
+    if url is None:
+        return []
+    try:
+        workers = router_workers(url)
+    except (OSError, RuntimeError, ValueError):
+        return [url]  # a server, not a router
+    model = json.loads(get(int(url.rsplit(":", 1)[1]), "/v1/models")[1])["data"][0]["id"]
+    warning = probe_affinity(url, model)
+    if warning:
+        print(f"{prog} serve: warning: {warning}", file=sys.stderr, flush=True)
+    print(f"{prog} serve: {url} routes to {len(workers)} replica(s): {' '.join(workers)}", flush=True)
+    return workers
+
+
+def report_replicas(row: Mapping[str, Any], prog: str) -> None:
+    """The run's per-replica counts, and a warning when a task reached several replicas."""
+    if "replica_requests" not in row:
+        return
+    print(
+        f"    replicas: requests {row['replica_requests']}"
+        + (f", tasks {row['replica_tasks']}" if "replica_tasks" in row else ""),
+        flush=True,
+    )
+    if row.get("tasks_on_several_replicas"):
+        print(
+            f"{prog} serve: warning: {row['tasks_on_several_replicas']} task(s) reached several replicas: "
+            f"sharing missed there; {FIX}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def partial_dir(out: Path) -> Path:

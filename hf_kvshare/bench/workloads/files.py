@@ -20,6 +20,31 @@ from .spec import TaskSpec, WorkloadFormatError
 #: local file extensions and the ``datasets`` builder that reads them
 #: the largest task file read (bytes)
 MAX_TASK_FILE = 256 * 2**20
+#: the longest name, label, kind or id a task names (an identifier, not text)
+MAX_NAME_CHARS = 256
+#: the longest glue or tail (the text an agent puts around each slot it reads: repeated per read)
+MAX_GLUE_CHARS = 4096
+#: the longest system prompt
+MAX_SYSTEM_CHARS = 2**16
+#: the most characters of given text one turn's prompt may hold (system, glue, slot texts, tail), checked
+#: before anything is tokenized
+MAX_TURN_CHARS = 2**22
+#: the bounded string fields of a task record: (list, field, bound); ``None``: the record itself
+_BOUNDED_FIELDS = (
+    (None, "id", MAX_NAME_CHARS),
+    ("agents", "name", MAX_NAME_CHARS),
+    ("agents", "adapter", MAX_NAME_CHARS),
+    ("agents", "glue", MAX_GLUE_CHARS),
+    ("agents", "tail", MAX_GLUE_CHARS),
+    ("agents", "system", MAX_SYSTEM_CHARS),
+    ("slots", "name", MAX_NAME_CHARS),
+    ("slots", "label", MAX_NAME_CHARS),
+    ("slots", "kind", MAX_NAME_CHARS),
+    ("schedule", "agent", MAX_NAME_CHARS),
+    ("schedule", "output", MAX_NAME_CHARS),
+    ("schedule", "label", MAX_NAME_CHARS),
+    ("schedule", "reads", MAX_NAME_CHARS),
+)
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
@@ -68,7 +93,9 @@ def _validate_text(
             raise WorkloadFormatError(
                 f"{where}: not valid JSON here ({' '.join(str(e).split())[:200]})"
             ) from None
+        check_lengths(record, where)
         task = TaskSpec.from_record(record, where=where, default_id=f"line-{number}", base=path.parent)
+        check_turn_lengths(task, where)
         check_media(task, where)
         if adapters is not None:
             check_adapters(task, adapters, where)
@@ -137,6 +164,47 @@ def load_task_file(path: str | os.PathLike) -> list[TaskSpec]:
     ]
 
 
+def check_lengths(record: Any, where: str) -> None:
+    """Every name, label, glue, tail and system prompt of a raw task record within its bound
+    (:data:`_BOUNDED_FIELDS`), checked before the record is parsed (a glue is formatted with every
+    label there); ``WorkloadFormatError`` naming ``where``, the field, its length and the bound. Fields
+    of another type are left to :meth:`TaskSpec.from_record`, which names them."""
+    if not isinstance(record, dict):
+        return
+    for key, name, bound in _BOUNDED_FIELDS:
+        listed = [] if key is None else record.get(key)
+        if not isinstance(listed, list):
+            continue  # absent, or not a list: from_record says so
+        for i, item in [("", record)] if key is None else enumerate(listed):
+            value = item.get(name) if isinstance(item, dict) else None
+            values = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+            for j, text in values:
+                if isinstance(text, str) and len(text) > bound:
+                    field = name if key is None else f"{key}[{i}].{name}"
+                    field += "" if j is None else f"[{j}]"
+                    raise WorkloadFormatError(
+                        f"{where}: {field}: {len(text):,} characters; at most {bound:,} ({_what(name)})"
+                    )
+
+
+def _what(name: str) -> str:
+    if name in ("glue", "tail"):
+        return "the text around each slot an agent reads"
+    return "a system prompt" if name == "system" else "a name or label, not text"
+
+
+def check_turn_lengths(task: TaskSpec, where: str) -> None:
+    """Every turn's given text (its system prompt, glue, slot texts and tail) within
+    :data:`MAX_TURN_CHARS` characters, before anything is tokenized."""
+    for i, turn in enumerate(task.turns()):
+        chars = len(turn.system) + sum(len(getattr(item, "text", None) or "") for item in turn.content)
+        if chars > MAX_TURN_CHARS:
+            raise WorkloadFormatError(
+                f"{where}: schedule[{i}]: the turn's prompt holds {chars:,} characters of given text (system, "
+                f"glue, slots, tail); at most {MAX_TURN_CHARS:,}"
+            )
+
+
 def check_media(task: TaskSpec, where: str) -> None:
     """Every image file and video frame a slot of ``task`` names is a readable image (opened and
     decoded with PIL); ``WorkloadFormatError`` naming ``where``, the slot's field and the file."""
@@ -159,7 +227,7 @@ def check_media(task: TaskSpec, where: str) -> None:
 
 def image_file_problem(name: str | os.PathLike) -> str | None:
     """Why ``name`` is not a readable image file, or ``None``."""
-    from PIL import Image, UnidentifiedImageError
+    from ...vision import open_image
 
     path = Path(name)
     if not path.exists():
@@ -167,10 +235,9 @@ def image_file_problem(name: str | os.PathLike) -> str | None:
     if not path.is_file():
         return f"{str(path)!r} is not a regular file"
     try:
-        with Image.open(path) as image:
-            image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-        return f"could not read image file {str(path)!r} ({type(error).__name__}: {error})"
+        open_image(path)  # its size checked before it is decoded (a decompression bomb is refused)
+    except ValueError as error:
+        return str(error)
     return None
 
 
