@@ -105,6 +105,18 @@ def test_kvcmas_causes_on_a_workflow_that_repeats_its_note(tiny_llama, tokenizer
     assert "no_correction" in _check_sums(span[-1])
 
 
+def test_kvcmas_nearest_rule_gives_gate_far(tiny_llama, tokenizer):
+    """tau = 1 accepts any weights; ``nearest`` then rejects a candidate far from every anchor."""
+    method = get_method("kvcmas", tau=1.0, nearest=1e-6)
+    causes = set()
+    for i in range(4):
+        for turn in _request(
+            tiny_llama, tokenizer, method, f"Document {i}: items.", "The note says the same."
+        ):
+            causes |= set(_check_sums(turn))
+    assert "gate_far" in causes
+
+
 def _records(turns, method):
     """Turn records as the protocol writes them (evaluation.protocol.turn_records)."""
     return [
