@@ -7,7 +7,7 @@ row to a stable category of :data:`CAUSES` (a producer may state it outright as 
 the free-text reason is kept beside it as the detail. :func:`turn_causes` and :func:`report_causes`
 count the tokens not shared per cause (a turn's counts add up to its ``ph_prefilled``);
 :func:`merge`, :func:`top` and :func:`describe` sum and print them (the demo's table, the bench's
-summaries and report, the server's ``/hf_kvshare/reports``).
+summaries and report, the server's ``GET /v1/hf_kvshare/reports``).
 """
 
 from __future__ import annotations
