@@ -1,10 +1,12 @@
 """Shared text found by content: which runs of a prompt's token ids repeat token sequences a request
 already holds (its slots: documents, earlier messages, agents' outputs).
 
-Pure token ids, no model. The sources' ``k``-token windows are indexed by a rolling hash (as
-LMCache's blend matcher indexes chunks); the prompt's windows are looked up in one pass, and each hit
-is verified and extended to its maximal common run (one per source *diagonal*: a run already found on
-the same alignment is not searched again). The candidates are then placed longest first, each prompt
+Pure token ids, no model. The sources' ``k``-token windows are indexed by their hashes (as LMCache's
+blend matcher indexes chunks), every ``stride``-th one: with ``k + stride - 1 = min_tokens`` every
+common run of ``min_tokens`` holds an indexed window, so the index is ``stride`` times smaller than the
+sources; the prompt's windows (all of them) are looked up in one pass, and each hit is verified and
+extended to its maximal common run (one per source *diagonal*: a run already found on the same
+alignment is not searched again). The candidates are then placed longest first, each prompt
 token covered at most once and each source token used at most once (a text the prompt repeats is
 placed where its longest match is; the other copies stay the agent's own text), a candidate that
 overlaps a placed piece clipped to its free remainder (kept when it is still ``min_tokens`` long).
@@ -15,7 +17,8 @@ found as one or more :class:`Piece`\\ s instead of being lost: a re-tokenized pl
 the runs on either side of it are still pieces. A source shorter than ``min_tokens`` is matched only
 whole (its exact token ids).
 
-The work is bounded: hashing is linear in the prompt and the sources, and the lookups and extensions
+The work is bounded: hashing is linear in the prompt and the sources (one C-level hash of a window's
+bytes each), and the lookups and extensions
 stop after ``max_work`` steps (default :data:`WORK_PER_TOKEN` per prompt and source token); what was
 found by then is returned, with :attr:`Matches.exhausted` set.
 """
@@ -23,12 +26,13 @@ found by then is returned, with :attr:`Matches.exhausted` set.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 #: default minimum length of a piece (tokens): shorter common runs are the agent's own text
 MIN_PIECE_TOKENS = 16
-#: the index's window is ``min_tokens`` clipped to this (every piece holds at least one window)
+#: the index's window is about half of ``min_tokens``, clipped to this (every piece holds an indexed one)
 MAX_WINDOW = 32
 #: default work bound per prompt and source token (index hits examined + tokens compared)
 WORK_PER_TOKEN = 16
@@ -36,8 +40,7 @@ WORK_PER_TOKEN = 16
 #: its first occurrences only: repetitive text cannot make a lookup quadratic)
 MAX_OCCURRENCES = 8
 
-_MOD = (1 << 61) - 1
-_BASE = 1_000_003
+_WORD = 8  # bytes per token id in the hashed buffer
 
 
 @dataclass(frozen=True, order=True)
@@ -78,20 +81,15 @@ def piece_name(slot: str, start: int, end: int) -> str:
     return f"{slot}[{start}:{end}]"
 
 
-def window_hashes(ids: Sequence[int], k: int) -> list[int]:
-    """The rolling hash of every ``k``-token window of ``ids`` (``len(ids) - k + 1`` values); linear."""
+def window_hashes(ids: Sequence[int], k: int, stride: int = 1) -> list[int]:
+    """The hash of every ``stride``-th ``k``-token window of ``ids`` (windows at ``0, stride, ...``); equal
+    windows hash equal (within one process). Linear: one hash of the window's bytes each."""
     n = len(ids)
     if n < k or k < 1:
         return []
-    top = pow(_BASE, k - 1, _MOD)
-    h = 0
-    for t in ids[:k]:
-        h = (h * _BASE + t + 1) % _MOD
-    out = [h]
-    for i in range(k, n):
-        h = ((h - (ids[i - k] + 1) * top) * _BASE + ids[i] + 1) % _MOD
-        out.append(h)
-    return out
+    buf = array("q", ids).tobytes()
+    w = _WORD * k
+    return [hash(buf[_WORD * i : _WORD * i + w]) for i in range(0, n - k + 1, stride)]
 
 
 def match(
@@ -121,9 +119,9 @@ def match(
         return not result.exhausted
 
     candidates: list[tuple[int, int, str, int]] = []  # (length, prompt_start, slot, slot_start)
-    k = min(min_tokens, MAX_WINDOW)
+    k = min((min_tokens + 1) // 2, MAX_WINDOW)
     long = {name: ids for name, ids in srcs.items() if len(ids) >= min_tokens}
-    _long_runs(prompt, long, k, min_tokens, spend, candidates)
+    _long_runs(prompt, long, k, min_tokens - k + 1, min_tokens, spend, candidates)
     _whole_short(
         prompt, {name: ids for name, ids in srcs.items() if len(ids) < min_tokens}, spend, candidates
     )
@@ -131,15 +129,15 @@ def match(
     return result
 
 
-def _long_runs(prompt, srcs, k, min_tokens, spend, candidates) -> None:
+def _long_runs(prompt, srcs, k, stride, min_tokens, spend, candidates) -> None:
     """Maximal common runs (at least ``min_tokens``) of the prompt and each source, one per (source,
-    diagonal), found through their ``k``-token windows."""
+    diagonal), found through the sources' every ``stride``-th ``k``-token window."""
     index: dict[int, list[tuple[str, int]]] = {}
     for name, ids in srcs.items():
-        for j, h in enumerate(window_hashes(ids, k)):
+        for j, h in enumerate(window_hashes(ids, k, stride)):
             hits = index.setdefault(h, [])
             if len(hits) < MAX_OCCURRENCES:
-                hits.append((name, j))
+                hits.append((name, j * stride))
     if not index:
         return
     n = len(prompt)
