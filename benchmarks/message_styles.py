@@ -12,7 +12,8 @@ Counted over agents 2-4 of tasks 2-4 (task 1 warms the agents' kept text): the P
 placed (``placed``: what a connector taking several ranges would supply), the PH tokens the connector
 supplies (``supplied_ph``: vLLM's one contiguous range from its hit) and the tokens the engine does not
 compute (``not_computed``: the prefix hit plus the claim); and the turns whose earlier replies were all
-recognised (each read as its output slot or pieces of it).
+recognised (each read as its output slot or pieces of it), and how many replies were read as pieces
+(their text is not the output's tokens: stripped, or re-tokenized differently).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/message_styles.py [separate] [one-message]
 """
@@ -108,10 +109,12 @@ def run(model, tokenizer, style: str, tasks: int = 4, new_tokens: int = 24) -> l
             summary = plan.report()
             host = sharing.hosts[f"{style}{t}"]
             ph = [(s, p) for s, p in zip(plan.turn.spans, plan.placements) if s.kind == "PH"]
-            read = set()
+            read, in_pieces = set(), set()
             for span, _ in ph:
                 slot = host.slots.get(span.name)
                 read.add(slot.piece_of[0] if slot is not None and slot.piece_of else span.name)
+                if slot is not None and slot.piece_of:
+                    in_pieces.add(slot.piece_of[0])
             rows.append(
                 {
                     "task": t,
@@ -123,6 +126,7 @@ def run(model, tokenizer, style: str, tasks: int = 4, new_tokens: int = 24) -> l
                     "supplied": summary["supplied_tokens"],
                     "replies": len(outputs),
                     "recognised": all(o in read for o in outputs),
+                    "in_pieces": sum(o in in_pieces for o in outputs),
                 }
             )
             replies.append(tokenizer.decode(out, skip_special_tokens=True).strip())
@@ -136,6 +140,7 @@ def summarize(rows: list[dict]) -> dict:
     out["not_computed"] = out["hit"] + out["supplied"]
     turns = [r for r in rows if r["replies"]]
     out["replies_recognised"] = f"{sum(r['recognised'] for r in turns)}/{len(turns)}"
+    out["replies_read_as_pieces"] = f"{sum(r['in_pieces'] for r in turns)}/{sum(r['replies'] for r in turns)}"
     return out
 
 
