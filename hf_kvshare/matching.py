@@ -81,6 +81,17 @@ def piece_name(slot: str, start: int, end: int) -> str:
     return f"{slot}[{start}:{end}]"
 
 
+def parse_piece_name(name: str) -> tuple[str, int, int] | None:
+    """``(slot, start, end)`` of a name :func:`piece_name` made, or ``None``."""
+    if not name.endswith("]") or "[" not in name:
+        return None
+    slot, _, rest = name[:-1].rpartition("[")
+    start, _, end = rest.partition(":")
+    if not (slot and start.isdigit() and end.isdigit()) or piece_name(slot, int(start), int(end)) != name:
+        return None
+    return slot, int(start), int(end)
+
+
 def window_hashes(ids: Sequence[int], k: int, stride: int = 1) -> list[int]:
     """The hash of every ``stride``-th ``k``-token window of ``ids`` (windows at ``0, stride, ...``); equal
     windows hash equal (within one process). Linear: one hash of the window's bytes each."""

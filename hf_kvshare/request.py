@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .cache import SegmentKV, SharedCache, compact, storage_bytes
-from .matching import piece_name
+from .matching import parse_piece_name, piece_name
 from .rope import RopeShifter
 from .trajectory import PH, Span
 from .turn import Slot, Turn, check_slot_kind, given_text_slot
@@ -94,9 +94,15 @@ class Request:
         """The slot PH ``spec`` reads. A slot the request does not hold yet is what
         :func:`~hf_kvshare.turn.given_text_slot` makes of its text (``given_ids()``: its token ids): an
         output of this request given again as text is read as that output (an alias), otherwise given
-        text of its stated kind; either is added to ``new``. A held slot is checked against ``spec``
-        (its kind; :meth:`check_held`)."""
+        text of its stated kind; either is added to ``new``. A PH without text named
+        ``"<slot>[s:e]"`` (:func:`~hf_kvshare.matching.piece_name`) of a held slot reads that piece
+        (:meth:`piece_slot`). A held slot is checked against ``spec`` (its kind; :meth:`check_held`)."""
         slot, alias = self.held_slot(spec.slot, new)
+        piece = parse_piece_name(spec.slot) if slot is None and spec.text is None else None
+        if piece is not None and self.held_slot(piece[0], new)[0] is not None:
+            slot = self.piece_slot(*piece, new)  # a piece of a held slot, named as piece_name names it
+            check_slot_kind(spec, slot)
+            return slot
         if slot is None:
             slot = given_text_slot(spec, given_ids(), {**self.slots, **new.slots})
             if slot.name == spec.slot:

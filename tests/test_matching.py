@@ -185,3 +185,32 @@ def test_a_piece_of_a_slot_is_a_slot_with_the_parents_slice():
     # a parent without K/V: a piece without K/V (the reader computes it; its record keeps it)
     request.slots["doc"] = Slot("doc", torch.arange(40), "doc", kind="observation")
     assert request.piece_slot("doc", 0, 20, new).latest is None
+
+
+def test_a_session_reads_a_piece_named_by_its_slot_and_range(tiny_llama, tokenizer):
+    """The Python API: ``PH("<slot>[s:e]")`` reads tokens [s, e) of a held slot (its K/V moved to where
+    the piece sits); NonShared stays plain generate's; a range outside the slot is refused clearly."""
+    from hf_kvshare import PF, PH, Session
+
+    doc = "The river Lune reaches the sea at Plover Scar near Glasson, by the lighthouse on the Scar."
+    outputs = {}
+    for method in ("nonshared", "fullshared"):
+        session = Session(tiny_llama, tokenizer, method=method)
+        session.run_turn("a1", [PF("You plan.\n"), PH("doc", doc), PF("\nWhere?")], max_new_tokens=4)
+        result = session.run_turn(
+            "a2", [PF("Quote:\n"), PH("doc[3:12]"), PF("\nWho?")], max_new_tokens=6, keep_cache=True
+        )
+        piece = session.slots["doc[3:12]"]
+        assert piece.piece_of == ("doc", 3, 12)
+        assert torch.equal(piece.token_ids, session.slots["doc"].token_ids[3:12])
+        row = next(s for s in result.segments if s.name == "doc[3:12]")
+        assert row.provenance == ("reused" if method == "fullshared" else "dense")
+        outputs[method] = result
+        with pytest.raises(ValueError, match="not a piece"):
+            session.run_turn("a3", [PH("doc[3:999]"), PF("\nWho?")], max_new_tokens=2)
+    plain_ids = outputs["nonshared"].prompt_ids[None]
+    with torch.no_grad():
+        plain = tiny_llama.generate(
+            input_ids=plain_ids, attention_mask=torch.ones_like(plain_ids), max_new_tokens=6, do_sample=False
+        )
+    assert outputs["nonshared"].output_ids.tolist() == plain[0, plain_ids.shape[1] :].tolist()

@@ -103,7 +103,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..matching import match, piece_name
+from ..matching import match, parse_piece_name, piece_name
 from ..trajectory import GIVEN_KINDS
 
 #: a chunk's first line of at most this many tokens is a role header, not content
@@ -488,13 +488,5 @@ def derive(
 
 def _piece_of_known(name: str, known: Mapping[str, Sequence[int]]) -> bool:
     """``name`` is a piece (``"<slot>[s:e]"``) of a slot ``known`` holds: matched through that slot."""
-    if not name.endswith("]") or "[" not in name:
-        return False
-    parent, _, rest = name[:-1].rpartition("[")
-    start, _, end = rest.partition(":")
-    return (
-        parent in known
-        and start.isdigit()
-        and end.isdigit()
-        and piece_name(parent, int(start), int(end)) == name
-    )
+    piece = parse_piece_name(name)
+    return piece is not None and piece[0] in known
