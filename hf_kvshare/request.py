@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cache import SharedCache, compact, storage_bytes
+from .cache import SegmentKV, SharedCache, compact, storage_bytes
+from .matching import parse_piece_name, piece_name
 from .rope import RopeShifter
 from .trajectory import PH, Span
 from .turn import Slot, Turn, check_slot_kind, given_text_slot
@@ -93,9 +94,15 @@ class Request:
         """The slot PH ``spec`` reads. A slot the request does not hold yet is what
         :func:`~hf_kvshare.turn.given_text_slot` makes of its text (``given_ids()``: its token ids): an
         output of this request given again as text is read as that output (an alias), otherwise given
-        text of its stated kind; either is added to ``new``. A held slot is checked against ``spec``
-        (its kind; :meth:`check_held`)."""
+        text of its stated kind; either is added to ``new``. A PH without text named
+        ``"<slot>[s:e]"`` (:func:`~hf_kvshare.matching.piece_name`) of a held slot reads that piece
+        (:meth:`piece_slot`). A held slot is checked against ``spec`` (its kind; :meth:`check_held`)."""
         slot, alias = self.held_slot(spec.slot, new)
+        piece = parse_piece_name(spec.slot) if slot is None and spec.text is None else None
+        if piece is not None and self.held_slot(piece[0], new)[0] is not None:
+            slot = self.piece_slot(*piece, new)  # a piece of a held slot, named as piece_name names it
+            check_slot_kind(spec, slot)
+            return slot
         if slot is None:
             slot = given_text_slot(spec, given_ids(), {**self.slots, **new.slots})
             if slot.name == spec.slot:
@@ -106,6 +113,40 @@ class Request:
         check_slot_kind(spec, slot)
         self.check_held(spec, slot, alias)
         return slot
+
+    def piece_slot(self, name: str, start: int, end: int, new: NewSlots) -> Slot:
+        """Tokens ``[start, end)`` of the slot ``name`` reads (an alias: its output) as a slot of their
+        own, for text found inside a message (:mod:`hf_kvshare.matching`): the whole slot is itself;
+        a piece is the slot ``"<name>[start:end]"`` (:func:`~hf_kvshare.matching.piece_name`), added
+        to ``new`` the first time (committed by :meth:`open_turn`) and read as any slot afterwards: its
+        ids the parent's slice, the same producer and kind, its latest K/V a copy of the slice of the
+        parent's latest (``None`` when the parent holds none), from then on its own (each turn that
+        reads it records it, as any slot's). An image or video slot is not split (``ValueError``)."""
+        parent, _ = self.held_slot(name, new)
+        if parent is None:
+            raise KeyError(f"no slot {name!r} in {self.described} to take a piece of")
+        n = parent.token_ids.numel()
+        if not 0 <= start < end <= n:
+            raise ValueError(f"slot {name!r}: [{start}, {end}) is not a piece of its {n} tokens")
+        if (start, end) == (0, n):
+            return parent
+        piece = piece_name(parent.name, start, end)
+        held = self.slots.get(piece) or new.slots.get(piece)
+        if held is not None:
+            return held
+        if parent.visual is not None:
+            raise ValueError(f"slot {name!r} is an image or video: a piece of it cannot be shared")
+        ids = parent.token_ids[start:end].clone()
+        new.slots[piece] = Slot(
+            name=piece,
+            token_ids=ids,
+            text=self.tokenizer.decode(ids.tolist()) if hasattr(self.tokenizer, "decode") else "",
+            producer=parent.producer,
+            kind=parent.kind,
+            latest=_piece_kv(parent.latest, start, end),
+            piece_of=(parent.name, start, end),
+        )
+        return new.slots[piece]
 
     def check_held(self, spec: PH, slot: Slot, alias: str | None) -> None:
         """Refuse ``spec`` when it gives other content than the held ``slot`` (nothing to check here:
@@ -219,6 +260,23 @@ class Request:
         )
         total += sum(_tensor_bytes(slot.extras) for slot in self.slots.values())
         return total + sum(slot.visual.nbytes for slot in self.slots.values() if slot.visual is not None)
+
+
+def _piece_kv(kv: SegmentKV | None, start: int, end: int) -> SegmentKV | None:
+    """Positions ``[start, end)`` of ``kv`` (keys as they sit there), copied: a piece holds its own
+    tokens only, no view of the turn cache its parent's K/V may be (:meth:`Request.compact_views`
+    counts those). ``None`` for no K/V, or an image's (multimodal RoPE layout)."""
+    if kv is None:
+        return None
+    kv = kv.materialize()
+    if kv.rope is not None:
+        return None
+    return SegmentKV(
+        keys=[k[..., start:end, :].clone() for k in kv.keys],
+        values=[v[..., start:end, :].clone() for v in kv.values],
+        start=kv.start + start,
+        agent=kv.agent,
+    )
 
 
 def _tensor_bytes(value: Any) -> int:

@@ -45,6 +45,9 @@ class Slot:
     #: an image or video slot: its processed pixels and, once encoded, its projected features
     #: (:class:`hf_kvshare.vision.Visual`); ``None`` for text
     visual: Any = None
+    #: a piece of another slot (:meth:`hf_kvshare.request.Request.piece_slot`): ``(slot, start, end)``,
+    #: its tokens ``[start, end)``; ``None`` for a slot of its own
+    piece_of: tuple[str, int, int] | None = None
 
 
 @dataclass

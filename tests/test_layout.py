@@ -41,6 +41,10 @@
   which re-runs the constructor's checks for an option assigned after construction.
 - why a span was not shared is classified in one place: ``reasons.py`` (the vocabulary of causes) is a
   leaf, importing no hf_kvshare module, and no other module matches a reason's text.
+- one content matcher: ``matching.py`` (text found inside messages by token ids) is a leaf that imports
+  no ``hf_kvshare`` module and no tensor library; the serving layout finds its pieces through it
+  (``matching.match``), and only ``request.py`` builds a piece of a slot (``Slot(..., piece_of=...)``,
+  :meth:`hf_kvshare.request.Request.piece_slot`), which neither host redefines.
 """
 
 from __future__ import annotations
@@ -860,7 +864,7 @@ EXECUTORS = ("prefill", "executor")
 #: the request's bookkeeping, defined once (``request.py``): neither host defines its own
 REQUEST_BOOKKEEPING = frozenset(
     {"_record", "_release", "_compact_views", "compact_views", "add_views", "record_output", "open_turn"}
-    | {"next_output_slot", "_rollback", "rollback", "held_slot"}
+    | {"next_output_slot", "_rollback", "rollback", "held_slot", "piece_slot"}
 )
 HOSTS = (f"{ROOT}.session", f"{ROOT}.serving.host")
 
@@ -1177,3 +1181,40 @@ def test_the_reason_match_finder_finds_them():
         "c = r.startswith('the turn is dense')\nd = 'x' in r\ne = f('tau = 0')\n"
     )
     assert reason_matches(tree) == [1, 2, 3]
+MATCHER = f"{ROOT}.matching"
+
+
+def _piece_slot_builds(tree: ast.AST) -> list[int]:
+    """Lines constructing a slot that is a piece of another: a call with a ``piece_of=`` keyword whose
+    callee is named ``Slot``."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == "Slot"
+        and any(k.arg == "piece_of" for k in node.keywords)
+    ]
+
+
+def test_the_content_matcher_is_one_leaf_module():
+    """``matching.py`` imports no hf_kvshare module and no tensor library (token ids only, no model); the
+    serving layout derives its pieces with ``matching.match``; only ``request.py`` builds a piece slot."""
+    tree = ast.parse(MODULES[MATCHER].read_text())
+    third = {
+        alias.name.split(".")[0]
+        for node in _import_nodes(tree)
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+    }
+    assert not imports_of(MATCHER), f"{MATCHER} imports {sorted(imports_of(MATCHER))}"
+    assert not third & {"torch", "numpy", "transformers"}, f"{MATCHER} imports {sorted(third)}"
+    layout = f"{ROOT}.serving.layout"
+    assert MATCHER in imports_of(layout), f"{layout} does not find pieces through {MATCHER}"
+    builds = {
+        name: lines for name in MODULES if (lines := _piece_slot_builds(ast.parse(MODULES[name].read_text())))
+    }
+    assert set(builds) == {f"{ROOT}.request"}, f"piece slots built outside request.py: {builds}"
+
+
+def test_the_piece_slot_finder_finds_one():
+    tree = ast.parse("a = Slot('x', ids, '')\nb = turn.Slot('y', ids, '', piece_of=('x', 0, 3))\n")
+    assert _piece_slot_builds(tree) == [2]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_kvshare import PF, PH, Session
+from hf_kvshare.cache import SegmentKV
 from hf_kvshare.method import get_method
 from hf_kvshare.serving import layout as lay
 from hf_kvshare.serving.host import ServingError, Sharing, check_serving_method, salt
@@ -1457,3 +1458,225 @@ def test_an_oversized_request_is_refused_before_it_is_parsed(tokenizer):
     check.app = app
     asyncio.run(check({"type": "http", "method": "POST", "path": "/v1/completions"}, receive, send))
     assert sent[0]["status"] == 413 and not parsed
+
+
+# ------------------------------------------------------------------ shared text found inside messages
+
+NN, NL = 1116, 198  # the embedded tokenizer's "\n\n" and "\n"
+REPORT = DOC + " " + TOOL + " The walkers crossed the sands at low tide without a guide."
+
+
+def forced_kv(model, prompt, out):
+    """The K/V an engine holds after generating ``out`` for ``prompt`` (teacher-forced), as the stand-in
+    returns them."""
+    from transformers import DynamicCache
+
+    from hf_kvshare._compat import cache_kwargs
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor(prompt + out[:-1])[None], use_cache=True, **cache_kwargs(cache))
+    keys = torch.stack([layer.keys[0].transpose(0, 1) for layer in cache.layers])
+    values = torch.stack([layer.values[0].transpose(0, 1) for layer in cache.layers])
+    return keys, values
+
+
+def piece_spans(plan, host):
+    """(span, placement) of the plan's PH spans that are pieces of a held slot."""
+    return [
+        (s, p)
+        for s, p in zip(plan.turn.spans, plan.placements)
+        if s.kind == "PH" and host.slots[s.name].piece_of is not None
+    ]
+
+
+def test_a_document_inside_an_fstring_message_is_shared_where_it_sits(tiny_llama, tokenizer):
+    """One user message built with an f-string: the report the first agent sent (its whole message) is
+    found inside the second agent's message, as a piece of the first message's slot, and placed at its
+    place; vLLM's one contiguous range claims it once everything before it is placed (here: its hit)."""
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=8)
+    task = {lay.KEY: {"task": "t"}}
+    p1 = sharing.plan(
+        "r1",
+        chat_ids(
+            tokenizer,
+            "You are the planner of a team.",
+            f"Task: list the places.\n\nReport:\n{REPORT}\n\nList them all.",
+        ),
+        task,
+        0,
+    )
+    out, k, v = engine(tiny_llama, p1)
+    sharing.record(p1, k, v, out, {tokenizer.eos_token_id})
+    prompt = chat_ids(
+        tokenizer, "You are the critic.", f"Task: find what is wrong.\n\nReport:\n{REPORT}\n\nBe brief."
+    )
+    p2 = sharing.plan("r2", prompt, task, None)
+    host = sharing.hosts["t"]
+    ((span, placement),) = piece_spans(p2, host)
+    parent, a, b = host.slots[span.name].piece_of
+    assert parent == f"{p1.turn.agent}.m1" and span.name == f"{parent}[{a}:{b}]"  # the first message's chunk
+    report = ids_of(tokenizer, REPORT)
+    at = lay.find(prompt, report)
+    assert at >= 0 and span.start <= at and at + len(report) <= span.end  # the report lies inside the piece
+    assert (
+        span.token_ids.tolist() == prompt[span.start : span.end] == host.slots[parent].token_ids[a:b].tolist()
+    )
+    # its K/V: the parent's tokens [a, b), moved to where the piece sits
+    source = host.slots[parent].latest
+    expected = SegmentKV(
+        keys=[k[:, :, a:b] for k in source.keys],
+        values=[v[:, :, a:b] for v in source.values],
+        start=source.start + a,
+    ).repositioned(sharing.shifter, span.start)
+    assert placement.kv.start == span.start
+    for got, want in zip(placement.kv.keys, expected.keys):
+        torch.testing.assert_close(got, want)
+    # the engine's hit ends where the piece starts: the claim takes it (one contiguous range)
+    sharing.claim(p2, span.start)
+    assert (p2.claim_start, p2.claim_end) == (span.start, span.end)
+    row = next(r for r in p2.report()["segments"] if r["name"] == span.name)
+    assert row["placed"] and row["supplied"] and row["span"] == [span.start, span.end]
+    out2, k, v = engine(tiny_llama, p2)
+    sharing.record(p2, k, v, out2, {tokenizer.eos_token_id})
+    assert host.slots[span.name].latest.agent == p2.turn.agent  # the piece is a slot: its reader records it
+    # without the hit the agent's own text comes first: placed, not supplied (computed by the engine)
+    p3 = sharing.plan("r3", prompt, task, 0)
+    row = next(r for r in p3.report()["segments"] if r["name"] == span.name)
+    assert row["placed"] and not row["supplied"] and p3.claimed == 0
+    sharing.release(p3)
+
+
+def test_nonshared_through_the_matcher_is_token_identical_to_plain_generate(tiny_llama, tokenizer):
+    sharing = Sharing(tiny_llama, tokenizer, "nonshared", min_segment_tokens=8)
+    task = {lay.KEY: {"task": "t"}}
+    p1 = sharing.plan(
+        "r1",
+        chat_ids(
+            tokenizer,
+            "You are the planner of a team.",
+            f"Task: list the places.\n\nReport:\n{REPORT}\n\nList them all.",
+        ),
+        task,
+        0,
+    )
+    out, k, v = engine(tiny_llama, p1)
+    sharing.record(p1, k, v, out, {tokenizer.eos_token_id})
+    prompt = chat_ids(
+        tokenizer, "You are the critic.", f"Task: find what is wrong.\n\nReport:\n{REPORT}\n\nBe brief."
+    )
+    p2 = sharing.plan("r2", prompt, task, 0)
+    assert piece_spans(p2, sharing.hosts["t"]) and p2.claimed == 0
+    got, _, _ = engine(tiny_llama, p2)
+    ids = torch.tensor(prompt)[None]
+    with torch.no_grad():
+        plain = tiny_llama.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
+        )
+    assert got == plain[0, ids.shape[1] :].tolist()
+
+
+def test_a_piece_placed_where_it_was_computed_gives_plain_generates_tokens(tiny_llama, tokenizer):
+    """The same agent asks a second question about the same report in one message: its kept text and the
+    piece of its first message sit where they were computed, so the claimed K/V are the dense ones and
+    the output is plain generate's."""
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=8, prefix_reuse=True)
+    task = {lay.KEY: {"task": "t"}}
+    system = "You are the planner of a team."
+    p1 = sharing.plan(
+        "r1", chat_ids(tokenizer, system, f"Report:\n{REPORT}\n\nQuestion one: where?"), task, 0
+    )
+    out, k, v = engine(tiny_llama, p1)
+    sharing.record(p1, k, v, out, {tokenizer.eos_token_id})
+    prompt = chat_ids(
+        tokenizer, system, f"Report:\n{REPORT}\n\nQuestion two: when did it happen, and who saw it?"
+    )
+    p2 = sharing.plan("r2", prompt, task, 0)
+    ((span, _),) = piece_spans(p2, sharing.hosts["t"])
+    assert p2.claim_start == 0 and p2.claim_end == span.end  # kept text, then the piece: one range
+    ids = torch.tensor(prompt)[None]
+    with torch.no_grad():
+        dense = tiny_llama(input_ids=ids, use_cache=True).past_key_values
+        plain = tiny_llama.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
+        )
+    for layer in range(len(p2.keys)):
+        want = dense.layers[layer].keys[0, :, : span.end].transpose(0, 1)
+        torch.testing.assert_close(p2.keys[layer], want, atol=1e-4, rtol=1e-4)
+    got, _, _ = engine(tiny_llama, p2)
+    assert got == plain[0, ids.shape[1] :].tolist()
+
+
+def test_a_reply_that_retokenizes_differently_is_recognised(tiny_llama, tokenizer):
+    """The model generated one "\\n\\n" token; the reply's text, passed back, tokenizes it as two "\\n":
+    the reply is found as the pieces either side (default layout), and an explicit segment naming it
+    lists it under ``matched``, not ``missing``."""
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=8)
+    first = ids_of(
+        tokenizer, "The river Lune reaches the sea at Plover Scar near Glasson, by the lighthouse."
+    )
+    second = ids_of(tokenizer, "Next the planner reads the tide tables and writes down every place it names.")
+    out = first + [NN] + second
+    text = tokenizer.decode(out)
+    assert ids_of(tokenizer, text) == first + [NL, NL] + second  # the text is not the reply's tokens
+    p1_prompt = chat_ids(tokenizer, SYS1, DOC)
+    p1 = sharing.plan("r1", p1_prompt, {lay.KEY: {"task": "t", "agent": "a1"}}, 0)
+    eos = tokenizer.eos_token_id  # the reply ended: its slot is all of it
+    sharing.record(p1, *forced_kv(tiny_llama, p1_prompt, out + [eos]), out + [eos], {eos})
+    host = sharing.hosts["t"]
+    assert host.slots["a1"].token_ids.tolist() == out
+
+    prompt = chat_ids(tokenizer, "You are the critic.", f"Earlier replies:\n{text}\n\nWhat is missing?")
+    p2 = sharing.plan("r2", prompt, {lay.KEY: {"task": "t"}}, 0)
+    pieces = piece_spans(p2, host)
+    assert [host.slots[s.name].piece_of for s, _ in pieces] == [
+        ("a1", 0, len(first)),
+        ("a1", len(first) + 1, len(out)),
+    ]
+    assert all(p is not None for _, p in pieces)  # the producer's K/V, each piece moved to its place
+    assert pieces[1][0].start == pieces[0][0].end + 2  # the two "\n" between them: the agent's text
+    sharing.release(p2)
+
+    p3 = sharing.plan("r3", prompt, layout("t", "a3", [{"slot": "a1"}]), 0)
+    report = p3.report()
+    assert report["missing"] == [] and report["matched"] == [
+        {
+            "slot": "a1",
+            "pieces": [[0, len(first), pieces[0][0].start], [len(first) + 1, len(out), pieces[1][0].start]],
+            "tokens": len(out) - 1,
+            "of": len(out),
+        }
+    ]
+    sharing.release(p3)
+    # a reply the prompt does not hold: missing, as before
+    p4 = sharing.plan(
+        "r4",
+        chat_ids(tokenizer, "You are the critic.", "Nothing here."),
+        layout("t", "a4", [{"slot": "a1"}]),
+        0,
+    )
+    assert p4.report()["missing"] == ["a1"] and p4.report()["matched"] == []
+    sharing.release(p4)
+
+
+def test_kvcmas_reads_pieces_through_the_same_contract(tiny_llama, tokenizer):
+    """Pieces are slots to every served method: KVCMAS plans and records them (no error)."""
+    sharing = Sharing(tiny_llama, tokenizer, "kvcmas", min_segment_tokens=8)
+    task = {lay.KEY: {"task": "t"}}
+    for i, (system, body) in enumerate(
+        [
+            (
+                "You are the planner of a team.",
+                f"Task: list the places.\n\nReport:\n{REPORT}\n\nList them all.",
+            ),
+            ("You are the critic.", f"Task: find what is wrong.\n\nReport:\n{REPORT}\n\nBe brief."),
+            ("You are the writer.", f"Task: summarize.\n\nReport:\n{REPORT}\n\nShort please."),
+        ]
+    ):
+        plan = sharing.plan(f"r{i}", chat_ids(tokenizer, system, body), task, 0)
+        assert plan.error is None
+        if i:
+            assert piece_spans(plan, sharing.hosts["t"])
+        out, k, v = engine(tiny_llama, plan)
+        sharing.record(plan, k, v, out, {tokenizer.eos_token_id})
+        assert plan.error is None

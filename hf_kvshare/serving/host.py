@@ -219,6 +219,8 @@ class Plan:
     error: str | None = None
     opt_out: bool = False
     missing: list[str] = field(default_factory=list)
+    #: slots the layout named that were found as pieces, not whole (:attr:`.layout.ResolvedLayout.matched`)
+    matched: list[dict[str, Any]] = field(default_factory=list)
     #: seconds the method's plan took (the claim decided: gates, corrections, the claimed K/V built)
     plan_s: float = 0.0
     #: seconds from the engine's first admission query to the decision (the plan plus the records and
@@ -328,6 +330,7 @@ class Plan:
             if turn
             else [],
             "missing": self.missing,
+            "matched": self.matched,
             "error": self.error,
             "plan_s": round(self.plan_s, 6),
             "admission_wait_s": None if self.admission_wait_s is None else round(self.admission_wait_s, 6),
@@ -501,7 +504,7 @@ class Sharing:
             known |= {alias: known[name] for alias, name in host.aliases.items() if name in known}
         resolved = lay.resolve(request, plan.prompt, self.tokens, known, self.min_segment_tokens)
         turn = self._turn(host, resolved, plan.prompt)
-        plan.host, plan.turn, plan.missing = host, turn, resolved.missing
+        plan.host, plan.turn, plan.missing, plan.matched = host, turn, resolved.missing, resolved.matched
         walk = Walk(self.method, turn)
         scratch_cache = walk.plan()
         for span, placement in walk.place(scratch_cache):
@@ -525,15 +528,29 @@ class Sharing:
                 spans.append(self._pf(ids[pos : seg.start], pos, pf))
                 pf += 1
             seg_ids = ids[seg.start : seg.end]
-            text = seg.text
-            if text is None and host.held_slot(seg.slot, new)[0] is None:  # given text: the slot keeps it
-                text = self.tokenizer.decode(seg_ids.tolist())
-            slot = host.resolve(PH(seg.slot, text, kind=seg.kind), new, seg_ids.clone)
+            slot = self._segment_slot(host, seg, seg_ids, new)
             spans.append(Span(spec=PH(slot.name), name=slot.name, token_ids=seg_ids, start=seg.start))
             pos = seg.end
         if pos < len(prompt):
             spans.append(self._pf(ids[pos:], pos, pf))
         return host.open_turn(resolved.agent, spans, resolved.output, new)
+
+    def _segment_slot(
+        self, host: ServingHost, seg: lay.LocatedSegment, seg_ids: torch.Tensor, new: NewSlots
+    ) -> Any:
+        """The slot a located segment reads: a piece of a held slot found by content
+        (:meth:`~hf_kvshare.request.Request.piece_slot`), or what the task resolves its name to."""
+        if seg.piece_of is not None:
+            slot = host.piece_slot(*seg.piece_of, new)
+            if not torch.equal(slot.token_ids, seg_ids):
+                raise lay.LayoutError(
+                    f"piece {slot.name!r} holds other tokens than the prompt's at {seg.start}"
+                )
+            return slot
+        text = seg.text
+        if text is None and host.held_slot(seg.slot, new)[0] is None:  # given text: the slot keeps it
+            text = self.tokenizer.decode(seg_ids.tolist())
+        return host.resolve(PH(seg.slot, text, kind=seg.kind), new, seg_ids.clone)
 
     def _pf(self, ids: torch.Tensor, start: int, index: int) -> Span:
         return Span(

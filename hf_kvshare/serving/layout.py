@@ -53,20 +53,44 @@ delimit messages with them); a chunk's leading role line (``user\\n``, ``assista
 line of at most :data:`ROLE_LINE_TOKENS` tokens) and leading whitespace tokens are dropped, leaving
 the message content. Then:
 
-1. every slot the task already holds (earlier chunks, earlier agents' outputs) whose token ids occur
-   in the prompt becomes a PH span there (longest first, no overlap);
-2. every other chunk of at least :data:`MIN_SEGMENT_TOKENS` tokens becomes a new PH slot (computed by
-   this agent, shared with the agents after it) named by where it sits: ``<agent>.m<k>``, the prompt's
-   k-th chunk (``#2``, ... when this agent's earlier prompt of the task had other text there). Names
-   are per task, so the same place in the same agent's prompt has the same name in every task: what
-   a method that learns per slot (KVCMAS's anchor pools of given text) needs to learn across tasks;
-   ``slot_name``-style content hashes would give every document a pool of its own;
+1. shared text is found by content (:func:`hf_kvshare.matching.match`): the runs of the prompt that
+   repeat runs of the slots the task already holds (earlier chunks, earlier agents' outputs), at
+   least :data:`MIN_SEGMENT_TOKENS` tokens long (a shorter slot: whole), longest first, each prompt
+   token and each slot token used once. A run that is a whole slot is that slot's PH span; a run
+   inside a slot is a *piece*, the slot ``"<slot>[s:e]"`` (its tokens ``[s, e)``, the parent's
+   producer and kind, its K/V the slice of the parent's: :meth:`hf_kvshare.request.Request.piece_slot`).
+   So a document or a reply inside a larger message (a client's f-string: ``f"Report:\\n{report}
+   \\n\\nEarlier replies:\\n{reply}"``) is found inside the chunk that holds it; a chunk made of
+   other text around it is matched against the earlier chunks of the task, so text an agent has only
+   *seen* (inside its message, never its own slot) is found as a piece of that message's chunk; and a
+   reply whose text re-tokenizes differently at a place (a generated ``"\\n\\n"`` token read back as
+   two) is found as the pieces on either side of it (a piece shorter than the minimum is the agent's
+   own text);
+2. every chunk nothing was found in, of at least :data:`MIN_SEGMENT_TOKENS` tokens, becomes a new PH
+   slot (computed by this agent, shared with the agents after it) named by where it sits:
+   ``<agent>.m<k>``, the prompt's k-th chunk (``#2``, ... when this agent's earlier prompt of the task
+   had other text there); in a chunk where pieces were found, each run between them of at least that
+   many tokens becomes a slot ``<agent>.m<k>.<r>`` (its r-th run). Names are per task, so the same
+   place in the same agent's prompt has the same name in every task: what a method that learns per
+   slot (KVCMAS's anchor pools of given text) needs to learn across tasks; ``slot_name``-style content
+   hashes would give every document a pool of its own;
 3. everything else is the agent's own text (PF).
 
-So a task, a document or another agent's output that a later agent's prompt repeats as a message is
-shared without any client change. The task is ``"default"`` (one task for the whole server: give
-``task`` to separate requests), the agent ``"a<sha1 of the prompt's first chunk>"`` (an agent is its
-system prompt).
+So a task, a document or another agent's output that a later agent's prompt repeats, as a message or
+inside one, is shared without any client change. The task is ``"default"`` (one task for the whole
+server: give ``task`` to separate requests), the agent ``"a<sha1 of the prompt's first chunk>"`` (an
+agent is its system prompt). An explicit segment ``{"slot": name}`` whose recorded tokens do not occur
+whole in the prompt is matched the same way against that slot alone: the pieces found are its spans
+(the report lists them under ``matched``), and only a slot of which nothing is found is ``missing``.
+
+What vLLM's connector rules out: it takes external K/V for ONE contiguous range of a request, from its
+own prefix-cache hit on; every token after the first one nothing places is computed by the engine.
+A piece after the agent's own text (the f-string's glue, a task line, the template tokens between
+messages) is placed by the method but claimed only when everything before it is placed too (vLLM's
+prefix cache, the agent's kept text with ``prefix_reuse=True``, or other pieces); otherwise the
+engine computes it and the record keeps it dense (the report's ``placed`` vs ``supplied``). So the
+pieces a one-message client gets are the ones a run of placed text reaches, in order; what lies after
+a gap of new text is shared in a Session (any layout) but not through this connector.
 
 Sampling K/V of the prompt's log-probabilities (``prompt_logprobs``) makes vLLM skip the connector
 unless ``skip_reading_prefix_cache=False`` is sent too (then with ``detokenize=False``).
@@ -79,6 +103,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..matching import match, parse_piece_name, piece_name
 from ..trajectory import GIVEN_KINDS
 
 #: a chunk's first line of at most this many tokens is a role header, not content
@@ -134,6 +159,8 @@ class LocatedSegment:
     text: str | None = None
     new: bool = False  # default layout: a chunk that becomes a new slot
     kind: str | None = None
+    #: a piece of a held slot found by content: ``(slot, start, end)``, ``slot`` then its piece's name
+    piece_of: tuple[str, int, int] | None = None
 
 
 @dataclass
@@ -146,6 +173,10 @@ class ResolvedLayout:
     #: slots named without text or positions whose recorded tokens are not in the prompt (e.g. an
     #: output the client re-worded): left to the engine as PF text, reported
     missing: list[str] = field(default_factory=list)
+    #: slots named without text or positions found in the prompt as pieces, not whole (an output that
+    #: re-tokenizes differently in the client's text): ``{"slot", "pieces": [[start, end, at], ...],
+    #: "tokens": covered, "of": its length}``
+    matched: list[dict[str, Any]] = field(default_factory=list)
 
 
 def parse(params: Any) -> RequestLayout:
@@ -361,7 +392,20 @@ def resolve(
                 )
             at = find(prompt, ids, cursor)
             if at < 0 and seg.text is None:
-                resolved.missing.append(seg.slot)
+                pieces = located_pieces(prompt, cursor, seg.slot, ids, min_tokens)
+                if not pieces:
+                    resolved.missing.append(seg.slot)
+                    continue
+                resolved.matched.append(
+                    {
+                        "slot": seg.slot,
+                        "pieces": [[p.piece_of[1], p.piece_of[2], p.start] for p in pieces],
+                        "tokens": sum(p.end - p.start for p in pieces),
+                        "of": len(ids),
+                    }
+                )
+                resolved.segments.extend(pieces)
+                cursor = pieces[-1].end
                 continue
             if at < 0:
                 before = find(prompt, ids, 0)
@@ -378,6 +422,27 @@ def resolve(
     return resolved
 
 
+def located_pieces(
+    prompt: list[int], begin: int, slot: str, ids: Sequence[int], min_tokens: int
+) -> list[LocatedSegment]:
+    """The pieces of slot ``slot`` (token ids ``ids``) found in ``prompt[begin:]``, as PH spans in
+    prompt order (a whole occurrence is the slot itself)."""
+    found = match(prompt[begin:], {slot: ids}, min_tokens).pieces
+    return [_located(p, len(ids), begin) for p in found]
+
+
+def _located(piece, slot_length: int, offset: int = 0) -> LocatedSegment:
+    start = piece.prompt_start + offset
+    if (piece.slot_start, piece.slot_end) == (0, slot_length):
+        return LocatedSegment(piece.slot, start, start + piece.length)
+    return LocatedSegment(
+        piece_name(piece.slot, piece.slot_start, piece.slot_end),
+        start,
+        start + piece.length,
+        piece_of=(piece.slot, piece.slot_start, piece.slot_end),
+    )
+
+
 def derive(
     prompt: list[int],
     pieces: list[tuple[int, int]],
@@ -385,27 +450,43 @@ def derive(
     min_tokens: int,
     agent: str = "agent",
 ) -> list[LocatedSegment]:
-    """The default layout (module docstring): known slots found in the prompt, then new chunks, named
-    ``<agent>.m<k>`` by their place in the prompt."""
-    taken: list[tuple[int, int]] = []
-
-    def free(start: int, end: int) -> bool:
-        return all(end <= s or start >= e for s, e in taken)
-
-    found = []
-    for name, ids in sorted(known.items(), key=lambda item: -len(item[1])):
-        ids = list(ids)
-        at = next((i for i in occurrences(prompt, ids) if free(i, i + len(ids))), -1)
-        if at >= 0 and ids:
-            taken.append((at, at + len(ids)))
-            found.append(LocatedSegment(name, at, at + len(ids)))
+    """The default layout (module docstring): the task's slots found in the prompt by content (whole or
+    as pieces), then the chunks and the runs of chunks nothing was found in, named ``<agent>.m<k>``
+    (``.<r>``) by their place in the prompt. ``known``: the task's slots in the order they were
+    recorded; a piece a task holds already (``"<slot>[s:e]"``) is found through its parent."""
+    sources = {name: ids for name, ids in known.items() if not _piece_of_known(name, known)}
+    found = [_located(p, len(sources[p.slot])) for p in match(prompt, sources, min_tokens).pieces]
     names = set(known)
+
+    def new_slot(name: str, start: int, end: int) -> LocatedSegment:
+        base, n = name, 2
+        while name in names:  # this agent had other text at this place earlier in the task
+            name, n = f"{base}#{n}", n + 1
+        names.add(name)
+        return LocatedSegment(name, start, end, new=True)
+
+    taken = sorted((s.start, s.end) for s in found)
+    chunks_found = []
     for k, (start, end) in enumerate(pieces):
-        if end - start >= min_tokens and free(start, end):
-            name, n = f"{agent}.m{k}", 2
-            while name in names:  # this agent had other text at this place earlier in the task
-                name, n = f"{agent}.m{k}#{n}", n + 1
-            names.add(name)
-            taken.append((start, end))
-            found.append(LocatedSegment(name, start, end, new=True))
-    return sorted(found, key=lambda s: s.start)
+        inside = [(max(a, start), min(b, end)) for a, b in taken if a < end and b > start]
+        if not inside:
+            if end - start >= min_tokens:
+                chunks_found.append(new_slot(f"{agent}.m{k}", start, end))
+            continue
+        runs, pos = [], start
+        for a, b in inside:
+            if a > pos:
+                runs.append((pos, a))
+            pos = max(pos, b)
+        if pos < end:
+            runs.append((pos, end))
+        long_runs = [(a, b) for a, b in runs if b - a >= min_tokens]
+        for r, (a, b) in enumerate(long_runs):
+            chunks_found.append(new_slot(f"{agent}.m{k}.{r}", a, b))
+    return sorted(found + chunks_found, key=lambda s: s.start)
+
+
+def _piece_of_known(name: str, known: Mapping[str, Sequence[int]]) -> bool:
+    """``name`` is a piece (``"<slot>[s:e]"``) of a slot ``known`` holds: matched through that slot."""
+    piece = parse_piece_name(name)
+    return piece is not None and piece[0] in known
