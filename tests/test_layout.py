@@ -1181,6 +1181,8 @@ def test_the_reason_match_finder_finds_them():
         "c = r.startswith('the turn is dense')\nd = 'x' in r\ne = f('tau = 0')\n"
     )
     assert reason_matches(tree) == [1, 2, 3]
+
+
 MATCHER = f"{ROOT}.matching"
 
 
