@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .client import LAYOUT_KEY, SESSION_HEADER
-from .server import HOST, Server, _die_with_parent_hook
+from .server import HOST, Server, Stopped, die_with_parent_hook, port_in_use, stop_signals
 
 #: environment variable naming the router's executable (default: ``vllm-router`` on ``PATH``, then
 #: next to this Python)
@@ -94,18 +93,6 @@ def find_router(executable: str | None = None) -> str | None:
             return found
     beside = Path(sys.executable).parent / ROUTER
     return str(beside) if beside.is_file() else None
-
-
-def port_taken(port: int) -> bool:
-    """Whether a process listens on (holds) ``port`` on :data:`HOST`; a closed connection's TIME_WAIT
-    does not count (vLLM and the router bind with ``SO_REUSEADDR``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return True
-    return False
 
 
 def replica_ports(port: int, replicas: int) -> tuple[list[int], int]:
@@ -238,7 +225,7 @@ class Router:
             stdout=log,
             stderr=subprocess.STDOUT if log is not None else None,
             start_new_session=True,
-            preexec_fn=_die_with_parent_hook(),
+            preexec_fn=die_with_parent_hook(),
         )
         return self
 
@@ -323,7 +310,7 @@ class ReplicaSet:
 
     def start(self) -> ReplicaSet:
         """Start every replica (``RuntimeError``, nothing started, when a port is taken)."""
-        taken = [p for p in self.ports if port_taken(p)]
+        taken = [p for p in self.ports if port_in_use(p)]
         if taken:
             raise RuntimeError(
                 f"port(s) {', '.join(map(str, taken))} on {HOST} in use by another process: the router takes "
@@ -418,40 +405,33 @@ def replicate(
 def run(replicas: ReplicaSet, timeout: float = 600.0, out=sys.stdout) -> int:
     """Start the replicas and the router, print where clients go, serve until Ctrl-C / SIGTERM / SIGHUP
     (or a process exits), stop everything (as :func:`hf_kvshare.serving.server.run` for one server)."""
-    from .server import _raise_stop, _Stop
-
-    handled = (signal.SIGTERM, signal.SIGHUP)
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, _raise_stop) for sig in handled}
-    if replicas.warning:
-        print(f"hf-kvshare serve: warning: {replicas.warning}", file=sys.stderr, flush=True)
-    try:
-        replicas.start()
-        print(
-            f"hf-kvshare serve: starting {len(replicas.servers)} replicas on "
-            f"{', '.join(s.url for s in replicas.servers)} (vLLM loads and compiles each: minutes on a CPU)",
-            file=out,
-            flush=True,
-        )
-        replicas.wait_ready(timeout)
-        print(
-            f"hf-kvshare serve: method {replicas.servers[0].method!r} on {replicas.url}/v1 (vllm-router, policy "
-            f"{replicas.policy}, over {len(replicas.servers)} replicas); send each request with the header "
-            f"'{SESSION_HEADER}: <task>'; Ctrl-C stops",
-            file=out,
-            flush=True,
-        )
-        while replicas.running():
-            time.sleep(0.5)
-        return 1
-    except (KeyboardInterrupt, _Stop):
-        print("hf-kvshare serve: stopping ...", file=out, flush=True)
-        return 0
-    except RuntimeError as error:
-        print(f"hf-kvshare serve: {error}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        replicas.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stop_signals():
+        if replicas.warning:
+            print(f"hf-kvshare serve: warning: {replicas.warning}", file=sys.stderr, flush=True)
+        try:
+            replicas.start()
+            print(
+                f"hf-kvshare serve: starting {len(replicas.servers)} replicas on "
+                f"{', '.join(s.url for s in replicas.servers)} (vLLM loads and compiles each: minutes on a CPU)",
+                file=out,
+                flush=True,
+            )
+            replicas.wait_ready(timeout)
+            print(
+                f"hf-kvshare serve: method {replicas.servers[0].method!r} on {replicas.url}/v1 (vllm-router, policy "
+                f"{replicas.policy}, over {len(replicas.servers)} replicas); send each request with the header "
+                f"'{SESSION_HEADER}: <task>'; Ctrl-C stops",
+                file=out,
+                flush=True,
+            )
+            while replicas.running():
+                time.sleep(0.5)
+            return 1
+        except (KeyboardInterrupt, Stopped):
+            print("hf-kvshare serve: stopping ...", file=out, flush=True)
+            return 0
+        except RuntimeError as error:
+            print(f"hf-kvshare serve: {error}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            replicas.stop()

@@ -23,6 +23,7 @@ rows run it with ``method=None``: no connector, no middleware) both start vLLM t
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import json
 import os
@@ -107,8 +108,10 @@ def check_store_bounds(max_bytes: Any, max_tasks: Any) -> None:
 
 def port_in_use(port: int) -> bool:
     """Whether another process holds ``port`` on :data:`HOST` (vLLM's own bind would fail later, while
-    that process answers ``/health`` in its place)."""
+    that process answers ``/health`` in its place). A closed connection's TIME_WAIT does not count: vLLM
+    and the router bind with ``SO_REUSEADDR``, as this check does, so a port just freed is reused."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError:
@@ -116,7 +119,7 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def _die_with_parent_hook():
+def die_with_parent_hook():
     """A ``preexec_fn`` (Linux): the child gets SIGTERM when the thread that started it ends, and ends at
     once if that happened before the call. Resolved before the fork, so the child only calls it."""
     if not sys.platform.startswith("linux"):
@@ -267,7 +270,7 @@ class Server:
             stdout=log or subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop() ends vLLM's engine and worker too
-            preexec_fn=_die_with_parent_hook(),  # and the kernel stops it if this process dies
+            preexec_fn=die_with_parent_hook(),  # and the kernel stops it if this process dies
         )
         if log is None:  # echoed to stdout as it comes, the last lines kept for an error message
             self._echo = threading.Thread(target=self._copy_output, args=(self.process.stdout,), daemon=True)
@@ -368,59 +371,69 @@ class Server:
         self.stop()
 
 
-class _Stop(Exception):
-    """SIGTERM or SIGHUP reached :func:`run`."""
+class Stopped(Exception):
+    """SIGTERM or SIGHUP reached a process inside :func:`stop_signals`."""
 
 
-def _raise_stop(signum, frame) -> None:
-    raise _Stop(signal.Signals(signum).name)
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """SIGTERM and SIGHUP raise :class:`Stopped` inside the block (as Ctrl-C raises
+    ``KeyboardInterrupt``), so a launcher's ``finally`` stops what it started whatever stops it; the
+    previous handlers come back after. Handlers can be set from the main thread only: elsewhere nothing
+    changes."""
+    handled = (signal.SIGTERM, signal.SIGHUP)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _raise_stopped) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run(server: Server, timeout: float = 600.0, out=sys.stdout) -> int:
     """Start, print where it listens, serve until Ctrl-C, SIGTERM or SIGHUP (or the server exits), stop
     cleanly. Start-up prints a line every 30 s while vLLM loads and compiles (a minute or more on a CPU)."""
-    handled = (signal.SIGTERM, signal.SIGHUP)
-    previous = {}
-    if threading.current_thread() is threading.main_thread():  # signal handlers: the main thread only
-        previous = {sig: signal.signal(sig, _raise_stop) for sig in handled}
-    try:
-        server.start()
-    except RuntimeError as error:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        print(f"hf-kvshare serve: {error}", file=sys.stderr, flush=True)
-        return 1
-    try:
-        started = time.monotonic()
-        while True:  # wait_ready in 30 s slices, saying how long it has been
-            left = timeout - (time.monotonic() - started)
-            try:
-                server.wait_ready(min(30.0, left), stop_on_timeout=left <= 30.0)
-                break
-            except TimeoutError:
-                print(
-                    f"hf-kvshare serve: waiting for vLLM to load and compile the model "
-                    f"({time.monotonic() - started:.0f} s of at most {timeout:.0f} s)",
-                    file=out,
-                    flush=True,
-                )
-        print(
-            f"hf-kvshare serve: method {server.method!r} on {server.url}/v1 (OpenAI API; model {server.model_dir}); "
-            "Ctrl-C stops",
-            file=out,
-            flush=True,
-        )
-        while server.process is not None and server.process.poll() is None:
-            time.sleep(0.5)
-        code = server.process.returncode if server.process is not None else 0
-        return 1 if code else 0
-    except (KeyboardInterrupt, _Stop):
-        print("hf-kvshare serve: stopping ...", file=out, flush=True)
-        return 0
-    except RuntimeError as error:
-        print(f"hf-kvshare serve: {error}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        server.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stop_signals():
+        try:
+            server.start()
+        except RuntimeError as error:
+            print(f"hf-kvshare serve: {error}", file=sys.stderr, flush=True)
+            return 1
+        try:
+            started = time.monotonic()
+            while True:  # wait_ready in 30 s slices, saying how long it has been
+                left = timeout - (time.monotonic() - started)
+                try:
+                    server.wait_ready(min(30.0, left), stop_on_timeout=left <= 30.0)
+                    break
+                except TimeoutError:
+                    print(
+                        f"hf-kvshare serve: waiting for vLLM to load and compile the model "
+                        f"({time.monotonic() - started:.0f} s of at most {timeout:.0f} s)",
+                        file=out,
+                        flush=True,
+                    )
+            print(
+                f"hf-kvshare serve: method {server.method!r} on {server.url}/v1 (OpenAI API; model "
+                f"{server.model_dir}); Ctrl-C stops",
+                file=out,
+                flush=True,
+            )
+            while server.process is not None and server.process.poll() is None:
+                time.sleep(0.5)
+            code = server.process.returncode if server.process is not None else 0
+            return 1 if code else 0
+        except (KeyboardInterrupt, Stopped):
+            print("hf-kvshare serve: stopping ...", file=out, flush=True)
+            return 0
+        except RuntimeError as error:
+            print(f"hf-kvshare serve: {error}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            server.stop()

@@ -274,6 +274,7 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
         "supplied_ph_tokens",
         "supplied_pf_tokens",
         "missing",
+        "matched",
         "error",
         "plan_s",
         "admission_wait_s",
