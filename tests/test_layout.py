@@ -34,6 +34,8 @@
   ``SegmentedCache`` stays under a method budget; the cache's modules import no engine and every
   ``DeferredKV`` kind (``CorrectedKV``) lives in an engine; multimodal-RoPE internals are named only in
   ``mrope.py`` (and ``_compat.py``).
+- agent frameworks: the examples that drive ``hf-kvshare serve`` through the OpenAI Agents SDK and
+  LangGraph are plain clients (no ``hf_kvshare`` import, no layout field).
 """
 
 from __future__ import annotations
@@ -1019,3 +1021,58 @@ def test_the_cache_rule_finders_find_them():
     assert tensor_writes(tree) == [4]
     assert subclasses_of({"m": tree}, "DeferredKV") == {"m": ["A", "B"]}
     assert mrope_uses(tree) == [(5, "RopeTrack"), (5, "next_shift"), (5, "second_per_grid_ts")]
+
+
+# ------------------------------------------------------------- agent frameworks: plain clients of the server
+#: the examples that drive ``hf-kvshare serve`` through an agent framework, as its users would write them
+FRAMEWORK_EXAMPLES = ("agent_workflow.py", "agents_sdk.py", "langgraph_agents.py")
+#: what only a client that knows hf_kvshare sends: the layout fields and the request body's extras
+LAYOUT_FIELDS = frozenset({"kv_transfer_params", "hf_kvshare", "extra_body", "cache_salt"})
+
+
+def client_faults(tree: ast.AST) -> list[str]:
+    """What makes ``tree`` more than a plain client of the server: an import of ``hf_kvshare``, or a
+    layout field named (a string, keyword, name or attribute in :data:`LAYOUT_FIELDS`)."""
+    faults = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            faults += [f"imports {a.name}" for a in node.names if a.name.split(".")[0] == ROOT]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == ROOT:
+            faults.append(f"imports {node.module}")
+        named = (
+            node.value
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            else node.arg
+            if isinstance(node, ast.keyword)
+            else _name_of(node)
+            if isinstance(node, (ast.Name, ast.Attribute))
+            else None
+        )
+        if named in LAYOUT_FIELDS:
+            faults.append(f"line {node.lineno} names {named}")
+    return sorted(faults)
+
+
+def test_the_agent_framework_examples_send_no_layout():
+    """``examples/agents_sdk.py`` and ``examples/langgraph_agents.py`` (and their shared workflow) are what
+    a framework's user writes: they import nothing of hf_kvshare and send no layout field; whatever they
+    share, the server finds in the prompt."""
+    examples = PACKAGE.parent / "examples"
+    bad = {
+        name: faults
+        for name in FRAMEWORK_EXAMPLES
+        if (faults := client_faults(ast.parse((examples / name).read_text())))
+    }
+    assert not bad, f"agent-framework examples that are not plain clients: {bad}"
+
+
+def test_the_client_fault_finder_finds_them():
+    tree = ast.parse(
+        "from hf_kvshare.serving import client\nimport json\n"
+        "c.create(extra_body={'kv_transfer_params': {}})\nx = 'hf_kvshare[agents]'\n"
+    )
+    assert client_faults(tree) == [
+        "imports hf_kvshare.serving",
+        "line 3 names extra_body",
+        "line 3 names kv_transfer_params",
+    ]
