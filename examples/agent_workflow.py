@@ -30,6 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+#: the project's docs the reports are cut from (their prose; examples/*.jsonl's documents after them)
+SOURCES = ("docs/workloads.md", "docs/methods.md", "docs/serving-bench.md")
 #: the packages each framework needs (the ``agents`` extra of hf_kvshare installs them all)
 FRAMEWORKS = {
     "agents_sdk": ["agents:openai-agents"],
@@ -59,28 +62,48 @@ def missing_packages(framework: str) -> list[str]:
     ]
 
 
-def documents() -> list[str]:
-    """Every given document of the shipped task files (observations, tool results, notes)."""
-    texts: list[str] = []
+def paragraphs() -> list[str]:
+    """Prose paragraphs of the project's docs (no code, headings, tables or lists), then every given
+    document of this folder's task files: the material reports are cut from."""
+    found: list[str] = []
+    for name in SOURCES:
+        lines, fenced = [], False
+        for line in [*(ROOT / name).read_text().splitlines(), ""]:
+            if line.startswith("```"):
+                fenced, lines = not fenced, []
+            elif fenced:
+                continue
+            elif line.strip():
+                lines.append(line.strip())
+            elif lines:
+                if not lines[0].startswith(("#", "|", "-", "*", "<", "!", "[")) and not lines[0][0].isdigit():
+                    found.append(" ".join(lines))
+                lines = []
     for name in ("observations.jsonl", "repeated_docs.jsonl"):
         for line in (HERE / name).read_text().splitlines():
             for slot in json.loads(line)["slots"]:
-                if slot.get("kind") == "observation" and slot["text"] not in texts:
-                    texts.append(slot["text"])
-    return texts
+                if slot.get("kind") == "observation" and slot["text"] not in found:
+                    found.append(slot["text"])
+    return found
 
 
 def make_report(seed: int, chars: int = REPORT_CHARS) -> str:
-    """A field report of ~``chars`` characters: the documents from a place ``seed`` picks, under a
-    header that names the report (a new report per seed: nothing of it was computed before)."""
-    texts = documents()
-    start = (seed * 7) % len(texts)
-    lines = [f"Field report {seed} ({uuid.uuid5(uuid.NAMESPACE_URL, str(seed)).hex[:8]})."]
-    i = 0
-    while sum(len(line) + 1 for line in lines) < chars:
-        lines.append(f"Item {i + 1}. {texts[(start + i) % len(texts)]}")
-        i += 1
-    return "\n".join(lines)
+    """A report of ~``chars`` characters: consecutive paragraphs of :func:`paragraphs`, the ``seed``-th
+    window of them (windows do not overlap: the replies to one report do not quote the next), under a
+    header that names the report."""
+    texts, windows, window = paragraphs(), [], []
+    for text in texts:
+        window.append(text)
+        if sum(len(t) + 1 for t in window) >= chars:
+            windows.append(window)
+            window = []
+    body = "\n".join(windows[seed % len(windows)])
+    if len(body) > chars * 1.1:  # a long last paragraph: cut at a sentence's end
+        body = body[: body.rfind(". ", 0, int(chars * 1.1)) + 1]
+    header = (
+        f"Report {seed} ({uuid.uuid5(uuid.NAMESPACE_URL, str(seed)).hex[:8]}): notes from the team's files."
+    )
+    return f"{header}\n{body}"
 
 
 def one_message(report: str, replies: list[tuple[str, str]]) -> str:

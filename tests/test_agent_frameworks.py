@@ -71,6 +71,8 @@ def test_the_report_is_about_a_thousand_tokens_and_new_per_task(load, tokenizer)
     reports = [workflow.make_report(seed) for seed in (1, 2, 3)]
     assert reports[0] == workflow.make_report(1)  # a seed names one report
     assert len(set(reports)) == 3
+    first, second = (set(report.splitlines()[1:]) for report in reports[:2])
+    assert not first & second  # no paragraph in two tasks' reports: replies to one do not quote the next
     for report in reports:
         assert 900 <= len(tokenizer(report, add_special_tokens=False)["input_ids"]) <= 1150
 
