@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: the project's docs the reports are cut from (their prose; examples/*.jsonl's documents after them)
-SOURCES = ("docs/workloads.md", "docs/methods.md", "docs/serving-bench.md")
+SOURCES = ("docs/workloads.md", "docs/methods.md", "docs/serving-bench.md", "docs/architecture.md")
 #: the packages each framework needs (the ``agents`` extra of hf_kvshare installs them all)
 FRAMEWORKS = {
     "agents_sdk": ["agents:openai-agents"],
