@@ -45,6 +45,8 @@
   no ``hf_kvshare`` module and no tensor library; the serving layout finds its pieces through it
   (``matching.match``), and only ``request.py`` builds a piece of a slot (``Slot(..., piece_of=...)``,
   :meth:`hf_kvshare.request.Request.piece_slot`), which neither host redefines.
+- agent frameworks: the examples that drive ``hf-kvshare serve`` through the OpenAI Agents SDK and
+  LangGraph are plain clients (no ``hf_kvshare`` import, no layout field).
 """
 
 from __future__ import annotations
@@ -1220,3 +1222,58 @@ def test_the_content_matcher_is_one_leaf_module():
 def test_the_piece_slot_finder_finds_one():
     tree = ast.parse("a = Slot('x', ids, '')\nb = turn.Slot('y', ids, '', piece_of=('x', 0, 3))\n")
     assert _piece_slot_builds(tree) == [2]
+
+
+# ------------------------------------------------------------- agent frameworks: plain clients of the server
+#: the examples that drive ``hf-kvshare serve`` through an agent framework, as its users would write them
+FRAMEWORK_EXAMPLES = ("agent_workflow.py", "agents_sdk.py", "langgraph_agents.py")
+#: what only a client that knows hf_kvshare sends: the layout fields and the request body's extras
+LAYOUT_FIELDS = frozenset({"kv_transfer_params", "hf_kvshare", "extra_body", "cache_salt"})
+
+
+def client_faults(tree: ast.AST) -> list[str]:
+    """What makes ``tree`` more than a plain client of the server: an import of ``hf_kvshare``, or a
+    layout field named (a string, keyword, name or attribute in :data:`LAYOUT_FIELDS`)."""
+    faults = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            faults += [f"imports {a.name}" for a in node.names if a.name.split(".")[0] == ROOT]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == ROOT:
+            faults.append(f"imports {node.module}")
+        named = (
+            node.value
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            else node.arg
+            if isinstance(node, ast.keyword)
+            else _name_of(node)
+            if isinstance(node, (ast.Name, ast.Attribute))
+            else None
+        )
+        if named in LAYOUT_FIELDS:
+            faults.append(f"line {node.lineno} names {named}")
+    return sorted(faults)
+
+
+def test_the_agent_framework_examples_send_no_layout():
+    """``examples/agents_sdk.py`` and ``examples/langgraph_agents.py`` (and their shared workflow) are what
+    a framework's user writes: they import nothing of hf_kvshare and send no layout field; whatever they
+    share, the server finds in the prompt."""
+    examples = PACKAGE.parent / "examples"
+    bad = {
+        name: faults
+        for name in FRAMEWORK_EXAMPLES
+        if (faults := client_faults(ast.parse((examples / name).read_text())))
+    }
+    assert not bad, f"agent-framework examples that are not plain clients: {bad}"
+
+
+def test_the_client_fault_finder_finds_them():
+    tree = ast.parse(
+        "from hf_kvshare.serving import client\nimport json\n"
+        "c.create(extra_body={'kv_transfer_params': {}})\nx = 'hf_kvshare[agents]'\n"
+    )
+    assert client_faults(tree) == [
+        "imports hf_kvshare.serving",
+        "line 3 names extra_body",
+        "line 3 names kv_transfer_params",
+    ]
