@@ -1680,3 +1680,25 @@ def test_kvcmas_reads_pieces_through_the_same_contract(tiny_llama, tokenizer):
         out, k, v = engine(tiny_llama, plan)
         sharing.record(plan, k, v, out, {tokenizer.eos_token_id})
         assert plan.error is None
+
+
+def test_a_short_slot_counts_as_a_message_of_its_own_only(tiny_llama, tokenizer):
+    """A slot shorter than the minimum (a short reply) is found when it is a whole message, not inside a
+    larger one: there a few tokens are as likely a coincidence (a new document quoting a reply's words)
+    and splitting the document at them would make it a patchwork of slots."""
+    short = "The Lune rises."
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=8)
+    assert len(ids_of(tokenizer, short)) < 8
+    given = {lay.KEY: {"task": "t", "segments": [{"slot": "note", "text": short}]}}
+    p1 = sharing.plan("r1", chat_ids(tokenizer, "You are the planner of a team.", short), given, 0)
+    out, k, v = engine(tiny_llama, p1)
+    sharing.record(p1, k, v, out, {tokenizer.eos_token_id})
+    task = {lay.KEY: {"task": "t"}}
+    inside = chat_ids(tokenizer, "You are the critic.", f"Report: {DOC}\n{short}\n{TOOL}")
+    p2 = sharing.plan("r2", inside, task, None)
+    assert "note" not in [row["name"] for row in p2.report()["segments"]]
+    sharing.release(p2)
+    alone = chat_ids(tokenizer, "You are the critic.", short)
+    p3 = sharing.plan("r3", alone, task, None)
+    assert "note" in [row["name"] for row in p3.report()["segments"] if row["placed"]]
+    sharing.release(p3)

@@ -455,7 +455,15 @@ def derive(
     (``.<r>``) by their place in the prompt. ``known``: the task's slots in the order they were
     recorded; a piece a task holds already (``"<slot>[s:e]"``) is found through its parent."""
     sources = {name: ids for name, ids in known.items() if not _piece_of_known(name, known)}
-    found = [_located(p, len(sources[p.slot])) for p in match(prompt, sources, min_tokens).pieces]
+    whole_chunks = set(pieces)
+    found = [
+        _located(p, len(sources[p.slot]))
+        for p in match(prompt, sources, min_tokens).pieces
+        # a slot shorter than min_tokens (a short reply) counts as a message of its own only: inside a
+        # larger message so few tokens are as likely a coincidence (a reply's words quoted by a new
+        # document) and splitting the message there would cost more than the piece saves
+        if len(sources[p.slot]) >= min_tokens or (p.prompt_start, p.prompt_end) in whole_chunks
+    ]
     names = set(known)
 
     def new_slot(name: str, start: int, end: int) -> LocatedSegment:
