@@ -271,6 +271,39 @@ def test_a_longer_document_is_corrected_piecewise_under_reuse_and_dense_under_re
         )
 
 
+def test_a_growing_document_is_corrected_window_by_window(tiny_llama, tokenizer):
+    """note0 grows over the requests (17, 23, then 33 tokens): the third request's span is longer than
+    both anchors; its rows :17 are corrected by both, rows 17:23 by the 23-token one, the rest reused
+    uncorrected. The reference prefills it."""
+    growing = [
+        NOTES[0],
+        NOTES[0] + " Retries wait ten seconds.",
+        NOTES[0] + " Retries wait ten seconds. Failures page the on-call engineer.",
+    ]
+    lengths = [len(tokenizer(t, add_special_tokens=False).input_ids) for t in growing]
+
+    def third_request(method):
+        out = []
+        for task, note in zip(TASKS, growing):
+            session = Session(tiny_llama, tokenizer, method)
+            for i, agent in enumerate(AGENTS):
+                segments = [
+                    PH("note0", note, kind="observation") if getattr(s, "slot", None) == "note0" else s
+                    for s in turn_segments(i, task)
+                ]
+                out.append(session.run_turn(agent, segments, max_new_tokens=4, keep_cache=True))
+        return [r.cache.segment("note0") for r in out[-len(AGENTS) :]]
+
+    reuse = KVCMAS()
+    for seg in third_request(reuse):
+        assert seg.provenance == "corrected" and seg.info["gate"] == "accepted", seg.info
+        assert seg.info["windows"] == [[0, lengths[0], 2], [lengths[0], lengths[1], 1]]
+        assert seg.info["rows"] == f"{lengths[1]}/{lengths[2]}"
+    assert sorted(a.length for a in reuse.pools["note0"]) == lengths[:2]
+    for seg in third_request(KVCMAS(profile="reference", tau=1.0)):
+        assert seg.provenance == "dense" and "fewer than 2 anchors at least" in seg.info["reason"], seg.info
+
+
 # ------------------------------------------------------------------ the reference, one option
 #: the decisions of main at fbca01c (before profiles existed) on this workflow: produced by running
 #: `decisions(run_workflow(model, tok, KVCMAS(tau=tau)))` with main's code and pasted here
