@@ -230,7 +230,8 @@ class KVCMAS(PrefixReuse, Method):
             anchors cover (one anchor: its length) instead of being rejected by the length rule, and
             corrected window by window (:func:`~hf_kvshare.anchors.correction.windows`: each row by
             the anchors covering it), the rows past the longest anchor reused uncorrected
-            (``None``: the profile's, ``True`` / ``False``). Slot scope only; not a state option.
+            (``None``: the profile's, ``True`` / ``False``). With ``partial_coverage=False`` the anchors
+            shorter than a span correct none of it (reused uncorrected). Slot scope only; not a state option.
         partial_coverage: with no anchor covering the segment, the longest correct their rows
             (reference KVCMAS); ``False``: reuse uncorrected (reference KVComm).
         skip_layer0: leave layer 0 uncorrected (reference; its K/V do not depend on the context).
