@@ -16,6 +16,7 @@ from hf_kvshare.anchors import (
     MatrixFactors,
     RelationProfile,
     apply_correction,
+    apply_piecewise,
     canonical_keys,
     comparison_prefix,
     context_free_reference,
@@ -34,6 +35,7 @@ from hf_kvshare.anchors import (
     token_distances,
     usage_crossing,
     usage_reference,
+    windows,
 )
 from hf_kvshare.cache import SegmentedCache
 from hf_kvshare.prefill import prefill_dense
@@ -229,6 +231,65 @@ def test_variable_length_corrects_the_covered_prefix_and_keeps_the_source_after(
         assert torch.allclose(out.keys[layer][:, :, :6], aligned.keys[layer][:, :, :6] + delta_k, atol=1e-5)
         assert torch.allclose(out.keys[layer][:, :, 6:], aligned.keys[layer][:, :, 6:], atol=1e-6)
     assert out.start == 30 and out.length == 8
+
+
+def test_windows_correct_each_row_with_every_anchor_covering_it():
+    anchors = [
+        Anchor(base=FactoredKV.from_kv(*_kv_lists(n), None), source="src", origin=i)
+        for i, n in enumerate([6, 4, 6])
+    ]
+    pieces = windows(anchors, 8)  # longer than every anchor: rows 6: in no window
+    assert [(first, last, [a.origin for a in chosen]) for first, last, chosen in pieces] == [
+        (0, 4, [0, 1, 2]),
+        (4, 6, [0, 2]),
+    ]
+    assert [(f, la) for f, la, _ in windows(anchors, 5)] == [(0, 4), (4, 5)]  # the span's end closes one
+
+
+def _kv_lists(n: int):
+    kv = random_kv(n, seed=n)
+    return kv.keys, kv.values
+
+
+@pytest.mark.parametrize("rank", [None, 2])
+@pytest.mark.parametrize("frame", ["canonical", "writer"])
+def test_a_piecewise_correction_is_each_windows_correction(shifter, rank, frame):
+    """A span of 8 with anchors of 6, 4 and 6 tokens (constructed deltas): rows :4 get the correction of
+    all three anchors, rows 4:6 that of the two 6-token ones (their own weights), rows 6: the
+    re-positioned source; each window equals :func:`apply_correction` of its anchors, and the sum by hand."""
+    source = random_kv(8, start=11, seed=5)
+    deltas = [random_kv(n, seed=40 + i, scale=0.1) for i, n in enumerate([6, 4, 6])]
+    anchors = [
+        anchor_from(random_kv(d.length, seed=20 + i), shifter, {"coder": d}, rank=rank, origin=i)
+        for i, d in enumerate(deltas)
+    ]
+    for a in anchors:
+        a.frame = frame
+    g = torch.Generator().manual_seed(3)
+    first_k, first_v = (torch.softmax(torch.randn(3, 4, generator=g), 0) for _ in range(2))
+    second_k, second_v = (torch.softmax(torch.randn(2, 6, generator=g), 0) for _ in range(2))
+    wk, wv = torch.zeros(3, 6), torch.zeros(3, 6)
+    wk[:, :4], wv[:, :4] = first_k, first_v
+    wk[[0, 2], 4:6], wv[[0, 2], 4:6] = second_k[:, 4:6], second_v[:, 4:6]
+    target = 30
+    out = apply_piecewise(source, anchors, "coder", wk, wv, target, shifter)
+    first = apply_correction(source, anchors, "coder", first_k, first_v, target, shifter)
+    second = apply_correction(source, [anchors[0], anchors[2]], "coder", second_k, second_v, target, shifter)
+    aligned = source.repositioned(shifter, target)
+    for layer in range(LAYERS):
+        for pick in ("keys", "values"):
+            got = getattr(out, pick)[layer]
+            assert torch.allclose(got[:, :, :4], getattr(first, pick)[layer][:, :, :4], atol=1e-5), pick
+            assert torch.allclose(got[:, :, 4:6], getattr(second, pick)[layer][:, :, 4:6], atol=1e-5), pick
+            assert torch.equal(got[:, :, 6:], getattr(aligned, pick)[layer][:, :, 6:]), pick
+        # the values by hand: Align(source) + sum_v w_v[t] delta_v[t] over the window's anchors
+        stored = [a.deltas["coder"].values[layer].reconstruct() for a in anchors]
+        by_hand = torch.zeros(6, HEADS * HEAD_DIM)
+        by_hand[:4] = sum(first_v[i, :, None] * stored[i][:4] for i in range(3))
+        by_hand[4:6] = sum(second_v[j, 4:6, None] * stored[i][4:6] for j, i in enumerate([0, 2]))
+        expected = aligned.values[layer][:, :, :6] + to_heads(by_hand, HEADS)
+        assert torch.allclose(out.values[layer][:, :, :6], expected, atol=1e-5)
+    assert out.start == target and out.length == 8
 
 
 def test_match_distances_and_token_weights_follow_the_definitions(shifter):

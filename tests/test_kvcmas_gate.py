@@ -6,6 +6,7 @@ anchor instead of joining the pool, and a team's repeated documents are reused a
 from __future__ import annotations
 
 import pytest
+import torch
 from test_anchors import random_kv
 
 from hf_kvshare import PF, PH, Session
@@ -165,6 +166,33 @@ def test_relative_spread_reads_as_documented():
         relative_spread([x, x], 6)
 
 
+# ------------------------------------------------------------------ a span longer than every anchor
+def _longer(kv: SegmentKV, extra: int) -> SegmentKV:
+    """``kv`` followed by ``extra`` other rows: the same text, then more."""
+    tail = random_kv(extra, seed=8)
+    return SegmentKV(
+        keys=[torch.cat((k, t), dim=2) for k, t in zip(kv.keys, tail.keys)],
+        values=[torch.cat((v, t), dim=2) for v, t in zip(kv.values, tail.values)],
+        start=0,
+        agent="src",
+    )
+
+
+def test_a_span_longer_than_every_anchor_is_gated_over_their_prefix_under_reuse_only():
+    """The reference's length rule (an anchor corrects only a span no longer than itself) rejects a
+    span longer than every anchor; ``reuse`` gates it over the prefix the anchors cover."""
+    delta = random_kv(6, seed=2)
+    agreeing = [delta, _scaled(delta, 1.0, random_kv(6, seed=3), eps=0.05)]
+    longer = _longer(random_kv(6, seed=1), 3)  # _gate's base, then 3 more rows
+    decision, eligible, _ = _gate(KVCMAS(), agreeing, candidate=longer)
+    assert decision.accepted and len(eligible) == 2 and decision.reason.startswith("anchors agree")
+    for method in (KVCMAS(profile="reference", tau=1.0), KVCMAS(piecewise=False)):
+        decision, eligible, _ = _gate(method, agreeing, candidate=longer)
+        assert not decision.accepted and not eligible
+        assert decision.reason == "fewer than 2 anchors at least 9 tokens long (0 of 2)"
+    assert KVCMAS().piecewise and not KVCMAS(profile="reference").piecewise and not KVComm().piecewise
+
+
 # ------------------------------------------------------------------ no duplicate anchors
 def test_near_duplicate_is_found_by_its_base():
     pool = AnchorPool("doc", capacity=4)
@@ -209,6 +237,71 @@ def test_repeated_documents_are_reused_after_warm_up_under_the_new_default(reuse
             assert seg.provenance == "corrected" and seg.info["gate"] == "accepted"
     # the first refresh leaves the other consumers' deltas stale: they still prefill in request 1
     assert "note0:dense/fallback" in decisions(results[4:5])[0]
+
+
+def test_a_longer_document_is_corrected_piecewise_under_reuse_and_dense_under_reference(
+    tiny_llama, tokenizer
+):
+    """Request 3 reads note0 with a sentence more: longer than every anchor of its pool. ``reuse``
+    corrects it over the rows the anchor covers (the rest reused uncorrected), not dense; the
+    reference sends it dense by its length rule."""
+    longer = NOTES[0] + " Escalate to the on-call engineer after the second retry."
+
+    def last_request(method):
+        run_workflow(tiny_llama, tokenizer, method, requests=3)
+        session, out = Session(tiny_llama, tokenizer, method), []
+        for i, agent in enumerate(AGENTS):
+            segments = [
+                PH("note0", longer, kind="observation") if getattr(s, "slot", None) == "note0" else s
+                for s in turn_segments(i, TASKS[3])
+            ]
+            out.append(session.run_turn(agent, segments, max_new_tokens=4, keep_cache=True))
+        return out
+
+    n = len(tokenizer(NOTES[0], add_special_tokens=False).input_ids)
+    for r in last_request(KVCMAS()):
+        seg = r.cache.segment("note0")
+        assert seg.provenance == "corrected" and seg.info["gate"] == "accepted", seg.info
+        assert seg.info["rows"] == f"{n}/{seg.end - seg.start}" and seg.end - seg.start > n
+    for r in last_request(KVCMAS(profile="reference", tau=1.0)):
+        seg = r.cache.segment("note0")
+        assert seg.provenance == "dense"
+        assert f"fewer than 2 anchors at least {seg.end - seg.start} tokens long" in seg.info["reason"], (
+            seg.info
+        )
+
+
+def test_a_growing_document_is_corrected_window_by_window(tiny_llama, tokenizer):
+    """note0 grows over the requests (17, 23, then 33 tokens): the third request's span is longer than
+    both anchors; its rows :17 are corrected by both, rows 17:23 by the 23-token one, the rest reused
+    uncorrected. The reference prefills it."""
+    growing = [
+        NOTES[0],
+        NOTES[0] + " Retries wait ten seconds.",
+        NOTES[0] + " Retries wait ten seconds. Failures page the on-call engineer.",
+    ]
+    lengths = [len(tokenizer(t, add_special_tokens=False).input_ids) for t in growing]
+
+    def third_request(method):
+        out = []
+        for task, note in zip(TASKS, growing):
+            session = Session(tiny_llama, tokenizer, method)
+            for i, agent in enumerate(AGENTS):
+                segments = [
+                    PH("note0", note, kind="observation") if getattr(s, "slot", None) == "note0" else s
+                    for s in turn_segments(i, task)
+                ]
+                out.append(session.run_turn(agent, segments, max_new_tokens=4, keep_cache=True))
+        return [r.cache.segment("note0") for r in out[-len(AGENTS) :]]
+
+    reuse = KVCMAS()
+    for seg in third_request(reuse):
+        assert seg.provenance == "corrected" and seg.info["gate"] == "accepted", seg.info
+        assert seg.info["windows"] == [[0, lengths[0], 2], [lengths[0], lengths[1], 1]]
+        assert seg.info["rows"] == f"{lengths[1]}/{lengths[2]}"
+    assert sorted(a.length for a in reuse.pools["note0"]) == lengths[:2]
+    for seg in third_request(KVCMAS(profile="reference", tau=1.0)):
+        assert seg.provenance == "dense" and "fewer than 2 anchors at least" in seg.info["reason"], seg.info
 
 
 # ------------------------------------------------------------------ the reference, one option

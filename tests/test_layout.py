@@ -13,7 +13,8 @@
   has no cycle;
 - a method file is knobs and wiring: no module under ``hf_kvshare.methods`` calls the anchors
   engine's gate or pool decisions (:data:`ENGINE_DECISIONS`: the gate, the agreement rule, the
-  near-duplicate test, the distances they read); its hooks drive a scope that does;
+  near-duplicate test, the distances they read, the length rule and its piecewise windows); its
+  hooks drive a scope that does;
 - results (``docs/architecture.md``, "Results and benchmarks"): no module under ``hf_kvshare`` cites a
   ``docs/results/...py`` script; ``docs/results`` stays a few pages and small summaries (at most
   :data:`RESULTS_MAX_FILES` files, none over :data:`RESULTS_MAX_BYTES`); the scripts in ``benchmarks/``
@@ -204,6 +205,11 @@ ENGINE_DECISIONS = frozenset(
         "token_distances",
         "usage_reference",
         "usage_crossing",
+        # the length rule and its piecewise replacement: which anchors correct which rows
+        "comparison_prefix",
+        "covering",
+        "windows",
+        "piecewise_rows",
     }
 )
 

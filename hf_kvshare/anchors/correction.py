@@ -56,6 +56,20 @@ def covering(anchors: list[Anchor], length: int, partial: bool = True) -> tuple[
     return [a for a in anchors if a.length == longest], longest
 
 
+def windows(anchors: list[Anchor], length: int) -> list[tuple[int, int, list[Anchor]]]:
+    """Piecewise coverage of a ``length``-token span (``profile="reuse"``): ``(first, last, anchors)`` per
+    window, each window ``[first, last)`` corrected by the anchors at least ``last`` long, the windows
+    ending at the anchors' distinct lengths (and ``length``), so that each row is corrected by every
+    anchor covering it. Rows past the longest anchor are in no window (the caller reuses them
+    uncorrected). An anchor covering the whole span gives one window (:func:`covering`'s rule)."""
+    ends = sorted({min(a.length, length) for a in anchors})
+    out, first = [], 0
+    for last in ends:
+        out.append((first, last, [a for a in anchors if a.length >= last]))
+        first = last
+    return out
+
+
 def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int) -> torch.Tensor:
     """``sqrt(sum_layers ||V[:rows] - A B[:rows]||_F^2)`` per anchor, ``[n]`` float64 on the values'
     device (no host synchronisation), from the factors.
@@ -330,6 +344,69 @@ def weighted_sum(factors: list[MatrixFactors], weights: torch.Tensor, rows: int)
         term = w[:, None] * f.a[:rows].float()
         out = term if out is None else out.add_(term)
     return out
+
+
+def piecewise_sum(
+    factors: list[MatrixFactors], weights: torch.Tensor, lengths: list[int], rows: int
+) -> torch.Tensor:
+    """``sum_v weights[v, :, None] * factors[v]`` ``[rows, D]`` where factor ``v`` holds only its first
+    ``lengths[v]`` rows (its rows past them count as zero: the weights there are 0 in a piecewise
+    correction); low-rank terms combined in one product, as :func:`weighted_sum` does."""
+    weights = weights.to(factors[0].a.device)
+    low = [(w, f, n) for w, f, n in zip(weights, factors, lengths) if not f.dense]
+    dense = [(w, f, n) for w, f, n in zip(weights, factors, lengths) if f.dense]
+    out = torch.zeros(rows, factors[0].shape[1], dtype=torch.float32, device=weights.device)
+    if low:
+        ranks = [f.a.shape[1] for _, f, _ in low]
+        a = torch.zeros(rows, sum(ranks), dtype=torch.float32, device=weights.device)
+        offset = 0
+        for (w, f, n), r in zip(low, ranks):
+            n = min(n, rows)
+            torch.mul(w[:n, None], f.a[:n], out=a[:n, offset : offset + r])
+            offset += r
+        out += a @ torch.cat([f.b.float() for _, f, _ in low], dim=0)
+    for w, f, n in dense:
+        n = min(n, rows)
+        out[:n] += w[:n, None] * f.a[:n].float()
+    return out
+
+
+def apply_piecewise(
+    source: SegmentKV,
+    anchors: list[Anchor],
+    target: str,
+    key_weights: torch.Tensor,
+    value_weights: torch.Tensor,
+    target_start: int,
+    shifter: RopeShifter,
+    skip_layer0: bool = False,
+) -> CorrectedKV:
+    """:func:`apply_correction` window by window (:func:`windows`): ``key_weights`` / ``value_weights``
+    ``[n, rows]`` hold, per row, the weights of the anchors covering it (0 for an anchor shorter than
+    the row), so each window's rows get the weighted sum of its own anchors' deltas; rows ``rows:``
+    keep the re-positioned source."""
+    n, rows = key_weights.shape
+    if value_weights.shape != key_weights.shape or n != len(anchors):
+        raise ValueError(
+            f"expected [n={len(anchors)}, rows] key and value weights, got {tuple(key_weights.shape)} "
+            f"and {tuple(value_weights.shape)}"
+        )
+    missing = [a.serial for a in anchors if target not in a.deltas]
+    if missing:
+        raise ValueError(f"anchors {missing} hold no correction for {target!r}")
+    frames = {a.frame for a in anchors}
+    if len(frames) > 1:
+        raise ValueError(f"anchors {[a.serial for a in anchors]} mix delta frames {sorted(frames)}")
+    deltas = [a.deltas[target] for a in anchors]
+    lengths = [min(a.length, d.length) for a, d in zip(anchors, deltas)]
+
+    def layer_delta(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            piecewise_sum([d.keys[layer] for d in deltas], key_weights, lengths, rows),
+            piecewise_sum([d.values[layer] for d in deltas], value_weights, lengths, rows),
+        )
+
+    return corrected_kv(source, target_start, shifter, rows, layer_delta, skip_layer0, frame=frames.pop())
 
 
 def corrected_kv(

@@ -28,6 +28,10 @@ each off):
   (:meth:`SlotScope._add_delta`).
 - ``learn_dense``: every span prefilled with a source adds its exact delta (a whole-turn fallback's,
   an accepted slot's prefilled for another reason), not only a rejected one's.
+- ``piecewise``: a span fewer than two anchors cover whole is not rejected by the length rule: the
+  gate compares the longest prefix two anchors cover (:meth:`SlotScope.piecewise_rows`), and
+  :meth:`SlotScope.place` corrects it window by window (:func:`~.correction.windows`,
+  :func:`~.correction.apply_piecewise`), the rows past the longest anchor reused uncorrected.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ..cache import SegmentKV
 from ..measure import phase
 from .correction import (
     apply_correction,
+    apply_piecewise,
     comparison_prefix,
     covering,
     gate_distances,
@@ -50,6 +55,7 @@ from .correction import (
     shrink,
     token_distances,
     token_weights,
+    windows,
 )
 from .gate import GateDecision, reliability_gate, usage_reference
 from .lowrank import DeferredFactoredKV, FactoredKV, relative_spread
@@ -136,6 +142,8 @@ class SlotScope(Scope):
         else:
             rows = comparison_prefix(anchors, length)
             eligible = [a for a in anchors if a.length >= rows] if rows else []
+        if o.piecewise and len(eligible) < 2 and anchors:
+            rows, eligible = self.piecewise_rows(anchors, length, rows, eligible)
         judge = o.agreement > 0 and o.tau > 0  # the agreement rule; one anchor may then suffice
         if len(eligible) < (1 if judge else 2):
             why = f"fewer than 2 anchors at least {rows or length} tokens long ({len(eligible)} of {len(anchors)})"
@@ -152,6 +160,21 @@ class SlotScope(Scope):
             if o.nearest > 0 and decision.accepted:
                 decision = self.near(decision, eligible, rows)
         return decision, eligible, distances
+
+    @staticmethod
+    def piecewise_rows(
+        anchors: list[Anchor], length: int, rows: int, eligible: list[Anchor]
+    ) -> tuple[int, list[Anchor]]:
+        """``piecewise``: a span fewer than two anchors cover whole (the reference's length rule) is
+        gated over the longest prefix two anchors cover, or with one anchor in the pool over its
+        length; the span is then corrected window by window (:meth:`place`). ``(rows, eligible)``
+        unchanged when that gives nothing new (a single anchor already covering the span)."""
+        prefix = comparison_prefix(anchors, length)
+        if prefix == 0:  # one anchor in the pool
+            prefix = min(length, anchors[0].length)
+        if prefix == rows:
+            return rows, eligible
+        return prefix, [a for a in anchors if a.length >= prefix]
 
     def agreement(self, decision: GateDecision, eligible: list[Anchor], rows: int) -> GateDecision:
         """The agreement rule (``agreement > 0``): ``decision`` (rejected by the entropy rule) accepted
@@ -242,15 +265,26 @@ class SlotScope(Scope):
         if not anchors:
             info["reason"] = f"no anchor holds a correction for {turn.agent!r}: reused uncorrected"
             return Reuse(kv=edge.source, provenance="reused", source_agent=edge.label, info=info)
-        edge.rows = rows
         reader = span.start if o.key_frame == "reader" else None
-        wk, wv, cached = self.token_weights(turn, edge, anchors, rows, reader)
-        kv = apply_correction(
-            edge.source, anchors, turn.agent, wk, wv, span.start, turn.shifter, skip_layer0=o.skip_layer0
-        )
+        pieces = windows(usable, span.length) if o.piecewise and rows < span.length else None
+        if pieces is not None and len(pieces) > 1:  # window by window, every anchor covering a row
+            anchors, rows = pieces[0][2], pieces[-1][1]
+            wk, wv, cached = self.piecewise_weights(turn, edge, pieces, reader)
+            kv = apply_piecewise(
+                edge.source, anchors, turn.agent, wk, wv, span.start, turn.shifter, skip_layer0=o.skip_layer0
+            )
+            info["windows"] = [[first, last, len(chosen)] for first, last, chosen in pieces]
+        else:
+            wk, wv, cached = self.token_weights(turn, edge, anchors, rows, reader)
+            kv = apply_correction(
+                edge.source, anchors, turn.agent, wk, wv, span.start, turn.shifter, skip_layer0=o.skip_layer0
+            )
+        edge.rows = rows
         info.update(anchors=[a.serial for a in anchors], rows=f"{rows}/{span.length}", weights_cached=cached)
         if o.guard:
-            kv, scales = self.guard(turn, edge, anchors, kv, rows, span)
+            # a piecewise span's guard is estimated on its first window (every anchor covers it)
+            checked = rows if pieces is None or len(pieces) < 2 else pieces[0][1]
+            kv, scales = self.guard(turn, edge, anchors, kv, checked, span)
             first = 1 if o.skip_layer0 else 0
             info["guard"] = {
                 "key_scales": [round(x, 4) for x in scales[0]],
@@ -305,6 +339,27 @@ class SlotScope(Scope):
         if self.options.weights_cache:
             state.weights[key] = weights
         return weights, False
+
+    def piecewise_weights(self, turn: Turn, edge: Edge, pieces: list, reader: int | None):
+        """``[n, rows]`` key and value weights of a piecewise correction (:func:`~.correction.windows`;
+        ``n``: the first window's anchors, all of them): each window's rows take the token weights of
+        its own anchors (:meth:`token_weights`, cached per anchor set), 0 for the anchors shorter than
+        the window. The longest window first, so each anchor's distances are computed once, over its
+        whole length (:meth:`distances`)."""
+        anchors, rows = pieces[0][2], pieces[-1][1]
+        index = {a.serial: i for i, a in enumerate(anchors)}
+        wk = wv = None
+        all_cached = True
+        for first, last, chosen in reversed(pieces):
+            k, v, cached = self.token_weights(turn, edge, chosen, last, reader)
+            all_cached &= cached
+            if wk is None:
+                wk = torch.zeros(len(anchors), rows, dtype=k.dtype, device=k.device)
+                wv = torch.zeros_like(wk)
+            at = [index[a.serial] for a in chosen]
+            wk[at, first:last] = k[:, first:last]
+            wv[at, first:last] = v[:, first:last]
+        return wk, wv, all_cached
 
     def token_weights(self, turn: Turn, edge: Edge, anchors: list[Anchor], rows: int, reader: int | None):
         temperature = self.options.token_temperature

@@ -21,9 +21,14 @@ the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
 - ``duplicate=0.05``: an observation whose base nearly duplicates a pooled anchor's (values within
   5 %) refreshes that anchor instead of joining the pool (no duplicate anchors);
 - ``learn_dense=True``: pools learn from every exact delta a dense span gives, not only rejections;
-- ``turn_fallback="span"``: a rejection prefills the rejected span, not the whole turn.
+- ``turn_fallback="span"``: a rejection prefills the rejected span, not the whole turn;
+- ``piecewise=True``: a span fewer than two anchors cover whole (the reference's length rule: an
+  anchor corrects only a span no longer than itself, so a longer span went dense) is gated over the
+  longest prefix two anchors cover and corrected window by window, each row by every anchor covering
+  it; the rows past the longest anchor are reused uncorrected.
 
-``profile="reference"`` sets ``agreement=0, nearest=0, duplicate=0, learn_dense=False, turn_fallback="turn"``:
+``profile="reference"`` sets ``agreement=0, nearest=0, duplicate=0, learn_dense=False, turn_fallback="turn",
+piecewise=False``:
 the accept/reject decisions of the authors' code. Options given beside a profile win over it.
 
 Sources (``output_source`` for agent outputs, ``text_source`` for the request's question,
@@ -117,6 +122,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "duplicate": 0.05,
         "learn_dense": True,
         "turn_fallback": "span",
+        "piecewise": True,
     },
     "reference": {
         "agreement": 0.0,
@@ -124,6 +130,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "duplicate": 0.0,
         "learn_dense": False,
         "turn_fallback": "turn",
+        "piecewise": False,
     },
 }
 
@@ -163,9 +170,10 @@ class KVCMAS(PrefixReuse, Method):
 
     Args:
         profile: ``"reuse"`` (default: the gate also accepts agreeing corrections, near-duplicate
-            anchors refresh, pools learn from every dense span, span fallback) or ``"reference"``
-            (every rule of the authors' code at once). It sets ``agreement``, ``nearest``,
-            ``duplicate``, ``learn_dense`` and ``turn_fallback`` unless they are given (module docstring).
+            anchors refresh, pools learn from every dense span, span fallback, piecewise correction)
+            or ``"reference"`` (every rule of the authors' code at once). It sets ``agreement``,
+            ``nearest``, ``duplicate``, ``learn_dense``, ``turn_fallback`` and ``piecewise`` unless
+            they are given (module docstring).
         agreement: the gate's agreement rule (``None``: the profile's, 0.3 / 0): where the entropy
             rule rejects, accept when, for every consumer the candidate anchors hold a delta for,
             their deltas' spread (RMS distance from their mean over their RMS size, keys and
@@ -218,6 +226,12 @@ class KVCMAS(PrefixReuse, Method):
         turn_fallback: ``"turn"`` (a consumer obeying a rejection prefills its whole turn;
             reference) or ``"span"`` (only the rejected spans; ``None``: the profile's, ``"span"`` /
             ``"turn"``). Slot scope only.
+        piecewise: a span fewer than two anchors cover whole is gated over the longest prefix two
+            anchors cover (one anchor: its length) instead of being rejected by the length rule, and
+            corrected window by window (:func:`~hf_kvshare.anchors.correction.windows`: each row by
+            the anchors covering it), the rows past the longest anchor reused uncorrected
+            (``None``: the profile's, ``True`` / ``False``). With ``partial_coverage=False`` the anchors
+            shorter than a span correct none of it (reused uncorrected). Slot scope only; not a state option.
         partial_coverage: with no anchor covering the segment, the longest correct their rows
             (reference KVCMAS); ``False``: reuse uncorrected (reference KVComm).
         skip_layer0: leave layer 0 uncorrected (reference; its K/V do not depend on the context).
@@ -292,8 +306,9 @@ class KVCMAS(PrefixReuse, Method):
     corrects: ClassVar[bool] = True
     rank_options: ClassVar[tuple[str, ...]] = ("base_rank", "delta_rank")
     state_keys: ClassVar[tuple[str, ...] | None] = ("pools", "next_request", "evicted", "prefixes")
-    #: knobs a saved state need not match: the deferred base is factorized at save (same content)
-    state_fields: ClassVar[tuple[str, ...]] = ("defer_base", "defer_factorization")
+    #: knobs a saved state need not match: the deferred base is factorized at save (same content);
+    #: ``piecewise`` is a placement rule over the same pools
+    state_fields: ClassVar[tuple[str, ...]] = ("defer_base", "defer_factorization", "piecewise")
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
         "key_frame": "canonical",
@@ -343,6 +358,7 @@ class KVCMAS(PrefixReuse, Method):
     nearest: float | None = None
     duplicate: float | None = None
     learn_dense: bool | None = None
+    piecewise: bool | None = None
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -407,6 +423,7 @@ class KVCMAS(PrefixReuse, Method):
             "defer_base",
             "defer_factorization",
             "learn_dense",
+            "piecewise",
         ):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
