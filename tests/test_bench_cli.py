@@ -283,7 +283,9 @@ def test_sweep_writes_one_directory_per_length_and_a_sweep_plot(tiny_dir, tmp_pa
     capsys.readouterr()
     assert bench("report", tmp_path, "--kind", "speed") == 0
     report = capsys.readouterr().out
-    assert report.count("| nonshared |") == 2 and "| fullshared | " in report and "NonShared/TTFT" in report
+    # per configuration: its speed table, then why what was not shared was not (a row per method)
+    assert report.count("not shared, by cause") == 2 and report.count("| nonshared |") == 2 * 2
+    assert "| fullshared | " in report and "NonShared/TTFT" in report
 
 
 # ------------------------------------------------------------- bad input
