@@ -26,6 +26,17 @@ reply's ``kv_transfer_params["hf_kvshare"]`` and, with ``report_path`` in ``kv_c
 (or the environment variable :data:`REPORTS_ENV`), one JSON line of that file, written once the
 request is recorded.
 
+A request whose claim stops at a span another request of its task in flight computes right now (its
+slot has no K/V yet: :data:`~hf_kvshare.serving.host.NOT_RECORDED_YET`: e.g. agents reading one fresh
+document, arriving while the first still prefills it) waits for that record instead of computing it
+again (the hook answers ``None`` until the slot is recorded, the producer is gone or the bound passes;
+then it is planned again): bounded by ``producer_wait_s`` (``kv_connector_extra_config``, default
+:data:`DEFAULT_PRODUCER_WAIT_S`; ``0``: never wait) and by the time computing the span would take, and
+only when that estimate (seconds per computed token, from the requests finished so far) says waiting
+for the producer's remaining work is cheaper. The report's ``producer_wait`` says how it went, or why
+it did not wait. A request whose own leading text is new (a cold agent: the claim stops before the
+span) has nothing to gain and never waits.
+
 Two threads touch this object (the engine's scheduler thread and the read-back channel's thread): the
 finishing and waiting requests are shared under one condition's lock.
 """
@@ -45,7 +56,7 @@ import torch
 from . import channel
 from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load
-from .host import Plan, ServingError, Sharing, skeleton_model
+from .host import NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,6 +74,28 @@ STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv
 #: how long the scheduler waits, at the end of a step, for a read-back the worker says it sent
 #: through the channel and that has not arrived yet (seconds; then the request is not recorded)
 READ_BACK_WAIT_S = 5.0
+#: the longest a request waits for an in-flight request of its task to record the span it reads
+#: (seconds; the estimate of computing the span bounds it further)
+DEFAULT_PRODUCER_WAIT_S = 30.0
+#: the weight of the newest finished request in the seconds-per-token estimate (an exponential average)
+RATE_WEIGHT = 0.5
+
+
+@dataclass
+class _ProducerWait:
+    """A request waiting for the record of a span another request of its task computes."""
+
+    request: Request
+    host: ServingHost
+    slot: str
+    since: float
+    deadline: float
+    outcome: str | None = None  # set when the wait ends
+    ended: float | None = None
+
+    def report(self) -> dict[str, Any]:
+        ended = self.ended if self.ended is not None else time.perf_counter()
+        return {"slot": self.slot, "seconds": round(ended - self.since, 6), "outcome": self.outcome}
 
 
 @dataclass
@@ -117,6 +150,21 @@ class HFKVShareScheduler:
         self._waiting: dict[str, tuple[Request, float]] = {}
         #: seconds each such request waited before its plan could start (its report's record_wait_s)
         self._record_waits: dict[str, float] = {}
+        #: requests waiting for the record of a span an in-flight request of their task computes
+        self._producer_waits: dict[str, _ProducerWait] = {}
+        #: admitted requests: (when admitted, tokens the engine computes for them: prompt after the
+        #: claim + the most it generates), for the seconds-per-token estimate and a producer's remaining
+        self._admitted_at: dict[str, tuple[float, int]] = {}
+        self._seconds_per_token: float | None = None
+        self._producer_wait_s = extra.get("producer_wait_s", DEFAULT_PRODUCER_WAIT_S)
+        if (
+            isinstance(self._producer_wait_s, bool)
+            or not isinstance(self._producer_wait_s, (int, float))
+            or not 0 <= self._producer_wait_s
+        ):
+            raise ServingError(
+                f"hf_kvshare: producer_wait_s must be a number of seconds >= 0; got {self._producer_wait_s!r}"
+            )
         self._receiver: channel.Receiver | None = None
         self._order_sender: channel.Sender | None = None
         self._report_path = extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
@@ -148,6 +196,10 @@ class HFKVShareScheduler:
             self._background.release(old)
         if self._admitted(request) is None:
             return 0, False  # not under the method's cache_salt: exact, nothing injected (Sharing.admit)
+        with self._finishing_cond:  # the channel's thread ends a wait when it queues the record
+            waiting = self._producer_waits.get(request.request_id)
+            if waiting is not None and not self._wait_over(waiting):
+                return None, False  # the span's producer is still at work: its record first
         if not self._background.deciding(request.request_id) and self._waits_for_record(request):
             # an earlier request of this task finished but its K/V is not read back yet: its record
             # comes first, or this plan would not see the output it reads
@@ -156,11 +208,116 @@ class HFKVShareScheduler:
         plan = self._background.plan(request.request_id, prompt, self._admitted(request), num_computed_tokens)
         if plan is None:  # still being decided off the engine loop: vLLM skips the request and asks again
             return None, False
+        if waiting is not None:  # planned again after its wait
+            with self._finishing_cond:
+                self._producer_waits.pop(request.request_id, None)
+            plan.producer_wait = waiting.report()
+        elif self._waits_for_producer(request, plan):
+            return None, False
         if plan.error:
             logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
         plan.record_wait_s = self._record_waits.pop(request.request_id, None)
         self._plans[request.request_id] = plan
+        computes = len(prompt) - num_computed_tokens - plan.claimed + _max_tokens(request)
+        self._admitted_at[request.request_id] = (time.perf_counter(), max(1, computes))
         return plan.claimed, False
+
+    # ================================================================ waiting for a producer
+    def _waits_for_producer(self, request: Request, plan: Plan) -> bool:
+        """Whether ``plan``'s claim stopped at a span an in-flight request of its task computes now and
+        waiting for that record is worth it (module docstring): then the plan is released and the
+        request waits (``True``); otherwise the plan's ``producer_wait`` says why it did not."""
+        stop = plan.claim_stop
+        if stop is None or not stop["reason"].startswith(NOT_RECORDED_YET) or plan.host is None:
+            return False
+        slot = stop["span"]
+        span = next(s for s in plan.turn.spans if s.name == slot)
+        gain = span.end - stop["position"]  # tokens the claim would pass with the span's K/V
+        now = time.perf_counter()
+        if self.sharing.recorded(plan.host, slot):  # recorded since the plan was made: plan it again
+            wait = _ProducerWait(request, plan.host, slot, now, now, "recorded", now)
+        elif self._producer_wait_s <= 0:
+            plan.producer_wait = {"slot": slot, "outcome": "not waited", "why": "producer_wait_s is 0"}
+            return False
+        else:
+            remaining = self._producer_remaining(plan, slot, now)
+            if remaining is None:
+                plan.producer_wait = {
+                    "slot": slot,
+                    "outcome": "not waited",
+                    "why": "no request of the task admitted computes it (planned ahead, not running)",
+                }
+                return False
+            rate = self._seconds_per_token
+            compute = None if rate is None else rate * gain
+            if compute is not None and remaining > compute:
+                plan.producer_wait = {
+                    "slot": slot,
+                    "outcome": "not waited",
+                    "why": f"computing its {gain} tokens (~{compute:.3g} s) is cheaper than waiting for "
+                    f"the request computing it (~{remaining:.3g} s left)",
+                }
+                return False
+            bound = self._producer_wait_s if compute is None else min(self._producer_wait_s, compute)
+            wait = _ProducerWait(request, plan.host, slot, now, now + bound)
+        with self._finishing_cond:
+            self._producer_waits[request.request_id] = wait
+            self._background.release(plan)  # its output slot freed; planned again when the wait ends
+            if wait.outcome is not None:
+                self._prepare([request])
+        return True
+
+    def _producer_recorded(self, plan: Plan) -> None:
+        """``plan``'s record is queued: the requests waiting for a span it reads end their wait and are
+        planned now, behind it (under the finishing lock, held by the callers)."""
+        now = time.perf_counter()
+        for wait in self._producer_waits.values():
+            if wait.outcome is None and _reads(plan, wait.host, wait.slot):
+                wait.outcome, wait.ended = "recorded", now
+                self._prepare([wait.request])
+
+    def _producer_remaining(self, plan: Plan, slot: str, now: float) -> float | None:
+        """Seconds the soonest in-flight request of ``plan``'s task that reads ``slot`` still needs
+        (0 once it finished: its K/V are read back); ``None`` when no admitted request reads it. Without
+        an estimate yet (no request finished), 0: the wait's bound alone limits it."""
+        with self._finishing_cond:
+            if any(_reads(f.plan, plan.host, slot) for f in self._finishing.values()):
+                return 0.0
+        left = [
+            self._admitted_at[rid]
+            for rid, other in self._plans.items()
+            if rid in self._admitted_at and _reads(other, plan.host, slot)
+        ]
+        if not left:
+            return None
+        if self._seconds_per_token is None:
+            return 0.0
+        return min(max(0.0, self._seconds_per_token * tokens - (now - at)) for at, tokens in left)
+
+    def _wait_over(self, wait: _ProducerWait) -> bool:
+        """Whether a producer wait ended: the span's record queued or done (or no open turn left to
+        record it), or its bound passed (the outcome kept for the report; under the finishing lock)."""
+        if wait.outcome is not None:
+            return True
+        now = time.perf_counter()
+        if self.sharing.recorded(wait.host, wait.slot):
+            held = wait.host.slots.get(wait.slot)
+            wait.outcome = "recorded" if held is not None and held.latest is not None else "producer gone"
+        elif now >= wait.deadline:
+            wait.outcome = "timed out"
+        else:
+            return False
+        wait.ended = now
+        return True
+
+    def _learn_rate(self, request_id: str, computed: int) -> None:
+        """The seconds-per-computed-token estimate, from a request's admission to its end."""
+        admitted = self._admitted_at.pop(request_id, None)
+        if admitted is None or computed <= 0:
+            return
+        sample = (time.perf_counter() - admitted[0]) / computed
+        rate = self._seconds_per_token
+        self._seconds_per_token = sample if rate is None else RATE_WEIGHT * sample + (1 - RATE_WEIGHT) * rate
 
     def _admitted(self, request: Request) -> Any:
         """The request's layout fenced by its tenant; ``None``: nothing to inject (:meth:`Sharing.admit`)."""
@@ -245,9 +402,14 @@ class HFKVShareScheduler:
             self._waiting.pop(request.request_id, None)
             self._background.forget(request.request_id)  # a plan being decided is released when done
         self._record_waits.pop(request.request_id, None)
+        with self._finishing_cond:
+            self._producer_waits.pop(request.request_id, None)
         plan = self._plans.pop(request.request_id, None)
         if plan is None:
+            self._admitted_at.pop(request.request_id, None)
             return False, None
+        computed = len(request.prompt_token_ids or []) - plan.local_hit - plan.claimed
+        self._learn_rate(request.request_id, computed + len(request.output_token_ids))
         report = {"hf_kvshare": {**plan.report(), "store": self._background.summary()}}
         ids = (request.request_id, getattr(request, "external_req_id", None))
         finished = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -324,6 +486,7 @@ class HFKVShareScheduler:
             self._background.release(plan, then)
         else:
             self._background.record(plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids, then)
+            self._producer_recorded(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The worker's step output: its :class:`Captured` and the requests whose blocks it has read
@@ -371,3 +534,18 @@ class HFKVShareScheduler:
             if end is not None:
                 end.close()
         self._background.close()
+
+
+def _max_tokens(request: Request) -> int:
+    """The most tokens ``request`` generates (0 when its sampling parameters do not say)."""
+    value = getattr(request.sampling_params, "max_tokens", None) if request.sampling_params else None
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def _reads(plan: Plan, host: ServingHost | None, slot: str) -> bool:
+    """Whether ``plan`` is a turn of ``host`` reading ``slot`` (its record keeps the slot's K/V)."""
+    return (
+        plan.host is host
+        and plan.turn is not None
+        and any(s.kind == "PH" and s.name == slot for s in plan.turn.spans)
+    )
