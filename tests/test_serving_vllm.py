@@ -301,5 +301,6 @@ def test_cold_agents_say_why_and_parallel_agents_claim_the_document_being_comput
     first.join(timeout=120)
     one, two = results["cold1"], results["cold2"]
     assert one["supplied_ph_tokens"] == 0 and one["claim_stop"]["span"] == "doc", one
+    assert one["claim_stop"]["reason"].startswith("no K/V kept"), one
     assert two["supplied_ph_tokens"] == len(docs["p-task"]), two  # the document claimed, not computed again
     assert two["producer_wait"] is None or two["producer_wait"]["outcome"] == "recorded", two

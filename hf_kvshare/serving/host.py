@@ -364,6 +364,9 @@ GATE_KEYS = ("gate", "entropy", "anchors", "reason")
 #: why a PH span was not placed when another request of its task in flight computes it: its K/V come
 #: with that request's record (the connector may wait for it: :mod:`.connector_scheduler`)
 NOT_RECORDED_YET = "not recorded yet"
+#: why a PH span was not placed when no K/V of it are kept (this request is the first to read it, or
+#: the store's bound dropped them)
+NO_KV_KEPT = "no K/V kept for it (the first request to read it, or dropped by the store's bound)"
 #: why the agent's own (PF) text was not placed: vLLM computes only the tokens after the claim, which
 #: starts at its own block-aligned prefix-cache hit, and the connector runs no model
 OWN_TEXT_NEW = (
@@ -547,8 +550,10 @@ class Sharing:
         if span.kind == "PF":
             return OWN_TEXT_OFF if getattr(self.method, "prefix_reuse", None) is False else OWN_TEXT_NEW
         slot = host.slots.get(span.name)
-        if slot is not None and slot.latest is None and self._in_flight_reads(host, span.name, turn):
-            return NOT_RECORDED_YET
+        if slot is None or slot.latest is None:
+            if self._in_flight_reads(host, span.name, turn):
+                return NOT_RECORDED_YET
+            return NO_KV_KEPT
         return "not placed by the method"
 
     @staticmethod
