@@ -453,6 +453,8 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
             admitted(warm)
             finish(warm, scheduler._plans[rid], [0, 1, 2, 3, 4])
         scheduler._background.drain()
+        # the cost estimate as on a slow engine (1 s per token): waiting is cheaper than computing
+        scheduler._seconds_per_token = 1.0
         # the task: a1 computes the fresh document; a2 and a3 arrive while it is in flight
         r1 = request("r1", "a1", "t", sharing.salt)
         scheduler.on_new_request(r1)
@@ -473,7 +475,26 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
             finish(r1, scheduler._plans["r1"], [5, 6, 7, 8, 9])
             assert admitted(r2) == len(r2.prompt_token_ids) - 1  # the document claimed
             wait = scheduler._plans["r2"].report()["producer_wait"]
-            assert wait["slot"] == "doc" and wait["outcome"] == "recorded" and wait["seconds"] >= 0
+            assert wait["span"] == "doc" and wait["outcome"] == "recorded" and wait["seconds"] >= 0
+            # a3 again (another task) as its cold request r3 ends, before its read-back: its own text is
+            # kept by r3's record, so it waits for that instead of computing its own text again
+            out3, keys3, values3 = engine(tiny_llama, scheduler._plans["r3"], max_new_tokens=2)
+            done3 = _request("r3", r3.prompt_token_ids, r3.kv_transfer_params, out3, cache_salt=sharing.salt)
+            scheduler.request_finished(done3, [10, 11, 12, 13, 14])
+            r4 = request("r4", "a3", "t2", sharing.salt)
+            scheduler.on_new_request(r4)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and "r4" not in scheduler._producer_waits:
+                assert scheduler.get_num_new_matched_tokens(r4, 0) == (None, False)
+                time.sleep(0.01)
+            assert scheduler._producer_waits["r4"].producers == {"r3"}
+            scheduler.update_connector_output(
+                SimpleNamespace(
+                    kv_connector_worker_meta=Captured(kv={"r3": (keys3, values3)}), finished_sending={"r3"}
+                )
+            )
+            assert admitted(r4) == len(own["a3"])  # its own text claimed; t2's document is new
+            assert scheduler._plans["r4"].producer_wait["outcome"] == "recorded"
         else:
             assert admitted(r2) == len(own["a2"])  # the bound passed: it computes the document
             plan = scheduler._plans["r2"]

@@ -48,7 +48,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,25 +77,34 @@ READ_BACK_WAIT_S = 5.0
 #: the longest a request waits for an in-flight request of its task to record the span it reads
 #: (seconds; the estimate of computing the span bounds it further)
 DEFAULT_PRODUCER_WAIT_S = 30.0
+#: how much longer computing a span takes while the producer runs beside it (one engine shared by both
+#: requests): the wait is worth it while the producer's remaining time is below this times the span's
+SHARED_ENGINE = 2.0
 #: the weight of the newest finished request in the seconds-per-token estimate (an exponential average)
 RATE_WEIGHT = 0.5
 
 
 @dataclass
 class _ProducerWait:
-    """A request waiting for the record of a span another request of its task computes."""
+    """A request waiting for the records of in-flight requests that compute what its claim stopped at."""
 
     request: Request
-    host: ServingHost
-    slot: str
+    producers: set[str]  # the in-flight requests' ids
+    span: str  # where its claim stopped
     since: float
     deadline: float
     outcome: str | None = None  # set when the wait ends
     ended: float | None = None
+    rounds: int = 1  # planned again and still waiting: one more round, within the same deadline
 
     def report(self) -> dict[str, Any]:
         ended = self.ended if self.ended is not None else time.perf_counter()
-        return {"slot": self.slot, "seconds": round(ended - self.since, 6), "outcome": self.outcome}
+        return {
+            "span": self.span,
+            "seconds": round(ended - self.since, 6),
+            "outcome": self.outcome,
+            "rounds": self.rounds,
+        }
 
 
 @dataclass
@@ -152,6 +161,8 @@ class HFKVShareScheduler:
         self._record_waits: dict[str, float] = {}
         #: requests waiting for the record of a span an in-flight request of their task computes
         self._producer_waits: dict[str, _ProducerWait] = {}
+        #: finished requests whose record is queued and has not run yet (under the finishing lock)
+        self._recording: dict[str, Plan] = {}
         #: admitted requests: (when admitted, tokens the engine computes for them: prompt after the
         #: claim + the most it generates), for the seconds-per-token estimate and a producer's remaining
         self._admitted_at: dict[str, tuple[float, int]] = {}
@@ -208,12 +219,12 @@ class HFKVShareScheduler:
         plan = self._background.plan(request.request_id, prompt, self._admitted(request), num_computed_tokens)
         if plan is None:  # still being decided off the engine loop: vLLM skips the request and asks again
             return None, False
+        if self._waits_for_producer(request, plan, waiting):
+            return None, False
         if waiting is not None:  # planned again after its wait
             with self._finishing_cond:
                 self._producer_waits.pop(request.request_id, None)
             plan.producer_wait = waiting.report()
-        elif self._waits_for_producer(request, plan):
-            return None, False
         if plan.error:
             logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
         plan.record_wait_s = self._record_waits.pop(request.request_id, None)
@@ -223,87 +234,145 @@ class HFKVShareScheduler:
         return plan.claimed, False
 
     # ================================================================ waiting for a producer
-    def _waits_for_producer(self, request: Request, plan: Plan) -> bool:
-        """Whether ``plan``'s claim stopped at a span an in-flight request of its task computes now and
-        waiting for that record is worth it (module docstring): then the plan is released and the
-        request waits (``True``); otherwise the plan's ``producer_wait`` says why it did not."""
+    def _waits_for_producer(self, request: Request, plan: Plan, previous: _ProducerWait | None) -> bool:
+        """Whether ``plan``'s claim stopped at what in-flight requests compute now (:meth:`_pending`)
+        and waiting for their records is worth it (module docstring): then the plan is released and the
+        request waits (``True``); otherwise the plan's ``producer_wait`` says why it did not. A request
+        planned again after a wait that still stops at pending work waits again, within its deadline."""
         stop = plan.claim_stop
-        if stop is None or not stop["reason"].startswith(NOT_RECORDED_YET) or plan.host is None:
+        if stop is None or plan.turn is None:
             return False
-        slot = stop["span"]
-        span = next(s for s in plan.turn.spans if s.name == slot)
-        gain = span.end - stop["position"]  # tokens the claim would pass with the span's K/V
-        now = time.perf_counter()
-        if self.sharing.recorded(plan.host, slot):  # recorded since the plan was made: plan it again
-            wait = _ProducerWait(request, plan.host, slot, now, now, "recorded", now)
-        elif self._producer_wait_s <= 0:
-            plan.producer_wait = {"slot": slot, "outcome": "not waited", "why": "producer_wait_s is 0"}
-            return False
-        else:
-            remaining = self._producer_remaining(plan, slot, now)
-            if remaining is None:
+        producers, gain = self._pending(plan)
+        if not gain:
+            if previous is None and stop["reason"].startswith(NOT_RECORDED_YET):
                 plan.producer_wait = {
-                    "slot": slot,
+                    "span": stop["span"],
                     "outcome": "not waited",
                     "why": "no request of the task admitted computes it (planned ahead, not running)",
                 }
-                return False
+            return False
+        now = time.perf_counter()
+        if previous is not None:
+            if now >= previous.deadline or not producers:
+                return False  # its report says how the wait ended
+            wait = replace(previous, producers=producers, span=stop["span"], outcome=None, ended=None)
+            wait.rounds += 1
+        elif self._producer_wait_s <= 0:
+            plan.producer_wait = {
+                "span": stop["span"],
+                "outcome": "not waited",
+                "why": "producer_wait_s is 0",
+            }
+            return False
+        else:
+            remaining = self._producer_remaining(producers, now)
             rate = self._seconds_per_token
-            compute = None if rate is None else rate * gain
+            # computed beside the producer, the span takes the engine's time the producer would have
+            compute = None if rate is None else SHARED_ENGINE * rate * gain
             if compute is not None and remaining > compute:
                 plan.producer_wait = {
-                    "slot": slot,
+                    "span": stop["span"],
                     "outcome": "not waited",
                     "why": f"computing its {gain} tokens (~{compute:.3g} s) is cheaper than waiting for "
-                    f"the request computing it (~{remaining:.3g} s left)",
+                    f"the requests computing them (~{remaining:.3g} s left)",
                 }
                 return False
             bound = self._producer_wait_s if compute is None else min(self._producer_wait_s, compute)
-            wait = _ProducerWait(request, plan.host, slot, now, now + bound)
+            wait = _ProducerWait(request, producers, stop["span"], now, now + bound)
         with self._finishing_cond:
             self._producer_waits[request.request_id] = wait
             self._background.release(plan)  # its output slot freed; planned again when the wait ends
-            if wait.outcome is not None:
+            if not producers:  # recorded since the plan was made: plan it again now
+                wait.outcome, wait.ended = "recorded", now
                 self._prepare([request])
         return True
 
+    def _pending(self, plan: Plan) -> tuple[set[str], int]:
+        """The in-flight requests whose records would let ``plan``'s claim pass where it stopped, and the
+        tokens it would then pass: from the stop, over each span placed or pending (a PH span
+        :data:`NOT_RECORDED_YET`, or recorded since the plan; the agent's own text that an in-flight
+        request of the same agent computes, kept by ``prefix_reuse``), to the first that is neither."""
+        turn, stop = plan.turn, plan.claim_stop
+        with self._finishing_cond:
+            in_flight = [(rid, f.plan) for rid, f in self._finishing.items()] + list(self._recording.items())
+        in_flight += [(rid, other) for rid, other in self._plans.items() if rid in self._admitted_at]
+        producers: set[str] = set()
+        end = stop["position"]
+        last = len(plan.prompt) - 1
+        for span, placement in zip(turn.spans, plan.placements):
+            if span.end <= end:
+                continue
+            if placement is None:
+                found = self._producers_of(plan, span, in_flight)
+                if found is None:
+                    break
+                producers |= found
+            end = span.end
+        if not producers and not self._recorded_since(plan):
+            return set(), 0
+        return producers, max(0, min(end, last) - stop["position"])
+
+    def _producers_of(self, plan: Plan, span: Any, in_flight: list[tuple[str, Plan]]) -> set[str] | None:
+        """The in-flight requests computing ``span`` of ``plan`` (an empty set: recorded since the plan),
+        or ``None``: nothing in flight computes it."""
+        if span.kind == "PH":
+            if plan.unplaced.get(span.name) != NOT_RECORDED_YET:
+                return None
+            if self.sharing.has_kv(plan.host, span.name):
+                return set()
+            found = {rid for rid, other in in_flight if _reads(other, plan.host, span.name)}
+            return found or None
+        if getattr(self.sharing.method, "prefix_reuse", False) is not True:
+            return None
+        found = {
+            rid
+            for rid, other in in_flight
+            if other.turn is not None
+            and other.turn.agent == plan.turn.agent
+            and any(s.kind == "PF" and torch.equal(s.token_ids, span.token_ids) for s in other.turn.spans)
+        }
+        return found or None
+
+    def _recorded_since(self, plan: Plan) -> bool:
+        """Whether the span ``plan``'s claim stopped at, not recorded when it was planned, is now."""
+        stop = plan.claim_stop
+        return plan.unplaced.get(stop["span"]) == NOT_RECORDED_YET and self.sharing.has_kv(
+            plan.host, stop["span"]
+        )
+
     def _producer_recorded(self, plan: Plan) -> None:
-        """``plan``'s record is queued: the requests waiting for a span it reads end their wait and are
-        planned now, behind it (under the finishing lock, held by the callers)."""
+        """``plan``'s record has run: the requests waiting for it end their wait and are planned now
+        (whatever their task: a plan waits on the admission thread only for its own task's records;
+        under the finishing lock)."""
         now = time.perf_counter()
         for wait in self._producer_waits.values():
-            if wait.outcome is None and _reads(plan, wait.host, wait.slot):
+            if wait.outcome is None and plan.request_id in wait.producers:
                 wait.outcome, wait.ended = "recorded", now
                 self._prepare([wait.request])
 
-    def _producer_remaining(self, plan: Plan, slot: str, now: float) -> float | None:
-        """Seconds the soonest in-flight request of ``plan``'s task that reads ``slot`` still needs
-        (0 once it finished: its K/V are read back); ``None`` when no admitted request reads it. Without
-        an estimate yet (no request finished), 0: the wait's bound alone limits it."""
+    def _producer_remaining(self, producers: set[str], now: float) -> float:
+        """Seconds the soonest of ``producers`` still needs (0 once one finished: its K/V are read back,
+        and without an estimate yet: the wait's bound alone limits it)."""
         with self._finishing_cond:
-            if any(_reads(f.plan, plan.host, slot) for f in self._finishing.values()):
+            if producers & (set(self._finishing) | set(self._recording)):
                 return 0.0
-        left = [
-            self._admitted_at[rid]
-            for rid, other in self._plans.items()
-            if rid in self._admitted_at and _reads(other, plan.host, slot)
-        ]
-        if not left:
-            return None
-        if self._seconds_per_token is None:
+        left = [self._admitted_at[rid] for rid in producers if rid in self._admitted_at]
+        if not left or self._seconds_per_token is None:
             return 0.0
         return min(max(0.0, self._seconds_per_token * tokens - (now - at)) for at, tokens in left)
 
     def _wait_over(self, wait: _ProducerWait) -> bool:
-        """Whether a producer wait ended: the span's record queued or done (or no open turn left to
-        record it), or its bound passed (the outcome kept for the report; under the finishing lock)."""
+        """Whether a producer wait ended: a producer's record queued (or every producer gone), or its
+        bound passed (the outcome kept for the report; under the finishing lock)."""
         if wait.outcome is not None:
             return True
         now = time.perf_counter()
-        if self.sharing.recorded(wait.host, wait.slot):
-            held = wait.host.slots.get(wait.slot)
-            wait.outcome = "recorded" if held is not None and held.latest is not None else "producer gone"
-        elif now >= wait.deadline:
+        running = any(rid in self._plans for rid in wait.producers)
+        if not running and not any(
+            rid in self._finishing or rid in self._recording for rid in wait.producers
+        ):
+            wait.outcome = "recorded"  # recorded, or ended unrecorded
+        elif running and now >= wait.deadline:  # past it, a producer that finished is still waited for
             wait.outcome = "timed out"
         else:
             return False
@@ -478,15 +547,23 @@ class HFKVShareScheduler:
             self._finishing_cond.notify_all()
 
     def _record(self, finishing: _Finishing, kv: tuple[torch.Tensor, torch.Tensor] | None, how: str) -> None:
-        then = self._reporter(finishing.ids)
+        report = self._reporter(finishing.ids)
         plan = finishing.plan
         plan.read_back = how
         plan.read_back_s = time.perf_counter() - finishing.finished_at
+        self._recording[plan.request_id] = plan  # under the finishing lock (both callers hold it)
+
+        def then(recorded: Plan) -> None:  # on the admission thread, once the record has run
+            if report is not None:
+                report(recorded)
+            with self._finishing_cond:
+                self._recording.pop(recorded.request_id, None)
+                self._producer_recorded(recorded)
+
         if kv is None:
             self._background.release(plan, then)
         else:
             self._background.record(plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids, then)
-            self._producer_recorded(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The worker's step output: its :class:`Captured` and the requests whose blocks it has read

@@ -562,14 +562,17 @@ class Sharing:
         own = turn.output_slot if turn is not None else None
         return any(slot in reads for out, reads in dict(host.reading).items() if out != own)
 
+    @staticmethod
+    def has_kv(host: ServingHost | None, slot: str) -> bool:
+        """Whether ``host``'s ``slot`` holds K/V now. Without the store's lock (read on vLLM's scheduler
+        thread, which must not wait for a record): a snapshot, asked again at the next step."""
+        held = host.slots.get(slot) if host is not None else None
+        return held is not None and held.latest is not None
+
     def recorded(self, host: ServingHost, slot: str) -> bool:
         """Whether ``host``'s ``slot`` holds K/V now, or no open turn will record any (a waiting request
-        then has nothing left to wait for). Without the store's lock (read on vLLM's scheduler thread,
-        which must not wait for a record): a snapshot, re-asked at the next step."""
-        held = host.slots.get(slot)
-        if held is not None and held.latest is not None:
-            return True
-        return not self._in_flight_reads(host, slot)
+        then has nothing left to wait for); a snapshot, as :meth:`has_kv`."""
+        return self.has_kv(host, slot) or not self._in_flight_reads(host, slot)
 
     def _turn(self, host: ServingHost, resolved: lay.ResolvedLayout, prompt: list[int]) -> Turn:
         """The request as a :class:`Turn` over its task: each located segment a PH span, the slot it
