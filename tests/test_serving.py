@@ -1509,9 +1509,7 @@ def test_a_span_an_open_turn_computes_is_not_recorded_yet_until_its_record(tiny_
         layout("t", "a1", doc),
         0,
     )
-    assert (
-        p1.claim_stop["span"] == "doc" and p1.claim_stop["reason"] == host_mod.NO_KV_KEPT
-    )  # the first reader
+    assert p1.unplaced["doc"] == host_mod.NO_KV_KEPT  # the first reader (a1 cold: its claim stops before)
     second = ids_of(tokenizer, SYS2) + ids_of(tokenizer, DOC) + ids_of(tokenizer, Q1)
     p2 = sharing.plan("r2", second, layout("t", "a2", doc), 0)
     n_sys = len(ids_of(tokenizer, SYS2))
