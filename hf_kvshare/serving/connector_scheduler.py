@@ -26,16 +26,18 @@ reply's ``kv_transfer_params["hf_kvshare"]`` and, with ``report_path`` in ``kv_c
 (or the environment variable :data:`REPORTS_ENV`), one JSON line of that file, written once the
 request is recorded.
 
-A request whose claim stops at a span another request of its task in flight computes right now (its
-slot has no K/V yet: :data:`~hf_kvshare.serving.host.NOT_RECORDED_YET`: e.g. agents reading one fresh
-document, arriving while the first still prefills it) waits for that record instead of computing it
-again (the hook answers ``None`` until the slot is recorded, the producer is gone or the bound passes;
-then it is planned again): bounded by ``producer_wait_s`` (``kv_connector_extra_config``, default
-:data:`DEFAULT_PRODUCER_WAIT_S`; ``0``: never wait) and by the time computing the span would take, and
-only when that estimate (seconds per computed token, from the requests finished so far) says waiting
-for the producer's remaining work is cheaper. The report's ``producer_wait`` says how it went, or why
-it did not wait. A request whose own leading text is new (a cold agent: the claim stops before the
-span) has nothing to gain and never waits.
+A request whose claim stops at what an in-flight request computes right now (a PH span whose slot has
+no K/V yet: :data:`~hf_kvshare.serving.host.NOT_RECORDED_YET`, e.g. agents reading one fresh document
+arriving while the first still prefills it; or its agent's own text, computed by the agent's earlier
+request in flight and kept by ``prefix_reuse``) waits for that record instead of computing it again:
+the hook answers ``None`` until a producer's record has run, every producer is gone, or the bound
+passes while one still runs; then it is planned again (and waits again, within the same deadline, if
+its claim still stops at pending work). Bounded by ``producer_wait_s`` (``kv_connector_extra_config``,
+default :data:`DEFAULT_PRODUCER_WAIT_S`; ``0``: never wait) and by the time computing the pending spans
+would take, and only when that estimate (seconds per computed token, from the requests finished so
+far, times :data:`SHARED_ENGINE`) says waiting for the producers' remaining work is cheaper. The
+report's ``producer_wait`` says how it went, or why it did not wait. A request whose claim stops at
+text nobody in flight computes (a cold agent's own new text) never waits.
 
 Two threads touch this object (the engine's scheduler thread and the read-back channel's thread): the
 finishing and waiting requests are shared under one condition's lock.
