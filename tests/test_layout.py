@@ -31,6 +31,9 @@
 - one request, one walk, two executors: the contract modules, ``request.py`` and ``walk.py`` import
   neither ``prefill`` nor the HF ``executor``; the Session and the serving host are each a ``Request``
   and define none of its bookkeeping; only ``walk.py`` (and ``methods/``) calls a method's span hooks.
+- serving never waits in the store: ``serving/host.py`` (plan, claim, record) makes no blocking call
+  (sleep, wait, join, a future's result); a request waiting for another's record is answered "not
+  decided yet" by the connector's scheduler side, which asks the store again.
 - the cache stores as transformers' caches do: ``cache.py`` (the table, its guards, dispatch) writes no
   tensor itself, its layer class ``cache_layer.SegmentLayer`` derives from ``DynamicLayer``, and
   ``SegmentedCache`` stays under a method budget; the cache's modules import no engine and every
@@ -1283,3 +1286,38 @@ def test_the_client_fault_finder_finds_them():
         "line 3 names extra_body",
         "line 3 names kv_transfer_params",
     ]
+
+
+#: the calls by which a thread blocks on another (a sleep, a condition's or an event's wait, a join, a
+#: future's result)
+BLOCKING_CALLS = frozenset({"sleep", "wait", "wait_for", "join", "result"})
+#: the serving module that plans, claims and records without ever waiting for another request
+NEVER_WAITS = "hf_kvshare.serving.host"
+
+
+def blocking_calls(tree: ast.Module) -> list[tuple[int, str]]:
+    """``(line, name)`` of each call of a :data:`BLOCKING_CALLS` method or function (not a string's
+    ``join``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            on_text = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Constant)
+            if name in BLOCKING_CALLS and not on_text:
+                found.append((node.lineno, name))
+    return sorted(found)
+
+
+def test_the_serving_store_never_waits_for_another_request():
+    """Waiting for another request (its record, its read-back) is the connector scheduler side's: it
+    answers vLLM "not decided yet" and asks ``Sharing`` again (``recorded``, a plan); ``serving/host.py``
+    only decides, with a claim's stop and its reason (``not recorded yet``), and never blocks."""
+    path = MODULES[NEVER_WAITS]
+    bad = blocking_calls(ast.parse(path.read_text()))
+    assert not bad, f"{NEVER_WAITS} blocks: {bad}"
+
+
+def test_the_blocking_call_finder_finds_them():
+    tree = ast.parse("time.sleep(1)\ncond.wait_for(f, 2)\nfuture.result()\nthread.join()\n','.join(x)\n")
+    assert blocking_calls(tree) == [(1, "sleep"), (2, "wait_for"), (3, "result"), (4, "join")]

@@ -14,6 +14,7 @@ import torch
 from hf_kvshare import PF, PH, Session
 from hf_kvshare.cache import SegmentKV
 from hf_kvshare.method import get_method
+from hf_kvshare.serving import host as host_mod
 from hf_kvshare.serving import layout as lay
 from hf_kvshare.serving.host import ServingError, Sharing, check_serving_method, salt
 from hf_kvshare.serving.middleware import ENV, LayoutCheck
@@ -1702,3 +1703,84 @@ def test_a_short_slot_counts_as_a_message_of_its_own_only(tiny_llama, tokenizer)
     p3 = sharing.plan("r3", alone, task, None)
     assert "note" in [row["name"] for row in p3.report()["segments"] if row["placed"]]
     sharing.release(p3)
+
+
+# ------------------------------------------------------------------ cold and parallel agents (issue 50)
+SYS2 = "You check facts.\n"
+
+
+def test_a_claim_says_where_it_stopped_and_why_a_cold_agent_cannot_pass_its_own_new_text(
+    tiny_llama, tokenizer
+):
+    """vLLM computes only the tokens after the one range claimed from its own prefix-cache hit, and
+    the connector runs no model: a cold agent's own leading text (new, shorter than a block) stops the
+    claim before the shared document (the report says so); with prefix_reuse its next request claims
+    past it; without prefix_reuse the stop says it is off."""
+    doc = [{"slot": "doc", "text": DOC}]
+    first = ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC) + ids_of(tokenizer, Q1)
+    cold = ids_of(tokenizer, SYS2) + ids_of(tokenizer, DOC) + ids_of(tokenizer, Q2)
+    for reuse in (True, False):
+        sharing = Sharing(tiny_llama, tokenizer, "fullshared", prefix_reuse=reuse)
+        p1 = sharing.plan("r1", first, layout("t", "a1", doc), 0)
+        out, k, v = engine(tiny_llama, p1)
+        sharing.record(p1, k, v, out, set())
+        p2 = sharing.plan("r2", cold, layout("t", "a2", doc), 0)
+        assert p2.claimed == 0 and p2.placements[1] is not None  # the document placed, not claimable
+        stop = p2.report()["claim_stop"]
+        assert stop["span"] == "pf0" and stop["position"] == 0
+        assert stop["reason"] == (host_mod.OWN_TEXT_NEW if reuse else host_mod.OWN_TEXT_OFF)
+        out2, k2, v2 = engine(tiny_llama, p2)
+        sharing.record(p2, k2, v2, out2, set())
+        p3 = sharing.plan("r3", cold, layout("t2", "a2", [{"slot": "doc2", "text": DOC}]), 0)
+        if reuse:  # a2's own text kept: the claim passes it (a new task's document is computed)
+            assert p3.claim_stop["span"] == "doc2" and p3.claimed == len(ids_of(tokenizer, SYS2))
+        else:
+            assert p3.claimed == 0 and p3.claim_stop["reason"] == host_mod.OWN_TEXT_OFF
+
+
+def test_a_span_an_open_turn_computes_is_not_recorded_yet_until_its_record(tiny_llama, tokenizer):
+    """Two agents of a task read a fresh document: while the first request is in flight (planned, not
+    recorded), the second's claim stops at the document, "not recorded yet"; once the first is
+    recorded the second's plan claims it (what the connector waits for)."""
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", prefix_reuse=True)
+    warm = ids_of(tokenizer, SYS2) + ids_of(tokenizer, DOC * 2) + ids_of(tokenizer, Q1)
+    pw = sharing.plan("w", warm, layout("warm", "a2", [{"slot": "w", "text": DOC * 2}]), 0)
+    out, k, v = engine(tiny_llama, pw)
+    sharing.record(pw, k, v, out, set())  # a2's own text kept from a warm-up task
+    doc = [{"slot": "doc", "text": DOC}]
+    p1 = sharing.plan(
+        "r1",
+        ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC) + ids_of(tokenizer, Q1),
+        layout("t", "a1", doc),
+        0,
+    )
+    assert p1.unplaced["doc"] == host_mod.NO_KV_KEPT  # the first reader (a1 cold: its claim stops before)
+    second = ids_of(tokenizer, SYS2) + ids_of(tokenizer, DOC) + ids_of(tokenizer, Q1)
+    p2 = sharing.plan("r2", second, layout("t", "a2", doc), 0)
+    n_sys = len(ids_of(tokenizer, SYS2))
+    assert p2.claim_stop == {"span": "doc", "position": n_sys, "reason": host_mod.NOT_RECORDED_YET}
+    assert p2.claimed == n_sys and not sharing.recorded(p2.host, "doc")
+    sharing.release(p2)  # the connector releases a plan that waits
+    out, k, v = engine(tiny_llama, p1)
+    sharing.record(p1, k, v, out, set())
+    assert sharing.recorded(p1.host, "doc")
+    p3 = sharing.plan("r3", second, layout("t", "a2", doc), 0)
+    assert p3.claim_stop is None and p3.claimed == len(second) - 1
+    # an aborted producer: nothing left to wait for
+    p4 = sharing.plan("r4", ids_of(tokenizer, SYS1) + ids_of(tokenizer, DOC * 2), layout("u", "a1", doc), 0)
+    assert not sharing.recorded(p4.host, "doc")
+    sharing.release(p4)
+    assert sharing.recorded(p4.host, "doc")
+
+
+def test_serve_warns_at_start_up_when_the_method_cannot_pass_a_short_system_prompt(tmp_path):
+    from hf_kvshare.serving.server import Server
+
+    def warned(server):
+        return [n for n in server.notes if "prefix_reuse=True" in n]
+
+    note = warned(Server(tmp_path, "fullshared", port=1))
+    assert len(note) == 1 and "--method fullshared:prefix_reuse=True" in note[0]
+    assert not warned(Server(tmp_path, "fullshared", {"prefix_reuse": True}, port=1))
+    assert not warned(Server(tmp_path, "nonshared", port=1))
+    assert not warned(Server(tmp_path, "kvcmas", port=1))  # prefix_reuse on by default

@@ -381,3 +381,124 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
         if sender is not None:
             sender.close()
         scheduler.shutdown()
+
+
+@pytest.mark.parametrize("producer_wait_s", [30.0, 0.2])
+@pytest.mark.skipif(not HAS_VLLM, reason="the connector's sides import vLLM (.ci/run's serving venv)")
+def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_does_not(
+    tiny_llama, tokenizer, producer_wait_s
+):
+    """Agents of a task reading one fresh document: one arriving while the first still computes it
+    waits (the hook answers ``None``) and claims it once the first is recorded (``producer_wait``:
+    ``recorded``); a cold agent (its own leading text new: the claim stops before the document) gains
+    nothing by waiting and is planned at once; past ``producer_wait_s`` the wait ends ``timed out``."""
+    from hf_kvshare.serving import layout as lay
+    from hf_kvshare.serving.connector_common import Captured
+    from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
+    from hf_kvshare.serving.host import NOT_RECORDED_YET, OWN_TEXT_NEW, Sharing
+    from hf_kvshare.serving.standin import engine
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    doc = ids("The river Lune reaches the sea at Plover Scar near Glasson. " * 3)
+    own = {a: ids(f"You are agent {a}, careful and brief.\n") for a in ("a1", "a2", "a3")}
+
+    def request(rid, agent, task, cache_salt):
+        prompt = own[agent] + doc + ids(" Where?")
+        params = {
+            lay.KEY: {
+                "task": task,
+                "agent": agent,
+                "segments": [{"slot": "doc", "start": len(own[agent]), "end": len(own[agent]) + len(doc)}],
+            }
+        }
+        return _request(rid, prompt, params, cache_salt=cache_salt)
+
+    extra = {"read_back_channel": False, "producer_wait_s": producer_wait_s}
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        cache_config=SimpleNamespace(block_size=16),
+    )
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", prefix_reuse=True)
+    scheduler = HFKVShareScheduler(config, sharing)
+
+    def admitted(req, deadline_s=30.0):
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            claimed, _ = scheduler.get_num_new_matched_tokens(req, 0)
+            if claimed is not None:
+                return claimed
+            time.sleep(0.01)
+        raise AssertionError(f"{req.request_id} was never planned")
+
+    def finish(req, plan, blocks):
+        out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
+        done = _request(
+            req.request_id, req.prompt_token_ids, req.kv_transfer_params, out, cache_salt=sharing.salt
+        )
+        scheduler.request_finished(done, blocks)
+        scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[]))
+        scheduler.update_connector_output(
+            SimpleNamespace(
+                kv_connector_worker_meta=Captured(kv={req.request_id: (keys, values)}),
+                finished_sending={req.request_id},
+            )
+        )
+
+    try:
+        # a warm-up task: a1's and a2's own text kept (a3 stays cold)
+        for rid, agent in (("w1", "a1"), ("w2", "a2")):
+            warm = request(rid, agent, "warm", sharing.salt)
+            admitted(warm)
+            finish(warm, scheduler._plans[rid], [0, 1, 2, 3, 4])
+        scheduler._background.drain()
+        # the cost estimate as on a slow engine (1 s per token): waiting is cheaper than computing
+        scheduler._seconds_per_token = 1.0
+        # the task: a1 computes the fresh document; a2 and a3 arrive while it is in flight
+        r1 = request("r1", "a1", "t", sharing.salt)
+        scheduler.on_new_request(r1)
+        assert admitted(r1) == len(own["a1"])  # its own text kept, the document new
+        r2, r3 = request("r2", "a2", "t", sharing.salt), request("r3", "a3", "t", sharing.salt)
+        scheduler.on_new_request(r2)
+        scheduler.on_new_request(r3)
+        assert admitted(r3) == 0  # cold: nothing to gain by waiting, planned at once
+        stop = scheduler._plans["r3"].claim_stop
+        assert stop["span"] == "pf0" and stop["reason"] == OWN_TEXT_NEW
+        assert scheduler._plans["r3"].producer_wait is None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "r2" not in scheduler._producer_waits:
+            assert scheduler.get_num_new_matched_tokens(r2, 0) == (None, False)
+            time.sleep(0.01)
+        assert "r2" in scheduler._producer_waits  # waits for r1's record of the document
+        if producer_wait_s > 1:
+            finish(r1, scheduler._plans["r1"], [5, 6, 7, 8, 9])
+            assert admitted(r2) == len(r2.prompt_token_ids) - 1  # the document claimed
+            wait = scheduler._plans["r2"].report()["producer_wait"]
+            assert wait["span"] == "doc" and wait["outcome"] == "recorded" and wait["seconds"] >= 0
+            # a3 again (another task) as its cold request r3 ends, before its read-back: its own text is
+            # kept by r3's record, so it waits for that instead of computing its own text again
+            out3, keys3, values3 = engine(tiny_llama, scheduler._plans["r3"], max_new_tokens=2)
+            done3 = _request("r3", r3.prompt_token_ids, r3.kv_transfer_params, out3, cache_salt=sharing.salt)
+            scheduler.request_finished(done3, [10, 11, 12, 13, 14])
+            r4 = request("r4", "a3", "t2", sharing.salt)
+            scheduler.on_new_request(r4)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and "r4" not in scheduler._producer_waits:
+                assert scheduler.get_num_new_matched_tokens(r4, 0) == (None, False)
+                time.sleep(0.01)
+            assert scheduler._producer_waits["r4"].producers == {"r3"}
+            scheduler.update_connector_output(
+                SimpleNamespace(
+                    kv_connector_worker_meta=Captured(kv={"r3": (keys3, values3)}), finished_sending={"r3"}
+                )
+            )
+            assert admitted(r4) == len(own["a3"])  # its own text claimed; t2's document is new
+            assert scheduler._plans["r4"].producer_wait["outcome"] == "recorded"
+        else:
+            assert admitted(r2) == len(own["a2"])  # the bound passed: it computes the document
+            plan = scheduler._plans["r2"]
+            assert plan.producer_wait["outcome"] == "timed out"
+            assert plan.claim_stop["reason"] == NOT_RECORDED_YET
+    finally:
+        scheduler.shutdown()

@@ -266,3 +266,41 @@ def test_example_multi_agent_loop(server):
     second = example.run(server.url + "/v1", server.model_dir, max_tokens=8)
     assert all(r["report"]["error"] is None for r in first + second)
     assert second[1]["report"]["supplied_tokens"] > 0 and second[2]["report"]["supplied_tokens"] > 0, second
+
+
+def test_cold_agents_say_why_and_parallel_agents_claim_the_document_being_computed(server, tok):
+    """Issue 50: a cold agent (its own short system prompt new) cannot claim on its first request (vLLM
+    computes every token after the claim, and its hit covers whole blocks only): the report says so.
+    Warm agents of a task arriving together: the second, arriving while the first still computes the
+    fresh document, waits for that record (bounded) and claims the document instead of computing it."""
+    import threading
+
+    docs = {task: enc(tok, f"Report {task}. " + DOC * 3) for task in ("p-warm", "p-task")}  # fresh each
+
+    def ask(task, agent, results, max_tokens=2):
+        own, doc = enc(tok, f"You are agent {agent}. "), docs[task]
+        ids = own + doc + enc(tok, Q1)
+        results[agent] = complete(
+            server, ids, layout(task, agent, len(own), len(doc)), max_tokens=max_tokens
+        )[1]
+
+    cold = {}
+    ask("p-warm", "cold1", cold)
+    ask("p-warm", "cold2", cold)
+    for report in cold.values():  # each computed its own new text and so everything after it
+        assert report["supplied_tokens"] == 0 and report["claim_stop"]["span"] == "pf0", report
+        assert report["claim_stop"]["reason"].startswith("the agent's own text, new"), report
+        assert report["producer_wait"] is None
+    assert recorded(server, "p-warm", 2)
+    # both agents warm now (their own text kept); a new task's document read by both at once
+    results = {}
+    first = threading.Thread(target=ask, args=("p-task", "cold1", results))
+    first.start()
+    time.sleep(0.3)  # the second arrives while the first computes the document
+    ask("p-task", "cold2", results)
+    first.join(timeout=120)
+    one, two = results["cold1"], results["cold2"]
+    assert one["supplied_ph_tokens"] == 0 and one["claim_stop"]["span"] == "doc", one
+    assert one["claim_stop"]["reason"].startswith("no K/V kept"), one
+    assert two["supplied_ph_tokens"] == len(docs["p-task"]), two  # the document claimed, not computed again
+    assert two["producer_wait"] is None or two["producer_wait"]["outcome"] == "recorded", two

@@ -26,6 +26,19 @@ reply's ``kv_transfer_params["hf_kvshare"]`` and, with ``report_path`` in ``kv_c
 (or the environment variable :data:`REPORTS_ENV`), one JSON line of that file, written once the
 request is recorded.
 
+A request whose claim stops at what an in-flight request computes right now (a PH span whose slot has
+no K/V yet: :data:`~hf_kvshare.serving.host.NOT_RECORDED_YET`, e.g. agents reading one fresh document
+arriving while the first still prefills it; or its agent's own text, computed by the agent's earlier
+request in flight and kept by ``prefix_reuse``) waits for that record instead of computing it again:
+the hook answers ``None`` until a producer's record has run, every producer is gone, or the bound
+passes while one still runs; then it is planned again (and waits again, within the same deadline, if
+its claim still stops at pending work). Bounded by ``producer_wait_s`` (``kv_connector_extra_config``,
+default :data:`DEFAULT_PRODUCER_WAIT_S`; ``0``: never wait) and by the time computing the pending spans
+would take, and only when that estimate (seconds per computed token, from the requests finished so
+far, times :data:`SHARED_ENGINE`) says waiting for the producers' remaining work is cheaper. The
+report's ``producer_wait`` says how it went, or why it did not wait. A request whose claim stops at
+text nobody in flight computes (a cold agent's own new text) never waits.
+
 Two threads touch this object (the engine's scheduler thread and the read-back channel's thread): the
 finishing and waiting requests are shared under one condition's lock.
 """
@@ -37,7 +50,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,7 +58,7 @@ import torch
 from . import channel
 from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load
-from .host import Plan, ServingError, Sharing, skeleton_model
+from .host import NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,6 +76,37 @@ STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv
 #: how long the scheduler waits, at the end of a step, for a read-back the worker says it sent
 #: through the channel and that has not arrived yet (seconds; then the request is not recorded)
 READ_BACK_WAIT_S = 5.0
+#: the longest a request waits for an in-flight request of its task to record the span it reads
+#: (seconds; the estimate of computing the span bounds it further)
+DEFAULT_PRODUCER_WAIT_S = 30.0
+#: how much longer computing a span takes while the producer runs beside it (one engine shared by both
+#: requests): the wait is worth it while the producer's remaining time is below this times the span's
+SHARED_ENGINE = 2.0
+#: the weight of the newest finished request in the seconds-per-token estimate (an exponential average)
+RATE_WEIGHT = 0.5
+
+
+@dataclass
+class _ProducerWait:
+    """A request waiting for the records of in-flight requests that compute what its claim stopped at."""
+
+    request: Request
+    producers: set[str]  # the in-flight requests' ids
+    span: str  # where its claim stopped
+    since: float
+    deadline: float
+    outcome: str | None = None  # set when the wait ends
+    ended: float | None = None
+    rounds: int = 1  # planned again and still waiting: one more round, within the same deadline
+
+    def report(self) -> dict[str, Any]:
+        ended = self.ended if self.ended is not None else time.perf_counter()
+        return {
+            "span": self.span,
+            "seconds": round(ended - self.since, 6),
+            "outcome": self.outcome,
+            "rounds": self.rounds,
+        }
 
 
 @dataclass
@@ -117,6 +161,23 @@ class HFKVShareScheduler:
         self._waiting: dict[str, tuple[Request, float]] = {}
         #: seconds each such request waited before its plan could start (its report's record_wait_s)
         self._record_waits: dict[str, float] = {}
+        #: requests waiting for the record of a span an in-flight request of their task computes
+        self._producer_waits: dict[str, _ProducerWait] = {}
+        #: finished requests whose record is queued and has not run yet (under the finishing lock)
+        self._recording: dict[str, Plan] = {}
+        #: admitted requests: (when admitted, tokens the engine computes for them: prompt after the
+        #: claim + the most it generates), for the seconds-per-token estimate and a producer's remaining
+        self._admitted_at: dict[str, tuple[float, int]] = {}
+        self._seconds_per_token: float | None = None
+        self._producer_wait_s = extra.get("producer_wait_s", DEFAULT_PRODUCER_WAIT_S)
+        if (
+            isinstance(self._producer_wait_s, bool)
+            or not isinstance(self._producer_wait_s, (int, float))
+            or not 0 <= self._producer_wait_s
+        ):
+            raise ServingError(
+                f"hf_kvshare: producer_wait_s must be a number of seconds >= 0; got {self._producer_wait_s!r}"
+            )
         self._receiver: channel.Receiver | None = None
         self._order_sender: channel.Sender | None = None
         self._report_path = extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
@@ -148,6 +209,10 @@ class HFKVShareScheduler:
             self._background.release(old)
         if self._admitted(request) is None:
             return 0, False  # not under the method's cache_salt: exact, nothing injected (Sharing.admit)
+        with self._finishing_cond:  # the channel's thread ends a wait when it queues the record
+            waiting = self._producer_waits.get(request.request_id)
+            if waiting is not None and not self._wait_over(waiting):
+                return None, False  # the span's producer is still at work: its record first
         if not self._background.deciding(request.request_id) and self._waits_for_record(request):
             # an earlier request of this task finished but its K/V is not read back yet: its record
             # comes first, or this plan would not see the output it reads
@@ -156,11 +221,174 @@ class HFKVShareScheduler:
         plan = self._background.plan(request.request_id, prompt, self._admitted(request), num_computed_tokens)
         if plan is None:  # still being decided off the engine loop: vLLM skips the request and asks again
             return None, False
+        if self._waits_for_producer(request, plan, waiting):
+            return None, False
+        if waiting is not None:  # planned again after its wait
+            with self._finishing_cond:
+                self._producer_waits.pop(request.request_id, None)
+            plan.producer_wait = waiting.report()
         if plan.error:
             logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
         plan.record_wait_s = self._record_waits.pop(request.request_id, None)
         self._plans[request.request_id] = plan
+        computes = len(prompt) - num_computed_tokens - plan.claimed + _max_tokens(request)
+        self._admitted_at[request.request_id] = (time.perf_counter(), max(1, computes))
         return plan.claimed, False
+
+    # ================================================================ waiting for a producer
+    def _waits_for_producer(self, request: Request, plan: Plan, previous: _ProducerWait | None) -> bool:
+        """Whether ``plan``'s claim stopped at what in-flight requests compute now (:meth:`_pending`)
+        and waiting for their records is worth it (module docstring): then the plan is released and the
+        request waits (``True``); otherwise the plan's ``producer_wait`` says why it did not. A request
+        planned again after a wait that still stops at pending work waits again, within its deadline."""
+        stop = plan.claim_stop
+        if stop is None or plan.turn is None:
+            return False
+        producers, gain = self._pending(plan)
+        if not gain:
+            if previous is None and stop["reason"].startswith(NOT_RECORDED_YET):
+                plan.producer_wait = {
+                    "span": stop["span"],
+                    "outcome": "not waited",
+                    "why": "no request of the task admitted computes it (planned ahead, not running)",
+                }
+            return False
+        now = time.perf_counter()
+        if previous is not None:
+            if now >= previous.deadline or not producers:
+                return False  # its report says how the wait ended
+            wait = replace(previous, producers=producers, span=stop["span"], outcome=None, ended=None)
+            wait.rounds += 1
+        elif self._producer_wait_s <= 0:
+            plan.producer_wait = {
+                "span": stop["span"],
+                "outcome": "not waited",
+                "why": "producer_wait_s is 0",
+            }
+            return False
+        else:
+            remaining = self._producer_remaining(producers, now)
+            rate = self._seconds_per_token
+            # computed beside the producer, the span takes the engine's time the producer would have
+            compute = None if rate is None else SHARED_ENGINE * rate * gain
+            if compute is not None and remaining > compute:
+                plan.producer_wait = {
+                    "span": stop["span"],
+                    "outcome": "not waited",
+                    "why": f"computing its {gain} tokens (~{compute:.3g} s) is cheaper than waiting for "
+                    f"the requests computing them (~{remaining:.3g} s left)",
+                }
+                return False
+            bound = self._producer_wait_s if compute is None else min(self._producer_wait_s, compute)
+            wait = _ProducerWait(request, producers, stop["span"], now, now + bound)
+        with self._finishing_cond:
+            self._producer_waits[request.request_id] = wait
+            self._background.release(plan)  # its output slot freed; planned again when the wait ends
+            if not producers:  # recorded since the plan was made: plan it again now
+                wait.outcome, wait.ended = "recorded", now
+                self._prepare([request])
+        return True
+
+    def _pending(self, plan: Plan) -> tuple[set[str], int]:
+        """The in-flight requests whose records would let ``plan``'s claim pass where it stopped, and the
+        tokens it would then pass: from the stop, over each span placed or pending (a PH span
+        :data:`NOT_RECORDED_YET`, or recorded since the plan; the agent's own text that an in-flight
+        request of the same agent computes, kept by ``prefix_reuse``), to the first that is neither."""
+        turn, stop = plan.turn, plan.claim_stop
+        with self._finishing_cond:
+            in_flight = [(rid, f.plan) for rid, f in self._finishing.items()] + list(self._recording.items())
+        in_flight += [(rid, other) for rid, other in self._plans.items() if rid in self._admitted_at]
+        producers: set[str] = set()
+        end = stop["position"]
+        last = len(plan.prompt) - 1
+        for span, placement in zip(turn.spans, plan.placements):
+            if span.end <= end:
+                continue
+            if placement is None:
+                found = self._producers_of(plan, span, in_flight)
+                if found is None:
+                    break
+                producers |= found
+            end = span.end
+        if not producers and not self._recorded_since(plan):
+            return set(), 0
+        return producers, max(0, min(end, last) - stop["position"])
+
+    def _producers_of(self, plan: Plan, span: Any, in_flight: list[tuple[str, Plan]]) -> set[str] | None:
+        """The in-flight requests computing ``span`` of ``plan`` (an empty set: recorded since the plan),
+        or ``None``: nothing in flight computes it."""
+        if span.kind == "PH":
+            if plan.unplaced.get(span.name) != NOT_RECORDED_YET:
+                return None
+            if self.sharing.has_kv(plan.host, span.name):
+                return set()
+            found = {rid for rid, other in in_flight if _reads(other, plan.host, span.name)}
+            return found or None
+        if getattr(self.sharing.method, "prefix_reuse", False) is not True:
+            return None
+        found = {
+            rid
+            for rid, other in in_flight
+            if other.turn is not None
+            and other.turn.agent == plan.turn.agent
+            and any(s.kind == "PF" and torch.equal(s.token_ids, span.token_ids) for s in other.turn.spans)
+        }
+        return found or None
+
+    def _recorded_since(self, plan: Plan) -> bool:
+        """Whether the span ``plan``'s claim stopped at, not recorded when it was planned, is now."""
+        stop = plan.claim_stop
+        return plan.unplaced.get(stop["span"]) == NOT_RECORDED_YET and self.sharing.has_kv(
+            plan.host, stop["span"]
+        )
+
+    def _producer_recorded(self, plan: Plan) -> None:
+        """``plan``'s record has run: the requests waiting for it end their wait and are planned now
+        (whatever their task: a plan waits on the admission thread only for its own task's records;
+        under the finishing lock)."""
+        now = time.perf_counter()
+        for wait in self._producer_waits.values():
+            if wait.outcome is None and plan.request_id in wait.producers:
+                wait.outcome, wait.ended = "recorded", now
+                self._prepare([wait.request])
+
+    def _producer_remaining(self, producers: set[str], now: float) -> float:
+        """Seconds the soonest of ``producers`` still needs (0 once one finished: its K/V are read back,
+        and without an estimate yet: the wait's bound alone limits it)."""
+        with self._finishing_cond:
+            if producers & (set(self._finishing) | set(self._recording)):
+                return 0.0
+        left = [self._admitted_at[rid] for rid in producers if rid in self._admitted_at]
+        if not left or self._seconds_per_token is None:
+            return 0.0
+        return min(max(0.0, self._seconds_per_token * tokens - (now - at)) for at, tokens in left)
+
+    def _wait_over(self, wait: _ProducerWait) -> bool:
+        """Whether a producer wait ended: a producer's record queued (or every producer gone), or its
+        bound passed (the outcome kept for the report; under the finishing lock)."""
+        if wait.outcome is not None:
+            return True
+        now = time.perf_counter()
+        running = any(rid in self._plans for rid in wait.producers)
+        if not running and not any(
+            rid in self._finishing or rid in self._recording for rid in wait.producers
+        ):
+            wait.outcome = "recorded"  # recorded, or ended unrecorded
+        elif running and now >= wait.deadline:  # past it, a producer that finished is still waited for
+            wait.outcome = "timed out"
+        else:
+            return False
+        wait.ended = now
+        return True
+
+    def _learn_rate(self, request_id: str, computed: int) -> None:
+        """The seconds-per-computed-token estimate, from a request's admission to its end."""
+        admitted = self._admitted_at.pop(request_id, None)
+        if admitted is None or computed <= 0:
+            return
+        sample = (time.perf_counter() - admitted[0]) / computed
+        rate = self._seconds_per_token
+        self._seconds_per_token = sample if rate is None else RATE_WEIGHT * sample + (1 - RATE_WEIGHT) * rate
 
     def _admitted(self, request: Request) -> Any:
         """The request's layout fenced by its tenant; ``None``: nothing to inject (:meth:`Sharing.admit`)."""
@@ -245,9 +473,14 @@ class HFKVShareScheduler:
             self._waiting.pop(request.request_id, None)
             self._background.forget(request.request_id)  # a plan being decided is released when done
         self._record_waits.pop(request.request_id, None)
+        with self._finishing_cond:
+            self._producer_waits.pop(request.request_id, None)
         plan = self._plans.pop(request.request_id, None)
         if plan is None:
+            self._admitted_at.pop(request.request_id, None)
             return False, None
+        computed = len(request.prompt_token_ids or []) - plan.local_hit - plan.claimed
+        self._learn_rate(request.request_id, computed + len(request.output_token_ids))
         report = {"hf_kvshare": {**plan.report(), "store": self._background.summary()}}
         ids = (request.request_id, getattr(request, "external_req_id", None))
         finished = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -316,10 +549,19 @@ class HFKVShareScheduler:
             self._finishing_cond.notify_all()
 
     def _record(self, finishing: _Finishing, kv: tuple[torch.Tensor, torch.Tensor] | None, how: str) -> None:
-        then = self._reporter(finishing.ids)
+        report = self._reporter(finishing.ids)
         plan = finishing.plan
         plan.read_back = how
         plan.read_back_s = time.perf_counter() - finishing.finished_at
+        self._recording[plan.request_id] = plan  # under the finishing lock (both callers hold it)
+
+        def then(recorded: Plan) -> None:  # on the admission thread, once the record has run
+            if report is not None:
+                report(recorded)
+            with self._finishing_cond:
+                self._recording.pop(recorded.request_id, None)
+                self._producer_recorded(recorded)
+
         if kv is None:
             self._background.release(plan, then)
         else:
@@ -371,3 +613,18 @@ class HFKVShareScheduler:
             if end is not None:
                 end.close()
         self._background.close()
+
+
+def _max_tokens(request: Request) -> int:
+    """The most tokens ``request`` generates (0 when its sampling parameters do not say)."""
+    value = getattr(request.sampling_params, "max_tokens", None) if request.sampling_params else None
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def _reads(plan: Plan, host: ServingHost | None, slot: str) -> bool:
+    """Whether ``plan`` is a turn of ``host`` reading ``slot`` (its record keeps the slot's K/V)."""
+    return (
+        plan.host is host
+        and plan.turn is not None
+        and any(s.kind == "PH" and s.name == slot for s in plan.turn.spans)
+    )

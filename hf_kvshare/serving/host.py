@@ -269,6 +269,16 @@ class Plan:
     #: what the method's record left for later (``Method.deferred_work``): run by the background thread
     #: when no plan waits (:mod:`.admission`), or at once inline; not part of the report
     deferred: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    #: span name -> why admission did not place it (:data:`NOT_RECORDED_YET`, the agent's own text not
+    #: kept, the method's gate), for each unplaced span (:meth:`Sharing._plan`); the claim's stop reads it
+    unplaced: dict[str, str] = field(default_factory=dict)
+    #: where the claim stopped before the prompt's last token and why (``span``, ``position``,
+    #: ``reason``: :meth:`Sharing._claim`), ``None`` when it reached it (or nothing was planned)
+    claim_stop: dict[str, Any] | None = None
+    #: the wait for an in-flight request of the task that computes the span the claim stopped at
+    #: (:mod:`.connector_scheduler`): ``slot``, ``seconds``, ``outcome`` (``recorded``, ``timed out``,
+    #: ``producer gone``, or ``not waited`` with ``why``); ``None`` when there was nothing to wait for
+    producer_wait: dict[str, Any] | None = None
 
     @property
     def claimed(self) -> int:
@@ -346,11 +356,30 @@ class Plan:
             "read_back_s": None if self.read_back_s is None else round(self.read_back_s, 6),
             "plan_phases": {k: round(v, 6) for k, v in self.plan_phases.items()},
             "record_phases": {k: round(v, 6) for k, v in self.record_phases.items()},
+            "claim_stop": self.claim_stop,
+            "producer_wait": self.producer_wait,
         }
 
 
 #: the keys of a segment row's ``info`` a report keeps (the gate's outcome; not its distances)
 GATE_KEYS = ("gate", "entropy", "anchors", "reason")
+
+#: why a PH span was not placed when another request of its task in flight computes it: its K/V come
+#: with that request's record (the connector may wait for it: :mod:`.connector_scheduler`)
+NOT_RECORDED_YET = "not recorded yet"
+#: why a PH span was not placed when no K/V of it are kept (this request is the first to read it, or
+#: the store's bound dropped them)
+NO_KV_KEPT = "no K/V kept for it (the first request to read it, or dropped by the store's bound)"
+#: why the agent's own (PF) text was not placed: vLLM computes only the tokens after the claim, which
+#: starts at its own block-aligned prefix-cache hit, and the connector runs no model
+OWN_TEXT_NEW = (
+    "the agent's own text, new here (not in vLLM's prefix cache, which keeps whole blocks only, nor "
+    "kept by prefix_reuse): vLLM computes every token from it on"
+)
+OWN_TEXT_OFF = (
+    "the agent's own text, computed by vLLM (prefix_reuse is off: the claim cannot pass it unless "
+    "vLLM's block-aligned prefix cache holds it)"
+)
 
 
 def _keep_gate(plan: Plan, name: str, info: dict[str, Any] | None) -> None:
@@ -511,9 +540,42 @@ class Sharing:
             if placement is not None:  # computed here, on the plan's thread, not where it is claimed
                 placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
                 _keep_gate(plan, span.name, placement.info)
+            else:
+                plan.unplaced[span.name] = self._why_unplaced(host, turn, span)
             plan.placements.append(placement)
         if plan.local_hit is not None:  # None: planned ahead, claimed at admission (:meth:`claim`)
             self._claim(plan)
+
+    def _why_unplaced(self, host: ServingHost, turn: Turn, span: Span) -> str:
+        """Why admission did not place ``span`` (under the store's lock): the agent's own text; a slot
+        another open turn of the task will record (:data:`NOT_RECORDED_YET`); else the method's own
+        reason (its gate, when it wrote one)."""
+        if span.kind == "PF":
+            return OWN_TEXT_OFF if getattr(self.method, "prefix_reuse", None) is False else OWN_TEXT_NEW
+        slot = host.slots.get(span.name)
+        if slot is None or slot.latest is None:
+            if self._in_flight_reads(host, span.name, turn):
+                return NOT_RECORDED_YET
+            return NO_KV_KEPT
+        return "not placed by the method"
+
+    @staticmethod
+    def _in_flight_reads(host: ServingHost, slot: str, turn: Turn | None = None) -> bool:
+        """Whether an open turn of ``host`` other than ``turn`` reads ``slot`` (its record keeps its K/V)."""
+        own = turn.output_slot if turn is not None else None
+        return any(slot in reads for out, reads in dict(host.reading).items() if out != own)
+
+    @staticmethod
+    def has_kv(host: ServingHost | None, slot: str) -> bool:
+        """Whether ``host``'s ``slot`` holds K/V now. Without the store's lock (read on vLLM's scheduler
+        thread, which must not wait for a record): a snapshot, asked again at the next step."""
+        held = host.slots.get(slot) if host is not None else None
+        return held is not None and held.latest is not None
+
+    def recorded(self, host: ServingHost, slot: str) -> bool:
+        """Whether ``host``'s ``slot`` holds K/V now, or no open turn will record any (a waiting request
+        then has nothing left to wait for); a snapshot, as :meth:`has_kv`."""
+        return self.has_kv(host, slot) or not self._in_flight_reads(host, slot)
 
     def _turn(self, host: ServingHost, resolved: lay.ResolvedLayout, prompt: list[int]) -> Turn:
         """The request as a :class:`Turn` over its task: each located segment a PH span, the slot it
@@ -578,6 +640,13 @@ class Sharing:
             if span.end <= start:
                 continue
             if placement is None or span.start > end:
+                reason = plan.unplaced.get(span.name, "not placed by the method")
+                gate = plan.gates.get(span.name, {}).get("reason")
+                plan.claim_stop = {
+                    "span": span.name,
+                    "position": max(span.start, start),
+                    "reason": f"{reason} ({gate})" if gate else reason,
+                }
                 break
             end = span.end
         end = min(end, last)

@@ -98,6 +98,22 @@ def kv_transfer_config(
     }
 
 
+def own_text_warning(method: Any) -> str | None:
+    """The start-up warning for a method that can never claim behind an agent's own short leading
+    text: without ``prefix_reuse`` that text is computed by vLLM, and the connector's one claimed range
+    starts at vLLM's prefix-cache hit, which holds whole blocks only; behind a system prompt shorter
+    than a block (or not ending on a block boundary) the shared segments after it are computed too."""
+    if getattr(method, "prefix_reuse", None) is not False:
+        return None
+    return (
+        f"{method.name} without prefix_reuse shares nothing behind an agent's own text shorter than one "
+        "of vLLM's KV blocks (a short system prompt): vLLM computes that text, its prefix cache keeps whole "
+        "blocks only, and the connector claims one range from vLLM's hit on, so it stops there; use "
+        f"--method {method.name}:prefix_reuse=True (the agent's text kept from its first request and "
+        "placed on its later ones)"
+    )
+
+
 def check_store_bounds(max_bytes: Any, max_tasks: Any) -> None:
     """The connector's store bounds: a positive number of bytes and of tasks (a store that can hold
     nothing shares nothing: ``--method nonshared`` says so instead)."""
@@ -189,6 +205,9 @@ class Server:
             self.options, self.notes = serving_options(method, options)  # unknown method / option: ValueError
             instance = get_method(method, **self.options)
             check_serving_method(instance)
+            warning = own_text_warning(instance)
+            if warning:
+                self.notes.append(warning)
             self._secret = secrets.token_hex(16)  # the salt's: no client can compute it
             self.salt = salt(instance, self._secret)
             if (Path(self.model_dir) / "config.json").is_file():  # what the connector builds, checked now
