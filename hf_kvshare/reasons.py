@@ -19,6 +19,7 @@ from typing import Any
 #: every cause, by its stable name, with what it means
 CAUSES: dict[str, str] = {
     "first": "first reader of the slot: no cache of it to reuse yet",
+    "not_recorded_yet": "another request of the task is computing it: its K/V come with that request's record",
     "no_anchors": "too few anchors: the gate's pool is still filling",
     "length_rule": "the span is longer than the anchors the pool holds (an anchor corrects no longer span)",
     "gate_entropy": "the gate's normalized entropy is above tau",
@@ -38,7 +39,8 @@ CAUSES: dict[str, str] = {
 _PATTERNS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"evict"), "evicted"),
     (re.compile(r"tau = 0"), "method_off"),
-    (re.compile(r"first agent to see"), "first"),
+    (re.compile(r"first agent to see|first request to read it"), "first"),
+    (re.compile(r"not recorded yet"), "not_recorded_yet"),
     (re.compile(r"the turn is dense"), "turn_fallback"),
     (re.compile(r"far from every anchor"), "gate_far"),
     (re.compile(r"entropy [^ ]+ > tau"), "gate_entropy"),
@@ -152,7 +154,13 @@ def report_causes(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             _add(counts, "not_claimed", _length(seg), CAUSES["not_claimed"])
         else:
             gate = seg.get("gate") if isinstance(seg.get("gate"), Mapping) else None
-            name, detail = cause(gate) if gate else ("not_placed", _UNPLACED)
+            why = seg.get("unplaced")  # what admission knew (serving.host: not recorded yet, no K/V kept)
+            if gate:
+                name, detail = cause(gate)
+            elif isinstance(why, str) and cause_of_reason(why) != "other":
+                name, detail = cause_of_reason(why), why
+            else:
+                name, detail = "not_placed", _UNPLACED
             _add(counts, name, _length(seg), detail)
     for slot in report.get("missing") or []:
         _add(counts, "missing", 0, f"slot {slot!r} not found in the prompt")

@@ -174,11 +174,16 @@ def test_server_reports_give_not_claimed_missing_and_refused(tiny_llama, tokeniz
         return {lay.KEY: {"task": "t", "agent": agent, "segments": segments, **extra}}
 
     p1 = sharing.plan("r1", sys1 + doc + q1, layout("a1", [{"slot": "doc", "text": doc_text}]), 0)
+    # another agent reading the document while the first still computes it
+    early = sharing.plan("r1b", sys1 + doc + q1, layout("a1b", [{"slot": "doc"}]), 0)
+    waiting = reasons.report_causes(early.report())
+    assert set(waiting) == {"not_recorded_yet"} and waiting["not_recorded_yet"]["tokens"] == len(doc)
+    sharing.release(early)
     out, k, v = engine(tiny_llama, p1)
     sharing.record(p1, k, v, out, set())
-    first = reasons.report_causes(p1.report())
-    assert set(first) == {"not_placed"} and first["not_placed"]["tokens"] == len(doc)
-    assert "no cache of the slot was recorded" in first["not_placed"]["detail"]
+    first = reasons.report_causes(p1.report())  # the first reader: admission found no K/V kept
+    assert set(first) == {"first"} and first["first"]["tokens"] == len(doc)
+    assert "first request to read it" in first["first"]["detail"]
     # a PF span first that nothing places: the document is placed but the claim cannot reach it
     p2 = sharing.plan("r2", sys1 + doc + q1, layout("a2", [{"slot": "doc"}]), 0)
     assert p2.claimed == 0
@@ -194,7 +199,7 @@ def test_server_reports_give_not_claimed_missing_and_refused(tiny_llama, tokeniz
     records = [{"ok": True, "connector": compact_report(p.report())} for p in (p1, p2, p3)]
     row = connector_columns("fullshared", records)
     assert row["not_shared"]["not_claimed"]["tokens"] == len(doc)
-    assert row["not_shared_top"].startswith(("not_claimed", "not_placed"))
+    assert row["not_shared_top"].startswith(("not_claimed", "first"))
 
 
 # ------------------------------------------------------------------ the reports endpoint

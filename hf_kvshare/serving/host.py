@@ -334,6 +334,7 @@ class Plan:
                     and s.end <= self.claim_end,
                     "provenance": p.provenance if p is not None else "dense",
                     **({"gate": self.gates[s.name]} if s.name in self.gates else {}),
+                    **({"unplaced": self.unplaced[s.name]} if p is None and s.name in self.unplaced else {}),
                 }
                 for s, p in zip(turn.spans, self.placements)
             ]
