@@ -1784,3 +1784,41 @@ def test_serve_warns_at_start_up_when_the_method_cannot_pass_a_short_system_prom
     assert not warned(Server(tmp_path, "fullshared", {"prefix_reuse": True}, port=1))
     assert not warned(Server(tmp_path, "nonshared", port=1))
     assert not warned(Server(tmp_path, "kvcmas", port=1))  # prefix_reuse on by default
+
+
+def test_the_agents_instructions_are_its_own_text_not_a_slot(tokenizer):
+    """A system message (the frameworks' "instructions") is the agent's own text: no new slot of it, so a
+    method that gates each slot (KVCMAS) does not stop at the prompt's start; a user message of the same
+    length is a slot."""
+    instructions = (
+        "You are the critic of a small team. Read the report below and list its three weakest claims."
+    )
+    prompt = chat_ids(tokenizer, instructions, DOC)
+    tokens = lay.TokenInfo(tokenizer)
+    resolved = lay.resolve(lay.RequestLayout(task="t"), prompt, tokens, {}, min_tokens=8)
+    spans = [prompt[s.start : s.end] for s in resolved.segments]
+    assert ids_of(tokenizer, DOC) in spans and ids_of(tokenizer, instructions) not in spans
+    pieces, roles = lay.message_chunks(prompt, tokens.special, tokens.is_space, tokens.decode)
+    assert roles[:2] == ["system", "user"] and prompt[slice(*pieces[0])] == ids_of(tokenizer, instructions)
+
+
+def test_a_role_header_of_its_own_is_no_chunk(tokenizer):
+    """Llama 3's templates put the role between special tokens (``<|start_header_id|>system
+    <|end_header_id|>``): that header is no chunk (before: every agent's first chunk was ``system``, one
+    agent for all), its role goes to the content after it."""
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert start in lay.TokenInfo(tokenizer).special and end in lay.TokenInfo(tokenizer).special
+
+    def llama3_like(system, user):
+        ids = []
+        for role, content in (("system", system), ("user", user)):
+            ids += [start] + ids_of(tokenizer, role) + [end] + ids_of(tokenizer, "\n\n" + content) + [end]
+        return ids
+
+    tokens = lay.TokenInfo(tokenizer)
+    planner, critic = llama3_like("You plan.", DOC), llama3_like("You criticise.", DOC)
+    pieces, roles = lay.message_chunks(planner, tokens.special, tokens.is_space, tokens.decode)
+    assert roles == ["system", "user"] and len(pieces) == 2
+    first = lay.resolve(lay.RequestLayout(task="t"), planner, tokens, {}, min_tokens=8)
+    second = lay.resolve(lay.RequestLayout(task="t"), critic, tokens, {}, min_tokens=8)
+    assert first.agent != second.agent  # each agent is its own system prompt

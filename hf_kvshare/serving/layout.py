@@ -66,7 +66,8 @@ the message content. Then:
    reply whose text re-tokenizes differently at a place (a generated ``"\\n\\n"`` token read back as
    two) is found as the pieces on either side of it (a piece shorter than the minimum is the agent's
    own text);
-2. every chunk nothing was found in, of at least :data:`MIN_SEGMENT_TOKENS` tokens, becomes a new PH
+2. every chunk nothing was found in (but the agent's instructions: a ``system`` / ``developer``
+   message, :data:`OWN_ROLES`, which is its own text), of at least :data:`MIN_SEGMENT_TOKENS` tokens, becomes a new PH
    slot (computed by this agent, shared with the agents after it) named by where it sits:
    ``<agent>.m<k>``, the prompt's k-th chunk (``#2``, ... when this agent's earlier prompt of the task
    had other text there); in a chunk where pieces were found, each run between them of at least that
@@ -79,7 +80,9 @@ the message content. Then:
 So a task, a document or another agent's output that a later agent's prompt repeats, as a message or
 inside one, is shared without any client change. The task is ``"default"`` (one task for the whole
 server: give ``task`` to separate requests), the agent ``"a<sha1 of the prompt's first chunk>"`` (an
-agent is its system prompt). An explicit segment ``{"slot": name}`` whose recorded tokens do not occur
+agent is its system prompt). A template that gives a role a header of its own between special tokens
+(Llama 3's ``<|start_header_id|>system<|end_header_id|>``) makes that header no chunk: its role goes
+to the chunk after it (:func:`message_chunks`). An explicit segment ``{"slot": name}`` whose recorded tokens do not occur
 whole in the prompt is matched the same way against that slot alone: the pieces found are its spans
 (the report lists them under ``matched``), and only a slot of which nothing is found is ``missing``.
 
@@ -99,7 +102,7 @@ unless ``skip_reading_prefix_cache=False`` is sent too (then with ``detokenize=F
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +111,12 @@ from ..trajectory import GIVEN_KINDS
 
 #: a chunk's first line of at most this many tokens is a role header, not content
 ROLE_LINE_TOKENS = 4
+#: the roles chat templates name in a message's header (a role line, or a header chunk of its own)
+ROLE_NAMES = frozenset({"system", "developer", "user", "assistant", "tool", "ipython", "model", "function"})
+#: roles whose message is the agent's own instructions: its own text, never a new shared slot (the
+#: agent frameworks' "instructions"; a slot of them shares nothing, as no other agent reads them, and
+#: stops a method that gates each slot, KVCMAS, at the prompt's start)
+OWN_ROLES = frozenset({"system", "developer"})
 #: default layout: a new chunk becomes a shared slot from this many tokens on
 MIN_SEGMENT_TOKENS = 16
 #: the key under ``kv_transfer_params`` that holds hf_kvshare's layout
@@ -309,6 +318,28 @@ def chunks(prompt: Sequence[int], special: set[int], is_space) -> list[tuple[int
     return out
 
 
+def message_chunks(
+    prompt: Sequence[int], special: set[int], is_space, decode
+) -> tuple[list[tuple[int, int]], list[str | None]]:
+    """:func:`chunks` and each one's role (``None`` where no header names one): its dropped role line
+    (ChatML's ``system\\n``), or a header chunk of its own before it (Llama 3's role between special
+    tokens), which is then no chunk. ``decode``: token ids -> text."""
+    out, roles, pending = [], [], None
+    for start, end in chunks(prompt, special, is_space):
+        raw = start
+        while raw > 0 and prompt[raw - 1] not in special:
+            raw -= 1
+        line = decode(prompt[raw:start]).strip().lower() if raw < start else ""
+        text = decode(prompt[start:end]).strip().lower() if end - start <= ROLE_LINE_TOKENS else ""
+        if text in ROLE_NAMES:
+            pending = text  # a header chunk of its own: the next chunk's role
+            continue
+        out.append((start, end))
+        roles.append(line if line in ROLE_NAMES else pending)
+        pending = None
+    return out, roles
+
+
 class TokenInfo:
     """What the layout needs from a tokenizer: special ids, and which tokens are whitespace."""
 
@@ -329,6 +360,9 @@ class TokenInfo:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids)) if len(ids) else ""
+
 
 def resolve(
     layout: RequestLayout,
@@ -344,14 +378,15 @@ def resolve(
     prompt = list(prompt)
     check_only = known is None
     known = known or {}
-    pieces = chunks(prompt, tokens.special, tokens.is_space)
+    pieces, roles = message_chunks(prompt, tokens.special, tokens.is_space, tokens.decode)
     agent = layout.agent or ("a" + slot_name(prompt[pieces[0][0] : pieces[0][1]])[1:] if pieces else "agent")
     if layout.tenant and not layout.agent:  # a named agent was fenced by the server already
         agent = f"{agent}|{layout.tenant}"
     resolved = ResolvedLayout(task=layout.task, agent=agent, output=layout.output)
     if layout.segments is None:
         resolved.derived = True
-        resolved.segments = derive(prompt, pieces, known, min_tokens, agent)
+        own = {piece for piece, role in zip(pieces, roles) if role in OWN_ROLES}
+        resolved.segments = derive(prompt, pieces, known, min_tokens, agent, own=own)
         return resolved
     cursor = 0
     for i, seg in enumerate(layout.segments):
@@ -449,11 +484,13 @@ def derive(
     known: Mapping[str, Sequence[int]],
     min_tokens: int,
     agent: str = "agent",
+    own: Set[tuple[int, int]] = frozenset(),
 ) -> list[LocatedSegment]:
     """The default layout (module docstring): the task's slots found in the prompt by content (whole or
     as pieces), then the chunks and the runs of chunks nothing was found in, named ``<agent>.m<k>``
     (``.<r>``) by their place in the prompt. ``known``: the task's slots in the order they were
-    recorded; a piece a task holds already (``"<slot>[s:e]"``) is found through its parent."""
+    recorded; a piece a task holds already (``"<slot>[s:e]"``) is found through its parent. ``own``:
+    the chunks that are the agent's instructions (never a new slot; a known slot inside one is found)."""
     sources = {name: ids for name, ids in known.items() if not _piece_of_known(name, known)}
     whole_chunks = set(pieces)
     found = [
@@ -476,6 +513,8 @@ def derive(
     taken = sorted((s.start, s.end) for s in found)
     chunks_found = []
     for k, (start, end) in enumerate(pieces):
+        if (start, end) in own:  # the agent's instructions: its own text, where nothing was found in them
+            continue
         inside = [(max(a, start), min(b, end)) for a, b in taken if a < end and b > start]
         if not inside:
             if end - start >= min_tokens:
