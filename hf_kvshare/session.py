@@ -25,11 +25,12 @@ from .agents import agent_adapter
 from .cache import SharedCache
 from .executor import HFExecutor, strip_eos
 from .generate_options import check_attention_mask, generate_options
+from .matching import MIN_PIECE_TOKENS, match
 from .measure import PeakMemory, Phases, TensorPeak, module_bytes, synchronize, timing, turn_phases
 from .method import Method, get_method
 from .prefill import model_input_device
 from .request import NewSlots, Request
-from .trajectory import PH, Span, chat, is_messages, tokenize_text, validate_segments
+from .trajectory import PF, PH, Span, chat, is_messages, tokenize_text, validate_segments
 from .turn import Slot, Turn, TurnResult
 from .vision import check_same_content, check_spans, check_text_ids, split_processor, visual_slot
 from .walk import Walk
@@ -48,6 +49,10 @@ class Session(Request):
         processor: a vision-language model's processor, for image / video segments
             (``PH(slot, image=...)``, :mod:`hf_kvshare.vision`); a processor passed as ``tokenizer``
             is split into its tokenizer and itself.
+        match_text: find the session's held text slots inside the turn's PF text (an f-string message
+            that quotes a document, a reply pasted back) and share them as PH pieces
+            (:meth:`split_matched_text`); ``False``: PF text is always the agent's own.
+        match_min_tokens: the shortest run of a held slot's tokens that ``match_text`` shares.
 
     >>> session = Session(model, tok, method="fullshared")  # doctest: +SKIP
     >>> r = session.run_turn("planner", [PF("You plan.\\n"), PH("query", "Sort a list."), PF("\\nPlan:")])  # doctest: +SKIP
@@ -64,8 +69,18 @@ class Session(Request):
         *,
         tensor_memory: bool = False,
         processor: Any = None,
+        match_text: bool = True,
+        match_min_tokens: int = MIN_PIECE_TOKENS,
         **options,
     ):
+        if not isinstance(match_text, bool):
+            raise TypeError(f"match_text must be True or False; got {match_text!r}")
+        if (
+            isinstance(match_min_tokens, bool)
+            or not isinstance(match_min_tokens, int)
+            or match_min_tokens < 1
+        ):
+            raise ValueError(f"match_min_tokens must be an int >= 1; got {match_min_tokens!r}")
         tokenizer, self.processor = split_processor(tokenizer, processor)
         super().__init__(model, tokenizer)
         self.method = get_method(method, **options)
@@ -75,6 +90,10 @@ class Session(Request):
         #: profiler's allocation events: ``TurnResult.tensor_peak_bytes``); a profiler's overhead, so off
         #: by default and not for timed runs
         self.tensor_memory = tensor_memory
+        #: share held text slots found inside PF text (:meth:`split_matched_text`), runs of at least
+        #: ``match_min_tokens`` tokens
+        self.match_text = match_text
+        self.match_min_tokens = match_min_tokens
 
     @property
     def device(self) -> torch.device:
@@ -130,8 +149,82 @@ class Session(Request):
             visual = slot.visual if isinstance(spec, PH) else None
             spans.append(Span(spec=spec, name=name, token_ids=ids, start=pos, visual=visual))
             pos += ids.numel()
+        if self.match_text:
+            spans = self.split_matched_text(spans, new)
         check_spans(spans, self.method)
         return self.open_turn(agent, spans, output_slot, new, batch_size)
+
+    def split_matched_text(self, spans: list[Span], new: NewSlots) -> list[Span]:
+        """The turn's spans with the held text found inside its PF spans shared: a run of at least
+        :attr:`match_min_tokens` tokens of a PF span equal to a run of a slot the session holds
+        (:func:`hf_kvshare.matching.match`) becomes a PH span of that slot, or of its piece
+        ``"<slot>[s:e]"`` (:meth:`~hf_kvshare.request.Request.piece_slot`), between PF spans of the
+        text around it. Explicit PH spans win: a slot (or the parent of a piece) the turn reads is not
+        searched. The turn's token ids are unchanged: each part of a cut PF span carries its slice of
+        the span's own token ids (what every method computes: NonShared stays exact), and its text is the
+        span's text cut at the characters of those token boundaries (a piece whose boundary falls inside
+        a character stays the agent's text). A part's text alone may tokenize otherwise at a cut (a
+        trailing ``"\\n\\n"`` reads back as one token): its ids, not its text, are the segment."""
+        read = set()
+        for span in spans:
+            if span.kind == "PH":
+                slot = self.slots.get(span.name) or new.slots.get(span.name)
+                read.add(span.name)
+                if slot is not None and slot.piece_of is not None:
+                    read.add(slot.piece_of[0])
+        sources = {
+            name: slot.token_ids.tolist()
+            for name, slot in self.slots.items()
+            if name not in read
+            and slot.visual is None
+            and (slot.piece_of is None or slot.piece_of[0] not in self.slots)  # found through its parent
+        }
+        n = self.match_min_tokens
+        if not sources or not any(s.kind == "PF" and s.length >= n for s in spans):
+            return spans
+        found = match(torch.cat([s.token_ids for s in spans]).tolist(), sources, n).pieces
+        out: list[Span] = []
+        for span in spans:
+            inside = []
+            for p in found:  # the piece's run inside this PF span (a piece never crosses a PH: not a source)
+                a, b = max(p.prompt_start, span.start), min(p.prompt_end, span.end)
+                if span.kind == "PF" and b - a >= n:
+                    s = p.slot_start + a - p.prompt_start
+                    inside.append((a - span.start, b - span.start, p.slot, s, s + b - a))
+            out += self._split_pf(span, inside, new) if inside else [span]
+        pos = 0
+        for span in out:  # the same ids in the same order: positions only re-counted
+            span.start, pos = pos, pos + span.length
+        return out
+
+    def _split_pf(self, span: Span, pieces: list[tuple], new: NewSlots) -> list[Span]:
+        """PF ``span`` cut around ``pieces`` (``(a, b, slot, s, e)``: its tokens ``[a, b)`` are ``slot``'s
+        ``[s, e)``), in order; a piece whose cut the text does not reproduce stays PF text."""
+        ids, text = span.token_ids, span.spec.text
+
+        def cut(t: int) -> int | None:  # the character offset of token boundary t, if the text has one
+            head = self.tokenizer.decode(ids[:t].tolist(), clean_up_tokenization_spaces=False)
+            return len(head) if text.startswith(head) else None
+
+        kept = [(*piece, cut(piece[0]), cut(piece[1])) for piece in pieces]  # + (char_a, char_b)
+        kept = [piece for piece in kept if piece[5] is not None and piece[6] is not None]
+        out: list[Span] = []
+        last_t, last_c = 0, 0
+        for a, b, name, s, e, ca, cb in kept:
+            if a > last_t:
+                out.append(self._pf_part(span, text[last_c:ca], ids[last_t:a], len(out)))
+            slot = self.piece_slot(name, s, e, new)
+            out.append(Span(spec=PH(slot.name), name=slot.name, token_ids=slot.token_ids, start=0))
+            last_t, last_c = b, cb
+        if last_t < ids.numel():
+            out.append(self._pf_part(span, text[last_c:], ids[last_t:], len(out)))
+        return out or [span]
+
+    @staticmethod
+    def _pf_part(span: Span, text: str, ids: torch.Tensor, index: int) -> Span:
+        """Part ``index`` of a cut PF span: the first keeps its name, the others ``<name>.<index>``."""
+        name = span.name if index == 0 else f"{span.name}.{index}"
+        return Span(spec=PF(text, label=span.spec.label), name=name, token_ids=ids, start=0)
 
     def _resolve_images(self, specs: list[Any], new: NewSlots) -> None:
         """The turn's images and videos, resolved once before its spans: a new one becomes a slot of
@@ -331,6 +424,10 @@ class Session(Request):
                 breakdown = turn_phases(phases, phases.get("method_record"))
                 breakdown["decode"] = t_decoded - t_first
                 breakdown["bookkeeping"] += (t_end - t_decoded) - sum(phases.times.values())
+        for segment in cache.segments:  # a piece names its parent slot
+            slot = self.slots.get(segment.name) if segment.kind == "PH" else None
+            if slot is not None and slot.piece_of is not None:
+                segment.info.setdefault("piece_of", slot.piece_of)
         result = TurnResult(
             agent=agent,
             method=self.method.name,
