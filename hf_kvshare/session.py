@@ -208,6 +208,9 @@ class Session(Request):
 
         kept = [(*piece, cut(piece[0]), cut(piece[1])) for piece in pieces]  # + (char_a, char_b)
         kept = [piece for piece in kept if piece[5] is not None and piece[6] is not None]
+        # a piece carries its parent's K/V, not the method state kept with the whole slot (``extras``:
+        # e.g. a recomputing method's hidden states): such a slot is shared whole or not at all
+        kept = [piece for piece in kept if not self.slots[piece[2]].extras or self._whole(piece)]
         out: list[Span] = []
         last_t, last_c = 0, 0
         for a, b, name, s, e, ca, cb in kept:
@@ -219,6 +222,10 @@ class Session(Request):
         if last_t < ids.numel():
             out.append(self._pf_part(span, text[last_c:], ids[last_t:], len(out)))
         return out or [span]
+
+    def _whole(self, piece: tuple) -> bool:
+        """``(a, b, slot, s, e, ...)`` covers all of ``slot``."""
+        return (piece[3], piece[4]) == (0, self.slots[piece[2]].token_ids.numel())
 
     @staticmethod
     def _pf_part(span: Span, text: str, ids: torch.Tensor, index: int) -> Span:

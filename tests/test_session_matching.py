@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_session import plain_generate
+from tiny import METHOD_OPTIONS, tiny_model
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare.evaluation.metrics import kv_error
@@ -136,3 +137,20 @@ def test_short_runs_stay_the_agents_text(tiny_llama, tokenizer):
         Session(tiny_llama, tokenizer, "fullshared", match_min_tokens=0)
     with pytest.raises(TypeError, match="match_text"):
         Session(tiny_llama, tokenizer, "fullshared", match_text="yes")
+
+
+@pytest.fixture(scope="module")
+def tiny4():
+    return tiny_model(num_hidden_layers=4)  # DroidSpeak's test layer profile has 4 entries
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_OPTIONS))
+def test_every_method_runs_a_turn_with_found_text(tiny4, tokenizer, method):
+    session = Session(tiny4, tokenizer, method, **METHOD_OPTIONS[method])
+    read_doc(session)
+    got = session.run_turn("writer", fstring(DOC), max_new_tokens=2)
+    pieces = [s.name for s in ph_segments(got)]
+    if session.slots["doc"].extras:  # state kept with the whole slot (hidden states): not split
+        assert pieces == [] and not any("[" in name for name in session.slots)
+    else:
+        assert len(pieces) == 1 and pieces[0].startswith("doc")
