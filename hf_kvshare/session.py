@@ -3,8 +3,11 @@
 ``Session.run_turn`` prepares the turn (the request: :mod:`hf_kvshare.request`), walks the method
 over it (:mod:`hf_kvshare.walk`) on the HF executor (:mod:`hf_kvshare.executor`: the dense parts in
 one forward), calls ``model.generate`` unchanged, records the output as a new PH slot (named after
-the agent), lets the method learn from the turn, and returns the text, token ids and metrics. Within a session a PH slot's content
-is fixed; a new request is a new session (which may share the method instance).
+the agent), lets the method learn from the turn, and returns the text, token ids and metrics.
+Held text found inside a turn's PF text (a document quoted in an f-string message, a reply pasted
+back) is shared as PH slots or pieces of them (:meth:`Session.split_matched_text`,
+``match_text=True``), the turn's token ids unchanged. Within a session a PH slot's content is fixed;
+a new request is a new session (which may share the method instance).
 
 The session drives the method contract (:mod:`hf_kvshare.method`) and never imports the methods:
 the registry is filled by the package (``hf_kvshare/__init__.py`` imports :mod:`hf_kvshare.methods`).

@@ -154,3 +154,13 @@ def test_every_method_runs_a_turn_with_found_text(tiny4, tokenizer, method):
         assert pieces == [] and not any("[" in name for name in session.slots)
     else:
         assert len(pieces) == 1 and pieces[0].startswith("doc")
+
+
+def test_a_document_quoted_twice_is_placed_once(tiny_llama, tokenizer):
+    session = Session(tiny_llama, tokenizer, "fullshared")
+    read_doc(session)
+    twice = f"First copy: {DOC}\nSecond copy: {DOC}\nDiff:"
+    got = session.run_turn("writer", [PF(twice)], max_new_tokens=2)
+    (piece,) = ph_segments(got)  # each held token is used once: the other copy is the agent's text
+    assert piece.info["piece_of"][0] == "doc" and piece.provenance == "reused"
+    assert torch.equal(got.prompt_ids, torch.tensor(ids(tokenizer, twice)))
