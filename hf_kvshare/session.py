@@ -206,8 +206,8 @@ class Session(Request):
         ids, text = span.token_ids, span.spec.text
 
         def cut(t: int) -> int | None:  # the character offset of token boundary t, if the text has one
-            head = self.tokenizer.decode(ids[:t].tolist(), clean_up_tokenization_spaces=False)
-            return len(head) if text.startswith(head) else None
+            head = _decoded(self.tokenizer, ids[:t].tolist())
+            return len(head) if head is not None and text.startswith(head) else None
 
         kept = [(*piece, cut(piece[0]), cut(piece[1])) for piece in pieces]  # + (char_a, char_b)
         kept = [piece for piece in kept if piece[5] is not None and piece[6] is not None]
@@ -520,6 +520,17 @@ def _in_use(owner: Any, what: str) -> Iterator[None]:
                 _IN_USE.pop(id(owner), None)
             else:
                 _IN_USE[id(owner)] = (me, depth)
+
+
+def _decoded(tokenizer: Any, ids: list[int]) -> str | None:
+    """The text of ``ids`` as the tokenizer writes it back (no clean-up of spaces), or ``None`` when it
+    cannot (a tokenizer without ``decode``)."""
+    if not hasattr(tokenizer, "decode"):
+        return None
+    try:
+        return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    except TypeError:  # a tokenizer without that option
+        return tokenizer.decode(ids)
 
 
 def _preview(text: str, n: int = 40) -> str:
