@@ -164,3 +164,21 @@ def test_a_document_quoted_twice_is_placed_once(tiny_llama, tokenizer):
     (piece,) = ph_segments(got)  # each held token is used once: the other copy is the agent's text
     assert piece.info["piece_of"][0] == "doc" and piece.provenance == "reused"
     assert torch.equal(got.prompt_ids, torch.tensor(ids(tokenizer, twice)))
+
+
+def test_one_message_style_shares_what_separate_messages_share(tiny_llama, tokenizer):
+    """The issue's target: a one-message client shares >= 80 % of what the separate-message style does."""
+    shared = {}
+    for style in ("separate", "one message"):
+        session = Session(tiny_llama, tokenizer, "fullshared")
+        read_doc(session)
+        if style == "separate":
+            content = ["Write a headline for this report.\nReport: ", PH("doc"), "\nHeadline:"]
+            messages = [
+                {"role": "system", "content": "You are the writer."},
+                {"role": "user", "content": content},
+            ]
+        else:
+            messages = fstring(DOC)
+        shared[style] = session.run_turn("writer", messages, max_new_tokens=2).tokens_reused
+    assert shared["one message"] >= 0.8 * shared["separate"] > 0
