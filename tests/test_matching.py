@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from hf_kvshare import get_method
 from hf_kvshare.cache import SegmentKV
 from hf_kvshare.matching import WORK_PER_TOKEN, Piece, match, piece_name, window_hashes
 from hf_kvshare.request import NewSlots, Request
@@ -214,3 +215,21 @@ def test_a_session_reads_a_piece_named_by_its_slot_and_range(tiny_llama, tokeniz
             input_ids=plain_ids, attention_mask=torch.ones_like(plain_ids), max_new_tokens=6, do_sample=False
         )
     assert outputs["nonshared"].output_ids.tolist() == plain[0, plain_ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("method", ["droidspeak", "relaycaching"])
+def test_a_piece_reads_its_rows_of_the_parents_kept_hidden_states(tiny_llama, tokenizer, method):
+    """Methods that keep each slot's input hidden states (DroidSpeak, RelayCaching) read a piece's rows of
+    its parent's until the piece is recorded on its own (before: "keeps no input hidden state")."""
+    from hf_kvshare import PF, PH, Session
+
+    doc = "The river Lune reaches the sea at Plover Scar near Glasson, by the lighthouse on the Scar."
+    from tiny import METHOD_OPTIONS
+
+    fit = {"relaycaching": {"band": (0.0, 1.0)}, "droidspeak": {"layer_profile": [0.0, 2.0, 0.5]}}  # 3 layers
+    options = dict(METHOD_OPTIONS[method], **fit[method])
+    session = Session(tiny_llama, tokenizer, method=get_method(method, **options), match_text=False)
+    session.run_turn("a1", [PF("You plan.\n"), PH("doc", doc), PF("\nWhere?")], max_new_tokens=4)
+    result = session.run_turn("a2", [PF("Quote:\n"), PH("doc[3:12]"), PF("\nWho?")], max_new_tokens=3)
+    assert result.output_ids.numel() == 3
+    assert any(s.name == "doc[3:12]" for s in result.segments)

@@ -67,8 +67,15 @@ class BoundaryCapture:
         del turn.scratch[_SCRATCH_KEY]
 
     def source_boundary(self, turn: Turn, slot_name: str, layer: int) -> torch.Tensor:
-        """The input of ``layer`` ``[1, S, hidden]`` kept with slot ``slot_name``'s latest K/V."""
-        stored = turn.slot(slot_name).extras.get(BOUNDARY_KEY, {})
+        """The input of ``layer`` ``[1, S, hidden]`` kept with slot ``slot_name``'s latest K/V; a piece of
+        a slot (``"<slot>[s:e]"``) not recorded on its own yet reads its rows of the parent's."""
+        slot = turn.slot(slot_name)
+        stored = slot.extras.get(BOUNDARY_KEY)
+        if stored is None and slot.piece_of is not None:
+            parent, start, end = slot.piece_of
+            rows = turn.slot(parent).extras.get(BOUNDARY_KEY, {})
+            stored = {layer: kept[:, start:end] for layer, kept in rows.items()}
+        stored = stored or {}
         if layer not in stored:
             kept = sorted(stored) or "none"
             raise ValueError(
