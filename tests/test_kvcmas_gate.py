@@ -356,3 +356,24 @@ def test_refresh_evidence_survives_save_and_load(reuse_run, tiny_llama, tmp_path
     # a state saved before profiles existed was built with the reference's rules
     legacy = ("profile", "agreement", "nearest", "duplicate", "learn_dense")
     assert [KVCMAS.LEGACY_OPTIONS[k] for k in legacy] == ["reference", 0.0, 0.0, 0.0, False]
+
+
+def test_a_repeated_place_and_a_piece_pool_with_their_slot(tiny_llama, tokenizer):
+    """Given text pools per place: ``doc#2`` (the server's default layout's name for the next document at
+    the same place of an agent's prompt within one task) and a piece ``doc[s:e]`` learn in ``doc``'s pool,
+    so a server without task ids does not start an empty pool for every new document."""
+    from hf_kvshare import PF, PH, Session, get_method
+
+    method = get_method("kvcmas")
+    session = Session(tiny_llama, tokenizer, method=method, match_text=False)
+    docs = {
+        "doc": "The river Lune reaches the sea at Plover Scar near Glasson, by the lighthouse.",
+        "doc#2": "The river Wyre reaches the sea at Fleetwood, past the ferry and the old docks.",
+    }
+    for slot, text in docs.items():
+        for agent in ("a1", "a2", "a3"):
+            given = PH(slot, text) if agent == "a1" else PH(slot)
+            session.run_turn(agent, [PF(f"You are {agent}.\n"), given, PF("\nWhere?")], max_new_tokens=2)
+    session.run_turn("a2", [PF("Quote:\n"), PH("doc#2[2:12]"), PF("\nWho?")], max_new_tokens=2)
+    given_pools = {key for key in method.pools if key not in ("a1", "a2", "a3")}
+    assert given_pools == {"doc"}, given_pools

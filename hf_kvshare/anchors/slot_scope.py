@@ -36,6 +36,7 @@ each off):
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,9 @@ from .gate import GateDecision, reliability_gate, usage_reference
 from .lowrank import DeferredFactoredKV, FactoredKV, relative_spread
 from .pool import Anchor, correction_agreement, nearest_relative
 from .scope import USAGE_MASS, Edge, Reuse, Scope, following_pf
+
+#: a repeated place's suffix (``doc#2``, ``agent.m1#3``): :meth:`SlotScope.pool_key` pools it with ``doc``
+_AGAIN = re.compile(r"#\d+$")
 
 if TYPE_CHECKING:
     from ..turn import Turn
@@ -111,9 +115,15 @@ class SlotScope(Scope):
                     edge.dense, edge.reason = "turn", f"the turn is dense: {', '.join(rejected)} not reusable"
 
     def pool_key(self, turn: Turn, slot: str) -> str:
-        """Outputs pool per producing agent (``agent#2`` shares ``agent``'s), given text per slot."""
-        producer = turn.slot(slot).producer
-        return producer if producer is not None else slot
+        """Outputs pool per producing agent (``agent#2`` shares ``agent``'s); given text per place: a piece
+        (``doc[s:e]``) with its slot, and ``doc#2`` with ``doc`` (the server's default layout names the
+        next document at the same place of an agent's prompt so when one task holds both: without this
+        every new document at that place would start an empty pool)."""
+        held = turn.slot(slot)
+        if held.producer is not None:
+            return held.producer
+        name = held.piece_of[0] if held.piece_of is not None else slot
+        return _AGAIN.sub("", name)
 
     def gated(self, turn: Turn, slot: str) -> bool:
         """Outputs and reference-prefilled given text are gated; a chained / first question only with
