@@ -4,6 +4,7 @@ header, the warnings (no router or vLLM needed); the router in front of stand-in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -126,7 +127,7 @@ def test_bench_serve_replica_options(tmp_path, capsys):
     with pytest.raises(ValueError, match="--port 65534: the router's metrics and 2 replicas"):
         sb.validate(_bench_args(tmp_path, "--replicas", "2", "--port", "65534"), "p")
     # a router policy without affinity: warned about (before the vLLM probe), the fix named
-    with pytest.raises(ValueError):  # whatever stops it later (no vLLM here, or the model)
+    with contextlib.suppress(ValueError):  # without vLLM here, validation stops later; the warning came first
         sb.validate(
             _bench_args(
                 tmp_path, "--replicas", "2", "--router", "/bin/true", "--router-policy", "round_robin"
