@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .client import LAYOUT_KEY, SESSION_HEADER
-from .server import HOST, Server, Stopped, die_with_parent_hook, port_in_use, stop_signals
+from .server import HOST, Server, Stopped, die_with_parent_hook, port_in_use, stop_group, stop_signals
 
 #: environment variable naming the router's executable (default: ``vllm-router`` on ``PATH``, then
 #: next to this Python)
@@ -248,16 +248,7 @@ class Router:
     def stop(self, grace: float = 10.0) -> None:
         process, self.process = self.process, None
         if process is not None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                if process.poll() is not None:
-                    break
-                try:
-                    os.killpg(process.pid, sig)
-                    process.wait(timeout=grace)
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            stop_group(process, ((signal.SIGTERM, grace), (signal.SIGKILL, grace)))
         if self._opened_log is not None:
             self._opened_log.close()
             self._opened_log = None

@@ -37,6 +37,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -359,21 +360,7 @@ class Server:
         if process is None:
             self._close_log()
             return None
-        for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            if process.poll() is not None:
-                break
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                process.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # the group's other processes (engine core, worker) if the server left any
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        stop_group(process, ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)))
         self.process = None
         self._close_log()
         return process.returncode
@@ -388,6 +375,27 @@ class Server:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def stop_group(process: subprocess.Popen, steps: Sequence[tuple[signal.Signals, float]]) -> None:
+    """Stop a process started in a group of its own (``start_new_session``): each signal of ``steps`` to
+    the group, waiting up to its seconds for the leader, until it has exited; then SIGKILL to whatever
+    of the group is left (a server's engine core and worker)."""
+    for sig, wait in steps:
+        if process.poll() is not None:
+            break
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class Stopped(Exception):
