@@ -22,7 +22,7 @@ depend on the token and its position only, so the re-positioned source is alread
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -385,19 +385,9 @@ def apply_piecewise(
     ``[n, rows]`` hold, per row, the weights of the anchors covering it (0 for an anchor shorter than
     the row), so each window's rows get the weighted sum of its own anchors' deltas; rows ``rows:``
     keep the re-positioned source."""
-    n, rows = key_weights.shape
-    if value_weights.shape != key_weights.shape or n != len(anchors):
-        raise ValueError(
-            f"expected [n={len(anchors)}, rows] key and value weights, got {tuple(key_weights.shape)} "
-            f"and {tuple(value_weights.shape)}"
-        )
-    missing = [a.serial for a in anchors if target not in a.deltas]
-    if missing:
-        raise ValueError(f"anchors {missing} hold no correction for {target!r}")
-    frames = {a.frame for a in anchors}
-    if len(frames) > 1:
-        raise ValueError(f"anchors {[a.serial for a in anchors]} mix delta frames {sorted(frames)}")
-    deltas = [a.deltas[target] for a in anchors]
+    rows = key_weights.shape[1]
+    deltas = _checked_deltas(anchors, target, key_weights, value_weights, "rows")
+    frame = _one_frame(anchors)
     lengths = [min(a.length, d.length) for a, d in zip(anchors, deltas)]
 
     def layer_delta(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,7 +396,7 @@ def apply_piecewise(
             piecewise_sum([d.values[layer] for d in deltas], value_weights, lengths, rows),
         )
 
-    return corrected_kv(source, target_start, shifter, rows, layer_delta, skip_layer0, frame=frames.pop())
+    return corrected_kv(source, target_start, shifter, rows, layer_delta, skip_layer0, frame=frame)
 
 
 def corrected_kv(
@@ -471,22 +461,12 @@ def apply_correction(
         A :class:`~hf_kvshare.anchors.corrected.CorrectedKV` of batch 1 at ``target_start`` (``agent`` = the
         source's), computed where it is read or laid out (:func:`corrected_kv`).
     """
-    n, k = key_weights.shape
-    if value_weights.shape != key_weights.shape or n != len(anchors):
-        raise ValueError(
-            f"expected [n={len(anchors)}, k] key and value weights, got {tuple(key_weights.shape)} "
-            f"and {tuple(value_weights.shape)}"
-        )
-    missing = [a.serial for a in anchors if target not in a.deltas]
-    if missing:
-        raise ValueError(f"anchors {missing} hold no correction for {target!r}")
-    short = [a.serial for a in anchors if a.deltas[target].length < k]
+    k = key_weights.shape[1]
+    deltas = _checked_deltas(anchors, target, key_weights, value_weights, "k")
+    short = [a.serial for a, d in zip(anchors, deltas) if d.length < k]
     if short:
         raise ValueError(f"anchors {short} hold corrections shorter than the {k} rows to correct")
-    frames = {a.frame for a in anchors}
-    if len(frames) > 1:
-        raise ValueError(f"anchors {[a.serial for a in anchors]} mix delta frames {sorted(frames)}")
-    deltas = [a.deltas[target] for a in anchors]
+    frame = _one_frame(anchors)
 
     def layer_delta(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return (
@@ -494,7 +474,7 @@ def apply_correction(
             weighted_sum([d.values[layer] for d in deltas], value_weights, k),
         )
 
-    return corrected_kv(source, target_start, shifter, k, layer_delta, skip_layer0, frame=frames.pop())
+    return corrected_kv(source, target_start, shifter, k, layer_delta, skip_layer0, frame=frame)
 
 
 @dataclass
@@ -591,3 +571,27 @@ def shrink(corrected: SegmentKV, placed: SegmentKV, scales: list[list[float]]) -
     keys = [blend(c, p, s) for c, p, s in zip(corrected.keys, placed.keys, scales[0])]
     values = [blend(c, p, s) for c, p, s in zip(corrected.values, placed.values, scales[1])]
     return SegmentKV(keys=keys, values=values, start=corrected.start, agent=corrected.agent)
+
+
+def _checked_deltas(
+    anchors: Sequence[Anchor], target: str, key_weights: torch.Tensor, value_weights: torch.Tensor, dim: str
+) -> list:
+    """Each anchor's delta for ``target``, after checking the ``[n, dim]`` key / value weights fit the
+    anchors and every anchor holds one (:func:`apply_correction`, :func:`apply_piecewise`)."""
+    if value_weights.shape != key_weights.shape or key_weights.shape[0] != len(anchors):
+        raise ValueError(
+            f"expected [n={len(anchors)}, {dim}] key and value weights, got {tuple(key_weights.shape)} "
+            f"and {tuple(value_weights.shape)}"
+        )
+    missing = [a.serial for a in anchors if target not in a.deltas]
+    if missing:
+        raise ValueError(f"anchors {missing} hold no correction for {target!r}")
+    return [a.deltas[target] for a in anchors]
+
+
+def _one_frame(anchors: Sequence[Anchor]) -> str:
+    """The delta frame the anchors share (a mix cannot be summed)."""
+    frames = {a.frame for a in anchors}
+    if len(frames) > 1:
+        raise ValueError(f"anchors {[a.serial for a in anchors]} mix delta frames {sorted(frames)}")
+    return frames.pop()
