@@ -1051,6 +1051,29 @@ def test_a_plan_waits_only_for_its_own_tasks_records():
         background.close()
 
 
+def test_a_plan_handed_out_is_not_planned_again_by_a_late_prepare_until_released():
+    """The race behind the test below, in order: the scheduler's thread takes a request's plan, then the
+    read-back channel's thread prepares the same request (its record wait ended): no second plan. Once
+    the plan is released (a producer wait), preparing it plans it again."""
+    from hf_kvshare.serving.admission import Background
+
+    sharing = _Recorder()
+    background = Background(sharing, wait_s=1.0, running_wait_s=1.0)
+    try:
+        plan = background.plan("r", [1], layout("T", "r", []), 0)
+        assert plan is not None
+        background.prepare("r", [1], layout("T", "r", []))
+        background.drain()
+        assert [line for line in sharing.log if line.startswith("plan ")] == ["plan r"]
+        background.release(plan)
+        background.prepare("r", [1], layout("T", "r", []))
+        background.drain()
+        assert [line for line in sharing.log if line.startswith("plan ")] == ["plan r", "plan r"]
+    finally:
+        sharing.hold.set()
+        background.close()
+
+
 def test_a_request_gets_one_plan_when_two_threads_ask_for_it_at_once():
     """The connector's read-back channel thread plans a request that waited for a record (prepare)
     while the scheduler's thread may ask for the same request's plan at admission: each request is
