@@ -41,6 +41,9 @@
   ``mrope.py`` (and ``_compat.py``).
 - images are opened in one place: only ``vision.open_image`` (the pixel limit checked from the file's
   header before decoding) calls ``Image.open``.
+- a file given by path is read in one place: only ``bounded_read.read_input`` opens a file without
+  blocking (``O_NONBLOCK``: a FIFO never hangs, the type and size checked on the descriptor before a
+  read); ``bounded_read`` is a leaf.
 - a method's options are checked where they are set: no method overrides ``Method.__setattr__``,
   which re-runs the constructor's checks for an option assigned after construction.
 - why a span was not shared is classified in one place: ``reasons.py`` (the vocabulary of causes) is a
@@ -1321,3 +1324,24 @@ def test_the_serving_store_never_waits_for_another_request():
 def test_the_blocking_call_finder_finds_them():
     tree = ast.parse("time.sleep(1)\ncond.wait_for(f, 2)\nfuture.result()\nthread.join()\n','.join(x)\n")
     assert blocking_calls(tree) == [(1, "sleep"), (2, "wait_for"), (3, "result"), (4, "join")]
+
+
+# ------------------------------------------------------------------ files given by path: one bounded read
+def test_files_given_by_path_are_read_in_one_bounded_place():
+    """A saved state's ``state.json``, a method option's file and the bench's inputs are read by
+    ``bounded_read.read_input`` (a regular file of at most a stated size, checked on the descriptor it
+    opened without blocking): no other module opens a file with ``O_NONBLOCK``, and the module imports
+    no hf_kvshare module."""
+    openers = [
+        name
+        for name, path in MODULES.items()
+        if "O_NONBLOCK" in path.read_text() and name != f"{ROOT}.bounded_read"
+    ]
+    assert not openers, f"non-blocking opens outside bounded_read.read_input: {openers}"
+    tree = ast.parse(MODULES[f"{ROOT}.bounded_read"].read_text())
+    relative = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and (n.level or "hf_kvshare" in (n.module or ""))
+    ]
+    assert not relative, "bounded_read imports hf_kvshare modules"
