@@ -1321,3 +1321,21 @@ def test_the_serving_store_never_waits_for_another_request():
 def test_the_blocking_call_finder_finds_them():
     tree = ast.parse("time.sleep(1)\ncond.wait_for(f, 2)\nfuture.result()\nthread.join()\n','.join(x)\n")
     assert blocking_calls(tree) == [(1, "sleep"), (2, "wait_for"), (3, "result"), (4, "join")]
+
+
+#: the one module that reads and writes vLLM's paged cache, and the calls that reach a backend's writer
+PAGED = f"{ROOT}.serving.paged"
+PAGED_WRITER_CALLS = frozenset({"do_kv_cache_update", "backend_writer"})
+
+
+def test_one_module_reaches_vllms_cache_writer():
+    """Only ``serving/paged.py`` calls an attention backend's cache writer (``do_kv_cache_update``) or
+    takes it (``backend_writer``): the connector reaches a layer's cache through ``paged.open_layer``,
+    whose start-up checks (MLA, shapes, dtype, the probed layout) every layer passes or is refused with
+    the reason and what works."""
+    calling = sorted(
+        name
+        for name, path in MODULES.items()
+        if name != PAGED and _callees(ast.parse(path.read_text())) & PAGED_WRITER_CALLS
+    )
+    assert not calling, f"modules calling vLLM's cache writer outside {PAGED}: {calling}"
