@@ -240,23 +240,27 @@ import sys
 from pathlib import Path
 
 runs_dir, tiny = Path(sys.argv[1]), sys.argv[2] == "1"
-peaks = {}  # run name: (bench serve's exit code, its server's peak GPU memory in MiB)
-for line in (runs_dir / "runs.tsv").read_text().splitlines():
-    name, rc, peak = line.split("\t")
-    peaks[name] = (rc, peak)
 lines = []
-for summary in sorted(runs_dir.glob("S*-*/**/summary.json")):
-    run = summary.relative_to(runs_dir).parts[0]
-    data = json.loads(summary.read_text())
-    shared = data["config"]["workload"]["shared_tokens"]
-    state = "" if data.get("complete", True) else f" (incomplete: {data.get('stopped', '')})"
-    rc, peak = peaks.get(run, ("", ""))
-    for row in data["rows"]:
-        cells = [shared, row["method"], row["qps"], row.get("ttft_p50_s"), row.get("ttft_p90_s"),
-                 row.get("reuse_ttft_p50_s"), row.get("rho"), f"{row.get('completed')}/{row.get('requests')}",
-                 peak or "n/a", f"{rc}{state}"]
-        lines.append(cells)
-lines.sort(key=lambda c: (c[0], c[2], c[1]))
+for line in (runs_dir / "runs.tsv").read_text().splitlines():  # in run order: length, then method
+    run, rc, peak = line.split("\t")  # bench serve's exit code, its server's peak GPU memory (MiB)
+    summaries = sorted((runs_dir / run).glob("**/summary.json"))
+    if not summaries:  # not run (the budget), or stopped before its first rate finished
+        shared, method = run[1:].split("-", 1)
+        lines.append([int(shared), method, 0, None, None, None, None, "0/0", peak or "n/a", f"{rc} (no rows)"])
+    for summary in summaries:
+        data = json.loads(summary.read_text())
+        shared = data["config"]["workload"]["shared_tokens"]
+        state = "" if data.get("complete", True) else f" (incomplete: {data.get('stopped', '')})"
+        for row in data["rows"]:
+            cells = [shared, row["method"], row["qps"], row.get("ttft_p50_s"), row.get("ttft_p90_s"),
+                     row.get("reuse_ttft_p50_s"), row.get("rho"),
+                     f"{row.get('completed')}/{row.get('requests')}", peak or "n/a", f"{rc}{state}"]
+            lines.append(cells)
+lines.sort(key=lambda c: (c[0], c[2]))  # stable: each rate's methods in run order
+plain = {(c[0], c[2]): c[3] for c in lines if c[1] == "plain"}
+for c in lines:  # TTFT p50 over plain vLLM's at the same length and rate
+    base = plain.get((c[0], c[2]))
+    c.insert(4, c[3] / base if c[3] is not None and base else None)
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 try:
     import torch
@@ -269,8 +273,8 @@ except Exception as e:  # noqa: BLE001 - the table still gets written
 table = [
     f"## scripts/device_check.sh --serving{' --tiny' if tiny else ''} (commit {commit or '?'}, {env}, {platform.node()})",
     "",
-    "| shared | method | QPS | TTFT p50 s | p90 s | reuse p50 s | rho | completed | peak GPU MiB | exit |",
-    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    "| shared | method | QPS | TTFT p50 s | p50 / plain | p90 s | reuse p50 s | rho | completed | peak GPU MiB | exit |",
+    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
 ]
 fmt = lambda v: "" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731
 table += ["| " + " | ".join(fmt(c) for c in cells) + " |" for cells in lines]
