@@ -1345,3 +1345,21 @@ def test_files_given_by_path_are_read_in_one_bounded_place():
         if isinstance(n, ast.ImportFrom) and (n.level or "hf_kvshare" in (n.module or ""))
     ]
     assert not relative, "bounded_read imports hf_kvshare modules"
+
+
+#: the one module that reads and writes vLLM's paged cache, and the calls that reach a backend's writer
+PAGED = f"{ROOT}.serving.paged"
+PAGED_WRITER_CALLS = frozenset({"do_kv_cache_update", "backend_writer"})
+
+
+def test_one_module_reaches_vllms_cache_writer():
+    """Only ``serving/paged.py`` calls an attention backend's cache writer (``do_kv_cache_update``) or
+    takes it (``backend_writer``): the connector reaches a layer's cache through ``paged.open_layer``,
+    whose start-up checks (MLA, shapes, dtype, the probed layout) every layer passes or is refused with
+    the reason and what works."""
+    calling = sorted(
+        name
+        for name, path in MODULES.items()
+        if name != PAGED and _callees(ast.parse(path.read_text())) & PAGED_WRITER_CALLS
+    )
+    assert not calling, f"modules calling vLLM's cache writer outside {PAGED}: {calling}"
