@@ -49,6 +49,8 @@
   no ``hf_kvshare`` module and no tensor library; the serving layout finds its pieces through it
   (``matching.match``), and only ``request.py`` builds a piece of a slot (``Slot(..., piece_of=...)``,
   :meth:`hf_kvshare.request.Request.piece_slot`), which neither host redefines.
+- vLLM's multimodal features are read in one place: only ``serving/layout.py`` (``images_of``) names
+  their fields (``mm_position``, ``mm_hash``): images are spans found by vLLM's hash, never by tokens.
 - agent frameworks: the examples that drive ``hf-kvshare serve`` through the OpenAI Agents SDK and
   LangGraph are plain clients (no ``hf_kvshare`` import, no layout field).
 """
@@ -1321,3 +1323,19 @@ def test_the_serving_store_never_waits_for_another_request():
 def test_the_blocking_call_finder_finds_them():
     tree = ast.parse("time.sleep(1)\ncond.wait_for(f, 2)\nfuture.result()\nthread.join()\n','.join(x)\n")
     assert blocking_calls(tree) == [(1, "sleep"), (2, "wait_for"), (3, "result"), (4, "join")]
+
+
+#: the fields of vLLM's ``MultiModalFeatureSpec`` the server reads (an image's place and hash)
+MM_FIELDS = ("mm_position", "mm_hash")
+
+
+def test_vllms_multimodal_features_are_read_in_one_place():
+    """Only ``serving/layout.py`` (``images_of``) names a multimodal feature's fields, as an attribute
+    or a string: every image the server plans is a span found by vLLM's hash, not by its tokens."""
+    readers = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            field = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+            if isinstance(node, (ast.Attribute, ast.Constant)) and field in MM_FIELDS:
+                readers.add(name)
+    assert readers == {"hf_kvshare.serving.layout"}, readers
