@@ -279,6 +279,35 @@ def test_nonshared_with_an_image_is_plain():
     assert again == plain
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the scheduler side imports vLLM")
+def test_the_scheduler_side_states_the_images_vllm_placed():
+    """vLLM's own feature class (``MultiModalFeatureSpec``, ``PlaceholderRange``) read by the scheduler
+    side: each image's place and hash under the server's key of the layout the request is planned under."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
+
+    model = tiny_vlm()
+    sharing = Sharing(model, tiny_vlm_tokenizer(), "fullshared")
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}),
+        cache_config=SimpleNamespace(block_size=16),
+    )
+    scheduler = HFKVShareScheduler(config, sharing)
+    try:
+        feature = MultiModalFeatureSpec(
+            data=None, modality="image", identifier="h0", mm_position=PlaceholderRange(offset=3, length=5)
+        )
+        request = SimpleNamespace(
+            kv_transfer_params={lay.KEY: {"task": "t"}}, cache_salt=sharing.salt, mm_features=[feature]
+        )
+        admitted = scheduler._admitted(request)
+        assert admitted[lay.KEY][lay.IMAGES] == [image_entry("h0", 3, 5)]
+        assert lay.parse(admitted).images == [lay.ImageSpan("h0", 3, 8)]
+    finally:
+        scheduler.shutdown()
+
+
 # ------------------------------------------------------------------ the serving lane
 def _vllm_loads_llava_onevision() -> str | None:
     """Why vLLM's CPU wheel here cannot serve LLaVA-OneVision (``None``: it can)."""
