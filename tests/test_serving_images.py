@@ -309,22 +309,28 @@ def test_the_scheduler_side_states_the_images_vllm_placed():
 
 
 # ------------------------------------------------------------------ the serving lane
-def _vllm_loads_llava_onevision() -> str | None:
-    """Why vLLM's CPU wheel here cannot serve LLaVA-OneVision (``None``: it can)."""
+def _vllm_cannot_serve(folder) -> str | None:
+    """Why vLLM here cannot serve the LLaVA-OneVision ``folder`` (``None``: it can). vLLM 0.32's CPU
+    wheel: its model module imports transformers' Pixtral image processor, which needs torchvision
+    (removed from the serving venv: it breaks ``import vllm`` on CPU), and the folder's processor needs a
+    video processor, which needs torchvision too."""
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed here"
     try:
         importlib.import_module("vllm.model_executor.models.llava_onevision")
     except Exception as error:  # noqa: BLE001 - the reason is the skip's
         return f"vLLM cannot import its LLaVA-OneVision model here ({type(error).__name__}: {error})"
+    from transformers import AutoProcessor
+
+    try:
+        AutoProcessor.from_pretrained(str(folder))
+    except Exception as error:  # noqa: BLE001 - the reason is the skip's
+        return f"the LLaVA-OneVision processor does not load here ({type(error).__name__}: {error})"
     return None
 
 
 @pytest.mark.serving
 def test_serving_the_tiny_llava_onevision_shares_its_image(tmp_path):
-    why = _vllm_loads_llava_onevision()
-    if why is not None:
-        pytest.skip(why)
     import base64
     import io
     import json
@@ -338,6 +344,9 @@ def test_serving_the_tiny_llava_onevision_shares_its_image(tmp_path):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     folder = save_tiny_vlm(tmp_path / "llava")
+    why = _vllm_cannot_serve(folder)
+    if why is not None:
+        pytest.skip(why)
     buffer = io.BytesIO()
     random_image(0).save(buffer, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
