@@ -314,8 +314,6 @@ def _vllm_cannot_serve(folder) -> str | None:
     wheel: its model module imports transformers' Pixtral image processor, which needs torchvision
     (removed from the serving venv: it breaks ``import vllm`` on CPU), and the folder's processor needs a
     video processor, which needs torchvision too."""
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed here"
     try:
         importlib.import_module("vllm.model_executor.models.llava_onevision")
     except Exception as error:  # noqa: BLE001 - the reason is the skip's
@@ -330,6 +328,7 @@ def _vllm_cannot_serve(folder) -> str | None:
 
 
 @pytest.mark.serving
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here")
 def test_serving_the_tiny_llava_onevision_shares_its_image(tmp_path):
     import base64
     import io
