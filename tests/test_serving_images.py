@@ -279,6 +279,27 @@ def test_nonshared_with_an_image_is_plain():
     assert again == plain
 
 
+def test_kvcmas_reads_an_image_slot_through_the_same_contract():
+    """KVCMAS gates an image's slot as any observation's (its pools keyed by the image's hash): every
+    request planned and recorded without error, each unplaced image span with the gate's reason."""
+    model, processor = tiny_vlm(), tiny_vlm_processor()
+    tok = processor.tokenizer
+    visual = prepare_visual(model, processor, PH("img", image=random_image(0)))
+    pic, q1, q2 = visual.token_ids.tolist(), ids_of(tok, Q1), ids_of(tok, Q2)
+    sharing = Sharing(model, tok, "kvcmas")
+    for i, (agent, lead) in enumerate([("a1", ids_of(tok, SYS)), ("a2", []), ("a3", q1)]):
+        plan = sharing.plan(
+            f"r{i}", lead + pic + q2, params("t", agent, [image_entry("h0", len(lead), len(pic))]), 0
+        )
+        assert plan.error is None, plan.error
+        out, k, v = engine_with_images(model, plan, {len(lead): visual})
+        sharing.record(plan, k, v, out, set())
+        assert plan.error is None, plan.error
+        image = next(s for s in plan.report()["segments"] if s["name"] == "image:h0")
+        assert image["placed"] or image["gate"]["reason"], image
+    assert sharing.hosts["t"].slots["image:h0"].latest is not None and sharing.errors == 0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the scheduler side imports vLLM")
 def test_the_scheduler_side_states_the_images_vllm_placed():
     """vLLM's own feature class (``MultiModalFeatureSpec``, ``PlaceholderRange``) read by the scheduler
