@@ -791,6 +791,22 @@ def test_serving_modules_keep_no_module_state():
     assert not bad, "mutable module-level state in hf_kvshare.serving:\n" + "\n".join(bad)
 
 
+#: the fields of vLLM's ``MultiModalFeatureSpec`` the server reads (an image's place and hash)
+MM_FIELDS = ("mm_position", "mm_hash")
+
+
+def test_vllms_multimodal_features_are_read_in_one_place():
+    """Only ``serving/layout.py`` (``images_of``) names a multimodal feature's fields, as an attribute
+    or a string: every image the server plans is a span found by vLLM's hash, not by its tokens."""
+    readers = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            field = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+            if isinstance(node, (ast.Attribute, ast.Constant)) and field in MM_FIELDS:
+                readers.add(name)
+    assert readers == {"hf_kvshare.serving.layout"}, readers
+
+
 def test_the_module_state_finder_finds_it():
     tree = ast.parse(
         "__all__ = ['f']\nA = (1, 2)\nB = frozenset({1})\n_R: dict[str, int] = {}\nif True:\n    L = threading.Lock()\n"
@@ -1323,19 +1339,3 @@ def test_the_serving_store_never_waits_for_another_request():
 def test_the_blocking_call_finder_finds_them():
     tree = ast.parse("time.sleep(1)\ncond.wait_for(f, 2)\nfuture.result()\nthread.join()\n','.join(x)\n")
     assert blocking_calls(tree) == [(1, "sleep"), (2, "wait_for"), (3, "result"), (4, "join")]
-
-
-#: the fields of vLLM's ``MultiModalFeatureSpec`` the server reads (an image's place and hash)
-MM_FIELDS = ("mm_position", "mm_hash")
-
-
-def test_vllms_multimodal_features_are_read_in_one_place():
-    """Only ``serving/layout.py`` (``images_of``) names a multimodal feature's fields, as an attribute
-    or a string: every image the server plans is a span found by vLLM's hash, not by its tokens."""
-    readers = set()
-    for name, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            field = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
-            if isinstance(node, (ast.Attribute, ast.Constant)) and field in MM_FIELDS:
-                readers.add(name)
-    assert readers == {"hf_kvshare.serving.layout"}, readers
