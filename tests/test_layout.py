@@ -52,6 +52,8 @@
   no ``hf_kvshare`` module and no tensor library; the serving layout finds its pieces through it
   (``matching.match``), and only ``request.py`` builds a piece of a slot (``Slot(..., piece_of=...)``,
   :meth:`hf_kvshare.request.Request.piece_slot`), which neither host redefines.
+- vLLM's multimodal features are read in one place: only ``serving/layout.py`` (``images_of``) names
+  their fields (``mm_position``, ``mm_hash``): images are spans found by vLLM's hash, never by tokens.
 - agent frameworks: the examples that drive ``hf-kvshare serve`` through the OpenAI Agents SDK and
   LangGraph are plain clients (no ``hf_kvshare`` import, no layout field).
 """
@@ -790,6 +792,22 @@ def test_serving_modules_keep_no_module_state():
         for found in module_state(ast.parse(path.read_text(), filename=str(path)))
     ]
     assert not bad, "mutable module-level state in hf_kvshare.serving:\n" + "\n".join(bad)
+
+
+#: the fields of vLLM's ``MultiModalFeatureSpec`` the server reads (an image's place and hash)
+MM_FIELDS = ("mm_position", "mm_hash")
+
+
+def test_vllms_multimodal_features_are_read_in_one_place():
+    """Only ``serving/layout.py`` (``images_of``) names a multimodal feature's fields, as an attribute
+    or a string: every image the server plans is a span found by vLLM's hash, not by its tokens."""
+    readers = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            field = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+            if isinstance(node, (ast.Attribute, ast.Constant)) and field in MM_FIELDS:
+                readers.add(name)
+    assert readers == {"hf_kvshare.serving.layout"}, readers
 
 
 def test_the_module_state_finder_finds_it():

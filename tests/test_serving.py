@@ -724,13 +724,13 @@ def test_serving_states_the_observation_reading_it_runs(tiny_llama, tokenizer, c
 
 
 def test_a_vision_language_model_is_refused_before_serving(tmp_path):
-    """Placeholder tokens of different images are the same ids: token-matched sharing would give one
-    image another's K/V, so a VLM is refused with the reason (not an AutoModel error)."""
-    from tiny import tiny_vlm
+    """A vision-language family whose images serving cannot share (Qwen2-VL: multimodal RoPE; LLaVA-
+    OneVision is served, tests/test_serving_images.py) is refused with the reason (not an AutoModel error)."""
+    from tiny import tiny_qwen_vl
 
     from hf_kvshare.serving.host import skeleton_model
 
-    tiny_vlm().config.save_pretrained(tmp_path)
+    tiny_qwen_vl().config.save_pretrained(tmp_path)
     with pytest.raises(ServingError, match="vision-language model"):
         skeleton_model(tmp_path)
     from hf_kvshare.serving.server import Server

@@ -59,6 +59,7 @@ from . import channel
 from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load
 from .host import NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
+from .layout import images_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -392,7 +393,11 @@ class HFKVShareScheduler:
 
     def _admitted(self, request: Request) -> Any:
         """The request's layout fenced by its tenant; ``None``: nothing to inject (:meth:`Sharing.admit`)."""
-        return self.sharing.admit(request.kv_transfer_params, getattr(request, "cache_salt", None))
+        return self.sharing.admit(
+            request.kv_transfer_params,
+            getattr(request, "cache_salt", None),
+            images=images_of(getattr(request, "mm_features", None)),
+        )
 
     def _unrecorded(self, task: str | None) -> bool:
         """Whether a finished request of ``task`` waits to be read back and recorded."""

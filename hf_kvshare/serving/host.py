@@ -42,6 +42,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -64,6 +65,26 @@ DEFAULT_MAX_BYTES = 2 << 30
 DEFAULT_MAX_TASKS = 1024
 #: slots one task keeps (the oldest that no request in flight reads are forgotten past it)
 DEFAULT_MAX_TASK_SLOTS = 256
+
+
+#: vision-language families served with their images shared (``config.model_type``): 1-D RoPE, so an
+#: image's K/V re-positioned by its token offset is exact as in a Session (:mod:`hf_kvshare.vision`)
+SERVED_VISION_MODELS = ("llava_onevision",)
+_MROPE_REFUSAL = (
+    "multimodal RoPE: vLLM rotates its K/V by (t, h, w) positions where an image advances the text's "
+    "positions by its grid, not its token count, and the serving store re-positions by token offsets "
+    "(the Session tracks each image's rope positions: hf_kvshare.mrope), so a segment after an image would "
+    "be rotated by the wrong distance"
+)
+#: vision-language families refused, and why (the Python API's Session shares their images)
+REFUSED_VISION_MODELS = MappingProxyType(
+    {
+        "qwen2_vl": _MROPE_REFUSAL,
+        "qwen2_5_vl": _MROPE_REFUSAL,
+        "idefics3": "tiled images (marker text tokens inside each image's span) are not built for serving yet",
+        "smolvlm": "tiled images (marker text tokens inside each image's span) are not built for serving yet",
+    }
+)
 
 
 class ServingError(ValueError):
@@ -144,22 +165,34 @@ def salt(method: Method, secret: str | None = None) -> str | None:
     return f"hf_kvshare:{method.name}:{digest}"
 
 
+def check_serving_vision(model_type: str) -> None:
+    """A vision-language family serving cannot share images of is refused with its reason (images are
+    spans identified by vLLM's multimodal hashes: :mod:`.layout`, "Images")."""
+    if model_type in SERVED_VISION_MODELS:
+        return
+    from ..vision import UNSUPPORTED_VISION_MODELS
+
+    why = REFUSED_VISION_MODELS.get(model_type) or UNSUPPORTED_VISION_MODELS.get(model_type)
+    raise ServingError(
+        f"{model_type}: a vision-language model serving does not share images of"
+        + (f" ({why})" if why else " (not built for serving)")
+        + f"; served vision-language families: {', '.join(SERVED_VISION_MODELS)}. Share this model's "
+        "images with the Python API's Session: PH(slot, image=...)"
+    )
+
+
 def skeleton_model(model_dir: str | Path) -> torch.nn.Module:
     """The served model as an HF module on ``meta`` (no weights) with its rotary embedding built on CPU:
     what a method reads from ``turn.model`` (config, binding, RoPE frequencies) without a forward."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
+    auto = AutoModelForCausalLM
     if getattr(config, "vision_config", None) is not None:
-        # the connector matches segments by token ids: every image's placeholder tokens are the same
-        # ids, so two images would share one image's K/V. Images are shared in a Session (PH(image=)).
-        raise ServingError(
-            f"{config.model_type}: a vision-language model; serving shares text segments by their token "
-            "ids and cannot tell two images' placeholder tokens apart, so it refuses VLMs (share images "
-            "with a Session: PH(slot, image=...))"
-        )
+        check_serving_vision(config.model_type)
+        from transformers import AutoModelForImageTextToText as auto  # LLaVA-OneVision
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     rotary = find_rotary_module(model)
     names = [name for name, module in model.named_modules() if module is rotary]
     if not names:
@@ -175,6 +208,17 @@ def skeleton_model(model_dir: str | Path) -> torch.nn.Module:
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, real)
     model.eval()
     return model
+
+
+@dataclass(frozen=True)
+class EngineImage:
+    """An image (video) slot's content on the server: vLLM holds its pixels and encoder output (under
+    ``hash``); the store keeps its K/V only. As a Session's ``Slot.visual`` it makes the slot an image
+    (text after it is still the task's question; a piece of it is refused)."""
+
+    kind: str
+    hash: str
+    nbytes: int = 0
 
 
 class ServingHost(Request):
@@ -455,7 +499,7 @@ class Sharing:
         self.stop_ids: set[int] = {eos} if isinstance(eos, int) else set()
 
     # ---------------------------------------------------------------- admission
-    def admit(self, params: Any, cache_salt: str | None) -> Any:
+    def admit(self, params: Any, cache_salt: str | None, images: list[dict[str, Any]] | None = None) -> Any:
         """The layout a request is planned under, fenced by its tenant, or ``None``: nothing injected.
 
         Approximate K/V are only ever injected under the method's ``cache_salt`` (vLLM's prefix cache
@@ -464,7 +508,8 @@ class Sharing:
         A client's own salt (after the method's: ``"<method salt>|<client salt>"``) is its tenant: its
         task and its agents (named or derived from the prompt: the method's per-agent state, e.g. kept
         prefix text, included) are kept apart from every other tenant's in the store; a client cannot
-        state a tenant itself."""
+        state a tenant itself. ``images``: the request's images as vLLM placed them
+        (:func:`.layout.images_of`), stated under :data:`.layout.IMAGES` (a client's is dropped)."""
         if self.salt is not None and not (
             isinstance(cache_salt, str)
             and (cache_salt == self.salt or cache_salt.startswith(self.salt + "|"))
@@ -473,7 +518,10 @@ class Sharing:
         raw = params.get(lay.KEY) if isinstance(params, dict) else None
         if params is not None and (not isinstance(params, dict) or not isinstance(raw, (dict, type(None)))):
             return params  # malformed: its plan reports the layout's error, nothing is claimed
-        fenced = {k: v for k, v in (raw or {}).items() if k != lay.TENANT}  # the server's key, not a client's
+        # the server's keys, not a client's
+        fenced = {k: v for k, v in (raw or {}).items() if k not in (lay.TENANT, lay.IMAGES)}
+        if images:
+            fenced[lay.IMAGES] = images
         tenant = cache_salt[len(self.salt) + 1 :] if self.salt is not None else ""
         if tenant:
             fenced["task"] = f"{tenant}|{fenced.get('task') or lay.DEFAULT_TASK}"
@@ -603,6 +651,8 @@ class Sharing:
     ) -> Any:
         """The slot a located segment reads: a piece of a held slot found by content
         (:meth:`~hf_kvshare.request.Request.piece_slot`), or what the task resolves its name to."""
+        if seg.image is not None:
+            return self._image_slot(host, seg, seg_ids, new)
         if seg.piece_of is not None:
             slot = host.piece_slot(*seg.piece_of, new)
             if not torch.equal(slot.token_ids, seg_ids):
@@ -614,6 +664,23 @@ class Sharing:
         if text is None and host.held_slot(seg.slot, new)[0] is None:  # given text: the slot keeps it
             text = self.tokenizer.decode(seg_ids.tolist())
         return host.resolve(PH(seg.slot, text, kind=seg.kind), new, seg_ids.clone)
+
+    def _image_slot(
+        self, host: ServingHost, seg: lay.LocatedSegment, seg_ids: torch.Tensor, new: NewSlots
+    ) -> Any:
+        """An image's slot, named by its hash (one per image content in the task): an observation whose
+        ids are its placeholders, as ``PH(slot, image=...)`` makes it in a Session; its pixels and
+        features stay in vLLM (:class:`EngineImage`)."""
+        held, _ = host.held_slot(seg.slot, new)
+        if held is not None and not torch.equal(held.token_ids, seg_ids):
+            raise lay.LayoutError(
+                f"{seg.image.modality} {seg.image.hash!r}: {seg_ids.numel()} placeholder tokens here, "
+                f"{held.token_ids.numel()} in the task's slot (the same hash must expand the same way)"
+            )
+        slot = host.resolve(PH(seg.slot, "", kind=seg.kind), new, seg_ids.clone)
+        if slot.visual is None:
+            slot.visual = EngineImage(seg.image.modality, seg.image.hash)
+        return slot
 
     def _pf(self, ids: torch.Tensor, start: int, index: int) -> Span:
         return Span(
