@@ -58,7 +58,7 @@ import torch
 from . import channel
 from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load
-from .host import NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
+from .host import BUDGETS, NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -132,6 +132,8 @@ def make_sharing(vllm_config: VllmConfig) -> Sharing:
         max_bytes=int(extra.get("max_bytes", 2 << 30)),
         max_tasks=int(extra.get("max_tasks", 1024)),
         min_segment_tokens=int(extra.get("min_segment_tokens", 16)),
+        # the other stores' byte budgets (None: Sharing's defaults); a bad value refused by Sharing
+        **{name: extra.get(name) for name in BUDGETS if name != "max_bytes"},
         **dict(extra.get("options") or {}),
     )
     logger.info("hf_kvshare: serving method %r (cache_salt %r)", sharing.method, sharing.salt)
@@ -527,6 +529,8 @@ class HFKVShareScheduler:
             "store": {
                 **{k: store.get(k) for k in STORE_COUNTS},
                 "method_bytes": (store.get("method_state") or {}).get("bytes"),
+                # each store's bytes, budget and evictions (Sharing.stores)
+                "stores": store.get("stores"),
             },
         }
         try:
@@ -554,8 +558,10 @@ class HFKVShareScheduler:
         plan.read_back = how
         plan.read_back_s = time.perf_counter() - finishing.finished_at
         self._recording[plan.request_id] = plan  # under the finishing lock (both callers hold it)
+        kv, held = self._reserve_read_back(plan, kv)
 
         def then(recorded: Plan) -> None:  # on the admission thread, once the record has run
+            self.sharing.read_backs.release(held)
             if report is not None:
                 report(recorded)
             with self._finishing_cond:
@@ -566,6 +572,24 @@ class HFKVShareScheduler:
             self._background.release(plan, then)
         else:
             self._background.record(plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids, then)
+
+    def _reserve_read_back(
+        self, plan: Plan, kv: tuple[Any, Any] | None
+    ) -> tuple[tuple[Any, Any] | None, int]:
+        """``(kv, bytes reserved)``: the read-back's bytes held against the store's read-back budget
+        until its record has run (``Sharing.read_backs``); past it, ``(None, 0)``: the K/V dropped now,
+        the request not recorded (its report's ``error`` says so, the summary counts it)."""
+        if kv is None:
+            return None, 0
+        nbytes = sum(_nbytes(part) for part in kv)
+        if self.sharing.read_backs.reserve(nbytes):
+            return kv, nbytes
+        plan.error = (
+            f"read-back: not recorded: its {nbytes} bytes of K/V would pass the read-back budget "
+            f"(max_read_back_bytes {self.sharing.read_backs.max_bytes}; {self.sharing.read_backs.held} held "
+            "by the records waiting)"
+        )
+        return None, 0
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The worker's step output: its :class:`Captured` and the requests whose blocks it has read
@@ -613,6 +637,13 @@ class HFKVShareScheduler:
             if end is not None:
                 end.close()
         self._background.close()
+
+
+def _nbytes(part: Any) -> int:
+    """Bytes of a tensor or of a list of tensors (a read-back's keys or values)."""
+    if isinstance(part, torch.Tensor):
+        return part.numel() * part.element_size()
+    return sum(t.numel() * t.element_size() for t in part)
 
 
 def _max_tokens(request: Request) -> int:
