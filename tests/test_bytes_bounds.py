@@ -279,3 +279,31 @@ def test_a_read_back_past_its_budget_is_not_recorded_and_is_reported(tiny_llama,
     lines = [json.loads(line) for line in reports.read_text().splitlines()]
     (line,) = [x for x in lines if x["request_id"] == "r1000"]
     assert "read-back budget" in line["error"] and line["store"]["stores"]["read_backs"]["max_bytes"] == 1000
+
+
+def test_bench_serves_summary_reports_each_stores_most_bytes_budget_and_evictions():
+    from hf_kvshare.bench import serve as sb
+
+    def report(slots, anchors, refused):
+        stores = {
+            "slots": {"bytes": slots, "max_bytes": 1000, "evicted": slots // 100},
+            "anchors": {"bytes": anchors, "max_bytes": 500, "evicted": 1},
+            "read_backs": {"bytes": 0, "max_bytes": 4000, "refused": refused, "peak": 3000},
+        }
+        base = {"claimed": None, "supplied_tokens": 0, "ph_tokens": 10, "supplied_ph_tokens": 0}
+        return sb.compact_report({**base, "segments": [], "store": {"stores": stores}})
+
+    records = [
+        {"request": i, "ok": True, "connector": report(*values)}
+        for i, values in enumerate([(900, 100, 0), (400, 500, 2), (700, 300, 1)])
+    ]
+    stores = sb.connector_columns("kvcmas", records)["stores_max"]
+    assert stores["slots"] == {"bytes": 900, "max_bytes": 1000, "evicted": 9}
+    assert stores["anchors"] == {"bytes": 500, "max_bytes": 500, "evicted": 1}
+    assert stores["read_backs"]["refused"] == 2 and stores["read_backs"]["peak"] == 3000
+    assert (
+        sb.connector_columns(
+            "kvcmas", [{"request": 0, "ok": True, "connector": report(1, 1, 0) | {"stores": None}}]
+        )["stores_max"]
+        is None
+    )
