@@ -481,6 +481,15 @@ class Sharing:
             max_anchor_bytes=max_anchor_bytes,
             max_read_back_bytes=max_read_back_bytes,
         )
+        for name, value in (
+            ("max_tasks", max_tasks),
+            ("max_task_slots", max_task_slots),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name} must be a positive integer (a store that holds nothing shares "
+                    f"nothing: use the method nonshared); got {value!r}"
+                )
         if isinstance(method, str):
             options, notes = serving_options(method, options)
             for note in notes:
@@ -492,15 +501,6 @@ class Sharing:
         self.tokens = lay.TokenInfo(tokenizer)
         self.method.bind(model)
         self.shifter = RopeShifter.from_model(model) if self.method.repositions else None
-        for name, value in (
-            ("max_tasks", max_tasks),
-            ("max_task_slots", max_task_slots),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"{name} must be a positive integer (a store that holds nothing shares "
-                    f"nothing: use the method nonshared); got {value!r}"
-                )
         self.max_bytes = max_bytes
         self.max_tasks = max_tasks
         self.max_task_slots = max_task_slots
