@@ -220,8 +220,9 @@ def test_the_budgets_reach_the_connector_through_the_server_and_the_cli(capsys):
 )
 def test_a_read_back_past_its_budget_is_not_recorded_and_is_reported(tiny_llama, tokenizer, tmp_path):
     """The connector's scheduler holds each read-back against ``max_read_back_bytes`` until its record
-    has run: one that would pass it is dropped at once, its request not recorded (the report's error
-    says why, the store counts it), and the task's store holds nothing of it."""
+    has run: one that would pass it is not recorded (the report's error says why, the store counts it,
+    the task's store holds nothing of it); once a first read-back taught the bytes per position, a
+    finished request past the budget is not even read back (no capture ordered, its blocks freed)."""
     from vllm.v1.request import RequestStatus
 
     from hf_kvshare.serving.connector_common import Captured
@@ -235,50 +236,60 @@ def test_a_read_back_past_its_budget_is_not_recorded_and_is_reported(tiny_llama,
         cache_config=SimpleNamespace(block_size=16),
     )
     doc = tokens(tokenizer, DOC * 2)
-    outcomes = {}
+    prompt = doc + tokens(tokenizer, "\nWhere?")
+
+    def finish(scheduler, sharing, rid):
+        """Plan ``rid`` (task ``rid``), run it, end it; its K/V come with the step's output if ordered."""
+        params = {
+            lay.KEY: {"task": rid, "agent": "a", "segments": [{"slot": "doc", "start": 0, "end": len(doc)}]}
+        }
+        request = SimpleNamespace(
+            request_id=rid, external_req_id=None, prompt_token_ids=prompt, kv_transfer_params=params,
+            cache_salt=sharing.salt, status=RequestStatus.FINISHED_STOPPED, output_token_ids=[],
+            sampling_params=SimpleNamespace(all_stop_token_ids=[], eos_token_id=None), num_computed_tokens=0,
+        )  # fmt: skip
+        scheduler.on_new_request(request)
+        claimed = None
+        while claimed is None:
+            claimed, _ = scheduler.get_num_new_matched_tokens(request, 0)
+        out, keys, values = engine(tiny_llama, scheduler._plans[rid], max_new_tokens=2)
+        request.output_token_ids, request.num_computed_tokens = list(out), len(prompt) + len(out) - 1
+        held, report = scheduler.request_finished(request, list(range(8)))
+        ordered = [
+            c.request_id
+            for c in scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).captures
+        ]
+        captured = Captured(kv={rid: (keys, values)} if held else {})
+        scheduler.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=captured, finished_sending={rid} if held else set())
+        )
+        scheduler._background.drain()
+        slot = sharing.hosts[rid].slots.get("doc") if rid in sharing.hosts else None
+        return held, ordered, report, slot is not None and slot.latest is not None
+
     for budget in (1 << 30, 1000):
         sharing = Sharing(tiny_llama, tokenizer, "fullshared", max_read_back_bytes=budget)
         scheduler = HFKVShareScheduler(config, sharing)
         try:
-            params = {
-                lay.KEY: {
-                    "task": "t",
-                    "agent": "a",
-                    "segments": [{"slot": "doc", "start": 0, "end": len(doc)}],
-                }
-            }
-            prompt = doc + tokens(tokenizer, "\nWhere?")
-            request = SimpleNamespace(
-                request_id=f"r{budget}", external_req_id=None, prompt_token_ids=prompt, kv_transfer_params=params,
-                cache_salt=sharing.salt, status=RequestStatus.FINISHED_STOPPED, output_token_ids=[],
-                sampling_params=SimpleNamespace(all_stop_token_ids=[], eos_token_id=None), num_computed_tokens=0,
-            )  # fmt: skip
-            scheduler.on_new_request(request)
-            claimed = None
-            while claimed is None:
-                claimed, _ = scheduler.get_num_new_matched_tokens(request, 0)
-            out, keys, values = engine(tiny_llama, scheduler._plans[request.request_id], max_new_tokens=2)
-            request.output_token_ids, request.num_computed_tokens = list(out), len(prompt) + len(out) - 1
-            scheduler.request_finished(request, list(range(8)))
-            captured = Captured(kv={request.request_id: (keys, values)})
-            scheduler.update_connector_output(
-                SimpleNamespace(kv_connector_worker_meta=captured, finished_sending={request.request_id})
-            )
-            scheduler._background.drain()
-            summary = sharing.state_summary()
-            doc_slot = sharing.hosts["t"].slots.get("doc")
-            outcomes[budget] = (summary, None if doc_slot is None else doc_slot.latest)
-            assert summary["stores"]["read_backs"]["bytes"] == 0  # released once the record ran
+            first, second = (finish(scheduler, sharing, f"r{i}b{budget}") for i in range(2))
+            read_backs = sharing.state_summary()["stores"]["read_backs"]
         finally:
             scheduler.shutdown()
-    recorded, refused = outcomes[1 << 30], outcomes[1000]
-    assert recorded[1] is not None and recorded[0]["stores"]["read_backs"]["refused"] == 0
-    assert recorded[0]["stores"]["read_backs"]["peak"] > 1000
-    assert refused[1] is None and refused[0]["stores"]["read_backs"]["refused"] == 1
-    assert refused[0]["stores"]["read_backs"]["peak"] == 0 and refused[0]["records"] == 0
-    lines = [json.loads(line) for line in reports.read_text().splitlines()]
-    (line,) = [x for x in lines if x["request_id"] == "r1000"]
-    assert "read-back budget" in line["error"] and line["store"]["stores"]["read_backs"]["max_bytes"] == 1000
+        assert read_backs["bytes"] == 0 and read_backs["max_bytes"] == budget  # released once recorded
+        if budget > 1000:
+            assert first[0] and first[3] and second[0] and second[3]  # read back and recorded
+            assert read_backs["refused"] == 0 and read_backs["peak"] > 1000
+            continue
+        # the first: read back (the bytes per position unknown yet), refused as it came
+        assert first[0] and first[1] == [f"r0b{budget}"] and not first[3]
+        # the second: refused at its end, no read-back ordered
+        assert not second[0] and second[1] == [] and not second[3]
+        assert "read-back budget" in second[2]["hf_kvshare"]["error"]
+        assert read_backs["refused"] == 2 and read_backs["peak"] == 0
+    lines = {x["request_id"]: x for x in map(json.loads, reports.read_text().splitlines())}
+    assert all("read-back budget" in lines[f"r{i}b1000"]["error"] for i in range(2))
+    assert lines["r0b1000"]["store"]["stores"]["read_backs"]["max_bytes"] == 1000
+    assert all(lines[f"r{i}b{1 << 30}"]["error"] is None for i in range(2))
 
 
 def test_bench_serves_summary_reports_each_stores_most_bytes_budget_and_evictions():
