@@ -21,6 +21,11 @@ request's record, over one :class:`~hf_kvshare.serving.host.Sharing` of its own.
   channels (refused, ``"read_back_channel": false``; always with inline admission) only the step's
   output. ``has_pending_push_work`` keeps the engine stepping until then.
 
+A finished request's read-back is held against the store's read-back budget (``max_read_back_bytes``:
+``Sharing.read_backs``) from its end until its record has run: reserved before the read-back is ordered
+(the bytes per position learned from the first read-back), checked exactly as it comes; one that would
+pass it is not recorded (not read back at all when known at its end), its report's ``error`` says so.
+
 Each finished request's report (:meth:`Plan.report <hf_kvshare.serving.host.Plan.report>`) is the
 reply's ``kv_transfer_params["hf_kvshare"]`` and, with ``report_path`` in ``kv_connector_extra_config``
 (or the environment variable :data:`REPORTS_ENV`), one JSON line of that file, written once the
