@@ -56,6 +56,10 @@
   their fields (``mm_position``, ``mm_hash``): images are spans found by vLLM's hash, never by tokens.
 - agent frameworks: the examples that drive ``hf-kvshare serve`` through the OpenAI Agents SDK and
   LangGraph are plain clients (no ``hf_kvshare`` import, no layout field).
+- every store is bounded by bytes: each budget of ``serving.host.BUDGETS`` is a keyword of
+  ``Sharing.__init__`` and of the launcher's ``Server``, an ``hf-kvshare serve`` flag, and reaches the
+  connector (``make_sharing`` reads ``BUDGETS``); ``Sharing.stores`` reports each store's ``bytes``,
+  ``max_bytes`` and evictions.
 """
 
 from __future__ import annotations
@@ -1381,3 +1385,76 @@ def test_one_module_reaches_vllms_cache_writer():
         if name != PAGED and _callees(ast.parse(path.read_text())) & PAGED_WRITER_CALLS
     )
     assert not calling, f"modules calling vLLM's cache writer outside {PAGED}: {calling}"
+
+
+# ------------------------------------------------------------------ every store is bounded by bytes
+#: the module that names the stores' byte budgets (``BUDGETS``) and the places each must reach
+BUDGET_HOST = "hf_kvshare.serving.host"
+#: the ``hf-kvshare serve`` flag of a budget (``--max-<store>-bytes``; the slots' store is the store)
+BUDGET_FLAGS = {"max_bytes": "--max-store-bytes"}
+
+
+def tuple_constant(tree: ast.Module, name: str) -> tuple[str, ...]:
+    """The strings of the top-level ``name = (...)`` tuple of ``tree`` (empty when missing)."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            if isinstance(node.value, ast.Tuple):
+                return tuple(e.value for e in node.value.elts if isinstance(e, ast.Constant))
+    return ()
+
+
+def init_keywords(tree: ast.Module, cls: str) -> set[str]:
+    """The parameter names of ``cls.__init__`` in ``tree``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                    args = fn.args
+                    return {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
+    return set()
+
+
+def budget_flag(budget: str) -> str:
+    return BUDGET_FLAGS.get(budget, "--" + budget.replace("_", "-"))
+
+
+def test_every_store_has_a_byte_budget_from_the_cli_to_the_connector():
+    """A store's byte budget is an option all the way: ``Sharing``, the launcher's ``Server``, the
+    ``hf-kvshare serve`` flag, the connector's ``kv_connector_extra_config`` (``make_sharing`` reads
+    ``BUDGETS``), and ``Sharing.stores`` reports them (a budget that reaches one place only bounds
+    nothing the user can set)."""
+    host = ast.parse(MODULES[BUDGET_HOST].read_text())
+    budgets = tuple_constant(host, "BUDGETS")
+    assert "max_bytes" in budgets and len(budgets) >= 4, budgets
+    server = ast.parse(MODULES["hf_kvshare.serving.server"].read_text())
+    cli = MODULES["hf_kvshare.cli"].read_text()
+    scheduler = ast.parse(MODULES["hf_kvshare.serving.connector_scheduler"].read_text())
+    make = next(n for n in ast.walk(scheduler) if isinstance(n, ast.FunctionDef) and n.name == "make_sharing")
+    missing = [
+        f"{budget}: {where}"
+        for budget in budgets
+        for where, ok in (
+            ("a keyword of Sharing.__init__", budget in init_keywords(host, "Sharing")),
+            ("a keyword of Server.__init__", budget in init_keywords(server, "Server")),
+            (f"the serve flag {budget_flag(budget)}", f'"{budget_flag(budget)}"' in cli),
+        )
+        if not ok
+    ]
+    if not any(isinstance(n, ast.Name) and n.id == "BUDGETS" for n in ast.walk(make)):
+        missing.append("make_sharing does not read BUDGETS from kv_connector_extra_config")
+    stores = next(n for n in ast.walk(host) if isinstance(n, ast.FunctionDef) and n.name == "stores")
+    keys = {n.value for n in ast.walk(stores) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    missing += [
+        f"Sharing.stores reports no {key!r}" for key in ("bytes", "max_bytes", "evicted") if key not in keys
+    ]
+    assert not missing, "store budgets that do not reach every place:\n" + "\n".join(missing)
+
+
+def test_the_budget_finders_find_them():
+    tree = ast.parse("B = ('a', 'b')\nclass S:\n    def __init__(self, x, *, y=1):\n        pass\n")
+    assert tuple_constant(tree, "B") == ("a", "b") and tuple_constant(tree, "C") == ()
+    assert init_keywords(tree, "S") == {"self", "x", "y"} and init_keywords(tree, "T") == set()
+    assert (
+        budget_flag("max_bytes") == "--max-store-bytes"
+        and budget_flag("max_anchor_bytes") == "--max-anchor-bytes"
+    )

@@ -27,7 +27,11 @@ prefills, selective recomputation, LoRA agents) are refused by :func:`check_serv
 
 Memory is bounded: tasks are kept least recently used first, by bytes of the K/V their slots hold
 (:class:`Sharing` ``max_bytes``) and by count (``max_tasks``); :meth:`Sharing.state_summary` reports
-it with the method's own ``state_summary()``.
+it with the method's own ``state_summary()``. Every other store has a byte budget of its own
+(:data:`BUDGETS`): the agents' kept PF text (``max_prefix_bytes``), the anchor pools
+(``max_anchor_bytes``) and the finished requests' read-back K/V waiting for their record
+(``max_read_back_bytes``: :class:`ByteBudget`, reserved by the connector; a read-back past it is not
+recorded, and counted); ``state_summary()["stores"]`` reports each one's bytes, budget and evictions.
 """
 
 from __future__ import annotations
@@ -63,6 +67,14 @@ logger = logging.getLogger(__name__)
 SERVED = ("nonshared", "fullshared", "kvcmas", "kvcmas-nonchained", "kvcomm")
 DEFAULT_MAX_BYTES = 2 << 30
 DEFAULT_MAX_TASKS = 1024
+#: the anchor pools' bytes (KVCMAS / KVComm: ``max_pool_bytes``) unless ``max_anchor_bytes`` says
+DEFAULT_MAX_ANCHOR_BYTES = 1 << 30
+#: the read-back K/V of finished requests waiting for their record, together
+DEFAULT_MAX_READ_BACK_BYTES = 2 << 30
+#: every store's byte budget: a :class:`Sharing` keyword, a ``kv_connector_extra_config`` key, a
+#: :class:`~hf_kvshare.serving.server.Server` argument and an ``hf-kvshare serve`` flag
+#: (``--max-store-bytes`` for ``max_bytes``, ``--max-<store>-bytes`` for the others)
+BUDGETS = ("max_bytes", "max_prefix_bytes", "max_anchor_bytes", "max_read_back_bytes")
 #: slots one task keeps (the oldest that no request in flight reads are forgotten past it)
 DEFAULT_MAX_TASK_SLOTS = 256
 
@@ -434,8 +446,61 @@ def _keep_gate(plan: Plan, name: str, info: dict[str, Any] | None) -> None:
         }
 
 
+class ByteBudget:
+    """Bytes held against a budget, reserved and released by several threads (the connector's
+    read-backs waiting for their record: reserved when one arrives, released once its record ran).
+
+    A reservation past the budget is refused (counted in ``refused``): its caller drops what it would
+    have held, so the bytes held never pass ``max_bytes``."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.held = 0
+        self.peak = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.held + nbytes > self.max_bytes:
+                self.refused += 1
+                return False
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+
+def check_budgets(**budgets: Any) -> None:
+    """The store budgets (:data:`BUDGETS`), before anything is built: ``max_bytes`` a positive int (a
+    store that holds nothing shares nothing), the others an int >= 0 or ``None`` (the default); a bool,
+    a float, a string or a negative number raises ``ValueError`` naming it."""
+    for name, value in budgets.items():
+        if name == "max_bytes":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"max_bytes must be a positive integer (a store that holds nothing shares "
+                    f"nothing: use the method nonshared); got {value!r}"
+                )
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(
+                f"{name} must be an int >= 0 (bytes) or None (the default); got {value!r} ({type(value).__name__})"
+            )
+
+
 class Sharing:
     """The method instance, the tasks' hosts and the bounded store: everything the connector calls.
+
+    Byte budgets (:data:`BUDGETS`; ``None``: the default): ``max_bytes`` the tasks' slots' K/V;
+    ``max_prefix_bytes`` the agents' kept PF text (default a quarter of ``max_bytes``, at most
+    ``PREFIX_MAX_BYTES``); ``max_anchor_bytes`` the anchor pools (default
+    :data:`DEFAULT_MAX_ANCHOR_BYTES`, or the method's smaller ``max_pool_bytes``);
+    ``max_read_back_bytes`` the read-backs waiting for their record (:attr:`read_backs`; default
+    :data:`DEFAULT_MAX_READ_BACK_BYTES`). A bad value is refused before anything, the method included,
+    changes.
 
     Thread-safe (one lock): the engine's scheduler and worker may call from different threads."""
 
@@ -449,8 +514,26 @@ class Sharing:
         max_tasks: int = DEFAULT_MAX_TASKS,
         max_task_slots: int = DEFAULT_MAX_TASK_SLOTS,
         min_segment_tokens: int = lay.MIN_SEGMENT_TOKENS,
+        max_prefix_bytes: int | None = None,
+        max_anchor_bytes: int | None = None,
+        max_read_back_bytes: int | None = None,
         **options: Any,
     ):
+        check_budgets(
+            max_bytes=max_bytes,
+            max_prefix_bytes=max_prefix_bytes,
+            max_anchor_bytes=max_anchor_bytes,
+            max_read_back_bytes=max_read_back_bytes,
+        )
+        for name, value in (
+            ("max_tasks", max_tasks),
+            ("max_task_slots", max_task_slots),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name} must be a positive integer (a store that holds nothing shares "
+                    f"nothing: use the method nonshared); got {value!r}"
+                )
         if isinstance(method, str):
             options, notes = serving_options(method, options)
             for note in notes:
@@ -462,21 +545,22 @@ class Sharing:
         self.tokens = lay.TokenInfo(tokenizer)
         self.method.bind(model)
         self.shifter = RopeShifter.from_model(model) if self.method.repositions else None
-        for name, value in (
-            ("max_bytes", max_bytes),
-            ("max_tasks", max_tasks),
-            ("max_task_slots", max_task_slots),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"{name} must be a positive integer (a store that holds nothing shares "
-                    f"nothing: use the method nonshared); got {value!r}"
-                )
         self.max_bytes = max_bytes
         self.max_tasks = max_tasks
         self.max_task_slots = max_task_slots
         if hasattr(self.method, "bound_prefixes"):  # agents' kept text: a quarter of the store's budget
-            self.method.bound_prefixes(min(self.method.PREFIX_MAX_BYTES, max_bytes // 4))
+            if max_prefix_bytes is None:
+                max_prefix_bytes = min(self.method.PREFIX_MAX_BYTES, max_bytes // 4)
+            self.method.bound_prefixes(max_prefix_bytes)
+        if hasattr(self.method, "bound_pools"):  # anchor pools: the smaller of the two bounds
+            anchors = DEFAULT_MAX_ANCHOR_BYTES if max_anchor_bytes is None else max_anchor_bytes
+            if self.method.max_pool_bytes is not None and max_anchor_bytes is None:
+                anchors = min(anchors, self.method.max_pool_bytes)
+            self.method.bound_pools(anchors)
+        #: the read-backs of finished requests waiting for their record (the connector reserves them)
+        self.read_backs = ByteBudget(
+            DEFAULT_MAX_READ_BACK_BYTES if max_read_back_bytes is None else max_read_back_bytes
+        )
         self.min_segment_tokens = int(min_segment_tokens)
         self.hosts: OrderedDict[str, ServingHost] = OrderedDict()
         self.evicted_tasks = 0
@@ -917,8 +1001,42 @@ class Sharing:
                     if self.held_bytes() <= self.max_bytes:
                         break
 
+    def stores(self, method_state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Each store's ``bytes`` held, its ``max_bytes`` budget and its evictions (``evicted``; the
+        read-backs: ``refused``, not recorded, and ``peak`` bytes); the method's stores (kept PF text, from
+        its ``prefix_summary()``; anchor pools, from ``method_state``, its ``state_summary()``) where it
+        keeps them."""
+        stores = {
+            "slots": {
+                "bytes": self.held_bytes(),
+                "max_bytes": self.max_bytes,
+                "evicted": self.evicted_tasks + self.dropped_slots,
+            },
+            "read_backs": {
+                "bytes": self.read_backs.held,
+                "max_bytes": self.read_backs.max_bytes,
+                "refused": self.read_backs.refused,
+                "peak": self.read_backs.peak,
+            },
+        }
+        if hasattr(self.method, "prefix_summary"):
+            kept = self.method.prefix_summary()
+            stores["prefixes"] = {
+                "bytes": kept["prefix_bytes"],
+                "max_bytes": kept["max_prefix_bytes"],
+                "evicted": kept["prefixes_evicted"],
+            }
+        if "pools_bytes" in method_state:
+            stores["anchors"] = {
+                "bytes": method_state["pools_bytes"],
+                "max_bytes": method_state["max_pools_bytes"],
+                "evicted": method_state["pools_evicted_for_bytes"],
+            }
+        return stores
+
     def state_summary(self) -> dict[str, Any]:
         with self._lock:
+            method_state = self.method.state_summary()
             return {
                 "bytes": self.held_bytes(),
                 "max_bytes": self.max_bytes,
@@ -940,7 +1058,8 @@ class Sharing:
                 "settles": self.settles,
                 "settle_seconds": round(self.settle_seconds, 6),
                 "method": self.method.name,
-                "method_state": self.method.state_summary(),
+                "method_state": method_state,
+                "stores": self.stores(method_state),
             }
 
 
