@@ -1845,3 +1845,25 @@ def test_a_role_header_of_its_own_is_no_chunk(tokenizer):
     first = lay.resolve(lay.RequestLayout(task="t"), planner, tokens, {}, min_tokens=8)
     second = lay.resolve(lay.RequestLayout(task="t"), critic, tokens, {}, min_tokens=8)
     assert first.agent != second.agent  # each agent is its own system prompt
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [("fullshared", {"prefix_reuse": True}), ("kvcmas", {}), ("kvcomm", {"text_source": "chained"})],
+)
+def test_the_connector_computes_the_launchers_salt_whatever_budgets_bound_the_method(
+    name, options, tiny_llama, tokenizer, monkeypatch
+):
+    """The launcher and the connector's ``Sharing`` compute the same salt from the same method and
+    options; the store's budgets (the anchor pools' and the kept text's bounds, which ``Sharing`` sets on
+    the method) do not change it. They did for KVCMAS: every request was refused its plan, silently."""
+    from hf_kvshare.serving.host import SALT_SECRET_ENV
+    from hf_kvshare.serving.server import Server
+
+    server = Server(".", name, options=options, port=1)
+    monkeypatch.setenv(SALT_SECRET_ENV, server.environment()[SALT_SECRET_ENV])
+    sharing = Sharing(
+        tiny_llama, tokenizer, name, max_anchor_bytes=1 << 20, max_prefix_bytes=1 << 20, **server.options
+    )
+    assert sharing.salt == server.salt
+    assert sharing.admit({"task": "t"}, server.salt) is not None

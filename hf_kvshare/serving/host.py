@@ -540,6 +540,9 @@ class Sharing:
                 logger.warning(note)
         self.method = get_method(method, **options)
         check_serving_method(self.method)
+        # the salt of the method as configured, before the budgets below set its bounds (the launcher
+        # computes it from the same method and options: Server.salt, the middleware's)
+        self.salt = salt(self.method, os.environ.get(SALT_SECRET_ENV))
         self.model = model
         self.tokenizer = tokenizer
         self.tokens = lay.TokenInfo(tokenizer)
@@ -578,7 +581,6 @@ class Sharing:
         self.settle_seconds = 0.0
         self._lock = threading.RLock()
         self._counts = threading.Lock()
-        self.salt = salt(self.method, os.environ.get(SALT_SECRET_ENV))
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: set[int] = {eos} if isinstance(eos, int) else set()
 
