@@ -23,8 +23,8 @@ def test_a_message_decodes_to_the_tensors_it_was_made_of(dtype):
     keys = torch.randn(3, 5, 2, 4).to(dtype)
     values = torch.randn(3, 5, 2, 4).to(dtype)
     before = keys.clone()
-    request_id, k, v, via = channel.decode(channel.encode("req-1", keys, values, "at finish"))
-    assert request_id == "req-1" and via == "at finish"
+    request_id, k, v, via, rank = channel.decode(channel.encode("req-1", keys, values, "at finish", rank=1))
+    assert request_id == "req-1" and via == "at finish" and rank == 1
     assert k.dtype == v.dtype == dtype and k.shape == v.shape == keys.shape
     assert torch.equal(k, keys) and torch.equal(v, values)
     k.add_(1)  # writable memory of its own: the sender's tensors are not touched
@@ -47,7 +47,7 @@ def test_the_receiver_delivers_each_read_back_on_its_thread_and_cleans_up():
     got: list[tuple[str, torch.Tensor, torch.Tensor, str]] = []
     arrived = threading.Event()
 
-    def deliver(request_id, keys, values, via):
+    def deliver(request_id, keys, values, via, rank):
         assert via == "next step"
         got.append((request_id, keys, values, threading.current_thread().name))
         if len(got) == 2:
@@ -94,7 +94,7 @@ def test_one_undeliverable_message_does_not_stop_the_channel():
     got = []
     done = threading.Event()
 
-    def deliver(request_id, keys, values, via):
+    def deliver(request_id, keys, values, via, rank):
         if request_id == "bad":
             raise RuntimeError("the scheduler refused it")
         got.append(request_id)
@@ -202,7 +202,7 @@ def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output()
     got: dict[str, tuple[torch.Tensor, torch.Tensor, str]] = {}
     arrived = threading.Event()
 
-    def deliver(request_id, keys, values, via):
+    def deliver(request_id, keys, values, via, rank):
         got[request_id] = (keys, values, via)
         arrived.set()
 
