@@ -51,6 +51,9 @@
   :meth:`hf_kvshare.request.Request.piece_slot`), which neither host redefines.
 - agent frameworks: the examples that drive ``hf-kvshare serve`` through the OpenAI Agents SDK and
   LangGraph are plain clients (no ``hf_kvshare`` import, no layout field).
+- tensor parallel in one place: which KV heads a worker rank holds and the ranks' read-backs
+  assembled into all heads are defined only in ``serving/tensor_parallel.py``, a leaf without vLLM
+  (the fast lane tests it), which both connector sides use.
 """
 
 from __future__ import annotations
@@ -1321,3 +1324,30 @@ def test_the_serving_store_never_waits_for_another_request():
 def test_the_blocking_call_finder_finds_them():
     tree = ast.parse("time.sleep(1)\ncond.wait_for(f, 2)\nfuture.result()\nthread.join()\n','.join(x)\n")
     assert blocking_calls(tree) == [(1, "sleep"), (2, "wait_for"), (3, "result"), (4, "join")]
+
+
+TENSOR_PARALLEL = f"{ROOT}.serving.tensor_parallel"
+
+
+def test_tensor_parallel_heads_are_decided_in_one_leaf_module():
+    """Which KV heads a worker rank holds (``kv_head_range``) and the ranks' read-backs assembled into
+    all heads (``RankAssembly``) are defined once, in ``serving/tensor_parallel.py``, a leaf that imports
+    no hf_kvshare module and not vLLM (the fast lane tests it); the connector's sides use it."""
+    tree = ast.parse(MODULES[TENSOR_PARALLEL].read_text())
+    third = {
+        alias.name.split(".")[0]
+        for node in _import_nodes(tree)
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+    }
+    assert not imports_of(TENSOR_PARALLEL), f"{TENSOR_PARALLEL} imports {sorted(imports_of(TENSOR_PARALLEL))}"
+    assert "vllm" not in third, f"{TENSOR_PARALLEL} imports vLLM"
+    defined = {
+        name
+        for name in MODULES
+        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+        and node.name in ("kv_head_range", "RankAssembly")
+    }
+    assert defined == {TENSOR_PARALLEL}, f"the ranks' heads are decided in {sorted(defined)}"
+    for side in ("connector_worker", "connector_scheduler"):
+        assert TENSOR_PARALLEL in imports_of(f"{ROOT}.serving.{side}"), f"serving/{side}.py does not use it"
