@@ -88,6 +88,41 @@ def test_replicated_heads_are_taken_once_and_a_failed_rank_releases_the_request(
         RankAssembly(2, 4).add("r", 2, (keys, values))
 
 
+def test_a_random_model_is_served_by_its_shipped_name_only():
+    from hf_kvshare.serving.models import served_model_dir
+
+    with pytest.raises(ValueError, match="unknown random model 'random:nope'.*random:small-llama"):
+        served_model_dir("random:nope")
+    with pytest.raises(ValueError, match="nor a random:NAME model"):
+        served_model_dir("no-such-model")
+
+
+@serving
+def test_what_the_connector_cannot_serve_is_refused_at_start_up_with_what_works():
+    from types import SimpleNamespace
+
+    from hf_kvshare.serving.connector_common import check_supported
+    from hf_kvshare.serving.host import ServingError
+
+    def config(tp=1, pp=1, kv_heads=4, **parallel):
+        parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, **parallel)
+        return SimpleNamespace(
+            parallel_config=parallel, model_config=SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads)
+        )
+
+    check_supported(config(), None)
+    check_supported(config(tp=2), None)
+    check_supported(config(tp=4, kv_heads=2), None)  # heads replicated over ranks
+    with pytest.raises(ServingError, match="pipeline parallel .*what works: tensor_parallel_size N"):
+        check_supported(config(pp=2), None)
+    with pytest.raises(ServingError, match="context parallel .*decode_context_parallel_size 2"):
+        check_supported(config(decode_context_parallel_size=2), None)
+    with pytest.raises(ServingError, match="3 KV heads do not split over 2 ranks; what works"):
+        check_supported(config(tp=2, kv_heads=3), None)
+    with pytest.raises(ServingError, match="one KV cache group"):
+        check_supported(config(), SimpleNamespace(kv_cache_groups=[0, 1]))
+
+
 # ---------------------------------------------------------------------------------- serving lane
 MODEL = "random:small-llama"
 SYS1 = "You are a careful planner. "
