@@ -97,6 +97,27 @@ def test_a_random_model_is_served_by_its_shipped_name_only():
         served_model_dir("no-such-model")
 
 
+def test_the_launcher_refuses_parallel_set_ups_the_connector_cannot_serve_before_vllm_starts(tmp_path):
+    from hf_kvshare.serving.server import Server, check_parallel_args
+
+    shape = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 1}
+    config = {"model_type": "llama", "intermediate_size": 64, "vocab_size": 64, **shape}  # SmolLM2's heads
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    check_parallel_args(["--tensor-parallel-size", "3"], tmp_path)
+    check_parallel_args(["--tensor-parallel-size=6"], tmp_path)  # each head on 2 ranks
+    with pytest.raises(ValueError, match="3 KV heads do not split over 2 ranks; what works"):
+        check_parallel_args(["-tp", "2"], tmp_path)
+    with pytest.raises(ValueError, match="pipeline parallel .*what works: --tensor-parallel-size N"):
+        check_parallel_args(["--pipeline-parallel-size=2"])
+    with pytest.raises(ValueError, match="context parallel"):
+        check_parallel_args(["--decode-context-parallel-size", "2"])
+    with pytest.raises(ValueError, match="a number of ranks"):
+        check_parallel_args(["--tensor-parallel-size", "two"])
+    with pytest.raises(ValueError, match="pipeline parallel"):  # the connector's server, before it starts
+        Server(tmp_path, "fullshared", vllm_args=["-pp", "2"])
+    Server(tmp_path, None, vllm_args=["-pp", "2"])  # plain vLLM: vLLM's own business
+
+
 @serving
 def test_what_the_connector_cannot_serve_is_refused_at_start_up_with_what_works():
     from types import SimpleNamespace
