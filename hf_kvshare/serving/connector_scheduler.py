@@ -557,7 +557,7 @@ class HFKVShareScheduler:
         self, request_id: str, rank: int, kv: tuple[torch.Tensor, torch.Tensor] | None, how: str
     ) -> bool:
         """One worker rank's read-back of a finished request (under the finishing lock): its record is
-        queued once every rank's came (:class:`~.connector_common.RankAssembly`: all KV heads; one rank:
+        queued once every rank's came (:class:`~.tensor_parallel.RankAssembly`: all KV heads; one rank:
         at once); ``True`` then. A request already recorded or given up on: dropped."""
         finishing = self._finishing.get(request_id)
         if finishing is None:
@@ -607,11 +607,10 @@ class HFKVShareScheduler:
             with self._finishing_cond:
                 for rank, kv in captured.get(request_id, {}).items():
                     self._add_read_back(request_id, rank, kv, "step output")
-                # sent on the channel before the workers' output was built: here already, or soon (and
-                # at tensor parallel, once every rank has read it, each rank's missing piece is there)
-                waits = on_channel.get(request_id, set()) | (all_ranks if request_id in finished else set())
-                if waits and self._assembly.tp_size == 1 and request_id not in on_channel:
-                    waits = set()  # one rank: read, nothing sent on the channel (its read failed)
+                # sent on the channel before the workers' output was built: here already, or soon
+                waits = set(on_channel.get(request_id, ()))
+                if request_id in finished and len(all_ranks) > 1:
+                    waits = all_ranks  # every rank has read it: the pieces not here went on the channel
                 self._finishing_cond.wait_for(
                     lambda rid=request_id, w=waits: rid not in self._finishing or self._assembly.has(rid, w),
                     READ_BACK_WAIT_S if waits else 0,

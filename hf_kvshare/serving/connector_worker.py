@@ -22,10 +22,10 @@ the forward and reads a finished request's K/V back for its record.
   quantile moved beyond the runs' spread without it.
 
 Tensor parallel: vLLM gives each worker rank its slice of the KV heads in its paged cache
-(:func:`~.connector_common.kv_head_range`); this side writes that slice of each claim (the claim
+(:func:`~.tensor_parallel.kv_head_range`); this side writes that slice of each claim (the claim
 carries all heads) and reads back its own heads only, sending its rank with them (the read-back
 channel's header, :attr:`Captured.rank`); the scheduler assembles the ranks' read-backs
-(:class:`~.connector_common.RankAssembly`).
+(:class:`~.tensor_parallel.RankAssembly`).
 
 Two threads touch this object (the engine's step and the order thread): the sets of requests read,
 sent and taken are shared under one lock.
@@ -208,7 +208,7 @@ class HFKVShareWorker:
 
 def tensor_parallel_share(vllm_config: VllmConfig) -> tuple[int, tuple[int, int] | None]:
     """This worker's tensor-parallel rank and its KV heads ``[start, stop)`` (``None``: all, one
-    rank), from vLLM's tensor-parallel group (rank 0 outside one: a test's worker)."""
+    rank: rank 0 with all heads), from vLLM's tensor-parallel group."""
     size = tensor_parallel_size(vllm_config)
     if size == 1:
         return 0, None
