@@ -60,6 +60,9 @@
   ``Sharing.__init__`` and of the launcher's ``Server``, an ``hf-kvshare serve`` flag, and reaches the
   connector (``make_sharing`` reads ``BUDGETS``); ``Sharing.stores`` reports each store's ``bytes``,
   ``max_bytes`` and evictions.
+- tensor parallel in one place: which KV heads a worker rank holds and the ranks' read-backs
+  assembled into all heads are defined only in ``serving/tensor_parallel.py``, a leaf without vLLM
+  (the fast lane tests it), which both connector sides use.
 """
 
 from __future__ import annotations
@@ -1458,3 +1461,30 @@ def test_the_budget_finders_find_them():
         budget_flag("max_bytes") == "--max-store-bytes"
         and budget_flag("max_anchor_bytes") == "--max-anchor-bytes"
     )
+
+
+TENSOR_PARALLEL = f"{ROOT}.serving.tensor_parallel"
+
+
+def test_tensor_parallel_heads_are_decided_in_one_leaf_module():
+    """Which KV heads a worker rank holds (``kv_head_range``) and the ranks' read-backs assembled into
+    all heads (``RankAssembly``) are defined once, in ``serving/tensor_parallel.py``, a leaf that imports
+    no hf_kvshare module and not vLLM (the fast lane tests it); the connector's sides use it."""
+    tree = ast.parse(MODULES[TENSOR_PARALLEL].read_text())
+    third = {
+        alias.name.split(".")[0]
+        for node in _import_nodes(tree)
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+    }
+    assert not imports_of(TENSOR_PARALLEL), f"{TENSOR_PARALLEL} imports {sorted(imports_of(TENSOR_PARALLEL))}"
+    assert "vllm" not in third, f"{TENSOR_PARALLEL} imports vLLM"
+    defined = {
+        name
+        for name in MODULES
+        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+        and node.name in ("kv_head_range", "RankAssembly")
+    }
+    assert defined == {TENSOR_PARALLEL}, f"the ranks' heads are decided in {sorted(defined)}"
+    for side in ("connector_worker", "connector_scheduler"):
+        assert TENSOR_PARALLEL in imports_of(f"{ROOT}.serving.{side}"), f"serving/{side}.py does not use it"

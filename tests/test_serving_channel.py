@@ -23,8 +23,8 @@ def test_a_message_decodes_to_the_tensors_it_was_made_of(dtype):
     keys = torch.randn(3, 5, 2, 4).to(dtype)
     values = torch.randn(3, 5, 2, 4).to(dtype)
     before = keys.clone()
-    request_id, k, v, via = channel.decode(channel.encode("req-1", keys, values, "at finish"))
-    assert request_id == "req-1" and via == "at finish"
+    request_id, k, v, via, rank = channel.decode(channel.encode("req-1", keys, values, "at finish", rank=1))
+    assert request_id == "req-1" and via == "at finish" and rank == 1
     assert k.dtype == v.dtype == dtype and k.shape == v.shape == keys.shape
     assert torch.equal(k, keys) and torch.equal(v, values)
     k.add_(1)  # writable memory of its own: the sender's tensors are not touched
@@ -47,7 +47,7 @@ def test_the_receiver_delivers_each_read_back_on_its_thread_and_cleans_up():
     got: list[tuple[str, torch.Tensor, torch.Tensor, str]] = []
     arrived = threading.Event()
 
-    def deliver(request_id, keys, values, via):
+    def deliver(request_id, keys, values, via, rank):
         assert via == "next step"
         got.append((request_id, keys, values, threading.current_thread().name))
         if len(got) == 2:
@@ -94,7 +94,7 @@ def test_one_undeliverable_message_does_not_stop_the_channel():
     got = []
     done = threading.Event()
 
-    def deliver(request_id, keys, values, via):
+    def deliver(request_id, keys, values, via, rank):
         if request_id == "bad":
             raise RuntimeError("the scheduler refused it")
         got.append(request_id)
@@ -202,7 +202,7 @@ def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output()
     got: dict[str, tuple[torch.Tensor, torch.Tensor, str]] = {}
     arrived = threading.Event()
 
-    def deliver(request_id, keys, values, via):
+    def deliver(request_id, keys, values, via, rank):
         got[request_id] = (keys, values, via)
         arrived.set()
 
@@ -502,3 +502,113 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
             assert plan.claim_stop["reason"] == NOT_RECORDED_YET
     finally:
         scheduler.shutdown()
+
+
+def _rank_captured(request_id, rank, kv=None, sent=False):
+    from hf_kvshare.serving.connector_common import Captured
+
+    return Captured(
+        kv={request_id: kv} if kv is not None else {}, sent={request_id} if sent else set(), rank=rank
+    )
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="the connector's sides import vLLM (.ci/run's serving venv)")
+def test_two_ranks_outputs_merge_without_overwriting_each_other():
+    """vLLM merges its workers' outputs with ``Captured.aggregate``: each rank's K/V of one request, its
+    sent requests and its order channel stay apart (``by_rank``)."""
+    keys = torch.randn(3, 4, 2, 8)
+    merged = _rank_captured("r", 0, (keys[:, :, :1], keys[:, :, :1]))
+    merged.orders = "ipc://zero"
+    one = _rank_captured("r", 1, (keys[:, :, 1:], keys[:, :, 1:]), sent=False)
+    one.orders = "ipc://one"
+    merged = merged.aggregate(one).aggregate(_rank_captured("s", 1, sent=True))
+    parts = merged.by_rank()
+    assert set(parts) == {0, 1}
+    assert torch.equal(parts[0].kv["r"][0], keys[:, :, :1]) and torch.equal(
+        parts[1].kv["r"][0], keys[:, :, 1:]
+    )
+    assert parts[1].sent == {"s"} and not parts[0].sent
+    assert (parts[0].orders, parts[1].orders) == ("ipc://zero", "ipc://one")
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="the connector's sides import vLLM (.ci/run's serving venv)")
+def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(tiny_llama, tokenizer):
+    """Tensor parallel 2 (tiny_llama: 2 KV heads, one per rank): the first agent's K/V come back half on
+    the read-back channel (rank 1) and half with the step's output (rank 0); the record waits for both
+    and keeps all heads, so the next agent's claim is the one a single-rank server gives, head for head."""
+    from hf_kvshare.serving import layout as lay
+    from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
+    from hf_kvshare.serving.host import Sharing
+    from hf_kvshare.serving.standin import engine
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    doc, q1, q2 = (
+        ids("The river Lune reaches the sea at Plover Scar near Glasson."),
+        ids(" Where?"),
+        ids(" Why?"),
+    )
+
+    def params(agent, start):
+        segments = [{"slot": "doc", "start": start, "end": start + len(doc)}]
+        return {lay.KEY: {"task": "t", "agent": agent, "segments": segments}}
+
+    def claim_of_second_agent(tp):
+        config = SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}),
+            cache_config=SimpleNamespace(block_size=16),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2),
+        )
+        sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+        scheduler = HFKVShareScheduler(config, sharing)
+        sender = None
+
+        def admitted(request):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                claimed, _ = scheduler.get_num_new_matched_tokens(request, 0)
+                if claimed is not None:
+                    return claimed
+                time.sleep(0.01)
+            raise AssertionError(f"{request.request_id} was never planned")
+
+        try:
+            first = _request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
+            scheduler.on_new_request(first)
+            assert admitted(first) == 0
+            out, keys, values = engine(tiny_llama, scheduler._plans["r1"], max_new_tokens=4)
+            done = _request(
+                "r1", first.prompt_token_ids, first.kv_transfer_params, out, cache_salt=sharing.salt
+            )
+            assert scheduler.request_finished(done, [0, 1, 2, 3])[0]
+            meta = scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[]))
+            if tp == 1:
+                step = _rank_captured("r1", 0, (keys, values))
+            else:
+                sender = channel.Sender(meta.read_back)
+                deadline = time.monotonic() + 10
+                while not sender.send("r1", keys[:, :, 1:], values[:, :, 1:], "at finish", rank=1):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                step = _rank_captured("r1", 0, (keys[:, :, :1], values[:, :, :1])).aggregate(
+                    _rank_captured("r1", 1, sent=True)
+                )
+            scheduler.update_connector_output(
+                SimpleNamespace(kv_connector_worker_meta=step, finished_sending={"r1"})
+            )
+            assert not scheduler.has_pending_push_work()  # recorded: both ranks' heads came
+            second = _request("r2", doc + q2, params("a2", 0), cache_salt=sharing.salt)
+            scheduler.on_new_request(second)
+            assert admitted(second) == len(doc)
+            plan = scheduler._plans["r2"]
+            return plan.keys.clone(), plan.values.clone()
+        finally:
+            if sender is not None:
+                sender.close()
+            scheduler.shutdown()
+
+    one_rank, two_ranks = claim_of_second_agent(1), claim_of_second_agent(2)
+    assert two_ranks[0].shape[2] == 2  # all heads
+    assert torch.equal(two_ranks[0], one_rank[0]) and torch.equal(two_ranks[1], one_rank[1])

@@ -24,8 +24,8 @@ vLLM's own dependencies; NIXL's connector has a ZeroMQ side channel of its own).
 its own address and the other side learns it from vLLM's own messages (the read-back address in the
 connector metadata, the order address in the worker's metadata), so the two never guess each
 other's address (the worker process may be vLLM's engine-core process or a child of it). A read-back
-is one message per request: a JSON header (request id, shape, dtype, when it was read), then the
-keys' and the values' bytes; an order is one JSON frame.
+is one message per request and worker: a JSON header (request id, shape, dtype, when it was read, the
+worker's tensor-parallel rank), then the keys' and the values' bytes; an order is one JSON frame.
 
 Bounded: a sender never blocks (a full or absent channel: ``send`` / ``order`` return ``False`` and
 the connector takes the fallback above), at most ``max_queued`` messages wait in it, and a
@@ -57,9 +57,12 @@ DEFAULT_MAX_QUEUED = 8
 _DTYPES = MappingProxyType({str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)})
 
 
-def encode(request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str = "") -> list[Any]:
+def encode(
+    request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str = "", rank: int = 0
+) -> list[Any]:
     """The frames of one message: a JSON header, then the keys' and values' bytes (not copied);
-    ``via`` says when the sender read them (the report's ``read_back``)."""
+    ``via`` says when the sender read them (the report's ``read_back``), ``rank`` which tensor-parallel
+    worker (whose KV heads they are)."""
     if keys.shape != values.shape or keys.dtype != values.dtype:
         raise ValueError(
             f"keys and values must have one shape and dtype; got {tuple(keys.shape)} {keys.dtype} and "
@@ -67,7 +70,13 @@ def encode(request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str =
         )
     if str(keys.dtype) not in _DTYPES:
         raise ValueError(f"a read-back's dtype must be one of {sorted(_DTYPES)}; got {keys.dtype}")
-    header = {"request_id": request_id, "shape": list(keys.shape), "dtype": str(keys.dtype), "via": via}
+    header = {
+        "request_id": request_id,
+        "shape": list(keys.shape),
+        "dtype": str(keys.dtype),
+        "via": via,
+        "rank": int(rank),
+    }
     return [json.dumps(header).encode(), *(_bytes(t) for t in (keys, values))]
 
 
@@ -75,9 +84,9 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def decode(frames: list[Any]) -> tuple[str, torch.Tensor, torch.Tensor, str]:
-    """``(request_id, keys, values, via)`` of a message :func:`encode` made (writable tensors of their
-    own)."""
+def decode(frames: list[Any]) -> tuple[str, torch.Tensor, torch.Tensor, str, int]:
+    """``(request_id, keys, values, via, rank)`` of a message :func:`encode` made (writable tensors of
+    their own)."""
     if len(frames) != 3:
         raise ValueError(f"a read-back message has 3 frames (header, keys, values); got {len(frames)}")
     header = json.loads(bytes(frames[0]))
@@ -90,7 +99,7 @@ def decode(frames: list[Any]) -> tuple[str, torch.Tensor, torch.Tensor, str]:
         raw = bytearray(frame)  # one copy: the tensor owns writable memory
         tensor = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         out.append(tensor.view(dtype).reshape(shape))
-    return str(header["request_id"]), out[0], out[1], str(header.get("via", ""))
+    return str(header["request_id"]), out[0], out[1], str(header.get("via", "")), int(header.get("rank", 0))
 
 
 class _Listener:
@@ -153,12 +162,13 @@ class _Listener:
 
 
 class Receiver(_Listener):
-    """The scheduler's end of the read-back channel: ``deliver(request_id, keys, values, via)`` on its
-    own thread for each message (``via``: what the sender said of when it read them)."""
+    """The scheduler's end of the read-back channel: ``deliver(request_id, keys, values, via, rank)`` on
+    its own thread for each message (``via``: what the sender said of when it read them; ``rank``: the
+    tensor-parallel worker that read them)."""
 
     kind = "read-back"
 
-    def __init__(self, deliver: Callable[[str, torch.Tensor, torch.Tensor, str], None]):
+    def __init__(self, deliver: Callable[[str, torch.Tensor, torch.Tensor, str, int], None]):
         super().__init__(lambda frames: deliver(*decode(frames)))
 
 
@@ -212,9 +222,12 @@ class Sender:
                 return False
         return True
 
-    def send(self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str = "") -> bool:
-        """Queue one read-back; ``False`` when the channel is full or not connected (nothing sent)."""
-        return self._send(encode(request_id, keys, values, via))
+    def send(
+        self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str = "", rank: int = 0
+    ) -> bool:
+        """Queue one read-back (of tensor-parallel ``rank``'s heads); ``False`` when the channel is full
+        or not connected (nothing sent)."""
+        return self._send(encode(request_id, keys, values, via, rank))
 
     def order(self, order: dict[str, Any]) -> bool:
         """Queue one JSON order; ``False`` when the channel is full or not connected (nothing sent)."""

@@ -1,6 +1,7 @@
 """What the connector's scheduler side (:mod:`.connector_scheduler`) and worker side
-(:mod:`.connector_worker`) send each other through vLLM (its step's metadata, the worker's step
-output), and the set-up both refuse: one worker, one KV cache group."""
+(:mod:`.connector_worker`) send each other through vLLM (its step's metadata, the workers' step
+output), and the set-up both refuse (:func:`check_supported`); the tensor-parallel ranks' share of
+the KV heads is :mod:`.tensor_parallel`'s (no vLLM import: the fast lane tests it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from .host import ServingError
+from .tensor_parallel import kv_head_range, tensor_parallel_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,32 +49,77 @@ class HFKVShareMetadata(KVConnectorMetadata):
 
 @dataclass
 class Captured(KVConnectorWorkerMetadata):
-    """K/V read back by the worker: request id -> (keys, values), ``[layers, n, kv_heads, head_dim]``
-    each (one buffer apiece back to the scheduler; ``None`` when reading failed)."""
+    """K/V read back by one worker (tensor-parallel ``rank``): request id -> (keys, values),
+    ``[layers, n, the rank's kv_heads, head_dim]`` each (one buffer apiece back to the scheduler;
+    ``None`` when reading failed). vLLM merges its workers' outputs with :meth:`aggregate`: the other
+    ranks' go under ``ranks``, never over this one's (:meth:`by_rank`)."""
 
     kv: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=dict)
     #: requests whose K/V went through the read-back channel instead (the scheduler waits for them)
     sent: set[str] = field(default_factory=set)
     #: the worker's order channel (:mod:`.channel`), once: the scheduler orders read-backs there
     orders: str | None = None
+    #: the worker's tensor-parallel rank (its share of the KV heads: :func:`kv_head_range`)
+    rank: int = 0
+    #: the other ranks' outputs of the same step, merged in by :meth:`aggregate`
+    ranks: dict[int, Captured] = field(default_factory=dict)
+
+    def by_rank(self) -> dict[int, Captured]:
+        """Each rank's output, this one's included."""
+        own = Captured(kv=self.kv, sent=self.sent, orders=self.orders, rank=self.rank)
+        return {**self.ranks, self.rank: own}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, Captured):
-            self.kv.update(other.kv)
-            self.sent |= other.sent
-            self.orders = self.orders or other.orders
+        if not isinstance(other, Captured):
+            return self
+        for rank, part in other.by_rank().items():
+            if rank == self.rank:  # one worker's outputs of two steps: one rank's, merged
+                self.kv.update(part.kv)
+                self.sent |= part.sent
+                self.orders = self.orders or part.orders
+            elif rank in self.ranks:
+                self.ranks[rank].aggregate(part)
+            else:
+                self.ranks[rank] = part
         return self
 
 
 def check_supported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
-    """Refuse, at start-up, what the connector does not support: more than one worker (tensor or
-    pipeline parallel), more than one KV cache group (sliding-window / hybrid layers)."""
+    """Refuse, at start-up, with the reason and what works, what the connector does not support:
+    pipeline parallel (a stage's worker holds only its layers; claims and read-backs carry every
+    layer), context parallel (a request's tokens split over ranks), KV heads that do not split over the
+    tensor-parallel ranks, more than one KV cache group (sliding-window / hybrid layers). Tensor parallel
+    is supported: each worker rank writes and reads its own KV heads (:func:`kv_head_range`). A cache
+    :mod:`.paged` cannot read or write (a quantized ``--kv-cache-dtype``, MLA) is refused by the worker
+    when vLLM registers it."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    works = (
+        "what works: tensor_parallel_size N (--tensor-parallel-size; the KV heads split over the ranks), "
+        "pipeline and context parallel size 1, and --replicas N for more servers"
+    )
+    if parallel.pipeline_parallel_size != 1:
         raise ServingError(
-            "hf_kvshare's connector supports one worker (tensor_parallel_size = pipeline_parallel_size = 1); "
-            f"got {parallel.tensor_parallel_size} x {parallel.pipeline_parallel_size}"
+            "hf_kvshare's connector does not support pipeline parallel (each stage's worker holds only its "
+            "layers, and the connector's claims and read-backs carry every layer); got "
+            f"pipeline_parallel_size {parallel.pipeline_parallel_size}; {works}"
         )
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size != 1:
+            raise ServingError(
+                f"hf_kvshare's connector does not support context parallel (a request's K/V split by tokens "
+                f"over ranks); got {name} {size}; {works}"
+            )
+    size = tensor_parallel_size(vllm_config)
+    if size > 1:
+        total = vllm_config.model_config.get_total_num_kv_heads()
+        try:
+            kv_head_range(0, size, total)
+        except ValueError as error:
+            raise ServingError(
+                f"hf_kvshare's connector at tensor_parallel_size {size}: {error}; what works: a size that "
+                f"divides the model's {total} KV heads (or a multiple of them)"
+            ) from error
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:
         raise ServingError(

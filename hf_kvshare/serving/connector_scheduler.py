@@ -65,6 +65,7 @@ from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load
 from .host import BUDGETS, NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
 from .layout import images_of
+from .tensor_parallel import PENDING, rank_assembly
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -191,7 +192,11 @@ class HFKVShareScheduler:
                 f"hf_kvshare: producer_wait_s must be a number of seconds >= 0; got {self._producer_wait_s!r}"
             )
         self._receiver: channel.Receiver | None = None
-        self._order_sender: channel.Sender | None = None
+        #: each worker rank's order channel (one at one rank), connected when the rank announces it
+        self._order_senders: dict[int, channel.Sender] = {}
+        #: the worker ranks' read-backs of a finished request, assembled into all KV heads for its
+        #: record (tensor parallel; under the finishing lock)
+        self._assembly = rank_assembly(vllm_config)
         self._report_path = extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
         self._background = Background(
             self.sharing,
@@ -525,8 +530,8 @@ class HFKVShareScheduler:
             )
         capture = Capture(request.request_id, list(block_ids), tokens)
         self._to_capture.append(capture)  # the next step's metadata, unless the worker took it already
-        if self._order_sender is not None:  # read back now, not at the next step
-            self._order_sender.order(asdict(capture))
+        for sender in self._order_senders.values():  # read back now, not at the next step
+            sender.order(asdict(capture))
         return True, report  # the blocks stay until the worker has read them (get_finished)
 
     def _reporter(self, ids: tuple[str, str | None]):
@@ -560,18 +565,34 @@ class HFKVShareScheduler:
         except OSError:  # the engine must keep running
             logger.exception("hf_kvshare: writing the report of request %s failed", ids[0])
 
-    def _on_read_back(self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str) -> None:
+    def _on_read_back(
+        self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str, rank: int = 0
+    ) -> None:
         """A read-back from the channel (its thread), while the engine goes on: the request's record is
-        queued now, not after the step."""
+        queued now (once every worker rank's came), not after the step."""
         with self._finishing_cond:
-            finishing = self._finishing.pop(request_id, None)
-            if finishing is not None:  # else given up on (update_connector_output): dropped
-                # queued under the lock: whoever sees the request gone sees its record queued first
-                self._record(finishing, (keys, values), via or "at finish")
+            # queued under the lock: whoever sees the request gone sees its record queued first
+            if self._add_read_back(request_id, rank, (keys, values), via or "at finish"):
                 # the requests that waited for it: planned now, behind it (under the lock, so a request
                 # ending meanwhile is forgotten after its plan is queued, never before)
                 self._prepare(self._ready())
             self._finishing_cond.notify_all()
+
+    def _add_read_back(
+        self, request_id: str, rank: int, kv: tuple[torch.Tensor, torch.Tensor] | None, how: str
+    ) -> bool:
+        """One worker rank's read-back of a finished request (under the finishing lock): its record is
+        queued once every rank's came (:class:`~.tensor_parallel.RankAssembly`: all KV heads; one rank:
+        at once); ``True`` then. A request already recorded or given up on: dropped."""
+        finishing = self._finishing.get(request_id)
+        if finishing is None:
+            return False
+        assembled = self._assembly.add(request_id, rank, kv)
+        if assembled is PENDING:
+            return False
+        del self._finishing[request_id]
+        self._record(finishing, assembled, how)
+        return True
 
     def _record(self, finishing: _Finishing, kv: tuple[torch.Tensor, torch.Tensor] | None, how: str) -> None:
         report = self._reporter(finishing.ids)
@@ -637,48 +658,64 @@ class HFKVShareScheduler:
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """The worker's step output: its :class:`Captured` and the requests whose blocks it has read
-        (``finished_sending``)."""
+        """The workers' step output: each rank's :class:`Captured` and the requests whose blocks every
+        rank has read (``finished_sending``)."""
         meta = connector_output.kv_connector_worker_meta
-        captured = meta.kv if isinstance(meta, Captured) else {}
-        on_channel = meta.sent if isinstance(meta, Captured) else set()
-        if (
-            isinstance(meta, Captured)
-            and meta.orders
-            and self._order_sender is None
-            and self._receiver is not None
-        ):
-            try:
-                self._order_sender = channel.Sender(meta.orders)
-            except Exception:  # noqa: BLE001 - read-backs then come with the step's output
-                logger.exception("hf_kvshare: connecting the order channel %s failed", meta.orders)
-        for request_id in set(captured) | on_channel | set(connector_output.finished_sending or ()):
+        parts = meta.by_rank() if isinstance(meta, Captured) else {}
+        self._connect_orders(parts)
+        captured: dict[str, dict[int, Any]] = {}  # request id -> rank -> its K/V (None: failed)
+        on_channel: dict[str, set[int]] = {}  # request id -> the ranks that sent it on the channel
+        for rank, part in parts.items():
+            for request_id, kv in part.kv.items():
+                captured.setdefault(request_id, {})[rank] = kv
+            for request_id in part.sent:
+                on_channel.setdefault(request_id, set()).add(rank)
+        finished = set(connector_output.finished_sending or ())
+        all_ranks = set(range(self._assembly.tp_size))
+        for request_id in set(captured) | set(on_channel) | finished:
             with self._finishing_cond:
-                if request_id in on_channel:
-                    # sent on the channel before the worker's output was built: here already, or soon
-                    self._finishing_cond.wait_for(
-                        lambda rid=request_id: rid not in self._finishing, READ_BACK_WAIT_S
-                    )
-                finishing = self._finishing.pop(request_id, None)
-                if finishing is None:
+                for rank, kv in captured.get(request_id, {}).items():
+                    self._add_read_back(request_id, rank, kv, "step output")
+                # sent on the channel before the workers' output was built: here already, or soon
+                waits = set(on_channel.get(request_id, ()))
+                if request_id in finished and len(all_ranks) > 1:
+                    waits = all_ranks  # every rank has read it: the pieces not here went on the channel
+                self._finishing_cond.wait_for(
+                    lambda rid=request_id, w=waits: rid not in self._finishing or self._assembly.has(rid, w),
+                    READ_BACK_WAIT_S if waits else 0,
+                )
+                if request_id not in self._finishing:
                     continue
-                if request_id in on_channel:
+                if waits and not self._assembly.has(request_id, waits):
                     logger.warning(
                         "hf_kvshare: request %s's K/V did not come through the read-back channel within "
                         "%s s: not recorded",
                         request_id,
                         READ_BACK_WAIT_S,
                     )
-                self._record(finishing, captured.get(request_id), "step output")
+                elif request_id not in finished:
+                    continue  # other ranks' read-backs still to come
+                self._assembly.discard(request_id)
+                self._record(self._finishing.pop(request_id), None, "step output")
         # the requests that waited for these records: planned now, behind them in the task's queue order
         self._prepare(self._ready())
+
+    def _connect_orders(self, parts: dict[int, Captured]) -> None:
+        """Connect to each worker rank's order channel the first time the rank announces it."""
+        for rank, part in parts.items():
+            if not part.orders or rank in self._order_senders or self._receiver is None:
+                continue
+            try:
+                self._order_senders[rank] = channel.Sender(part.orders)
+            except Exception:  # noqa: BLE001 - read-backs then come with the step's output
+                logger.exception("hf_kvshare: connecting the order channel %s failed", part.orders)
 
     def has_pending_push_work(self) -> bool:
         with self._finishing_cond:
             return bool(self._to_capture or self._finishing)
 
     def shutdown(self) -> None:
-        for end in (self._receiver, self._order_sender):
+        for end in (self._receiver, *self._order_senders.values()):
             if end is not None:
                 end.close()
         self._background.close()

@@ -21,6 +21,12 @@ the forward and reads a finished request's K/V back for its record.
   the order path takes its own (p50 0.36-0.43 s against 0.17-0.18 s), and no read-back or TTFT
   quantile moved beyond the runs' spread without it.
 
+Tensor parallel: vLLM gives each worker rank its slice of the KV heads in its paged cache
+(:func:`~.tensor_parallel.kv_head_range`); this side writes that slice of each claim (the claim
+carries all heads) and reads back its own heads only, sending its rank with them (the read-back
+channel's header, :attr:`Captured.rank`); the scheduler assembles the ranks' read-backs
+(:class:`~.tensor_parallel.RankAssembly`).
+
 Two threads touch this object (the engine's step and the order thread): the sets of requests read,
 sent and taken are shared under one lock.
 """
@@ -37,6 +43,7 @@ import torch
 from . import channel, paged
 from .connector_common import Capture, Captured, HFKVShareMetadata
 from .host import ServingError
+from .tensor_parallel import kv_head_range, tensor_parallel_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,6 +77,8 @@ class HFKVShareWorker:
         #: shared by the worker's step and its order thread, under this lock
         self._taken: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
+        #: this worker's tensor-parallel rank and the KV heads ``[start, stop)`` of a claim it writes
+        self.rank, self._heads = tensor_parallel_share(vllm_config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -92,9 +101,18 @@ class HFKVShareWorker:
         if metadata.read_back and metadata.read_back != self._sender_address:
             self._connect(metadata.read_back)  # the scheduler's read-back channel, new
         for load in metadata.loads:
+            keys, values = self.own_heads(load.keys), self.own_heads(load.values)
             for name, io in self._io.items():
                 layer = self._layer_of[name]
-                io.write(load.block_ids, load.start, load.keys[layer], load.values[layer])
+                io.write(load.block_ids, load.start, keys[layer], values[layer])
+
+    def own_heads(self, kv: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads of a claim's ``[layers, n, kv_heads, head_dim]`` K/V (all of them at
+        one rank)."""
+        if self._heads is None:
+            return kv
+        start, stop = self._heads
+        return kv[:, :, start:stop]
 
     def _connect(self, address: str) -> None:
         if self._sender is not None:
@@ -145,7 +163,7 @@ class HFKVShareWorker:
             on_channel
             and kv is not None
             and self._sender is not None
-            and self._sender.send(capture.request_id, *kv, "at finish")
+            and self._sender.send(capture.request_id, *kv, "at finish", rank=self.rank)
         )
         with self._lock:
             if sent:
@@ -172,7 +190,7 @@ class HFKVShareWorker:
         with self._lock:
             if not self._captured and not self._sent_on_channel and not announce:
                 return None
-            meta = Captured(kv=self._captured, sent=self._sent_on_channel)
+            meta = Captured(kv=self._captured, sent=self._sent_on_channel, rank=self.rank)
             self._captured, self._sent_on_channel = {}, set()
         if announce:
             meta.orders, self._orders_announced = self._orders.address, True
@@ -187,3 +205,16 @@ class HFKVShareWorker:
         for end in (self._orders, self._sender):
             if end is not None:
                 end.close()
+
+
+def tensor_parallel_share(vllm_config: VllmConfig) -> tuple[int, tuple[int, int] | None]:
+    """This worker's tensor-parallel rank and its KV heads ``[start, stop)`` (``None``: all, one
+    rank: rank 0 with all heads), from vLLM's tensor-parallel group."""
+    size = tensor_parallel_size(vllm_config)
+    if size == 1:
+        return 0, None
+    from vllm.distributed import parallel_state
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    return rank, kv_head_range(rank, size, total)

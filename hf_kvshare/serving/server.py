@@ -39,6 +39,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from .host import (
@@ -173,6 +174,61 @@ def check_vllm_args(args: list[str], connector: bool = True) -> None:
             raise ValueError(f"{key} is set by hf-kvshare serve (use its own options)")
 
 
+#: vLLM's parallel options the connector reads, by flag (short ones included)
+PARALLEL_FLAGS = MappingProxyType(
+    {
+        "--tensor-parallel-size": "tensor",
+        "-tp": "tensor",
+        "--pipeline-parallel-size": "pipeline",
+        "-pp": "pipeline",
+        "--decode-context-parallel-size": "context",
+        "-dcp": "context",
+        "--prefill-context-parallel-size": "context",
+        "-pcp": "context",
+    }
+)
+
+
+def check_parallel_args(args: list[str], model_dir: str | Path | None = None) -> None:
+    """Refuse, before vLLM starts, the parallel set-ups the connector cannot serve (the engine's
+    ``connector_common.check_supported`` refuses them too): pipeline or context parallel, and a
+    ``--tensor-parallel-size`` that does not split the model's KV heads (read from ``model_dir``'s
+    config when it has one). Tensor parallel passes through to vLLM as given."""
+    from .tensor_parallel import kv_head_range
+
+    sizes: dict[str, int] = {}
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key not in PARALLEL_FLAGS:
+            continue
+        value = value if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+        try:
+            sizes[PARALLEL_FLAGS[key]] = int(value)
+        except ValueError:
+            raise ValueError(f"{key} takes a number of ranks; got {value!r}") from None
+    works = "what works: --tensor-parallel-size N (the KV heads split over the ranks) or --replicas N"
+    for kind in ("pipeline", "context"):
+        if sizes.get(kind, 1) != 1:
+            raise ValueError(
+                f"hf_kvshare's connector does not support {kind} parallel (size {sizes[kind]}): its claims "
+                f"and read-backs carry every layer and token of a request; {works}"
+            )
+    tp = sizes.get("tensor", 1)
+    config = Path(model_dir) / "config.json" if model_dir is not None else None
+    if tp > 1 and config is not None and config.is_file():
+        data = json.loads(config.read_text())
+        text = data.get("text_config") or data
+        heads = text.get("num_key_value_heads") or text.get("num_attention_heads")
+        if heads:
+            try:
+                kv_head_range(0, tp, int(heads))
+            except ValueError as error:
+                raise ValueError(
+                    f"--tensor-parallel-size {tp}: {error}; what works: a size that divides the model's "
+                    f"{heads} KV heads (or a multiple of them), e.g. --model random:small-llama (4 KV heads)"
+                ) from None
+
+
 class Server:
     """vLLM's OpenAI server with the connector, as a child process (a context manager: started on
     entry, stopped on exit; :meth:`wait_ready` waits for it).
@@ -225,6 +281,8 @@ class Server:
         self.port = port or free_port()
         self.vllm_args = list(vllm_args or [])
         check_vllm_args(self.vllm_args, connector=method is not None)
+        if method is not None:
+            check_parallel_args(self.vllm_args, self.model_dir)
         check_store_bounds(max_bytes, max_tasks)
         self.max_bytes, self.max_tasks = max_bytes, max_tasks
         #: the other stores' byte budgets (``None``: the connector's default; :class:`.host.Sharing`)

@@ -1,0 +1,278 @@
+"""Tensor parallel on vLLM: each worker rank holds its slice of the KV heads.
+
+Fast lane (no vLLM): which heads a rank holds (:func:`kv_head_range`: split, replicated, refused) and
+the ranks' read-backs assembled into all heads (:class:`RankAssembly`).
+
+Serving lane (marker ``serving``, vLLM's CPU wheel): ``random:small-llama`` (8 heads / 4 KV heads of
+size 64: vLLM's CPU attention serves it and 2 ranks split it; SmolLM2-135M's 3 KV heads do not split,
+tiny-llama's head size 16 the CPU backend refuses) on a server at ``--tensor-parallel-size 2``:
+exact mode (K/V read back from both ranks, assembled, written back as each rank's slice) gives plain
+vLLM's tokens and log-probabilities at TP = 2, and FullShared gives the same tokens and supplied
+counts as at TP = 1. Each server starts in ~2 min on 2 CPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from hf_kvshare.serving.tensor_parallel import PENDING, RankAssembly, kv_head_range
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def serving(test):
+    """A serving-lane test: marker ``serving``, skipped where vLLM is not installed."""
+    skip = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here; the serving lane runs it")
+    return pytest.mark.serving(skip(test))
+
+
+def test_each_rank_holds_its_share_of_the_kv_heads():
+    assert [kv_head_range(r, 2, 4) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [kv_head_range(r, 4, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # fewer KV heads than ranks: each head replicated on tp / heads ranks (vLLM's linear layers' rule)
+    assert [kv_head_range(r, 4, 2) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert kv_head_range(0, 1, 3) == (0, 3)
+    with pytest.raises(ValueError, match="do not split"):
+        kv_head_range(0, 2, 3)  # SmolLM2-135M's 3 KV heads over 2 ranks
+    with pytest.raises(ValueError, match="do not replicate"):
+        kv_head_range(0, 4, 3)
+    with pytest.raises(ValueError, match="not one of"):
+        kv_head_range(2, 2, 4)
+
+
+def _kv(layers=3, n=5, heads=4, dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(layers, n, heads, dim, generator=gen), torch.randn(
+        layers, n, heads, dim, generator=gen
+    )
+
+
+def test_the_ranks_read_backs_assemble_into_all_heads_in_any_order():
+    keys, values = _kv()
+    assembly = RankAssembly(2, 4)
+    # rank 1 first: kept, nothing recorded yet; then rank 0: all heads, in the heads' order
+    assert assembly.add("r", 1, (keys[:, :, 2:], values[:, :, 2:])) is PENDING
+    assert assembly.has("r", {1}) and not assembly.has("r", {0, 1})
+    k, v = assembly.add("r", 0, (keys[:, :, :2], values[:, :, :2]))
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    assert not assembly.has("r", {0})  # done: nothing kept
+    # two requests interleaved never mix
+    other = _kv(seed=1)
+    assert assembly.add("a", 0, (keys[:, :, :2], values[:, :, :2])) is PENDING
+    assert assembly.add("b", 1, (other[0][:, :, 2:], other[1][:, :, 2:])) is PENDING
+    assert torch.equal(assembly.add("b", 0, (other[0][:, :, :2], other[1][:, :, :2]))[0], other[0])
+    assert torch.equal(assembly.add("a", 1, (keys[:, :, 2:], values[:, :, 2:]))[1], values)
+
+
+def test_replicated_heads_are_taken_once_and_a_failed_rank_releases_the_request():
+    keys, values = _kv(heads=2)
+    assembly = RankAssembly(4, 2)  # ranks 0, 1 hold head 0; ranks 2, 3 head 1
+    assert assembly.add("r", 2, (keys[:, :, 1:], values[:, :, 1:])) is PENDING
+    k, v = assembly.add("r", 0, (keys[:, :, :1], values[:, :, :1]))  # ranks 1, 3: copies, not waited for
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    # one rank's read failed: the request is released (None) at once, its other pieces dropped
+    assert assembly.add("x", 0, (keys[:, :, :1], values[:, :, :1])) is PENDING
+    assert assembly.add("x", 2, None) is None and not assembly.has("x", {0})
+    # one rank: the read-back as it came
+    single = RankAssembly()
+    assert single.add("r", 0, (keys, values))[0] is keys and single.add("r", 0, None) is None
+    with pytest.raises(ValueError, match="rank 2"):
+        RankAssembly(2, 4).add("r", 2, (keys, values))
+
+
+def test_a_random_model_is_served_by_its_shipped_name_only():
+    from hf_kvshare.serving.models import served_model_dir
+
+    with pytest.raises(ValueError, match="unknown random model 'random:nope'.*random:small-llama"):
+        served_model_dir("random:nope")
+    with pytest.raises(ValueError, match="nor a random:NAME model"):
+        served_model_dir("no-such-model")
+
+
+def test_the_launcher_refuses_parallel_set_ups_the_connector_cannot_serve_before_vllm_starts(tmp_path):
+    from hf_kvshare.serving.server import Server, check_parallel_args
+
+    shape = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 1}
+    config = {"model_type": "llama", "intermediate_size": 64, "vocab_size": 64, **shape}  # SmolLM2's heads
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    check_parallel_args(["--tensor-parallel-size", "3"], tmp_path)
+    check_parallel_args(["--tensor-parallel-size=6"], tmp_path)  # each head on 2 ranks
+    with pytest.raises(ValueError, match="3 KV heads do not split over 2 ranks; what works"):
+        check_parallel_args(["-tp", "2"], tmp_path)
+    with pytest.raises(ValueError, match="pipeline parallel .*what works: --tensor-parallel-size N"):
+        check_parallel_args(["--pipeline-parallel-size=2"])
+    with pytest.raises(ValueError, match="context parallel"):
+        check_parallel_args(["--decode-context-parallel-size", "2"])
+    with pytest.raises(ValueError, match="a number of ranks"):
+        check_parallel_args(["--tensor-parallel-size", "two"])
+    with pytest.raises(ValueError, match="pipeline parallel"):  # the connector's server, before it starts
+        Server(tmp_path, "fullshared", vllm_args=["-pp", "2"])
+    Server(tmp_path, None, vllm_args=["-pp", "2"])  # plain vLLM: vLLM's own business
+
+
+@serving
+def test_what_the_connector_cannot_serve_is_refused_at_start_up_with_what_works():
+    from types import SimpleNamespace
+
+    from hf_kvshare.serving.connector_common import check_supported
+    from hf_kvshare.serving.host import ServingError
+
+    def config(tp=1, pp=1, kv_heads=4, **parallel):
+        parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, **parallel)
+        return SimpleNamespace(
+            parallel_config=parallel, model_config=SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads)
+        )
+
+    check_supported(config(), None)
+    check_supported(config(tp=2), None)
+    check_supported(config(tp=4, kv_heads=2), None)  # heads replicated over ranks
+    with pytest.raises(ServingError, match="pipeline parallel .*what works: tensor_parallel_size N"):
+        check_supported(config(pp=2), None)
+    with pytest.raises(ServingError, match="context parallel .*decode_context_parallel_size 2"):
+        check_supported(config(decode_context_parallel_size=2), None)
+    with pytest.raises(ServingError, match="3 KV heads do not split over 2 ranks; what works"):
+        check_supported(config(tp=2, kv_heads=3), None)
+    with pytest.raises(ServingError, match="one KV cache group"):
+        check_supported(config(), SimpleNamespace(kv_cache_groups=[0, 1]))
+
+
+# ---------------------------------------------------------------------------------- serving lane
+MODEL = "random:small-llama"
+SYS1 = "You are a careful planner. "
+DOC = (
+    "The river Lune flows through Lancaster and reaches the sea at Plover Scar near Glasson, "
+    "after passing under the old aqueduct that carries the canal. "
+) * 6
+Q1 = " Question: where does it reach the sea? Answer:"
+Q2 = " Summary in five words:"
+PLAIN = {"hf_kvshare": {"method": "nonshared"}}
+
+
+def _start(tp: int, folder):
+    from hf_kvshare.serving.connector import REPORTS_ENV
+    from hf_kvshare.serving.models import served_model_dir
+    from hf_kvshare.serving.server import Server
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    args = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "2", "--enforce-eager"]
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+    srv = Server(
+        served_model_dir(MODEL),
+        "fullshared",
+        {"prefix_reuse": True},
+        vllm_args=args,
+        max_bytes=64 << 20,
+        log=folder / f"vllm-tp{tp}.log",
+        env={REPORTS_ENV: str(folder / f"reports-tp{tp}.jsonl"), "VLLM_SERVER_DEV_MODE": "1"},
+    )
+    srv.start()
+    try:
+        srv.wait_ready(timeout=480)
+    except RuntimeError:
+        print((folder / f"vllm-tp{tp}.log").read_text()[-4000:])
+        raise
+    return srv
+
+
+def _post(server, path, body, timeout=120):
+    request = urllib.request.Request(
+        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def _complete(server, ids, params, max_tokens=12):
+    body = {"model": server.model_dir, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+    body.update(return_token_ids=True, logprobs=1, kv_transfer_params=params)
+    status, out = _post(server, "/v1/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    report = (out.get("kv_transfer_params") or {}).get("hf_kvshare")
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"], report
+
+
+def _layout(task, agent, start, n):
+    segments = [{"slot": "doc", "start": start, "end": start + n}]
+    return {"hf_kvshare": {"task": task, "agent": agent, "segments": segments}}
+
+
+def _ids(server, text):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server.model_dir)(text, add_special_tokens=False)["input_ids"]
+
+
+def _fullshared_run(server):
+    """Two agents of one task: a1 computes the document, a2 reads it at another position (claimed)."""
+    sys1, doc, q1, q2 = (_ids(server, t) for t in (SYS1, DOC, Q1, Q2))
+    first, _, report1 = _complete(server, sys1 + doc + q1, _layout("t1", "a1", len(sys1), len(doc)))
+    deadline = time.monotonic() + 60  # a2 waits for a1's record (the read-backs of every rank)
+    shared, _, report2 = _complete(server, doc + q2, _layout("t1", "a2", 0, len(doc)))
+    assert time.monotonic() < deadline
+    counts = [(r["claimed"], r["supplied_tokens"]) for r in (report1, report2)]
+    return first, shared, counts
+
+
+@pytest.fixture(scope="module")
+def fullshared_at_tp1(tmp_path_factory):
+    """FullShared's tokens and supplied counts on a one-rank server (started, run, stopped)."""
+    srv = _start(1, tmp_path_factory.mktemp("tp1"))
+    try:
+        return _fullshared_run(srv)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tp2_server(tmp_path_factory):
+    srv = _start(2, tmp_path_factory.mktemp("tp2"))
+    yield srv
+    process = srv.process
+    srv.stop()
+    assert process.returncode is not None  # stopped: nothing left running
+
+
+@serving
+def test_fullshared_at_two_ranks_gives_the_tokens_of_one_rank(fullshared_at_tp1, tp2_server):
+    # the one-rank server runs and stops first (its fixture first): one server at a time
+    first, shared, counts = _fullshared_run(tp2_server)
+    assert counts[1][0] is not None and counts[1][1] > 0, counts  # a2 was supplied the document
+    assert (first, shared, counts) == fullshared_at_tp1
+
+
+@serving
+def test_exact_mode_at_two_ranks_is_plain_vllm(tp2_server):
+    srv = tp2_server
+    sys1, doc, q1 = (_ids(srv, t) for t in (SYS1, DOC, Q1))
+    a = sys1 + doc + q1
+    plain, plain_logprobs, _ = _complete(srv, a, PLAIN)
+    first, _, report = _complete(srv, a, _layout("t0", "x1", len(sys1), len(doc)))
+    assert first == plain and report["supplied_tokens"] == 0
+    # exact mode: vLLM's prefix cache emptied, every token but the last from the K/V both ranks read
+    # back (assembled into all heads on the scheduler) and wrote back (each rank its heads)
+    for _ in range(20):
+        status, reset = _post(srv, "/reset_prefix_cache", {})
+        assert status == 200, reset
+        if reset.get("success"):
+            break
+        time.sleep(0.5)
+    assert reset.get("success"), reset
+    again, logprobs, report = _complete(srv, a, _layout("t0", "x1", len(sys1), len(doc)))
+    assert report["prefix_cache_hit"] == 0 and report["claimed"] == [0, len(a) - 1], report
+    assert again == plain
+    assert max(abs(x - y) for x, y in zip(logprobs, plain_logprobs)) < 1e-3, (logprobs, plain_logprobs)
