@@ -216,6 +216,9 @@ class Plan:
     #: is layer ``i``'s), an empty list without a claim
     keys: torch.Tensor | list = field(default_factory=list)
     values: torch.Tensor | list = field(default_factory=list)
+    #: per placement, the kept rows its K/V are (:class:`~.worker_store.Origin`: the connector then sends
+    #: a reference, not the K/V), or ``None``
+    origins: list[Any] = field(default_factory=list)
     error: str | None = None
     opt_out: bool = False
     missing: list[str] = field(default_factory=list)
@@ -451,6 +454,9 @@ class Sharing:
         self._lock = threading.RLock()
         self._counts = threading.Lock()
         self.salt = salt(self.method, os.environ.get(SALT_SECRET_ENV))
+        #: the connector's registry of the K/V its worker keeps (:class:`~.worker_store.Sources`): each
+        #: placement's provenance in :attr:`Plan.origins`; ``None``: none found
+        self.sources: Any = None
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: set[int] = {eos} if isinstance(eos, int) else set()
 
@@ -507,6 +513,7 @@ class Sharing:
                 if plan.host is not None and plan.turn is not None:  # refused after its turn was opened
                     plan.host.drop_turn(plan.turn)
                 plan.turn, plan.placements, plan.keys, plan.values = None, [], [], []
+                plan.origins = []
                 plan.claim_start = plan.claim_end = 0
             finally:
                 plan.plan_phases = dict(phases.times)
@@ -538,6 +545,8 @@ class Sharing:
         walk = Walk(self.method, turn)
         scratch_cache = walk.plan()
         for span, placement in walk.place(scratch_cache):
+            find = self.sources.find if self.sources is not None and placement is not None else None
+            plan.origins.append(find(placement.kv) if find is not None else None)  # before it is moved
             if placement is not None:  # computed here, on the plan's thread, not where it is claimed
                 placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
                 _keep_gate(plan, span.name, placement.info)
