@@ -8,7 +8,23 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError:  # without vLLM (the fast test lane): the same messages, as plain dataclasses
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """vLLM's base of a connector's step metadata (stand-in where vLLM is not installed)."""
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """vLLM's base of a worker's step output (stand-in where vLLM is not installed)."""
+
+        def aggregate(self, other):  # pragma: no cover - vLLM's own calls it
+            return self
+
 
 from .host import ServingError
 

@@ -34,6 +34,8 @@ import torch
 
 #: the worker store's default bound (bytes of kept K/V on the paged cache's device)
 DEFAULT_DEVICE_STORE_BYTES = 2 << 30
+#: dropped request ids the worker remembers (a keep order for one, taken after its drop, is refused)
+DROPPED_MAX = 4096
 
 
 def check_bound(value: Any) -> int:
@@ -45,11 +47,13 @@ def check_bound(value: Any) -> int:
 
 class DeviceStore:
     """The worker's kept K/V: request id -> ``(keys, values)`` ``[layers, n, kv_heads, head_dim]`` on the
-    paged cache's device, at most ``max_bytes`` (a keep that would pass it is refused, counted)."""
+    paged cache's device, at most ``max_bytes`` (a keep that would pass it is refused, counted). A request
+    once dropped is never kept again (orders taken out of order: its keep after its drop)."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = check_bound(max_bytes)
         self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._dropped: OrderedDict[str, None] = OrderedDict()
         self.bytes = 0
         self.refused = 0
         self._lock = threading.Lock()
@@ -62,7 +66,7 @@ class DeviceStore:
         size = self.nbytes(keys, values)
         with self._lock:
             self._drop(request_id)
-            if self.bytes + size > self.max_bytes:
+            if request_id in self._dropped or self.bytes + size > self.max_bytes:
                 self.refused += 1
                 return False
             self._kv[request_id] = (keys, values)
@@ -73,6 +77,9 @@ class DeviceStore:
         with self._lock:
             for request_id in request_ids:
                 self._drop(request_id)
+                self._dropped[request_id] = None
+            while len(self._dropped) > DROPPED_MAX:
+                self._dropped.popitem(last=False)
 
     def _drop(self, request_id: str) -> None:
         kv = self._kv.pop(request_id, None)
