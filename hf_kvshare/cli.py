@@ -247,6 +247,13 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-store-bytes", type=int, default=2 << 30, help="bound of the captured K/V")
     parser.add_argument("--max-tasks", type=int, default=1024, help="tasks (requests' workflows) kept")
+    parser.add_argument(
+        "--device-store-bytes",
+        type=int,
+        default=None,
+        help="bound of the K/V vLLM's worker keeps on its device for later claims (default 2 GiB; 0: keep "
+        "none, every claim's K/V travel to the worker; hf_kvshare/serving/worker_store.py)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for vLLM")
     parser.add_argument(
         "--inline-admission",
@@ -319,6 +326,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
             max_tasks=args.max_tasks,
             background=not args.inline_admission,
             read_back_channel=not args.no_read_back_channel,
+            device_store_bytes=args.device_store_bytes,
         )
     except ValueError as e:
         fail(prog, str(e))
