@@ -91,6 +91,7 @@ STORE_COUNTS = (
     "settles",
     "device_bytes",
     "device_evicted",
+    "metadata_bytes",
 )
 #: how long the scheduler waits, at the end of a step, for a read-back the worker says it sent
 #: through the channel and that has not arrived yet (seconds; then the request is not recorded)
