@@ -92,7 +92,10 @@ STORE_COUNTS = (
     "device_bytes",
     "device_evicted",
     "metadata_bytes",
+    "load_tokens",
 )
+#: messages the order channel holds (read-back orders and claims' K/V) before a send is refused
+ORDER_QUEUE = 32
 #: how long the scheduler waits, at the end of a step, for a read-back the worker says it sent
 #: through the channel and that has not arrived yet (seconds; then the request is not recorded)
 READ_BACK_WAIT_S = 5.0
@@ -206,6 +209,8 @@ class HFKVShareScheduler:
         self._drops: list[str] = []  # kept requests never recorded: dropped by the worker next step
         #: the step metadata's pickled bytes, last and most (``metadata_bytes`` in the summary)
         self.metadata_bytes = {"last": 0, "max": 0, "steps": 0}
+        #: claimed tokens written from rows the worker keeps (``referenced``) and sent on the order channel
+        self.load_tokens = {"referenced": 0, "sent": 0}
         self._report_path = extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
         self._background = Background(
             self.sharing,
@@ -506,6 +511,8 @@ class HFKVShareScheduler:
                     lo,
                 )
             )
+        self.load_tokens["referenced"] += sum(source.n for source in load.sources)
+        self.load_tokens["sent"] += sum(hi - lo for lo, hi in load.payload)
         if load.payload:
             index = torch.cat([torch.arange(lo, hi) for lo, hi in load.payload])
             keys, values = plan.keys.index_select(1, index), plan.values.index_select(1, index)
@@ -605,6 +612,7 @@ class HFKVShareScheduler:
             **self._background.summary(),
             **self.device_store.summary(),
             "metadata_bytes": dict(self.metadata_bytes),
+            "load_tokens": dict(self.load_tokens),
         }
 
     def _write_report(self, ids: tuple[str, str | None], report: dict[str, Any]) -> None:
@@ -672,7 +680,7 @@ class HFKVShareScheduler:
             self.device_store.bytes_per_token = int(meta.bytes_per_token)
         if isinstance(meta, Captured) and meta.orders and self._order_sender is None:
             try:
-                self._order_sender = channel.Sender(meta.orders)
+                self._order_sender = channel.Sender(meta.orders, ORDER_QUEUE)
             except Exception:  # noqa: BLE001 - read-backs then come with the step's output
                 logger.exception("hf_kvshare: connecting the order channel %s failed", meta.orders)
         for request_id in set(captured) | on_channel | set(connector_output.finished_sending or ()):

@@ -79,6 +79,7 @@ class HFKVShareWorker:
         self._sender_address: str | None = None
         self._orders: channel.Orders | None = None
         self._orders_announced = False
+        self._listened = False
         #: request ids read back (or being read), oldest first, at most TAKEN_MAX; with the sets above,
         #: shared by the worker's step and its order thread, under this lock
         self._taken: OrderedDict[str, None] = OrderedDict()
@@ -118,7 +119,7 @@ class HFKVShareWorker:
     def start_load_kv(self, metadata: HFKVShareMetadata) -> None:
         if metadata.read_back and metadata.read_back != self._sender_address:
             self._connect(metadata.read_back)  # the scheduler's read-back channel, new
-        elif self._orders is None and self._sender_address is None:
+        elif not self._listened:
             self._listen()  # no read-back channel (inline admission): the order channel still brings K/V
         for load in metadata.loads:
             try:
@@ -211,8 +212,9 @@ class HFKVShareWorker:
         self._listen()
 
     def _listen(self) -> None:
-        if self._orders is not None:
+        if self._listened:
             return
+        self._listened = True  # tried once
         try:
             self._orders = channel.Orders(self._on_order, self._on_payload)
         except Exception:  # noqa: BLE001 - read-backs then come with the step's output
