@@ -275,3 +275,20 @@ def test_a_steps_metadata_with_fullshared_and_kvcmas_claims_is_small_and_holds_n
     finally:
         scheduler.shutdown()
         worker_orders.close()
+
+
+def test_the_device_store_bound_is_an_option_of_the_server(tmp_path):
+    """``hf-kvshare serve --device-store-bytes`` / ``Server(device_store_bytes=...)``: the connector's
+    ``device_store_bytes``, checked before vLLM starts; a claim the worker cannot write is recomputed."""
+    from hf_kvshare.serving.server import Server, kv_transfer_config
+
+    config = kv_transfer_config("fullshared", {}, 1 << 20, 8, device_store_bytes=4096)
+    assert config["kv_connector_extra_config"]["device_store_bytes"] == 4096
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert (
+        "device_store_bytes"
+        not in kv_transfer_config("fullshared", {}, 1 << 20, 8)["kv_connector_extra_config"]
+    )
+    assert Server(tmp_path, "fullshared", port=1, device_store_bytes=0).device_store_bytes == 0
+    with pytest.raises(ValueError, match="device_store_bytes"):
+        Server(tmp_path, "fullshared", port=1, device_store_bytes=-1)
