@@ -272,6 +272,8 @@ def test_a_steps_metadata_with_fullshared_and_kvcmas_claims_is_small_and_holds_n
         else:  # KVCMAS's corrected documents: on the order channel
             assert claimed >= 2 and len(payloads) >= 2
         assert scheduler.metadata_bytes["max"] <= METADATA_MAX_BYTES
+        device = sharing.state_summary()["device_store"]  # the store's summary counts what the worker keeps
+        assert device["device_kept"] == 6 and device["device_evicted"] == 0 and device["device_bytes"] > 0
     finally:
         scheduler.shutdown()
         worker_orders.close()

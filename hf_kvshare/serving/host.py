@@ -883,6 +883,8 @@ class Sharing:
                 "settle_seconds": round(self.settle_seconds, 6),
                 "method": self.method.name,
                 "method_state": self.method.state_summary(),
+                # what the connector's worker keeps on its device (kept / evicted / refused, bytes)
+                "device_store": self.sources.summary() if self.sources is not None else None,
             }
 
 

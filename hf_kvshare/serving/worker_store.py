@@ -221,6 +221,10 @@ class Sources:
                 ids.append(id(storage))
             self._of_request[request_id] = ids
 
+    def summary(self) -> dict[str, Any]:
+        """The worker's store as the scheduler's mirror sees it (:meth:`StoreMirror.summary`)."""
+        return self._mirror.summary()
+
     def forget(self, request_id: str) -> None:
         with self._lock:
             for key in self._of_request.pop(request_id, []):
