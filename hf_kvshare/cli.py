@@ -266,6 +266,13 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         help="bound of the finished requests' K/V waiting for their record (default 2 GiB); one past it "
         "is not recorded (reported, counted)",
     )
+    parser.add_argument(
+        "--device-store-bytes",
+        type=int,
+        default=None,
+        help="bound of the K/V vLLM's worker keeps on its device for later claims (default 2 GiB; 0: keep "
+        "none, every claim's K/V travel to the worker; hf_kvshare/serving/worker_store.py)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for vLLM")
     parser.add_argument(
         "--inline-admission",
@@ -344,6 +351,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
             max_read_back_bytes=args.max_read_back_bytes,
             background=not args.inline_admission,
             read_back_channel=not args.no_read_back_channel,
+            device_store_bytes=args.device_store_bytes,
         )
     except ValueError as e:
         fail(prog, str(e))

@@ -27,7 +27,9 @@
 - serving: no module keeps mutable state at its top level (a container, lock or thread; no
   ``global``): state lives on instances; ``serving/connector.py`` is a facade (one
   ``KVConnectorBase_V1`` class that sets only its two sides and whose hooks delegate; no thread,
-  lock or channel), the scheduler and worker sides in their own modules.
+  lock or channel), the scheduler and worker sides in their own modules; the step metadata the
+  scheduler sends the worker (``connector_common``'s ``HFKVShareMetadata``, ``Load``, ``Source``,
+  ``Capture``) has no tensor field (K/V stay in the worker: ``serving/worker_store.py``).
 - one request, one walk, two executors: the contract modules, ``request.py`` and ``walk.py`` import
   neither ``prefill`` nor the HF ``executor``; the Session and the serving host are each a ``Request``
   and define none of its bookkeeping; only ``walk.py`` (and ``methods/``) calls a method's span hooks.
@@ -893,6 +895,37 @@ def test_the_facade_checker_finds_faults():
         "__init__ sets self._lock",
         "hook has 4 statements (a hook delegates)",
     ]
+
+
+#: connector_common's classes vLLM carries from the scheduler to the worker each step
+STEP_METADATA = ("HFKVShareMetadata", "Load", "Source", "Capture")
+
+
+def tensor_fields(tree: ast.Module, classes: tuple[str, ...]) -> list[str]:
+    """``Class.field`` for each annotated field of ``classes`` whose annotation names a tensor."""
+    faults = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in classes:
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    if re.search(r"\b(torch|Tensor)\b", ast.unparse(item.annotation)):
+                        faults.append(f"{node.name}.{item.target.id}")
+    return faults
+
+
+def test_the_step_metadata_carries_no_tensor():
+    """K/V stay where vLLM computed them (``serving/worker_store.py``): the connector's step metadata
+    (``connector_common``'s :data:`STEP_METADATA` classes) has no tensor field; a claim is references to
+    rows the worker keeps and ranges whose K/V go on the order channel."""
+    tree = ast.parse(MODULES[f"{ROOT}.serving.connector_common"].read_text())
+    names = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    assert set(STEP_METADATA) <= names, f"connector_common lacks {sorted(set(STEP_METADATA) - names)}"
+    assert not tensor_fields(tree, STEP_METADATA), tensor_fields(tree, STEP_METADATA)
+
+
+def test_the_tensor_field_finder_finds_one():
+    source = "class Load:\n    keys: torch.Tensor\n    start: int\n    kv: dict[str, Tensor] = None\n"
+    assert tensor_fields(ast.parse(source), ("Load",)) == ["Load.keys", "Load.kv"]
 
 
 # ----------------------------------------------------------------------- one request, one walk, two executors

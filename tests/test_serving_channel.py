@@ -211,13 +211,19 @@ def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output()
     try:
         torch.manual_seed(0)
         keys, values = torch.randn(layers, 40, heads, dim), torch.randn(layers, 40, heads, dim)
-        # a claim written before the forward; the metadata names the scheduler's read-back channel
-        worker.start_load_kv(
-            HFKVShareMetadata(loads=[Load("a", [3, 0, 5], 0, keys, values)], read_back=receiver.address)
-        )
+        # the first step's metadata names the scheduler's read-back channel; the worker announces its
+        # order channel and what one position of K/V takes in its store
+        worker.start_load_kv(HFKVShareMetadata(read_back=receiver.address))
         announced = worker.build_connector_worker_meta()
         assert isinstance(announced, Captured) and announced.orders and not announced.kv
+        assert announced.bytes_per_token == layers * 2 * heads * dim * 4
         orders = channel.Sender(announced.orders)
+        # a claim written before the forward: its K/V on the order channel, the metadata names them
+        deadline = time.monotonic() + 10
+        while not orders.send("a", keys, values, "load") and time.monotonic() < deadline:
+            time.sleep(0.01)  # the connection completes asynchronously
+        worker.start_load_kv(HFKVShareMetadata(loads=[Load("a", [3, 0, 5], 0, 40, payload=[(0, 40)])]))
+        assert not worker.get_block_ids_with_load_errors()
         # the path: ordered at its end, read on the order thread, sent on the read-back channel
         capture = Capture("a", [3, 0, 5], 40)
         deadline = time.monotonic() + 10
@@ -335,6 +341,20 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
         raise AssertionError(f"{request.request_id} was never planned")
 
     sender = None
+    # the worker's first step output: its order channel (claims' K/V come through it) and what one
+    # position of K/V takes in its device store (the scheduler's mirror keeps requests from then on)
+    payloads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    worker_orders = channel.Orders(
+        lambda order: None, lambda rid, k, v, via: payloads.setdefault(rid, (k, v))
+    )
+    config_ = tiny_llama.config
+    per_token = config_.num_hidden_layers * 2 * config_.num_key_value_heads * config_.head_dim * 4
+    scheduler.update_connector_output(
+        SimpleNamespace(
+            kv_connector_worker_meta=Captured(orders=worker_orders.address, bytes_per_token=per_token),
+            finished_sending=None,
+        )
+    )
     try:
         first = _request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
         scheduler.on_new_request(first)
@@ -358,6 +378,19 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
             time.sleep(0.01)
         assert admitted(second) == len(doc)  # reads the document r1's record stored
         assert _reports(reports, 1)["r1"]["read_back"] == "at finish"
+        # r1 is kept by the worker: r2's claim is a reference to its rows (moved from position len(q1)
+        # to 0 there), no K/V in the step's metadata nor on the order channel
+        assert meta.captures[0].keep and "r1" in scheduler.device_store
+        scheduler.update_state_after_alloc(second, None, len(doc))
+        step = scheduler.build_connector_meta(
+            SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="r2", block_ids=([6, 7],))])
+        )
+        (load,) = step.loads
+        assert load.block_ids == [6, 7] and not load.payload and not payloads
+        assert [(s.request_id, s.row, s.n, s.offset, s.src_start, s.dst_start) for s in load.sources] == [
+            ("r1", len(q1), len(doc), 0, len(q1), 0)
+        ]
+        assert 0 < scheduler.metadata_bytes["max"] < 4096
         assert not scheduler.has_pending_push_work()
         # the worker's step output saying r1 went on the channel: already recorded, nothing waits
         scheduler.update_connector_output(
@@ -381,6 +414,7 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
         if sender is not None:
             sender.close()
         scheduler.shutdown()
+        worker_orders.close()
 
 
 @pytest.mark.parametrize("producer_wait_s", [30.0, 0.2])
@@ -446,6 +480,7 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
             )
         )
 
+    worker_orders = _announce_worker(scheduler)  # claims' K/V go on its order channel
     try:
         # a warm-up task: a1's and a2's own text kept (a3 stays cold)
         for rid, agent in (("w1", "a1"), ("w2", "a2")):
@@ -502,6 +537,7 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
             assert plan.claim_stop["reason"] == NOT_RECORDED_YET
     finally:
         scheduler.shutdown()
+        worker_orders.close()
 
 
 def _rank_captured(request_id, rank, kv=None, sent=False):
@@ -537,6 +573,7 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
     the read-back channel (rank 1) and half with the step's output (rank 0); the record waits for both
     and keeps all heads, so the next agent's claim is the one a single-rank server gives, head for head."""
     from hf_kvshare.serving import layout as lay
+    from hf_kvshare.serving.connector_common import Captured
     from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
     from hf_kvshare.serving.host import Sharing
     from hf_kvshare.serving.standin import engine
@@ -564,6 +601,16 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
         sharing = Sharing(tiny_llama, tokenizer, "fullshared")
         scheduler = HFKVShareScheduler(config, sharing)
         sender = None
+        # each rank's first step output announces its order channel (a claim's K/V that the workers do
+        # not keep go there); no bytes per position: the workers keep nothing, every claim is sent
+        listeners = [channel.Orders(lambda order: None, lambda *kv: None) for _ in range(tp)]
+        announced = None
+        for rank, listener in enumerate(listeners):
+            part = Captured(orders=listener.address, rank=rank)
+            announced = part if announced is None else announced.aggregate(part)
+        scheduler.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=announced, finished_sending=None)
+        )
 
         def admitted(request):
             deadline = time.monotonic() + 30
@@ -608,7 +655,24 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
             if sender is not None:
                 sender.close()
             scheduler.shutdown()
+            for listener in listeners:
+                listener.close()
 
     one_rank, two_ranks = claim_of_second_agent(1), claim_of_second_agent(2)
     assert two_ranks[0].shape[2] == 2  # all heads
     assert torch.equal(two_ranks[0], one_rank[0]) and torch.equal(two_ranks[1], one_rank[1])
+
+
+def _announce_worker(scheduler, bytes_per_token=None):
+    """What a worker's first step output tells the scheduler: its order channel (a listener that keeps
+    nothing here) and, given, what one position of K/V takes in its device store."""
+    from hf_kvshare.serving.connector_common import Captured
+
+    orders = channel.Orders(lambda order: None, lambda *kv: None)
+    scheduler.update_connector_output(
+        SimpleNamespace(
+            kv_connector_worker_meta=Captured(orders=orders.address, bytes_per_token=bytes_per_token),
+            finished_sending=None,
+        )
+    )
+    return orders

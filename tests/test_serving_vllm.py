@@ -304,3 +304,14 @@ def test_cold_agents_say_why_and_parallel_agents_claim_the_document_being_comput
     assert one["claim_stop"]["reason"].startswith("no K/V kept"), one
     assert two["supplied_ph_tokens"] == len(docs["p-task"]), two  # the document claimed, not computed again
     assert two["producer_wait"] is None or two["producer_wait"]["outcome"] == "recorded", two
+
+
+def test_claims_reach_the_worker_as_references_with_small_step_metadata(server):
+    """K/V stay in vLLM's worker (serving/worker_store.py): by now the task ``t1``'s claims (exact mode,
+    FullShared's document) were written from rows the worker kept, re-positioned there; the step
+    metadata stayed far below 64 KB (no tensor in it) and the worker's store within its bound."""
+    lines = recorded(server, "t1", 4)
+    store = lines[-1]["store"]
+    assert store["load_tokens"]["referenced"] > 0, store
+    assert 0 < store["metadata_bytes"]["max"] <= 64 << 10, store
+    assert 0 < store["device_bytes"], store

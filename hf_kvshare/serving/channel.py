@@ -11,6 +11,10 @@ step had run: behind another request's prefill, seconds. Two channels take them 
   scheduler): when a request finishes (``request_finished``), the scheduler orders its read-back at
   once; the worker's order thread reads it from the paged cache (its blocks are kept until the worker
   reports them read) while the engine goes on;
+- **claims' K/V** (scheduler -> worker, on the order channel: :meth:`Sender.send` in the scheduler,
+  :class:`Orders`' ``deliver`` in the worker): the K/V of a claim that are not rows the worker keeps
+  (:mod:`.worker_store`; e.g. KVCMAS's corrected spans), under the request id, so the step's metadata
+  carries no tensor;
 - **read-back** (worker -> scheduler; :meth:`Sender.send` in the worker, :class:`Receiver` in the
   scheduler): the K/V the moment the worker has them; the scheduler's channel thread queues the
   record.
@@ -174,12 +178,21 @@ class Receiver(_Listener):
 
 class Orders(_Listener):
     """The worker's end of the order channel: ``take(order)`` on its own thread for each JSON order the
-    scheduler sent (:meth:`Sender.order`: read a finished request's K/V now, not at the next step)."""
+    scheduler sent (:meth:`Sender.order`: read a finished request's K/V now, not at the next step), and
+    ``deliver(request_id, keys, values, via)`` for each K/V message (:meth:`Sender.send`: a claim's K/V
+    that are not rows the worker keeps, for the step that writes them; without ``deliver`` refused)."""
 
     kind = "orders"
 
-    def __init__(self, take: Callable[[dict[str, Any]], None]):
+    def __init__(
+        self,
+        take: Callable[[dict[str, Any]], None],
+        deliver: Callable[[str, torch.Tensor, torch.Tensor, str], None] | None = None,
+    ):
         def handle(frames: list[Any]) -> None:
+            if len(frames) == 3 and deliver is not None:
+                deliver(*decode(frames))
+                return
             if len(frames) != 1:
                 raise ValueError(f"an order has 1 frame; got {len(frames)}")
             order = json.loads(bytes(frames[0]))

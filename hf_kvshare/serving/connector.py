@@ -144,6 +144,9 @@ class HFKVShareConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.connector_worker.get_finished()
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.connector_worker.get_block_ids_with_load_errors() if self.connector_worker else set()
+
     # ============================================================= scheduler side
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

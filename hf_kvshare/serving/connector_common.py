@@ -9,7 +9,23 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError:  # without vLLM (the fast test lane): the same messages, as plain dataclasses
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """vLLM's base of a connector's step metadata (stand-in where vLLM is not installed)."""
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """vLLM's base of a worker's step output (stand-in where vLLM is not installed)."""
+
+        def aggregate(self, other):  # pragma: no cover - vLLM's own calls it
+            return self
+
 
 from .host import ServingError
 from .tensor_parallel import kv_head_range, tensor_parallel_size
@@ -19,32 +35,58 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Source:
+    """Claimed positions whose K/V are rows of a request the worker keeps (:mod:`.worker_store`): its rows
+    ``[row, row + n)`` written at claim offset ``offset``, the keys re-positioned (RoPE) from position
+    ``src_start`` to ``dst_start`` on the worker's device (no move when equal)."""
+
+    request_id: str
+    row: int
+    n: int
+    offset: int
+    src_start: int
+    dst_start: int
+
+
+@dataclass
 class Load:
-    """Claimed K/V to write before the request's first forward."""
+    """Claimed K/V to write before the request's first forward: positions ``[start, start + tokens)``.
+    No tensor: each piece is a :class:`Source` (rows the worker keeps) or a ``payload`` range (claim
+    offsets ``[lo, hi)``) whose K/V came on the order channel under the request id (:mod:`.channel`;
+    all ranges' rows in one message, in order)."""
 
     request_id: str
     block_ids: list[int]
     start: int
-    keys: torch.Tensor  # [layers, n, kv_heads, head_dim]: one buffer to the worker (Plan.keys)
-    values: torch.Tensor
+    tokens: int
+    sources: list[Source] = field(default_factory=list)
+    payload: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
 class Capture:
-    """A finished request's K/V to read back: positions ``[0, tokens)`` of its blocks."""
+    """A finished request's K/V to read back: positions ``[0, tokens)`` of its blocks. ``keep``: the
+    worker also keeps them in its store (the scheduler's :class:`~.worker_store.StoreMirror` decided),
+    after dropping the requests ``drop`` names."""
 
     request_id: str
     block_ids: list[int]
     tokens: int
+    keep: bool = False
+    drop: list[str] = field(default_factory=list)
 
 
 @dataclass
 class HFKVShareMetadata(KVConnectorMetadata):
+    """One step's orders to the worker: small, no tensor (tests/test_layout.py checks the fields)."""
+
     loads: list[Load] = field(default_factory=list)
     captures: list[Capture] = field(default_factory=list)
     #: the scheduler's read-back channel (:mod:`.channel`), ``None`` without one: the worker connects
     #: to it when it first sees it and sends each capture through it
     read_back: str | None = None
+    #: kept requests the worker drops after this step's loads (the scheduler will not reference them)
+    drops: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +101,8 @@ class Captured(KVConnectorWorkerMetadata):
     sent: set[str] = field(default_factory=set)
     #: the worker's order channel (:mod:`.channel`), once: the scheduler orders read-backs there
     orders: str | None = None
+    #: bytes one position's K/V take in the worker's store (every layer's keys and values), once
+    bytes_per_token: int | None = None
     #: the worker's tensor-parallel rank (its share of the KV heads: :func:`kv_head_range`)
     rank: int = 0
     #: the other ranks' outputs of the same step, merged in by :meth:`aggregate`
@@ -66,7 +110,13 @@ class Captured(KVConnectorWorkerMetadata):
 
     def by_rank(self) -> dict[int, Captured]:
         """Each rank's output, this one's included."""
-        own = Captured(kv=self.kv, sent=self.sent, orders=self.orders, rank=self.rank)
+        own = Captured(
+            kv=self.kv,
+            sent=self.sent,
+            orders=self.orders,
+            bytes_per_token=self.bytes_per_token,
+            rank=self.rank,
+        )
         return {**self.ranks, self.rank: own}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -77,6 +127,7 @@ class Captured(KVConnectorWorkerMetadata):
                 self.kv.update(part.kv)
                 self.sent |= part.sent
                 self.orders = self.orders or part.orders
+                self.bytes_per_token = self.bytes_per_token or part.bytes_per_token
             elif rank in self.ranks:
                 self.ranks[rank].aggregate(part)
             else:

@@ -9,8 +9,16 @@ request's record, over one :class:`~hf_kvshare.serving.host.Sharing` of its own.
   "not decided yet": the request is skipped this step and asked again), so a KVCMAS correction never
   stops the other requests. ``"background": false`` in ``kv_connector_extra_config``
   (``--inline-admission``) decides inline.
-- ``update_state_after_alloc`` / ``build_connector_meta``: the claimed K/V and the request's block ids
-  go to the worker in the step's metadata.
+- ``update_state_after_alloc`` / ``build_connector_meta``: the claim and the request's block ids go to
+  the worker in the step's metadata, with no tensor (:class:`~.connector_common.Load`): each placed
+  span whose K/V are rows of a request the worker keeps (:mod:`.worker_store`: the plan's
+  ``origins``) as a reference (request id, rows, RoPE shift), the rest (KVCMAS's corrected spans, K/V
+  the worker does not keep) as one message on the order channel (:mod:`.channel`) under the request
+  id. Without an order channel yet, the claim stops where its first such piece starts.
+- which finished requests the worker keeps, on its device, and which it drops: the scheduler's
+  :class:`~.worker_store.StoreMirror` decides (least recently used first, by bytes,
+  ``device_store_bytes``), in the capture's ``keep`` / ``drop``; a kept request a claim references is
+  pinned until the claiming request ends.
 - ``request_finished`` (before the blocks are freed): a finished request keeps its blocks
   (``delay_free``) until the worker has read back the K/V it used; the scheduler orders the read-back
   at once on the order channel (:mod:`.channel`) and the capture also rides in the next step's
@@ -62,10 +70,11 @@ import torch
 
 from . import channel
 from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
-from .connector_common import Capture, Captured, HFKVShareMetadata, Load
+from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source
 from .host import BUDGETS, NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
 from .layout import images_of
 from .tensor_parallel import PENDING, rank_assembly
+from .worker_store import DEFAULT_DEVICE_STORE_BYTES, Sources, StoreMirror
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,7 +88,21 @@ logger = logging.getLogger("hf_kvshare.serving")
 #: environment variable naming the JSONL file each finished request's report is appended to
 REPORTS_ENV = "HF_KVSHARE_REPORTS"
 #: the store summary's counts each report line of that file carries
-STORE_COUNTS = ("bytes", "max_bytes", "tasks", "evicted_tasks", "dropped_slot_kv", "queued_jobs", "settles")
+STORE_COUNTS = (
+    "bytes",
+    "max_bytes",
+    "tasks",
+    "evicted_tasks",
+    "dropped_slot_kv",
+    "queued_jobs",
+    "settles",
+    "device_bytes",
+    "device_evicted",
+    "metadata_bytes",
+    "load_tokens",
+)
+#: messages the order channel holds (read-back orders and claims' K/V) before a send is refused
+ORDER_QUEUE = 32
 #: how long the scheduler waits, at the end of a step, for a read-back the worker says it sent
 #: through the channel and that has not arrived yet (seconds; then the request is not recorded)
 READ_BACK_WAIT_S = 5.0
@@ -197,6 +220,14 @@ class HFKVShareScheduler:
         #: the worker ranks' read-backs of a finished request, assembled into all KV heads for its
         #: record (tensor parallel; under the finishing lock)
         self._assembly = rank_assembly(vllm_config)
+        #: what the worker keeps on its device (decided here) and the provenance of placements among it
+        self.device_store = StoreMirror(int(extra.get("device_store_bytes", DEFAULT_DEVICE_STORE_BYTES)))
+        self.sharing.sources = Sources(self.device_store)
+        self._drops: list[str] = []  # kept requests never recorded: dropped by the worker next step
+        #: the step metadata's pickled bytes, last and most (``metadata_bytes`` in the summary)
+        self.metadata_bytes = {"last": 0, "max": 0, "steps": 0}
+        #: claimed tokens written from rows the worker keeps (``referenced``) and sent on the order channel
+        self.load_tokens = {"referenced": 0, "sent": 0}
         self._report_path = extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
         self._background = Background(
             self.sharing,
@@ -247,6 +278,15 @@ class HFKVShareScheduler:
         if plan.error:
             logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
         plan.record_wait_s = self._record_waits.pop(request.request_id, None)
+        if plan.claimed and not self._orders_connected():  # no way to send what the worker does not keep
+            pieces = _pieces(plan)
+            unsent = [
+                lo
+                for lo, _, origin, _ in pieces
+                if origin is None or origin.request_id not in self.device_store
+            ]
+            if unsent:
+                _trim(plan, min(unsent) - plan.claim_start)
         self._plans[request.request_id] = plan
         computes = len(prompt) - num_computed_tokens - plan.claimed + _max_tokens(request)
         self._admitted_at[request.request_id] = (time.perf_counter(), max(1, computes))
@@ -465,14 +505,50 @@ class HFKVShareScheduler:
         if plan is None:
             return
         if num_external_tokens != plan.claimed:  # vLLM took less (prompt_logprobs, a local partial block)
-            keep = max(0, min(num_external_tokens, plan.claimed))
-            plan.claim_end = plan.claim_start + keep
-            plan.keys = plan.keys[:, :keep] if keep else []
-            plan.values = plan.values[:, :keep] if keep else []
+            _trim(plan, num_external_tokens)
         if plan.claimed:
-            self._loads[request.request_id] = Load(
-                request.request_id, [], plan.claim_start, plan.keys, plan.values
+            self._loads[request.request_id] = self._load(plan)
+
+    def _load(self, plan: Plan) -> Load:
+        """The claim as references to rows the worker keeps (pinned until the request ends) and the rest
+        sent now on the order channel (:class:`Load`; module docstring)."""
+        load = Load(plan.request_id, [], plan.claim_start, plan.claimed)
+        pieces = _pieces(plan)
+        kept = [o.request_id for _, _, o, _ in pieces if o is not None]
+        if kept and not self.device_store.pin(plan.request_id, kept):  # one was evicted since the plan
+            pieces = [(lo, hi, None, span_start) for lo, hi, _, span_start in pieces]
+        for lo, hi, origin, span_start in pieces:
+            if origin is None:
+                load.payload.append((lo - plan.claim_start, hi - plan.claim_start))
+                continue
+            skip = lo - span_start
+            load.sources.append(
+                Source(
+                    origin.request_id,
+                    origin.row + skip,
+                    hi - lo,
+                    lo - plan.claim_start,
+                    origin.start + skip,
+                    lo,
+                )
             )
+        self.load_tokens["referenced"] += sum(source.n for source in load.sources)
+        self.load_tokens["sent"] += sum(hi - lo for lo, hi in load.payload)
+        if load.payload:
+            index = torch.cat([torch.arange(lo, hi) for lo, hi in load.payload])
+            keys, values = plan.keys.index_select(1, index), plan.values.index_select(1, index)
+            # every rank takes its own heads of them (tensor parallel)
+            sent = self._orders_connected() and all(
+                [
+                    sender.send(plan.request_id, keys, values, "load")
+                    for sender in self._order_senders.values()
+                ]
+            )
+            if not sent:  # the worker reports the claim's blocks failed: vLLM recomputes or fails it
+                logger.error(
+                    "hf_kvshare: request %s's claimed K/V could not be sent to the worker", plan.request_id
+                )
+        return load
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HFKVShareMetadata:
         meta = HFKVShareMetadata()
@@ -482,14 +558,28 @@ class HFKVShareScheduler:
                 load.block_ids = list(new.block_ids[0])
                 meta.loads.append(load)
         meta.captures, self._to_capture = self._to_capture, []
+        with self._finishing_cond:
+            meta.drops, self._drops = self._drops, []
         meta.read_back = self._receiver.address if self._receiver is not None else None
+        if meta.loads or meta.captures or meta.drops:
+            self._measure(meta)
         return meta
+
+    def _measure(self, meta: HFKVShareMetadata) -> None:
+        """The metadata's pickled size (what vLLM sends the worker each step), kept for the summary."""
+        import pickle
+
+        size = len(pickle.dumps(meta))
+        self.metadata_bytes["last"] = size
+        self.metadata_bytes["max"] = max(self.metadata_bytes["max"], size)
+        self.metadata_bytes["steps"] += 1
 
     # ================================================================ finish and record
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         self._loads.pop(request.request_id, None)
+        self.device_store.unpin(request.request_id)  # its claim was written (or never will be)
         with self._finishing_cond:  # the channel's thread may be planning it (a waiting request)
             self._waiting.pop(request.request_id, None)
             self._background.forget(request.request_id)  # a plan being decided is released when done
@@ -502,7 +592,7 @@ class HFKVShareScheduler:
             return False, None
         computed = len(request.prompt_token_ids or []) - plan.local_hit - plan.claimed
         self._learn_rate(request.request_id, computed + len(request.output_token_ids))
-        report = {"hf_kvshare": {**plan.report(), "store": self._background.summary()}}
+        report = {"hf_kvshare": {**plan.report(), "store": self._summary()}}
         ids = (request.request_id, getattr(request, "external_req_id", None))
         finished = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
         if plan.turn is None or not finished or not block_ids:
@@ -528,10 +618,14 @@ class HFKVShareScheduler:
             self._finishing[request.request_id] = _Finishing(
                 plan, list(request.output_token_ids), stop, ids, time.perf_counter(), reserved
             )
-        capture = Capture(request.request_id, list(block_ids), tokens)
+        keep, drop = self.device_store.admit(request.request_id, tokens)
+        for dropped in drop:
+            self.sharing.sources.forget(dropped)
+        capture = Capture(request.request_id, list(block_ids), tokens, keep, drop)
         self._to_capture.append(capture)  # the next step's metadata, unless the worker took it already
-        for sender in self._order_senders.values():  # read back now, not at the next step
-            sender.order(asdict(capture))
+        if self._receiver is not None:  # read back now, not at the next step
+            for sender in self._order_senders.values():
+                sender.order(asdict(capture))
         return True, report  # the blocks stay until the worker has read them (get_finished)
 
     def _reporter(self, ids: tuple[str, str | None]):
@@ -540,9 +634,19 @@ class HFKVShareScheduler:
             return None
 
         def write(plan: Plan) -> None:
-            self._write_report(ids, {**plan.report(), "store": self._background.summary()})
+            self._write_report(ids, {**plan.report(), "store": self._summary()})
 
         return write
+
+    def _summary(self) -> dict[str, Any]:
+        """The host store's summary with the worker's device store (the mirror's counts) and the step
+        metadata's size."""
+        return {
+            **self._background.summary(),
+            **self.device_store.summary(),
+            "metadata_bytes": dict(self.metadata_bytes),
+            "load_tokens": dict(self.load_tokens),
+        }
 
     def _write_report(self, ids: tuple[str, str | None], report: dict[str, Any]) -> None:
         store = report.get("store", {})
@@ -611,8 +715,12 @@ class HFKVShareScheduler:
                 self._producer_recorded(recorded)
 
         if kv is None:
+            if self.device_store.forget(plan.request_id):  # kept by the worker, never referenced
+                self._drops.append(plan.request_id)
             self._background.release(plan, then)
         else:
+            if plan.request_id in self.device_store:  # before the record: the plans behind it find it
+                self.sharing.sources.register(plan.request_id, kv[0], kv[1])
             self._background.record(plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids, then)
 
     def _reserve_before_read_back(self, plan: Plan, tokens: int) -> int | None:
@@ -672,6 +780,9 @@ class HFKVShareScheduler:
                 on_channel.setdefault(request_id, set()).add(rank)
         finished = set(connector_output.finished_sending or ())
         all_ranks = set(range(self._assembly.tp_size))
+        for part in parts.values():  # every rank keeps as many bytes per position (its heads' share)
+            if part.bytes_per_token and self.device_store.bytes_per_token is None:
+                self.device_store.bytes_per_token = int(part.bytes_per_token)
         for request_id in set(captured) | set(on_channel) | finished:
             with self._finishing_cond:
                 for rank, kv in captured.get(request_id, {}).items():
@@ -703,12 +814,17 @@ class HFKVShareScheduler:
     def _connect_orders(self, parts: dict[int, Captured]) -> None:
         """Connect to each worker rank's order channel the first time the rank announces it."""
         for rank, part in parts.items():
-            if not part.orders or rank in self._order_senders or self._receiver is None:
+            if not part.orders or rank in self._order_senders:
                 continue
             try:
-                self._order_senders[rank] = channel.Sender(part.orders)
+                self._order_senders[rank] = channel.Sender(part.orders, ORDER_QUEUE)
             except Exception:  # noqa: BLE001 - read-backs then come with the step's output
                 logger.exception("hf_kvshare: connecting the order channel %s failed", part.orders)
+
+    def _orders_connected(self) -> bool:
+        """Whether every worker rank's order channel is connected (a claim's K/V that the workers do
+        not keep can be sent to each)."""
+        return len(self._order_senders) >= self._assembly.tp_size
 
     def has_pending_push_work(self) -> bool:
         with self._finishing_cond:
@@ -733,6 +849,26 @@ def _positions(keys: Any) -> int:
     if isinstance(keys, torch.Tensor):
         return keys.shape[1] if keys.dim() == 4 else 0
     return keys[0].shape[0] if len(keys) else 0
+
+
+def _trim(plan: Plan, keep: int) -> None:
+    """Cut ``plan``'s claim to its first ``keep`` positions (its K/V with it)."""
+    keep = max(0, min(keep, plan.claimed))
+    plan.claim_end = plan.claim_start + keep
+    plan.keys = plan.keys[:, :keep] if keep else []
+    plan.values = plan.values[:, :keep] if keep else []
+
+
+def _pieces(plan: Plan) -> list[tuple[int, int, Any, int]]:
+    """The claimed range by placed span: ``(lo, hi, origin, span start)``, ``origin`` the kept rows the
+    span's K/V are (``None``: not a reference)."""
+    pieces = []
+    origins = plan.origins or [None] * len(plan.placements)
+    for span, origin in zip(plan.turn.spans, origins):
+        lo, hi = max(span.start, plan.claim_start), min(span.end, plan.claim_end)
+        if hi > lo:
+            pieces.append((lo, hi, origin, span.start))
+    return pieces
 
 
 def _max_tokens(request: Request) -> int:

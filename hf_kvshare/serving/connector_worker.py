@@ -2,7 +2,14 @@
 the forward and reads a finished request's K/V back for its record.
 
 - ``start_load_kv``: each claim is written with the attention backend's own writer (:mod:`.paged`: CPU
-  and CUDA backends alike), synchronously, before the forward.
+  and CUDA backends alike), synchronously, before the forward. The step's metadata carries no K/V: a
+  claim's piece is either rows of a request this worker keeps (:mod:`.worker_store`), re-positioned here
+  on the cache's device, or K/V the scheduler sent on the order channel under the request id (waited
+  for, :data:`PAYLOAD_WAIT_S`). A piece that cannot be written (its rows not kept, its K/V never came)
+  is reported as failed blocks (``get_block_ids_with_load_errors``): vLLM recomputes or fails the
+  request, never runs on what the blocks held.
+- A finished request the scheduler says to keep (the capture's ``keep``) stays in the worker's
+  :class:`~.worker_store.DeviceStore`, on the cache's device, after the requests it says to drop.
 - A finished request's K/V (prompt + output but its last token; its blocks kept until this side says
   they are read, ``get_finished``) are read once, on one path with one fallback:
 
@@ -41,9 +48,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import channel, paged
-from .connector_common import Capture, Captured, HFKVShareMetadata
-from .host import ServingError
+from .connector_common import Capture, Captured, HFKVShareMetadata, Load
+from .host import ServingError, skeleton_model
 from .tensor_parallel import kv_head_range, tensor_parallel_size
+from .worker_store import DEFAULT_DEVICE_STORE_BYTES, DeviceStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,6 +63,11 @@ logger = logging.getLogger("hf_kvshare.serving")
 TAKEN_MAX = 4096
 #: where read-back K/V go: the store, the method's state and its plans are in host memory on every device
 STORE_DEVICE = torch.device("cpu")
+#: how long a claim's write waits for K/V the scheduler sent on the order channel (seconds; then its
+#: blocks are reported failed)
+PAYLOAD_WAIT_S = 10.0
+#: claims' K/V held for a step that has not come (an aborted request's), oldest dropped past this
+PAYLOADS_MAX = 64
 
 
 class HFKVShareWorker:
@@ -73,12 +86,24 @@ class HFKVShareWorker:
         self._sender_address: str | None = None
         self._orders: channel.Orders | None = None
         self._orders_announced = False
+        self._listened = False
         #: request ids read back (or being read), oldest first, at most TAKEN_MAX; with the sets above,
         #: shared by the worker's step and its order thread, under this lock
         self._taken: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         #: this worker's tensor-parallel rank and the KV heads ``[start, stop)`` of a claim it writes
         self.rank, self._heads = tensor_parallel_share(vllm_config)
+        extra = dict(
+            getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {}
+        )
+        self.store = DeviceStore(int(extra.get("device_store_bytes", DEFAULT_DEVICE_STORE_BYTES)))
+        self._bytes_per_token: int | None = None
+        self._names: list[str] = []  # the layers in the store's order
+        self._shifter: Any = None  # built from the served model's config at the first re-positioning
+        #: claims' K/V from the order channel, by request id (its thread puts, the step takes)
+        self._payloads: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._payload_ready = threading.Condition()
+        self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -96,15 +121,100 @@ class HFKVShareWorker:
             except ValueError as error:
                 raise ServingError(f"hf_kvshare: {error}") from error
         self._layer_of = {name: extract_layer_index(name) for name in kv_caches}
+        self._names = sorted(self._io, key=self._layer_of.__getitem__)
+        self._bytes_per_token = sum(
+            2 * io.heads * io.dim * io.kv_cache.element_size() for io in self._io.values()
+        )
 
     def start_load_kv(self, metadata: HFKVShareMetadata) -> None:
         if metadata.read_back and metadata.read_back != self._sender_address:
             self._connect(metadata.read_back)  # the scheduler's read-back channel, new
+        elif not self._listened:
+            self._listen()  # no read-back channel (inline admission): the order channel still brings K/V
         for load in metadata.loads:
-            keys, values = self.own_heads(load.keys), self.own_heads(load.values)
-            for name, io in self._io.items():
-                layer = self._layer_of[name]
-                io.write(load.block_ids, load.start, keys[layer], values[layer])
+            try:
+                written = self._load(load)
+            except Exception:  # noqa: BLE001 - the engine must keep running; vLLM recomputes or fails it
+                logger.exception("hf_kvshare: writing the claim of request %s failed", load.request_id)
+                written = False
+            if not written:
+                first = load.start // self._block_size
+                last = (load.start + load.tokens - 1) // self._block_size
+                self._load_errors.update(load.block_ids[first : last + 1])
+        self.store.drop(metadata.drops)
+
+    def _load(self, load: Load) -> bool:
+        """Write one claim: each kept source's rows (keys re-positioned here) and the K/V the order
+        channel brought; ``False`` when a piece is missing (nothing is written from anything else)."""
+        pieces = []
+        for source in load.sources:
+            kept = self.store.get(source.request_id)
+            if kept is None or source.row + source.n > kept[0].shape[1]:
+                logger.error(
+                    "hf_kvshare: request %s's claim references rows of %s, which this worker does not keep",
+                    load.request_id,
+                    source.request_id,
+                )
+                return False
+            rows = slice(source.row, source.row + source.n)
+            rotation = None
+            if source.src_start != source.dst_start:
+                rotation = self.shifter.rotation(source.src_start, source.dst_start, source.n)
+            pieces.append((source.offset, kept[0][:, rows], kept[1][:, rows], rotation))
+        if load.payload:
+            kv = self._payload(load.request_id)
+            if kv is None:
+                logger.error(
+                    "hf_kvshare: request %s's claimed K/V never came on the order channel", load.request_id
+                )
+                return False
+            at = 0
+            for lo, hi in load.payload:
+                keys, values = (
+                    self.own_heads(kv[0][:, at : at + hi - lo]),
+                    self.own_heads(kv[1][:, at : at + hi - lo]),
+                )
+                pieces.append((lo, keys, values, None))
+                at += hi - lo
+        for offset, keys, values, rotation in pieces:
+            for i, name in enumerate(self._names):
+                key = keys[i]
+                if rotation is not None:  # [n, heads, dim] as the shifter's [1, heads, n, dim]
+                    moved = self.shifter.apply(
+                        key.transpose(0, 1)[None], rotation, layer=self._layer_of[name]
+                    )
+                    key = moved[0].transpose(0, 1)
+                self._io[name].write(load.block_ids, load.start + offset, key, values[i])
+        return True
+
+    @property
+    def shifter(self) -> Any:
+        """The served model's RoPE re-positioning (:class:`~hf_kvshare.rope.RopeShifter`, from its
+        config: the scheduler's, so the keys move exactly as its placements did)."""
+        if self._shifter is None:
+            from ..rope import RopeShifter
+
+            self._shifter = RopeShifter.from_model(skeleton_model(self._vllm_config.model_config.model))
+        return self._shifter
+
+    def _on_payload(
+        self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str, rank: int = 0
+    ) -> None:
+        """A claim's K/V from the order channel (its thread), for the step that writes them."""
+        with self._payload_ready:
+            self._payloads[request_id] = (keys, values)
+            while len(self._payloads) > PAYLOADS_MAX:
+                self._payloads.popitem(last=False)
+            self._payload_ready.notify_all()
+
+    def _payload(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._payload_ready:
+            self._payload_ready.wait_for(lambda: request_id in self._payloads, PAYLOAD_WAIT_S)
+            return self._payloads.pop(request_id, None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def own_heads(self, kv: torch.Tensor) -> torch.Tensor:
         """This rank's KV heads of a claim's ``[layers, n, kv_heads, head_dim]`` K/V (all of them at
@@ -123,18 +233,27 @@ class HFKVShareWorker:
         except Exception:  # noqa: BLE001 - read-backs then go with the step's output
             logger.exception("hf_kvshare: connecting the read-back channel %s failed", address)
             return
-        if self._orders is None:
-            try:
-                self._orders = channel.Orders(self._on_order)
-            except Exception:  # noqa: BLE001 - read-backs then come with the step's output
-                logger.exception("hf_kvshare: no order channel; read-backs come with the step's output")
+        self._listen()
+
+    def _listen(self) -> None:
+        if self._listened:
+            return
+        self._listened = True  # tried once
+        try:
+            self._orders = channel.Orders(self._on_order, self._on_payload)
+        except Exception:  # noqa: BLE001 - read-backs then come with the step's output
+            logger.exception("hf_kvshare: no order channel; read-backs come with the step's output")
 
     def _on_order(self, order: dict[str, Any]) -> None:
         """The scheduler's order (its thread): read a request that just finished back now and send it
         on the read-back channel (the path)."""
         try:
             capture = Capture(
-                str(order["request_id"]), [int(b) for b in order["block_ids"]], int(order["tokens"])
+                str(order["request_id"]),
+                [int(b) for b in order["block_ids"]],
+                int(order["tokens"]),
+                bool(order.get("keep", False)),
+                [str(r) for r in order.get("drop", ())],
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"an order needs request_id, block_ids and tokens; got {order!r}") from error
@@ -159,6 +278,10 @@ class HFKVShareWorker:
             kv = self._read(capture)
         except Exception:  # noqa: BLE001 - the engine must keep running; the turn is not recorded
             logger.exception("hf_kvshare: reading back request %s failed", capture.request_id)
+        self.store.drop(capture.drop)  # room for it, as the scheduler's mirror decided
+        if capture.keep and kv is not None:
+            self.store.keep(capture.request_id, *kv)
+            kv = kv[0].to(STORE_DEVICE), kv[1].to(STORE_DEVICE)
         sent = (
             on_channel
             and kv is not None
@@ -174,15 +297,18 @@ class HFKVShareWorker:
 
     def _read(self, capture: Capture) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's K/V of the capture into one ``[layers, n, kv_heads, head_dim]`` tensor each,
-        read straight into it, moved to the store's device at once."""
-        names = sorted(self._io, key=self._layer_of.__getitem__)
+        read straight into it; moved to the host store's device unless the worker keeps it
+        (:meth:`_take` then moves a copy)."""
+        names = self._names or sorted(self._io, key=self._layer_of.__getitem__)
         first = self._io[names[0]]
         shape = (len(names), capture.tokens, first.heads, first.dim)
         keys = torch.empty(shape, dtype=first.kv_cache.dtype, device=first.kv_cache.device)
         values = torch.empty_like(keys)
         for i, name in enumerate(names):
             self._io[name].read(capture.block_ids, 0, capture.tokens, out=(keys[i], values[i]))
-        # the store (and the method's plans) live in host memory
+        if capture.keep:
+            return keys, values  # the worker's store keeps them where they are
+        # the host store (and the method's plans) live in host memory
         return keys.to(STORE_DEVICE), values.to(STORE_DEVICE)
 
     def build_connector_worker_meta(self) -> Captured | None:
@@ -194,6 +320,7 @@ class HFKVShareWorker:
             self._captured, self._sent_on_channel = {}, set()
         if announce:
             meta.orders, self._orders_announced = self._orders.address, True
+            meta.bytes_per_token = self._bytes_per_token
         return meta
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:

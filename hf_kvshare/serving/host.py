@@ -272,6 +272,9 @@ class Plan:
     #: is layer ``i``'s), an empty list without a claim
     keys: torch.Tensor | list = field(default_factory=list)
     values: torch.Tensor | list = field(default_factory=list)
+    #: per placement, the kept rows its K/V are (:class:`~.worker_store.Origin`: the connector then sends
+    #: a reference, not the K/V), or ``None``
+    origins: list[Any] = field(default_factory=list)
     error: str | None = None
     opt_out: bool = False
     missing: list[str] = field(default_factory=list)
@@ -581,6 +584,9 @@ class Sharing:
         self.settle_seconds = 0.0
         self._lock = threading.RLock()
         self._counts = threading.Lock()
+        #: the connector's registry of the K/V its worker keeps (:class:`~.worker_store.Sources`): each
+        #: placement's provenance in :attr:`Plan.origins`; ``None``: none found
+        self.sources: Any = None
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: set[int] = {eos} if isinstance(eos, int) else set()
 
@@ -641,6 +647,7 @@ class Sharing:
                 if plan.host is not None and plan.turn is not None:  # refused after its turn was opened
                     plan.host.drop_turn(plan.turn)
                 plan.turn, plan.placements, plan.keys, plan.values = None, [], [], []
+                plan.origins = []
                 plan.claim_start = plan.claim_end = 0
             finally:
                 plan.plan_phases = dict(phases.times)
@@ -672,6 +679,8 @@ class Sharing:
         walk = Walk(self.method, turn)
         scratch_cache = walk.plan()
         for span, placement in walk.place(scratch_cache):
+            find = self.sources.find if self.sources is not None and placement is not None else None
+            plan.origins.append(find(placement.kv) if find is not None else None)  # before it is moved
             if placement is not None:  # computed here, on the plan's thread, not where it is claimed
                 placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
                 _keep_gate(plan, span.name, placement.info)
@@ -1062,6 +1071,8 @@ class Sharing:
                 "method": self.method.name,
                 "method_state": method_state,
                 "stores": self.stores(method_state),
+                # what the connector's worker keeps on its device (kept / evicted / refused, bytes)
+                "device_store": self.sources.summary() if self.sources is not None else None,
             }
 
 

@@ -378,6 +378,7 @@ def replicate(
                 **server.budgets,
                 background=server.background,
                 read_back_channel=server.read_back_channel,
+                device_store_bytes=server.device_store_bytes,
                 log=log,
                 python=server.python,
                 env=server.env,

@@ -82,17 +82,24 @@ def kv_transfer_config(
     background: bool = True,
     read_back_channel: bool = True,
     budgets: dict[str, int | None] | None = None,
+    device_store_bytes: int | None = None,
 ) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for the connector. ``background=False`` decides claims and
     records turns inline on the engine loop (:mod:`.admission`); ``read_back_channel=False`` hands
     finished requests' K/V to the scheduler with the step's output only, without the side channels
     (:mod:`.channel`). ``budgets``: the other stores' byte budgets (:data:`.host.BUDGETS` but
-    ``max_bytes``; one left ``None`` is not written: the connector's default)."""
+    ``max_bytes``; one left ``None`` is not written: the connector's default).
+    ``device_store_bytes``: the worker's store of kept K/V on its device (:mod:`.worker_store`;
+    ``None``: its default). A claimed piece the worker cannot write (its K/V not kept, not arrived) is
+    recomputed by vLLM (``kv_load_failure_policy``)."""
+    extra = {} if device_store_bytes is None else {"device_store_bytes": int(device_store_bytes)}
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": MODULE,
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
+            **extra,
             "method": method,
             "options": options,
             "max_bytes": int(max_bytes),
@@ -256,6 +263,7 @@ class Server:
         max_prefix_bytes: int | None = None,
         max_anchor_bytes: int | None = None,
         max_read_back_bytes: int | None = None,
+        device_store_bytes: int | None = None,
         log: Any = None,
         python: str = sys.executable,
         env: dict[str, str] | None = None,
@@ -298,6 +306,9 @@ class Server:
         if not isinstance(read_back_channel, bool):
             raise TypeError(f"read_back_channel must be True or False; got {read_back_channel!r}")
         self.read_back_channel = read_back_channel
+        from .worker_store import check_bound
+
+        self.device_store_bytes = None if device_store_bytes is None else check_bound(device_store_bytes)
         self.log = log
         self.python = python
         self.env = dict(env or {})
@@ -332,6 +343,7 @@ class Server:
                 self.background,
                 self.read_back_channel,
                 self.budgets,
+                self.device_store_bytes,
             )
             args += ["--kv-transfer-config", json.dumps(config), "--middleware", MIDDLEWARE]
         return [*args, *self.vllm_args]
