@@ -202,6 +202,26 @@ def test_server_reports_give_not_claimed_missing_and_refused(tiny_llama, tokeniz
     assert row["not_shared_top"].startswith(("not_claimed", "first"))
 
 
+def test_bench_serve_console_line_names_the_top_causes():
+    from hf_kvshare.bench.serve.columns import console_line
+
+    row = {
+        "completed": 4,
+        "requests": 4,
+        "ttft_p50_s": 0.5,
+        "ttft_p90_s": 1.0,
+        "prefix_cache_hits": 32,
+        "supplied_tokens": 900,
+        "rho": 0.75,
+        "gate_rejected_requests": 1,
+        "not_shared_top": "first 300 tok in 1 span, gate_entropy 100 tok in 1 span",
+    }
+    line = console_line("kvcmas", 0.5, row)
+    assert "kvcmas @ 0.5 QPS: 4/4 done" in line and "1 dense by a gate" in line
+    assert line.endswith("; not shared: first 300 tok in 1 span, gate_entropy 100 tok in 1 span")
+    assert "not shared" not in console_line("plain", 0.5, {**row, "not_shared_top": None})
+
+
 # ------------------------------------------------------------------ the reports endpoint
 
 
