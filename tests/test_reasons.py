@@ -202,6 +202,37 @@ def test_server_reports_give_not_claimed_missing_and_refused(tiny_llama, tokeniz
     assert row["not_shared_top"].startswith(("not_claimed", "first"))
 
 
+def test_server_reports_give_evicted_where_the_stores_bound_evicted_the_slot(tiny_llama, tokenizer):
+    """A span whose slot's K/V the store's bound evicted (its task, over ``max_tasks``; the slot itself,
+    over ``max_bytes``) is ``evicted``, not ``first``."""
+    from hf_kvshare.serving.host import Sharing
+    from hf_kvshare.serving.standin import engine
+
+    doc_text = "The river Lune reaches the sea at Plover Scar near Glasson."
+    sys1, doc, q1 = (_ids(tokenizer, t) for t in ("You plan carefully.\n", doc_text, "\nWhere?"))
+    prompt = sys1 + doc + q1
+
+    def run(sharing, rid, task, agent, segment):
+        layout = {lay.KEY: {"task": task, "agent": agent, "segments": [segment]}}
+        plan = sharing.plan(rid, prompt, layout, 0)
+        out, k, v = engine(tiny_llama, plan)
+        sharing.record(plan, k, v, out, set())
+        return reasons.report_causes(plan.report())
+
+    given = {"slot": "doc", "text": doc_text}
+    by_task = Sharing(tiny_llama, tokenizer, "fullshared", max_tasks=1)
+    assert set(run(by_task, "r1", "t1", "a1", given)) == {"first"}
+    run(by_task, "r2", "t2", "a1", given)  # task t1 evicted: one task kept
+    assert by_task.evicted_tasks == 1
+    causes = run(by_task, "r3", "t1", "a2", given)
+    assert set(causes) == {"evicted"} and causes["evicted"]["tokens"] == len(doc)
+    assert "evicted" in causes["evicted"]["detail"]
+    by_bytes = Sharing(tiny_llama, tokenizer, "fullshared", max_bytes=1)  # every recorded K/V over it
+    assert set(run(by_bytes, "r1", "t1", "a1", given)) == {"first"}
+    assert by_bytes.dropped_slots >= 1
+    assert set(run(by_bytes, "r2", "t1", "a2", {"slot": "doc"})) == {"evicted"}
+
+
 def test_bench_serve_console_line_names_the_top_causes():
     from hf_kvshare.bench.serve.columns import console_line
 
