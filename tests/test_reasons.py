@@ -439,3 +439,60 @@ def test_kept_reports_are_completed_from_the_report_file(monkeypatch, tmp_path):
     assert kept["recorded"] is True and kept["task"] == "t1" and "external_id" not in kept
     assert set(kept["not_shared"]) == {"gate_entropy"} and kept["not_shared"]["gate_entropy"]["tokens"] == 10
     assert answer["summary"]["t1"]["not_shared_top"].startswith("gate_entropy 10 tok in 1 span")
+
+
+def test_streamed_replies_are_kept_and_completed_from_the_report_file(monkeypatch, tmp_path):
+    """A streamed reply carries no report: with the report file, the middleware keeps it under the id
+    of its first chunk and its fenced task, and the recorded line fills it in (another tenant's line
+    under the same id is not taken); without a report file nothing is kept."""
+    from hf_kvshare.serving.middleware import ENV, REPORTS_ENV, REPORTS_PATH, TENANT_HEADER, LayoutCheck
+
+    async def streaming_app(scope, receive, send):
+        if scope["path"] != "/v1/chat/completions":
+            return await _respond(send, 404, {"detail": "Not Found"})
+        while (await receive()).get("more_body"):
+            pass
+        first = b'data: {"id": "chatcmpl-s1", "choices": [{"delta": {"content": "Hi"}}]}\n\n'
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for piece in (first[:12], first[12:], b"data: [DONE]\n\n"):
+            await send(
+                {"type": "http.response.body", "body": piece, "more_body": piece != b"data: [DONE]\n\n"}
+            )
+
+    def stream(app, body):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+        asyncio.run(app(scope, receive, send))
+        return b"".join(m.get("body", b"") for m in sent[1:])
+
+    monkeypatch.setenv(ENV, json.dumps({"method": "fullshared", "salt": "s"}))
+    body = {"messages": [], "stream": True, "cache_salt": "alice"}
+    monkeypatch.delenv(REPORTS_ENV, raising=False)
+    app = LayoutCheck(streaming_app)
+    assert stream(app, body).endswith(b"data: [DONE]\n\n")  # passed on unchanged
+    assert app.reports.held("alice") == []
+    path = tmp_path / "reports.jsonl"
+    path.write_text("")
+    monkeypatch.setenv(REPORTS_ENV, str(path))
+    app = LayoutCheck(streaming_app)
+    layout = {"kv_transfer_params": {lay.KEY: {"task": "t2"}}}
+    assert stream(app, body | layout).endswith(b"data: [DONE]\n\n")
+    _, answer = _call(app, "GET", REPORTS_PATH, headers=[(TENANT_HEADER, b"alice")])
+    assert [(r["task"], r["streamed"], r["recorded"]) for r in answer["reports"]] == [("t2", True, False)]
+    recorded = _report("t2", "planner", "alice", 10) | {"external_id": "chatcmpl-s1", "prompt_tokens": 40}
+    other = recorded | {"task": "bob|t2", "supplied_ph_tokens": 0}
+    path.write_text(json.dumps(other) + "\n" + json.dumps(recorded) + "\n")
+    _, answer = _call(app, "GET", REPORTS_PATH, headers=[(TENANT_HEADER, b"alice")])
+    (kept,) = answer["reports"]
+    assert kept["recorded"] is True and kept["streamed"] is True and kept["agent"] == "planner"
+    assert kept["task"] == "t2" and kept["supplied_ph_tokens"] == 10
+    assert answer["summary"]["t2"]["rho"] == 1.0
+    _, bobs = _call(app, "GET", REPORTS_PATH, headers=[(TENANT_HEADER, b"bob")])
+    assert bobs["held"] == 0
