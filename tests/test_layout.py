@@ -49,7 +49,9 @@
 - a method's options are checked where they are set: no method overrides ``Method.__setattr__``,
   which re-runs the constructor's checks for an option assigned after construction.
 - why a span was not shared is classified in one place: ``reasons.py`` (the vocabulary of causes) is a
-  leaf, importing no hf_kvshare module, and no other module matches a reason's text.
+  leaf, importing no hf_kvshare module, and no other module matches a reason's text; every reason the
+  serving host gives an unplaced span (what ``Sharing._why_unplaced`` returns) names a cause of
+  ``reasons.CAUSES``, none falls to ``other``.
 - one content matcher: ``matching.py`` (text found inside messages by token ids) is a leaf that imports
   no ``hf_kvshare`` module and no tensor library; the serving layout finds its pieces through it
   (``matching.match``), and only ``request.py`` builds a piece of a slot (``Slot(..., piece_of=...)``,
@@ -1521,3 +1523,63 @@ def test_tensor_parallel_heads_are_decided_in_one_leaf_module():
     assert defined == {TENSOR_PARALLEL}, f"the ranks' heads are decided in {sorted(defined)}"
     for side in ("connector_worker", "connector_scheduler"):
         assert TENSOR_PARALLEL in imports_of(f"{ROOT}.serving.{side}"), f"serving/{side}.py does not use it"
+
+
+#: the serving host's function that says why admission did not place a span
+WHY_UNPLACED = (f"{ROOT}.serving.host", "_why_unplaced")
+
+
+def returned_constants(tree: ast.Module, function: str) -> list[str]:
+    """The module-level string constants (``NAME = "..."``) that ``function`` in ``tree`` returns for a
+    PH span (a name returned directly or by a conditional expression; not under an ``if`` that tests
+    for ``"PF"``, the agent's own text, which is not in rho), sorted."""
+    constants = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and any(
+                isinstance(c, ast.Constant) and c.value == "PF" for c in ast.walk(child.test)
+            ):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, ast.Return) and child.value is not None:
+                value = child.value
+                values = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
+                found.extend(constants[v.id] for v in values if isinstance(v, ast.Name) and v.id in constants)
+            visit(child)
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
+            visit(node)
+    return sorted(found)
+
+
+def test_every_reason_the_serving_host_gives_names_a_cause():
+    """An unplaced span's reason in a server report (``unplaced``) is read back by
+    ``reasons.cause_of_reason``: each one the host can give names a cause (``evicted``, ``first``, ``not
+    recorded yet``, ...), none is ``other``."""
+    from hf_kvshare import reasons
+
+    module, function = WHY_UNPLACED
+    texts = returned_constants(ast.parse(MODULES[module].read_text()), function)
+    assert len(texts) >= 3, f"{module}.{function} returns no reason constants: {texts}"
+    bad = [t for t in texts if reasons.cause_of_reason(t) == "other"]
+    assert not bad, f"reasons of unplaced spans that reasons.py does not classify: {bad}"
+
+
+def test_the_returned_constant_finder_finds_them():
+    tree = ast.parse(
+        "A = 'a'\nB = 'b'\nC = 3\nD = 'd'\ndef f(x):\n    if x.kind == 'PF':\n        return D\n"
+        "    if x:\n        return B\n    return A if x else C\n"
+    )
+    assert returned_constants(tree, "f") == ["a", "b"]

@@ -202,6 +202,57 @@ def test_server_reports_give_not_claimed_missing_and_refused(tiny_llama, tokeniz
     assert row["not_shared_top"].startswith(("not_claimed", "first"))
 
 
+def test_server_reports_give_evicted_where_the_stores_bound_evicted_the_slot(tiny_llama, tokenizer):
+    """A span whose slot's K/V the store's bound evicted (its task, over ``max_tasks``; the slot itself,
+    over ``max_bytes``) is ``evicted``, not ``first``."""
+    from hf_kvshare.serving.host import Sharing
+    from hf_kvshare.serving.standin import engine
+
+    doc_text = "The river Lune reaches the sea at Plover Scar near Glasson."
+    sys1, doc, q1 = (_ids(tokenizer, t) for t in ("You plan carefully.\n", doc_text, "\nWhere?"))
+    prompt = sys1 + doc + q1
+
+    def run(sharing, rid, task, agent, segment):
+        layout = {lay.KEY: {"task": task, "agent": agent, "segments": [segment]}}
+        plan = sharing.plan(rid, prompt, layout, 0)
+        out, k, v = engine(tiny_llama, plan)
+        sharing.record(plan, k, v, out, set())
+        return reasons.report_causes(plan.report())
+
+    given = {"slot": "doc", "text": doc_text}
+    by_task = Sharing(tiny_llama, tokenizer, "fullshared", max_tasks=1)
+    assert set(run(by_task, "r1", "t1", "a1", given)) == {"first"}
+    run(by_task, "r2", "t2", "a1", given)  # task t1 evicted: one task kept
+    assert by_task.evicted_tasks == 1
+    causes = run(by_task, "r3", "t1", "a2", given)
+    assert set(causes) == {"evicted"} and causes["evicted"]["tokens"] == len(doc)
+    assert "evicted" in causes["evicted"]["detail"]
+    by_bytes = Sharing(tiny_llama, tokenizer, "fullshared", max_bytes=1)  # every recorded K/V over it
+    assert set(run(by_bytes, "r1", "t1", "a1", given)) == {"first"}
+    assert by_bytes.dropped_slots >= 1
+    assert set(run(by_bytes, "r2", "t1", "a2", {"slot": "doc"})) == {"evicted"}
+
+
+def test_bench_serve_console_line_names_the_top_causes():
+    from hf_kvshare.bench.serve.columns import console_line
+
+    row = {
+        "completed": 4,
+        "requests": 4,
+        "ttft_p50_s": 0.5,
+        "ttft_p90_s": 1.0,
+        "prefix_cache_hits": 32,
+        "supplied_tokens": 900,
+        "rho": 0.75,
+        "gate_rejected_requests": 1,
+        "not_shared_top": "first 300 tok in 1 span, gate_entropy 100 tok in 1 span",
+    }
+    line = console_line("kvcmas", 0.5, row)
+    assert "kvcmas @ 0.5 QPS: 4/4 done" in line and "1 dense by a gate" in line
+    assert line.endswith("; not shared: first 300 tok in 1 span, gate_entropy 100 tok in 1 span")
+    assert "not shared" not in console_line("plain", 0.5, {**row, "not_shared_top": None})
+
+
 # ------------------------------------------------------------------ the reports endpoint
 
 
@@ -388,3 +439,60 @@ def test_kept_reports_are_completed_from_the_report_file(monkeypatch, tmp_path):
     assert kept["recorded"] is True and kept["task"] == "t1" and "external_id" not in kept
     assert set(kept["not_shared"]) == {"gate_entropy"} and kept["not_shared"]["gate_entropy"]["tokens"] == 10
     assert answer["summary"]["t1"]["not_shared_top"].startswith("gate_entropy 10 tok in 1 span")
+
+
+def test_streamed_replies_are_kept_and_completed_from_the_report_file(monkeypatch, tmp_path):
+    """A streamed reply carries no report: with the report file, the middleware keeps it under the id
+    of its first chunk and its fenced task, and the recorded line fills it in (another tenant's line
+    under the same id is not taken); without a report file nothing is kept."""
+    from hf_kvshare.serving.middleware import ENV, REPORTS_ENV, REPORTS_PATH, TENANT_HEADER, LayoutCheck
+
+    async def streaming_app(scope, receive, send):
+        if scope["path"] != "/v1/chat/completions":
+            return await _respond(send, 404, {"detail": "Not Found"})
+        while (await receive()).get("more_body"):
+            pass
+        first = b'data: {"id": "chatcmpl-s1", "choices": [{"delta": {"content": "Hi"}}]}\n\n'
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for piece in (first[:12], first[12:], b"data: [DONE]\n\n"):
+            await send(
+                {"type": "http.response.body", "body": piece, "more_body": piece != b"data: [DONE]\n\n"}
+            )
+
+    def stream(app, body):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+        asyncio.run(app(scope, receive, send))
+        return b"".join(m.get("body", b"") for m in sent[1:])
+
+    monkeypatch.setenv(ENV, json.dumps({"method": "fullshared", "salt": "s"}))
+    body = {"messages": [], "stream": True, "cache_salt": "alice"}
+    monkeypatch.delenv(REPORTS_ENV, raising=False)
+    app = LayoutCheck(streaming_app)
+    assert stream(app, body).endswith(b"data: [DONE]\n\n")  # passed on unchanged
+    assert app.reports.held("alice") == []
+    path = tmp_path / "reports.jsonl"
+    path.write_text("")
+    monkeypatch.setenv(REPORTS_ENV, str(path))
+    app = LayoutCheck(streaming_app)
+    layout = {"kv_transfer_params": {lay.KEY: {"task": "t2"}}}
+    assert stream(app, body | layout).endswith(b"data: [DONE]\n\n")
+    _, answer = _call(app, "GET", REPORTS_PATH, headers=[(TENANT_HEADER, b"alice")])
+    assert [(r["task"], r["streamed"], r["recorded"]) for r in answer["reports"]] == [("t2", True, False)]
+    recorded = _report("t2", "planner", "alice", 10) | {"external_id": "chatcmpl-s1", "prompt_tokens": 40}
+    other = recorded | {"task": "bob|t2", "supplied_ph_tokens": 0}
+    path.write_text(json.dumps(other) + "\n" + json.dumps(recorded) + "\n")
+    _, answer = _call(app, "GET", REPORTS_PATH, headers=[(TENANT_HEADER, b"alice")])
+    (kept,) = answer["reports"]
+    assert kept["recorded"] is True and kept["streamed"] is True and kept["agent"] == "planner"
+    assert kept["task"] == "t2" and kept["supplied_ph_tokens"] == 10
+    assert answer["summary"]["t2"]["rho"] == 1.0
+    _, bobs = _call(app, "GET", REPORTS_PATH, headers=[(TENANT_HEADER, b"bob")])
+    assert bobs["held"] == 0

@@ -244,6 +244,8 @@ class ServingHost(Request):
         #: :meth:`held_bytes` as of the last change of the slots' K/V (a record, the bound's drops):
         #: what the store's bound sums over its tasks without walking every tensor of every task
         self.held = 0
+        #: slots whose K/V the store's bound evicted (oldest first; their reason is ``evicted``)
+        self.evicted: OrderedDict[str, None] = OrderedDict()
 
     @property
     def shifter(self) -> RopeShifter:
@@ -430,6 +432,9 @@ NOT_RECORDED_YET = "not recorded yet"
 #: why a PH span was not placed when no K/V of it are kept (this request is the first to read it, or
 #: the store's bound dropped them)
 NO_KV_KEPT = "no K/V kept for it (the first request to read it, or dropped by the store's bound)"
+#: why a PH span was not placed when the store's bound evicted its slot's K/V (its task, the slot, or
+#: the slot forgotten past ``max_task_slots``) before this request
+EVICTED = "its slot's K/V were evicted from the store by its bound before this request"
 #: why the agent's own (PF) text was not placed: vLLM computes only the tokens after the claim, which
 #: starts at its own block-aligned prefix-cache hit, and the connector runs no model
 OWN_TEXT_NEW = (
@@ -569,6 +574,8 @@ class Sharing:
         )
         self.min_segment_tokens = int(min_segment_tokens)
         self.hosts: OrderedDict[str, ServingHost] = OrderedDict()
+        #: the slot names of the last evicted tasks (a task planned again learns which were evicted)
+        self.evicted_slots: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()
         self.evicted_tasks = 0
         self.tasks_over_bound = 0  # times a new task found every other task busy (none evictable)
         self.forgotten_slots = 0  # slots forgotten by a task over max_task_slots
@@ -659,6 +666,7 @@ class Sharing:
         host = self.hosts.get(task)
         if host is None:
             host = self.hosts[task] = ServingHost(task, self.model, self.tokenizer, self.shifter)
+            self._mark_evicted(host, self.evicted_slots.pop(task, ()))
         self.hosts.move_to_end(task)
         # tasks with a request in flight cannot go: the store stays over its count until they finish
         # (counted), rather than spinning here with the store's lock held
@@ -700,7 +708,7 @@ class Sharing:
         if slot is None or slot.latest is None:
             if self._in_flight_reads(host, span.name, turn):
                 return NOT_RECORDED_YET
-            return NO_KV_KEPT
+            return EVICTED if span.name in host.evicted else NO_KV_KEPT
         return "not placed by the method"
 
     @staticmethod
@@ -988,6 +996,7 @@ class Sharing:
         for name in [n for n in host.slots if n not in busy][:excess]:
             del host.slots[name]
             self.forgotten_slots += 1
+            self._mark_evicted(host, [name])
         for alias in [a for a, target in host.aliases.items() if target not in host.slots]:
             del host.aliases[alias]
         host.compact_views()
@@ -995,19 +1004,31 @@ class Sharing:
     def _evict_one(self, keep: ServingHost) -> bool:
         for task in self.hosts:
             if self.hosts[task] is not keep and not self.hosts[task].reserved:
-                del self.hosts[task]
+                gone = self.hosts.pop(task)
                 self.evicted_tasks += 1
+                self.evicted_slots[task] = OrderedDict.fromkeys([*gone.evicted, *gone.slots])
+                while len(self.evicted_slots) > self.max_tasks:
+                    self.evicted_slots.popitem(last=False)
                 return True
         return False
+
+    def _mark_evicted(self, host: ServingHost, names: Any) -> None:
+        """Remember that ``names``' K/V were evicted from ``host`` (at most ``max_task_slots`` names)."""
+        for name in names:
+            host.evicted[name] = None
+            host.evicted.move_to_end(name)
+        while len(host.evicted) > self.max_task_slots:
+            host.evicted.popitem(last=False)
 
     def _bound(self, current: ServingHost) -> None:
         while self.held_bytes() > self.max_bytes and self._evict_one(keep=current):
             pass
         if self.held_bytes() > self.max_bytes:  # the current task alone is over: drop its oldest K/V
-            for slot in current.slots.values():
+            for name, slot in current.slots.items():
                 if slot.latest is not None:
                     slot.latest = None
                     self.dropped_slots += 1
+                    self._mark_evicted(current, [name])
                     current.held = current.held_bytes()
                     if self.held_bytes() <= self.max_bytes:
                         break

@@ -23,8 +23,9 @@ reports. The path lies under ``/v1`` so that vLLM's ``--api-key`` guards it: the
 only where vLLM's app, its checks passed, found no route (404). A reply's report is the admission's:
 with the connector's report file (:data:`REPORTS_ENV`) each kept report is replaced by its recorded
 line, which adds why each dense span was not shared (its gate). Streamed replies carry no report (vLLM
-puts ``kv_transfer_params`` on non-streamed ones only) and are not kept (the report file has them);
-each API-server process keeps its own book.
+puts ``kv_transfer_params`` on non-streamed ones only): with the report file, a streamed reply is kept
+by its id (read from its first chunk) and its task, and its recorded line fills it in; without one it is
+not kept. Each API-server process keeps its own book.
 
 It reads its settings from the environment variable :data:`ENV` (JSON: ``method``, ``salt``,
 ``model``) that :mod:`.server` sets. The prompt is tokenized here as vLLM does it (the tokenizer's
@@ -59,6 +60,8 @@ TENANT_HEADER = b"x-hf-kvshare-cache-salt"
 REPORTS_ENV = "HF_KVSHARE_REPORTS"
 #: a reply larger than this is passed on without its report kept
 MAX_REPLY_BYTES = 4 << 20
+#: a streamed reply's first chunk (its id) is looked for in at most this many bytes
+MAX_FIRST_CHUNK_BYTES = 64 << 10
 
 
 class LayoutCheck:
@@ -111,6 +114,8 @@ class LayoutCheck:
         data = _json(body)
         if isinstance(data, dict) and not data.get("stream"):
             send = self._keep_report(_tenant(data.get("cache_salt")), send)
+        elif isinstance(data, dict) and self.reports.completes_streams:
+            send = self._keep_streamed(_tenant(data.get("cache_salt")), _layout_task(data), send)
         if isinstance(data, dict):
             try:  # tokenizing and locating a long prompt takes a while: not on the server's event loop
                 await asyncio.get_running_loop().run_in_executor(
@@ -168,6 +173,30 @@ class LayoutCheck:
                         self.reports.add(
                             tenant, report, reply.get("id") if isinstance(reply.get("id"), str) else None
                         )
+
+        return keeping
+
+    def _keep_streamed(self, tenant: str, task: str, send):
+        """``send`` that passes a streamed reply on as it comes and keeps a report of it under the id
+        of its first chunk (``data: {"id": ...}``), to be filled in by its recorded line
+        (:meth:`ReportBook.add_streamed`)."""
+        state = {"ok": False, "head": b""}
+
+        async def keeping(message):
+            await send(message)
+            if message["type"] == "http.response.start":
+                state["ok"] = message.get("status") == 200
+            elif message["type"] == "http.response.body" and state["ok"]:
+                head = state["head"] + message.get("body", b"")
+                end = head.find(b"\n\n")
+                if end < 0 and len(head) <= MAX_FIRST_CHUNK_BYTES and message.get("more_body", False):
+                    state["head"] = head
+                    return
+                state["ok"], state["head"] = False, b""  # one look at the first chunk only
+                first = _json(head[:end].removeprefix(b"data:").strip()) if end >= 0 else None
+                reply_id = first.get("id") if isinstance(first, dict) else None
+                if isinstance(reply_id, str) and reply_id:
+                    self.reports.add_streamed(tenant, task, reply_id)
 
         return keeping
 
@@ -296,9 +325,16 @@ class ReportBook:
         self._file = report_file
         self._offset = _size(report_file)  # lines written before this server's start are not ours
 
-    def add(self, tenant: str, report: dict[str, Any], reply_id: str | None = None) -> None:
+    @property
+    def completes_streams(self) -> bool:
+        """Whether streamed replies are kept: only their recorded lines (the report file) say anything."""
+        return bool(self._file)
+
+    def add(
+        self, tenant: str, report: dict[str, Any], reply_id: str | None = None, signature: tuple | None = None
+    ) -> None:
         key = _key(tenant)
-        entry = [0, {}, reply_id, tenant, _signature(report)]
+        entry = [0, {}, reply_id, tenant, signature or _signature(report)]
         if not self._fill(entry, report):
             return
         book = self._books.setdefault(key, deque())
@@ -314,6 +350,14 @@ class ReportBook:
             for old in book:
                 self._drop(gone, old)
             self._bytes.pop(gone, None)
+
+    def add_streamed(self, tenant: str, task: str, reply_id: str) -> None:
+        """Keep a streamed reply (it carries no report) under its id: a report saying so until its
+        recorded line replaces it, matched by the id and its task as the server fenced it (the tenant's:
+        no other tenant's line is taken; its agent and prompt length are not known here)."""
+        fenced = f"{tenant}|{task}" if tenant else task
+        report = {"task": fenced, "agent": None, "streamed": True, "recorded": False}
+        self.add(tenant, report, reply_id, signature=(fenced, _ANY, _ANY))
 
     def _fill(self, entry: list[Any], report: dict[str, Any]) -> bool:
         """``entry``'s report as kept (client-named, with its causes; without its segments past the
@@ -358,10 +402,12 @@ class ReportBook:
         length) replaced by its line, ``"recorded": true``."""
         for line in lines:
             entry = next((self._ids[i] for i in _reply_ids(line) if i in self._ids), None)
-            if entry is None or _signature(line) != entry[4]:  # the same request, as the server fenced it
+            if entry is None or not _same_request(_signature(line), entry[4]):  # as the server fenced it
                 continue
             key, before = _key(entry[3]), entry[0]
             report = {k: v for k, v in line.items() if k not in ("request_id", "external_id")}
+            if entry[1].get("streamed"):
+                report["streamed"] = True
             if self._fill(entry, {**report, "recorded": True}):
                 self._bytes[key] = self._bytes.get(key, 0) + entry[0] - before
 
@@ -400,6 +446,22 @@ def _signature(report: dict[str, Any]) -> tuple:
     """What ties a report file's line to a kept reply's report: the task and agent as the server fenced
     them (by tenant) and the prompt's length."""
     return report.get("task"), report.get("agent"), report.get("prompt_tokens")
+
+
+#: a part of a kept report's signature that any line matches (a streamed reply's agent, prompt length)
+_ANY = object()
+
+
+def _same_request(line: tuple, kept: tuple) -> bool:
+    return all(k is _ANY or k == v for v, k in zip(line, kept))
+
+
+def _layout_task(data: dict) -> str:
+    """The task a request names in its layout (the server's default where it names none)."""
+    params = data.get("kv_transfer_params")
+    layout = params.get(lay.KEY) if isinstance(params, dict) else None
+    task = layout.get("task") if isinstance(layout, dict) else None
+    return task if isinstance(task, str) and task else lay.DEFAULT_TASK
 
 
 def _size(path: str | None) -> int:

@@ -24,6 +24,7 @@ from .columns import (
     agreement,
     compact_report,
     connector_columns,
+    console_line,
     metric_delta,
     summarize_run,
 )
@@ -343,19 +344,7 @@ def run_once(
     row["prefix_cache_hits"] = metric_delta(before, after, *PREFIX_HITS)
     row.update(connector_columns(spec.method, snapshot))
     if log is not None:
-        print(
-            f"  {spec.method} @ {spec.qps:g} QPS: {row['completed']}/{row['requests']} done, "
-            f"p50 TTFT {row['ttft_p50_s']:.3f} s, p90 {row['ttft_p90_s']:.3f} s, "
-            f"prefix hits {row['prefix_cache_hits']}, supplied {row['supplied_tokens']} (rho {row['rho']})"
-            + (
-                f", {row['gate_rejected_requests']} dense by a gate"
-                if row.get("gate_rejected_requests")
-                else ""
-            )
-            + (f"; {row['rho_note']}" if row.get("rho_note") else ""),
-            file=log,
-            flush=True,
-        )
+        print(console_line(spec.method, spec.qps, row), file=log, flush=True)
     return row, snapshot
 
 

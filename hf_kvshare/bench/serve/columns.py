@@ -236,6 +236,24 @@ def not_shared_columns(reports: Sequence[Mapping[str, Any]], n: int = 3) -> dict
     return {"not_shared": dict(reasons.top(counts)), "not_shared_top": reasons.describe(counts, n)}
 
 
+def console_line(method: str, qps: float, row: Mapping[str, Any]) -> str:
+    """The run's one line on the console: requests done, p50 / p90 TTFT, prefix hits, supplied tokens and
+    rho, the requests a gate sent dense, and the most frequent causes of PH tokens not shared
+    (``not_shared_top``) where the server reported them."""
+    line = (
+        f"  {method} @ {qps:g} QPS: {row['completed']}/{row['requests']} done, "
+        f"p50 TTFT {row['ttft_p50_s']:.3f} s, p90 {row['ttft_p90_s']:.3f} s, "
+        f"prefix hits {row['prefix_cache_hits']}, supplied {row['supplied_tokens']} (rho {row['rho']})"
+    )
+    if row.get("gate_rejected_requests"):
+        line += f", {row['gate_rejected_requests']} dense by a gate"
+    if row.get("not_shared_top"):
+        line += f"; not shared: {row['not_shared_top']}"
+    if row.get("rho_note"):
+        line += f"; {row['rho_note']}"
+    return line
+
+
 def _after_admission(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
     out = []
     for r in records:
