@@ -237,7 +237,10 @@ def _qlora(tiny_dir, quant: str, seed: int, **cfg):
 def qlora(request, tiny_dir):
     if _PROBLEM is not None:
         pytest.skip(_PROBLEM)
-    return request.param, *_qlora(tiny_dir, request.param, seed=7)
+    quant, (model, tok) = request.param, _qlora(tiny_dir, request.param, seed=7)
+    # NonShared's trajectory, the reference of every method below: computed once per base, read only
+    exact = run_trajectory(Session(model, tok, "nonshared"), ["act"] * 3, keep_cache=True)
+    return quant, model, tok, exact
 
 
 def _rounds_inputs(model) -> bool:
@@ -272,11 +275,10 @@ def test_qlora_exact_single_agent(qlora, method):
     (and token for token free-running); ReBaseShared at layer 0."""
     import bitsandbytes as bnb
 
-    quant, model, tok = qlora
+    quant, model, tok, exact = qlora
     assert isinstance(model.base_model.model.model.layers[0].self_attn.v_proj.base_layer, bnb.nn.Linear4bit)
     dtype = compute_dtype(quant)
     agents = ["act"] * 3
-    exact = run_trajectory(Session(model, tok, "nonshared"), agents, keep_cache=True)
     session = Session(model, tok, method)
     got = run_trajectory(session, agents, forced=[r.output_ids for r in exact], keep_cache=True)
     for g, e in zip(got[1:], exact[1:]):
@@ -293,13 +295,24 @@ def test_qlora_exact_single_agent(qlora, method):
     assert store.base(0, 0, 1)[0].dtype == dtype
 
 
+LAST_LAYER_AGENTS = ["plan", "act", "reflect", "act", "plan"]
+
+
+@pytest.fixture(scope="module")
+def last_layer_qlora(tiny_dir):
+    """Adapters on the last layer only, and NonShared's trajectory on them (read only by the tests)."""
+    if _PROBLEM is not None:
+        pytest.skip(_PROBLEM)
+    model, tok = _qlora(tiny_dir, "nf4-fp32", seed=11, layers_to_transform=[2])
+    return model, tok, run_trajectory(Session(model, tok, "nonshared"), LAST_LAYER_AGENTS, keep_cache=True)
+
+
 @needs_bnb
 @pytest.mark.parametrize("method", LORA_METHODS)
-def test_qlora_exact_when_hidden_states_do_not_depend_on_the_adapter(tiny_dir, tokenizer, method):
+def test_qlora_exact_when_hidden_states_do_not_depend_on_the_adapter(last_layer_qlora, method):
     """Adapters on the last layer only (test_precache_reference's second exact case), several agents."""
-    model, tok = _qlora(tiny_dir, "nf4-fp32", seed=11, layers_to_transform=[2])
-    agents = ["plan", "act", "reflect", "act", "plan"]
-    exact = run_trajectory(Session(model, tok, "nonshared"), agents, keep_cache=True)
+    model, tok, exact = last_layer_qlora
+    agents = LAST_LAYER_AGENTS
     got = run_trajectory(
         Session(model, tok, method), agents, forced=[r.output_ids for r in exact], keep_cache=True
     )

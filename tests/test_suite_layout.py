@@ -4,7 +4,9 @@
   it: no ``issue`` / ``hardening`` / ``review`` in the name, no bare number as a name part;
 - a helper is written once: no top-level function or class (other than a test) of five or more lines
   stands, identical, in two modules under ``tests/`` (it belongs in a helper module: ``tiny.py``,
-  ``vision_helpers.py``, ``adversarial.py``, ``bench_helpers.py``, ...; fixtures in ``conftest.py``).
+  ``vision_helpers.py``, ``adversarial.py``, ``bench_helpers.py``, ...; fixtures in ``conftest.py``);
+- the fast lane is one marker expression: README's fast-lane command and ``.ci/run``'s run on the floor
+  transformers deselect the embedded-model tests with the same ``-m "not real_model"``.
 """
 
 from __future__ import annotations
@@ -63,3 +65,25 @@ def test_the_finders_find_them():
     short = "def two():\n    return 2\n"
     sources = {"a.py": helper + short, "b.py": short + helper, "c.py": "def test_x():\n    pass\n"}
     assert copied_helpers(sources) == [["a.py:strip", "b.py:strip"]]
+
+
+#: the fast lane's marker expression, in a pytest command line of README.md or .ci/run
+FAST_LANE = re.compile(r"""pytest[^\n]*-m\s+["']([^"']+)["']""")
+
+
+def fast_lane_expressions(text: str) -> set[str]:
+    """The ``-m`` expressions of the pytest command lines in ``text`` that deselect the embedded-model tests."""
+    return {m for m in FAST_LANE.findall(text) if "real_model" in m}
+
+
+def test_the_fast_lane_is_one_marker_expression():
+    """README's fast-lane command and .ci/run's fast lane (on the floor transformers) select the same tests."""
+    root = TESTS.parent
+    readme = fast_lane_expressions((root / "README.md").read_text())
+    ci = fast_lane_expressions((root / ".ci" / "run").read_text())
+    assert readme == ci == {"not real_model"}, (readme, ci)
+
+
+def test_the_fast_lane_finder_finds_it():
+    text = 'python -m pytest -q -m "not real_model" -n 2\npython -m pytest -m serving tests/x.py\n'
+    assert fast_lane_expressions(text) == {"not real_model"}
