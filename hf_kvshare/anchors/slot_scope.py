@@ -206,17 +206,34 @@ class SlotScope(Scope):
         return decision
 
     def near(self, decision: GateDecision, eligible: list[Anchor], rows: int) -> GateDecision:
-        """``nearest > 0``: an accepted ``decision`` stands only when the candidate is near an anchor,
-        its nearest one's gate distance at most ``nearest`` of that anchor's size
+        """``nearest > 0``: an accepted ``decision`` stands when the candidate is near an anchor, its
+        nearest one's gate distance at most ``nearest`` of that anchor's size
         (:func:`~.pool.nearest_relative`): a correction observed on other content (another output of
-        the producer) does not carry over, whatever the weights or the anchors' agreement."""
+        the producer) does not carry over on the weights alone. With ``trust_agreement`` a far
+        candidate still stands when the anchors' corrections agree (the agreement rule's test): a
+        correction that repeats over other content does not depend on the content, so how far the
+        candidate is does not matter; anchors that disagree (or a correction seen once) refuse it."""
         o = self.options
         near = nearest_relative(eligible, decision.distances, rows)
         if near <= o.nearest:
             return decision
         entropy_rule = decision.entropy is not None and decision.entropy <= o.tau
         rule = "accepted" if entropy_rule else "anchors agree"  # (their spread: fp-sensitive, left out)
-        reason = f"{rule}; but the candidate is far from every anchor: {near:.2g} > {o.nearest:g}"
+        far = f"{near:.2g} > {o.nearest:g}"
+        if o.trust_agreement and o.agreement > 0:
+            if not entropy_rule:  # accepted by the agreement rule: its anchors agree
+                decision.reason = f"{decision.reason}; the candidate is far ({far}), the corrections agree"
+                return decision
+            spread, why = correction_agreement(eligible, rows, 1 if o.skip_layer0 else 0)
+            if spread is not None and spread <= o.agreement:
+                decision.reason = (
+                    f"accepted; the candidate is far ({far}), the corrections agree: {why} <= {o.agreement:g}"
+                )
+                return decision
+            tail = why if spread is None else f"anchors disagree: {why} > {o.agreement:g}"
+            reason = f"{rule}; but the candidate is far from every anchor: {far}; {tail}"
+        else:
+            reason = f"{rule}; but the candidate is far from every anchor: {far}"
         return GateDecision(False, reason, decision.entropy, decision.weights, decision.distances)
 
     def decide(self, turn: Turn, slot: str, candidate: SegmentKV, pool: str | None = None) -> GateDecision:

@@ -16,8 +16,11 @@ the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
   anchor suffices once a refresh showed its correction repeats); it still rejects when they disagree;
 - ``nearest=0.5``: an acceptance (by either rule) stands only when the candidate is near an anchor
   (gate distance at most half that anchor's size): corrections observed on other content do not
-  carry over (on the embedded model the entropy rule accepted outputs of other text, 0.7-1.3 of
-  the nearest anchor's size; the same notes sit at about 0.3);
+  carry over on the weights alone (on the embedded model the entropy rule accepted outputs of other
+  text, 0.7-1.3 of the nearest anchor's size; the same notes sit at about 0.3);
+- ``trust_agreement=True``: ... unless the anchors' corrections agree: a candidate far from every
+  anchor is accepted when the agreement rule's test passes (a correction that repeats over other
+  content does not depend on the content); anchors that disagree, or a correction seen once, refuse it;
 - ``duplicate=0.05``: an observation whose base nearly duplicates a pooled anchor's (values within
   5 %) refreshes that anchor instead of joining the pool (no duplicate anchors);
 - ``learn_dense=True``: pools learn from every exact delta a dense span gives, not only rejections;
@@ -28,7 +31,7 @@ the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
   it; the rows past the longest anchor are reused uncorrected.
 
 ``profile="reference"`` sets ``agreement=0, nearest=0, duplicate=0, learn_dense=False, turn_fallback="turn",
-piecewise=False``:
+piecewise=False, trust_agreement=False``:
 the accept/reject decisions of the authors' code. Options given beside a profile win over it.
 
 Sources (``output_source`` for agent outputs, ``text_source`` for the request's question,
@@ -123,6 +126,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "learn_dense": True,
         "turn_fallback": "span",
         "piecewise": True,
+        "trust_agreement": True,
     },
     "reference": {
         "agreement": 0.0,
@@ -131,6 +135,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "learn_dense": False,
         "turn_fallback": "turn",
         "piecewise": False,
+        "trust_agreement": False,
     },
 }
 
@@ -172,7 +177,7 @@ class KVCMAS(PrefixReuse, Method):
         profile: ``"reuse"`` (default: the gate also accepts agreeing corrections, near-duplicate
             anchors refresh, pools learn from every dense span, span fallback, piecewise correction)
             or ``"reference"`` (every rule of the authors' code at once). It sets ``agreement``,
-            ``nearest``, ``duplicate``, ``learn_dense``, ``turn_fallback`` and ``piecewise`` unless
+            ``nearest``, ``trust_agreement``, ``duplicate``, ``learn_dense``, ``turn_fallback`` and ``piecewise`` unless
             they are given (module docstring).
         agreement: the gate's agreement rule (``None``: the profile's, 0.3 / 0): where the entropy
             rule rejects, accept when, for every consumer the candidate anchors hold a delta for,
@@ -185,6 +190,10 @@ class KVCMAS(PrefixReuse, Method):
             the profile's, 0.5 / 0; 0: off): a correction observed on other content (another output of
             the producer) is not applied. The rank-32 base of the same text sits at about 0.3 on the
             embedded model; other text at 1 or more. Slot scope only.
+        trust_agreement: a far candidate (``nearest``) is still accepted when the anchors'
+            corrections agree (the agreement rule's test, ``agreement``); ``False``: every acceptance
+            needs a near candidate (the rule before 2026-12-06). ``None``: the profile's, ``True`` /
+            ``False``. Slot scope only; not a state option.
         duplicate: an observation whose base's values are within this fraction of a pooled anchor's
             (same source, same length) refreshes that anchor instead of joining the pool (``None``:
             the profile's, 0.05 / 0; 0: off). Slot scope only.
@@ -308,7 +317,12 @@ class KVCMAS(PrefixReuse, Method):
     state_keys: ClassVar[tuple[str, ...] | None] = ("pools", "next_request", "evicted", "prefixes")
     #: knobs a saved state need not match: the deferred base is factorized at save (same content);
     #: ``piecewise`` is a placement rule over the same pools
-    state_fields: ClassVar[tuple[str, ...]] = ("defer_base", "defer_factorization", "piecewise")
+    state_fields: ClassVar[tuple[str, ...]] = (
+        "defer_base",
+        "defer_factorization",
+        "piecewise",
+        "trust_agreement",
+    )
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
         "key_frame": "canonical",
@@ -359,6 +373,7 @@ class KVCMAS(PrefixReuse, Method):
     duplicate: float | None = None
     learn_dense: bool | None = None
     piecewise: bool | None = None
+    trust_agreement: bool | None = None
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -424,6 +439,7 @@ class KVCMAS(PrefixReuse, Method):
             "defer_factorization",
             "learn_dense",
             "piecewise",
+            "trust_agreement",
         ):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
