@@ -197,6 +197,52 @@ def test_relative_spread_reads_as_documented():
         relative_spread([x, x], 6)
 
 
+# ------------------------------------------------------------------ the chained question, gated
+def test_a_per_edge_decision_judges_its_own_consumers_corrections():
+    """A chained question is gated by each consumer on its own: ``agent`` judges that consumer's
+    corrections alone. Two anchors (other requests' questions, far from the candidate) whose
+    corrections for the coder agree and for the designer disagree: the coder's edge is accepted, the
+    designer's refused, and a slot decision (every consumer's) refuses."""
+    delta, other, far = random_kv(6, seed=2), random_kv(6, seed=4), random_kv(6, seed=9)
+    method = KVCMAS()
+    pool = method.scope.pool("task")
+    base = random_kv(6, seed=1)
+    for origin, designer in enumerate((delta, other)):
+        anchor = _anchor(base, delta, origin)  # the coder's: the same correction twice
+        anchor.deltas["designer"] = FactoredKV.from_kv(designer.keys, designer.values, None)
+        pool.insert(anchor)
+    coder, _, _ = method.scope.gate("task", far, agent="coder")
+    assert coder.accepted and coder.reason.startswith("anchors agree: delta spread 0 (worst: 'coder')")
+    designer, _, _ = method.scope.gate("task", far, agent="designer")
+    assert not designer.accepted and "anchors disagree: delta spread" in designer.reason
+    assert "(worst: 'designer')" in designer.reason
+    assert not method.scope.gate("task", far)[0].accepted
+    assert (
+        "no anchor holds a correction for 'critic'"
+        in method.scope.gate("task", far, agent="critic")[0].reason
+    )
+
+
+def test_the_chained_question_is_gated_under_reuse_and_ungated_under_reference(
+    reuse_run, tiny_llama, tokenizer
+):
+    """The stress workload's case: the reference admits a chained question ungated (corrected with
+    deltas observed on other requests' questions); ``gate_chained`` (``profile="reuse"``) gates each
+    consumer's edge, so a later hop's question is accepted (its corrections agree) or prefilled and
+    learned, never corrected ungated."""
+    _, results = reuse_run
+    gates = [r.cache.segment("task").info.get("gate") for r in results]
+    assert gates[0] == "first" and "ungated" not in gates, gates
+    for r in results:
+        seg = r.cache.segment("task")
+        if seg.provenance == "corrected":
+            assert seg.info["gate"] == "accepted" and seg.info["tau"] == 0.3
+        elif seg.info["gate"] == "fallback":
+            assert seg.info["reason"], seg.info
+    assert KVCMAS(profile="reference").gate_chained is False and KVComm().gate_chained is False
+    assert KVCMAS(profile="reference", gate_chained=True).gate_chained  # given options win
+
+
 # ------------------------------------------------------------------ a span longer than every anchor
 def _longer(kv: SegmentKV, extra: int) -> SegmentKV:
     """``kv`` followed by ``extra`` other rows: the same text, then more."""

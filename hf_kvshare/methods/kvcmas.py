@@ -21,6 +21,10 @@ the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
 - ``trust_agreement=True``: ... unless the anchors' corrections agree: a candidate far from every
   anchor is accepted when the agreement rule's test passes (a correction that repeats over other
   content does not depend on the content); anchors that disagree, or a correction seen once, refuse it;
+- ``gate_chained=True``: a chained question (the reference admits it ungated, corrected with deltas
+  observed on other requests' questions) is gated too, by each consumer on its own source and its
+  own corrections (as ``gating="paper"`` gates it, with the rules above): where they disagree the
+  span is prefilled and its exact delta learned;
 - ``duplicate=0.05``: an observation whose base nearly duplicates a pooled anchor's (values within
   5 %) refreshes that anchor instead of joining the pool (no duplicate anchors);
 - ``learn_dense=True``: pools learn from every exact delta a dense span gives, not only rejections;
@@ -31,7 +35,7 @@ the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
   it; the rows past the longest anchor are reused uncorrected.
 
 ``profile="reference"`` sets ``agreement=0, nearest=0, duplicate=0, learn_dense=False, turn_fallback="turn",
-piecewise=False, trust_agreement=False``:
+piecewise=False, trust_agreement=False, gate_chained=False``:
 the accept/reject decisions of the authors' code. Options given beside a profile win over it.
 
 Sources (``output_source`` for agent outputs, ``text_source`` for the request's question,
@@ -127,6 +131,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "turn_fallback": "span",
         "piecewise": True,
         "trust_agreement": True,
+        "gate_chained": True,
     },
     "reference": {
         "agreement": 0.0,
@@ -136,6 +141,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "turn_fallback": "turn",
         "piecewise": False,
         "trust_agreement": False,
+        "gate_chained": False,
     },
 }
 
@@ -177,7 +183,7 @@ class KVCMAS(PrefixReuse, Method):
         profile: ``"reuse"`` (default: the gate also accepts agreeing corrections, near-duplicate
             anchors refresh, pools learn from every dense span, span fallback, piecewise correction)
             or ``"reference"`` (every rule of the authors' code at once). It sets ``agreement``,
-            ``nearest``, ``trust_agreement``, ``duplicate``, ``learn_dense``, ``turn_fallback`` and ``piecewise`` unless
+            ``nearest``, ``trust_agreement``, ``gate_chained``, ``duplicate``, ``learn_dense``, ``turn_fallback`` and ``piecewise`` unless
             they are given (module docstring).
         agreement: the gate's agreement rule (``None``: the profile's, 0.3 / 0): where the entropy
             rule rejects, accept when, for every consumer the candidate anchors hold a delta for,
@@ -194,6 +200,11 @@ class KVCMAS(PrefixReuse, Method):
             corrections agree (the agreement rule's test, ``agreement``); ``False``: every acceptance
             needs a near candidate (the rule before 2026-12-06). ``None``: the profile's, ``True`` /
             ``False``. Slot scope only; not a state option.
+        gate_chained: a chained given text (the question, hop to hop) is gated by each consumer on its
+            own source, judging its own corrections (``agreement``), as ``gating="paper"`` gates it;
+            a rejection prefills the span (``turn_fallback``) and learns its exact delta. ``False``:
+            admitted ungated (the reference). ``None``: the profile's, ``True`` / ``False``. Slot
+            scope only; not a state option.
         duplicate: an observation whose base's values are within this fraction of a pooled anchor's
             (same source, same length) refreshes that anchor instead of joining the pool (``None``:
             the profile's, 0.05 / 0; 0: off). Slot scope only.
@@ -322,6 +333,7 @@ class KVCMAS(PrefixReuse, Method):
         "defer_factorization",
         "piecewise",
         "trust_agreement",
+        "gate_chained",
     )
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
@@ -374,6 +386,7 @@ class KVCMAS(PrefixReuse, Method):
     learn_dense: bool | None = None
     piecewise: bool | None = None
     trust_agreement: bool | None = None
+    gate_chained: bool | None = None
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -440,6 +453,7 @@ class KVCMAS(PrefixReuse, Method):
             "learn_dense",
             "piecewise",
             "trust_agreement",
+            "gate_chained",
         ):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
