@@ -149,11 +149,14 @@ class SlotScope(Scope):
         self, pool_key: str, candidate: SegmentKV, agent: str | None = None
     ) -> tuple[GateDecision, list[Anchor], torch.Tensor | None]:
         """The reference gate (``predict_as_anchor``) of ``candidate`` against pool ``pool_key``, and
-        the rules beyond it (module docstring); ``agent``: the corrections judged are that consumer's
-        alone (a per-edge decision), else every consumer's."""
+        the rules beyond it (module docstring); ``agent`` (a per-edge decision): over the anchors
+        holding that consumer's correction alone (those its placement reads), judging its corrections
+        only; else over every anchor, judging every consumer's."""
         o = self.options
         pool = self.pools.get(pool_key)
-        anchors = list(pool) if pool is not None else []
+        anchors = [] if pool is None else list(pool) if agent is None else pool.with_delta(agent)
+        if agent is not None and not anchors:  # as an ungated span says it (``turn_fallback="span"``)
+            return GateDecision(False, f"no anchor holds a correction for {agent!r}"), [], None
         length = candidate.length
         if o.match == "full":
             rows, eligible = length, [a for a in anchors if a.length >= length]
