@@ -95,7 +95,8 @@ class SlotScope(Scope):
                 continue
             if self.gated(turn, span.name):
                 key = self.decision_key(turn, span.name)
-                agent = turn.agent if self.per_edge(turn, span.name) else None  # its own decision
+                # gate_chained: a per-edge decision judges its consumer's corrections (paper: every anchor)
+                agent = turn.agent if o.gate_chained and self.per_edge(turn, span.name) else None
                 edge.decision = self.decide(turn, key, source, pool=edge.pool, agent=agent)
                 edge.candidates, edge.distances = self.gate_report(turn, key)
             pool = self.pools.get(edge.pool)

@@ -73,7 +73,7 @@ the reference's conditions (``update_condition_anchor`` in both authors' codes) 
 (``observation_source="lead"``): prefilled once per request after BOS + chat header + a lead-in that
 are dropped, gated once per (slot, request) by the first consumer, anchored on rejection, corrected on
 acceptance, never chained. ``observation_source="question"`` reads them as the question (the reading
-before kinds: for KVCMAS chained and ungated). ``gating="paper"`` is the paper's text (A.3): every PH
+before kinds: for KVCMAS chained and ungated; gated per edge with ``gate_chained``). ``gating="paper"`` is the paper's text (A.3): every PH
 span gated, the question included, fewer than two compatible anchors → dense.
 
 ``guard=True`` (ours, beyond the paper) shrinks each layer's correction toward zero by a held-out
@@ -235,7 +235,7 @@ class KVCMAS(PrefixReuse, Method):
             corrected on acceptance, never chained; a pool per slot), ``"context_free"`` (the same
             prefilled alone), or ``"question"`` (read exactly as the question: ``text_source`` and its
             gating; the reading before kinds existed, under which KVCMAS's observations were chained
-            and never gated).
+            and never gated: with ``gate_chained=False``).
         gating: ``"reference"`` (the authors' code: outputs and observations gated once per (slot,
             request); the question gated only when its source is a reference prefill, as KVComm's,
             never when chained / first, as KVCMAS's) or ``"paper"`` (the paper's text, A.3: every PH
