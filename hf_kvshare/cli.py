@@ -247,6 +247,25 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-store-bytes", type=int, default=2 << 30, help="bound of the captured K/V")
     parser.add_argument("--max-tasks", type=int, default=1024, help="tasks (requests' workflows) kept")
+    parser.add_argument(
+        "--max-prefix-bytes",
+        type=int,
+        default=None,
+        help="bound of the agents' kept text (prefix_reuse; default a quarter of --max-store-bytes, at most 256 MiB)",
+    )
+    parser.add_argument(
+        "--max-anchor-bytes",
+        type=int,
+        default=None,
+        help="bound of the anchor pools (kvcmas, kvcomm; default 1 GiB, or the method's smaller max_pool_bytes)",
+    )
+    parser.add_argument(
+        "--max-read-back-bytes",
+        type=int,
+        default=None,
+        help="bound of the finished requests' K/V waiting for their record (default 2 GiB); one past it "
+        "is not recorded (reported, counted)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for vLLM")
     parser.add_argument(
         "--inline-admission",
@@ -289,6 +308,9 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
             f"--max-store-bytes and --max-tasks must be positive (a store that holds nothing shares nothing: "
             f"use --method nonshared); got {args.max_store_bytes} and {args.max_tasks}"
         )
+    for flag in ("max_prefix_bytes", "max_anchor_bytes", "max_read_back_bytes"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be 0 or more bytes; got {getattr(args, flag)}")
     from .method import get_method
     from .serving.host import check_serving_method, serving_options
     from .serving.server import check_vllm_args
@@ -317,6 +339,9 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
             vllm_args=vllm_args,
             max_bytes=args.max_store_bytes,
             max_tasks=args.max_tasks,
+            max_prefix_bytes=args.max_prefix_bytes,
+            max_anchor_bytes=args.max_anchor_bytes,
+            max_read_back_bytes=args.max_read_back_bytes,
             background=not args.inline_admission,
             read_back_channel=not args.no_read_back_channel,
         )

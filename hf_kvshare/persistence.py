@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .bounded_read import InputFileError, read_input
 from .identity import ModelFingerprint, model_fingerprint
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 STATE_FORMAT = 2
 STATE_FORMATS = (1, 2)
 STATE_JSON = "state.json"
+#: the largest ``state.json`` read (the header: options, fingerprint, metadata, the tensors' index)
+MAX_STATE_JSON = 64 * 2**20
 STATE_TENSORS = "state.safetensors"
 #: the key of the checksum in ``state.json`` and in the safetensors file's metadata
 CHECKSUM = "checksum"
@@ -356,8 +359,8 @@ def _read_state(
     from safetensors import safe_open
 
     try:
-        header = json.loads(header_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError, RecursionError) as error:
+        header = json.loads(read_input(header_path, "a saved state's header", MAX_STATE_JSON).decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError, RecursionError, InputFileError) as error:
         raise ValueError(f"{header_path}: not a saved method state ({error})") from error
     if not isinstance(header, dict) or header.get("format") not in STATE_FORMATS:
         got = header.get("format") if isinstance(header, dict) else header

@@ -41,6 +41,9 @@
   ``mrope.py`` (and ``_compat.py``).
 - images are opened in one place: only ``vision.open_image`` (the pixel limit checked from the file's
   header before decoding) calls ``Image.open``.
+- a file given by path is read in one place: only ``bounded_read.read_input`` opens a file without
+  blocking (``O_NONBLOCK``: a FIFO never hangs, the type and size checked on the descriptor before a
+  read); ``bounded_read`` is a leaf.
 - a method's options are checked where they are set: no method overrides ``Method.__setattr__``,
   which re-runs the constructor's checks for an option assigned after construction.
 - why a span was not shared is classified in one place: ``reasons.py`` (the vocabulary of causes) is a
@@ -49,8 +52,14 @@
   no ``hf_kvshare`` module and no tensor library; the serving layout finds its pieces through it
   (``matching.match``), and only ``request.py`` builds a piece of a slot (``Slot(..., piece_of=...)``,
   :meth:`hf_kvshare.request.Request.piece_slot`), which neither host redefines.
+- vLLM's multimodal features are read in one place: only ``serving/layout.py`` (``images_of``) names
+  their fields (``mm_position``, ``mm_hash``): images are spans found by vLLM's hash, never by tokens.
 - agent frameworks: the examples that drive ``hf-kvshare serve`` through the OpenAI Agents SDK and
   LangGraph are plain clients (no ``hf_kvshare`` import, no layout field).
+- every store is bounded by bytes: each budget of ``serving.host.BUDGETS`` is a keyword of
+  ``Sharing.__init__`` and of the launcher's ``Server``, an ``hf-kvshare serve`` flag, and reaches the
+  connector (``make_sharing`` reads ``BUDGETS``); ``Sharing.stores`` reports each store's ``bytes``,
+  ``max_bytes`` and evictions.
 """
 
 from __future__ import annotations
@@ -789,6 +798,22 @@ def test_serving_modules_keep_no_module_state():
     assert not bad, "mutable module-level state in hf_kvshare.serving:\n" + "\n".join(bad)
 
 
+#: the fields of vLLM's ``MultiModalFeatureSpec`` the server reads (an image's place and hash)
+MM_FIELDS = ("mm_position", "mm_hash")
+
+
+def test_vllms_multimodal_features_are_read_in_one_place():
+    """Only ``serving/layout.py`` (``images_of``) names a multimodal feature's fields, as an attribute
+    or a string: every image the server plans is a span found by vLLM's hash, not by its tokens."""
+    readers = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            field = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+            if isinstance(node, (ast.Attribute, ast.Constant)) and field in MM_FIELDS:
+                readers.add(name)
+    assert readers == {"hf_kvshare.serving.layout"}, readers
+
+
 def test_the_module_state_finder_finds_it():
     tree = ast.parse(
         "__all__ = ['f']\nA = (1, 2)\nB = frozenset({1})\n_R: dict[str, int] = {}\nif True:\n    L = threading.Lock()\n"
@@ -1337,3 +1362,115 @@ def test_every_gate_rule_beyond_the_reference_is_a_profile_knob_the_reference_tu
     assert {k: defaults[k] for k in reuse if defaults[k] is not None} == {}, "a profile knob with a default"
     on = {k: v for k, v in reference.items() if not (v is False or (isinstance(v, float) and v == 0))}
     assert on == {"turn_fallback": "turn"}, f"rules the reference profile leaves on: {on}"
+
+
+# ------------------------------------------------------------------ files given by path: one bounded read
+def test_files_given_by_path_are_read_in_one_bounded_place():
+    """A saved state's ``state.json``, a method option's file and the bench's inputs are read by
+    ``bounded_read.read_input`` (a regular file of at most a stated size, checked on the descriptor it
+    opened without blocking): no other module opens a file with ``O_NONBLOCK``, and the module imports
+    no hf_kvshare module."""
+    openers = [
+        name
+        for name, path in MODULES.items()
+        if "O_NONBLOCK" in path.read_text() and name != f"{ROOT}.bounded_read"
+    ]
+    assert not openers, f"non-blocking opens outside bounded_read.read_input: {openers}"
+    tree = ast.parse(MODULES[f"{ROOT}.bounded_read"].read_text())
+    relative = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and (n.level or "hf_kvshare" in (n.module or ""))
+    ]
+    assert not relative, "bounded_read imports hf_kvshare modules"
+
+
+#: the one module that reads and writes vLLM's paged cache, and the calls that reach a backend's writer
+PAGED = f"{ROOT}.serving.paged"
+PAGED_WRITER_CALLS = frozenset({"do_kv_cache_update", "backend_writer"})
+
+
+def test_one_module_reaches_vllms_cache_writer():
+    """Only ``serving/paged.py`` calls an attention backend's cache writer (``do_kv_cache_update``) or
+    takes it (``backend_writer``): the connector reaches a layer's cache through ``paged.open_layer``,
+    whose start-up checks (MLA, shapes, dtype, the probed layout) every layer passes or is refused with
+    the reason and what works."""
+    calling = sorted(
+        name
+        for name, path in MODULES.items()
+        if name != PAGED and _callees(ast.parse(path.read_text())) & PAGED_WRITER_CALLS
+    )
+    assert not calling, f"modules calling vLLM's cache writer outside {PAGED}: {calling}"
+
+
+# ------------------------------------------------------------------ every store is bounded by bytes
+#: the module that names the stores' byte budgets (``BUDGETS``) and the places each must reach
+BUDGET_HOST = "hf_kvshare.serving.host"
+#: the ``hf-kvshare serve`` flag of a budget (``--max-<store>-bytes``; the slots' store is the store)
+BUDGET_FLAGS = {"max_bytes": "--max-store-bytes"}
+
+
+def tuple_constant(tree: ast.Module, name: str) -> tuple[str, ...]:
+    """The strings of the top-level ``name = (...)`` tuple of ``tree`` (empty when missing)."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            if isinstance(node.value, ast.Tuple):
+                return tuple(e.value for e in node.value.elts if isinstance(e, ast.Constant))
+    return ()
+
+
+def init_keywords(tree: ast.Module, cls: str) -> set[str]:
+    """The parameter names of ``cls.__init__`` in ``tree``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                    args = fn.args
+                    return {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
+    return set()
+
+
+def budget_flag(budget: str) -> str:
+    return BUDGET_FLAGS.get(budget, "--" + budget.replace("_", "-"))
+
+
+def test_every_store_has_a_byte_budget_from_the_cli_to_the_connector():
+    """A store's byte budget is an option all the way: ``Sharing``, the launcher's ``Server``, the
+    ``hf-kvshare serve`` flag, the connector's ``kv_connector_extra_config`` (``make_sharing`` reads
+    ``BUDGETS``), and ``Sharing.stores`` reports them (a budget that reaches one place only bounds
+    nothing the user can set)."""
+    host = ast.parse(MODULES[BUDGET_HOST].read_text())
+    budgets = tuple_constant(host, "BUDGETS")
+    assert "max_bytes" in budgets and len(budgets) >= 4, budgets
+    server = ast.parse(MODULES["hf_kvshare.serving.server"].read_text())
+    cli = MODULES["hf_kvshare.cli"].read_text()
+    scheduler = ast.parse(MODULES["hf_kvshare.serving.connector_scheduler"].read_text())
+    make = next(n for n in ast.walk(scheduler) if isinstance(n, ast.FunctionDef) and n.name == "make_sharing")
+    missing = [
+        f"{budget}: {where}"
+        for budget in budgets
+        for where, ok in (
+            ("a keyword of Sharing.__init__", budget in init_keywords(host, "Sharing")),
+            ("a keyword of Server.__init__", budget in init_keywords(server, "Server")),
+            (f"the serve flag {budget_flag(budget)}", f'"{budget_flag(budget)}"' in cli),
+        )
+        if not ok
+    ]
+    if not any(isinstance(n, ast.Name) and n.id == "BUDGETS" for n in ast.walk(make)):
+        missing.append("make_sharing does not read BUDGETS from kv_connector_extra_config")
+    stores = next(n for n in ast.walk(host) if isinstance(n, ast.FunctionDef) and n.name == "stores")
+    keys = {n.value for n in ast.walk(stores) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    missing += [
+        f"Sharing.stores reports no {key!r}" for key in ("bytes", "max_bytes", "evicted") if key not in keys
+    ]
+    assert not missing, "store budgets that do not reach every place:\n" + "\n".join(missing)
+
+
+def test_the_budget_finders_find_them():
+    tree = ast.parse("B = ('a', 'b')\nclass S:\n    def __init__(self, x, *, y=1):\n        pass\n")
+    assert tuple_constant(tree, "B") == ("a", "b") and tuple_constant(tree, "C") == ()
+    assert init_keywords(tree, "S") == {"self", "x", "y"} and init_keywords(tree, "T") == set()
+    assert (
+        budget_flag("max_bytes") == "--max-store-bytes"
+        and budget_flag("max_anchor_bytes") == "--max-anchor-bytes"
+    )

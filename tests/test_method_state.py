@@ -1062,7 +1062,12 @@ ADVERSARIAL_STATE = [
         _dev_zero_tensors,
         r"holds no saved method state|not a readable",
     ),
-    _load_case("64 MiB of metadata", "kvcmas", _huge_header, r"does not save: \['comment'\]"),
+    _load_case(
+        "64 MiB of metadata",
+        "kvcmas",
+        _huge_header,
+        r"not a saved method state.*more than the 67108864 accepted",
+    ),
     _load_case(
         "the state dir a symlink to a state", "kvcmas", _symlinked_dir, None, check=_same_as_saved("kvcmas")
     ),
@@ -1204,3 +1209,29 @@ def test_adversarial_saved_state(case):
 
 
 ADVERSARIAL = ADVERSARIAL_STATE
+
+
+def test_a_state_json_that_is_no_small_regular_file_is_refused_unread(tiny_llama, tokenizer, tmp_path):
+    """``load_state`` reads ``state.json`` as one bounded read: a FIFO in its place is refused without
+    waiting on it, a (sparse) 2 GiB one without reading it; the method is left as it was."""
+    import os
+    import time
+
+    saved = METHODS["kvcmas"](tau=1.0)
+    request(tiny_llama, tokenizer, saved, QUERIES[0])
+    saved.save_state(tmp_path / "s")
+    method = METHODS["kvcmas"](tau=1.0)
+    before = (method.state_bytes(), method.state_summary())
+    header = tmp_path / "s" / "state.json"
+    header.unlink()
+    os.mkfifo(header)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="holds no saved method state"):
+        method.load_state(tmp_path / "s")
+    header.unlink()
+    with open(header, "wb") as file:
+        file.truncate(2 << 30)
+    with pytest.raises(ValueError, match="not a saved method state.*more than the 67108864 accepted"):
+        method.load_state(tmp_path / "s")
+    assert time.monotonic() - start < 10
+    assert (method.state_bytes(), method.state_summary()) == before

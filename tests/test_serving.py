@@ -724,13 +724,13 @@ def test_serving_states_the_observation_reading_it_runs(tiny_llama, tokenizer, c
 
 
 def test_a_vision_language_model_is_refused_before_serving(tmp_path):
-    """Placeholder tokens of different images are the same ids: token-matched sharing would give one
-    image another's K/V, so a VLM is refused with the reason (not an AutoModel error)."""
-    from tiny import tiny_vlm
+    """A vision-language family whose images serving cannot share (Qwen2-VL: multimodal RoPE; LLaVA-
+    OneVision is served, tests/test_serving_images.py) is refused with the reason (not an AutoModel error)."""
+    from tiny import tiny_qwen_vl
 
     from hf_kvshare.serving.host import skeleton_model
 
-    tiny_vlm().config.save_pretrained(tmp_path)
+    tiny_qwen_vl().config.save_pretrained(tmp_path)
     with pytest.raises(ServingError, match="vision-language model"):
         skeleton_model(tmp_path)
     from hf_kvshare.serving.server import Server
@@ -1046,6 +1046,29 @@ def test_a_plan_waits_only_for_its_own_tasks_records():
         sharing.hold.set()
         background.drain()
         assert sharing.log == ["record hold", "plan pC", "record rB", "plan pB", "record rA", "plan pA"]
+    finally:
+        sharing.hold.set()
+        background.close()
+
+
+def test_a_plan_handed_out_is_not_planned_again_by_a_late_prepare_until_released():
+    """The race behind the test below, in order: the scheduler's thread takes a request's plan, then the
+    read-back channel's thread prepares the same request (its record wait ended): no second plan. Once
+    the plan is released (a producer wait), preparing it plans it again."""
+    from hf_kvshare.serving.admission import Background
+
+    sharing = _Recorder()
+    background = Background(sharing, wait_s=1.0, running_wait_s=1.0)
+    try:
+        plan = background.plan("r", [1], layout("T", "r", []), 0)
+        assert plan is not None
+        background.prepare("r", [1], layout("T", "r", []))
+        background.drain()
+        assert [line for line in sharing.log if line.startswith("plan ")] == ["plan r"]
+        background.release(plan)
+        background.prepare("r", [1], layout("T", "r", []))
+        background.drain()
+        assert [line for line in sharing.log if line.startswith("plan ")] == ["plan r", "plan r"]
     finally:
         sharing.hold.set()
         background.close()

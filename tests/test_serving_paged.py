@@ -145,7 +145,7 @@ def test_the_probe_follows_the_writer_not_an_assumed_layout():
 @pytest.mark.parametrize(
     "cache, match",
     [
-        (torch.zeros(4, 2, 16, 2, 8), "standard attention cache"),  # a 5-D cache (older vLLM)
+        (torch.zeros(4, 3, 16, 2, 8), "standard attention cache"),  # 5-D without a K/V axis of 2
         (torch.zeros(4, 16, 576), "standard attention cache"),  # MLA's latent cache
         (torch.zeros(4, 2, 16, 7), "standard attention cache"),  # no K/V halves
         (torch.zeros(4, 2, 16, 16, dtype=torch.uint8), "quantized"),  # fp8 stored as uint8

@@ -1,4 +1,5 @@
-"""Anchor pools: one per PH slot (or per producing agent), bounded capacity, LFU-among-oldest eviction.
+"""Anchor pools: one per PH slot (or per producing agent), bounded capacity, LFU-among-oldest eviction;
+the pools of a method instance kept in an :class:`LRUDict`, bounded by count and by bytes.
 
 An :class:`Anchor` is one observation of a slot's content: the (canonical, factorized) cache it
 was corrected *from* (``base``: the producer's own output cache, the previous hop's cache of a
@@ -38,6 +39,17 @@ from .lowrank import (
 REFERENCE = "reference"
 
 
+def check_byte_budget(name: str, value: Any, optional: bool = False) -> int | None:
+    """A byte budget: an int >= 0 (``None`` too when ``optional``: no bound); anything else (a bool, a
+    float, a string, a negative number) raises ``ValueError`` naming ``name``. Returns ``value``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        allowed = "an int >= 0 (bytes) or None (no bound)" if optional else "an int >= 0 (bytes)"
+        raise ValueError(f"{name} must be {allowed}; got {value!r} ({type(value).__name__})")
+    return value
+
+
 class LRUDict(OrderedDict):
     """A dict of at most ``limit`` entries: storing past it evicts the least recently used one.
 
@@ -45,17 +57,26 @@ class LRUDict(OrderedDict):
     not (a turn reads while it builds and must change nothing until it is recorded). ``evicted``
     counts the entries evicted so far.
 
+    ``max_bytes`` (entries with an ``nbytes``; ``None``: no bound) bounds the entries' bytes too:
+    :meth:`trim`, called by the owner once an entry may have grown (a record), drops the least recently
+    used entries, and the last one left sheds parts of itself (its ``shed()``: an anchor pool drops one
+    anchor) or goes too, until the bytes are within the budget. ``evicted_for_bytes`` counts the entries
+    and parts dropped so.
+
     >>> pools = LRUDict(2); pools["a"], pools["b"], pools["c"] = 1, 2, 3  # doctest: +SKIP
     >>> list(pools), pools.evicted  # doctest: +SKIP
     (['b', 'c'], 1)
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, max_bytes: int | None = None):
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"the limit of an LRUDict must be an int >= 1, got {limit!r}")
+        check_byte_budget("the max_bytes of an LRUDict", max_bytes, optional=True)
         super().__init__()
         self.limit = limit
+        self.max_bytes = max_bytes
         self.evicted = 0
+        self.evicted_for_bytes = 0
 
     def __setitem__(self, key, value) -> None:
         if key in self:
@@ -69,6 +90,28 @@ class LRUDict(OrderedDict):
         """Mark ``key`` as the most recently used (no-op when absent)."""
         if key in self:
             self.move_to_end(key)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the entries (their ``nbytes``)."""
+        return sum(entry.nbytes for entry in self.values())
+
+    def trim(self) -> None:
+        """Within ``max_bytes`` (see the class docstring); nothing without a byte bound."""
+        if self.max_bytes is None:
+            return
+        held = self.nbytes
+        while self and held > self.max_bytes:
+            oldest = next(iter(self))
+            entry = super().__getitem__(oldest)
+            shed = getattr(entry, "shed", None)
+            if len(self) == 1 and shed is not None and shed():
+                held = entry.nbytes
+            else:
+                self.popitem(last=False)
+                self.evicted += 1
+                held -= entry.nbytes
+            self.evicted_for_bytes += 1
 
 
 class Deltas(dict):
@@ -312,6 +355,16 @@ class AnchorPool:
         self._serial += 1
         self.anchors.append(anchor)
         return evicted
+
+    def shed(self) -> bool:
+        """Drop the anchor :meth:`insert` would evict (the pool's bytes over a budget); ``False`` when
+        empty."""
+        if not self.anchors:
+            return False
+        dropped = self.eviction_candidate()
+        self.anchors = [a for a in self.anchors if a is not dropped]
+        self.evicted += 1
+        return True
 
     @property
     def nbytes(self) -> int:

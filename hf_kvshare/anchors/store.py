@@ -43,17 +43,27 @@ class BoundedStore:
         limit: entries kept; past it the least recently used one is dropped (and counted).
         to_state, from_state: the entries as named tensors plus metadata and back
             (:mod:`~hf_kvshare.anchors.persist`).
+        max_bytes: the entries' bytes (``None``: no bound): :meth:`trim` keeps them within it
+            (:meth:`LRUDict.trim <hf_kvshare.anchors.pool.LRUDict.trim>`).
     """
 
-    def __init__(self, owner: str, kind: str, limit: int, to_state: ToState, from_state: FromState):
-        self.owner, self.kind, self.limit = owner, kind, limit
+    def __init__(
+        self,
+        owner: str,
+        kind: str,
+        limit: int,
+        to_state: ToState,
+        from_state: FromState,
+        max_bytes: int | None = None,
+    ):
+        self.owner, self.kind, self.limit, self.max_bytes = owner, kind, limit, max_bytes
         self._to_state, self._from_state = to_state, from_state
-        self.entries: LRUDict = LRUDict(limit)
+        self.entries: LRUDict = LRUDict(limit, max_bytes)
         self.requests = RequestStates()
 
     def clear(self) -> None:
         """Drop every entry and every request's state (the next request uid is kept)."""
-        self.entries = LRUDict(self.limit)
+        self.entries = LRUDict(self.limit, self.max_bytes)
         self.requests.clear()
 
     def export(self, table: TensorTable) -> dict[str, Any]:
@@ -96,10 +106,20 @@ class BoundedStore:
     def replace(self, entries: dict[Any, Any], next_uid: int, evicted: int) -> None:
         """Replace the entries (in the saved order: least recently used first) and drop the state of
         live requests; the next request gets uid ``next_uid``."""
-        self.entries = LRUDict(self.limit)
+        self.entries = LRUDict(self.limit, self.max_bytes)
         self.entries.update(entries)
         self.entries.evicted = evicted
         self.requests = RequestStates(next_uid)
+        self.trim()
+
+    def bound_bytes(self, max_bytes: int | None) -> None:
+        """Keep the entries within ``max_bytes`` from now on (``None``: no bound), trimmed at once."""
+        self.max_bytes = self.entries.max_bytes = max_bytes
+        self.trim()
+
+    def trim(self) -> None:
+        """The entries within ``max_bytes``: least recently used dropped first (counted)."""
+        self.entries.trim()
 
     def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """:meth:`read` then :meth:`replace`."""
@@ -111,11 +131,15 @@ class BoundedStore:
         return sum(entry.nbytes for entry in self.entries.values())
 
     def summary(self) -> dict[str, Any]:
-        """``{kind: count, max_<kind>: limit, evicted_<kind>: evictions}``."""
+        """``{kind: count, max_<kind>: limit, evicted_<kind>: evictions}`` and the bytes:
+        ``<kind>_bytes``, ``max_<kind>_bytes`` (``None``: no bound), ``<kind>_evicted_for_bytes``."""
         return {
             self.kind: len(self.entries),
             f"max_{self.kind}": self.entries.limit,
             f"evicted_{self.kind}": self.entries.evicted,
+            f"{self.kind}_bytes": self.nbytes,
+            f"max_{self.kind}_bytes": self.max_bytes,
+            f"{self.kind}_evicted_for_bytes": self.entries.evicted_for_bytes,
         }
 
 

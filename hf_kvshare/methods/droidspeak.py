@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..bounded_read import InputFileError, read_input
 from ..method import register
 from ..recompute.layers import SegmentRecompute
 from ..recompute.selection import layer_deviation_profile, select_layer_groups
@@ -205,25 +205,24 @@ def _read_profile(path: Path) -> Sequence[float]:
         "droidspeak ...`"
     )
     try:
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise ValueError(f"layer_profile {str(path)!r}: no such file ({expected})") from None
-    except (OSError, ValueError) as error:  # ValueError: a NUL byte in the path
-        raise ValueError(
-            f"layer_profile {str(path)!r}: cannot be read ({getattr(error, 'strerror', None) or error})"
-        ) from error
-    mode = os.fstat(descriptor).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(descriptor)
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
-        raise ValueError(f"layer_profile {str(path)!r} is {kind}; {expected}")
-    with os.fdopen(descriptor, "rb") as file:
-        raw = file.read(MAX_PROFILE_BYTES + 1)
-    if len(raw) > MAX_PROFILE_BYTES:
-        raise ValueError(
-            f"layer_profile file {str(path)!r} is over {MAX_PROFILE_BYTES} bytes; a layer profile is one "
-            "number per layer"
-        )
+        raw = read_input(path, "layer_profile", MAX_PROFILE_BYTES)
+    except InputFileError as error:
+        name = str(path)
+        if error.reason == "missing":
+            raise ValueError(f"layer_profile {name!r}: no such file ({expected})") from None
+        if error.reason == "not_regular":
+            kind = (
+                "a directory"
+                if error.kind == "directory"
+                else "not a regular file (a device, FIFO or socket)"
+            )
+            raise ValueError(f"layer_profile {name!r} is {kind}; {expected}") from None
+        if error.reason == "too_large":
+            raise ValueError(
+                f"layer_profile file {name!r} is over {MAX_PROFILE_BYTES} bytes; a layer profile is one "
+                "number per layer"
+            ) from None
+        raise ValueError(f"layer_profile {name!r}: cannot be read ({error})") from None
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:

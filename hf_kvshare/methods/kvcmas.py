@@ -110,6 +110,7 @@ from ..anchors.cache import CorrectedCache
 from ..anchors.edge_scope import EdgeScope
 from ..anchors.lowrank import SVD_METHODS
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
+from ..anchors.pool import check_byte_budget
 from ..anchors.scope import Scope
 from ..anchors.slot_scope import SlotScope
 from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
@@ -295,6 +296,13 @@ class KVCMAS(PrefixReuse, Method):
         max_pools: pools kept by the instance (one per producing agent or PH slot name); past it the
             least recently used pool (read or written by a recorded turn) is dropped, so a workload
             with a new name per request (``doc{i}``) stays bounded. :meth:`state_summary` reports it.
+        max_pool_bytes: bytes the instance's anchor pools may hold (``None``, default: bounded by
+            ``max_pools`` and ``capacity`` only). After each record the least recently used pools are
+            dropped whole, then the last pool's anchors by its own eviction rule, until the pools' bytes
+            are within it; :meth:`state_summary` reports ``pools_bytes``, ``max_pools_bytes`` and
+            ``pools_evicted_for_bytes``. ``hf-kvshare serve`` sets it (``--max-anchor-bytes``); the
+            kept PF text has its own bound (:meth:`~hf_kvshare.methods.prefix_reuse.PrefixReuse.bound_prefixes`).
+            Not a state option (a state loads either way, then is trimmed to it).
         defer_base: the base of an anchor whose source is chained (the question, hop to hop) is
             factorized on its first read, at save, or when the request ends, instead of when the
             anchor is stored: the next consumer's rebase (the reference's ``entry.update``) replaces
@@ -334,6 +342,7 @@ class KVCMAS(PrefixReuse, Method):
         "piecewise",
         "trust_agreement",
         "gate_chained",
+        "max_pool_bytes",
     )
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
@@ -377,6 +386,7 @@ class KVCMAS(PrefixReuse, Method):
     prefix_reuse: bool = True
     prefix_scope: str = "agent"
     max_pools: int = 64
+    max_pool_bytes: int | None = None
     defer_base: bool = False
     defer_factorization: bool = False
     profile: str = "reuse"
@@ -459,7 +469,10 @@ class KVCMAS(PrefixReuse, Method):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
         if isinstance(self.max_pools, bool) or not isinstance(self.max_pools, int) or self.max_pools < 1:
             raise ValueError(f"{self.name}: max_pools must be an int >= 1, got {self.max_pools!r}")
-        self._store = BoundedStore(self.name, "pools", self.max_pools, pools_to_state, pools_from_state)
+        check_byte_budget(f"{self.name}: max_pool_bytes", self.max_pool_bytes, optional=True)
+        self._store = BoundedStore(
+            self.name, "pools", self.max_pools, pools_to_state, pools_from_state, self.max_pool_bytes
+        )
 
     @property
     def uses_sources(self) -> bool:  # type: ignore[override]
@@ -539,7 +552,19 @@ class KVCMAS(PrefixReuse, Method):
             **self._store.summary(),
             "anchors": sum(len(p) for p in self.pools.values()),
             "prefixes": len(self.__dict__.get("_kept_prefixes", {})),
+            **self.prefix_summary(),
         }
+
+    def _checked_options(self) -> frozenset[str]:
+        """``max_pool_bytes`` assigned later is checked as the constructor checks it, though a saved
+        state need not match it (:attr:`state_fields`); it applies from the next record on."""
+        return super()._checked_options() | {"max_pool_bytes"}
+
+    def bound_pools(self, max_bytes: int | None) -> None:
+        """Keep the anchor pools within ``max_bytes`` from now on (``max_pool_bytes``), trimmed at once;
+        a bad value changes nothing."""
+        self.max_pool_bytes = max_bytes  # checked (Method.__setattr__)
+        self._store.bound_bytes(max_bytes)
 
     def pool_report(self) -> list[dict[str, Any]]:
         return [pool.describe() for pool in self.pools.values()]
@@ -596,6 +621,7 @@ class KVCMAS(PrefixReuse, Method):
         self.scope.learn(turn, cache)
         super().record(turn, cache)  # PrefixReuse: keep the agent's newly computed PF text
         self.scope.commit(turn)
+        self._store.bound_bytes(self.max_pool_bytes)  # the pools' bytes, as set now, after the record
 
     def deferred_work(self) -> list[Callable[[], None]]:
         """The anchors' factorizations the records left for later (``defer_factorization``)."""

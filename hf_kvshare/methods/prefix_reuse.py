@@ -127,6 +127,16 @@ class PrefixReuse:
         held = sum(kv.nbytes for kv in store.values())
         while store and (len(store) > self.PREFIX_LIMIT or held > budget):
             held -= store.popitem(last=False)[1].nbytes
+            self.__dict__["_prefixes_evicted"] = self.__dict__.get("_prefixes_evicted", 0) + 1
+
+    def prefix_summary(self) -> dict[str, int]:
+        """The kept PF text across requests: ``prefix_bytes`` held, ``max_prefix_bytes`` (its budget)
+        and ``prefixes_evicted`` (least recently used entries dropped, by count or bytes)."""
+        return {
+            "prefix_bytes": self.prefix_state_bytes(),
+            "max_prefix_bytes": self.__dict__.get("_prefix_max_bytes", self.PREFIX_MAX_BYTES),
+            "prefixes_evicted": self.__dict__.get("_prefixes_evicted", 0),
+        }
 
     def prefix_state_bytes(self) -> int:
         """Bytes of the PF K/V kept across requests (``prefix_scope="agent"``)."""

@@ -57,6 +57,7 @@ import functools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -103,6 +104,10 @@ class _Job:
 #: what a queued plan can wait behind on the thread (its report's ``plan_behind``): a record (or release)
 #: of its own task (the one it must see), another task's, a record's deferred work (``settle``), another
 #: plan, the store's summary refreshed after each job
+#: request ids whose plan :meth:`Background.plan` handed to the scheduler, remembered (at most this
+#: many, oldest forgotten first) so that a late :meth:`Background.prepare` of the same request (the
+#: read-back channel's thread, after a record it waited for) does not plan it a second time
+HANDED_MAX = 4096
 BEHIND_KINDS = ("task record", "other record", "settle", "plan", "summary")
 
 
@@ -148,6 +153,7 @@ class Background:
         self.running_wait_s = float(running_wait_s)
         self.max_queued_records = max_queued_records
         self._pending: dict[str, tuple[tuple[int, float], _Job]] = {}  # id -> ((hit, asked at), plan job)
+        self._handed: OrderedDict[str, None] = OrderedDict()  # plans handed out, not released (HANDED_MAX)
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
         self._running: _Job | None = None
@@ -166,7 +172,7 @@ class Background:
         """Start the request's plan when it arrives (vLLM's ``on_new_request``), so it runs while the
         engine finishes the step in progress; :meth:`plan` at admission claims from vLLM's hit."""
         with self._cond:  # one plan per request, whichever thread asks first (the connector's channel)
-            if self._thread is None or request_id in self._pending:
+            if self._thread is None or request_id in self._pending or request_id in self._handed:
                 return
             job = self._enqueue(
                 "plan", task_of(params), self.sharing.plan, request_id, list(prompt), params, None
@@ -206,10 +212,10 @@ class Background:
             logger.exception("hf_kvshare: planning request %s failed", request_id)
             plan = Plan(request_id=request_id, prompt=list(prompt), local_hit=local_hit)
             plan.error = f"{type(error).__name__}: {error}"
-            self._drop_pending(request_id)
+            self._hand_out(request_id)
             self._timings(plan, job, asked, arrived)
             return plan
-        self._drop_pending(request_id)
+        self._hand_out(request_id)
         if plan.local_hit is None:  # planned ahead: claim from the hit vLLM has now
             started = time.perf_counter()
             self.sharing.claim(plan, local_hit)
@@ -252,6 +258,15 @@ class Background:
         with self._cond:
             self._pending.pop(request_id, None)
 
+    def _hand_out(self, request_id: str) -> None:
+        """The request's plan leaves for the scheduler: no longer pending, and not planned again by a
+        late :meth:`prepare` until it is released (:meth:`release`, :meth:`forget`)."""
+        with self._cond:
+            self._pending.pop(request_id, None)
+            self._handed[request_id] = None
+            while len(self._handed) > HANDED_MAX:
+                self._handed.popitem(last=False)
+
     def deciding(self, request_id: str) -> bool:
         """Whether the request's plan is queued, running, or decided and not yet asked for."""
         with self._cond:
@@ -261,6 +276,7 @@ class Background:
         """A request whose plan may still be deciding ended (aborted, finished before admission): a plan
         not started is dropped; one running or decided is released (its reserved output slot freed)."""
         with self._cond:
+            self._handed.pop(request_id, None)
             pending = self._pending.pop(request_id, None)
             if pending is None:
                 return
@@ -314,7 +330,10 @@ class Background:
         return run
 
     def release(self, plan: Plan, then: Callable[[Plan], None] | None = None) -> None:
-        """A planned request that will not be recorded (``then`` as :meth:`record`'s)."""
+        """A planned request that will not be recorded (``then`` as :meth:`record`'s); it may be
+        planned again (a request that waits for a producer's record)."""
+        with self._cond:
+            self._handed.pop(plan.request_id, None)
         self._submit("record", _task_of_plan(plan), _then(self.sharing.release, then), plan)
 
     # ------------------------------------------------------------------- reading

@@ -21,6 +21,11 @@ request's record, over one :class:`~hf_kvshare.serving.host.Sharing` of its own.
   channels (refused, ``"read_back_channel": false``; always with inline admission) only the step's
   output. ``has_pending_push_work`` keeps the engine stepping until then.
 
+A finished request's read-back is held against the store's read-back budget (``max_read_back_bytes``:
+``Sharing.read_backs``) from its end until its record has run: reserved before the read-back is ordered
+(the bytes per position learned from the first read-back), checked exactly as it comes; one that would
+pass it is not recorded (not read back at all when known at its end), its report's ``error`` says so.
+
 Each finished request's report (:meth:`Plan.report <hf_kvshare.serving.host.Plan.report>`) is the
 reply's ``kv_transfer_params["hf_kvshare"]`` and, with ``report_path`` in ``kv_connector_extra_config``
 (or the environment variable :data:`REPORTS_ENV`), one JSON line of that file, written once the
@@ -58,7 +63,8 @@ import torch
 from . import channel
 from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load
-from .host import NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
+from .host import BUDGETS, NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
+from .layout import images_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -116,6 +122,7 @@ class _Finishing:
     stop_ids: set[int]
     ids: tuple[str, str | None]  # the request's id and external id (its report line)
     finished_at: float = 0.0  # time.perf_counter() at request_finished (the report's read_back_s)
+    reserved: int = 0  # bytes its read-back holds against the read-back budget (an estimate until it came)
 
 
 def make_sharing(vllm_config: VllmConfig) -> Sharing:
@@ -132,6 +139,8 @@ def make_sharing(vllm_config: VllmConfig) -> Sharing:
         max_bytes=int(extra.get("max_bytes", 2 << 30)),
         max_tasks=int(extra.get("max_tasks", 1024)),
         min_segment_tokens=int(extra.get("min_segment_tokens", 16)),
+        # the other stores' byte budgets (None: Sharing's defaults); a bad value refused by Sharing
+        **{name: extra.get(name) for name in BUDGETS if name != "max_bytes"},
         **dict(extra.get("options") or {}),
     )
     logger.info("hf_kvshare: serving method %r (cache_salt %r)", sharing.method, sharing.salt)
@@ -169,6 +178,9 @@ class HFKVShareScheduler:
         #: claim + the most it generates), for the seconds-per-token estimate and a producer's remaining
         self._admitted_at: dict[str, tuple[float, int]] = {}
         self._seconds_per_token: float | None = None
+        #: bytes of one position's read-back K/V (learned from the first read-back): a finished request's
+        #: read-back is held against the budget before it is ordered, so one past it is never read
+        self._read_back_token_bytes: int | None = None
         self._producer_wait_s = extra.get("producer_wait_s", DEFAULT_PRODUCER_WAIT_S)
         if (
             isinstance(self._producer_wait_s, bool)
@@ -392,7 +404,11 @@ class HFKVShareScheduler:
 
     def _admitted(self, request: Request) -> Any:
         """The request's layout fenced by its tenant; ``None``: nothing to inject (:meth:`Sharing.admit`)."""
-        return self.sharing.admit(request.kv_transfer_params, getattr(request, "cache_salt", None))
+        return self.sharing.admit(
+            request.kv_transfer_params,
+            getattr(request, "cache_salt", None),
+            images=images_of(getattr(request, "mm_features", None)),
+        )
 
     def _unrecorded(self, task: str | None) -> bool:
         """Whether a finished request of ``task`` waits to be read back and recorded."""
@@ -496,9 +512,16 @@ class HFKVShareScheduler:
         tokens = min(request.num_computed_tokens, len(block_ids) * self._block_size)
         # the report file's line is written once the request is recorded: a dense span's gate outcome
         # (why it was not reused) is known then (the reply carries the admission's report)
+        reserved = self._reserve_before_read_back(plan, tokens)
+        if reserved is None:  # past the read-back budget: not read back, not recorded
+            report = {"hf_kvshare": {**plan.report(), "store": self._background.summary()}}
+            if self._report_path:
+                self._write_report(ids, report["hf_kvshare"])
+            self._background.release(plan)
+            return False, report
         with self._finishing_cond:
             self._finishing[request.request_id] = _Finishing(
-                plan, list(request.output_token_ids), stop, ids, time.perf_counter()
+                plan, list(request.output_token_ids), stop, ids, time.perf_counter(), reserved
             )
         capture = Capture(request.request_id, list(block_ids), tokens)
         self._to_capture.append(capture)  # the next step's metadata, unless the worker took it already
@@ -527,6 +550,8 @@ class HFKVShareScheduler:
             "store": {
                 **{k: store.get(k) for k in STORE_COUNTS},
                 "method_bytes": (store.get("method_state") or {}).get("bytes"),
+                # each store's bytes, budget and evictions (Sharing.stores)
+                "stores": store.get("stores"),
             },
         }
         try:
@@ -554,8 +579,10 @@ class HFKVShareScheduler:
         plan.read_back = how
         plan.read_back_s = time.perf_counter() - finishing.finished_at
         self._recording[plan.request_id] = plan  # under the finishing lock (both callers hold it)
+        kv, held = self._reserve_read_back(plan, kv, finishing.reserved)
 
         def then(recorded: Plan) -> None:  # on the admission thread, once the record has run
+            self.sharing.read_backs.release(held)
             if report is not None:
                 report(recorded)
             with self._finishing_cond:
@@ -566,6 +593,48 @@ class HFKVShareScheduler:
             self._background.release(plan, then)
         else:
             self._background.record(plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids, then)
+
+    def _reserve_before_read_back(self, plan: Plan, tokens: int) -> int | None:
+        """The bytes a finished request's read-back of ``tokens`` positions will hold, reserved against the
+        read-back budget (``Sharing.read_backs``) before it is ordered (0 until a first read-back taught
+        the bytes per position); ``None`` when they would pass it: its report's ``error`` says so."""
+        if self._read_back_token_bytes is None:
+            return 0
+        nbytes = tokens * self._read_back_token_bytes
+        if self.sharing.read_backs.reserve(nbytes):
+            return nbytes
+        self._refused(plan, nbytes)
+        return None
+
+    def _reserve_read_back(
+        self, plan: Plan, kv: tuple[Any, Any] | None, reserved: int
+    ) -> tuple[tuple[Any, Any] | None, int]:
+        """``(kv, bytes held)``: the read-back's exact bytes held against the read-back budget until its
+        record has run (what ``reserved`` held at its end adjusted); past it, ``(None, 0)``: the K/V
+        dropped now, the request not recorded (its report's ``error`` says so, the summary counts it)."""
+        budget = self.sharing.read_backs
+        if kv is None:
+            budget.release(reserved)
+            return None, 0
+        nbytes = sum(_nbytes(part) for part in kv)
+        positions = _positions(kv[0])
+        if positions:
+            self._read_back_token_bytes = -(-nbytes // positions)  # rounded up: never under the bytes
+        if nbytes <= reserved:
+            budget.release(reserved - nbytes)
+            return kv, nbytes
+        if budget.reserve(nbytes - reserved):
+            return kv, nbytes
+        budget.release(reserved)
+        self._refused(plan, nbytes)
+        return None, 0
+
+    def _refused(self, plan: Plan, nbytes: int) -> None:
+        budget = self.sharing.read_backs
+        plan.error = (
+            f"read-back: not recorded: its {nbytes} bytes of K/V would pass the read-back budget "
+            f"(max_read_back_bytes {budget.max_bytes}; {budget.held} held by the records waiting)"
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The worker's step output: its :class:`Captured` and the requests whose blocks it has read
@@ -613,6 +682,20 @@ class HFKVShareScheduler:
             if end is not None:
                 end.close()
         self._background.close()
+
+
+def _nbytes(part: Any) -> int:
+    """Bytes of a tensor or of a list of tensors (a read-back's keys or values)."""
+    if isinstance(part, torch.Tensor):
+        return part.numel() * part.element_size()
+    return sum(t.numel() * t.element_size() for t in part)
+
+
+def _positions(keys: Any) -> int:
+    """Positions of a read-back's keys (``[layers, n, heads, dim]``, or a list of ``[n, heads, dim]``)."""
+    if isinstance(keys, torch.Tensor):
+        return keys.shape[1] if keys.dim() == 4 else 0
+    return keys[0].shape[0] if len(keys) else 0
 
 
 def _max_tokens(request: Request) -> int:

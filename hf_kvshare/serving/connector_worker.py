@@ -81,8 +81,9 @@ class HFKVShareWorker:
             if layer is None:
                 raise ServingError(f"hf_kvshare: no attention layer {name!r} in vLLM's forward context")
             # clear errors here, at start-up, for a cache or backend the connector cannot read and write
+            # (the reason and what works: paged.open_layer)
             try:
-                self._io[name] = paged.LayerIO(name, tensor, paged.backend_writer(layer), self._block_size)
+                self._io[name] = paged.open_layer(name, tensor, layer, self._block_size)
             except ValueError as error:
                 raise ServingError(f"hf_kvshare: {error}") from error
         self._layer_of = {name: extract_layer_index(name) for name in kv_caches}

@@ -27,7 +27,11 @@ prefills, selective recomputation, LoRA agents) are refused by :func:`check_serv
 
 Memory is bounded: tasks are kept least recently used first, by bytes of the K/V their slots hold
 (:class:`Sharing` ``max_bytes``) and by count (``max_tasks``); :meth:`Sharing.state_summary` reports
-it with the method's own ``state_summary()``.
+it with the method's own ``state_summary()``. Every other store has a byte budget of its own
+(:data:`BUDGETS`): the agents' kept PF text (``max_prefix_bytes``), the anchor pools
+(``max_anchor_bytes``) and the finished requests' read-back K/V waiting for their record
+(``max_read_back_bytes``: :class:`ByteBudget`, reserved by the connector; a read-back past it is not
+recorded, and counted); ``state_summary()["stores"]`` reports each one's bytes, budget and evictions.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -62,8 +67,36 @@ logger = logging.getLogger(__name__)
 SERVED = ("nonshared", "fullshared", "kvcmas", "kvcmas-nonchained", "kvcomm")
 DEFAULT_MAX_BYTES = 2 << 30
 DEFAULT_MAX_TASKS = 1024
+#: the anchor pools' bytes (KVCMAS / KVComm: ``max_pool_bytes``) unless ``max_anchor_bytes`` says
+DEFAULT_MAX_ANCHOR_BYTES = 1 << 30
+#: the read-back K/V of finished requests waiting for their record, together
+DEFAULT_MAX_READ_BACK_BYTES = 2 << 30
+#: every store's byte budget: a :class:`Sharing` keyword, a ``kv_connector_extra_config`` key, a
+#: :class:`~hf_kvshare.serving.server.Server` argument and an ``hf-kvshare serve`` flag
+#: (``--max-store-bytes`` for ``max_bytes``, ``--max-<store>-bytes`` for the others)
+BUDGETS = ("max_bytes", "max_prefix_bytes", "max_anchor_bytes", "max_read_back_bytes")
 #: slots one task keeps (the oldest that no request in flight reads are forgotten past it)
 DEFAULT_MAX_TASK_SLOTS = 256
+
+
+#: vision-language families served with their images shared (``config.model_type``): 1-D RoPE, so an
+#: image's K/V re-positioned by its token offset is exact as in a Session (:mod:`hf_kvshare.vision`)
+SERVED_VISION_MODELS = ("llava_onevision",)
+_MROPE_REFUSAL = (
+    "multimodal RoPE: vLLM rotates its K/V by (t, h, w) positions where an image advances the text's "
+    "positions by its grid, not its token count, and the serving store re-positions by token offsets "
+    "(the Session tracks each image's rope positions: hf_kvshare.mrope), so a segment after an image would "
+    "be rotated by the wrong distance"
+)
+#: vision-language families refused, and why (the Python API's Session shares their images)
+REFUSED_VISION_MODELS = MappingProxyType(
+    {
+        "qwen2_vl": _MROPE_REFUSAL,
+        "qwen2_5_vl": _MROPE_REFUSAL,
+        "idefics3": "tiled images (marker text tokens inside each image's span) are not built for serving yet",
+        "smolvlm": "tiled images (marker text tokens inside each image's span) are not built for serving yet",
+    }
+)
 
 
 class ServingError(ValueError):
@@ -144,22 +177,34 @@ def salt(method: Method, secret: str | None = None) -> str | None:
     return f"hf_kvshare:{method.name}:{digest}"
 
 
+def check_serving_vision(model_type: str) -> None:
+    """A vision-language family serving cannot share images of is refused with its reason (images are
+    spans identified by vLLM's multimodal hashes: :mod:`.layout`, "Images")."""
+    if model_type in SERVED_VISION_MODELS:
+        return
+    from ..vision import UNSUPPORTED_VISION_MODELS
+
+    why = REFUSED_VISION_MODELS.get(model_type) or UNSUPPORTED_VISION_MODELS.get(model_type)
+    raise ServingError(
+        f"{model_type}: a vision-language model serving does not share images of"
+        + (f" ({why})" if why else " (not built for serving)")
+        + f"; served vision-language families: {', '.join(SERVED_VISION_MODELS)}. Share this model's "
+        "images with the Python API's Session: PH(slot, image=...)"
+    )
+
+
 def skeleton_model(model_dir: str | Path) -> torch.nn.Module:
     """The served model as an HF module on ``meta`` (no weights) with its rotary embedding built on CPU:
     what a method reads from ``turn.model`` (config, binding, RoPE frequencies) without a forward."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
+    auto = AutoModelForCausalLM
     if getattr(config, "vision_config", None) is not None:
-        # the connector matches segments by token ids: every image's placeholder tokens are the same
-        # ids, so two images would share one image's K/V. Images are shared in a Session (PH(image=)).
-        raise ServingError(
-            f"{config.model_type}: a vision-language model; serving shares text segments by their token "
-            "ids and cannot tell two images' placeholder tokens apart, so it refuses VLMs (share images "
-            "with a Session: PH(slot, image=...))"
-        )
+        check_serving_vision(config.model_type)
+        from transformers import AutoModelForImageTextToText as auto  # LLaVA-OneVision
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     rotary = find_rotary_module(model)
     names = [name for name, module in model.named_modules() if module is rotary]
     if not names:
@@ -175,6 +220,17 @@ def skeleton_model(model_dir: str | Path) -> torch.nn.Module:
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, real)
     model.eval()
     return model
+
+
+@dataclass(frozen=True)
+class EngineImage:
+    """An image (video) slot's content on the server: vLLM holds its pixels and encoder output (under
+    ``hash``); the store keeps its K/V only. As a Session's ``Slot.visual`` it makes the slot an image
+    (text after it is still the task's question; a piece of it is refused)."""
+
+    kind: str
+    hash: str
+    nbytes: int = 0
 
 
 class ServingHost(Request):
@@ -390,8 +446,61 @@ def _keep_gate(plan: Plan, name: str, info: dict[str, Any] | None) -> None:
         }
 
 
+class ByteBudget:
+    """Bytes held against a budget, reserved and released by several threads (the connector's
+    read-backs waiting for their record: reserved when one arrives, released once its record ran).
+
+    A reservation past the budget is refused (counted in ``refused``): its caller drops what it would
+    have held, so the bytes held never pass ``max_bytes``."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.held = 0
+        self.peak = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.held + nbytes > self.max_bytes:
+                self.refused += 1
+                return False
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+
+def check_budgets(**budgets: Any) -> None:
+    """The store budgets (:data:`BUDGETS`), before anything is built: ``max_bytes`` a positive int (a
+    store that holds nothing shares nothing), the others an int >= 0 or ``None`` (the default); a bool,
+    a float, a string or a negative number raises ``ValueError`` naming it."""
+    for name, value in budgets.items():
+        if name == "max_bytes":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"max_bytes must be a positive integer (a store that holds nothing shares "
+                    f"nothing: use the method nonshared); got {value!r}"
+                )
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(
+                f"{name} must be an int >= 0 (bytes) or None (the default); got {value!r} ({type(value).__name__})"
+            )
+
+
 class Sharing:
     """The method instance, the tasks' hosts and the bounded store: everything the connector calls.
+
+    Byte budgets (:data:`BUDGETS`; ``None``: the default): ``max_bytes`` the tasks' slots' K/V;
+    ``max_prefix_bytes`` the agents' kept PF text (default a quarter of ``max_bytes``, at most
+    ``PREFIX_MAX_BYTES``); ``max_anchor_bytes`` the anchor pools (default
+    :data:`DEFAULT_MAX_ANCHOR_BYTES`, or the method's smaller ``max_pool_bytes``);
+    ``max_read_back_bytes`` the read-backs waiting for their record (:attr:`read_backs`; default
+    :data:`DEFAULT_MAX_READ_BACK_BYTES`). A bad value is refused before anything, the method included,
+    changes.
 
     Thread-safe (one lock): the engine's scheduler and worker may call from different threads."""
 
@@ -405,8 +514,26 @@ class Sharing:
         max_tasks: int = DEFAULT_MAX_TASKS,
         max_task_slots: int = DEFAULT_MAX_TASK_SLOTS,
         min_segment_tokens: int = lay.MIN_SEGMENT_TOKENS,
+        max_prefix_bytes: int | None = None,
+        max_anchor_bytes: int | None = None,
+        max_read_back_bytes: int | None = None,
         **options: Any,
     ):
+        check_budgets(
+            max_bytes=max_bytes,
+            max_prefix_bytes=max_prefix_bytes,
+            max_anchor_bytes=max_anchor_bytes,
+            max_read_back_bytes=max_read_back_bytes,
+        )
+        for name, value in (
+            ("max_tasks", max_tasks),
+            ("max_task_slots", max_task_slots),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name} must be a positive integer (a store that holds nothing shares "
+                    f"nothing: use the method nonshared); got {value!r}"
+                )
         if isinstance(method, str):
             options, notes = serving_options(method, options)
             for note in notes:
@@ -418,21 +545,22 @@ class Sharing:
         self.tokens = lay.TokenInfo(tokenizer)
         self.method.bind(model)
         self.shifter = RopeShifter.from_model(model) if self.method.repositions else None
-        for name, value in (
-            ("max_bytes", max_bytes),
-            ("max_tasks", max_tasks),
-            ("max_task_slots", max_task_slots),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"{name} must be a positive integer (a store that holds nothing shares "
-                    f"nothing: use the method nonshared); got {value!r}"
-                )
         self.max_bytes = max_bytes
         self.max_tasks = max_tasks
         self.max_task_slots = max_task_slots
         if hasattr(self.method, "bound_prefixes"):  # agents' kept text: a quarter of the store's budget
-            self.method.bound_prefixes(min(self.method.PREFIX_MAX_BYTES, max_bytes // 4))
+            if max_prefix_bytes is None:
+                max_prefix_bytes = min(self.method.PREFIX_MAX_BYTES, max_bytes // 4)
+            self.method.bound_prefixes(max_prefix_bytes)
+        if hasattr(self.method, "bound_pools"):  # anchor pools: the smaller of the two bounds
+            anchors = DEFAULT_MAX_ANCHOR_BYTES if max_anchor_bytes is None else max_anchor_bytes
+            if self.method.max_pool_bytes is not None and max_anchor_bytes is None:
+                anchors = min(anchors, self.method.max_pool_bytes)
+            self.method.bound_pools(anchors)
+        #: the read-backs of finished requests waiting for their record (the connector reserves them)
+        self.read_backs = ByteBudget(
+            DEFAULT_MAX_READ_BACK_BYTES if max_read_back_bytes is None else max_read_back_bytes
+        )
         self.min_segment_tokens = int(min_segment_tokens)
         self.hosts: OrderedDict[str, ServingHost] = OrderedDict()
         self.evicted_tasks = 0
@@ -455,7 +583,7 @@ class Sharing:
         self.stop_ids: set[int] = {eos} if isinstance(eos, int) else set()
 
     # ---------------------------------------------------------------- admission
-    def admit(self, params: Any, cache_salt: str | None) -> Any:
+    def admit(self, params: Any, cache_salt: str | None, images: list[dict[str, Any]] | None = None) -> Any:
         """The layout a request is planned under, fenced by its tenant, or ``None``: nothing injected.
 
         Approximate K/V are only ever injected under the method's ``cache_salt`` (vLLM's prefix cache
@@ -464,7 +592,8 @@ class Sharing:
         A client's own salt (after the method's: ``"<method salt>|<client salt>"``) is its tenant: its
         task and its agents (named or derived from the prompt: the method's per-agent state, e.g. kept
         prefix text, included) are kept apart from every other tenant's in the store; a client cannot
-        state a tenant itself."""
+        state a tenant itself. ``images``: the request's images as vLLM placed them
+        (:func:`.layout.images_of`), stated under :data:`.layout.IMAGES` (a client's is dropped)."""
         if self.salt is not None and not (
             isinstance(cache_salt, str)
             and (cache_salt == self.salt or cache_salt.startswith(self.salt + "|"))
@@ -473,7 +602,10 @@ class Sharing:
         raw = params.get(lay.KEY) if isinstance(params, dict) else None
         if params is not None and (not isinstance(params, dict) or not isinstance(raw, (dict, type(None)))):
             return params  # malformed: its plan reports the layout's error, nothing is claimed
-        fenced = {k: v for k, v in (raw or {}).items() if k != lay.TENANT}  # the server's key, not a client's
+        # the server's keys, not a client's
+        fenced = {k: v for k, v in (raw or {}).items() if k not in (lay.TENANT, lay.IMAGES)}
+        if images:
+            fenced[lay.IMAGES] = images
         tenant = cache_salt[len(self.salt) + 1 :] if self.salt is not None else ""
         if tenant:
             fenced["task"] = f"{tenant}|{fenced.get('task') or lay.DEFAULT_TASK}"
@@ -603,6 +735,8 @@ class Sharing:
     ) -> Any:
         """The slot a located segment reads: a piece of a held slot found by content
         (:meth:`~hf_kvshare.request.Request.piece_slot`), or what the task resolves its name to."""
+        if seg.image is not None:
+            return self._image_slot(host, seg, seg_ids, new)
         if seg.piece_of is not None:
             slot = host.piece_slot(*seg.piece_of, new)
             if not torch.equal(slot.token_ids, seg_ids):
@@ -614,6 +748,23 @@ class Sharing:
         if text is None and host.held_slot(seg.slot, new)[0] is None:  # given text: the slot keeps it
             text = self.tokenizer.decode(seg_ids.tolist())
         return host.resolve(PH(seg.slot, text, kind=seg.kind), new, seg_ids.clone)
+
+    def _image_slot(
+        self, host: ServingHost, seg: lay.LocatedSegment, seg_ids: torch.Tensor, new: NewSlots
+    ) -> Any:
+        """An image's slot, named by its hash (one per image content in the task): an observation whose
+        ids are its placeholders, as ``PH(slot, image=...)`` makes it in a Session; its pixels and
+        features stay in vLLM (:class:`EngineImage`)."""
+        held, _ = host.held_slot(seg.slot, new)
+        if held is not None and not torch.equal(held.token_ids, seg_ids):
+            raise lay.LayoutError(
+                f"{seg.image.modality} {seg.image.hash!r}: {seg_ids.numel()} placeholder tokens here, "
+                f"{held.token_ids.numel()} in the task's slot (the same hash must expand the same way)"
+            )
+        slot = host.resolve(PH(seg.slot, "", kind=seg.kind), new, seg_ids.clone)
+        if slot.visual is None:
+            slot.visual = EngineImage(seg.image.modality, seg.image.hash)
+        return slot
 
     def _pf(self, ids: torch.Tensor, start: int, index: int) -> Span:
         return Span(
@@ -850,8 +1001,42 @@ class Sharing:
                     if self.held_bytes() <= self.max_bytes:
                         break
 
+    def stores(self, method_state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Each store's ``bytes`` held, its ``max_bytes`` budget and its evictions (``evicted``; the
+        read-backs: ``refused``, not recorded, and ``peak`` bytes); the method's stores (kept PF text, from
+        its ``prefix_summary()``; anchor pools, from ``method_state``, its ``state_summary()``) where it
+        keeps them."""
+        stores = {
+            "slots": {
+                "bytes": self.held_bytes(),
+                "max_bytes": self.max_bytes,
+                "evicted": self.evicted_tasks + self.dropped_slots,
+            },
+            "read_backs": {
+                "bytes": self.read_backs.held,
+                "max_bytes": self.read_backs.max_bytes,
+                "refused": self.read_backs.refused,
+                "peak": self.read_backs.peak,
+            },
+        }
+        if hasattr(self.method, "prefix_summary"):
+            kept = self.method.prefix_summary()
+            stores["prefixes"] = {
+                "bytes": kept["prefix_bytes"],
+                "max_bytes": kept["max_prefix_bytes"],
+                "evicted": kept["prefixes_evicted"],
+            }
+        if "pools_bytes" in method_state:
+            stores["anchors"] = {
+                "bytes": method_state["pools_bytes"],
+                "max_bytes": method_state["max_pools_bytes"],
+                "evicted": method_state["pools_evicted_for_bytes"],
+            }
+        return stores
+
     def state_summary(self) -> dict[str, Any]:
         with self._lock:
+            method_state = self.method.state_summary()
             return {
                 "bytes": self.held_bytes(),
                 "max_bytes": self.max_bytes,
@@ -873,7 +1058,8 @@ class Sharing:
                 "settles": self.settles,
                 "settle_seconds": round(self.settle_seconds, 6),
                 "method": self.method.name,
-                "method_state": self.method.state_summary(),
+                "method_state": method_state,
+                "stores": self.stores(method_state),
             }
 
 

@@ -95,6 +95,20 @@ engine computes it and the record keeps it dense (the report's ``placed`` vs ``s
 pieces a one-message client gets are the ones a run of placed text reaches, in order; what lies after
 a gap of new text is shared in a Session (any layout) but not through this connector.
 
+Images (vision-language models)
+-------------------------------
+
+An image (or video) of the request, as vLLM's processor expanded it into placeholder tokens, is one
+PH span of its own, found by the server, never by its token ids: every image's placeholders are the
+same ids, so the connector reads each item's place and hash from vLLM's request
+(``Request.mm_features``: ``mm_position`` and ``identifier``, the hash vLLM caches the item's encoder
+output under) and states them under the server's key :data:`IMAGES` (a client cannot). The span's slot
+is named by that hash (:func:`image_slot`: ``"image:<hash>"``): a repeated image is one slot, read by
+every agent of the task as ``PH(slot, image=...)`` is in a Session (an ``"observation"``: FullShared
+places its K/V re-positioned); two different images are two slots and never share. The text layout
+never sees the placeholders (:func:`masked_prompt`: they split the chunks and match nothing), and an
+explicit segment that overlaps an image is an error.
+
 Sampling K/V of the prompt's log-probabilities (``prompt_logprobs``) makes vLLM skip the connector
 unless ``skip_reading_prefix_cache=False`` is sent too (then with ``detokenize=False``).
 """
@@ -125,6 +139,13 @@ DEFAULT_TASK = "default"
 _REQUEST_KEYS = frozenset({"task", "agent", "output", "method", "segments"})
 #: set by the server itself (``Sharing.admit``: the client's ``cache_salt``), never by a client
 TENANT = "tenant"
+#: set by the server itself (the connector, from vLLM's ``Request.mm_features``), never by a client:
+#: the request's images / videos as ``[{"hash", "start", "end", "modality"}, ...]``
+IMAGES = "images"
+#: the modalities whose items are image spans (named ``"<modality>:<hash>"``)
+IMAGE_MODALITIES = ("image", "video")
+#: what an image's placeholder tokens read as in the text layout (no token id is negative)
+MASKED = -1
 _SEGMENT_KEYS = frozenset({"slot", "text", "start", "end", "kind"})
 
 
@@ -144,6 +165,31 @@ class SegmentRequest:
     kind: str | None = None
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image (or video) of the prompt as vLLM placed it: its placeholder tokens ``[start, end)``
+    and the hash vLLM keeps its encoder output under (``MultiModalFeatureSpec.identifier``)."""
+
+    hash: str
+    start: int
+    end: int
+    modality: str = "image"
+
+    @property
+    def slot(self) -> str:
+        return image_slot(self.hash, self.modality)
+
+
+def image_slot(hash_: str, modality: str = "image") -> str:
+    """The slot an image (video) of hash ``hash_`` is: one slot per image content in a task."""
+    return f"{modality}:{hash_}"
+
+
+def is_image_slot(name: str) -> bool:
+    """Whether slot ``name`` is an image's (:func:`image_slot`): named by the server, never by a client."""
+    return name.partition(":")[0] in IMAGE_MODALITIES and ":" in name
+
+
 @dataclass
 class RequestLayout:
     """What ``kv_transfer_params["hf_kvshare"]`` says (validated, not yet located)."""
@@ -156,6 +202,8 @@ class RequestLayout:
     segments: list[SegmentRequest] | None = None
     #: the request's tenant (the server's, from its ``cache_salt``): a derived agent name carries it
     tenant: str | None = None
+    #: the request's images (the server's, from vLLM's request), in prompt order
+    images: list[ImageSpan] = field(default_factory=list)
 
 
 @dataclass
@@ -170,6 +218,8 @@ class LocatedSegment:
     kind: str | None = None
     #: a piece of a held slot found by content: ``(slot, start, end)``, ``slot`` then its piece's name
     piece_of: tuple[str, int, int] | None = None
+    #: an image's span (:class:`ImageSpan`): its slot is named by the image's hash
+    image: ImageSpan | None = None
 
 
 @dataclass
@@ -199,7 +249,7 @@ def parse(params: Any) -> RequestLayout:
         return RequestLayout()
     if not isinstance(raw, Mapping):
         raise LayoutError(f"kv_transfer_params.{KEY} must be an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _REQUEST_KEYS - {TENANT})
+    unknown = sorted(set(raw) - _REQUEST_KEYS - {TENANT, IMAGES})
     if unknown:
         raise LayoutError(f"kv_transfer_params.{KEY}: unknown keys {unknown}; known: {sorted(_REQUEST_KEYS)}")
     for key in ("task", "agent", "output", "method", TENANT):
@@ -212,6 +262,7 @@ def parse(params: Any) -> RequestLayout:
         output=raw.get("output"),
         method=raw.get("method"),
         tenant=raw.get(TENANT),
+        images=parse_images(raw.get(IMAGES)),
     )
     segments = raw.get("segments")
     if segments is None:
@@ -232,6 +283,11 @@ def parse(params: Any) -> RequestLayout:
             raise LayoutError(f"{where}.slot must be a non-empty string, got {slot!r}")
         if slot in names:
             raise LayoutError(f"{where}: slot {slot!r} is named twice in one prompt")
+        if is_image_slot(slot):
+            raise LayoutError(
+                f"{where}: slot names starting with {' / '.join(m + ':' for m in IMAGE_MODALITIES)} are the "
+                "server's (an image's slot is named by its hash); use another name"
+            )
         names.add(slot)
         text, start, end = seg.get("text"), seg.get("start"), seg.get("end")
         if text is not None and (not isinstance(text, str) or not text):
@@ -255,6 +311,71 @@ def parse(params: Any) -> RequestLayout:
             raise LayoutError(f"{where}: a second question in one request (a task has one question)")
         layout.segments.append(SegmentRequest(slot=slot, text=text, start=start, end=end, kind=kind))
     return layout
+
+
+def parse_images(raw: Any) -> list[ImageSpan]:
+    """The server's :data:`IMAGES` entry -> the request's :class:`ImageSpan` s, in prompt order,
+    checked (non-overlapping, non-empty)."""
+    if raw is None:
+        return []
+    where = f"kv_transfer_params.{KEY}.{IMAGES}"
+    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
+        raise LayoutError(f"{where} must be a list, got {type(raw).__name__}")
+    images = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, Mapping):
+            raise LayoutError(f"{where}[{i}] must be an object, got {type(item).__name__}")
+        hash_, start, end = item.get("hash"), item.get("start"), item.get("end")
+        modality = item.get("modality", "image")
+        if not isinstance(hash_, str) or not hash_:
+            raise LayoutError(f"{where}[{i}].hash must be a non-empty string, got {hash_!r}")
+        if modality not in IMAGE_MODALITIES:
+            raise LayoutError(f"{where}[{i}].modality must be one of {IMAGE_MODALITIES}, got {modality!r}")
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (start, end)) or end <= start:
+            raise LayoutError(f"{where}[{i}]: [start, end) must be token positions, got [{start!r}, {end!r})")
+        images.append(ImageSpan(hash_, start, end, modality))
+    images.sort(key=lambda image: image.start)
+    for before, after in zip(images, images[1:]):
+        if after.start < before.end:
+            raise LayoutError(
+                f"{where}: images at [{before.start}, {before.end}) and [{after.start}, {after.end}) overlap"
+            )
+    return images
+
+
+def images_of(features: Any) -> list[dict[str, Any]]:
+    """vLLM's ``Request.mm_features`` -> the :data:`IMAGES` entry: each image's (video's) placeholder
+    range (``mm_position``) and the hash vLLM keeps its encoder output under (``identifier``, else
+    ``mm_hash``). Other modalities are left out (their tokens are then the agent's own text)."""
+    images = []
+    for feature in features or ():
+        modality = getattr(feature, "modality", None)
+        position = getattr(feature, "mm_position", None)
+        hash_ = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        if modality in IMAGE_MODALITIES and position is not None and hash_:
+            start = int(position.offset)
+            images.append(
+                {
+                    "hash": str(hash_),
+                    "start": start,
+                    "end": start + int(position.length),
+                    "modality": modality,
+                }
+            )
+    return images
+
+
+def masked_prompt(prompt: Sequence[int], images: Sequence[ImageSpan]) -> list[int]:
+    """``prompt`` with every image's placeholder tokens read as :data:`MASKED`: for the text layout they
+    end a chunk (as a special token does) and match no text."""
+    masked = list(prompt)
+    for image in images:
+        if image.end > len(masked):
+            raise LayoutError(
+                f"the {image.modality} at [{image.start}, {image.end}) lies beyond the prompt ({len(masked)} tokens)"
+            )
+        masked[image.start : image.end] = [MASKED] * (image.end - image.start)
+    return masked
 
 
 def occurrences(haystack: Sequence[int], needle: Sequence[int], begin: int = 0) -> Iterator[int]:
@@ -375,10 +496,11 @@ def resolve(
     token ids), or ``None`` when they are not known here (the server's middleware: segments that name
     only a recorded slot are then not checked). Raises :class:`LayoutError` for an explicit layout that
     does not fit the prompt."""
-    prompt = list(prompt)
+    prompt = masked_prompt(prompt, layout.images)  # images: spans of their own, never text
     check_only = known is None
-    known = known or {}
-    pieces, roles = message_chunks(prompt, tokens.special, tokens.is_space, tokens.decode)
+    known = {name: ids for name, ids in (known or {}).items() if not is_image_slot(name)}
+    special = tokens.special | {MASKED} if layout.images else tokens.special
+    pieces, roles = message_chunks(prompt, special, tokens.is_space, tokens.decode)
     agent = layout.agent or ("a" + slot_name(prompt[pieces[0][0] : pieces[0][1]])[1:] if pieces else "agent")
     if layout.tenant and not layout.agent:  # a named agent was fenced by the server already
         agent = f"{agent}|{layout.tenant}"
@@ -386,7 +508,7 @@ def resolve(
     if layout.segments is None:
         resolved.derived = True
         own = {piece for piece, role in zip(pieces, roles) if role in OWN_ROLES}
-        resolved.segments = derive(prompt, pieces, known, min_tokens, agent, own=own)
+        resolved.segments = with_images(derive(prompt, pieces, known, min_tokens, agent, own=own), layout)
         return resolved
     cursor = 0
     for i, seg in enumerate(layout.segments):
@@ -401,6 +523,8 @@ def resolve(
                     f"{where}: [{seg.start}, {seg.end}) overlaps or precedes the segment before it"
                 )
             ids = prompt[seg.start : seg.end]
+            if MASKED in ids:
+                raise LayoutError(f"{where}: [{seg.start}, {seg.end}) overlaps an image of the prompt")
             if seg.slot in known and list(known[seg.slot]) != ids:
                 raise LayoutError(
                     f"{where}: the task's slot {seg.slot!r} holds other tokens than [{seg.start}, {seg.end})"
@@ -454,7 +578,18 @@ def resolve(
             located = LocatedSegment(seg.slot, at, at + len(ids), text=seg.text, kind=seg.kind)
         resolved.segments.append(located)
         cursor = located.end
+    resolved.segments = with_images(resolved.segments, layout)
     return resolved
+
+
+def with_images(segments: list[LocatedSegment], layout: RequestLayout) -> list[LocatedSegment]:
+    """``segments`` (text, found on the masked prompt: none overlaps an image) and one PH span per
+    image, its slot named by its hash (an ``"observation"``, as ``PH(slot, image=...)`` is), in order."""
+    images = [
+        LocatedSegment(image.slot, image.start, image.end, kind="observation", image=image)
+        for image in layout.images
+    ]
+    return sorted(segments + images, key=lambda s: s.start) if images else segments
 
 
 def located_pieces(

@@ -375,6 +375,7 @@ def replicate(
                 vllm_args=server.vllm_args,
                 max_bytes=server.max_bytes,
                 max_tasks=server.max_tasks,
+                **server.budgets,
                 background=server.background,
                 read_back_channel=server.read_back_channel,
                 log=log,

@@ -45,6 +45,7 @@ from .host import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_TASKS,
     SALT_SECRET_ENV,
+    check_budgets,
     check_serving_method,
     salt,
     serving_options,
@@ -79,11 +80,13 @@ def kv_transfer_config(
     max_tasks: int,
     background: bool = True,
     read_back_channel: bool = True,
+    budgets: dict[str, int | None] | None = None,
 ) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for the connector. ``background=False`` decides claims and
     records turns inline on the engine loop (:mod:`.admission`); ``read_back_channel=False`` hands
     finished requests' K/V to the scheduler with the step's output only, without the side channels
-    (:mod:`.channel`)."""
+    (:mod:`.channel`). ``budgets``: the other stores' byte budgets (:data:`.host.BUDGETS` but
+    ``max_bytes``; one left ``None`` is not written: the connector's default)."""
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": MODULE,
@@ -95,6 +98,7 @@ def kv_transfer_config(
             "max_tasks": int(max_tasks),
             "background": bool(background),
             "read_back_channel": bool(read_back_channel),
+            **{name: int(value) for name, value in (budgets or {}).items() if value is not None},
         },
     }
 
@@ -193,6 +197,9 @@ class Server:
         max_tasks: int = DEFAULT_MAX_TASKS,
         background: bool = True,
         read_back_channel: bool = True,
+        max_prefix_bytes: int | None = None,
+        max_anchor_bytes: int | None = None,
+        max_read_back_bytes: int | None = None,
         log: Any = None,
         python: str = sys.executable,
         env: dict[str, str] | None = None,
@@ -220,6 +227,13 @@ class Server:
         check_vllm_args(self.vllm_args, connector=method is not None)
         check_store_bounds(max_bytes, max_tasks)
         self.max_bytes, self.max_tasks = max_bytes, max_tasks
+        #: the other stores' byte budgets (``None``: the connector's default; :class:`.host.Sharing`)
+        self.budgets = {
+            "max_prefix_bytes": max_prefix_bytes,
+            "max_anchor_bytes": max_anchor_bytes,
+            "max_read_back_bytes": max_read_back_bytes,
+        }
+        check_budgets(**self.budgets)
         if not isinstance(background, bool):
             raise TypeError(f"background must be True or False; got {background!r}")
         self.background = background
@@ -259,6 +273,7 @@ class Server:
                 self.max_tasks,
                 self.background,
                 self.read_back_channel,
+                self.budgets,
             )
             args += ["--kv-transfer-config", json.dumps(config), "--middleware", MIDDLEWARE]
         return [*args, *self.vllm_args]

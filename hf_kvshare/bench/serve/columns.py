@@ -146,6 +146,7 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         "store_evicted_tasks": None,
         "store_bytes_max": None,
         "method_bytes_max": None,
+        "stores_max": None,
         "gate_rejected_requests": None,
         "not_shared": None,
         "not_shared_top": None,
@@ -212,6 +213,9 @@ def connector_columns(method: str, records: Sequence[Mapping[str, Any]]) -> dict
         # in the store (counted by storage), and what the method keeps across requests (anchor pools)
         "store_bytes_max": _max_int(reports, "store_bytes"),
         "method_bytes_max": _max_int(reports, "method_bytes"),
+        # each store's most bytes held over the run, its budget and its evictions (or, the read-backs,
+        # refusals) as of the run's last report (Sharing.stores; summary.json only)
+        "stores_max": stores_max(reports),
         # requests a gate rejection sent dense (their PH spans prefilled, the delta anchored); None when
         # no report carries a gate outcome
         "gate_rejected_requests": sum(rejected) if rejected else None,
@@ -246,6 +250,24 @@ def _count_positive(reports: Sequence[Mapping[str, Any]], key: str) -> int | Non
     values = [r.get(key) for r in reports]
     real = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
     return sum(1 for v in real if v > 0) if real else None
+
+
+def stores_max(reports: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]] | None:
+    """Per store of the reports' ``stores`` (slots, prefixes, anchors, read-backs): ``bytes`` the most
+    held, ``max_bytes`` its budget, ``evicted`` / ``refused`` the most counted; ``None`` without any."""
+    found = [r["stores"] for r in reports if isinstance(r.get("stores"), Mapping)]
+    if not found:
+        return None
+    out: dict[str, dict[str, Any]] = {}
+    for stores in found:
+        for name, store in stores.items():
+            if not isinstance(store, Mapping):
+                continue
+            row = out.setdefault(name, {})
+            for key, value in store.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    row[key] = value if key == "max_bytes" else max(row.get(key, value), value)
+    return out
 
 
 def _max_int(reports: Sequence[Mapping[str, Any]], key: str) -> int | None:
@@ -297,6 +319,7 @@ def compact_report(report: Mapping[str, Any]) -> dict[str, Any]:
     store = store if isinstance(store, Mapping) else {}
     out["store_evicted_tasks"] = store.get("evicted_tasks")
     out["store_bytes"] = store.get("bytes")
+    out["stores"] = store.get("stores")  # each store's bytes, budget, evictions (Sharing.stores)
     # a report file's line carries method_bytes; a reply's report the method's whole state summary
     method_state = store.get("method_state")
     out["method_bytes"] = store.get(

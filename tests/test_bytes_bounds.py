@@ -1,0 +1,320 @@
+"""Every store is bounded by bytes (issue 51, item 4): the serving store's slots, the agents' kept PF
+text, the anchor pools (a Session's method and a server's) and the read-backs waiting for their record.
+Each store filled past its budget evicts (least recently used first) and reports it, and its measured
+bytes never pass the budget after any step; a bad budget is refused before anything changes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import pytest
+from tiny import tiny_model
+
+from hf_kvshare import PF, PH, Session
+from hf_kvshare.anchors import AnchorPool, LRUDict
+from hf_kvshare.anchors.pool import Anchor
+from hf_kvshare.method import get_method
+from hf_kvshare.serving import layout as lay
+from hf_kvshare.serving.host import BUDGETS, ByteBudget, Sharing
+from hf_kvshare.serving.standin import engine
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+DOC = "The river Lune reaches the sea at Plover Scar near Glasson, past the old port. "
+BAD_BUDGETS = [-1, 1.5, True, "1000"]
+
+
+class Blob:
+    """An entry of ``nbytes`` bytes (what an LRUDict bounds)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+def anchor(i: int, nbytes: int) -> Anchor:
+    return Anchor(base=SimpleNamespace(nbytes=nbytes, length=4), source="writer", origin=("r", i))
+
+
+def tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------- the engine's LRU store and pools
+def test_an_lru_dict_with_a_byte_budget_never_holds_more_and_counts_its_evictions():
+    entries = LRUDict(100, max_bytes=1000)
+    for i in range(30):
+        entries[f"e{i}"] = Blob(150 + 10 * (i % 4))
+        entries.touch("e0")  # used by every request: the last one evicted
+        entries.trim()
+        assert entries.nbytes <= 1000 and entries.max_bytes == 1000
+    assert entries.evicted_for_bytes == entries.evicted == 30 - len(entries) > 0
+    assert "e0" in entries and list(entries)[-1] == "e0"
+    entries["huge"] = Blob(5000)  # one entry alone over the budget: it goes too
+    entries.trim()
+    assert "huge" not in entries and entries.nbytes <= 1000
+
+
+def test_the_last_pool_over_the_budget_sheds_its_own_anchors():
+    pools = LRUDict(8, max_bytes=250)
+    pool = pools["doc"] = AnchorPool("doc", capacity=10)
+    for i in range(5):
+        pool.insert(anchor(i, 100))
+        pools.trim()
+        assert pools.nbytes <= 250
+        assert len(pools) == 1 and len(pool) == min(i + 1, 2)
+    assert pool.evicted == 3 and pools.evicted_for_bytes == 3 and pools.evicted == 0
+
+
+@pytest.mark.parametrize("bad", BAD_BUDGETS)
+def test_a_bad_byte_budget_of_an_lru_dict_is_refused(bad):
+    with pytest.raises(ValueError, match="max_bytes of an LRUDict must be an int >= 0"):
+        LRUDict(4, max_bytes=bad)
+
+
+def test_a_read_back_past_its_budget_is_refused_and_the_budget_never_held_more():
+    budget = ByteBudget(1000)
+    assert budget.reserve(600) and not budget.reserve(600) and budget.reserve(400)
+    assert budget.held == budget.peak == 1000 and budget.refused == 1
+    budget.release(600)
+    assert budget.reserve(500) and budget.held == 900 and budget.peak == 1000
+
+
+# ---------------------------------------------------------------- the Python API: a method's pools
+def run_requests(method, tokenizer, n=8, check=None, model=None):
+    model = model if model is not None else tiny_model("llama", seed=3, num_hidden_layers=2)
+    for i in range(n):  # a new document and writer per request
+        session = Session(model, tokenizer, method)
+        session.run_turn(
+            f"w{i}", [PF("Write.\n"), PH(f"doc{i}", f"text number {i} " * 3), PF(":")], max_new_tokens=2
+        )
+        session.run_turn("reader", [PF("Read.\n"), PH(f"w{i}"), PF(" and "), PH(f"doc{i}")], max_new_tokens=1)
+        if check is not None:
+            check(method.state_summary())
+
+
+@pytest.mark.parametrize("name", ["kvcmas", "kvcomm"])
+def test_a_methods_anchor_pools_stay_within_max_pool_bytes(name, tokenizer):
+    options = {"tau": 1.0} if name == "kvcmas" else {}
+    peak = []
+    run_requests(get_method(name, **options), tokenizer, check=lambda s: peak.append(s["pools_bytes"]))
+    budget = max(peak) // 2
+    assert budget > 0
+    method = get_method(name, **options, max_pool_bytes=budget)
+
+    def within(summary):
+        assert summary["pools_bytes"] <= budget == summary["max_pools_bytes"]
+        assert summary["pools_bytes"] == sum(p.nbytes for p in method.pools.values())
+
+    run_requests(method, tokenizer, check=within)
+    assert method.state_summary()["pools_evicted_for_bytes"] > 0
+
+
+@pytest.mark.parametrize("bad", BAD_BUDGETS)
+def test_a_bad_max_pool_bytes_is_refused_and_changes_nothing(bad):
+    with pytest.raises(ValueError, match="max_pool_bytes must be an int >= 0"):
+        get_method("kvcmas", max_pool_bytes=bad)
+    method = get_method("kvcmas", max_pool_bytes=1000)
+    with pytest.raises(ValueError, match="max_pool_bytes"):
+        method.max_pool_bytes = bad
+    with pytest.raises(ValueError, match="max_pool_bytes"):
+        method.bound_pools(bad)
+    assert method.max_pool_bytes == 1000 and method.state_summary()["max_pools_bytes"] == 1000
+
+
+def test_max_pool_bytes_is_not_a_state_option(tokenizer, tmp_path):
+    """A state saved without a byte bound loads into an instance with one (and is trimmed to it)."""
+    method, model = get_method("kvcmas", tau=1.0), tiny_model("llama", seed=3, num_hidden_layers=2)
+    run_requests(method, tokenizer, n=3, model=model)
+    method.save_state(tmp_path / "state", model)
+    held = method.state_summary()["pools_bytes"]
+    assert held > 0
+    bounded = get_method("kvcmas", tau=1.0, max_pool_bytes=held // 2)
+    bounded.load_state(tmp_path / "state", model)
+    assert 0 < bounded.state_summary()["pools_bytes"] <= held // 2
+
+
+# ---------------------------------------------------------------- the server's stores
+def serve(sharing, tokenizer, requests):
+    """Each request (task, agent, system text) planned, run by the stand-in engine and recorded; the
+    store summary after each record."""
+    doc = tokens(tokenizer, DOC * 2)
+    for i, (task, agent, system) in enumerate(requests):
+        own = tokens(tokenizer, system)
+        prompt = own + doc + tokens(tokenizer, f"\nQuestion {i}?")
+        segments = [{"slot": "doc", "start": len(own), "end": len(own) + len(doc)}]
+        params = {lay.KEY: {"task": task, "agent": agent, "segments": segments}}
+        plan = sharing.plan(f"r{i}", prompt, params, 0)
+        assert plan.error is None
+        out, keys, values = engine(sharing.model, plan, max_new_tokens=3)
+        sharing.record(plan, keys, values, out, set())
+        assert plan.error is None
+        yield sharing.state_summary()
+
+
+def test_the_servers_kept_text_and_anchors_stay_within_their_budgets_and_are_reported(tiny_llama, tokenizer):
+    # three tasks of three agents each, one after the other: the store holds two of them
+    requests = [(f"t{i // 3}", f"a{i}", f"You are agent number {i}, careful.\n") for i in range(9)]
+    options = {"tau": 1.0, "min_segment_tokens": 4}
+    free = list(serve(Sharing(tiny_llama, tokenizer, "kvcmas", **options), tokenizer, requests))
+    peak = {store: max(s["stores"][store]["bytes"] for s in free) for store in ("prefixes", "anchors")}
+    budgets = {"max_prefix_bytes": peak["prefixes"] // 2, "max_anchor_bytes": peak["anchors"] // 2}
+    assert all(budgets.values())
+    one_task = free[0]["stores"]["slots"]["bytes"]
+    sharing = Sharing(tiny_llama, tokenizer, "kvcmas", max_bytes=one_task * 5 // 2, **budgets, **options)
+    held = {store: 0 for store in ("slots", "prefixes", "anchors")}
+    for summary in serve(sharing, tokenizer, requests):
+        stores = summary["stores"]
+        held = {store: max(held[store], stores[store]["bytes"]) for store in held}
+        assert set(stores) == {"slots", "prefixes", "anchors", "read_backs"}
+        for store in stores.values():
+            assert store["bytes"] <= store["max_bytes"]
+        assert stores["prefixes"]["max_bytes"] == budgets["max_prefix_bytes"]
+        assert stores["anchors"]["max_bytes"] == budgets["max_anchor_bytes"]
+        assert stores["prefixes"]["bytes"] == sharing.method.prefix_state_bytes()
+        assert stores["anchors"]["bytes"] == sum(p.nbytes for p in sharing.method.pools.values())
+    assert all(stores[store]["evicted"] > 0 and held[store] > 0 for store in held)
+
+
+@pytest.mark.parametrize("name", [b for b in BUDGETS if b != "max_bytes"])
+@pytest.mark.parametrize("bad", BAD_BUDGETS)
+def test_a_bad_store_budget_is_refused_before_the_method_changes(tiny_llama, tokenizer, name, bad):
+    method = get_method("kvcmas", max_pool_bytes=12345)
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 0"):
+        Sharing(tiny_llama, tokenizer, method, **{name: bad})
+    assert method.binding.model is None and method.max_pool_bytes == 12345
+    assert method.prefix_summary()["max_prefix_bytes"] == method.PREFIX_MAX_BYTES
+
+
+def test_the_methods_own_smaller_pool_bound_is_kept_unless_the_server_names_one(tiny_llama, tokenizer):
+    assert Sharing(tiny_llama, tokenizer, "kvcmas", max_pool_bytes=5000).method.max_pool_bytes == 5000
+    named = Sharing(tiny_llama, tokenizer, "kvcmas", max_pool_bytes=5000, max_anchor_bytes=9000)
+    assert named.method.max_pool_bytes == 9000
+    assert Sharing(tiny_llama, tokenizer, "fullshared").state_summary()["stores"].keys() == {
+        "slots",
+        "prefixes",
+        "read_backs",
+    }
+
+
+def test_the_budgets_reach_the_connector_through_the_server_and_the_cli(capsys):
+    from hf_kvshare.cli import main
+    from hf_kvshare.serving.server import Server
+
+    server = Server(".", method=None, port=1, max_anchor_bytes=7, max_read_back_bytes=0)
+    extra = json.loads(
+        Server(".", "fullshared", port=1, max_prefix_bytes=5, max_read_back_bytes=0).command()[-3]
+    )["kv_connector_extra_config"]
+    assert extra["max_prefix_bytes"] == 5 and extra["max_read_back_bytes"] == 0
+    assert "max_anchor_bytes" not in extra  # unset: the connector's default
+    assert server.budgets["max_anchor_bytes"] == 7
+    with pytest.raises(ValueError, match="max_read_back_bytes must be an int >= 0"):
+        Server(".", method=None, port=1, max_read_back_bytes=-1)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--max-anchor-bytes", "-1"])
+    assert exit_info.value.code == 2 and "--max-anchor-bytes must be 0 or more" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    not HAS_VLLM, reason="the connector's scheduler side imports vLLM (.ci/run's serving venv)"
+)
+def test_a_read_back_past_its_budget_is_not_recorded_and_is_reported(tiny_llama, tokenizer, tmp_path):
+    """The connector's scheduler holds each read-back against ``max_read_back_bytes`` until its record
+    has run: one that would pass it is not recorded (the report's error says why, the store counts it,
+    the task's store holds nothing of it); once a first read-back taught the bytes per position, a
+    finished request past the budget is not even read back (no capture ordered, its blocks freed)."""
+    from vllm.v1.request import RequestStatus
+
+    from hf_kvshare.serving.connector_common import Captured
+    from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
+
+    reports = tmp_path / "reports.jsonl"
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"report_path": str(reports), "read_back_channel": False}
+        ),
+        cache_config=SimpleNamespace(block_size=16),
+    )
+    doc = tokens(tokenizer, DOC * 2)
+    prompt = doc + tokens(tokenizer, "\nWhere?")
+
+    def finish(scheduler, sharing, rid):
+        """Plan ``rid`` (task ``rid``), run it, end it; its K/V come with the step's output if ordered."""
+        params = {
+            lay.KEY: {"task": rid, "agent": "a", "segments": [{"slot": "doc", "start": 0, "end": len(doc)}]}
+        }
+        request = SimpleNamespace(
+            request_id=rid, external_req_id=None, prompt_token_ids=prompt, kv_transfer_params=params,
+            cache_salt=sharing.salt, status=RequestStatus.FINISHED_STOPPED, output_token_ids=[],
+            sampling_params=SimpleNamespace(all_stop_token_ids=[], eos_token_id=None), num_computed_tokens=0,
+        )  # fmt: skip
+        scheduler.on_new_request(request)
+        claimed = None
+        while claimed is None:
+            claimed, _ = scheduler.get_num_new_matched_tokens(request, 0)
+        out, keys, values = engine(tiny_llama, scheduler._plans[rid], max_new_tokens=2)
+        request.output_token_ids, request.num_computed_tokens = list(out), len(prompt) + len(out) - 1
+        held, report = scheduler.request_finished(request, list(range(8)))
+        ordered = [
+            c.request_id
+            for c in scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).captures
+        ]
+        captured = Captured(kv={rid: (keys, values)} if held else {})
+        scheduler.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=captured, finished_sending={rid} if held else set())
+        )
+        scheduler._background.drain()
+        slot = sharing.hosts[rid].slots.get("doc") if rid in sharing.hosts else None
+        return held, ordered, report, slot is not None and slot.latest is not None
+
+    for budget in (1 << 30, 1000):
+        sharing = Sharing(tiny_llama, tokenizer, "fullshared", max_read_back_bytes=budget)
+        scheduler = HFKVShareScheduler(config, sharing)
+        try:
+            first, second = (finish(scheduler, sharing, f"r{i}b{budget}") for i in range(2))
+            read_backs = sharing.state_summary()["stores"]["read_backs"]
+        finally:
+            scheduler.shutdown()
+        assert read_backs["bytes"] == 0 and read_backs["max_bytes"] == budget  # released once recorded
+        if budget > 1000:
+            assert first[0] and first[3] and second[0] and second[3]  # read back and recorded
+            assert read_backs["refused"] == 0 and read_backs["peak"] > 1000
+            continue
+        # the first: read back (the bytes per position unknown yet), refused as it came
+        assert first[0] and first[1] == [f"r0b{budget}"] and not first[3]
+        # the second: refused at its end, no read-back ordered
+        assert not second[0] and second[1] == [] and not second[3]
+        assert "read-back budget" in second[2]["hf_kvshare"]["error"]
+        assert read_backs["refused"] == 2 and read_backs["peak"] == 0
+    lines = {x["request_id"]: x for x in map(json.loads, reports.read_text().splitlines())}
+    assert all("read-back budget" in lines[f"r{i}b1000"]["error"] for i in range(2))
+    assert lines["r0b1000"]["store"]["stores"]["read_backs"]["max_bytes"] == 1000
+    assert all(lines[f"r{i}b{1 << 30}"]["error"] is None for i in range(2))
+
+
+def test_bench_serves_summary_reports_each_stores_most_bytes_budget_and_evictions():
+    from hf_kvshare.bench import serve as sb
+
+    def report(slots, anchors, refused):
+        stores = {
+            "slots": {"bytes": slots, "max_bytes": 1000, "evicted": slots // 100},
+            "anchors": {"bytes": anchors, "max_bytes": 500, "evicted": 1},
+            "read_backs": {"bytes": 0, "max_bytes": 4000, "refused": refused, "peak": 3000},
+        }
+        base = {"claimed": None, "supplied_tokens": 0, "ph_tokens": 10, "supplied_ph_tokens": 0}
+        return sb.compact_report({**base, "segments": [], "store": {"stores": stores}})
+
+    records = [
+        {"request": i, "ok": True, "connector": report(*values)}
+        for i, values in enumerate([(900, 100, 0), (400, 500, 2), (700, 300, 1)])
+    ]
+    stores = sb.connector_columns("kvcmas", records)["stores_max"]
+    assert stores["slots"] == {"bytes": 900, "max_bytes": 1000, "evicted": 9}
+    assert stores["anchors"] == {"bytes": 500, "max_bytes": 500, "evicted": 1}
+    assert stores["read_backs"]["refused"] == 2 and stores["read_backs"]["peak"] == 3000
+    assert (
+        sb.connector_columns(
+            "kvcmas", [{"request": 0, "ok": True, "connector": report(1, 1, 0) | {"stores": None}}]
+        )["stores_max"]
+        is None
+    )
