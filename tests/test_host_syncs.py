@@ -69,7 +69,9 @@ def test_kvcmas_matching_and_correction_sync_at_most_once_per_segment(tiny_llama
     def plan(turn):
         with counting_host_reads() as counts:
             original_plan(turn)
-        gated = {e.slot for e in turn.scratch[method.name].values() if e.decision is not None}
+        # one decision per key: (slot, request), or per edge for a gated chained question (gate_chained)
+        edges = turn.scratch[method.name].values()
+        gated = {method.scope.decision_key(turn, e.slot) for e in edges if e.decision is not None}
         gated_slots.update(gated)
         per_turn.append({"plan": sum(counts.values()), "gated": len(gated), "place": 0, "corrected": 0})
 

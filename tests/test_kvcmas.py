@@ -322,9 +322,9 @@ def test_gate_once_per_slot_and_request_every_consumer_obeys(tiny_llama, tokeniz
     calls = []
     gate = SlotScope.gate
 
-    def counted(self, pool_key, candidate):
+    def counted(self, pool_key, candidate, agent=None):
         calls.append(pool_key)
-        return gate(self, pool_key, candidate)
+        return gate(self, pool_key, candidate, agent)
 
     monkeypatch.setattr(SlotScope, "gate", counted)
     for cls, given in ((KVCMAS, []), (KVComm, ["query"])):

@@ -107,17 +107,48 @@ def test_the_gate_accepts_agreeing_anchors_however_flat_their_weights():
     assert not decision.accepted
 
 
-def test_an_acceptance_stands_only_for_a_candidate_near_an_anchor():
-    """Corrections observed on other content do not carry over: a candidate far from every anchor
-    (another text) is rejected whatever rule accepted it; the reference applies them."""
+def test_agreeing_anchors_are_accepted_for_a_candidate_far_from_every_anchor():
+    """The gate judges the correction: a candidate far from every anchor (another text) is accepted
+    when the anchors' corrections agree (they do not depend on the content), by either rule; with
+    ``trust_agreement=False`` (the rule before) it is refused whatever rule accepted it; the reference
+    applies them."""
     delta = random_kv(6, seed=2)
     far = random_kv(6, seed=9)
     decision, _, _ = _gate(KVCMAS(), [delta, delta], candidate=far)
-    assert not decision.accepted and "but the candidate is far from every anchor" in decision.reason
-    decision, _, _ = _gate(KVCMAS(tau=1.0), [delta, delta], candidate=far)  # the entropy rule too
-    assert not decision.accepted and decision.reason.startswith("accepted; but the candidate is far")
+    assert decision.accepted and decision.reason.startswith("anchors agree: delta spread")
+    assert "the candidate is far (" in decision.reason and decision.weights == pytest.approx([0.5, 0.5])
+    decision, _, _ = _gate(KVCMAS(tau=1.0), [delta, delta], candidate=far)  # the entropy rule accepted
+    assert decision.accepted and decision.reason.startswith("accepted; the candidate is far (")
+    assert "the corrections agree: delta spread" in decision.reason
+    for knobs in ({}, {"tau": 1.0}):  # the rule before: every acceptance needs a near candidate
+        decision, _, _ = _gate(KVCMAS(trust_agreement=False, **knobs), [delta, delta], candidate=far)
+        assert not decision.accepted and "but the candidate is far from every anchor" in decision.reason
     assert _gate(KVCMAS(nearest=0), [delta, delta], candidate=far)[0].accepted  # the check off
     assert _gate(KVCMAS(profile="reference", tau=1.0), [delta, delta], candidate=far)[0].accepted
+    assert KVCMAS(profile="reference").trust_agreement is False
+
+
+@pytest.mark.parametrize("second", ["opposite", "unrelated", "once"])
+def test_a_far_candidate_is_still_refused_when_the_anchors_disagree(second):
+    """Far from every anchor and accepted by the entropy rule (tau 1) alone: refused when the anchors'
+    corrections disagree or were observed once (nothing says they repeat); a near candidate stands."""
+    delta, far = random_kv(6, seed=2), random_kv(6, seed=9)
+    deltas = {"opposite": [delta, _scaled(delta, -1.0)], "unrelated": [delta, random_kv(6, seed=4)]}
+    method = KVCMAS(tau=1.0)
+    if second == "once":  # two anchors, each holding another consumer's correction
+        base = random_kv(6, seed=1)
+        pool = method.scope.pool("planner")
+        pool.insert(_anchor(base, delta, 0))
+        pool.insert(_anchor(base, delta, 1))
+        pool.anchors[1].deltas["designer"] = pool.anchors[1].deltas.pop("coder")
+        decision, _, _ = method.scope.gate("planner", far)
+        assert not decision.accepted and "but the candidate is far from every anchor" in decision.reason
+        assert "the correction for 'coder' was observed once" in decision.reason
+        return
+    decision, _, _ = _gate(method, deltas[second], candidate=far)
+    assert not decision.accepted and decision.reason.startswith("accepted; but the candidate is far from")
+    assert "anchors disagree: delta spread" in decision.reason
+    assert _gate(KVCMAS(tau=1.0), deltas[second])[0].accepted  # the same text: near, it stands
 
 
 @pytest.mark.parametrize("second", ["opposite", "unrelated", "twice as large"])
@@ -164,6 +195,52 @@ def test_relative_spread_reads_as_documented():
         relative_spread([x], 5)
     with pytest.raises(ValueError, match="shorter than the 6 rows"):
         relative_spread([x, x], 6)
+
+
+# ------------------------------------------------------------------ the chained question, gated
+def test_a_per_edge_decision_judges_its_own_consumers_corrections():
+    """A chained question is gated by each consumer on its own: ``agent`` judges that consumer's
+    corrections alone. Two anchors (other requests' questions, far from the candidate) whose
+    corrections for the coder agree and for the designer disagree: the coder's edge is accepted, the
+    designer's refused, and a slot decision (every consumer's) refuses."""
+    delta, other, far = random_kv(6, seed=2), random_kv(6, seed=4), random_kv(6, seed=9)
+    method = KVCMAS()
+    pool = method.scope.pool("task")
+    base = random_kv(6, seed=1)
+    for origin, designer in enumerate((delta, other)):
+        anchor = _anchor(base, delta, origin)  # the coder's: the same correction twice
+        anchor.deltas["designer"] = FactoredKV.from_kv(designer.keys, designer.values, None)
+        pool.insert(anchor)
+    coder, _, _ = method.scope.gate("task", far, agent="coder")
+    assert coder.accepted and coder.reason.startswith("anchors agree: delta spread 0 (worst: 'coder')")
+    designer, _, _ = method.scope.gate("task", far, agent="designer")
+    assert not designer.accepted and "anchors disagree: delta spread" in designer.reason
+    assert "(worst: 'designer')" in designer.reason
+    assert not method.scope.gate("task", far)[0].accepted
+    critic, eligible, _ = method.scope.gate("task", far, agent="critic")  # no anchor holds its correction
+    assert (
+        not critic.accepted and not eligible and critic.reason == "no anchor holds a correction for 'critic'"
+    )
+
+
+def test_the_chained_question_is_gated_under_reuse_and_ungated_under_reference(
+    reuse_run, tiny_llama, tokenizer
+):
+    """The stress workload's case: the reference admits a chained question ungated (corrected with
+    deltas observed on other requests' questions); ``gate_chained`` (``profile="reuse"``) gates each
+    consumer's edge, so a later hop's question is accepted (its corrections agree) or prefilled and
+    learned, never corrected ungated."""
+    _, results = reuse_run
+    gates = [r.cache.segment("task").info.get("gate") for r in results]
+    assert gates[0] == "first" and "ungated" not in gates, gates
+    for r in results:
+        seg = r.cache.segment("task")
+        if seg.provenance == "corrected":
+            assert seg.info["gate"] == "accepted" and seg.info["tau"] == 0.3
+        elif seg.info["gate"] == "fallback":
+            assert seg.info["reason"], seg.info
+    assert KVCMAS(profile="reference").gate_chained is False and KVComm().gate_chained is False
+    assert KVCMAS(profile="reference", gate_chained=True).gate_chained  # given options win
 
 
 # ------------------------------------------------------------------ a span longer than every anchor

@@ -1386,6 +1386,22 @@ def test_the_blocking_call_finder_finds_them():
     assert blocking_calls(tree) == [(1, "sleep"), (2, "wait_for"), (3, "result"), (4, "join")]
 
 
+def test_every_gate_rule_beyond_the_reference_is_a_profile_knob_the_reference_turns_off():
+    """KVCMAS's rules beyond the authors' code are knobs both profiles set (``PROFILES``): the same
+    knobs, each field defaulting to ``None`` (the profile's), and ``profile="reference"`` turns every
+    one off (0 / ``False``; the whole-turn fallback), so one option restores the authors' decisions."""
+    from dataclasses import fields
+
+    from hf_kvshare.methods.kvcmas import KVCMAS, PROFILES
+
+    reuse, reference = PROFILES["reuse"], PROFILES["reference"]
+    assert set(reuse) == set(reference), "a rule set by one profile only"
+    defaults = {f.name: f.default for f in fields(KVCMAS)}
+    assert {k: defaults[k] for k in reuse if defaults[k] is not None} == {}, "a profile knob with a default"
+    on = {k: v for k, v in reference.items() if not (v is False or (isinstance(v, float) and v == 0))}
+    assert on == {"turn_fallback": "turn"}, f"rules the reference profile leaves on: {on}"
+
+
 # ------------------------------------------------------------------ files given by path: one bounded read
 def test_files_given_by_path_are_read_in_one_bounded_place():
     """A saved state's ``state.json``, a method option's file and the bench's inputs are read by

@@ -106,8 +106,9 @@ def test_kvcmas_causes_on_a_workflow_that_repeats_its_note(tiny_llama, tokenizer
 
 
 def test_kvcmas_nearest_rule_gives_gate_far(tiny_llama, tokenizer):
-    """tau = 1 accepts any weights; ``nearest`` then rejects a candidate far from every anchor."""
-    method = get_method("kvcmas", tau=1.0, nearest=1e-6)
+    """tau = 1 accepts any weights; ``nearest`` then rejects a candidate far from every anchor (whose
+    anchors' corrections agreeing would overrule it: ``trust_agreement`` off)."""
+    method = get_method("kvcmas", tau=1.0, nearest=1e-6, trust_agreement=False)
     causes = set()
     for i in range(4):
         for turn in _request(

@@ -388,33 +388,35 @@ class AnchorPool:
         )
 
 
-def correction_agreement(anchors: list[Anchor], rows: int, first_layer: int = 0) -> tuple[float | None, str]:
+def correction_agreement(
+    anchors: list[Anchor], rows: int, first_layer: int = 0, agent: str | None = None
+) -> tuple[float | None, str]:
     """How well the corrections of ``anchors`` agree, for the gate's agreement rule: per consuming
-    agent they hold a delta for, the :func:`~.lowrank.relative_spread` of those deltas (first ``rows``
-    rows, layers from ``first_layer``) where two or more anchors hold one, and the spread a refresh
-    recorded (``Anchor.agreement``); the worst over the agents and a description (one host read).
-    ``None`` (with the reason) when some agent's correction was observed only once: nothing says it
-    repeats.
+    agent they hold a delta for (``agent``: that one only, a decision one consumer takes for itself),
+    the :func:`~.lowrank.relative_spread` of those deltas (first ``rows`` rows, layers from
+    ``first_layer``) where two or more anchors hold one, and the spread a refresh recorded
+    (``Anchor.agreement``); the worst over the agents and a description (one host read). ``None``
+    (with the reason) when some agent's correction was observed only once: nothing says it repeats.
 
     Agreeing corrections are reliable whatever the gate weights: the weighted sum of deltas that
     agree is close to each of them, so the flat weights of equally close anchors (two anchors of the
     same text: normalized entropy 1) cost nothing."""
-    agents = sorted({agent for a in anchors for agent in a.deltas})
+    agents = sorted({held for a in anchors for held in a.deltas if agent is None or held == agent})
     if not agents:
-        return None, "no anchor holds a correction"
+        return None, "no anchor holds a correction" + ("" if agent is None else f" for {agent!r}")
     recorded, terms = {}, []  # per agent: refreshes' spreads; (agent, spread^2, size^2) of 2+ holders
-    for agent in agents:
-        holders = [a for a in anchors if agent in a.deltas]
-        recorded[agent] = [a.agreement[agent] for a in holders if agent in a.agreement]
+    for who in agents:
+        holders = [a for a in anchors if who in a.deltas]
+        recorded[who] = [a.agreement[who] for a in holders if who in a.agreement]
         if len(holders) >= 2:
-            terms.append((agent, *squared_spread([a.deltas[agent] for a in holders], rows, first_layer)))
-        elif not recorded[agent]:
-            return None, f"the correction for {agent!r} was observed once"
+            terms.append((who, *squared_spread([a.deltas[who] for a in holders], rows, first_layer)))
+        elif not recorded[who]:
+            return None, f"the correction for {who!r} was observed once"
     if terms:  # every agent's spread in one host read
         read = torch.stack([torch.stack((s, z)).to(terms[0][1].device) for _, s, z in terms]).tolist()
-        for (agent, _, _), (spread, size) in zip(terms, read):
-            recorded[agent].append(0.0 if size == 0 else (spread / size) ** 0.5)
-    worst_agent = max(agents, key=lambda agent: max(recorded[agent]))
+        for (who, _, _), (spread, size) in zip(terms, read):
+            recorded[who].append(0.0 if size == 0 else (spread / size) ** 0.5)
+    worst_agent = max(agents, key=lambda who: max(recorded[who]))
     worst = max(recorded[worst_agent])
     return worst, f"delta spread {worst:.3g} (worst: {worst_agent!r})"
 

@@ -95,7 +95,9 @@ class SlotScope(Scope):
                 continue
             if self.gated(turn, span.name):
                 key = self.decision_key(turn, span.name)
-                edge.decision = self.decide(turn, key, source, pool=edge.pool)
+                # gate_chained: a per-edge decision judges its consumer's corrections (paper: every anchor)
+                agent = turn.agent if o.gate_chained and self.per_edge(turn, span.name) else None
+                edge.decision = self.decide(turn, key, source, pool=edge.pool, agent=agent)
                 edge.candidates, edge.distances = self.gate_report(turn, key)
             pool = self.pools.get(edge.pool)
             anchor = pool.find(edge.origin) if pool is not None else None
@@ -127,25 +129,35 @@ class SlotScope(Scope):
 
     def gated(self, turn: Turn, slot: str) -> bool:
         """Outputs and reference-prefilled given text are gated; a chained / first question only with
-        ``gating="paper"`` (every PH span gated)."""
+        ``gating="paper"`` (every PH span gated), a chained one also with ``gate_chained``."""
         if self.options.gating == "paper" or turn.slot(slot).producer is not None:
             return True
-        return self.source_kind(turn, slot) not in ("chained", "first")
+        kind = self.source_kind(turn, slot)
+        return kind not in ("chained", "first") or (kind == "chained" and self.options.gate_chained)
+
+    def per_edge(self, turn: Turn, slot: str) -> bool:
+        """A chained source (a new one each hop) gated (``gating="paper"`` or ``gate_chained``) is
+        gated by each consumer on its own source, with its own corrections (:meth:`decision_key`)."""
+        o = self.options
+        return (o.gating == "paper" or o.gate_chained) and self.source_kind(turn, slot) == "chained"
 
     def decision_key(self, turn: Turn, slot: str) -> str:
-        """One decision per (slot, request); with ``gating="paper"`` a chained source (a new one each hop)
-        is gated per edge: (slot, this turn)."""
-        if self.options.gating == "paper" and self.source_kind(turn, slot) == "chained":
-            return f"{slot}@{turn.output_slot}"
-        return slot
+        """One decision per (slot, request); a chained source gated per edge (:meth:`per_edge`): (slot,
+        this turn)."""
+        return f"{slot}@{turn.output_slot}" if self.per_edge(turn, slot) else slot
 
     def gate(
-        self, pool_key: str, candidate: SegmentKV
+        self, pool_key: str, candidate: SegmentKV, agent: str | None = None
     ) -> tuple[GateDecision, list[Anchor], torch.Tensor | None]:
-        """The reference gate (``predict_as_anchor``) of ``candidate`` against pool ``pool_key``."""
+        """The reference gate (``predict_as_anchor``) of ``candidate`` against pool ``pool_key``, and
+        the rules beyond it (module docstring); ``agent`` (a per-edge decision): over the anchors
+        holding that consumer's correction alone (those its placement reads), judging its corrections
+        only; else over every anchor, judging every consumer's."""
         o = self.options
         pool = self.pools.get(pool_key)
-        anchors = list(pool) if pool is not None else []
+        anchors = [] if pool is None else list(pool) if agent is None else pool.with_delta(agent)
+        if agent is not None and not anchors:  # as an ungated span says it (``turn_fallback="span"``)
+            return GateDecision(False, f"no anchor holds a correction for {agent!r}"), [], None
         length = candidate.length
         if o.match == "full":
             rows, eligible = length, [a for a in anchors if a.length >= length]
@@ -166,9 +178,9 @@ class SlotScope(Scope):
                     f"fewer than 2 anchors at least {rows or length} tokens long (1 of {len(anchors)})"
                 )
             if judge and not decision.accepted:
-                decision = self.agreement(decision, eligible, rows)
+                decision = self.agreement(decision, eligible, rows, agent)
             if o.nearest > 0 and decision.accepted:
-                decision = self.near(decision, eligible, rows)
+                decision = self.near(decision, eligible, rows, agent)
         return decision, eligible, distances
 
     @staticmethod
@@ -186,12 +198,14 @@ class SlotScope(Scope):
             return rows, eligible
         return prefix, [a for a in anchors if a.length >= prefix]
 
-    def agreement(self, decision: GateDecision, eligible: list[Anchor], rows: int) -> GateDecision:
+    def agreement(
+        self, decision: GateDecision, eligible: list[Anchor], rows: int, agent: str | None = None
+    ) -> GateDecision:
         """The agreement rule (``agreement > 0``): ``decision`` (rejected by the entropy rule) accepted
         when the corrections of ``eligible`` agree within ``agreement``
         (:func:`~.pool.correction_agreement`), else kept with the reason extended."""
         o = self.options
-        spread, why = correction_agreement(eligible, rows, 1 if o.skip_layer0 else 0)
+        spread, why = correction_agreement(eligible, rows, 1 if o.skip_layer0 else 0, agent)
         if spread is not None and spread <= o.agreement:
             weights = decision.weights or [1.0]  # one anchor: the entropy rule computed no weights
             return GateDecision(
@@ -205,30 +219,52 @@ class SlotScope(Scope):
         decision.reason = f"{decision.reason}; {tail}"
         return decision
 
-    def near(self, decision: GateDecision, eligible: list[Anchor], rows: int) -> GateDecision:
-        """``nearest > 0``: an accepted ``decision`` stands only when the candidate is near an anchor,
-        its nearest one's gate distance at most ``nearest`` of that anchor's size
+    def near(
+        self, decision: GateDecision, eligible: list[Anchor], rows: int, agent: str | None = None
+    ) -> GateDecision:
+        """``nearest > 0``: an accepted ``decision`` stands when the candidate is near an anchor, its
+        nearest one's gate distance at most ``nearest`` of that anchor's size
         (:func:`~.pool.nearest_relative`): a correction observed on other content (another output of
-        the producer) does not carry over, whatever the weights or the anchors' agreement."""
+        the producer) does not carry over on the weights alone. With ``trust_agreement`` a far
+        candidate still stands when the anchors' corrections agree (the agreement rule's test): a
+        correction that repeats over other content does not depend on the content, so how far the
+        candidate is does not matter; anchors that disagree (or a correction seen once) refuse it."""
         o = self.options
         near = nearest_relative(eligible, decision.distances, rows)
         if near <= o.nearest:
             return decision
         entropy_rule = decision.entropy is not None and decision.entropy <= o.tau
         rule = "accepted" if entropy_rule else "anchors agree"  # (their spread: fp-sensitive, left out)
-        reason = f"{rule}; but the candidate is far from every anchor: {near:.2g} > {o.nearest:g}"
+        far = f"{near:.2g} > {o.nearest:g}"
+        if o.trust_agreement and o.agreement > 0:
+            if not entropy_rule:  # accepted by the agreement rule: its anchors agree
+                decision.reason = f"{decision.reason}; the candidate is far ({far}), the corrections agree"
+                return decision
+            spread, why = correction_agreement(eligible, rows, 1 if o.skip_layer0 else 0, agent)
+            if spread is not None and spread <= o.agreement:
+                decision.reason = (
+                    f"accepted; the candidate is far ({far}), the corrections agree: {why} <= {o.agreement:g}"
+                )
+                return decision
+            tail = why if spread is None else f"anchors disagree: {why} > {o.agreement:g}"
+            reason = f"{rule}; but the candidate is far from every anchor: {far}; {tail}"
+        else:
+            reason = f"{rule}; but the candidate is far from every anchor: {far}"
         return GateDecision(False, reason, decision.entropy, decision.weights, decision.distances)
 
-    def decide(self, turn: Turn, slot: str, candidate: SegmentKV, pool: str | None = None) -> GateDecision:
+    def decide(
+        self, turn: Turn, slot: str, candidate: SegmentKV, pool: str | None = None, agent: str | None = None
+    ) -> GateDecision:
         """The slot's decision for this request (``slot``: its decision key): taken (pending until
-        commit) the first time it is asked, against pool ``pool`` (default: the slot's)."""
+        commit) the first time it is asked, against pool ``pool`` (default: the slot's), judging
+        ``agent``'s corrections alone when given (:meth:`gate`)."""
         state = self.request(turn)
         pending = self.pending(turn)
         decision = state.decisions.get(slot)
         if decision is None:
             decision = pending["decisions"].get(slot)
         if decision is None:
-            decision, eligible, distances = self.gate(pool or self.pool_key(turn, slot), candidate)
+            decision, eligible, distances = self.gate(pool or self.pool_key(turn, slot), candidate, agent)
             pending["decisions"][slot] = decision
             pending["reports"][slot] = (len(eligible), None if distances is None else decision.distances)
             if decision.accepted:

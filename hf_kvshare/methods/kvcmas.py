@@ -16,8 +16,15 @@ the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
   anchor suffices once a refresh showed its correction repeats); it still rejects when they disagree;
 - ``nearest=0.5``: an acceptance (by either rule) stands only when the candidate is near an anchor
   (gate distance at most half that anchor's size): corrections observed on other content do not
-  carry over (on the embedded model the entropy rule accepted outputs of other text, 0.7-1.3 of
-  the nearest anchor's size; the same notes sit at about 0.3);
+  carry over on the weights alone (on the embedded model the entropy rule accepted outputs of other
+  text, 0.7-1.3 of the nearest anchor's size; the same notes sit at about 0.3);
+- ``trust_agreement=True``: ... unless the anchors' corrections agree: a candidate far from every
+  anchor is accepted when the agreement rule's test passes (a correction that repeats over other
+  content does not depend on the content); anchors that disagree, or a correction seen once, refuse it;
+- ``gate_chained=True``: a chained question (the reference admits it ungated, corrected with deltas
+  observed on other requests' questions) is gated too, by each consumer on its own source and its
+  own corrections (as ``gating="paper"`` gates it, with the rules above): where they disagree the
+  span is prefilled and its exact delta learned;
 - ``duplicate=0.05``: an observation whose base nearly duplicates a pooled anchor's (values within
   5 %) refreshes that anchor instead of joining the pool (no duplicate anchors);
 - ``learn_dense=True``: pools learn from every exact delta a dense span gives, not only rejections;
@@ -28,7 +35,7 @@ the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
   it; the rows past the longest anchor are reused uncorrected.
 
 ``profile="reference"`` sets ``agreement=0, nearest=0, duplicate=0, learn_dense=False, turn_fallback="turn",
-piecewise=False``:
+piecewise=False, trust_agreement=False, gate_chained=False``:
 the accept/reject decisions of the authors' code. Options given beside a profile win over it.
 
 Sources (``output_source`` for agent outputs, ``text_source`` for the request's question,
@@ -66,7 +73,7 @@ the reference's conditions (``update_condition_anchor`` in both authors' codes) 
 (``observation_source="lead"``): prefilled once per request after BOS + chat header + a lead-in that
 are dropped, gated once per (slot, request) by the first consumer, anchored on rejection, corrected on
 acceptance, never chained. ``observation_source="question"`` reads them as the question (the reading
-before kinds: for KVCMAS chained and ungated). ``gating="paper"`` is the paper's text (A.3): every PH
+before kinds: for KVCMAS chained and ungated; gated per edge with ``gate_chained``). ``gating="paper"`` is the paper's text (A.3): every PH
 span gated, the question included, fewer than two compatible anchors → dense.
 
 ``guard=True`` (ours, beyond the paper) shrinks each layer's correction toward zero by a held-out
@@ -124,6 +131,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "learn_dense": True,
         "turn_fallback": "span",
         "piecewise": True,
+        "trust_agreement": True,
+        "gate_chained": True,
     },
     "reference": {
         "agreement": 0.0,
@@ -132,6 +141,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "learn_dense": False,
         "turn_fallback": "turn",
         "piecewise": False,
+        "trust_agreement": False,
+        "gate_chained": False,
     },
 }
 
@@ -173,7 +184,7 @@ class KVCMAS(PrefixReuse, Method):
         profile: ``"reuse"`` (default: the gate also accepts agreeing corrections, near-duplicate
             anchors refresh, pools learn from every dense span, span fallback, piecewise correction)
             or ``"reference"`` (every rule of the authors' code at once). It sets ``agreement``,
-            ``nearest``, ``duplicate``, ``learn_dense``, ``turn_fallback`` and ``piecewise`` unless
+            ``nearest``, ``trust_agreement``, ``gate_chained``, ``duplicate``, ``learn_dense``, ``turn_fallback`` and ``piecewise`` unless
             they are given (module docstring).
         agreement: the gate's agreement rule (``None``: the profile's, 0.3 / 0): where the entropy
             rule rejects, accept when, for every consumer the candidate anchors hold a delta for,
@@ -186,6 +197,15 @@ class KVCMAS(PrefixReuse, Method):
             the profile's, 0.5 / 0; 0: off): a correction observed on other content (another output of
             the producer) is not applied. The rank-32 base of the same text sits at about 0.3 on the
             embedded model; other text at 1 or more. Slot scope only.
+        trust_agreement: a far candidate (``nearest``) is still accepted when the anchors'
+            corrections agree (the agreement rule's test, ``agreement``); ``False``: every acceptance
+            needs a near candidate (the rule before 2026-12-06). ``None``: the profile's, ``True`` /
+            ``False``. Slot scope only; not a state option.
+        gate_chained: a chained given text (the question, hop to hop) is gated by each consumer on its
+            own source, judging its own corrections (``agreement``), as ``gating="paper"`` gates it;
+            a rejection prefills the span (``turn_fallback``) and learns its exact delta. ``False``:
+            admitted ungated (the reference). ``None``: the profile's, ``True`` / ``False``. Slot
+            scope only; not a state option.
         duplicate: an observation whose base's values are within this fraction of a pooled anchor's
             (same source, same length) refreshes that anchor instead of joining the pool (``None``:
             the profile's, 0.05 / 0; 0: off). Slot scope only.
@@ -216,7 +236,7 @@ class KVCMAS(PrefixReuse, Method):
             corrected on acceptance, never chained; a pool per slot), ``"context_free"`` (the same
             prefilled alone), or ``"question"`` (read exactly as the question: ``text_source`` and its
             gating; the reading before kinds existed, under which KVCMAS's observations were chained
-            and never gated).
+            and never gated: with ``gate_chained=False``).
         gating: ``"reference"`` (the authors' code: outputs and observations gated once per (slot,
             request); the question gated only when its source is a reference prefill, as KVComm's,
             never when chained / first, as KVCMAS's) or ``"paper"`` (the paper's text, A.3: every PH
@@ -320,6 +340,8 @@ class KVCMAS(PrefixReuse, Method):
         "defer_base",
         "defer_factorization",
         "piecewise",
+        "trust_agreement",
+        "gate_chained",
         "max_pool_bytes",
     )
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
@@ -373,6 +395,8 @@ class KVCMAS(PrefixReuse, Method):
     duplicate: float | None = None
     learn_dense: bool | None = None
     piecewise: bool | None = None
+    trust_agreement: bool | None = None
+    gate_chained: bool | None = None
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -438,6 +462,8 @@ class KVCMAS(PrefixReuse, Method):
             "defer_factorization",
             "learn_dense",
             "piecewise",
+            "trust_agreement",
+            "gate_chained",
         ):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
