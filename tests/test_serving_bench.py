@@ -841,3 +841,29 @@ def test_bench_serve_runs_a_connector_method_with_agreement(tmp_path):
     reads = {r["read_back"] for r in reports if r}
     assert "at finish" in reads and reads <= {"at finish", "step output"}, reports
     assert rows["fullshared"]["read_back_p50_s"] is not None
+
+
+def test_bench_serve_passes_the_store_budgets_to_every_server(tmp_path):
+    """``--max-store-bytes`` / ``--device-store-bytes`` reach the launcher's ``Server`` of a group and of
+    each replica (the device check's 32K rows need a store larger than the 2 GiB default); unset, the
+    launcher's defaults; a bad value is refused by the parser."""
+    from types import SimpleNamespace
+
+    from hf_kvshare.bench.serve import cli, runs
+    from hf_kvshare.serving.server import DEFAULT_MAX_BYTES
+
+    parser = cli.build_parser("bench serve")
+    base = ["--methods", "fullshared", "--out", str(tmp_path)]
+    plan = SimpleNamespace(model_dir=str(tmp_path))
+    group = sb.ServerGroup("fullshared", ["fullshared"], "fullshared", {})
+
+    def server(argv):
+        args = parser.parse_args([*base, *argv])
+        return runs._server(group, plan, args, 1, tmp_path / "log", {}, [], None)
+
+    given = server(["--max-store-bytes", "64000000000", "--device-store-bytes", "0"])
+    assert (given.max_bytes, given.device_store_bytes) == (64_000_000_000, 0)
+    default = server([])
+    assert (default.max_bytes, default.device_store_bytes) == (DEFAULT_MAX_BYTES, None)
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--max-store-bytes", "-1"])

@@ -83,6 +83,20 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "serving traces; default) or agent-major (every task's first agent, then every task's second, ...)",
     )
     p.add_argument(
+        "--max-store-bytes",
+        dest="max_bytes",
+        type=positive_int,
+        default=None,
+        help="each server's store of the tasks' K/V (hf-kvshare serve --max-store-bytes; default 2 GiB: "
+        "a 32K-token document of an 8B model is 4.3 GB)",
+    )
+    p.add_argument(
+        "--device-store-bytes",
+        type=non_negative_int,
+        default=None,
+        help="the K/V each server's worker keeps on its device (hf-kvshare serve --device-store-bytes)",
+    )
+    p.add_argument(
         "--warmup-tasks",
         type=non_negative_int,
         default=1,

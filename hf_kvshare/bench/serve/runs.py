@@ -99,7 +99,28 @@ def group_server(
 ) -> contextlib.AbstractContextManager[Server]:
     """The group's server, started and ready inside the block: plain vLLM (``group.method`` None) or
     vLLM with the connector (its reports to ``report_path``), by the serving package's launcher."""
-    server = Server(
+    server = _server(group, plan, args, port, log_path, env, vllm_args, report_path)
+    return running(server, args.startup_timeout)
+
+
+def _server(
+    group: ServerGroup,
+    plan: Plan,
+    args: argparse.Namespace,
+    port: int,
+    log_path: Path,
+    env: Mapping[str, str],
+    vllm_args: list[str],
+    report_path: Path | None,
+) -> Server:
+    """One server of the group (a replica or the only one), by the serving package's launcher, with the
+    store budgets given (``--max-store-bytes``, ``--device-store-bytes``; the launcher's defaults else)."""
+    budgets = {
+        name: getattr(args, name)
+        for name in ("max_bytes", "device_store_bytes")
+        if getattr(args, name, None) is not None
+    }
+    return Server(
         plan.model_dir,
         group.method,
         group.options,
@@ -110,8 +131,8 @@ def group_server(
         log=log_path,
         python=args.vllm_python,
         env={**env, **({REPORTS: str(report_path)} if report_path is not None else {})},
+        **budgets,
     )
-    return running(server, args.startup_timeout)
 
 
 def group_replicas(
@@ -128,17 +149,15 @@ def group_replicas(
     vLLM's router on ``port`` (:mod:`hf_kvshare.serving.replicas`), ready inside the block."""
     ports, metrics_port = replica_ports(port, args.replicas)
     servers = [
-        Server(
-            plan.model_dir,
-            group.method,
-            group.options,
-            port=replica_port,
-            vllm_args=[*vllm_args, "--served-model-name", "model"],
-            background=not args.inline_admission,
-            read_back_channel=not args.no_read_back_channel,
-            log=log_path.with_suffix(f".replica{i}.log"),
-            python=args.vllm_python,
-            env={**env, **({REPORTS: str(report_paths[i])} if report_paths is not None else {})},
+        _server(
+            group,
+            plan,
+            args,
+            replica_port,
+            log_path.with_suffix(f".replica{i}.log"),
+            env,
+            vllm_args,
+            report_paths[i] if report_paths is not None else None,
         )
         for i, replica_port in enumerate(ports)
     ]
