@@ -111,6 +111,10 @@ def test_the_launcher_refuses_parallel_set_ups_the_connector_cannot_serve_before
         check_parallel_args(["--pipeline-parallel-size=2"])
     with pytest.raises(ValueError, match="context parallel"):
         check_parallel_args(["--decode-context-parallel-size", "2"])
+    with pytest.raises(ValueError, match="data parallel .*what works: --replicas N"):
+        check_parallel_args(["--data-parallel-size", "2"])
+    with pytest.raises(ValueError, match="data parallel"):
+        check_parallel_args(["-dp=2"])
     with pytest.raises(ValueError, match="a number of ranks"):
         check_parallel_args(["--tensor-parallel-size", "two"])
     with pytest.raises(ValueError, match="pipeline parallel"):  # the connector's server, before it starts
@@ -136,6 +140,8 @@ def test_what_the_connector_cannot_serve_is_refused_at_start_up_with_what_works(
     check_supported(config(tp=4, kv_heads=2), None)  # heads replicated over ranks
     with pytest.raises(ServingError, match="pipeline parallel .*what works: tensor_parallel_size N"):
         check_supported(config(pp=2), None)
+    with pytest.raises(ServingError, match="data parallel .*data_parallel_size 2.*session affinity"):
+        check_supported(config(data_parallel_size=2), None)
     with pytest.raises(ServingError, match="context parallel .*decode_context_parallel_size 2"):
         check_supported(config(decode_context_parallel_size=2), None)
     with pytest.raises(ServingError, match="3 KV heads do not split over 2 ranks; what works"):

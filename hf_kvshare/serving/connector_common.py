@@ -138,7 +138,8 @@ class Captured(KVConnectorWorkerMetadata):
 def check_supported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
     """Refuse, at start-up, with the reason and what works, what the connector does not support:
     pipeline parallel (a stage's worker holds only its layers; claims and read-backs carry every
-    layer), context parallel (a request's tokens split over ranks), KV heads that do not split over the
+    layer), data parallel (an engine and a store per rank; a task's requests spread over them), context
+    parallel (a request's tokens split over ranks), KV heads that do not split over the
     tensor-parallel ranks, more than one KV cache group (sliding-window / hybrid layers). Tensor parallel
     is supported: each worker rank writes and reads its own KV heads (:func:`kv_head_range`). A cache
     :mod:`.paged` cannot read or write (a quantized ``--kv-cache-dtype``, MLA) is refused by the worker
@@ -153,6 +154,13 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
             "hf_kvshare's connector does not support pipeline parallel (each stage's worker holds only its "
             "layers, and the connector's claims and read-backs carry every layer); got "
             f"pipeline_parallel_size {parallel.pipeline_parallel_size}; {works}"
+        )
+    if getattr(parallel, "data_parallel_size", 1) != 1:
+        raise ServingError(
+            "hf_kvshare's connector does not support data parallel (each data-parallel rank is an engine "
+            "with a store of its own, and vLLM spreads a task's requests over them, so its agents would "
+            f"miss each other's K/V); got data_parallel_size {parallel.data_parallel_size}; {works} behind "
+            "vLLM's router, with session affinity keyed by the task"
         )
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         size = getattr(parallel, name, 1)

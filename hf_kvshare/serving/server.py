@@ -188,6 +188,8 @@ PARALLEL_FLAGS = MappingProxyType(
         "-tp": "tensor",
         "--pipeline-parallel-size": "pipeline",
         "-pp": "pipeline",
+        "--data-parallel-size": "data",
+        "-dp": "data",
         "--decode-context-parallel-size": "context",
         "-dcp": "context",
         "--prefill-context-parallel-size": "context",
@@ -198,7 +200,7 @@ PARALLEL_FLAGS = MappingProxyType(
 
 def check_parallel_args(args: list[str], model_dir: str | Path | None = None) -> None:
     """Refuse, before vLLM starts, the parallel set-ups the connector cannot serve (the engine's
-    ``connector_common.check_supported`` refuses them too): pipeline or context parallel, and a
+    ``connector_common.check_supported`` refuses them too): pipeline, data or context parallel, and a
     ``--tensor-parallel-size`` that does not split the model's KV heads (read from ``model_dir``'s
     config when it has one). Tensor parallel passes through to vLLM as given."""
     from .tensor_parallel import kv_head_range
@@ -220,6 +222,13 @@ def check_parallel_args(args: list[str], model_dir: str | Path | None = None) ->
                 f"hf_kvshare's connector does not support {kind} parallel (size {sizes[kind]}): its claims "
                 f"and read-backs carry every layer and token of a request; {works}"
             )
+    if sizes.get("data", 1) != 1:
+        raise ValueError(
+            f"hf_kvshare's connector does not support data parallel (size {sizes['data']}): each rank is an "
+            "engine with a store of its own and vLLM spreads a task's requests over them, so its agents "
+            "would miss each other's K/V; what works: --replicas N (vLLM's router, session affinity keyed "
+            "by the task)"
+        )
     tp = sizes.get("tensor", 1)
     config = Path(model_dir) / "config.json" if model_dir is not None else None
     if tp > 1 and config is not None and config.is_file():
