@@ -228,6 +228,8 @@ def test_server_reports_give_evicted_where_the_stores_bound_evicted_the_slot(tin
     causes = run(by_task, "r3", "t1", "a2", given)
     assert set(causes) == {"evicted"} and causes["evicted"]["tokens"] == len(doc)
     assert "evicted" in causes["evicted"]["detail"]
+    # r3 computed the document again: its slot holds K/V, so a later drop is not the bound's eviction
+    assert by_task.hosts["t1"].slots["doc"].latest is not None and "doc" not in by_task.hosts["t1"].evicted
     by_bytes = Sharing(tiny_llama, tokenizer, "fullshared", max_bytes=1)  # every recorded K/V over it
     assert set(run(by_bytes, "r1", "t1", "a1", given)) == {"first"}
     assert by_bytes.dropped_slots >= 1

@@ -938,6 +938,9 @@ class Sharing:
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         output = torch.tensor(out, dtype=torch.long)
         host.record_output(turn, cache, output, text, keep_kv=method.uses_sources)
+        for name, slot in host.slots.items():  # K/V kept again: a later drop is not the bound's eviction
+            if slot.latest is not None:
+                host.evicted.pop(name, None)
         walk.record(cache)
 
     def _engine_cache(self, plan: Plan, keys, values) -> SharedCache:
