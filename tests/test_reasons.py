@@ -499,3 +499,24 @@ def test_streamed_replies_are_kept_and_completed_from_the_report_file(monkeypatc
     assert answer["summary"]["t2"]["rho"] == 1.0
     _, bobs = _call(app, "GET", REPORTS_PATH, headers=[(TENANT_HEADER, b"bob")])
     assert bobs["held"] == 0
+
+
+def test_a_post_without_the_api_key_meets_vllms_401_before_the_layout_check(monkeypatch):
+    """With vLLM's ``--api-key``, a request without the key is answered by vLLM's own check (401), its
+    body never read or tokenized by the middleware; with the key, the middleware's checks run (a bad
+    layout: 400) and a good request reaches the server."""
+    from hf_kvshare.serving.middleware import ENV, LayoutCheck
+
+    monkeypatch.setenv(ENV, json.dumps({"method": "fullshared", "salt": "s"}))
+    app = LayoutCheck(_FakeServer(key="k"))
+    checked = []
+    app.check = lambda data, path: checked.append(path) or (_ for _ in ()).throw(lay.LayoutError("bad"))
+    bad = {"messages": [], "kv_transfer_params": {lay.KEY: {"task": 3}}}
+    for headers in ([], [(b"authorization", b"Bearer wrong")]):
+        status, body = _call(app, "POST", "/v1/chat/completions", bad, headers=headers)
+        assert (status, body) == (401, {"error": "Unauthorized"}) and not checked
+    status, body = _call(app, "POST", "/v1/chat/completions", bad, headers=[(b"authorization", b"Bearer k")])
+    assert status == 400 and checked == ["/v1/chat/completions"]
+    open_app = LayoutCheck(_FakeServer())  # no --api-key: the checks run for everyone
+    open_app.check = app.check
+    assert _call(open_app, "POST", "/v1/chat/completions", bad)[0] == 400

@@ -54,6 +54,9 @@ MAX_BODY_BYTES = 32 << 20
 PATHS = ("/v1/chat/completions", "/v1/completions")
 #: where a client reads its reports back (:class:`ReportBook`)
 REPORTS_PATH = "/v1/hf_kvshare/reports"
+#: a path under ``/v1`` with no route: a request's headers are shown to vLLM's ``--api-key`` check there
+#: (:meth:`LayoutCheck._authorized`) before this middleware reads its body
+AUTH_PROBE_PATH = "/v1/hf_kvshare/auth"
 #: the request header that names the tenant whose reports are read: the client's ``cache_salt``
 TENANT_HEADER = b"x-hf-kvshare-cache-salt"
 #: the connector's report file variable (``connector_scheduler.REPORTS_ENV``; that module imports vLLM)
@@ -98,6 +101,9 @@ class LayoutCheck:
             await self.app(scope, receive, self._answer_reports(scope, send))
             return
         if scope.get("type") != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        if not await self._authorized(scope):  # vLLM's --api-key check answers it (401), body unread
             await self.app(scope, receive, send)
             return
         if scope.get("path") not in PATHS:  # vLLM's other endpoints: no layout, no salt, nothing injected
@@ -199,6 +205,25 @@ class LayoutCheck:
                     self.reports.add_streamed(tenant, task, reply_id)
 
         return keeping
+
+    async def _authorized(self, scope) -> bool:
+        """Whether vLLM's own ``--api-key`` check lets this request's headers through: asked with a
+        ``GET`` of :data:`AUTH_PROBE_PATH` (under ``/v1``, no route) carrying them, which vLLM answers 401
+        (refused) or 404. So a request without the key never meets this middleware's own answers (a
+        400 for its layout, a 413) or its tokenizer: vLLM refuses it first, as without the middleware."""
+        probe = {**scope, "method": "GET", "path": AUTH_PROBE_PATH, "query_string": b""}
+        probe["raw_path"] = AUTH_PROBE_PATH.encode()
+        status: dict[str, int] = {}
+
+        async def nothing():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def note(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message.get("status", 0)
+
+        await self.app(probe, nothing, note)
+        return status.get("code") != 401
 
     def _answer_reports(self, scope, send):
         """``send`` for ``GET`` :data:`REPORTS_PATH`: vLLM's own answer where it is not a 404 (its
