@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..budgets import check_byte_budget
 from .lowrank import (
     DEFERRED_WORK,
     DeferredFactoredKV,
@@ -37,17 +38,6 @@ from .lowrank import (
 
 #: label of the context-free reference (the segment prefilled with nothing before it)
 REFERENCE = "reference"
-
-
-def check_byte_budget(name: str, value: Any, optional: bool = False) -> int | None:
-    """A byte budget: an int >= 0 (``None`` too when ``optional``: no bound); anything else (a bool, a
-    float, a string, a negative number) raises ``ValueError`` naming ``name``. Returns ``value``."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        allowed = "an int >= 0 (bytes) or None (no bound)" if optional else "an int >= 0 (bytes)"
-        raise ValueError(f"{name} must be {allowed}; got {value!r} ({type(value).__name__})")
-    return value
 
 
 class LRUDict(OrderedDict):

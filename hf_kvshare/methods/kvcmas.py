@@ -112,10 +112,10 @@ from ..anchors.cache import CorrectedCache
 from ..anchors.edge_scope import EdgeScope
 from ..anchors.lowrank import SVD_METHODS
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
-from ..anchors.pool import check_byte_budget
 from ..anchors.scope import Scope
 from ..anchors.slot_scope import SlotScope
 from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
+from ..budgets import check_byte_budget
 from ..method import Method, Placement, register
 from ..persistence import state_dims
 from .prefix_reuse import PrefixReuse

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ..budgets import check_byte_budget
 from ..cache import Segment, SegmentKV, SharedCache
 from ..measure import Phases, timing
 from ..method import Method, Placement, get_method
@@ -493,10 +494,8 @@ def check_budgets(**budgets: Any) -> None:
                     f"max_bytes must be a positive integer (a store that holds nothing shares "
                     f"nothing: use the method nonshared); got {value!r}"
                 )
-        elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(
-                f"{name} must be an int >= 0 (bytes) or None (the default); got {value!r} ({type(value).__name__})"
-            )
+        else:
+            check_byte_budget(name, value, optional=True, none_is="the default")
 
 
 class Sharing:

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ..budgets import check_byte_budget
+
 #: the worker store's default bound (bytes of kept K/V on the paged cache's device)
 DEFAULT_DEVICE_STORE_BYTES = 2 << 30
 #: dropped request ids the worker remembers (a keep order for one, taken after its drop, is refused)
@@ -40,9 +42,7 @@ DROPPED_MAX = 4096
 
 def check_bound(value: Any) -> int:
     """``device_store_bytes`` as an int >= 0 (0: the worker keeps nothing; every claim's K/V travel)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"device_store_bytes must be an integer >= 0; got {value!r}")
-    return value
+    return check_byte_budget("device_store_bytes", value)
 
 
 class DeviceStore:
