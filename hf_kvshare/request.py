@@ -22,6 +22,7 @@ import torch
 from .cache import SegmentKV, SharedCache, compact, storage_bytes
 from .matching import parse_piece_name, piece_name
 from .rope import RopeShifter
+from .segment_kv import is_stand_in
 from .trajectory import PH, Span
 from .turn import Slot, Turn, check_slot_kind, given_text_slot
 
@@ -271,9 +272,10 @@ def _piece_kv(kv: SegmentKV | None, start: int, end: int) -> SegmentKV | None:
     kv = kv.materialize()
     if kv.rope is not None:
         return None
+    own = (lambda t: t) if is_stand_in(kv) else torch.Tensor.clone  # a stand-in's view holds nothing
     return SegmentKV(
-        keys=[k[..., start:end, :].clone() for k in kv.keys],
-        values=[v[..., start:end, :].clone() for v in kv.values],
+        keys=[own(k[..., start:end, :]) for k in kv.keys],
+        values=[own(v[..., start:end, :]) for v in kv.values],
         start=kv.start + start,
         agent=kv.agent,
     )

@@ -96,7 +96,8 @@ class SegmentKV:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes held (a ``meta`` stand-in holds none: :func:`is_stand_in`)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if not t.is_meta)
 
     def check_finite(self, what: str) -> None:
         """Raise ``ValueError`` naming ``what`` and the first layer whose K/V hold NaN or inf
@@ -257,6 +258,14 @@ def _plain(keys: list[torch.Tensor], values: list[torch.Tensor], like: SegmentKV
     return SegmentKV(keys=keys, values=values, start=like.start, agent=like.agent, rope=like.rope)
 
 
+def is_stand_in(kv: SegmentKV) -> bool:
+    """Whether ``kv`` is a stand-in: ``meta`` tensors with the K/V's shapes and dtypes and no values, whose
+    views keep their storage and offsets (the serving scheduler's record of K/V that stay in vLLM's
+    worker: :mod:`hf_kvshare.serving.worker_store`). Nothing can read its values; it holds no bytes."""
+    kv = kv.stored
+    return bool(kv.keys) and kv.keys[0].is_meta
+
+
 def compact(kvs: Iterable[SegmentKV], storage_tokens: int, share: float = 0.5) -> bool:
     """Copy ``kvs`` (views of one cache's storage, :meth:`SegmentedCache.sharing_storage`, of disjoint
     spans) into storage of their own, in place (every holder of a :class:`SegmentKV` sees the copy),
@@ -264,8 +273,8 @@ def compact(kvs: Iterable[SegmentKV], storage_tokens: int, share: float = 0.5) -
     alive: a short span (an agent's output) then stops holding a whole cache. Returns whether it
     copied."""
     kvs = list(kvs)
-    if not kvs or sum(kv.length for kv in kvs) >= share * storage_tokens:
-        return False
+    if not kvs or sum(kv.length for kv in kvs) >= share * storage_tokens or is_stand_in(kvs[0]):
+        return False  # stand-ins hold no memory, and a copy would lose the rows they stand for
     for kv in kvs:
         kv.keys[:] = [k.clone() for k in kv.keys]
         kv.values[:] = [v.clone() for v in kv.values]
@@ -277,6 +286,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     layers count that layer's tensor, not the span they show)."""
     seen: dict[tuple[torch.device, int], int] = {}
     for t in tensors:
+        if t.is_meta:  # a stand-in (:func:`is_stand_in`): no memory
+            continue
         storage = t.untyped_storage()
         seen[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())

@@ -294,3 +294,130 @@ def test_the_device_store_bound_is_an_option_of_the_server(tmp_path):
     assert Server(tmp_path, "fullshared", port=1, device_store_bytes=0).device_store_bytes == 0
     with pytest.raises(ValueError, match="device_store_bytes"):
         Server(tmp_path, "fullshared", port=1, device_store_bytes=-1)
+
+
+def _fullshared_scheduler(sharing, layers, heads, dim, device_store_bytes=1 << 30):
+    """The connector's scheduler side over ``sharing``, its worker's bytes per token announced."""
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"background": False, "device_store_bytes": device_store_bytes}
+        ),
+        cache_config=SimpleNamespace(block_size=16),
+    )
+    scheduler = HFKVShareScheduler(config, sharing)
+    scheduler.device_store.bytes_per_token = layers * 2 * heads * dim * 4
+    return scheduler
+
+
+def _document_turns(tokenizer, tasks=2):
+    doc = tokenizer(
+        "The river Lune reaches the sea at Plover Scar near Glasson. " * 4, add_special_tokens=False
+    )["input_ids"]
+    for task in range(tasks):
+        for agent, question in (("a1", " Where?"), ("a2", " Why?")):
+            prompt = tokenizer("You are " + agent + ".", add_special_tokens=False)["input_ids"] + doc
+            prompt += tokenizer(question, add_special_tokens=False)["input_ids"]
+            start = len(prompt) - len(doc) - len(tokenizer(question, add_special_tokens=False)["input_ids"])
+            params = {
+                lay.KEY: {
+                    "task": f"t{task}",
+                    "agent": agent,
+                    "segments": [{"slot": "doc", "start": start, "end": start + len(doc)}],
+                }
+            }
+            yield f"{task}{agent}", prompt, params
+
+
+def test_fullshared_records_stand_ins_the_scheduler_holds_no_kv_and_every_claim_is_a_reference(
+    tiny_llama, tokenizer
+):
+    """A value-free method (FullShared, prefix reuse on) recorded from stand-ins of what the worker
+    keeps (no read-back shipped): the scheduler's stores hold 0 bytes of K/V, every later claim (the
+    document and the agent's own kept text) is rows the worker keeps, nothing is sent, and a record
+    whose rows the worker evicted is computed, its cause ``evicted``."""
+    from hf_kvshare.reasons import cause_of_reason
+    from hf_kvshare.segment_kv import is_stand_in
+    from hf_kvshare.serving.host import DEVICE_EVICTED, VALUE_FREE
+    from hf_kvshare.serving.worker_store import stand_ins
+
+    assert VALUE_FREE == ("nonshared", "fullshared")
+    c = tiny_llama.config
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=4, prefix_reuse=True)
+    assert sharing.value_free
+    scheduler = _fullshared_scheduler(sharing, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+    referenced = 0
+    try:
+        for rid, prompt, params in [*_document_turns(tokenizer), *_document_turns(tokenizer)]:
+            plan = sharing.plan(rid, prompt, params, 0)
+            assert plan.error is None
+            scheduler._plans[rid] = plan
+            scheduler._pin(plan)
+            if plan.claimed:
+                load = scheduler._load(plan)
+                assert not load.payload and plan.keys == [] and plan.values == []  # nothing sent
+                referenced += sum(s.n for s in load.sources)
+            out, keys, values = engine(tiny_llama, SimpleNamespace(**{**vars(plan), "claim_end": 0}), 2)
+            scheduler.device_store.unpin(rid)
+            assert scheduler.device_store.admit(rid, keys.shape[1])[0]
+            k, v = stand_ins(keys, values)  # what the worker sends back: shapes, no bytes
+            sharing.sources.register(rid, k, v)
+            sharing.record(plan, k, v, out, set())
+            assert plan.error is None
+        stores = sharing.state_summary()["stores"]
+        assert stores["slots"]["bytes"] == 0 and stores["prefixes"]["bytes"] == 0
+        assert stores["read_backs"]["bytes"] == 0
+        assert referenced > 0 and scheduler.load_tokens == {"referenced": referenced, "sent": 0}
+        host = sharing.hosts["t0"]
+        assert is_stand_in(host.slots["doc"].latest) and host.held_bytes() == 0
+        kept = sharing.method._agent_prefixes()
+        assert kept and all(is_stand_in(kv) and kv.nbytes == 0 for kv in kept.values())
+        # the worker evicted every kept request: the stand-ins stand for nothing, the spans are computed
+        for rid in list(scheduler.device_store._held):
+            scheduler.device_store.forget(rid)
+            sharing.sources.forget(rid)
+        rid, prompt, params = next(_document_turns(tokenizer))
+        plan = sharing.plan("again", prompt, params, 0)
+        assert plan.error is None and plan.claimed == 0
+        assert plan.unplaced["doc"] == DEVICE_EVICTED and cause_of_reason(DEVICE_EVICTED) == "evicted"
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_stand_in_read_back_crosses_the_channel_as_its_shape_only():
+    keys, values = kv(layers=3, n=7, heads=2, dim=4)
+    from hf_kvshare.serving.worker_store import stand_ins
+
+    k, v = stand_ins(keys.to(torch.bfloat16), values.to(torch.bfloat16))
+    frames = channel.encode("r", k, v, "at finish", rank=1)
+    assert [len(bytes(f)) for f in frames[1:]] == [0, 0]  # no K/V bytes
+    rid, k2, v2, via, rank = channel.decode(frames)
+    assert (rid, via, rank) == ("r", "at finish", 1)
+    assert k2.is_meta and v2.is_meta and k2.shape == keys.shape and k2.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="stand-ins"):
+        channel.encode("r", k, values.to(torch.bfloat16))
+
+
+@needs_vllm
+def test_a_capture_not_shipped_is_kept_in_the_worker_and_only_its_stand_ins_go_back():
+    """A value-free method's capture (``ship=False``): the worker keeps the K/V and returns stand-ins
+    (shapes and dtypes, no bytes); K/V it could not keep, or holding NaN, go back whole (the scheduler's
+    record then works, or refuses them, as before)."""
+    from hf_kvshare.serving.connector_common import Capture
+
+    worker, names = _worker(2, 2, 4, device_store_bytes=20 * 2 * 2 * 2 * 4 * 4)
+    try:
+        worker.wait_for_save(HFKVShareMetadata(captures=[Capture("a", [3, 0], 20, keep=True, ship=False)]))
+        k, v = worker.build_connector_worker_meta().kv["a"]
+        assert k.is_meta and v.is_meta and k.shape == worker.store.get("a")[0].shape == (2, 20, 2, 4)
+        # not kept (the store is full): the K/V themselves
+        worker.wait_for_save(HFKVShareMetadata(captures=[Capture("b", [1], 10, keep=True, ship=False)]))
+        k, v = worker.build_connector_worker_meta().kv["b"]
+        assert not k.is_meta and "b" not in worker.store and k.shape == (2, 10, 2, 4)
+        # a NaN in the cache: the K/V themselves, so the record refuses them as it did
+        worker._io[names[0]].kv_cache[5].fill_(float("nan"))
+        worker.start_load_kv(HFKVShareMetadata(drops=["a"]))
+        worker.wait_for_save(HFKVShareMetadata(captures=[Capture("c", [5], 4, keep=False, ship=False)]))
+        k, _ = worker.build_connector_worker_meta().kv["c"]
+        assert not k.is_meta and torch.isnan(k).any()
+    finally:
+        worker.shutdown()

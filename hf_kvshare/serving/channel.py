@@ -29,7 +29,8 @@ its own address and the other side learns it from vLLM's own messages (the read-
 connector metadata, the order address in the worker's metadata), so the two never guess each
 other's address (the worker process may be vLLM's engine-core process or a child of it). A read-back
 is one message per request and worker: a JSON header (request id, shape, dtype, when it was read, the
-worker's tensor-parallel rank), then the keys' and the values' bytes; an order is one JSON frame.
+worker's tensor-parallel rank), then the keys' and the values' bytes (none for stand-ins, ``meta``
+tensors: a value-free method's record of K/V the worker keeps); an order is one JSON frame.
 
 Bounded: a sender never blocks (a full or absent channel: ``send`` / ``order`` return ``False`` and
 the connector takes the fallback above), at most ``max_queued`` messages wait in it, and a
@@ -81,6 +82,10 @@ def encode(
         "via": via,
         "rank": int(rank),
     }
+    if keys.is_meta or values.is_meta:  # stand-ins (the K/V stay in the worker): shapes, no bytes
+        if not (keys.is_meta and values.is_meta):
+            raise ValueError("keys and values must both be stand-ins (meta) or both hold values")
+        return [json.dumps({**header, "stand_in": True}).encode(), b"", b""]
     return [json.dumps(header).encode(), *(_bytes(t) for t in (keys, values))]
 
 
@@ -98,6 +103,15 @@ def decode(frames: list[Any]) -> tuple[str, torch.Tensor, torch.Tensor, str, int
     shape = header.get("shape")
     if dtype is None or not isinstance(shape, list):
         raise ValueError(f"a read-back message's header needs a known dtype and a shape; got {header!r}")
+    if header.get("stand_in") is True:
+        stand_in = torch.empty(shape, dtype=dtype, device="meta")
+        return (
+            str(header["request_id"]),
+            stand_in,
+            torch.empty_like(stand_in),
+            str(header.get("via", "")),
+            int(header.get("rank", 0)),
+        )
     out = []
     for frame in frames[1:]:
         raw = bytearray(frame)  # one copy: the tensor owns writable memory

@@ -67,13 +67,17 @@ class Load:
 class Capture:
     """A finished request's K/V to read back: positions ``[0, tokens)`` of its blocks. ``keep``: the
     worker also keeps them in its store (the scheduler's :class:`~.worker_store.StoreMirror` decided),
-    after dropping the requests ``drop`` names."""
+    after dropping the requests ``drop`` names. ``ship``: the K/V go back to the scheduler; without it
+    (a value-free method's record: :data:`~hf_kvshare.serving.host.VALUE_FREE`) only stand-ins of
+    them (:func:`~.worker_store.stand_ins`: their shapes and dtypes), unless the worker could not keep
+    them or they hold NaN / inf (then the K/V, and the scheduler's record refuses them as before)."""
 
     request_id: str
     block_ids: list[int]
     tokens: int
     keep: bool = False
     drop: list[str] = field(default_factory=list)
+    ship: bool = True
 
 
 @dataclass

@@ -254,6 +254,7 @@ class HFKVShareScheduler:
             if old.local_hit == num_computed_tokens:
                 return old.claimed, False
             del self._plans[request.request_id]
+            self.device_store.unpin(request.request_id)
             self._background.release(old)
         if self._admitted(request) is None:
             return 0, False  # not under the method's cache_salt: exact, nothing injected (Sharing.admit)
@@ -287,6 +288,7 @@ class HFKVShareScheduler:
             ]
             if unsent:
                 _trim(plan, min(unsent) - plan.claim_start)
+        self._pin(plan)
         self._plans[request.request_id] = plan
         computes = len(prompt) - num_computed_tokens - plan.claimed + _max_tokens(request)
         self._admitted_at[request.request_id] = (time.perf_counter(), max(1, computes))
@@ -509,15 +511,20 @@ class HFKVShareScheduler:
         if plan.claimed:
             self._loads[request.request_id] = self._load(plan)
 
+    def _pin(self, plan: Plan) -> None:
+        """Pin the kept requests ``plan``'s claim references (until the request ends), before vLLM takes
+        the claim; the claim stops at the first whose rows the worker no longer keeps (the scheduler has
+        no copy of them to send: :func:`~hf_kvshare.segment_kv.is_stand_in`)."""
+        for lo, _, origin, _ in _pieces(plan):
+            if origin is not None and not self.device_store.pin(plan.request_id, [origin.request_id]):
+                _trim(plan, lo - plan.claim_start)
+                return
+
     def _load(self, plan: Plan) -> Load:
-        """The claim as references to rows the worker keeps (pinned until the request ends) and the rest
-        sent now on the order channel (:class:`Load`; module docstring)."""
+        """The claim as references to rows the worker keeps (pinned at admission, until the request
+        ends) and the rest sent now on the order channel (:class:`Load`; module docstring)."""
         load = Load(plan.request_id, [], plan.claim_start, plan.claimed)
-        pieces = _pieces(plan)
-        kept = [o.request_id for _, _, o, _ in pieces if o is not None]
-        if kept and not self.device_store.pin(plan.request_id, kept):  # one was evicted since the plan
-            pieces = [(lo, hi, None, span_start) for lo, hi, _, span_start in pieces]
-        for lo, hi, origin, span_start in pieces:
+        for lo, hi, origin, span_start in _pieces(plan):
             if origin is None:
                 load.payload.append((lo - plan.claim_start, hi - plan.claim_start))
                 continue
@@ -535,12 +542,11 @@ class HFKVShareScheduler:
         self.load_tokens["referenced"] += sum(source.n for source in load.sources)
         self.load_tokens["sent"] += sum(hi - lo for lo, hi in load.payload)
         if load.payload:
-            index = torch.cat([torch.arange(lo, hi) for lo, hi in load.payload])
-            keys, values = plan.keys.index_select(1, index), plan.values.index_select(1, index)
-            # every rank takes its own heads of them (tensor parallel)
+            # plan.keys holds exactly the payload's rows, in order (Plan.sent_ranges); every rank takes
+            # its own heads of them (tensor parallel)
             sent = self._orders_connected() and all(
                 [
-                    sender.send(plan.request_id, keys, values, "load")
+                    sender.send(plan.request_id, plan.keys, plan.values, "load")
                     for sender in self._order_senders.values()
                 ]
             )
@@ -605,10 +611,18 @@ class HFKVShareScheduler:
         if eos is not None:
             stop.add(eos)
         tokens = min(request.num_computed_tokens, len(block_ids) * self._block_size)
+        keep, drop = self.device_store.admit(request.request_id, tokens) if self._keeps() else (False, [])
+        # a value-free method's record is stand-ins of what the worker keeps (nothing to read back here)
+        ship = not (self.sharing.value_free and (keep or not self.sharing.method.uses_sources))
         # the report file's line is written once the request is recorded: a dense span's gate outcome
         # (why it was not reused) is known then (the reply carries the admission's report)
-        reserved = self._reserve_before_read_back(plan, tokens)
+        reserved = self._reserve_before_read_back(plan, tokens) if ship else 0
         if reserved is None:  # past the read-back budget: not read back, not recorded
+            self.device_store.forget(request.request_id)  # never kept: no capture orders it
+            for dropped in drop:  # what the mirror evicted for it: the worker drops them next step
+                self.sharing.sources.forget(dropped)
+            with self._finishing_cond:
+                self._drops.extend(drop)
             report = {"hf_kvshare": {**plan.report(), "store": self._background.summary()}}
             if self._report_path:
                 self._write_report(ids, report["hf_kvshare"])
@@ -618,15 +632,19 @@ class HFKVShareScheduler:
             self._finishing[request.request_id] = _Finishing(
                 plan, list(request.output_token_ids), stop, ids, time.perf_counter(), reserved
             )
-        keep, drop = self.device_store.admit(request.request_id, tokens)
         for dropped in drop:
             self.sharing.sources.forget(dropped)
-        capture = Capture(request.request_id, list(block_ids), tokens, keep, drop)
+        capture = Capture(request.request_id, list(block_ids), tokens, keep, drop, ship)
         self._to_capture.append(capture)  # the next step's metadata, unless the worker took it already
         if self._receiver is not None:  # read back now, not at the next step
             for sender in self._order_senders.values():
                 sender.order(asdict(capture))
         return True, report  # the blocks stay until the worker has read them (get_finished)
+
+    def _keeps(self) -> bool:
+        """Whether the worker keeps finished requests at all: a method that references recorded K/V
+        (``uses_sources``; NonShared's are never read again)."""
+        return self.sharing.method.uses_sources
 
     def _reporter(self, ids: tuple[str, str | None]):
         """What runs after the request's record: its report file line (``None`` without a file)."""
@@ -745,9 +763,9 @@ class HFKVShareScheduler:
         if kv is None:
             budget.release(reserved)
             return None, 0
-        nbytes = sum(_nbytes(part) for part in kv)
+        nbytes = sum(_nbytes(part) for part in kv)  # stand-ins (the K/V stay in the worker): 0
         positions = _positions(kv[0])
-        if positions:
+        if positions and nbytes:
             self._read_back_token_bytes = -(-nbytes // positions)  # rounded up: never under the bytes
         if nbytes <= reserved:
             budget.release(reserved - nbytes)
@@ -838,10 +856,10 @@ class HFKVShareScheduler:
 
 
 def _nbytes(part: Any) -> int:
-    """Bytes of a tensor or of a list of tensors (a read-back's keys or values)."""
-    if isinstance(part, torch.Tensor):
-        return part.numel() * part.element_size()
-    return sum(t.numel() * t.element_size() for t in part)
+    """Bytes of a tensor or of a list of tensors (a read-back's keys or values; a ``meta`` stand-in
+    holds none)."""
+    tensors = [part] if isinstance(part, torch.Tensor) else list(part)
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
 
 
 def _positions(keys: Any) -> int:
@@ -853,22 +871,13 @@ def _positions(keys: Any) -> int:
 
 def _trim(plan: Plan, keep: int) -> None:
     """Cut ``plan``'s claim to its first ``keep`` positions (its K/V with it)."""
-    keep = max(0, min(keep, plan.claimed))
-    plan.claim_end = plan.claim_start + keep
-    plan.keys = plan.keys[:, :keep] if keep else []
-    plan.values = plan.values[:, :keep] if keep else []
+    plan.cut(keep)
 
 
 def _pieces(plan: Plan) -> list[tuple[int, int, Any, int]]:
     """The claimed range by placed span: ``(lo, hi, origin, span start)``, ``origin`` the kept rows the
     span's K/V are (``None``: not a reference)."""
-    pieces = []
-    origins = plan.origins or [None] * len(plan.placements)
-    for span, origin in zip(plan.turn.spans, origins):
-        lo, hi = max(span.start, plan.claim_start), min(span.end, plan.claim_end)
-        if hi > lo:
-            pieces.append((lo, hi, origin, span.start))
-    return pieces
+    return plan.claimed_pieces()
 
 
 def _max_tokens(request: Request) -> int:

@@ -51,7 +51,7 @@ from . import channel, paged
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load
 from .host import ServingError, skeleton_model
 from .tensor_parallel import kv_head_range, tensor_parallel_size
-from .worker_store import DEFAULT_DEVICE_STORE_BYTES, DeviceStore
+from .worker_store import DEFAULT_DEVICE_STORE_BYTES, DeviceStore, stand_ins
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -254,6 +254,7 @@ class HFKVShareWorker:
                 int(order["tokens"]),
                 bool(order.get("keep", False)),
                 [str(r) for r in order.get("drop", ())],
+                bool(order.get("ship", True)),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"an order needs request_id, block_ids and tokens; got {order!r}") from error
@@ -279,9 +280,9 @@ class HFKVShareWorker:
         except Exception:  # noqa: BLE001 - the engine must keep running; the turn is not recorded
             logger.exception("hf_kvshare: reading back request %s failed", capture.request_id)
         self.store.drop(capture.drop)  # room for it, as the scheduler's mirror decided
-        if capture.keep and kv is not None:
-            self.store.keep(capture.request_id, *kv)
-            kv = kv[0].to(STORE_DEVICE), kv[1].to(STORE_DEVICE)
+        if kv is not None:
+            kept = capture.keep and self.store.keep(capture.request_id, *kv)
+            kv = self._for_scheduler(capture, kv, kept)
         sent = (
             on_channel
             and kv is not None
@@ -295,10 +296,20 @@ class HFKVShareWorker:
                 self._captured[capture.request_id] = kv
             self._sent.add(capture.request_id)  # its blocks may be freed now (get_finished)
 
+    @staticmethod
+    def _for_scheduler(
+        capture: Capture, kv: tuple[torch.Tensor, torch.Tensor], kept: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What goes back for the record: stand-ins when the capture says not to ship the K/V (a
+        value-free method's) and the worker keeps them as ordered, and they hold no NaN / inf (checked
+        here, on the device); else the K/V, in host memory (the scheduler's record checks them)."""
+        if not capture.ship and kept == capture.keep and all(bool(torch.isfinite(t).all()) for t in kv):
+            return stand_ins(*kv)
+        return kv[0].to(STORE_DEVICE), kv[1].to(STORE_DEVICE)
+
     def _read(self, capture: Capture) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's K/V of the capture into one ``[layers, n, kv_heads, head_dim]`` tensor each,
-        read straight into it; moved to the host store's device unless the worker keeps it
-        (:meth:`_take` then moves a copy)."""
+        read straight into it, on the cache's device (:meth:`_for_scheduler` moves what goes back)."""
         names = self._names or sorted(self._io, key=self._layer_of.__getitem__)
         first = self._io[names[0]]
         shape = (len(names), capture.tokens, first.heads, first.dim)
@@ -306,10 +317,7 @@ class HFKVShareWorker:
         values = torch.empty_like(keys)
         for i, name in enumerate(names):
             self._io[name].read(capture.block_ids, 0, capture.tokens, out=(keys[i], values[i]))
-        if capture.keep:
-            return keys, values  # the worker's store keeps them where they are
-        # the host store (and the method's plans) live in host memory
-        return keys.to(STORE_DEVICE), values.to(STORE_DEVICE)
+        return keys, values
 
     def build_connector_worker_meta(self) -> Captured | None:
         announce = self._orders is not None and not self._orders_announced

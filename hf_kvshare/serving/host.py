@@ -36,6 +36,7 @@ recorded, and counted); ``state_summary()["stores"]`` reports each one's bytes, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -57,6 +58,7 @@ from ..measure import Phases, timing
 from ..method import Method, Placement, get_method
 from ..request import NewSlots, Request
 from ..rope import RopeShifter, find_rotary_module
+from ..segment_kv import is_stand_in
 from ..trajectory import PF, PH, Span
 from ..turn import Turn
 from ..walk import Walk
@@ -66,6 +68,10 @@ logger = logging.getLogger(__name__)
 
 #: methods whose placements need no HF forward (and their refusals below)
 SERVED = ("nonshared", "fullshared", "kvcmas", "kvcmas-nonchained", "kvcomm")
+#: methods that read no K/V value where they are served (a placement is a slot's K/V as recorded, moved
+#: by the worker): their records may hold stand-ins (:func:`~hf_kvshare.segment_kv.is_stand_in`) of
+#: the K/V vLLM's worker keeps (:mod:`.worker_store`), so no read-back crosses to the scheduler
+VALUE_FREE = ("nonshared", "fullshared")
 DEFAULT_MAX_BYTES = 2 << 30
 DEFAULT_MAX_TASKS = 1024
 #: the anchor pools' bytes (KVCMAS / KVComm: ``max_pool_bytes``) unless ``max_anchor_bytes`` says
@@ -271,8 +277,9 @@ class Plan:
     local_hit: int | None = 0  # None: planned ahead, not claimed yet
     claim_start: int = 0
     claim_end: int = 0
-    #: ``[layers, claim_end - claim_start, kv_heads, head_dim]`` (what the connector writes; ``keys[i]``
-    #: is layer ``i``'s), an empty list without a claim
+    #: the claimed K/V the worker is sent, ``[layers, m, kv_heads, head_dim]`` (``keys[i]`` is layer
+    #: ``i``'s): the claim's positions whose placement is not rows the worker keeps (:attr:`origins`), in
+    #: order (:meth:`sent_ranges`; the whole claim without a worker store); an empty list without any
     keys: torch.Tensor | list = field(default_factory=list)
     values: torch.Tensor | list = field(default_factory=list)
     #: per placement, the kept rows its K/V are (:class:`~.worker_store.Origin`: the connector then sends
@@ -345,6 +352,35 @@ class Plan:
     @property
     def claimed(self) -> int:
         return self.claim_end - self.claim_start
+
+    def claimed_pieces(self) -> list[tuple[int, int, Any, int]]:
+        """The claimed range by placed span: ``(lo, hi, origin, span start)`` (positions), ``origin`` the
+        kept rows the span's K/V are (:class:`~.worker_store.Origin`; ``None``: sent, in :attr:`keys`)."""
+        if self.turn is None:
+            return []
+        pieces = []
+        origins = self.origins or [None] * len(self.placements)
+        for span, origin in zip(self.turn.spans, origins):
+            lo, hi = max(span.start, self.claim_start), min(span.end, self.claim_end)
+            if hi > lo:
+                pieces.append((lo, hi, origin, span.start))
+        return pieces
+
+    def sent_ranges(self) -> list[tuple[int, int]]:
+        """Claim offsets ``[lo, hi)`` whose K/V are in :attr:`keys` / :attr:`values` (in order)."""
+        return [
+            (lo - self.claim_start, hi - self.claim_start)
+            for lo, hi, origin, _ in self.claimed_pieces()
+            if origin is None
+        ]
+
+    def cut(self, keep: int) -> None:
+        """Cut the claim to its first ``keep`` positions (the sent K/V with it)."""
+        keep = max(0, min(keep, self.claimed))
+        self.claim_end = self.claim_start + keep
+        rows = sum(hi - lo for lo, hi in self.sent_ranges())
+        self.keys = self.keys[:, :rows] if rows else []
+        self.values = self.values[:, :rows] if rows else []
 
     def drop_kv(self) -> None:
         """After the record: the claimed K/V and the placements' are not read again (the report reads
@@ -436,6 +472,12 @@ NO_KV_KEPT = "no K/V kept for it (the first request to read it, or dropped by th
 #: why a PH span was not placed when the store's bound evicted its slot's K/V (its task, the slot, or
 #: the slot forgotten past ``max_task_slots``) before this request
 EVICTED = "its slot's K/V were evicted from the store by its bound before this request"
+#: why a span was not placed when its K/V are a stand-in of rows vLLM's worker evicted from its device
+#: store (its bound, ``device_store_bytes``): the scheduler holds no values to send instead
+DEVICE_EVICTED = (
+    "its K/V were evicted from the worker's device store by its bound (device_store_bytes) before this "
+    "request, and the scheduler keeps no copy of them"
+)
 #: why the agent's own (PF) text was not placed: vLLM computes only the tokens after the claim, which
 #: starts at its own block-aligned prefix-cache hit, and the connector runs no model
 OWN_TEXT_NEW = (
@@ -596,6 +638,12 @@ class Sharing:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: set[int] = {eos} if isinstance(eos, int) else set()
 
+    @property
+    def value_free(self) -> bool:
+        """Whether the method reads no K/V value here (:data:`VALUE_FREE`): the connector then keeps a
+        finished request's K/V in vLLM's worker only, and records stand-ins of them."""
+        return self.method.name in VALUE_FREE
+
     # ---------------------------------------------------------------- admission
     def admit(self, params: Any, cache_salt: str | None, images: list[dict[str, Any]] | None = None) -> Any:
         """The layout a request is planned under, fenced by its tenant, or ``None``: nothing injected.
@@ -687,20 +735,29 @@ class Sharing:
         scratch_cache = walk.plan()
         for span, placement in walk.place(scratch_cache):
             find = self.sources.find if self.sources is not None and placement is not None else None
-            plan.origins.append(find(placement.kv) if find is not None else None)  # before it is moved
-            if placement is not None:  # computed here, on the plan's thread, not where it is claimed
-                placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
-                _keep_gate(plan, span.name, placement.info)
+            origin = find(placement.kv) if find is not None else None  # before it is moved
+            if placement is not None and origin is None and is_stand_in(placement.kv):
+                # rows the worker no longer keeps, and no values here to send: computed by the engine
+                placement = None
+                plan.unplaced[span.name] = self._why_unplaced(host, turn, span, dropped=True)
+            elif placement is not None:
+                if origin is None:  # sent to the worker: computed here, on the plan's thread
+                    placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
+                _keep_gate(plan, span.name, placement.info)  # (rows the worker keeps: it moves them)
             else:
                 plan.unplaced[span.name] = self._why_unplaced(host, turn, span)
+            plan.origins.append(origin)
             plan.placements.append(placement)
         if plan.local_hit is not None:  # None: planned ahead, claimed at admission (:meth:`claim`)
             self._claim(plan)
 
-    def _why_unplaced(self, host: ServingHost, turn: Turn, span: Span) -> str:
-        """Why admission did not place ``span`` (under the store's lock): the agent's own text; a slot
-        another open turn of the task will record (:data:`NOT_RECORDED_YET`); else the method's own
-        reason (its gate, when it wrote one)."""
+    def _why_unplaced(self, host: ServingHost, turn: Turn, span: Span, dropped: bool = False) -> str:
+        """Why admission did not place ``span`` (under the store's lock): its K/V a stand-in of rows the
+        worker dropped (``dropped``: :data:`DEVICE_EVICTED`); the agent's own text; a slot another open
+        turn of the task will record (:data:`NOT_RECORDED_YET`); else the method's own reason (its gate,
+        when it wrote one)."""
+        if dropped:
+            return DEVICE_EVICTED
         if span.kind == "PF":
             return OWN_TEXT_OFF if getattr(self.method, "prefix_reuse", None) is False else OWN_TEXT_NEW
         slot = host.slots.get(span.name)
@@ -822,23 +879,29 @@ class Sharing:
         end = min(end, last)
         if end <= start:
             return
-        # one [layers, n, heads, dim] tensor per K and V: it crosses vLLM's process boundary (the
-        # scheduler's metadata to the worker) as one out-of-band buffer, not 2 x layers pickled copies
-        first = next(p.kv for p in plan.placements if p is not None)
-        k0 = first.keys[0]
-        shape = (len(first.keys), end - start, k0.shape[1], k0.shape[3])
-        plan.keys = torch.empty(shape, dtype=k0.dtype)
-        plan.values = torch.empty(shape, dtype=first.values[0].dtype)
-        for span, placement in zip(turn.spans, plan.placements):
-            lo, hi = max(span.start, start), min(span.end, end)
-            if hi <= lo:
-                continue
-            kv = placement.kv
-            a, b = lo - span.start, hi - span.start
-            for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
-                plan.keys[layer, lo - start : hi - start] = k[0, :, a:b].transpose(0, 1)  # [n, heads, dim]
-                plan.values[layer, lo - start : hi - start] = v[0, :, a:b].transpose(0, 1)
         plan.claim_start, plan.claim_end = start, end
+        # what is sent (not rows the worker keeps), as one [layers, m, heads, dim] tensor per K and V:
+        # one buffer on the order channel, not 2 x layers copies
+        origins = plan.origins or [None] * len(plan.placements)
+        sent = [
+            (max(span.start, start), min(span.end, end), span.start, placement.kv)
+            for span, placement, origin in zip(turn.spans, plan.placements, origins)
+            if origin is None and min(span.end, end) > max(span.start, start)
+        ]
+        rows = sum(hi - lo for lo, hi, _, _ in sent)
+        if rows:
+            first = sent[0][3]
+            k0 = first.keys[0]
+            shape = (len(first.keys), rows, k0.shape[1], k0.shape[3])
+            plan.keys = torch.empty(shape, dtype=k0.dtype)
+            plan.values = torch.empty(shape, dtype=first.values[0].dtype)
+            at = 0
+            for lo, hi, span_start, kv in sent:
+                a, b = lo - span_start, hi - span_start
+                for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
+                    plan.keys[layer, at : at + b - a] = k[0, :, a:b].transpose(0, 1)  # [n, heads, dim]
+                    plan.values[layer, at : at + b - a] = v[0, :, a:b].transpose(0, 1)
+                at += b - a
         with self._counts:  # claim() runs outside the store's lock
             self.claimed_requests += 1
             self.supplied_tokens += end - start
@@ -862,7 +925,8 @@ class Sharing:
     ) -> None:
         """Record a finished request: ``keys``/``values`` (``[layers, n, kv_heads, head_dim]``, or a
         list of the layers' ``[n, kv_heads, head_dim]``) hold the K/V the engine used for positions
-        ``[0, n)`` (prompt + output but its last token). What the method's record leaves for later is
+        ``[0, n)`` (prompt + output but its last token), or stand in for them (``meta`` tensors: the
+        K/V stay in vLLM's worker, a :data:`VALUE_FREE` method's record holds references). What the method's record leaves for later is
         run here too, unless ``settle=False`` (the background thread's: it is left in
         :attr:`Plan.deferred` for the caller)."""
         if plan.turn is None:
@@ -918,6 +982,7 @@ class Sharing:
         turn, host, method = plan.turn, plan.host, self.method
         walk = Walk(method, turn)
         cache = self._engine_cache(plan, keys, values)
+        stand_in = bool(cache.layers) and cache.layers[0].keys.is_meta
         walk.finish(cache)
         for segment in cache.segments:
             if segment.kind == "PH" and segment.provenance == "dense":
@@ -940,7 +1005,10 @@ class Sharing:
         for name, slot in host.slots.items():  # K/V kept again: a later drop is not the bound's eviction
             if slot.latest is not None:
                 host.evicted.pop(name, None)
-        walk.record(cache)
+        # stand-ins: what the method keeps (prefix reuse's text) are views, so they stay references to
+        # the worker's rows (a copy of a stand-in holds no values and no provenance)
+        with cache.sharing_storage() if stand_in else contextlib.nullcontext():
+            walk.record(cache)
 
     def _engine_cache(self, plan: Plan, keys, values) -> SharedCache:
         """The serving executor's read-back: the K/V the engine used for positions ``[0, n)``, injected
@@ -961,7 +1029,8 @@ class Sharing:
             start=0,
             agent=turn.agent,
         )
-        used.check_finite(f"the engine's K/V of request {plan.request_id}")
+        if not is_stand_in(used):  # a stand-in's rows were checked by the worker (or came with values)
+            used.check_finite(f"the engine's K/V of request {plan.request_id}")
         used.finite = True  # the store holds it from here, and nothing writes it
         cache = self.method.new_cache(turn)
         covered = max(plan.claim_end, plan.local_hit)

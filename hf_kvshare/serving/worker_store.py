@@ -40,6 +40,16 @@ DEFAULT_DEVICE_STORE_BYTES = 2 << 30
 DROPPED_MAX = 4096
 
 
+def stand_ins(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a value-free method's record holds of a read-back the worker keeps: ``meta`` tensors of its
+    shapes and dtypes (no bytes; :func:`~hf_kvshare.segment_kv.is_stand_in`), which :class:`Sources`
+    registers as it registers K/V: a placement that views their rows is those rows of the worker's."""
+    return (
+        torch.empty(keys.shape, dtype=keys.dtype, device="meta"),
+        torch.empty(values.shape, dtype=values.dtype, device="meta"),
+    )
+
+
 def check_bound(value: Any) -> int:
     """``device_store_bytes`` as an int >= 0 (0: the worker keeps nothing; every claim's K/V travel)."""
     return check_byte_budget("device_store_bytes", value)
