@@ -315,3 +315,16 @@ def test_claims_reach_the_worker_as_references_with_small_step_metadata(server):
     assert store["load_tokens"]["referenced"] > 0, store
     assert 0 < store["metadata_bytes"]["max"] <= 64 << 10, store
     assert 0 < store["device_bytes"], store
+
+
+def test_fullshared_records_keep_no_kv_on_the_scheduler(server):
+    """FullShared reads no K/V value on the scheduler (``serving/host.py``'s ``VALUE_FREE``): a recorded
+    request's K/V stay in the worker's store and its record holds stand-ins (no read-back shipped), so the
+    scheduler's slot store, kept prefixes and read-back buffer hold 0 bytes while the claims above (exact
+    mode, the document) were written from the worker's rows."""
+    lines = recorded(server, "t1", 4)
+    store = lines[-1]["store"]
+    stores = store["stores"]
+    assert stores["slots"]["bytes"] == 0 and stores["prefixes"]["bytes"] == 0, stores
+    assert stores["read_backs"]["peak"] == 0, stores  # no read-back K/V ever waited on the scheduler
+    assert store["device_bytes"] > 0 and store["load_tokens"]["sent"] == 0, store
