@@ -29,7 +29,9 @@
   ``KVConnectorBase_V1`` class that sets only its two sides and whose hooks delegate; no thread,
   lock or channel), the scheduler and worker sides in their own modules; the step metadata the
   scheduler sends the worker (``connector_common``'s ``HFKVShareMetadata``, ``Load``, ``Source``,
-  ``Capture``) has no tensor field (K/V stay in the worker: ``serving/worker_store.py``).
+  ``Capture``) has no tensor field (K/V stay in the worker: ``serving/worker_store.py``); a value-free
+  method's records are stand-ins (``meta``) of the worker's K/V, made in ``worker_store`` only (and
+  rebuilt by ``channel``), for served methods only (``host.VALUE_FREE``).
 - one request, one walk, two executors: the contract modules, ``request.py`` and ``walk.py`` import
   neither ``prefill`` nor the HF ``executor``; the Session and the serving host are each a ``Request``
   and define none of its bookkeeping; only ``walk.py`` (and ``methods/``) calls a method's span hooks.
@@ -928,6 +930,41 @@ def test_the_step_metadata_carries_no_tensor():
 def test_the_tensor_field_finder_finds_one():
     source = "class Load:\n    keys: torch.Tensor\n    start: int\n    kv: dict[str, Tensor] = None\n"
     assert tensor_fields(ast.parse(source), ("Load",)) == ["Load.keys", "Load.kv"]
+
+
+#: where serving makes a stand-in of K/V (``meta`` tensors: the worker's :func:`stand_ins`, and the
+#: channel rebuilding one from its header)
+STAND_IN_MAKERS = (f"{ROOT}.serving.worker_store", f"{ROOT}.serving.channel")
+
+
+def meta_tensor_calls(tree: ast.AST) -> int:
+    """Calls that put a tensor on ``meta`` by keyword (``device="meta"``)."""
+    return sum(
+        1
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and any(
+            k.arg == "device" and isinstance(k.value, ast.Constant) and k.value.value == "meta"
+            for k in node.keywords
+        )
+    )
+
+
+def test_stand_in_records_are_made_in_the_worker_store_for_value_free_methods_only():
+    """A value-free method's record holds stand-ins of the K/V the worker keeps (no read-back shipped to
+    the scheduler): they are made in one place (``worker_store.stand_ins``; ``channel`` rebuilds the
+    worker's from a message's header), no other serving module puts a tensor on ``meta``, and every
+    value-free method (``serving/host.py``'s ``VALUE_FREE``) is a served method."""
+    from hf_kvshare.serving.host import SERVED, VALUE_FREE
+
+    makers = {
+        name
+        for name in MODULES
+        if name.startswith(f"{ROOT}.serving.") and meta_tensor_calls(ast.parse(MODULES[name].read_text()))
+    }
+    assert makers == set(STAND_IN_MAKERS), f"stand-ins made in {sorted(makers)}"
+    assert set(VALUE_FREE) <= set(SERVED), f"value-free methods not served: {set(VALUE_FREE) - set(SERVED)}"
+    assert meta_tensor_calls(ast.parse("torch.empty(2, device='meta')\ntorch.empty(2, device='cpu')")) == 1
 
 
 # ----------------------------------------------------------------------- one request, one walk, two executors

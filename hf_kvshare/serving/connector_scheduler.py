@@ -18,7 +18,9 @@ request's record, over one :class:`~hf_kvshare.serving.host.Sharing` of its own.
 - which finished requests the worker keeps, on its device, and which it drops: the scheduler's
   :class:`~.worker_store.StoreMirror` decides (least recently used first, by bytes,
   ``device_store_bytes``), in the capture's ``keep`` / ``drop``; a kept request a claim references is
-  pinned until the claiming request ends.
+  pinned from admission until the claiming request ends. A value-free method's kept request
+  (:data:`~hf_kvshare.serving.host.VALUE_FREE`) is captured with ``ship=False``: its record is
+  stand-ins of the worker's K/V (no read-back bytes here, none held against the read-back budget).
 - ``request_finished`` (before the blocks are freed): a finished request keeps its blocks
   (``delay_free``) until the worker has read back the K/V it used; the scheduler orders the read-back
   at once on the order channel (:mod:`.channel`) and the capture also rides in the next step's

@@ -9,7 +9,9 @@ the forward and reads a finished request's K/V back for its record.
   is reported as failed blocks (``get_block_ids_with_load_errors``): vLLM recomputes or fails the
   request, never runs on what the blocks held.
 - A finished request the scheduler says to keep (the capture's ``keep``) stays in the worker's
-  :class:`~.worker_store.DeviceStore`, on the cache's device, after the requests it says to drop.
+  :class:`~.worker_store.DeviceStore`, on the cache's device, after the requests it says to drop; one it
+  says not to ship (a value-free method's) goes back as stand-ins only (shapes, no bytes), unless the
+  worker could not keep it or it holds NaN / inf (:meth:`HFKVShareWorker._for_scheduler`).
 - A finished request's K/V (prompt + output but its last token; its blocks kept until this side says
   they are read, ``get_finished``) are read once, on one path with one fallback:
 

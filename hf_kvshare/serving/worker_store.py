@@ -20,6 +20,11 @@ failed loads (vLLM recomputes or fails the request, its ``kv_load_failure_policy
 K/V as views (:meth:`Sharing._engine_cache <hf_kvshare.serving.host.Sharing._engine_cache>`), so a
 placement whose keys and values are views of one kept read-back's rows is those rows; anything else
 (KVCMAS's corrected spans, a compacted copy, rotated keys) is not a reference.
+
+A value-free method (:data:`~hf_kvshare.serving.host.VALUE_FREE`) gets no read-back at all: the worker
+returns :func:`stand_ins` of what it keeps (``meta`` tensors, no bytes), the record holds views of them
+and :class:`Sources` registers them as it registers K/V (a ``meta`` view keeps its storage and offset),
+so the scheduler keeps no host copy and every claim of such a record is a reference.
 """
 
 from __future__ import annotations
