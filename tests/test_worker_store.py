@@ -421,3 +421,45 @@ def test_a_capture_not_shipped_is_kept_in_the_worker_and_only_its_stand_ins_go_b
         assert not k.is_meta and torch.isnan(k).any()
     finally:
         worker.shutdown()
+
+
+def test_a_kept_prefix_at_another_position_is_a_reference_the_worker_moves(tiny_llama, tokenizer):
+    """FullShared places its kept text where it was computed (``PREFIX_PLACED_UNMOVED``): from stand-ins,
+    an agent's own text after a longer document is a reference to its earlier rows, moved by the worker
+    (source and destination positions differ), nothing sent."""
+    from hf_kvshare.serving.worker_store import stand_ins
+
+    c = tiny_llama.config
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared", min_segment_tokens=4, prefix_reuse=True)
+    scheduler = _fullshared_scheduler(sharing, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    sys_ids, q = ids("You are a careful planner."), ids(" Where does it go? Tell me now.")
+    short, long = (
+        ids("The river Lune reaches the sea."),
+        ids("Alpha beta gamma delta epsilon zeta eta theta."),
+    )
+    turns = [("w", "w", long, "long"), ("a1", "a", short, "short"), ("a2", "a", long, "long")]
+    try:
+        for rid, agent, doc, slot in turns:
+            prompt = sys_ids + doc + q
+            segment = {"slot": slot, "start": len(sys_ids), "end": len(sys_ids) + len(doc)}
+            params = {lay.KEY: {"task": "t", "agent": agent, "segments": [segment]}}
+            plan = sharing.plan(rid, prompt, params, 0)
+            assert plan.error is None
+            scheduler._pin(plan)
+            load = scheduler._load(plan) if plan.claimed else None
+            out, keys, values = engine(tiny_llama, SimpleNamespace(**{**vars(plan), "claim_end": 0}), 2)
+            scheduler.device_store.unpin(rid)
+            assert scheduler.device_store.admit(rid, keys.shape[1])[0]
+            k, v = stand_ins(keys, values)
+            sharing.sources.register(rid, k, v)
+            sharing.record(plan, k, v, out, set())
+        assert plan.claimed == len(prompt) - 1 and not load.payload, plan.report()
+        tail = [s for s in load.sources if s.request_id == "a1" and s.dst_start > len(sys_ids)]
+        moved = len(long) - len(short)
+        assert tail and all(s.dst_start - s.src_start == moved for s in tail), load.sources
+    finally:
+        scheduler.shutdown()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..method import Method, Placement, register
 from .prefix_reuse import PrefixReuse
@@ -25,6 +25,8 @@ class FullShared(PrefixReuse, Method):
 
     prefix_reuse: bool = False
     prefix_scope: str = "agent"
+    #: kept text placed where it was computed, re-positioned by its writer (as ``placeholder``'s)
+    PREFIX_PLACED_UNMOVED: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.check_prefix_reuse()

@@ -55,6 +55,11 @@ class PrefixReuse:
     #: and their bytes (one-message prompts make an agent's "prefix" its whole prompt: hundreds of MB
     #: within the count); a host with its own budget lowers it with :meth:`bound_prefixes`
     PREFIX_MAX_BYTES: ClassVar[int] = 256 << 20
+    #: whether :meth:`prefix` places the kept K/V where it was computed, the writer re-positioning it as
+    #: it places it (the cache layer by layer; the serving worker from the rows it keeps), as FullShared's
+    #: ``placeholder`` does; ``False``: placed re-positioned (a method that corrects the placed text, as
+    #: KVCMAS's prefix delta, reads it at the span's position)
+    PREFIX_PLACED_UNMOVED: ClassVar[bool] = False
 
     def check_prefix_reuse(self) -> None:
         if not isinstance(self.prefix_reuse, bool):
@@ -90,7 +95,7 @@ class PrefixReuse:
         if kept is None:
             return None
         return Placement(
-            kv=kept.repositioned(turn.shifter, span.start),
+            kv=kept if self.PREFIX_PLACED_UNMOVED else kept.repositioned(turn.shifter, span.start),
             provenance="reused",
             source_agent=turn.agent,
             info={"prefix_reuse": kept.start},
