@@ -463,3 +463,35 @@ def test_a_kept_prefix_at_another_position_is_a_reference_the_worker_moves(tiny_
         assert tail and all(s.dst_start - s.src_start == moved for s in tail), load.sources
     finally:
         scheduler.shutdown()
+
+
+@needs_vllm
+@pytest.mark.parametrize("method, keep, ship", [("fullshared", True, False), ("kvcmas", True, True)])
+def test_a_finished_request_is_read_back_to_the_scheduler_only_for_a_method_reading_values(
+    tiny_llama, tokenizer, method, keep, ship
+):
+    """The capture of a finished request: kept by the worker; shipped back (its K/V held against the
+    read-back budget) only for a method that reads K/V values on the scheduler (KVCMAS), not FullShared."""
+    from vllm.v1.request import RequestStatus
+
+    c = tiny_llama.config
+    sharing = Sharing(tiny_llama, tokenizer, method, min_segment_tokens=4)
+    scheduler = _fullshared_scheduler(sharing, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+    scheduler._read_back_token_bytes = scheduler.device_store.bytes_per_token
+    try:
+        rid, prompt, params = next(_document_turns(tokenizer))
+        scheduler._plans[rid] = sharing.plan(rid, prompt, params, 0)
+        request = SimpleNamespace(
+            request_id=rid,
+            status=RequestStatus.FINISHED_STOPPED,
+            num_computed_tokens=len(prompt) + 1,
+            prompt_token_ids=prompt,
+            output_token_ids=[5, 6],
+            sampling_params=None,
+        )
+        assert scheduler.request_finished(request, [0, 1, 2, 3, 4])[0]
+        (capture,) = scheduler._to_capture
+        assert (capture.keep, capture.ship) == (keep, ship)
+        assert (sharing.read_backs.held > 0) == ship  # a stand-in's read-back holds no bytes here
+    finally:
+        scheduler.shutdown()
