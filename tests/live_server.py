@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-#: vLLM's arguments for a test's server: small, float32 (exact comparisons), no graph capture
-TEST_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "2", "--enforce-eager"]
+#: vLLM's arguments for a test's server: small, float32 (exact comparisons)
+TEST_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "2"]
 
 
 def start_server(
@@ -24,11 +24,12 @@ def start_server(
     *,
     max_bytes: int,
     vllm_args: Sequence[str] = (),
+    eager: bool = True,
     name: str = "vllm",
 ) -> Any:
     """A server of ``model`` (an embedded model's name: served from the folder hf_kvshare writes) with
     ``method`` and ``options``, started and ready (~1-2 min on 2 CPUs; the log's tail printed when it
-    never is): :data:`TEST_ARGS` plus ``vllm_args``, its log ``folder/<name>.log``, each recorded
+    never is): :data:`TEST_ARGS` plus ``vllm_args`` (and ``--enforce-eager`` where ``eager``), its log ``folder/<name>.log``, each recorded
     request's report line in ``server.reports`` (``folder/<name>.reports.jsonl``), vLLM's development
     endpoints on (``POST /reset_prefix_cache``)."""
     from hf_kvshare.serving.connector import REPORTS_ENV
@@ -43,7 +44,7 @@ def start_server(
         served_model_dir(model),
         method,
         options,
-        vllm_args=[*TEST_ARGS, *vllm_args],
+        vllm_args=[*TEST_ARGS, *(["--enforce-eager"] if eager else []), *vllm_args],
         max_bytes=max_bytes,
         log=log,
         env={REPORTS_ENV: str(reports), "VLLM_SERVER_DEV_MODE": "1"},

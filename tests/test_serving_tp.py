@@ -163,8 +163,9 @@ PLAIN = {"hf_kvshare": {"method": "nonshared"}}
 def _start(tp: int, folder):
     """A FullShared server at ``tp`` ranks, started and ready."""
     args = ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"] if tp > 1 else []
+    options = {"prefix_reuse": True}
     return start_server(
-        folder, MODEL, "fullshared", {"prefix_reuse": True}, max_bytes=64 << 20, vllm_args=args
+        folder, MODEL, "fullshared", options, max_bytes=64 << 20, vllm_args=args, name=f"tp{tp}"
     )
 
 
