@@ -318,3 +318,65 @@ def test_bench_serves_summary_reports_each_stores_most_bytes_budget_and_eviction
         )["stores_max"]
         is None
     )
+
+
+def test_the_workers_sent_claims_stay_within_their_bytes_and_a_dropped_one_fails_at_once():
+    """The worker's buffer of claims' K/V that came on the order channel is bounded by bytes
+    (``payload_bytes``): past it the oldest is dropped, K/V larger than the budget are not kept, each
+    drop counted and returned; the dropped claim's take finds none at once, with the reason."""
+    import time
+
+    import torch
+
+    from hf_kvshare.serving.worker_store import DEFAULT_PAYLOAD_BYTES, PayloadBuffer
+
+    def kv(n):  # n positions of 1 layer, 1 head of size 4, float32: 32 bytes a position (keys and values)
+        return torch.zeros(1, n, 1, 4), torch.zeros(1, n, 1, 4)
+
+    buffer = PayloadBuffer(700)
+    assert buffer.put("a", *kv(10)) == [] and buffer.put("b", *kv(10)) == [] and buffer.bytes == 640
+    assert buffer.put("c", *kv(10)) == ["a"] and buffer.bytes == 640 and buffer.dropped == 1
+    assert buffer.put("huge", *kv(40)) == ["huge"] and buffer.bytes == 640 and buffer.dropped == 2
+    t0 = time.monotonic()
+    for gone in ("a", "huge"):
+        got, why = buffer.take(gone, timeout=10)
+        assert got is None and "payload budget (700 bytes)" in why
+    assert time.monotonic() - t0 < 5  # at once, not after the wait
+    got, why = buffer.take("b", timeout=10)
+    assert got is not None and why == "" and buffer.bytes == 320 and len(buffer) == 1
+    got, why = buffer.take("never", timeout=0.01)
+    assert got is None and "never came on the order channel" in why
+    assert PayloadBuffer(DEFAULT_PAYLOAD_BYTES).max_bytes == 1 << 30
+    for bad in BAD_BUDGETS:
+        with pytest.raises(ValueError, match="payload_bytes must be an int >= 0"):
+            PayloadBuffer(bad)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="the worker side imports vLLM (.ci/run's serving venv)")
+def test_a_claim_whose_sent_kv_the_worker_dropped_is_reported_failed_never_written(caplog):
+    """The worker's payload budget from the connector's extra config: a claim whose K/V it dropped
+    is logged and its blocks reported failed (vLLM recomputes them); a kept one is written."""
+    import logging
+
+    import torch
+    from serving_stand_ins import stand_in_worker
+
+    from hf_kvshare.serving.connector_common import HFKVShareMetadata, Load
+
+    per_request = 2 * 20 * 2 * 4 * 4 * 2  # keys and values of 20 positions, 2 layers, 2 heads of 4
+    worker, names = stand_in_worker(2, 2, 4, extra={"payload_bytes": per_request})
+    try:
+        assert worker.payloads.max_bytes == per_request
+        keys, values = torch.randn(2, 20, 2, 4), torch.randn(2, 20, 2, 4)
+        with caplog.at_level(logging.ERROR, logger="hf_kvshare.serving"):
+            worker._on_payload("a", keys, values, "load")
+            worker._on_payload("b", keys, values, "load")  # a is dropped to keep b
+        assert "request a's claimed K/V dropped past the worker's payload budget" in caplog.text
+        worker.start_load_kv(HFKVShareMetadata(loads=[Load("a", [1, 2], 0, 20, payload=[(0, 20)])]))
+        assert worker.get_block_ids_with_load_errors() == {1, 2}
+        worker.start_load_kv(HFKVShareMetadata(loads=[Load("b", [3, 4], 0, 20, payload=[(0, 20)])]))
+        assert not worker.get_block_ids_with_load_errors()
+        k, v = worker._io[names[0]].read([3, 4], 0, 20)
+        assert torch.equal(k, keys[0]) and torch.equal(v, values[0])
+    finally:
+        worker.shutdown()
