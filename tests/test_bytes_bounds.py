@@ -380,3 +380,71 @@ def test_a_claim_whose_sent_kv_the_worker_dropped_is_reported_failed_never_writt
         assert torch.equal(k, keys[0]) and torch.equal(v, values[0])
     finally:
         worker.shutdown()
+
+
+class _Planner:
+    """A stand-in Sharing whose plans hold ``plan_bytes`` bytes of claimed K/V; logs what runs."""
+
+    def __init__(self, plan_bytes: int):
+        self.plan_bytes, self.log = plan_bytes, []
+
+    def state_summary(self):
+        return {}
+
+    def plan(self, request_id, prompt, params, local_hit):
+        import torch
+
+        from hf_kvshare.serving.host import Plan
+
+        self.log.append(f"plan {request_id}")
+        kv = torch.zeros(self.plan_bytes // 8)  # keys and values: plan_bytes in all
+        return Plan(request_id=request_id, prompt=prompt, local_hit=local_hit, keys=kv, values=kv.clone())
+
+    def claim(self, plan, local_hit):
+        plan.local_hit = local_hit
+
+    def release(self, plan):
+        self.log.append(f"release {plan.request_id}")
+
+
+def test_plans_decided_ahead_hold_their_kv_within_a_byte_budget_and_the_rest_plan_at_admission(caplog):
+    """The admission queue's plans decided ahead (on arrival) hold their K/V until vLLM asks: within
+    ``max_planned_bytes``; past it a plan is dropped (released, counted, logged) and its request is
+    planned at its admission query, not ahead again; handing a plan out frees its bytes."""
+    import logging
+
+    from hf_kvshare.serving.admission import DEFAULT_MAX_PLANNED_BYTES, Background, held_bytes
+
+    sharing = _Planner(400)
+    background = Background(sharing, wait_s=0.0, max_planned_bytes=1000)
+    params = {lay.KEY: {"task": "t", "agent": "a", "segments": []}}
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_kvshare.serving"):
+            for rid in ("r1", "r2", "r3"):
+                background.prepare(rid, [1, 2], params)
+            background.drain()
+        assert sharing.log == ["plan r1", "plan r2", "plan r3", "release r3"]  # 800 held, 1200 would pass
+        assert "request r3's plan, decided ahead, dropped" in caplog.text
+        summary = background.summary()
+        assert summary["planned_bytes"] == 800 and summary["max_planned_bytes"] == 1000
+        assert summary["plans_dropped_for_bytes"] == 1
+        background.prepare("r3", [1, 2], params)  # a late prepare: not ahead again
+        background.drain()
+        assert sharing.log[-1] == "release r3"
+        first = background.plan("r1", [1, 2], params, 0)
+        assert first is not None and held_bytes(first) == 400 and background.planned_bytes == 400
+        third = None
+        for _ in range(100):  # planned at its admission query now
+            third = third or background.plan("r3", [1, 2], params, 0)
+            background.drain()
+        assert third is not None and third.local_hit == 0 and sharing.log[-1] == "plan r3"
+        assert background.planned_bytes == 400  # r2's, until vLLM asks for it
+        background.forget("r2")
+        background.drain()
+        assert background.planned_bytes == 0
+    finally:
+        background.close()
+    assert Background(_Planner(8), enabled=False).max_planned_bytes == DEFAULT_MAX_PLANNED_BYTES == 1 << 30
+    for bad in BAD_BUDGETS:
+        with pytest.raises(ValueError, match="planned_bytes must be an int >= 0"):
+            Background(_Planner(8), enabled=False, max_planned_bytes=bad)
