@@ -448,3 +448,39 @@ def test_plans_decided_ahead_hold_their_kv_within_a_byte_budget_and_the_rest_pla
     for bad in BAD_BUDGETS:
         with pytest.raises(ValueError, match="planned_bytes must be an int >= 0"):
             Background(_Planner(8), enabled=False, max_planned_bytes=bad)
+
+
+def test_anchors_deferred_on_one_storage_count_it_once():
+    """Deferred anchors keep their source's storages alive until factorized: two anchors (and two
+    pools) recorded from views of one request's cache count that storage once, in the anchor, the pool,
+    the pools' LRUDict and its byte bound; factorized, each counts its own factors."""
+    import torch
+
+    from hf_kvshare.anchors import AnchorPool, LRUDict
+    from hf_kvshare.anchors.lowrank import DeferredFactoredKV
+
+    torch.manual_seed(0)
+    cache = [torch.randn(1, 2, 24, 4) for _ in range(2)]  # one request's layers: 2 x 768 bytes
+    whole = sum(t.untyped_storage().nbytes() for t in cache)
+
+    def deferred(a, b):  # a span's keys and values: views of the cache's layers
+        views = [t[:, :, a:b] for t in cache]
+        return DeferredFactoredKV(
+            lambda: [(v, v) for v in views], lambda: views, 2, "exact", length=b - a, kv_heads=2, num_layers=2
+        )
+
+    first = Anchor(base=deferred(0, 12), source="a", origin=("r", 0), deltas={"b": deferred(12, 24)})
+    second = Anchor(base=deferred(12, 24), source="a", origin=("r", 1))
+    assert first.nbytes == second.nbytes == whole  # the base and the delta share the cache: once
+    pool, other = AnchorPool("doc", capacity=4), AnchorPool("note", capacity=4)
+    pool.insert(first)
+    pool.insert(second)
+    other.insert(Anchor(base=deferred(0, 24), source="a", origin=("r", 2)))
+    assert pool.nbytes == whole  # not 2 x whole
+    pools = LRUDict(8, max_bytes=whole)
+    pools["doc"], pools["note"] = pool, other
+    assert pools.nbytes == whole  # not 3 x whole
+    pools.trim()  # within the budget: nothing evicted
+    assert list(pools) == ["doc", "note"] and pools.evicted_for_bytes == 0
+    factors = second.base.nbytes  # read: factorized, its own factors now; the storage kept by the others
+    assert 0 < factors and second.nbytes == factors and pool.nbytes == whole + factors
