@@ -484,3 +484,34 @@ def test_anchors_deferred_on_one_storage_count_it_once():
     assert list(pools) == ["doc", "note"] and pools.evicted_for_bytes == 0
     factors = second.base.nbytes  # read: factorized, its own factors now; the storage kept by the others
     assert 0 < factors and second.nbytes == factors and pool.nbytes == whole + factors
+
+
+def test_a_record_walks_its_tasks_slots_for_the_evicted_only_when_some_slot_was_evicted(
+    tiny_llama, tokenizer
+):
+    """A slot recorded again is no longer remembered as evicted: the record walks the task's slots for
+    that only when the host remembers an evicted slot (``host.evicted``), not at every record."""
+
+    class Walked(dict):  # the task's slots, counting the walks over them
+        walks = 0
+
+        def items(self):
+            Walked.walks += 1
+            return super().items()
+
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    doc = tokens(tokenizer, DOC * 2)
+    for i, evicted in enumerate((False, True)):
+        own = tokens(tokenizer, f"Agent {i} here.\n")
+        segments = [{"slot": "doc", "start": len(own), "end": len(own) + len(doc)}]
+        params = {lay.KEY: {"task": "t", "agent": f"a{i}", "segments": segments}}
+        plan = sharing.plan(f"r{i}", own + doc + tokens(tokenizer, f" Question {i}?"), params, 0)
+        out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
+        host = plan.host
+        host.slots = Walked(host.slots)
+        if evicted:
+            host.evicted["doc"] = None  # as the store's bound leaves it; doc is recorded again now
+        Walked.walks = 0
+        sharing.record(plan, keys, values, out, set())
+        assert Walked.walks == int(evicted), (evicted, Walked.walks)
+        assert "doc" not in host.evicted
