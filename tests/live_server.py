@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -81,3 +82,16 @@ def post(server: Any, path: str, body: dict[str, Any], timeout: float = 120) -> 
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}")
+
+
+def reset_prefix_cache(server: Any, tries: int = 20) -> tuple[int, Any]:
+    """Empty vLLM's prefix cache (``POST /reset_prefix_cache``, a development endpoint), retried while it
+    fails (it does while blocks are held); every answer must be a 200. The last answer's status and reply
+    (``reply["success"]``: emptied)."""
+    for _ in range(tries):
+        status, reset = post(server, "/reset_prefix_cache", {})
+        assert status == 200, reset
+        if reset.get("success"):
+            break
+        time.sleep(0.5)
+    return status, reset

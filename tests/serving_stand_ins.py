@@ -6,6 +6,7 @@ records what a channel delivered."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -88,3 +89,15 @@ def announce_worker(scheduler, bytes_per_token=None, rank=0, deliver=None) -> An
         SimpleNamespace(kv_connector_worker_meta=announced, finished_sending=None)
     )
     return orders
+
+
+def admitted(scheduler, request, timeout: float = 30.0) -> int:
+    """The tokens the connector's scheduler side claims for ``request`` once its plan is decided (it
+    answers ``None``, "not decided yet", until then); ``AssertionError`` when it never is."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        claimed, _ = scheduler.get_num_new_matched_tokens(request, 0)
+        if claimed is not None:
+            return claimed
+        time.sleep(0.01)
+    raise AssertionError(f"{request.request_id} was never planned")

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("zmq")
 
-from serving_stand_ins import Delivered, announce_worker, bytes_per_position, stand_in_worker  # noqa: E402
+from serving_stand_ins import Delivered, admitted, announce_worker, bytes_per_position, stand_in_worker  # noqa: E402
 
 from hf_kvshare.serving import channel  # noqa: E402
 
@@ -302,15 +302,6 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
             }
         }
 
-    def admitted(request):
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            claimed, _ = scheduler.get_num_new_matched_tokens(request, 0)
-            if claimed is not None:
-                return claimed
-            time.sleep(0.01)
-        raise AssertionError(f"{request.request_id} was never planned")
-
     sender = None
     # the worker's first step output: its order channel (claims' K/V come through it) and what one
     # position of K/V takes in its device store (the scheduler's mirror keeps requests from then on)
@@ -319,7 +310,7 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
     try:
         first = _request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
         scheduler.on_new_request(first)
-        assert admitted(first) == 0  # the first agent computes the document
+        assert admitted(scheduler, first) == 0  # the first agent computes the document
         plan = scheduler._plans["r1"]
         out, keys, values = engine(tiny_llama, plan, max_new_tokens=4)
         finished = _request(
@@ -337,7 +328,7 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
         deadline = time.monotonic() + 10
         while not sender.send("r1", keys, values, "at finish") and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert admitted(second) == len(doc)  # reads the document r1's record stored
+        assert admitted(scheduler, second) == len(doc)  # reads the document r1's record stored
         assert _reports(reports, 1)["r1"]["read_back"] == "at finish"
         # r1 is kept by the worker: r2's claim is a reference to its rows (moved from position len(q1)
         # to 0 there), no K/V in the step's metadata nor on the order channel
@@ -418,15 +409,6 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
     sharing = Sharing(tiny_llama, tokenizer, "fullshared", prefix_reuse=True)
     scheduler = HFKVShareScheduler(config, sharing)
 
-    def admitted(req, deadline_s=30.0):
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            claimed, _ = scheduler.get_num_new_matched_tokens(req, 0)
-            if claimed is not None:
-                return claimed
-            time.sleep(0.01)
-        raise AssertionError(f"{req.request_id} was never planned")
-
     def finish(req, plan, blocks):
         out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
         done = _request(
@@ -446,7 +428,7 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
         # a warm-up task: a1's and a2's own text kept (a3 stays cold)
         for rid, agent in (("w1", "a1"), ("w2", "a2")):
             warm = request(rid, agent, "warm", sharing.salt)
-            admitted(warm)
+            admitted(scheduler, warm)
             finish(warm, scheduler._plans[rid], [0, 1, 2, 3, 4])
         scheduler._background.drain()
         # the cost estimate as on a slow engine (1 s per token): waiting is cheaper than computing
@@ -454,11 +436,11 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
         # the task: a1 computes the fresh document; a2 and a3 arrive while it is in flight
         r1 = request("r1", "a1", "t", sharing.salt)
         scheduler.on_new_request(r1)
-        assert admitted(r1) == len(own["a1"])  # its own text kept, the document new
+        assert admitted(scheduler, r1) == len(own["a1"])  # its own text kept, the document new
         r2, r3 = request("r2", "a2", "t", sharing.salt), request("r3", "a3", "t", sharing.salt)
         scheduler.on_new_request(r2)
         scheduler.on_new_request(r3)
-        assert admitted(r3) == 0  # cold: nothing to gain by waiting, planned at once
+        assert admitted(scheduler, r3) == 0  # cold: nothing to gain by waiting, planned at once
         stop = scheduler._plans["r3"].claim_stop
         assert stop["span"] == "pf0" and stop["reason"] == OWN_TEXT_NEW
         assert scheduler._plans["r3"].producer_wait is None
@@ -469,7 +451,7 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
         assert "r2" in scheduler._producer_waits  # waits for r1's record of the document
         if producer_wait_s > 1:
             finish(r1, scheduler._plans["r1"], [5, 6, 7, 8, 9])
-            assert admitted(r2) == len(r2.prompt_token_ids) - 1  # the document claimed
+            assert admitted(scheduler, r2) == len(r2.prompt_token_ids) - 1  # the document claimed
             wait = scheduler._plans["r2"].report()["producer_wait"]
             assert wait["span"] == "doc" and wait["outcome"] == "recorded" and wait["seconds"] >= 0
             # a3 again (another task) as its cold request r3 ends, before its read-back: its own text is
@@ -489,10 +471,10 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
                     kv_connector_worker_meta=Captured(kv={"r3": (keys3, values3)}), finished_sending={"r3"}
                 )
             )
-            assert admitted(r4) == len(own["a3"])  # its own text claimed; t2's document is new
+            assert admitted(scheduler, r4) == len(own["a3"])  # its own text claimed; t2's document is new
             assert scheduler._plans["r4"].producer_wait["outcome"] == "recorded"
         else:
-            assert admitted(r2) == len(own["a2"])  # the bound passed: it computes the document
+            assert admitted(scheduler, r2) == len(own["a2"])  # the bound passed: it computes the document
             plan = scheduler._plans["r2"]
             assert plan.producer_wait["outcome"] == "timed out"
             assert plan.claim_stop["reason"] == NOT_RECORDED_YET
@@ -565,19 +547,10 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
         # not keep go there); no bytes per position: the workers keep nothing, every claim is sent
         listeners = [announce_worker(scheduler, rank=rank) for rank in range(tp)]
 
-        def admitted(request):
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                claimed, _ = scheduler.get_num_new_matched_tokens(request, 0)
-                if claimed is not None:
-                    return claimed
-                time.sleep(0.01)
-            raise AssertionError(f"{request.request_id} was never planned")
-
         try:
             first = _request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
             scheduler.on_new_request(first)
-            assert admitted(first) == 0
+            assert admitted(scheduler, first) == 0
             out, keys, values = engine(tiny_llama, scheduler._plans["r1"], max_new_tokens=4)
             done = _request(
                 "r1", first.prompt_token_ids, first.kv_transfer_params, out, cache_salt=sharing.salt
@@ -601,7 +574,7 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
             assert not scheduler.has_pending_push_work()  # recorded: both ranks' heads came
             second = _request("r2", doc + q2, params("a2", 0), cache_salt=sharing.salt)
             scheduler.on_new_request(second)
-            assert admitted(second) == len(doc)
+            assert admitted(scheduler, second) == len(doc)
             plan = scheduler._plans["r2"]
             return plan.keys.clone(), plan.values.clone()
         finally:

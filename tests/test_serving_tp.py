@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from live_server import post, start_server, stopped_after
+from live_server import post, reset_prefix_cache, start_server, stopped_after
 
 from hf_kvshare.serving.tensor_parallel import PENDING, RankAssembly, kv_head_range
 
@@ -234,12 +234,7 @@ def test_exact_mode_at_two_ranks_is_plain_vllm(tp2_server):
     assert first == plain and report["supplied_tokens"] == 0
     # exact mode: vLLM's prefix cache emptied, every token but the last from the K/V both ranks read
     # back (assembled into all heads on the scheduler) and wrote back (each rank its heads)
-    for _ in range(20):
-        status, reset = post(srv, "/reset_prefix_cache", {})
-        assert status == 200, reset
-        if reset.get("success"):
-            break
-        time.sleep(0.5)
+    _, reset = reset_prefix_cache(srv)  # retried while blocks are held
     assert reset.get("success"), reset
     again, logprobs, report = _complete(srv, a, _layout("t0", "x1", len(sys1), len(doc)))
     assert report["prefix_cache_hit"] == 0 and report["claimed"] == [0, len(a) - 1], report

@@ -15,7 +15,7 @@ import json
 import time
 
 import pytest
-from live_server import post, start_server, stopped_after
+from live_server import post, reset_prefix_cache, start_server, stopped_after
 
 pytestmark = [
     pytest.mark.serving,
@@ -94,12 +94,7 @@ def test_exact_mode_and_fullshared(server, tok):
     assert other == plain_a
     # exact mode: the same agent again with vLLM's prefix cache emptied (no prefix-cache hit): every
     # token but the last from the K/V captured from vLLM and written back; identical tokens
-    for _ in range(20):  # the reset fails while blocks are held: retried
-        status, reset = post(server, "/reset_prefix_cache", {})
-        assert status == 200, reset
-        if reset.get("success"):
-            break
-        time.sleep(0.5)
+    _, reset = reset_prefix_cache(server)  # retried while blocks are held
     assert reset.get("success"), reset
     again, report = complete(server, a, layout("t1", "a1", len(sys1), len(doc)))
     assert report["prefix_cache_hit"] == 0 and report["claimed"] == [0, len(a) - 1], report
