@@ -318,3 +318,200 @@ def test_bench_serves_summary_reports_each_stores_most_bytes_budget_and_eviction
         )["stores_max"]
         is None
     )
+
+
+def test_the_workers_sent_claims_stay_within_their_bytes_and_a_dropped_one_fails_at_once():
+    """The worker's buffer of claims' K/V that came on the order channel is bounded by bytes
+    (``payload_bytes``): past it the oldest is dropped, K/V larger than the budget are not kept, each
+    drop counted and returned; the dropped claim's take finds none at once, with the reason."""
+    import time
+
+    import torch
+
+    from hf_kvshare.serving.worker_store import DEFAULT_PAYLOAD_BYTES, PayloadBuffer
+
+    def kv(n):  # n positions of 1 layer, 1 head of size 4, float32: 32 bytes a position (keys and values)
+        return torch.zeros(1, n, 1, 4), torch.zeros(1, n, 1, 4)
+
+    buffer = PayloadBuffer(700)
+    assert buffer.put("a", *kv(10)) == [] and buffer.put("b", *kv(10)) == [] and buffer.bytes == 640
+    assert buffer.put("c", *kv(10)) == ["a"] and buffer.bytes == 640 and buffer.dropped == 1
+    assert buffer.put("huge", *kv(40)) == ["huge"] and buffer.bytes == 640 and buffer.dropped == 2
+    t0 = time.monotonic()
+    for gone in ("a", "huge"):
+        got, why = buffer.take(gone, timeout=10)
+        assert got is None and "payload budget (700 bytes)" in why
+    assert time.monotonic() - t0 < 5  # at once, not after the wait
+    got, why = buffer.take("b", timeout=10)
+    assert got is not None and why == "" and buffer.bytes == 320 and len(buffer) == 1
+    got, why = buffer.take("never", timeout=0.01)
+    assert got is None and "never came on the order channel" in why
+    assert PayloadBuffer(DEFAULT_PAYLOAD_BYTES).max_bytes == 1 << 30
+    for bad in BAD_BUDGETS:
+        with pytest.raises(ValueError, match="payload_bytes must be an int >= 0"):
+            PayloadBuffer(bad)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="the worker side imports vLLM (.ci/run's serving venv)")
+def test_a_claim_whose_sent_kv_the_worker_dropped_is_reported_failed_never_written(caplog):
+    """The worker's payload budget from the connector's extra config: a claim whose K/V it dropped
+    is logged and its blocks reported failed (vLLM recomputes them); a kept one is written."""
+    import logging
+
+    import torch
+    from serving_stand_ins import stand_in_worker
+
+    from hf_kvshare.serving.connector_common import HFKVShareMetadata, Load
+
+    per_request = 2 * 20 * 2 * 4 * 4 * 2  # keys and values of 20 positions, 2 layers, 2 heads of 4
+    worker, names = stand_in_worker(2, 2, 4, extra={"payload_bytes": per_request})
+    try:
+        assert worker.payloads.max_bytes == per_request
+        keys, values = torch.randn(2, 20, 2, 4), torch.randn(2, 20, 2, 4)
+        with caplog.at_level(logging.ERROR, logger="hf_kvshare.serving"):
+            worker._on_payload("a", keys, values, "load")
+            worker._on_payload("b", keys, values, "load")  # a is dropped to keep b
+        assert "request a's claimed K/V dropped past the worker's payload budget" in caplog.text
+        worker.start_load_kv(HFKVShareMetadata(loads=[Load("a", [1, 2], 0, 20, payload=[(0, 20)])]))
+        assert worker.get_block_ids_with_load_errors() == {1, 2}
+        worker.start_load_kv(HFKVShareMetadata(loads=[Load("b", [3, 4], 0, 20, payload=[(0, 20)])]))
+        assert not worker.get_block_ids_with_load_errors()
+        k, v = worker._io[names[0]].read([3, 4], 0, 20)
+        assert torch.equal(k, keys[0]) and torch.equal(v, values[0])
+    finally:
+        worker.shutdown()
+
+
+class _Planner:
+    """A stand-in Sharing whose plans hold ``plan_bytes`` bytes of claimed K/V; logs what runs."""
+
+    def __init__(self, plan_bytes: int):
+        self.plan_bytes, self.log = plan_bytes, []
+
+    def state_summary(self):
+        return {}
+
+    def plan(self, request_id, prompt, params, local_hit):
+        import torch
+
+        from hf_kvshare.serving.host import Plan
+
+        self.log.append(f"plan {request_id}")
+        kv = torch.zeros(self.plan_bytes // 8)  # keys and values: plan_bytes in all
+        return Plan(request_id=request_id, prompt=prompt, local_hit=local_hit, keys=kv, values=kv.clone())
+
+    def claim(self, plan, local_hit):
+        plan.local_hit = local_hit
+
+    def release(self, plan):
+        self.log.append(f"release {plan.request_id}")
+
+
+def test_plans_decided_ahead_hold_their_kv_within_a_byte_budget_and_the_rest_plan_at_admission(caplog):
+    """The admission queue's plans decided ahead (on arrival) hold their K/V until vLLM asks: within
+    ``max_planned_bytes``; past it a plan is dropped (released, counted, logged) and its request is
+    planned at its admission query, not ahead again; handing a plan out frees its bytes."""
+    import logging
+
+    from hf_kvshare.serving.admission import DEFAULT_MAX_PLANNED_BYTES, Background, held_bytes
+
+    sharing = _Planner(400)
+    background = Background(sharing, wait_s=0.0, max_planned_bytes=1000)
+    params = {lay.KEY: {"task": "t", "agent": "a", "segments": []}}
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_kvshare.serving"):
+            for rid in ("r1", "r2", "r3"):
+                background.prepare(rid, [1, 2], params)
+            background.drain()
+        assert sharing.log == ["plan r1", "plan r2", "plan r3", "release r3"]  # 800 held, 1200 would pass
+        assert "request r3's plan, decided ahead, dropped" in caplog.text
+        summary = background.summary()
+        assert summary["planned_bytes"] == 800 and summary["max_planned_bytes"] == 1000
+        assert summary["plans_dropped_for_bytes"] == 1
+        background.prepare("r3", [1, 2], params)  # a late prepare: not ahead again
+        background.drain()
+        assert sharing.log[-1] == "release r3"
+        first = background.plan("r1", [1, 2], params, 0)
+        assert first is not None and held_bytes(first) == 400 and background.planned_bytes == 400
+        third = None
+        for _ in range(100):  # planned at its admission query now
+            third = third or background.plan("r3", [1, 2], params, 0)
+            background.drain()
+        assert third is not None and third.local_hit == 0 and sharing.log[-1] == "plan r3"
+        assert background.planned_bytes == 400  # r2's, until vLLM asks for it
+        background.forget("r2")
+        background.drain()
+        assert background.planned_bytes == 0
+    finally:
+        background.close()
+    assert Background(_Planner(8), enabled=False).max_planned_bytes == DEFAULT_MAX_PLANNED_BYTES == 1 << 30
+    for bad in BAD_BUDGETS:
+        with pytest.raises(ValueError, match="planned_bytes must be an int >= 0"):
+            Background(_Planner(8), enabled=False, max_planned_bytes=bad)
+
+
+def test_anchors_deferred_on_one_storage_count_it_once():
+    """Deferred anchors keep their source's storages alive until factorized: two anchors (and two
+    pools) recorded from views of one request's cache count that storage once, in the anchor, the pool,
+    the pools' LRUDict and its byte bound; factorized, each counts its own factors."""
+    import torch
+
+    from hf_kvshare.anchors import AnchorPool, LRUDict
+    from hf_kvshare.anchors.lowrank import DeferredFactoredKV
+
+    torch.manual_seed(0)
+    cache = [torch.randn(1, 2, 24, 4) for _ in range(2)]  # one request's layers: 2 x 768 bytes
+    whole = sum(t.untyped_storage().nbytes() for t in cache)
+
+    def deferred(a, b):  # a span's keys and values: views of the cache's layers
+        views = [t[:, :, a:b] for t in cache]
+        return DeferredFactoredKV(
+            lambda: [(v, v) for v in views], lambda: views, 2, "exact", length=b - a, kv_heads=2, num_layers=2
+        )
+
+    first = Anchor(base=deferred(0, 12), source="a", origin=("r", 0), deltas={"b": deferred(12, 24)})
+    second = Anchor(base=deferred(12, 24), source="a", origin=("r", 1))
+    assert first.nbytes == second.nbytes == whole  # the base and the delta share the cache: once
+    pool, other = AnchorPool("doc", capacity=4), AnchorPool("note", capacity=4)
+    pool.insert(first)
+    pool.insert(second)
+    other.insert(Anchor(base=deferred(0, 24), source="a", origin=("r", 2)))
+    assert pool.nbytes == whole  # not 2 x whole
+    pools = LRUDict(8, max_bytes=whole)
+    pools["doc"], pools["note"] = pool, other
+    assert pools.nbytes == whole  # not 3 x whole
+    pools.trim()  # within the budget: nothing evicted
+    assert list(pools) == ["doc", "note"] and pools.evicted_for_bytes == 0
+    factors = second.base.nbytes  # read: factorized, its own factors now; the storage kept by the others
+    assert 0 < factors and second.nbytes == factors and pool.nbytes == whole + factors
+
+
+def test_a_record_walks_its_tasks_slots_for_the_evicted_only_when_some_slot_was_evicted(
+    tiny_llama, tokenizer
+):
+    """A slot recorded again is no longer remembered as evicted: the record walks the task's slots for
+    that only when the host remembers an evicted slot (``host.evicted``), not at every record."""
+
+    class Walked(dict):  # the task's slots, counting the walks over them
+        walks = 0
+
+        def items(self):
+            Walked.walks += 1
+            return super().items()
+
+    sharing = Sharing(tiny_llama, tokenizer, "fullshared")
+    doc = tokens(tokenizer, DOC * 2)
+    for i, evicted in enumerate((False, True)):
+        own = tokens(tokenizer, f"Agent {i} here.\n")
+        segments = [{"slot": "doc", "start": len(own), "end": len(own) + len(doc)}]
+        params = {lay.KEY: {"task": "t", "agent": f"a{i}", "segments": segments}}
+        plan = sharing.plan(f"r{i}", own + doc + tokens(tokenizer, f" Question {i}?"), params, 0)
+        out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
+        host = plan.host
+        host.slots = Walked(host.slots)
+        if evicted:
+            host.evicted["doc"] = None  # as the store's bound leaves it; doc is recorded again now
+        Walked.walks = 0
+        sharing.record(plan, keys, values, out, set())
+        assert Walked.walks == int(evicted), (evicted, Walked.walks)
+        assert "doc" not in host.evicted

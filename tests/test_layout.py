@@ -66,6 +66,9 @@
   ``Sharing.__init__`` and of the launcher's ``Server``, an ``hf-kvshare serve`` flag, and reaches the
   connector (``make_sharing`` reads ``BUDGETS``); ``Sharing.stores`` reports each store's ``bytes``,
   ``max_bytes`` and evictions.
+- the connector's own byte budgets are documented: each ``*_bytes`` key a serving module reads from
+  ``kv_connector_extra_config`` (``extra.get("..._bytes")``: ``device_store_bytes``, the worker's
+  ``payload_bytes``, the admission's ``planned_bytes``) is named in ``docs/architecture.md``.
 - tensor parallel in one place: which KV heads a worker rank holds and the ranks' read-backs
   assembled into all heads are defined only in ``serving/tensor_parallel.py``, a leaf without vLLM
   (the fast lane tests it), which both connector sides use.
@@ -1636,3 +1639,41 @@ def test_the_returned_constant_finder_finds_them():
         "    if x:\n        return B\n    return A if x else C\n"
     )
     assert returned_constants(tree, "f") == ["a", "b"]
+
+
+def connector_byte_keys(sources: dict[str, str]) -> dict[str, str]:
+    """``{key: module}`` of each ``extra.get("<key>_bytes", ...)`` in ``sources`` (``{module: source}``):
+    a byte budget a connector side reads from ``kv_connector_extra_config``."""
+    found = {}
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "extra"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).endswith("_bytes")
+            ):
+                found.setdefault(node.args[0].value, module)
+    return found
+
+
+def test_the_connectors_byte_budgets_are_documented():
+    """A byte budget of the connector (the worker's device store and sent claims, the admission's plans
+    decided ahead) is a ``kv_connector_extra_config`` key that docs/architecture.md names."""
+    sources = {
+        name: path.read_text() for name, path in MODULES.items() if name.startswith("hf_kvshare.serving.")
+    }
+    keys = connector_byte_keys(sources)
+    assert {"device_store_bytes", "payload_bytes", "planned_bytes"} <= set(keys), keys
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    missing = {key: module for key, module in keys.items() if f"`{key}`" not in docs}
+    assert not missing, (
+        f"byte budgets of kv_connector_extra_config not named in docs/architecture.md: {missing}"
+    )
+    assert connector_byte_keys({"m": "extra.get('a_bytes', 1)\nextra.get('b')\nother.get('c_bytes')\n"}) == {
+        "a_bytes": "m"
+    }

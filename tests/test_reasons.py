@@ -520,3 +520,32 @@ def test_a_post_without_the_api_key_meets_vllms_401_before_the_layout_check(monk
     open_app = LayoutCheck(_FakeServer())  # no --api-key: the checks run for everyone
     open_app.check = app.check
     assert _call(open_app, "POST", "/v1/chat/completions", bad)[0] == 400
+
+
+def test_without_an_api_key_a_post_is_not_shown_to_vllms_check_first(monkeypatch):
+    """The launcher says whether vLLM may check an API key (``api_key`` in the middleware's settings):
+    with none, a POST reaches the layout check and the server without the probe (one route lookup);
+    with one, or unsaid, each POST is shown to vLLM's check first."""
+    from hf_kvshare.serving.middleware import AUTH_PROBE_PATH, ENV, LayoutCheck
+
+    bad = {"messages": [], "kv_transfer_params": {lay.KEY: {"task": 3}}}
+    for api_key, probes in ((False, 0), (True, 2), (None, 2)):
+        settings = {"method": "fullshared", "salt": "s"} | ({} if api_key is None else {"api_key": api_key})
+        monkeypatch.setenv(ENV, json.dumps(settings))
+        server = _FakeServer()
+        seen = []
+
+        async def app(scope, receive, send, server=server, seen=seen):
+            seen.append(scope["path"])
+            await server(scope, receive, send)
+
+        middleware = LayoutCheck(app)
+        assert middleware.api_key is (api_key is not False)
+        status, reply = _call(middleware, "POST", "/v1/chat/completions", {"messages": []})
+        assert status == 200 and "kv_transfer_params" in reply
+        checked = middleware.check
+        middleware.check = lambda data, path: (_ for _ in ()).throw(lay.LayoutError("bad"))
+        assert _call(middleware, "POST", "/v1/chat/completions", bad)[0] == 400  # the checks still run
+        middleware.check = checked
+        assert seen.count(AUTH_PROBE_PATH) == probes, (api_key, seen)
+        assert seen.count("/v1/chat/completions") == 1

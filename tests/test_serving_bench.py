@@ -859,10 +859,17 @@ def test_bench_serve_passes_the_store_budgets_to_every_server(tmp_path):
 
     def server(argv):
         args = parser.parse_args([*base, *argv])
-        return runs._server(group, plan, args, 1, tmp_path / "log", {}, [], None)
+        return runs.ServerLaunch(group, plan, args, {}, []).server(1, tmp_path / "log")
 
     given = server(["--max-store-bytes", "64000000000", "--device-store-bytes", "0"])
     assert (given.max_bytes, given.device_store_bytes) == (64_000_000_000, 0)
+    # each replica is built by the same launch: the same budgets, its own port and log
+    router = ["--router", sys.executable]  # any executable: nothing is started
+    args = parser.parse_args([*base, "--max-store-bytes", "64000000000", "--replicas", "2", *router])
+    launch = runs.ServerLaunch(group, plan, args, {}, [])
+    replicas = launch.replicas(40000, tmp_path / "log.log")
+    assert [s.max_bytes for s in replicas.servers] == [64_000_000_000] * 2
+    assert [s.port for s in replicas.servers] == list(runs.replica_ports(40000, 2)[0])
     default = server([])
     assert (default.max_bytes, default.device_store_bytes) == (DEFAULT_MAX_BYTES, None)
     with pytest.raises(SystemExit):

@@ -15,6 +15,8 @@ import torch
 
 pytest.importorskip("zmq")
 
+from serving_stand_ins import Delivered, admitted, announce_worker, bytes_per_position, stand_in_worker  # noqa: E402
+
 from hf_kvshare.serving import channel  # noqa: E402
 
 
@@ -44,16 +46,8 @@ def test_bad_messages_are_refused_with_what_was_expected():
 
 
 def test_the_receiver_delivers_each_read_back_on_its_thread_and_cleans_up():
-    got: list[tuple[str, torch.Tensor, torch.Tensor, str]] = []
-    arrived = threading.Event()
-
-    def deliver(request_id, keys, values, via, rank):
-        assert via == "next step"
-        got.append((request_id, keys, values, threading.current_thread().name))
-        if len(got) == 2:
-            arrived.set()
-
-    receiver = channel.Receiver(deliver)
+    got = Delivered()
+    receiver = channel.Receiver(got)
     folder = Path(receiver.address.removeprefix("ipc://")).parent
     sender = channel.Sender(receiver.address)
     kv = [(torch.randn(2, 7, 3, 4), torch.randn(2, 7, 3, 4)) for _ in range(2)]
@@ -66,14 +60,16 @@ def test_the_receiver_delivers_each_read_back_on_its_thread_and_cleans_up():
             else:
                 time.sleep(0.01)
         assert sent == 2, "the sender never connected to the receiver"
-        assert arrived.wait(10), f"delivered {len(got)} of 2"
+        assert got.wait(count=2), f"delivered {len(got.order)} of 2"
     finally:
         sender.close()
         receiver.close()
-    assert [g[0] for g in got] == ["r0", "r1"]
-    for (_, k, v, thread), (keys, values) in zip(got, kv):
+    assert got.order == ["r0", "r1"]
+    for request_id, (keys, values) in zip(got.order, kv):
+        k, v = got.kv[request_id]
         assert torch.equal(k, keys) and torch.equal(v, values)
-        assert thread == "hf_kvshare-read-back"
+        assert got.via[request_id] == "next step"
+        assert got.threads[request_id] == "hf_kvshare-read-back"
     assert receiver.received == 2
     assert not folder.exists()  # its socket's folder is removed on close
 
@@ -169,15 +165,6 @@ def test_a_closed_sender_refuses_instead_of_raising(tmp_path):
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
-def _flash_update(layer, key, value, kv_cache, slot_mapping):
-    """A ``do_kv_cache_update`` with the semantics of vLLM's CUDA backends (tests/test_serving_paged.py)."""
-    dim = kv_cache.shape[3] // 2
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(dim, dim=-1)
-    block = kv_cache.shape[2]
-    key_cache[slot_mapping // block, slot_mapping % block] = key
-    value_cache[slot_mapping // block, slot_mapping % block] = value
-
-
 @pytest.mark.skipif(not HAS_VLLM, reason="the connector's sides import vLLM (.ci/run's serving venv)")
 def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output():
     """A finished request ordered at its end is read on the order channel's thread and sent on the
@@ -186,27 +173,11 @@ def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output()
     from dataclasses import asdict
 
     from hf_kvshare.serving.connector_common import Capture, Captured, HFKVShareMetadata, Load
-    from hf_kvshare.serving.connector_worker import HFKVShareWorker
 
-    block, heads, dim, layers = 16, 2, 8, 3
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    impl = SimpleNamespace(do_kv_cache_update=_flash_update)
-    config = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=block),
-        compilation_config=SimpleNamespace(
-            static_forward_context={n: SimpleNamespace(impl=impl) for n in names}
-        ),
-    )
-    worker = HFKVShareWorker(config)
-    worker.register_kv_caches({n: torch.zeros(6, heads, block, 2 * dim) for n in names})
-    got: dict[str, tuple[torch.Tensor, torch.Tensor, str]] = {}
-    arrived = threading.Event()
-
-    def deliver(request_id, keys, values, via, rank):
-        got[request_id] = (keys, values, via)
-        arrived.set()
-
-    receiver = channel.Receiver(deliver)
+    heads, dim, layers = 2, 8, 3
+    worker, _ = stand_in_worker(layers, heads, dim, blocks=6)
+    got = Delivered()
+    receiver = channel.Receiver(got)
     orders = None
     try:
         torch.manual_seed(0)
@@ -229,8 +200,8 @@ def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output()
         deadline = time.monotonic() + 10
         while not orders.order(asdict(capture)) and time.monotonic() < deadline:
             time.sleep(0.01)  # the connection completes asynchronously
-        assert arrived.wait(10), "the order's read-back never arrived"
-        k, v, via = got["a"]
+        assert got.wait("a"), "the order's read-back never arrived"
+        (k, v), via = got.kv["a"], got.via["a"]
         assert torch.equal(k, keys) and torch.equal(v, values) and via == "at finish"
         # the same capture in the next step's metadata is not read again
         worker.wait_for_save(HFKVShareMetadata(captures=[capture]))
@@ -242,7 +213,7 @@ def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output()
         # the fallback: a capture no order took goes with the step's output, not on the channel
         worker.wait_for_save(HFKVShareMetadata(captures=[Capture("b", [3, 0], 20)]))
         step = worker.build_connector_worker_meta()
-        assert set(step.kv) == {"b"} and not step.sent and set(got) == {"a"}
+        assert set(step.kv) == {"b"} and not step.sent and set(got.kv) == {"a"}
         assert torch.equal(step.kv["b"][0], keys[:, :20]) and torch.equal(step.kv["b"][1], values[:, :20])
         assert worker.get_finished() == ({"a", "b"}, None)  # both requests' blocks may be freed
     finally:
@@ -331,34 +302,15 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
             }
         }
 
-    def admitted(request):
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            claimed, _ = scheduler.get_num_new_matched_tokens(request, 0)
-            if claimed is not None:
-                return claimed
-            time.sleep(0.01)
-        raise AssertionError(f"{request.request_id} was never planned")
-
     sender = None
     # the worker's first step output: its order channel (claims' K/V come through it) and what one
     # position of K/V takes in its device store (the scheduler's mirror keeps requests from then on)
-    payloads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    worker_orders = channel.Orders(
-        lambda order: None, lambda rid, k, v, via: payloads.setdefault(rid, (k, v))
-    )
-    config_ = tiny_llama.config
-    per_token = config_.num_hidden_layers * 2 * config_.num_key_value_heads * config_.head_dim * 4
-    scheduler.update_connector_output(
-        SimpleNamespace(
-            kv_connector_worker_meta=Captured(orders=worker_orders.address, bytes_per_token=per_token),
-            finished_sending=None,
-        )
-    )
+    payloads = Delivered()
+    worker_orders = announce_worker(scheduler, bytes_per_position(tiny_llama.config), deliver=payloads)
     try:
         first = _request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
         scheduler.on_new_request(first)
-        assert admitted(first) == 0  # the first agent computes the document
+        assert admitted(scheduler, first) == 0  # the first agent computes the document
         plan = scheduler._plans["r1"]
         out, keys, values = engine(tiny_llama, plan, max_new_tokens=4)
         finished = _request(
@@ -376,7 +328,7 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
         deadline = time.monotonic() + 10
         while not sender.send("r1", keys, values, "at finish") and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert admitted(second) == len(doc)  # reads the document r1's record stored
+        assert admitted(scheduler, second) == len(doc)  # reads the document r1's record stored
         assert _reports(reports, 1)["r1"]["read_back"] == "at finish"
         # r1 is kept by the worker: r2's claim is a reference to its rows (moved from position len(q1)
         # to 0 there), no K/V in the step's metadata nor on the order channel
@@ -386,7 +338,7 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
             SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="r2", block_ids=([6, 7],))])
         )
         (load,) = step.loads
-        assert load.block_ids == [6, 7] and not load.payload and not payloads
+        assert load.block_ids == [6, 7] and not load.payload and not payloads.kv
         assert [(s.request_id, s.row, s.n, s.offset, s.src_start, s.dst_start) for s in load.sources] == [
             ("r1", len(q1), len(doc), 0, len(q1), 0)
         ]
@@ -457,15 +409,6 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
     sharing = Sharing(tiny_llama, tokenizer, "fullshared", prefix_reuse=True)
     scheduler = HFKVShareScheduler(config, sharing)
 
-    def admitted(req, deadline_s=30.0):
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            claimed, _ = scheduler.get_num_new_matched_tokens(req, 0)
-            if claimed is not None:
-                return claimed
-            time.sleep(0.01)
-        raise AssertionError(f"{req.request_id} was never planned")
-
     def finish(req, plan, blocks):
         out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
         done = _request(
@@ -480,12 +423,12 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
             )
         )
 
-    worker_orders = _announce_worker(scheduler)  # claims' K/V go on its order channel
+    worker_orders = announce_worker(scheduler)  # claims' K/V go on its order channel
     try:
         # a warm-up task: a1's and a2's own text kept (a3 stays cold)
         for rid, agent in (("w1", "a1"), ("w2", "a2")):
             warm = request(rid, agent, "warm", sharing.salt)
-            admitted(warm)
+            admitted(scheduler, warm)
             finish(warm, scheduler._plans[rid], [0, 1, 2, 3, 4])
         scheduler._background.drain()
         # the cost estimate as on a slow engine (1 s per token): waiting is cheaper than computing
@@ -493,11 +436,11 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
         # the task: a1 computes the fresh document; a2 and a3 arrive while it is in flight
         r1 = request("r1", "a1", "t", sharing.salt)
         scheduler.on_new_request(r1)
-        assert admitted(r1) == len(own["a1"])  # its own text kept, the document new
+        assert admitted(scheduler, r1) == len(own["a1"])  # its own text kept, the document new
         r2, r3 = request("r2", "a2", "t", sharing.salt), request("r3", "a3", "t", sharing.salt)
         scheduler.on_new_request(r2)
         scheduler.on_new_request(r3)
-        assert admitted(r3) == 0  # cold: nothing to gain by waiting, planned at once
+        assert admitted(scheduler, r3) == 0  # cold: nothing to gain by waiting, planned at once
         stop = scheduler._plans["r3"].claim_stop
         assert stop["span"] == "pf0" and stop["reason"] == OWN_TEXT_NEW
         assert scheduler._plans["r3"].producer_wait is None
@@ -508,7 +451,7 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
         assert "r2" in scheduler._producer_waits  # waits for r1's record of the document
         if producer_wait_s > 1:
             finish(r1, scheduler._plans["r1"], [5, 6, 7, 8, 9])
-            assert admitted(r2) == len(r2.prompt_token_ids) - 1  # the document claimed
+            assert admitted(scheduler, r2) == len(r2.prompt_token_ids) - 1  # the document claimed
             wait = scheduler._plans["r2"].report()["producer_wait"]
             assert wait["span"] == "doc" and wait["outcome"] == "recorded" and wait["seconds"] >= 0
             # a3 again (another task) as its cold request r3 ends, before its read-back: its own text is
@@ -528,10 +471,10 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
                     kv_connector_worker_meta=Captured(kv={"r3": (keys3, values3)}), finished_sending={"r3"}
                 )
             )
-            assert admitted(r4) == len(own["a3"])  # its own text claimed; t2's document is new
+            assert admitted(scheduler, r4) == len(own["a3"])  # its own text claimed; t2's document is new
             assert scheduler._plans["r4"].producer_wait["outcome"] == "recorded"
         else:
-            assert admitted(r2) == len(own["a2"])  # the bound passed: it computes the document
+            assert admitted(scheduler, r2) == len(own["a2"])  # the bound passed: it computes the document
             plan = scheduler._plans["r2"]
             assert plan.producer_wait["outcome"] == "timed out"
             assert plan.claim_stop["reason"] == NOT_RECORDED_YET
@@ -573,7 +516,6 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
     the read-back channel (rank 1) and half with the step's output (rank 0); the record waits for both
     and keeps all heads, so the next agent's claim is the one a single-rank server gives, head for head."""
     from hf_kvshare.serving import layout as lay
-    from hf_kvshare.serving.connector_common import Captured
     from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
     from hf_kvshare.serving.host import Sharing
     from hf_kvshare.serving.standin import engine
@@ -603,28 +545,12 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
         sender = None
         # each rank's first step output announces its order channel (a claim's K/V that the workers do
         # not keep go there); no bytes per position: the workers keep nothing, every claim is sent
-        listeners = [channel.Orders(lambda order: None, lambda *kv: None) for _ in range(tp)]
-        announced = None
-        for rank, listener in enumerate(listeners):
-            part = Captured(orders=listener.address, rank=rank)
-            announced = part if announced is None else announced.aggregate(part)
-        scheduler.update_connector_output(
-            SimpleNamespace(kv_connector_worker_meta=announced, finished_sending=None)
-        )
-
-        def admitted(request):
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                claimed, _ = scheduler.get_num_new_matched_tokens(request, 0)
-                if claimed is not None:
-                    return claimed
-                time.sleep(0.01)
-            raise AssertionError(f"{request.request_id} was never planned")
+        listeners = [announce_worker(scheduler, rank=rank) for rank in range(tp)]
 
         try:
             first = _request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
             scheduler.on_new_request(first)
-            assert admitted(first) == 0
+            assert admitted(scheduler, first) == 0
             out, keys, values = engine(tiny_llama, scheduler._plans["r1"], max_new_tokens=4)
             done = _request(
                 "r1", first.prompt_token_ids, first.kv_transfer_params, out, cache_salt=sharing.salt
@@ -648,7 +574,7 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
             assert not scheduler.has_pending_push_work()  # recorded: both ranks' heads came
             second = _request("r2", doc + q2, params("a2", 0), cache_salt=sharing.salt)
             scheduler.on_new_request(second)
-            assert admitted(second) == len(doc)
+            assert admitted(scheduler, second) == len(doc)
             plan = scheduler._plans["r2"]
             return plan.keys.clone(), plan.values.clone()
         finally:
@@ -661,18 +587,3 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
     one_rank, two_ranks = claim_of_second_agent(1), claim_of_second_agent(2)
     assert two_ranks[0].shape[2] == 2  # all heads
     assert torch.equal(two_ranks[0], one_rank[0]) and torch.equal(two_ranks[1], one_rank[1])
-
-
-def _announce_worker(scheduler, bytes_per_token=None):
-    """What a worker's first step output tells the scheduler: its order channel (a listener that keeps
-    nothing here) and, given, what one position of K/V takes in its device store."""
-    from hf_kvshare.serving.connector_common import Captured
-
-    orders = channel.Orders(lambda order: None, lambda *kv: None)
-    scheduler.update_connector_output(
-        SimpleNamespace(
-            kv_connector_worker_meta=Captured(orders=orders.address, bytes_per_token=bytes_per_token),
-            finished_sending=None,
-        )
-    )
-    return orders

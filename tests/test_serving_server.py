@@ -199,3 +199,24 @@ def test_vllms_cpu_kv_cache_is_bounded_unless_the_user_sized_it(monkeypatch):
     monkeypatch.setenv(CPU_KV_CACHE_ENV, "2")
     assert Server(".", method=None, port=1).environment()[CPU_KV_CACHE_ENV] == "2"
     assert os.environ[CPU_KV_CACHE_ENV] == "2"
+
+
+def test_the_middleware_is_told_whether_vllm_may_check_an_api_key(monkeypatch):
+    """The launcher's middleware settings say whether vLLM may check an API key (``--api-key``, a
+    ``--config`` file, ``VLLM_API_KEY``): only without one does the middleware skip its probe."""
+    import json
+
+    from hf_kvshare.serving.middleware import API_KEY_ENV, ENV
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+
+    def api_key(vllm_args=(), env=None):
+        server = Server(".", "fullshared", port=1, vllm_args=list(vllm_args), env=env)
+        return json.loads(server.environment()[ENV])["api_key"]
+
+    assert api_key() is False
+    assert api_key(["--api-key", "k"]) is True and api_key(["--api-key=k"]) is True
+    assert api_key(["--config", "serve.yaml"]) is True
+    assert api_key(env={API_KEY_ENV: "k"}) is True and api_key(env={API_KEY_ENV: ""}) is False
+    monkeypatch.setenv(API_KEY_ENV, "k")  # this process's environment reaches the server too
+    assert api_key() is True

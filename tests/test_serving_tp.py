@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
+from live_server import post, reset_prefix_cache, start_server, stopped_after
 
 from hf_kvshare.serving.tensor_parallel import PENDING, RankAssembly, kv_head_range
 
@@ -163,49 +161,18 @@ PLAIN = {"hf_kvshare": {"method": "nonshared"}}
 
 
 def _start(tp: int, folder):
-    from hf_kvshare.serving.connector import REPORTS_ENV
-    from hf_kvshare.serving.models import served_model_dir
-    from hf_kvshare.serving.server import Server
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "2", "--enforce-eager"]
-    if tp > 1:
-        args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
-    srv = Server(
-        served_model_dir(MODEL),
-        "fullshared",
-        {"prefix_reuse": True},
-        vllm_args=args,
-        max_bytes=64 << 20,
-        log=folder / f"vllm-tp{tp}.log",
-        env={REPORTS_ENV: str(folder / f"reports-tp{tp}.jsonl"), "VLLM_SERVER_DEV_MODE": "1"},
+    """A FullShared server at ``tp`` ranks, started and ready."""
+    args = ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"] if tp > 1 else []
+    options = {"prefix_reuse": True}
+    return start_server(
+        folder, MODEL, "fullshared", options, max_bytes=64 << 20, vllm_args=args, name=f"tp{tp}"
     )
-    srv.start()
-    try:
-        srv.wait_ready(timeout=480)
-    except RuntimeError:
-        print((folder / f"vllm-tp{tp}.log").read_text()[-4000:])
-        raise
-    return srv
-
-
-def _post(server, path, body, timeout=120):
-    request = urllib.request.Request(
-        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"{}")
 
 
 def _complete(server, ids, params, max_tokens=12):
     body = {"model": server.model_dir, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
     body.update(return_token_ids=True, logprobs=1, kv_transfer_params=params)
-    status, out = _post(server, "/v1/completions", body)
+    status, out = post(server, "/v1/completions", body)
     assert status == 200, out
     choice = out["choices"][0]
     report = (out.get("kv_transfer_params") or {}).get("hf_kvshare")
@@ -246,11 +213,7 @@ def fullshared_at_tp1(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2_server(tmp_path_factory):
-    srv = _start(2, tmp_path_factory.mktemp("tp2"))
-    yield srv
-    process = srv.process
-    srv.stop()
-    assert process.returncode is not None  # stopped: nothing left running
+    yield from stopped_after(_start(2, tmp_path_factory.mktemp("tp2")))
 
 
 @serving
@@ -271,12 +234,7 @@ def test_exact_mode_at_two_ranks_is_plain_vllm(tp2_server):
     assert first == plain and report["supplied_tokens"] == 0
     # exact mode: vLLM's prefix cache emptied, every token but the last from the K/V both ranks read
     # back (assembled into all heads on the scheduler) and wrote back (each rank its heads)
-    for _ in range(20):
-        status, reset = _post(srv, "/reset_prefix_cache", {})
-        assert status == 200, reset
-        if reset.get("success"):
-            break
-        time.sleep(0.5)
+    _, reset = reset_prefix_cache(srv)  # retried while blocks are held
     assert reset.get("success"), reset
     again, logprobs, report = _complete(srv, a, _layout("t0", "x1", len(sys1), len(doc)))
     assert report["prefix_cache_hit"] == 0 and report["claimed"] == [0, len(a) - 1], report

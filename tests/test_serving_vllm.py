@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import time
-import urllib.error
-import urllib.request
 
 import pytest
+from live_server import post, reset_prefix_cache, start_server, stopped_after
 
 pytestmark = [
     pytest.mark.serving,
@@ -41,43 +39,8 @@ Q2 = " Summary in five words:"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from hf_kvshare.serving.connector import REPORTS_ENV
-    from hf_kvshare.serving.models import served_model_dir
-    from hf_kvshare.serving.server import Server
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     folder = tmp_path_factory.mktemp("serve")
-    log = open(folder / "vllm.log", "w")  # noqa: SIM115 - closed below
-    reports = folder / "reports.jsonl"  # each recorded request's report line (REPORTS_ENV)
-    srv = Server(
-        served_model_dir("smollm2-135m"),
-        METHOD,
-        OPTIONS,
-        vllm_args=["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "2", "--enforce-eager"],
-        max_bytes=MAX_BYTES,
-        log=log,
-    )
-    # vLLM's development endpoints (POST /reset_prefix_cache: an exact-mode claim with no prefix-cache hit)
-    srv.environment = lambda: {
-        **Server.environment(srv),
-        REPORTS_ENV: str(reports),
-        "VLLM_SERVER_DEV_MODE": "1",
-    }
-    srv.reports = reports
-    srv.start()
-    try:
-        srv.wait_ready(timeout=480)
-    except RuntimeError:
-        log.close()
-        print(open(log.name).read()[-4000:])
-        raise
-    yield srv
-    process = srv.process
-    srv.stop()
-    log.close()
-    assert process.returncode is not None  # stopped: nothing left running
+    yield from stopped_after(start_server(folder, "smollm2-135m", METHOD, OPTIONS, max_bytes=MAX_BYTES))
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +48,6 @@ def tok(server):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(server.model_dir)
-
-
-def post(server, path, body, timeout=120):
-    request = urllib.request.Request(
-        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"{}")
 
 
 def complete(server, ids, params=None, salt=None, max_tokens=16):
@@ -142,12 +94,7 @@ def test_exact_mode_and_fullshared(server, tok):
     assert other == plain_a
     # exact mode: the same agent again with vLLM's prefix cache emptied (no prefix-cache hit): every
     # token but the last from the K/V captured from vLLM and written back; identical tokens
-    for _ in range(20):  # the reset fails while blocks are held: retried
-        status, reset = post(server, "/reset_prefix_cache", {})
-        assert status == 200, reset
-        if reset.get("success"):
-            break
-        time.sleep(0.5)
+    _, reset = reset_prefix_cache(server)  # retried while blocks are held
     assert reset.get("success"), reset
     again, report = complete(server, a, layout("t1", "a1", len(sys1), len(doc)))
     assert report["prefix_cache_hit"] == 0 and report["claimed"] == [0, len(a) - 1], report

@@ -5,6 +5,9 @@
 - a helper is written once: no top-level function or class (other than a test) of five or more lines
   stands, identical, in two modules under ``tests/`` (it belongs in a helper module: ``tiny.py``,
   ``vision_helpers.py``, ``adversarial.py``, ``bench_helpers.py``, ...; fixtures in ``conftest.py``);
+- the connector's stand-ins are written once (``serving_stand_ins.py``: a worker's announcement, a worker
+  over stand-in paged caches, a ``deliver`` recorder) and the serving lane's live server of the vLLM and
+  tensor-parallel modules starts through ``live_server.py``;
 - the fast lane is one marker expression: README's fast-lane command and ``.ci/run``'s run on the floor
   transformers deselect the embedded-model tests with the same ``-m "not real_model"``.
 """
@@ -87,3 +90,40 @@ def test_the_fast_lane_is_one_marker_expression():
 def test_the_fast_lane_finder_finds_it():
     text = 'python -m pytest -q -m "not real_model" -n 2\npython -m pytest -m serving tests/x.py\n'
     assert fast_lane_expressions(text) == {"not real_model"}
+
+
+#: the connector's stand-ins, written once (tests/serving_stand_ins.py): a worker's announcement to the
+#: scheduler (``Captured(orders=...)``) and a worker over stand-in paged caches (a ``do_kv_cache_update``)
+STAND_IN_KEYWORDS = {"Captured": "orders", "SimpleNamespace": "do_kv_cache_update"}
+STAND_INS = "serving_stand_ins.py"
+
+
+def stand_ins_built_again(sources: dict[str, str]) -> list[str]:
+    """``module:line`` of each call in ``sources`` (other than :data:`STAND_INS`) that builds a stand-in
+    of :data:`STAND_IN_KEYWORDS` itself instead of calling the helper module."""
+    found = []
+    for module, source in sorted(sources.items()):
+        if module == STAND_INS:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                if name in STAND_IN_KEYWORDS and STAND_IN_KEYWORDS[name] in {k.arg for k in node.keywords}:
+                    found.append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_the_connectors_stand_ins_are_written_once():
+    """The channel, worker-store and tensor-parallel tests announce a worker and build one over stand-in
+    caches through tests/serving_stand_ins.py (``announce_worker(scheduler, rank=...)``,
+    ``stand_in_worker``), and their live servers start through tests/live_server.py."""
+    sources = {p.name: p.read_text() for p in sorted(TESTS.glob("*.py")) if p.name != Path(__file__).name}
+    again = stand_ins_built_again(sources)
+    assert not again, f"stand-ins built again (use tests/{STAND_INS}): {again}"
+    assert stand_ins_built_again(
+        {"a.py": "Captured(orders=x, rank=1)\n", STAND_INS: "Captured(orders=x)\n"}
+    ) == ["a.py:1"]
+    for module in ("test_serving_vllm.py", "test_serving_tp.py"):
+        assert "wait_ready" not in sources[module], (
+            f"{module} starts its server itself (tests/live_server.py)"
+        )

@@ -9,19 +9,18 @@ from __future__ import annotations
 import importlib.util
 import io
 import pickle
-import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
+from serving_stand_ins import Delivered, announce_worker, bytes_per_position, stand_in_worker
 
 from hf_kvshare.rope import RopeShifter
 from hf_kvshare.segment_kv import SegmentKV
 from hf_kvshare.serving import channel
 from hf_kvshare.serving import layout as lay
-from hf_kvshare.serving.connector_common import Captured, HFKVShareMetadata, Load, Source
+from hf_kvshare.serving.connector_common import HFKVShareMetadata, Load, Source
 from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
-from hf_kvshare.serving.connector_worker import HFKVShareWorker
 from hf_kvshare.serving.host import Sharing
 from hf_kvshare.serving.standin import engine
 from hf_kvshare.serving.worker_store import DeviceStore, Origin, Sources, StoreMirror
@@ -102,30 +101,8 @@ def test_a_placement_is_a_reference_only_when_it_shows_rows_of_a_kept_read_back(
     assert sources.find(_views(keys, values, 3, 9, start=3)) is None  # not kept by the worker any more
 
 
-def _flash_update(layer, key, value, kv_cache, slot_mapping):
-    """A FlashAttention-style writer: each slot's last axis is ``[K | V]``."""
-    dim = key.shape[-1]
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(dim, dim=-1)
-    block = kv_cache.shape[2]
-    key_cache[slot_mapping // block, slot_mapping % block] = key
-    value_cache[slot_mapping // block, slot_mapping % block] = value
-
-
-def _worker(layers, heads, dim, block=16, device_store_bytes=1 << 20):
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    impl = SimpleNamespace(do_kv_cache_update=_flash_update)
-    config = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=block),
-        compilation_config=SimpleNamespace(
-            static_forward_context={n: SimpleNamespace(impl=impl) for n in names}
-        ),
-        kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config={"device_store_bytes": device_store_bytes}
-        ),
-    )
-    worker = HFKVShareWorker(config)
-    worker.register_kv_caches({n: torch.zeros(8, heads, block, 2 * dim) for n in names})
-    return worker, names
+def _worker(layers, heads, dim, device_store_bytes=1 << 20):
+    return stand_in_worker(layers, heads, dim, extra={"device_store_bytes": device_store_bytes})
 
 
 @needs_vllm
@@ -204,23 +181,9 @@ def test_a_steps_metadata_with_fullshared_and_kvcmas_claims_is_small_and_holds_n
         cache_config=SimpleNamespace(block_size=16),
     )
     scheduler = HFKVShareScheduler(config, sharing)
-    payloads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    arrived = threading.Condition()
-
-    def deliver(request_id, keys, values, via, rank):
-        with arrived:
-            payloads[request_id] = (keys, values)
-            arrived.notify_all()
-
-    worker_orders = channel.Orders(lambda order: None, deliver)
-    c = tiny_llama.config
-    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
-    scheduler.update_connector_output(
-        SimpleNamespace(
-            kv_connector_worker_meta=Captured(orders=worker_orders.address, bytes_per_token=per_token),
-            finished_sending=None,
-        )
-    )
+    delivered = Delivered()
+    payloads = delivered.kv
+    worker_orders = announce_worker(scheduler, bytes_per_position(tiny_llama.config), deliver=delivered)
     doc = tokenizer(
         "The river Lune reaches the sea at Plover Scar near Glasson. " * 4, add_special_tokens=False
     )["input_ids"]
@@ -257,8 +220,7 @@ def test_a_steps_metadata_with_fullshared_and_kvcmas_claims_is_small_and_holds_n
                     if method == "fullshared":
                         assert not load.payload  # every placement is rows the worker keeps
                     if load.payload:  # the rest came on the order channel, exactly the plan's rows
-                        with arrived:
-                            assert arrived.wait_for(lambda rid=rid: rid in payloads, 10)
+                        assert delivered.wait(rid)
                         index = torch.cat([torch.arange(lo, hi) for lo, hi in load.payload])
                         assert torch.equal(payloads[rid][0], plan.keys.index_select(1, index))
                 # the request ends: the worker keeps its K/V (the mirror decides), the record sees them

@@ -388,8 +388,12 @@ class DeferredFactoredKV:
         """Bytes held: the factors once resolved, else the storages of the source it keeps alive."""
         if self._factors is not None:
             return self._factors.nbytes
-        assert self._held is not None
-        return storage_bytes(self._held())
+        return storage_bytes(self.keeps_alive())
+
+    def keeps_alive(self) -> list[torch.Tensor]:
+        """The source tensors it keeps alive until it is resolved (none after)."""
+        held = self._held
+        return [] if self._factors is not None or held is None else list(held())
 
     def __repr__(self) -> str:
         state = "resolved" if self.resolved else "deferred"

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..budgets import check_byte_budget
+from ..cache import storage_bytes
 from .lowrank import (
     DEFERRED_WORK,
     DeferredFactoredKV,
@@ -83,8 +84,8 @@ class LRUDict(OrderedDict):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the entries (their ``nbytes``)."""
-        return sum(entry.nbytes for entry in self.values())
+        """Bytes of the entries (:func:`held_bytes`: a storage several of them keep alive counted once)."""
+        return held_bytes(self.values())
 
     def trim(self) -> None:
         """Within ``max_bytes`` (see the class docstring); nothing without a byte bound."""
@@ -95,13 +96,34 @@ class LRUDict(OrderedDict):
             oldest = next(iter(self))
             entry = super().__getitem__(oldest)
             shed = getattr(entry, "shed", None)
-            if len(self) == 1 and shed is not None and shed():
-                held = entry.nbytes
-            else:
+            if not (len(self) == 1 and shed is not None and shed()):
                 self.popitem(last=False)
                 self.evicted += 1
-                held -= entry.nbytes
+            held = self.nbytes  # a storage the dropped part shared with others is still held
             self.evicted_for_bytes += 1
+
+
+def held_bytes(parts: Iterable[Any]) -> int:
+    """Bytes ``parts`` hold together (factors, deferred factorizations, anchors, pools, or anything
+    with an ``nbytes``): their factors, plus the storages their deferred factorizations keep alive,
+    each storage counted once and whole however many of them keep it (several anchors recorded from
+    one request's cache keep the same layers alive)."""
+    own, alive = _holding(parts)
+    return own + storage_bytes(alive)
+
+
+def _holding(parts: Iterable[Any]) -> tuple[int, list[torch.Tensor]]:
+    """``(bytes of their own, the tensors whose storages they keep alive)`` of ``parts``."""
+    own, alive = 0, []
+    for part in parts:
+        if isinstance(part, DeferredFactoredKV) and not part.resolved:
+            alive += part.keeps_alive()
+        elif hasattr(part, "holding"):
+            part_own, part_alive = part.holding()
+            own, alive = own + part_own, alive + part_alive
+        else:
+            own += part.nbytes
+    return own, alive
 
 
 class Deltas(dict):
@@ -205,10 +227,14 @@ class Anchor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the base's factors (a deferred base: the source storages it keeps alive), deltas."""
-        deltas = sum(d.nbytes for d in self.deltas.held())  # a deferred delta: what it holds
-        base = self.__dict__["base"].nbytes
-        return base + deltas + sum(d.nbytes for _, d in self.prefix_deltas.values())
+        """Bytes held: the base's factors and the deltas' (a deferred one: the source storages it keeps
+        alive, each counted once: :func:`held_bytes`)."""
+        return held_bytes([self])
+
+    def holding(self) -> tuple[int, list[torch.Tensor]]:
+        """Its factors' bytes and the tensors its deferred parts keep alive (:func:`held_bytes`)."""
+        prefix = [d for _, d in self.prefix_deltas.values()]
+        return _holding([self.__dict__["base"], *self.deltas.held(), *prefix])
 
     def settle_base(self, keep: Any = None) -> None:
         """Factorize a deferred base now unless it was stored under tag ``keep`` (e.g. the request still
@@ -358,8 +384,13 @@ class AnchorPool:
 
     @property
     def nbytes(self) -> int:
-        """Exact bytes of every stored tensor (bases and deltas)."""
-        return sum(a.nbytes for a in self.anchors)
+        """Exact bytes of every stored tensor (bases and deltas; a storage several anchors keep alive
+        counted once: :func:`held_bytes`)."""
+        return held_bytes([self])
+
+    def holding(self) -> tuple[int, list[torch.Tensor]]:
+        """Its anchors' factors' bytes and the tensors their deferred parts keep alive (:func:`held_bytes`)."""
+        return _holding(self.anchors)
 
     def describe(self) -> dict:
         return {

@@ -127,8 +127,8 @@ class BoundedStore:
 
     @property
     def nbytes(self) -> int:
-        """Exact bytes of every entry."""
-        return sum(entry.nbytes for entry in self.entries.values())
+        """Exact bytes of every entry (a storage several of them keep alive counted once)."""
+        return self.entries.nbytes
 
     def summary(self) -> dict[str, Any]:
         """``{kind: count, max_<kind>: limit, evicted_<kind>: evictions}`` and the bytes:

@@ -42,6 +42,12 @@ one factorization, ~0.1 s at 1K tokens: a plan next in line behind it is waited 
 factorizes it itself (the same factors). More than ``max_queued_records`` settles waiting (each holds
 the K/V it factorizes) run before plans.
 
+A plan decided ahead holds its K/V (its placements', its claim's) until vLLM asks for it: those bytes
+are bounded by ``max_planned_bytes`` (``planned_bytes`` in ``kv_connector_extra_config``). A plan
+decided ahead that would pass it is dropped (released, counted in ``plans_dropped_for_bytes``, logged)
+and its request is planned at its admission query instead, as without planning ahead; a plan vLLM has
+already asked for is handed at its next query, never dropped.
+
 Each plan says where its request's admission time went (:class:`~hf_kvshare.serving.host.Plan`'s
 ``plan_queue_s`` and ``plan_behind``: the time from its submission to its start, split by what the
 thread ran meanwhile; ``not_ready``: the queries answered "not yet"; ``taken_after_s``: what they cost
@@ -66,6 +72,7 @@ from typing import Any
 
 import torch
 
+from ..budgets import check_byte_budget
 from . import layout as lay
 from .host import Plan, Sharing
 
@@ -83,6 +90,8 @@ DEFAULT_WAIT_S = 0.002
 DEFAULT_RUNNING_WAIT_S = 0.5
 #: records queued beyond this run before any plan (each holds a finished request's K/V until it runs)
 DEFAULT_MAX_QUEUED_RECORDS = 16
+#: the bytes of K/V the plans decided ahead may hold until vLLM asks for them (``max_planned_bytes``)
+DEFAULT_MAX_PLANNED_BYTES = 1 << 30
 
 
 @dataclass
@@ -99,6 +108,8 @@ class _Job:
     behind: dict[str, float] = field(default_factory=dict)
     #: a plan's: admission queries answered "not decided yet" (each costs the request an engine step)
     not_ready: int = 0
+    #: a decided plan's: the bytes of K/V it holds against ``max_planned_bytes`` until it is handed out
+    held: int = 0
 
 
 #: what a queued plan can wait behind on the thread (its report's ``plan_behind``): a record (or release)
@@ -135,6 +146,7 @@ class Background:
         wait_s: float = DEFAULT_WAIT_S,
         running_wait_s: float = DEFAULT_RUNNING_WAIT_S,
         max_queued_records: int = DEFAULT_MAX_QUEUED_RECORDS,
+        max_planned_bytes: int = DEFAULT_MAX_PLANNED_BYTES,
     ):
         if not isinstance(enabled, bool):
             raise TypeError(f"background must be true or false; got {enabled!r}")
@@ -152,6 +164,10 @@ class Background:
         self.wait_s = float(wait_s)
         self.running_wait_s = float(running_wait_s)
         self.max_queued_records = max_queued_records
+        self.max_planned_bytes = check_byte_budget("planned_bytes", max_planned_bytes)
+        #: the bytes of K/V the decided plans not yet handed out hold, and the plans dropped for them
+        self.planned_bytes = 0
+        self.plans_dropped_for_bytes = 0
         self._pending: dict[str, tuple[tuple[int, float], _Job]] = {}  # id -> ((hit, asked at), plan job)
         self._handed: OrderedDict[str, None] = OrderedDict()  # plans handed out, not released (HANDED_MAX)
         self._cond = threading.Condition()
@@ -262,7 +278,7 @@ class Background:
         """The request's plan leaves for the scheduler: no longer pending, and not planned again by a
         late :meth:`prepare` until it is released (:meth:`release`, :meth:`forget`)."""
         with self._cond:
-            self._pending.pop(request_id, None)
+            self._unhold(self._pending.pop(request_id, None))
             self._handed[request_id] = None
             while len(self._handed) > HANDED_MAX:
                 self._handed.popitem(last=False)
@@ -280,6 +296,7 @@ class Background:
             pending = self._pending.pop(request_id, None)
             if pending is None:
                 return
+            self._unhold(pending)
             job = pending[1]
             if job in self._queue:  # never started: nothing to release
                 self._queue.remove(job)
@@ -345,6 +362,10 @@ class Background:
         summary["background"] = self.enabled
         summary["queued_jobs"] = self.queued()
         summary["deferred_queries"] = self.deferred_queries
+        with self._cond:
+            summary["planned_bytes"] = self.planned_bytes
+        summary["max_planned_bytes"] = self.max_planned_bytes
+        summary["plans_dropped_for_bytes"] = self.plans_dropped_for_bytes
         return summary
 
     def queued(self) -> int:
@@ -429,6 +450,8 @@ class Background:
                         logger.exception("hf_kvshare: a background %s job failed", job.kind)
                 else:
                     job.ended_at = time.perf_counter()
+                    if job.kind == "plan":
+                        self._hold(job, result)
                     job.future.set_result(result)
                 self._waited(job, job.started_at, job.ended_at)
             started = time.perf_counter()
@@ -437,6 +460,39 @@ class Background:
             with self._cond:
                 self._running = None
                 self._cond.notify_all()
+
+    def _hold(self, job: _Job, plan: Plan) -> None:
+        """A decided plan's K/V held until it is handed out, against ``max_planned_bytes``: a plan
+        decided ahead that would pass it is dropped (released here, on the thread) and its request
+        planned at its admission query instead (not ahead again); one vLLM asked for is kept."""
+        nbytes = held_bytes(plan)
+        with self._cond:
+            pending = self._pending.get(plan.request_id)
+            if pending is None or pending[1] is not job:  # forgotten meanwhile
+                return
+            asked = pending[0][1] is not None
+            if asked or self.planned_bytes + nbytes <= self.max_planned_bytes:
+                job.held = nbytes
+                self.planned_bytes += nbytes
+                return
+            del self._pending[plan.request_id]
+            self._handed[plan.request_id] = None  # not planned ahead again (prepare)
+            self.plans_dropped_for_bytes += 1
+        logger.warning(
+            "hf_kvshare: request %s's plan, decided ahead, dropped: its %d bytes of K/V would pass "
+            "planned_bytes (%d; %d held); planned again at its admission",
+            plan.request_id,
+            nbytes,
+            self.max_planned_bytes,
+            self.planned_bytes,
+        )
+        self.sharing.release(plan)
+
+    def _unhold(self, pending: tuple[Any, _Job] | None) -> None:
+        """A decided plan handed out or forgotten: its K/V no longer count (under the condition's lock)."""
+        if pending is not None:
+            self.planned_bytes -= pending[1].held
+            pending[1].held = 0
 
     def _waited(self, ran: _Job | None, started: float, ended: float) -> None:
         """The plans still queued waited behind ``ran`` (``None``: the summary's refresh) from
@@ -470,6 +526,17 @@ def _then(fn: Callable[..., None], then: Callable[[Plan], None] | None) -> Calla
             then(plan)
 
     return both
+
+
+def held_bytes(plan: Plan) -> int:
+    """The bytes of K/V a decided plan holds: its claim's and its placements' (what a deferred K/V is
+    computed from; a ``meta`` stand-in holds none)."""
+    tensors = [t for t in (plan.keys, plan.values) if isinstance(t, torch.Tensor)]
+    for placement in plan.placements:
+        if placement is not None:
+            stored = placement.kv.stored
+            tensors += [*stored.keys, *stored.values]
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
 
 
 def task_of(params: Any) -> str | None:

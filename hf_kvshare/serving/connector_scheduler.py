@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import channel
-from .admission import DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
+from .admission import DEFAULT_MAX_PLANNED_BYTES, DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source
 from .host import BUDGETS, NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
 from .layout import images_of
@@ -236,6 +236,7 @@ class HFKVShareScheduler:
             enabled=extra.get("background", True),
             wait_s=extra.get("plan_wait_s", DEFAULT_WAIT_S),
             running_wait_s=extra.get("plan_running_wait_s", DEFAULT_RUNNING_WAIT_S),
+            max_planned_bytes=extra.get("planned_bytes", DEFAULT_MAX_PLANNED_BYTES),
         )
         read_back = extra.get("read_back_channel", True)
         if not isinstance(read_back, bool):

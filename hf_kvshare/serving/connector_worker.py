@@ -53,7 +53,13 @@ from . import channel, paged
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load
 from .host import ServingError, skeleton_model
 from .tensor_parallel import kv_head_range, tensor_parallel_size
-from .worker_store import DEFAULT_DEVICE_STORE_BYTES, DeviceStore, stand_ins
+from .worker_store import (
+    DEFAULT_DEVICE_STORE_BYTES,
+    DEFAULT_PAYLOAD_BYTES,
+    DeviceStore,
+    PayloadBuffer,
+    stand_ins,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,8 +74,6 @@ STORE_DEVICE = torch.device("cpu")
 #: how long a claim's write waits for K/V the scheduler sent on the order channel (seconds; then its
 #: blocks are reported failed)
 PAYLOAD_WAIT_S = 10.0
-#: claims' K/V held for a step that has not come (an aborted request's), oldest dropped past this
-PAYLOADS_MAX = 64
 
 
 class HFKVShareWorker:
@@ -102,9 +106,8 @@ class HFKVShareWorker:
         self._bytes_per_token: int | None = None
         self._names: list[str] = []  # the layers in the store's order
         self._shifter: Any = None  # built from the served model's config at the first re-positioning
-        #: claims' K/V from the order channel, by request id (its thread puts, the step takes)
-        self._payloads: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self._payload_ready = threading.Condition()
+        #: claims' K/V from the order channel, by request id (its thread puts, the step takes), by bytes
+        self.payloads = PayloadBuffer(extra.get("payload_bytes", DEFAULT_PAYLOAD_BYTES))
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -164,11 +167,9 @@ class HFKVShareWorker:
                 rotation = self.shifter.rotation(source.src_start, source.dst_start, source.n)
             pieces.append((source.offset, kept[0][:, rows], kept[1][:, rows], rotation))
         if load.payload:
-            kv = self._payload(load.request_id)
+            kv, missing = self.payloads.take(load.request_id, PAYLOAD_WAIT_S)
             if kv is None:
-                logger.error(
-                    "hf_kvshare: request %s's claimed K/V never came on the order channel", load.request_id
-                )
+                logger.error("hf_kvshare: request %s's claimed K/V %s", load.request_id, missing)
                 return False
             at = 0
             for lo, hi in load.payload:
@@ -202,17 +203,15 @@ class HFKVShareWorker:
     def _on_payload(
         self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str, rank: int = 0
     ) -> None:
-        """A claim's K/V from the order channel (its thread), for the step that writes them."""
-        with self._payload_ready:
-            self._payloads[request_id] = (keys, values)
-            while len(self._payloads) > PAYLOADS_MAX:
-                self._payloads.popitem(last=False)
-            self._payload_ready.notify_all()
-
-    def _payload(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        with self._payload_ready:
-            self._payload_ready.wait_for(lambda: request_id in self._payloads, PAYLOAD_WAIT_S)
-            return self._payloads.pop(request_id, None)
+        """A claim's K/V from the order channel (its thread), for the step that writes them; what the
+        payload budget drops is logged (its claim's blocks are then reported failed)."""
+        for dropped in self.payloads.put(request_id, keys, values):
+            logger.error(
+                "hf_kvshare: request %s's claimed K/V dropped past the worker's payload budget (%d bytes; "
+                "payload_bytes in kv_connector_extra_config): vLLM recomputes them",
+                dropped,
+                self.payloads.max_bytes,
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -1002,7 +1002,7 @@ class Sharing:
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         output = torch.tensor(out, dtype=torch.long)
         host.record_output(turn, cache, output, text, keep_kv=method.uses_sources)
-        for name, slot in host.slots.items():  # K/V kept again: a later drop is not the bound's eviction
+        for name, slot in host.slots.items() if host.evicted else ():  # kept again: not the bound's eviction
             if slot.latest is not None:
                 host.evicted.pop(name, None)
         # stand-ins: what the method keeps (prefix reuse's text) are views, so they stay references to

@@ -28,7 +28,9 @@ by its id (read from its first chunk) and its task, and its recorded line fills 
 not kept. Each API-server process keeps its own book.
 
 It reads its settings from the environment variable :data:`ENV` (JSON: ``method``, ``salt``,
-``model``) that :mod:`.server` sets. The prompt is tokenized here as vLLM does it (the tokenizer's
+``model``, ``api_key``: whether vLLM may check an API key, :func:`api_key_may_be_set`; unset: it may)
+that :mod:`.server` sets. Without a key the middleware does not show a POST to vLLM's check first (the
+probe of :meth:`LayoutCheck._authorized`: one route lookup per request). The prompt is tokenized here as vLLM does it (the tokenizer's
 chat template with the generation prompt; completions with special tokens); where that rendering
 fails the request passes unchecked and the engine (which never raises on a layout) reports the
 error in the response's ``kv_transfer_params``.
@@ -57,6 +59,9 @@ REPORTS_PATH = "/v1/hf_kvshare/reports"
 #: a path under ``/v1`` with no route: a request's headers are shown to vLLM's ``--api-key`` check there
 #: (:meth:`LayoutCheck._authorized`) before this middleware reads its body
 AUTH_PROBE_PATH = "/v1/hf_kvshare/auth"
+#: vLLM's options and variable that set an API key (``--config``: a file that may name one)
+API_KEY_FLAGS = ("--api-key", "--config")
+API_KEY_ENV = "VLLM_API_KEY"
 #: the request header that names the tenant whose reports are read: the client's ``cache_salt``
 TENANT_HEADER = b"x-hf-kvshare-cache-salt"
 #: the connector's report file variable (``connector_scheduler.REPORTS_ENV``; that module imports vLLM)
@@ -65,6 +70,14 @@ REPORTS_ENV = "HF_KVSHARE_REPORTS"
 MAX_REPLY_BYTES = 4 << 20
 #: a streamed reply's first chunk (its id) is looked for in at most this many bytes
 MAX_FIRST_CHUNK_BYTES = 64 << 10
+
+
+def api_key_may_be_set(vllm_args: list[str], env: dict[str, str]) -> bool:
+    """Whether vLLM started with ``vllm_args`` in ``env`` may check an API key: ``--api-key`` given, a
+    ``--config`` file (which may name one) or ``VLLM_API_KEY`` set. Only where none is does the
+    middleware let POSTs through without showing them to vLLM's check first."""
+    given = any(arg.split("=", 1)[0] in API_KEY_FLAGS for arg in vllm_args)
+    return given or bool(env.get(API_KEY_ENV))
 
 
 class LayoutCheck:
@@ -76,6 +89,8 @@ class LayoutCheck:
         self.method = settings.get("method", "nonshared")
         self.salt = settings.get("salt")
         self.model = settings.get("model")
+        #: whether vLLM may check an API key (the launcher says; unsaid: it may): POSTs are shown to it
+        self.api_key = bool(settings.get("api_key", True))
         self._tokens: lay.TokenInfo | None = None
         self.max_body_bytes = int(settings.get("max_body_bytes", MAX_BODY_BYTES))
         #: the layout checks run here, one at a time (a tokenizer is not for concurrent use), while the
@@ -103,7 +118,7 @@ class LayoutCheck:
         if scope.get("type") != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        if not await self._authorized(scope):  # vLLM's --api-key check answers it (401), body unread
+        if self.api_key and not await self._authorized(scope):  # vLLM's check answers it (401), unread
             await self.app(scope, receive, send)
             return
         if scope.get("path") not in PATHS:  # vLLM's other endpoints: no layout, no salt, nothing injected

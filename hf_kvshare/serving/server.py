@@ -52,7 +52,7 @@ from .host import (
     serving_options,
     skeleton_model,
 )
-from .middleware import ENV
+from .middleware import ENV, api_key_may_be_set
 
 HOST = "127.0.0.1"
 CONNECTOR = "HFKVShareConnector"
@@ -360,7 +360,10 @@ class Server:
     def environment(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
         if self.method is not None:
-            env[ENV] = json.dumps({"method": self.method, "salt": self.salt, "model": self.model_dir})
+            api_key = api_key_may_be_set(self.vllm_args, env)  # no key: the middleware asks vLLM nothing
+            env[ENV] = json.dumps(
+                {"method": self.method, "salt": self.salt, "model": self.model_dir, "api_key": api_key}
+            )
             env[SALT_SECRET_ENV] = self._secret  # the connector (in vLLM's engine) computes the same salt
         return env
 

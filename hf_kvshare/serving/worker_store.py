@@ -281,3 +281,71 @@ class Sources:
         if keys is None or keys != values or keys[0] not in self._mirror:
             return None
         return Origin(keys[0], keys[1], keys[2], kv.start)
+
+
+#: the worker's default budget for claims' K/V that came on the order channel and wait for their step
+#: (``payload_bytes`` in ``kv_connector_extra_config``)
+DEFAULT_PAYLOAD_BYTES = 1 << 30
+#: request ids whose claim's K/V the payload buffer dropped, remembered so their claim fails at once
+PAYLOADS_DROPPED_MAX = 4096
+
+
+class PayloadBuffer:
+    """Claims' K/V that came on the order channel (:meth:`put`, the channel's thread), by request id,
+    until the step that writes them takes them (:meth:`take`), within ``max_bytes``: past it the oldest
+    are dropped (an aborted request's, whose step never came), and K/V larger than the whole budget are
+    not kept. Each drop is counted (``dropped``) and returned to the caller, which logs it; the claim
+    then finds no K/V (at once, not after the wait) and its blocks are reported failed: vLLM recomputes
+    them, never a write from anything else."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = check_byte_budget("payload_bytes", max_bytes)
+        self._kv: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._dropped: OrderedDict[str, None] = OrderedDict()
+        self.bytes = 0
+        self.dropped = 0
+        self._ready = threading.Condition()
+
+    def put(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> list[str]:
+        """Hold a claim's K/V; returns the request ids dropped to stay within the budget (this one when
+        it alone passes it)."""
+        size = DeviceStore.nbytes(keys, values)
+        with self._ready:
+            self._pop(request_id)
+            dropped = []
+            if size > self.max_bytes:
+                dropped.append(request_id)
+            else:
+                while self.bytes + size > self.max_bytes:
+                    dropped.append(next(iter(self._kv)))
+                    self._pop(dropped[-1])
+                self._kv[request_id] = (keys, values)
+                self.bytes += size
+                self._dropped.pop(request_id, None)
+            for gone in dropped:
+                self._dropped[gone] = None
+            while len(self._dropped) > PAYLOADS_DROPPED_MAX:
+                self._dropped.popitem(last=False)
+            self.dropped += len(dropped)
+            self._ready.notify_all()
+        return dropped
+
+    def take(self, request_id: str, timeout: float) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, str]:
+        """A claim's K/V, waiting up to ``timeout`` seconds for them to come, and why there are none
+        (``""`` when there are)."""
+        with self._ready:
+            self._ready.wait_for(lambda: request_id in self._kv or request_id in self._dropped, timeout)
+            if request_id in self._dropped:
+                del self._dropped[request_id]
+                return None, f"dropped past the worker's payload budget ({self.max_bytes} bytes)"
+            kv = self._pop(request_id)
+            return kv, "" if kv is not None else f"never came on the order channel within {timeout:g} s"
+
+    def _pop(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        kv = self._kv.pop(request_id, None)
+        if kv is not None:
+            self.bytes -= DeviceStore.nbytes(*kv)
+        return kv
+
+    def __len__(self) -> int:
+        return len(self._kv)

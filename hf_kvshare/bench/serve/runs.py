@@ -87,89 +87,70 @@ def server_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
     }
 
 
-def group_server(
-    group: ServerGroup,
-    plan: Plan,
-    args: argparse.Namespace,
-    port: int,
-    log_path: Path,
-    env: Mapping[str, str],
-    vllm_args: list[str],
-    report_path: Path | None = None,
-) -> contextlib.AbstractContextManager[Server]:
-    """The group's server, started and ready inside the block: plain vLLM (``group.method`` None) or
-    vLLM with the connector (its reports to ``report_path``), by the serving package's launcher."""
-    server = _server(group, plan, args, port, log_path, env, vllm_args, report_path)
-    return running(server, args.startup_timeout)
+@dataclass
+class ServerLaunch:
+    """What every server of a group is started with, the only one or each replica: the group, the plan
+    (its model), the parsed options (store budgets, admission, read-back channel, vLLM's python), the
+    environment over this process's and vLLM's arguments."""
 
+    group: ServerGroup
+    plan: Plan
+    args: argparse.Namespace
+    env: Mapping[str, str]
+    vllm_args: list[str]
 
-def _server(
-    group: ServerGroup,
-    plan: Plan,
-    args: argparse.Namespace,
-    port: int,
-    log_path: Path,
-    env: Mapping[str, str],
-    vllm_args: list[str],
-    report_path: Path | None,
-) -> Server:
-    """One server of the group (a replica or the only one), by the serving package's launcher, with the
-    store budgets given (``--max-store-bytes``, ``--device-store-bytes``; the launcher's defaults else)."""
-    budgets = {
-        name: getattr(args, name)
-        for name in ("max_bytes", "device_store_bytes")
-        if getattr(args, name, None) is not None
-    }
-    return Server(
-        plan.model_dir,
-        group.method,
-        group.options,
-        port=port,
-        vllm_args=[*vllm_args, "--served-model-name", "model"],
-        background=not args.inline_admission,
-        read_back_channel=not args.no_read_back_channel,
-        log=log_path,
-        python=args.vllm_python,
-        env={**env, **({REPORTS: str(report_path)} if report_path is not None else {})},
-        **budgets,
-    )
-
-
-def group_replicas(
-    group: ServerGroup,
-    plan: Plan,
-    args: argparse.Namespace,
-    port: int,
-    log_path: Path,
-    env: Mapping[str, str],
-    vllm_args: list[str],
-    report_paths: list[Path] | None = None,
-) -> contextlib.AbstractContextManager[ReplicaSet]:
-    """``--replicas N``: the group's server as N replicas (each its log and connector reports) behind
-    vLLM's router on ``port`` (:mod:`hf_kvshare.serving.replicas`), ready inside the block."""
-    ports, metrics_port = replica_ports(port, args.replicas)
-    servers = [
-        _server(
-            group,
-            plan,
-            args,
-            replica_port,
-            log_path.with_suffix(f".replica{i}.log"),
-            env,
-            vllm_args,
-            report_paths[i] if report_paths is not None else None,
+    def server(self, port: int, log_path: Path, report_path: Path | None = None) -> Server:
+        """One server (not started) on ``port``, by the serving package's launcher: plain vLLM
+        (``group.method`` None) or vLLM with the connector (its reports to ``report_path``), with the
+        store budgets given (``--max-store-bytes``, ``--device-store-bytes``; the launcher's defaults
+        else)."""
+        args = self.args
+        budgets = {
+            name: getattr(args, name)
+            for name in ("max_bytes", "device_store_bytes")
+            if getattr(args, name, None) is not None
+        }
+        return Server(
+            self.plan.model_dir,
+            self.group.method,
+            self.group.options,
+            port=port,
+            vllm_args=[*self.vllm_args, "--served-model-name", "model"],
+            background=not args.inline_admission,
+            read_back_channel=not args.no_read_back_channel,
+            log=log_path,
+            python=args.vllm_python,
+            env={**self.env, **({REPORTS: str(report_path)} if report_path is not None else {})},
+            **budgets,
         )
-        for i, replica_port in enumerate(ports)
-    ]
-    replicas = ReplicaSet(
-        servers,
-        port,
-        metrics_port,
-        policy=args.router_policy,
-        router=args.router,
-        log=log_path.with_suffix(".router.log"),
-    )
-    return running(replicas, args.startup_timeout)
+
+    def replicas(self, port: int, log_path: Path, report_paths: list[Path] | None = None) -> ReplicaSet:
+        """``--replicas N``: the group's server as N replicas (not started; each its log and connector
+        reports) behind vLLM's router on ``port`` (:mod:`hf_kvshare.serving.replicas`)."""
+        ports, metrics_port = replica_ports(port, self.args.replicas)
+        servers = [
+            self.server(
+                replica_port,
+                log_path.with_suffix(f".replica{i}.log"),
+                report_paths[i] if report_paths is not None else None,
+            )
+            for i, replica_port in enumerate(ports)
+        ]
+        return ReplicaSet(
+            servers,
+            port,
+            metrics_port,
+            policy=self.args.router_policy,
+            router=self.args.router,
+            log=log_path.with_suffix(".router.log"),
+        )
+
+
+def group_server(
+    launch: ServerLaunch, port: int, log_path: Path, report_path: Path | None = None
+) -> contextlib.AbstractContextManager[Server]:
+    """The group's server on ``port``, started and ready inside the block."""
+    return running(launch.server(port, log_path, report_path), launch.args.startup_timeout)
 
 
 def free_ports(n: int) -> int:
@@ -265,20 +246,17 @@ def sweep(plan: Plan, args: argparse.Namespace, tokenizer: Any, config: Mapping[
             for group in order:
                 log_path = work / "logs" / f"{group.key}-r{repeat}.log"
                 report_path = log_path.with_suffix(".reports.jsonl") if group.method is not None else None
+                launch = ServerLaunch(group, plan, args, env, [*base_args, *args.vllm_arg])
                 if url is not None:  # a running server or router: nothing started here
                     port, server = int(url.rsplit(":", 1)[1]), contextlib.nullcontext()
                 elif replicas > 1:  # the router on port, the replicas after it, each its reports
                     port = args.port or free_ports(replicas + 2)
                     if report_path is not None:
                         report_path = [report_path.with_suffix(f".replica{i}.jsonl") for i in range(replicas)]
-                    server = group_replicas(
-                        group, plan, args, port, log_path, env, [*base_args, *args.vllm_arg], report_path
-                    )
+                    server = running(launch.replicas(port, log_path, report_path), args.startup_timeout)
                 else:
                     port = args.port or free_port()
-                    server = group_server(
-                        group, plan, args, port, log_path, env, [*base_args, *args.vllm_arg], report_path
-                    )
+                    server = group_server(launch, port, log_path, report_path)
                 for path in [report_path] if isinstance(report_path, Path) else report_path or []:
                     path.unlink(missing_ok=True)
                 print(f"server {group.key} (repeat {repeat}) on {HOST}:{port} ...", flush=True)

@@ -1,0 +1,97 @@
+"""The serving lane's live vLLM server (vLLM's OpenAI server with the connector, on 127.0.0.1), written
+once for its test modules: :func:`start_server` starts a module's server, :func:`stopped_after` stops it
+after the module (a fixture's body) and :func:`post` sends it a request."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+#: vLLM's arguments for a test's server: small, float32 (exact comparisons)
+TEST_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "2"]
+
+
+def start_server(
+    folder: Path,
+    model: str,
+    method: str,
+    options: dict[str, Any],
+    *,
+    max_bytes: int,
+    vllm_args: Sequence[str] = (),
+    eager: bool = True,
+    name: str = "vllm",
+) -> Any:
+    """A server of ``model`` (an embedded model's name: served from the folder hf_kvshare writes) with
+    ``method`` and ``options``, started and ready (~1-2 min on 2 CPUs; the log's tail printed when it
+    never is): :data:`TEST_ARGS` plus ``vllm_args`` (and ``--enforce-eager`` where ``eager``), its log ``folder/<name>.log``, each recorded
+    request's report line in ``server.reports`` (``folder/<name>.reports.jsonl``), vLLM's development
+    endpoints on (``POST /reset_prefix_cache``)."""
+    from hf_kvshare.serving.connector import REPORTS_ENV
+    from hf_kvshare.serving.models import served_model_dir
+    from hf_kvshare.serving.server import Server
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    log, reports = folder / f"{name}.log", folder / f"{name}.reports.jsonl"
+    srv = Server(
+        served_model_dir(model),
+        method,
+        options,
+        vllm_args=[*TEST_ARGS, *(["--enforce-eager"] if eager else []), *vllm_args],
+        max_bytes=max_bytes,
+        log=log,
+        env={REPORTS_ENV: str(reports), "VLLM_SERVER_DEV_MODE": "1"},
+    )
+    srv.reports = reports
+    srv.start()
+    try:
+        srv.wait_ready(timeout=480)
+    except RuntimeError:
+        srv.stop()
+        print(log.read_text()[-4000:])
+        raise
+    return srv
+
+
+def stopped_after(srv: Any) -> Iterator[Any]:
+    """A module fixture's body (``yield from stopped_after(start_server(...))``): the server for the
+    module, stopped after it, nothing left running."""
+    try:
+        yield srv
+    finally:
+        process = srv.process
+        srv.stop()
+    assert process.returncode is not None  # stopped: nothing left running
+
+
+def post(server: Any, path: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
+    """``POST`` ``body`` as JSON to the server's ``path``: the status and the decoded reply."""
+    request = urllib.request.Request(
+        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def reset_prefix_cache(server: Any, tries: int = 20) -> tuple[int, Any]:
+    """Empty vLLM's prefix cache (``POST /reset_prefix_cache``, a development endpoint), retried while it
+    fails (it does while blocks are held); every answer must be a 200. The last answer's status and reply
+    (``reply["success"]``: emptied)."""
+    for _ in range(tries):
+        status, reset = post(server, "/reset_prefix_cache", {})
+        assert status == 200, reset
+        if reset.get("success"):
+            break
+        time.sleep(0.5)
+    return status, reset
