@@ -200,9 +200,9 @@ PARALLEL_FLAGS = MappingProxyType(
 
 def check_parallel_args(args: list[str], model_dir: str | Path | None = None) -> None:
     """Refuse, before vLLM starts, the parallel set-ups the connector cannot serve (the engine's
-    ``connector_common.check_supported`` refuses them too): pipeline, data or context parallel, and a
+    ``connector_common.check_supported`` refuses them too): data or context parallel, and a
     ``--tensor-parallel-size`` that does not split the model's KV heads (read from ``model_dir``'s
-    config when it has one). Tensor parallel passes through to vLLM as given."""
+    config when it has one). Tensor and pipeline parallel pass through to vLLM as given."""
     from .tensor_parallel import kv_head_range
 
     sizes: dict[str, int] = {}
@@ -215,13 +215,15 @@ def check_parallel_args(args: list[str], model_dir: str | Path | None = None) ->
             sizes[PARALLEL_FLAGS[key]] = int(value)
         except ValueError:
             raise ValueError(f"{key} takes a number of ranks; got {value!r}") from None
-    works = "what works: --tensor-parallel-size N (the KV heads split over the ranks) or --replicas N"
-    for kind in ("pipeline", "context"):
-        if sizes.get(kind, 1) != 1:
-            raise ValueError(
-                f"hf_kvshare's connector does not support {kind} parallel (size {sizes[kind]}): its claims "
-                f"and read-backs carry every layer and token of a request; {works}"
-            )
+    works = (
+        "what works: --tensor-parallel-size N (the KV heads split over the ranks), --pipeline-parallel-size "
+        "N (the layers split over the stages) or --replicas N"
+    )
+    if sizes.get("context", 1) != 1:
+        raise ValueError(
+            f"hf_kvshare's connector does not support context parallel (size {sizes['context']}): its claims "
+            f"and read-backs carry every token of a request; {works}"
+        )
     if sizes.get("data", 1) != 1:
         raise ValueError(
             f"hf_kvshare's connector does not support data parallel (size {sizes['data']}): each rank is an "
