@@ -9,6 +9,12 @@ tiny-llama's head size 16 the CPU backend refuses) on a server at ``--tensor-par
 exact mode (K/V read back from both ranks, assembled, written back as each rank's slice) gives plain
 vLLM's tokens and log-probabilities at TP = 2, and FullShared gives the same tokens and supplied
 counts as at TP = 1. Each server starts in ~2 min on 2 CPUs.
+
+Pipeline parallel in the same file (the ranks are numbered stage by stage, :func:`worker_rank`): fast
+lane, the stages' read-backs joined in layer order (and each stage's heads first under PP x TP), the
+layers each stage announces checked and a claim's K/V routed by them; serving lane, a server at
+``--pipeline-parallel-size 2`` (each stage 8 of the 16 layers): exact mode == plain vLLM at PP = 2 and
+FullShared's tokens and supplied counts == TP = 1's. The module's servers run one at a time.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import urllib.request
 import pytest
 import torch
 
-from hf_kvshare.serving.tensor_parallel import PENDING, RankAssembly, kv_head_range
+from hf_kvshare.serving.tensor_parallel import PENDING, RankAssembly, kv_head_range, worker_rank
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -89,8 +95,6 @@ def test_replicated_heads_are_taken_once_and_a_failed_rank_releases_the_request(
 
 
 def test_the_stages_read_backs_assemble_into_all_layers_in_stage_order():
-    from hf_kvshare.serving.tensor_parallel import worker_rank
-
     keys, values = _kv(layers=5)
     assembly = RankAssembly(1, 4, pp_size=2)  # stage 0: layers 0-2, stage 1: layers 3-4
     assert assembly.size == 2 and worker_rank(0, 1, 1) == 1
@@ -105,8 +109,6 @@ def test_the_stages_read_backs_assemble_into_all_layers_in_stage_order():
 
 
 def test_pipeline_times_tensor_parallel_joins_each_stages_heads_then_the_stages_layers():
-    from hf_kvshare.serving.tensor_parallel import worker_rank
-
     keys, values = _kv(layers=4, heads=4)
     assembly = RankAssembly(2, 4, pp_size=2)  # ranks 0, 1: layers 0-1; ranks 2, 3: layers 2-3
     assert [worker_rank(t, p, 2) for p in (0, 1) for t in (0, 1)] == [0, 1, 2, 3]
@@ -260,7 +262,14 @@ Q2 = " Summary in five words:"
 PLAIN = {"hf_kvshare": {"method": "nonshared"}}
 
 
-def _start(tp: int, folder):
+#: vLLM's CPU wheel at pipeline parallel: not ``--enforce-eager`` (its CPU worker then skips the warm-up
+#: run that makes a later stage's buffer for the hidden states it receives, and the first request fails
+#: on vLLM's ``assert self.intermediate_tensors is not None``); Dynamo's trace run eagerly instead (no
+#: Inductor compile, the same kernels as eager mode)
+PP_CPU_ARGS = ["--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]
+
+
+def _start(tp: int, folder, pp: int = 1):
     from hf_kvshare.serving.connector import REPORTS_ENV
     from hf_kvshare.serving.models import served_model_dir
     from hf_kvshare.serving.server import Server
@@ -268,23 +277,26 @@ def _start(tp: int, folder):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "2", "--enforce-eager"]
-    if tp > 1:
-        args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+    args = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "2"]
+    args += PP_CPU_ARGS if pp > 1 else ["--enforce-eager"]
+    if tp > 1 or pp > 1:
+        args += ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+        args += ["--distributed-executor-backend", "mp"]
+    name = f"tp{tp}" + (f"-pp{pp}" if pp > 1 else "")
     srv = Server(
         served_model_dir(MODEL),
         "fullshared",
         {"prefix_reuse": True},
         vllm_args=args,
         max_bytes=64 << 20,
-        log=folder / f"vllm-tp{tp}.log",
-        env={REPORTS_ENV: str(folder / f"reports-tp{tp}.jsonl"), "VLLM_SERVER_DEV_MODE": "1"},
+        log=folder / f"vllm-{name}.log",
+        env={REPORTS_ENV: str(folder / f"reports-{name}.jsonl"), "VLLM_SERVER_DEV_MODE": "1"},
     )
     srv.start()
     try:
         srv.wait_ready(timeout=480)
     except RuntimeError:
-        print((folder / f"vllm-tp{tp}.log").read_text()[-4000:])
+        print((folder / f"vllm-{name}.log").read_text()[-4000:])
         raise
     return srv
 
@@ -343,12 +355,31 @@ def fullshared_at_tp1(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp2_server(tmp_path_factory):
-    srv = _start(2, tmp_path_factory.mktemp("tp2"))
-    yield srv
-    process = srv.process
-    srv.stop()
-    assert process.returncode is not None  # stopped: nothing left running
+def parallel_server(tmp_path_factory):
+    """``get(tp, pp)``: the module's server at that parallel shape, one at a time (the one before is
+    stopped first: two servers would share the machine's 2 CPUs)."""
+    held: dict[tuple[int, int], object] = {}
+
+    def stop_all():
+        for srv in held.values():
+            process = srv.process
+            srv.stop()
+            assert process.returncode is not None  # stopped: nothing left running
+        held.clear()
+
+    def get(tp: int, pp: int = 1):
+        if (tp, pp) not in held:
+            stop_all()
+            held[tp, pp] = _start(tp, tmp_path_factory.mktemp(f"tp{tp}-pp{pp}"), pp=pp)
+        return held[tp, pp]
+
+    yield get
+    stop_all()
+
+
+@pytest.fixture
+def tp2_server(parallel_server):
+    return parallel_server(2)
 
 
 @serving
@@ -361,7 +392,10 @@ def test_fullshared_at_two_ranks_gives_the_tokens_of_one_rank(fullshared_at_tp1,
 
 @serving
 def test_exact_mode_at_two_ranks_is_plain_vllm(tp2_server):
-    srv = tp2_server
+    _exact_mode_is_plain_vllm(tp2_server)
+
+
+def _exact_mode_is_plain_vllm(srv):
     sys1, doc, q1 = (_ids(srv, t) for t in (SYS1, DOC, Q1))
     a = sys1 + doc + q1
     plain, plain_logprobs, _ = _complete(srv, a, PLAIN)
@@ -380,3 +414,21 @@ def test_exact_mode_at_two_ranks_is_plain_vllm(tp2_server):
     assert report["prefix_cache_hit"] == 0 and report["claimed"] == [0, len(a) - 1], report
     assert again == plain
     assert max(abs(x - y) for x, y in zip(logprobs, plain_logprobs)) < 1e-3, (logprobs, plain_logprobs)
+
+
+@pytest.fixture
+def pp2_server(parallel_server):
+    return parallel_server(1, pp=2)
+
+
+@serving
+def test_fullshared_at_two_pipeline_stages_gives_the_tokens_of_one_rank(fullshared_at_tp1, pp2_server):
+    # each stage reads back, keeps and re-positions its own layers; the scheduler joins them in order
+    first, shared, counts = _fullshared_run(pp2_server)
+    assert counts[1][0] is not None and counts[1][1] > 0, counts  # a2 was supplied the document
+    assert (first, shared, counts) == fullshared_at_tp1
+
+
+@serving
+def test_exact_mode_at_two_pipeline_stages_is_plain_vllm(pp2_server):
+    _exact_mode_is_plain_vllm(pp2_server)
