@@ -218,6 +218,12 @@ def test_the_launcher_refuses_parallel_set_ups_the_connector_cannot_serve_before
         Server(tmp_path, "fullshared", vllm_args=["-dcp", "2"])
     Server(tmp_path, None, vllm_args=["-dcp", "2"])  # plain vLLM: vLLM's own business
     Server(tmp_path, "fullshared", vllm_args=["-pp", "2"])
+    # pipeline parallel with --enforce-eager: vLLM's CPU wheel fails the first request; said, with the fix
+    (note,) = [
+        n for n in Server(tmp_path, None, vllm_args=["-pp=2", "--enforce-eager"]).notes if "pipeline" in n
+    ]
+    assert "--compilation-config" in note
+    assert not [n for n in Server(tmp_path, None, vllm_args=["--enforce-eager"]).notes if "pipeline" in n]
 
 
 @serving
