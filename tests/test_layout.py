@@ -72,6 +72,10 @@
 - tensor parallel in one place: which KV heads a worker rank holds and the ranks' read-backs
   assembled into all heads are defined only in ``serving/tensor_parallel.py``, a leaf without vLLM
   (the fast lane tests it), which both connector sides use.
+- pipeline parallel in the same place: a worker's rank (``worker_rank``: stage by stage), the layers
+  each stage announces and a claim's K/V routed by them, and the stages' read-backs joined in layer
+  order are ``serving/tensor_parallel.py``'s too (``RankAssembly``); the worker announces its layers
+  (``Captured.layers``) and the scheduler routes by them (``RankAssembly.layers``), nowhere else.
 """
 
 from __future__ import annotations
@@ -1579,6 +1583,25 @@ def test_tensor_parallel_heads_are_decided_in_one_leaf_module():
     assert defined == {TENSOR_PARALLEL}, f"the ranks' heads are decided in {sorted(defined)}"
     for side in ("connector_worker", "connector_scheduler"):
         assert TENSOR_PARALLEL in imports_of(f"{ROOT}.serving.{side}"), f"serving/{side}.py does not use it"
+
+
+def test_pipeline_parallel_ranks_and_layers_are_decided_in_the_same_leaf_module():
+    """A worker's rank over stages and tensor-parallel ranks (``worker_rank``) and the pipeline size
+    are defined once, in ``serving/tensor_parallel.py`` (beside ``RankAssembly``, which checks the layers
+    each stage announces and routes a claim by them); the worker numbers itself with it and announces
+    its layers, the scheduler routes by ``RankAssembly.layers`` (no slicing of a claim by layers of its
+    own)."""
+    defined = {
+        name
+        for name in MODULES
+        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name in ("worker_rank", "pipeline_parallel_size")
+    }
+    assert defined == {TENSOR_PARALLEL}, f"the ranks' numbering is decided in {sorted(defined)}"
+    worker = MODULES[f"{ROOT}.serving.connector_worker"].read_text()
+    scheduler = MODULES[f"{ROOT}.serving.connector_scheduler"].read_text()
+    assert "worker_rank(" in worker and "meta.layers = self.layers" in worker
+    assert "self._assembly.layers(rank)" in scheduler and "self._assembly.announce(" in scheduler
 
 
 #: the serving host's function that says why admission did not place a span

@@ -9,6 +9,12 @@ tiny-llama's head size 16 the CPU backend refuses) on a server at ``--tensor-par
 exact mode (K/V read back from both ranks, assembled, written back as each rank's slice) gives plain
 vLLM's tokens and log-probabilities at TP = 2, and FullShared gives the same tokens and supplied
 counts as at TP = 1. Each server starts in ~2 min on 2 CPUs.
+
+Pipeline parallel in the same file (the ranks are numbered stage by stage, :func:`worker_rank`): fast
+lane, the stages' read-backs joined in layer order (and each stage's heads first under PP x TP), the
+layers each stage announces checked and a claim's K/V routed by them; serving lane, a server at
+``--pipeline-parallel-size 2`` (each stage 8 of the 16 layers): exact mode == plain vLLM at PP = 2 and
+FullShared's tokens and supplied counts == TP = 1's. The module's servers run one at a time.
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ import time
 
 import pytest
 import torch
-from live_server import post, reset_prefix_cache, start_server, stopped_after
+from live_server import post, reset_prefix_cache, start_server
 
-from hf_kvshare.serving.tensor_parallel import PENDING, RankAssembly, kv_head_range
+from hf_kvshare.serving.tensor_parallel import PENDING, RankAssembly, kv_head_range, worker_rank
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -86,6 +92,97 @@ def test_replicated_heads_are_taken_once_and_a_failed_rank_releases_the_request(
         RankAssembly(2, 4).add("r", 2, (keys, values))
 
 
+def test_the_stages_read_backs_assemble_into_all_layers_in_stage_order():
+    keys, values = _kv(layers=5)
+    assembly = RankAssembly(1, 4, pp_size=2)  # stage 0: layers 0-2, stage 1: layers 3-4
+    assert assembly.size == 2 and worker_rank(0, 1, 1) == 1
+    assert assembly.add("r", 1, (keys[3:], values[3:])) is PENDING  # the last stage first
+    k, v = assembly.add("r", 0, (keys[:3], values[:3]))
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    # a failed stage releases the request; a rank past the workers is refused
+    assert assembly.add("x", 0, (keys[:3], values[:3])) is PENDING
+    assert assembly.add("x", 1, None) is None and not assembly.has("x", {0})
+    with pytest.raises(ValueError, match="rank 2; this server has 2 ranks"):
+        assembly.add("r", 2, (keys, values))
+
+
+def test_pipeline_times_tensor_parallel_joins_each_stages_heads_then_the_stages_layers():
+    keys, values = _kv(layers=4, heads=4)
+    assembly = RankAssembly(2, 4, pp_size=2)  # ranks 0, 1: layers 0-1; ranks 2, 3: layers 2-3
+    assert [worker_rank(t, p, 2) for p in (0, 1) for t in (0, 1)] == [0, 1, 2, 3]
+    pieces = {
+        rank: (keys[layers][:, :, heads], values[layers][:, :, heads])
+        for rank, layers, heads in [
+            (0, slice(0, 2), slice(0, 2)),
+            (1, slice(0, 2), slice(2, 4)),
+            (2, slice(2, 4), slice(0, 2)),
+            (3, slice(2, 4), slice(2, 4)),
+        ]
+    }
+    for rank in (3, 0, 2):
+        assert assembly.add("r", rank, pieces[rank]) is PENDING
+    assert assembly.has("r", {0, 2, 3}) and not assembly.has("r", {1})
+    k, v = assembly.add("r", 1, pieces[1])
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    # heads replicated within each stage: one copy per stage is waited for
+    two = _kv(layers=4, heads=1)
+    replicated = RankAssembly(2, 1, pp_size=2)
+    assert replicated.add("r", 2, (two[0][2:], two[1][2:])) is PENDING
+    assert torch.equal(replicated.add("r", 0, (two[0][:2], two[1][:2]))[0], two[0])
+
+
+def test_each_stage_announces_its_layers_and_a_claim_is_routed_to_the_ranks_by_them():
+    from types import SimpleNamespace
+
+    from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
+
+    assembly = RankAssembly(2, 4, pp_size=2)
+    assert assembly.layers(0) is None  # not announced yet: nothing can be routed
+    assert RankAssembly().layers(0) == slice(None)  # one stage: every layer
+    for rank, layers in [(0, [0, 1, 2]), (1, [0, 1, 2]), (2, [3, 4]), (3, [3, 4])]:
+        assembly.announce(rank, layers)
+    assert assembly.layers(1) == slice(0, 3) and assembly.layers(3) == slice(3, 5)
+    with pytest.raises(ValueError, match="not a run of consecutive layers"):
+        RankAssembly(1, 1, 2).announce(0, [0, 2])
+    mixed = RankAssembly(2, 4, 2)
+    mixed.announce(0, [0, 1])
+    with pytest.raises(ValueError, match="another rank of stage 0 holds \\(0, 2\\)"):
+        mixed.announce(1, [0, 1, 2])
+    with pytest.raises(ValueError, match="not in stage order"):
+        mixed.announce(2, [1, 2])
+
+    class Sender:  # an order channel's stand-in: what each rank was sent
+        def __init__(self):
+            self.got = []
+
+        def send(self, request_id, keys, values, via):
+            self.got.append((request_id, keys, values, via))
+            return True
+
+    keys, values = _kv(layers=5)
+    senders = {rank: Sender() for rank in range(4)}
+    scheduler = SimpleNamespace(_order_senders=senders, _assembly=assembly)
+    assert HFKVShareScheduler._send_claim(scheduler, "r", keys, values)
+    for rank, layers in [(0, slice(0, 3)), (1, slice(0, 3)), (2, slice(3, 5)), (3, slice(3, 5))]:
+        ((request_id, k, v, via),) = senders[rank].got  # all heads: each rank takes its own
+        assert request_id == "r" and via == "load"
+        assert torch.equal(k, keys[layers]) and torch.equal(v, values[layers])
+    # a rank whose stage has not announced its layers is sent nothing: the claim is not sent
+    late = SimpleNamespace(_order_senders={0: Sender()}, _assembly=RankAssembly(1, 1, 2))
+    assert not HFKVShareScheduler._send_claim(late, "r", keys, values) and not late._order_senders[0].got
+
+
+def test_the_workers_outputs_keep_each_ranks_layers_apart():
+    from hf_kvshare.serving.connector_common import Captured
+
+    keys, values = _kv(layers=5)
+    last = Captured(kv={"r": (keys[3:], values[3:])}, orders="tcp://b", layers=[3, 4], rank=1)
+    first = Captured(kv={"r": (keys[:3], values[:3])}, orders="tcp://a", layers=[0, 1, 2], rank=0)
+    parts = first.aggregate(last).by_rank()
+    assert {rank: part.layers for rank, part in parts.items()} == {0: [0, 1, 2], 1: [3, 4]}
+    assert parts[1].orders == "tcp://b" and torch.equal(parts[1].kv["r"][0], keys[3:])
+
+
 def test_a_random_model_is_served_by_its_shipped_name_only():
     from hf_kvshare.serving.models import served_model_dir
 
@@ -105,9 +202,9 @@ def test_the_launcher_refuses_parallel_set_ups_the_connector_cannot_serve_before
     check_parallel_args(["--tensor-parallel-size=6"], tmp_path)  # each head on 2 ranks
     with pytest.raises(ValueError, match="3 KV heads do not split over 2 ranks; what works"):
         check_parallel_args(["-tp", "2"], tmp_path)
-    with pytest.raises(ValueError, match="pipeline parallel .*what works: --tensor-parallel-size N"):
-        check_parallel_args(["--pipeline-parallel-size=2"])
-    with pytest.raises(ValueError, match="context parallel"):
+    check_parallel_args(["--pipeline-parallel-size=2"])  # pipeline parallel: the layers split over stages
+    check_parallel_args(["-pp", "2", "-tp", "3"], tmp_path)
+    with pytest.raises(ValueError, match="context parallel .*what works: .*--pipeline-parallel-size"):
         check_parallel_args(["--decode-context-parallel-size", "2"])
     with pytest.raises(ValueError, match="data parallel .*what works: --replicas N"):
         check_parallel_args(["--data-parallel-size", "2"])
@@ -115,9 +212,16 @@ def test_the_launcher_refuses_parallel_set_ups_the_connector_cannot_serve_before
         check_parallel_args(["-dp=2"])
     with pytest.raises(ValueError, match="a number of ranks"):
         check_parallel_args(["--tensor-parallel-size", "two"])
-    with pytest.raises(ValueError, match="pipeline parallel"):  # the connector's server, before it starts
-        Server(tmp_path, "fullshared", vllm_args=["-pp", "2"])
-    Server(tmp_path, None, vllm_args=["-pp", "2"])  # plain vLLM: vLLM's own business
+    with pytest.raises(ValueError, match="context parallel"):  # the connector's server, before it starts
+        Server(tmp_path, "fullshared", vllm_args=["-dcp", "2"])
+    Server(tmp_path, None, vllm_args=["-dcp", "2"])  # plain vLLM: vLLM's own business
+    Server(tmp_path, "fullshared", vllm_args=["-pp", "2"])
+    # pipeline parallel with --enforce-eager: vLLM's CPU wheel fails the first request; said, with the fix
+    (note,) = [
+        n for n in Server(tmp_path, None, vllm_args=["-pp=2", "--enforce-eager"]).notes if "pipeline" in n
+    ]
+    assert "--compilation-config" in note
+    assert not [n for n in Server(tmp_path, None, vllm_args=["--enforce-eager"]).notes if "pipeline" in n]
 
 
 @serving
@@ -136,8 +240,10 @@ def test_what_the_connector_cannot_serve_is_refused_at_start_up_with_what_works(
     check_supported(config(), None)
     check_supported(config(tp=2), None)
     check_supported(config(tp=4, kv_heads=2), None)  # heads replicated over ranks
-    with pytest.raises(ServingError, match="pipeline parallel .*what works: tensor_parallel_size N"):
-        check_supported(config(pp=2), None)
+    check_supported(config(pp=2), None)  # the layers split over stages
+    check_supported(config(tp=2, pp=2), None)
+    with pytest.raises(ServingError, match="3 KV heads do not split over 2 ranks.*pipeline_parallel_size"):
+        check_supported(config(tp=2, pp=2, kv_heads=3), None)
     with pytest.raises(ServingError, match="data parallel .*data_parallel_size 2.*session affinity"):
         check_supported(config(data_parallel_size=2), None)
     with pytest.raises(ServingError, match="context parallel .*decode_context_parallel_size 2"):
@@ -160,12 +266,24 @@ Q2 = " Summary in five words:"
 PLAIN = {"hf_kvshare": {"method": "nonshared"}}
 
 
-def _start(tp: int, folder):
-    """A FullShared server at ``tp`` ranks, started and ready."""
-    args = ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"] if tp > 1 else []
+#: vLLM's CPU wheel at pipeline parallel: not ``--enforce-eager`` (its CPU worker then skips the warm-up
+#: run that makes a later stage's buffer for the hidden states it receives, and the first request fails
+#: on vLLM's ``assert self.intermediate_tensors is not None``); Dynamo's trace run eagerly instead (no
+#: Inductor compile, the same kernels as eager mode)
+PP_CPU_ARGS = ["--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]
+
+
+def _start(tp: int, folder, pp: int = 1):
+    """A FullShared server at ``tp`` x ``pp`` ranks, started and ready."""
+    args = []
+    if tp > 1 or pp > 1:
+        args += ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+        args += ["--distributed-executor-backend", "mp"]
+    args += PP_CPU_ARGS if pp > 1 else []
+    name = f"tp{tp}" + (f"-pp{pp}" if pp > 1 else "")
     options = {"prefix_reuse": True}
     return start_server(
-        folder, MODEL, "fullshared", options, max_bytes=64 << 20, vllm_args=args, name=f"tp{tp}"
+        folder, MODEL, "fullshared", options, max_bytes=64 << 20, vllm_args=args, eager=pp == 1, name=name
     )
 
 
@@ -212,8 +330,31 @@ def fullshared_at_tp1(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp2_server(tmp_path_factory):
-    yield from stopped_after(_start(2, tmp_path_factory.mktemp("tp2")))
+def parallel_server(tmp_path_factory):
+    """``get(tp, pp)``: the module's server at that parallel shape, one at a time (the one before is
+    stopped first: two servers would share the machine's 2 CPUs)."""
+    held: dict[tuple[int, int], object] = {}
+
+    def stop_all():
+        for srv in held.values():
+            process = srv.process
+            srv.stop()
+            assert process.returncode is not None  # stopped: nothing left running
+        held.clear()
+
+    def get(tp: int, pp: int = 1):
+        if (tp, pp) not in held:
+            stop_all()
+            held[tp, pp] = _start(tp, tmp_path_factory.mktemp(f"tp{tp}-pp{pp}"), pp=pp)
+        return held[tp, pp]
+
+    yield get
+    stop_all()
+
+
+@pytest.fixture
+def tp2_server(parallel_server):
+    return parallel_server(2)
 
 
 @serving
@@ -226,7 +367,10 @@ def test_fullshared_at_two_ranks_gives_the_tokens_of_one_rank(fullshared_at_tp1,
 
 @serving
 def test_exact_mode_at_two_ranks_is_plain_vllm(tp2_server):
-    srv = tp2_server
+    _exact_mode_is_plain_vllm(tp2_server)
+
+
+def _exact_mode_is_plain_vllm(srv):
     sys1, doc, q1 = (_ids(srv, t) for t in (SYS1, DOC, Q1))
     a = sys1 + doc + q1
     plain, plain_logprobs, _ = _complete(srv, a, PLAIN)
@@ -240,3 +384,21 @@ def test_exact_mode_at_two_ranks_is_plain_vllm(tp2_server):
     assert report["prefix_cache_hit"] == 0 and report["claimed"] == [0, len(a) - 1], report
     assert again == plain
     assert max(abs(x - y) for x, y in zip(logprobs, plain_logprobs)) < 1e-3, (logprobs, plain_logprobs)
+
+
+@pytest.fixture
+def pp2_server(parallel_server):
+    return parallel_server(1, pp=2)
+
+
+@serving
+def test_fullshared_at_two_pipeline_stages_gives_the_tokens_of_one_rank(fullshared_at_tp1, pp2_server):
+    # each stage reads back, keeps and re-positions its own layers; the scheduler joins them in order
+    first, shared, counts = _fullshared_run(pp2_server)
+    assert counts[1][0] is not None and counts[1][1] > 0, counts  # a2 was supplied the document
+    assert (first, shared, counts) == fullshared_at_tp1
+
+
+@serving
+def test_exact_mode_at_two_pipeline_stages_is_plain_vllm(pp2_server):
+    _exact_mode_is_plain_vllm(pp2_server)

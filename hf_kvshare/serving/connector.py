@@ -23,9 +23,10 @@ Loaded out of tree (no patch of vLLM)::
 - what they send each other through vLLM: :mod:`.connector_common`; beside vLLM, the side channels
   (:mod:`.channel`: orders scheduler -> worker, read-backs worker -> scheduler).
 
-Tensor parallel is supported (each worker rank writes and reads its own KV heads; the scheduler side
-assembles them: :mod:`.tensor_parallel`); pipeline or context parallel and more than one KV cache group
-are refused at start-up, as is a cache :mod:`.paged` cannot read (MLA, quantized).
+Tensor and pipeline parallel are supported, and both at once (each worker rank writes and reads its
+own KV heads of its stage's layers; the scheduler side assembles them and routes each claim's K/V by
+layers: :mod:`.tensor_parallel`); data or context parallel and more than one KV cache group are refused
+at start-up, as is a cache :mod:`.paged` cannot read (MLA, quantized).
 
 Each finished request's report (what admission decided: the claim, its PH / PF tokens, each span's
 placement; :meth:`Plan.report <hf_kvshare.serving.host.Plan.report>`) is the reply's

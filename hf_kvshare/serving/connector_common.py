@@ -1,7 +1,8 @@
 """What the connector's scheduler side (:mod:`.connector_scheduler`) and worker side
 (:mod:`.connector_worker`) send each other through vLLM (its step's metadata, the workers' step
-output), and the set-up both refuse (:func:`check_supported`); the tensor-parallel ranks' share of
-the KV heads is :mod:`.tensor_parallel`'s (no vLLM import: the fast lane tests it)."""
+output), and the set-up both refuse (:func:`check_supported`); the tensor- and pipeline-parallel
+ranks' share of the KV heads and layers is :mod:`.tensor_parallel`'s (no vLLM import: the fast lane
+tests it)."""
 
 from __future__ import annotations
 
@@ -95,10 +96,10 @@ class HFKVShareMetadata(KVConnectorMetadata):
 
 @dataclass
 class Captured(KVConnectorWorkerMetadata):
-    """K/V read back by one worker (tensor-parallel ``rank``): request id -> (keys, values),
-    ``[layers, n, the rank's kv_heads, head_dim]`` each (one buffer apiece back to the scheduler;
-    ``None`` when reading failed). vLLM merges its workers' outputs with :meth:`aggregate`: the other
-    ranks' go under ``ranks``, never over this one's (:meth:`by_rank`)."""
+    """K/V read back by one worker (``rank``: :func:`~.tensor_parallel.worker_rank`): request id ->
+    (keys, values), ``[the rank's layers, n, its kv_heads, head_dim]`` each (one buffer apiece back
+    to the scheduler; ``None`` when reading failed). vLLM merges its workers' outputs with
+    :meth:`aggregate`: the other ranks' go under ``ranks``, never over this one's (:meth:`by_rank`)."""
 
     kv: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=dict)
     #: requests whose K/V went through the read-back channel instead (the scheduler waits for them)
@@ -107,8 +108,10 @@ class Captured(KVConnectorWorkerMetadata):
     orders: str | None = None
     #: bytes one position's K/V take in the worker's store (every layer's keys and values), once
     bytes_per_token: int | None = None
-    #: the worker's tensor-parallel rank (its share of the KV heads: :func:`kv_head_range`)
+    #: the worker's rank (its share of the KV heads: :func:`kv_head_range`; its stage's layers)
     rank: int = 0
+    #: the layers (indices in the model) the worker holds, announced with its order channel
+    layers: list[int] | None = None
     #: the other ranks' outputs of the same step, merged in by :meth:`aggregate`
     ranks: dict[int, Captured] = field(default_factory=dict)
 
@@ -120,6 +123,7 @@ class Captured(KVConnectorWorkerMetadata):
             orders=self.orders,
             bytes_per_token=self.bytes_per_token,
             rank=self.rank,
+            layers=self.layers,
         )
         return {**self.ranks, self.rank: own}
 
@@ -132,6 +136,7 @@ class Captured(KVConnectorWorkerMetadata):
                 self.sent |= part.sent
                 self.orders = self.orders or part.orders
                 self.bytes_per_token = self.bytes_per_token or part.bytes_per_token
+                self.layers = self.layers or part.layers
             elif rank in self.ranks:
                 self.ranks[rank].aggregate(part)
             else:
@@ -141,24 +146,19 @@ class Captured(KVConnectorWorkerMetadata):
 
 def check_supported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
     """Refuse, at start-up, with the reason and what works, what the connector does not support:
-    pipeline parallel (a stage's worker holds only its layers; claims and read-backs carry every
-    layer), data parallel (an engine and a store per rank; a task's requests spread over them), context
+    data parallel (an engine and a store per rank; a task's requests spread over them), context
     parallel (a request's tokens split over ranks), KV heads that do not split over the
-    tensor-parallel ranks, more than one KV cache group (sliding-window / hybrid layers). Tensor parallel
-    is supported: each worker rank writes and reads its own KV heads (:func:`kv_head_range`). A cache
-    :mod:`.paged` cannot read or write (a quantized ``--kv-cache-dtype``, MLA) is refused by the worker
-    when vLLM registers it."""
+    tensor-parallel ranks, more than one KV cache group (sliding-window / hybrid layers). Tensor and
+    pipeline parallel are supported, and both at once: each worker rank writes and reads its own KV
+    heads (:func:`kv_head_range`) of its own stage's layers, and the scheduler assembles them
+    (:class:`~.tensor_parallel.RankAssembly`). A cache :mod:`.paged` cannot read or write (a quantized
+    ``--kv-cache-dtype``, MLA) is refused by the worker when vLLM registers it."""
     parallel = vllm_config.parallel_config
     works = (
         "what works: tensor_parallel_size N (--tensor-parallel-size; the KV heads split over the ranks), "
-        "pipeline and context parallel size 1, and --replicas N for more servers"
+        "pipeline_parallel_size N (--pipeline-parallel-size; the layers split over the stages), context "
+        "parallel size 1, and --replicas N for more servers"
     )
-    if parallel.pipeline_parallel_size != 1:
-        raise ServingError(
-            "hf_kvshare's connector does not support pipeline parallel (each stage's worker holds only its "
-            "layers, and the connector's claims and read-backs carry every layer); got "
-            f"pipeline_parallel_size {parallel.pipeline_parallel_size}; {works}"
-        )
     if getattr(parallel, "data_parallel_size", 1) != 1:
         raise ServingError(
             "hf_kvshare's connector does not support data parallel (each data-parallel rank is an engine "
@@ -181,7 +181,8 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
         except ValueError as error:
             raise ServingError(
                 f"hf_kvshare's connector at tensor_parallel_size {size}: {error}; what works: a size that "
-                f"divides the model's {total} KV heads (or a multiple of them)"
+                f"divides the model's {total} KV heads (or a multiple of them), with any "
+                "pipeline_parallel_size"
             ) from error
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:

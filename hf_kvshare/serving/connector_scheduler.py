@@ -219,8 +219,8 @@ class HFKVShareScheduler:
         self._receiver: channel.Receiver | None = None
         #: each worker rank's order channel (one at one rank), connected when the rank announces it
         self._order_senders: dict[int, channel.Sender] = {}
-        #: the worker ranks' read-backs of a finished request, assembled into all KV heads for its
-        #: record (tensor parallel; under the finishing lock)
+        #: the worker ranks' read-backs of a finished request, assembled into all KV heads and layers for
+        #: its record (tensor and pipeline parallel; under the finishing lock), and the layers each holds
         self._assembly = rank_assembly(vllm_config)
         #: what the worker keeps on its device (decided here) and the provenance of placements among it
         self.device_store = StoreMirror(int(extra.get("device_store_bytes", DEFAULT_DEVICE_STORE_BYTES)))
@@ -545,19 +545,23 @@ class HFKVShareScheduler:
         self.load_tokens["referenced"] += sum(source.n for source in load.sources)
         self.load_tokens["sent"] += sum(hi - lo for lo, hi in load.payload)
         if load.payload:
-            # plan.keys holds exactly the payload's rows, in order (Plan.sent_ranges); every rank takes
-            # its own heads of them (tensor parallel)
-            sent = self._orders_connected() and all(
-                [
-                    sender.send(plan.request_id, plan.keys, plan.values, "load")
-                    for sender in self._order_senders.values()
-                ]
-            )
+            # plan.keys holds exactly the payload's rows, in order (Plan.sent_ranges); each rank takes its
+            # stage's layers (pipeline parallel) and its own heads of them (tensor parallel)
+            sent = self._orders_connected() and self._send_claim(plan.request_id, plan.keys, plan.values)
             if not sent:  # the worker reports the claim's blocks failed: vLLM recomputes or fails it
                 logger.error(
                     "hf_kvshare: request %s's claimed K/V could not be sent to the worker", plan.request_id
                 )
         return load
+
+    def _send_claim(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """A claim's K/V to every worker rank's order channel, each the layers its stage holds (pipeline
+        parallel); every rank takes its own heads of them (tensor parallel). ``True`` when all took it."""
+        sent = []
+        for rank, sender in self._order_senders.items():
+            layers = self._assembly.layers(rank)
+            sent.append(layers is not None and sender.send(request_id, keys[layers], values[layers], "load"))
+        return all(sent)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HFKVShareMetadata:
         meta = HFKVShareMetadata()
@@ -800,10 +804,11 @@ class HFKVShareScheduler:
             for request_id in part.sent:
                 on_channel.setdefault(request_id, set()).add(rank)
         finished = set(connector_output.finished_sending or ())
-        all_ranks = set(range(self._assembly.tp_size))
-        for part in parts.values():  # every rank keeps as many bytes per position (its heads' share)
-            if part.bytes_per_token and self.device_store.bytes_per_token is None:
-                self.device_store.bytes_per_token = int(part.bytes_per_token)
+        all_ranks = set(range(self._assembly.size))
+        for part in parts.values():  # the most any rank keeps per position (its heads' share, its layers)
+            if part.bytes_per_token:
+                known = self.device_store.bytes_per_token or 0
+                self.device_store.bytes_per_token = max(known, int(part.bytes_per_token))
         for request_id in set(captured) | set(on_channel) | finished:
             with self._finishing_cond:
                 for rank, kv in captured.get(request_id, {}).items():
@@ -833,10 +838,18 @@ class HFKVShareScheduler:
         self._prepare(self._ready())
 
     def _connect_orders(self, parts: dict[int, Captured]) -> None:
-        """Connect to each worker rank's order channel the first time the rank announces it."""
+        """Connect to each worker rank's order channel the first time the rank announces it (with the
+        layers it holds: a claim's K/V are routed by them)."""
         for rank, part in parts.items():
             if not part.orders or rank in self._order_senders:
                 continue
+            if part.layers is not None:
+                try:  # at the first step: the ranks' read-backs could not be joined in layer order
+                    self._assembly.announce(rank, part.layers)
+                except ValueError as error:
+                    raise ServingError(
+                        f"hf_kvshare's connector cannot serve this partition: {error}"
+                    ) from None
             try:
                 self._order_senders[rank] = channel.Sender(part.orders, ORDER_QUEUE)
             except Exception:  # noqa: BLE001 - read-backs then come with the step's output
@@ -845,7 +858,7 @@ class HFKVShareScheduler:
     def _orders_connected(self) -> bool:
         """Whether every worker rank's order channel is connected (a claim's K/V that the workers do
         not keep can be sent to each)."""
-        return len(self._order_senders) >= self._assembly.tp_size
+        return len(self._order_senders) >= self._assembly.size
 
     def has_pending_push_work(self) -> bool:
         with self._finishing_cond:

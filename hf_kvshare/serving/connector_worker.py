@@ -36,6 +36,11 @@ carries all heads) and reads back its own heads only, sending its rank with them
 channel's header, :attr:`Captured.rank`); the scheduler assembles the ranks' read-backs
 (:class:`~.tensor_parallel.RankAssembly`).
 
+Pipeline parallel: vLLM registers only the layers of this worker's stage (its paged caches); this side
+writes, keeps, re-positions and reads back those layers only, announces them once (with its order
+channel: :attr:`Captured.layers`), and the claims' K/V the scheduler sends it are those layers' (the
+scheduler routes them, :meth:`RankAssembly.layers <.tensor_parallel.RankAssembly.layers>`).
+
 Two threads touch this object (the engine's step and the order thread): the sets of requests read,
 sent and taken are shared under one lock.
 """
@@ -52,7 +57,7 @@ import torch
 from . import channel, paged
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load
 from .host import ServingError, skeleton_model
-from .tensor_parallel import kv_head_range, tensor_parallel_size
+from .tensor_parallel import kv_head_range, pipeline_parallel_size, tensor_parallel_size, worker_rank
 from .worker_store import (
     DEFAULT_DEVICE_STORE_BYTES,
     DEFAULT_PAYLOAD_BYTES,
@@ -97,8 +102,9 @@ class HFKVShareWorker:
         #: shared by the worker's step and its order thread, under this lock
         self._taken: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
-        #: this worker's tensor-parallel rank and the KV heads ``[start, stop)`` of a claim it writes
-        self.rank, self._heads = tensor_parallel_share(vllm_config)
+        #: this worker's rank (:func:`~.tensor_parallel.worker_rank`) and the KV heads ``[start, stop)``
+        #: of a claim it writes
+        self.rank, self._heads = worker_share(vllm_config)
         extra = dict(
             getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {}
         )
@@ -179,6 +185,14 @@ class HFKVShareWorker:
                 )
                 pieces.append((lo, keys, values, None))
                 at += hi - lo
+            if kv[0].shape[0] != len(self._names):  # the scheduler sends this worker's layers only
+                logger.error(
+                    "hf_kvshare: request %s's claimed K/V came with %d layers; this worker holds %d",
+                    load.request_id,
+                    kv[0].shape[0],
+                    len(self._names),
+                )
+                return False
         for offset, keys, values, rotation in pieces:
             for i, name in enumerate(self._names):
                 key = keys[i]
@@ -330,7 +344,14 @@ class HFKVShareWorker:
         if announce:
             meta.orders, self._orders_announced = self._orders.address, True
             meta.bytes_per_token = self._bytes_per_token
+            meta.layers = self.layers
         return meta
+
+    @property
+    def layers(self) -> list[int]:
+        """The layers (their indices in the model) this worker holds: all of them, or its pipeline
+        stage's."""
+        return [self._layer_of[name] for name in self._names]
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
@@ -343,14 +364,20 @@ class HFKVShareWorker:
                 end.close()
 
 
-def tensor_parallel_share(vllm_config: VllmConfig) -> tuple[int, tuple[int, int] | None]:
-    """This worker's tensor-parallel rank and its KV heads ``[start, stop)`` (``None``: all, one
-    rank: rank 0 with all heads), from vLLM's tensor-parallel group."""
-    size = tensor_parallel_size(vllm_config)
-    if size == 1:
+def worker_share(vllm_config: VllmConfig) -> tuple[int, tuple[int, int] | None]:
+    """This worker's rank among vLLM's workers (:func:`~.tensor_parallel.worker_rank`: its pipeline
+    stage and tensor-parallel rank) and its KV heads ``[start, stop)`` (``None``: all, one
+    tensor-parallel rank), from vLLM's parallel groups (rank 0 with all heads: one worker)."""
+    tp, pp = tensor_parallel_size(vllm_config), pipeline_parallel_size(vllm_config)
+    if tp == 1 and pp == 1:
         return 0, None
     from vllm.distributed import parallel_state
 
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    total = vllm_config.model_config.get_total_num_kv_heads()
-    return rank, kv_head_range(rank, size, total)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
+    pp_rank = parallel_state.get_pp_group().rank_in_group if pp > 1 else 0
+    heads = kv_head_range(tp_rank, tp, vllm_config.model_config.get_total_num_kv_heads()) if tp > 1 else None
+    return worker_rank(tp_rank, pp_rank, tp), heads
+
+
+#: the name this function had under tensor parallel alone
+tensor_parallel_share = worker_share

@@ -198,13 +198,9 @@ PARALLEL_FLAGS = MappingProxyType(
 )
 
 
-def check_parallel_args(args: list[str], model_dir: str | Path | None = None) -> None:
-    """Refuse, before vLLM starts, the parallel set-ups the connector cannot serve (the engine's
-    ``connector_common.check_supported`` refuses them too): pipeline, data or context parallel, and a
-    ``--tensor-parallel-size`` that does not split the model's KV heads (read from ``model_dir``'s
-    config when it has one). Tensor parallel passes through to vLLM as given."""
-    from .tensor_parallel import kv_head_range
-
+def parallel_sizes(args: list[str]) -> dict[str, int]:
+    """The parallel sizes vLLM's options ``args`` give (``"tensor"``, ``"pipeline"``, ...: those given);
+    ``ValueError`` for a size that is not a number."""
     sizes: dict[str, int] = {}
     for i, arg in enumerate(args):
         key, _, value = arg.partition("=")
@@ -215,13 +211,35 @@ def check_parallel_args(args: list[str], model_dir: str | Path | None = None) ->
             sizes[PARALLEL_FLAGS[key]] = int(value)
         except ValueError:
             raise ValueError(f"{key} takes a number of ranks; got {value!r}") from None
-    works = "what works: --tensor-parallel-size N (the KV heads split over the ranks) or --replicas N"
-    for kind in ("pipeline", "context"):
-        if sizes.get(kind, 1) != 1:
-            raise ValueError(
-                f"hf_kvshare's connector does not support {kind} parallel (size {sizes[kind]}): its claims "
-                f"and read-backs carry every layer and token of a request; {works}"
-            )
+    return sizes
+
+
+#: said when a server is started at pipeline parallel with ``--enforce-eager`` (vLLM 0.32's CPU wheel)
+PIPELINE_EAGER_NOTE = (
+    "--pipeline-parallel-size with --enforce-eager: on vLLM 0.32's CPU wheel the first request fails "
+    "(its CPU worker skips the warm-up that makes a later stage's buffer: assert self.intermediate_tensors "
+    'is not None), plain vLLM too; there, pass --compilation-config \'{"mode": 2, "backend": "eager"}\' '
+    "instead (Dynamo's trace, eager kernels)"
+)
+
+
+def check_parallel_args(args: list[str], model_dir: str | Path | None = None) -> None:
+    """Refuse, before vLLM starts, the parallel set-ups the connector cannot serve (the engine's
+    ``connector_common.check_supported`` refuses them too): data or context parallel, and a
+    ``--tensor-parallel-size`` that does not split the model's KV heads (read from ``model_dir``'s
+    config when it has one). Tensor and pipeline parallel pass through to vLLM as given."""
+    from .tensor_parallel import kv_head_range
+
+    sizes = parallel_sizes(args)
+    works = (
+        "what works: --tensor-parallel-size N (the KV heads split over the ranks), --pipeline-parallel-size "
+        "N (the layers split over the stages) or --replicas N"
+    )
+    if sizes.get("context", 1) != 1:
+        raise ValueError(
+            f"hf_kvshare's connector does not support context parallel (size {sizes['context']}): its claims "
+            f"and read-backs carry every token of a request; {works}"
+        )
     if sizes.get("data", 1) != 1:
         raise ValueError(
             f"hf_kvshare's connector does not support data parallel (size {sizes['data']}): each rank is an "
@@ -333,6 +351,8 @@ class Server:
                 f"{CPU_KV_CACHE_ENV}={DEFAULT_CPU_KV_CACHE_GIB} (GiB of KV cache on a CPU; unset, vLLM's CPU "
                 "wheel takes most of the machine's memory): set it, or --kv-cache-memory-bytes, to change it"
             )
+        if "--enforce-eager" in self.vllm_args and parallel_sizes(self.vllm_args).get("pipeline", 1) > 1:
+            self.notes.append(PIPELINE_EAGER_NOTE)
 
     @property
     def url(self) -> str:
