@@ -32,6 +32,10 @@ each off):
   gate compares the longest prefix two anchors cover (:meth:`SlotScope.piecewise_rows`), and
   :meth:`SlotScope.place` corrects it window by window (:func:`~.correction.windows`,
   :func:`~.correction.apply_piecewise`), the rows past the longest anchor reused uncorrected.
+- ``verify_tokens > 0`` (off in both profiles): each correction is verified on a probe of the span's
+  last tokens (:mod:`.verify`) when placed, and prefilled when the probe rejects it; a span the gate
+  rejected is probed too when an anchor holds the consumer's correction (:attr:`Edge.rejected`), and
+  placed when the probe accepts it.
 """
 
 from __future__ import annotations

@@ -36,8 +36,13 @@ the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
   longest prefix two anchors cover and corrected window by window, each row by every anchor covering
   it; the rows past the longest anchor are reused uncorrected.
 
+An option of both profiles, off in each: ``verify_tokens=8`` verifies each correction on a probe (the
+exact K/V of the span's last tokens over the agent's prefix and the corrected span,
+:mod:`hf_kvshare.anchors.verify`) and places it when its error there is at most ``verify_threshold`` of the
+uncorrected source's; a span the gate rejected is placed when its probe accepts it.
+
 ``profile="reference"`` sets ``agreement=0, nearest=0, duplicate=0, learn_dense=False, turn_fallback="turn",
-piecewise=False, trust_agreement=False, gate_chained=False``:
+piecewise=False, trust_agreement=False, gate_chained=False, verify_tokens=0``:
 the accept/reject decisions of the authors' code. Options given beside a profile win over it.
 
 Sources (``output_source`` for agent outputs, ``text_source`` for the request's question,
