@@ -151,3 +151,12 @@ def test_the_server_refuses_a_probe_with_its_reason():
     with pytest.raises(ServingError, match="verify_tokens=8 .* the scheduler cannot run the model"):
         check_serving_method(method)
     check_serving_method(KVCMAS(observation_source="question"))  # off: served as before
+
+
+def test_tau_zero_with_a_probe_stays_nonshared(tiny_llama, tokenizer):
+    """Nothing placed, nothing probed: the same tokens as NonShared (the dense text is computed span by
+    span before each PH span, ``reads_prefix``, which leaves the outputs as they were)."""
+    got = run_workflow(tiny_llama, tokenizer, KVCMAS(verify_tokens=4, tau=0.0), requests=2)
+    ref = run_workflow(tiny_llama, tokenizer, "nonshared", requests=2)
+    assert [r.output_ids.tolist() for r in got] == [r.output_ids.tolist() for r in ref]
+    assert not _verified(got) and all(r.tokens_reused == 0 for r in got)
