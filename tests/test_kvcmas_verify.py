@@ -160,3 +160,19 @@ def test_tau_zero_with_a_probe_stays_nonshared(tiny_llama, tokenizer):
     ref = run_workflow(tiny_llama, tokenizer, "nonshared", requests=2)
     assert [r.output_ids.tolist() for r in got] == [r.output_ids.tolist() for r in ref]
     assert not _verified(got) and all(r.tokens_reused == 0 for r in got)
+
+
+def test_the_probe_error_is_measured_against_the_source_or_the_exact_kv():
+    """``verify_scale="source"``: the correction must remove enough of the uncorrected source's error;
+    ``"exact"``: it must be close to the exact K/V, however close the source already was."""
+    from hf_kvshare.anchors.verify import Probe
+
+    close = Probe(kv=None, tokens=4, error=0.045, uncorrected=0.040)  # the source nearly exact: no gain
+    far = Probe(kv=None, tokens=4, error=0.20, uncorrected=0.60)  # a third of a large error left
+    assert not close.accepts(0.7) and close.accepts(0.1, "exact")
+    assert far.accepts(0.7) and not far.accepts(0.1, "exact")
+    assert "of the exact K/V's size" in close.reason(0.1, "exact")
+    assert reasons.cause_of_reason(close.reason(0.1, "exact")) == "verify_failed"
+    assert close.report(0.1, "exact")["scale"] == "exact"
+    with pytest.raises(ValueError, match="verify_scale must be one of 'source', 'exact'"):
+        KVCMAS(verify_tokens=8, verify_scale="size")

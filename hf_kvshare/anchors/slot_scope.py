@@ -362,9 +362,10 @@ class SlotScope(Scope):
         reused = None
         if self.verifying and cache is not None:
             probe = self.verify(turn, span, edge, kv, cache)
-            edge.probe = info["verify"] = probe.report(o.verify_threshold)
-            if not probe.accepts(o.verify_threshold):
-                edge.dense, edge.reason = "fallback", probe.reason(o.verify_threshold)
+            threshold, scale = o.verify_threshold, o.verify_scale
+            edge.probe = info["verify"] = probe.report(threshold, scale)
+            if not probe.accepts(threshold, scale):
+                edge.dense, edge.reason = "fallback", probe.reason(threshold, scale)
                 turn.stats.tokens_prefilled += probe.tokens  # computed for the probe, then not used
                 return None
             if edge.rejected:

@@ -12,8 +12,10 @@ runs). Their error on the probe tokens says how well the corrected span serves w
 - ``uncorrected``: the same for the source re-positioned, uncorrected (FullShared's K/V there);
 - ``ratio = error / uncorrected``: how much of the source's error the correction leaves.
 
-:meth:`Probe.accepts` takes the correction when ``ratio <= threshold`` (or ``error`` is below
-:data:`NEGLIGIBLE`: the source was already exact there). The probe's exact K/V replace the corrected
+:meth:`Probe.accepts` takes the correction when ``ratio <= threshold`` (``scale="source"``: the
+correction must remove enough of the source's error) or ``error <= threshold`` (``scale="exact"``: the
+corrected K/V must be close enough to the exact ones, however close the source already was); under
+:data:`NEGLIGIBLE` always (the source was already exact there). The probe's exact K/V replace the corrected
 ones on its tokens (:attr:`Probe.kv`): they are computed anyway.
 """
 
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     from ..recompute.stack import DecoderStack
     from ..rope import RopeShifter
 
+#: what a probe's error is measured against (:meth:`Probe.accepts`)
+SCALES = ("source", "exact")
 #: a probe error under this (relative to the exact K/V's size) is accepted whatever the ratio: the
 #: source was exact there already, and the ratio of two rounding errors says nothing
 NEGLIGIBLE = 1e-3
@@ -53,21 +57,30 @@ class Probe:
             return self.error / self.uncorrected
         return 0.0 if self.error == 0 else math.inf
 
-    def accepts(self, threshold: float) -> bool:
-        return self.error <= NEGLIGIBLE or self.ratio <= threshold
+    def accepts(self, threshold: float, scale: str = "source") -> bool:
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {', '.join(map(repr, SCALES))}, got {scale!r}")
+        measured = self.ratio if scale == "source" else self.error
+        return self.error <= NEGLIGIBLE or measured <= threshold
 
-    def report(self, threshold: float) -> dict[str, Any]:
+    def report(self, threshold: float, scale: str = "source") -> dict[str, Any]:
         return {
             "tokens": self.tokens,
             "error": round(self.error, 6),
             "uncorrected": round(self.uncorrected, 6),
             "ratio": round(self.ratio, 4) if math.isfinite(self.ratio) else None,
             "threshold": threshold,
-            "accepted": self.accepts(threshold),
+            "scale": scale,
+            "accepted": self.accepts(threshold, scale),
         }
 
-    def reason(self, threshold: float) -> str:
+    def reason(self, threshold: float, scale: str = "source") -> str:
         """Why a rejected probe sends its span dense (the text :mod:`hf_kvshare.reasons` classifies)."""
+        if scale == "exact":
+            return (
+                f"verification probe rejected the correction: error {self.error:.3g} of the exact K/V's size "
+                f"on its last {self.tokens} tokens > {threshold:g} (the uncorrected source's: {self.uncorrected:.3g})"
+            )
         return (
             f"verification probe rejected the correction: error {self.error:.3g} is {self.ratio:.2g} of the "
             f"uncorrected source's {self.uncorrected:.3g} on its last {self.tokens} tokens > {threshold:g}"

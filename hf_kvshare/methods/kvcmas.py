@@ -120,6 +120,7 @@ from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state
 from ..anchors.scope import Scope
 from ..anchors.slot_scope import SlotScope
 from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
+from ..anchors.verify import SCALES
 from ..budgets import check_byte_budget
 from ..method import Method, Placement, register
 from ..persistence import state_dims
@@ -173,6 +174,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "pool_peak": ("capacity+1", "capacity"),
     "delta_frame": ("writer", "canonical"),
     "key_frame": ("canonical", "reader"),
+    "verify_scale": SCALES,
 }
 #: the policy behind each ``gate_scope``
 SCOPES: dict[str, type[Scope]] = {"slot": SlotScope, "edge": EdgeScope}
@@ -343,10 +345,14 @@ class KVCMAS(PrefixReuse, Method):
             of a rejected correction count as prefilled. 0: off (``None``: the profile's, 0 in both).
             Slot scope with ``turn_fallback="span"`` only; not served (the scheduler runs no model);
             the model's attention must be ``sdpa`` or ``eager``. Not a state option.
-        verify_threshold: the largest probe error, relative to the uncorrected source's on the same
-            tokens, at which a correction is placed (``verify_tokens``; default 0.7: KL grows about
-            with the square of the K/V error, so 0.7 of FullShared's error is about half its KL).
+        verify_threshold: the largest probe error at which a correction is placed (``verify_tokens``),
+            measured as ``verify_scale`` says; default 0.7 of the uncorrected source's error (KL grows
+            about with the square of the K/V error, so 0.7 of FullShared's error is about half its KL).
             Not a state option.
+        verify_scale: what the probe's error is measured against: ``"source"`` (default: the
+            uncorrected source's error on the same tokens; the correction must remove enough of it) or
+            ``"exact"`` (the exact K/V's size: the corrected K/V must be within ``verify_threshold`` of
+            the exact ones, however close the source already was). Not a state option.
 
     >>> method = KVCMAS()  # one instance, shared by every request's Session  # doctest: +SKIP
     >>> for query in queries:  # doctest: +SKIP
@@ -374,6 +380,7 @@ class KVCMAS(PrefixReuse, Method):
         "max_pool_bytes",
         "verify_tokens",
         "verify_threshold",
+        "verify_scale",
     )
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
@@ -430,6 +437,7 @@ class KVCMAS(PrefixReuse, Method):
     gate_chained: bool | None = None
     verify_tokens: int | None = None
     verify_threshold: float = 0.7
+    verify_scale: str = "source"
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
