@@ -53,20 +53,26 @@ def _noise(exact: SegmentKV, seed: int = 0) -> SegmentKV:
     )
 
 
-def test_probe_tokens_equal_the_dense_kv_when_the_context_is_dense(tiny, tokenizer):
+@pytest.mark.parametrize("place", ["last", "spread"])
+def test_probe_tokens_equal_the_dense_kv_when_the_context_is_dense(tiny, tokenizer, place):
     cache, exact, ids = _dense_segment(tiny, tokenizer)
     stack = DecoderStack(tiny)
     source = _moved(exact, _noise(exact), 0.5)  # an uncorrected source with an error of its own
-    probe = verify_correction(stack, cache, exact, source, ids, exact.start, stack.shifter, tokens=4)
+    probe = verify_correction(
+        stack, cache, exact, source, ids, exact.start, stack.shifter, tokens=4, place=place
+    )
     assert probe.tokens == 4 and probe.error < 1e-5 and probe.uncorrected > 0.1
     assert probe.accepts(0.7) and probe.ratio < 1e-4
-    rows = probe_rows(exact.length, 4)
+    rows = probe_rows(exact.length, 4, place=place)
+    assert list(probe.rows) == rows.tolist()
     for layer in range(stack.num_layers):  # the probe's rows hold its exact K/V: the dense ones
         assert torch.allclose(probe.kv.keys[layer][..., rows, :], exact.keys[layer][..., rows, :], atol=1e-5)
         assert torch.allclose(
             probe.kv.values[layer][..., rows, :], exact.values[layer][..., rows, :], atol=1e-5
         )
     assert probe_rows(3, 8).tolist() == [0, 1, 2] and probe_rows(5, 0).numel() == 0
+    assert probe_rows(10, 4, place="spread").tolist() == [0, 3, 6, 9]
+    assert probe_rows(10, 3).tolist() == [7, 8, 9] and probe_rows(10, 1, place="spread").tolist() == [9]
 
 
 def test_a_good_correction_is_accepted_and_a_bad_one_rejected(tiny_llama, tokenizer):
@@ -119,7 +125,7 @@ def test_an_accepted_probe_places_the_span_with_its_tokens_recomputed(tiny_llama
     assert probed and all(s.provenance == "corrected" and s.info["verify"]["accepted"] for _, s in probed)
     for r in results:
         spans = [s for s in r.cache.segments if s.kind == "PH" and "verify" in s.info]
-        assert r.tokens_recomputed == pytest.approx(4 * len(spans))
+        assert r.tokens_recomputed == pytest.approx(sum(s.info["verify"]["tokens"] for s in spans))
     # spans the gate rejected (one anchor, entropy, ...) are placed when their probe accepts
     overturned = [s for _, s in probed if "the gate rejected" in s.info.get("reason", "")]
     assert overturned and all(s.info["gate"] == "accepted" for s in overturned)
@@ -176,3 +182,16 @@ def test_the_probe_error_is_measured_against_the_source_or_the_exact_kv():
     assert close.report(0.1, "exact")["scale"] == "exact"
     with pytest.raises(ValueError, match="verify_scale must be one of 'source', 'exact'"):
         KVCMAS(verify_tokens=8, verify_scale="size")
+
+
+def test_a_spread_probe_counts_its_tokens_out_of_the_corrected_rows(tiny_llama, tokenizer):
+    method = KVCMAS(verify_tokens=3, verify_threshold=100.0, verify_rows="spread")
+    results = run_workflow(tiny_llama, tokenizer, method, requests=3)
+    probed = [s for r in results for s in r.cache.segments if s.kind == "PH" and "verify" in s.info]
+    assert probed and all(s.provenance == "corrected" for s in probed)
+    for r in results:
+        spans = [s for s in r.cache.segments if s.kind == "PH" and "verify" in s.info]
+        assert r.tokens_recomputed == pytest.approx(sum(s.info["verify"]["tokens"] for s in spans))
+        assert r.tokens_corrected + r.tokens_recomputed <= r.ph_tokens
+    with pytest.raises(ValueError, match="verify_rows must be one of 'last', 'spread'"):
+        KVCMAS(verify_tokens=8, verify_rows="first")

@@ -372,7 +372,7 @@ class SlotScope(Scope):
                 info["gate"] = "accepted"
                 info["reason"] = f"the gate rejected ({edge.rejected}); the verification probe accepted"
             kv, reused = probe.kv, span.length - probe.tokens  # the probe's tokens: exact, not corrected
-            rows = min(rows, reused)
+            rows -= probe.within(rows)
         elif edge.rejected:  # no cache to verify on: as the gate decided
             edge.dense = "fallback"
             return None
@@ -416,6 +416,7 @@ class SlotScope(Scope):
             o.verify_tokens,
             first_layer=1 if o.skip_layer0 else 0,
             embeds=embeds,
+            place=o.verify_rows,
         )
 
     def guard(

@@ -2,7 +2,7 @@
 
 The gate judges a correction from the pool alone (match weights, distances, the anchors' agreement);
 it cannot tell a good correction of far content from a bad one. The probe asks the model instead: the
-exact K/V of the span's last ``k`` tokens, computed in one pass of those tokens only, through every
+exact K/V of ``k`` tokens of the span (its last, or spread over it: :func:`probe_rows`), computed in one pass of those tokens only, through every
 decoder layer, attending to the agent's prefix (the cache built so far) and the *corrected* span (the
 selective-recompute engine :class:`~hf_kvshare.recompute.layers.SegmentRecompute`, the one CacheBlend
 runs). Their error on the probe tokens says how well the corrected span serves what reads it:
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from ..recompute.stack import DecoderStack
     from ..rope import RopeShifter
 
+#: where a probe's tokens sit in the span (:func:`probe_rows`)
+PLACES = ("last", "spread")
 #: what a probe's error is measured against (:meth:`Probe.accepts`)
 SCALES = ("source", "exact")
 #: a probe error under this (relative to the exact K/V's size) is accepted whatever the ratio: the
@@ -47,9 +49,14 @@ class Probe:
     """What a probe found for one corrected span (module docstring)."""
 
     kv: SegmentKV  # the corrected K/V with the probe tokens' exact K/V written in
-    tokens: int  # probe tokens (the span's last ones)
+    tokens: int  # probe tokens
     error: float
     uncorrected: float
+    rows: tuple[int, ...] = ()  # the probe's rows in the span (:func:`probe_rows`)
+
+    def within(self, n: int) -> int:
+        """How many probe tokens lie in the span's first ``n`` rows."""
+        return sum(1 for r in self.rows if r < n)
 
     @property
     def ratio(self) -> float:
@@ -79,17 +86,24 @@ class Probe:
         if scale == "exact":
             return (
                 f"verification probe rejected the correction: error {self.error:.3g} of the exact K/V's size "
-                f"on its last {self.tokens} tokens > {threshold:g} (the uncorrected source's: {self.uncorrected:.3g})"
+                f"on its {self.tokens} tokens > {threshold:g} (the uncorrected source's: {self.uncorrected:.3g})"
             )
         return (
             f"verification probe rejected the correction: error {self.error:.3g} is {self.ratio:.2g} of the "
-            f"uncorrected source's {self.uncorrected:.3g} on its last {self.tokens} tokens > {threshold:g}"
+            f"uncorrected source's {self.uncorrected:.3g} on its {self.tokens} tokens > {threshold:g}"
         )
 
 
-def probe_rows(length: int, tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The probe's rows of a span of ``length`` tokens: its last ``min(tokens, length)``."""
+def probe_rows(
+    length: int, tokens: int, device: torch.device | str | None = None, place: str = "last"
+) -> torch.Tensor:
+    """The probe's rows of a span of ``length`` tokens: ``min(tokens, length)`` of them, its last
+    (``place="last"``) or spread evenly from its first to its last (``"spread"``)."""
+    if place not in PLACES:
+        raise ValueError(f"place must be one of {', '.join(map(repr, PLACES))}, got {place!r}")
     k = max(0, min(int(tokens), int(length)))
+    if place == "spread" and k > 1:
+        return torch.linspace(0, length - 1, k, device=device).round().long().unique()
     return torch.arange(length - k, length, device=device)
 
 
@@ -104,6 +118,7 @@ def verify_correction(
     tokens: int,
     first_layer: int = 1,
     embeds: torch.Tensor | None = None,
+    place: str = "last",
 ) -> Probe:
     """Run the probe over the span's last ``tokens`` tokens.
 
@@ -117,7 +132,7 @@ def verify_correction(
             the re-positioned source is exact).
     """
     engine = SegmentRecompute(stack, cache, corrected, token_ids, embeds, start=start, shifter=shifter)
-    rows = probe_rows(engine.length, tokens, stack.device)
+    rows = probe_rows(engine.length, tokens, stack.device, place)
     hidden = engine.embeddings()[:, rows]
     for layer in range(stack.num_layers):
         hidden, _ = engine.run_layer(layer, hidden, rows)
@@ -149,4 +164,6 @@ def verify_correction(
     error = float((sums[:, 0] / size).sqrt().max())
     uncorrected = float((sums[:, 1] / size).sqrt().max())
     kv, _ = engine.result()
-    return Probe(kv=kv, tokens=int(rows.numel()), error=error, uncorrected=uncorrected)
+    return Probe(
+        kv=kv, tokens=int(rows.numel()), error=error, uncorrected=uncorrected, rows=tuple(rows.tolist())
+    )

@@ -120,7 +120,7 @@ from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state
 from ..anchors.scope import Scope
 from ..anchors.slot_scope import SlotScope
 from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
-from ..anchors.verify import SCALES
+from ..anchors.verify import PLACES, SCALES
 from ..budgets import check_byte_budget
 from ..method import Method, Placement, register
 from ..persistence import state_dims
@@ -175,6 +175,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "delta_frame": ("writer", "canonical"),
     "key_frame": ("canonical", "reader"),
     "verify_scale": SCALES,
+    "verify_rows": PLACES,
 }
 #: the policy behind each ``gate_scope``
 SCOPES: dict[str, type[Scope]] = {"slot": SlotScope, "edge": EdgeScope}
@@ -349,6 +350,10 @@ class KVCMAS(PrefixReuse, Method):
             measured as ``verify_scale`` says; default 0.7 of the uncorrected source's error (KL grows
             about with the square of the K/V error, so 0.7 of FullShared's error is about half its KL).
             Not a state option.
+        verify_rows: where the probe's tokens sit: ``"last"`` (default: the span's last
+            ``verify_tokens``, which attend to all of it) or ``"spread"`` (evenly from its first row to
+            its last: the first rows, nearest the new context, are where a correction matters most).
+            Not a state option.
         verify_scale: what the probe's error is measured against: ``"source"`` (default: the
             uncorrected source's error on the same tokens; the correction must remove enough of it) or
             ``"exact"`` (the exact K/V's size: the corrected K/V must be within ``verify_threshold`` of
@@ -381,6 +386,7 @@ class KVCMAS(PrefixReuse, Method):
         "verify_tokens",
         "verify_threshold",
         "verify_scale",
+        "verify_rows",
     )
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
@@ -438,6 +444,7 @@ class KVCMAS(PrefixReuse, Method):
     verify_tokens: int | None = None
     verify_threshold: float = 0.7
     verify_scale: str = "source"
+    verify_rows: str = "last"
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
