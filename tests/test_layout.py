@@ -69,6 +69,10 @@
 - the connector's own byte budgets are documented: each ``*_bytes`` key a serving module reads from
   ``kv_connector_extra_config`` (``extra.get("..._bytes")``: ``device_store_bytes``, the worker's
   ``payload_bytes``, the admission's ``planned_bytes``) is named in ``docs/architecture.md``.
+- one selective-recompute engine: only ``recompute/layers.py`` hands a decoder layer a cache; in the
+  anchors engine only the verification probe (``anchors/verify.py``) runs tokens through the layers,
+  through ``SegmentRecompute``; every KVCMAS rule beyond the reference (``verify_tokens`` too) is a knob
+  of both profiles that ``profile="reference"`` turns off.
 - tensor parallel in one place: which KV heads a worker rank holds and the ranks' read-backs
   assembled into all heads are defined only in ``serving/tensor_parallel.py``, a leaf without vLLM
   (the fast lane tests it), which both connector sides use.
@@ -1442,8 +1446,33 @@ def test_every_gate_rule_beyond_the_reference_is_a_profile_knob_the_reference_tu
     assert set(reuse) == set(reference), "a rule set by one profile only"
     defaults = {f.name: f.default for f in fields(KVCMAS)}
     assert {k: defaults[k] for k in reuse if defaults[k] is not None} == {}, "a profile knob with a default"
-    on = {k: v for k, v in reference.items() if not (v is False or (isinstance(v, float) and v == 0))}
+    on = {
+        k: v
+        for k, v in reference.items()
+        if not (v is False or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0))
+    }
     assert on == {"turn_fallback": "turn"}, f"rules the reference profile leaves on: {on}"
+
+
+def test_one_selective_recompute_engine_runs_tokens_through_the_layers():
+    """Only ``recompute/layers.py`` hands a decoder layer a cache (``decoder_layer_cache_kwarg``, defined
+    in ``_compat.py``): every module that runs some tokens of a segment through the layers does it
+    through ``SegmentRecompute``; in the anchors engine only the verification probe
+    (``anchors/verify.py``, KVCMAS's ``verify_tokens``) does, and it imports that engine."""
+    layer_callers = sorted(
+        name
+        for name, path in MODULES.items()
+        if "decoder_layer_cache_kwarg" in path.read_text()
+        and name not in (f"{ROOT}._compat", f"{ROOT}.recompute.layers")
+    )
+    assert not layer_callers, f"a second layer-by-layer engine: {layer_callers}"
+    probing = sorted(
+        name
+        for name, path in MODULES.items()
+        if _inside(name, "anchors") and re.search(r"SegmentRecompute\(|\.run_layer\(", path.read_text())
+    )
+    assert probing == [f"{ROOT}.anchors.verify"], probing
+    assert f"{ROOT}.recompute.layers" in imports_of(f"{ROOT}.anchors.verify")
 
 
 # ------------------------------------------------------------------ files given by path: one bounded read

@@ -33,7 +33,7 @@ class EdgeScope(Scope):
             return (state.uid, slot, state.versions.get(slot, 0))  # this exact materialization
         return super().origin(turn, slot)
 
-    def place(self, turn: Turn, span) -> Reuse | None:
+    def place(self, turn: Turn, span, cache=None) -> Reuse | None:
         o = self.options
         edges = turn.scratch.setdefault(self.name, {})
         source, label = self.source(turn, span)

@@ -66,6 +66,10 @@ class Edge:
     candidates: int = 0
     rows: int = 0
     distances: list[float] | None = None
+    #: ``verify_tokens``: the gate's rejection a verification probe may overturn (``""``: none), and what
+    #: the probe found (:meth:`~hf_kvshare.anchors.verify.Probe.report`; ``None``: not probed)
+    rejected: str = ""
+    probe: dict[str, Any] | None = None
 
     def report(self) -> dict[str, Any]:
         if self.source is None:
@@ -84,6 +88,8 @@ class Edge:
         info["anchors"] = self.candidates
         if self.distances is not None:
             info["distances"] = self.distances
+        if self.probe is not None:
+            info["verify"] = self.probe
         return info
 
 
@@ -98,6 +104,8 @@ class Reuse:
     #: tokens served through the correction (``None``: all when ``provenance == "corrected"``); fewer
     #: with partial coverage: the rows past the longest anchor are reused uncorrected
     corrected_tokens: int | None = None
+    #: tokens not computed for this agent (``None``: all); a verification probe computes its own
+    reused_tokens: int | None = None
 
 
 class Scope:
@@ -161,7 +169,9 @@ class Scope:
     def plan(self, turn: Turn) -> None:
         """Decide before any span is placed (nothing by default: decided per span)."""
 
-    def place(self, turn: Turn, span) -> Reuse | None:
+    def place(self, turn: Turn, span, cache=None) -> Reuse | None:
+        """The span's K/V, or ``None`` (prefill it); ``cache``: the turn's cache, complete up to the span
+        where the method reads it (``verify_tokens``)."""
         raise NotImplementedError
 
     def dense_turn(self, turn: Turn) -> bool:

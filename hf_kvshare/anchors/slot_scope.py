@@ -32,6 +32,10 @@ each off):
   gate compares the longest prefix two anchors cover (:meth:`SlotScope.piecewise_rows`), and
   :meth:`SlotScope.place` corrects it window by window (:func:`~.correction.windows`,
   :func:`~.correction.apply_piecewise`), the rows past the longest anchor reused uncorrected.
+- ``verify_tokens > 0`` (off in both profiles): each correction is verified on a probe of the span's
+  last tokens (:mod:`.verify`) when placed, and prefilled when the probe rejects it; a span the gate
+  rejected is probed too when an anchor holds the consumer's correction (:attr:`Edge.rejected`), and
+  placed when the probe accepts it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch
 
 from ..cache import SegmentKV
 from ..measure import phase
+from ..recompute.stack import DecoderStack
 from .correction import (
     apply_correction,
     apply_piecewise,
@@ -62,6 +67,7 @@ from .gate import GateDecision, reliability_gate, usage_reference
 from .lowrank import DeferredFactoredKV, FactoredKV, relative_spread
 from .pool import Anchor, correction_agreement, nearest_relative
 from .scope import USAGE_MASS, Edge, Reuse, Scope, following_pf
+from .verify import Probe, verify_correction
 
 #: a repeated place's suffix (``doc#2``, ``agent.m1#3``): :meth:`SlotScope.pool_key` pools it with ``doc``
 _AGAIN = re.compile(r"#\d+$")
@@ -106,7 +112,10 @@ class SlotScope(Scope):
             if o.tau == 0:
                 edge.dense, edge.reason = "fallback", "tau = 0: no reuse"
             elif edge.decision is not None and not edge.decision.accepted and not own:
-                edge.dense = "fallback"
+                if self.verifying and pool is not None and pool.with_delta(turn.agent):
+                    edge.rejected = edge.decision.reason or "rejected"  # the probe decides (place)
+                else:
+                    edge.dense = "fallback"
             elif edge.decision is None and o.turn_fallback == "span":
                 if pool is None or not pool.with_delta(turn.agent):
                     edge.dense, edge.reason = "fallback", f"no anchor holds a correction for {turn.agent!r}"
@@ -296,7 +305,11 @@ class SlotScope(Scope):
                 seg.info.update(edge.report())
 
     # --------------------------------------------------------------- place
-    def place(self, turn: Turn, span) -> Reuse | None:
+    def place(self, turn: Turn, span, cache=None) -> Reuse | None:
+        """A PH span's K/V: the source corrected by the anchors holding this agent's delta (reused
+        uncorrected where none does); with ``verify_tokens`` the correction is verified on a probe
+        (:mod:`.verify`) on the turn's ``cache``, and a gate rejection the probe may overturn
+        (:attr:`Edge.rejected`) is placed only when the probe accepts it."""
         o = self.options
         edge = turn.scratch[self.name][span.start]
         if edge.dense is not None:
@@ -309,6 +322,9 @@ class SlotScope(Scope):
         usable = pool.with_delta(turn.agent) if pool is not None else []
         anchors, rows = covering(usable, span.length, o.partial_coverage)
         if not anchors:
+            if edge.rejected:  # nothing to verify: prefilled as the rejection says
+                edge.dense = "fallback"
+                return None
             info["reason"] = f"no anchor holds a correction for {turn.agent!r}: reused uncorrected"
             return Reuse(kv=edge.source, provenance="reused", source_agent=edge.label, info=info)
         reader = span.start if o.key_frame == "reader" else None
@@ -325,7 +341,6 @@ class SlotScope(Scope):
             kv = apply_correction(
                 edge.source, anchors, turn.agent, wk, wv, span.start, turn.shifter, skip_layer0=o.skip_layer0
             )
-        edge.rows = rows
         info.update(anchors=[a.serial for a in anchors], rows=f"{rows}/{span.length}", weights_cached=cached)
         if o.guard:
             # a piecewise span's guard is estimated on its first window (every anchor covers it)
@@ -337,10 +352,31 @@ class SlotScope(Scope):
                 "value_scales": [round(x, 4) for x in scales[1]],
             }
             if all(x == 0 for side in scales for x in side[first:]):
+                if edge.rejected:
+                    edge.dense = "fallback"
+                    return None
                 info["reason"] = (
                     "guard: no held-out gain from the correction in any layer: reused uncorrected"
                 )
                 return Reuse(kv=edge.source, provenance="reused", source_agent=edge.label, info=info)
+        reused = None
+        if self.verifying and cache is not None:
+            probe = self.verify(turn, span, edge, kv, cache)
+            threshold, scale = o.verify_threshold, o.verify_scale
+            edge.probe = info["verify"] = probe.report(threshold, scale)
+            if not probe.accepts(threshold, scale):
+                edge.dense, edge.reason = "fallback", probe.reason(threshold, scale)
+                turn.stats.tokens_prefilled += probe.tokens  # computed for the probe, then not used
+                return None
+            if edge.rejected:
+                info["gate"] = "accepted"
+                info["reason"] = f"the gate rejected ({edge.rejected}); the verification probe accepted"
+            kv, reused = probe.kv, span.length - probe.tokens  # the probe's tokens: exact, not corrected
+            rows -= probe.within(rows)
+        elif edge.rejected:  # no cache to verify on: as the gate decided
+            edge.dense = "fallback"
+            return None
+        edge.rows = rows
         following = following_pf(turn, span)
         if o.prefix_delta and o.prefix_reuse and following is not None and rows == span.length:
             key = ("prefix", edge.slot, edge.pool, tuple(a.serial for a in anchors))
@@ -348,7 +384,40 @@ class SlotScope(Scope):
                 turn, key, lambda: prefix_weights(edge.source, anchors, turn.shifter, reader)
             )
             turn.scratch.setdefault(f"{self.name}.pf", {})[following.start] = (anchors, *weights)
-        return Reuse(kv=kv, provenance="corrected", source_agent=edge.label, info=info, corrected_tokens=rows)
+        return Reuse(
+            kv=kv,
+            provenance="corrected",
+            source_agent=edge.label,
+            info=info,
+            corrected_tokens=rows,
+            reused_tokens=reused,
+        )
+
+    @property
+    def verifying(self) -> bool:
+        """``verify_tokens > 0``: each correction is verified on a probe before it is placed."""
+        return getattr(self.options, "verify_tokens", 0) > 0
+
+    def verify(self, turn: Turn, span, edge: Edge, kv: SegmentKV, cache) -> Probe:
+        """The verification probe of ``kv``, the span's correction (:func:`~.verify.verify_correction`)."""
+        o = self.options
+        stack = self.__dict__.get("_stack")
+        if stack is None or stack.model is not turn.model:
+            stack = self.__dict__["_stack"] = DecoderStack(turn.model)
+        embeds = None if span.visual is None else span.visual.embeds(turn.model)
+        return verify_correction(
+            stack,
+            cache,
+            kv,
+            edge.source,
+            span.token_ids,
+            span.start,
+            turn.shifter,
+            o.verify_tokens,
+            first_layer=1 if o.skip_layer0 else 0,
+            embeds=embeds,
+            place=o.verify_rows,
+        )
 
     def guard(
         self, turn: Turn, edge: Edge, anchors: list[Anchor], kv, rows: int, span
@@ -508,6 +577,7 @@ class SlotScope(Scope):
         if edge.dense is None:
             return
         rejected = edge.decision is not None and not edge.decision.accepted
+        rejected = rejected or (edge.probe is not None and not edge.probe["accepted"])
         # ungated given text: admitted while the pool has room; ``learn_dense``: every exact delta
         if rejected or edge.decision is None or self.options.learn_dense:
             with cache.sharing_storage():  # a view of the turn's cache: the delta is computed from it

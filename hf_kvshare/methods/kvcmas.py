@@ -36,8 +36,13 @@ the rejection. ``"reuse"`` sets :data:`PROFILES` ``["reuse"]``:
   longest prefix two anchors cover and corrected window by window, each row by every anchor covering
   it; the rows past the longest anchor are reused uncorrected.
 
+An option of both profiles, off in each: ``verify_tokens=8`` verifies each correction on a probe (the
+exact K/V of the span's last tokens over the agent's prefix and the corrected span,
+:mod:`hf_kvshare.anchors.verify`) and places it when its error there is at most ``verify_threshold`` of the
+uncorrected source's; a span the gate rejected is placed when its probe accepts it.
+
 ``profile="reference"`` sets ``agreement=0, nearest=0, duplicate=0, learn_dense=False, turn_fallback="turn",
-piecewise=False, trust_agreement=False, gate_chained=False``:
+piecewise=False, trust_agreement=False, gate_chained=False, verify_tokens=0``:
 the accept/reject decisions of the authors' code. Options given beside a profile win over it.
 
 Sources (``output_source`` for agent outputs, ``text_source`` for the request's question,
@@ -115,9 +120,11 @@ from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state
 from ..anchors.scope import Scope
 from ..anchors.slot_scope import SlotScope
 from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
+from ..anchors.verify import PLACES, SCALES
 from ..budgets import check_byte_budget
 from ..method import Method, Placement, register
 from ..persistence import state_dims
+from ..recompute.stack import DecoderStack
 from .prefix_reuse import PrefixReuse
 
 if TYPE_CHECKING:
@@ -138,6 +145,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         # disagreeing corrections touched (rho 0 on four of six workloads); kvcmas:gate_chained=True
         # keeps KL under FullShared's on stress at that price (docs/results/methods.md)
         "gate_chained": False,
+        # off until measured: docs/results/methods.md, "A verification probe"
+        "verify_tokens": 0,
     },
     "reference": {
         "agreement": 0.0,
@@ -148,6 +157,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "piecewise": False,
         "trust_agreement": False,
         "gate_chained": False,
+        "verify_tokens": 0,
     },
 }
 
@@ -164,6 +174,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "pool_peak": ("capacity+1", "capacity"),
     "delta_frame": ("writer", "canonical"),
     "key_frame": ("canonical", "reader"),
+    "verify_scale": SCALES,
+    "verify_rows": PLACES,
 }
 #: the policy behind each ``gate_scope``
 SCOPES: dict[str, type[Scope]] = {"slot": SlotScope, "edge": EdgeScope}
@@ -323,6 +335,29 @@ class KVCMAS(PrefixReuse, Method):
             waits, so a dense record (the factorizations: most of its time) no longer holds up other
             requests' admission. The price: each holds the consumer's and the source's K/V of the
             span until it runs. ``hf-kvshare serve`` states it; default ``False``. Not a state option.
+        verify_tokens: verify each correction on a probe of the span's last ``verify_tokens`` tokens
+            before placing it (:mod:`hf_kvshare.anchors.verify`): their exact K/V, computed in one pass
+            of those tokens only through every layer, attending to the agent's prefix and the
+            corrected span. The correction is placed when its error on them is at most
+            ``verify_threshold`` of the uncorrected source's (their exact K/V then replace the
+            corrected ones: counted as recomputed); else the span is prefilled (``reason``: "verification
+            probe rejected ...") and its exact delta learned. A span the gate rejected is probed too
+            when an anchor holds this agent's correction: the probe may accept it. The probe's tokens
+            of a rejected correction count as prefilled. 0: off (``None``: the profile's, 0 in both).
+            Slot scope with ``turn_fallback="span"`` only; not served (the scheduler runs no model);
+            the model's attention must be ``sdpa`` or ``eager``. Not a state option.
+        verify_threshold: the largest probe error at which a correction is placed (``verify_tokens``),
+            measured as ``verify_scale`` says; default 0.7 of the uncorrected source's error (KL grows
+            about with the square of the K/V error, so 0.7 of FullShared's error is about half its KL).
+            Not a state option.
+        verify_rows: where the probe's tokens sit: ``"last"`` (default: the span's last
+            ``verify_tokens``, which attend to all of it) or ``"spread"`` (evenly from its first row to
+            its last: the first rows, nearest the new context, are where a correction matters most).
+            Not a state option.
+        verify_scale: what the probe's error is measured against: ``"source"`` (default: the
+            uncorrected source's error on the same tokens; the correction must remove enough of it) or
+            ``"exact"`` (the exact K/V's size: the corrected K/V must be within ``verify_threshold`` of
+            the exact ones, however close the source already was). Not a state option.
 
     >>> method = KVCMAS()  # one instance, shared by every request's Session  # doctest: +SKIP
     >>> for query in queries:  # doctest: +SKIP
@@ -348,6 +383,10 @@ class KVCMAS(PrefixReuse, Method):
         "trust_agreement",
         "gate_chained",
         "max_pool_bytes",
+        "verify_tokens",
+        "verify_threshold",
+        "verify_scale",
+        "verify_rows",
     )
     LEGACY_OPTIONS: ClassVar[dict[str, Any]] = {
         "delta_frame": "canonical",
@@ -402,6 +441,10 @@ class KVCMAS(PrefixReuse, Method):
     piecewise: bool | None = None
     trust_agreement: bool | None = None
     gate_chained: bool | None = None
+    verify_tokens: int | None = None
+    verify_threshold: float = 0.7
+    verify_scale: str = "source"
+    verify_rows: str = "last"
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -472,12 +515,41 @@ class KVCMAS(PrefixReuse, Method):
         ):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{self.name}: {knob} must be True or False, got {getattr(self, knob)!r}")
+        self.check_verify()
         if isinstance(self.max_pools, bool) or not isinstance(self.max_pools, int) or self.max_pools < 1:
             raise ValueError(f"{self.name}: max_pools must be an int >= 1, got {self.max_pools!r}")
         check_byte_budget(f"{self.name}: max_pool_bytes", self.max_pool_bytes, optional=True)
         self._store = BoundedStore(
             self.name, "pools", self.max_pools, pools_to_state, pools_from_state, self.max_pool_bytes
         )
+
+    def check_verify(self) -> None:
+        """``verify_tokens`` an int >= 0, ``verify_threshold`` a real number > 0; a probe needs the slot
+        scope and span-level fallback (a probe rejects one span when it is placed, after the plan)."""
+        tokens, threshold = self.verify_tokens, self.verify_threshold
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"{self.name}: verify_tokens must be an int >= 0, got {tokens!r}")
+        real = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+        if not real or not math.isfinite(threshold) or threshold <= 0:
+            raise ValueError(
+                f"{self.name}: verify_threshold must be a finite real number > 0, got {threshold!r}"
+            )
+        if tokens and (self.gate_scope != "slot" or self.turn_fallback != "span"):
+            raise ValueError(
+                f"{self.name}: verify_tokens={tokens} verifies a placement and prefills that span alone when "
+                f"it fails: it needs gate_scope='slot' and turn_fallback='span'; got gate_scope="
+                f"{self.gate_scope!r}, turn_fallback={self.turn_fallback!r}"
+            )
+
+    @property
+    def reads_prefix(self) -> bool:  # type: ignore[override]
+        """A verification probe (``verify_tokens``) attends to the cache built so far."""
+        return bool(self.verify_tokens)
+
+    @property
+    def supports_batch(self) -> bool:  # type: ignore[override]
+        """A verification probe runs batch size 1 (:class:`~hf_kvshare.recompute.layers.SegmentRecompute`)."""
+        return not self.verify_tokens
 
     @property
     def uses_sources(self) -> bool:  # type: ignore[override]
@@ -502,6 +574,8 @@ class KVCMAS(PrefixReuse, Method):
         ranks = clamp_ranks(model.config, base_rank=self.base_rank, delta_rank=self.delta_rank)
         self.record_clamp(ranks)  # a saved state compares the ranks as given, clamped to the model
         self.base_rank, self.delta_rank = ranks["base_rank"], ranks["delta_rank"]
+        if self.verify_tokens:
+            DecoderStack(model)  # a probe runs the decoder layers one by one: refused here, not mid-turn
 
     def clear(self) -> None:
         """Drop every pool, kept prefix and per-request state, and forget the model."""
@@ -584,7 +658,7 @@ class KVCMAS(PrefixReuse, Method):
         self.scope.plan(turn)
 
     def placeholder(self, turn: Turn, span, cache) -> Placement | None:
-        reuse = self.scope.place(turn, span)
+        reuse = self.scope.place(turn, span, cache)
         if reuse is None:
             return None
         return Placement(
@@ -593,6 +667,7 @@ class KVCMAS(PrefixReuse, Method):
             source_agent=reuse.source_agent,
             info=reuse.info,
             corrected_tokens=reuse.corrected_tokens,
+            reused_tokens=reuse.reused_tokens,
         )
 
     def prefix_reuse_allowed(self, turn: Turn) -> bool:

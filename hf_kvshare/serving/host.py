@@ -121,6 +121,12 @@ def check_serving_method(method: Method) -> None:
         "rebaseshared-db",
     ):
         raise ServingError(f"method {name!r} runs LoRA agents (PEFT adapters); serving does not support it")
+    if getattr(method, "verify_tokens", 0):
+        raise ServingError(
+            f"{name}: verify_tokens={method.verify_tokens} verifies each correction on a probe run through the "
+            "model's layers; the scheduler cannot run the model (vLLM's worker computes the prompt); serve "
+            f"{name}:verify_tokens=0"
+        )
     if getattr(method, "reads_prefix", False) or name in ("cacheblend", "droidspeak", "relaycaching"):
         raise ServingError(
             f"method {name!r} recomputes tokens through the model's layers (an HF forward inside the "
