@@ -159,3 +159,18 @@ def test_a_reply_cut_at_its_length_limit_is_found_at_the_start_of_its_message(to
         tokenizer.apply_chat_template(quoted, add_generation_prompt=True, tokenize=True, return_dict=False)
     )
     assert not any(s.slot == "planner" for s in derived(tokenizer, prompt, known).segments)
+
+
+def test_a_very_short_reply_cut_at_its_limit_is_found_where_it_is_most_of_its_message(tokenizer):
+    """A reply under ``MIN_MESSAGE_TOKENS`` (``bench serve``'s trace: 8 output tokens, recorded as 7) is
+    found at the start of the message it is most of; not at the start of a longer one."""
+    reply = "Check small numbers, then divisors."
+    ids = ids_of(tokenizer, reply)
+    cut = ids[:-1]
+    assert len(cut) < lay.MIN_MESSAGE_TOKENS <= len(ids)
+    coder = prompt_of(tokenizer, "coder", TASKS[0], {"planner": reply})
+    assert [
+        coder[s.start : s.end] for s in derived(tokenizer, coder, {"p": cut}).segments if s.slot == "p"
+    ] == [cut]
+    longer = prompt_of(tokenizer, "coder", TASKS[0], {"planner": reply + " Then write the tests for it."})
+    assert not any(s.slot == "p" for s in derived(tokenizer, longer, {"p": cut}).segments)

@@ -56,8 +56,8 @@ the message content. Then:
 1. shared text is found by content (:func:`hf_kvshare.matching.match`): the runs of the prompt that
    repeat runs of the slots the task already holds (earlier chunks, earlier agents' outputs), at
    least :data:`MIN_SEGMENT_TOKENS` tokens long (a shorter slot: whole, where it is a whole message
-   or, from :data:`MIN_MESSAGE_TOKENS` tokens on, where it starts one: a reply cut at its length
-   limit is recorded without its last token, which the client passes back), longest first, each prompt
+   or starts one, being :data:`MIN_MESSAGE_TOKENS` long or half of it at least: a reply cut at its
+   length limit is recorded without its last token, which the client passes back), longest first, each prompt
    token and each slot token used once. A run that is a whole slot is that slot's PH span; a run
    inside a slot is a *piece*, the slot ``"<slot>[s:e]"`` (its tokens ``[s, e)``, the parent's
    producer and kind, its K/V the slice of the parent's: :meth:`hf_kvshare.request.Request.piece_slot`).
@@ -645,19 +645,25 @@ def derive(
     the chunks that are the agent's instructions (never a new slot; a known slot inside one is found)."""
     sources = {name: ids for name, ids in known.items() if not _piece_of_known(name, known)}
     whole_chunks = set(pieces)
-    chunk_starts = {start for start, _ in pieces}
+    chunk_ends = dict(pieces)  # a chunk's start -> its end
     min_message = min(min_tokens, MIN_MESSAGE_TOKENS)
+
+    def starts_a_message(p) -> bool:
+        """``p`` starts a message and is ``min_message`` long or covers at least half of it."""
+        end = chunk_ends.get(p.prompt_start)
+        return end is not None and (p.length >= min_message or 2 * p.length >= end - p.prompt_start)
+
     found = [
         _located(p, len(sources[p.slot]))
         for p in match(prompt, sources, min_tokens).pieces
         # a slot shorter than min_tokens (a short reply) counts as a message of its own only: inside a
         # larger message so few tokens are as likely a coincidence (a reply's words quoted by a new
         # document) and splitting the message there would cost more than the piece saves. Or as the
-        # start of one, from min_message tokens on: a reply cut at its length limit is recorded without
-        # its last token (the engine never computed that token's K/V), which the client passes back
+        # start of one (a reply cut at its length limit is recorded without its last token, which the
+        # engine never computed K/V for and the client passes back)
         if len(sources[p.slot]) >= min_tokens
         or (p.prompt_start, p.prompt_end) in whole_chunks
-        or (p.prompt_start in chunk_starts and p.length >= min_message)
+        or starts_a_message(p)
     ]
     names = set(known)
 
