@@ -57,8 +57,8 @@ the message content. Then:
    repeat runs of the slots the task already holds (earlier chunks, earlier agents' outputs), at
    least :data:`MIN_SEGMENT_TOKENS` tokens long (a shorter slot: whole, where it is a whole message
    or starts one, being :data:`MIN_MESSAGE_TOKENS` long or half of it at least: a reply cut at its
-   length limit is recorded without its last token, which the client passes back), longest first, each prompt
-   token and each slot token used once. A run that is a whole slot is that slot's PH span; a run
+   length limit is recorded without its last token, which the client passes back), longest first,
+   each prompt token and each slot token used once. A run that is a whole slot is that slot's PH span; a run
    inside a slot is a *piece*, the slot ``"<slot>[s:e]"`` (its tokens ``[s, e)``, the parent's
    producer and kind, its K/V the slice of the parent's: :meth:`hf_kvshare.request.Request.piece_slot`).
    So a document or a reply inside a larger message (a client's f-string: ``f"Report:\\n{report}
@@ -148,7 +148,7 @@ MIN_SEGMENT_TOKENS = 16
 #: (at most ``min_tokens``): a message is a unit the client chose, so a short one (a task statement, a
 #: question) is content another agent may read; shorter ones are labels (``"Task:"``, ``"Your
 #: answer:"``), the agent's own glue as in a Session's layout. A short slot is found later only whole,
-#: as a message of its own (:func:`derive`), never inside a larger one.
+#: where it is a message of its own or starts one (:func:`derive`), never inside a larger one.
 MIN_MESSAGE_TOKENS = 8
 #: the key under ``kv_transfer_params`` that holds hf_kvshare's layout
 KEY = "hf_kvshare"
