@@ -17,7 +17,8 @@ kept prefixes carry over, as the server's do) and one server per method.
 
 rho = PH tokens reused (re-positioned or corrected: the Session's ``tokens_reused``, the server's
 ``supplied_ph_tokens``) / PH tokens. Printed per method: rho over all requests and over the requests
-after the first task (``warm``), both ways, and their difference; then every request whose rho differs
+after the first task (``warm``), both ways, and their difference; the PH tokens each side counted
+(where the layouts differ); then every request whose rho differs
 by more than ``--tolerance`` with the causes each side gives (``hf_kvshare.reasons``: the Session's
 ``accounting()["not_shared"]``, the server's recorded report, its claim's stop). Replies may differ
 (HF and vLLM kernels): the number of replies that did is printed too.
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             f"| {spec} | {fmt(a)} | {fmt(b)} | {fmt(None if None in (a, b) else b - a)} | {fmt(c)} | {fmt(d)} | "
             f"{fmt(None if None in (c, d) else d - c)} | {differ}/{len(here)} |"
         )
+    for spec, result in results.items():  # a layout that differs shows here first (e.g. text left as PF)
+        ph_here, ph_served = (sum(r["ph"] for r in result[side]) for side in ("session", "server"))
+        print(f"{spec}: PH tokens Session {ph_here}, server {ph_served}")
     for spec, result in results.items():
         for i, (x, y) in enumerate(zip(result["session"], result["server"])):
             rx = x["reused"] / x["ph"] if x["ph"] else 0.0

@@ -305,8 +305,9 @@ def test_agent_scope_is_bounded_by_bytes(tiny, tokenizer):
     assert "agent5" in agents and not agents & {"agent0", "agent1"}  # the least recently used went
     method.bound_prefixes(0)
     assert method.state_bytes() == 0
-    with pytest.raises(ValueError, match="non-negative"):
-        method.bound_prefixes(-1)
+    for bad in (-1, 1.5, True):  # one byte-budget check (budgets.check_byte_budget), naming the bound
+        with pytest.raises(ValueError, match=r"kept prefixes' max_bytes must be an int >= 0"):
+            method.bound_prefixes(bad)
 
 
 @pytest.mark.parametrize("method", ["kvcmas", "kvcomm"])

@@ -80,6 +80,9 @@
   each stage announces and a claim's K/V routed by them, and the stages' read-backs joined in layer
   order are ``serving/tensor_parallel.py``'s too (``RankAssembly``); the worker announces its layers
   (``Captured.layers``) and the scheduler routes by them (``RankAssembly.layers``), nowhere else.
+- the derived layout reads no client's wording: ``serving/layout.py``'s ``derive`` decodes no text and
+  compares none with a string (it decides by token ids, message boundaries and roles); a whole message
+  is a slot from ``MIN_MESSAGE_TOKENS``, at most ``MIN_SEGMENT_TOKENS`` (a run inside a message).
 """
 
 from __future__ import annotations
@@ -1729,3 +1732,60 @@ def test_the_connectors_byte_budgets_are_documented():
     assert connector_byte_keys({"m": "extra.get('a_bytes', 1)\nextra.get('b')\nother.get('c_bytes')\n"}) == {
         "a_bytes": "m"
     }
+
+
+# ------------------------------------------------------------- the derived layout reads no client's wording
+#: the function of ``serving/layout.py`` that makes the default layout, and what it may not call
+DERIVE = ("hf_kvshare.serving.layout", "derive")
+TEXT_READERS = frozenset({"decode", "tokenize", "encode", "batch_decode"})
+
+
+def wording_reads(tree: ast.AST, function: str) -> list[str]:
+    """Where ``function`` of ``tree`` reads a client's words: a call of a text reader
+    (:data:`TEXT_READERS`), or a comparison with a string constant."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.FunctionDef) and node.name == function):
+            continue
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Call) and _name_of(inner.func) in TEXT_READERS:
+                found.append(f"line {inner.lineno}: calls {_name_of(inner.func)}")
+            if isinstance(inner, ast.Compare):
+                sides = [inner.left, *inner.comparators]
+                if any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides):
+                    found.append(f"line {inner.lineno}: compares with a string")
+    return found
+
+
+def int_constant(tree: ast.Module, name: str) -> int | None:
+    """The value of the top-level ``name = <int>`` of ``tree`` (``None`` when missing)."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, int):
+                return node.value.value
+    return None
+
+
+def test_the_derived_layout_decides_by_messages_roles_and_lengths_only():
+    """Any chat client, no workload's wording: the default layout (``layout.derive``) decides on token
+    ids, message boundaries and roles (``message_chunks``), never by decoding text or comparing it with a
+    string; a whole message is a slot from ``MIN_MESSAGE_TOKENS`` tokens, a run inside one from
+    ``MIN_SEGMENT_TOKENS`` (a message is a unit the client chose: never held to more than a run)."""
+    module, function = DERIVE
+    tree = ast.parse(MODULES[module].read_text())
+    assert any(isinstance(n, ast.FunctionDef) and n.name == function for n in tree.body), DERIVE
+    assert not wording_reads(tree, function), wording_reads(tree, function)
+    message, run = int_constant(tree, "MIN_MESSAGE_TOKENS"), int_constant(tree, "MIN_SEGMENT_TOKENS")
+    assert message is not None and run is not None and 1 <= message <= run, (message, run)
+
+
+def test_the_wording_finder_finds_them():
+    tree = ast.parse(
+        "def derive(p, tok):\n    t = tok.decode(p)\n    if t == 'Task:':\n        return 1\n"
+        "    return 'x' in t\ndef other(tok):\n    return tok.decode([])\n"
+    )
+    assert wording_reads(tree, "derive") == [
+        "line 2: calls decode",
+        "line 3: compares with a string",
+        "line 5: compares with a string",
+    ]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..budgets import check_byte_budget
 from ..cache import SegmentKV, SharedCache
 from ..method import Placement
 from ..persistence import check_segment_kv, state_dims
@@ -122,8 +123,7 @@ class PrefixReuse:
     def bound_prefixes(self, max_bytes: int) -> None:
         """Keep the PF K/V kept across requests within ``max_bytes`` from now on (least recently used
         dropped first); a serving host gives it a share of its store's budget."""
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_bytes must be a non-negative integer; got {max_bytes!r}")
+        check_byte_budget(f"{self.name}: the kept prefixes' max_bytes", max_bytes)  # type: ignore[attr-defined]
         self.__dict__["_prefix_max_bytes"] = max_bytes
         self._trim_prefixes(self._agent_prefixes())
 

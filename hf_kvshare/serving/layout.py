@@ -55,8 +55,10 @@ the message content. Then:
 
 1. shared text is found by content (:func:`hf_kvshare.matching.match`): the runs of the prompt that
    repeat runs of the slots the task already holds (earlier chunks, earlier agents' outputs), at
-   least :data:`MIN_SEGMENT_TOKENS` tokens long (a shorter slot: whole), longest first, each prompt
-   token and each slot token used once. A run that is a whole slot is that slot's PH span; a run
+   least :data:`MIN_SEGMENT_TOKENS` tokens long (a shorter slot: whole, where it is a whole message
+   or starts one, being :data:`MIN_MESSAGE_TOKENS` long or half of it at least: a reply cut at its
+   length limit is recorded without its last token, which the client passes back), longest first,
+   each prompt token and each slot token used once. A run that is a whole slot is that slot's PH span; a run
    inside a slot is a *piece*, the slot ``"<slot>[s:e]"`` (its tokens ``[s, e)``, the parent's
    producer and kind, its K/V the slice of the parent's: :meth:`hf_kvshare.request.Request.piece_slot`).
    So a document or a reply inside a larger message (a client's f-string: ``f"Report:\\n{report}
@@ -67,7 +69,8 @@ the message content. Then:
    two) is found as the pieces on either side of it (a piece shorter than the minimum is the agent's
    own text);
 2. every chunk nothing was found in (but the agent's instructions: a ``system`` / ``developer``
-   message, :data:`OWN_ROLES`, which is its own text), of at least :data:`MIN_SEGMENT_TOKENS` tokens, becomes a new PH
+   message, :data:`OWN_ROLES`, which is its own text), of at least :data:`MIN_MESSAGE_TOKENS` tokens (a
+   task statement or a question of one sentence is a message too), becomes a new PH
    slot (computed by this agent, shared with the agents after it) named by where it sits:
    ``<agent>.m<k>``, the prompt's k-th chunk (``#2``, ... when this agent's earlier prompt of the task
    had other text there); in a chunk where pieces were found, each run between them of at least that
@@ -93,7 +96,14 @@ messages) is placed by the method but claimed only when everything before it is 
 prefix cache, the agent's kept text with ``prefix_reuse=True``, or other pieces); otherwise the
 engine computes it and the record keeps it dense (the report's ``placed`` vs ``supplied``). So the
 pieces a one-message client gets are the ones a run of placed text reaches, in order; what lies after
-a gap of new text is shared in a Session (any layout) but not through this connector.
+a gap of new text is shared in a Session (any layout) but not through this connector. This is why a
+message as short as a task statement is a slot of its own (:data:`MIN_MESSAGE_TOKENS`): folded into
+the agent's leading text, that text would be new in every task (prefix reuse keys kept text by its
+exact ids), the claim would stop at position 0, and every note and reply behind it would be computed
+again; as a slot, the agent's leading text (its system prompt and the template's glue) is the same in
+every task and is placed, the task statement is computed once by the task's first agent and placed
+for the next ones. (Kept text matched by its longest common prefix instead would not close this: the
+new task text would still sit between the kept part and the shared spans.)
 
 Images (vision-language models)
 -------------------------------
@@ -131,8 +141,15 @@ ROLE_NAMES = frozenset({"system", "developer", "user", "assistant", "tool", "ipy
 #: agent frameworks' "instructions"; a slot of them shares nothing, as no other agent reads them, and
 #: stops a method that gates each slot, KVCMAS, at the prompt's start)
 OWN_ROLES = frozenset({"system", "developer"})
-#: default layout: a new chunk becomes a shared slot from this many tokens on
+#: default layout: a run of new text inside a message where shared text was found becomes a shared
+#: slot from this many tokens on (shorter runs are the client's glue around it: ``"Report:\n"``)
 MIN_SEGMENT_TOKENS = 16
+#: default layout: a whole message nothing was found in becomes a shared slot from this many tokens on
+#: (at most ``min_tokens``): a message is a unit the client chose, so a short one (a task statement, a
+#: question) is content another agent may read; shorter ones are labels (``"Task:"``, ``"Your
+#: answer:"``), the agent's own glue as in a Session's layout. A short slot is found later only whole,
+#: where it is a message of its own or starts one (:func:`derive`), never inside a larger one.
+MIN_MESSAGE_TOKENS = 8
 #: the key under ``kv_transfer_params`` that holds hf_kvshare's layout
 KEY = "hf_kvshare"
 DEFAULT_TASK = "default"
@@ -628,13 +645,25 @@ def derive(
     the chunks that are the agent's instructions (never a new slot; a known slot inside one is found)."""
     sources = {name: ids for name, ids in known.items() if not _piece_of_known(name, known)}
     whole_chunks = set(pieces)
+    chunk_ends = dict(pieces)  # a chunk's start -> its end
+    min_message = min(min_tokens, MIN_MESSAGE_TOKENS)
+
+    def starts_a_message(p) -> bool:
+        """``p`` starts a message and is ``min_message`` long or covers at least half of it."""
+        end = chunk_ends.get(p.prompt_start)
+        return end is not None and (p.length >= min_message or 2 * p.length >= end - p.prompt_start)
+
     found = [
         _located(p, len(sources[p.slot]))
         for p in match(prompt, sources, min_tokens).pieces
         # a slot shorter than min_tokens (a short reply) counts as a message of its own only: inside a
         # larger message so few tokens are as likely a coincidence (a reply's words quoted by a new
-        # document) and splitting the message there would cost more than the piece saves
-        if len(sources[p.slot]) >= min_tokens or (p.prompt_start, p.prompt_end) in whole_chunks
+        # document) and splitting the message there would cost more than the piece saves. Or as the
+        # start of one (a reply cut at its length limit is recorded without its last token, which the
+        # engine never computed K/V for and the client passes back)
+        if len(sources[p.slot]) >= min_tokens
+        or (p.prompt_start, p.prompt_end) in whole_chunks
+        or starts_a_message(p)
     ]
     names = set(known)
 
@@ -652,7 +681,7 @@ def derive(
             continue
         inside = [(max(a, start), min(b, end)) for a, b in taken if a < end and b > start]
         if not inside:
-            if end - start >= min_tokens:
+            if end - start >= min_message:
                 chunks_found.append(new_slot(f"{agent}.m{k}", start, end))
             continue
         runs, pos = [], start
