@@ -75,10 +75,10 @@ def test_kvcmas_matching_and_correction_sync_at_most_once_per_segment(tiny_llama
         gated_slots.update(gated)
         per_turn.append({"plan": sum(counts.values()), "gated": len(gated), "place": 0, "corrected": 0})
 
-    def place(turn, span):
+    def place(turn, span, cache=None):
         _ = turn.shifter  # built once per session (reads the rotary layout), not per segment
         with counting_host_reads() as counts:
-            placement = original_place(turn, span)
+            placement = original_place(turn, span, cache)
         per_turn[-1]["place"] += sum(counts.values())
         per_turn[-1]["corrected"] += placement is not None and placement.provenance == "corrected"
         return placement
