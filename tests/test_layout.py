@@ -67,6 +67,10 @@
 - tensor parallel in one place: which KV heads a worker rank holds and the ranks' read-backs
   assembled into all heads are defined only in ``serving/tensor_parallel.py``, a leaf without vLLM
   (the fast lane tests it), which both connector sides use.
+- ``import hf_kvshare`` stays light: it loads torch and transformers' base, never an optional heavy
+  dependency (:data:`NOT_AT_IMPORT`: transformers' generation module with accelerate and boto3, PEFT,
+  bitsandbytes, matplotlib, datasets, gguf, vLLM); the paths that need one import it inside the
+  function (checked in a fresh interpreter, the one check here that imports the package).
 """
 
 from __future__ import annotations
@@ -1599,3 +1603,35 @@ def test_the_returned_constant_finder_finds_them():
         "    if x:\n        return B\n    return A if x else C\n"
     )
     assert returned_constants(tree, "f") == ["a", "b"]
+
+
+#: what ``import hf_kvshare`` must not load: the optional heavy dependencies (seconds of CPU in every
+#: fresh interpreter, a subprocess test or ``hf-kvshare --help``); transformers' generation module is
+#: here because it imports accelerate (and, through accelerate, boto3) when they are installed
+NOT_AT_IMPORT = (
+    "accelerate",
+    "bitsandbytes",
+    "boto3",
+    "datasets",
+    "gguf",
+    "matplotlib",
+    "peft",
+    "transformers.generation.utils",
+    "vllm",
+)
+
+
+def test_importing_the_package_loads_no_optional_heavy_dependency():
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; import hf_kvshare; "
+        f"print(sorted(m for m in {NOT_AT_IMPORT!r} if sys.modules.get(m) is not None))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+    )
+    assert out.stdout.strip() == "[]", (
+        f"import hf_kvshare loads {out.stdout.strip()} (import them where used)"
+    )
