@@ -67,10 +67,12 @@
 - tensor parallel in one place: which KV heads a worker rank holds and the ranks' read-backs
   assembled into all heads are defined only in ``serving/tensor_parallel.py``, a leaf without vLLM
   (the fast lane tests it), which both connector sides use.
-- ``import hf_kvshare`` stays light: it loads torch and transformers' base, never an optional heavy
-  dependency (:data:`NOT_AT_IMPORT`: transformers' generation module with accelerate and boto3, PEFT,
+- ``import hf_kvshare`` stays light: the package and the modules a fresh interpreter starts from
+  (:data:`STARTING_MODULES`: ``python -m hf_kvshare``, ``python -m hf_kvshare.bench``, the serving
+  wrapper) load torch and transformers' base, never an optional heavy dependency
+  (:data:`NOT_AT_IMPORT`: transformers' generation module with accelerate and boto3, PEFT,
   bitsandbytes, matplotlib, datasets, gguf, vLLM); the paths that need one import it inside the
-  function (checked in a fresh interpreter, the one check here that imports the package).
+  function (checked in a fresh interpreter).
 """
 
 from __future__ import annotations
@@ -1616,17 +1618,27 @@ NOT_AT_IMPORT = (
 )
 
 
+#: the modules a fresh interpreter starts from: the package, ``python -m hf_kvshare`` (``hf-kvshare``),
+#: ``python -m hf_kvshare.bench`` and the serving wrapper (``hf-kvshare serve``'s process)
+STARTING_MODULES = (
+    "hf_kvshare",
+    "hf_kvshare.__main__",
+    "hf_kvshare.bench.__main__",
+    "hf_kvshare.serving.server",
+)
+
+
 def test_importing_the_package_loads_no_optional_heavy_dependency():
     import subprocess
     import sys
 
     probe = (
-        "import sys; import hf_kvshare; "
+        f"import sys; import {', '.join(STARTING_MODULES)}; "
         f"print(sorted(m for m in {NOT_AT_IMPORT!r} if sys.modules.get(m) is not None))"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
     )
     assert out.stdout.strip() == "[]", (
-        f"import hf_kvshare loads {out.stdout.strip()} (import them where used)"
+        f"importing {STARTING_MODULES} loads {out.stdout.strip()} (import them where used)"
     )
