@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, GenerationMixin
+from transformers import GenerationConfig
 
 from ._compat import ASSISTED_DECODING_REFEEDS_CACHED_PROMPT
 
@@ -253,6 +253,9 @@ def check_attention_mask(mask: Any, batch: int, length: int) -> None:
 
 def _accepted_arguments(model: torch.nn.Module) -> set[str]:
     """Names ``generate`` or the model's forward take by name (less what the session sets)."""
+    # here, not at the top: transformers' generation module pulls accelerate (and boto3) with it
+    from transformers import GenerationMixin
+
     names: set[str] = set()
     functions = [GenerationMixin.generate, getattr(model, "generate", None), getattr(model, "forward", None)]
     base = getattr(model, "get_base_model", None)

@@ -83,11 +83,18 @@
 - the derived layout reads no client's wording: ``serving/layout.py``'s ``derive`` decodes no text and
   compares none with a string (it decides by token ids, message boundaries and roles); a whole message
   is a slot from ``MIN_MESSAGE_TOKENS``, at most ``MIN_SEGMENT_TOKENS`` (a run inside a message).
+- ``import hf_kvshare`` stays light: the package and the modules a fresh interpreter starts from
+  (:data:`STARTING_MODULES`: ``python -m hf_kvshare``, ``python -m hf_kvshare.bench``, the serving
+  wrapper) load torch and transformers' base, never an optional heavy dependency
+  (:data:`NOT_AT_IMPORT`: transformers' generation module with accelerate and boto3, PEFT,
+  bitsandbytes, matplotlib, datasets, gguf, vLLM); the paths that need one import it inside the
+  function (checked in a fresh interpreter).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -129,6 +136,13 @@ def modules() -> dict[str, Path]:
 MODULES = modules()
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of the package's module at ``path``, parsed once per process (the fast lane's
+    budget: the rules below read every module's tree, none changes one)."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 def is_package(name: str) -> bool:
     return MODULES[name].name == "__init__.py"
 
@@ -163,7 +177,7 @@ def _resolve(name: str) -> str | None:
 
 def imports_of(name: str) -> set[str]:
     """hf_kvshare modules imported by module ``name`` (a package import is an edge to its ``__init__``)."""
-    tree = ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))
+    tree = parsed(MODULES[name])
     package = name if is_package(name) else name.rpartition(".")[0]
     found: set[str] = set()
     for node in _import_nodes(tree):
@@ -265,7 +279,7 @@ def test_method_files_take_no_gate_or_pool_decision():
     calls = {
         name: found
         for name, path in MODULES.items()
-        if _inside(name, "methods") and (found := _decision_calls(ast.parse(path.read_text())))
+        if _inside(name, "methods") and (found := _decision_calls(parsed(path)))
     }
     assert not calls, f"method files calling the anchors engine's gate / pool decisions: {calls}"
 
@@ -339,7 +353,7 @@ def test_methods_and_engines_read_the_request_through_the_turn_only():
     for name, path in MODULES.items():
         if name in allowed:
             continue
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = parsed(path)
         bad += [f"{name}:{line}" for line in _attribute_reads(tree, "turn", {"session", "host"})]
     assert not bad, "turn.session / turn.host read outside turn.py and session.py: " + ", ".join(bad)
 
@@ -380,7 +394,7 @@ def test_the_method_contract_lives_in_methods_and_the_contract_modules():
     for name, path in MODULES.items():
         if _inside(name, "methods") or name in {f"{ROOT}.{m}" for m in CONTRACT}:
             continue
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = parsed(path)
         for node in ast.walk(tree):
             if not isinstance(node, ast.ClassDef):
                 continue
@@ -477,7 +491,7 @@ def test_no_module_both_stores_kv_and_runs_the_model():
     """The caches store (K/V, the segment table, the guards); the prefill (``hf_kvshare.prefill``), the
     methods and ``generate`` run the model over them. No module that defines a cache class calls a
     model, a ``.forward`` / ``.generate`` or ``cache_kwargs``."""
-    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+    trees = {name: parsed(path) for name, path in MODULES.items()}
     storage = storage_classes(trees)
     assert {"SegmentedCache", "SharedCache", "SlotWriter"} <= set(storage.get(f"{ROOT}.cache", []))
     assert model_runs(trees[f"{ROOT}.prefill"]), "the finder sees no model call in the prefill"
@@ -548,12 +562,7 @@ def test_serving_drives_the_method_contract_only():
     )
     drivers = [m for m in users if m != f"{ROOT}.cli" and not _inside(m, "bench")]
     assert not drivers, f"modules outside serving importing it (only the CLI and the bench may): {drivers}"
-    vllm = sorted(
-        m
-        for m in serving
-        if m not in SERVING_VLLM
-        and "vllm" in _top_imports(ast.parse(MODULES[m].read_text(), filename=str(MODULES[m])))
-    )
+    vllm = sorted(m for m in serving if m not in SERVING_VLLM and "vllm" in _top_imports(parsed(MODULES[m])))
     assert not vllm, f"serving modules importing vLLM (only {sorted(SERVING_VLLM)} may): {vllm}"
 
 
@@ -630,11 +639,7 @@ def test_benchmark_scripts_use_the_public_api_only():
         return
     scripts = sorted(BENCHMARKS.glob("*.py"))
     assert scripts, "benchmarks/ holds no script"
-    bad = [
-        f"{path.name}: {use}"
-        for path in scripts
-        for use in private_uses(ast.parse(path.read_text(), filename=str(path)))
-    ]
+    bad = [f"{path.name}: {use}" for path in scripts for use in private_uses(parsed(path))]
     assert not bad, "benchmark scripts reaching past the public API:\n" + "\n".join(bad)
 
 
@@ -690,7 +695,7 @@ def _string_constants(tree: ast.AST) -> set[str]:
 def test_one_module_starts_vllm():
     """Only ``serving/server.py`` names vLLM's server in a command line, and it is the only module
     besides the sandbox's that calls ``subprocess.Popen``: the bench starts vLLM through its ``Server``."""
-    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+    trees = {name: parsed(path) for name, path in MODULES.items()}
     popen = sorted(name for name, tree in trees.items() if "Popen" in _callees(tree))
     assert popen == sorted([LAUNCHER, *OTHER_PROCESSES]), f"modules calling subprocess.Popen: {popen}"
     naming = sorted(name for name, tree in trees.items() if VLLM_SERVER_MODULE in _string_constants(tree))
@@ -700,7 +705,7 @@ def test_one_module_starts_vllm():
 def test_one_module_starts_the_router_over_the_launchers_servers():
     """Only ``serving/replicas.py`` names vLLM's router as an executable, and its replicas are the
     launcher's ``Server`` (it names no vLLM server module itself: the test above)."""
-    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+    trees = {name: parsed(path) for name, path in MODULES.items()}
     naming = sorted(name for name, tree in trees.items() if ROUTER_EXECUTABLE in _string_constants(tree))
     assert naming == [REPLICAS], f"modules naming {ROUTER_EXECUTABLE} (only {REPLICAS}): {naming}"
     assert "Server" in _callees(trees[REPLICAS]), f"{REPLICAS} starts its replicas as the launcher's Server"
@@ -714,9 +719,7 @@ def test_the_bench_serve_modules_hold_one_job_each():
     assert not extra, f"modules of {SERVE} without a job in SERVE_JOBS: {extra}"
     bad = []
     for job, callees in SERVE_JOBS.items():
-        calling = sorted(
-            name for name in modules | {SERVE} if _callees(ast.parse(MODULES[name].read_text())) & callees
-        )
+        calling = sorted(name for name in modules | {SERVE} if _callees(parsed(MODULES[name])) & callees)
         if calling != [f"{SERVE}.{job}"]:
             bad.append(f"{sorted(callees)} called in {calling} (the {job} module's job only)")
     assert not bad, f"{SERVE}: a job in another module:\n" + "\n".join(bad)
@@ -816,7 +819,7 @@ def test_serving_modules_keep_no_module_state():
         f"{name}: {found}"
         for name, path in sorted(MODULES.items())
         if _inside(name, SERVING)
-        for found in module_state(ast.parse(path.read_text(), filename=str(path)))
+        for found in module_state(parsed(path))
     ]
     assert not bad, "mutable module-level state in hf_kvshare.serving:\n" + "\n".join(bad)
 
@@ -830,7 +833,7 @@ def test_vllms_multimodal_features_are_read_in_one_place():
     or a string: every image the server plans is a span found by vLLM's hash, not by its tokens."""
     readers = set()
     for name, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in ast.walk(parsed(path)):
             field = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
             if isinstance(node, (ast.Attribute, ast.Constant)) and field in MM_FIELDS:
                 readers.add(name)
@@ -892,7 +895,7 @@ def test_the_connector_is_a_facade_over_its_two_sides():
     """``serving/connector.py`` is the class vLLM loads and nothing more: each hook goes to the
     scheduler side (``connector_scheduler``) or the worker side (``connector_worker``), each in its own
     module, as vLLM's in-tree connectors are laid out; threads, locks and channels live there."""
-    tree = ast.parse(MODULES[CONNECTOR].read_text())
+    tree = parsed(MODULES[CONNECTOR])
     assert not facade_faults(tree), "the connector is not a facade:\n" + "\n".join(facade_faults(tree))
     sides = {f"{ROOT}.serving.connector_scheduler", f"{ROOT}.serving.connector_worker"}
     assert sides <= imports_of(CONNECTOR), f"the facade must delegate to {sorted(sides)}"
@@ -935,7 +938,7 @@ def test_the_step_metadata_carries_no_tensor():
     """K/V stay where vLLM computed them (``serving/worker_store.py``): the connector's step metadata
     (``connector_common``'s :data:`STEP_METADATA` classes) has no tensor field; a claim is references to
     rows the worker keeps and ranges whose K/V go on the order channel."""
-    tree = ast.parse(MODULES[f"{ROOT}.serving.connector_common"].read_text())
+    tree = parsed(MODULES[f"{ROOT}.serving.connector_common"])
     names = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     assert set(STEP_METADATA) <= names, f"connector_common lacks {sorted(set(STEP_METADATA) - names)}"
     assert not tensor_fields(tree, STEP_METADATA), tensor_fields(tree, STEP_METADATA)
@@ -1029,7 +1032,7 @@ def test_one_request_and_one_walk_serve_both_hosts():
     of its bookkeeping themselves (prepare / record / release / compact views); outside ``methods/`` only
     ``walk.py`` calls a method's span hooks (``placeholder`` / ``prefix``): both hosts walk the method
     with :class:`hf_kvshare.walk.Walk`."""
-    trees = {name: ast.parse(MODULES[name].read_text(), filename=str(MODULES[name])) for name in MODULES}
+    trees = {name: parsed(MODULES[name]) for name in MODULES}
     bad = []
     for host, cls in zip(HOSTS, ("Session", "ServingHost")):
         classes = {n.name: n for n in ast.walk(trees[host]) if isinstance(n, ast.ClassDef)}
@@ -1085,7 +1088,7 @@ def test_the_cache_is_a_table_over_layers_that_store():
     """``SegmentedCache`` is the segment table, its guards and dispatch (at most
     :data:`MAX_CACHE_METHODS` methods of its own); its layers store (``cache_layer.SegmentLayer``, a
     ``DynamicLayer``: hold, write slots, keep, copy; ``laid_out``), so ``cache.py`` writes no tensor."""
-    trees = {name: ast.parse(MODULES[name].read_text()) for name in MODULES}
+    trees = {name: parsed(MODULES[name]) for name in MODULES}
     cache = trees[f"{ROOT}.cache"]
     lines = tensor_writes(cache)
     assert not lines, f"hf_kvshare/cache.py writes tensors itself (lines {lines}); its layers store"
@@ -1111,7 +1114,7 @@ def test_the_core_cache_holds_no_engine():
         if any(_inside(target, area) for area in above)
     ]
     assert not bad, "the core cache imports engines or modules above them:\n" + "\n".join(bad)
-    trees = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+    trees = {name: parsed(path) for name, path in MODULES.items()}
     kinds = subclasses_of(trees, "DeferredKV")
     assert kinds, "no DeferredKV kind found (CorrectedKV in anchors/corrected.py)"
     outside = {m: c for m, c in kinds.items() if not any(_inside(m, e) for e in ENGINES)}
@@ -1157,7 +1160,7 @@ def test_multimodal_rope_lives_in_mrope():
         f"{name}:{line} ({what})"
         for name, path in MODULES.items()
         if name not in MROPE_HOMES
-        for line, what in mrope_uses(ast.parse(path.read_text()))
+        for line, what in mrope_uses(parsed(path))
     ]
     assert not bad, "multimodal-RoPE internals outside mrope.py:\n" + "\n".join(bad)
 
@@ -1205,11 +1208,11 @@ def test_images_are_opened_in_one_place():
     bad = [
         f"{name}:{line} ({function or 'module'})"
         for name, path in MODULES.items()
-        for line, function in image_opens(ast.parse(path.read_text()))
+        for line, function in image_opens(parsed(path))
         if (name, function) != IMAGE_OPENER
     ]
     assert not bad, "Image.open outside vision.open_image:\n" + "\n".join(bad)
-    assert image_opens(ast.parse(MODULES[IMAGE_OPENER[0]].read_text())), "vision.open_image opens no image"
+    assert image_opens(parsed(MODULES[IMAGE_OPENER[0]])), "vision.open_image opens no image"
 
 
 def test_the_image_open_finder_finds_them():
@@ -1240,7 +1243,7 @@ def test_every_method_option_is_checked_when_set():
         f"{name}: {found}"
         for name, path in MODULES.items()
         if _inside(name, "methods")
-        for found in setattr_overrides(ast.parse(path.read_text()))
+        for found in setattr_overrides(parsed(path))
     ]
     bad += [name for name, cls in METHODS.items() if cls.__setattr__ is not Method.__setattr__]
     assert not bad, "methods that bypass the option check on assignment:\n" + "\n".join(bad)
@@ -1295,7 +1298,7 @@ def test_the_reasons_of_spans_not_shared_are_classified_in_reasons_only():
         f"{name}:{line}"
         for name, path in MODULES.items()
         if name != REASONS
-        for line in reason_matches(ast.parse(path.read_text()))
+        for line in reason_matches(parsed(path))
     ]
     assert not bad, "reason texts matched outside reasons.py:\n" + "\n".join(bad)
 
@@ -1326,7 +1329,7 @@ def _piece_slot_builds(tree: ast.AST) -> list[int]:
 def test_the_content_matcher_is_one_leaf_module():
     """``matching.py`` imports no hf_kvshare module and no tensor library (token ids only, no model); the
     serving layout derives its pieces with ``matching.match``; only ``request.py`` builds a piece slot."""
-    tree = ast.parse(MODULES[MATCHER].read_text())
+    tree = parsed(MODULES[MATCHER])
     third = {
         alias.name.split(".")[0]
         for node in _import_nodes(tree)
@@ -1336,9 +1339,7 @@ def test_the_content_matcher_is_one_leaf_module():
     assert not third & {"torch", "numpy", "transformers"}, f"{MATCHER} imports {sorted(third)}"
     layout = f"{ROOT}.serving.layout"
     assert MATCHER in imports_of(layout), f"{layout} does not find pieces through {MATCHER}"
-    builds = {
-        name: lines for name in MODULES if (lines := _piece_slot_builds(ast.parse(MODULES[name].read_text())))
-    }
+    builds = {name: lines for name in MODULES if (lines := _piece_slot_builds(parsed(MODULES[name])))}
     assert set(builds) == {f"{ROOT}.request"}, f"piece slots built outside request.py: {builds}"
 
 
@@ -1428,7 +1429,7 @@ def test_the_serving_store_never_waits_for_another_request():
     answers vLLM "not decided yet" and asks ``Sharing`` again (``recorded``, a plan); ``serving/host.py``
     only decides, with a claim's stop and its reason (``not recorded yet``), and never blocks."""
     path = MODULES[NEVER_WAITS]
-    bad = blocking_calls(ast.parse(path.read_text()))
+    bad = blocking_calls(parsed(path))
     assert not bad, f"{NEVER_WAITS} blocks: {bad}"
 
 
@@ -1490,7 +1491,7 @@ def test_files_given_by_path_are_read_in_one_bounded_place():
         if "O_NONBLOCK" in path.read_text() and name != f"{ROOT}.bounded_read"
     ]
     assert not openers, f"non-blocking opens outside bounded_read.read_input: {openers}"
-    tree = ast.parse(MODULES[f"{ROOT}.bounded_read"].read_text())
+    tree = parsed(MODULES[f"{ROOT}.bounded_read"])
     relative = [
         n
         for n in ast.walk(tree)
@@ -1512,7 +1513,7 @@ def test_one_module_reaches_vllms_cache_writer():
     calling = sorted(
         name
         for name, path in MODULES.items()
-        if name != PAGED and _callees(ast.parse(path.read_text())) & PAGED_WRITER_CALLS
+        if name != PAGED and _callees(parsed(path)) & PAGED_WRITER_CALLS
     )
     assert not calling, f"modules calling vLLM's cache writer outside {PAGED}: {calling}"
 
@@ -1553,12 +1554,12 @@ def test_every_store_has_a_byte_budget_from_the_cli_to_the_connector():
     ``hf-kvshare serve`` flag, the connector's ``kv_connector_extra_config`` (``make_sharing`` reads
     ``BUDGETS``), and ``Sharing.stores`` reports them (a budget that reaches one place only bounds
     nothing the user can set)."""
-    host = ast.parse(MODULES[BUDGET_HOST].read_text())
+    host = parsed(MODULES[BUDGET_HOST])
     budgets = tuple_constant(host, "BUDGETS")
     assert "max_bytes" in budgets and len(budgets) >= 4, budgets
-    server = ast.parse(MODULES["hf_kvshare.serving.server"].read_text())
+    server = parsed(MODULES["hf_kvshare.serving.server"])
     cli = MODULES["hf_kvshare.cli"].read_text()
-    scheduler = ast.parse(MODULES["hf_kvshare.serving.connector_scheduler"].read_text())
+    scheduler = parsed(MODULES["hf_kvshare.serving.connector_scheduler"])
     make = next(n for n in ast.walk(scheduler) if isinstance(n, ast.FunctionDef) and n.name == "make_sharing")
     missing = [
         f"{budget}: {where}"
@@ -1597,7 +1598,7 @@ def test_tensor_parallel_heads_are_decided_in_one_leaf_module():
     """Which KV heads a worker rank holds (``kv_head_range``) and the ranks' read-backs assembled into
     all heads (``RankAssembly``) are defined once, in ``serving/tensor_parallel.py``, a leaf that imports
     no hf_kvshare module and not vLLM (the fast lane tests it); the connector's sides use it."""
-    tree = ast.parse(MODULES[TENSOR_PARALLEL].read_text())
+    tree = parsed(MODULES[TENSOR_PARALLEL])
     third = {
         alias.name.split(".")[0]
         for node in _import_nodes(tree)
@@ -1608,7 +1609,7 @@ def test_tensor_parallel_heads_are_decided_in_one_leaf_module():
     defined = {
         name
         for name in MODULES
-        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        for node in ast.walk(parsed(MODULES[name]))
         if isinstance(node, (ast.FunctionDef, ast.ClassDef))
         and node.name in ("kv_head_range", "RankAssembly")
     }
@@ -1682,7 +1683,7 @@ def test_every_reason_the_serving_host_gives_names_a_cause():
     from hf_kvshare import reasons
 
     module, function = WHY_UNPLACED
-    texts = returned_constants(ast.parse(MODULES[module].read_text()), function)
+    texts = returned_constants(parsed(MODULES[module]), function)
     assert len(texts) >= 3, f"{module}.{function} returns no reason constants: {texts}"
     bad = [t for t in texts if reasons.cause_of_reason(t) == "other"]
     assert not bad, f"reasons of unplaced spans that reasons.py does not classify: {bad}"
@@ -1789,3 +1790,45 @@ def test_the_wording_finder_finds_them():
         "line 3: compares with a string",
         "line 5: compares with a string",
     ]
+
+
+#: what ``import hf_kvshare`` must not load: the optional heavy dependencies (seconds of CPU in every
+#: fresh interpreter, a subprocess test or ``hf-kvshare --help``); transformers' generation module is
+#: here because it imports accelerate (and, through accelerate, boto3) when they are installed
+NOT_AT_IMPORT = (
+    "accelerate",
+    "bitsandbytes",
+    "boto3",
+    "datasets",
+    "gguf",
+    "matplotlib",
+    "peft",
+    "transformers.generation.utils",
+    "vllm",
+)
+
+
+#: the modules a fresh interpreter starts from: the package, ``python -m hf_kvshare`` (``hf-kvshare``),
+#: ``python -m hf_kvshare.bench`` and the serving wrapper (``hf-kvshare serve``'s process)
+STARTING_MODULES = (
+    "hf_kvshare",
+    "hf_kvshare.__main__",
+    "hf_kvshare.bench.__main__",
+    "hf_kvshare.serving.server",
+)
+
+
+def test_importing_the_package_loads_no_optional_heavy_dependency():
+    import subprocess
+    import sys
+
+    probe = (
+        f"import sys; import {', '.join(STARTING_MODULES)}; "
+        f"print(sorted(m for m in {NOT_AT_IMPORT!r} if sys.modules.get(m) is not None))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+    )
+    assert out.stdout.strip() == "[]", (
+        f"importing {STARTING_MODULES} loads {out.stdout.strip()} (import them where used)"
+    )
