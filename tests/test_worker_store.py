@@ -495,3 +495,123 @@ def test_a_finished_request_is_read_back_to_the_scheduler_only_for_a_method_read
         assert (sharing.read_backs.held > 0) == ship  # a stand-in's read-back holds no bytes here
     finally:
         scheduler.shutdown()
+
+
+# ------------------------------------------------------------------ corrections computed in the worker
+def _corrected_claim(tiny_llama, how, rank=2):
+    """A kept read-back ``src`` (40 rows, computed at positions 0 ..), registered with the scheduler's
+    :class:`Sources`, and KVCMAS's correction of its rows 10..30 placed at position 3 (``how``:
+    ``apply_correction`` / ``apply_piecewise``; ``rank=None``: dense deltas), 15 rows corrected."""
+    from hf_kvshare.anchors import apply_correction, apply_piecewise
+    from hf_kvshare.anchors.lowrank import FactoredKV
+    from hf_kvshare.anchors.pool import Anchor
+
+    config = tiny_llama.config
+    layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    shifter = RopeShifter.from_model(tiny_llama)
+    mirror = StoreMirror(1 << 30)
+    mirror.bytes_per_token = 1
+    sources = Sources(mirror)
+    keys, values = kv(layers, 40, heads, dim, seed=3)
+    assert mirror.admit("src", 40)[0]
+    sources.register("src", keys, values)
+    g = torch.Generator().manual_seed(4)
+
+    def rand(n):
+        return [torch.randn(1, heads, n, dim, generator=g) for _ in range(layers)]
+
+    anchors = []
+    for i, length in enumerate((24, 30)):
+        anchor = Anchor(base=FactoredKV.from_kv(rand(length), rand(length), rank), source="a", origin=i)
+        anchor.deltas["b"] = FactoredKV.from_kv(rand(length), rand(length), rank)
+        anchors.append(anchor)
+    weights = torch.softmax(torch.randn(2, 15, generator=g), dim=0)
+    source = _views(keys, values, 10, 30, start=10)
+    correct = apply_correction if how == "correction" else apply_piecewise
+    corrected = correct(source, anchors, "b", weights, weights.flip(0), 3, shifter, skip_layer0=True)
+    return corrected, sources, shifter, keys, values
+
+
+@pytest.mark.parametrize("how", ["correction", "piecewise"])
+def test_a_corrected_span_of_kept_rows_travels_as_factors_and_the_worker_computes_the_hosts_rows(
+    tiny_llama, how
+):
+    from hf_kvshare.serving.connector_scheduler import _correction
+    from hf_kvshare.serving.worker_store import CorrectedOrigin, add_delta, corrected_origin
+
+    corrected, sources, shifter, keys, values = _corrected_claim(tiny_llama, how)
+    origin = corrected_origin(corrected, sources.find)
+    assert isinstance(origin, CorrectedOrigin) and (origin.request_id, origin.row, origin.n) == (
+        "src",
+        10,
+        20,
+    )
+    assert origin.rows == 15 and origin.factors[0] is None  # layer 0 keeps the re-positioned source
+    host_keys, host_values = corrected.keys, corrected.values  # the host's rows (as sent before)
+    for skip, n in ((0, 20), (2, 16)):  # the whole span, and a claim starting inside it
+        factors = []
+        correction = _correction(origin, skip, n, factors)
+        assert correction.rows == 15 - skip and correction.delta_from == skip
+        sent = sum(t.numel() * t.element_size() for t in factors)
+        rows_bytes = 2 * keys[:, :n].numel() * keys.element_size()
+        assert 0 < sent < rows_bytes / 2  # the factors, not the rows
+        _, kind, factors = channel.decode_tensors(channel.encode_tensors("new", "factors", factors))
+        dst = 3 + skip
+        rotation = shifter.rotation(origin.start + skip, dst, n)
+        delta_rotation = shifter.rotation(correction.delta_from, dst, correction.rows)
+        for layer in range(len(keys)):
+            key = shifter.apply(
+                keys[layer, 10 + skip : 10 + skip + n].transpose(0, 1)[None], rotation, layer=layer
+            )
+            key, value = key[0].transpose(0, 1), values[layer, 10 + skip : 10 + skip + n]
+            a_k, b_k, a_v, b_v = factors[4 * layer : 4 * layer + 4]
+            if a_k.numel():
+                key, value = add_delta(key, value, ((a_k, b_k), (a_v, b_v)), delta_rotation, shifter, layer)
+            want_k = host_keys[layer][0, :, skip : skip + n].transpose(0, 1)
+            want_v = host_values[layer][0, :, skip : skip + n].transpose(0, 1)
+            torch.testing.assert_close(key, want_k, rtol=1e-5, atol=1e-5)  # up to float rounding
+            torch.testing.assert_close(value, want_v, rtol=1e-5, atol=1e-5)
+            assert torch.equal(value[correction.rows :], want_v[correction.rows :])  # past the delta: as kept
+
+
+def test_a_corrected_span_with_a_dense_delta_or_of_rows_not_kept_is_sent_whole(tiny_llama):
+    from hf_kvshare.serving.worker_store import corrected_origin
+
+    corrected, sources, *_ = _corrected_claim(tiny_llama, "correction", rank=None)
+    assert corrected.low_rank is None and corrected_origin(corrected, sources.find) is None  # dense: rows
+    corrected, sources, *_ = _corrected_claim(tiny_llama, "correction")
+    sources.forget("src")
+    assert corrected_origin(corrected, sources.find) is None  # not kept: the host's rows are sent
+
+
+@needs_vllm
+def test_the_worker_adds_a_corrected_claims_delta_to_its_kept_rows_as_the_host_computes_them(
+    tiny_llama, monkeypatch
+):
+    from hf_kvshare.serving import connector_worker
+    from hf_kvshare.serving.connector_scheduler import _correction
+    from hf_kvshare.serving.worker_store import corrected_origin
+
+    corrected, sources, shifter, keys, values = _corrected_claim(tiny_llama, "correction")
+    origin = corrected_origin(corrected, sources.find)
+    layers, _, heads, dim = keys.shape
+    worker, names = _worker(layers, heads, dim)
+    worker._shifter = shifter
+    try:
+        assert worker.store.keep("src", keys, values)
+        factors = []
+        source = Source("src", 10, 20, 0, 10, 3, _correction(origin, 0, 20, factors))
+        worker._on_tensors(*channel.decode_tensors(channel.encode_tensors("new", "factors", factors)))
+        worker.start_load_kv(HFKVShareMetadata(loads=[Load("new", [4, 2], 3, 20, sources=[source])]))
+        assert not worker.get_block_ids_with_load_errors()
+        for i, name in enumerate(names):
+            k, v = worker._io[name].read([4, 2], 3, 23)
+            torch.testing.assert_close(k, corrected.keys[i][0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, corrected.values[i][0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+        assert torch.equal(worker.store.get("src")[0], keys)  # the kept rows are not changed
+        # its factors never came: nothing written, the claim's blocks failed
+        monkeypatch.setattr(connector_worker, "PAYLOAD_WAIT_S", 0.1)
+        worker.start_load_kv(HFKVShareMetadata(loads=[Load("late", [5, 6], 3, 20, sources=[source])]))
+        assert worker.get_block_ids_with_load_errors() == {5, 6}
+    finally:
+        worker.shutdown()

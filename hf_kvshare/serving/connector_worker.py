@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import channel, paged
-from .connector_common import Capture, Captured, HFKVShareMetadata, Load
+from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source
 from .host import ServingError, skeleton_model
 from .tensor_parallel import kv_head_range, tensor_parallel_size
-from .worker_store import DEFAULT_DEVICE_STORE_BYTES, DeviceStore, stand_ins
+from .worker_store import DEFAULT_DEVICE_STORE_BYTES, DeviceStore, add_delta, stand_ins
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,8 +102,9 @@ class HFKVShareWorker:
         self._bytes_per_token: int | None = None
         self._names: list[str] = []  # the layers in the store's order
         self._shifter: Any = None  # built from the served model's config at the first re-positioning
-        #: claims' K/V from the order channel, by request id (its thread puts, the step takes)
-        self._payloads: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        #: claims' K/V from the order channel, by request id, and their correction factors, by
+        #: ``("factors", request id)`` (its thread puts, the step takes)
+        self._payloads: OrderedDict[Any, Any] = OrderedDict()
         self._payload_ready = threading.Condition()
         self._load_errors: set[int] = set()
 
@@ -146,9 +147,19 @@ class HFKVShareWorker:
         self.store.drop(metadata.drops)
 
     def _load(self, load: Load) -> bool:
-        """Write one claim: each kept source's rows (keys re-positioned here) and the K/V the order
-        channel brought; ``False`` when a piece is missing (nothing is written from anything else)."""
+        """Write one claim: each kept source's rows (keys re-positioned here, a corrected one's delta
+        added here: :func:`~.worker_store.add_delta`) and the K/V the order channel brought; ``False`` when
+        a piece is missing (nothing is written from anything else)."""
         pieces = []
+        factors = None
+        if any(source.correction is not None for source in load.sources):
+            factors = self._payload(("factors", load.request_id))
+            if factors is None:
+                logger.error(
+                    "hf_kvshare: request %s's correction factors never came on the order channel",
+                    load.request_id,
+                )
+                return False
         for source in load.sources:
             kept = self.store.get(source.request_id)
             if kept is None or source.row + source.n > kept[0].shape[1]:
@@ -162,7 +173,9 @@ class HFKVShareWorker:
             rotation = None
             if source.src_start != source.dst_start:
                 rotation = self.shifter.rotation(source.src_start, source.dst_start, source.n)
-            pieces.append((source.offset, kept[0][:, rows], kept[1][:, rows], rotation))
+            pieces.append(
+                (source.offset, kept[0][:, rows], kept[1][:, rows], rotation, self._delta(source, factors))
+            )
         if load.payload:
             kv = self._payload(load.request_id)
             if kv is None:
@@ -176,18 +189,35 @@ class HFKVShareWorker:
                     self.own_heads(kv[0][:, at : at + hi - lo]),
                     self.own_heads(kv[1][:, at : at + hi - lo]),
                 )
-                pieces.append((lo, keys, values, None))
+                pieces.append((lo, keys, values, None, None))
                 at += hi - lo
-        for offset, keys, values, rotation in pieces:
+        for offset, keys, values, rotation, delta in pieces:
             for i, name in enumerate(self._names):
-                key = keys[i]
+                key, value, layer = keys[i], values[i], self._layer_of[name]
                 if rotation is not None:  # [n, heads, dim] as the shifter's [1, heads, n, dim]
-                    moved = self.shifter.apply(
-                        key.transpose(0, 1)[None], rotation, layer=self._layer_of[name]
-                    )
+                    moved = self.shifter.apply(key.transpose(0, 1)[None], rotation, layer=layer)
                     key = moved[0].transpose(0, 1)
-                self._io[name].write(load.block_ids, load.start + offset, key, values[i])
+                if delta is not None and delta[0][layer] is not None:
+                    key, value = add_delta(
+                        key, value, delta[0][layer], delta[1], self.shifter, layer, self._heads
+                    )
+                self._io[name].write(load.block_ids, load.start + offset, key, value)
         return True
+
+    def _delta(self, source: Source, factors: list[torch.Tensor] | None) -> tuple[list, Any] | None:
+        """A corrected source's delta: per layer ``((a_k, b_k), (a_v, b_v))`` (``None``: uncorrected) from
+        the request's factors message, and the rotation of its keys (``None``: added as is)."""
+        correction = source.correction
+        if correction is None or factors is None:
+            return None
+        layers = []
+        for at in range(correction.first, correction.first + 4 * correction.layers, 4):
+            a_k, b_k, a_v, b_v = factors[at : at + 4]
+            layers.append(None if a_k.numel() == 0 else ((a_k, b_k), (a_v, b_v)))
+        rotation = None
+        if correction.delta_from is not None and correction.delta_from != source.dst_start:
+            rotation = self.shifter.rotation(correction.delta_from, source.dst_start, correction.rows)
+        return layers, rotation
 
     @property
     def shifter(self) -> Any:
@@ -209,7 +239,15 @@ class HFKVShareWorker:
                 self._payloads.popitem(last=False)
             self._payload_ready.notify_all()
 
-    def _payload(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _on_tensors(self, request_id: str, kind: str, tensors: list[torch.Tensor]) -> None:
+        """A claim's tensors from the order channel (its thread; ``"factors"``: a corrected claim's)."""
+        with self._payload_ready:
+            self._payloads[(kind, request_id)] = tensors
+            while len(self._payloads) > PAYLOADS_MAX:
+                self._payloads.popitem(last=False)
+            self._payload_ready.notify_all()
+
+    def _payload(self, request_id: Any) -> Any:
         with self._payload_ready:
             self._payload_ready.wait_for(lambda: request_id in self._payloads, PAYLOAD_WAIT_S)
             return self._payloads.pop(request_id, None)
@@ -242,7 +280,7 @@ class HFKVShareWorker:
             return
         self._listened = True  # tried once
         try:
-            self._orders = channel.Orders(self._on_order, self._on_payload)
+            self._orders = channel.Orders(self._on_order, self._on_payload, self._on_tensors)
         except Exception:  # noqa: BLE001 - read-backs then come with the step's output
             logger.exception("hf_kvshare: no order channel; read-backs come with the step's output")
 

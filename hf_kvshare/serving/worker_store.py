@@ -208,6 +208,72 @@ class Origin:
     start: int
 
 
+@dataclass(frozen=True)
+class CorrectedOrigin(Origin):
+    """A corrected placement whose source is kept rows (:class:`Origin`) and whose delta is low rank
+    (KVCMAS's corrected spans: :class:`~hf_kvshare.anchors.corrected.LowRankDelta`): the worker
+    re-positions the rows and adds the delta on its device (:func:`add_delta`); only the factors travel.
+    ``factors[layer]``: ``((a_k, b_k), (a_v, b_v))`` of the span's first ``rows`` rows, ``None`` for a layer
+    left uncorrected; keys' deltas canonical (rotated to the target) or, ``frame="writer"``, added as is."""
+
+    rows: int = 0
+    frame: str = "canonical"
+    factors: tuple = ()
+
+
+def corrected_origin(kv: Any, find: Any) -> CorrectedOrigin | None:
+    """``kv``'s provenance when it is a corrected segment (``low_rank`` exposed) of kept rows ``find``
+    finds (:meth:`Sources.find`), its factors computed now (what they read may change later); else
+    ``None``."""
+    low_rank = getattr(kv, "low_rank", None)
+    source = getattr(kv, "source", None)
+    if low_rank is None or source is None or not kv.deferred:
+        return None
+    origin = find(source)
+    if origin is None:
+        return None
+    factors = []
+    for layer in range(len(source.keys)):
+        pair = None
+        if low_rank.rows and not (low_rank.skip_layer0 and layer == 0):
+            pair = low_rank.factors(layer)
+            if pair is None:  # a layer without low-rank factors: the rows are computed on the scheduler
+                return None
+        factors.append(pair)
+    return CorrectedOrigin(**vars(origin), rows=low_rank.rows, frame=low_rank.frame, factors=tuple(factors))
+
+
+def add_delta(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    delta: Any,
+    rotation: Any,
+    shifter: Any,
+    layer: int,
+    heads: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of a corrected piece, on the worker's device: ``key`` / ``value`` ``[n, kv_heads,
+    head_dim]`` (the kept source rows, keys already re-positioned) plus the delta ``a @ b`` of their first
+    ``m`` rows (``delta``: ``((a_k, b_k), (a_v, b_v))``, ``a`` ``[m, R]``, ``b`` ``[R, D]`` over all KV
+    heads, ``heads`` this rank's ``[start, stop)`` of them), the keys' delta rotated by ``rotation``
+    (``None``: added as is). New tensors (the kept rows are not changed); the values
+    :class:`~hf_kvshare.anchors.corrected.CorrectedKV` writes, up to float rounding."""
+    (a_k, b_k), (a_v, b_v) = delta
+    m, dim = a_k.shape[0], key.shape[-1]
+
+    def rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        d = (a.to(key.device) @ b.to(key.device)).view(m, -1, dim)  # [m, kv_heads, head_dim]
+        return d if heads is None else d[:, heads[0] : heads[1]]
+
+    delta_k, delta_v = rows(a_k, b_k), rows(a_v, b_v)
+    if rotation is not None:  # as the shifter's [1, heads, m, dim]
+        delta_k = shifter.apply(delta_k.transpose(0, 1)[None], rotation, layer=layer)[0].transpose(0, 1)
+    key, value = key.clone(), value.clone()
+    key[:m] += delta_k.to(key.dtype)
+    value[:m] += delta_v.to(value.dtype)
+    return key, value
+
+
 class Sources:
     """The scheduler's registry of the read-backs the worker keeps (weak: a storage freed is gone), and
     the provenance of a placement's K/V among them (:meth:`find`). Thread-safe."""
