@@ -615,3 +615,85 @@ def test_the_worker_adds_a_corrected_claims_delta_to_its_kept_rows_as_the_host_c
         assert worker.get_block_ids_with_load_errors() == {5, 6}
     finally:
         worker.shutdown()
+
+
+@needs_vllm
+def test_kvcmas_claims_of_kept_rows_send_factors_and_the_worker_writes_the_schedulers_corrected_rows(
+    tiny_llama, tokenizer
+):
+    """Agents of several tasks reading a document through both connector sides (KVCMAS with low-rank
+    deltas): a corrected document of rows the worker keeps is a reference plus its factors on the order
+    channel, and the worker writes what the scheduler's placement computes, up to float rounding."""
+    sharing = Sharing(tiny_llama, tokenizer, "kvcmas", min_segment_tokens=4, tau=0.9, delta_rank=4)
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"background": False}),
+        cache_config=SimpleNamespace(block_size=16),
+    )
+    scheduler = HFKVShareScheduler(config, sharing)
+    c = tiny_llama.config
+    worker, names = _worker(
+        c.num_hidden_layers, c.num_key_value_heads, c.head_dim, device_store_bytes=1 << 30
+    )
+    worker._shifter = RopeShifter.from_model(tiny_llama)
+    worker._listen()
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+    scheduler.update_connector_output(
+        SimpleNamespace(
+            kv_connector_worker_meta=Captured(orders=worker._orders.address, bytes_per_token=per_token),
+            finished_sending=None,
+        )
+    )
+    doc = tokenizer(
+        "The river Lune reaches the sea at Plover Scar near Glasson. " * 4, add_special_tokens=False
+    )["input_ids"]
+    corrected = 0
+    try:
+        for task in range(3):
+            for agent, question in (("a1", " Where?"), ("a2", " Why?")):
+                rid = f"{task}{agent}"
+                prompt = doc + tokenizer(question, add_special_tokens=False)["input_ids"]
+                params = {
+                    lay.KEY: {
+                        "task": f"t{task}",
+                        "agent": agent,
+                        "segments": [{"slot": "doc", "start": 0, "end": len(doc)}],
+                    }
+                }
+                plan = sharing.plan(rid, prompt, params, 0)
+                scheduler._plans[rid] = plan
+                scheduler.update_state_after_alloc(SimpleNamespace(request_id=rid), None, plan.claimed)
+                meta = scheduler.build_connector_meta(
+                    SimpleNamespace(
+                        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(list(range(8)),))]
+                    )
+                )
+                assert _pickled_size(meta) <= METADATA_MAX_BYTES
+                if plan.claimed:
+                    worker.start_load_kv(meta)
+                    assert not worker.get_block_ids_with_load_errors()
+                    (load,) = meta.loads
+                    for source in load.sources:
+                        corrected += source.correction is not None
+                        lo = source.dst_start
+                        (kv,) = [
+                            p.kv for s, p in zip(plan.turn.spans, plan.placements) if s.start <= lo < s.end
+                        ]
+                        for i, name in enumerate(names):
+                            k, v = worker._io[name].read(load.block_ids, lo, lo + source.n)
+                            want_k = kv.keys[i][0, :, lo - kv.start : lo - kv.start + source.n].transpose(
+                                0, 1
+                            )
+                            want_v = kv.values[i][0, :, lo - kv.start : lo - kv.start + source.n]
+                            torch.testing.assert_close(k, want_k, rtol=1e-4, atol=1e-5)
+                            torch.testing.assert_close(v, want_v.transpose(0, 1), rtol=1e-4, atol=1e-5)
+                out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
+                scheduler.device_store.unpin(rid)
+                assert scheduler.device_store.admit(rid, keys.shape[1])[0]
+                assert worker.store.keep(rid, keys, values)
+                sharing.sources.register(rid, keys, values)
+                sharing.record(plan, keys, values, out, set())
+        assert corrected >= 2 and scheduler.load_bytes["factors"] > 0
+        assert scheduler.load_bytes["corrected"] > 0
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
