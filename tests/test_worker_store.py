@@ -6,6 +6,7 @@ small and tensor-free. No vLLM needed (the connector's messages stand alone with
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import pickle
@@ -580,6 +581,12 @@ def test_a_corrected_span_with_a_dense_delta_or_of_rows_not_kept_is_sent_whole(t
     corrected, sources, *_ = _corrected_claim(tiny_llama, "correction", rank=None)
     assert corrected.low_rank is None and corrected_origin(corrected, sources.find) is None  # dense: rows
     corrected, sources, *_ = _corrected_claim(tiny_llama, "correction")
+    nan = ((torch.full((15, 2), float("nan")), torch.ones(2, 8)),) * 2
+    good = corrected.low_rank
+    corrected.low_rank = dataclasses.replace(good, factors=lambda layer: nan)
+    assert corrected_origin(corrected, sources.find) is None  # non-finite: the host refuses it as before
+    corrected.low_rank = good
+    assert corrected_origin(corrected, sources.find) is not None
     sources.forget("src")
     assert corrected_origin(corrected, sources.find) is None  # not kept: the host's rows are sent
 

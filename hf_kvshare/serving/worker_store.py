@@ -223,8 +223,8 @@ class CorrectedOrigin(Origin):
 
 def corrected_origin(kv: Any, find: Any) -> CorrectedOrigin | None:
     """``kv``'s provenance when it is a corrected segment (``low_rank`` exposed) of kept rows ``find``
-    finds (:meth:`Sources.find`), its factors computed now (what they read may change later); else
-    ``None``."""
+    finds (:meth:`Sources.find`), its factors computed now (what they read may change later) and finite;
+    else ``None``."""
     low_rank = getattr(kv, "low_rank", None)
     source = getattr(kv, "source", None)
     if low_rank is None or source is None or not kv.deferred:
@@ -239,6 +239,8 @@ def corrected_origin(kv: Any, find: Any) -> CorrectedOrigin | None:
             pair = low_rank.factors(layer)
             if pair is None:  # a layer without low-rank factors: the rows are computed on the scheduler
                 return None
+            if not all(torch.isfinite(t).all() for side in pair for t in side):
+                return None  # computed on the scheduler, which refuses a non-finite correction as before
         factors.append(pair)
     return CorrectedOrigin(**vars(origin), rows=low_rank.rows, frame=low_rank.frame, factors=tuple(factors))
 
