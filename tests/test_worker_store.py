@@ -575,11 +575,14 @@ def test_a_corrected_span_of_kept_rows_travels_as_factors_and_the_worker_compute
             assert torch.equal(value[correction.rows :], want_v[correction.rows :])  # past the delta: as kept
 
 
-def test_a_corrected_span_with_a_dense_delta_or_of_rows_not_kept_is_sent_whole(tiny_llama):
+def test_a_corrected_span_with_a_dense_or_larger_delta_or_of_rows_not_kept_is_sent_whole(tiny_llama):
     from hf_kvshare.serving.worker_store import corrected_origin
 
     corrected, sources, *_ = _corrected_claim(tiny_llama, "correction", rank=None)
     assert corrected.low_rank is None and corrected_origin(corrected, sources.find) is None  # dense: rows
+    corrected, sources, *_ = _corrected_claim(tiny_llama, "correction", rank=12)
+    assert corrected.low_rank is not None  # low rank, but its factors outweigh the span's 20 rows: rows
+    assert corrected_origin(corrected, sources.find) is None
     corrected, sources, *_ = _corrected_claim(tiny_llama, "correction")
     nan = ((torch.full((15, 2), float("nan")), torch.ones(2, 8)),) * 2
     good = corrected.low_rank

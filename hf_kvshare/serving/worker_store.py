@@ -223,8 +223,9 @@ class CorrectedOrigin(Origin):
 
 def corrected_origin(kv: Any, find: Any) -> CorrectedOrigin | None:
     """``kv``'s provenance when it is a corrected segment (``low_rank`` exposed) of kept rows ``find``
-    finds (:meth:`Sources.find`), its factors computed now (what they read may change later) and finite;
-    else ``None``."""
+    finds (:meth:`Sources.find`), its factors computed now (what they read may change later), finite and
+    fewer bytes than the span's rows (``r (m + D)`` numbers per anchor and layer against ``S D``); else
+    ``None``."""
     low_rank = getattr(kv, "low_rank", None)
     source = getattr(kv, "source", None)
     if low_rank is None or source is None or not kv.deferred:
@@ -242,6 +243,12 @@ def corrected_origin(kv: Any, find: Any) -> CorrectedOrigin | None:
             if not all(torch.isfinite(t).all() for side in pair for t in side):
                 return None  # computed on the scheduler, which refuses a non-finite correction as before
         factors.append(pair)
+    factor_bytes = sum(
+        t.numel() * t.element_size() for pair in factors if pair for side in pair for t in side
+    )
+    row_bytes = sum(t[:1].numel() * t.element_size() for t in (*source.keys, *source.values))
+    if factor_bytes >= row_bytes:
+        return None  # the corrected rows are fewer bytes (a short span, many anchors): they are sent
     return CorrectedOrigin(**vars(origin), rows=low_rank.rows, frame=low_rank.frame, factors=tuple(factors))
 
 
