@@ -707,3 +707,15 @@ def test_kvcmas_claims_of_kept_rows_send_factors_and_the_worker_writes_the_sched
     finally:
         scheduler.shutdown()
         worker.shutdown()
+
+
+def test_a_tensor_parallel_rank_adds_its_own_heads_of_the_delta():
+    from hf_kvshare.serving.worker_store import add_delta
+
+    g = torch.Generator().manual_seed(5)
+    key, value = torch.randn(6, 4, 8, generator=g), torch.randn(6, 4, 8, generator=g)
+    delta = tuple((torch.randn(5, 3, generator=g), torch.randn(3, 32, generator=g)) for _ in range(2))
+    whole = add_delta(key, value, delta, None, None, 0)
+    mine = add_delta(key[:, 2:], value[:, 2:], delta, None, None, 0, heads=(2, 4))
+    assert all(torch.equal(w[:, 2:], m) for w, m in zip(whole, mine))
+    assert torch.equal(whole[0][5:], key[5:]) and not torch.equal(whole[0][:5], key[:5])
