@@ -919,7 +919,7 @@ def test_the_facade_checker_finds_faults():
 
 
 #: connector_common's classes vLLM carries from the scheduler to the worker each step
-STEP_METADATA = ("HFKVShareMetadata", "Load", "Source", "Capture")
+STEP_METADATA = ("HFKVShareMetadata", "Load", "Source", "Correction", "Capture")
 
 
 def tensor_fields(tree: ast.Module, classes: tuple[str, ...]) -> list[str]:
@@ -947,6 +947,21 @@ def test_the_step_metadata_carries_no_tensor():
 def test_the_tensor_field_finder_finds_one():
     source = "class Load:\n    keys: torch.Tensor\n    start: int\n    kv: dict[str, Tensor] = None\n"
     assert tensor_fields(ast.parse(source), ("Load",)) == ["Load.keys", "Load.kv"]
+
+
+#: the serving worker's side: it writes claims from kept rows, sent K/V and correction factors
+WORKER_SIDE = (f"{ROOT}.serving.connector_worker", f"{ROOT}.serving.worker_store")
+
+
+def test_the_worker_corrects_from_factors_without_the_anchors():
+    """A KVCMAS correction of rows the worker keeps reaches it as low-rank factors (a ``Correction`` in the
+    step metadata, the factors on the order channel) and is added there by ``worker_store.add_delta``:
+    the worker's side imports neither the anchors nor the methods (their state stays on the scheduler)."""
+    for name in WORKER_SIDE:
+        bad = sorted(m for m in imports_of(name) if m.startswith((f"{ROOT}.anchors", f"{ROOT}.methods")))
+        assert not bad, f"{name} imports {bad}"
+    tree = ast.parse(MODULES[f"{ROOT}.serving.worker_store"].read_text())
+    assert "add_delta" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
 #: where serving makes a stand-in of K/V (``meta`` tensors: the worker's :func:`stand_ins`, and the

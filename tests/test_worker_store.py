@@ -6,6 +6,7 @@ small and tensor-free. No vLLM needed (the connector's messages stand alone with
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import pickle
@@ -19,7 +20,7 @@ from hf_kvshare.rope import RopeShifter
 from hf_kvshare.segment_kv import SegmentKV
 from hf_kvshare.serving import channel
 from hf_kvshare.serving import layout as lay
-from hf_kvshare.serving.connector_common import HFKVShareMetadata, Load, Source
+from hf_kvshare.serving.connector_common import Captured, HFKVShareMetadata, Load, Source
 from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
 from hf_kvshare.serving.host import Sharing
 from hf_kvshare.serving.standin import engine
@@ -457,3 +458,226 @@ def test_a_finished_request_is_read_back_to_the_scheduler_only_for_a_method_read
         assert (sharing.read_backs.held > 0) == ship  # a stand-in's read-back holds no bytes here
     finally:
         scheduler.shutdown()
+
+
+# ------------------------------------------------------------------ corrections computed in the worker
+def _corrected_claim(tiny_llama, how, rank=2):
+    """A kept read-back ``src`` (40 rows, computed at positions 0 ..), registered with the scheduler's
+    :class:`Sources`, and KVCMAS's correction of its rows 10..30 placed at position 3 (``how``:
+    ``apply_correction`` / ``apply_piecewise``; ``rank=None``: dense deltas), 15 rows corrected."""
+    from hf_kvshare.anchors import apply_correction, apply_piecewise
+    from hf_kvshare.anchors.lowrank import FactoredKV
+    from hf_kvshare.anchors.pool import Anchor
+
+    config = tiny_llama.config
+    layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    shifter = RopeShifter.from_model(tiny_llama)
+    mirror = StoreMirror(1 << 30)
+    mirror.bytes_per_token = 1
+    sources = Sources(mirror)
+    keys, values = kv(layers, 40, heads, dim, seed=3)
+    assert mirror.admit("src", 40)[0]
+    sources.register("src", keys, values)
+    g = torch.Generator().manual_seed(4)
+
+    def rand(n):
+        return [torch.randn(1, heads, n, dim, generator=g) for _ in range(layers)]
+
+    anchors = []
+    for i, length in enumerate((24, 30)):
+        anchor = Anchor(base=FactoredKV.from_kv(rand(length), rand(length), rank), source="a", origin=i)
+        anchor.deltas["b"] = FactoredKV.from_kv(rand(length), rand(length), rank)
+        anchors.append(anchor)
+    weights = torch.softmax(torch.randn(2, 15, generator=g), dim=0)
+    source = _views(keys, values, 10, 30, start=10)
+    correct = apply_correction if how == "correction" else apply_piecewise
+    corrected = correct(source, anchors, "b", weights, weights.flip(0), 3, shifter, skip_layer0=True)
+    return corrected, sources, shifter, keys, values
+
+
+@pytest.mark.parametrize("how", ["correction", "piecewise"])
+def test_a_corrected_span_of_kept_rows_travels_as_factors_and_the_worker_computes_the_hosts_rows(
+    tiny_llama, how
+):
+    from hf_kvshare.serving.connector_scheduler import _correction
+    from hf_kvshare.serving.worker_store import CorrectedOrigin, add_delta, corrected_origin
+
+    corrected, sources, shifter, keys, values = _corrected_claim(tiny_llama, how)
+    origin = corrected_origin(corrected, sources.find)
+    assert isinstance(origin, CorrectedOrigin) and (origin.request_id, origin.row, origin.n) == (
+        "src",
+        10,
+        20,
+    )
+    assert origin.rows == 15 and origin.factors[0] is None  # layer 0 keeps the re-positioned source
+    host_keys, host_values = corrected.keys, corrected.values  # the host's rows (as sent before)
+    for skip, n in ((0, 20), (2, 16)):  # the whole span, and a claim starting inside it
+        factors = []
+        correction = _correction(origin, skip, n, factors)
+        assert correction.rows == 15 - skip and correction.delta_from == skip
+        sent = sum(t.numel() * t.element_size() for t in factors)
+        rows_bytes = 2 * keys[:, :n].numel() * keys.element_size()
+        assert 0 < sent < rows_bytes / 2  # the factors, not the rows
+        _, kind, factors = channel.decode_tensors(channel.encode_tensors("new", "factors", factors))
+        dst = 3 + skip
+        rotation = shifter.rotation(origin.start + skip, dst, n)
+        delta_rotation = shifter.rotation(correction.delta_from, dst, correction.rows)
+        for layer in range(len(keys)):
+            key = shifter.apply(
+                keys[layer, 10 + skip : 10 + skip + n].transpose(0, 1)[None], rotation, layer=layer
+            )
+            key, value = key[0].transpose(0, 1), values[layer, 10 + skip : 10 + skip + n]
+            a_k, b_k, a_v, b_v = factors[4 * layer : 4 * layer + 4]
+            if a_k.numel():
+                key, value = add_delta(key, value, ((a_k, b_k), (a_v, b_v)), delta_rotation, shifter, layer)
+            want_k = host_keys[layer][0, :, skip : skip + n].transpose(0, 1)
+            want_v = host_values[layer][0, :, skip : skip + n].transpose(0, 1)
+            torch.testing.assert_close(key, want_k, rtol=1e-5, atol=1e-5)  # up to float rounding
+            torch.testing.assert_close(value, want_v, rtol=1e-5, atol=1e-5)
+            assert torch.equal(value[correction.rows :], want_v[correction.rows :])  # past the delta: as kept
+
+
+def test_a_corrected_span_with_a_dense_or_larger_delta_or_of_rows_not_kept_is_sent_whole(tiny_llama):
+    from hf_kvshare.serving.worker_store import corrected_origin
+
+    corrected, sources, *_ = _corrected_claim(tiny_llama, "correction", rank=None)
+    assert corrected.low_rank is None and corrected_origin(corrected, sources.find) is None  # dense: rows
+    corrected, sources, *_ = _corrected_claim(tiny_llama, "correction", rank=12)
+    assert corrected.low_rank is not None  # low rank, but its factors outweigh the span's 20 rows: rows
+    assert corrected_origin(corrected, sources.find) is None
+    corrected, sources, *_ = _corrected_claim(tiny_llama, "correction")
+    nan = ((torch.full((15, 2), float("nan")), torch.ones(2, 8)),) * 2
+    good = corrected.low_rank
+    corrected.low_rank = dataclasses.replace(good, factors=lambda layer: nan)
+    assert corrected_origin(corrected, sources.find) is None  # non-finite: the host refuses it as before
+    corrected.low_rank = good
+    assert corrected_origin(corrected, sources.find) is not None
+    sources.forget("src")
+    assert corrected_origin(corrected, sources.find) is None  # not kept: the host's rows are sent
+
+
+@needs_vllm
+def test_the_worker_adds_a_corrected_claims_delta_to_its_kept_rows_as_the_host_computes_them(
+    tiny_llama, monkeypatch
+):
+    from hf_kvshare.serving import connector_worker
+    from hf_kvshare.serving.connector_scheduler import _correction
+    from hf_kvshare.serving.worker_store import corrected_origin
+
+    corrected, sources, shifter, keys, values = _corrected_claim(tiny_llama, "correction")
+    origin = corrected_origin(corrected, sources.find)
+    layers, _, heads, dim = keys.shape
+    worker, names = _worker(layers, heads, dim)
+    worker._shifter = shifter
+    try:
+        assert worker.store.keep("src", keys, values)
+        factors = []
+        source = Source("src", 10, 20, 0, 10, 3, _correction(origin, 0, 20, factors))
+        worker._on_tensors(*channel.decode_tensors(channel.encode_tensors("new", "factors", factors)))
+        worker.start_load_kv(HFKVShareMetadata(loads=[Load("new", [4, 2], 3, 20, sources=[source])]))
+        assert not worker.get_block_ids_with_load_errors()
+        for i, name in enumerate(names):
+            k, v = worker._io[name].read([4, 2], 3, 23)
+            torch.testing.assert_close(k, corrected.keys[i][0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, corrected.values[i][0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+        assert torch.equal(worker.store.get("src")[0], keys)  # the kept rows are not changed
+        # its factors never came: nothing written, the claim's blocks failed
+        monkeypatch.setattr(connector_worker, "PAYLOAD_WAIT_S", 0.1)
+        worker.start_load_kv(HFKVShareMetadata(loads=[Load("late", [5, 6], 3, 20, sources=[source])]))
+        assert worker.get_block_ids_with_load_errors() == {5, 6}
+    finally:
+        worker.shutdown()
+
+
+@needs_vllm
+def test_kvcmas_claims_of_kept_rows_send_factors_and_the_worker_writes_the_schedulers_corrected_rows(
+    tiny_llama, tokenizer
+):
+    """Agents of several tasks reading a document through both connector sides (KVCMAS with low-rank
+    deltas): a corrected document of rows the worker keeps is a reference plus its factors on the order
+    channel, and the worker writes what the scheduler's placement computes, up to float rounding."""
+    sharing = Sharing(tiny_llama, tokenizer, "kvcmas", min_segment_tokens=4, tau=0.9, delta_rank=4)
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"background": False}),
+        cache_config=SimpleNamespace(block_size=16),
+    )
+    scheduler = HFKVShareScheduler(config, sharing)
+    c = tiny_llama.config
+    worker, names = _worker(
+        c.num_hidden_layers, c.num_key_value_heads, c.head_dim, device_store_bytes=1 << 30
+    )
+    worker._shifter = RopeShifter.from_model(tiny_llama)
+    worker._listen()
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+    scheduler.update_connector_output(
+        SimpleNamespace(
+            kv_connector_worker_meta=Captured(orders=worker._orders.address, bytes_per_token=per_token),
+            finished_sending=None,
+        )
+    )
+    doc = tokenizer(
+        "The river Lune reaches the sea at Plover Scar near Glasson. " * 4, add_special_tokens=False
+    )["input_ids"]
+    corrected = 0
+    try:
+        for task in range(3):
+            for agent, question in (("a1", " Where?"), ("a2", " Why?")):
+                rid = f"{task}{agent}"
+                prompt = doc + tokenizer(question, add_special_tokens=False)["input_ids"]
+                params = {
+                    lay.KEY: {
+                        "task": f"t{task}",
+                        "agent": agent,
+                        "segments": [{"slot": "doc", "start": 0, "end": len(doc)}],
+                    }
+                }
+                plan = sharing.plan(rid, prompt, params, 0)
+                scheduler._plans[rid] = plan
+                scheduler.update_state_after_alloc(SimpleNamespace(request_id=rid), None, plan.claimed)
+                meta = scheduler.build_connector_meta(
+                    SimpleNamespace(
+                        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(list(range(8)),))]
+                    )
+                )
+                assert _pickled_size(meta) <= METADATA_MAX_BYTES
+                if plan.claimed:
+                    worker.start_load_kv(meta)
+                    assert not worker.get_block_ids_with_load_errors()
+                    (load,) = meta.loads
+                    for source in load.sources:
+                        corrected += source.correction is not None
+                        lo = source.dst_start
+                        (kv,) = [
+                            p.kv for s, p in zip(plan.turn.spans, plan.placements) if s.start <= lo < s.end
+                        ]
+                        for i, name in enumerate(names):
+                            k, v = worker._io[name].read(load.block_ids, lo, lo + source.n)
+                            want_k = kv.keys[i][0, :, lo - kv.start : lo - kv.start + source.n].transpose(
+                                0, 1
+                            )
+                            want_v = kv.values[i][0, :, lo - kv.start : lo - kv.start + source.n]
+                            torch.testing.assert_close(k, want_k, rtol=1e-4, atol=1e-5)
+                            torch.testing.assert_close(v, want_v.transpose(0, 1), rtol=1e-4, atol=1e-5)
+                out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
+                scheduler.device_store.unpin(rid)
+                assert scheduler.device_store.admit(rid, keys.shape[1])[0]
+                assert worker.store.keep(rid, keys, values)
+                sharing.sources.register(rid, keys, values)
+                sharing.record(plan, keys, values, out, set())
+        assert corrected >= 2 and scheduler.load_bytes["factors"] > 0
+        assert scheduler.load_bytes["corrected"] > 0
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_a_tensor_parallel_rank_adds_its_own_heads_of_the_delta():
+    from hf_kvshare.serving.worker_store import add_delta
+
+    g = torch.Generator().manual_seed(5)
+    key, value = torch.randn(6, 4, 8, generator=g), torch.randn(6, 4, 8, generator=g)
+    delta = tuple((torch.randn(5, 3, generator=g), torch.randn(3, 32, generator=g)) for _ in range(2))
+    whole = add_delta(key, value, delta, None, None, 0)
+    mine = add_delta(key[:, 2:], value[:, 2:], delta, None, None, 0, heads=(2, 4))
+    assert all(torch.equal(w[:, 2:], m) for w, m in zip(whole, mine))
+    assert torch.equal(whole[0][5:], key[5:]) and not torch.equal(whole[0][:5], key[:5])

@@ -8,12 +8,29 @@ cache being built; reading ``keys`` / ``values`` computes them once, the same va
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..rope import RopeShifter
 from ..segment_kv import DeferredKV, SegmentKV
+
+
+@dataclass(frozen=True)
+class LowRankDelta:
+    """A corrected segment's delta as weighted low-rank factors, so that it can be computed elsewhere
+    (a serving worker, on its device, from the source rows it keeps): ``factors(layer)`` returns
+    ``((a_k, b_k), (a_v, b_v))`` with the layer's key and value corrections of the first ``rows`` tokens
+    ``a @ b`` (``[rows, D]`` float32, as :class:`CorrectedKV` computes them), keys in the canonical frame
+    (rotated from positions ``0 ..`` to the target) or, with ``frame="writer"``, added as they are; with
+    ``skip_layer0`` layer 0 keeps the re-positioned source."""
+
+    rows: int
+    frame: str
+    skip_layer0: bool
+    factors: Callable[[int], Any]
 
 
 class CorrectedKV(DeferredKV):
@@ -44,6 +61,8 @@ class CorrectedKV(DeferredKV):
         self.start, self.agent, self.rope, self.finite = start, agent, rope, False
         self.source, self.rows, self.delta, self.shifter = source, rows, delta, shifter
         self.rotation = None
+        #: the delta as low-rank factors (:class:`LowRankDelta`) when its maker exposes them, else ``None``
+        self.low_rank: LowRankDelta | None = None
         if source is None:  # dataclasses.replace: plain K/V
             if keys is None or values is None:
                 raise ValueError("CorrectedKV needs a source to correct, or keys and values")
@@ -101,4 +120,6 @@ class CorrectedKV(DeferredKV):
         values_out[..., rows:, :] = v_src[..., rows:, :]
 
     def release(self) -> None:
-        self.source = self.delta = self.rotation = None  # what computed them is not held any longer
+        self.source = self.delta = self.rotation = self.low_rank = (
+            None  # what computed them is not held any longer
+        )

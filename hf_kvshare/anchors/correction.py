@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..cache import SegmentKV
 from ..rope import RopeShifter
-from .corrected import CorrectedKV
+from .corrected import CorrectedKV, LowRankDelta
 from .lowrank import FactoredKV, MatrixFactors, to_heads, to_matrix
 from .pool import Anchor
 
@@ -321,29 +322,59 @@ def token_weights(token_distances: torch.Tensor, temperature: float = 1.0) -> to
     return torch.softmax(-token_distances / temperature, dim=0).float()
 
 
+def weighted_factors(
+    factors: list[MatrixFactors], weights: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The low-rank terms of :func:`weighted_sum` as one product's factors ``(a, b)``: ``a = [w_1 A_1 |
+    ... | w_n A_n]`` ``[rows, sum r]`` float32, ``b = [B_1; ...; B_n]`` ``[sum r, D]`` (``None`` without
+    a low-rank term). ``a @ b`` is their sum: what a serving worker computes on its device."""
+    weights = weights.to(factors[0].a.device)
+    low = [(w, f) for w, f in zip(weights, factors) if not f.dense]
+    if not low:
+        return None
+    # each weighted block written straight into its columns (no per-anchor product, then a cat)
+    ranks = [f.a.shape[1] for _, f in low]
+    a = torch.empty(rows, sum(ranks), dtype=torch.float32, device=weights.device)
+    offset = 0
+    for (w, f), r in zip(low, ranks):
+        torch.mul(w[:, None], f.a[:rows], out=a[:, offset : offset + r])
+        offset += r
+    return a, torch.cat([f.b.float() for _, f in low], dim=0)
+
+
 def weighted_sum(factors: list[MatrixFactors], weights: torch.Tensor, rows: int) -> torch.Tensor:
     """``sum_v weights[v, :, None] * factors[v][:rows]`` ``[rows, D]`` without densifying low-rank terms.
 
-    Low-rank terms are combined as one product ``[w_1 A_1 | ... | w_n A_n] @ [B_1; ...; B_n]``.
+    Low-rank terms are combined as one product ``[w_1 A_1 | ... | w_n A_n] @ [B_1; ...; B_n]``
+    (:func:`weighted_factors`).
     """
     weights = weights.to(factors[0].a.device)
-    dense = [(w, f) for w, f in zip(weights, factors) if f.dense]
-    low = [(w, f) for w, f in zip(weights, factors) if not f.dense]
-    out = None
-    if low:
-        # each weighted block written straight into its columns (no per-anchor product, then a cat)
-        ranks = [f.a.shape[1] for _, f in low]
-        a = torch.empty(rows, sum(ranks), dtype=torch.float32, device=weights.device)
-        offset = 0
-        for (w, f), r in zip(low, ranks):
-            torch.mul(w[:, None], f.a[:rows], out=a[:, offset : offset + r])
-            offset += r
-        b = torch.cat([f.b.float() for _, f in low], dim=0)
-        out = a @ b
-    for w, f in dense:
-        term = w[:, None] * f.a[:rows].float()
-        out = term if out is None else out.add_(term)
+    low = weighted_factors(factors, weights, rows)
+    out = None if low is None else low[0] @ low[1]
+    for w, f in zip(weights, factors):
+        if f.dense:
+            term = w[:, None] * f.a[:rows].float()
+            out = term if out is None else out.add_(term)
     return out
+
+
+def piecewise_factors(
+    factors: list[MatrixFactors], weights: torch.Tensor, lengths: list[int], rows: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The low-rank terms of :func:`piecewise_sum` as one product's factors ``(a, b)`` (rows of ``a``
+    past a factor's length zero), as :func:`weighted_factors`; ``None`` without a low-rank term."""
+    weights = weights.to(factors[0].a.device)
+    low = [(w, f, n) for w, f, n in zip(weights, factors, lengths) if not f.dense]
+    if not low:
+        return None
+    ranks = [f.a.shape[1] for _, f, _ in low]
+    a = torch.zeros(rows, sum(ranks), dtype=torch.float32, device=weights.device)
+    offset = 0
+    for (w, f, n), r in zip(low, ranks):
+        n = min(n, rows)
+        torch.mul(w[:n, None], f.a[:n], out=a[:n, offset : offset + r])
+        offset += r
+    return a, torch.cat([f.b.float() for _, f, _ in low], dim=0)
 
 
 def piecewise_sum(
@@ -351,23 +382,16 @@ def piecewise_sum(
 ) -> torch.Tensor:
     """``sum_v weights[v, :, None] * factors[v]`` ``[rows, D]`` where factor ``v`` holds only its first
     ``lengths[v]`` rows (its rows past them count as zero: the weights there are 0 in a piecewise
-    correction); low-rank terms combined in one product, as :func:`weighted_sum` does."""
+    correction); low-rank terms combined in one product (:func:`piecewise_factors`)."""
     weights = weights.to(factors[0].a.device)
-    low = [(w, f, n) for w, f, n in zip(weights, factors, lengths) if not f.dense]
-    dense = [(w, f, n) for w, f, n in zip(weights, factors, lengths) if f.dense]
     out = torch.zeros(rows, factors[0].shape[1], dtype=torch.float32, device=weights.device)
-    if low:
-        ranks = [f.a.shape[1] for _, f, _ in low]
-        a = torch.zeros(rows, sum(ranks), dtype=torch.float32, device=weights.device)
-        offset = 0
-        for (w, f, n), r in zip(low, ranks):
+    low = piecewise_factors(factors, weights, lengths, rows)
+    if low is not None:
+        out += low[0] @ low[1]
+    for w, f, n in zip(weights, factors, lengths):
+        if f.dense:
             n = min(n, rows)
-            torch.mul(w[:n, None], f.a[:n], out=a[:n, offset : offset + r])
-            offset += r
-        out += a @ torch.cat([f.b.float() for _, f, _ in low], dim=0)
-    for w, f, n in dense:
-        n = min(n, rows)
-        out[:n] += w[:n, None] * f.a[:n].float()
+            out[:n] += w[:n, None] * f.a[:n].float()
     return out
 
 
@@ -396,7 +420,14 @@ def apply_piecewise(
             piecewise_sum([d.values[layer] for d in deltas], value_weights, lengths, rows),
         )
 
-    return corrected_kv(source, target_start, shifter, rows, layer_delta, skip_layer0, frame=frame)
+    def layer_factors(layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+        return _factor_pair(
+            piecewise_factors([d.keys[layer] for d in deltas], key_weights, lengths, rows),
+            piecewise_factors([d.values[layer] for d in deltas], value_weights, lengths, rows),
+        )
+
+    kv = corrected_kv(source, target_start, shifter, rows, layer_delta, skip_layer0, frame=frame)
+    return _with_factors(kv, deltas, layer_factors, frame, skip_layer0)
 
 
 def corrected_kv(
@@ -474,7 +505,28 @@ def apply_correction(
             weighted_sum([d.values[layer] for d in deltas], value_weights, k),
         )
 
-    return corrected_kv(source, target_start, shifter, k, layer_delta, skip_layer0, frame=frame)
+    def layer_factors(layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+        return _factor_pair(
+            weighted_factors([d.keys[layer] for d in deltas], key_weights, k),
+            weighted_factors([d.values[layer] for d in deltas], value_weights, k),
+        )
+
+    kv = corrected_kv(source, target_start, shifter, k, layer_delta, skip_layer0, frame=frame)
+    return _with_factors(kv, deltas, layer_factors, frame, skip_layer0)
+
+
+def _factor_pair(keys: Any, values: Any) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+    return None if keys is None or values is None else (keys, values)
+
+
+def _with_factors(
+    kv: CorrectedKV, deltas: list[FactoredKV], layer_factors: Callable, frame: str, skip_layer0: bool
+) -> CorrectedKV:
+    """``kv`` with its delta exposed as low-rank factors (:class:`~.corrected.LowRankDelta`) when every
+    anchor's delta is low rank in every layer (a dense term: not exposed; the rows are computed here)."""
+    if all(not f.dense for d in deltas for f in (*d.keys, *d.values)):
+        kv.low_rank = LowRankDelta(rows=kv.rows, frame=frame, skip_layer0=skip_layer0, factors=layer_factors)
+    return kv
 
 
 @dataclass

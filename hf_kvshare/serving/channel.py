@@ -15,6 +15,9 @@ step had run: behind another request's prefill, seconds. Two channels take them 
   :class:`Orders`' ``deliver`` in the worker): the K/V of a claim that are not rows the worker keeps
   (:mod:`.worker_store`; e.g. KVCMAS's corrected spans), under the request id, so the step's metadata
   carries no tensor;
+- **claims' correction factors** (scheduler -> worker, on the order channel: :meth:`Sender.send_tensors`,
+  :class:`Orders`' ``deliver_tensors``): a corrected claim whose source is rows the worker keeps sends only
+  its delta's low-rank factors (KVCMAS; :func:`~.worker_store.add_delta`), not its rows;
 - **read-back** (worker -> scheduler; :meth:`Sender.send` in the worker, :class:`Receiver` in the
   scheduler): the K/V the moment the worker has them; the scheduler's channel thread queues the
   record.
@@ -120,6 +123,42 @@ def decode(frames: list[Any]) -> tuple[str, torch.Tensor, torch.Tensor, str, int
     return str(header["request_id"]), out[0], out[1], str(header.get("via", "")), int(header.get("rank", 0))
 
 
+def encode_tensors(request_id: str, kind: str, tensors: list[torch.Tensor]) -> list[Any]:
+    """The frames of a list of tensors of any shapes under ``request_id``: a JSON header (``kind``, each
+    tensor's shape and dtype), then each tensor's bytes (a claim's correction factors)."""
+    for t in tensors:
+        if str(t.dtype) not in _DTYPES:
+            raise ValueError(f"a tensor message's dtype must be one of {sorted(_DTYPES)}; got {t.dtype}")
+    header = {
+        "request_id": request_id,
+        "kind": kind,
+        "tensors": [[list(t.shape), str(t.dtype)] for t in tensors],
+    }
+    return [json.dumps(header).encode(), *(_bytes(t) for t in tensors)]
+
+
+def decode_tensors(frames: list[Any]) -> tuple[str, str, list[torch.Tensor]]:
+    """``(request_id, kind, tensors)`` of a message :func:`encode_tensors` made."""
+    header = json.loads(bytes(frames[0]))
+    specs = header.get("tensors")
+    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
+        raise ValueError(f"a tensor message's header must list its {len(frames) - 1} tensors; got {header!r}")
+    out = []
+    for (shape, dtype), frame in zip(specs, frames[1:]):
+        raw = bytearray(frame)
+        tensor = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        out.append(tensor.view(_DTYPES[dtype]).reshape(shape))
+    return str(header["request_id"]), str(header["kind"]), out
+
+
+def _is_tensors(frames: list[Any]) -> bool:
+    """Whether a message of several frames is a :func:`encode_tensors` one (its header names a kind)."""
+    try:
+        return "kind" in json.loads(bytes(frames[0]))
+    except ValueError:
+        return False
+
+
 class _Listener:
     """A PULL socket bound in a temporary folder of its own and a thread that hands each message's
     frames to ``handle`` (its errors logged: one bad message does not stop the channel); ``kind``
@@ -194,7 +233,9 @@ class Orders(_Listener):
     """The worker's end of the order channel: ``take(order)`` on its own thread for each JSON order the
     scheduler sent (:meth:`Sender.order`: read a finished request's K/V now, not at the next step), and
     ``deliver(request_id, keys, values, via)`` for each K/V message (:meth:`Sender.send`: a claim's K/V
-    that are not rows the worker keeps, for the step that writes them; without ``deliver`` refused)."""
+    that are not rows the worker keeps, for the step that writes them; without ``deliver`` refused), and
+    ``deliver_tensors(request_id, kind, tensors)`` for each tensor message (:meth:`Sender.send_tensors`:
+    a corrected claim's factors)."""
 
     kind = "orders"
 
@@ -202,8 +243,12 @@ class Orders(_Listener):
         self,
         take: Callable[[dict[str, Any]], None],
         deliver: Callable[[str, torch.Tensor, torch.Tensor, str], None] | None = None,
+        deliver_tensors: Callable[[str, str, list[torch.Tensor]], None] | None = None,
     ):
         def handle(frames: list[Any]) -> None:
+            if len(frames) > 1 and deliver_tensors is not None and _is_tensors(frames):
+                deliver_tensors(*decode_tensors(frames))
+                return
             if len(frames) == 3 and deliver is not None:
                 deliver(*decode(frames))
                 return
@@ -255,6 +300,11 @@ class Sender:
         """Queue one read-back (of tensor-parallel ``rank``'s heads); ``False`` when the channel is full
         or not connected (nothing sent)."""
         return self._send(encode(request_id, keys, values, via, rank))
+
+    def send_tensors(self, request_id: str, kind: str, tensors: list[torch.Tensor]) -> bool:
+        """Queue one tensor message (:func:`encode_tensors`); ``False`` when the channel is full or not
+        connected (nothing sent)."""
+        return self._send(encode_tensors(request_id, kind, tensors))
 
     def order(self, order: dict[str, Any]) -> bool:
         """Queue one JSON order; ``False`` when the channel is full or not connected (nothing sent)."""

@@ -36,10 +36,25 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Correction:
+    """A :class:`Source`'s low-rank delta (a KVCMAS corrected span, :class:`~.worker_store.CorrectedOrigin`):
+    its first ``rows`` rows get ``a @ b`` per layer, the factors being the tensors ``first ..`` of the
+    request's ``"factors"`` message on the order channel (``a_k, b_k, a_v, b_v`` per layer for its
+    ``layers`` layers, empty for a layer left uncorrected), the keys' delta rotated from positions ``delta_from ..`` to the
+    source's ``dst_start`` (``None``: added as is)."""
+
+    first: int
+    layers: int
+    rows: int
+    delta_from: int | None
+
+
+@dataclass
 class Source:
     """Claimed positions whose K/V are rows of a request the worker keeps (:mod:`.worker_store`): its rows
     ``[row, row + n)`` written at claim offset ``offset``, the keys re-positioned (RoPE) from position
-    ``src_start`` to ``dst_start`` on the worker's device (no move when equal)."""
+    ``src_start`` to ``dst_start`` on the worker's device (no move when equal); with ``correction``, a
+    delta added to them there (:class:`Correction`)."""
 
     request_id: str
     row: int
@@ -47,6 +62,7 @@ class Source:
     offset: int
     src_start: int
     dst_start: int
+    correction: Correction | None = None
 
 
 @dataclass

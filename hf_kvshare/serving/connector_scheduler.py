@@ -72,11 +72,11 @@ import torch
 
 from . import channel
 from .admission import DEFAULT_MAX_PLANNED_BYTES, DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
-from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source
+from .connector_common import Capture, Captured, Correction, HFKVShareMetadata, Load, Source
 from .host import BUDGETS, NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
 from .layout import images_of
 from .tensor_parallel import PENDING, rank_assembly
-from .worker_store import DEFAULT_DEVICE_STORE_BYTES, Sources, StoreMirror
+from .worker_store import DEFAULT_DEVICE_STORE_BYTES, CorrectedOrigin, Sources, StoreMirror
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,6 +102,7 @@ STORE_COUNTS = (
     "device_evicted",
     "metadata_bytes",
     "load_tokens",
+    "load_bytes",
 )
 #: messages the order channel holds (read-back orders and claims' K/V) before a send is refused
 ORDER_QUEUE = 32
@@ -230,6 +231,9 @@ class HFKVShareScheduler:
         self.metadata_bytes = {"last": 0, "max": 0, "steps": 0}
         #: claimed tokens written from rows the worker keeps (``referenced``) and sent on the order channel
         self.load_tokens = {"referenced": 0, "sent": 0}
+        #: bytes sent on the order channel for claims: K/V rows (``sent``) and correction factors
+        #: (``factors``, for ``corrected`` tokens whose delta the worker adds to rows it keeps)
+        self.load_bytes = {"sent": 0, "factors": 0, "corrected": 0}
         self._report_path = extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
         self._background = Background(
             self.sharing,
@@ -525,8 +529,10 @@ class HFKVShareScheduler:
 
     def _load(self, plan: Plan) -> Load:
         """The claim as references to rows the worker keeps (pinned at admission, until the request
-        ends) and the rest sent now on the order channel (:class:`Load`; module docstring)."""
+        ends), with the low-rank factors of a corrected one's delta, and the rest sent now on the order
+        channel (:class:`Load`; module docstring)."""
         load = Load(plan.request_id, [], plan.claim_start, plan.claimed)
+        factors: list[torch.Tensor] = []
         for lo, hi, origin, span_start in _pieces(plan):
             if origin is None:
                 load.payload.append((lo - plan.claim_start, hi - plan.claim_start))
@@ -540,19 +546,38 @@ class HFKVShareScheduler:
                     lo - plan.claim_start,
                     origin.start + skip,
                     lo,
+                    _correction(origin, skip, hi - lo, factors),
                 )
             )
         self.load_tokens["referenced"] += sum(source.n for source in load.sources)
         self.load_tokens["sent"] += sum(hi - lo for lo, hi in load.payload)
+        if factors:
+            self.load_bytes["corrected"] += sum(s.correction.rows for s in load.sources if s.correction)
+            self.load_bytes["factors"] += _nbytes(factors)
+            # every rank takes its own layers (by index in the model) and heads of the whole model's factors
+            self._send(
+                plan,
+                lambda: all(
+                    [
+                        s.send_tensors(plan.request_id, "factors", factors)
+                        for s in self._order_senders.values()
+                    ]
+                ),
+            )
         if load.payload:
             # plan.keys holds exactly the payload's rows, in order (Plan.sent_ranges); each rank takes its
             # stage's layers (pipeline parallel) and its own heads of them (tensor parallel)
-            sent = self._orders_connected() and self._send_claim(plan.request_id, plan.keys, plan.values)
-            if not sent:  # the worker reports the claim's blocks failed: vLLM recomputes or fails it
-                logger.error(
-                    "hf_kvshare: request %s's claimed K/V could not be sent to the worker", plan.request_id
-                )
+            self.load_bytes["sent"] += _nbytes(plan.keys) + _nbytes(plan.values)
+            self._send(plan, lambda: self._send_claim(plan.request_id, plan.keys, plan.values))
         return load
+
+    def _send(self, plan: Plan, send: Any) -> None:
+        """``send()`` (``True`` when every rank's order channel took it); when one refuses the worker
+        reports the claim's blocks failed (vLLM recomputes or fails it)."""
+        if not (self._orders_connected() and send()):
+            logger.error(
+                "hf_kvshare: request %s's claimed K/V could not be sent to the worker", plan.request_id
+            )
 
     def _send_claim(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """A claim's K/V to every worker rank's order channel, each the layers its stage holds (pipeline
@@ -671,6 +696,7 @@ class HFKVShareScheduler:
             **self.device_store.summary(),
             "metadata_bytes": dict(self.metadata_bytes),
             "load_tokens": dict(self.load_tokens),
+            "load_bytes": dict(self.load_bytes),
         }
 
     def _write_report(self, ids: tuple[str, str | None], report: dict[str, Any]) -> None:
@@ -876,6 +902,26 @@ def _nbytes(part: Any) -> int:
     holds none)."""
     tensors = [part] if isinstance(part, torch.Tensor) else list(part)
     return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+
+
+def _correction(origin: Any, skip: int, n: int, factors: list[torch.Tensor]) -> Correction | None:
+    """A referenced piece's :class:`Correction` (rows ``skip .. skip + n`` of a corrected span, a
+    :class:`~.worker_store.CorrectedOrigin`), its factors' rows appended to ``factors``; ``None`` for
+    plain kept rows or a piece past the corrected rows."""
+    rows = min(getattr(origin, "rows", 0), skip + n) - skip
+    if not isinstance(origin, CorrectedOrigin) or rows <= 0:
+        return None
+    correction = Correction(
+        len(factors), len(origin.factors), rows, skip if origin.frame == "canonical" else None
+    )
+    none = torch.empty(0)
+    for pair in origin.factors:
+        if pair is None:
+            factors += [none] * 4
+            continue
+        (a_k, b_k), (a_v, b_v) = pair
+        factors += [a_k[skip : skip + rows], b_k, a_v[skip : skip + rows], b_v]
+    return correction
 
 
 def _positions(keys: Any) -> int:

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import channel, paged
-from .connector_common import Capture, Captured, HFKVShareMetadata, Load
+from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source
 from .host import ServingError, skeleton_model
 from .tensor_parallel import kv_head_range, pipeline_parallel_size, tensor_parallel_size, worker_rank
 from .worker_store import (
@@ -63,6 +63,7 @@ from .worker_store import (
     DEFAULT_PAYLOAD_BYTES,
     DeviceStore,
     PayloadBuffer,
+    add_delta,
     stand_ins,
 )
 
@@ -112,7 +113,8 @@ class HFKVShareWorker:
         self._bytes_per_token: int | None = None
         self._names: list[str] = []  # the layers in the store's order
         self._shifter: Any = None  # built from the served model's config at the first re-positioning
-        #: claims' K/V from the order channel, by request id (its thread puts, the step takes), by bytes
+        #: claims' K/V from the order channel, by request id, and their correction factors, by
+        #: ``("factors", request id)`` (its thread puts, the step takes), by bytes
         self.payloads = PayloadBuffer(extra.get("payload_bytes", DEFAULT_PAYLOAD_BYTES))
         self._load_errors: set[int] = set()
 
@@ -155,9 +157,16 @@ class HFKVShareWorker:
         self.store.drop(metadata.drops)
 
     def _load(self, load: Load) -> bool:
-        """Write one claim: each kept source's rows (keys re-positioned here) and the K/V the order
-        channel brought; ``False`` when a piece is missing (nothing is written from anything else)."""
+        """Write one claim: each kept source's rows (keys re-positioned here, a corrected one's delta
+        added here: :func:`~.worker_store.add_delta`) and the K/V the order channel brought; ``False`` when
+        a piece is missing (nothing is written from anything else)."""
         pieces = []
+        factors = None
+        if any(source.correction is not None for source in load.sources):
+            factors, missing = self.payloads.take(("factors", load.request_id), PAYLOAD_WAIT_S)
+            if factors is None:
+                logger.error("hf_kvshare: request %s's correction factors %s", load.request_id, missing)
+                return False
         for source in load.sources:
             kept = self.store.get(source.request_id)
             if kept is None or source.row + source.n > kept[0].shape[1]:
@@ -171,7 +180,9 @@ class HFKVShareWorker:
             rotation = None
             if source.src_start != source.dst_start:
                 rotation = self.shifter.rotation(source.src_start, source.dst_start, source.n)
-            pieces.append((source.offset, kept[0][:, rows], kept[1][:, rows], rotation))
+            pieces.append(
+                (source.offset, kept[0][:, rows], kept[1][:, rows], rotation, self._delta(source, factors))
+            )
         if load.payload:
             kv, missing = self.payloads.take(load.request_id, PAYLOAD_WAIT_S)
             if kv is None:
@@ -183,7 +194,7 @@ class HFKVShareWorker:
                     self.own_heads(kv[0][:, at : at + hi - lo]),
                     self.own_heads(kv[1][:, at : at + hi - lo]),
                 )
-                pieces.append((lo, keys, values, None))
+                pieces.append((lo, keys, values, None, None))
                 at += hi - lo
             if kv[0].shape[0] != len(self._names):  # the scheduler sends this worker's layers only
                 logger.error(
@@ -193,16 +204,33 @@ class HFKVShareWorker:
                     len(self._names),
                 )
                 return False
-        for offset, keys, values, rotation in pieces:
+        for offset, keys, values, rotation, delta in pieces:
             for i, name in enumerate(self._names):
-                key = keys[i]
+                key, value, layer = keys[i], values[i], self._layer_of[name]
                 if rotation is not None:  # [n, heads, dim] as the shifter's [1, heads, n, dim]
-                    moved = self.shifter.apply(
-                        key.transpose(0, 1)[None], rotation, layer=self._layer_of[name]
-                    )
+                    moved = self.shifter.apply(key.transpose(0, 1)[None], rotation, layer=layer)
                     key = moved[0].transpose(0, 1)
-                self._io[name].write(load.block_ids, load.start + offset, key, values[i])
+                if delta is not None and delta[0][layer] is not None:
+                    key, value = add_delta(
+                        key, value, delta[0][layer], delta[1], self.shifter, layer, self._heads
+                    )
+                self._io[name].write(load.block_ids, load.start + offset, key, value)
         return True
+
+    def _delta(self, source: Source, factors: list[torch.Tensor] | None) -> tuple[list, Any] | None:
+        """A corrected source's delta: per layer ``((a_k, b_k), (a_v, b_v))`` (``None``: uncorrected) from
+        the request's factors message, and the rotation of its keys (``None``: added as is)."""
+        correction = source.correction
+        if correction is None or factors is None:
+            return None
+        layers = []
+        for at in range(correction.first, correction.first + 4 * correction.layers, 4):
+            a_k, b_k, a_v, b_v = factors[at : at + 4]
+            layers.append(None if a_k.numel() == 0 else ((a_k, b_k), (a_v, b_v)))
+        rotation = None
+        if correction.delta_from is not None and correction.delta_from != source.dst_start:
+            rotation = self.shifter.rotation(correction.delta_from, source.dst_start, correction.rows)
+        return layers, rotation
 
     @property
     def shifter(self) -> Any:
@@ -217,13 +245,23 @@ class HFKVShareWorker:
     def _on_payload(
         self, request_id: str, keys: torch.Tensor, values: torch.Tensor, via: str, rank: int = 0
     ) -> None:
-        """A claim's K/V from the order channel (its thread), for the step that writes them; what the
-        payload budget drops is logged (its claim's blocks are then reported failed)."""
-        for dropped in self.payloads.put(request_id, keys, values):
+        """A claim's K/V from the order channel (its thread), for the step that writes them."""
+        self._hold(request_id, keys, values)
+
+    def _on_tensors(self, request_id: str, kind: str, tensors: list[torch.Tensor]) -> None:
+        """A claim's tensors from the order channel (its thread; ``"factors"``: a corrected claim's)."""
+        self._hold((kind, request_id), *tensors)
+
+    def _hold(self, key: Any, *tensors: torch.Tensor) -> None:
+        """Keep what the order channel brought for the step that writes it; what the payload budget
+        drops is logged (its claim's blocks are then reported failed)."""
+        for dropped in self.payloads.put(key, *tensors):
+            kind, request_id = dropped if isinstance(dropped, tuple) else ("claimed K/V", dropped)
             logger.error(
-                "hf_kvshare: request %s's claimed K/V dropped past the worker's payload budget (%d bytes; "
+                "hf_kvshare: request %s's %s dropped past the worker's payload budget (%d bytes; "
                 "payload_bytes in kv_connector_extra_config): vLLM recomputes them",
-                dropped,
+                request_id,
+                kind,
                 self.payloads.max_bytes,
             )
 
@@ -255,7 +293,7 @@ class HFKVShareWorker:
             return
         self._listened = True  # tried once
         try:
-            self._orders = channel.Orders(self._on_order, self._on_payload)
+            self._orders = channel.Orders(self._on_order, self._on_payload, self._on_tensors)
         except Exception:  # noqa: BLE001 - read-backs then come with the step's output
             logger.exception("hf_kvshare: no order channel; read-backs come with the step's output")
 

@@ -63,6 +63,7 @@ from ..trajectory import PF, PH, Span
 from ..turn import Turn
 from ..walk import Walk
 from . import layout as lay
+from .worker_store import corrected_origin
 
 logger = logging.getLogger(__name__)
 
@@ -742,6 +743,8 @@ class Sharing:
         for span, placement in walk.place(scratch_cache):
             find = self.sources.find if self.sources is not None and placement is not None else None
             origin = find(placement.kv) if find is not None else None  # before it is moved
+            if origin is None and find is not None:  # a corrected span of kept rows: its delta's factors
+                origin = corrected_origin(placement.kv, find)
             if placement is not None and origin is None and is_stand_in(placement.kv):
                 # rows the worker no longer keeps, and no values here to send: computed by the engine
                 placement = None

@@ -32,6 +32,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +209,81 @@ class Origin:
     start: int
 
 
+@dataclass(frozen=True)
+class CorrectedOrigin(Origin):
+    """A corrected placement whose source is kept rows (:class:`Origin`) and whose delta is low rank
+    (KVCMAS's corrected spans: :class:`~hf_kvshare.anchors.corrected.LowRankDelta`): the worker
+    re-positions the rows and adds the delta on its device (:func:`add_delta`); only the factors travel.
+    ``factors[layer]``: ``((a_k, b_k), (a_v, b_v))`` of the span's first ``rows`` rows, ``None`` for a layer
+    left uncorrected; keys' deltas canonical (rotated to the target) or, ``frame="writer"``, added as is."""
+
+    rows: int = 0
+    frame: str = "canonical"
+    factors: tuple = ()
+
+
+def corrected_origin(kv: Any, find: Any) -> CorrectedOrigin | None:
+    """``kv``'s provenance when it is a corrected segment (``low_rank`` exposed) of kept rows ``find``
+    finds (:meth:`Sources.find`), its factors computed now (what they read may change later), finite and
+    fewer bytes than the span's rows (``r (m + D)`` numbers per anchor and layer against ``S D``); else
+    ``None``."""
+    low_rank = getattr(kv, "low_rank", None)
+    source = getattr(kv, "source", None)
+    if low_rank is None or source is None or not kv.deferred:
+        return None
+    origin = find(source)
+    if origin is None:
+        return None
+    factors = []
+    for layer in range(len(source.keys)):
+        pair = None
+        if low_rank.rows and not (low_rank.skip_layer0 and layer == 0):
+            pair = low_rank.factors(layer)
+            if pair is None:  # a layer without low-rank factors: the rows are computed on the scheduler
+                return None
+            if not all(torch.isfinite(t).all() for side in pair for t in side):
+                return None  # computed on the scheduler, which refuses a non-finite correction as before
+        factors.append(pair)
+    factor_bytes = sum(
+        t.numel() * t.element_size() for pair in factors if pair for side in pair for t in side
+    )
+    row_bytes = sum(t[:1].numel() * t.element_size() for t in (*source.keys, *source.values))
+    if factor_bytes >= row_bytes:
+        return None  # the corrected rows are fewer bytes (a short span, many anchors): they are sent
+    return CorrectedOrigin(**vars(origin), rows=low_rank.rows, frame=low_rank.frame, factors=tuple(factors))
+
+
+def add_delta(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    delta: Any,
+    rotation: Any,
+    shifter: Any,
+    layer: int,
+    heads: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of a corrected piece, on the worker's device: ``key`` / ``value`` ``[n, kv_heads,
+    head_dim]`` (the kept source rows, keys already re-positioned) plus the delta ``a @ b`` of their first
+    ``m`` rows (``delta``: ``((a_k, b_k), (a_v, b_v))``, ``a`` ``[m, R]``, ``b`` ``[R, D]`` over all KV
+    heads, ``heads`` this rank's ``[start, stop)`` of them), the keys' delta rotated by ``rotation``
+    (``None``: added as is). New tensors (the kept rows are not changed); the values
+    :class:`~hf_kvshare.anchors.corrected.CorrectedKV` writes, up to float rounding."""
+    (a_k, b_k), (a_v, b_v) = delta
+    m, dim = a_k.shape[0], key.shape[-1]
+
+    def rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        d = (a.to(key.device) @ b.to(key.device)).view(m, -1, dim)  # [m, kv_heads, head_dim]
+        return d if heads is None else d[:, heads[0] : heads[1]]
+
+    delta_k, delta_v = rows(a_k, b_k), rows(a_v, b_v)
+    if rotation is not None:  # as the shifter's [1, heads, m, dim]
+        delta_k = shifter.apply(delta_k.transpose(0, 1)[None], rotation, layer=layer)[0].transpose(0, 1)
+    key, value = key.clone(), value.clone()
+    key[:m] += delta_k.to(key.dtype)
+    value[:m] += delta_v.to(value.dtype)
+    return key, value
+
+
 class Sources:
     """The scheduler's registry of the read-backs the worker keeps (weak: a storage freed is gone), and
     the provenance of a placement's K/V among them (:meth:`find`). Thread-safe."""
@@ -300,16 +376,16 @@ class PayloadBuffer:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = check_byte_budget("payload_bytes", max_bytes)
-        self._kv: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self._dropped: OrderedDict[str, None] = OrderedDict()
+        self._kv: OrderedDict[Hashable, tuple[torch.Tensor, ...]] = OrderedDict()
+        self._dropped: OrderedDict[Hashable, None] = OrderedDict()
         self.bytes = 0
         self.dropped = 0
         self._ready = threading.Condition()
 
-    def put(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> list[str]:
-        """Hold a claim's K/V; returns the request ids dropped to stay within the budget (this one when
-        it alone passes it)."""
-        size = DeviceStore.nbytes(keys, values)
+    def put(self, request_id: Hashable, *tensors: torch.Tensor) -> list[Hashable]:
+        """Hold a claim's tensors (its K/V; or, keyed ``("factors", request id)``, a corrected claim's
+        factors); returns the keys dropped to stay within the budget (this one when it alone passes it)."""
+        size = sum(t.nbytes for t in tensors)
         with self._ready:
             self._pop(request_id)
             dropped = []
@@ -319,7 +395,7 @@ class PayloadBuffer:
                 while self.bytes + size > self.max_bytes:
                     dropped.append(next(iter(self._kv)))
                     self._pop(dropped[-1])
-                self._kv[request_id] = (keys, values)
+                self._kv[request_id] = tensors
                 self.bytes += size
                 self._dropped.pop(request_id, None)
             for gone in dropped:
@@ -330,8 +406,8 @@ class PayloadBuffer:
             self._ready.notify_all()
         return dropped
 
-    def take(self, request_id: str, timeout: float) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, str]:
-        """A claim's K/V, waiting up to ``timeout`` seconds for them to come, and why there are none
+    def take(self, request_id: Hashable, timeout: float) -> tuple[tuple[torch.Tensor, ...] | None, str]:
+        """A claim's tensors, waiting up to ``timeout`` seconds for them to come, and why there are none
         (``""`` when there are)."""
         with self._ready:
             self._ready.wait_for(lambda: request_id in self._kv or request_id in self._dropped, timeout)
@@ -341,10 +417,10 @@ class PayloadBuffer:
             kv = self._pop(request_id)
             return kv, "" if kv is not None else f"never came on the order channel within {timeout:g} s"
 
-    def _pop(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _pop(self, request_id: Hashable) -> tuple[torch.Tensor, ...] | None:
         kv = self._kv.pop(request_id, None)
         if kv is not None:
-            self.bytes -= DeviceStore.nbytes(*kv)
+            self.bytes -= sum(t.nbytes for t in kv)
         return kv
 
     def __len__(self) -> int:
