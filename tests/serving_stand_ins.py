@@ -77,14 +77,15 @@ class Delivered:
             )
 
 
-def announce_worker(scheduler, bytes_per_token=None, rank=0, deliver=None) -> Any:
+def announce_worker(scheduler, bytes_per_token=None, rank=0, deliver=None, address=None) -> Any:
     """What rank ``rank``'s worker tells the scheduler in its first step output: its order channel (a
-    listener that keeps nothing, or hands claims' K/V to ``deliver``) and, given, what one position of
-    K/V takes in its device store. Returns the listener (close it)."""
+    listener that keeps nothing, or hands claims' K/V to ``deliver``; or a real worker's, at ``address``)
+    and, given, what one position of K/V takes in its device store. Returns the listener it made (close
+    it; ``None`` with ``address``)."""
     from hf_kvshare.serving.connector_common import Captured
 
-    orders = channel.Orders(lambda order: None, deliver or (lambda *kv: None))
-    announced = Captured(orders=orders.address, bytes_per_token=bytes_per_token, rank=rank)
+    orders = None if address else channel.Orders(lambda order: None, deliver or (lambda *kv: None))
+    announced = Captured(orders=address or orders.address, bytes_per_token=bytes_per_token, rank=rank)
     scheduler.update_connector_output(
         SimpleNamespace(kv_connector_worker_meta=announced, finished_sending=None)
     )

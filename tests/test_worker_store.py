@@ -20,7 +20,7 @@ from hf_kvshare.rope import RopeShifter
 from hf_kvshare.segment_kv import SegmentKV
 from hf_kvshare.serving import channel
 from hf_kvshare.serving import layout as lay
-from hf_kvshare.serving.connector_common import Captured, HFKVShareMetadata, Load, Source
+from hf_kvshare.serving.connector_common import HFKVShareMetadata, Load, Source
 from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
 from hf_kvshare.serving.host import Sharing
 from hf_kvshare.serving.standin import engine
@@ -168,6 +168,28 @@ def _pickled_size(meta) -> int:
     return len(buffer.getvalue())
 
 
+def _document_steps(scheduler, sharing, tokenizer):
+    """Three tasks of two agents reading one document through the connector's scheduler side: each
+    request's ``(id, plan, step metadata)`` once vLLM took its claim and scheduled it (metadata <= 64 KB)."""
+    doc = tokenizer(
+        "The river Lune reaches the sea at Plover Scar near Glasson. " * 4, add_special_tokens=False
+    )["input_ids"]
+    for task in range(3):
+        for agent, question in (("a1", " Where?"), ("a2", " Why?")):
+            rid = f"{task}{agent}"
+            prompt = doc + tokenizer(question, add_special_tokens=False)["input_ids"]
+            segments = [{"slot": "doc", "start": 0, "end": len(doc)}]
+            params = {lay.KEY: {"task": f"t{task}", "agent": agent, "segments": segments}}
+            plan = sharing.plan(rid, prompt, params, 0)
+            assert plan.error is None
+            scheduler._plans[rid] = plan
+            scheduler.update_state_after_alloc(SimpleNamespace(request_id=rid), None, plan.claimed)
+            scheduled = SimpleNamespace(req_id=rid, block_ids=(list(range(8)),))
+            meta = scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[scheduled]))
+            assert _pickled_size(meta) <= METADATA_MAX_BYTES
+            yield rid, plan, meta
+
+
 @pytest.mark.parametrize("method", ["fullshared", "kvcmas"])
 def test_a_steps_metadata_with_fullshared_and_kvcmas_claims_is_small_and_holds_no_tensor(
     tiny_llama, tokenizer, method
@@ -185,51 +207,28 @@ def test_a_steps_metadata_with_fullshared_and_kvcmas_claims_is_small_and_holds_n
     delivered = Delivered()
     payloads = delivered.kv
     worker_orders = announce_worker(scheduler, bytes_per_position(tiny_llama.config), deliver=delivered)
-    doc = tokenizer(
-        "The river Lune reaches the sea at Plover Scar near Glasson. " * 4, add_special_tokens=False
-    )["input_ids"]
     claimed = sources = 0
     try:
-        for task in range(3):
-            for agent, question in (("a1", " Where?"), ("a2", " Why?")):
-                rid = f"{task}{agent}"
-                prompt = doc + tokenizer(question, add_special_tokens=False)["input_ids"]
-                params = {
-                    lay.KEY: {
-                        "task": f"t{task}",
-                        "agent": agent,
-                        "segments": [{"slot": "doc", "start": 0, "end": len(doc)}],
-                    }
-                }
-                plan = sharing.plan(rid, prompt, params, 0)
-                assert plan.error is None
-                scheduler._plans[rid] = plan
-                scheduler.update_state_after_alloc(SimpleNamespace(request_id=rid), None, plan.claimed)
-                meta = scheduler.build_connector_meta(
-                    SimpleNamespace(
-                        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(list(range(8)),))]
-                    )
-                )
-                assert _pickled_size(meta) <= METADATA_MAX_BYTES
-                if plan.claimed:
-                    (load,) = meta.loads
-                    claimed += 1
-                    sources += len(load.sources)
-                    covered = sorted([(s.offset, s.offset + s.n) for s in load.sources] + list(load.payload))
-                    assert covered[0][0] == 0 and covered[-1][1] == plan.claimed  # the whole claim, once
-                    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
-                    if method == "fullshared":
-                        assert not load.payload  # every placement is rows the worker keeps
-                    if load.payload:  # the rest came on the order channel, exactly the plan's rows
-                        assert delivered.wait(rid)
-                        index = torch.cat([torch.arange(lo, hi) for lo, hi in load.payload])
-                        assert torch.equal(payloads[rid][0], plan.keys.index_select(1, index))
-                # the request ends: the worker keeps its K/V (the mirror decides), the record sees them
-                out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
-                scheduler.device_store.unpin(rid)
-                assert scheduler.device_store.admit(rid, keys.shape[1])[0]
-                sharing.sources.register(rid, keys, values)
-                sharing.record(plan, keys, values, out, set())
+        for rid, plan, meta in _document_steps(scheduler, sharing, tokenizer):
+            if plan.claimed:
+                (load,) = meta.loads
+                claimed += 1
+                sources += len(load.sources)
+                covered = sorted([(s.offset, s.offset + s.n) for s in load.sources] + list(load.payload))
+                assert covered[0][0] == 0 and covered[-1][1] == plan.claimed  # the whole claim, once
+                assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+                if method == "fullshared":
+                    assert not load.payload  # every placement is rows the worker keeps
+                if load.payload:  # the rest came on the order channel, exactly the plan's rows
+                    assert delivered.wait(rid)
+                    index = torch.cat([torch.arange(lo, hi) for lo, hi in load.payload])
+                    assert torch.equal(payloads[rid][0], plan.keys.index_select(1, index))
+            # the request ends: the worker keeps its K/V (the mirror decides), the record sees them
+            out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
+            scheduler.device_store.unpin(rid)
+            assert scheduler.device_store.admit(rid, keys.shape[1])[0]
+            sharing.sources.register(rid, keys, values)
+            sharing.record(plan, keys, values, out, set())
         if method == "fullshared":  # every later agent's document: a reference to the first one's rows
             assert claimed == sources == 3 and not payloads
         else:  # KVCMAS's corrected documents: on the order channel
@@ -609,61 +608,30 @@ def test_kvcmas_claims_of_kept_rows_send_factors_and_the_worker_writes_the_sched
     worker._shifter = RopeShifter.from_model(tiny_llama)
     worker._listen()
     per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
-    scheduler.update_connector_output(
-        SimpleNamespace(
-            kv_connector_worker_meta=Captured(orders=worker._orders.address, bytes_per_token=per_token),
-            finished_sending=None,
-        )
-    )
-    doc = tokenizer(
-        "The river Lune reaches the sea at Plover Scar near Glasson. " * 4, add_special_tokens=False
-    )["input_ids"]
+    announce_worker(scheduler, per_token, address=worker._orders.address)
     corrected = 0
     try:
-        for task in range(3):
-            for agent, question in (("a1", " Where?"), ("a2", " Why?")):
-                rid = f"{task}{agent}"
-                prompt = doc + tokenizer(question, add_special_tokens=False)["input_ids"]
-                params = {
-                    lay.KEY: {
-                        "task": f"t{task}",
-                        "agent": agent,
-                        "segments": [{"slot": "doc", "start": 0, "end": len(doc)}],
-                    }
-                }
-                plan = sharing.plan(rid, prompt, params, 0)
-                scheduler._plans[rid] = plan
-                scheduler.update_state_after_alloc(SimpleNamespace(request_id=rid), None, plan.claimed)
-                meta = scheduler.build_connector_meta(
-                    SimpleNamespace(
-                        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(list(range(8)),))]
-                    )
-                )
-                assert _pickled_size(meta) <= METADATA_MAX_BYTES
-                if plan.claimed:
-                    worker.start_load_kv(meta)
-                    assert not worker.get_block_ids_with_load_errors()
-                    (load,) = meta.loads
-                    for source in load.sources:
-                        corrected += source.correction is not None
-                        lo = source.dst_start
-                        (kv,) = [
-                            p.kv for s, p in zip(plan.turn.spans, plan.placements) if s.start <= lo < s.end
-                        ]
-                        for i, name in enumerate(names):
-                            k, v = worker._io[name].read(load.block_ids, lo, lo + source.n)
-                            want_k = kv.keys[i][0, :, lo - kv.start : lo - kv.start + source.n].transpose(
-                                0, 1
-                            )
-                            want_v = kv.values[i][0, :, lo - kv.start : lo - kv.start + source.n]
-                            torch.testing.assert_close(k, want_k, rtol=1e-4, atol=1e-5)
-                            torch.testing.assert_close(v, want_v.transpose(0, 1), rtol=1e-4, atol=1e-5)
-                out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
-                scheduler.device_store.unpin(rid)
-                assert scheduler.device_store.admit(rid, keys.shape[1])[0]
-                assert worker.store.keep(rid, keys, values)
-                sharing.sources.register(rid, keys, values)
-                sharing.record(plan, keys, values, out, set())
+        for rid, plan, meta in _document_steps(scheduler, sharing, tokenizer):
+            if plan.claimed:
+                worker.start_load_kv(meta)
+                assert not worker.get_block_ids_with_load_errors()
+                (load,) = meta.loads
+                for source in load.sources:
+                    corrected += source.correction is not None
+                    lo = source.dst_start
+                    (kv,) = [p.kv for s, p in zip(plan.turn.spans, plan.placements) if s.start <= lo < s.end]
+                    for i, name in enumerate(names):
+                        k, v = worker._io[name].read(load.block_ids, lo, lo + source.n)
+                        want_k = kv.keys[i][0, :, lo - kv.start : lo - kv.start + source.n].transpose(0, 1)
+                        want_v = kv.values[i][0, :, lo - kv.start : lo - kv.start + source.n]
+                        torch.testing.assert_close(k, want_k, rtol=1e-4, atol=1e-5)
+                        torch.testing.assert_close(v, want_v.transpose(0, 1), rtol=1e-4, atol=1e-5)
+            out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
+            scheduler.device_store.unpin(rid)
+            assert scheduler.device_store.admit(rid, keys.shape[1])[0]
+            assert worker.store.keep(rid, keys, values)
+            sharing.sources.register(rid, keys, values)
+            sharing.record(plan, keys, values, out, set())
         assert corrected >= 2 and scheduler.load_bytes["factors"] > 0
         assert scheduler.load_bytes["corrected"] > 0
     finally:
