@@ -649,3 +649,24 @@ def test_a_tensor_parallel_rank_adds_its_own_heads_of_the_delta():
     mine = add_delta(key[:, 2:], value[:, 2:], delta, None, None, 0, heads=(2, 4))
     assert all(torch.equal(w[:, 2:], m) for w, m in zip(whole, mine))
     assert torch.equal(whole[0][5:], key[5:]) and not torch.equal(whole[0][:5], key[:5])
+
+
+def test_a_corrected_spans_factors_are_checked_finite_in_one_host_read(tiny_llama):
+    """Every layer's factors (keys and values) checked in one read: one device sync per corrected span."""
+    from test_host_syncs import counting_host_reads
+
+    from hf_kvshare.serving.worker_store import corrected_origin
+
+    corrected, sources, *_ = _corrected_claim(tiny_llama, "correction")
+    assert tiny_llama.config.num_hidden_layers > 2  # several layers with factors, each side two tensors
+    with counting_host_reads() as counts:
+        origin = corrected_origin(corrected, sources.find)
+    assert origin is not None and sum(counts.values()) == 1, counts
+    good = corrected.low_rank
+    nan = ((torch.full((15, 2), float("nan")), torch.ones(2, 8)),) * 2
+    corrected.low_rank = dataclasses.replace(
+        good, factors=lambda layer: nan if layer == 2 else good.factors(layer)
+    )
+    with counting_host_reads() as counts:
+        assert corrected_origin(corrected, sources.find) is None  # one layer non-finite: the rows are sent
+    assert sum(counts.values()) == 1, counts

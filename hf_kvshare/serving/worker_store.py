@@ -224,9 +224,9 @@ class CorrectedOrigin(Origin):
 
 def corrected_origin(kv: Any, find: Any) -> CorrectedOrigin | None:
     """``kv``'s provenance when it is a corrected segment (``low_rank`` exposed) of kept rows ``find``
-    finds (:meth:`Sources.find`), its factors computed now (what they read may change later), finite and
-    fewer bytes than the span's rows (``r (m + D)`` numbers per anchor and layer against ``S D``); else
-    ``None``."""
+    finds (:meth:`Sources.find`), its factors computed now (what they read may change later), fewer bytes
+    than the span's rows (``r (m + D)`` numbers per anchor and layer against ``S D``) and finite (all of
+    them checked in one host read); else ``None``."""
     low_rank = getattr(kv, "low_rank", None)
     source = getattr(kv, "source", None)
     if low_rank is None or source is None or not kv.deferred:
@@ -241,15 +241,16 @@ def corrected_origin(kv: Any, find: Any) -> CorrectedOrigin | None:
             pair = low_rank.factors(layer)
             if pair is None:  # a layer without low-rank factors: the rows are computed on the scheduler
                 return None
-            if not all(torch.isfinite(t).all() for side in pair for t in side):
-                return None  # computed on the scheduler, which refuses a non-finite correction as before
         factors.append(pair)
-    factor_bytes = sum(
-        t.numel() * t.element_size() for pair in factors if pair for side in pair for t in side
-    )
+    tensors = [t for pair in factors if pair for side in pair for t in side]
+    factor_bytes = sum(t.numel() * t.element_size() for t in tensors)
     row_bytes = sum(t[:1].numel() * t.element_size() for t in (*source.keys, *source.values))
     if factor_bytes >= row_bytes:
         return None  # the corrected rows are fewer bytes (a short span, many anchors): they are sent
+    # every factor's finiteness in one host read; non-finite: computed on the scheduler, which refuses a
+    # non-finite correction as before
+    if tensors and not torch.stack([torch.isfinite(t).all() for t in tensors]).all():
+        return None
     return CorrectedOrigin(**vars(origin), rows=low_rank.rows, frame=low_rank.frame, factors=tuple(factors))
 
 
