@@ -18,7 +18,13 @@ from test_kvcmas_gate import AGENTS, run_workflow
 from tiny import roles
 
 from hf_kvshare import Session, reasons
-from hf_kvshare.anchors.verify import NEGLIGIBLE, probe_rows, verify_correction
+from hf_kvshare.anchors.verify import (
+    NEGLIGIBLE,
+    covers_span,
+    probe_rows,
+    verify_correction,
+    whole_span_reason,
+)
 from hf_kvshare.cache import SegmentKV
 from hf_kvshare.methods.kvcmas import KVCMAS, PROFILES
 from hf_kvshare.methods.kvcomm import KVComm
@@ -99,17 +105,18 @@ def _verified(results):
 
 
 def test_a_rejected_probe_prefills_its_span_and_counts_its_tokens(tiny_llama, tokenizer):
-    method = KVCMAS(verify_tokens=4, verify_threshold=1e-9)  # every probe above NEGLIGIBLE rejects
+    # 3 probe tokens: fewer than every span's (a probe as long as its span is not run: verify_whole)
+    method = KVCMAS(verify_tokens=3, verify_threshold=1e-9)  # every probe above NEGLIGIBLE rejects
     results = run_workflow(tiny_llama, tokenizer, method, requests=3)
     probed = _verified(results)
     assert probed, "no span was probed"
     for _, seg in probed:
         assert seg.provenance == "dense" and seg.info["gate"] == "fallback"
-        assert seg.info["verify"]["accepted"] is False and seg.info["verify"]["tokens"] == 4
+        assert seg.info["verify"]["accepted"] is False and seg.info["verify"]["tokens"] == 3
         assert reasons.cause(seg.info)[0] == "verify_failed"
-    # the probe's tokens count as prefilled: with 2 probe tokens every decision is the same (every
+    # the probe's tokens count as prefilled: with 1 probe token every decision is the same (every
     # probe rejects, the same spans prefill, the same deltas are learned), 2 tokens fewer per probe
-    shorter = run_workflow(tiny_llama, tokenizer, KVCMAS(verify_tokens=2, verify_threshold=1e-9), requests=3)
+    shorter = run_workflow(tiny_llama, tokenizer, KVCMAS(verify_tokens=1, verify_threshold=1e-9), requests=3)
     for got, ref in zip(results, shorter):
         spans = sum(1 for s in got.cache.segments if s.kind == "PH" and "verify" in s.info)
         assert [s.provenance for s in got.cache.segments] == [s.provenance for s in ref.cache.segments]
@@ -195,3 +202,27 @@ def test_a_spread_probe_counts_its_tokens_out_of_the_corrected_rows(tiny_llama, 
         assert r.tokens_corrected + r.tokens_recomputed <= r.ph_tokens
     with pytest.raises(ValueError, match="verify_rows must be one of 'last', 'spread'"):
         KVCMAS(verify_tokens=8, verify_rows="first")
+
+
+def test_a_probe_as_long_as_its_span_prefills_the_span_instead_of_reporting_it_corrected(
+    tiny_llama, tokenizer
+):
+    """A probe of ``verify_tokens >=`` the span's length would compute every row of it, a prefill: the
+    span is prefilled (cause ``verify_whole``), its tokens counted as prefilled, none shared, recomputed
+    or corrected, and nothing probed; a span the gate rejected keeps the gate's cause."""
+    results = run_workflow(tiny_llama, tokenizer, KVCMAS(verify_tokens=10_000, verify_threshold=100.0), 3)
+    assert not _verified(results)  # before: every such span probed whole, then reported as corrected
+    whole, gated = 0, set()
+    for r in results:
+        spans = [s for s in r.cache.segments if s.kind == "PH" and s.provenance == "dense"]
+        causes = [reasons.cause(s.info)[0] for s in spans]
+        gated |= set(causes)
+        assert all(s.info["gate"] == "fallback" for s, c in zip(spans, causes) if c == "verify_whole")
+        assert r.tokens_corrected == 0 and r.tokens_recomputed == 0 and r.tokens_reused == 0
+        tokens = sum(s.length for s, c in zip(spans, causes) if c == "verify_whole")
+        assert r.not_shared().get("verify_whole", {}).get("tokens", 0) == tokens
+        assert r.ph_prefilled == r.ph_tokens  # counted as prefilled, not shared
+        whole += tokens
+    assert whole > 0 and {"length_rule", "no_anchors"} & gated  # the gate's rejections keep their cause
+    assert reasons.cause_of_reason(whole_span_reason(10_000, 12)) == "verify_whole"
+    assert covers_span(12, 12) and not covers_span(11, 12)

@@ -35,7 +35,8 @@ each off):
 - ``verify_tokens > 0`` (off in both profiles): each correction is verified on a probe of the span's
   last tokens (:mod:`.verify`) when placed, and prefilled when the probe rejects it; a span the gate
   rejected is probed too when an anchor holds the consumer's correction (:attr:`Edge.rejected`), and
-  placed when the probe accepts it.
+  placed when the probe accepts it. A span no longer than the probe is prefilled (the probe would
+  recompute all of it).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from .gate import GateDecision, reliability_gate, usage_reference
 from .lowrank import DeferredFactoredKV, FactoredKV, relative_spread
 from .pool import Anchor, correction_agreement, nearest_relative
 from .scope import USAGE_MASS, Edge, Reuse, Scope, following_pf
-from .verify import Probe, verify_correction
+from .verify import Probe, covers_span, verify_correction, whole_span_reason
 
 #: a repeated place's suffix (``doc#2``, ``agent.m1#3``): :meth:`SlotScope.pool_key` pools it with ``doc``
 _AGAIN = re.compile(r"#\d+$")
@@ -360,6 +361,13 @@ class SlotScope(Scope):
                 )
                 return Reuse(kv=edge.source, provenance="reused", source_agent=edge.label, info=info)
         reused = None
+        if self.verifying and cache is not None and covers_span(o.verify_tokens, span.length):
+            # the probe would compute every row: the span is prefilled (the same K/V), not corrected; a
+            # span the gate rejected keeps the gate's reason
+            edge.dense = "fallback"
+            if not edge.rejected:
+                edge.reason = whole_span_reason(o.verify_tokens, span.length)
+            return None
         if self.verifying and cache is not None:
             probe = self.verify(turn, span, edge, kv, cache)
             threshold, scale = o.verify_threshold, o.verify_scale

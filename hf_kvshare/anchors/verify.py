@@ -16,7 +16,9 @@ runs). Their error on the probe tokens says how well the corrected span serves w
 correction must remove enough of the source's error) or ``error <= threshold`` (``scale="exact"``: the
 corrected K/V must be close enough to the exact ones, however close the source already was); under
 :data:`NEGLIGIBLE` always (the source was already exact there). The probe's exact K/V replace the corrected
-ones on its tokens (:attr:`Probe.kv`): they are computed anyway.
+ones on its tokens (:attr:`Probe.kv`): they are computed anyway. A probe as long as the span
+(:func:`covers_span`) would recompute all of it: the span is prefilled instead, its cause
+``verify_whole``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,21 @@ class Probe:
             f"verification probe rejected the correction: error {self.error:.3g} is {self.ratio:.2g} of the "
             f"uncorrected source's {self.uncorrected:.3g} on its {self.tokens} tokens > {threshold:g}"
         )
+
+
+def covers_span(tokens: int, length: int) -> bool:
+    """Whether a probe of ``tokens`` tokens takes every row of a span of ``length`` (:func:`probe_rows`):
+    it would compute the whole span exactly, a prefill of it, so the span is prefilled instead
+    (:func:`whole_span_reason`) and neither corrected nor probed."""
+    return int(tokens) >= int(length)
+
+
+def whole_span_reason(tokens: int, length: int) -> str:
+    """Why a span a probe would cover whole is prefilled (the text :mod:`hf_kvshare.reasons` classifies)."""
+    return (
+        f"verification probe covers the whole span ({tokens} probe tokens, the span {length}): "
+        "prefilled, its K/V computed exactly, not corrected"
+    )
 
 
 def probe_rows(
