@@ -257,6 +257,13 @@ class Method(StatePersistence, metaclass=_MethodType):
         recomputation methods read any slot's latest)."""
         return True
 
+    def why_not_placed(self, turn: Turn, span: Any) -> str | None:
+        """Why the method placed nothing at PH ``span`` of ``turn`` (its ``placeholder`` returned
+        ``None``), in its own words (KVCMAS: its gate's reason); asked by the serving host at admission
+        for the claim's stop and the reply's report. ``None`` (the default): it says nothing, and the
+        host names what it knows (no K/V kept, evicted)."""
+        return None
+
     # ------------------------------------------------------------ generation hooks
     def generation_context(self, turn: Turn) -> contextlib.AbstractContextManager:
         """Context entered around ``generate`` (e.g. selecting the agent's LoRA adapter)."""

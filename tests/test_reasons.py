@@ -236,6 +236,42 @@ def test_server_reports_give_evicted_where_the_stores_bound_evicted_the_slot(tin
     assert set(run(by_bytes, "r2", "t1", "a2", {"slot": "doc"})) == {"evicted"}
 
 
+def test_a_kvcmas_span_its_gate_refused_stops_the_claim_with_the_gates_cause(tiny_llama, tokenizer):
+    """On the server, KVCMAS keeps its sources in the request's state, not in the task's slots: a span
+    its gate refused (here the nearest rule: ``gate_far``) stops the claim, and the reply's report
+    says, with the gate's cause, not "no K/V kept for it" (``first``), as the recorded report does."""
+    from hf_kvshare.serving.host import Sharing
+    from hf_kvshare.serving.standin import engine
+
+    opts = {"tau": 1.0, "nearest": 1e-6, "trust_agreement": False, "observation_source": "question"}
+    sharing = Sharing(tiny_llama, tokenizer, "kvcmas", min_segment_tokens=4, **opts)
+    systems = {"planner": "You plan.\n", "critic": "You criticise.\n", "writer": "You write it up.\n"}
+    stops = []
+    for t in range(3):
+        doc = f"Report {t}: the river Lune reaches the sea at Plover Scar, site {t}."
+        for position, agent in enumerate(systems):
+            ids, segments = (
+                _ids(tokenizer, systems[agent]) + _ids(tokenizer, doc),
+                [{"slot": "doc", "text": doc}],
+            )
+            for reader in list(systems)[:position]:
+                ids += _ids(tokenizer, "\nNotes:") + sharing.hosts[f"t{t}"].slots[reader].token_ids.tolist()
+                segments.append({"slot": reader})
+            ids += _ids(tokenizer, "\nSummarize it:")
+            layout = {lay.KEY: {"task": f"t{t}", "agent": agent, "segments": segments, "output": agent}}
+            plan = sharing.plan(f"{t}-{agent}", ids, layout, 0)
+            admitted = {name: row["tokens"] for name, row in reasons.report_causes(plan.report()).items()}
+            out, k, v = engine(tiny_llama, plan, max_new_tokens=4)
+            sharing.record(plan, k, v, out, set())
+            assert plan.error is None
+            recorded = {name: row["tokens"] for name, row in reasons.report_causes(plan.report()).items()}
+            assert admitted == recorded  # admission knew the gate's cause
+            stop = plan.claim_stop
+            if stop is not None and stop["span"] in sharing.hosts[f"t{t}"].slots:
+                stops.append(reasons.cause_of_reason(stop["reason"]))
+    assert "gate_far" in stops, stops  # before: "no K/V kept for it" (first)
+
+
 def test_bench_serve_console_line_names_the_top_causes():
     from hf_kvshare.bench.serve.columns import console_line
 

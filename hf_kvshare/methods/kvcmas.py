@@ -694,6 +694,14 @@ class KVCMAS(PrefixReuse, Method):
         the session extracted of those slots."""
         return self.scope.source_kind(turn, slot) == "chained"
 
+    def why_not_placed(self, turn: Turn, span) -> str | None:
+        """The reason of the gate or fallback that left ``span`` dense (its report's); ``None`` where the
+        turn had no source to decide on (the first reader: the host knows why)."""
+        edge = self.scope.edges(turn).get(span.start)
+        if edge is None or edge.source is None or edge.dense is None:
+            return None
+        return edge.report().get("reason") or None
+
     def record(self, turn: Turn, cache) -> None:
         """After the first token: keep the producer's cache of the output (and its gate decision),
         then store the observed corrections of the spans that were prefilled because of a rejection

@@ -763,16 +763,21 @@ class Sharing:
     def _why_unplaced(self, host: ServingHost, turn: Turn, span: Span, dropped: bool = False) -> str:
         """Why admission did not place ``span`` (under the store's lock): its K/V a stand-in of rows the
         worker dropped (``dropped``: :data:`DEVICE_EVICTED`); the agent's own text; a slot another open
-        turn of the task will record (:data:`NOT_RECORDED_YET`); else the method's own reason (its gate,
-        when it wrote one)."""
+        turn of the task will record (:data:`NOT_RECORDED_YET`); the method's own reason (its gate:
+        :meth:`~hf_kvshare.method.Method.why_not_placed`), before what the store knows (KVCMAS keeps its
+        sources in the request's state, not in the slot: an empty slot is not why its gate refused)."""
         if dropped:
             return DEVICE_EVICTED
         if span.kind == "PF":
             return OWN_TEXT_OFF if getattr(self.method, "prefix_reuse", None) is False else OWN_TEXT_NEW
         slot = host.slots.get(span.name)
-        if slot is None or slot.latest is None:
-            if self._in_flight_reads(host, span.name, turn):
-                return NOT_RECORDED_YET
+        empty = slot is None or slot.latest is None
+        if empty and self._in_flight_reads(host, span.name, turn):
+            return NOT_RECORDED_YET
+        own = self.method.why_not_placed(turn, span)
+        if own:
+            return own
+        if empty:
             return EVICTED if span.name in host.evicted else NO_KV_KEPT
         return "not placed by the method"
 
