@@ -3,7 +3,9 @@ script takes vLLM's command line, answers ``/health`` and starts an "engine" chi
 vLLM's API server does. Checked: the server dies with the process that started it, whatever ends that
 process (SIGTERM, SIGHUP, SIGKILL); a port held by another process is refused before anything starts;
 a server that exits before it answers is reported with the cause its output gives; the store bounds
-and vLLM's CPU KV-cache size are checked and set before vLLM starts."""
+and vLLM's CPU KV-cache size are checked and set before vLLM starts; a normal stop is quiet (vLLM's
+shutdown trace kept in the log, the console told the server stopped) and a server that died before
+its stop still reports its error."""
 
 from __future__ import annotations
 
@@ -48,13 +50,24 @@ STAND_IN = textwrap.dedent(
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(os.environ["FAKE_VLLM_PIDS"], "w") as f:
         f.write(f"{os.getpid()} {engine.pid}")
-    def stop(signum, frame):
-        engine.kill(); engine.wait(); os._exit(0)
+    def stop(signum, frame):  # vLLM's normal stop logs its output handler's EngineDeadError trace
+        engine.kill(); engine.wait()
+        try:  # (no one reads it when the launcher was killed)
+            print("ERROR AsyncLLM output_handler failed.", flush=True)
+            print("ERROR Traceback (most recent call last):", flush=True)
+            print("ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.", flush=True)
+        finally:
+            os._exit(0)
+    def crash():  # FAKE_VLLM=crash: dies by itself once it has answered
+        print("RuntimeError: the engine core died (out of memory)", flush=True)
+        engine.kill(); engine.wait(); os._exit(3)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+            if os.environ.get("FAKE_VLLM") == "crash":
+                import threading; threading.Timer(0.3, crash).start()
         def log_message(self, *a):
             pass
     http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
@@ -220,3 +233,59 @@ def test_the_middleware_is_told_whether_vllm_may_check_an_api_key(monkeypatch):
     assert api_key(env={API_KEY_ENV: "k"}) is True and api_key(env={API_KEY_ENV: ""}) is False
     monkeypatch.setenv(API_KEY_ENV, "k")  # this process's environment reaches the server too
     assert api_key() is True
+
+
+def test_a_normal_stop_keeps_vllms_shutdown_trace_off_the_console_and_says_it_stopped(
+    stand_in, tmp_path, capsys
+):
+    """vLLM logs an ``EngineDeadError`` trace as its engine stops: not echoed (the tail keeps it), and in
+    a log file followed by a line saying it is the normal stop; the stop's note says the server stopped."""
+    from hf_kvshare.serving.server import STOPPED_NOTE
+
+    env = {"FAKE_VLLM_PIDS": str(tmp_path / "p")}
+    server = Server(".", method=None, python=str(stand_in), env=env)
+    server.start()
+    server.wait_ready(timeout=60)
+    assert server.stop() == 0 and server.stopped == (0, False, None)
+    assert "EngineDeadError" not in capsys.readouterr().out  # before: echoed as it came
+    assert any("EngineDeadError" in line for line in server._tail)
+    assert server.stop_note() == f"vLLM's server on {server.url} stopped"
+
+    log = tmp_path / "server.log"
+    server = Server(".", method=None, python=str(stand_in), env=env, log=log)
+    server.start()
+    server.wait_ready(timeout=60)
+    server.stop()
+    lines = log.read_text().splitlines()
+    assert "EngineDeadError" in "\n".join(lines) and lines[-1] == f"hf-kvshare: {STOPPED_NOTE}"
+    assert server.stop_note() == f"vLLM's server on {server.url} stopped (its log: {log})"
+
+
+def test_a_server_that_died_before_its_stop_still_reports_its_error(stand_in, tmp_path, monkeypatch, capsys):
+    """The bench's ``running`` (each server's stop on the console) and ``hf-kvshare serve``'s loop: a
+    normal stop is one line on stdout; a server that exited by itself before the stop, its code and
+    error line on stderr."""
+    from hf_kvshare.bench.serve import running
+    from hf_kvshare.serving.server import run
+
+    env = {"FAKE_VLLM_PIDS": str(tmp_path / "p")}
+    log = tmp_path / "plain.log"
+    with running(Server(".", method=None, python=str(stand_in), env=env, log=log), 60) as server:
+        pass
+    out, err = capsys.readouterr()
+    assert f"vLLM's server on {server.url} stopped" in out and not err
+    monkeypatch.setenv("FAKE_VLLM", "crash")
+    with running(Server(".", method=None, python=str(stand_in), env=env, log=log), 60) as server:
+        wait_for(lambda: server.process.poll() is not None, 30, "the stand-in crashed")
+    out, err = capsys.readouterr()
+    assert server.stopped[:2] == (3, True) and "stopped" not in out
+    assert err.strip() == (
+        f"vLLM's server on {server.url} had exited (code 3) before it was stopped: RuntimeError: the engine "
+        f"core died (out of memory); see {log}"
+    )
+    assert "hf-kvshare: stopped by its launcher" not in log.read_text()  # a crash is not called a stop
+    server = Server(".", method=None, python=str(stand_in), env=env)
+    assert run(server, timeout=60) == 1
+    out, err = capsys.readouterr()
+    assert "had exited (code 3) before it was stopped: RuntimeError: the engine core died" in err
+    assert "RuntimeError: the engine core died" in out  # its output, echoed as it came (no stop then)

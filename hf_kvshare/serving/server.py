@@ -63,6 +63,11 @@ MIDDLEWARE = "hf_kvshare.serving.middleware.LayoutCheck"
 #: it nor ``--kv-cache-memory-bytes``; GPU builds ignore it.
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 DEFAULT_CPU_KV_CACHE_GIB = 4
+#: the line :meth:`Server.stop` writes into the server's log after a stop it made
+STOPPED_NOTE = (
+    "stopped by its launcher; vLLM logs an EngineDeadError trace as its engine stops (above): its normal "
+    "stop, not a failure"
+)
 #: a line of the server's output that names why it failed (the last such line is reported)
 _CAUSE = re.compile(r"(Error|Exception|error:|Address already in use|Killed|out of memory)")
 _PR_SET_PDEATHSIG = 1
@@ -343,6 +348,11 @@ class Server:
         self._opened_log: Any = None  # the file start() opened for a ``log`` path
         self._tail: collections.deque[str] = collections.deque(maxlen=400)  # output, without a log
         self._echo: threading.Thread | None = None
+        self._stopping = False  # set by stop(): the echo keeps the shutdown's output off the console
+        #: what the last :meth:`stop` found (:meth:`stop_note`): ``(exit code, exited before the stop,
+        #: its error line)``; ``None`` before a stop
+        self.stopped: tuple[int | None, bool, str | None] | None = None
+        self._exit_raised = False  # wait_ready raised the early exit with its cause already
         if CPU_KV_CACHE_ENV not in {**os.environ, **self.env} and not any(
             a.split("=", 1)[0] == "--kv-cache-memory-bytes" for a in self.vllm_args
         ):
@@ -401,6 +411,7 @@ class Server:
             log.write(" ".join(command) + "\n")
             log.flush()
         self._tail.clear()
+        self._stopping, self.stopped, self._exit_raised = False, None, False
         self.process = subprocess.Popen(
             command,
             env=self.environment(),
@@ -418,8 +429,9 @@ class Server:
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace")
             self._tail.append(line.rstrip("\n"))
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            if not self._stopping:  # a stop's shutdown output (vLLM's EngineDeadError trace) is kept only
+                sys.stdout.write(line)
+                sys.stdout.flush()
         stream.close()
 
     def failure_cause(self) -> str | None:
@@ -447,6 +459,7 @@ class Server:
             if self.process is None or self.process.poll() is not None:
                 code = None if self.process is None else self.process.returncode
                 cause = self.failure_cause()
+                self._exit_raised = True
                 raise RuntimeError(
                     f"vLLM's server exited (code {code}) before it answered"
                     + (f": {cause}" if cause else "")
@@ -472,15 +485,45 @@ class Server:
         )
 
     def stop(self, grace: float = 30.0) -> int | None:
-        """SIGINT to the server's process group, then SIGTERM, then SIGKILL (each waited on, bounded)."""
+        """SIGINT to the server's process group, then SIGTERM, then SIGKILL (each waited on, bounded).
+
+        A server still running is stopped quietly: vLLM logs an ``EngineDeadError`` trace as its engine
+        goes down, which is its normal stop, not a failure; that output stays in the log (a log path:
+        with a line saying so after it), never echoed to the console. A server that had exited before
+        (a crash) keeps its exit code and error line. Both in :attr:`stopped`, :meth:`stop_note` says
+        which."""
         process = self.process
         if process is None:
             self._close_log()
             return None
+        crashed = process.poll() is not None
+        self._stopping = True
         stop_group(process, ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)))
         self.process = None
+        self.stopped = (process.returncode, crashed, self.failure_cause() if crashed else None)
+        if not crashed and self._opened_log is not None:
+            self._opened_log.write(f"hf-kvshare: {STOPPED_NOTE}\n")
         self._close_log()
         return process.returncode
+
+    def stop_note(self) -> str | None:
+        """What the last :meth:`stop` found, in one line for the console: the server stopped, or it had
+        exited before the stop (its code and error line, where :meth:`wait_ready` did not raise it
+        already); ``None`` before a stop, or when that exit was raised."""
+        if self.stopped is None:
+            return None
+        code, crashed, cause = self.stopped
+        if not crashed:
+            return f"vLLM's server on {self.url} stopped" + (
+                f" (its log: {self.log})" if isinstance(self.log, (str, Path)) else ""
+            )
+        if self._exit_raised:
+            return None
+        return (
+            f"vLLM's server on {self.url} had exited (code {code}) before it was stopped"
+            + (f": {cause}" if cause else "")
+            + f"; {self._see_log()}"
+        )
 
     def _close_log(self) -> None:
         if self._opened_log is not None:
@@ -581,3 +624,7 @@ def run(server: Server, timeout: float = 600.0, out=sys.stdout) -> int:
             return 1
         finally:
             server.stop()
+            note = server.stop_note()
+            if note:
+                crashed = server.stopped is not None and server.stopped[1]
+                print(f"hf-kvshare serve: {note}", file=sys.stderr if crashed else out, flush=True)

@@ -179,10 +179,23 @@ def replica_columns(records: Sequence[Mapping[str, Any]], replicas: int) -> dict
 @contextlib.contextmanager
 def running(server: Server | ReplicaSet, startup_timeout: float) -> Iterator[Server | ReplicaSet]:
     """``server`` (or a replica set) started, ready within ``startup_timeout`` seconds, stopped when the
-    block ends (also when it never got ready)."""
-    with server:
-        server.wait_ready(startup_timeout)
-        yield server
+    block ends (also when it never got ready); then one line per server: it stopped (stdout; vLLM's
+    shutdown trace stays in its log), or it had exited before the stop, with its error (stderr)."""
+    try:
+        with server:
+            server.wait_ready(startup_timeout)
+            yield server
+    finally:
+        report_stops(server)
+
+
+def report_stops(server: Server | ReplicaSet) -> None:
+    """What each stopped server's stop found (:meth:`Server.stop_note`): stopped, or how it had exited."""
+    for one in getattr(server, "servers", [server]):
+        note = one.stop_note()
+        if note:
+            crashed = one.stopped is not None and one.stopped[1]
+            print(f"  {note}", file=sys.stderr if crashed else sys.stdout, flush=True)
 
 
 def run_spec(
