@@ -89,6 +89,9 @@
   (:data:`NOT_AT_IMPORT`: transformers' generation module with accelerate and boto3, PEFT,
   bitsandbytes, matplotlib, datasets, gguf, vLLM); the paths that need one import it inside the
   function (checked in a fresh interpreter).
+- serving reads no method's turn scratch: what a method decided for a span reaches the serving host
+  through the contract only (``placeholder``'s placement, ``Method.why_not_placed`` for a span it did
+  not place): no module of ``serving/`` reads a ``.scratch`` attribute.
 """
 
 from __future__ import annotations
@@ -1847,3 +1850,21 @@ def test_importing_the_package_loads_no_optional_heavy_dependency():
     assert out.stdout.strip() == "[]", (
         f"importing {STARTING_MODULES} loads {out.stdout.strip()} (import them where used)"
     )
+
+
+def scratch_reads(tree: ast.AST) -> list[int]:
+    """Lines reading a ``.scratch`` attribute (a turn's per-method scratch)."""
+    return sorted({n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "scratch"})
+
+
+def test_serving_reads_no_methods_turn_scratch():
+    """The serving host learns why a method did not place a span from ``Method.why_not_placed``, not by
+    reading the method's decisions in ``turn.scratch``."""
+    bad = [
+        f"{name}:{line}"
+        for name, path in MODULES.items()
+        if name.startswith(f"{ROOT}.serving")
+        for line in scratch_reads(parsed(path))
+    ]
+    assert not bad, "serving modules reading a method's turn scratch:\n" + "\n".join(bad)
+    assert scratch_reads(ast.parse("a = turn.scratch['x']\nb = scratch_cache\n")) == [1]
