@@ -14,7 +14,10 @@ Pipeline parallel in the same file (the ranks are numbered stage by stage, :func
 lane, the stages' read-backs joined in layer order (and each stage's heads first under PP x TP), the
 layers each stage announces checked and a claim's K/V routed by them; serving lane, a server at
 ``--pipeline-parallel-size 2`` (each stage 8 of the 16 layers): exact mode == plain vLLM at PP = 2 and
-FullShared's tokens and supplied counts == TP = 1's. The module's servers run one at a time.
+FullShared's tokens and supplied counts == TP = 1's. And both at once, PP x TP (``--tensor-parallel-size
+2 --pipeline-parallel-size 2``: four worker processes, ~1.5 min to start on 2 CPUs): each rank its 2 KV
+heads of its stage's 8 layers, the same two checks. The module's servers run one at a time, the shapes
+(``PARALLEL_SHAPES``) parametrizing one module fixture.
 """
 
 from __future__ import annotations
@@ -330,7 +333,7 @@ def fullshared_at_tp1(tmp_path_factory):
 
 
 #: the parallel shapes the serving lane runs live, ``(tp, pp)``: a server each, one at a time
-PARALLEL_SHAPES = [(2, 1), (1, 2)]
+PARALLEL_SHAPES = [(2, 1), (1, 2), (2, 2)]
 
 
 @pytest.fixture(scope="module", params=PARALLEL_SHAPES, ids=lambda shape: "tp{}-pp{}".format(*shape))
