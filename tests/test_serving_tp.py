@@ -14,7 +14,10 @@ Pipeline parallel in the same file (the ranks are numbered stage by stage, :func
 lane, the stages' read-backs joined in layer order (and each stage's heads first under PP x TP), the
 layers each stage announces checked and a claim's K/V routed by them; serving lane, a server at
 ``--pipeline-parallel-size 2`` (each stage 8 of the 16 layers): exact mode == plain vLLM at PP = 2 and
-FullShared's tokens and supplied counts == TP = 1's. The module's servers run one at a time.
+FullShared's tokens and supplied counts == TP = 1's. And both at once, PP x TP (``--tensor-parallel-size
+2 --pipeline-parallel-size 2``: four worker processes, ~1.5 min to start on 2 CPUs): each rank its 2 KV
+heads of its stage's 8 layers, the same two checks. The module's servers run one at a time, the shapes
+(``PARALLEL_SHAPES``) parametrizing one module fixture.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 
 import pytest
 import torch
-from live_server import post, reset_prefix_cache, start_server
+from live_server import post, reset_prefix_cache, start_server, stopped_after
 
 from hf_kvshare.serving.tensor_parallel import PENDING, RankAssembly, kv_head_range, worker_rank
 
@@ -329,76 +332,42 @@ def fullshared_at_tp1(tmp_path_factory):
         srv.stop()
 
 
-@pytest.fixture(scope="module")
-def parallel_server(tmp_path_factory):
-    """``get(tp, pp)``: the module's server at that parallel shape, one at a time (the one before is
-    stopped first: two servers would share the machine's 2 CPUs)."""
-    held: dict[tuple[int, int], object] = {}
-
-    def stop_all():
-        for srv in held.values():
-            process = srv.process
-            srv.stop()
-            assert process.returncode is not None  # stopped: nothing left running
-        held.clear()
-
-    def get(tp: int, pp: int = 1):
-        if (tp, pp) not in held:
-            stop_all()
-            held[tp, pp] = _start(tp, tmp_path_factory.mktemp(f"tp{tp}-pp{pp}"), pp=pp)
-        return held[tp, pp]
-
-    yield get
-    stop_all()
+#: the parallel shapes the serving lane runs live, ``(tp, pp)``: a server each, one at a time
+PARALLEL_SHAPES = [(2, 1), (1, 2), (2, 2)]
 
 
-@pytest.fixture
-def tp2_server(parallel_server):
-    return parallel_server(2)
+@pytest.fixture(scope="module", params=PARALLEL_SHAPES, ids=lambda shape: "tp{}-pp{}".format(*shape))
+def parallel_server(request, tmp_path_factory):
+    """The module's server at ``(tp, pp)`` ranks. A parametrized module fixture: pytest runs every test of
+    one shape, stops its server, then starts the next shape's, so one server group lives at a time (two
+    would share the machine's 2 CPUs)."""
+    tp, pp = request.param
+    yield from stopped_after(_start(tp, tmp_path_factory.mktemp(f"tp{tp}-pp{pp}"), pp=pp))
 
 
 @serving
-def test_fullshared_at_two_ranks_gives_the_tokens_of_one_rank(fullshared_at_tp1, tp2_server):
-    # the one-rank server runs and stops first (its fixture first): one server at a time
-    first, shared, counts = _fullshared_run(tp2_server)
+def test_fullshared_over_parallel_ranks_gives_the_tokens_of_one_rank(fullshared_at_tp1, parallel_server):
+    # the one-rank server runs and stops first (its fixture first): one server at a time. Each rank
+    # reads back, keeps and re-positions its own heads of its own stage's layers; the scheduler joins
+    # the heads, then the stages' layers in order
+    first, shared, counts = _fullshared_run(parallel_server)
     assert counts[1][0] is not None and counts[1][1] > 0, counts  # a2 was supplied the document
     assert (first, shared, counts) == fullshared_at_tp1
 
 
 @serving
-def test_exact_mode_at_two_ranks_is_plain_vllm(tp2_server):
-    _exact_mode_is_plain_vllm(tp2_server)
-
-
-def _exact_mode_is_plain_vllm(srv):
+def test_exact_mode_over_parallel_ranks_is_plain_vllm(parallel_server):
+    srv = parallel_server
     sys1, doc, q1 = (_ids(srv, t) for t in (SYS1, DOC, Q1))
     a = sys1 + doc + q1
     plain, plain_logprobs, _ = _complete(srv, a, PLAIN)
     first, _, report = _complete(srv, a, _layout("t0", "x1", len(sys1), len(doc)))
     assert first == plain and report["supplied_tokens"] == 0
-    # exact mode: vLLM's prefix cache emptied, every token but the last from the K/V both ranks read
-    # back (assembled into all heads on the scheduler) and wrote back (each rank its heads)
+    # exact mode: vLLM's prefix cache emptied, every token but the last from the K/V every rank read
+    # back (assembled into all heads and layers on the scheduler) and wrote back (each rank its part)
     _, reset = reset_prefix_cache(srv)  # retried while blocks are held
     assert reset.get("success"), reset
     again, logprobs, report = _complete(srv, a, _layout("t0", "x1", len(sys1), len(doc)))
     assert report["prefix_cache_hit"] == 0 and report["claimed"] == [0, len(a) - 1], report
     assert again == plain
     assert max(abs(x - y) for x, y in zip(logprobs, plain_logprobs)) < 1e-3, (logprobs, plain_logprobs)
-
-
-@pytest.fixture
-def pp2_server(parallel_server):
-    return parallel_server(1, pp=2)
-
-
-@serving
-def test_fullshared_at_two_pipeline_stages_gives_the_tokens_of_one_rank(fullshared_at_tp1, pp2_server):
-    # each stage reads back, keeps and re-positions its own layers; the scheduler joins them in order
-    first, shared, counts = _fullshared_run(pp2_server)
-    assert counts[1][0] is not None and counts[1][1] > 0, counts  # a2 was supplied the document
-    assert (first, shared, counts) == fullshared_at_tp1
-
-
-@serving
-def test_exact_mode_at_two_pipeline_stages_is_plain_vllm(pp2_server):
-    _exact_mode_is_plain_vllm(pp2_server)

@@ -9,7 +9,10 @@
   over stand-in paged caches, a ``deliver`` recorder) and the serving lane's live server of the vLLM and
   tensor-parallel modules starts through ``live_server.py``;
 - the fast lane is one marker expression: README's fast-lane command and ``.ci/run``'s run on the floor
-  transformers deselect the embedded-model tests with the same ``-m "not real_model"``.
+  transformers deselect the embedded-model tests with the same ``-m "not real_model"``;
+- the live parallel shapes are one parametrized pair: ``test_serving_tp.py``'s live checks take the module
+  fixture ``parallel_server``, parametrized by ``PARALLEL_SHAPES`` (one server at a time); no test or
+  fixture starts a shape of its own.
 """
 
 from __future__ import annotations
@@ -128,3 +131,34 @@ def test_the_connectors_stand_ins_are_written_once():
         assert "wait_ready" not in sources[module], (
             f"{module} starts its server itself (tests/live_server.py)"
         )
+
+
+#: the functions of tests/test_serving_tp.py that start its live servers or ask its fixture for one
+SHAPE_STARTERS = ("_start", "parallel_server")
+
+
+def shapes_written_per_test(source: str) -> list[str]:
+    """The places (``line``) in a serving-lane module's ``source`` that start a server at a literal number of
+    ranks above one (``_start(2, ...)``, ``parallel_server(1, pp=2)``): each parallel shape is an entry of
+    ``PARALLEL_SHAPES``, which the one parametrized fixture starts, not a test or fixture of its own."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in SHAPE_STARTERS:
+            values = [*node.args, *(k.value for k in node.keywords)]
+            if any(isinstance(v, ast.Constant) and type(v.value) is int and v.value > 1 for v in values):
+                found.append(str(node.lineno))
+    return found
+
+
+def test_the_live_parallel_shapes_are_one_parametrized_pair():
+    """tests/test_serving_tp.py's live checks (FullShared == one rank; exact mode == plain vLLM) are
+    written once over ``PARALLEL_SHAPES``: its server is the module fixture ``parallel_server``
+    parametrized by them (pytest stops one shape's server before it starts the next's)."""
+    source = (TESTS / "test_serving_tp.py").read_text()
+    again = shapes_written_per_test(source)
+    assert not again, f"test_serving_tp.py starts a parallel shape of its own at lines {again}"
+    assert "params=PARALLEL_SHAPES" in source
+    assert (
+        shapes_written_per_test("def f(get):\n    _start(1, x)\n    get(2)\n    _start(tp, x, pp=pp)\n") == []
+    )
+    assert shapes_written_per_test("_start(2, x)\nparallel_server(1, pp=2)\n") == ["1", "2"]
