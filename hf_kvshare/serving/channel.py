@@ -182,6 +182,13 @@ def _is_tensors(frames: list[Any]) -> bool:
         return False
 
 
+def check_in_process(value: Any) -> bool:
+    """``in_process`` (``kv_connector_extra_config``; :class:`Sender`'s keyword): true or false."""
+    if not isinstance(value, bool):
+        raise ValueError(f"hf_kvshare: in_process must be true or false; got {value!r}")
+    return value
+
+
 class _Handoff:
     """The process-local handoff table: the addresses of this process's bound listeners, and per
     listener the tensors parked for it by reference (key -> ``(sender, message)``) until its thread
@@ -410,8 +417,7 @@ class Sender:
 
         if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
             raise ValueError(f"max_queued must be an int >= 1; got {max_queued!r}")
-        if not isinstance(in_process, bool):
-            raise ValueError(f"in_process must be true or false; got {in_process!r}")
+        check_in_process(in_process)
         self.address = address
         self.max_queued = max_queued
         self.in_process = in_process and _HANDOFF.is_local(address)

@@ -1113,6 +1113,24 @@ class Sharing:
                     if self.held_bytes() <= self.max_bytes:
                         break
 
+    def shared_bytes(self) -> int:
+        """Bytes of the slots' K/V that are the worker's own device store's tensors, not a second copy
+        (read back in-process and kept by the worker: ``Sources.register(shared=True)``), each storage
+        counted once and whole, as :meth:`held_bytes` counts it."""
+        shared = self.sources.shared_storages() if self.sources is not None else set()
+        if not shared:
+            return 0
+        seen: dict[tuple[str, int], int] = {}
+        for host in self.hosts.values():
+            for slot in host.slots.values():
+                for t in (*slot.latest.keys, *slot.latest.values) if slot.latest is not None else ():
+                    if not t.is_meta:
+                        storage = t.untyped_storage()
+                        key = (str(t.device), storage.data_ptr())
+                        if key in shared:
+                            seen[key] = storage.nbytes()
+        return sum(seen.values())
+
     def stores(self, method_state: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Each store's ``bytes`` held, its ``max_bytes`` budget and its evictions (``evicted``; the
         read-backs: ``refused``, not recorded, and ``peak`` bytes); the method's stores (kept PF text, from
@@ -1123,6 +1141,8 @@ class Sharing:
                 "bytes": self.held_bytes(),
                 "max_bytes": self.max_bytes,
                 "evicted": self.evicted_tasks + self.dropped_slots,
+                # of ``bytes``, those the worker's device store holds itself (in-process handoff: one copy)
+                "shared_bytes": self.shared_bytes(),
             },
             "read_backs": {
                 "bytes": self.read_backs.held,
