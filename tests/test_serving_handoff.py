@@ -153,3 +153,22 @@ def test_kvcmas_records_and_corrected_claims_never_write_the_workers_handed_over
     finally:
         scheduler.shutdown()
         worker.shutdown()
+
+
+def test_the_handoff_switch_reaches_both_connector_sides(tmp_path, capsys):
+    """``hf-kvshare serve --no-in-process`` / ``Server(in_process=False)`` writes ``in_process: false`` in
+    the connector's ``kv_connector_extra_config`` (both sides read it); on by default."""
+    from hf_kvshare.cli import serve
+    from hf_kvshare.serving.server import Server
+
+    def extra(server):
+        command = server.command()
+        return json.loads(command[command.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+    assert extra(Server(tmp_path, "kvcmas", port=1))["in_process"] is True
+    assert extra(Server(tmp_path, "kvcmas", port=1, in_process=False))["in_process"] is False
+    with pytest.raises(TypeError, match="in_process must be True or False"):
+        Server(tmp_path, "kvcmas", port=1, in_process="no")
+    with pytest.raises(SystemExit):
+        serve(["--help"])
+    assert "--no-in-process" in capsys.readouterr().out
