@@ -47,10 +47,11 @@ serializes as above. Each end counts its messages ``in_process`` / ``serialized`
 serialized (``counts``: the connector's summary).
 
 Bounded: a sender never blocks (a full or absent channel: ``send`` / ``order`` return ``False`` and
-the connector takes the fallback above), at most ``max_queued`` messages wait in it (in-process: at most
-``max_queued`` parked entries per sender, its socket then carrying headers and orders only; a refused
-send parks nothing, and a listener's close drops what was parked for it), and a listener's thread polls with a timeout, so it stops within ``POLL_S`` of ``close``. No vLLM import
-here (tests drive it directly).
+the connector takes the fallback above), at most ``max_queued`` messages wait in it (in-process: at
+most ``max_queued`` parked entries per sender, its socket then carrying headers and orders only; a
+refused send parks nothing, and a listener's close drops what was parked for it), and a listener's
+thread polls with a timeout, so it stops within ``POLL_S`` of ``close``. No vLLM import here (tests
+drive it directly).
 """
 
 from __future__ import annotations
@@ -204,11 +205,7 @@ class _Handoff:
             self._parked[address] = OrderedDict()
 
     def unregister(self, address: str) -> None:
-        """The listener is closing: no more parking for it, and what was parked for it is dropped."""
-        self.clear(address)
-
-    def clear(self, address: str) -> None:
-        """Drop what is parked for ``address`` (a closed listener's)."""
+        """The listener is closing: nothing is parked for it from here, and what was is dropped."""
         with self._lock:
             self._parked.pop(address, None)
 
@@ -338,13 +335,12 @@ class _Listener:
         raise ValueError(f"the {self.kind} channel takes no {kind!r} message")
 
     def close(self, timeout: float = 5.0) -> None:
-        _HANDOFF.unregister(self.address)  # no sender parks for it from here
+        _HANDOFF.unregister(self.address)  # what waits for it dropped; nothing parked for it from here
         self._closed.set()
         self._thread.join(timeout)
         self._socket.close(0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
-        _HANDOFF.clear(self.address)  # what was parked and never taken
 
 
 class Receiver(_Listener):
@@ -442,22 +438,22 @@ class Sender:
         """One message of tensors: parked by reference when in-process (its header alone on the socket;
         refused: nothing stays parked), else ``encoded()``'s frames."""
         if not self.in_process:
-            frames = encoded()
-            sent = self._send(frames)
-            if sent:
+            frames = encoded()  # outside the lock: the copy to host memory
+            with self._lock:
+                if not self._send_locked(frames):
+                    return False
                 self.counts["serialized"] += 1
                 self.counts["serialized_bytes"] += _tensor_bytes(frames)
-            return sent
+            return True
         with self._lock:  # parked and sent as one step: the socket's order is the parking's
             key = _HANDOFF.park(self.address, id(self), self.max_queued, (kind, arguments))
             if key is None:
                 return False
             header = json.dumps({HANDOFF_KEY: key, "request_id": arguments[0]}).encode()
-            sent = self._send_locked([header])
-            if not sent:
+            if not self._send_locked([header]):
                 _HANDOFF.cancel(self.address, key)
                 return False
-        self.counts["in_process"] += 1
+            self.counts["in_process"] += 1
         return True
 
     def _send_locked(self, frames: list[Any]) -> bool:
