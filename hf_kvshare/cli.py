@@ -287,6 +287,12 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         "(default: read back as each request finishes, through side channels; hf_kvshare.serving.channel)",
     )
     parser.add_argument(
+        "--no-in-process",
+        action="store_true",
+        help="serialize the K/V between vLLM's worker and the connector's scheduler even at one rank, "
+        "where one process holds both (default: handed over by reference there; hf_kvshare.serving.channel)",
+    )
+    parser.add_argument(
         "--replicas",
         type=int,
         default=1,
@@ -352,6 +358,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
             background=not args.inline_admission,
             read_back_channel=not args.no_read_back_channel,
             device_store_bytes=args.device_store_bytes,
+            in_process=not args.no_in_process,
         )
     except ValueError as e:
         fail(prog, str(e))

@@ -27,12 +27,13 @@ def start_server(
     vllm_args: Sequence[str] = (),
     eager: bool = True,
     name: str = "vllm",
+    in_process: bool = True,
 ) -> Any:
     """A server of ``model`` (an embedded model's name: served from the folder hf_kvshare writes) with
     ``method`` and ``options``, started and ready (~1-2 min on 2 CPUs; the log's tail printed when it
     never is): :data:`TEST_ARGS` plus ``vllm_args`` (and ``--enforce-eager`` where ``eager``), its log ``folder/<name>.log``, each recorded
     request's report line in ``server.reports`` (``folder/<name>.reports.jsonl``), vLLM's development
-    endpoints on (``POST /reset_prefix_cache``)."""
+    endpoints on (``POST /reset_prefix_cache``); ``in_process=False``: the connector's K/V handoff off."""
     from hf_kvshare.serving.connector import REPORTS_ENV
     from hf_kvshare.serving.models import served_model_dir
     from hf_kvshare.serving.server import Server
@@ -48,6 +49,7 @@ def start_server(
         vllm_args=[*TEST_ARGS, *(["--enforce-eager"] if eager else []), *vllm_args],
         max_bytes=max_bytes,
         log=log,
+        in_process=in_process,
         env={REPORTS_ENV: str(reports), "VLLM_SERVER_DEV_MODE": "1"},
     )
     srv.reports = reports

@@ -32,6 +32,10 @@
   ``Capture``) has no tensor field (K/V stay in the worker: ``serving/worker_store.py``); a value-free
   method's records are stand-ins (``meta``) of the worker's K/V, made in ``worker_store`` only (and
   rebuilt by ``channel``), for served methods only (``host.VALUE_FREE``).
+- the in-process handoff in one place: only ``serving/channel.py`` parks tensors by reference in the
+  process-local handoff table (``_HANDOFF``, its one instance of ``_Handoff``: the one process-wide
+  object of the serving modules, where one process's worker and scheduler sides meet at one rank); every
+  other module reaches it through ``channel.Sender`` and the listeners.
 - one request, one walk, two executors: the contract modules, ``request.py`` and ``walk.py`` import
   neither ``prefill`` nor the HF ``executor``; the Session and the serving host are each a ``Request``
   and define none of its bookkeeping; only ``walk.py`` (and ``methods/``) calls a method's span hooks.
@@ -849,6 +853,38 @@ def test_the_module_state_finder_finds_it():
         "C = {k: 1 for k in A}\ndef f():\n    global B\n    B = 2\n"
     )
     assert module_state(tree) == ["_R:4", "L:6", "C:7", "global B:9"]
+
+
+#: the channel module and its process-local handoff table (one process's worker and scheduler sides meet
+#: there at one rank: K/V parked by reference, never copied)
+HANDOFF_MODULE, HANDOFF_TABLE, HANDOFF_CLASS = f"{ROOT}.serving.channel", "_HANDOFF", "_Handoff"
+
+
+def test_only_the_channel_parks_tensors_in_the_process_local_handoff():
+    """The handoff table is built once, at ``serving/channel.py``'s top level (``_HANDOFF``), and no other
+    module of the package names it or its class: tensors are parked and taken by the channel's senders
+    and listeners only."""
+    users = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(parsed(path)):
+            word = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+            if word in (HANDOFF_TABLE, HANDOFF_CLASS):
+                users.add(name)
+    assert users == {HANDOFF_MODULE}, f"the handoff table named outside the channel: {sorted(users)}"
+    built = [
+        ast.unparse(target)
+        for node in ast.walk(parsed(MODULES[HANDOFF_MODULE]))
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and _name_of(node.value.func) == HANDOFF_CLASS
+        for target in node.targets
+    ]
+    assert built == [HANDOFF_TABLE], f"the handoff table built as {built}"
+    assert [
+        t
+        for t in _top_level(parsed(MODULES[HANDOFF_MODULE]))
+        if isinstance(t, ast.Assign) and HANDOFF_TABLE in {ast.unparse(x) for x in t.targets}
+    ], "the handoff table is not at the top level"
 
 
 def facade_faults(tree: ast.Module) -> list[str]:

@@ -161,6 +161,136 @@ def test_a_closed_sender_refuses_instead_of_raising(tmp_path):
         receiver.close()
 
 
+# ------------------------------------------------ the in-process handoff (one process: vLLM's "uni" executor)
+def _send_until(send, timeout=10.0):
+    """``send()`` until it takes the message (the connection completes asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if send():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_an_in_process_send_hands_over_the_very_tensors():
+    """A sender to a listener of this process parks the tensors by reference: the receiver gets the same
+    objects (same storage), no bytes serialized; orders and factors keep their order with them."""
+    got = Delivered()
+    receiver = channel.Receiver(got)
+    sender = channel.Sender(receiver.address)
+    keys, values = torch.randn(2, 5, 3, 4), torch.randn(2, 5, 3, 4)
+    try:
+        assert sender.in_process
+        assert _send_until(lambda: sender.send("r", keys, values, "at finish", rank=0))
+        assert got.wait(count=1)
+    finally:
+        sender.close()
+        receiver.close()
+    k, v = got.kv["r"]
+    assert k is keys and v is values and got.via["r"] == "at finish"
+    assert got.threads["r"] == "hf_kvshare-read-back"
+    assert sender.counts == {"in_process": 1, "serialized": 0, "serialized_bytes": 0}
+    assert receiver.counts == {"in_process": 1, "serialized": 0, "serialized_bytes": 0}
+    assert channel._HANDOFF.parked(receiver.address) == 0
+
+    taken, tensors, orders_got, done = [], [], [], threading.Event()
+    factors = [torch.randn(3, 2), torch.randn(2, 8)]
+
+    def deliver(request_id, k, v, via, rank=0):
+        taken.append((request_id, k, v))
+
+    def deliver_tensors(request_id, kind, ts):
+        tensors.append((request_id, kind, ts))
+
+    def take(order):
+        orders_got.append(order)
+        done.set()
+
+    orders = channel.Orders(take, deliver, deliver_tensors)
+    sender = channel.Sender(orders.address)
+    try:
+        assert _send_until(lambda: sender.send("c", keys, values, "load"))
+        assert _send_until(lambda: sender.send_tensors("c", "factors", factors))
+        assert _send_until(lambda: sender.order({"request_id": "last"}))
+        assert done.wait(10)
+    finally:
+        sender.close()
+        orders.close()
+    assert taken[0][1] is keys and taken[0][2] is values
+    assert tensors[0][:2] == ("c", "factors") and all(a is b for a, b in zip(tensors[0][2], factors))
+    assert orders_got == [{"request_id": "last"}]
+    assert orders.counts["in_process"] == 2 and orders.counts["serialized_bytes"] == 0
+
+
+def test_a_full_in_process_channel_refuses_without_parking_and_close_drops_what_waits():
+    """At most ``max_queued`` entries wait per sender; a refused send parks nothing; a listener's close
+    drops what was parked for it (never taken: its thread is held here)."""
+    release, started = threading.Event(), threading.Event()
+
+    def deliver(*args):
+        started.set()
+        release.wait(10)
+
+    receiver = channel.Receiver(deliver)
+    sender = channel.Sender(receiver.address, max_queued=2)
+    kv = (torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    try:
+        assert _send_until(lambda: sender.send("first", *kv))
+        assert started.wait(10)  # taken from the table; its delivery holds the listener's thread
+        assert sender.send("a", *kv) and sender.send("b", *kv)
+        assert channel._HANDOFF.parked(receiver.address) == 2
+        t0 = time.monotonic()
+        assert not sender.send("c", *kv)  # full: refused at once, nothing parked
+        assert time.monotonic() - t0 < 1.0
+        assert channel._HANDOFF.parked(receiver.address) == 2
+        assert sender.counts["in_process"] == 3
+        receiver.close(timeout=0.1)  # its thread still delivering "first": "a" and "b" never taken
+        assert channel._HANDOFF.parked(receiver.address) == 0
+    finally:
+        release.set()
+        receiver.close()
+        sender.close()
+    assert not channel._HANDOFF.is_local(receiver.address)
+    late = channel.Sender(receiver.address)  # a closed listener's address: not in-process any more
+    try:
+        assert not late.in_process
+    finally:
+        late.close()
+
+
+def test_a_sender_to_another_process_or_turned_off_serializes():
+    """A listener not registered in this process (another process's) and ``in_process=False`` (the
+    escape hatch): the bytes travel as before, the receiver gets tensors of its own."""
+    got = Delivered()
+    receiver = channel.Receiver(got)
+    keys, values = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+    off = channel.Sender(receiver.address, in_process=False)
+    try:
+        assert not off.in_process
+        assert _send_until(lambda: off.send("off", keys, values))
+        assert got.wait(count=1)
+        channel._HANDOFF.unregister(receiver.address)  # as another process's listener looks from here
+        other = channel.Sender(receiver.address)
+        try:
+            assert not other.in_process
+            assert _send_until(lambda: other.send("other", keys, values))
+            assert got.wait(count=2)
+        finally:
+            other.close()
+    finally:
+        off.close()
+        receiver.close()
+    for request_id in ("off", "other"):
+        k, v = got.kv[request_id]
+        assert k is not keys and torch.equal(k, keys) and torch.equal(v, values)
+        assert k.untyped_storage().data_ptr() != keys.untyped_storage().data_ptr()
+    nbytes = 2 * keys.numel() * keys.element_size()
+    assert off.counts == {"in_process": 0, "serialized": 1, "serialized_bytes": nbytes}
+    assert receiver.counts == {"in_process": 0, "serialized": 2, "serialized_bytes": 2 * nbytes}
+    with pytest.raises(ValueError, match="in_process must be true or false"):
+        channel.Sender(receiver.address, in_process="no")
+
+
 # ------------------------------------------------ the connector's worker side: one path, one fallback
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

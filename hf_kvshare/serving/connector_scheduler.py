@@ -103,6 +103,7 @@ STORE_COUNTS = (
     "metadata_bytes",
     "load_tokens",
     "load_bytes",
+    "handoff",
 )
 #: messages the order channel holds (read-back orders and claims' K/V) before a send is refused
 ORDER_QUEUE = 32
@@ -218,6 +219,15 @@ class HFKVShareScheduler:
                 f"hf_kvshare: producer_wait_s must be a number of seconds >= 0; got {self._producer_wait_s!r}"
             )
         self._receiver: channel.Receiver | None = None
+        #: ``in_process`` (default true): K/V to and from a worker of this process go by reference
+        #: (:mod:`.channel`'s handoff); ``false`` serializes them (for comparison; the escape hatch)
+        try:
+            self._handoff = channel.check_in_process(extra.get("in_process", True))
+        except ValueError as error:
+            raise ServingError(str(error)) from None
+        #: read-backs that came with the workers' step output: in-process (a worker of this process:
+        #: vLLM's "uni" executor hands its output over as is) or serialized (by vLLM), and their bytes
+        self.step_output = {"in_process": 0, "serialized": 0, "serialized_bytes": 0}
         #: each worker rank's order channel (one at one rank), connected when the rank announces it
         self._order_senders: dict[int, channel.Sender] = {}
         #: the worker ranks' read-backs of a finished request, assembled into all KV heads and layers for
@@ -697,6 +707,7 @@ class HFKVShareScheduler:
             "metadata_bytes": dict(self.metadata_bytes),
             "load_tokens": dict(self.load_tokens),
             "load_bytes": dict(self.load_bytes),
+            "handoff": self.handoff_summary(),
         }
 
     def _write_report(self, ids: tuple[str, str | None], report: dict[str, Any]) -> None:
@@ -771,7 +782,8 @@ class HFKVShareScheduler:
             self._background.release(plan, then)
         else:
             if plan.request_id in self.device_store:  # before the record: the plans behind it find it
-                self.sharing.sources.register(plan.request_id, kv[0], kv[1])
+                # handed over in-process, they are the worker's store's own tensors (one copy)
+                self.sharing.sources.register(plan.request_id, kv[0], kv[1], shared=self.colocated)
             self._background.record(plan, kv[0], kv[1], finishing.output_ids, finishing.stop_ids, then)
 
     def _reserve_before_read_back(self, plan: Plan, tokens: int) -> int | None:
@@ -838,6 +850,7 @@ class HFKVShareScheduler:
         for request_id in set(captured) | set(on_channel) | finished:
             with self._finishing_cond:
                 for rank, kv in captured.get(request_id, {}).items():
+                    self._count_step_output(kv)
                     self._add_read_back(request_id, rank, kv, "step output")
                 # sent on the channel before the workers' output was built: here already, or soon
                 waits = set(on_channel.get(request_id, ()))
@@ -877,9 +890,46 @@ class HFKVShareScheduler:
                         f"hf_kvshare's connector cannot serve this partition: {error}"
                     ) from None
             try:
-                self._order_senders[rank] = channel.Sender(part.orders, ORDER_QUEUE)
+                self._order_senders[rank] = channel.Sender(part.orders, ORDER_QUEUE, self._handoff)
             except Exception:  # noqa: BLE001 - read-backs then come with the step's output
                 logger.exception("hf_kvshare: connecting the order channel %s failed", part.orders)
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the worker runs in this process and hands K/V over by reference: one rank whose order
+        channel is in-process (the worker's read-back sender is then in-process too: one process, one
+        ``in_process`` setting)."""
+        senders = list(self._order_senders.values())
+        return len(senders) == 1 and senders[0].in_process
+
+    def _count_step_output(self, kv: Any) -> None:
+        """Count one read-back that came with the workers' step output (``None``: reading it failed)."""
+        if kv is None:
+            return
+        if self.colocated:
+            self.step_output["in_process"] += 1
+        else:
+            self.step_output["serialized"] += 1
+            self.step_output["serialized_bytes"] += sum(_nbytes(part) for part in kv)
+
+    def handoff_summary(self) -> dict[str, Any]:
+        """The channels' and the step output's messages by path (``in_process`` / ``serialized``) and the
+        tensor bytes serialized: ``read_back`` (worker -> scheduler: the read-back channel and the step
+        output), ``orders`` (scheduler -> worker: claims' K/V and factors; orders themselves are JSON)."""
+        read_back = dict(self.step_output)
+        if self._receiver is not None:
+            for key, n in self._receiver.counts.items():
+                read_back[key] += n
+        orders = {"in_process": 0, "serialized": 0, "serialized_bytes": 0}
+        for sender in list(self._order_senders.values()):
+            for key, n in sender.counts.items():
+                orders[key] += n
+        return {
+            "enabled": self._handoff,
+            "colocated": self.colocated,
+            "read_back": read_back,
+            "orders": orders,
+        }
 
     def _orders_connected(self) -> bool:
         """Whether every worker rank's order channel is connected (a claim's K/V that the workers do

@@ -23,6 +23,11 @@ the forward and reads a finished request's K/V back for its record.
     lost), or an order's K/V the read-back channel refused; they go with the step's output
     (``build_connector_worker_meta``: ``"step output"``).
 
+  At one rank the worker runs in the scheduler's process (vLLM's "uni" executor) and the K/V go back
+  by reference on both (:attr:`HFKVShareWorker.in_process`: the channel's in-process handoff), on the
+  cache's device, the store's own tensors when it keeps them; across processes (tensor or pipeline
+  parallel, ``in_process: false``) they go back in host memory, serialized.
+
   A third path, reading the step's captures when vLLM binds its metadata (before the forward) and
   sending them on the read-back channel (``"next step"``), was removed: measured with ``hf-kvshare
   bench serve`` (FullShared, 2 QPS, four runs with and without it; docs/architecture.md, "Serving on
@@ -75,7 +80,8 @@ logger = logging.getLogger("hf_kvshare.serving")
 #: request ids the worker remembers having read back (an order arriving after the step's own read of
 #: the same request is then ignored, never read from blocks vLLM may have freed)
 TAKEN_MAX = 4096
-#: where read-back K/V go: the store, the method's state and its plans are in host memory on every device
+#: where read-back K/V go when they cross a process boundary (serialized: the channel's bytes, vLLM's
+#: step output); in-process (:attr:`HFKVShareWorker.in_process`) they stay on the cache's device
 STORE_DEVICE = torch.device("cpu")
 #: how long a claim's write waits for K/V the scheduler sent on the order channel (seconds; then its
 #: blocks are reported failed)
@@ -110,6 +116,9 @@ class HFKVShareWorker:
             getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {}
         )
         self.store = DeviceStore(int(extra.get("device_store_bytes", DEFAULT_DEVICE_STORE_BYTES)))
+        #: ``in_process`` in ``kv_connector_extra_config`` (default true): ``false`` serializes every
+        #: read-back even to a scheduler of this process (for comparison, and as the escape hatch)
+        self._handoff = channel.check_in_process(extra.get("in_process", True))
         self._bytes_per_token: int | None = None
         self._names: list[str] = []  # the layers in the store's order
         self._shifter: Any = None  # built from the served model's config at the first re-positioning
@@ -282,7 +291,7 @@ class HFKVShareWorker:
             self._sender.close()
         self._sender, self._sender_address = None, address
         try:
-            self._sender = channel.Sender(address)
+            self._sender = channel.Sender(address, in_process=self._handoff)
         except Exception:  # noqa: BLE001 - read-backs then go with the step's output
             logger.exception("hf_kvshare: connecting the read-back channel %s failed", address)
             return
@@ -349,15 +358,25 @@ class HFKVShareWorker:
                 self._captured[capture.request_id] = kv
             self._sent.add(capture.request_id)  # its blocks may be freed now (get_finished)
 
-    @staticmethod
+    @property
+    def in_process(self) -> bool:
+        """Whether this worker runs in the scheduler's process (vLLM's "uni" executor: one rank) and
+        hands it the K/V by reference: its read-back channel is in-process (:class:`~.channel.Sender`);
+        vLLM's step output then does not leave the process either."""
+        return self._sender is not None and self._sender.in_process
+
     def _for_scheduler(
-        capture: Capture, kv: tuple[torch.Tensor, torch.Tensor], kept: bool
+        self, capture: Capture, kv: tuple[torch.Tensor, torch.Tensor], kept: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What goes back for the record: stand-ins when the capture says not to ship the K/V (a
         value-free method's) and the worker keeps them as ordered, and they hold no NaN / inf (checked
-        here, on the device); else the K/V, in host memory (the scheduler's record checks them)."""
+        here, on the device); else the K/V (the scheduler's record checks them): in-process as read, on
+        the cache's device (the very tensors the store keeps when it keeps them: one copy, which the
+        record only reads), else in host memory."""
         if not capture.ship and kept == capture.keep and all(bool(torch.isfinite(t).all()) for t in kv):
             return stand_ins(*kv)
+        if self.in_process:
+            return kv
         return kv[0].to(STORE_DEVICE), kv[1].to(STORE_DEVICE)
 
     def _read(self, capture: Capture) -> tuple[torch.Tensor, torch.Tensor]:

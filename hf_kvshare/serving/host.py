@@ -258,6 +258,9 @@ class ServingHost(Request):
         #: :meth:`held_bytes` as of the last change of the slots' K/V (a record, the bound's drops):
         #: what the store's bound sums over its tasks without walking every tensor of every task
         self.held = 0
+        #: the storages the slots' K/V keep alive as of the same change, ``(device, data pointer)`` ->
+        #: bytes: what :meth:`Sharing.shared_bytes` looks up without walking the slots' tensors
+        self.storages: dict[tuple[str, int], int] = {}
         #: slots whose K/V the store's bound evicted (oldest first; their reason is ``evicted``)
         self.evicted: OrderedDict[str, None] = OrderedDict()
 
@@ -967,6 +970,7 @@ class Sharing:
                 plan.host.compact_views()
             self._forget_oldest_slots(plan.host)
             plan.host.held = plan.host.held_bytes()
+            plan.host.storages = slot_storages(plan.host)
             self._bound(plan.host)
             self.records += 1
             plan.record_s = time.perf_counter() - t0
@@ -1115,8 +1119,20 @@ class Sharing:
                     self.dropped_slots += 1
                     self._mark_evicted(current, [name])
                     current.held = current.held_bytes()
+                    current.storages = slot_storages(current)
                     if self.held_bytes() <= self.max_bytes:
                         break
+
+    def shared_bytes(self) -> int:
+        """Bytes of the slots' K/V that are the worker's own device store's tensors, not a second copy
+        (read back in-process and kept by the worker: ``Sources.register(shared=True)``), each storage
+        counted once and whole, as :meth:`held_bytes` counts it, from each task's :attr:`ServingHost.storages`
+        as of its last record and the worker's store now."""
+        shared = self.sources.shared_storages() if self.sources is not None else set()
+        if not shared:
+            return 0
+        seen = {key: n for host in self.hosts.values() for key, n in host.storages.items() if key in shared}
+        return sum(seen.values())
 
     def stores(self, method_state: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Each store's ``bytes`` held, its ``max_bytes`` budget and its evictions (``evicted``; the
@@ -1128,6 +1144,8 @@ class Sharing:
                 "bytes": self.held_bytes(),
                 "max_bytes": self.max_bytes,
                 "evicted": self.evicted_tasks + self.dropped_slots,
+                # of ``bytes``, those the worker's device store holds itself (in-process handoff: one copy)
+                "shared_bytes": self.shared_bytes(),
             },
             "read_backs": {
                 "bytes": self.read_backs.held,
@@ -1180,6 +1198,18 @@ class Sharing:
                 # what the connector's worker keeps on its device (kept / evicted / refused, bytes)
                 "device_store": self.sources.summary() if self.sources is not None else None,
             }
+
+
+def slot_storages(host: ServingHost) -> dict[tuple[str, int], int]:
+    """``(device, data pointer)`` -> bytes of each storage ``host``'s slots' K/V keep alive (as
+    :meth:`~hf_kvshare.request.Request.held_bytes` counts them: once and whole; stand-ins hold none)."""
+    seen = {}
+    for slot in host.slots.values():
+        for t in (*slot.latest.keys, *slot.latest.values) if slot.latest is not None else ():
+            if not t.is_meta:
+                storage = t.untyped_storage()
+                seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return seen
 
 
 def model_files(model_dir: str | Path) -> dict[str, Any]:

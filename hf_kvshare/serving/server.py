@@ -88,6 +88,7 @@ def kv_transfer_config(
     read_back_channel: bool = True,
     budgets: dict[str, int | None] | None = None,
     device_store_bytes: int | None = None,
+    in_process: bool = True,
 ) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for the connector. ``background=False`` decides claims and
     records turns inline on the engine loop (:mod:`.admission`); ``read_back_channel=False`` hands
@@ -96,7 +97,8 @@ def kv_transfer_config(
     ``max_bytes``; one left ``None`` is not written: the connector's default).
     ``device_store_bytes``: the worker's store of kept K/V on its device (:mod:`.worker_store`;
     ``None``: its default). A claimed piece the worker cannot write (its K/V not kept, not arrived) is
-    recomputed by vLLM (``kv_load_failure_policy``)."""
+    recomputed by vLLM (``kv_load_failure_policy``). ``in_process=False`` serializes the K/V between the
+    worker and the scheduler even when one process holds both (one rank; :mod:`.channel`'s handoff)."""
     extra = {} if device_store_bytes is None else {"device_store_bytes": int(device_store_bytes)}
     return {
         "kv_connector": CONNECTOR,
@@ -111,6 +113,7 @@ def kv_transfer_config(
             "max_tasks": int(max_tasks),
             "background": bool(background),
             "read_back_channel": bool(read_back_channel),
+            "in_process": bool(in_process),
             **{name: int(value) for name, value in (budgets or {}).items() if value is not None},
         },
     }
@@ -296,6 +299,7 @@ class Server:
         max_anchor_bytes: int | None = None,
         max_read_back_bytes: int | None = None,
         device_store_bytes: int | None = None,
+        in_process: bool = True,
         log: Any = None,
         python: str = sys.executable,
         env: dict[str, str] | None = None,
@@ -341,6 +345,9 @@ class Server:
         from .worker_store import check_bound
 
         self.device_store_bytes = None if device_store_bytes is None else check_bound(device_store_bytes)
+        if not isinstance(in_process, bool):
+            raise TypeError(f"in_process must be True or False; got {in_process!r}")
+        self.in_process = in_process
         self.log = log
         self.python = python
         self.env = dict(env or {})
@@ -383,6 +390,7 @@ class Server:
                 self.read_back_channel,
                 self.budgets,
                 self.device_store_bytes,
+                self.in_process,
             )
             args += ["--kv-transfer-config", json.dumps(config), "--middleware", MIDDLEWARE]
         return [*args, *self.vllm_args]

@@ -293,17 +293,24 @@ class Sources:
         self._mirror = mirror
         self._by_storage: dict[int, tuple[weakref.ref, str, int, int]] = {}  # id -> (ref, rid, base, n)
         self._of_request: dict[str, list[int]] = {}
+        #: the registered storages the worker's store holds itself (handed over in-process: one copy)
+        self._shared: dict[int, weakref.ref] = {}
         self._lock = threading.Lock()
 
-    def register(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def register(
+        self, request_id: str, keys: torch.Tensor, values: torch.Tensor, shared: bool = False
+    ) -> None:
         """A kept request's read-back ``[layers, n, kv_heads, head_dim]`` K/V (the tensors its record
-        keeps views of)."""
+        keeps views of); ``shared``: they are the very tensors the worker's store keeps (the channel's
+        in-process handoff), not a copy."""
         if keys.dim() != 4 or not keys.is_contiguous() or not values.is_contiguous():
             return
         with self._lock:
             ids = []
             for tensor in (keys, values):
                 storage = tensor.untyped_storage()
+                if shared:
+                    self._shared[id(storage)] = weakref.ref(storage)
                 self._by_storage[id(storage)] = (
                     weakref.ref(storage),
                     request_id,
@@ -321,6 +328,14 @@ class Sources:
         with self._lock:
             for key in self._of_request.pop(request_id, []):
                 self._by_storage.pop(key, None)
+                self._shared.pop(key, None)
+
+    def shared_storages(self) -> set[tuple[str, int]]:
+        """``(device, data pointer)`` of each live storage registered ``shared`` (the accounting's
+        key: :func:`~hf_kvshare.segment_kv.storage_bytes` counts storages so)."""
+        with self._lock:
+            live = [ref() for ref in self._shared.values()]
+        return {(str(s.device), s.data_ptr()) for s in live if s is not None}
 
     def _rows(self, tensors: list[torch.Tensor]) -> tuple[str, int, int] | None:
         """``(request id, first row, rows)`` when every layer's ``[1, heads, m, dim]`` tensor is a view of

@@ -1,0 +1,174 @@
+"""The in-process handoff through both connector sides (one worker rank: vLLM's "uni" executor runs the
+worker in the scheduler's process): a KVCMAS read-back reaches the scheduler's record by reference, the
+record and the corrected claims behind it never write the worker's kept tensors, the summary counts
+the slots' bytes shared with the worker's store and no read-back byte serialized; ``in_process: false``
+serializes as before. The worker side needs vLLM's layer-name parser (the serving venv)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("zmq")
+
+from serving_stand_ins import admitted, stand_in_worker  # noqa: E402
+
+from hf_kvshare.rope import RopeShifter  # noqa: E402
+from hf_kvshare.serving import layout as lay  # noqa: E402
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="the worker side imports vLLM (.ci/run's serving venv)"
+)
+BLOCK = 16
+
+
+def _request(request_id, prompt, params, output=(), cache_salt=None):
+    """What the scheduler side reads of a vLLM ``Request`` (a finished one: ``output``)."""
+    from vllm.v1.request import RequestStatus
+
+    return SimpleNamespace(
+        request_id=request_id,
+        external_req_id=None,
+        prompt_token_ids=list(prompt),
+        kv_transfer_params=params,
+        cache_salt=cache_salt,
+        status=RequestStatus.FINISHED_STOPPED,
+        sampling_params=SimpleNamespace(all_stop_token_ids=[], eos_token_id=None, max_tokens=2),
+        output_token_ids=list(output),
+        num_computed_tokens=len(prompt) + len(output) - 1,
+    )
+
+
+def _report(path, request_id, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        for line in lines:
+            if line["request_id"] == request_id:
+                return line
+        time.sleep(0.02)
+    raise AssertionError(f"{request_id}'s report line never written")
+
+
+def _turns(tokenizer, tasks=3):
+    doc = tokenizer(
+        "The river Lune reaches the sea at Plover Scar near Glasson. " * 4, add_special_tokens=False
+    )["input_ids"]
+    for task in range(tasks):
+        for agent, question in (("a1", " Where?"), ("a2", " Why?")):
+            head = tokenizer("You are " + agent + ".", add_special_tokens=False)["input_ids"]
+            prompt = head + doc + tokenizer(question, add_special_tokens=False)["input_ids"]
+            segments = [{"slot": "doc", "start": len(head), "end": len(head) + len(doc)}]
+            yield (
+                f"{task}{agent}",
+                prompt,
+                {lay.KEY: {"task": f"t{task}", "agent": agent, "segments": segments}},
+            )
+
+
+@needs_vllm
+@pytest.mark.parametrize("in_process", [True, False])
+def test_kvcmas_records_and_corrected_claims_never_write_the_workers_handed_over_tensors(
+    tiny_llama, tokenizer, tmp_path, in_process
+):
+    """KVCMAS agents through both connector sides in one process: each finished request is read back by
+    the worker's order thread and recorded by the scheduler; with the handoff the record holds the very
+    tensors the worker's store keeps (its slots' bytes ``shared_bytes``, 0 read-back bytes serialized),
+    and no record or corrected claim changes a bit of them. Turned off, the same requests serialize."""
+    from hf_kvshare.serving.connector_common import Captured
+    from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
+    from hf_kvshare.serving.host import Sharing
+    from hf_kvshare.serving.standin import engine
+
+    reports = tmp_path / "reports.jsonl"
+    extra = {"report_path": str(reports), "device_store_bytes": 1 << 30, "in_process": in_process}
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+    )
+    sharing = Sharing(tiny_llama, tokenizer, "kvcmas", min_segment_tokens=4, tau=0.9, delta_rank=4)
+    scheduler = HFKVShareScheduler(config, sharing)
+    c = tiny_llama.config
+    worker, names = stand_in_worker(
+        c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block=BLOCK, blocks=48, extra=extra
+    )
+    worker._shifter = RopeShifter.from_model(tiny_llama)
+    snapshots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    claims, next_block = 0, 0
+    try:
+        # the worker's first step: it connects the read-back channel and announces its order channel
+        worker.start_load_kv(scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])))
+        first = worker.build_connector_worker_meta()
+        scheduler.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=first, finished_sending=None)
+        )
+        assert isinstance(first, Captured) and worker.in_process is in_process
+        assert scheduler.colocated is in_process
+        for rid, prompt, params in _turns(tokenizer):
+            request = _request(rid, prompt, params, cache_salt=sharing.salt)
+            scheduler.on_new_request(request)
+            claimed = admitted(scheduler, request)
+            plan = scheduler._plans[rid]
+            blocks = list(range(next_block, next_block + -(-(len(prompt) + 2) // BLOCK)))
+            next_block += len(blocks)
+            scheduler.update_state_after_alloc(request, None, claimed)
+            scheduled = [SimpleNamespace(req_id=rid, block_ids=(blocks,))]
+            meta = scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=scheduled))
+            worker.start_load_kv(meta)  # the claim: kept rows re-positioned, corrected by the factors
+            assert not worker.get_block_ids_with_load_errors()
+            claims += bool(meta.loads)
+            out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
+            for i, name in enumerate(names):  # what vLLM's forward leaves in the request's blocks
+                worker._io[name].write(blocks, 0, keys[i], values[i])
+            finished = _request(rid, prompt, params, out, cache_salt=sharing.salt)
+            assert scheduler.request_finished(finished, blocks)[0]
+            assert _report(reports, rid)["read_back"] == "at finish"  # the order path: read, recorded
+            scheduler._background.drain()  # and what its record left for later (anchors' factors)
+            kept = worker.store.get(rid)  # read back exactly as written: the engine's K/V, before the record
+            assert kept is not None and torch.equal(kept[0], keys) and torch.equal(kept[1], values)
+            snapshots[rid] = (keys, values)
+        assert claims >= 2 and scheduler.load_bytes["factors"] > 0 and scheduler.load_bytes["corrected"] > 0
+        scheduler._background.drain()  # every record and what it left for later has run
+        for rid, (keys, values) in snapshots.items():  # not a bit of the kept tensors changed
+            kept = worker.store.get(rid)
+            assert torch.equal(kept[0], keys) and torch.equal(kept[1], values), rid
+        summary = scheduler._summary()
+        handoff, slots = summary["handoff"], summary["stores"]["slots"]
+        assert handoff["enabled"] is in_process and handoff["colocated"] is in_process
+        read_back = handoff["read_back"]
+        assert read_back["in_process"] + read_back["serialized"] == len(snapshots)
+        if in_process:
+            assert read_back == {"in_process": len(snapshots), "serialized": 0, "serialized_bytes": 0}
+            assert handoff["orders"]["serialized_bytes"] == 0 and handoff["orders"]["in_process"] > 0
+            assert 0 < slots["shared_bytes"] <= slots["bytes"]
+        else:
+            assert read_back["in_process"] == 0 and read_back["serialized_bytes"] > 0
+            assert handoff["orders"]["in_process"] == 0 and handoff["orders"]["serialized_bytes"] > 0
+            assert slots["shared_bytes"] == 0
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_the_handoff_switch_reaches_both_connector_sides(tmp_path, capsys):
+    """``hf-kvshare serve --no-in-process`` / ``Server(in_process=False)`` writes ``in_process: false`` in
+    the connector's ``kv_connector_extra_config`` (both sides read it); on by default."""
+    from hf_kvshare.cli import serve
+    from hf_kvshare.serving.server import Server
+
+    def extra(server):
+        command = server.command()
+        return json.loads(command[command.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+    assert extra(Server(tmp_path, "kvcmas", port=1))["in_process"] is True
+    assert extra(Server(tmp_path, "kvcmas", port=1, in_process=False))["in_process"] is False
+    with pytest.raises(TypeError, match="in_process must be True or False"):
+        Server(tmp_path, "kvcmas", port=1, in_process="no")
+    with pytest.raises(SystemExit):
+        serve(["--help"])
+    assert "--no-in-process" in capsys.readouterr().out
