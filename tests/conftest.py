@@ -3,6 +3,9 @@ real model (tests using `real` are marked `real_model`). Helpers live in tiny.py
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
 import pytest
 import torch
 from tiny import embedded_tokenizer, tiny_model
@@ -32,6 +35,45 @@ def tiny(request):
 @pytest.fixture(scope="session")
 def tiny_llama():
     return tiny_model("llama")
+
+
+#: keywords of ``load_model`` under which a folder's model and tokenizer are read the same way every time
+_PLAIN_LOAD = frozenset({"dtype", "attn_implementation"})
+
+
+def _folder_state(path: Path) -> tuple:
+    return tuple(
+        sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file())
+    )
+
+
+@pytest.fixture(scope="session")
+def _folders_read():
+    return {}
+
+
+@pytest.fixture
+def folders_read_once(monkeypatch, _folders_read):
+    """``load_model`` of a local model folder (the tests' saved tiny models) reads the folder once per
+    session: a later load of the unchanged folder with the same plain options gets a deep copy of the
+    model and the same tokenizer (the session's tokenizers are shared likewise: nothing mutates one).
+    Reading the embedded tokenizer back is half of a small ``bench run`` (~0.25 CPU-s), and the bench
+    CLI tests run ~60 of them on the same folder. Quantized, placed or hub loads go through as they are."""
+    from hf_kvshare import models
+
+    read = models.load_model
+
+    def load_model(name_or_path=models.DEFAULT_MODEL, **kwargs):
+        folder = Path(str(name_or_path))
+        if set(kwargs) - _PLAIN_LOAD or not folder.is_dir():
+            return read(name_or_path, **kwargs)
+        key = (str(folder.resolve()), repr(sorted(kwargs.items())), _folder_state(folder))
+        if key not in _folders_read:
+            _folders_read[key] = read(name_or_path, **kwargs)
+        model, tokenizer = _folders_read[key]
+        return copy.deepcopy(model), tokenizer
+
+    monkeypatch.setattr(models, "load_model", load_model)
 
 
 def _uses_a_module_fixture(item) -> bool:
