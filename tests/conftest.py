@@ -4,6 +4,7 @@ real model (tests using `real` are marked `real_model`). Helpers live in tiny.py
 from __future__ import annotations
 
 import copy
+import gc
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,13 @@ def folders_read_once(monkeypatch, _folders_read):
         return copy.deepcopy(model), tokenizer
 
     monkeypatch.setattr(models, "load_model", load_model)
+
+
+def pytest_collection_finish(session):
+    """What is alive once the tests are collected (torch, transformers, the package, the test modules:
+    ~400k objects) stays alive to the end: frozen, the garbage collector's full passes skip it instead
+    of walking it again each time (~8 % of a test process's CPU on the model tests)."""
+    gc.freeze()
 
 
 def _uses_a_module_fixture(item) -> bool:
