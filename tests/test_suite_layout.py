@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -23,6 +24,12 @@ TESTS = Path(__file__).resolve().parent
 HISTORY_NAME = re.compile(r"issue|hardening|review|(?:^test|_)\d+(?:_|$)")
 #: a copied helper shorter than this (unparsed lines) is let be (a one-line fixture, a tiny wrapper)
 MIN_HELPER_LINES = 5
+
+
+@functools.cache
+def parsed(source: str) -> ast.Module:
+    """The syntax tree of ``source``, parsed once per process (the rules below read every test module)."""
+    return ast.parse(source)
 
 
 def history_named(names: list[str]) -> list[str]:
@@ -35,7 +42,7 @@ def copied_helpers(sources: dict[str, str]) -> list[list[str]]:
     or more modules of ``sources`` (``{module name: source}``), each of at least MIN_HELPER_LINES."""
     by_code: dict[str, list[str]] = {}
     for module, source in sorted(sources.items()):
-        for node in ast.parse(source).body:
+        for node in parsed(source).body:
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
             if node.name.startswith("test_") or len(ast.unparse(node).splitlines()) < MIN_HELPER_LINES:
@@ -105,7 +112,7 @@ def stand_ins_built_again(sources: dict[str, str]) -> list[str]:
     for module, source in sorted(sources.items()):
         if module == STAND_INS:
             continue
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(parsed(source)):
             if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
                 name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
                 keywords = {k.arg for k in node.keywords}
