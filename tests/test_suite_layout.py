@@ -9,7 +9,8 @@
   over stand-in paged caches, a ``deliver`` recorder) and the serving lane's live server of the vLLM and
   tensor-parallel modules starts through ``live_server.py``;
 - the fast lane is one marker expression: README's fast-lane command and ``.ci/run``'s run on the floor
-  transformers deselect the embedded-model tests with the same ``-m "not real_model"``.
+  transformers deselect the embedded-model tests with the same ``-m "not real_model"``;
+- collecting the tests imports no optional heavy package (PEFT, bitsandbytes, datasets) at module level.
 """
 
 from __future__ import annotations
@@ -135,3 +136,38 @@ def test_the_connectors_stand_ins_are_written_once():
         assert "wait_ready" not in sources[module], (
             f"{module} starts its server itself (tests/live_server.py)"
         )
+
+
+#: optional heavy packages a test process need not load to collect the tests: PEFT loads bitsandbytes
+#: (~2 CPU-s), datasets pyarrow; each is imported inside the test or helper that uses it
+NOT_AT_COLLECTION = ("peft", "bitsandbytes", "datasets")
+
+
+def imported_at_collection(sources: dict[str, str]) -> list[str]:
+    """``module:line`` of each module-level import in ``sources`` of a package of :data:`NOT_AT_COLLECTION`
+    (``if TYPE_CHECKING:`` blocks excepted: they never run)."""
+    found = []
+    for module, source in sorted(sources.items()):
+        for node in parsed(source).body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(n.split(".")[0] in NOT_AT_COLLECTION for n in names):
+                found.append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_optional_heavy_packages_are_not_imported_at_collection():
+    """The fast lane's budget: collecting the tests loads neither PEFT nor bitsandbytes nor datasets."""
+    sources = {p.name: p.read_text() for p in sorted(TESTS.glob("*.py"))}
+    found = imported_at_collection(sources)
+    assert not found, f"import these inside the tests or helpers that use them: {found}"
+    cases = {
+        "a.py": "from peft import LoraConfig\nimport torch\n",
+        "b.py": "def f():\n    import peft\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from peft import LoraConfig\n",
+        "d.py": "import bitsandbytes.nn as bnn\nfrom datasets import load_dataset\n",
+    }
+    assert imported_at_collection(cases) == ["a.py:1", "d.py:1", "d.py:2"]
