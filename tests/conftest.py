@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,13 @@ def _folder_state(path: Path) -> tuple:
     )
 
 
+#: how many folders ``folders_read_once`` keeps read (the most recent: a module's tests load one folder)
+_FOLDERS_KEPT = 2
+
+
 @pytest.fixture(scope="session")
 def _folders_read():
-    return {}
+    return OrderedDict()
 
 
 @pytest.fixture
@@ -71,6 +76,9 @@ def folders_read_once(monkeypatch, _folders_read):
         key = (str(folder.resolve()), repr(sorted(kwargs.items())), _folder_state(folder))
         if key not in _folders_read:
             _folders_read[key] = read(name_or_path, **kwargs)
+            while len(_folders_read) > _FOLDERS_KEPT:
+                _folders_read.popitem(last=False)
+        _folders_read.move_to_end(key)
         model, tokenizer = _folders_read[key]
         return copy.deepcopy(model), tokenizer
 
