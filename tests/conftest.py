@@ -3,6 +3,11 @@ real model (tests using `real` are marked `real_model`). Helpers live in tiny.py
 
 from __future__ import annotations
 
+import copy
+import gc
+from collections import OrderedDict
+from pathlib import Path
+
 import pytest
 import torch
 from tiny import embedded_tokenizer, tiny_model
@@ -32,6 +37,59 @@ def tiny(request):
 @pytest.fixture(scope="session")
 def tiny_llama():
     return tiny_model("llama")
+
+
+#: keywords of ``load_model`` under which a folder's model and tokenizer are read the same way every time
+_PLAIN_LOAD = frozenset({"dtype", "attn_implementation"})
+
+
+def _folder_state(path: Path) -> tuple:
+    return tuple(
+        sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file())
+    )
+
+
+#: how many folders ``folders_read_once`` keeps read (the most recent: a module's tests load one folder)
+_FOLDERS_KEPT = 2
+
+
+@pytest.fixture(scope="session")
+def _folders_read():
+    return OrderedDict()
+
+
+@pytest.fixture
+def folders_read_once(monkeypatch, _folders_read):
+    """``load_model`` of a local model folder (the tests' saved tiny models) reads the folder once per
+    session: a later load of the unchanged folder with the same plain options gets a deep copy of the
+    model and the same tokenizer (the session's tokenizers are shared likewise: nothing mutates one).
+    Reading the embedded tokenizer back is half of a small ``bench run`` (~0.25 CPU-s), and the bench
+    CLI tests run ~60 of them on the same folder. Quantized, placed or hub loads go through as they are."""
+    from hf_kvshare import models
+
+    read = models.load_model
+
+    def load_model(name_or_path=models.DEFAULT_MODEL, **kwargs):
+        folder = Path(str(name_or_path))
+        if set(kwargs) - _PLAIN_LOAD or not folder.is_dir():
+            return read(name_or_path, **kwargs)
+        key = (str(folder.resolve()), repr(sorted(kwargs.items())), _folder_state(folder))
+        if key not in _folders_read:
+            _folders_read[key] = read(name_or_path, **kwargs)
+            while len(_folders_read) > _FOLDERS_KEPT:
+                _folders_read.popitem(last=False)
+        _folders_read.move_to_end(key)
+        model, tokenizer = _folders_read[key]
+        return copy.deepcopy(model), tokenizer
+
+    monkeypatch.setattr(models, "load_model", load_model)
+
+
+def pytest_collection_finish(session):
+    """What is alive once the tests are collected (torch, transformers, the package, the test modules:
+    ~400k objects) stays alive to the end: frozen, the garbage collector's full passes skip it instead
+    of walking it again each time (~8 % of a test process's CPU on the model tests)."""
+    gc.freeze()
 
 
 def _uses_a_module_fixture(item) -> bool:

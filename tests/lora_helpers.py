@@ -1,15 +1,21 @@
-"""Tiny PEFT models for the PReCache tests: random adapters whose ``lora_B`` is not zero."""
+"""Tiny PEFT models for the PReCache tests: random adapters whose ``lora_B`` is not zero.
+
+PEFT is imported by the helpers that use it, not at collection: it loads bitsandbytes (~2 CPU-s per
+test process)."""
 
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, get_peft_model
 from tiny import tiny_model
 
 from hf_kvshare import PH
 from hf_kvshare._compat import peft_wrapping_warnings_silenced
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # k_proj: the methods need lr_keys=True
 ATTENTION_AND_MLP = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
@@ -18,6 +24,8 @@ ROLES = {"plan": 4, "act": 2, "reflect": 3}  # adapter -> rank
 
 
 def lora_config(r: int, targets=ATTENTION, **kwargs) -> LoraConfig:
+    from peft import LoraConfig
+
     # init_lora_weights=False: lora_B random (PEFT's default zero B would make every adapter a no-op)
     return LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False, **kwargs)
 
@@ -26,6 +34,8 @@ def lora_model(
     arch: str = "llama", roles=ROLES, targets=ATTENTION, seed: int = 0, keep_base: bool = False, **cfg
 ):
     """A tiny random model wrapped with one LoRA adapter per role (and a deep copy of the bare model)."""
+    from peft import get_peft_model
+
     base = tiny_model(arch, seed=seed)
     plain = copy.deepcopy(base) if keep_base else None
     torch.manual_seed(seed + 1)

@@ -30,6 +30,8 @@ def load(monkeypatch):
     def load_example(name: str):
         spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        # registered as an import registers it: its dataclasses look their module up in sys.modules
+        monkeypatch.setitem(sys.modules, name, module)
         spec.loader.exec_module(module)
         return module
 

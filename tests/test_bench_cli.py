@@ -24,6 +24,9 @@ from hf_kvshare.bench.methods import MethodSpec, requires_adapters
 from hf_kvshare.evaluation import calibrate_tau, realized_rho
 from hf_kvshare.methods import Method, Placement
 
+#: the runs read the tiny folder once (tests/conftest.py); the module's shared runs below read it themselves
+pytestmark = pytest.mark.usefixtures("folders_read_once")
+
 PROMPT_METHODS = sorted(n for n, c in METHODS.items() if not requires_adapters(c))
 ALL_METHODS = sorted(METHODS)
 TRACE = trace_args(rounds=2)

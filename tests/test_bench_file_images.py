@@ -24,6 +24,9 @@ from hf_kvshare.bench.workloads import (
 )
 from hf_kvshare.models import load_model, load_processor
 
+#: the runs read a saved model folder once (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("folders_read_once")
+
 
 def bench(*argv) -> int:
     return main([str(a) for a in argv])

@@ -11,6 +11,9 @@ from bench_helpers import save_tiny
 
 from hf_kvshare.bench.__main__ import main
 
+#: the runs read a saved model folder once (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("folders_read_once")
+
 TRACE = ["--workload", "trace", "--shared-tokens", "16", "--agents", "3", "--output-tokens", "2"]
 
 

@@ -15,6 +15,9 @@ import hf_kvshare
 from hf_kvshare import METHODS
 from hf_kvshare.cli import COMMANDS, demo_methods, main
 
+#: the runs read a saved model folder once (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("folders_read_once")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

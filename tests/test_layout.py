@@ -184,6 +184,12 @@ def _resolve(name: str) -> str | None:
 
 def imports_of(name: str) -> set[str]:
     """hf_kvshare modules imported by module ``name`` (a package import is an edge to its ``__init__``)."""
+    return set(_imports_of(name))
+
+
+@functools.cache
+def _imports_of(name: str) -> frozenset[str]:
+    """:func:`imports_of`, walked once per process (the import graph is read by several rules)."""
     tree = parsed(MODULES[name])
     package = name if is_package(name) else name.rpartition(".")[0]
     found: set[str] = set()
@@ -207,7 +213,7 @@ def imports_of(name: str) -> set[str]:
                 resolved = _resolve(target)
                 if resolved is not None and resolved != name:
                     found.add(resolved)
-    return found
+    return frozenset(found)
 
 
 def graph() -> dict[str, set[str]]:

@@ -11,6 +11,9 @@ from bench_helpers import save_random_adapters, save_tiny, trace_args
 
 from hf_kvshare.bench.studies import kvcmas, precache
 
+#: the runs read a saved model folder once (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("folders_read_once")
+
 TRACE = trace_args(rounds=1)
 
 

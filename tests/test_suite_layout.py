@@ -13,11 +13,13 @@
 - the live parallel shapes are one parametrized pair: ``test_serving_tp.py``'s live checks take the module
   fixture ``parallel_server``, parametrized by ``PARALLEL_SHAPES`` (one server at a time); no test or
   fixture starts a shape of its own.
+- collecting the tests imports no optional heavy package (PEFT, bitsandbytes, datasets) at module level.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -26,6 +28,12 @@ TESTS = Path(__file__).resolve().parent
 HISTORY_NAME = re.compile(r"issue|hardening|review|(?:^test|_)\d+(?:_|$)")
 #: a copied helper shorter than this (unparsed lines) is let be (a one-line fixture, a tiny wrapper)
 MIN_HELPER_LINES = 5
+
+
+@functools.cache
+def parsed(source: str) -> ast.Module:
+    """The syntax tree of ``source``, parsed once per process (the rules below read every test module)."""
+    return ast.parse(source)
 
 
 def history_named(names: list[str]) -> list[str]:
@@ -38,7 +46,7 @@ def copied_helpers(sources: dict[str, str]) -> list[list[str]]:
     or more modules of ``sources`` (``{module name: source}``), each of at least MIN_HELPER_LINES."""
     by_code: dict[str, list[str]] = {}
     for module, source in sorted(sources.items()):
-        for node in ast.parse(source).body:
+        for node in parsed(source).body:
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
             if node.name.startswith("test_") or len(ast.unparse(node).splitlines()) < MIN_HELPER_LINES:
@@ -108,7 +116,7 @@ def stand_ins_built_again(sources: dict[str, str]) -> list[str]:
     for module, source in sorted(sources.items()):
         if module == STAND_INS:
             continue
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(parsed(source)):
             if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
                 name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
                 keywords = {k.arg for k in node.keywords}
@@ -142,7 +150,7 @@ def shapes_written_per_test(source: str) -> list[str]:
     ranks above one (``_start(2, ...)``, ``parallel_server(1, pp=2)``): each parallel shape is an entry of
     ``PARALLEL_SHAPES``, which the one parametrized fixture starts, not a test or fixture of its own."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parsed(source)):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in SHAPE_STARTERS:
             values = [*node.args, *(k.value for k in node.keywords)]
             if any(isinstance(v, ast.Constant) and type(v.value) is int and v.value > 1 for v in values):
@@ -162,3 +170,38 @@ def test_the_live_parallel_shapes_are_one_parametrized_pair():
         shapes_written_per_test("def f(get):\n    _start(1, x)\n    get(2)\n    _start(tp, x, pp=pp)\n") == []
     )
     assert shapes_written_per_test("_start(2, x)\nparallel_server(1, pp=2)\n") == ["1", "2"]
+
+
+#: optional heavy packages a test process need not load to collect the tests: PEFT loads bitsandbytes
+#: (~2 CPU-s), datasets pyarrow; each is imported inside the test or helper that uses it
+NOT_AT_COLLECTION = ("peft", "bitsandbytes", "datasets")
+
+
+def imported_at_collection(sources: dict[str, str]) -> list[str]:
+    """``module:line`` of each module-level import in ``sources`` of a package of :data:`NOT_AT_COLLECTION`
+    (``if TYPE_CHECKING:`` blocks excepted: they never run)."""
+    found = []
+    for module, source in sorted(sources.items()):
+        for node in parsed(source).body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(n.split(".")[0] in NOT_AT_COLLECTION for n in names):
+                found.append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_optional_heavy_packages_are_not_imported_at_collection():
+    """The fast lane's budget: collecting the tests loads neither PEFT nor bitsandbytes nor datasets."""
+    sources = {p.name: p.read_text() for p in sorted(TESTS.glob("*.py"))}
+    found = imported_at_collection(sources)
+    assert not found, f"import these inside the tests or helpers that use them: {found}"
+    cases = {
+        "a.py": "from peft import LoraConfig\nimport torch\n",
+        "b.py": "def f():\n    import peft\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from peft import LoraConfig\n",
+        "d.py": "import bitsandbytes.nn as bnn\nfrom datasets import load_dataset\n",
+    }
+    assert imported_at_collection(cases) == ["a.py:1", "d.py:1", "d.py:2"]
