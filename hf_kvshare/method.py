@@ -257,6 +257,16 @@ class Method(StatePersistence, metaclass=_MethodType):
         recomputation methods read any slot's latest)."""
         return True
 
+    def has_source(self, request: Any, slot: str) -> bool:
+        """Whether ``request``'s (a :class:`~hf_kvshare.request.Request`) ``slot`` has now the K/V a
+        later turn's placement of it reads (its source); asked by the serving host without a turn: a
+        slot without one that an open turn reads is "not recorded yet" (a reader may wait for that
+        record), a slot with one is not. Default: the slot holds its latest K/V (``Slot.latest``: what
+        FullShared and the recomputation methods read). A method that keeps its sources elsewhere
+        answers from there (KVCMAS: its request state). Read only, without the store's lock."""
+        held = request.slots.get(slot)
+        return held is not None and held.latest is not None
+
     def why_not_placed(self, turn: Turn, span: Any) -> str | None:
         """Why the method placed nothing at PH ``span`` of ``turn`` (its ``placeholder`` returned
         ``None``), in its own words (KVCMAS: its gate's reason); asked by the serving host at admission

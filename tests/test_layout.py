@@ -96,6 +96,10 @@
 - serving reads no method's turn scratch: what a method decided for a span reaches the serving host
   through the contract only (``placeholder``'s placement, ``Method.why_not_placed`` for a span it did
   not place): no module of ``serving/`` reads a ``.scratch`` attribute.
+- serving asks the method whether a slot has the K/V a placement reads (``Method.has_source`` through
+  ``Sharing.has_kv``: KVCMAS keeps an output's source in its request state, not in the slot), never the
+  slot's ``latest``: in ``serving/`` only the store's own bookkeeping (:data:`LATEST_READERS`: its bound
+  drops, its eviction marks) reads a ``.latest`` attribute, so no wait decides from an empty slot.
 """
 
 from __future__ import annotations
@@ -1910,3 +1914,31 @@ def test_serving_reads_no_methods_turn_scratch():
     ]
     assert not bad, "serving modules reading a method's turn scratch:\n" + "\n".join(bad)
     assert scratch_reads(ast.parse("a = turn.scratch['x']\nb = scratch_cache\n")) == [1]
+
+
+#: the serving functions that may read a slot's ``latest``: the store's bound (drops it) and the record's
+#: eviction marks (a slot kept again); every decision that a slot has K/V asks ``Sharing.has_kv``
+LATEST_READERS = {"_bound", "_finish_request"}
+
+
+def latest_readers(tree: ast.AST) -> set[str]:
+    """The functions of ``tree`` that read a ``.latest`` attribute (a function holding one that does too)."""
+    return {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and any(isinstance(n, ast.Attribute) and n.attr == "latest" for n in ast.walk(node))
+    }
+
+
+def test_serving_asks_the_method_whether_a_slot_has_kv():
+    """No serving module decides from a slot's ``latest`` whether it has K/V (a wait for a record, "not
+    recorded yet"): it asks ``Sharing.has_kv`` (``Method.has_source``); only the store's bookkeeping reads it."""
+    bad = {
+        f"{name}.{function}"
+        for name, path in MODULES.items()
+        if name.startswith(f"{ROOT}.serving")
+        for function in latest_readers(parsed(path)) - LATEST_READERS
+    }
+    assert not bad, f"serving functions reading a slot's latest K/V (ask Sharing.has_kv): {sorted(bad)}"
+    assert latest_readers(ast.parse("def f(h):\n    return h.slots['a'].latest is None\n")) == {"f"}

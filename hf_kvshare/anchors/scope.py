@@ -266,11 +266,14 @@ class Scope:
 
     # ---------------------------------------------------------------- sources
     def source_kind(self, turn: Turn, slot: str) -> str:
-        """Where the slot's source comes from: ``output_source`` for an output, ``observation_source``
-        for an observation (unless ``"question"``: read as the question), ``text_source`` for the
-        question."""
+        """Where the slot's source comes from (:meth:`slot_source_kind` of the turn's slot)."""
+        return self.slot_source_kind(turn.slot(slot))
+
+    def slot_source_kind(self, held: Any) -> str:
+        """Where ``held``'s (a request's slot) source comes from: ``output_source`` for an output,
+        ``observation_source`` for an observation (unless ``"question"``: read as the question),
+        ``text_source`` for the question."""
         o = self.options
-        held = turn.slot(slot)
         if held.producer is not None:
             return o.output_source
         if held.kind == "observation" and o.observation_source != "question":

@@ -71,6 +71,10 @@ class RequestStates:
             done.atexit = False  # at interpreter exit no one reads them
         return state
 
+    def find(self, session: Any) -> RequestState | None:
+        """``session``'s state, ``None`` when it has none (read only: nothing is created)."""
+        return self._states.get(session)
+
     def nbytes(self, session: Any) -> int:
         """Bytes of ``session``'s state (references, producer caches the session no longer holds as a
         slot's latest); 0 when it has none."""

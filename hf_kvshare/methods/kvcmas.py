@@ -694,6 +694,22 @@ class KVCMAS(PrefixReuse, Method):
         the session extracted of those slots."""
         return self.scope.source_kind(turn, slot) == "chained"
 
+    def has_source(self, request: Any, slot: str) -> bool:
+        """The slot's source as :meth:`Scope.source <hf_kvshare.anchors.scope.Scope.source>` reads it: a
+        chained one is the slot's latest K/V; an output's producer cache and a first given text's are in
+        the request's state (the slot's latest is freed after each record: :meth:`reads_latest`); a
+        reference prefill is the method's own work, which no record adds to (always there)."""
+        held = request.slots.get(slot)
+        if held is None:
+            return False
+        kind = self.scope.slot_source_kind(held)
+        if kind == "chained":
+            return held.latest is not None
+        if kind in ("producer", "first"):
+            state = self._requests.find(request)
+            return state is not None and slot in state.produced
+        return True
+
     def why_not_placed(self, turn: Turn, span) -> str | None:
         """The reason of the gate or fallback that left ``span`` dense (its report's); ``None`` where the
         turn had no source to decide on (the first reader: the host knows why)."""

@@ -773,8 +773,7 @@ class Sharing:
             return DEVICE_EVICTED
         if span.kind == "PF":
             return OWN_TEXT_OFF if getattr(self.method, "prefix_reuse", None) is False else OWN_TEXT_NEW
-        slot = host.slots.get(span.name)
-        empty = slot is None or slot.latest is None
+        empty = not self.has_kv(host, span.name)
         if empty and self._in_flight_reads(host, span.name, turn):
             return NOT_RECORDED_YET
         own = self.method.why_not_placed(turn, span)
@@ -790,16 +789,16 @@ class Sharing:
         own = turn.output_slot if turn is not None else None
         return any(slot in reads for out, reads in dict(host.reading).items() if out != own)
 
-    @staticmethod
-    def has_kv(host: ServingHost | None, slot: str) -> bool:
-        """Whether ``host``'s ``slot`` holds K/V now. Without the store's lock (read on vLLM's scheduler
-        thread, which must not wait for a record): a snapshot, asked again at the next step."""
-        held = host.slots.get(slot) if host is not None else None
-        return held is not None and held.latest is not None
+    def has_kv(self, host: ServingHost | None, slot: str) -> bool:
+        """Whether ``host``'s ``slot`` has now the K/V a placement of it reads: the method's source
+        (:meth:`~hf_kvshare.method.Method.has_source`; the slot's latest K/V by default, KVCMAS's
+        request state for an output or a first given text). Without the store's lock (read on vLLM's
+        scheduler thread, which must not wait for a record): a snapshot, asked again at the next step."""
+        return host is not None and self.method.has_source(host, slot)
 
     def recorded(self, host: ServingHost, slot: str) -> bool:
-        """Whether ``host``'s ``slot`` holds K/V now, or no open turn will record any (a waiting request
-        then has nothing left to wait for); a snapshot, as :meth:`has_kv`."""
+        """Whether ``host``'s ``slot`` has its K/V now (:meth:`has_kv`), or no open turn will record any (a
+        waiting request then has nothing left to wait for); a snapshot, as :meth:`has_kv`."""
         return self.has_kv(host, slot) or not self._in_flight_reads(host, slot)
 
     def _turn(self, host: ServingHost, resolved: lay.ResolvedLayout, prompt: list[int]) -> Turn:
