@@ -159,6 +159,9 @@ class Method(StatePersistence, metaclass=_MethodType):
     #: moves K/V between positions (a :class:`~hf_kvshare.rope.RopeShifter`): a model whose RoPE cannot
     #: be shifted (dynamic NTK) is refused when the session is created
     repositions: ClassVar[bool] = True
+    #: places a span's K/V from elsewhere at all (NonShared: never; a server then tells its readers
+    #: the method shares nothing rather than to wait for another request's record)
+    places: ClassVar[bool] = True
     #: computes an image / video segment (``PH(slot, image=...)``) from its input embeddings
     #: (``CachePart.embeds``, references and recomputation included); ``False`` refuses such segments
     visual_segments: ClassVar[bool] = True

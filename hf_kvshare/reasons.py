@@ -40,7 +40,7 @@ CAUSES: dict[str, str] = {
 #: (pattern of a free-text reason, cause), first match wins; the producers' texts (anchors/)
 _PATTERNS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"evict"), "evicted"),
-    (re.compile(r"tau = 0"), "method_off"),
+    (re.compile(r"tau = 0|the method shares nothing"), "method_off"),
     (re.compile(r"first agent to see|first request to read it"), "first"),
     (re.compile(r"not recorded yet"), "not_recorded_yet"),
     (re.compile(r"the turn is dense"), "turn_fallback"),

@@ -1916,9 +1916,10 @@ def test_serving_reads_no_methods_turn_scratch():
     assert scratch_reads(ast.parse("a = turn.scratch['x']\nb = scratch_cache\n")) == [1]
 
 
-#: the serving functions that may read a slot's ``latest``: the store's bound (drops it) and the record's
-#: eviction marks (a slot kept again); every decision that a slot has K/V asks ``Sharing.has_kv``
-LATEST_READERS = {"_bound", "_finish_request"}
+#: the serving functions that may read a slot's ``latest``: the store's bound (drops it), the record's
+#: eviction marks (a slot kept again) and the store's byte accounting (``slot_storages``: the storages
+#: the slots keep alive); every decision that a slot has K/V asks ``Sharing.has_kv``
+LATEST_READERS = {"_bound", "_finish_request", "slot_storages"}
 
 
 def latest_readers(tree: ast.AST) -> set[str]:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from hf_kvshare import reasons
 from hf_kvshare.serving import host as host_mod
 from hf_kvshare.serving import layout as lay
 from hf_kvshare.serving.host import Sharing
@@ -200,3 +201,17 @@ def test_the_connector_plans_a_kvcmas_reader_at_once_beside_another_reader_in_fl
     finally:
         scheduler.shutdown()
         worker_orders.close()
+
+
+def test_a_nonshared_reader_beside_an_open_reader_is_not_told_to_wait(tiny_llama, tokenizer):
+    """NonShared places nothing (it reads no source): a reader of a slot another open turn reads is
+    never "not recorded yet" (no record can give it anything), so the connector never holds it."""
+    sharing = Sharing(tiny_llama, tokenizer, "nonshared", min_segment_tokens=4)
+    body = ids_of(tokenizer, DOC)
+    segments = [{"slot": "doc", "start": 0, "end": len(body)}]
+    sharing.plan("c", body + ids_of(tokenizer, " Why?"), layout("t", "C", segments), 0)
+    pb = sharing.plan("b", body + ids_of(tokenizer, " How?"), layout("t", "B", segments), 0)
+    assert pb.error is None and pb.claimed == 0
+    assert pb.unplaced.get("doc") == host_mod.METHOD_SHARES_NOTHING
+    assert reasons.cause({"reason": pb.unplaced["doc"]})[0] == "method_off"
+    assert pb.claim_stop is None or pb.claim_stop["reason"] != host_mod.NOT_RECORDED_YET

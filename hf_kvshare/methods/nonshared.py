@@ -14,4 +14,5 @@ class NonShared(Method):
 
     name = "nonshared"
     uses_sources = False
+    places = False
     repositions = False

@@ -476,6 +476,8 @@ GATE_KEYS = ("gate", "entropy", "anchors", "reason")
 #: why a PH span was not placed when another request of its task in flight computes it: its K/V come
 #: with that request's record (the connector may wait for it: :mod:`.connector_scheduler`)
 NOT_RECORDED_YET = "not recorded yet"
+#: why a method that places nothing (:attr:`~hf_kvshare.method.Method.places`: NonShared) placed nothing
+METHOD_SHARES_NOTHING = "the method shares nothing (nonshared)"
 #: why a PH span was not placed when no K/V of it are kept (this request is the first to read it, or
 #: the store's bound dropped them)
 NO_KV_KEPT = "no K/V kept for it (the first request to read it, or dropped by the store's bound)"
@@ -773,6 +775,8 @@ class Sharing:
             return DEVICE_EVICTED
         if span.kind == "PF":
             return OWN_TEXT_OFF if getattr(self.method, "prefix_reuse", None) is False else OWN_TEXT_NEW
+        if not self.method.places:  # NonShared: no record can give it anything to wait for
+            return METHOD_SHARES_NOTHING
         empty = not self.has_kv(host, span.name)
         if empty and self._in_flight_reads(host, span.name, turn):
             return NOT_RECORDED_YET
