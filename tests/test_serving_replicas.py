@@ -5,6 +5,7 @@ header, the warnings (no router or vLLM needed); the router in front of stand-in
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import subprocess
@@ -94,6 +95,31 @@ def test_replicate_builds_servers_on_consecutive_ports(tmp_path):
     assert rp.replicate(template, 2, router="/bin/true", policy="round_robin").warning
     with pytest.raises(ValueError, match="router policy"):
         rp.replicate(template, 2, router="/bin/true", policy="nope")
+
+
+def test_replicas_are_configured_as_their_template(tmp_path):
+    """Every keyword the launcher's ``Server`` takes reaches each replica as the template has it (a new
+    one is not dropped on the way: ``in_process`` was), except the port and the log each replica owns."""
+    template = Server(
+        tmp_path,
+        "kvcmas",
+        {"tau": 0.5},
+        port=8000,
+        max_bytes=1 << 20,
+        max_tasks=3,
+        max_prefix_bytes=1 << 18,
+        background=False,
+        read_back_channel=False,
+        device_store_bytes=1 << 22,
+        in_process=False,
+        python="/usr/bin/python3",
+        env={"X": "1"},
+    )
+    own = {"self", "port", "log", "model_dir", "method", "options"}
+    names = [n for n in inspect.signature(Server.__init__).parameters if n not in own]
+    for replica in rp.replicate(template, 2, router="/bin/true").servers:
+        for name in names:
+            assert getattr(replica, name, None) == getattr(template, name, None), name
 
 
 def test_a_missing_router_is_refused_with_the_install(tmp_path, monkeypatch):

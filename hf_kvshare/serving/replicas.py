@@ -379,6 +379,7 @@ def replicate(
                 background=server.background,
                 read_back_channel=server.read_back_channel,
                 device_store_bytes=server.device_store_bytes,
+                in_process=server.in_process,
                 log=log,
                 python=server.python,
                 env=server.env,
