@@ -289,3 +289,21 @@ def test_a_server_that_died_before_its_stop_still_reports_its_error(stand_in, tm
     out, err = capsys.readouterr()
     assert "had exited (code 3) before it was stopped: RuntimeError: the engine core died" in err
     assert "RuntimeError: the engine core died" in out  # its output, echoed as it came (no stop then)
+
+
+def test_a_value_reading_method_at_one_rank_is_told_where_its_kv_cross_on_the_cpu_wheel(monkeypatch):
+    """KVCMAS / KVComm read K/V values: at one rank the note says how to keep them in one process on vLLM's
+    CPU wheel (VLLM_ENABLE_V1_MULTIPROCESSING=0); not said once it is set, with the handoff off, under
+    tensor parallel, or for a value-free method."""
+    from hf_kvshare.serving.server import HANDOFF_CPU_NOTE, MULTIPROCESSING_ENV
+
+    monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
+    assert HANDOFF_CPU_NOTE in Server(".", "kvcmas", port=1).notes
+    assert HANDOFF_CPU_NOTE in Server(".", "kvcomm", {"text_source": "chained"}, port=1).notes
+    assert HANDOFF_CPU_NOTE not in Server(".", "kvcmas", port=1, env={MULTIPROCESSING_ENV: "0"}).notes
+    assert HANDOFF_CPU_NOTE not in Server(".", "kvcmas", port=1, in_process=False).notes
+    tp2 = Server(".", "kvcmas", port=1, vllm_args=["--tensor-parallel-size", "2"])
+    assert HANDOFF_CPU_NOTE not in tp2.notes
+    assert HANDOFF_CPU_NOTE not in Server(".", "fullshared", port=1).notes
+    monkeypatch.setenv(MULTIPROCESSING_ENV, "0")
+    assert HANDOFF_CPU_NOTE not in Server(".", "kvcmas", port=1).notes

@@ -46,6 +46,7 @@ from .host import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_TASKS,
     SALT_SECRET_ENV,
+    VALUE_FREE,
     check_budgets,
     check_serving_method,
     salt,
@@ -231,6 +232,17 @@ PIPELINE_EAGER_NOTE = (
 )
 
 
+#: vLLM's switch between an engine-core process of its own (``1``, the default) and one process (``0``)
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+#: said when a method that reads K/V values starts at one rank: where its K/V cross processes
+HANDOFF_CPU_NOTE = (
+    f"on vLLM's CPU wheel the worker of a one-rank server runs in a process of its own, so this method's "
+    f"K/V are copied to the scheduler's host memory for each record; {MULTIPROCESSING_ENV}=0 keeps one "
+    "process, where they stay on the worker's device and cross by reference (the in-process handoff, the "
+    "default on a GPU)"
+)
+
+
 def check_parallel_args(args: list[str], model_dir: str | Path | None = None) -> None:
     """Refuse, before vLLM starts, the parallel set-ups the connector cannot serve (the engine's
     ``connector_common.check_supported`` refuses them too): data or context parallel, and a
@@ -370,6 +382,14 @@ class Server:
             )
         if "--enforce-eager" in self.vllm_args and parallel_sizes(self.vllm_args).get("pipeline", 1) > 1:
             self.notes.append(PIPELINE_EAGER_NOTE)
+        if (
+            method is not None
+            and method not in VALUE_FREE
+            and in_process
+            and all(n == 1 for n in parallel_sizes(self.vllm_args).values())
+            and {**os.environ, **self.env}.get(MULTIPROCESSING_ENV, "1") != "0"
+        ):
+            self.notes.append(HANDOFF_CPU_NOTE)
 
     @property
     def url(self) -> str:
