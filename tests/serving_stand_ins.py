@@ -102,3 +102,22 @@ def admitted(scheduler, request, timeout: float = 30.0) -> int:
             return claimed
         time.sleep(0.01)
     raise AssertionError(f"{request.request_id} was never planned")
+
+
+def vllm_request(request_id, prompt, params, output=(), cache_salt=None, max_tokens=None):
+    """What the connector's scheduler side reads of a vLLM ``Request`` (a finished one: ``output``;
+    ``cache_salt``: what the middleware set, the method's salt for a request it checked;
+    ``max_tokens``: its sampling parameters' bound, ``None``: not stated)."""
+    from vllm.v1.request import RequestStatus
+
+    return SimpleNamespace(
+        request_id=request_id,
+        external_req_id=None,
+        prompt_token_ids=list(prompt),
+        kv_transfer_params=params,
+        cache_salt=cache_salt,
+        status=RequestStatus.FINISHED_STOPPED,
+        sampling_params=SimpleNamespace(all_stop_token_ids=[], eos_token_id=None, max_tokens=max_tokens),
+        output_token_ids=list(output),
+        num_computed_tokens=len(prompt) + len(output) - 1,
+    )

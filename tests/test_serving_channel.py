@@ -15,7 +15,14 @@ import torch
 
 pytest.importorskip("zmq")
 
-from serving_stand_ins import Delivered, admitted, announce_worker, bytes_per_position, stand_in_worker  # noqa: E402
+from serving_stand_ins import (  # noqa: E402
+    Delivered,
+    admitted,
+    announce_worker,
+    bytes_per_position,
+    stand_in_worker,
+    vllm_request,
+)
 
 from hf_kvshare.serving import channel  # noqa: E402
 
@@ -353,24 +360,6 @@ def test_the_worker_reads_back_on_the_order_path_or_else_with_the_steps_output()
         receiver.close()
 
 
-def _request(request_id, prompt, params, output=(), block=16, cache_salt=None):
-    """What the connector's scheduler side reads of a vLLM ``Request`` (a finished one: ``output``;
-    ``cache_salt``: what the middleware set, the method's salt for a request it checked)."""
-    from vllm.v1.request import RequestStatus
-
-    return SimpleNamespace(
-        request_id=request_id,
-        external_req_id=None,
-        prompt_token_ids=list(prompt),
-        kv_transfer_params=params,
-        cache_salt=cache_salt,
-        status=RequestStatus.FINISHED_STOPPED,
-        sampling_params=SimpleNamespace(all_stop_token_ids=[], eos_token_id=None),
-        output_token_ids=list(output),
-        num_computed_tokens=len(prompt) + len(output) - 1,
-    )
-
-
 def _reports(path, n, timeout=30.0):
     import json
 
@@ -411,7 +400,7 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # a request without the method's salt (another endpoint, not through the layout check): exact
-    stray = _request("r0", ids("Some text. " * 20), None)
+    stray = vllm_request("r0", ids("Some text. " * 20), None)
     scheduler.on_new_request(stray)  # not planned ahead either
     assert scheduler.get_num_new_matched_tokens(stray, 0) == (0, False) and "r0" not in scheduler._plans
     scheduler._background.drain()  # whatever was queued for it has run
@@ -438,19 +427,19 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
     payloads = Delivered()
     worker_orders = announce_worker(scheduler, bytes_per_position(tiny_llama.config), deliver=payloads)
     try:
-        first = _request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
+        first = vllm_request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
         scheduler.on_new_request(first)
         assert admitted(scheduler, first) == 0  # the first agent computes the document
         plan = scheduler._plans["r1"]
         out, keys, values = engine(tiny_llama, plan, max_new_tokens=4)
-        finished = _request(
+        finished = vllm_request(
             "r1", first.prompt_token_ids, first.kv_transfer_params, out, cache_salt=sharing.salt
         )
         assert scheduler.request_finished(finished, [0, 1, 2, 3])[0]  # blocks kept until read back
         meta = scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[]))
         assert [c.request_id for c in meta.captures] == ["r1"] and meta.read_back
         # the task's next agent arrives before the record: it waits for it
-        second = _request("r2", doc + q2, params("a2", 0), cache_salt=sharing.salt)
+        second = vllm_request("r2", doc + q2, params("a2", 0), cache_salt=sharing.salt)
         scheduler.on_new_request(second)
         assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)
         # the path: the K/V on the read-back channel, recorded on the channel's thread, r2 planned behind
@@ -481,7 +470,9 @@ def test_the_scheduler_records_from_the_channel_or_the_step_output_and_plans_the
         # the fallback: r2's K/V with the step's output
         out2, keys2, values2 = engine(tiny_llama, scheduler._plans["r2"], max_new_tokens=4)
         scheduler.request_finished(
-            _request("r2", second.prompt_token_ids, second.kv_transfer_params, out2, cache_salt=sharing.salt),
+            vllm_request(
+                "r2", second.prompt_token_ids, second.kv_transfer_params, out2, cache_salt=sharing.salt
+            ),
             [4, 5],
         )
         scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[]))
@@ -529,7 +520,7 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
                 "segments": [{"slot": "doc", "start": len(own[agent]), "end": len(own[agent]) + len(doc)}],
             }
         }
-        return _request(rid, prompt, params, cache_salt=cache_salt)
+        return vllm_request(rid, prompt, params, cache_salt=cache_salt)
 
     extra = {"read_back_channel": False, "producer_wait_s": producer_wait_s}
     config = SimpleNamespace(
@@ -541,7 +532,7 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
 
     def finish(req, plan, blocks):
         out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
-        done = _request(
+        done = vllm_request(
             req.request_id, req.prompt_token_ids, req.kv_transfer_params, out, cache_salt=sharing.salt
         )
         scheduler.request_finished(done, blocks)
@@ -587,7 +578,9 @@ def test_an_agent_waits_for_the_request_computing_its_document_and_a_cold_one_do
             # a3 again (another task) as its cold request r3 ends, before its read-back: its own text is
             # kept by r3's record, so it waits for that instead of computing its own text again
             out3, keys3, values3 = engine(tiny_llama, scheduler._plans["r3"], max_new_tokens=2)
-            done3 = _request("r3", r3.prompt_token_ids, r3.kv_transfer_params, out3, cache_salt=sharing.salt)
+            done3 = vllm_request(
+                "r3", r3.prompt_token_ids, r3.kv_transfer_params, out3, cache_salt=sharing.salt
+            )
             scheduler.request_finished(done3, [10, 11, 12, 13, 14])
             r4 = request("r4", "a3", "t2", sharing.salt)
             scheduler.on_new_request(r4)
@@ -678,11 +671,11 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
         listeners = [announce_worker(scheduler, rank=rank) for rank in range(tp)]
 
         try:
-            first = _request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
+            first = vllm_request("r1", q1 + doc, params("a1", len(q1)), cache_salt=sharing.salt)
             scheduler.on_new_request(first)
             assert admitted(scheduler, first) == 0
             out, keys, values = engine(tiny_llama, scheduler._plans["r1"], max_new_tokens=4)
-            done = _request(
+            done = vllm_request(
                 "r1", first.prompt_token_ids, first.kv_transfer_params, out, cache_salt=sharing.salt
             )
             assert scheduler.request_finished(done, [0, 1, 2, 3])[0]
@@ -702,7 +695,7 @@ def test_at_two_ranks_the_scheduler_records_all_heads_once_both_ranks_read_back(
                 SimpleNamespace(kv_connector_worker_meta=step, finished_sending={"r1"})
             )
             assert not scheduler.has_pending_push_work()  # recorded: both ranks' heads came
-            second = _request("r2", doc + q2, params("a2", 0), cache_salt=sharing.salt)
+            second = vllm_request("r2", doc + q2, params("a2", 0), cache_salt=sharing.salt)
             scheduler.on_new_request(second)
             assert admitted(scheduler, second) == len(doc)
             plan = scheduler._plans["r2"]

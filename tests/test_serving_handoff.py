@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("zmq")
 
-from serving_stand_ins import admitted, stand_in_worker  # noqa: E402
+from serving_stand_ins import admitted, stand_in_worker, vllm_request  # noqa: E402
 
 from hf_kvshare.rope import RopeShifter  # noqa: E402
 from hf_kvshare.serving import layout as lay  # noqa: E402
@@ -25,23 +25,6 @@ needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="the worker side imports vLLM (.ci/run's serving venv)"
 )
 BLOCK = 16
-
-
-def _request(request_id, prompt, params, output=(), cache_salt=None):
-    """What the scheduler side reads of a vLLM ``Request`` (a finished one: ``output``)."""
-    from vllm.v1.request import RequestStatus
-
-    return SimpleNamespace(
-        request_id=request_id,
-        external_req_id=None,
-        prompt_token_ids=list(prompt),
-        kv_transfer_params=params,
-        cache_salt=cache_salt,
-        status=RequestStatus.FINISHED_STOPPED,
-        sampling_params=SimpleNamespace(all_stop_token_ids=[], eos_token_id=None, max_tokens=2),
-        output_token_ids=list(output),
-        num_computed_tokens=len(prompt) + len(output) - 1,
-    )
 
 
 def _report(path, request_id, timeout=60.0):
@@ -110,7 +93,7 @@ def test_kvcmas_records_and_corrected_claims_never_write_the_workers_handed_over
         assert isinstance(first, Captured) and worker.in_process is in_process
         assert scheduler.colocated is in_process
         for rid, prompt, params in _turns(tokenizer):
-            request = _request(rid, prompt, params, cache_salt=sharing.salt)
+            request = vllm_request(rid, prompt, params, cache_salt=sharing.salt, max_tokens=2)
             scheduler.on_new_request(request)
             claimed = admitted(scheduler, request)
             plan = scheduler._plans[rid]
@@ -125,7 +108,7 @@ def test_kvcmas_records_and_corrected_claims_never_write_the_workers_handed_over
             out, keys, values = engine(tiny_llama, plan, max_new_tokens=2)
             for i, name in enumerate(names):  # what vLLM's forward leaves in the request's blocks
                 worker._io[name].write(blocks, 0, keys[i], values[i])
-            finished = _request(rid, prompt, params, out, cache_salt=sharing.salt)
+            finished = vllm_request(rid, prompt, params, out, cache_salt=sharing.salt, max_tokens=2)
             assert scheduler.request_finished(finished, blocks)[0]
             assert _report(reports, rid)["read_back"] == "at finish"  # the order path: read, recorded
             scheduler._background.drain()  # and what its record left for later (anchors' factors)

@@ -137,8 +137,7 @@ def test_the_connector_plans_a_kvcmas_reader_at_once_beside_another_reader_in_fl
     flight, not recorded), then B reading it is planned at once (no producer wait: C's record adds
     nothing B reads), its claim stopped by KVCMAS's gate with the gate's reason; on a slow engine (1 s
     a token) where waiting for a producer would otherwise look cheaper than computing."""
-    from serving_stand_ins import admitted, announce_worker
-    from test_serving_channel import _request
+    from serving_stand_ins import admitted, announce_worker, vllm_request
 
     from hf_kvshare.serving.connector_common import Captured
     from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
@@ -153,12 +152,12 @@ def test_the_connector_plans_a_kvcmas_reader_at_once_beside_another_reader_in_fl
     scheduler = HFKVShareScheduler(config, sharing)
 
     def request(rid, agent, prompt, segments):
-        return _request(rid, prompt, layout("t", agent, segments), cache_salt=sharing.salt)
+        return vllm_request(rid, prompt, layout("t", agent, segments), cache_salt=sharing.salt)
 
     def finish(req, blocks, tokens=2):
         out, keys, values = engine(tiny_llama, scheduler._plans[req.request_id], tokens, tokens)
         params = req.kv_transfer_params
-        done = _request(req.request_id, req.prompt_token_ids, params, out, cache_salt=sharing.salt)
+        done = vllm_request(req.request_id, req.prompt_token_ids, params, out, cache_salt=sharing.salt)
         scheduler.request_finished(done, blocks)
         scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[]))
         scheduler.update_connector_output(
