@@ -67,6 +67,10 @@ class Request:
         #: each slot's latest K/V as a turn under :meth:`rollback` found it (what only the rollback may
         #: still hold: :meth:`compact_views` leaves those views alone)
         self._rolled_back: dict[str, Any] = {}
+        #: whether another owner keeps a tensor's storage alive anyway (a served task: the worker's own
+        #: store, handed over in-process): views of it cost nothing here, so they are neither copied out
+        #: (:meth:`compact_views`) nor copied into a piece (:meth:`piece`) while it does; ``None``: nobody
+        self.kept_elsewhere: Callable[[torch.Tensor], bool] | None = None
 
     @property
     def shifter(self) -> RopeShifter:
@@ -144,7 +148,7 @@ class Request:
             text=self.tokenizer.decode(ids.tolist()) if hasattr(self.tokenizer, "decode") else "",
             producer=parent.producer,
             kind=parent.kind,
-            latest=_piece_kv(parent.latest, start, end),
+            latest=self._piece_latest(parent.latest, start, end),
             piece_of=(parent.name, start, end),
         )
         return new.slots[piece]
@@ -245,9 +249,28 @@ class Request:
         groups = []
         for length, refs in self._views:
             alive = [kv for kv in (ref() for ref in refs) if kv is not None and id(kv) not in replaced]
-            if alive and not compact(alive, length):
-                groups.append((length, refs))
+            if alive and (self._held_elsewhere(alive[0]) or not compact(alive, length)):
+                groups.append((length, refs))  # re-checked at the next record
         self._views = groups
+
+    def _held_elsewhere(self, kv: SegmentKV) -> bool:
+        """Whether ``kv``'s tensors are views of a storage another owner keeps (:attr:`kept_elsewhere`)."""
+        kv = kv.stored
+        return self.kept_elsewhere is not None and bool(kv.keys) and self.kept_elsewhere(kv.keys[0])
+
+    def _piece_latest(self, kv: SegmentKV | None, start: int, end: int) -> SegmentKV | None:
+        """A new piece's latest K/V: a copy of positions ``[start, end)`` of its parent's ``kv``
+        (:func:`_piece_kv`), or, where ``kv`` views a storage another owner keeps and is one of a recorded
+        turn's views, a view joining that turn's views (copied out with them once nobody else keeps it)."""
+        if kv is None or kv.deferred or not self._held_elsewhere(kv):
+            return _piece_kv(kv, start, end)
+        group = next((refs for _, refs in self._views if any(ref() is kv for ref in refs)), None)
+        if group is None:
+            return _piece_kv(kv, start, end)
+        piece = _piece_kv(kv, start, end, copy=False)
+        if piece is not None:
+            group.append(weakref.ref(piece))
+        return piece
 
     def held_bytes(self) -> int:
         """Exact bytes the slots keep for later turns: each slot's latest K/V (views of one turn's cache
@@ -263,16 +286,17 @@ class Request:
         return total + sum(slot.visual.nbytes for slot in self.slots.values() if slot.visual is not None)
 
 
-def _piece_kv(kv: SegmentKV | None, start: int, end: int) -> SegmentKV | None:
+def _piece_kv(kv: SegmentKV | None, start: int, end: int, copy: bool = True) -> SegmentKV | None:
     """Positions ``[start, end)`` of ``kv`` (keys as they sit there), copied: a piece holds its own
     tokens only, no view of the turn cache its parent's K/V may be (:meth:`Request.compact_views`
-    counts those). ``None`` for no K/V, or an image's (multimodal RoPE layout)."""
+    counts those); with ``copy=False`` views (the caller counts them). ``None`` for no K/V, or an
+    image's (multimodal RoPE layout)."""
     if kv is None:
         return None
     kv = kv.materialize()
     if kv.rope is not None:
         return None
-    own = (lambda t: t) if is_stand_in(kv) else torch.Tensor.clone  # a stand-in's view holds nothing
+    own = torch.Tensor.clone if copy and not is_stand_in(kv) else (lambda t: t)  # a stand-in holds nothing
     return SegmentKV(
         keys=[own(k[..., start:end, :]) for k in kv.keys],
         values=[own(v[..., start:end, :]) for v in kv.values],

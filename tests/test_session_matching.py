@@ -182,3 +182,35 @@ def test_one_message_style_shares_what_separate_messages_share(tiny_llama, token
             messages = fstring(DOC)
         shared[style] = session.run_turn("writer", messages, max_new_tokens=2).tokens_reused
     assert shared["one message"] >= 0.8 * shared["separate"] > 0
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_piece_of_k_v_another_owner_keeps_is_a_view_until_nobody_does(tiny_llama, tokenizer, kept):
+    """``Request.kept_elsewhere`` (a served task whose worker's store keeps its read-backs): a piece of the
+    held document is then a view of the same storage as the document's K/V, not a copy, and joins its
+    turn's views; once no other owner keeps that storage, a compaction copies it out like the others.
+    Without it a piece is a copy at once. The same values either way."""
+    from hf_kvshare.request import NewSlots
+
+    session = Session(tiny_llama, tokenizer, "fullshared")
+    owner = {"keeps": kept}
+    session.kept_elsewhere = lambda tensor: owner["keeps"]
+    read_doc(session)
+    doc = session.slots["doc"].latest
+    piece = session.piece_slot("doc", 2, 9, NewSlots()).latest
+
+    def storage(kv):
+        return kv.keys[0].untyped_storage().data_ptr()
+
+    assert torch.equal(piece.keys[0], doc.keys[0][..., 2:9, :])
+    assert torch.equal(piece.values[-1], doc.values[-1][..., 2:9, :])
+    assert (storage(piece) == storage(doc)) is kept
+    if not kept:
+        return
+    before, rows = storage(doc), doc.keys[0][..., 2:9, :].clone()
+    session.slots["doc"].latest = doc = None  # only the piece still views the reader's turn cache
+    session.compact_views()
+    assert storage(piece) == before  # another owner keeps it: not copied out
+    owner["keeps"] = False
+    session.compact_views()  # nobody else does: the piece, 7 of its positions, stops holding all of it
+    assert storage(piece) != before and torch.equal(piece.keys[0], rows)

@@ -721,10 +721,17 @@ class Sharing:
                 self.plan_seconds += plan.plan_s
         return plan
 
+    def _kept_by_worker(self, tensor: torch.Tensor) -> bool:
+        """Whether the worker's store keeps ``tensor``'s storage itself (:meth:`.worker_store.Sources.kept`):
+        a record's views of it are no second copy (:attr:`Request.kept_elsewhere
+        <hf_kvshare.request.Request.kept_elsewhere>`)."""
+        return self.sources is not None and self.sources.kept(tensor)
+
     def _host(self, task: str) -> ServingHost:
         host = self.hosts.get(task)
         if host is None:
             host = self.hosts[task] = ServingHost(task, self.model, self.tokenizer, self.shifter)
+            host.kept_elsewhere = self._kept_by_worker
             self._mark_evicted(host, self.evicted_slots.pop(task, ()))
         self.hosts.move_to_end(task)
         # tasks with a request in flight cannot go: the store stays over its count until they finish

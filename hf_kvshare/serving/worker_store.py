@@ -337,6 +337,16 @@ class Sources:
             live = [ref() for ref in self._shared.values()]
         return {(str(s.device), s.data_ptr()) for s in live if s is not None}
 
+    def kept(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a view of a read-back the worker's store keeps itself (registered
+        ``shared``, not forgotten since: the mirror has not evicted it): a record's views of it are no
+        second copy, so its host keeps them as views (:attr:`Request.kept_elsewhere
+        <hf_kvshare.request.Request.kept_elsewhere>`) until the worker drops it."""
+        storage = tensor.untyped_storage()
+        with self._lock:
+            ref = self._shared.get(id(storage))
+        return ref is not None and ref() is storage
+
     def _rows(self, tensors: list[torch.Tensor]) -> tuple[str, int, int] | None:
         """``(request id, first row, rows)`` when every layer's ``[1, heads, m, dim]`` tensor is a view of
         one registered read-back at one row (the layer's own part of it), else ``None``."""
