@@ -60,7 +60,7 @@ class _Sides:
     request through both as vLLM would (admission, the claim's load, the forward, the read-back and
     the record)."""
 
-    def __init__(self, model, tokenizer, tmp_path, in_process: bool):
+    def __init__(self, model, tokenizer, tmp_path, in_process: bool, **budgets):
         from hf_kvshare.serving.connector_common import Captured
         from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
         from hf_kvshare.serving.host import Sharing
@@ -72,7 +72,9 @@ class _Sides:
             kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
             cache_config=SimpleNamespace(block_size=BLOCK),
         )
-        self.sharing = Sharing(model, tokenizer, "kvcmas", min_segment_tokens=4, tau=0.9, delta_rank=4)
+        self.sharing = Sharing(
+            model, tokenizer, "kvcmas", min_segment_tokens=4, tau=0.9, delta_rank=4, **budgets
+        )
         self.scheduler = HFKVShareScheduler(config, self.sharing)
         c = model.config
         self.worker, self.names = stand_in_worker(
@@ -220,5 +222,34 @@ def test_a_record_keeps_views_of_what_the_worker_keeps_not_copies(tiny_llama, to
         host.held = host.held_bytes()
         assert host.held < slots["bytes"]
         assert not any(sharing.sources.kept(t) for s in held for t in (*s.latest.keys, *s.latest.values))
+    finally:
+        sides.close()
+
+
+@needs_vllm
+def test_the_slots_budget_counts_what_the_worker_does_not_keep(tiny_llama, tokenizer, tmp_path):
+    """Each byte under one budget: the slots' ``max_bytes`` bounds what they keep alive but the read-backs
+    the worker's store keeps itself (``shared_bytes``, within ``device_store_bytes``). A budget smaller
+    than one task's read-back views keeps every task while the worker holds them; once it drops them
+    they count, and the next record's bound evicts the older tasks."""
+    sides = _Sides(tiny_llama, tokenizer, tmp_path, in_process=True, max_bytes=30_000)
+    sharing, mirror = sides.sharing, sides.scheduler.device_store
+    try:
+        served = []
+        for rid, prompt, params in _turns(tokenizer, tasks=2):
+            sides.serve(rid, prompt, params)
+            served.append(rid)
+        slots = sides.scheduler._summary()["stores"]["slots"]
+        assert slots["bytes"] > slots["max_bytes"] and slots["shared_bytes"] == slots["bytes"]
+        assert sharing.own_bytes() == 0 and len(sharing.hosts) == 2 and slots["evicted"] == 0
+        for rid in served:  # the worker drops them (the mirror evicted them)
+            assert mirror.forget(rid)
+            sharing.sources.forget(rid)
+        assert sharing.own_bytes() == slots["bytes"] > sharing.max_bytes  # counted now
+        for rid, prompt, params in _turns(tokenizer, tasks=3):
+            if rid.startswith("2"):  # a third task's record: the bound evicts the others
+                sides.serve(rid, prompt, params)
+        assert list(sharing.hosts) == ["t2"] and sharing.own_bytes() <= sharing.max_bytes
+        assert sides.scheduler._summary()["stores"]["slots"]["evicted"] == 2
     finally:
         sides.close()

@@ -1119,10 +1119,17 @@ class Sharing:
         while len(host.evicted) > self.max_task_slots:
             host.evicted.popitem(last=False)
 
+    def own_bytes(self) -> int:
+        """What ``max_bytes`` bounds: the bytes the slots keep alive (:meth:`held_bytes`) but those the
+        worker's store keeps itself (:meth:`shared_bytes`, bounded by its own budget,
+        ``device_store_bytes``): each byte counted under one budget. A read-back the worker drops counts
+        here from then on, until its views are copied out (the next record's compaction) or evicted."""
+        return self.held_bytes() - self.shared_bytes()
+
     def _bound(self, current: ServingHost) -> None:
-        while self.held_bytes() > self.max_bytes and self._evict_one(keep=current):
+        while self.own_bytes() > self.max_bytes and self._evict_one(keep=current):
             pass
-        if self.held_bytes() > self.max_bytes:  # the current task alone is over: drop its oldest K/V
+        if self.own_bytes() > self.max_bytes:  # the current task alone is over: drop its oldest K/V
             for name, slot in current.slots.items():
                 if slot.latest is not None:
                     slot.latest = None
@@ -1130,7 +1137,7 @@ class Sharing:
                     self._mark_evicted(current, [name])
                     current.held = current.held_bytes()
                     current.storages = slot_storages(current)
-                    if self.held_bytes() <= self.max_bytes:
+                    if self.own_bytes() <= self.max_bytes:
                         break
 
     def shared_bytes(self) -> int:
@@ -1149,13 +1156,16 @@ class Sharing:
         read-backs: ``refused``, not recorded, and ``peak`` bytes); the method's stores (kept PF text, from
         its ``prefix_summary()``; anchor pools, from ``method_state``, its ``state_summary()``) where it
         keeps them."""
+        shared = self.shared_bytes()
         stores = {
             "slots": {
                 "bytes": self.held_bytes(),
+                # ``max_bytes`` bounds ``bytes - shared_bytes`` (:meth:`own_bytes`)
                 "max_bytes": self.max_bytes,
                 "evicted": self.evicted_tasks + self.dropped_slots,
-                # of ``bytes``, those the worker's device store holds itself (in-process handoff: one copy)
-                "shared_bytes": self.shared_bytes(),
+                # of ``bytes``, those the worker's device store holds itself (in-process handoff: one copy,
+                # bounded by the worker store's budget)
+                "shared_bytes": shared,
             },
             "read_backs": {
                 "bytes": self.read_backs.held,
