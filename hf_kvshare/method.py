@@ -270,6 +270,14 @@ class Method(StatePersistence, metaclass=_MethodType):
         held = request.slots.get(slot)
         return held is not None and held.latest is not None
 
+    def readers_add_source(self, request: Any, slot: str) -> bool:
+        """Whether the record of a turn that reads ``request``'s ``slot`` gives it the source
+        :meth:`has_source` looks for (a reader in flight is then worth waiting for); asked by the serving
+        host when the slot has none. Default ``True``: a reader's record keeps the slot's latest K/V. A
+        method whose source only the slot's producer records says ``False`` there (KVCMAS's
+        ``output_source="producer"``: an output's producer cache, kept when it was recorded or never)."""
+        return True
+
     def why_not_placed(self, turn: Turn, span: Any) -> str | None:
         """Why the method placed nothing at PH ``span`` of ``turn`` (its ``placeholder`` returned
         ``None``), in its own words (KVCMAS: its gate's reason); asked by the serving host at admission

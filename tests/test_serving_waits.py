@@ -115,6 +115,21 @@ def test_kvcmas_reader_of_a_slot_an_open_turn_computes_first_still_waits_for_it(
     assert again.unplaced.get("doc") not in (host_mod.NOT_RECORDED_YET, host_mod.NO_KV_KEPT)
 
 
+def test_kvcmas_reader_of_an_output_whose_producer_cache_was_never_kept_does_not_wait(tiny_llama, tokenizer):
+    """An output's producer cache is kept by its producer's record alone (``Method.readers_add_source``):
+    where it was not kept (dropped here, as a record that could not keep it leaves it), no reader's
+    record will add it, so B beside an open reader C is not told "not recorded yet" (a wait that ends
+    only at its timeout) and the slot counts as recorded; the reason is that nothing is kept."""
+    sharing, host, body, segments = producer_then_readers(tiny_llama, tokenizer, "output")
+    sharing.method._requests.find(host).produced.pop("A")
+    assert not sharing.has_kv(host, "A")
+    pc = sharing.plan("c", body + ids_of(tokenizer, " Why?"), layout("t", "C", segments), 0)
+    pb = sharing.plan("b", body + ids_of(tokenizer, " How?"), layout("t", "B", segments), 0)
+    assert pb.error is None and pc.error is None
+    assert pb.unplaced["A"] == host_mod.NO_KV_KEPT and sharing.recorded(host, "A")
+    assert not sharing.method.readers_add_source(host, "A") and sharing.method.readers_add_source(host, "doc")
+
+
 @pytest.mark.parametrize("method", ["fullshared", "nonshared"])
 def test_a_method_that_reads_the_slots_latest_has_kv_as_before(tiny_llama, tokenizer, method):
     """The default hook: a slot has a source when it holds its latest K/V (FullShared's reads them;

@@ -710,6 +710,13 @@ class KVCMAS(PrefixReuse, Method):
             return state is not None and slot in state.produced
         return True
 
+    def readers_add_source(self, request: Any, slot: str) -> bool:
+        """An output's producer cache is kept by its producer's record alone (the one that made the
+        slot): no reader's record adds it. A chained source and a first given text's are kept by the
+        records of the turns that read them."""
+        held = request.slots.get(slot)
+        return held is None or self.scope.slot_source_kind(held) != "producer"
+
     def why_not_placed(self, turn: Turn, span) -> str | None:
         """The reason of the gate or fallback that left ``span`` dense (its report's); ``None`` where the
         turn had no source to decide on (the first reader: the host knows why)."""

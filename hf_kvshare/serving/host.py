@@ -794,9 +794,11 @@ class Sharing:
             return EVICTED if span.name in host.evicted else NO_KV_KEPT
         return "not placed by the method"
 
-    @staticmethod
-    def _in_flight_reads(host: ServingHost, slot: str, turn: Turn | None = None) -> bool:
-        """Whether an open turn of ``host`` other than ``turn`` reads ``slot`` (its record keeps its K/V)."""
+    def _in_flight_reads(self, host: ServingHost, slot: str, turn: Turn | None = None) -> bool:
+        """Whether an open turn of ``host`` other than ``turn`` reads ``slot`` and its record keeps the
+        slot's source (:meth:`~hf_kvshare.method.Method.readers_add_source`)."""
+        if not self.method.readers_add_source(host, slot):
+            return False
         own = turn.output_slot if turn is not None else None
         return any(slot in reads for out, reads in dict(host.reading).items() if out != own)
 
