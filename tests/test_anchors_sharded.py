@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from hf_kvshare.anchors import Anchor, FactoredKV, MatrixFactors, gate_distances, reliability_gate
+from hf_kvshare.anchors import Anchor, FactoredKV, MatrixFactors, gate_distances, reliability_gate, to_heads
 from hf_kvshare.anchors.correction import weighted_sum
 from hf_kvshare.anchors.lowrank import FACTORIZATIONS
 from hf_kvshare.anchors.sharded import (
     COLLECTIVES,
     communication_bytes,
+    sharded_factored_kv,
     sharded_factors,
     sharded_gate_distances,
 )
@@ -103,6 +104,22 @@ def _gate_inputs(heads: int, head_dim: int):
     return as_heads, anchors
 
 
+SEGMENT_HEADS, SEGMENT_LAYERS = 6, 2
+
+
+def _segment() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A seeded segment's per-layer keys and values ``[1, 6 heads, 40, 4]``."""
+
+    def layer(seed: int) -> torch.Tensor:
+        return (
+            matrix(seed, 40, SEGMENT_HEADS * 4, torch.float32)
+            .reshape(40, SEGMENT_HEADS, 4)
+            .transpose(0, 1)[None]
+        )
+
+    return [layer(300 + i) for i in range(SEGMENT_LAYERS)], [layer(400 + i) for i in range(SEGMENT_LAYERS)]
+
+
 def _rank_main(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -121,6 +138,16 @@ def _rank_main(rank: int, store: str, out: str) -> None:
             z = heads_of(matrix(seed, length, dim, dtype), size, replicas, rank)
             f = sharded_factors(z, keep, svd, groups[size], replicas=replicas)
             results[name] = (f.a, f.b, FACTORIZATIONS.since(before), COLLECTIVES.since(sent))
+    for svd in SVDS:
+        for size in (1, 2, 3):
+            if rank < size:
+                keys, values = _segment()
+                own = head_slice(SEGMENT_HEADS, size, 1, rank)
+                kv = sharded_factored_kv(
+                    [k[:, own] for k in keys], [v[:, own] for v in values], 4, svd, groups[size]
+                )
+                heads = [to_heads(f.reconstruct(), kv.kv_heads) for f in (*kv.keys, *kv.values)]
+                results[f"segment-{svd}-{size}"] = (kv.length, kv.kv_heads, heads)
     for name, heads, head_dim, ranks, replicas in GATES:
         for svd in SVDS:
             for size in ranks:
@@ -264,6 +291,20 @@ def test_the_ranks_gate_distances_and_corrections_are_the_one_rank_ones(ranks, c
         whole = weighted_sum([a.base.values[layer] for a in one[:3]], weights, GATE_ROWS)
         joined = torch.cat([ranks[r][key][1][layer] for r in range(0, size, replicas)], dim=1)
         assert _relative(joined, whole) <= (0.0 if size == 1 else 1e-5)
+
+
+@pytest.mark.parametrize("svd", SVDS)
+@pytest.mark.parametrize("size", (1, 2, 3))
+def test_a_segments_factors_per_rank_are_its_heads_of_the_one_rank_segment(ranks, svd, size):
+    """``sharded_factored_kv``: each rank's factors reconstruct its heads of the one-rank segment."""
+    keys, values = _segment()
+    one = FactoredKV.from_kv(keys, values, 4, svd)
+    wholes = [to_heads(f.reconstruct(), SEGMENT_HEADS) for f in (*one.keys, *one.values)]
+    parts = [ranks[r][f"segment-{svd}-{size}"] for r in range(size)]
+    assert all(length == 40 and heads == SEGMENT_HEADS // size for length, heads, _ in parts)
+    for i, whole in enumerate(wholes):
+        joined = torch.cat([heads[i] for _, _, heads in parts], dim=1)
+        assert _relative(joined, whole) <= (0.0 if size == 1 else 1e-5)  # a @ b_p: products of other widths
 
 
 def test_communication_bytes_against_the_read_back():

@@ -48,7 +48,7 @@ from .gate import (
 from .lowrank import FactoredKV, MatrixFactors, effective_rank, to_heads, to_matrix
 from .pool import REFERENCE, Anchor, AnchorPool, LRUDict
 from .profile import RelationProfile
-from .sharded import communication_bytes, sharded_factors, sharded_gate_distances
+from .sharded import communication_bytes, sharded_factored_kv, sharded_factors, sharded_gate_distances
 from .state import (
     ModelBinding,
     RequestState,
@@ -99,6 +99,7 @@ __all__ = [
     "usage_crossing",
     "usage_reference",
     "communication_bytes",
+    "sharded_factored_kv",
     "sharded_factors",
     "sharded_gate_distances",
 ]

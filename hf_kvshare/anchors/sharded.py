@@ -49,7 +49,15 @@ import torch.distributed as dist
 
 from ..measure import phase
 from .correction import gate_distance_terms
-from .lowrank import FACTORIZATIONS, RANDOMIZED_SVD_SEED, MatrixFactors, _truncated_svd, check_svd
+from .lowrank import (
+    FACTORIZATIONS,
+    RANDOMIZED_SVD_SEED,
+    FactoredKV,
+    MatrixFactors,
+    _truncated_svd,
+    check_svd,
+    to_matrix,
+)
 from .pool import Anchor
 
 __all__ = [
@@ -57,6 +65,7 @@ __all__ = [
     "CollectiveCount",
     "Shard",
     "communication_bytes",
+    "sharded_factored_kv",
     "sharded_factors",
     "sharded_gate_distances",
 ]
@@ -197,6 +206,32 @@ def sharded_factors(
             a, b = _randomized_svd(z_local.detach(), k, shard)
         b_local = b[:, shard.columns]
         return MatrixFactors(a=a.to(z_local.dtype).contiguous(), b=b_local.to(z_local.dtype).contiguous())
+
+
+def sharded_factored_kv(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    rank: int | None,
+    svd: str = "exact",
+    group: dist.ProcessGroup | None = None,
+    *,
+    replicas: int = 1,
+) -> FactoredKV:
+    """:meth:`FactoredKV.from_kv <.lowrank.FactoredKV.from_kv>` of a segment's K/V over every head, from
+    this rank's heads: per-layer ``keys`` / ``values`` ``[batch, heads_p, L, head_dim]`` (keys canonical).
+    Each layer's keys and values are factorized by :func:`sharded_factors`, layer by layer in the same
+    order on every rank (the collectives pair up); ``kv_heads`` is this rank's heads, so
+    ``to_heads(factors.reconstruct(), kv_heads)`` is its heads of the one-rank segment."""
+    if len(keys) != len(values) or not keys:
+        raise ValueError(
+            f"need the same non-zero number of key and value layers, got {len(keys)}/{len(values)}"
+        )
+    return FactoredKV(
+        keys=[sharded_factors(to_matrix(k), rank, svd, group, replicas=replicas) for k in keys],
+        values=[sharded_factors(to_matrix(v), rank, svd, group, replicas=replicas) for v in values],
+        length=keys[0].shape[-2],
+        kv_heads=keys[0].shape[1],
+    )
 
 
 def _random_matrix(rows: int, q: int, like: torch.Tensor) -> torch.Tensor:
