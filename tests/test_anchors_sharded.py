@@ -307,6 +307,18 @@ def test_a_segments_factors_per_rank_are_its_heads_of_the_one_rank_segment(ranks
         assert _relative(joined, whole) <= (0.0 if size == 1 else 1e-5)  # a @ b_p: products of other widths
 
 
+def test_bad_input_is_refused_before_any_communication():
+    z = torch.zeros(8, 4)
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        sharded_factors(z, 0, "exact")
+    with pytest.raises(ValueError, match="svd must be one of"):
+        sharded_factors(z, 2, "lanczos")
+    with pytest.raises(ValueError, match=r"expected an \[L, D_p\] matrix"):
+        sharded_factors(z[None], 2, "exact")
+    with pytest.raises(ValueError, match="svd must be one of"):
+        communication_bytes(8, 4, 2, 2, "lanczos")
+
+
 def test_communication_bytes_against_the_read_back():
     """Llama-3.1-8B's shapes (8 KV heads x 128, rank 32): the randomized SVD's all-reduces are
     ``3 L q`` float32 numbers whatever the ranks; the exact mode gathers as much as the read-back."""

@@ -79,20 +79,21 @@ class CollectiveCount:
     bytes) and ``all_gather`` (this rank's block's bytes). Read by tests against
     :func:`communication_bytes`; cheap enough to stay on."""
 
+    NAMES = ("all_reduces", "all_reduce_bytes", "all_gathers", "all_gather_bytes")
+
     def __init__(self) -> None:
-        self.all_reduces = self.all_reduce_bytes = self.all_gathers = self.all_gather_bytes = 0
+        self._counts = dict.fromkeys(self.NAMES, 0)
         self._lock = threading.Lock()
 
     def add(self, kind: str, tensor: torch.Tensor) -> None:
+        """One ``kind`` (``"all_reduce"`` or ``"all_gather"``) of ``tensor``."""
         with self._lock:
-            setattr(self, f"{kind}s", getattr(self, f"{kind}s") + 1)
-            setattr(
-                self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + tensor.numel() * tensor.element_size()
-            )
+            self._counts[f"{kind}s"] += 1
+            self._counts[f"{kind}_bytes"] += tensor.numel() * tensor.element_size()
 
     def snapshot(self) -> dict[str, int]:
-        names = ("all_reduces", "all_reduce_bytes", "all_gathers", "all_gather_bytes")
-        return {name: getattr(self, name) for name in names}
+        with self._lock:
+            return dict(self._counts)
 
     def since(self, snapshot: dict[str, int]) -> dict[str, int]:
         now = self.snapshot()
@@ -145,7 +146,8 @@ class Shard:
         return slice(start, start + self.width)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The sum over the column blocks of ``partial`` (a replica's copy counted once), on every rank."""
+        """The sum over the column blocks of ``partial`` (a replica's copy counted once), on every rank,
+        in place: ``partial`` is this module's own work tensor."""
         partial = partial.contiguous()
         if not self.owner:
             partial.zero_()
