@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
+from torch._lowrank import get_approximate_basis
 
 from hf_kvshare.anchors import Anchor, FactoredKV, MatrixFactors, gate_distances, reliability_gate, to_heads
 from hf_kvshare.anchors.correction import weighted_sum
@@ -26,6 +27,7 @@ from hf_kvshare.anchors.lowrank import FACTORIZATIONS
 from hf_kvshare.anchors.sharded import (
     COLLECTIVES,
     communication_bytes,
+    mirrors_svd_lowrank,
     sharded_factored_kv,
     sharded_factors,
     sharded_gate_distances,
@@ -305,6 +307,26 @@ def test_a_segments_factors_per_rank_are_its_heads_of_the_one_rank_segment(ranks
     for i, whole in enumerate(wholes):
         joined = torch.cat([heads[i] for _, _, heads in parts], dim=1)
         assert _relative(joined, whole) <= (0.0 if size == 1 else 1e-5)  # a @ b_p: products of other widths
+
+
+def test_the_installed_torch_runs_the_mirrored_svd_lowrank_and_another_is_detected(monkeypatch):
+    """``sharded_factors`` refuses the randomized mode on a torch whose ``svd_lowrank`` runs another
+    algorithm (older releases factored the transpose of tall matrices too): the probe tells them apart."""
+    assert mirrors_svd_lowrank()
+
+    def transposed(a, q, niter):  # older releases (``D > q``): the range of the rows, whatever the shape
+        basis = get_approximate_basis(a.mT, q, niter=niter)
+        u, s, vh = torch.linalg.svd(a @ basis, full_matrices=False)
+        return u, s, basis @ vh.mH
+
+    mirrors_svd_lowrank.cache_clear()
+    monkeypatch.setattr(torch, "svd_lowrank", transposed)
+    try:
+        assert not mirrors_svd_lowrank()
+    finally:
+        monkeypatch.undo()
+        mirrors_svd_lowrank.cache_clear()
+    assert mirrors_svd_lowrank()
 
 
 def test_bad_input_is_refused_before_any_communication():

@@ -41,6 +41,7 @@ Only this module calls ``torch.distributed`` collectives in the package (``tests
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ __all__ = [
     "CollectiveCount",
     "Shard",
     "communication_bytes",
+    "mirrors_svd_lowrank",
     "sharded_factored_kv",
     "sharded_factors",
     "sharded_gate_distances",
@@ -205,6 +207,11 @@ def sharded_factors(
         if svd == "exact":
             a, b = _truncated_svd(shard.all_gather(z_local.detach(), dim=1), k, svd)
         else:
+            if not mirrors_svd_lowrank():  # every rank runs the same probe: every rank refuses
+                raise NotImplementedError(
+                    f"torch {torch.__version__}'s svd_lowrank runs another algorithm than the one sharded "
+                    "here (torch 2.13's): its factors would not be the one-rank factors; use svd='exact'"
+                )
             a, b = _randomized_svd(z_local.detach(), k, shard)
         b_local = b[:, shard.columns]
         return MatrixFactors(a=a.to(z_local.dtype).contiguous(), b=b_local.to(z_local.dtype).contiguous())
@@ -236,6 +243,35 @@ def sharded_factored_kv(
     )
 
 
+class _OneProcess:
+    """:class:`Shard`'s operations over one process holding every column (the probe's)."""
+
+    def __init__(self, dim: int):
+        self.dim, self.columns = dim, slice(None)
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+    def all_gather(self, block: torch.Tensor, dim: int) -> torch.Tensor:
+        return block
+
+
+@functools.cache
+def mirrors_svd_lowrank() -> bool:
+    """Whether the installed torch's ``svd_lowrank`` runs the algorithm :func:`sharded_factors` mirrors
+    (torch 2.13's ``_lowrank.py``: the transpose factored only when ``L < D``; older releases also
+    factored it when ``D > q``, another random matrix): this module's one-process run against
+    ``lowrank._truncated_svd`` on a tall and a wide seeded probe, once per process."""
+    generator = torch.Generator().manual_seed(0)
+    for shape in ((12, 8), (8, 12)):
+        z = torch.randn(shape, generator=generator, dtype=torch.float64)
+        a, b = _randomized_svd(z, 2, _OneProcess(z.shape[1]))
+        one_a, one_b = _truncated_svd(z, 2, "randomized")
+        if not torch.allclose(a @ b, one_a @ one_b, rtol=1e-9, atol=1e-12):
+            return False
+    return True
+
+
 def _random_matrix(rows: int, q: int, like: torch.Tensor) -> torch.Tensor:
     """The range finder's ``[rows, q]`` Gaussian matrix, drawn as ``lowrank._truncated_svd``'s
     ``torch.svd_lowrank`` draws it: the first draw after seeding ``RANDOMIZED_SVD_SEED``, the global
@@ -246,7 +282,9 @@ def _random_matrix(rows: int, q: int, like: torch.Tensor) -> torch.Tensor:
         return torch.randn(rows, q, dtype=like.dtype, device=like.device)
 
 
-def _randomized_svd(z_local: torch.Tensor, q: int, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+def _randomized_svd(
+    z_local: torch.Tensor, q: int, shard: Shard | _OneProcess
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(U_q S_q, V_q^T)`` of the column-sharded ``Z`` as ``torch.svd_lowrank(Z, q, niter=2)`` computes
     them (``torch/_lowrank.py``: ``get_approximate_basis`` then the SVD of ``Q^H A``), ``b`` whole
     (``[q, D]``, the caller takes its columns). Each step mirrors the one-rank operation, so one rank
