@@ -140,6 +140,11 @@ def _rank_main(rank: int, store: str, out: str) -> None:
             z = heads_of(matrix(seed, length, dim, dtype), size, replicas, rank)
             f = sharded_factors(z, keep, svd, groups[size], replicas=replicas)
             results[name] = (f.a, f.b, FACTORIZATIONS.since(before), COLLECTIVES.since(sent))
+    if rank < 2:  # Llama-3.1-8B's shape at TP = 2: one 8K-token layer side, rank 32 (docs/architecture.md)
+        z = torch.randn(8192, 512, generator=torch.Generator().manual_seed(rank))
+        sent = COLLECTIVES.snapshot()
+        sharded_factors(z, 32, "randomized", groups[2])
+        results["llama_8k_tp2"] = COLLECTIVES.since(sent)
     for svd in SVDS:
         for size in (1, 2, 3):
             if rank < size:
@@ -339,6 +344,20 @@ def test_bad_input_is_refused_before_any_communication():
         sharded_factors(z[None], 2, "exact")
     with pytest.raises(ValueError, match="svd must be one of"):
         communication_bytes(8, 4, 2, 2, "lanczos")
+
+
+def test_the_bytes_counted_at_llama_shapes_are_the_computed_ones(ranks):
+    """The TP = 2, 8K row of docs/architecture.md's table, counted on two ranks: 3 all-reduces of
+    ``[8192, 32]`` and 3 all-gathers of ``[512, 32]`` float32 per rank."""
+    expected = communication_bytes(8192, 1024, 2, 32, "randomized")
+    for r in range(2):
+        assert ranks[r]["llama_8k_tp2"] == {
+            "all_reduces": 3,
+            "all_reduce_bytes": expected["all_reduce"],
+            "all_gathers": 3,
+            "all_gather_bytes": expected["all_gather"],
+        }
+    assert expected["all_reduce"] == 3 * 8192 * 32 * 4 and expected["sent"] < expected["read_back"]
 
 
 def test_communication_bytes_against_the_read_back():
