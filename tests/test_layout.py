@@ -100,6 +100,10 @@
   ``Sharing.has_kv``: KVCMAS keeps an output's source in its request state, not in the slot), never the
   slot's ``latest``: in ``serving/`` only the store's own bookkeeping (:data:`LATEST_READERS`: its bound
   drops, its eviction marks) reads a ``.latest`` attribute, so no wait decides from an empty slot.
+- the anchors engine across tensor-parallel ranks in one place: ``anchors/sharded.py`` (the per-rank
+  factors and gate distances, exact to one rank) imports neither vLLM nor a serving module (a worker
+  passes it vLLM's process group), and it is the only module of the package that uses
+  ``torch.distributed`` or calls a collective (``all_reduce``, ``all_gather``, ...: :data:`COLLECTIVE_CALLS`).
 """
 
 from __future__ import annotations
@@ -268,6 +272,8 @@ ENGINE_DECISIONS = frozenset(
         "relative_distance",
         "squared_spread",
         "gate_distances",
+        "gate_distance_terms",
+        "sharded_gate_distances",
         "token_distances",
         "usage_reference",
         "usage_crossing",
@@ -1943,3 +1949,76 @@ def test_serving_asks_the_method_whether_a_slot_has_kv():
     }
     assert not bad, f"serving functions reading a slot's latest K/V (ask Sharing.has_kv): {sorted(bad)}"
     assert latest_readers(ast.parse("def f(h):\n    return h.slots['a'].latest is None\n")) == {"f"}
+
+
+SHARDED = f"{ROOT}.anchors.sharded"
+#: collectives (``torch.distributed``'s and vLLM's group wrappers share these names)
+COLLECTIVE_CALLS = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "broadcast_object_list",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+    }
+)
+
+
+def distributed_uses(tree: ast.AST) -> list[int]:
+    """Lines of ``tree`` that import ``torch.distributed``, name ``torch.distributed`` or call a collective."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
+            lines.add(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and (
+            (node.module or "").startswith("torch.distributed")
+            or (node.module == "torch" and any(a.name == "distributed" for a in node.names))
+        ):
+            lines.add(node.lineno)
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "distributed"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "torch"
+        ):
+            lines.add(node.lineno)
+        elif isinstance(node, ast.Call) and _name_of(node.func) in COLLECTIVE_CALLS:
+            lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_only_the_sharded_engine_module_communicates_across_ranks():
+    """The anchors engine's per-rank primitives (``anchors/sharded.py``) import no vLLM and no serving
+    module (a worker passes vLLM's process group in), and no other module of the package uses
+    ``torch.distributed`` or calls a collective: what the ranks exchange is decided in one place."""
+    assert not {m for m in imports_of(SHARDED) if _inside(m, "serving")}, f"{SHARDED} imports serving"
+    third = {
+        alias.name.split(".")[0]
+        for node in _import_nodes(parsed(MODULES[SHARDED]))
+        for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+    }
+    assert "vllm" not in third, f"{SHARDED} imports vLLM"
+    bad = [
+        f"{name}:{line}"
+        for name, path in MODULES.items()
+        if name != SHARDED
+        for line in distributed_uses(parsed(path))
+    ]
+    assert not bad, "torch.distributed used outside anchors/sharded.py:\n" + "\n".join(bad)
+    assert distributed_uses(parsed(MODULES[SHARDED])), (
+        "the finder no longer sees anchors/sharded.py's collectives"
+    )
+
+
+def test_the_distributed_use_finder_finds_them():
+    source = (
+        "import torch.distributed as dist\nfrom torch import distributed\nx = torch.distributed.get_rank()\n"
+        "group.all_reduce(t)\nsender.send(t)\ny = torch.gather(t, 0, i)\n"
+    )
+    assert distributed_uses(ast.parse(source)) == [1, 2, 3, 4]

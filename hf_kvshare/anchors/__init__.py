@@ -16,6 +16,8 @@
   (pools or profiles, LRU-bounded, saved and loaded; the per-request states), and the rank
   option's check and clamp.
 - :mod:`.persist`: pools and profiles as named tensors plus JSON metadata.
+- :mod:`.sharded`: the per-rank factors and gate distances under tensor parallel (each rank its own
+  heads, exact to one rank; the only module that calls ``torch.distributed`` collectives).
 """
 
 from .cache import CorrectedCache
@@ -46,6 +48,7 @@ from .gate import (
 from .lowrank import FactoredKV, MatrixFactors, effective_rank, to_heads, to_matrix
 from .pool import REFERENCE, Anchor, AnchorPool, LRUDict
 from .profile import RelationProfile
+from .sharded import communication_bytes, sharded_factored_kv, sharded_factors, sharded_gate_distances
 from .state import (
     ModelBinding,
     RequestState,
@@ -95,4 +98,8 @@ __all__ = [
     "windows",
     "usage_crossing",
     "usage_reference",
+    "communication_bytes",
+    "sharded_factored_kv",
+    "sharded_factors",
+    "sharded_gate_distances",
 ]

@@ -87,6 +87,13 @@ def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int)
         values: the candidate's per-layer values ``[batch, kv_heads, S, head_dim]`` (batch 0, ``S >= rows``).
         anchors: anchors at least ``rows`` long.
     """
+    return gate_distance_terms(values, anchors, rows).clamp_min(0).sqrt()  # one transfer for the gate
+
+
+def gate_distance_terms(values: list[torch.Tensor], anchors: list[Anchor], rows: int) -> torch.Tensor:
+    """The squared distances of :func:`gate_distances` before their clamp and root, ``[n]`` float64:
+    each term a sum over the columns (heads) compared, so that tensor-parallel ranks holding their own
+    heads sum their terms across ranks (:func:`~.sharded.sharded_gate_distances`)."""
     if not anchors:
         raise ValueError("gate_distances needs at least one anchor")
     short = [a.serial for a in anchors if a.length < rows]
@@ -115,7 +122,7 @@ def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int)
         for i, f in enumerate(factors):
             if f.dense:
                 total[i] += (v - f.a[:rows].to(work)).double().pow(2).sum().to(device)
-    return total.clamp_min(0).sqrt()  # on the values' device: the gate reads it in one transfer
+    return total  # on the values' device
 
 
 #: rows of a source compared at a time by :func:`token_distances` (bounds its transient memory)

@@ -1,0 +1,364 @@
+"""The anchors engine's per-rank primitives under tensor parallel, exact to one rank (issue 51).
+
+A tensor-parallel worker holds its own KV heads: of a layer's ``[L, D]`` keys or values matrix
+(:func:`~.lowrank.to_matrix`, ``D = kv_heads * head_dim``) rank ``p`` holds the columns ``Z_p``
+``[L, D_p]`` of its heads, in order (``serving.tensor_parallel.kv_head_range``; every rank holds as
+many columns; with fewer KV heads than ranks, ``replicas`` consecutive ranks hold the same head).
+Here the ranks compute, on ``torch.distributed`` collectives of the group a worker passes (vLLM's
+``get_tp_group().device_group``; no vLLM import), what one process computes over all columns:
+
+- :func:`sharded_factors`: :meth:`~.lowrank.MatrixFactors.from_matrix`'s factors ``A B`` of ``Z``,
+  ``A`` ``[L, k]`` identical on every rank and each rank's columns ``B_p`` ``[k, D_p]`` of ``B``
+  (float32 round-off from the one-rank factors; the dense rule and the rank clamp on the global ``D``).
+- :func:`sharded_gate_distances`: :func:`~.correction.gate_distances` from each rank's heads of the
+  values and its columns of every anchor's ``B``: one all-reduce of ``[n]`` per call, so every rank
+  holds the same distances bit for bit and takes the same gate decision.
+- A rank's correction rows are ``a @ b_p`` (:func:`~.correction.weighted_sum` over its factors): its
+  heads of the one-rank correction, computed where its heads live.
+
+Communication per layer and side (:func:`communication_bytes`; ``q`` the rank kept, ``p`` ranks,
+``niter = 2`` as ``torch.svd_lowrank``), against today's read-back (each rank ships its ``L x D_p``
+K/V, bf16, to the scheduler's host):
+
+============  ========================================  ==================================
+svd           all-reduces (float32 payload each)        all-gathers (each rank's block)
+============  ========================================  ==================================
+randomized    ``L >= D``: 3 of ``[L, q]``               2 of ``[D_p, q]``, 1 of ``[q, D_p]``
+              ``L < D``: 2 of ``[L, q]``, 1 of ``[q, L]``  3 of ``[D_p, q]``
+exact         none                                      1 of ``[L, D_p]`` (the K/V's dtype)
+============  ========================================  ==================================
+
+The exact SVD of a column-sharded matrix needs all of it: each rank sends its columns to the ``p - 1``
+others and receives theirs (device to device), ``p - 1`` times its own read-back each way, then runs
+the same full SVD as one rank (``p`` times the compute in the group). The randomized SVD (KVCMAS's
+default) moves ``[L, q]`` float32 partial sums instead, whatever ``p``: with a ring all-reduce at
+``q = 32`` and Llama-3.1-8B's 8 KV heads x 128 a rank sends 0.4x its bf16 read-back at TP = 2 and
+2.7x at TP = 8 (docs/architecture.md, "The plan for KVCMAS under TP"); the bytes stay on the devices'
+links, and the host holds no K/V.
+
+Only this module calls ``torch.distributed`` collectives in the package (``tests/test_layout.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..measure import phase
+from .correction import gate_distance_terms
+from .lowrank import (
+    FACTORIZATIONS,
+    RANDOMIZED_SVD_SEED,
+    FactoredKV,
+    MatrixFactors,
+    _truncated_svd,
+    check_svd,
+    to_matrix,
+)
+from .pool import Anchor
+
+__all__ = [
+    "COLLECTIVES",
+    "CollectiveCount",
+    "Shard",
+    "communication_bytes",
+    "mirrors_svd_lowrank",
+    "sharded_factored_kv",
+    "sharded_factors",
+    "sharded_gate_distances",
+]
+
+#: subspace iterations of the randomized range finder (``torch.svd_lowrank``'s default, the one-rank call's)
+NITER = 2
+
+
+class CollectiveCount:
+    """Calls and bytes this process handed to the collectives here: ``all_reduce`` (the tensor's
+    bytes) and ``all_gather`` (this rank's block's bytes). Read by tests against
+    :func:`communication_bytes`; cheap enough to stay on."""
+
+    NAMES = ("all_reduces", "all_reduce_bytes", "all_gathers", "all_gather_bytes")
+
+    def __init__(self) -> None:
+        self._counts = dict.fromkeys(self.NAMES, 0)
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        """One ``kind`` (``"all_reduce"`` or ``"all_gather"``) of ``tensor``."""
+        with self._lock:
+            self._counts[f"{kind}s"] += 1
+            self._counts[f"{kind}_bytes"] += tensor.numel() * tensor.element_size()
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def since(self, snapshot: dict[str, int]) -> dict[str, int]:
+        now = self.snapshot()
+        return {k: now[k] - snapshot[k] for k in now}
+
+
+#: the process-wide count of collectives (see :class:`CollectiveCount`)
+COLLECTIVES = CollectiveCount()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's place in a column-sharded matrix: the ``group`` (``None``: the default group), this
+    rank's ``width`` (its columns; the same on every rank) and ``replicas`` (consecutive ranks holding
+    the same columns: vLLM's replicated KV heads, ``ranks / kv_heads``)."""
+
+    group: dist.ProcessGroup | None
+    width: int
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        size = self.size
+        if self.replicas < 1 or size % self.replicas:
+            raise ValueError(f"{size} ranks do not hold {self.replicas} replicas of each column block")
+        if dist.get_rank(self.group) < 0:
+            raise ValueError("this process is not a rank of the group")
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def owner(self) -> bool:
+        """Whether this rank's columns count in a sum (the first of its replicas)."""
+        return self.rank % self.replicas == 0
+
+    @property
+    def dim(self) -> int:
+        """The global column count ``D``."""
+        return self.width * self.size // self.replicas
+
+    @property
+    def columns(self) -> slice:
+        """This rank's columns of the global ``D``."""
+        start = self.rank // self.replicas * self.width
+        return slice(start, start + self.width)
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over the column blocks of ``partial`` (a replica's copy counted once), on every rank,
+        in place: ``partial`` is this module's own work tensor."""
+        partial = partial.contiguous()
+        if not self.owner:
+            partial.zero_()
+        COLLECTIVES.add("all_reduce", partial)
+        dist.all_reduce(partial, group=self.group)
+        return partial
+
+    def all_gather(self, block: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every column block's ``block`` joined along ``dim`` in column order (a replica's once)."""
+        block = block.contiguous()
+        blocks = [torch.empty_like(block) for _ in range(self.size)]
+        COLLECTIVES.add("all_gather", block)
+        dist.all_gather(blocks, block, group=self.group)
+        return torch.cat(blocks[:: self.replicas], dim=dim)
+
+
+def sharded_factors(
+    z_local: torch.Tensor,
+    rank: int | None,
+    svd: str = "exact",
+    group: dist.ProcessGroup | None = None,
+    *,
+    replicas: int = 1,
+) -> MatrixFactors:
+    """This rank's share of :meth:`MatrixFactors.from_matrix(Z, rank, svd) <.lowrank.MatrixFactors.from_matrix>`
+    for ``Z`` column-sharded over ``group``: ``z_local`` ``[L, D_p]`` is this rank's columns.
+
+    Returns ``MatrixFactors(a, b_local)``: ``a`` ``[L, k]`` identical on every rank, ``b_local``
+    ``[k, D_p]`` this rank's columns of ``b``; ``a @ cat(every rank's b_local, dim=1)`` is the one-rank
+    reconstruction to float32 round-off. The rank clamp ``min(rank, L, D)`` and the dense rule
+    (``k (L + D) >= L D``: keep ``Z``; ``rank=None`` too) use the global ``D``; kept dense the result is
+    ``MatrixFactors(z_local)`` (``b is None``, this rank's columns as they are), with no communication.
+
+    ``svd="randomized"`` runs ``torch.svd_lowrank(Z, q=k, niter=2)``'s own algorithm (Halko et al.
+    5.1 on the transpose when ``L < D``), its random matrix drawn as the one-rank call draws it
+    (seeded by ``RANDOMIZED_SVD_SEED``, all of it on every rank, each rank using its rows where they
+    meet its columns): products ``Z @ X`` are local products all-reduced, products ``Z^T @ Y`` local
+    row blocks all-gathered where a QR needs them whole; the small QRs and SVD run identically on
+    every rank. ``svd="exact"`` all-gathers ``Z`` (device to device) and runs the one-rank SVD.
+    Counted in ``FACTORIZATIONS`` as ``from_matrix`` counts (once per rank's process).
+    """
+    if z_local.dim() != 2:
+        raise ValueError(f"expected an [L, D_p] matrix, got shape {tuple(z_local.shape)}")
+    if rank is not None and rank < 1:
+        raise ValueError(f"rank must be >= 1 (or None for dense), got {rank}")
+    check_svd(svd)
+    shard = Shard(group, z_local.shape[1], replicas)
+    length, dim = z_local.shape[0], shard.dim
+    k = None if rank is None else min(rank, length, dim)
+    dense = k is None or k * (length + dim) >= length * dim
+    FACTORIZATIONS.add(svd=not dense)
+    with phase("factorize"):
+        if dense:
+            return MatrixFactors(a=z_local.detach().clone())
+        if svd == "exact":
+            a, b = _truncated_svd(shard.all_gather(z_local.detach(), dim=1), k, svd)
+        else:
+            if not mirrors_svd_lowrank():  # every rank runs the same probe: every rank refuses
+                raise NotImplementedError(
+                    f"torch {torch.__version__}'s svd_lowrank runs another algorithm than the one sharded "
+                    "here (torch 2.13's): its factors would not be the one-rank factors; use svd='exact'"
+                )
+            a, b = _randomized_svd(z_local.detach(), k, shard)
+        b_local = b[:, shard.columns]
+        return MatrixFactors(a=a.to(z_local.dtype).contiguous(), b=b_local.to(z_local.dtype).contiguous())
+
+
+def sharded_factored_kv(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    rank: int | None,
+    svd: str = "exact",
+    group: dist.ProcessGroup | None = None,
+    *,
+    replicas: int = 1,
+) -> FactoredKV:
+    """:meth:`FactoredKV.from_kv <.lowrank.FactoredKV.from_kv>` of a segment's K/V over every head, from
+    this rank's heads: per-layer ``keys`` / ``values`` ``[batch, heads_p, L, head_dim]`` (keys canonical).
+    Each layer's keys and values are factorized by :func:`sharded_factors`, layer by layer in the same
+    order on every rank (the collectives pair up); ``kv_heads`` is this rank's heads, so
+    ``to_heads(factors.reconstruct(), kv_heads)`` is its heads of the one-rank segment."""
+    if len(keys) != len(values) or not keys:
+        raise ValueError(
+            f"need the same non-zero number of key and value layers, got {len(keys)}/{len(values)}"
+        )
+    return FactoredKV(
+        keys=[sharded_factors(to_matrix(k), rank, svd, group, replicas=replicas) for k in keys],
+        values=[sharded_factors(to_matrix(v), rank, svd, group, replicas=replicas) for v in values],
+        length=keys[0].shape[-2],
+        kv_heads=keys[0].shape[1],
+    )
+
+
+class _OneProcess:
+    """:class:`Shard`'s operations over one process holding every column (the probe's)."""
+
+    def __init__(self, dim: int):
+        self.dim, self.columns = dim, slice(None)
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+    def all_gather(self, block: torch.Tensor, dim: int) -> torch.Tensor:
+        return block
+
+
+@functools.cache
+def mirrors_svd_lowrank() -> bool:
+    """Whether the installed torch's ``svd_lowrank`` runs the algorithm :func:`sharded_factors` mirrors
+    (torch 2.13's ``_lowrank.py``: the transpose factored only when ``L < D``; older releases also
+    factored it when ``D > q``, another random matrix): this module's one-process run against
+    ``lowrank._truncated_svd`` on a tall and a wide seeded probe, once per process."""
+    generator = torch.Generator().manual_seed(0)
+    for shape in ((12, 8), (8, 12)):
+        z = torch.randn(shape, generator=generator, dtype=torch.float64)
+        a, b = _randomized_svd(z, 2, _OneProcess(z.shape[1]))
+        one_a, one_b = _truncated_svd(z, 2, "randomized")
+        if not torch.allclose(a @ b, one_a @ one_b, rtol=1e-9, atol=1e-12):
+            return False
+    return True
+
+
+def _random_matrix(rows: int, q: int, like: torch.Tensor) -> torch.Tensor:
+    """The range finder's ``[rows, q]`` Gaussian matrix, drawn as ``lowrank._truncated_svd``'s
+    ``torch.svd_lowrank`` draws it: the first draw after seeding ``RANDOMIZED_SVD_SEED``, the global
+    RNG untouched."""
+    devices = [like.device] if like.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(RANDOMIZED_SVD_SEED)
+        return torch.randn(rows, q, dtype=like.dtype, device=like.device)
+
+
+def _randomized_svd(
+    z_local: torch.Tensor, q: int, shard: Shard | _OneProcess
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U_q S_q, V_q^T)`` of the column-sharded ``Z`` as ``torch.svd_lowrank(Z, q, niter=2)`` computes
+    them (``torch/_lowrank.py``: ``get_approximate_basis`` then the SVD of ``Q^H A``), ``b`` whole
+    (``[q, D]``, the caller takes its columns). Each step mirrors the one-rank operation, so one rank
+    gives the same bits."""
+    z = z_local if z_local.dtype == torch.float64 else z_local.float()
+    cols = shard.columns
+    length, dim = z.shape[0], shard.dim
+
+    def z_times(x: torch.Tensor) -> torch.Tensor:  # Z @ X, X [D, q]: [L, q] summed over the columns
+        return shard.all_reduce(z @ x[cols])
+
+    def zt_times(y: torch.Tensor) -> torch.Tensor:  # Z^T @ Y, Y [L, q]: [D, q] joined by rows
+        return shard.all_gather(z.mH @ y, dim=0)
+
+    def qr(x: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.qr(x).Q
+
+    if length >= dim:  # A = Z (tall): the range of Z's columns
+        basis = qr(z_times(_random_matrix(dim, q, z)))
+        for _ in range(NITER):
+            basis = qr(z_times(qr(zt_times(basis))))
+        projected = shard.all_gather(basis.mH @ z, dim=1)  # Q^H A [q, D]
+        u, s, vh = torch.linalg.svd(projected, full_matrices=False)
+        return basis.matmul(u) * s, vh
+    # A = Z^T (wide: svd_lowrank factors the transpose): the range of Z's rows
+    basis = qr(zt_times(_random_matrix(length, q, z)))
+    for _ in range(NITER):
+        basis = qr(zt_times(qr(z_times(basis))))
+    projected = shard.all_reduce(basis[cols].mH @ z.mH)  # Q^H A = Q^T Z^T [q, L]
+    u, s, vh = torch.linalg.svd(projected, full_matrices=False)
+    return vh.mH * s, basis.matmul(u).T
+
+
+def sharded_gate_distances(
+    values_local: list[torch.Tensor],
+    anchors_local: list[Anchor],
+    rows: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    replicas: int = 1,
+) -> torch.Tensor:
+    """:func:`~.correction.gate_distances` over every head, from this rank's heads: ``values_local`` its
+    per-layer values ``[batch, heads_p, S, head_dim]``, ``anchors_local`` the anchors (``Anchor``s) whose
+    base values' factors hold ``a`` whole and this rank's columns of ``b`` (:func:`sharded_factors`;
+    a dense base: this rank's columns). Every term of ``||V - A B||^2`` is a sum over columns, so each
+    rank sums its own (:func:`~.correction.gate_distance_terms`) and one all-reduce of the ``[n]``
+    float64 terms per call (not per layer) gives every rank the same distances, bit for bit: every rank
+    then takes the same gate decision (``gate.reliability_gate``)."""
+    width = values_local[0].shape[1] * values_local[0].shape[3]
+    shard = Shard(group, width, replicas)
+    terms = shard.all_reduce(gate_distance_terms(values_local, anchors_local, rows))
+    return terms.clamp_min(0).sqrt()
+
+
+def communication_bytes(
+    length: int, dim: int, tp: int, rank: int, svd: str, kv_bytes: int = 2, replicas: int = 1
+) -> dict[str, int]:
+    """Bytes one of ``tp`` ranks hands to the collectives of :func:`sharded_factors` for one ``[L, D]``
+    matrix (a layer's keys or values) at ``rank``, computed from the shapes (the counts
+    :data:`COLLECTIVES` takes, float32 work): ``all_reduce`` (payloads), ``all_gather`` (this rank's
+    blocks), ``sent`` (what a ring algorithm sends from each rank: ``2 (p - 1) / p`` of an all-reduce's
+    payload, ``p - 1`` blocks of an all-gather), against ``read_back``: this rank's ``L x D_p`` K/V in
+    ``kv_bytes`` per number (bf16: 2), what today's path ships to the scheduler's host. The exact mode
+    gathers the K/V in their own dtype (``kv_bytes``). Either orientation of the randomized SVD makes
+    three ``L x q`` all-reduces and three ``D_p x q`` gathers."""
+    check_svd(svd)
+    width = dim * replicas // tp
+    k = min(rank, length, dim)
+    out = {"all_reduce": 0, "all_gather": 0, "read_back": length * width * kv_bytes}
+    if k * (length + dim) < length * dim:  # factorized (else kept dense: no communication)
+        if svd == "exact":
+            out["all_gather"] = length * width * kv_bytes
+        else:
+            out["all_reduce"] = (1 + NITER) * length * k * 4
+            out["all_gather"] = (1 + NITER) * width * k * 4
+    out["sent"] = (2 * (tp - 1) * out["all_reduce"]) // tp + (tp - 1) * out["all_gather"]
+    return out
