@@ -1,0 +1,253 @@
+"""The served KVCMAS / KVComm engine run on one tensor-parallel rank's KV heads (SPMD, issue 51 item 2).
+
+One task trajectory (five documents, three agents each reading the document and the agents before it)
+is driven through :class:`~hf_kvshare.serving.host.Sharing` as the serving host drives it (plan, the
+engine's run by :func:`~hf_kvshare.serving.standin.engine`, record): once on one rank over all KV heads,
+and on 2 gloo ranks where each rank's Sharing holds a skeleton model whose config has its KV heads,
+its method runs on a :class:`~hf_kvshare.anchors.sharded.Shard` (``run_on_shard``) and it gets only its
+heads of every read-back (``kv_head_range``). The engine's forward needs every head: the ranks gather
+their claimed K/V for it (as vLLM's attention layers use each rank's heads). Every rank's plans claim
+what one rank claims, place the same spans from the same sources, take the same gate decisions
+(entropies the same on every rank, bit for bit) and its claimed K/V are its heads of the one-rank K/V
+to float32 round-off.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_ranks import run_ranks
+from tiny import embedded_tokenizer, tiny_model
+
+from hf_kvshare.anchors.lowrank import relative_distance, relative_spread, row_energy
+from hf_kvshare.anchors.pool import correction_agreement
+from hf_kvshare.anchors.sharded import COLLECTIVES, Shard
+from hf_kvshare.method import get_method
+from hf_kvshare.serving import layout as lay
+from hf_kvshare.serving.host import Sharing, serving_options
+from hf_kvshare.serving.standin import engine
+from hf_kvshare.serving.tensor_parallel import kv_head_range
+
+WORLD = 2
+#: the served methods and their options (``base_rank=4``: KVCMAS's anchors factorized, D = 2 heads x 16;
+#: KVComm's are dense)
+CASES = {
+    "kvcmas": ("kvcmas", {"tau": 0.99, "base_rank": 4, "delta_rank": 4}),
+    # rank 24: above a rank's 16 columns, clamped to the global D = 32 only (not to 16)
+    "kvcmas-guard": (
+        "kvcmas",
+        {"tau": 0.99, "base_rank": 24, "delta_rank": 24, "guard": True, "svd": "exact"},
+    ),
+    "kvcomm": ("kvcomm", {"tau": 0.99, "text_source": "chained", "observation_source": "question"}),
+}
+SYSTEMS = {"planner": "You plan.\n", "critic": "You criticise.\n", "writer": "You write it up.\n"}
+DOCS = [f"Report {t}: the river Lune reaches the sea at Plover Scar, site {t}." for t in range(5)]
+QUESTION = " What should we do next?"
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def served(case: str):
+    name, options = CASES[case]
+    options, _ = serving_options(name, options)
+    return get_method(name, **options)
+
+
+def as_layers(kv) -> torch.Tensor | None:
+    """A plan's claimed K/V as one ``[layers, m, heads, head_dim]`` tensor (``None``: nothing claimed)."""
+    if isinstance(kv, torch.Tensor):
+        return kv
+    return torch.stack(list(kv)) if len(kv) else None
+
+
+def trajectory(sharing: Sharing, model, tokenizer, heads: slice, gather) -> list[dict]:
+    """Every request of the trajectory planned, run and recorded; per request what it claimed, placed,
+    gated and the claimed K/V (this rank's heads). ``gather``: a rank's heads of a ``[layers, m, heads,
+    head_dim]`` tensor -> every head's."""
+    steps = []
+    for t, doc in enumerate(DOCS):
+        for position, agent in enumerate(SYSTEMS):
+            host = sharing.hosts.get(f"t{t}")
+            ids = ids_of(tokenizer, SYSTEMS[agent]) + ids_of(tokenizer, doc)
+            segments = [{"slot": "doc", "text": doc}]
+            for reader in list(SYSTEMS)[:position]:
+                ids += ids_of(tokenizer, "\nNotes:") + host.slots[reader].token_ids.tolist()
+                segments.append({"slot": reader})
+            ids += ids_of(tokenizer, QUESTION)
+            meta = {lay.KEY: {"task": f"t{t}", "agent": agent, "segments": segments, "output": agent}}
+            plan = sharing.plan(f"{t}-{agent}", ids, meta, 0)
+            assert plan.error is None
+            keys, values = as_layers(plan.keys), as_layers(plan.values)
+            every = SimpleNamespace(
+                prompt=plan.prompt,
+                local_hit=plan.local_hit,
+                keys=[] if keys is None else gather(keys),
+                values=[] if values is None else gather(values),
+            )
+            out, k, v = engine(model, every, max_new_tokens=4)
+            sharing.record(plan, k[:, :, heads], v[:, :, heads], out, set())
+            assert plan.error is None
+            report = plan.report()
+            steps.append(
+                {
+                    "claim": (plan.claim_start, plan.claim_end, plan.claimed),
+                    "placed": [
+                        None if p is None else (p.provenance, p.source_agent) for p in plan.placements
+                    ],
+                    "gates": [s.get("gate") for s in report["segments"] if s["kind"] == "PH"],
+                    "keys": keys,
+                    "values": values,
+                    "out": out,
+                }
+            )
+    return steps
+
+
+def pool_numbers(method, shard: Shard | None) -> dict:
+    """What the pools hold after the trajectory and the numbers the gate's rules compute from them over
+    every head (each a reduction over ``D``): the anchors' row energies (the nearness rule), the
+    corrections' agreement spread, two bases' relative distance (the duplicate rule) and spread."""
+    out = {}
+    for key, pool in method.pools.items():
+        anchors = list(pool)
+        entry = {
+            "anchors": [(a.serial, a.source, a.length, sorted(a.deltas)) for a in anchors],
+            "energy": [row_energy(a.base, shard) for a in anchors],
+        }
+        if len(anchors) >= 2:
+            rows = min(a.length for a in anchors)
+            bases = [anchors[0].base, anchors[1].base]
+            entry["agreement"] = correction_agreement(anchors, rows, 1, None, shard)[0]
+            entry["distance"] = relative_distance(*bases, shard=shard)
+            entry["spread"] = relative_spread(bases, rows, 0, shard)
+        out[repr(key)] = entry
+    return out
+
+
+def _gather_heads(x: torch.Tensor) -> torch.Tensor:
+    blocks = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(blocks, x.contiguous())
+    return torch.cat(blocks, dim=2)
+
+
+def _rank_main(rank: int) -> dict:
+    tokenizer = embedded_tokenizer()
+    model = tiny_model("llama")
+    config = model.config
+    first, last = kv_head_range(rank, WORLD, config.num_key_value_heads)
+    own = tiny_model("llama", num_key_value_heads=last - first)  # this rank's skeleton: its KV heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    results = {}
+    for case in CASES:
+        method = served(case)
+        shard = Shard(None, (last - first) * head_dim)
+        method.run_on_shard(shard)
+        sharing = Sharing(own, tokenizer, method, min_segment_tokens=4)
+        before = COLLECTIVES.snapshot()
+        steps = trajectory(sharing, model, tokenizer, slice(first, last), _gather_heads)
+        results[case] = {
+            "steps": steps,
+            "collectives": COLLECTIVES.since(before),
+            "heads": (first, last),
+            "pools": pool_numbers(method, shard),
+            "ranks": (method.base_rank, method.delta_rank),
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("spmd"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tokenizer) -> dict:
+    model = tiny_model("llama")
+    out = {}
+    for case in CASES:
+        sharing = Sharing(model, tokenizer, served(case), min_segment_tokens=4)
+        steps = trajectory(sharing, model, tokenizer, slice(None), lambda x: x)
+        out[case] = {
+            "steps": steps,
+            "pools": pool_numbers(sharing.method, None),
+            "ranks": (sharing.method.base_rank, sharing.method.delta_rank),
+        }
+    return out
+
+
+def _relative(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_rank_decides_and_claims_what_one_rank_does(ranks, one_rank, case):
+    reference = one_rank[case]["steps"]
+    outcomes = [g.get("gate") for step in reference for g in step["gates"] if g]
+    provenances = [p[0] for step in reference for p in step["placed"] if p]
+    # the trajectory exercises the gate both ways and corrections (else it checks little)
+    assert "accepted" in outcomes and "fallback" in outcomes and "corrected" in provenances, (
+        outcomes,
+        provenances,
+    )
+    for rank in range(WORLD):
+        mine = ranks[rank][case]
+        first, last = mine["heads"]
+        assert mine["collectives"]["all_reduces"] > 0
+        assert mine["ranks"] == one_rank[case]["ranks"]  # the rank options clamped to the global D
+        assert len(mine["steps"]) == len(reference)
+        for step, (got, want) in enumerate(zip(mine["steps"], reference)):
+            where = f"{case}, rank {rank}, request {step}"
+            assert got["claim"] == want["claim"], where
+            assert got["placed"] == want["placed"], where
+            assert got["out"] == want["out"], where
+            assert len(got["gates"]) == len(want["gates"]), where
+            for mine_gate, one_gate in zip(got["gates"], want["gates"]):
+                assert (mine_gate is None) == (one_gate is None), where
+                if one_gate is None:
+                    continue
+                assert set(mine_gate) == set(one_gate), where
+                for key, value in one_gate.items():
+                    if isinstance(value, float):
+                        assert mine_gate[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (where, key)
+                    else:
+                        assert mine_gate[key] == value, (where, key)
+            for side in ("keys", "values"):
+                if want[side] is None:
+                    assert got[side] is None, where
+                    continue
+                assert _relative(got[side], want[side][:, :, first:last]) <= 1e-5, (where, side)
+    # every rank took its decisions on the same numbers, bit for bit
+    gates = [[step["gates"] for step in ranks[rank][case]["steps"]] for rank in range(WORLD)]
+    assert all(g == gates[0] for g in gates)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_rank_holds_the_one_rank_pools_and_measures_them_alike(ranks, one_rank, case):
+    """The pools after the trajectory: the same anchors (serials, sources, lengths, consumers) on every
+    rank as on one rank, and what the gate's rules reduce over ``D`` from them is the one-rank number."""
+    reference = one_rank[case]["pools"]
+    assert any("agreement" in entry for entry in reference.values())
+    for rank in range(WORLD):
+        pools = ranks[rank][case]["pools"]
+        assert list(pools) == list(reference)
+        for key, want in reference.items():
+            got = pools[key]
+            assert got["anchors"] == want["anchors"], (rank, key)
+            for mine, one in zip(got["energy"], want["energy"]):
+                assert mine == pytest.approx(one, rel=1e-5), (rank, key, "energy")
+            for number in ("agreement", "distance", "spread"):
+                assert got.get(number) == pytest.approx(want.get(number), rel=1e-4, abs=1e-6), (
+                    rank,
+                    key,
+                    number,
+                )
+
+
+def test_kvcmas_factorizes_across_the_ranks(ranks):
+    """KVCMAS's anchors (rank 4 of D = 32) are factorized by the sharded randomized SVD: all-gathers ran."""
+    assert all(ranks[rank]["kvcmas"]["collectives"]["all_gathers"] > 0 for rank in range(WORLD))
