@@ -22,7 +22,7 @@ import torch.distributed as dist
 from gloo_ranks import run_ranks
 from tiny import embedded_tokenizer, tiny_model
 
-from hf_kvshare.anchors.lowrank import relative_distance, relative_spread, row_energy
+from hf_kvshare.anchors.lowrank import any_rank, relative_distance, relative_spread, row_energy
 from hf_kvshare.anchors.pool import correction_agreement
 from hf_kvshare.anchors.sharded import COLLECTIVES, Shard
 from hf_kvshare.method import get_method
@@ -142,7 +142,8 @@ def _rank_main(rank: int) -> dict:
     first, last = kv_head_range(rank, WORLD, config.num_key_value_heads)
     own = tiny_model("llama", num_key_value_heads=last - first)  # this rank's skeleton: its KV heads
     head_dim = config.hidden_size // config.num_attention_heads
-    results = {}
+    # a test of one rank's heads (its K/V non-finite: the turn refused) answered alike on every rank
+    results = {"any": [any_rank(rank == r, Shard(None, head_dim)) for r in range(WORLD)]}
     for case in CASES:
         method = served(case)
         shard = Shard(None, (last - first) * head_dim)
@@ -246,6 +247,10 @@ def test_every_rank_holds_the_one_rank_pools_and_measures_them_alike(ranks, one_
                     key,
                     number,
                 )
+
+
+def test_a_test_of_one_ranks_heads_is_answered_alike_on_every_rank(ranks):
+    assert all(ranks[rank]["any"] == [True] * WORLD for rank in range(WORLD))
 
 
 def test_kvcmas_factorizes_across_the_ranks(ranks):
