@@ -256,3 +256,12 @@ def test_a_test_of_one_ranks_heads_is_answered_alike_on_every_rank(ranks):
 def test_kvcmas_factorizes_across_the_ranks(ranks):
     """KVCMAS's anchors (rank 4 of D = 32) are factorized by the sharded randomized SVD: all-gathers ran."""
     assert all(ranks[rank]["kvcmas"]["collectives"]["all_gathers"] > 0 for rank in range(WORLD))
+
+
+def test_the_shard_is_set_before_the_method_is_bound(tiny_llama):
+    """The rank options are clamped to the global ``D`` when the method is bound: a shard set after
+    that is refused."""
+    method = served("kvcmas")
+    method.bind(tiny_llama)
+    with pytest.raises(ValueError, match="before the method is bound"):
+        method.run_on_shard(None)

@@ -247,7 +247,7 @@ class FactoredKV:
     ) -> FactoredKV:
         """Factorize per-layer ``keys``/``values`` ``[batch, kv_heads, L, head_dim]`` (keys already
         canonical) at ``rank`` (``None``: dense) with ``svd`` (see :meth:`MatrixFactors.from_matrix`);
-        under ``shard`` this rank's heads (:func:`~.sharded.factorize`)."""
+        under ``shard`` this rank's heads (:func:`factorize`)."""
         if len(keys) != len(values) or not keys:
             raise ValueError(
                 f"need the same non-zero number of key and value layers, got {len(keys)}/{len(values)}"
@@ -314,7 +314,7 @@ def squared_spread(kvs: list[FactoredKV], rows: int, first_layer: int) -> tuple[
     """``(sum_i ||X_i - mean||^2, sum_i ||X_i||^2)`` over the first ``rows`` rows of every layer from
     ``first_layer`` on, keys and values, of the segments ``kvs``: float64 0-dim tensors on the first
     layer's device (no host read). Sums over this rank's columns: the caller sums them over a shard
-    (:func:`~.sharded.column_sum`)."""
+    (:func:`column_sum`)."""
     device = kvs[0].values[0].a.device
     spread = torch.zeros((), dtype=torch.float64, device=device)
     size = torch.zeros((), dtype=torch.float64, device=device)
