@@ -9,7 +9,10 @@ heads of every read-back (``kv_head_range``). The engine's forward needs every h
 their claimed K/V for it (as vLLM's attention layers use each rank's heads). Every rank's plans claim
 what one rank claims, place the same spans from the same sources, take the same gate decisions
 (entropies the same on every rank, bit for bit) and its claimed K/V are its heads of the one-rank K/V
-to float32 round-off.
+to float32 round-off; the pools hold the same anchors and the numbers the gate's rules reduce over the
+heads from them are the one-rank numbers. Cases: KVCMAS (factorized anchors, randomized SVD), KVCMAS with
+the guard (exact SVD, a rank above a rank's columns), KVComm (dense anchors, prefix deltas) on 2 KV
+heads, one per rank, and KVCMAS on 1 KV head replicated on both ranks.
 """
 
 from __future__ import annotations
@@ -42,7 +45,11 @@ CASES = {
         {"tau": 0.99, "base_rank": 24, "delta_rank": 24, "guard": True, "svd": "exact"},
     ),
     "kvcomm": ("kvcomm", {"tau": 0.99, "text_source": "chained", "observation_source": "question"}),
+    # one KV head replicated on both ranks (vLLM's rule with fewer KV heads than ranks): counted once
+    "kvcmas-replicated": ("kvcmas", {"tau": 0.99, "base_rank": 4, "delta_rank": 4}),
 }
+#: the model's KV heads per case (2 unless said)
+KV_HEADS = {"kvcmas-replicated": 1}
 SYSTEMS = {"planner": "You plan.\n", "critic": "You criticise.\n", "writer": "You write it up.\n"}
 DOCS = [f"Report {t}: the river Lune reaches the sea at Plover Scar, site {t}." for t in range(5)]
 QUESTION = " What should we do next?"
@@ -53,7 +60,7 @@ def ids_of(tokenizer, text: str) -> list[int]:
 
 
 def served(case: str):
-    name, options = CASES[case]
+    name, options = CASES[case][:2]
     options, _ = serving_options(name, options)
     return get_method(name, **options)
 
@@ -129,28 +136,35 @@ def pool_numbers(method, shard: Shard | None) -> dict:
     return out
 
 
-def _gather_heads(x: torch.Tensor) -> torch.Tensor:
-    blocks = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(blocks, x.contiguous())
-    return torch.cat(blocks, dim=2)
+def _gather_heads(replicas: int):
+    """Every rank's heads of a ``[layers, m, heads, head_dim]`` tensor joined (a replicated head once)."""
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        blocks = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(blocks, x.contiguous())
+        return torch.cat(blocks[::replicas], dim=2)
+
+    return gather
 
 
 def _rank_main(rank: int) -> dict:
     tokenizer = embedded_tokenizer()
-    model = tiny_model("llama")
-    config = model.config
-    first, last = kv_head_range(rank, WORLD, config.num_key_value_heads)
-    own = tiny_model("llama", num_key_value_heads=last - first)  # this rank's skeleton: its KV heads
+    config = tiny_model("llama").config
     head_dim = config.hidden_size // config.num_attention_heads
     # a test of one rank's heads (its K/V non-finite: the turn refused) answered alike on every rank
     results = {"any": [any_rank(rank == r, Shard(None, head_dim)) for r in range(WORLD)]}
     for case in CASES:
+        kv_heads = KV_HEADS.get(case, 2)
+        model = tiny_model("llama", num_key_value_heads=kv_heads)
+        first, last = kv_head_range(rank, WORLD, kv_heads)
+        own = tiny_model("llama", num_key_value_heads=last - first)  # this rank's skeleton: its KV heads
+        replicas = max(1, WORLD // kv_heads)
         method = served(case)
-        shard = Shard(None, (last - first) * head_dim)
+        shard = Shard(None, (last - first) * head_dim, replicas)
         method.run_on_shard(shard)
         sharing = Sharing(own, tokenizer, method, min_segment_tokens=4)
         before = COLLECTIVES.snapshot()
-        steps = trajectory(sharing, model, tokenizer, slice(first, last), _gather_heads)
+        steps = trajectory(sharing, model, tokenizer, slice(first, last), _gather_heads(replicas))
         results[case] = {
             "steps": steps,
             "collectives": COLLECTIVES.since(before),
@@ -168,9 +182,9 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def one_rank(tokenizer) -> dict:
-    model = tiny_model("llama")
     out = {}
     for case in CASES:
+        model = tiny_model("llama", num_key_value_heads=KV_HEADS.get(case, 2))
         sharing = Sharing(model, tokenizer, served(case), min_segment_tokens=4)
         steps = trajectory(sharing, model, tokenizer, slice(None), lambda x: x)
         out[case] = {
