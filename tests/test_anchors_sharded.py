@@ -10,15 +10,10 @@ the dense fallback and the rank clamp on the global ``D``, and every rank's dist
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
-import time
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
+from gloo_ranks import run_ranks
 from torch._lowrank import get_approximate_basis
 
 from hf_kvshare.anchors import Anchor, FactoredKV, MatrixFactors, gate_distances, reliability_gate, to_heads
@@ -122,15 +117,7 @@ def _segment() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return [layer(300 + i) for i in range(SEGMENT_LAYERS)], [layer(400 + i) for i in range(SEGMENT_LAYERS)]
 
 
-def _rank_main(rank: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+def _rank_main(rank: int) -> dict:
     groups = {size: dist.new_group(list(range(size))) for size in (1, 2)}
     groups[WORLD] = None  # the default group
     results = {}
@@ -190,29 +177,13 @@ def _rank_main(rank: int, store: str, out: str) -> None:
                     for layer in range(GATE_LAYERS)
                 ]
                 results[f"{name}-{svd}-{size}"] = (distances, corrections, COLLECTIVES.since(sent))
-    torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Every rank's results of every case (one group of :data:`WORLD` gloo processes for the module)."""
-    folder = tmp_path_factory.mktemp("sharded")
-    multiprocessing.set_forkserver_preload(["hf_kvshare.anchors.sharded"])
-    context = tmp.start_processes(
-        _rank_main,
-        args=(str(folder / "store"), str(folder)),
-        nprocs=WORLD,
-        join=False,
-        start_method="forkserver",
-    )
-    deadline = time.monotonic() + 240
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the gloo ranks did not finish in 240 s")
-    return [torch.load(folder / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("sharded"))
 
 
 def _relative(x: torch.Tensor, y: torch.Tensor) -> float:

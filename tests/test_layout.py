@@ -104,6 +104,12 @@
   factors and gate distances, exact to one rank) imports neither vLLM nor a serving module (a worker
   passes it vLLM's process group), and it is the only module of the package that uses
   ``torch.distributed`` or calls a collective (``all_reduce``, ``all_gather``, ...: :data:`COLLECTIVE_CALLS`).
+- the anchors engine runs on one tensor-parallel rank's heads through one shard context: each reduction
+  over the feature dimension ``D`` on the served path and each factorization (:data:`SHARD_AWARE`) takes
+  a ``shard`` parameter (``None``: one rank) and goes through one hook of ``anchors/lowrank.py``
+  (``column_sum``, ``any_rank``, ``columns``, ``factorize``: under a shard the ``Shard``'s methods, whose
+  collectives are ``anchors/sharded.py``'s); nothing else in ``anchors/`` factorizes a matrix itself
+  (``from_matrix``: :data:`OWN_FACTORIZATIONS`).
 """
 
 from __future__ import annotations
@@ -2022,3 +2028,64 @@ def test_the_distributed_use_finder_finds_them():
         "group.all_reduce(t)\nsender.send(t)\ny = torch.gather(t, 0, i)\n"
     )
     assert distributed_uses(ast.parse(source)) == [1, 2, 3, 4]
+
+
+#: the anchors engine's reductions over ``D`` on the served path (KVCMAS / KVComm) and its factorizations:
+#: each takes the engine's one shard context (``shard``) and reduces through ``anchors/lowrank.py``'s hooks
+SHARD_AWARE = {
+    f"{ROOT}.anchors.correction": ("gate_distances", "token_distances", "match", "guard_estimate"),
+    f"{ROOT}.anchors.lowrank": (
+        "FactoredKV.from_kv",
+        "FactoredKV.from_layers",
+        "DeferredFactoredKV.__init__",
+        "relative_spread",
+        "row_energy",
+        "relative_distance",
+    ),
+    f"{ROOT}.anchors.pool": (
+        "Anchor.measure",
+        "Anchor.size",
+        "AnchorPool.near_duplicate",
+        "correction_agreement",
+        "nearest_relative",
+    ),
+    f"{ROOT}.anchors.store": ("clamp_ranks",),
+}
+#: where ``anchors/`` calls ``from_matrix``: the ``factorize`` hook, and GraphFlow's profiles (not served)
+OWN_FACTORIZATIONS = {
+    (f"{ROOT}.anchors.lowrank", "factorize"),
+    (f"{ROOT}.anchors.lowrank", "FactoredKV.from_matrices"),
+}
+
+
+def functions(tree: ast.AST) -> Iterator[tuple[str, ast.FunctionDef]]:
+    """``(qualified name, definition)`` of the module's functions and its classes' methods."""
+    for node in getattr(tree, "body", []):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield f"{node.name}.{item.name}", item
+
+
+def test_the_anchors_engine_reduces_over_the_heads_through_one_shard_context():
+    """Every reduction over ``D`` of the served engine and every factorization takes ``shard`` (one
+    context threaded from the store, exact to one rank under tensor parallel), and nothing in
+    ``anchors/`` factorizes a matrix but through the ``factorize`` hook."""
+    missing = []
+    for module, names in SHARD_AWARE.items():
+        defined = dict(functions(parsed(MODULES[module])))
+        for name in names:
+            args = defined[name].args if name in defined else None
+            if args is None or "shard" not in [a.arg for a in (*args.args, *args.kwonlyargs)]:
+                missing.append(f"{module}:{name}")
+    assert not missing, "reductions over D without a shard parameter:\n" + "\n".join(missing)
+    own = {
+        (name, qualname)
+        for name, path in MODULES.items()
+        if name.startswith(f"{ROOT}.anchors.")
+        for qualname, function in functions(parsed(path))
+        if any(isinstance(n, ast.Call) and _name_of(n.func) == "from_matrix" for n in ast.walk(function))
+    }
+    assert own <= OWN_FACTORIZATIONS, f"factorized outside the factorize hook: {own - OWN_FACTORIZATIONS}"

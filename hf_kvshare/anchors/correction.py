@@ -24,15 +24,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..cache import SegmentKV
 from ..rope import RopeShifter
 from .corrected import CorrectedKV, LowRankDelta
-from .lowrank import FactoredKV, MatrixFactors, to_heads, to_matrix
+from .lowrank import FactoredKV, MatrixFactors, column_sum, columns, to_heads, to_matrix
 from .pool import Anchor
+
+if TYPE_CHECKING:
+    from .sharded import Shard
 
 
 def comparison_prefix(anchors: list[Anchor], length: int) -> int:
@@ -71,7 +74,9 @@ def windows(anchors: list[Anchor], length: int) -> list[tuple[int, int, list[Anc
     return out
 
 
-def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int) -> torch.Tensor:
+def gate_distances(
+    values: list[torch.Tensor], anchors: list[Anchor], rows: int, shard: Shard | None = None
+) -> torch.Tensor:
     """``sqrt(sum_layers ||V[:rows] - A B[:rows]||_F^2)`` per anchor, ``[n]`` float64 on the values'
     device (no host synchronisation), from the factors.
 
@@ -86,8 +91,11 @@ def gate_distances(values: list[torch.Tensor], anchors: list[Anchor], rows: int)
     Args:
         values: the candidate's per-layer values ``[batch, kv_heads, S, head_dim]`` (batch 0, ``S >= rows``).
         anchors: anchors at least ``rows`` long.
+        shard: this rank's heads of ``values`` and of the anchors' factors (:mod:`.sharded`): the
+            terms summed over every rank (one all-reduce), the same distances on every rank.
     """
-    return gate_distance_terms(values, anchors, rows).clamp_min(0).sqrt()  # one transfer for the gate
+    terms = column_sum(gate_distance_terms(values, anchors, rows), shard)
+    return terms.clamp_min(0).sqrt()  # one transfer for the gate
 
 
 def gate_distance_terms(values: list[torch.Tensor], anchors: list[Anchor], rows: int) -> torch.Tensor:
@@ -135,6 +143,7 @@ def token_distances(
     shifter: RopeShifter,
     rows: int,
     reader_start: int | None = None,
+    shard: Shard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-wise mean absolute distances ``[n, rows]`` (keys, values) between ``source`` and each
     anchor's base, over layers, heads and head dims: the inputs of :func:`token_weights`.
@@ -147,7 +156,8 @@ def token_distances(
 
     Keys are compared in the canonical frame (both at positions ``0 ..``; the KVCMAS reference), or
     with ``reader_start`` in the KVComm reference's frames: the source placed at ``reader_start`` (where
-    this reader puts it) against each anchor's base placed at its ``base_start``."""
+    this reader puts it) against each anchor's base placed at its ``base_start``. Under ``shard`` (this
+    rank's heads) the sums and the feature count are every rank's (one all-reduce)."""
     if not anchors:
         raise ValueError("token_distances needs at least one anchor")
     if not 1 <= rows <= source.length or any(a.length < rows for a in anchors):
@@ -157,7 +167,7 @@ def token_distances(
     key_abs = torch.zeros(n, rows, dtype=torch.float64, device=device)
     value_abs = torch.zeros(n, rows, dtype=torch.float64, device=device)
     heads = source.keys[0].shape[1]
-    features = sum(v.shape[1] * v.shape[3] for v in source.values)
+    features = columns(sum(v.shape[1] * v.shape[3] for v in source.values), shard)
     target = 0 if reader_start is None else reader_start
     for first in range(0, rows, DISTANCE_ROWS):
         last = min(rows, first + DISTANCE_ROWS)
@@ -181,6 +191,7 @@ def token_distances(
                         ).float()
                     # per-layer devices (device_map): accumulate on the source's first layer's
                     acc[i, first:last] += recon.sub_(src).abs_().sum(-1).double().to(device)
+    key_abs, value_abs = column_sum(torch.stack((key_abs, value_abs)), shard)
     return key_abs / features, value_abs / features  # stay on the device: weights are applied there
 
 
@@ -300,9 +311,11 @@ class Match:
     value_distances: torch.Tensor
 
 
-def match(source: SegmentKV, anchors: list[Anchor], shifter: RopeShifter, prefix: int) -> Match:
+def match(
+    source: SegmentKV, anchors: list[Anchor], shifter: RopeShifter, prefix: int, shard: Shard | None = None
+) -> Match:
     """Compare ``source`` (rows ``:prefix``) with every anchor's base: :func:`gate_distances` and
-    :func:`token_distances` over the prefix."""
+    :func:`token_distances` over the prefix (under ``shard``: over every rank's heads)."""
     if not anchors:
         raise ValueError("match needs at least one anchor")
     if prefix < 1 or prefix > source.length:
@@ -312,11 +325,11 @@ def match(source: SegmentKV, anchors: list[Anchor], shifter: RopeShifter, prefix
         raise ValueError(f"anchors {short} are shorter than the comparison prefix {prefix}")
     if anchors[0].base.num_layers != source.num_layers:
         raise ValueError(f"anchors have {anchors[0].base.num_layers} layers, the source {source.num_layers}")
-    key_distances, value_distances = token_distances(source, anchors, shifter, prefix)
+    key_distances, value_distances = token_distances(source, anchors, shifter, prefix, shard=shard)
     return Match(
         anchors=list(anchors),
         prefix=prefix,
-        gate_distances=gate_distances(source.values, anchors, prefix),
+        gate_distances=gate_distances(source.values, anchors, prefix, shard),
         key_distances=key_distances,
         value_distances=value_distances,
     )
@@ -558,7 +571,12 @@ def _base_segment(anchor: Anchor, rows: int) -> SegmentKV:
 
 
 def guard_estimate(
-    anchors: list[Anchor], target: str, rows: int, shifter: RopeShifter, temperature: float = 1.0
+    anchors: list[Anchor],
+    target: str,
+    rows: int,
+    shifter: RopeShifter,
+    temperature: float = 1.0,
+    shard: Shard | None = None,
 ) -> GuardEstimate:
     """Ours, beyond the paper: how far the correction of ``target`` from these anchors can be trusted,
     estimated by leaving each anchor out. Anchor ``a``'s base plays the new source; its delta is
@@ -571,7 +589,7 @@ def guard_estimate(
 
     Scale 0 (uncorrected) is among those the fit chooses from, so the held-out error at the served
     scale is never above the uncorrected one. Fewer than two anchors leave nothing to hold out: every
-    scale is 0."""
+    scale is 0. Under ``shard`` (this rank's heads) the sums are every rank's (one all-reduce)."""
     missing = [a.serial for a in anchors if target not in a.deltas]
     if missing:
         raise ValueError(f"anchors {missing} hold no correction for {target!r}")
@@ -588,7 +606,7 @@ def guard_estimate(
     energy = torch.zeros(2, layers, dtype=torch.float64, device=device)  # ||delta||^2
     for i, held in enumerate(anchors):
         others = anchors[:i] + anchors[i + 1 :]
-        kd, vd = token_distances(_base_segment(held, rows), others, shifter, rows)
+        kd, vd = token_distances(_base_segment(held, rows), others, shifter, rows, shard=shard)
         weights = (token_weights(kd, temperature), token_weights(vd, temperature))
         for layer in range(layers):
             for side, pick in enumerate(("keys", "values")):
@@ -600,6 +618,7 @@ def guard_estimate(
                 cross[side, layer] += (truth * pred).sum().to(device)
                 power[side, layer] += pred.pow(2).sum().to(device)
                 energy[side, layer] += truth.pow(2).sum().to(device)
+    cross, power, energy = column_sum(torch.stack((cross, power, energy)), shard)
     scales = torch.where(power > 0, cross / power.clamp_min(1e-300), torch.zeros_like(power)).clamp(0, 1)
 
     def error(scale: torch.Tensor) -> torch.Tensor:  # sum_a ||delta_a - scale pred_a||^2

@@ -56,7 +56,7 @@ class EdgeScope(Scope):
             edge.decision = GateDecision(False, f"fewer than 2 compatible anchors ({len(candidates)})")
             return None
         with phase("gate"):
-            found = match(source, eligible, turn.shifter, rows)
+            found = match(source, eligible, turn.shifter, rows, self.store.shard)
             edge.decision = reliability_gate(found.gate_distances, o.tau, o.temperature)
         edge.distances = list(edge.decision.distances)  # read back with the decision: no extra sync
         if not edge.decision.accepted:

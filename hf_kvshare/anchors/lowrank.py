@@ -7,6 +7,12 @@ segment's K/V is identical across a batch). KVCMAS keeps ``Z ≈ A B`` with ``A 
 
 Keys are stored in the canonical positional frame (as if the segment started at position 0);
 :mod:`hf_kvshare.anchors.correction` rotates them where they are compared or applied.
+
+Under tensor parallel a rank holds its heads' columns ``[L, D_p]``: the anchors engine takes one shard
+context (:class:`~.sharded.Shard`; ``None``, the default: one process holds every column) and every
+reduction over ``D`` and every factorization goes through one of the hooks here (:func:`column_sum`,
+:func:`any_rank`, :func:`columns`, :func:`factorize`), which under a shard call its methods (the
+collectives live in :mod:`.sharded`), so every rank gets the one-rank result (its columns of it).
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from ..cache import storage_bytes
 from ..measure import phase
+
+if TYPE_CHECKING:  # it builds on this module
+    from .sharded import Shard
 
 #: how :meth:`MatrixFactors.from_matrix` truncates: ``"exact"`` (``torch.linalg.svd``) or
 #: ``"randomized"`` (``torch.svd_lowrank(q=r, niter=2)``, as the KVCMAS reference code, seeded)
@@ -98,6 +107,30 @@ def to_heads(matrix: torch.Tensor, kv_heads: int) -> torch.Tensor:
     if dim % kv_heads:
         raise ValueError(f"feature dimension {dim} is not a multiple of {kv_heads} kv heads")
     return matrix.reshape(length, kv_heads, dim // kv_heads).transpose(0, 1).unsqueeze(0)
+
+
+# ------------------------------------------------------------ the engine's SPMD hooks (one rank: as is)
+def column_sum(partial: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    """A sum over ``D`` computed over this rank's columns (``partial``, any shape): as it is at one rank;
+    under ``shard`` every rank's, all-reduced (:meth:`~.sharded.Shard.column_sum`; in place, so
+    ``partial`` must be the caller's own work tensor)."""
+    return partial if shard is None else shard.column_sum(partial)
+
+
+def any_rank(flag: bool, shard: Shard | None) -> bool:
+    """Whether a test of this rank's columns (``flag``) holds on any rank: the same on every rank."""
+    return flag if shard is None else shard.any(flag)
+
+
+def columns(local: int, shard: Shard | None) -> int:
+    """A count of features (columns) over every rank from this rank's ``local`` count."""
+    return local if shard is None else shard.total_columns(local)
+
+
+def factorize(matrix: torch.Tensor, rank: int | None, svd: SVD, shard: Shard | None) -> MatrixFactors:
+    """:meth:`MatrixFactors.from_matrix` of this rank's columns ``[L, D_p]``: under ``shard`` the
+    sharded factors (:func:`~.sharded.sharded_factors`: ``a`` whole, this rank's columns of ``b``)."""
+    return MatrixFactors.from_matrix(matrix, rank, svd) if shard is None else shard.factors(matrix, rank, svd)
 
 
 def singular_values(matrix: torch.Tensor) -> torch.Tensor:
@@ -210,16 +243,18 @@ class FactoredKV:
         values: list[torch.Tensor],
         rank: int | None,
         svd: SVD = "exact",
+        shard: Shard | None = None,
     ) -> FactoredKV:
         """Factorize per-layer ``keys``/``values`` ``[batch, kv_heads, L, head_dim]`` (keys already
-        canonical) at ``rank`` (``None``: dense) with ``svd`` (see :meth:`MatrixFactors.from_matrix`)."""
+        canonical) at ``rank`` (``None``: dense) with ``svd`` (see :meth:`MatrixFactors.from_matrix`);
+        under ``shard`` this rank's heads (:func:`factorize`)."""
         if len(keys) != len(values) or not keys:
             raise ValueError(
                 f"need the same non-zero number of key and value layers, got {len(keys)}/{len(values)}"
             )
         return cls(
-            keys=[MatrixFactors.from_matrix(to_matrix(k), rank, svd) for k in keys],
-            values=[MatrixFactors.from_matrix(to_matrix(v), rank, svd) for v in values],
+            keys=[factorize(to_matrix(k), rank, svd, shard) for k in keys],
+            values=[factorize(to_matrix(v), rank, svd, shard) for v in values],
             length=keys[0].shape[-2],
             kv_heads=keys[0].shape[1],
         )
@@ -251,6 +286,7 @@ class FactoredKV:
         layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
         rank: int | None,
         svd: SVD = "exact",
+        shard: Shard | None = None,
     ) -> FactoredKV:
         """:meth:`from_kv` over ``(keys, values)`` of each layer in turn (an iterable, e.g. a generator
         computing each layer's matrices only when asked): one layer's tensors alive at a time, not
@@ -259,8 +295,8 @@ class FactoredKV:
         keys, values, length, kv_heads = [], [], 0, 0
         for k, v in layers:
             length, kv_heads = k.shape[-2], k.shape[1]
-            keys.append(MatrixFactors.from_matrix(to_matrix(k), rank, svd))
-            values.append(MatrixFactors.from_matrix(to_matrix(v), rank, svd))
+            keys.append(factorize(to_matrix(k), rank, svd, shard))
+            values.append(factorize(to_matrix(v), rank, svd, shard))
         if not keys:
             raise ValueError("need the same non-zero number of key and value layers, got none")
         return cls(keys=keys, values=values, length=length, kv_heads=kv_heads)
@@ -277,7 +313,8 @@ class FactoredKV:
 def squared_spread(kvs: list[FactoredKV], rows: int, first_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum_i ||X_i - mean||^2, sum_i ||X_i||^2)`` over the first ``rows`` rows of every layer from
     ``first_layer`` on, keys and values, of the segments ``kvs``: float64 0-dim tensors on the first
-    layer's device (no host read)."""
+    layer's device (no host read). Sums over this rank's columns: the caller sums them over a shard
+    (:func:`column_sum`)."""
     device = kvs[0].values[0].a.device
     spread = torch.zeros((), dtype=torch.float64, device=device)
     size = torch.zeros((), dtype=torch.float64, device=device)
@@ -289,7 +326,9 @@ def squared_spread(kvs: list[FactoredKV], rows: int, first_layer: int) -> tuple[
     return spread, size
 
 
-def relative_spread(kvs: list[FactoredKV], rows: int, first_layer: int = 0) -> float:
+def relative_spread(
+    kvs: list[FactoredKV], rows: int, first_layer: int = 0, shard: Shard | None = None
+) -> float:
     """How far apart segments (e.g. the corrections several anchors hold for one consumer) are,
     relative to their own size: ``sqrt(sum_i ||X_i - mean||^2 / sum_i ||X_i||^2)`` over the first
     ``rows`` rows of every layer from ``first_layer`` on, keys and values (0: identical; two
@@ -304,21 +343,23 @@ def relative_spread(kvs: list[FactoredKV], rows: int, first_layer: int = 0) -> f
     short = [kv.length for kv in kvs if kv.length < rows]
     if short:
         raise ValueError(f"segments of {short} tokens are shorter than the {rows} rows compared")
-    spread, size = torch.stack(squared_spread(kvs, rows, first_layer)).tolist()
+    spread, size = column_sum(torch.stack(squared_spread(kvs, rows, first_layer)), shard).tolist()
     return 0.0 if size == 0 else (spread / size) ** 0.5
 
 
-def row_energy(kv: FactoredKV) -> list[float]:
+def row_energy(kv: FactoredKV, shard: Shard | None = None) -> list[float]:
     """The cumulative squared norm of ``kv``'s value rows over every layer, ``[length]`` host floats
     (entry ``i``: ``sum_layers ||values[:i + 1]||^2``). One host read."""
     device = kv.values[0].a.device
     total = torch.zeros(kv.length, dtype=torch.float64, device=device)
     for f in kv.values:
         total += f.reconstruct().double().pow(2).sum(-1).to(device)
-    return total.cumsum(0).tolist()
+    return column_sum(total, shard).cumsum(0).tolist()
 
 
-def relative_distance(x: FactoredKV, y: FactoredKV, rows: int | None = None) -> float:
+def relative_distance(
+    x: FactoredKV, y: FactoredKV, rows: int | None = None, shard: Shard | None = None
+) -> float:
     """``||X - Y|| / ||Y||`` of the values of two segments over their first ``rows`` rows (default: all
     of the shorter), every layer: how nearly ``x`` duplicates ``y`` (0: the same; ``inf`` when ``y``
     is all zero and ``x`` is not). One host read."""
@@ -330,7 +371,7 @@ def relative_distance(x: FactoredKV, y: FactoredKV, rows: int | None = None) -> 
         vy = fy.reconstruct(rows).double()
         diff += (fx.reconstruct(rows).double().to(vy.device) - vy).pow(2).sum().to(device)
         size += vy.pow(2).sum().to(device)
-    diff, size = torch.stack((diff, size)).tolist()
+    diff, size = column_sum(torch.stack((diff, size)), shard).tolist()
     if size == 0:
         return 0.0 if diff == 0 else float("inf")
     return (diff / size) ** 0.5
@@ -346,7 +387,8 @@ class DeferredFactoredKV:
     ``(keys, values)`` ``[1, kv_heads, L, head_dim]`` (keys canonical) when called, ``held`` the
     tensors that keeps alive (:attr:`nbytes`: their storages, each counted once and whole).
     :meth:`resolve` runs :meth:`FactoredKV.from_layers` once (the same factors as storing it
-    factorized at once) and drops them. ``tag`` is the owner's (e.g. the request that stored it).
+    factorized at once) and drops them. ``tag`` is the owner's (e.g. the request that stored it);
+    ``shard`` the rank's (:meth:`FactoredKV.from_layers`).
     """
 
     def __init__(
@@ -360,11 +402,12 @@ class DeferredFactoredKV:
         kv_heads: int,
         num_layers: int,
         tag: Any = None,
+        shard: Shard | None = None,
     ):
         check_svd(svd)
         self._layers: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]] | None = layers
         self._held: Callable[[], Iterable[torch.Tensor]] | None = held
-        self.rank, self.svd, self.tag = rank, svd, tag
+        self.rank, self.svd, self.tag, self.shard = rank, svd, tag, shard
         self.length, self.kv_heads, self.num_layers = length, kv_heads, num_layers
         self._factors: FactoredKV | None = None
         self._lock = threading.Lock()  # two readers (a session's thread and another's) factorize once
@@ -379,7 +422,7 @@ class DeferredFactoredKV:
             with self._lock:
                 if self._factors is None:
                     assert self._layers is not None
-                    self._factors = FactoredKV.from_layers(self._layers(), self.rank, self.svd)
+                    self._factors = FactoredKV.from_layers(self._layers(), self.rank, self.svd, self.shard)
                     self._layers = self._held = None
         return self._factors
 

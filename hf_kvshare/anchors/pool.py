@@ -22,7 +22,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,10 +32,14 @@ from .lowrank import (
     DEFERRED_WORK,
     DeferredFactoredKV,
     FactoredKV,
+    column_sum,
     relative_distance,
     row_energy,
     squared_spread,
 )
+
+if TYPE_CHECKING:
+    from .sharded import Shard
 
 #: label of the context-free reference (the segment prefilled with nothing before it)
 REFERENCE = "reference"
@@ -205,14 +209,15 @@ class Anchor:
         if not isinstance(self.deltas, Deltas):
             self.deltas = Deltas(self.deltas)
 
-    def measure(self) -> None:
-        """Compute :attr:`energy` now (one host read; factorizes a deferred base)."""
-        self.energy = row_energy(self.base)
+    def measure(self, shard: Shard | None = None) -> None:
+        """Compute :attr:`energy` now (one host read; factorizes a deferred base); under ``shard`` over
+        every rank's heads (:func:`~.lowrank.row_energy`)."""
+        self.energy = row_energy(self.base, shard)
 
-    def size(self, rows: int) -> float:
+    def size(self, rows: int, shard: Shard | None = None) -> float:
         """``||base values[:rows]||`` over every layer (:meth:`measure` first when not known)."""
         if self.energy is None:
-            self.measure()
+            self.measure(shard)
         return self.energy[min(rows, len(self.energy)) - 1] ** 0.5 if rows > 0 else 0.0
 
     @property
@@ -327,7 +332,7 @@ class AnchorPool:
         return [a for a in self.anchors if target in a.deltas]
 
     def near_duplicate(
-        self, base: FactoredKV | DeferredFactoredKV, source: str, threshold: float
+        self, base: FactoredKV | DeferredFactoredKV, source: str, threshold: float, shard: Shard | None = None
     ) -> Anchor | None:
         """The anchor whose base ``base`` nearly duplicates: the same source label and length, values
         within ``threshold`` of it relative to its size (:func:`~.lowrank.relative_distance`); the
@@ -341,7 +346,7 @@ class AnchorPool:
                 continue
             if isinstance(base, DeferredFactoredKV):
                 base = base.resolve()
-            distance = relative_distance(base, anchor.base)
+            distance = relative_distance(base, anchor.base, shard=shard)
             if distance <= best:
                 found, best = anchor, distance
         return found
@@ -410,7 +415,11 @@ class AnchorPool:
 
 
 def correction_agreement(
-    anchors: list[Anchor], rows: int, first_layer: int = 0, agent: str | None = None
+    anchors: list[Anchor],
+    rows: int,
+    first_layer: int = 0,
+    agent: str | None = None,
+    shard: Shard | None = None,
 ) -> tuple[float | None, str]:
     """How well the corrections of ``anchors`` agree, for the gate's agreement rule: per consuming
     agent they hold a delta for (``agent``: that one only, a decision one consumer takes for itself),
@@ -418,6 +427,7 @@ def correction_agreement(
     ``first_layer``) where two or more anchors hold one, and the spread a refresh recorded
     (``Anchor.agreement``); the worst over the agents and a description (one host read). ``None``
     (with the reason) when some agent's correction was observed only once: nothing says it repeats.
+    Under ``shard`` the sums are every rank's heads' (one all-reduce).
 
     Agreeing corrections are reliable whatever the gate weights: the weighted sum of deltas that
     agree is close to each of them, so the flat weights of equally close anchors (two anchors of the
@@ -434,7 +444,8 @@ def correction_agreement(
         elif not recorded[who]:
             return None, f"the correction for {who!r} was observed once"
     if terms:  # every agent's spread in one host read
-        read = torch.stack([torch.stack((s, z)).to(terms[0][1].device) for _, s, z in terms]).tolist()
+        read = torch.stack([torch.stack((s, z)).to(terms[0][1].device) for _, s, z in terms])
+        read = column_sum(read, shard).tolist()
         for (who, _, _), (spread, size) in zip(terms, read):
             recorded[who].append(0.0 if size == 0 else (spread / size) ** 0.5)
     worst_agent = max(agents, key=lambda who: max(recorded[who]))
@@ -442,12 +453,14 @@ def correction_agreement(
     return worst, f"delta spread {worst:.3g} (worst: {worst_agent!r})"
 
 
-def nearest_relative(anchors: list[Anchor], distances: list[float], rows: int) -> float:
+def nearest_relative(
+    anchors: list[Anchor], distances: list[float], rows: int, shard: Shard | None = None
+) -> float:
     """The candidate's nearest anchor, relative: ``min_a d_a / ||base_a values[:rows]||`` over
     ``anchors`` and their gate ``distances`` (host floats). Each anchor's size comes from
     :meth:`Anchor.size` (kept on the host: a read only for an anchor whose size is not known yet)."""
     near = math.inf
     for anchor, distance in zip(anchors, distances):
-        size = anchor.size(rows)
+        size = anchor.size(rows, shard)
         near = min(near, distance / size if size > 0 else (0.0 if distance == 0 else math.inf))
     return near

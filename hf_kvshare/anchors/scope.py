@@ -38,7 +38,7 @@ from ..cache import SegmentKV, check_finite
 from ..trajectory import tokenize_text
 from .correction import canonical_key_layers, canonical_keys
 from .gate import GateDecision
-from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV
+from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV, any_rank
 from .pool import REFERENCE, AnchorPool, LRUDict
 from .state import RequestState, reference_lead, reference_prefill
 from .store import BoundedStore
@@ -151,6 +151,7 @@ class Scope:
             kv_heads=held.keys[0].shape[1],
             num_layers=held.num_layers,
             tag=tag,
+            shard=self.store.shard,
         )
 
     def later(
@@ -319,7 +320,7 @@ class Scope:
     # ----------------------------------------------------------------- deltas
     def check_finite(self, turn: Turn, cache, output: SegmentKV | None) -> None:
         """Refuse non-finite K/V before it becomes a source or enters a pool (nothing changed yet);
-        every segment of the turn in one host read."""
+        every segment of the turn in one host read (under a shard: any rank's heads, every rank refuses)."""
         checks = []
         if output is not None and self.options.output_source != "context_free":
             checks.append((f"{self.name}: the output slot {turn.output_slot!r}", output))
@@ -332,7 +333,16 @@ class Scope:
             with cache.sharing_storage():  # views: checked where they sit, not copied
                 exact = cache.extract(span.start, span.end)
             checks.append((f"{self.name}: PH slot {span.name!r} of this turn", exact))
-        check_finite(checks)
+        try:
+            check_finite(checks)
+        except ValueError:
+            any_rank(True, self.store.shard)  # every tensor-parallel rank refuses the turn
+            raise
+        if any_rank(False, self.store.shard):
+            raise ValueError(
+                f"{self.name}: non-finite K/V (NaN or inf) in another tensor-parallel rank's heads of this "
+                "turn; such K/V is never reused or stored (the turn changed nothing)"
+            )
 
     def difference(
         self, exact: SegmentKV, source: SegmentKV, turn: Turn, source_keys: list[torch.Tensor] | None = None
@@ -375,7 +385,8 @@ class Scope:
             return canonical if canonical is not None else canonical_key_layers(edge.source, turn.shifter)
 
         layers = self.difference_layers(exact, edge.source, turn, canonical)
-        return FactoredKV.from_layers(layers, self.options.delta_rank, self.options.svd), source_keys
+        delta = FactoredKV.from_layers(layers, self.options.delta_rank, self.options.svd, self.store.shard)
+        return delta, source_keys
 
     def base(
         self, edge: Edge, source_keys: Callable[[], Iterable[torch.Tensor]]
@@ -389,7 +400,7 @@ class Scope:
 
         if self.deferring:
             return self.later(layers, source, rank=self.options.base_rank)
-        return FactoredKV.from_layers(layers(), self.options.base_rank, self.options.svd)
+        return FactoredKV.from_layers(layers(), self.options.base_rank, self.options.svd, self.store.shard)
 
     def deferred_base(self, edge: Edge, turn: Turn) -> DeferredFactoredKV:
         """:meth:`base`, factorized on its first read (or when the request ends) instead of now: a

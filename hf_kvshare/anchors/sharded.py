@@ -36,6 +36,10 @@ default) moves ``[L, q]`` float32 partial sums instead, whatever ``p``: with a r
 2.7x at TP = 8 (docs/architecture.md, "The plan for KVCMAS under TP"); the bytes stay on the devices'
 links, and the host holds no K/V.
 
+The anchors engine runs on one rank's heads (SPMD) through :class:`Shard`'s hooks ``column_sum``,
+``any``, ``total_columns`` and ``factors``, called by ``lowrank.column_sum`` / ``any_rank`` / ``columns`` /
+``factorize`` with the engine's shard (``BoundedStore.shard``; docs/architecture.md).
+
 Only this module calls ``torch.distributed`` collectives in the package (``tests/test_layout.py``).
 """
 
@@ -139,7 +143,12 @@ class Shard:
     @property
     def dim(self) -> int:
         """The global column count ``D``."""
-        return self.width * self.size // self.replicas
+        return self.width * self.blocks
+
+    @property
+    def blocks(self) -> int:
+        """The distinct column blocks over the group's ranks."""
+        return self.size // self.replicas
 
     @property
     def columns(self) -> slice:
@@ -156,6 +165,27 @@ class Shard:
         COLLECTIVES.add("all_reduce", partial)
         dist.all_reduce(partial, group=self.group)
         return partial
+
+    # the anchors engine's hooks (SPMD): ``lowrank.column_sum`` / ``any_rank`` / ``columns`` / ``factorize``
+    # call them under the engine's shard and do the one-rank operation without one
+    def column_sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A sum over ``D`` each rank computed over its own columns (``partial``, any shape, the caller's
+        own work tensor): the sum over every column block, the same bits on every rank."""
+        return self.all_reduce(partial)
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` (a test of this rank's columns, e.g. "they hold NaN or inf") holds on any rank:
+        the same answer on every rank (one all-reduce of one number)."""
+        return bool(self.all_reduce(torch.tensor([float(flag)], dtype=torch.float64)).item())
+
+    def total_columns(self, local: int) -> int:
+        """A count of features over every rank from this rank's ``local`` count (a mean over ``D``, the
+        rank clamp)."""
+        return local * self.blocks
+
+    def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
+        """:func:`sharded_factors` of this rank's columns ``[L, D_p]`` over the group."""
+        return sharded_factors(matrix, rank, svd, self.group, replicas=self.replicas)
 
     def all_gather(self, block: torch.Tensor, dim: int) -> torch.Tensor:
         """Every column block's ``block`` joined along ``dim`` in column order (a replica's once)."""

@@ -181,7 +181,7 @@ class SlotScope(Scope):
             why = f"fewer than 2 anchors at least {rows or length} tokens long ({len(eligible)} of {len(anchors)})"
             return GateDecision(False, why), eligible, None
         with phase("gate"):
-            distances = gate_distances(candidate.values, eligible, rows)
+            distances = gate_distances(candidate.values, eligible, rows, self.store.shard)
             decision = reliability_gate(distances, o.tau, o.temperature)
             if len(eligible) < 2:
                 decision.reason = (
@@ -215,7 +215,7 @@ class SlotScope(Scope):
         when the corrections of ``eligible`` agree within ``agreement``
         (:func:`~.pool.correction_agreement`), else kept with the reason extended."""
         o = self.options
-        spread, why = correction_agreement(eligible, rows, 1 if o.skip_layer0 else 0, agent)
+        spread, why = correction_agreement(eligible, rows, 1 if o.skip_layer0 else 0, agent, self.store.shard)
         if spread is not None and spread <= o.agreement:
             weights = decision.weights or [1.0]  # one anchor: the entropy rule computed no weights
             return GateDecision(
@@ -240,7 +240,7 @@ class SlotScope(Scope):
         correction that repeats over other content does not depend on the content, so how far the
         candidate is does not matter; anchors that disagree (or a correction seen once) refuse it."""
         o = self.options
-        near = nearest_relative(eligible, decision.distances, rows)
+        near = nearest_relative(eligible, decision.distances, rows, self.store.shard)
         if near <= o.nearest:
             return decision
         entropy_rule = decision.entropy is not None and decision.entropy <= o.tau
@@ -250,7 +250,9 @@ class SlotScope(Scope):
             if not entropy_rule:  # accepted by the agreement rule: its anchors agree
                 decision.reason = f"{decision.reason}; the candidate is far ({far}), the corrections agree"
                 return decision
-            spread, why = correction_agreement(eligible, rows, 1 if o.skip_layer0 else 0, agent)
+            spread, why = correction_agreement(
+                eligible, rows, 1 if o.skip_layer0 else 0, agent, self.store.shard
+            )
             if spread is not None and spread <= o.agreement:
                 decision.reason = (
                     f"accepted; the candidate is far ({far}), the corrections agree: {why} <= {o.agreement:g}"
@@ -440,7 +442,14 @@ class SlotScope(Scope):
                 turn,
                 key,
                 lambda: (
-                    guard_estimate(anchors, turn.agent, rows, turn.shifter, self.options.token_temperature),
+                    guard_estimate(
+                        anchors,
+                        turn.agent,
+                        rows,
+                        turn.shifter,
+                        self.options.token_temperature,
+                        self.store.shard,
+                    ),
                 ),
             )
             scales = estimate.scales.tolist()
@@ -513,7 +522,7 @@ class SlotScope(Scope):
         missing anchors are compared together, as before; an anchor whose base was replaced since
         (a rebase, a deferred base factorized) is compared again."""
         if not self.options.weights_cache:
-            return token_distances(source, anchors, turn.shifter, rows, reader_start=reader)
+            return token_distances(source, anchors, turn.shifter, rows, reader, self.store.shard)
         store = self.request(turn).distances
         key = (slot, pool, reader)
         held = store.get(key)
@@ -527,7 +536,7 @@ class SlotScope(Scope):
 
         missing = [a for a in anchors if not fresh(a)]
         if missing:
-            kd, vd = token_distances(source, missing, turn.shifter, rows, reader_start=reader)
+            kd, vd = token_distances(source, missing, turn.shifter, rows, reader, self.store.shard)
             for a, k, v in zip(missing, kd, vd):
                 known[a.serial] = (a.__dict__["base"], k, v)
         if len(missing) == len(anchors):  # all computed just now, in this order
@@ -629,7 +638,7 @@ class SlotScope(Scope):
         base = (lambda: self.deferred_base(edge, turn)) if defer else (lambda: self.base(edge, source_keys))
         if new and o.duplicate > 0:
             fresh = base()
-            duplicate = pool.near_duplicate(fresh, edge.label, o.duplicate)
+            duplicate = pool.near_duplicate(fresh, edge.label, o.duplicate, self.store.shard)
             if duplicate is not None:  # it refreshes that anchor instead of joining the pool
                 anchor, new = duplicate, False
                 anchor.base, anchor.source, anchor.origin = fresh, edge.label, edge.origin
@@ -642,12 +651,14 @@ class SlotScope(Scope):
         elif edge.rebase:  # the reference's entry.update: the base becomes this consumer's source
             anchor.base, anchor.source = base(), edge.label
         if o.nearest > 0 and anchor.energy is None and not anchor.base_deferred:
-            anchor.measure()  # its size, for the gate's nearness (here, off the next gate's host reads)
+            anchor.measure(
+                self.store.shard
+            )  # its size, for the gate's nearness (here, off the next gate's host reads)
         if o.agreement > 0 and turn.agent in anchor.deltas:  # evidence: does its correction repeat?
             held, now = anchor.deltas[turn.agent], delta
             now = now.resolve() if isinstance(now, DeferredFactoredKV) else now
             anchor.agreement[turn.agent] = relative_spread(
-                [held, now], min(held.length, now.length), 1 if o.skip_layer0 else 0
+                [held, now], min(held.length, now.length), 1 if o.skip_layer0 else 0, self.store.shard
             )
         anchor.stale.discard(turn.agent)
         anchor.deltas[turn.agent] = delta
@@ -668,4 +679,4 @@ class SlotScope(Scope):
         exact = cache.extract(following.start, following.end, agent=turn.agent)
         kept = self.options.prefix_store(turn).get((turn.agent, ids))
         keys, values = self.difference(exact, exact if kept is None else kept, turn)
-        return ids, FactoredKV.from_kv(keys, values, None)
+        return ids, FactoredKV.from_kv(keys, values, None, shard=self.store.shard)

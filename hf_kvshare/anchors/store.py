@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..cache import config_signature
+from .lowrank import columns
 from .persist import TensorTable
 from .pool import LRUDict
 from .state import RequestStates
+
+if TYPE_CHECKING:
+    from .sharded import Shard
 
 #: ``to_state(entries, table) -> metadata`` (tensors go to ``table``);
 #: ``from_state(metadata, tensors, dims) -> (entries, names of the tensors used)``
@@ -45,6 +49,10 @@ class BoundedStore:
             (:mod:`~hf_kvshare.anchors.persist`).
         max_bytes: the entries' bytes (``None``: no bound): :meth:`trim` keeps them within it
             (:meth:`LRUDict.trim <hf_kvshare.anchors.pool.LRUDict.trim>`).
+
+    :attr:`shard` is the engine's one shard context (:class:`~.sharded.Shard`: this tensor-parallel
+    rank's heads and its group; ``None``, the default: one rank holds every head): the engine policies
+    reading this store pass it to every reduction over the feature dimension and every factorization.
     """
 
     def __init__(
@@ -60,6 +68,7 @@ class BoundedStore:
         self._to_state, self._from_state = to_state, from_state
         self.entries: LRUDict = LRUDict(limit, max_bytes)
         self.requests = RequestStates()
+        self.shard: Shard | None = None
 
     def clear(self) -> None:
         """Drop every entry and every request's state (the next request uid is kept)."""
@@ -163,10 +172,12 @@ def check_rank(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive int or None (dense), got {value!r}")
 
 
-def clamp_ranks(config: Any, **ranks: int | None) -> dict[str, int | None]:
+def clamp_ranks(config: Any, shard: Shard | None = None, **ranks: int | None) -> dict[str, int | None]:
     """The rank options clamped to the model's K/V feature dimension ``D = kv_heads * head_dim``,
-    with a warning for each one above it (pointing at the caller of ``Method.bind``)."""
+    with a warning for each one above it (pointing at the caller of ``Method.bind``). Under ``shard``
+    ``config`` is a tensor-parallel rank's (its KV heads) and ``D`` every rank's."""
     _, kv_heads, head_dim = config_signature(config)
+    kv_heads = columns(kv_heads, shard)
     dim = kv_heads * head_dim
     clamped = {}
     for knob, rank in ranks.items():

@@ -118,6 +118,7 @@ from ..anchors.edge_scope import EdgeScope
 from ..anchors.lowrank import SVD_METHODS
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
 from ..anchors.scope import Scope
+from ..anchors.sharded import Shard
 from ..anchors.slot_scope import SlotScope
 from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
 from ..anchors.verify import PLACES, SCALES
@@ -570,8 +571,20 @@ class KVCMAS(PrefixReuse, Method):
     pools = Stored("entries")
     _requests = Stored("requests")
 
+    def run_on_shard(self, shard: Shard | None) -> None:
+        """Run the engine on one tensor-parallel rank's KV heads (SPMD, :mod:`~hf_kvshare.anchors.sharded`):
+        the model bound next (its config: this rank's KV heads) and every K/V given are the rank's
+        heads; each rank of ``shard``'s group runs the same hooks in the same order and decides what
+        one rank decides over all heads. ``None`` (the default): one rank. Set before :meth:`bind`
+        (the rank options are clamped to the global ``D`` there)."""
+        if self.binding.model is not None:
+            raise ValueError(f"{self.name}: run_on_shard must come before the method is bound to a model")
+        self._store.shard = shard
+
     def attach(self, model: torch.nn.Module) -> None:
-        ranks = clamp_ranks(model.config, base_rank=self.base_rank, delta_rank=self.delta_rank)
+        ranks = clamp_ranks(
+            model.config, self._store.shard, base_rank=self.base_rank, delta_rank=self.delta_rank
+        )
         self.record_clamp(ranks)  # a saved state compares the ranks as given, clamped to the model
         self.base_rank, self.delta_rank = ranks["base_rank"], ranks["delta_rank"]
         if self.verify_tokens:
