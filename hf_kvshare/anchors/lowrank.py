@@ -93,6 +93,22 @@ def _truncated_svd(matrix: torch.Tensor, r: int, svd: str) -> tuple[torch.Tensor
     return u * s, v.T
 
 
+def check_rank(rank: int | None) -> None:
+    if rank is not None and rank < 1:
+        raise ValueError(f"rank must be >= 1 (or None for dense), got {rank}")
+
+
+def kept_rank(length: int, dim: int, rank: int | None, svd: str) -> int | None:
+    """The rank a factorization of an ``[L, D]`` matrix keeps: ``min(rank, L, D)`` (at most that many
+    components exist; keeping them all is exact, so clamping loses nothing), or ``None`` where the
+    matrix stays dense (``rank=None``, or factors no smaller: ``r (L + D) >= L D``). A ``rank`` below 1
+    or an unknown ``svd`` is refused."""
+    check_rank(rank)
+    check_svd(svd)
+    r = None if rank is None else min(rank, length, dim)
+    return None if r is None or r * (length + dim) >= length * dim else r
+
+
 def to_matrix(kv: torch.Tensor) -> torch.Tensor:
     """``[batch, kv_heads, L, head_dim]`` -> ``[L, kv_heads * head_dim]`` (batch element 0, a view-free copy)."""
     if kv.dim() != 4:
@@ -183,16 +199,10 @@ class MatrixFactors:
         """
         if matrix.dim() != 2:
             raise ValueError(f"expected an [L, D] matrix, got shape {tuple(matrix.shape)}")
-        if rank is not None and rank < 1:
-            raise ValueError(f"rank must be >= 1 (or None for dense), got {rank}")
-        check_svd(svd)
-        length, dim = matrix.shape
-        # at most min(L, D) components exist; keeping them all is exact, so clamping loses nothing
-        r = None if rank is None else min(rank, length, dim)
-        dense = r is None or r * (length + dim) >= length * dim
-        FACTORIZATIONS.add(svd=not dense)
+        r = kept_rank(*matrix.shape, rank, svd)
+        FACTORIZATIONS.add(svd=r is not None)
         with phase("factorize"):
-            if dense:
+            if r is None:
                 return cls(a=matrix.detach().clone())
             a, b = _truncated_svd(matrix, r, svd)
             return cls(a=a.to(matrix.dtype).contiguous(), b=b.to(matrix.dtype).contiguous())

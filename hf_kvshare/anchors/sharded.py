@@ -60,7 +60,9 @@ from .lowrank import (
     FactoredKV,
     MatrixFactors,
     _truncated_svd,
+    check_rank,
     check_svd,
+    kept_rank,
     to_matrix,
 )
 from .pool import Anchor
@@ -223,16 +225,13 @@ def sharded_factors(
     """
     if z_local.dim() != 2:
         raise ValueError(f"expected an [L, D_p] matrix, got shape {tuple(z_local.shape)}")
-    if rank is not None and rank < 1:
-        raise ValueError(f"rank must be >= 1 (or None for dense), got {rank}")
+    check_rank(rank)  # bad input refused before the group is asked anything
     check_svd(svd)
     shard = Shard(group, z_local.shape[1], replicas)
-    length, dim = z_local.shape[0], shard.dim
-    k = None if rank is None else min(rank, length, dim)
-    dense = k is None or k * (length + dim) >= length * dim
-    FACTORIZATIONS.add(svd=not dense)
+    k = kept_rank(z_local.shape[0], shard.dim, rank, svd)  # the global D's rule
+    FACTORIZATIONS.add(svd=k is not None)
     with phase("factorize"):
-        if dense:
+        if k is None:
             return MatrixFactors(a=z_local.detach().clone())
         if svd == "exact":
             a, b = _truncated_svd(shard.all_gather(z_local.detach(), dim=1), k, svd)
