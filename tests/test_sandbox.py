@@ -412,7 +412,16 @@ def test_isolation_holds_for_an_interpreter_that_lives_under_tmp(tmp_path):
 
     assert str(tmp_path).startswith("/tmp/")
     venv.EnvBuilder(with_pip=False, symlinks=True).create(tmp_path / "venv")
-    probe = "from hf_kvshare.bench.sandbox import isolation_unavailable as u; print(repr(u()))"
+    # the sandbox's module alone (standard library only) under the venv's interpreter: what is checked
+    # is where that interpreter lives, not the package's import (torch, transformers: ~2.5 CPU-s)
+    execute = Path(__file__).resolve().parents[1] / "hf_kvshare" / "bench" / "sandbox" / "execute.py"
+    probe = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('sandbox_execute', {str(execute)!r})\n"
+        "execute = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(execute)\n"
+        "print(repr(execute.isolation_unavailable()))\n"
+    )
     out = subprocess.run(
         [str(tmp_path / "venv" / "bin" / "python"), "-c", probe],
         capture_output=True,
