@@ -1,17 +1,35 @@
 """The serving lane's live vLLM server (vLLM's OpenAI server with the connector, on 127.0.0.1), written
 once for its test modules: :func:`start_server` starts a module's server, :func:`stopped_after` stops it
-after the module (a fixture's body) and :func:`post` sends it a request."""
+after the module (a fixture's body) and :func:`post` sends it a request; :func:`has_vllm` says whether a
+Python has vLLM (the live tests' skip condition)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+
+@functools.cache
+def has_vllm(python: str) -> bool:
+    """Whether ``python`` can import vLLM: this interpreter answers in-process, another one (the serving
+    lane's ``$HF_KVSHARE_VLLM_PYTHON``) through one probe per test process, not one per module."""
+    if python == sys.executable:
+        return importlib.util.find_spec("vllm") is not None
+    if not Path(python).exists():
+        return False
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+
 
 #: vLLM's arguments for a test's server: small, float32 (exact comparisons)
 TEST_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "2"]

@@ -5,24 +5,43 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_device_check_tiny_mode_writes_json_and_table(tmp_path):
-    # the script runs $PYTHON: the interpreter running the tests, not whatever python is first on PATH
-    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+def test_the_script_hands_the_check_to_pythons_module(tmp_path):
+    """The script runs ``$PYTHON -m hf_kvshare.bench.device_check --out $OUT ARGS`` with the checkout on
+    the import path: a true subprocess, with a stand-in ``$PYTHON`` that records what it was given (the
+    tiny check itself runs in-process below, without a second interpreter importing the package)."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text(
+        '#!/bin/sh\nprintf "%s\\n" "$@" > "$OUT/argv"\nprintf "%s" "$PYTHONPATH" > "$OUT/path"\n'
+    )
+    stand_in.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(stand_in)}
     result = subprocess.run(
         ["bash", "scripts/device_check.sh", "--tiny"],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=60,
     )
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, result.stderr
+    argv = (out / "argv").read_text().splitlines()
+    assert argv == ["-m", "hf_kvshare.bench.device_check", "--out", str(out), "--tiny"]
+    assert (out / "path").read_text().split(os.pathsep)[0] == str(ROOT)
+
+
+def test_device_check_tiny_mode_writes_json_and_table(tmp_path, monkeypatch, capsys):
+    from hf_kvshare.bench import device_check
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code = device_check.main(["--tiny", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err[-4000:]
     data = json.loads((tmp_path / "device_check.json").read_text())
     assert data["tiny"] and data["exactness"]["passed"], data["exactness"]
     assert data["exactness"]["nonshared_tokens"] == data["exactness"]["generate_tokens"]

@@ -71,3 +71,15 @@ def test_transformers_floor_admits_the_gpu_image():
     floor = re.search(r'"transformers>=([0-9.]+)', text)
     assert floor is not None, "pyproject.toml has no transformers>= floor"
     assert Version(floor.group(1)) <= Version("5.17")
+
+
+def test_a_turn_on_a_model_without_adapters_loads_no_peft(tiny_llama, tokenizer, monkeypatch):
+    """PEFT (~1.7 CPU-s to import) is loaded by whoever builds adapters, never by a plain model's turn:
+    asking whether a model is a ``PeftModel`` reads ``sys.modules`` (docs/architecture.md)."""
+    from hf_kvshare import PF, Session
+
+    for name in [m for m in sys.modules if m == "peft" or m.startswith("peft.")]:
+        monkeypatch.delitem(sys.modules, name)  # as in a fresh process; restored after the test
+    for method in ("nonshared", "fullshared"):
+        Session(tiny_llama, tokenizer, method).run_turn("a", [PF("Hello there.")], max_new_tokens=2)
+    assert "peft" not in sys.modules

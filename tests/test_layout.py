@@ -161,7 +161,20 @@ MODULES = modules()
 def parsed(path: Path) -> ast.Module:
     """The syntax tree of the package's module at ``path``, parsed once per process (the fast lane's
     budget: the rules below read every module's tree, none changes one)."""
-    return ast.parse(path.read_text(), filename=str(path))
+    tree = ast.parse(path.read_text(), filename=str(path))
+    _WALKED[id(tree)] = tuple(ast.walk(tree))  # kept alive by the cache: its id is never reused
+    return tree
+
+
+#: the nodes of each tree :func:`parsed` returned, in ``ast.walk``'s order: the rules walk the whole
+#: package ~20 times per process, ~0.3 s each with ``ast.walk``, ~20 ms over a kept list
+_WALKED: dict[int, tuple[ast.AST, ...]] = {}
+
+
+def walk(tree: ast.AST) -> Iterable[ast.AST]:
+    """``ast.walk(tree)``, listed once for a module's tree from :func:`parsed`."""
+    nodes = _WALKED.get(id(tree))
+    return ast.walk(tree) if nodes is None else nodes
 
 
 def is_package(name: str) -> bool:
@@ -295,7 +308,7 @@ ENGINE_DECISIONS = frozenset(
 def _decision_calls(tree: ast.AST) -> list[str]:
     """The names in :data:`ENGINE_DECISIONS` that ``tree`` calls (``f(...)`` or ``x.f(...)``)."""
     found = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
             name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
@@ -365,7 +378,7 @@ def _attribute_reads(tree: ast.AST, owner: str, attrs: set[str]) -> list[int]:
     """Line numbers of ``<owner>.<attr>`` for ``attr`` in ``attrs``."""
     return [
         node.lineno
-        for node in ast.walk(tree)
+        for node in walk(tree)
         if isinstance(node, ast.Attribute)
         and node.attr in attrs
         and isinstance(node.value, ast.Name)
@@ -424,7 +437,7 @@ def test_the_method_contract_lives_in_methods_and_the_contract_modules():
         if _inside(name, "methods") or name in {f"{ROOT}.{m}" for m in CONTRACT}:
             continue
         tree = parsed(path)
-        for node in ast.walk(tree):
+        for node in walk(tree):
             if not isinstance(node, ast.ClassDef):
                 continue
             in_engine = any(_inside(name, engine) for engine in ENGINES)
@@ -491,7 +504,7 @@ def storage_classes(trees: dict[str, ast.AST]) -> dict[str, list[str]]:
 def subclasses_of(trees: dict[str, ast.AST], bases: str | Iterable[str]) -> dict[str, list[str]]:
     """``{module: [class names]}`` of the classes deriving, directly or through others, from ``bases``
     (a class name, or several)."""
-    classes = [(m, n) for m, tree in trees.items() for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    classes = [(m, n) for m, tree in trees.items() for n in walk(tree) if isinstance(n, ast.ClassDef)]
     known, found, changed = {bases} if isinstance(bases, str) else set(bases), {}, True
     while changed:
         changed = False
@@ -506,7 +519,7 @@ def subclasses_of(trees: dict[str, ast.AST], bases: str | Iterable[str]) -> dict
 def model_runs(tree: ast.AST) -> list[int]:
     """Line numbers of the calls in ``tree`` that run a model (see :data:`MODEL_CALLEES`)."""
     lines = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if not isinstance(node, ast.Call):
             continue
         name = _name_of(node.func)
@@ -644,7 +657,7 @@ def private_uses(tree: ast.AST) -> list[str]:
     """What a benchmark script reaches past the public API with: a private name imported from
     ``hf_kvshare`` (``from hf_kvshare.x import _y``, ``import hf_kvshare._x``), and any ``setattr``."""
     found = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == ROOT:
             parts = (node.module or "").split(".") + [a.name for a in node.names]
             found += [
@@ -714,11 +727,11 @@ BENCH_MODULE_LINES = 700
 
 def _callees(tree: ast.AST) -> set[str]:
     """Names of what ``tree`` calls (``f(...)``: ``f``; ``a.b.f(...)``: ``f``)."""
-    return {_name_of(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)} - {None}
+    return {_name_of(node.func) for node in walk(tree) if isinstance(node, ast.Call)} - {None}
 
 
 def _string_constants(tree: ast.AST) -> set[str]:
-    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return {n.value for n in walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
 
 def test_one_module_starts_vllm():
@@ -836,7 +849,7 @@ def module_state(tree: ast.Module) -> list[str]:
         if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and _mutable(node.value):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             found += [f"{ast.unparse(t)}:{node.lineno}" for t in targets if not _dunder(t)]
-    found += [f"global {', '.join(n.names)}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    found += [f"global {', '.join(n.names)}:{n.lineno}" for n in walk(tree) if isinstance(n, ast.Global)]
     return found
 
 
@@ -862,7 +875,7 @@ def test_vllms_multimodal_features_are_read_in_one_place():
     or a string: every image the server plans is a span found by vLLM's hash, not by its tokens."""
     readers = set()
     for name, path in MODULES.items():
-        for node in ast.walk(parsed(path)):
+        for node in walk(parsed(path)):
             field = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
             if isinstance(node, (ast.Attribute, ast.Constant)) and field in MM_FIELDS:
                 readers.add(name)
@@ -888,14 +901,14 @@ def test_only_the_channel_parks_tensors_in_the_process_local_handoff():
     and listeners only."""
     users = set()
     for name, path in MODULES.items():
-        for node in ast.walk(parsed(path)):
+        for node in walk(parsed(path)):
             word = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
             if word in (HANDOFF_TABLE, HANDOFF_CLASS):
                 users.add(name)
     assert users == {HANDOFF_MODULE}, f"the handoff table named outside the channel: {sorted(users)}"
     built = [
         ast.unparse(target)
-        for node in ast.walk(parsed(MODULES[HANDOFF_MODULE]))
+        for node in walk(parsed(MODULES[HANDOFF_MODULE]))
         if isinstance(node, ast.Assign)
         and isinstance(node.value, ast.Call)
         and _name_of(node.value.func) == HANDOFF_CLASS
@@ -938,7 +951,7 @@ def facade_faults(tree: ast.Module) -> list[str]:
             continue
         attributes = {
             target.attr
-            for node in ast.walk(fn)
+            for node in walk(fn)
             if isinstance(node, (ast.Assign, ast.AnnAssign))
             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
             if isinstance(target, ast.Attribute)
@@ -1021,7 +1034,7 @@ def test_the_worker_corrects_from_factors_without_the_anchors():
     for name in WORKER_SIDE:
         bad = sorted(m for m in imports_of(name) if m.startswith((f"{ROOT}.anchors", f"{ROOT}.methods")))
         assert not bad, f"{name} imports {bad}"
-    tree = ast.parse(MODULES[f"{ROOT}.serving.worker_store"].read_text())
+    tree = parsed(MODULES[f"{ROOT}.serving.worker_store"])
     assert "add_delta" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
@@ -1034,7 +1047,7 @@ def meta_tensor_calls(tree: ast.AST) -> int:
     """Calls that put a tensor on ``meta`` by keyword (``device="meta"``)."""
     return sum(
         1
-        for node in ast.walk(tree)
+        for node in walk(tree)
         if isinstance(node, ast.Call)
         and any(
             k.arg == "device" and isinstance(k.value, ast.Constant) and k.value.value == "meta"
@@ -1053,7 +1066,7 @@ def test_stand_in_records_are_made_in_the_worker_store_for_value_free_methods_on
     makers = {
         name
         for name in MODULES
-        if name.startswith(f"{ROOT}.serving.") and meta_tensor_calls(ast.parse(MODULES[name].read_text()))
+        if name.startswith(f"{ROOT}.serving.") and meta_tensor_calls(parsed(MODULES[name]))
     }
     assert makers == set(STAND_IN_MAKERS), f"stand-ins made in {sorted(makers)}"
     assert set(VALUE_FREE) <= set(SERVED), f"value-free methods not served: {set(VALUE_FREE) - set(SERVED)}"
@@ -1087,7 +1100,7 @@ def test_the_contract_and_the_request_run_no_model():
 
 
 def _defined_functions(tree: ast.AST) -> set[str]:
-    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {n.name for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
 def _hook_calls(tree: ast.AST) -> list[int]:
@@ -1095,7 +1108,7 @@ def _hook_calls(tree: ast.AST) -> list[int]:
     with three arguments (``SegmentKV.prefix(n)`` takes one)."""
     return [
         node.lineno
-        for node in ast.walk(tree)
+        for node in walk(tree)
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr in ("placeholder", "prefix")
@@ -1111,7 +1124,7 @@ def test_one_request_and_one_walk_serve_both_hosts():
     trees = {name: parsed(MODULES[name]) for name in MODULES}
     bad = []
     for host, cls in zip(HOSTS, ("Session", "ServingHost")):
-        classes = {n.name: n for n in ast.walk(trees[host]) if isinstance(n, ast.ClassDef)}
+        classes = {n.name: n for n in walk(trees[host]) if isinstance(n, ast.ClassDef)}
         assert cls in classes, f"{host} defines no {cls}"
         if "Request" not in _base_names(classes[cls]):
             bad.append(f"{host}.{cls} is not a Request")
@@ -1149,7 +1162,7 @@ def tensor_writes(tree: ast.AST) -> list[int]:
     """Line numbers of calls ``<x>.<w>(...)`` for ``w`` in :data:`TENSOR_WRITES`."""
     return [
         node.lineno
-        for node in ast.walk(tree)
+        for node in walk(tree)
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr in TENSOR_WRITES
@@ -1211,13 +1224,13 @@ def mrope_uses(tree: ast.AST) -> list[tuple[int, str]]:
     internal (:data:`MROPE_NAMES`): a call or a read of the name or attribute, or a string key."""
     annotations = {
         id(n)
-        for node in ast.walk(tree)
+        for node in walk(tree)
         for a in (getattr(node, "annotation", None), getattr(node, "returns", None))
         if isinstance(a, ast.AST)
-        for n in ast.walk(a)
+        for n in walk(a)
     }
     found = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if id(node) in annotations:
             continue
         name = _name_of(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
@@ -1301,7 +1314,7 @@ def setattr_overrides(tree: ast.AST) -> list[str]:
     """Classes in ``tree`` that define ``__setattr__`` / ``__setstate__`` themselves."""
     return [
         f"{node.name}.{fn.name}"
-        for node in ast.walk(tree)
+        for node in walk(tree)
         if isinstance(node, ast.ClassDef)
         for fn in node.body
         if isinstance(fn, ast.FunctionDef) and fn.name in ("__setattr__", "__setstate__")
@@ -1350,7 +1363,7 @@ def reason_matches(tree: ast.AST) -> list[int]:
     """Lines of ``tree`` that match a reason's text (:data:`REASON_FRAGMENTS`): a fragment tested with
     ``in`` / ``not in``, or given to a regex or ``startswith`` / ``endswith`` call."""
     found = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
             operands = [node.left, *node.comparators]
         elif isinstance(node, ast.Call) and _name_of(node.func) in _MATCHERS:
@@ -1395,7 +1408,7 @@ def _piece_slot_builds(tree: ast.AST) -> list[int]:
     callee is named ``Slot``."""
     return [
         node.lineno
-        for node in ast.walk(tree)
+        for node in walk(tree)
         if isinstance(node, ast.Call)
         and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == "Slot"
         and any(k.arg == "piece_of" for k in node.keywords)
@@ -1435,7 +1448,7 @@ def client_faults(tree: ast.AST) -> list[str]:
     """What makes ``tree`` more than a plain client of the server: an import of ``hf_kvshare``, or a
     layout field named (a string, keyword, name or attribute in :data:`LAYOUT_FIELDS`)."""
     faults = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Import):
             faults += [f"imports {a.name}" for a in node.names if a.name.split(".")[0] == ROOT]
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == ROOT:
@@ -1490,7 +1503,7 @@ def blocking_calls(tree: ast.Module) -> list[tuple[int, str]]:
     """``(line, name)`` of each call of a :data:`BLOCKING_CALLS` method or function (not a string's
     ``join``)."""
     found = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
@@ -1570,7 +1583,7 @@ def test_files_given_by_path_are_read_in_one_bounded_place():
     tree = parsed(MODULES[f"{ROOT}.bounded_read"])
     relative = [
         n
-        for n in ast.walk(tree)
+        for n in walk(tree)
         if isinstance(n, ast.ImportFrom) and (n.level or "hf_kvshare" in (n.module or ""))
     ]
     assert not relative, "bounded_read imports hf_kvshare modules"
@@ -1612,7 +1625,7 @@ def tuple_constant(tree: ast.Module, name: str) -> tuple[str, ...]:
 
 def init_keywords(tree: ast.Module, cls: str) -> set[str]:
     """The parameter names of ``cls.__init__`` in ``tree``."""
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == cls:
             for fn in node.body:
                 if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
@@ -1636,7 +1649,7 @@ def test_every_store_has_a_byte_budget_from_the_cli_to_the_connector():
     server = parsed(MODULES["hf_kvshare.serving.server"])
     cli = MODULES["hf_kvshare.cli"].read_text()
     scheduler = parsed(MODULES["hf_kvshare.serving.connector_scheduler"])
-    make = next(n for n in ast.walk(scheduler) if isinstance(n, ast.FunctionDef) and n.name == "make_sharing")
+    make = next(n for n in walk(scheduler) if isinstance(n, ast.FunctionDef) and n.name == "make_sharing")
     missing = [
         f"{budget}: {where}"
         for budget in budgets
@@ -1647,10 +1660,10 @@ def test_every_store_has_a_byte_budget_from_the_cli_to_the_connector():
         )
         if not ok
     ]
-    if not any(isinstance(n, ast.Name) and n.id == "BUDGETS" for n in ast.walk(make)):
+    if not any(isinstance(n, ast.Name) and n.id == "BUDGETS" for n in walk(make)):
         missing.append("make_sharing does not read BUDGETS from kv_connector_extra_config")
-    stores = next(n for n in ast.walk(host) if isinstance(n, ast.FunctionDef) and n.name == "stores")
-    keys = {n.value for n in ast.walk(stores) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    stores = next(n for n in walk(host) if isinstance(n, ast.FunctionDef) and n.name == "stores")
+    keys = {n.value for n in walk(stores) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     missing += [
         f"Sharing.stores reports no {key!r}" for key in ("bytes", "max_bytes", "evicted") if key not in keys
     ]
@@ -1685,7 +1698,7 @@ def test_tensor_parallel_heads_are_decided_in_one_leaf_module():
     defined = {
         name
         for name in MODULES
-        for node in ast.walk(parsed(MODULES[name]))
+        for node in walk(parsed(MODULES[name]))
         if isinstance(node, (ast.FunctionDef, ast.ClassDef))
         and node.name in ("kv_head_range", "RankAssembly")
     }
@@ -1703,7 +1716,7 @@ def test_pipeline_parallel_ranks_and_layers_are_decided_in_the_same_leaf_module(
     defined = {
         name
         for name in MODULES
-        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        for node in walk(parsed(MODULES[name]))
         if isinstance(node, ast.FunctionDef) and node.name in ("worker_rank", "pipeline_parallel_size")
     }
     assert defined == {TENSOR_PARALLEL}, f"the ranks' numbering is decided in {sorted(defined)}"
@@ -1735,7 +1748,7 @@ def returned_constants(tree: ast.Module, function: str) -> list[str]:
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and any(
-                isinstance(c, ast.Constant) and c.value == "PF" for c in ast.walk(child.test)
+                isinstance(c, ast.Constant) and c.value == "PF" for c in walk(child.test)
             ):
                 for other in child.orelse:
                     visit(other)
@@ -1746,7 +1759,7 @@ def returned_constants(tree: ast.Module, function: str) -> list[str]:
                 found.extend(constants[v.id] for v in values if isinstance(v, ast.Name) and v.id in constants)
             visit(child)
 
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
             visit(node)
     return sorted(found)
@@ -1778,7 +1791,7 @@ def connector_byte_keys(sources: dict[str, str]) -> dict[str, str]:
     a byte budget a connector side reads from ``kv_connector_extra_config``."""
     found = {}
     for module, source in sources.items():
-        for node in ast.walk(ast.parse(source)):
+        for node in walk(ast.parse(source)):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -1821,10 +1834,10 @@ def wording_reads(tree: ast.AST, function: str) -> list[str]:
     """Where ``function`` of ``tree`` reads a client's words: a call of a text reader
     (:data:`TEXT_READERS`), or a comparison with a string constant."""
     found = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if not (isinstance(node, ast.FunctionDef) and node.name == function):
             continue
-        for inner in ast.walk(node):
+        for inner in walk(node):
             if isinstance(inner, ast.Call) and _name_of(inner.func) in TEXT_READERS:
                 found.append(f"line {inner.lineno}: calls {_name_of(inner.func)}")
             if isinstance(inner, ast.Compare):
@@ -1849,7 +1862,7 @@ def test_the_derived_layout_decides_by_messages_roles_and_lengths_only():
     string; a whole message is a slot from ``MIN_MESSAGE_TOKENS`` tokens, a run inside one from
     ``MIN_SEGMENT_TOKENS`` (a message is a unit the client chose: never held to more than a run)."""
     module, function = DERIVE
-    tree = ast.parse(MODULES[module].read_text())
+    tree = parsed(MODULES[module])
     assert any(isinstance(n, ast.FunctionDef) and n.name == function for n in tree.body), DERIVE
     assert not wording_reads(tree, function), wording_reads(tree, function)
     message, run = int_constant(tree, "MIN_MESSAGE_TOKENS"), int_constant(tree, "MIN_SEGMENT_TOKENS")
@@ -1912,7 +1925,7 @@ def test_importing_the_package_loads_no_optional_heavy_dependency():
 
 def scratch_reads(tree: ast.AST) -> list[int]:
     """Lines reading a ``.scratch`` attribute (a turn's per-method scratch)."""
-    return sorted({n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "scratch"})
+    return sorted({n.lineno for n in walk(tree) if isinstance(n, ast.Attribute) and n.attr == "scratch"})
 
 
 def test_serving_reads_no_methods_turn_scratch():
@@ -1938,9 +1951,9 @@ def latest_readers(tree: ast.AST) -> set[str]:
     """The functions of ``tree`` that read a ``.latest`` attribute (a function holding one that does too)."""
     return {
         node.name
-        for node in ast.walk(tree)
+        for node in walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        and any(isinstance(n, ast.Attribute) and n.attr == "latest" for n in ast.walk(node))
+        and any(isinstance(n, ast.Attribute) and n.attr == "latest" for n in walk(node))
     }
 
 

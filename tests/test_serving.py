@@ -1295,7 +1295,7 @@ def test_a_plan_made_on_arrival_claims_from_the_hit_vllm_has_at_admission(tiny_l
         sharing.claim(ahead, 3)
 
 
-def test_the_served_folder_of_an_embedded_model_names_no_quantization(tmp_path, monkeypatch):
+def test_the_served_folder_of_an_embedded_model_names_no_quantization(tmp_path, monkeypatch, tokenizer):
     """A first load of an embedded model reads its GGUF file and leaves the GGUF quantization in the
     config (transformers 5.24); the folder vLLM serves holds dequantized fp32 weights, so its
     config.json must not name it (vLLM refuses ``quant_method: gguf`` without a .gguf file) and must
@@ -1303,16 +1303,16 @@ def test_the_served_folder_of_an_embedded_model_names_no_quantization(tmp_path, 
     is written again, a current one reused."""
     import json
 
+    from tiny import tiny_model
+
     import hf_kvshare.models as models
     from hf_kvshare.serving.models import MARKER, served_model_dir
-    from tests.tiny import embedded_tokenizer, tiny_model
 
     model = tiny_model()
     model.config.quantization_config = {"quant_method": "gguf", "gguf_file": "x.gguf", "dequantize": False}
     loads = []
-    monkeypatch.setattr(
-        models, "load_model", lambda name: loads.append(name) or (model, embedded_tokenizer())
-    )
+    # the session's tokenizer, read before $HF_KVSHARE_CACHE moves (else its GGUF is parsed again, ~5 s)
+    monkeypatch.setattr(models, "load_model", lambda name: loads.append(name) or (model, tokenizer))
     monkeypatch.setenv("HF_KVSHARE_CACHE", str(tmp_path))
     stale = tmp_path / "serve" / "smollm2-135m"
     stale.mkdir(parents=True)

@@ -11,9 +11,9 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from live_server import has_vllm
 
 from hf_kvshare.bench import serve as sb
 from hf_kvshare.serving.client import ChatTrajectory, task_requests, task_trajectory, task_turns
@@ -710,12 +710,17 @@ def test_cli_argument_errors_are_one_line(argv, message, tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # nothing written, no server started
 
 
-def test_cli_dispatch_and_a_python_without_vllm(tmp_path):
-    """``hf-kvshare bench serve`` reaches this command; a Python without vLLM is refused up front."""
+def test_cli_dispatch_and_a_python_without_vllm(tmp_path, capsys):
+    """``hf-kvshare bench serve`` reaches this command; a Python without vLLM is refused up front (run
+    in-process: ``python -m hf_kvshare`` itself is tests/test_cli.py's subprocess test)."""
+    from hf_kvshare.cli import main
+
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("this Python has vLLM")
-    result = _serve("--methods", "plain", "--vllm-python", sys.executable, "--out", str(tmp_path / "out"))
-    assert result.returncode == 2 and "vLLM is not installed there" in result.stderr, result.stderr
+    argv = ["--methods", "plain", "--vllm-python", sys.executable, "--out", str(tmp_path / "out")]
+    code = main(["bench", "serve", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "vLLM is not installed there" in err, err
     assert not (tmp_path / "out").exists()
 
 
@@ -787,16 +792,9 @@ VLLM_PYTHON = os.environ.get(sb.VLLM_PYTHON_ENV) or sys.executable
 SERVE_MODEL = os.environ.get("HF_KVSHARE_SERVE_MODEL", "smollm2-135m")
 
 
-def _has_vllm(python: str) -> bool:
-    if not Path(python).exists():
-        return False
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
-
-
 @pytest.mark.serving
 @pytest.mark.skipif(
-    not _has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
+    not has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
 )
 def test_bench_serve_runs_plain_and_document_first(tmp_path):
     out = tmp_path / "out"
@@ -817,7 +815,7 @@ def test_bench_serve_runs_plain_and_document_first(tmp_path):
 
 @pytest.mark.serving
 @pytest.mark.skipif(
-    not _has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
+    not has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
 )
 def test_bench_serve_runs_a_connector_method_with_agreement(tmp_path):
     out = tmp_path / "out"

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from live_server import has_vllm
 
 from hf_kvshare.bench import serve as sb
 from hf_kvshare.bench.serve.client import read_reports
@@ -355,11 +356,6 @@ VLLM_PYTHON = os.environ.get(sb.VLLM_PYTHON_ENV) or sys.executable
 SERVE_MODEL = os.environ.get("HF_KVSHARE_SERVE_MODEL", "smollm2-135m")
 
 
-def _has_vllm(python: str) -> bool:
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    return Path(python).exists() and subprocess.run([python, "-c", probe], timeout=60).returncode == 0
-
-
 def _bench(out: Path, *extra: str) -> dict:
     argv = [
         "--methods", "fullshared:prefix_reuse=True", "--qps", "4", "--shared-tokens", "160", "--agents", "3",
@@ -383,7 +379,7 @@ def _bench(out: Path, *extra: str) -> dict:
 @pytest.mark.serving
 @pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")
 @pytest.mark.skipif(
-    not _has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
+    not has_vllm(VLLM_PYTHON), reason=f"needs vLLM in {VLLM_PYTHON} (set ${sb.VLLM_PYTHON_ENV})"
 )
 def test_two_replicas_behind_the_router_share_as_one_server(tmp_path):
     """Every task's requests on one replica, and the same reuse as one server's. Each replica is warmed

@@ -115,6 +115,7 @@ def make_lora_adapters(
     role, saved under ``out/<role>``; returns ``{role: directory}``."""
     from peft import LoraConfig, get_peft_model
 
+    from .._compat import peft_wrapping_warnings_silenced
     from ..models import load_model
 
     base, _ = load_model(model_name, device_map=device, dtype=dtype, seed=0)
@@ -126,7 +127,8 @@ def make_lora_adapters(
         init_lora_weights=False,  # random A and B: the adapters change K/V
     )
     torch.manual_seed(0)
-    model = get_peft_model(base, config, adapter_name=roles[0])
+    with peft_wrapping_warnings_silenced():
+        model = get_peft_model(base, config, adapter_name=roles[0])
     for role in roles[1:]:
         model.add_adapter(role, config)
     paths = {}
