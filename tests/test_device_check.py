@@ -36,6 +36,22 @@ def test_the_script_hands_the_check_to_pythons_module(tmp_path):
     assert (out / "path").read_text().split(os.pathsep)[0] == str(ROOT)
 
 
+def test_the_module_runs_as_a_program(monkeypatch, capsys):
+    """What the script's ``-m`` starts: the module's ``__main__`` guard calls ``main`` (run in-process)."""
+    import runpy
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["device_check", "--help"])
+    monkeypatch.delitem(sys.modules, "hf_kvshare.bench.device_check", raising=False)
+    try:
+        runpy.run_module("hf_kvshare.bench.device_check", run_name="__main__")
+    except SystemExit as stop:
+        assert stop.code == 0
+    else:
+        raise AssertionError("the module's __main__ guard did not run main (no exit)")
+    assert "--tiny" in capsys.readouterr().out
+
+
 def test_device_check_tiny_mode_writes_json_and_table(tmp_path, monkeypatch, capsys):
     from hf_kvshare.bench import device_check
 
