@@ -256,11 +256,10 @@ def test_every_rank_holds_the_one_rank_pools_and_measures_them_alike(ranks, one_
             for mine, one in zip(got["energy"], want["energy"]):
                 assert mine == pytest.approx(one, rel=1e-5), (rank, key, "energy")
             for number in ("agreement", "distance", "spread"):
-                assert got.get(number) == pytest.approx(want.get(number), rel=1e-4, abs=1e-6), (
-                    rank,
-                    key,
-                    number,
-                )
+                mine, one = got.get(number), want.get(number)
+                assert (mine is None) == (one is None), (rank, key, number)
+                if one is not None:  # pytest >= 9.2 refuses approx(None) with a tolerance
+                    assert mine == pytest.approx(one, rel=1e-4, abs=1e-6), (rank, key, number)
 
 
 def test_a_test_of_one_ranks_heads_is_answered_alike_on_every_rank(ranks):
