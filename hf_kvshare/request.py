@@ -69,7 +69,7 @@ class Request:
         self._rolled_back: dict[str, Any] = {}
         #: whether another owner keeps a tensor's storage alive anyway (a served task: the worker's own
         #: store, handed over in-process): views of it cost nothing here, so they are neither copied out
-        #: (:meth:`compact_views`) nor copied into a piece (:meth:`piece`) while it does; ``None``: nobody
+        #: (:meth:`compact_views`) nor copied into a piece (:meth:`piece_slot`) while it does; ``None``: nobody
         self.kept_elsewhere: Callable[[torch.Tensor], bool] | None = None
 
     @property

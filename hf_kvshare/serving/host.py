@@ -1158,7 +1158,6 @@ class Sharing:
         read-backs: ``refused``, not recorded, and ``peak`` bytes); the method's stores (kept PF text, from
         its ``prefix_summary()``; anchor pools, from ``method_state``, its ``state_summary()``) where it
         keeps them."""
-        shared = self.shared_bytes()
         stores = {
             "slots": {
                 "bytes": self.held_bytes(),
@@ -1167,7 +1166,7 @@ class Sharing:
                 "evicted": self.evicted_tasks + self.dropped_slots,
                 # of ``bytes``, those the worker's device store holds itself (in-process handoff: one copy,
                 # bounded by the worker store's budget)
-                "shared_bytes": shared,
+                "shared_bytes": self.shared_bytes(),
             },
             "read_backs": {
                 "bytes": self.read_backs.held,
