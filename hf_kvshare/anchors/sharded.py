@@ -260,15 +260,10 @@ def sharded_factored_kv(
     Each layer's keys and values are factorized by :func:`sharded_factors`, layer by layer in the same
     order on every rank (the collectives pair up); ``kv_heads`` is this rank's heads, so
     ``to_heads(factors.reconstruct(), kv_heads)`` is its heads of the one-rank segment."""
-    if len(keys) != len(values) or not keys:
-        raise ValueError(
-            f"need the same non-zero number of key and value layers, got {len(keys)}/{len(values)}"
-        )
-    return FactoredKV(
-        keys=[sharded_factors(to_matrix(k), rank, svd, group, replicas=replicas) for k in keys],
-        values=[sharded_factors(to_matrix(v), rank, svd, group, replicas=replicas) for v in values],
-        length=keys[0].shape[-2],
-        kv_heads=keys[0].shape[1],
+    if len(keys) != len(values) or not keys:  # from_kv refuses it, before the group is asked anything
+        return FactoredKV.from_kv(keys, values, rank, svd)
+    return FactoredKV.from_kv(
+        keys, values, rank, svd, shard=Shard(group, to_matrix(keys[0]).shape[1], replicas)
     )
 
 
