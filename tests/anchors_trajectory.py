@@ -45,11 +45,15 @@ CASES = {
     "kvcomm": ("kvcomm", {"tau": 0.99, "text_source": "chained", "observation_source": "question"}),
     # one KV head replicated on both ranks (vLLM's rule with fewer KV heads than ranks): counted once
     "kvcmas-replicated": ("kvcmas", {"tau": 0.99, "base_rank": 4, "delta_rank": 4}),
+    # small byte budgets: tasks, kept prefixes and anchors evicted by bytes (BUDGETS)
+    "kvcmas-small": ("kvcmas", {"tau": 0.99, "base_rank": 4, "delta_rank": 4}),
 }
 #: the model's KV heads per case (2 unless said)
 KV_HEADS = {"kvcmas-replicated": 1}
 #: the :class:`Sharing` budgets per case (the defaults unless said)
-BUDGETS: dict[str, dict[str, int]] = {}
+BUDGETS: dict[str, dict[str, int]] = {
+    "kvcmas-small": {"max_bytes": 50_000, "max_prefix_bytes": 20_000, "max_anchor_bytes": 100_000}
+}
 SYSTEMS = {"planner": "You plan.\n", "critic": "You criticise.\n", "writer": "You write it up.\n"}
 DOCS = [f"Report {t}: the river Lune reaches the sea at Plover Scar, site {t}." for t in range(5)]
 QUESTION = " What should we do next?"
@@ -214,6 +218,7 @@ def _rank_main(rank: int) -> dict:
             "pools": pool_numbers(method, shard),
             "ranks": (method.base_rank, method.delta_rank),
             "published": published,
+            "counted": sharing.held_bytes(),
         }
     return results
 
@@ -238,5 +243,6 @@ def one_rank_runs() -> dict:
             "steps": steps,
             "pools": pool_numbers(sharing.method, None),
             "ranks": (sharing.method.base_rank, sharing.method.delta_rank),
+            "counted": sharing.held_bytes(),
         }
     return out

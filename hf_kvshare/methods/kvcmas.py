@@ -115,7 +115,7 @@ import torch
 
 from ..anchors.cache import CorrectedCache
 from ..anchors.edge_scope import EdgeScope
-from ..anchors.lowrank import SVD_METHODS, any_rank
+from ..anchors.lowrank import SVD_METHODS, any_rank, bound_count, columns
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
 from ..anchors.scope import Scope
 from ..anchors.sharded import FollowerDiverged, FollowerShard, Shard
@@ -596,6 +596,13 @@ class KVCMAS(PrefixReuse, Method):
 
     #: what a host lets through instead of counting it: a follower off its leader's path decides nothing more
     fatal_errors = (FollowerDiverged,)
+
+    def kv_bytes(self, count: Callable[[], int]) -> int:
+        """The bytes of K/V a bound compares, as one rank holding every head counts them, the same on every
+        member: ``count()`` (this member's heads' bytes) times the shard's column blocks, and on a follower
+        the leader's count (:func:`~hf_kvshare.anchors.lowrank.bound_count`; one rank: ``count()``)."""
+        shard = self._store.shard
+        return bound_count(lambda: columns(count(), shard), shard)
 
     def any_rank(self, test: Callable[[], bool]) -> bool:
         """``test`` of this member's K/V (e.g. "they hold NaN or inf"), answered alike by every rank of the

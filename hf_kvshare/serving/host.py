@@ -669,6 +669,13 @@ class Sharing:
         any_rank = getattr(self.method, "any_rank", None)
         return any_rank(test) if any_rank is not None else test()
 
+    def _kv_bytes(self, count: Callable[[], int]) -> int:
+        """The bytes of K/V ``max_bytes`` compares, from ``count()`` (this member's): one rank's bytes, the
+        same on every tensor-parallel rank and the follower where the method's engine runs on a shard
+        (``KVCMAS.kv_bytes``; else ``count()`` itself)."""
+        kv_bytes = getattr(self.method, "kv_bytes", None)
+        return kv_bytes(count) if kv_bytes is not None else count()
+
     def _fatal(self, error: Exception) -> bool:
         """Whether ``error`` must reach the caller instead of being counted (the method's
         ``fatal_errors``: a follower that left its leader's path can decide nothing more)."""
@@ -1007,7 +1014,7 @@ class Sharing:
             else:
                 plan.host.compact_views()
             self._forget_oldest_slots(plan.host)
-            plan.host.held = plan.host.held_bytes()
+            plan.host.held = self._kv_bytes(plan.host.held_bytes)
             plan.host.storages = slot_storages(plan.host)
             self._bound(plan.host)
             self.records += 1
@@ -1182,7 +1189,7 @@ class Sharing:
                     slot.latest = None
                     self.dropped_slots += 1
                     self._mark_evicted(current, [name])
-                    current.held = current.held_bytes()
+                    current.held = self._kv_bytes(current.held_bytes)
                     current.storages = slot_storages(current)
                     if self.own_bytes() <= self.max_bytes:
                         break
