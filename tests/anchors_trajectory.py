@@ -104,12 +104,15 @@ def engine_run(model, heads: slice, gather) -> Run:
     return run
 
 
-def trajectory(sharing: Sharing, tokenizer, run: Run) -> list[dict]:
-    """Every request of the trajectory planned, run (``run``) and recorded; per request what it claimed,
-    placed, gated, the claimed K/V (this member's heads) and what the stores hold and evicted after it."""
+def trajectory(sharing: Sharing, tokenizer, run: Run, requests: int | None = None) -> list[dict]:
+    """Every request of the trajectory (the first ``requests``) planned, run (``run``) and recorded; per
+    request what it claimed, placed, gated, the claimed K/V (this member's heads) and what the stores hold
+    and evicted after it. A record refused is the step's ``error`` (the whole trajectory: none)."""
     steps = []
     for t, doc in enumerate(DOCS):
         for position, agent in enumerate(SYSTEMS):
+            if requests is not None and len(steps) == requests:
+                return steps
             host = sharing.hosts.get(f"t{t}")
             ids = ids_of(tokenizer, SYSTEMS[agent]) + ids_of(tokenizer, doc)
             segments = [{"slot": "doc", "text": doc}]
@@ -123,7 +126,7 @@ def trajectory(sharing: Sharing, tokenizer, run: Run) -> list[dict]:
             keys, values = as_layers(plan.keys), as_layers(plan.values)
             out, k, v = run(plan, keys, values, len(steps))
             sharing.record(plan, k, v, out, set())
-            assert plan.error is None, plan.error
+            assert requests is not None or plan.error is None, plan.error
             report = plan.report()
             steps.append(
                 {
@@ -136,6 +139,7 @@ def trajectory(sharing: Sharing, tokenizer, run: Run) -> list[dict]:
                     "values": values,
                     "out": out,
                     "stores": stores(sharing),
+                    "error": plan.error,
                 }
             )
     return steps
@@ -220,7 +224,30 @@ def _rank_main(rank: int) -> dict:
             "published": published,
             "counted": sharing.held_bytes(),
         }
+    results["nan"] = _non_finite_on_one_rank(rank, tokenizer, head_dim)
     return results
+
+
+def _non_finite_on_one_rank(rank: int, tokenizer, head_dim: int) -> dict:
+    """KVCMAS's first request, its read-back NaN in rank 1's heads only: refused on every rank."""
+    model = tiny_model("llama")
+    first, last = kv_head_range(rank, WORLD, 2)
+    published: list[torch.Tensor] = []
+    method = served("kvcmas")
+    method.run_on_shard(
+        Shard(None, (last - first) * head_dim, publish=published.append if rank == 0 else None)
+    )
+    sharing = sharing_for("kvcmas", tiny_model("llama", num_key_value_heads=last - first), tokenizer, method)
+    run = engine_run(model, slice(first, last), _gather_heads(1))
+
+    def poisoned(plan, keys, values, index):
+        out, k, v = run(plan, keys, values, index)
+        if rank == 1:
+            v[0, 0, 0, 0] = float("nan")
+        return out, k, v
+
+    step = trajectory(sharing, tokenizer, poisoned, requests=1)[0]
+    return {"error": step["error"], "errors": sharing.errors, "out": step["out"], "published": published}
 
 
 @functools.cache

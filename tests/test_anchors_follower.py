@@ -79,7 +79,9 @@ def one_rank() -> dict:
     return one_rank_runs()
 
 
-def follow(case: str, leader: dict, published: list[torch.Tensor] | None = None) -> dict:
+def follow(
+    case: str, leader: dict, published: list[torch.Tensor] | None = None, requests: int | None = None
+) -> dict:
     """The trajectory on the follower: a full-width skeleton, the case's method on a
     :class:`FollowerShard` replaying ``published`` (rank 0's, by default), ``meta`` stand-ins of every
     read-back (the output ids are the engine's, here the leader's)."""
@@ -101,7 +103,7 @@ def follow(case: str, leader: dict, published: list[torch.Tensor] | None = None)
         )
         return out, torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
 
-    steps = trajectory(sharing, embedded_tokenizer(), run)
+    steps = trajectory(sharing, embedded_tokenizer(), run, requests)
     return {
         "steps": steps,
         "pools": pool_numbers(method, method.shard),
@@ -154,3 +156,25 @@ def test_the_follower_decides_what_every_rank_and_one_rank_decide(ranks, one_ran
     assert mine["pools"] == ranks[0][case]["pools"]  # the leader's numbers, received bit for bit
     assert mine["held"] == 0  # stand-ins: the follower holds no K/V, no factors
     assert mine["counted"] == ranks[0][case]["counted"] == one_rank[case]["counted"] > 0  # one rank's bytes
+
+
+def test_a_read_back_non_finite_on_one_ranks_heads_is_refused_by_every_rank_and_the_follower(ranks):
+    """The host's finiteness check of a read-back goes through ``any_rank``: rank 1 finds the NaN in its
+    heads, rank 0 refuses the record for it, and so does the follower (rank 0's answer)."""
+    assert "NaN or inf" in ranks[1]["nan"]["error"]
+    assert "another tensor-parallel rank's heads" in ranks[0]["nan"]["error"]
+    assert ranks[0]["nan"]["errors"] == ranks[1]["nan"]["errors"] == 1
+    leader = {"published": ranks[0]["nan"]["published"], "steps": [ranks[0]["nan"]]}
+    mine = follow("kvcmas", leader, requests=1)
+    assert "another tensor-parallel rank's heads" in mine["steps"][0]["error"]
+    assert mine["left"] == 0
+
+
+def test_a_value_of_another_shape_from_the_leader_stops_the_follower(ranks):
+    """A corrupted publication (a sum of another shape) is a diverged follower: raised by ``Sharing``
+    (not counted as one request's error: no later decision of the follower could be trusted)."""
+    published = list(ranks[0]["kvcmas"]["published"])
+    at = next(i for i, value in enumerate(published) if value.numel() > 1)  # a column_sum's
+    published[at] = torch.zeros(published[at].numel() + 1, dtype=published[at].dtype)
+    with pytest.raises(FollowerDiverged, match="column_sum expected a value of shape"):
+        follow("kvcmas", ranks[0]["kvcmas"], published)
