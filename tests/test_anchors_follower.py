@@ -178,3 +178,16 @@ def test_a_value_of_another_shape_from_the_leader_stops_the_follower(ranks):
     published[at] = torch.zeros(published[at].numel() + 1, dtype=published[at].dtype)
     with pytest.raises(FollowerDiverged, match="column_sum expected a value of shape"):
         follow("kvcmas", ranks[0]["kvcmas"], published)
+
+
+def test_a_saved_state_is_refused_under_a_shard(tiny_llama):
+    """A saved state holds every head's anchors: an engine on a shard (here the follower) refuses to load
+    it, saying why, and keeps its own state."""
+    one = served("kvcmas")
+    one.bind(tiny_llama)
+    tensors, meta = one.export_state()
+    method = served("kvcmas")
+    method.run_on_shard(replay([]))
+    method.bind(tiny_llama)
+    with pytest.raises(ValueError, match="a saved state loads on one rank only"):
+        method.import_state(tensors, meta)
