@@ -110,6 +110,10 @@
   (``column_sum``, ``any_rank``, ``columns``, ``factorize``: under a shard the ``Shard``'s methods, whose
   collectives are ``anchors/sharded.py``'s); nothing else in ``anchors/`` factorizes a matrix itself
   (``from_matrix``: :data:`OWN_FACTORIZATIONS`).
+- the scheduler's follower (``FollowerShard``: ``meta`` stand-ins, every reduced value the leader's) runs
+  the engine's one code path: in ``anchors/`` only ``sharded.py`` makes or tests a ``meta`` tensor (the
+  follower's factors: no ``is_meta`` and no ``"meta"`` elsewhere), and the anchor pools' byte bound
+  counts through ``lowrank.bound_count`` (``LRUDict.trim`` takes the shard).
 """
 
 from __future__ import annotations
@@ -2056,6 +2060,7 @@ SHARD_AWARE = {
         "relative_distance",
     ),
     f"{ROOT}.anchors.pool": (
+        "LRUDict.trim",
         "Anchor.measure",
         "Anchor.size",
         "AnchorPool.near_duplicate",
@@ -2102,3 +2107,19 @@ def test_the_anchors_engine_reduces_over_the_heads_through_one_shard_context():
         if any(isinstance(n, ast.Call) and _name_of(n.func) == "from_matrix" for n in ast.walk(function))
     }
     assert own <= OWN_FACTORIZATIONS, f"factorized outside the factorize hook: {own - OWN_FACTORIZATIONS}"
+
+
+def test_only_the_sharded_module_handles_the_followers_meta_stand_ins():
+    """The follower runs the engine's one code path: no module of ``anchors/`` but ``sharded.py`` makes or
+    tests a ``meta`` tensor, and the pools' byte bound counts through ``bound_count``."""
+    found = [
+        f"{name}:{node.lineno}"
+        for name, path in MODULES.items()
+        if name.startswith(f"{ROOT}.anchors.") and name != f"{ROOT}.anchors.sharded"
+        for node in ast.walk(parsed(path))
+        if (isinstance(node, ast.Attribute) and node.attr == "is_meta")
+        or (isinstance(node, ast.Constant) and node.value == "meta")
+    ]
+    assert not found, "meta stand-ins handled outside anchors/sharded.py:\n" + "\n".join(found)
+    trim = dict(functions(parsed(MODULES[f"{ROOT}.anchors.pool"])))["LRUDict.trim"]
+    assert "bound_count" in {_name_of(n.func) for n in ast.walk(trim) if isinstance(n, ast.Call)}
