@@ -3,18 +3,20 @@
 the follower (meta stand-ins of every read-back, every reduced value replayed from rank 0's
 publication), for ``tests/test_anchors_spmd.py`` and ``tests/test_anchors_follower.py``.
 
-The gloo ranks are spawned ONCE per test process (:func:`rank_runs`, cached): both modules run on one
-xdist worker (``pytest.mark.xdist_group(GROUP)``) and share that spawn. Rank 0 runs as the leader: its
-:class:`~hf_kvshare.anchors.sharded.Shard` publishes every reduced value into a list, returned with its
-results per case."""
+The gloo ranks are spawned ONCE per test run (:func:`rank_runs`): both modules share that spawn, on one
+xdist worker where ``pytest.mark.xdist_group(GROUP)`` holds and, where it does not (xdist 3.8 under
+pytest 9.2 groups nothing: it renames ``item._nodeid``, which pytest 9 no longer reads), through a file
+the first worker writes under the run's shared temporary folder while the other waits for its lock.
+Rank 0 runs as the leader: its :class:`~hf_kvshare.anchors.sharded.Shard` publishes every reduced value
+into a list, returned with its results per case."""
 
 from __future__ import annotations
 
-import functools
-import tempfile
+import fcntl
+import os
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -250,16 +252,41 @@ def _non_finite_on_one_rank(rank: int, tokenizer, head_dim: int) -> dict:
     return {"error": step["error"], "errors": sharing.errors, "out": step["out"], "published": published}
 
 
-@functools.cache
-def rank_runs() -> list[dict]:
-    """Every rank's results (:func:`_rank_main`), the ranks spawned once per process."""
-    folder = Path(tempfile.mkdtemp(prefix="anchors-trajectory-"))
-    return run_ranks(_rank_main, WORLD, folder)
+def once_per_run(name: str, produce: Callable[[], Any], tmp_path_factory) -> Any:
+    """``produce()``'s result, computed once per test run: kept in this process, and shared with the
+    run's other xdist workers through ``<name>.pt`` in the run's temporary folder (the first to take
+    ``<name>.lock`` computes it, the others wait and load it)."""
+    if name not in _ONCE:
+        base = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            base = base.parent  # the run's folder, every worker's
+        path = base / f"{name}.pt"
+        with open(base / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                torch.save(produce(), path)
+        _ONCE[name] = torch.load(path, weights_only=False)
+    return _ONCE[name]
 
 
-@functools.cache
-def one_rank_runs() -> dict:
-    """The trajectory on one rank over every KV head, per case."""
+_ONCE: dict[str, Any] = {}
+
+
+def rank_runs(tmp_path_factory) -> list[dict]:
+    """Every rank's results (:func:`_rank_main`), the ranks spawned once per test run."""
+
+    def spawn() -> list[dict]:
+        return run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("anchors-trajectory"))
+
+    return once_per_run("anchors-trajectory-ranks", spawn, tmp_path_factory)
+
+
+def one_rank_runs(tmp_path_factory) -> dict:
+    """The trajectory on one rank over every KV head, per case (once per test run)."""
+    return once_per_run("anchors-trajectory-one-rank", _one_rank, tmp_path_factory)
+
+
+def _one_rank() -> dict:
     tokenizer = embedded_tokenizer()
     out = {}
     for case in CASES:

@@ -70,13 +70,13 @@ pytestmark = pytest.mark.xdist_group(GROUP)  # one worker with test_anchors_spmd
 
 
 @pytest.fixture(scope="session")  # session, not module: the module's xdist group is GROUP, the spawn's
-def ranks() -> list[dict]:
-    return rank_runs()
+def ranks(tmp_path_factory) -> list[dict]:
+    return rank_runs(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def one_rank() -> dict:
-    return one_rank_runs()
+def one_rank(tmp_path_factory) -> dict:
+    return one_rank_runs(tmp_path_factory)
 
 
 def follow(

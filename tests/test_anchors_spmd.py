@@ -27,13 +27,13 @@ pytestmark = pytest.mark.xdist_group(
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return rank_runs()
+def ranks(tmp_path_factory) -> list[dict]:
+    return rank_runs(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def one_rank() -> dict:
-    return one_rank_runs()
+def one_rank(tmp_path_factory) -> dict:
+    return one_rank_runs(tmp_path_factory)
 
 
 def _relative(x: torch.Tensor, y: torch.Tensor) -> float:
