@@ -37,8 +37,9 @@ default) moves ``[L, q]`` float32 partial sums instead, whatever ``p``: with a r
 links, and the host holds no K/V.
 
 The anchors engine runs on one rank's heads (SPMD) through :class:`Shard`'s hooks ``column_sum``,
-``any``, ``total_columns`` and ``factors``, called by ``lowrank.column_sum`` / ``any_rank`` / ``columns`` /
-``factorize`` with the engine's shard (``BoundedStore.shard``; docs/architecture.md).
+``any``, ``total_columns``, ``factors`` and ``count``, called by ``lowrank.column_sum`` / ``any_rank`` /
+``columns`` / ``factorize`` / ``bound_count`` with the engine's shard (``BoundedStore.shard``;
+docs/architecture.md).
 
 The scheduler's copy of the engine holds no K/V at all: it runs as a **follower**
 (:class:`FollowerShard`) on ``meta`` stand-ins of every read-back (full width, zero bytes), and every
@@ -127,9 +128,9 @@ class Shard:
     rank's ``width`` (its columns; the same on every rank) and ``replicas`` (consecutive ranks holding
     the same columns: vLLM's replicated KV heads, ``ranks / kv_heads``).
 
-    ``publish`` (the leader's, rank 0's; ``None`` elsewhere): every reduced value an engine hook returns
-    (``column_sum``'s sum, ``any``'s flag as a 1-element float64 tensor) is handed to it in call order,
-    a detached CPU copy, for a :class:`FollowerShard` to replay."""
+    ``publish`` (the leader's, rank 0's; ``None`` elsewhere): every value an engine hook returns that a
+    decision reads (``column_sum``'s sum; ``any``'s flag and ``count``'s bytes as 1-element float64
+    tensors) is handed to it in call order, a detached CPU copy, for a :class:`FollowerShard` to replay."""
 
     group: dist.ProcessGroup | None
     width: int
