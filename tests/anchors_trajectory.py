@@ -160,6 +160,7 @@ def stores(sharing: Sharing) -> dict:
         "evicted": (sharing.evicted_tasks, sharing.dropped_slots),
         "anchors": {repr(key): [(a.serial, a.source) for a in pool] for key, pool in method.pools.items()},
         "pool_evictions": (summary.get("evicted_pools"), summary.get("pools_evicted_for_bytes")),
+        "prefixes": (summary["prefixes"], summary["prefixes_evicted"]),
     }
 
 

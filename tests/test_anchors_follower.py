@@ -153,6 +153,9 @@ def test_the_follower_decides_what_every_rank_and_one_rank_decide(ranks, one_ran
     for index, (got, want) in enumerate(zip(mine["steps"], one_rank[case]["steps"])):
         assert got["claim"] == want["claim"] and got["placed"] == want["placed"], (case, index)
         assert got["stores"] == want["stores"], (case, index)
+    if case == "kvcmas-small":  # the bounds were hit: tasks, kept prefixes and anchors evicted by bytes
+        last = mine["steps"][-1]["stores"]
+        assert last["evicted"][0] > 0 and last["prefixes"][1] > 0 and last["pool_evictions"][1] > 0, last
     assert mine["pools"] == ranks[0][case]["pools"]  # the leader's numbers, received bit for bit
     assert mine["held"] == 0  # stand-ins: the follower holds no K/V, no factors
     assert mine["counted"] == ranks[0][case]["counted"] == one_rank[case]["counted"] > 0  # one rank's bytes
