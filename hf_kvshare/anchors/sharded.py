@@ -129,8 +129,8 @@ class Shard:
     the same columns: vLLM's replicated KV heads, ``ranks / kv_heads``).
 
     ``publish`` (the leader's, rank 0's; ``None`` elsewhere): every value an engine hook returns that a
-    decision reads (``column_sum``'s sum; ``any``'s flag and ``count``'s bytes as 1-element float64
-    tensors) is handed to it in call order, a detached CPU copy, for a :class:`FollowerShard` to replay."""
+    decision reads (``column_sum``'s sum; ``any``'s flag as a 1-element float64 tensor, ``count``'s
+    bytes as a 1-element int64 one) is handed to it in call order, a detached CPU copy, for a :class:`FollowerShard` to replay."""
 
     group: dist.ProcessGroup | None
     width: int
@@ -212,7 +212,7 @@ class Shard:
         """A byte count a bound compares (``count()``, one-rank terms; every rank counts the same):
         published by the leader for the follower, which cannot count its stand-ins."""
         counted = int(count())
-        self._published(torch.tensor([counted], dtype=torch.float64))
+        self._published(torch.tensor([counted], dtype=torch.int64))
         return counted
 
     def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
@@ -239,8 +239,8 @@ class FollowerShard:
     a decision reads comes from ``receive`` (the leader's :attr:`Shard.publish`, in order; ``receive``
     blocks with its caller's bound and raises on timeout). No ``torch.distributed``: it joins no group.
 
-    Its hooks are :class:`Shard`'s: ``column_sum`` and ``any`` return the next received value (checked
-    against the shape the hook computes: else :class:`FollowerDiverged`), ``total_columns`` is its own
+    Its hooks are :class:`Shard`'s: ``column_sum``, ``any`` and ``count`` return the next received value
+    (checked against the shape and dtype the hook computes: else :class:`FollowerDiverged`), ``total_columns`` is its own
     count (it holds every column), ``factors`` the ``meta`` factors one rank would keep. It never reads a
     ``meta`` value: what it cannot compute it receives, and anything else reading one fails loudly."""
 
@@ -253,23 +253,31 @@ class FollowerShard:
     def __init__(self, receive: Callable[[], torch.Tensor]):
         self.receive = receive
 
-    def _next(self, hook: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _next(self, hook: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         received = self.receive()
-        if not isinstance(received, torch.Tensor) or tuple(received.shape) != tuple(shape):
-            got = tuple(received.shape) if isinstance(received, torch.Tensor) else type(received).__name__
+        if (
+            not isinstance(received, torch.Tensor)
+            or tuple(received.shape) != tuple(shape)
+            or received.dtype != dtype
+        ):
+            got = (
+                f"{tuple(received.shape)} {received.dtype}"
+                if isinstance(received, torch.Tensor)
+                else type(received).__name__
+            )
             raise FollowerDiverged(
-                f"the follower's {hook} expected a value of shape {tuple(shape)} from the leader, "
+                f"the follower's {hook} expected a value of shape {tuple(shape)} {dtype} from the leader, "
                 f"received {got}: it is no longer on the leader's path"
             )
         return received
 
     def column_sum(self, partial: torch.Tensor) -> torch.Tensor:
         """The leader's sum over every column of ``partial`` (this member's is a ``meta`` stand-in)."""
-        return self._next("column_sum", tuple(partial.shape))
+        return self._next("column_sum", tuple(partial.shape), partial.dtype)
 
     def any(self, test: bool | Callable[[], bool]) -> bool:
         """The leader's answer (``test`` is not evaluated: it would read this member's stand-ins)."""
-        return bool(self._next("any", (1,)).item())
+        return bool(self._next("any", (1,), torch.float64).item())
 
     def total_columns(self, local: int) -> int:
         return local
@@ -277,7 +285,7 @@ class FollowerShard:
     def count(self, count: Callable[[], int]) -> int:
         """The leader's byte count (``count`` is not called: this member's stand-ins hold no storage as
         values do, views and copies alike)."""
-        return int(self._next("count", (1,)).item())
+        return int(self._next("count", (1,), torch.int64).item())
 
     def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
         """The factors one rank keeps of ``matrix`` ``[L, D]``, as ``meta`` stand-ins of their shapes
