@@ -54,6 +54,18 @@ def test_a_value_of_another_shape_is_a_diverged_follower():
         any_rank(True, replay([torch.zeros(2, dtype=torch.float64)]))
 
 
+def test_a_follower_that_receives_nothing_has_diverged():
+    """``receive`` raising (the transport's timeout) leaves every later value misplaced: diverged."""
+
+    def timed_out() -> torch.Tensor:
+        raise TimeoutError("no value from rank 0 in 30 s")
+
+    with pytest.raises(
+        FollowerDiverged, match="any received nothing from the leader .TimeoutError: no value"
+    ):
+        any_rank(True, FollowerShard(timed_out))
+
+
 @pytest.mark.parametrize(("length", "rank"), [(40, 4), (3, 4), (40, None)])
 def test_the_followers_factors_are_meta_of_the_shapes_one_rank_keeps(length, rank):
     matrix = torch.empty(length, 32, dtype=torch.bfloat16, device="meta")

@@ -45,7 +45,7 @@ The scheduler's copy of the engine holds no K/V at all: it runs as a **follower*
 (:class:`FollowerShard`) on ``meta`` stand-ins of every read-back (full width, zero bytes), and every
 value a decision reads (each hook's reduced result) it takes from the leader, rank 0, whose
 :class:`Shard` hands each one to its ``publish`` in call order. A follower that receives another shape
-than the one it computes the hook for has left the leader's path: :class:`FollowerDiverged`.
+than the one it computes the hook for, or none, has left the leader's path: :class:`FollowerDiverged`.
 
 Only this module calls ``torch.distributed`` collectives in the package (``tests/test_layout.py``).
 """
@@ -229,8 +229,9 @@ class Shard:
 
 
 class FollowerDiverged(ValueError):
-    """A follower received another value than the hook it runs expects: it is no longer on the leader's
-    path (a record or plan taken in another order, another method configuration, a lost message)."""
+    """A follower received another value than the hook it runs expects, or none (its ``receive`` raised,
+    e.g. timed out): it is no longer on the leader's path (a record or plan taken in another order,
+    another method configuration, a lost message)."""
 
 
 class FollowerShard:
@@ -254,7 +255,13 @@ class FollowerShard:
         self.receive = receive
 
     def _next(self, hook: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        received = self.receive()
+        try:
+            received = self.receive()
+        except Exception as error:  # a timeout, a closed channel: every later value would be misplaced
+            raise FollowerDiverged(
+                f"the follower's {hook} received nothing from the leader ({type(error).__name__}: {error}): "
+                "it is no longer on the leader's path"
+            ) from error
         if (
             not isinstance(received, torch.Tensor)
             or tuple(received.shape) != tuple(shape)
