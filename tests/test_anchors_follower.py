@@ -78,7 +78,7 @@ def test_the_followers_factors_are_meta_of_the_shapes_one_rank_keeps(length, ran
 
 
 # ------------------------------------------------------------------ the follower of the gloo ranks' trajectory
-pytestmark = pytest.mark.xdist_group(GROUP)  # one worker with test_anchors_spmd: the ranks spawned once
+pytestmark = pytest.mark.xdist_group(GROUP)  # with test_anchors_spmd (the ranks spawn once per run)
 
 
 @pytest.fixture(scope="session")  # session, not module: the module's xdist group is GROUP, the spawn's

@@ -21,9 +21,8 @@ import pytest
 import torch
 from anchors_trajectory import CASES, GROUP, WORLD, one_rank_runs, rank_runs, served
 
-pytestmark = pytest.mark.xdist_group(
-    GROUP
-)  # one worker: the ranks spawned once for this module and the follower's
+# with the follower's module on one worker where xdist groups (the ranks spawn once per run either way)
+pytestmark = pytest.mark.xdist_group(GROUP)
 
 
 @pytest.fixture(scope="module")
