@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny import embedded_tokenizer, tiny_model
+from xdist_groups import carry_the_group_in_the_node_id
 
 from hf_kvshare.models import load_model
 
@@ -85,11 +86,18 @@ def folders_read_once(monkeypatch, _folders_read):
     monkeypatch.setattr(models, "load_model", load_model)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collected node ids to its scheduler
 def pytest_collection_finish(session):
     """What is alive once the tests are collected (torch, transformers, the package, the test modules:
     ~400k objects) stays alive to the end: frozen, the garbage collector's full passes skip it instead
-    of walking it again each time (~8 % of a test process's CPU on the model tests)."""
+    of walking it again each time (~8 % of a test process's CPU on the model tests).
+
+    On an xdist worker under ``--dist loadgroup`` each grouped test's node id carries its group, where
+    xdist's scheduler reads it (xdist_groups.py)."""
     gc.freeze()
+    if getattr(session.config.option, "loadgroup", False):
+        for item in session.items:
+            carry_the_group_in_the_node_id(item)
 
 
 def _uses_a_module_fixture(item) -> bool:
