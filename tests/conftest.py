@@ -125,13 +125,14 @@ def pytest_collection_modifyitems(config, items):
 
     Under ``pytest -n 2 --dist loadgroup`` (.ci/run) the tests of a module that use one of its
     module-scoped fixtures (a bench run, a tiny VLM) go to one worker, so that the fixture is built
-    once; every other test goes to whichever worker is free."""
+    once (a module that names its own ``xdist_group`` keeps it); every other test goes to whichever
+    worker is free."""
     for item in items:
         if "real" in getattr(item, "fixturenames", ()) and "real_model" not in item.keywords:
             item.add_marker(pytest.mark.real_model)
     if getattr(config.option, "loadgroup", False):
         for item in items:
-            if _uses_a_module_fixture(item):
+            if _uses_a_module_fixture(item) and item.get_closest_marker("xdist_group") is None:
                 item.add_marker(pytest.mark.xdist_group(item.path.stem))
     import torch
 

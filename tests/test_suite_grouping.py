@@ -33,6 +33,18 @@ def test_a_module_fixtures_tests_are_scheduled_as_one_unit(request, built_once):
         assert _scheduled_unit(nodeid) == nodeid
 
 
+@pytest.mark.xdist_group("named_here")
+def test_a_test_that_names_its_group_keeps_it(request, built_once):
+    """A test marked with its own ``xdist_group`` (a group shared with another module) keeps that group,
+    module-scoped fixture or not."""
+    nodeid = request.node.nodeid
+    if getattr(request.config.option, "loadgroup", False):
+        assert nodeid.endswith("@named_here")
+        assert _scheduled_unit(nodeid) == "named_here"
+    else:
+        assert _scheduled_unit(nodeid) == nodeid
+
+
 @pytest.mark.parametrize("case", ["a", "b@c"])
 def test_the_group_is_written_where_this_pytest_reads_the_node_id(request, case):
     """A test given an ``xdist_group`` mark gets the ``@group`` suffix, once, in the node id this pytest
