@@ -1,5 +1,8 @@
 """Shared fixtures: tiny random Llama / Qwen2 models (seconds), the embedded tokenizer and the embedded
-real model (tests using `real` are marked `real_model`). Helpers live in tiny.py, not here."""
+real model (tests using `real` are marked `real_model`). Helpers live in tiny.py, not here.
+
+torch, transformers and the package are imported where a test process needs them, not at this module's
+import: xdist's controller (`-n 2`) loads this file too and runs no test (~5 CPU-s per run saved)."""
 
 from __future__ import annotations
 
@@ -9,33 +12,44 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-import torch
-from tiny import embedded_tokenizer, tiny_model
+from xdist_groups import carry_the_group_in_the_node_id
 
-from hf_kvshare.models import load_model
 
-torch.set_num_threads(1)
+def pytest_sessionstart(session):
+    """A process that runs tests (not xdist's controller) uses one torch thread: two workers, two cores."""
+    if not session.config.pluginmanager.has_plugin("dsession"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
 def real():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct (fp32, CPU)."""
+    from hf_kvshare.models import load_model
+
     return load_model()
 
 
 @pytest.fixture(scope="session")
 def tokenizer():
     """The embedded tokenizer, built without loading the model's weights (see tiny.embedded_tokenizer)."""
+    from tiny import embedded_tokenizer
+
     return embedded_tokenizer()
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def tiny(request):
+    from tiny import tiny_model
+
     return tiny_model(request.param)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama():
+    from tiny import tiny_model
+
     return tiny_model("llama")
 
 
@@ -85,11 +99,18 @@ def folders_read_once(monkeypatch, _folders_read):
     monkeypatch.setattr(models, "load_model", load_model)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collected node ids to its scheduler
 def pytest_collection_finish(session):
     """What is alive once the tests are collected (torch, transformers, the package, the test modules:
     ~400k objects) stays alive to the end: frozen, the garbage collector's full passes skip it instead
-    of walking it again each time (~8 % of a test process's CPU on the model tests)."""
+    of walking it again each time (~8 % of a test process's CPU on the model tests).
+
+    On an xdist worker under ``--dist loadgroup`` each grouped test's node id carries its group, where
+    xdist's scheduler reads it (xdist_groups.py)."""
     gc.freeze()
+    if getattr(session.config.option, "loadgroup", False):
+        for item in session.items:
+            carry_the_group_in_the_node_id(item)
 
 
 def _uses_a_module_fixture(item) -> bool:
@@ -104,14 +125,17 @@ def pytest_collection_modifyitems(config, items):
 
     Under ``pytest -n 2 --dist loadgroup`` (.ci/run) the tests of a module that use one of its
     module-scoped fixtures (a bench run, a tiny VLM) go to one worker, so that the fixture is built
-    once; every other test goes to whichever worker is free."""
+    once (a module that names its own ``xdist_group`` keeps it); every other test goes to whichever
+    worker is free."""
     for item in items:
         if "real" in getattr(item, "fixturenames", ()) and "real_model" not in item.keywords:
             item.add_marker(pytest.mark.real_model)
     if getattr(config.option, "loadgroup", False):
         for item in items:
-            if _uses_a_module_fixture(item):
+            if _uses_a_module_fixture(item) and item.get_closest_marker("xdist_group") is None:
                 item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    import torch
+
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
