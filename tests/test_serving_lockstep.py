@@ -1,0 +1,213 @@
+"""Worker-side replicas in lockstep under tensor parallel (issue 51 items 1+2; :mod:`hf_kvshare.serving.replica`).
+
+The scheduler's Sharing (one rank, all KV heads) runs a task trajectory through :class:`Lockstep`, as
+the admission thread drives it (some plans made ahead and claimed at admission, the others planned at
+admission; a release): every call is numbered on an :class:`OpStream` and its decision sent as a
+``check``. Two gloo ranks then each run a :class:`Replica` on their own KV heads (a skeleton with the
+rank's heads, the method on a ``Shard``), fed the ops in a shuffled order and their heads of each
+read-back: each replica agrees with the scheduler at every check and stops at none. With two ops'
+numbers swapped (a task's record after the next agent's plan) the replicas' decisions differ: the order
+is what keeps them in step. Without vLLM; the ops are JSON (no tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from gloo_ranks import run_ranks
+from test_anchors_spmd import CASES, DOCS, QUESTION, SYSTEMS, as_layers, ids_of, served
+from tiny import embedded_tokenizer, tiny_model
+
+from hf_kvshare.anchors.sharded import Shard
+from hf_kvshare.serving import layout as lay
+from hf_kvshare.serving.host import Sharing
+from hf_kvshare.serving.replica import Lockstep, OpStream, Replica, decision, wants_replicas
+from hf_kvshare.serving.standin import engine
+from hf_kvshare.serving.tensor_parallel import kv_head_range
+
+WORLD = 2
+LOCKSTEP_CASES = ("kvcmas", "kvcomm")
+
+
+class _Collect:
+    """An order channel that takes every op (a rank's :class:`~hf_kvshare.serving.channel.Sender`)."""
+
+    def __init__(self):
+        self.ops = []
+
+    def order(self, op):
+        self.ops.append(json.loads(json.dumps(op)))  # as the channel carries it
+        return True
+
+
+def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple]]:
+    """The trajectory on the scheduler's one-rank Sharing through :class:`Lockstep`: the op stream and
+    every recorded request's read-back (all heads)."""
+    tokenizer = embedded_tokenizer()
+    model = tiny_model("llama", num_key_value_heads=2)
+    sharing = Sharing(model, tokenizer, served(case), min_segment_tokens=4)
+    stream, channel = OpStream(1), _Collect()
+    stream.connect(0, channel)
+    lockstep = Lockstep(sharing, stream)
+    read_backs = {}
+    for t, doc in enumerate(DOCS[:4]):
+        for position, agent in enumerate(SYSTEMS):
+            host = sharing.hosts.get(f"t{t}")
+            ids = ids_of(tokenizer, SYSTEMS[agent]) + ids_of(tokenizer, doc)
+            segments = [{"slot": "doc", "text": doc}]
+            for reader in list(SYSTEMS)[:position]:
+                ids += ids_of(tokenizer, "\nNotes:") + host.slots[reader].token_ids.tolist()
+                segments.append({"slot": reader})
+            ids += ids_of(tokenizer, QUESTION)
+            meta = {lay.KEY: {"task": f"t{t}", "agent": agent, "segments": segments, "output": agent}}
+            rid = f"{t}-{agent}"
+            if position == 1 and t == 1:  # a request that ends before its record: released
+                lockstep.release(lockstep.plan(rid + "-aborted", ids, meta, 0))
+            if position % 2:  # planned ahead (on arrival), claimed at admission
+                plan = lockstep.claim(lockstep.plan(rid, ids, meta, None), 0)
+            else:
+                plan = lockstep.plan(rid, ids, meta, 0)
+            assert plan.error is None
+            keys, values = as_layers(plan.keys), as_layers(plan.values)
+            run = type("Run", (), {"prompt": plan.prompt, "local_hit": plan.local_hit})()
+            run.keys, run.values = ([] if keys is None else keys), ([] if values is None else values)
+            out, k, v = engine(model, run, max_new_tokens=4)
+            read_backs[rid] = (k, v)
+            lockstep.record(plan, k, v, out, set())
+    assert stream.summary() == {"ops": len(channel.ops), "waiting": 0, "stopped": None}
+    return channel.ops, read_backs
+
+
+def _replica_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffle: int) -> dict:
+    tokenizer = embedded_tokenizer()
+    config = tiny_model("llama").config
+    head_dim = config.hidden_size // config.num_attention_heads
+    first, last = kv_head_range(rank, WORLD, 2)
+    method = served(case)
+    method.run_on_shard(Shard(None, (last - first) * head_dim))
+    own = tiny_model("llama", num_key_value_heads=last - first)  # this rank's skeleton: its KV heads
+    replica = Replica(Sharing(own, tokenizer, method, min_segment_tokens=4), wait_s=20)
+    for rid, (k, v) in read_backs.items():  # the worker keeps its own heads of each read-back
+        replica.keep(rid, k[:, :, first:last], v[:, :, first:last])
+    arrival = list(ops)
+    random.Random(shuffle).shuffle(arrival)  # the order channel's thread may bring them in any order
+    for op in arrival:
+        replica.submit(op)
+    replica.done(len(ops), timeout=120)
+    counts = dict(replica.counts)
+    replica.close()
+    return counts
+
+
+def _rank_main(rank: int, runs: list) -> list[dict]:
+    return [_replica_run(rank, *run) for run in runs]
+
+
+def _swapped(ops: list[dict]) -> list[dict]:
+    """The op stream with a task's last record numbered after the next agent's plan, which reads it."""
+    ops = [dict(op) for op in ops]
+    record = next(i for i, op in enumerate(ops) if op["op"] == "record" and op["request_id"] == "0-planner")
+    plan = next(i for i, op in enumerate(ops) if op["op"] == "plan" and op["request_id"] == "0-critic")
+    ops[record]["seq"], ops[plan]["seq"] = ops[plan]["seq"], ops[record]["seq"]
+    return ops
+
+
+@pytest.fixture(scope="module")
+def lockstep_runs(tmp_path_factory) -> dict:
+    runs, streams = [], {}
+    for case in LOCKSTEP_CASES:
+        ops, read_backs = scheduler_run(case)
+        streams[case] = ops
+        runs.append((case, ops, read_backs, 1))
+        if case == "kvcmas":
+            runs.append((case, _swapped(ops), read_backs, 2))
+    results = run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("lockstep"), runs)
+    return {"streams": streams, "ranks": results}
+
+
+@pytest.mark.parametrize("case", LOCKSTEP_CASES)
+def test_every_ranks_replica_decides_what_the_scheduler_decides(lockstep_runs, case):
+    ops = lockstep_runs["streams"][case]
+    kinds = {op["op"] for op in ops}
+    assert kinds == {"plan", "claim", "release", "record", "check"}
+    checks = sum(op["op"] == "check" for op in ops)
+    # the trajectory exercises the gate both ways and corrections (else it checks little)
+    decided = [op["decision"] for op in ops if op["op"] == "check"]
+    gates = {g for d in decided for g in d["gates"].values()}
+    provenances = {p[0] for d in decided for p in d["placed"] if p}
+    want = ({"accepted", "fallback"}, "corrected") if case == "kvcmas" else ({"turn", "fallback"}, "reused")
+    assert want[0] <= gates and want[1] in provenances, (gates, provenances)
+    index = LOCKSTEP_CASES.index(case) + (1 if case == "kvcomm" else 0)  # kvcmas has a second run
+    for rank in range(WORLD):
+        counts = lockstep_runs["ranks"][rank][index]
+        assert counts["stopped"] is None, (rank, counts)
+        assert counts == {"ops": len(ops), "agree": checks, "differ": 0, "dropped": 0, "stopped": None}
+
+
+def test_the_op_order_keeps_the_replicas_in_step(lockstep_runs):
+    """A record numbered after the plan that reads it: the replicas' plans no longer see it and their
+    decisions differ from the scheduler's (counted)."""
+    for rank in range(WORLD):
+        counts = lockstep_runs["ranks"][rank][1]
+        assert counts["differ"] > 0, counts
+
+
+def test_no_op_carries_a_tensor(lockstep_runs):
+    for ops in lockstep_runs["streams"].values():
+        assert all(set(op) >= {"op", "seq", "request_id"} for op in ops)
+        assert [op["seq"] for op in ops] == list(range(len(ops)))
+    # JSON round trip in _Collect: a tensor would not have passed
+
+
+class _Refusing(_Collect):
+    def __init__(self, refuse):
+        super().__init__()
+        self.refuse = refuse
+
+    def order(self, op):
+        if self.refuse:
+            self.refuse -= 1
+            return False
+        return super().order(op)
+
+
+def test_the_stream_waits_for_every_rank_and_retries_in_order():
+    stream = OpStream(2, max_backlog=8)
+    slow, fast = _Refusing(3), _Collect()
+    stream.op("release", request_id="a")  # no rank connected yet: held
+    stream.connect(0, fast)
+    stream.connect(1, slow)  # refuses three times: retried at the next ops and steps, in order
+    stream.op("release", request_id="b")
+    stream.op("release", request_id="c")
+    assert [op["seq"] for op in fast.ops] == [0, 1, 2] and slow.ops == []
+    assert stream.summary()["waiting"] == 3  # every op held until every rank took it
+    stream.flush()
+    assert [op["seq"] for op in slow.ops] == [0, 1, 2] and stream.summary()["waiting"] == 0
+    for n in range(9):  # a rank that takes nothing: the stream stops past its backlog's bound
+        slow.refuse = 100
+        stream.op("release", request_id=str(n))
+    assert "ops wait" in stream.summary()["stopped"]
+
+
+def test_a_replica_missing_an_op_stops_and_never_runs_out_of_order(tiny_llama, tokenizer):
+    replica = Replica(Sharing(tiny_llama, tokenizer, "kvcmas"), wait_s=0.2)
+    replica.submit({"op": "release", "seq": 1, "request_id": "x"})  # op 0 never comes
+    assert not replica.done(2, timeout=5)
+    assert replica.counts["ops"] == 0 and "op 0 never came" in replica.counts["stopped"]
+    replica.close()
+    with pytest.raises(ValueError, match="not an op"):
+        replica.submit({"op": "forward", "seq": 0})
+
+
+def test_which_servers_run_replicas():
+    assert wants_replicas("kvcmas", 2, 1, {})
+    assert wants_replicas("kvcomm", 4, 1, {})
+    assert not wants_replicas("kvcmas", 1, 1, {})  # one rank: the scheduler holds every head
+    assert not wants_replicas("kvcmas", 2, 2, {})  # pipeline parallel keeps the RankAssembly path
+    assert not wants_replicas("fullshared", 2, 1, {})  # value-free: nothing to compute on values
+    assert not wants_replicas("kvcmas", 2, 1, {"worker_replicas": False})
+    with pytest.raises(ValueError, match="true or false"):
+        wants_replicas("kvcmas", 2, 1, {"worker_replicas": "no"})
+    assert decision.__doc__
