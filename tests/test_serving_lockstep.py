@@ -17,7 +17,7 @@ import random
 
 import pytest
 from gloo_ranks import run_ranks
-from test_anchors_spmd import CASES, DOCS, QUESTION, SYSTEMS, as_layers, ids_of, served
+from test_anchors_spmd import DOCS, QUESTION, SYSTEMS, as_layers, ids_of, served
 from tiny import embedded_tokenizer, tiny_model
 
 from hf_kvshare.anchors.sharded import Shard

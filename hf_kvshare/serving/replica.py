@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .host import Plan, Sharing, VALUE_FREE
+from .host import VALUE_FREE, Plan, Sharing
 from .worker_store import PayloadBuffer
 
 logger = logging.getLogger("hf_kvshare.serving")
