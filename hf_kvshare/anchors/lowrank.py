@@ -133,9 +133,13 @@ def column_sum(partial: torch.Tensor, shard: Shard | None) -> torch.Tensor:
     return partial if shard is None else shard.column_sum(partial)
 
 
-def any_rank(flag: bool, shard: Shard | None) -> bool:
-    """Whether a test of this rank's columns (``flag``) holds on any rank: the same on every rank."""
-    return flag if shard is None else shard.any(flag)
+def any_rank(test: bool | Callable[[], bool], shard: Shard | None) -> bool:
+    """Whether a test of this rank's columns holds on any rank: the same on every rank. ``test`` is the
+    flag, or a function computing it from this rank's values (a follower, holding none, never calls it:
+    :class:`~.sharded.FollowerShard`)."""
+    if shard is not None:
+        return shard.any(test)
+    return test() if callable(test) else test
 
 
 def columns(local: int, shard: Shard | None) -> int:

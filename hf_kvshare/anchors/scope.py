@@ -333,12 +333,18 @@ class Scope:
             with cache.sharing_storage():  # views: checked where they sit, not copied
                 exact = cache.extract(span.start, span.end)
             checks.append((f"{self.name}: PH slot {span.name!r} of this turn", exact))
-        try:
-            check_finite(checks)
-        except ValueError:
-            any_rank(True, self.store.shard)  # every tensor-parallel rank refuses the turn
-            raise
-        if any_rank(False, self.store.shard):
+        refused: list[ValueError] = []
+
+        def non_finite() -> bool:  # this rank's heads (a follower holds none: it takes the leader's answer)
+            try:
+                check_finite(checks)
+            except ValueError as error:
+                refused.append(error)
+            return bool(refused)
+
+        if any_rank(non_finite, self.store.shard):  # every tensor-parallel rank refuses the turn
+            if refused:
+                raise refused[0]
             raise ValueError(
                 f"{self.name}: non-finite K/V (NaN or inf) in another tensor-parallel rank's heads of this "
                 "turn; such K/V is never reused or stored (the turn changed nothing)"

@@ -40,6 +40,12 @@ The anchors engine runs on one rank's heads (SPMD) through :class:`Shard`'s hook
 ``any``, ``total_columns`` and ``factors``, called by ``lowrank.column_sum`` / ``any_rank`` / ``columns`` /
 ``factorize`` with the engine's shard (``BoundedStore.shard``; docs/architecture.md).
 
+The scheduler's copy of the engine holds no K/V at all: it runs as a **follower**
+(:class:`FollowerShard`) on ``meta`` stand-ins of every read-back (full width, zero bytes), and every
+value a decision reads (each hook's reduced result) it takes from the leader, rank 0, whose
+:class:`Shard` hands each one to its ``publish`` in call order. A follower that receives another shape
+than the one it computes the hook for has left the leader's path: :class:`FollowerDiverged`.
+
 Only this module calls ``torch.distributed`` collectives in the package (``tests/test_layout.py``).
 """
 
@@ -47,7 +53,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -70,6 +77,8 @@ from .pool import Anchor
 __all__ = [
     "COLLECTIVES",
     "CollectiveCount",
+    "FollowerDiverged",
+    "FollowerShard",
     "Shard",
     "communication_bytes",
     "mirrors_svd_lowrank",
@@ -116,11 +125,16 @@ COLLECTIVES = CollectiveCount()
 class Shard:
     """This rank's place in a column-sharded matrix: the ``group`` (``None``: the default group), this
     rank's ``width`` (its columns; the same on every rank) and ``replicas`` (consecutive ranks holding
-    the same columns: vLLM's replicated KV heads, ``ranks / kv_heads``)."""
+    the same columns: vLLM's replicated KV heads, ``ranks / kv_heads``).
+
+    ``publish`` (the leader's, rank 0's; ``None`` elsewhere): every reduced value an engine hook returns
+    (``column_sum``'s sum, ``any``'s flag as a 1-element float64 tensor) is handed to it in call order,
+    a detached CPU copy, for a :class:`FollowerShard` to replay."""
 
     group: dist.ProcessGroup | None
     width: int
     replicas: int = 1
+    publish: Callable[[torch.Tensor], None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         size = self.size
@@ -173,12 +187,20 @@ class Shard:
     def column_sum(self, partial: torch.Tensor) -> torch.Tensor:
         """A sum over ``D`` each rank computed over its own columns (``partial``, any shape, the caller's
         own work tensor): the sum over every column block, the same bits on every rank."""
-        return self.all_reduce(partial)
+        return self._published(self.all_reduce(partial))
 
-    def any(self, flag: bool) -> bool:
-        """Whether ``flag`` (a test of this rank's columns, e.g. "they hold NaN or inf") holds on any rank:
-        the same answer on every rank (one all-reduce of one number)."""
-        return bool(self.all_reduce(torch.tensor([float(flag)], dtype=torch.float64)).item())
+    def any(self, test: bool | Callable[[], bool]) -> bool:
+        """Whether ``test`` (a test of this rank's columns, e.g. "they hold NaN or inf": a bool, or a
+        function computing it, which a follower never calls) holds on any rank: the same answer on
+        every rank (one all-reduce of one number)."""
+        flag = test() if callable(test) else test
+        return bool(self._published(self.all_reduce(torch.tensor([float(flag)], dtype=torch.float64))).item())
+
+    def _published(self, reduced: torch.Tensor) -> torch.Tensor:
+        """``reduced``, handed to ``publish`` first (a detached CPU copy: the caller may write its own)."""
+        if self.publish is not None:
+            self.publish(reduced.detach().to("cpu", copy=True))
+        return reduced
 
     def total_columns(self, local: int) -> int:
         """A count of features over every rank from this rank's ``local`` count (a mean over ``D``, the
@@ -196,6 +218,65 @@ class Shard:
         COLLECTIVES.add("all_gather", block)
         dist.all_gather(blocks, block, group=self.group)
         return torch.cat(blocks[:: self.replicas], dim=dim)
+
+
+class FollowerDiverged(ValueError):
+    """A follower received another value than the hook it runs expects: it is no longer on the leader's
+    path (a record or plan taken in another order, another method configuration, a lost message)."""
+
+
+class FollowerShard:
+    """A member of the group holding no column's values (the scheduler's copy of the engine): its K/V
+    are ``meta`` stand-ins of every column (the one-rank shapes, zero bytes), and every reduced value
+    a decision reads comes from ``receive`` (the leader's :attr:`Shard.publish`, in order; ``receive``
+    blocks with its caller's bound and raises on timeout). No ``torch.distributed``: it joins no group.
+
+    Its hooks are :class:`Shard`'s: ``column_sum`` and ``any`` return the next received value (checked
+    against the shape the hook computes: else :class:`FollowerDiverged`), ``total_columns`` is its own
+    count (it holds every column), ``factors`` the ``meta`` factors one rank would keep. It never reads a
+    ``meta`` value: what it cannot compute it receives, and anything else reading one fails loudly."""
+
+    #: a full-width member: one block, every column, counted in every sum
+    replicas = 1
+    blocks = 1
+    owner = True
+    columns = slice(None)
+
+    def __init__(self, receive: Callable[[], torch.Tensor]):
+        self.receive = receive
+
+    def _next(self, hook: str, shape: tuple[int, ...]) -> torch.Tensor:
+        received = self.receive()
+        if not isinstance(received, torch.Tensor) or tuple(received.shape) != tuple(shape):
+            got = tuple(received.shape) if isinstance(received, torch.Tensor) else type(received).__name__
+            raise FollowerDiverged(
+                f"the follower's {hook} expected a value of shape {tuple(shape)} from the leader, "
+                f"received {got}: it is no longer on the leader's path"
+            )
+        return received
+
+    def column_sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """The leader's sum over every column of ``partial`` (this member's is a ``meta`` stand-in)."""
+        return self._next("column_sum", tuple(partial.shape))
+
+    def any(self, test: bool | Callable[[], bool]) -> bool:
+        """The leader's answer (``test`` is not evaluated: it would read this member's stand-ins)."""
+        return bool(self._next("any", (1,)).item())
+
+    def total_columns(self, local: int) -> int:
+        return local
+
+    def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
+        """The factors one rank keeps of ``matrix`` ``[L, D]``, as ``meta`` stand-ins of their shapes
+        (dense: the matrix itself); nothing is computed or received."""
+        if matrix.dim() != 2:
+            raise ValueError(f"expected an [L, D] matrix, got shape {tuple(matrix.shape)}")
+        length, dim = matrix.shape
+        k = kept_rank(length, dim, rank, svd)
+        if k is None:
+            return MatrixFactors(a=matrix.detach())
+        meta = {"dtype": matrix.dtype, "device": "meta"}
+        return MatrixFactors(a=torch.empty(length, k, **meta), b=torch.empty(k, dim, **meta))
 
 
 def sharded_factors(
