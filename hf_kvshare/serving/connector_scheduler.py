@@ -72,10 +72,11 @@ import torch
 
 from . import channel
 from .admission import DEFAULT_MAX_PLANNED_BYTES, DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
-from .connector_common import Capture, Captured, Correction, HFKVShareMetadata, Load, Source
-from .host import BUDGETS, NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
+from .connector_common import Capture, Captured, Correction, HFKVShareMetadata, Load, Source, make_sharing
+from .host import NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing
 from .layout import images_of
-from .tensor_parallel import PENDING, rank_assembly
+from .replica import Lockstep, OpStream, wants_replicas
+from .tensor_parallel import PENDING, pipeline_parallel_size, rank_assembly, tensor_parallel_size
 from .worker_store import DEFAULT_DEVICE_STORE_BYTES, CorrectedOrigin, Sources, StoreMirror
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ STORE_COUNTS = (
     "load_tokens",
     "load_bytes",
     "handoff",
+    "replicas",
 )
 #: messages the order channel holds (read-back orders and claims' K/V) before a send is refused
 ORDER_QUEUE = 32
@@ -151,28 +153,6 @@ class _Finishing:
     ids: tuple[str, str | None]  # the request's id and external id (its report line)
     finished_at: float = 0.0  # time.perf_counter() at request_finished (the report's read_back_s)
     reserved: int = 0  # bytes its read-back holds against the read-back budget (an estimate until it came)
-
-
-def make_sharing(vllm_config: VllmConfig) -> Sharing:
-    """The :class:`Sharing` service ``kv_connector_extra_config`` describes, for the served model."""
-    from transformers import AutoTokenizer
-
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    model_config = vllm_config.model_config
-    tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model)
-    sharing = Sharing(
-        skeleton_model(model_config.model),
-        tokenizer,
-        extra.get("method", "nonshared"),
-        max_bytes=int(extra.get("max_bytes", 2 << 30)),
-        max_tasks=int(extra.get("max_tasks", 1024)),
-        min_segment_tokens=int(extra.get("min_segment_tokens", 16)),
-        # the other stores' byte budgets (None: Sharing's defaults); a bad value refused by Sharing
-        **{name: extra.get(name) for name in BUDGETS if name != "max_bytes"},
-        **dict(extra.get("options") or {}),
-    )
-    logger.info("hf_kvshare: serving method %r (cache_salt %r)", sharing.method, sharing.salt)
-    return sharing
 
 
 class HFKVShareScheduler:
@@ -245,8 +225,12 @@ class HFKVShareScheduler:
         #: (``factors``, for ``corrected`` tokens whose delta the worker adds to rows it keeps)
         self.load_bytes = {"sent": 0, "factors": 0, "corrected": 0}
         self._report_path = extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
+        #: the op stream every worker rank's replica runs (:mod:`.replica`; ``None``: no replicas) and
+        #: each rank's replica counts as it last reported them
+        self._stream = self._op_stream(vllm_config, extra)
+        self.replica_counts: dict[int, dict[str, Any]] = {}
         self._background = Background(
-            self.sharing,
+            Lockstep(self.sharing, self._stream) if self._stream is not None else self.sharing,
             enabled=extra.get("background", True),
             wait_s=extra.get("plan_wait_s", DEFAULT_WAIT_S),
             running_wait_s=extra.get("plan_running_wait_s", DEFAULT_RUNNING_WAIT_S),
@@ -261,6 +245,29 @@ class HFKVShareScheduler:
                 self._receiver = channel.Receiver(self._on_read_back)
             except Exception:  # noqa: BLE001 - serving works without it (the step's output path)
                 logger.exception("hf_kvshare: no read-back channel; read-backs come with the step's output")
+
+    def _op_stream(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> OpStream | None:
+        """The replicas' op stream when the workers run replicas (:func:`~.replica.wants_replicas`, the
+        workers decide alike from the same configuration); what runs otherwise is said at start-up."""
+        tp, pp = tensor_parallel_size(vllm_config), pipeline_parallel_size(vllm_config)
+        try:
+            wanted = wants_replicas(extra.get("method"), tp, pp, extra)
+        except ValueError as error:
+            raise ServingError(f"hf_kvshare: {error}") from None
+        if wanted:
+            logger.info("hf_kvshare: every tensor-parallel rank runs a replica of the method on its KV heads")
+            return OpStream(self._assembly.size)
+        if not self.sharing.value_free and tp * pp > 1:
+            logger.info(
+                "hf_kvshare: %s over %d ranks (tensor parallel %d, pipeline parallel %d): the ranks' K/V "
+                "are read back and assembled here, where the method runs (worker replicas need pipeline "
+                "parallel 1 and worker_replicas true)",
+                self.sharing.method.name,
+                tp * pp,
+                tp,
+                pp,
+            )
+        return None
 
     # ================================================================ admission
     def get_num_new_matched_tokens(
@@ -609,6 +616,8 @@ class HFKVShareScheduler:
         with self._finishing_cond:
             meta.drops, self._drops = self._drops, []
         meta.read_back = self._receiver.address if self._receiver is not None else None
+        if self._stream is not None:
+            self._stream.flush()  # ops a rank's full channel refused: sent again, in order
         if meta.loads or meta.captures or meta.drops:
             self._measure(meta)
         return meta
@@ -708,7 +717,14 @@ class HFKVShareScheduler:
             "load_tokens": dict(self.load_tokens),
             "load_bytes": dict(self.load_bytes),
             "handoff": self.handoff_summary(),
+            "replicas": self.replicas_summary(),
         }
+
+    def replicas_summary(self) -> dict[str, Any] | None:
+        """The op stream's counts and each rank's replica's (``None``: no replicas)."""
+        if self._stream is None:
+            return None
+        return {"stream": self._stream.summary(), "ranks": dict(self.replica_counts)}
 
     def _write_report(self, ids: tuple[str, str | None], report: dict[str, Any]) -> None:
         store = report.get("store", {})
@@ -843,6 +859,9 @@ class HFKVShareScheduler:
                 on_channel.setdefault(request_id, set()).add(rank)
         finished = set(connector_output.finished_sending or ())
         all_ranks = set(range(self._assembly.size))
+        for rank, part in parts.items():
+            if part.replica is not None:
+                self.replica_counts[rank] = part.replica
         for part in parts.values():  # the most any rank keeps per position (its heads' share, its layers)
             if part.bytes_per_token:
                 known = self.device_store.bytes_per_token or 0
@@ -893,6 +912,9 @@ class HFKVShareScheduler:
                 self._order_senders[rank] = channel.Sender(part.orders, ORDER_QUEUE, self._handoff)
             except Exception:  # noqa: BLE001 - read-backs then come with the step's output
                 logger.exception("hf_kvshare: connecting the order channel %s failed", part.orders)
+                continue
+            if self._stream is not None:
+                self._stream.connect(rank, self._order_senders[rank])
 
     @property
     def colocated(self) -> bool:

@@ -60,8 +60,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import channel, paged
-from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source
+from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source, make_sharing
 from .host import ServingError, skeleton_model
+from .replica import DEFAULT_READ_BACK_BYTES, DEFAULT_WAIT_S, Replica, rank_shard, wants_replicas
 from .tensor_parallel import kv_head_range, pipeline_parallel_size, tensor_parallel_size, worker_rank
 from .worker_store import (
     DEFAULT_DEVICE_STORE_BYTES,
@@ -126,6 +127,11 @@ class HFKVShareWorker:
         #: ``("factors", request id)`` (its thread puts, the step takes), by bytes
         self.payloads = PayloadBuffer(extra.get("payload_bytes", DEFAULT_PAYLOAD_BYTES))
         self._load_errors: set[int] = set()
+        #: this rank's replica of the method's engine on its KV heads (:mod:`.replica`; a value-reading
+        #: method under tensor parallel), made at ``register_kv_caches``; ``None``: none
+        self.replica: Replica | None = None
+        self._replica_reported: dict[str, Any] | None = None
+        self._extra = extra
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -146,6 +152,30 @@ class HFKVShareWorker:
         self._names = sorted(self._io, key=self._layer_of.__getitem__)
         self._bytes_per_token = sum(
             2 * io.heads * io.dim * io.kv_cache.element_size() for io in self._io.values()
+        )
+        tp, pp = tensor_parallel_size(self._vllm_config), pipeline_parallel_size(self._vllm_config)
+        if wants_replicas(self._extra.get("method"), tp, pp, self._extra):
+            self.replica = self._make_replica(tp, self._io[self._names[0]].dim)
+
+    def _make_replica(self, tp: int, head_dim: int) -> Replica:
+        """This rank's replica (:mod:`.replica`): its tensor-parallel group made (by every rank, in the
+        same order: here, at start-up), the method on its shard of the KV heads."""
+        wait_s = float(self._extra.get("replica_wait_s", DEFAULT_WAIT_S))
+        start, stop = self._heads
+        total = self._vllm_config.model_config.get_total_num_kv_heads()
+        shard = rank_shard(tp, (stop - start) * head_dim, max(1, tp // total), 2 * wait_s)
+        sharing = make_sharing(self._vllm_config, shard=shard, kv_heads=stop - start)
+        logger.info(
+            "hf_kvshare: rank %d runs a replica of %s on KV heads [%d, %d)",
+            self.rank,
+            sharing.method,
+            start,
+            stop,
+        )
+        return Replica(
+            sharing,
+            wait_s=wait_s,
+            max_bytes=self._extra.get("replica_read_back_bytes", DEFAULT_READ_BACK_BYTES),
         )
 
     def start_load_kv(self, metadata: HFKVShareMetadata) -> None:
@@ -307,8 +337,12 @@ class HFKVShareWorker:
             logger.exception("hf_kvshare: no order channel; read-backs come with the step's output")
 
     def _on_order(self, order: dict[str, Any]) -> None:
-        """The scheduler's order (its thread): read a request that just finished back now and send it
-        on the read-back channel (the path)."""
+        """The scheduler's order (its thread): an op of the replicas' stream (:mod:`.replica`), or read a
+        request that just finished back now and send it on the read-back channel (the path)."""
+        if "op" in order:
+            if self.replica is not None:
+                self.replica.submit(order)
+            return
         try:
             capture = Capture(
                 str(order["request_id"]),
@@ -342,6 +376,8 @@ class HFKVShareWorker:
         except Exception:  # noqa: BLE001 - the engine must keep running; the turn is not recorded
             logger.exception("hf_kvshare: reading back request %s failed", capture.request_id)
         self.store.drop(capture.drop)  # room for it, as the scheduler's mirror decided
+        if kv is not None and self.replica is not None:  # the rank's heads, for its replica's record op
+            self.replica.keep(capture.request_id, *kv)
         if kv is not None:
             kept = capture.keep and self.store.keep(capture.request_id, *kv)
             kv = self._for_scheduler(capture, kv, kept)
@@ -394,9 +430,12 @@ class HFKVShareWorker:
     def build_connector_worker_meta(self) -> Captured | None:
         announce = self._orders is not None and not self._orders_announced
         with self._lock:
-            if not self._captured and not self._sent_on_channel and not announce:
+            counts = dict(self.replica.counts) if self.replica is not None else None
+            fresh = counts != self._replica_reported  # the replica's counts moved: reported
+            if not self._captured and not self._sent_on_channel and not announce and not fresh:
                 return None
-            meta = Captured(kv=self._captured, sent=self._sent_on_channel, rank=self.rank)
+            meta = Captured(kv=self._captured, sent=self._sent_on_channel, rank=self.rank, replica=counts)
+            self._replica_reported = counts
             self._captured, self._sent_on_channel = {}, set()
         if announce:
             meta.orders, self._orders_announced = self._orders.address, True
@@ -419,6 +458,8 @@ class HFKVShareWorker:
         for end in (self._orders, self._sender):
             if end is not None:
                 end.close()
+        if self.replica is not None:
+            self.replica.close()
 
 
 def worker_share(vllm_config: VllmConfig) -> tuple[int, tuple[int, int] | None]:

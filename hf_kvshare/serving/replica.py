@@ -12,7 +12,7 @@ heads, in lockstep with the other ranks, driven by an ordered stream of operatio
   step, in order); past the backlog's bound the stream stops and says so.
 - **A replica** (worker side, :class:`Replica`): a Sharing whose model skeleton has the rank's KV heads
   and whose method runs on a :class:`~hf_kvshare.anchors.sharded.Shard` of the tensor-parallel group
-  (``run_on_shard``; the group: :func:`tensor_parallel_group`). Its thread runs the ops strictly in
+  (``run_on_shard``; the group: :func:`~hf_kvshare.anchors.sharded.tensor_parallel_groups`). Its thread runs the ops strictly in
   number order (early arrivals buffered): the same calls with the same arguments on every rank, so
   every rank's collectives pair up. A record runs on the rank's own heads of the request's read-back,
   kept for it by the worker (:meth:`Replica.keep`, by bytes). A replica settles a record's deferred
@@ -32,7 +32,6 @@ scheduler. No vLLM import (tests drive it on gloo ranks).
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import threading
@@ -70,28 +69,14 @@ def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any
     return wanted and tp_size > 1 and pp_size == 1 and name not in VALUE_FREE
 
 
-def tensor_parallel_group(tp_size: int, timeout_s: float) -> Any:
-    """This rank's tensor-parallel group for the replicas' collectives: a gloo group made by every rank
-    of the world for every tensor-parallel group, in the same order (vLLM's groups are consecutive
-    ranks), so ``new_group`` pairs up. Gloo on CUDA too: the replicas' collectives run on their own
-    thread, in an order unrelated to the model's; NCCL communicators interleaved across threads in
-    different orders on different ranks can deadlock, gloo's host collectives cannot (its tensors are
-    small: ``[n]`` distances and the randomized SVD's ``[L, q]`` products)."""
-    import torch.distributed as dist
+def rank_shard(tp_size: int, width: int, replicas: int, timeout_s: float) -> Any:
+    """This worker rank's :class:`~hf_kvshare.anchors.sharded.Shard` of the KV heads (``width``: its
+    heads times the head size) over its tensor-parallel group, made now by every rank of the world in the
+    same order (:func:`~hf_kvshare.anchors.sharded.tensor_parallel_groups`; call it at start-up, on every
+    rank). The one serving module that reaches into the anchors engine (``tests/test_layout.py``)."""
+    from ..anchors.sharded import Shard, tensor_parallel_groups
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % tp_size:
-        raise ValueError(f"a world of {world} ranks is not made of tensor-parallel groups of {tp_size}")
-    mine = None
-    for first in range(0, world, tp_size):
-        group = dist.new_group(
-            list(range(first, first + tp_size)),
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        if first <= rank < first + tp_size:
-            mine = group
-    return mine
+    return Shard(tensor_parallel_groups(tp_size, timeout_s), width, replicas)
 
 
 def decision(plan: Plan) -> dict[str, Any]:
