@@ -42,16 +42,16 @@ class _Collect:
         return True
 
 
-def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple]]:
-    """The trajectory on the scheduler's one-rank Sharing through :class:`Lockstep`: the op stream and
-    every recorded request's read-back (all heads)."""
+def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple], dict[str, tuple]]:
+    """The trajectory on the scheduler's one-rank Sharing through :class:`Lockstep`: the op stream,
+    every recorded request's read-back (all heads) and every claim (its start and K/V, all heads)."""
     tokenizer = embedded_tokenizer()
     model = tiny_model("llama", num_key_value_heads=2)
     sharing = Sharing(model, tokenizer, served(case), min_segment_tokens=4)
     stream, channel = OpStream(1), _Collect()
     stream.connect(0, channel)
     lockstep = Lockstep(sharing, stream)
-    read_backs = {}
+    read_backs, claims = {}, {}
     for t, doc in enumerate(DOCS[:4]):
         for position, agent in enumerate(SYSTEMS):
             host = sharing.hosts.get(f"t{t}")
@@ -64,23 +64,31 @@ def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple]]:
             meta = {lay.KEY: {"task": f"t{t}", "agent": agent, "segments": segments, "output": agent}}
             rid = f"{t}-{agent}"
             if position == 1 and t == 1:  # a request that ends before its record: released
-                lockstep.release(lockstep.plan(rid + "-aborted", ids, meta, 0))
+                aborted = lockstep.plan(rid + "-aborted", ids, meta, 0)
+                claims[aborted.request_id] = (
+                    aborted.claim_start,
+                    as_layers(aborted.keys),
+                    as_layers(aborted.values),
+                )
+                lockstep.release(aborted)
             if position % 2:  # planned ahead (on arrival), claimed at admission
                 plan = lockstep.claim(lockstep.plan(rid, ids, meta, None), 0)
             else:
                 plan = lockstep.plan(rid, ids, meta, 0)
             assert plan.error is None
             keys, values = as_layers(plan.keys), as_layers(plan.values)
+            if keys is not None:
+                claims[rid] = (plan.claim_start, keys, values)
             run = type("Run", (), {"prompt": plan.prompt, "local_hit": plan.local_hit})()
             run.keys, run.values = ([] if keys is None else keys), ([] if values is None else values)
             out, k, v = engine(model, run, max_new_tokens=4)
             read_backs[rid] = (k, v)
             lockstep.record(plan, k, v, out, set())
     assert stream.summary() == {"ops": len(channel.ops), "waiting": 0, "stopped": None}
-    return channel.ops, read_backs
+    return channel.ops, read_backs, claims
 
 
-def _replica_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffle: int) -> dict:
+def _replica_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffle: int | None) -> dict:
     tokenizer = embedded_tokenizer()
     config = tiny_model("llama").config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -91,14 +99,25 @@ def _replica_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffl
     replica = Replica(Sharing(own, tokenizer, method, min_segment_tokens=4), wait_s=20)
     for rid, (k, v) in read_backs.items():  # the worker keeps its own heads of each read-back
         replica.keep(rid, k[:, :, first:last], v[:, :, first:last])
-    arrival = list(ops)
-    random.Random(shuffle).shuffle(arrival)  # the order channel's thread may bring them in any order
-    for op in arrival:
-        replica.submit(op)
+    claims = {}
+    if shuffle is None:  # in order, each claim taken as the worker's step takes it (before the record)
+        for op in ops:
+            replica.submit(op)
+            claim = op.get("decision", {}).get("claim", [0, 0])
+            if op["op"] == "check" and not op.get("final") and claim[1] > claim[0]:
+                claim, why = replica.claim_of(op["request_id"], timeout=60)
+                assert claim is not None, why
+                start, keys, values = claim
+                claims[op["request_id"]] = (start, None if keys is None else (keys.clone(), values.clone()))
+    else:
+        arrival = list(ops)
+        random.Random(shuffle).shuffle(arrival)  # the order channel's thread may bring them in any order
+        for op in arrival:
+            replica.submit(op)
     replica.done(len(ops), timeout=120)
     counts = dict(replica.counts)
     replica.close()
-    return counts
+    return {**counts, "heads": (first, last), "claims": claims}
 
 
 def _rank_main(rank: int, runs: list) -> list[dict]:
@@ -117,14 +136,16 @@ def _swapped(ops: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def lockstep_runs(tmp_path_factory) -> dict:
     runs, streams = [], {}
+    claims = {}
     for case in LOCKSTEP_CASES:
-        ops, read_backs = scheduler_run(case)
+        ops, read_backs, claims[case] = scheduler_run(case)
         streams[case] = ops
         runs.append((case, ops, read_backs, 1))
         if case == "kvcmas":
             runs.append((case, _swapped(ops), read_backs, 2))
+            runs.append((case, ops, read_backs, None))
     results = run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("lockstep"), runs)
-    return {"streams": streams, "ranks": results}
+    return {"streams": streams, "ranks": results, "claims": claims}
 
 
 @pytest.mark.parametrize("case", LOCKSTEP_CASES)
@@ -139,11 +160,33 @@ def test_every_ranks_replica_decides_what_the_scheduler_decides(lockstep_runs, c
     provenances = {p[0] for d in decided for p in d["placed"] if p}
     want = ({"accepted", "fallback"}, "corrected") if case == "kvcmas" else ({"turn", "fallback"}, "reused")
     assert want[0] <= gates and want[1] in provenances, (gates, provenances)
-    index = LOCKSTEP_CASES.index(case) + (1 if case == "kvcomm" else 0)  # kvcmas has a second run
+    index = 0 if case == "kvcmas" else 3  # kvcmas's runs: shuffled, swapped, in order
     for rank in range(WORLD):
-        counts = lockstep_runs["ranks"][rank][index]
-        assert counts["stopped"] is None, (rank, counts)
+        counts = {
+            k: v for k, v in lockstep_runs["ranks"][rank][index].items() if k not in ("heads", "claims")
+        }
         assert counts == {"ops": len(ops), "agree": checks, "differ": 0, "dropped": 0, "stopped": None}
+
+
+def _relative(x, y) -> float:
+    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
+
+
+def test_each_ranks_replica_claims_its_heads_of_the_schedulers_claimed_kv(lockstep_runs):
+    """What a worker writes from its replica (no K/V on any channel): its heads of the K/V the
+    scheduler's one-rank plan claims, request by request (corrected spans included), to round-off."""
+    want = lockstep_runs["claims"]["kvcmas"]
+    assert want
+    for rank in range(WORLD):
+        got = lockstep_runs["ranks"][rank][2]
+        first, last = got["heads"]
+        assert got["stopped"] is None and got["differ"] == 0, got
+        assert set(got["claims"]) == set(want), set(got["claims"]) ^ set(want)
+        for rid, (start, keys, values) in want.items():
+            mine_start, mine = got["claims"][rid]
+            assert mine_start == start and mine is not None, rid
+            assert _relative(mine[0], keys[:, :, first:last]) <= 1e-5, (rank, rid, "keys")
+            assert _relative(mine[1], values[:, :, first:last]) <= 1e-5, (rank, rid, "values")
 
 
 def test_the_op_order_keeps_the_replicas_in_step(lockstep_runs):

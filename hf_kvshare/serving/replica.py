@@ -219,6 +219,9 @@ class Replica:
         self.wait_s = float(wait_s)
         self.read_backs = PayloadBuffer(max_bytes)
         self._plans: dict[str, Plan] = {}
+        #: request id -> (claim start, keys, values) of the replica's claim (``None`` K/V: it claims
+        #: nothing), until the worker's step that writes it takes it (:meth:`claim_of`) or the request ends
+        self._claims: dict[str, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}
         self._ops: dict[int, dict[str, Any]] = {}
         self._next = 0
         self._cond = threading.Condition()
@@ -245,6 +248,20 @@ class Replica:
         if dropped:
             self.counts["dropped"] += len(dropped)
             logger.error("hf_kvshare: the replica's read-back budget dropped %s", dropped)
+
+    def claim_of(
+        self, request_id: str, timeout: float
+    ) -> tuple[tuple[int, torch.Tensor | None, torch.Tensor | None] | None, str]:
+        """The replica's claim of a request, ``(start, keys, values)`` with this rank's heads
+        (``[layers, claimed, heads, head_dim]``; ``None``: it claims nothing), waiting up to ``timeout``
+        seconds for its plan or claim op to run, and why there is none (``""`` when there is)."""
+        with self._cond:
+            self._cond.wait_for(lambda: request_id in self._claims or self.counts["stopped"], timeout)
+            if request_id in self._claims:
+                return self._claims.pop(request_id), ""
+            if self.counts["stopped"]:
+                return None, f"this rank's replica stopped ({self.counts['stopped']})"
+            return None, f"its plan did not run on this rank's replica within {timeout:g} s"
 
     def done(self, ops: int, timeout: float) -> bool:
         """Wait until the first ``ops`` ops have run (or the replica stopped); whether they did."""
@@ -291,17 +308,21 @@ class Replica:
     def _run(self, op: dict[str, Any]) -> None:
         kind, request_id = op["op"], str(op["request_id"])
         if kind == "plan":
-            self._plans[request_id] = self.sharing.plan(
+            plan = self._plans[request_id] = self.sharing.plan(
                 request_id, list(op["prompt"]), op["params"], op["local_hit"]
             )
+            if plan.local_hit is not None:
+                self._claimed(plan)
         elif kind == "claim":
-            self.sharing.claim(self._plan(request_id), int(op["local_hit"]))
+            self._claimed(self.sharing.claim(self._plan(request_id), int(op["local_hit"])))
         elif kind == "release":
             plan = self._plans.pop(request_id, None)
             self.read_backs.take(request_id, 0)
+            self._forget_claim(request_id)
             if plan is not None:
                 self.sharing.release(plan)
         elif kind == "record":
+            self._forget_claim(request_id)
             plan = self._plan(request_id)
             kv, missing = self.read_backs.take(request_id, self.wait_s)
             if kv is None:
@@ -309,6 +330,18 @@ class Replica:
             self.sharing.record(plan, kv[0], kv[1], list(op["output_ids"]), set(op["stop_ids"]))
         elif kind == "check":
             self._check(request_id, op["decision"], op.get("final", False))
+
+    def _claimed(self, plan: Plan) -> None:
+        """The plan's claim, for the worker's step that writes it (:meth:`claim_of`)."""
+        keys = plan.keys if isinstance(plan.keys, torch.Tensor) and plan.claimed else None
+        values = plan.values if keys is not None else None
+        with self._cond:
+            self._claims[plan.request_id] = (plan.claim_start, keys, values)
+            self._cond.notify_all()
+
+    def _forget_claim(self, request_id: str) -> None:
+        with self._cond:
+            self._claims.pop(request_id, None)
 
     def _plan(self, request_id: Hashable) -> Plan:
         plan = self._plans.get(request_id)
