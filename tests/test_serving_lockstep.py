@@ -340,8 +340,9 @@ def _kvcmas_server(folder, tp):
 )
 def test_kvcmas_at_two_ranks_runs_replicas_in_step_and_decides_as_one_rank(tmp_path_factory):
     """A KVCMAS server at TP = 2 (every rank a replica on its 2 KV heads, the op stream on the order
-    channels) answers, claims, supplies and gates request by request as a TP = 1 server, and every
-    rank's replica agreed with the scheduler at every check it reported."""
+    channels) answers, claims, supplies and gates request by request as a TP = 1 server, every rank's
+    replica agreed with the scheduler at every check it reported, and every claim was written from the
+    ranks' replicas (no claimed K/V or factors sent)."""
     runs = {}
     for tp in (1, 2):  # one server at a time
         server = _kvcmas_server(tmp_path_factory.mktemp(f"kvcmas-tp{tp}"), tp)
@@ -358,3 +359,9 @@ def test_kvcmas_at_two_ranks_runs_replicas_in_step_and_decides_as_one_rank(tmp_p
     for counts in replicas["ranks"].values():
         assert counts["stopped"] is None and counts["differ"] == 0 and counts["agree"] > 0, replicas
     assert store["metadata_bytes"]["max"] <= 64 << 10, store["metadata_bytes"]
+    # every claim written from the ranks' replicas: no K/V and no factors on the order channels
+    assert store["load_tokens"]["replica"] > 0 and store["load_tokens"]["sent"] == 0, store["load_tokens"]
+    assert store["load_bytes"]["sent"] == 0 and store["load_bytes"]["factors"] == 0, store["load_bytes"]
+    print(
+        "replicas", replicas, "load", store["load_tokens"], store["load_bytes"], "handoff", store["handoff"]
+    )

@@ -114,7 +114,7 @@ class Load:
     """Claimed K/V to write before the request's first forward: positions ``[start, start + tokens)``.
     No tensor: each piece is a :class:`Source` (rows the worker keeps) or a ``payload`` range (claim
     offsets ``[lo, hi)``) whose K/V came on the order channel under the request id (:mod:`.channel`;
-    all ranges' rows in one message, in order)."""
+    all ranges' rows in one message, in order), or, ``from_replica``, the claim of each rank's replica."""
 
     request_id: str
     block_ids: list[int]
@@ -122,6 +122,9 @@ class Load:
     tokens: int
     sources: list[Source] = field(default_factory=list)
     payload: list[tuple[int, int]] = field(default_factory=list)
+    #: the whole claim from each rank's own replica (:mod:`.replica`: its plan's K/V of its heads), no
+    #: source or payload; a rank whose replica claims other positions reports the blocks failed
+    from_replica: bool = False
 
 
 @dataclass

@@ -219,8 +219,9 @@ class HFKVShareScheduler:
         self._drops: list[str] = []  # kept requests never recorded: dropped by the worker next step
         #: the step metadata's pickled bytes, last and most (``metadata_bytes`` in the summary)
         self.metadata_bytes = {"last": 0, "max": 0, "steps": 0}
-        #: claimed tokens written from rows the worker keeps (``referenced``) and sent on the order channel
-        self.load_tokens = {"referenced": 0, "sent": 0}
+        #: claimed tokens written from rows the worker keeps (``referenced``), sent on the order channel
+        #: (``sent``) and written from each rank's replica's claim (``replica``)
+        self.load_tokens = {"referenced": 0, "sent": 0, "replica": 0}
         #: bytes sent on the order channel for claims: K/V rows (``sent``) and correction factors
         #: (``factors``, for ``corrected`` tokens whose delta the worker adds to rows it keeps)
         self.load_bytes = {"sent": 0, "factors": 0, "corrected": 0}
@@ -303,7 +304,9 @@ class HFKVShareScheduler:
         if plan.error:
             logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
         plan.record_wait_s = self._record_waits.pop(request.request_id, None)
-        if plan.claimed and not self._orders_connected():  # no way to send what the worker does not keep
+        if plan.claimed and not self._orders_connected() and self._claims_from_replicas():
+            _trim(plan, 0)  # the replicas get their ops once every rank's order channel is connected
+        elif plan.claimed and not self._orders_connected():  # no way to send what the worker does not keep
             pieces = _pieces(plan)
             unsent = [
                 lo
@@ -548,6 +551,9 @@ class HFKVShareScheduler:
         """The claim as references to rows the worker keeps (pinned at admission, until the request
         ends), with the low-rank factors of a corrected one's delta, and the rest sent now on the order
         channel (:class:`Load`; module docstring)."""
+        if self._claims_from_replicas():  # each rank writes its replica's claim: no K/V, no factors sent
+            self.load_tokens["replica"] += plan.claimed
+            return Load(plan.request_id, [], plan.claim_start, plan.claimed, from_replica=True)
         load = Load(plan.request_id, [], plan.claim_start, plan.claimed)
         factors: list[torch.Tensor] = []
         for lo, hi, origin, span_start in _pieces(plan):
@@ -719,6 +725,14 @@ class HFKVShareScheduler:
             "handoff": self.handoff_summary(),
             "replicas": self.replicas_summary(),
         }
+
+    def _claims_from_replicas(self) -> bool:
+        """Whether the workers write their replicas' claims: replicas run, the op stream has not stopped,
+        and no rank reported a replica stopped or a decision differing from this side's (then claims'
+        K/V are sent again, as without replicas)."""
+        if self._stream is None or self._stream.stopped is not None:
+            return False
+        return not any(c.get("stopped") or c.get("differ") for c in list(self.replica_counts.values()))
 
     def replicas_summary(self) -> dict[str, Any] | None:
         """The op stream's counts and each rank's replica's (``None``: no replicas)."""

@@ -199,6 +199,8 @@ class HFKVShareWorker:
         """Write one claim: each kept source's rows (keys re-positioned here, a corrected one's delta
         added here: :func:`~.worker_store.add_delta`) and the K/V the order channel brought; ``False`` when
         a piece is missing (nothing is written from anything else)."""
+        if load.from_replica:
+            return self._load_from_replica(load)
         pieces = []
         factors = None
         if any(source.correction is not None for source in load.sources):
@@ -254,6 +256,33 @@ class HFKVShareWorker:
                         key, value, delta[0][layer], delta[1], self.shifter, layer, self._heads
                     )
                 self._io[name].write(load.block_ids, load.start + offset, key, value)
+        return True
+
+    def _load_from_replica(self, load: Load) -> bool:
+        """Write the claim this rank's replica decided (:mod:`.replica`: its heads of the claimed K/V, on
+        this rank's device; nothing came on a channel): ``False`` when it has none, it stopped, or its
+        claim starts elsewhere or is shorter than the scheduler's."""
+        if self.replica is None:
+            claim, missing = None, "no replica on this rank"
+        else:
+            claim, missing = self.replica.claim_of(load.request_id, PAYLOAD_WAIT_S)
+        if claim is None:
+            logger.error("hf_kvshare: request %s's claim from the replica: %s", load.request_id, missing)
+            return False
+        start, keys, values = claim
+        if start != load.start or keys is None or keys.shape[1] < load.tokens:
+            logger.error(
+                "hf_kvshare: request %s: this rank's replica claims %s positions from %d, the scheduler %d "
+                "from %d: vLLM recomputes them",
+                load.request_id,
+                0 if keys is None else keys.shape[1],
+                start,
+                load.tokens,
+                load.start,
+            )
+            return False
+        for i, name in enumerate(self._names):
+            self._io[name].write(load.block_ids, load.start, keys[i, : load.tokens], values[i, : load.tokens])
         return True
 
     def _delta(self, source: Source, factors: list[torch.Tensor] | None) -> tuple[list, Any] | None:
