@@ -4,8 +4,21 @@ and takes every value a decision reads from the leader (rank 0), in order
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
+from anchors_trajectory import (
+    GROUP,
+    KV_HEADS,
+    one_rank_runs,
+    pool_numbers,
+    rank_runs,
+    served,
+    sharing_for,
+    trajectory,
+)
+from tiny import embedded_tokenizer, tiny_model
 
 from hf_kvshare.anchors.lowrank import any_rank, column_sum, columns, factorize, kept_rank
 from hf_kvshare.anchors.sharded import FollowerDiverged, FollowerShard
@@ -50,3 +63,94 @@ def test_the_followers_factors_are_meta_of_the_shapes_one_rank_keeps(length, ran
     assert factors.nbytes == one.nbytes  # the one-rank bytes from the shapes alone
     assert factors.a.is_meta and (factors.b is None or factors.b.is_meta)
     assert kept_rank(length, 32, rank, "randomized") == (None if factors.dense else factors.rank)
+
+
+# ------------------------------------------------------------------ the follower of the gloo ranks' trajectory
+pytestmark = pytest.mark.xdist_group(GROUP)  # one worker with test_anchors_spmd: the ranks spawned once
+
+
+@pytest.fixture(scope="session")  # session, not module: the module's xdist group is GROUP, the spawn's
+def ranks() -> list[dict]:
+    return rank_runs()
+
+
+@pytest.fixture(scope="session")
+def one_rank() -> dict:
+    return one_rank_runs()
+
+
+def follow(case: str, leader: dict, published: list[torch.Tensor] | None = None) -> dict:
+    """The trajectory on the follower: a full-width skeleton, the case's method on a
+    :class:`FollowerShard` replaying ``published`` (rank 0's, by default), ``meta`` stand-ins of every
+    read-back (the output ids are the engine's, here the leader's)."""
+    model = tiny_model("llama", num_key_value_heads=KV_HEADS.get(case, 2))
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    queue = deque(leader["published"] if published is None else published)
+    method = served(case)
+    method.run_on_shard(FollowerShard(queue.popleft))
+    sharing = sharing_for(case, model, embedded_tokenizer(), method)
+
+    def run(plan, keys, values, index):
+        out = leader["steps"][index]["out"]
+        shape = (
+            config.num_hidden_layers,
+            len(plan.prompt) + len(out) - 1,
+            config.num_key_value_heads,
+            head_dim,
+        )
+        return out, torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
+
+    steps = trajectory(sharing, embedded_tokenizer(), run)
+    return {
+        "steps": steps,
+        "pools": pool_numbers(method, method.shard),
+        "left": len(queue),
+        "held": held_storage(sharing),
+        "counted": sharing.held_bytes(),
+    }
+
+
+def held_storage(sharing) -> int:
+    """Bytes the follower's slots and pools hold in memory (the bounds count one rank's instead)."""
+    held = sum(host.held_bytes() for host in sharing.hosts.values())  # storages: a stand-in holds none
+    for pool in sharing.method.pools.values():
+        for anchor in pool:
+            factors = [*anchor.base.keys, *anchor.base.values]
+            factors += [f for delta in anchor.deltas.values() for f in (*delta.keys, *delta.values)]
+            held += sum(
+                t.numel() * t.element_size()
+                for f in factors
+                for t in (f.a, f.b)
+                if t is not None and not t.is_meta
+            )
+    return held
+
+
+CASE_NAMES = ["kvcmas", "kvcmas-guard", "kvcomm", "kvcmas-replicated", "kvcmas-small"]
+
+
+@pytest.fixture(scope="session")
+def followers(ranks) -> dict:
+    return {case: follow(case, ranks[0][case]) for case in CASE_NAMES}
+
+
+def _decisions(step: dict) -> dict:
+    return {key: step[key] for key in ("claim", "placed", "gates", "out", "stores")}
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_the_follower_decides_what_every_rank_and_one_rank_decide(ranks, one_rank, followers, case):
+    mine = followers[case]
+    assert mine["left"] == 0  # every published value replayed, none left over
+    for rank in range(len(ranks)):
+        theirs = ranks[rank][case]["steps"]
+        assert len(mine["steps"]) == len(theirs)
+        for index, (got, want) in enumerate(zip(mine["steps"], theirs)):
+            assert _decisions(got) == _decisions(want), (case, rank, index)
+    for index, (got, want) in enumerate(zip(mine["steps"], one_rank[case]["steps"])):
+        assert got["claim"] == want["claim"] and got["placed"] == want["placed"], (case, index)
+        assert got["stores"] == want["stores"], (case, index)
+    assert mine["pools"] == ranks[0][case]["pools"]  # the leader's numbers, received bit for bit
+    assert mine["held"] == 0  # stand-ins: the follower holds no K/V, no factors
+    assert mine["counted"] == ranks[0][case]["counted"] == one_rank[case]["counted"] > 0  # one rank's bytes

@@ -147,6 +147,14 @@ def columns(local: int, shard: Shard | None) -> int:
     return local if shard is None else shard.total_columns(local)
 
 
+def bound_count(count: Callable[[], int], shard: Shard | None) -> int:
+    """A byte count a bound compares, the same on every member: ``count()`` (this member's count, in
+    one-rank terms: :func:`columns` of its K/V's bytes, :attr:`MatrixFactors.nbytes`), published by the
+    leader; a follower, whose ``meta`` stand-ins neither hold nor share storage as values do, takes the
+    leader's instead of calling ``count``."""
+    return count() if shard is None else shard.count(count)
+
+
 def factorize(matrix: torch.Tensor, rank: int | None, svd: SVD, shard: Shard | None) -> MatrixFactors:
     """:meth:`MatrixFactors.from_matrix` of this rank's columns ``[L, D_p]``: under ``shard`` the
     sharded factors (:func:`~.sharded.sharded_factors`: ``a`` whole, this rank's columns of ``b``)."""
@@ -188,6 +196,9 @@ class MatrixFactors:
 
     a: torch.Tensor
     b: torch.Tensor | None = None
+    #: the column blocks of a tensor-parallel rank's factors (:func:`~.sharded.sharded_factors`): ``b``
+    #: (or a dense ``a``) holds one of them, ``a`` of factors is whole; :attr:`nbytes` counts one rank's
+    blocks: int = 1
 
     @classmethod
     def from_matrix(cls, matrix: torch.Tensor, rank: int | None, svd: SVD = "exact") -> MatrixFactors:
@@ -230,7 +241,13 @@ class MatrixFactors:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, self.b) if t is not None)
+        """Bytes of the matrix's factors as one rank holding every column keeps them (a tensor-parallel
+        rank's columns count :attr:`blocks` times, the whole ``a`` of factors once): every rank and the
+        follower bound the same bytes."""
+        a = self.a.numel() * self.a.element_size()
+        if self.b is None:
+            return a * self.blocks
+        return a + self.b.numel() * self.b.element_size() * self.blocks
 
     def reconstruct(self, rows: int | None = None) -> torch.Tensor:
         """The first ``rows`` rows (default all) of the matrix, ``[rows, D]``."""
@@ -445,7 +462,7 @@ class DeferredFactoredKV:
         """Bytes held: the factors once resolved, else the storages of the source it keeps alive."""
         if self._factors is not None:
             return self._factors.nbytes
-        return storage_bytes(self.keeps_alive())
+        return columns(storage_bytes(self.keeps_alive()), self.shard)  # one rank's: every head's
 
     def keeps_alive(self) -> list[torch.Tensor]:
         """The source tensors it keeps alive until it is resolved (none after)."""

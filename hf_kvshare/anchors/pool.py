@@ -32,7 +32,9 @@ from .lowrank import (
     DEFERRED_WORK,
     DeferredFactoredKV,
     FactoredKV,
+    bound_count,
     column_sum,
+    columns,
     relative_distance,
     row_energy,
     squared_spread,
@@ -91,11 +93,12 @@ class LRUDict(OrderedDict):
         """Bytes of the entries (:func:`held_bytes`: a storage several of them keep alive counted once)."""
         return held_bytes(self.values())
 
-    def trim(self) -> None:
-        """Within ``max_bytes`` (see the class docstring); nothing without a byte bound."""
+    def trim(self, shard: Shard | None = None) -> None:
+        """Within ``max_bytes`` (see the class docstring); nothing without a byte bound. Under ``shard``
+        every member counts one rank's bytes (:func:`~.lowrank.bound_count`)."""
         if self.max_bytes is None:
             return
-        held = self.nbytes
+        held = bound_count(lambda: self.nbytes, shard)
         while self and held > self.max_bytes:
             oldest = next(iter(self))
             entry = super().__getitem__(oldest)
@@ -103,7 +106,7 @@ class LRUDict(OrderedDict):
             if not (len(self) == 1 and shed is not None and shed()):
                 self.popitem(last=False)
                 self.evicted += 1
-            held = self.nbytes  # a storage the dropped part shared with others is still held
+            held = bound_count(lambda: self.nbytes, shard)  # a storage the dropped part shared may be held
             self.evicted_for_bytes += 1
 
 
@@ -113,18 +116,21 @@ def held_bytes(parts: Iterable[Any]) -> int:
     each storage counted once and whole however many of them keep it (several anchors recorded from
     one request's cache keep the same layers alive)."""
     own, alive = _holding(parts)
-    return own + storage_bytes(alive)
+    return own + sum(columns(storage_bytes(tensors), shard) for shard, tensors in alive.items())
 
 
-def _holding(parts: Iterable[Any]) -> tuple[int, list[torch.Tensor]]:
-    """``(bytes of their own, the tensors whose storages they keep alive)`` of ``parts``."""
-    own, alive = 0, []
+def _holding(parts: Iterable[Any]) -> tuple[int, dict[Any, list[torch.Tensor]]]:
+    """``(bytes of their own, the tensors whose storages they keep alive by the shard they were
+    recorded under)`` of ``parts`` (one rank's bytes: a rank's K/V count as every head's)."""
+    own, alive = 0, {}
     for part in parts:
         if isinstance(part, DeferredFactoredKV) and not part.resolved:
-            alive += part.keeps_alive()
+            alive.setdefault(part.shard, []).extend(part.keeps_alive())
         elif hasattr(part, "holding"):
             part_own, part_alive = part.holding()
-            own, alive = own + part_own, alive + part_alive
+            own += part_own
+            for shard, tensors in part_alive.items():
+                alive.setdefault(shard, []).extend(tensors)
         else:
             own += part.nbytes
     return own, alive
@@ -236,7 +242,7 @@ class Anchor:
         alive, each counted once: :func:`held_bytes`)."""
         return held_bytes([self])
 
-    def holding(self) -> tuple[int, list[torch.Tensor]]:
+    def holding(self) -> tuple[int, dict[Any, list[torch.Tensor]]]:
         """Its factors' bytes and the tensors its deferred parts keep alive (:func:`held_bytes`)."""
         prefix = [d for _, d in self.prefix_deltas.values()]
         return _holding([self.__dict__["base"], *self.deltas.held(), *prefix])
@@ -393,7 +399,7 @@ class AnchorPool:
         counted once: :func:`held_bytes`)."""
         return held_bytes([self])
 
-    def holding(self) -> tuple[int, list[torch.Tensor]]:
+    def holding(self) -> tuple[int, dict[Any, list[torch.Tensor]]]:
         """Its anchors' factors' bytes and the tensors their deferred parts keep alive (:func:`held_bytes`)."""
         return _holding(self.anchors)
 

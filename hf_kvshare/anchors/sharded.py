@@ -204,8 +204,15 @@ class Shard:
 
     def total_columns(self, local: int) -> int:
         """A count of features over every rank from this rank's ``local`` count (a mean over ``D``, the
-        rank clamp)."""
+        rank clamp; the bytes of its heads' K/V: one rank's bytes)."""
         return local * self.blocks
+
+    def count(self, count: Callable[[], int]) -> int:
+        """A byte count a bound compares (``count()``, one-rank terms; every rank counts the same):
+        published by the leader for the follower, which cannot count its stand-ins."""
+        counted = int(count())
+        self._published(torch.tensor([counted], dtype=torch.float64))
+        return counted
 
     def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
         """:func:`sharded_factors` of this rank's columns ``[L, D_p]`` over the group."""
@@ -266,6 +273,11 @@ class FollowerShard:
     def total_columns(self, local: int) -> int:
         return local
 
+    def count(self, count: Callable[[], int]) -> int:
+        """The leader's byte count (``count`` is not called: this member's stand-ins hold no storage as
+        values do, views and copies alike)."""
+        return int(self._next("count", (1,)).item())
+
     def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
         """The factors one rank keeps of ``matrix`` ``[L, D]``, as ``meta`` stand-ins of their shapes
         (dense: the matrix itself); nothing is computed or received."""
@@ -313,7 +325,7 @@ def sharded_factors(
     FACTORIZATIONS.add(svd=k is not None)
     with phase("factorize"):
         if k is None:
-            return MatrixFactors(a=z_local.detach().clone())
+            return MatrixFactors(a=z_local.detach().clone(), blocks=shard.blocks)
         if svd == "exact":
             a, b = _truncated_svd(shard.all_gather(z_local.detach(), dim=1), k, svd)
         else:
@@ -324,7 +336,9 @@ def sharded_factors(
                 )
             a, b = _randomized_svd(z_local.detach(), k, shard)
         b_local = b[:, shard.columns]
-        return MatrixFactors(a=a.to(z_local.dtype).contiguous(), b=b_local.to(z_local.dtype).contiguous())
+        return MatrixFactors(
+            a=a.to(z_local.dtype).contiguous(), b=b_local.to(z_local.dtype).contiguous(), blocks=shard.blocks
+        )
 
 
 def sharded_factored_kv(

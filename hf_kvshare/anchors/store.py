@@ -128,7 +128,7 @@ class BoundedStore:
 
     def trim(self) -> None:
         """The entries within ``max_bytes``: least recently used dropped first (counted)."""
-        self.entries.trim()
+        self.entries.trim(self.shard)
 
     def load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """:meth:`read` then :meth:`replace`."""

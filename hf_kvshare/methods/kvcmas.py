@@ -115,10 +115,10 @@ import torch
 
 from ..anchors.cache import CorrectedCache
 from ..anchors.edge_scope import EdgeScope
-from ..anchors.lowrank import SVD_METHODS
+from ..anchors.lowrank import SVD_METHODS, any_rank, bound_count, columns
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
 from ..anchors.scope import Scope
-from ..anchors.sharded import Shard
+from ..anchors.sharded import FollowerDiverged, FollowerShard, Shard
 from ..anchors.slot_scope import SlotScope
 from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
 from ..anchors.verify import PLACES, SCALES
@@ -571,15 +571,43 @@ class KVCMAS(PrefixReuse, Method):
     pools = Stored("entries")
     _requests = Stored("requests")
 
-    def run_on_shard(self, shard: Shard | None) -> None:
+    def run_on_shard(self, shard: Shard | FollowerShard | None) -> None:
         """Run the engine on one tensor-parallel rank's KV heads (SPMD, :mod:`~hf_kvshare.anchors.sharded`):
         the model bound next (its config: this rank's KV heads) and every K/V given are the rank's
         heads; each rank of ``shard``'s group runs the same hooks in the same order and decides what
-        one rank decides over all heads. ``None`` (the default): one rank. Set before :meth:`bind`
-        (the rank options are clamped to the global ``D`` there)."""
+        one rank decides over all heads. ``None`` (the default): one rank. A
+        :class:`~hf_kvshare.anchors.sharded.FollowerShard`: the scheduler's copy (every head, ``meta``
+        stand-ins, the leader's values). Set before :meth:`bind` (the rank options are clamped to the
+        global ``D`` there)."""
         if self.binding.model is not None:
             raise ValueError(f"{self.name}: run_on_shard must come before the method is bound to a model")
         self._store.shard = shard
+
+    @property
+    def shard(self) -> Shard | FollowerShard | None:
+        """The shard the engine runs on (:meth:`run_on_shard`; ``None``: one rank)."""
+        return self._store.shard
+
+    @property
+    def follower(self) -> bool:
+        """Whether the engine is the scheduler's follower (:class:`~hf_kvshare.anchors.sharded.FollowerShard`):
+        ``meta`` stand-ins of every head, every value a decision reads received from the leader."""
+        return isinstance(self._store.shard, FollowerShard)
+
+    #: what a host lets through instead of counting it: a follower off its leader's path decides nothing more
+    fatal_errors = (FollowerDiverged,)
+
+    def kv_bytes(self, count: Callable[[], int]) -> int:
+        """The bytes of K/V a bound compares, as one rank holding every head counts them, the same on every
+        member: ``count()`` (this member's heads' bytes) times the shard's column blocks, and on a follower
+        the leader's count (:func:`~hf_kvshare.anchors.lowrank.bound_count`; one rank: ``count()``)."""
+        shard = self._store.shard
+        return bound_count(lambda: columns(count(), shard), shard)
+
+    def any_rank(self, test: Callable[[], bool]) -> bool:
+        """``test`` of this member's K/V (e.g. "they hold NaN or inf"), answered alike by every rank of the
+        engine's shard and its follower (:func:`~hf_kvshare.anchors.lowrank.any_rank`; one rank: ``test()``)."""
+        return any_rank(test, self._store.shard)
 
     def attach(self, model: torch.nn.Module) -> None:
         ranks = clamp_ranks(

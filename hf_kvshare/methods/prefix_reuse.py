@@ -8,6 +8,7 @@ re-positioned; it implements the contract's ``prefix`` and extends ``record``, `
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -127,11 +128,18 @@ class PrefixReuse:
         self.__dict__["_prefix_max_bytes"] = max_bytes
         self._trim_prefixes(self._agent_prefixes())
 
+    def kv_bytes(self, count: Callable[[], int]) -> int:
+        """The bytes of K/V a bound compares, from ``count()`` (this instance's): as counted here; a
+        method whose engine runs on tensor-parallel shards counts one rank's (``KVCMAS.kv_bytes``)."""
+        return count()
+
     def _trim_prefixes(self, store: OrderedDict) -> None:
         budget = self.__dict__.get("_prefix_max_bytes", self.PREFIX_MAX_BYTES)
-        held = sum(kv.nbytes for kv in store.values())
+        own = sum(kv.nbytes for kv in store.values())
+        held = self.kv_bytes(lambda: own)
         while store and (len(store) > self.PREFIX_LIMIT or held > budget):
-            held -= store.popitem(last=False)[1].nbytes
+            own -= store.popitem(last=False)[1].nbytes
+            held = self.kv_bytes(lambda own=own: own)
             self.__dict__["_prefixes_evicted"] = self.__dict__.get("_prefixes_evicted", 0) + 1
 
     def prefix_summary(self) -> dict[str, int]:

@@ -657,6 +657,31 @@ class Sharing:
         finished request's K/V in vLLM's worker only, and records stand-ins of them."""
         return self.method.name in VALUE_FREE
 
+    @property
+    def follower(self) -> bool:
+        """Whether this is the scheduler's follower of the workers' replicas (the method's engine on a
+        ``FollowerShard``: ``KVCMAS.follower``): it records ``meta`` stand-ins of every read-back,
+        whatever the method, and its placements of them are the workers' to compute."""
+        return bool(getattr(self.method, "follower", False))
+
+    def _any_rank(self, test: Callable[[], bool]) -> bool:
+        """``test`` of this member's K/V, answered alike by every tensor-parallel rank and the follower
+        where the method's engine runs on a shard (``KVCMAS.any_rank``; else ``test()`` itself)."""
+        any_rank = getattr(self.method, "any_rank", None)
+        return any_rank(test) if any_rank is not None else test()
+
+    def _kv_bytes(self, count: Callable[[], int]) -> int:
+        """The bytes of K/V ``max_bytes`` compares, from ``count()`` (this member's): one rank's bytes, the
+        same on every tensor-parallel rank and the follower where the method's engine runs on a shard
+        (``KVCMAS.kv_bytes``; else ``count()`` itself)."""
+        kv_bytes = getattr(self.method, "kv_bytes", None)
+        return kv_bytes(count) if kv_bytes is not None else count()
+
+    def _fatal(self, error: Exception) -> bool:
+        """Whether ``error`` must reach the caller instead of being counted (the method's
+        ``fatal_errors``: a follower that left its leader's path can decide nothing more)."""
+        return isinstance(error, getattr(self.method, "fatal_errors", ()))
+
     # ---------------------------------------------------------------- admission
     def admit(self, params: Any, cache_salt: str | None, images: list[dict[str, Any]] | None = None) -> Any:
         """The layout a request is planned under, fenced by its tenant, or ``None``: nothing injected.
@@ -709,6 +734,8 @@ class Sharing:
                 with timing(phases):
                     self._plan(plan, request)
             except Exception as error:  # noqa: BLE001 - the engine must keep running
+                if self._fatal(error):
+                    raise
                 self.errors += 1
                 plan.error = f"{type(error).__name__}: {error}"
                 if plan.host is not None and plan.turn is not None:  # refused after its turn was opened
@@ -758,12 +785,14 @@ class Sharing:
             origin = find(placement.kv) if find is not None else None  # before it is moved
             if origin is None and find is not None:  # a corrected span of kept rows: its delta's factors
                 origin = corrected_origin(placement.kv, find)
-            if placement is not None and origin is None and is_stand_in(placement.kv):
+            if placement is not None and origin is None and is_stand_in(placement.kv) and not self.follower:
                 # rows the worker no longer keeps, and no values here to send: computed by the engine
                 placement = None
                 plan.unplaced[span.name] = self._why_unplaced(host, turn, span, dropped=True)
             elif placement is not None:
-                if origin is None:  # sent to the worker: computed here, on the plan's thread
+                if (
+                    origin is None and not self.follower
+                ):  # sent to the worker: computed here, on the plan's thread
                     placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
                 _keep_gate(plan, span.name, placement.info)  # (rows the worker keeps: it moves them)
             else:
@@ -920,13 +949,15 @@ class Sharing:
         ]
         rows = sum(hi - lo for lo, hi, _, _ in sent)
         if rows:
-            first = sent[0][3]
+            first = sent[0][3].stored  # its shapes and dtypes (a follower's placement is not computed)
             k0 = first.keys[0]
             shape = (len(first.keys), rows, k0.shape[1], k0.shape[3])
-            plan.keys = torch.empty(shape, dtype=k0.dtype)
-            plan.values = torch.empty(shape, dtype=first.values[0].dtype)
+            # the follower's claimed rows stand in too: each worker's replica places its own heads
+            device = "meta" if self.follower else None
+            plan.keys = torch.empty(shape, dtype=k0.dtype, device=device)
+            plan.values = torch.empty(shape, dtype=first.values[0].dtype, device=device)
             at = 0
-            for lo, hi, span_start, kv in sent:
+            for lo, hi, span_start, kv in sent if not self.follower else ():
                 a, b = lo - span_start, hi - span_start
                 for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
                     plan.keys[layer, at : at + b - a] = k[0, :, a:b].transpose(0, 1)  # [n, heads, dim]
@@ -970,6 +1001,8 @@ class Sharing:
                     self._finish_request(plan, keys, values, list(output_ids), stop_ids)
                 recorded = True
             except Exception as error:  # noqa: BLE001 - the engine must keep running
+                if self._fatal(error):
+                    raise
                 self.errors += 1
                 plan.error = f"record: {type(error).__name__}: {error}"
             finally:
@@ -982,7 +1015,7 @@ class Sharing:
             else:
                 plan.host.compact_views()
             self._forget_oldest_slots(plan.host)
-            plan.host.held = plan.host.held_bytes()
+            plan.host.held = self._kv_bytes(plan.host.held_bytes)
             plan.host.storages = slot_storages(plan.host)
             self._bound(plan.host)
             self.records += 1
@@ -1000,7 +1033,9 @@ class Sharing:
             t0 = time.perf_counter()
             try:
                 work()
-            except Exception:  # noqa: BLE001 - the engine must keep running
+            except Exception as error:  # noqa: BLE001 - the engine must keep running
+                if self._fatal(error):
+                    raise
                 self.errors += 1
                 logger.exception("hf_kvshare: a record's deferred work failed")
             self.settles += 1
@@ -1060,8 +1095,25 @@ class Sharing:
             start=0,
             agent=turn.agent,
         )
-        if not is_stand_in(used):  # a stand-in's rows were checked by the worker (or came with values)
-            used.check_finite(f"the engine's K/V of request {plan.request_id}")
+        # under a shard every rank refuses a read-back NaN on one rank's heads, and a follower (stand-ins:
+        # its values stay in the workers) takes the leader's answer
+        refused: list[ValueError] = []
+
+        def non_finite() -> bool:
+            if not is_stand_in(used):  # a stand-in's rows were checked by the worker (or came with values)
+                try:
+                    used.check_finite(f"the engine's K/V of request {plan.request_id}")
+                except ValueError as error:
+                    refused.append(error)
+            return bool(refused)
+
+        if self._any_rank(non_finite):
+            if refused:
+                raise refused[0]
+            raise ValueError(
+                f"the engine's K/V of request {plan.request_id} hold NaN or inf in another tensor-parallel "
+                "rank's heads: not recorded"
+            )
         used.finite = True  # the store holds it from here, and nothing writes it
         cache = self.method.new_cache(turn)
         covered = max(plan.claim_end, plan.local_hit)
@@ -1138,7 +1190,7 @@ class Sharing:
                     slot.latest = None
                     self.dropped_slots += 1
                     self._mark_evicted(current, [name])
-                    current.held = current.held_bytes()
+                    current.held = self._kv_bytes(current.held_bytes)
                     current.storages = slot_storages(current)
                     if self.own_bytes() <= self.max_bytes:
                         break

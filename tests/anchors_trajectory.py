@@ -1,0 +1,248 @@
+"""Test helper: one KVCMAS / KVComm task trajectory driven through
+:class:`~hf_kvshare.serving.host.Sharing` on one rank, on 2 gloo ranks (each its KV heads, SPMD) and on
+the follower (meta stand-ins of every read-back, every reduced value replayed from rank 0's
+publication), for ``tests/test_anchors_spmd.py`` and ``tests/test_anchors_follower.py``.
+
+The gloo ranks are spawned ONCE per test process (:func:`rank_runs`, cached): both modules run on one
+xdist worker (``pytest.mark.xdist_group(GROUP)``) and share that spawn. Rank 0 runs as the leader: its
+:class:`~hf_kvshare.anchors.sharded.Shard` publishes every reduced value into a list, returned with its
+results per case."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from gloo_ranks import run_ranks
+from tiny import embedded_tokenizer, tiny_model
+
+from hf_kvshare.anchors.lowrank import any_rank, relative_distance, relative_spread, row_energy
+from hf_kvshare.anchors.pool import correction_agreement
+from hf_kvshare.anchors.sharded import COLLECTIVES, Shard
+from hf_kvshare.method import get_method
+from hf_kvshare.serving import layout as lay
+from hf_kvshare.serving.host import Sharing, serving_options
+from hf_kvshare.serving.standin import engine
+from hf_kvshare.serving.tensor_parallel import kv_head_range
+
+#: the xdist group of every test using the ranks' runs (one worker: one spawn)
+GROUP = "test_anchors_spmd"
+WORLD = 2
+#: the served methods and their options (``base_rank=4``: KVCMAS's anchors factorized, D = 2 heads x 16;
+#: KVComm's are dense)
+CASES = {
+    "kvcmas": ("kvcmas", {"tau": 0.99, "base_rank": 4, "delta_rank": 4}),
+    # rank 24: above a rank's 16 columns, clamped to the global D = 32 only (not to 16)
+    "kvcmas-guard": (
+        "kvcmas",
+        {"tau": 0.99, "base_rank": 24, "delta_rank": 24, "guard": True, "svd": "exact"},
+    ),
+    "kvcomm": ("kvcomm", {"tau": 0.99, "text_source": "chained", "observation_source": "question"}),
+    # one KV head replicated on both ranks (vLLM's rule with fewer KV heads than ranks): counted once
+    "kvcmas-replicated": ("kvcmas", {"tau": 0.99, "base_rank": 4, "delta_rank": 4}),
+    # small byte budgets: tasks, kept prefixes and anchors evicted by bytes (BUDGETS)
+    "kvcmas-small": ("kvcmas", {"tau": 0.99, "base_rank": 4, "delta_rank": 4}),
+}
+#: the model's KV heads per case (2 unless said)
+KV_HEADS = {"kvcmas-replicated": 1}
+#: the :class:`Sharing` budgets per case (the defaults unless said)
+BUDGETS: dict[str, dict[str, int]] = {
+    "kvcmas-small": {"max_bytes": 50_000, "max_prefix_bytes": 20_000, "max_anchor_bytes": 100_000}
+}
+SYSTEMS = {"planner": "You plan.\n", "critic": "You criticise.\n", "writer": "You write it up.\n"}
+DOCS = [f"Report {t}: the river Lune reaches the sea at Plover Scar, site {t}." for t in range(5)]
+QUESTION = " What should we do next?"
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def served(case: str):
+    name, options = CASES[case][:2]
+    options, _ = serving_options(name, options)
+    return get_method(name, **options)
+
+
+def sharing_for(case: str, model, tokenizer, method) -> Sharing:
+    return Sharing(model, tokenizer, method, min_segment_tokens=4, **BUDGETS.get(case, {}))
+
+
+def as_layers(kv) -> torch.Tensor | None:
+    """A plan's claimed K/V as one ``[layers, m, heads, head_dim]`` tensor (``None``: nothing claimed)."""
+    if isinstance(kv, torch.Tensor):
+        return kv
+    return torch.stack(list(kv)) if len(kv) else None
+
+
+#: a member's run of a planned request: ``(plan, claimed keys, claimed values, request index)`` ->
+#: ``(output ids, read-back keys, read-back values)`` (``[layers, n, heads, head_dim]``, its heads)
+Run = Callable[
+    [object, torch.Tensor | None, torch.Tensor | None, int], tuple[list[int], torch.Tensor, torch.Tensor]
+]
+
+
+def engine_run(model, heads: slice, gather) -> Run:
+    """The engine's run over every head (a rank gathers its claimed heads: ``gather``), read back as this
+    member's ``heads`` (its own storage, as a tensor-parallel worker reads back its own)."""
+
+    def run(plan, keys, values, index):
+        every = SimpleNamespace(
+            prompt=plan.prompt,
+            local_hit=plan.local_hit,
+            keys=[] if keys is None else gather(keys),
+            values=[] if values is None else gather(values),
+        )
+        out, k, v = engine(model, every, max_new_tokens=4)
+        return out, k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
+
+    return run
+
+
+def trajectory(sharing: Sharing, tokenizer, run: Run) -> list[dict]:
+    """Every request of the trajectory planned, run (``run``) and recorded; per request what it claimed,
+    placed, gated, the claimed K/V (this member's heads) and what the stores hold and evicted after it."""
+    steps = []
+    for t, doc in enumerate(DOCS):
+        for position, agent in enumerate(SYSTEMS):
+            host = sharing.hosts.get(f"t{t}")
+            ids = ids_of(tokenizer, SYSTEMS[agent]) + ids_of(tokenizer, doc)
+            segments = [{"slot": "doc", "text": doc}]
+            for reader in list(SYSTEMS)[:position]:
+                ids += ids_of(tokenizer, "\nNotes:") + host.slots[reader].token_ids.tolist()
+                segments.append({"slot": reader})
+            ids += ids_of(tokenizer, QUESTION)
+            meta = {lay.KEY: {"task": f"t{t}", "agent": agent, "segments": segments, "output": agent}}
+            plan = sharing.plan(f"{t}-{agent}", ids, meta, 0)
+            assert plan.error is None, plan.error
+            keys, values = as_layers(plan.keys), as_layers(plan.values)
+            out, k, v = run(plan, keys, values, len(steps))
+            sharing.record(plan, k, v, out, set())
+            assert plan.error is None, plan.error
+            report = plan.report()
+            steps.append(
+                {
+                    "claim": (plan.claim_start, plan.claim_end, plan.claimed),
+                    "placed": [
+                        None if p is None else (p.provenance, p.source_agent) for p in plan.placements
+                    ],
+                    "gates": [s.get("gate") for s in report["segments"] if s["kind"] == "PH"],
+                    "keys": keys,
+                    "values": values,
+                    "out": out,
+                    "stores": stores(sharing),
+                }
+            )
+    return steps
+
+
+def stores(sharing: Sharing) -> dict:
+    """What the stores hold (tasks, slots with K/V, anchors) and evicted so far: every member the same."""
+    method = sharing.method
+    summary = method.state_summary()
+    return {
+        "tasks": list(sharing.hosts),
+        "slots": {
+            task: sorted(n for n, s in h.slots.items() if s.latest is not None)
+            for task, h in sharing.hosts.items()
+        },
+        "evicted": (sharing.evicted_tasks, sharing.dropped_slots),
+        "anchors": {repr(key): [(a.serial, a.source) for a in pool] for key, pool in method.pools.items()},
+        "pool_evictions": (summary.get("evicted_pools"), summary.get("pools_evicted_for_bytes")),
+    }
+
+
+def pool_numbers(method, shard) -> dict:
+    """What the pools hold after the trajectory and the numbers the gate's rules compute from them over
+    every head (each a reduction over ``D``): the anchors' row energies (the nearness rule), the
+    corrections' agreement spread, two bases' relative distance (the duplicate rule) and spread."""
+    out = {}
+    for key, pool in method.pools.items():
+        anchors = list(pool)
+        entry = {
+            "anchors": [(a.serial, a.source, a.length, sorted(a.deltas)) for a in anchors],
+            "energy": [row_energy(a.base, shard) for a in anchors],
+        }
+        if len(anchors) >= 2:
+            rows = min(a.length for a in anchors)
+            bases = [anchors[0].base, anchors[1].base]
+            entry["agreement"] = correction_agreement(anchors, rows, 1, None, shard)[0]
+            entry["distance"] = relative_distance(*bases, shard=shard)
+            entry["spread"] = relative_spread(bases, rows, 0, shard)
+        out[repr(key)] = entry
+    return out
+
+
+def _gather_heads(replicas: int):
+    """Every rank's heads of a ``[layers, m, heads, head_dim]`` tensor joined (a replicated head once)."""
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        blocks = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(blocks, x.contiguous())
+        return torch.cat(blocks[::replicas], dim=2)
+
+    return gather
+
+
+def _rank_main(rank: int) -> dict:
+    tokenizer = embedded_tokenizer()
+    config = tiny_model("llama").config
+    head_dim = config.hidden_size // config.num_attention_heads
+    # a test of one rank's heads (its K/V non-finite: the turn refused) answered alike on every rank
+    results = {"any": [any_rank(rank == r, Shard(None, head_dim)) for r in range(WORLD)]}
+    for case in CASES:
+        kv_heads = KV_HEADS.get(case, 2)
+        model = tiny_model("llama", num_key_value_heads=kv_heads)
+        first, last = kv_head_range(rank, WORLD, kv_heads)
+        own = tiny_model("llama", num_key_value_heads=last - first)  # this rank's skeleton: its KV heads
+        replicas = max(1, WORLD // kv_heads)
+        method = served(case)
+        published: list[torch.Tensor] = []  # the leader's (rank 0's) reduced values, in call order
+        shard = Shard(
+            None, (last - first) * head_dim, replicas, publish=published.append if rank == 0 else None
+        )
+        method.run_on_shard(shard)
+        sharing = sharing_for(case, own, tokenizer, method)
+        before = COLLECTIVES.snapshot()
+        run = engine_run(model, slice(first, last), _gather_heads(replicas))
+        steps = trajectory(sharing, tokenizer, run)
+        results[case] = {
+            "steps": steps,
+            "collectives": COLLECTIVES.since(before),
+            "heads": (first, last),
+            "pools": pool_numbers(method, shard),
+            "ranks": (method.base_rank, method.delta_rank),
+            "published": published,
+            "counted": sharing.held_bytes(),
+        }
+    return results
+
+
+@functools.cache
+def rank_runs() -> list[dict]:
+    """Every rank's results (:func:`_rank_main`), the ranks spawned once per process."""
+    folder = Path(tempfile.mkdtemp(prefix="anchors-trajectory-"))
+    return run_ranks(_rank_main, WORLD, folder)
+
+
+@functools.cache
+def one_rank_runs() -> dict:
+    """The trajectory on one rank over every KV head, per case."""
+    tokenizer = embedded_tokenizer()
+    out = {}
+    for case in CASES:
+        model = tiny_model("llama", num_key_value_heads=KV_HEADS.get(case, 2))
+        sharing = sharing_for(case, model, tokenizer, served(case))
+        steps = trajectory(sharing, tokenizer, engine_run(model, slice(None), lambda x: x))
+        out[case] = {
+            "steps": steps,
+            "pools": pool_numbers(sharing.method, None),
+            "ranks": (sharing.method.base_rank, sharing.method.delta_rank),
+            "counted": sharing.held_bytes(),
+        }
+    return out
