@@ -16,8 +16,8 @@ import json
 import random
 
 import pytest
+from anchors_trajectory import DOCS, QUESTION, SYSTEMS, as_layers, ids_of, served
 from gloo_ranks import run_ranks
-from test_anchors_spmd import DOCS, QUESTION, SYSTEMS, as_layers, ids_of, served
 from tiny import embedded_tokenizer, tiny_model
 
 from hf_kvshare.anchors.sharded import Shard

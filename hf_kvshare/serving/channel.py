@@ -346,18 +346,33 @@ class _Listener:
 class Receiver(_Listener):
     """The scheduler's end of the read-back channel: ``deliver(request_id, keys, values, via, rank)`` on
     its own thread for each message (``via``: what the sender said of when it read them; ``rank``: the
-    tensor-parallel worker that read them)."""
+    tensor-parallel worker that read them), and ``deliver_tensors(request_id, kind, tensors)`` for each
+    tensor message (:meth:`Sender.send_tensors`: the leader replica's published values,
+    :mod:`.replica`; without ``deliver_tensors`` refused)."""
 
     kind = "read-back"
 
-    def __init__(self, deliver: Callable[[str, torch.Tensor, torch.Tensor, str, int], None]):
-        self._deliver = deliver
-        super().__init__(lambda frames: deliver(*decode(frames)))
+    def __init__(
+        self,
+        deliver: Callable[[str, torch.Tensor, torch.Tensor, str, int], None],
+        deliver_tensors: Callable[[str, str, list[torch.Tensor]], None] | None = None,
+    ):
+        def handle(frames: list[Any]) -> None:
+            if deliver_tensors is not None and len(frames) > 1 and _is_tensors(frames):
+                deliver_tensors(*decode_tensors(frames))
+                return
+            deliver(*decode(frames))
+
+        self._deliver, self._deliver_tensors = deliver, deliver_tensors
+        super().__init__(handle)
 
     def _handle_handed(self, kind: str, arguments: tuple[Any, ...]) -> None:
-        if kind != "kv":
+        if kind == "kv":
+            self._deliver(*arguments)
+        elif kind == "tensors" and self._deliver_tensors is not None:
+            self._deliver_tensors(*arguments)
+        else:
             super()._handle_handed(kind, arguments)
-        self._deliver(*arguments)
 
 
 class Orders(_Listener):

@@ -40,9 +40,10 @@ logger = logging.getLogger("hf_kvshare.serving")
 
 def make_sharing(vllm_config: VllmConfig, *, shard: Any = None, kv_heads: int | None = None) -> Sharing:
     """The :class:`Sharing` service ``kv_connector_extra_config`` describes, for the served model: the
-    scheduler side's, or (``shard``: a :class:`~hf_kvshare.anchors.sharded.Shard`, ``kv_heads``: the
-    rank's KV heads) a worker rank's replica (:mod:`.replica`), its method run on the shard before it is
-    bound to a skeleton whose config has the rank's KV heads."""
+    scheduler side's (with ``shard``, a ``FollowerShard``: the follower of the workers' replicas), or
+    (``shard``: a :class:`~hf_kvshare.anchors.sharded.Shard`, ``kv_heads``: the rank's KV heads) a worker
+    rank's replica (:mod:`.replica`), its method run on the shard before it is bound to a skeleton whose
+    config has the rank's KV heads."""
     from transformers import AutoTokenizer
 
     from ..method import get_method
@@ -51,12 +52,11 @@ def make_sharing(vllm_config: VllmConfig, *, shard: Any = None, kv_heads: int | 
     model_config = vllm_config.model_config
     tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model)
     method, options = extra.get("method", "nonshared"), dict(extra.get("options") or {})
-    overrides = {}
+    overrides = {} if kv_heads is None else {"num_key_value_heads": kv_heads}
     if shard is not None:
         options, _ = serving_options(method, options)
         method, options = get_method(method, **options), {}
         method.run_on_shard(shard)
-        overrides = {"num_key_value_heads": kv_heads}
     model = skeleton_model(model_config.model, **overrides)
     if overrides and model.config.get_text_config().num_key_value_heads != kv_heads:
         raise ServingError(

@@ -73,9 +73,10 @@ import torch
 from . import channel
 from .admission import DEFAULT_MAX_PLANNED_BYTES, DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
 from .connector_common import Capture, Captured, Correction, HFKVShareMetadata, Load, Source, make_sharing
-from .host import NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing
+from .host import NOT_RECORDED_YET, VALUE_FREE, Plan, ServingError, ServingHost, Sharing
 from .layout import images_of
-from .replica import Lockstep, OpStream, wants_replicas
+from .replica import DEFAULT_WAIT_S as DEFAULT_REPLICA_WAIT_S
+from .replica import Lockstep, OpStream, Published, follower_shard, wants_replicas
 from .tensor_parallel import PENDING, pipeline_parallel_size, rank_assembly, tensor_parallel_size
 from .worker_store import DEFAULT_DEVICE_STORE_BYTES, CorrectedOrigin, Sources, StoreMirror
 
@@ -163,7 +164,13 @@ class HFKVShareScheduler:
     def __init__(self, vllm_config: VllmConfig, sharing: Sharing | None = None):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._block_size = vllm_config.cache_config.block_size
-        self.sharing = sharing if sharing is not None else make_sharing(vllm_config)
+        #: the leader replica's published values (:mod:`.replica`), which the scheduler's Sharing, their
+        #: follower, takes in order; ``None``: no worker replicas (the Sharing decides on read-backs)
+        self._published = self._replica_values(vllm_config, extra)
+        if sharing is None:
+            follower = follower_shard(self._published.take) if self._published is not None else None
+            sharing = make_sharing(vllm_config, shard=follower)
+        self.sharing = sharing
         self._plans: dict[str, Plan] = {}
         self._loads: dict[str, Load] = {}
         self._to_capture: list[Capture] = []
@@ -228,7 +235,7 @@ class HFKVShareScheduler:
         self._report_path = extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
         #: the op stream every worker rank's replica runs (:mod:`.replica`; ``None``: no replicas) and
         #: each rank's replica counts as it last reported them
-        self._stream = self._op_stream(vllm_config, extra)
+        self._stream = OpStream(self._assembly.size) if self._published is not None else None
         self.replica_counts: dict[int, dict[str, Any]] = {}
         self._background = Background(
             Lockstep(self.sharing, self._stream) if self._stream is not None else self.sharing,
@@ -243,27 +250,32 @@ class HFKVShareScheduler:
         # inline admission records on the engine loop: its read-backs keep the step's output path
         if read_back and self._background.enabled:
             try:
-                self._receiver = channel.Receiver(self._on_read_back)
+                self._receiver = channel.Receiver(self._on_read_back, self._on_tensors)
             except Exception:  # noqa: BLE001 - serving works without it (the step's output path)
                 logger.exception("hf_kvshare: no read-back channel; read-backs come with the step's output")
 
-    def _op_stream(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> OpStream | None:
-        """The replicas' op stream when the workers run replicas (:func:`~.replica.wants_replicas`, the
-        workers decide alike from the same configuration); what runs otherwise is said at start-up."""
+    @staticmethod
+    def _replica_values(vllm_config: VllmConfig, extra: dict[str, Any]) -> Published | None:
+        """Where the leader replica's values arrive when the workers run replicas
+        (:func:`~.replica.wants_replicas`, which every worker decides alike from the same configuration);
+        what runs otherwise is said at start-up."""
         tp, pp = tensor_parallel_size(vllm_config), pipeline_parallel_size(vllm_config)
         try:
             wanted = wants_replicas(extra.get("method"), tp, pp, extra)
         except ValueError as error:
             raise ServingError(f"hf_kvshare: {error}") from None
         if wanted:
-            logger.info("hf_kvshare: every tensor-parallel rank runs a replica of the method on its KV heads")
-            return OpStream(self._assembly.size)
-        if not self.sharing.value_free and tp * pp > 1:
+            logger.info(
+                "hf_kvshare: every tensor-parallel rank runs a replica of the method on its KV heads; this "
+                "side follows them (metadata only)"
+            )
+            return Published(float(extra.get("replica_wait_s", DEFAULT_REPLICA_WAIT_S)))
+        if str(extra.get("method") or "nonshared").split(":")[0] not in VALUE_FREE and tp * pp > 1:
             logger.info(
                 "hf_kvshare: %s over %d ranks (tensor parallel %d, pipeline parallel %d): the ranks' K/V "
                 "are read back and assembled here, where the method runs (worker replicas need pipeline "
-                "parallel 1 and worker_replicas true)",
-                self.sharing.method.name,
+                "parallel 1, the admission thread, the read-back channel and worker_replicas true)",
+                extra.get("method"),
                 tp * pp,
                 tp,
                 pp,
@@ -304,8 +316,10 @@ class HFKVShareScheduler:
         if plan.error:
             logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
         plan.record_wait_s = self._record_waits.pop(request.request_id, None)
-        if plan.claimed and not self._orders_connected() and self._claims_from_replicas():
-            _trim(plan, 0)  # the replicas get their ops once every rank's order channel is connected
+        if plan.claimed and self._stream is not None and not (self._orders_connected() and self._in_step()):
+            # the replicas get their ops once every rank's order channel is connected; a replica stopped
+            # or deciding otherwise writes nothing this side could stand behind
+            _trim(plan, 0)
         elif plan.claimed and not self._orders_connected():  # no way to send what the worker does not keep
             pieces = _pieces(plan)
             unsent = [
@@ -551,7 +565,7 @@ class HFKVShareScheduler:
         """The claim as references to rows the worker keeps (pinned at admission, until the request
         ends), with the low-rank factors of a corrected one's delta, and the rest sent now on the order
         channel (:class:`Load`; module docstring)."""
-        if self._claims_from_replicas():  # each rank writes its replica's claim: no K/V, no factors sent
+        if self._stream is not None:  # each rank writes its replica's claim: no K/V, no factors sent
             self.load_tokens["replica"] += plan.claimed
             return Load(plan.request_id, [], plan.claim_start, plan.claimed, from_replica=True)
         load = Load(plan.request_id, [], plan.claim_start, plan.claimed)
@@ -671,6 +685,8 @@ class HFKVShareScheduler:
         keep, drop = self.device_store.admit(request.request_id, tokens) if self._keeps() else (False, [])
         # a value-free method's record is stand-ins of what the worker keeps (nothing to read back here)
         ship = not (self.sharing.value_free and (keep or not self.sharing.method.uses_sources))
+        if self.sharing.follower:  # the K/V stay in the workers, for their replicas' records
+            ship = False
         # the report file's line is written once the request is recorded: a dense span's gate outcome
         # (why it was not reused) is known then (the reply carries the admission's report)
         reserved = self._reserve_before_read_back(plan, tokens) if ship else 0
@@ -726,19 +742,28 @@ class HFKVShareScheduler:
             "replicas": self.replicas_summary(),
         }
 
-    def _claims_from_replicas(self) -> bool:
-        """Whether the workers write their replicas' claims: replicas run, the op stream has not stopped,
-        and no rank reported a replica stopped or a decision differing from this side's (then claims'
-        K/V are sent again, as without replicas)."""
+    def _in_step(self) -> bool:
+        """Whether the replicas are in step: the op stream has not stopped and no rank reported its
+        replica stopped or a decision differing from this side's (else nothing is claimed)."""
         if self._stream is None or self._stream.stopped is not None:
             return False
         return not any(c.get("stopped") or c.get("differ") for c in list(self.replica_counts.values()))
+
+    def _on_tensors(self, request_id: str, kind: str, tensors: list[torch.Tensor]) -> None:
+        """A tensor message on the read-back channel (its thread): the leader replica's published values."""
+        if kind == "published" and self._published is not None:
+            for value in tensors:
+                self._published.put(value)
 
     def replicas_summary(self) -> dict[str, Any] | None:
         """The op stream's counts and each rank's replica's (``None``: no replicas)."""
         if self._stream is None:
             return None
-        return {"stream": self._stream.summary(), "ranks": dict(self.replica_counts)}
+        return {
+            "stream": self._stream.summary(),
+            "published": dict(self._published.counts),
+            "ranks": dict(self.replica_counts),
+        }
 
     def _write_report(self, ids: tuple[str, str | None], report: dict[str, Any]) -> None:
         store = report.get("store", {})

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -163,7 +164,8 @@ class HFKVShareWorker:
         wait_s = float(self._extra.get("replica_wait_s", DEFAULT_WAIT_S))
         start, stop = self._heads
         total = self._vllm_config.model_config.get_total_num_kv_heads()
-        shard = rank_shard(tp, (stop - start) * head_dim, max(1, tp // total), 2 * wait_s)
+        publish = self._publish if self.rank == 0 else None  # the leader: its values for the follower
+        shard = rank_shard(tp, (stop - start) * head_dim, max(1, tp // total), 2 * wait_s, publish)
         sharing = make_sharing(self._vllm_config, shard=shard, kv_heads=stop - start)
         logger.info(
             "hf_kvshare: rank %d runs a replica of %s on KV heads [%d, %d)",
@@ -257,6 +259,18 @@ class HFKVShareWorker:
                     )
                 self._io[name].write(load.block_ids, load.start + offset, key, value)
         return True
+
+    def _publish(self, value: torch.Tensor) -> None:
+        """The leader replica's reduced value to the scheduler's follower, on the read-back channel (its
+        thread; a full channel retried for up to :data:`PAYLOAD_WAIT_S`: the follower waits for it)."""
+        deadline = time.monotonic() + PAYLOAD_WAIT_S
+        while True:
+            sender = self._sender
+            if sender is not None and sender.send_tensors("", "published", [value]):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the leader replica's value could not be sent to the scheduler")
+            time.sleep(0.001)
 
     def _load_from_replica(self, load: Load) -> bool:
         """Write the claim this rank's replica decided (:mod:`.replica`: its heads of the claimed K/V, on
@@ -438,6 +452,8 @@ class HFKVShareWorker:
         here, on the device); else the K/V (the scheduler's record checks them): in-process as read, on
         the cache's device (the very tensors the store keeps when it keeps them: one copy, which the
         record only reads), else in host memory."""
+        if not capture.ship and self.replica is not None:  # the replica records them: the scheduler follows
+            return stand_ins(*kv)
         if not capture.ship and kept == capture.keep and all(bool(torch.isfinite(t).all()) for t in kv):
             return stand_ins(*kv)
         if self.in_process:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -58,25 +59,79 @@ DEFAULT_READ_BACK_BYTES = 1 << 30
 OPTION = "worker_replicas"
 
 
+#: the leader's published values the scheduler holds for its follower before the stream stops
+MAX_PUBLISHED = 1 << 16
+
+
 def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any]) -> bool:
     """Whether a server runs worker replicas: a value-reading method (not :data:`VALUE_FREE`) at tensor
-    parallel > 1 and pipeline parallel 1, unless ``worker_replicas: false``. Decided alike by the
+    parallel > 1 and pipeline parallel 1, with the admission thread and the read-back channel (the
+    leader's values reach the follower on it), unless ``worker_replicas: false``. Decided alike by the
     scheduler and every worker from the same configuration."""
     wanted = extra.get(OPTION, True)
     if not isinstance(wanted, bool):
         raise ValueError(f"{OPTION} must be true or false; got {wanted!r}")
     name = str(method or "nonshared").split(":")[0]
-    return wanted and tp_size > 1 and pp_size == 1 and name not in VALUE_FREE
+    channels = (
+        extra.get("background", True) is not False and extra.get("read_back_channel", True) is not False
+    )
+    return wanted and channels and tp_size > 1 and pp_size == 1 and name not in VALUE_FREE
 
 
-def rank_shard(tp_size: int, width: int, replicas: int, timeout_s: float) -> Any:
+def rank_shard(
+    tp_size: int, width: int, replicas: int, timeout_s: float, publish: Callable[[torch.Tensor], None] | None
+) -> Any:
     """This worker rank's :class:`~hf_kvshare.anchors.sharded.Shard` of the KV heads (``width``: its
     heads times the head size) over its tensor-parallel group, made now by every rank of the world in the
     same order (:func:`~hf_kvshare.anchors.sharded.tensor_parallel_groups`; call it at start-up, on every
-    rank). The one serving module that reaches into the anchors engine (``tests/test_layout.py``)."""
+    rank); ``publish`` (the leader's, rank 0's): where each reduced value goes, for the scheduler's
+    follower. With :func:`follower_shard`, the serving side's only reach into the anchors engine
+    (``tests/test_layout.py``)."""
     from ..anchors.sharded import Shard, tensor_parallel_groups
 
-    return Shard(tensor_parallel_groups(tp_size, timeout_s), width, replicas)
+    return Shard(tensor_parallel_groups(tp_size, timeout_s), width, replicas, publish=publish)
+
+
+def follower_shard(receive: Callable[[], torch.Tensor]) -> Any:
+    """The scheduler's :class:`~hf_kvshare.anchors.sharded.FollowerShard`: every reduced value a decision
+    reads taken from ``receive`` (:meth:`Published.take`)."""
+    from ..anchors.sharded import FollowerShard
+
+    return FollowerShard(receive)
+
+
+class Published:
+    """The leader replica's published values on the scheduler (:meth:`put`: the read-back channel's
+    thread), taken in order by the follower (:meth:`take`, its ``FollowerShard``'s ``receive``) within
+    ``wait_s``: past it, or past :data:`MAX_PUBLISHED` values waiting, the follower has left its
+    leader's path (``FollowerDiverged``): the scheduler's :class:`Lockstep` stops, never a hang."""
+
+    def __init__(self, wait_s: float = DEFAULT_WAIT_S, max_values: int = MAX_PUBLISHED):
+        self.wait_s = float(wait_s)
+        self._values: queue.Queue[torch.Tensor] = queue.Queue(max_values)
+        #: values received and their bytes, and values that found the queue full
+        self.counts = {"values": 0, "bytes": 0, "overflow": 0}
+
+    def put(self, value: torch.Tensor) -> None:
+        try:
+            self._values.put_nowait(value)
+        except queue.Full:
+            self.counts["overflow"] += 1
+            return
+        self.counts["values"] += 1
+        self.counts["bytes"] += value.numel() * value.element_size()
+
+    def take(self) -> torch.Tensor:
+        from ..anchors.sharded import FollowerDiverged
+
+        if self.counts["overflow"]:
+            raise FollowerDiverged(
+                f"{self.counts['overflow']} of the leader's values were dropped (queue full)"
+            )
+        try:
+            return self._values.get(timeout=self.wait_s)
+        except queue.Empty:
+            raise FollowerDiverged(f"no value from the leader replica within {self.wait_s:g} s") from None
 
 
 def decision(plan: Plan) -> dict[str, Any]:
@@ -154,10 +209,16 @@ class OpStream:
             del self._backlog[:done]
             self._first += done
 
+    def stop(self, why: str) -> None:
+        """Stop the stream (nothing more is sent; the replicas idle)."""
+        with self._lock:
+            if not self.stopped:
+                self._stop(why)
+
     def _stop(self, why: str) -> None:
         self.stopped = why
         self._backlog.clear()
-        logger.error("hf_kvshare: the replicas' op stream stopped: %s; the scheduler alone decides", why)
+        logger.error("hf_kvshare: the replicas' op stream stopped: %s; nothing more is shared", why)
 
     def summary(self) -> dict[str, Any]:
         with self._lock:
@@ -168,19 +229,35 @@ class Lockstep:
     """The scheduler's :class:`Sharing` as :class:`~.admission.Background` calls it, every call that
     changes the engine first numbered on the op stream (:class:`OpStream`), then run, then its decision
     sent as a ``check``. Numbering and running are two steps: the admission thread runs plans, records
-    and releases in its order; a claim (vLLM's scheduler thread) changes nothing a later op reads."""
+    and releases in its order; a claim (vLLM's scheduler thread) changes nothing a later op reads and
+    reads no published value. A record settles its deferred work at once, as the replicas do (the
+    leader publishes the values of the byte bounds it reaches, in order).
+
+    A follower that left its leader's path (the method's ``fatal_errors``: a value of another shape, or
+    none within the wait) stops the stream: from then on every plan claims nothing and a record is
+    released (serving goes on without sharing; logged, the summary says why)."""
 
     def __init__(self, sharing: Sharing, stream: OpStream):
         self.sharing = sharing
         self.stream = stream
+        self._fatal = tuple(getattr(sharing.method, "fatal_errors", ()))
 
     def plan(self, request_id: str, prompt: list[int], params: Any, local_hit: int | None) -> Plan:
+        if self.stream.stopped:
+            return self._refused(request_id, prompt, local_hit)
         self.stream.op("plan", request_id=request_id, prompt=list(prompt), params=params, local_hit=local_hit)
-        plan = self.sharing.plan(request_id, prompt, params, local_hit)
+        try:
+            plan = self.sharing.plan(request_id, prompt, params, local_hit)
+        except self._fatal as error:
+            self.stream.stop(f"the scheduler's follower left its leader's path: {error}")
+            return self._refused(request_id, prompt, local_hit)
         self.stream.op("check", request_id=request_id, decision=decision(plan))
         return plan
 
     def claim(self, plan: Plan, local_hit: int) -> Plan:
+        if plan.turn is None or self.stream.stopped:
+            plan.local_hit = int(local_hit)  # nothing claimed
+            return plan
         self.stream.op("claim", request_id=plan.request_id, local_hit=int(local_hit))
         self.sharing.claim(plan, local_hit)
         self.stream.op("check", request_id=plan.request_id, decision=decision(plan))
@@ -191,20 +268,35 @@ class Lockstep:
         self.sharing.release(plan)
 
     def record(
-        self, plan: Plan, keys: Any, values: Any, output_ids: list[int], stop_ids: set[int], **kw
+        self, plan: Plan, keys: Any, values: Any, output_ids: list[int], stop_ids: set[int], **_: Any
     ) -> None:
+        if plan.turn is None:
+            return
+        if self.stream.stopped:
+            self.sharing.release(plan)
+            return
         self.stream.op(
             "record", request_id=plan.request_id, output_ids=list(output_ids), stop_ids=sorted(stop_ids)
         )
-        self.sharing.record(plan, keys, values, output_ids, stop_ids, **kw)
+        try:
+            self.sharing.record(plan, keys, values, output_ids, stop_ids, settle=True)
+        except self._fatal as error:
+            self.stream.stop(f"the scheduler's follower left its leader's path: {error}")
+            plan.error = f"record: {type(error).__name__}: {error}"
+            return
         self.stream.op("check", request_id=plan.request_id, decision=decision(plan), final=True)
 
     def settle(self, work: Callable[[], None]) -> None:
-        """One part of a record's deferred work (the replicas settle theirs at their record)."""
+        """One part of a record's deferred work (none is left: records settle at once)."""
         self.sharing.settle(work)
 
     def state_summary(self) -> dict[str, Any]:
         return {**self.sharing.state_summary(), "op_stream": self.stream.summary()}
+
+    def _refused(self, request_id: str, prompt: list[int], local_hit: int | None) -> Plan:
+        plan = Plan(request_id=request_id, prompt=list(prompt), local_hit=local_hit)
+        plan.error = f"sharing stopped: {self.stream.stopped}"
+        return plan
 
 
 class Replica:
