@@ -16,6 +16,7 @@ import json
 import random
 
 import pytest
+import torch
 from anchors_trajectory import DOCS, QUESTION, SYSTEMS, as_layers, ids_of, served
 from gloo_ranks import run_ranks
 from tiny import embedded_tokenizer, tiny_model
@@ -23,7 +24,15 @@ from tiny import embedded_tokenizer, tiny_model
 from hf_kvshare.anchors.sharded import Shard
 from hf_kvshare.serving import layout as lay
 from hf_kvshare.serving.host import Sharing
-from hf_kvshare.serving.replica import Lockstep, OpStream, Replica, decision, wants_replicas
+from hf_kvshare.serving.replica import (
+    Lockstep,
+    OpStream,
+    Published,
+    Replica,
+    decision,
+    follower_shard,
+    wants_replicas,
+)
 from hf_kvshare.serving.standin import engine
 from hf_kvshare.serving.tensor_parallel import kv_head_range
 
@@ -42,12 +51,50 @@ class _Collect:
         return True
 
 
-def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple], dict[str, tuple]]:
+def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple], dict[str, tuple], dict[str, list]]:
     """The trajectory on the scheduler's one-rank Sharing through :class:`Lockstep`: the op stream,
-    every recorded request's read-back (all heads) and every claim (its start and K/V, all heads)."""
-    tokenizer = embedded_tokenizer()
+    every recorded request's read-back (all heads), every claim (its start and K/V, all heads) and
+    every output."""
     model = tiny_model("llama", num_key_value_heads=2)
-    sharing = Sharing(model, tokenizer, served(case), min_segment_tokens=4)
+    outputs = {}
+
+    def run(plan, rid, keys, values):
+        every = type("Run", (), {"prompt": plan.prompt, "local_hit": plan.local_hit})()
+        every.keys, every.values = ([] if keys is None else keys), ([] if values is None else values)
+        out, k, v = engine(model, every, max_new_tokens=4)
+        outputs[rid] = out
+        return out, k, v
+
+    sharing = Sharing(model, embedded_tokenizer(), served(case), min_segment_tokens=4)
+    return (*drive(sharing, run), outputs)
+
+
+def follower_run(case: str, published: list, read_backs: dict, outputs: dict) -> list[dict]:
+    """The same trajectory on the scheduler's follower (:func:`follower_shard`: every reduced value taken
+    from the leader's ``published`` values, ``meta`` stand-ins of every read-back, the outputs the
+    engine gave): its op stream."""
+    values = Published(wait_s=5)
+    for value in published:
+        values.put(value)
+    method = served(case)
+    method.run_on_shard(follower_shard(values.take))
+    values.constructing = True  # as the connector's scheduler builds it (replica.CONSTRUCTION_COUNT)
+    sharing = Sharing(
+        tiny_model("llama", num_key_value_heads=2), embedded_tokenizer(), method, min_segment_tokens=4
+    )
+    values.constructing = False
+
+    def run(plan, rid, keys, values):
+        shape = read_backs[rid][0].shape
+        return outputs[rid], torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
+
+    return drive(sharing, run)[0]
+
+
+def drive(sharing: Sharing, run) -> tuple[list[dict], dict[str, tuple], dict[str, tuple]]:
+    """The trajectory through :class:`Lockstep` over ``sharing`` (``run(plan, request id, claimed keys,
+    claimed values)`` -> output ids and read-back): the op stream, the read-backs and the claims."""
+    tokenizer = embedded_tokenizer()
     stream, channel = OpStream(1), _Collect()
     stream.connect(0, channel)
     lockstep = Lockstep(sharing, stream)
@@ -79,9 +126,7 @@ def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple], dict[str, tu
             keys, values = as_layers(plan.keys), as_layers(plan.values)
             if keys is not None:
                 claims[rid] = (plan.claim_start, keys, values)
-            run = type("Run", (), {"prompt": plan.prompt, "local_hit": plan.local_hit})()
-            run.keys, run.values = ([] if keys is None else keys), ([] if values is None else values)
-            out, k, v = engine(model, run, max_new_tokens=4)
+            out, k, v = run(plan, rid, keys, values)
             read_backs[rid] = (k, v)
             lockstep.record(plan, k, v, out, set())
     assert stream.summary() == {"ops": len(channel.ops), "waiting": 0, "stopped": None}
@@ -94,9 +139,16 @@ def _replica_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffl
     head_dim = config.hidden_size // config.num_attention_heads
     first, last = kv_head_range(rank, WORLD, 2)
     method = served(case)
-    method.run_on_shard(Shard(None, (last - first) * head_dim))
+    published, built = [], []  # the leader's (rank 0's) reduced values once its Sharing is built, in order
+
+    def publish(value):
+        if built:  # as the connector's worker publishes (none while the Sharing is built)
+            published.append(value)
+
+    method.run_on_shard(Shard(None, (last - first) * head_dim, publish=publish if rank == 0 else None))
     own = tiny_model("llama", num_key_value_heads=last - first)  # this rank's skeleton: its KV heads
     replica = Replica(Sharing(own, tokenizer, method, min_segment_tokens=4), wait_s=20)
+    built.append(True)
     for rid, (k, v) in read_backs.items():  # the worker keeps its own heads of each read-back
         replica.keep(rid, k[:, :, first:last], v[:, :, first:last])
     claims = {}
@@ -117,7 +169,7 @@ def _replica_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffl
     replica.done(len(ops), timeout=120)
     counts = dict(replica.counts)
     replica.close()
-    return {**counts, "heads": (first, last), "claims": claims}
+    return {**counts, "heads": (first, last), "claims": claims, "published": published}
 
 
 def _rank_main(rank: int, runs: list) -> list[dict]:
@@ -136,16 +188,21 @@ def _swapped(ops: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def lockstep_runs(tmp_path_factory) -> dict:
     runs, streams = [], {}
-    claims = {}
+    claims, traces = {}, {}
     for case in LOCKSTEP_CASES:
-        ops, read_backs, claims[case] = scheduler_run(case)
-        streams[case] = ops
+        ops, read_backs, claims[case], outputs = scheduler_run(case)
+        streams[case], traces[case] = ops, (read_backs, outputs)
         runs.append((case, ops, read_backs, 1))
         if case == "kvcmas":
             runs.append((case, _swapped(ops), read_backs, 2))
             runs.append((case, ops, read_backs, None))
     results = run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("lockstep"), runs)
-    return {"streams": streams, "ranks": results, "claims": claims}
+    # the scheduler's follower, on the leader's values of each case's first run
+    followers = {
+        case: follower_run(case, results[0][0 if case == "kvcmas" else 3]["published"], *traces[case])
+        for case in LOCKSTEP_CASES
+    }
+    return {"streams": streams, "ranks": results, "claims": claims, "followers": followers}
 
 
 @pytest.mark.parametrize("case", LOCKSTEP_CASES)
@@ -163,7 +220,9 @@ def test_every_ranks_replica_decides_what_the_scheduler_decides(lockstep_runs, c
     index = 0 if case == "kvcmas" else 3  # kvcmas's runs: shuffled, swapped, in order
     for rank in range(WORLD):
         counts = {
-            k: v for k, v in lockstep_runs["ranks"][rank][index].items() if k not in ("heads", "claims")
+            k: v
+            for k, v in lockstep_runs["ranks"][rank][index].items()
+            if k not in ("heads", "claims", "published")
         }
         assert counts == {"ops": len(ops), "agree": checks, "differ": 0, "dropped": 0, "stopped": None}
 
@@ -187,6 +246,15 @@ def test_each_ranks_replica_claims_its_heads_of_the_schedulers_claimed_kv(lockst
             assert mine_start == start and mine is not None, rid
             assert _relative(mine[0], keys[:, :, first:last]) <= 1e-5, (rank, rid, "keys")
             assert _relative(mine[1], values[:, :, first:last]) <= 1e-5, (rank, rid, "values")
+
+
+@pytest.mark.parametrize("case", LOCKSTEP_CASES)
+def test_the_follower_decides_from_the_leaders_values_what_one_rank_decides(lockstep_runs, case):
+    """The scheduler's follower (no K/V: ``meta`` stand-ins; every reduced value from rank 0's replica)
+    sends the op stream one rank sends: the same plans, claims, records and decisions, op by op."""
+    ranks = lockstep_runs["ranks"]
+    assert ranks[0][0 if case == "kvcmas" else 3]["published"], "the leader published nothing"
+    assert lockstep_runs["followers"][case] == lockstep_runs["streams"][case]
 
 
 def test_the_op_order_keeps_the_replicas_in_step(lockstep_runs):
@@ -340,9 +408,10 @@ def _kvcmas_server(folder, tp):
 )
 def test_kvcmas_at_two_ranks_runs_replicas_in_step_and_decides_as_one_rank(tmp_path_factory):
     """A KVCMAS server at TP = 2 (every rank a replica on its 2 KV heads, the op stream on the order
-    channels) answers, claims, supplies and gates request by request as a TP = 1 server, every rank's
-    replica agreed with the scheduler at every check it reported, and every claim was written from the
-    ranks' replicas (no claimed K/V or factors sent)."""
+    channels, the scheduler their follower) answers, claims, supplies and gates request by request as a
+    TP = 1 server, every rank's replica agreed with the scheduler at every check it reported, every claim
+    was written from the ranks' replicas (no claimed K/V or factors sent) and no read-back K/V reached
+    the scheduler (only the leader's published values); the step metadata stays under 64 KB."""
     runs = {}
     for tp in (1, 2):  # one server at a time
         server = _kvcmas_server(tmp_path_factory.mktemp(f"kvcmas-tp{tp}"), tp)
