@@ -54,6 +54,14 @@ far, times :data:`SHARED_ENGINE`) says waiting for the producers' remaining work
 report's ``producer_wait`` says how it went, or why it did not wait. A request whose claim stops at
 text nobody in flight computes (a cold agent's own new text) never waits.
 
+Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1, unless ``worker_replicas:
+false``): this side's Sharing is the follower of the workers' replicas (``meta`` stand-ins, rank 0's
+published values from the read-back channel); the admission thread drives it through
+:class:`~.replica.Lockstep`, whose op stream rides every rank's order channel; every claim is
+``from_replica`` (no K/V or factors sent) and is cut to nothing while a rank's order channel is not
+connected or a rank reports its replica stopped or deciding otherwise; the workers send stand-ins of
+their read-backs (``ship=False``).
+
 Two threads touch this object (the engine's scheduler thread and the read-back channel's thread): the
 finishing and waiting requests are shared under one condition's lock.
 """
@@ -718,9 +726,10 @@ class HFKVShareScheduler:
         return True, report  # the blocks stay until the worker has read them (get_finished)
 
     def _keeps(self) -> bool:
-        """Whether the worker keeps finished requests at all: a method that references recorded K/V
-        (``uses_sources``; NonShared's are never read again)."""
-        return self.sharing.method.uses_sources
+        """Whether the worker keeps finished requests in its device store at all: a method that
+        references recorded K/V (``uses_sources``; NonShared's are never read again), unless the workers'
+        replicas hold them (their claims reference no kept rows)."""
+        return self.sharing.method.uses_sources and not self.sharing.follower
 
     def _reporter(self, ids: tuple[str, str | None]):
         """What runs after the request's record: its report file line (``None`` without a file)."""

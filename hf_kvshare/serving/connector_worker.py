@@ -41,6 +41,12 @@ carries all heads) and reads back its own heads only, sending its rank with them
 channel's header, :attr:`Captured.rank`); the scheduler assembles the ranks' read-backs
 (:class:`~.tensor_parallel.RankAssembly`).
 
+Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1): this side makes its rank's
+tensor-parallel group and its Sharing replica at ``register_kv_caches``, hands the op stream (orders
+with an ``op``) to it, keeps each read-back for its record op and sends the scheduler stand-ins, writes
+a ``from_replica`` claim from its replica's plan (:meth:`HFKVShareWorker._load_from_replica`), and,
+on rank 0, publishes the replica's reduced values on the read-back channel for the scheduler's follower.
+
 Pipeline parallel: vLLM registers only the layers of this worker's stage (its paged caches); this side
 writes, keeps, re-positions and reads back those layers only, announces them once (with its order
 channel: :attr:`Captured.layers`), and the claims' K/V the scheduler sends it are those layers' (the

@@ -18,16 +18,20 @@ heads, in lockstep with the other ranks, driven by an ordered stream of operatio
   kept for it by the worker (:meth:`Replica.keep`, by bytes). A replica settles a record's deferred
   work at the record (the same point on every rank). A ``check`` compares the replica's decision with
   the scheduler's: ``agree`` / ``differ`` counted (and a difference logged), which the worker reports
-  with its step output.
-
-What is built (step (a) of the plan, docs/architecture.md "The plan for KVCMAS under TP"): the replicas
-run every plan and record beside the scheduler, whose Sharing, on the assembled read-backs
-(:class:`~.tensor_parallel.RankAssembly`), still decides the claims and sends their K/V.
+  with its step output. A claim's K/V are the replica's (:meth:`Replica.claim_of`: the worker writes its
+  heads of them; the step metadata says only "from your replica").
+- **The follower** (scheduler side): the scheduler's Sharing holds no K/V (``meta`` stand-ins of every
+  head, the workers send stand-ins of their read-backs) and takes every reduced value a decision reads
+  from the leader, rank 0, whose ``Shard.publish`` sends each on the read-back channel
+  (:class:`Published`, :func:`follower_shard`). A follower that left its leader's path (a value of
+  another shape, none within ``wait_s``) stops the stream (:class:`Lockstep`): nothing more is shared,
+  never a hang.
 
 A replica that cannot go on in step (an op missing past ``wait_s`` while later ones wait, a record whose
 read-back never came, an op it cannot run) stops, logs why and says so in its counts (``stopped``):
-the engine never waits for it (it runs on its own thread), and serving goes on as decided by the
-scheduler. No vLLM import (tests drive it on gloo ranks).
+the engine never waits for it (it runs on its own thread; a claim it cannot give is reported as failed
+blocks, which vLLM recomputes), and the scheduler claims nothing more once it hears of it. No vLLM
+import (tests drive it on gloo ranks).
 """
 
 from __future__ import annotations
