@@ -238,8 +238,8 @@ class HFKVShareScheduler:
         #: the step metadata's pickled bytes, last and most (``metadata_bytes`` in the summary)
         self.metadata_bytes = {"last": 0, "max": 0, "steps": 0}
         #: claimed tokens written from rows the worker keeps (``referenced``), sent on the order channel
-        #: (``sent``) and written from each rank's replica's claim (``replica``)
-        self.load_tokens = {"referenced": 0, "sent": 0, "replica": 0}
+        #: (``sent``) and, with worker replicas, written from each rank's replica's claim (``replica``)
+        self.load_tokens = {"referenced": 0, "sent": 0}
         #: bytes sent on the order channel for claims: K/V rows (``sent``) and correction factors
         #: (``factors``, for ``corrected`` tokens whose delta the worker adds to rows it keeps)
         self.load_bytes = {"sent": 0, "factors": 0, "corrected": 0}
@@ -247,6 +247,8 @@ class HFKVShareScheduler:
         #: the op stream every worker rank's replica runs (:mod:`.replica`; ``None``: no replicas) and
         #: each rank's replica counts as it last reported them
         self._stream = OpStream(self._assembly.size) if self._published is not None else None
+        if self._stream is not None:
+            self.load_tokens["replica"] = 0
         self.replica_counts: dict[int, dict[str, Any]] = {}
         self._background = Background(
             Lockstep(self.sharing, self._stream) if self._stream is not None else self.sharing,
