@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import random
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -434,3 +436,118 @@ def test_kvcmas_at_two_ranks_runs_replicas_in_step_and_decides_as_one_rank(tmp_p
     print(
         "replicas", replicas, "load", store["load_tokens"], store["load_bytes"], "handoff", store["handoff"]
     )
+
+
+# ------------------------------------------------------------- the connector's sides (vLLM's stand-ins)
+def _needs_vllm(test):
+    reason = "the connector's sides import vLLM (.ci/run's serving venv)"
+    return pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason=reason)(test)
+
+
+@_needs_vllm
+def test_the_scheduler_follows_the_replicas_and_streams_its_ops_to_every_rank(
+    tmp_path, tiny_llama, tokenizer
+):
+    """At TP = 2 with KVCMAS the scheduler's Sharing is the follower (no K/V: its stores hold stand-ins),
+    every rank's order channel gets the op stream from op 0 in order, a finished request's capture asks
+    the workers for stand-ins only (``ship`` false, nothing kept in their device store), and a rank that
+    reports its replica deciding otherwise makes every later claim nothing."""
+    from serving_stand_ins import admitted, vllm_request
+
+    from hf_kvshare.serving import channel
+    from hf_kvshare.serving.connector_common import Captured
+    from hf_kvshare.serving.connector_scheduler import HFKVShareScheduler
+
+    tiny_llama.config.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"method": "kvcmas", "replica_wait_s": 5}
+        ),
+        cache_config=SimpleNamespace(block_size=16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2),
+        model_config=SimpleNamespace(model=str(tmp_path), tokenizer=None, get_total_num_kv_heads=lambda: 2),
+    )
+    scheduler = HFKVShareScheduler(config)
+    ranks = [[], []]
+    listeners = [channel.Orders(ranks[r].append) for r in range(2)]
+    try:
+        assert scheduler.sharing.follower and scheduler.replicas_summary()["stream"]["ops"] == 0
+        for rank, listener in enumerate(listeners):
+            scheduler.update_connector_output(
+                SimpleNamespace(
+                    kv_connector_worker_meta=Captured(orders=listener.address, rank=rank),
+                    finished_sending=None,
+                )
+            )
+        doc = tokenizer("The river Lune reaches the sea at Plover Scar.", add_special_tokens=False)[
+            "input_ids"
+        ]
+        layout = {
+            "hf_kvshare": {
+                "task": "t",
+                "agent": "a1",
+                "segments": [{"slot": "doc", "start": 0, "end": len(doc)}],
+            }
+        }
+        first = vllm_request("r1", doc + doc[:3], layout, cache_salt=scheduler.sharing.salt)
+        scheduler.on_new_request(first)
+        assert admitted(scheduler, first) == 0  # a first reader: nothing to claim
+        done = vllm_request("r1", first.prompt_token_ids, layout, [5, 6], cache_salt=scheduler.sharing.salt)
+        assert scheduler.request_finished(done, [0, 1])[0]
+        capture = scheduler.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).captures[0]
+        assert (capture.ship, capture.keep) == (False, False)
+        deadline = time.monotonic() + 10
+        while any(len(got) < 4 for got in ranks) and time.monotonic() < deadline:
+            scheduler._stream.flush()  # as each step does: what a channel not yet connected refused
+            time.sleep(0.01)
+        for got in ranks:  # plan, check (decided on arrival), claim, check
+            ops = [order for order in got if "op" in order]
+            assert [op["seq"] for op in ops] == list(range(len(ops))) and len(ops) >= 4, got
+            assert [op["op"] for op in ops[:4]] == ["plan", "check", "claim", "check"]
+        assert scheduler.replicas_summary()["stream"] == {"ops": 4, "waiting": 0, "stopped": None}
+        # a rank whose replica decided otherwise: nothing more is claimed from the replicas
+        scheduler.update_connector_output(
+            SimpleNamespace(
+                kv_connector_worker_meta=Captured(
+                    rank=1, replica={"ops": 4, "agree": 1, "differ": 1, "stopped": None}
+                ),
+                finished_sending=None,
+            )
+        )
+        assert not scheduler._in_step()
+    finally:
+        scheduler.shutdown()
+        for listener in listeners:
+            listener.close()
+
+
+@_needs_vllm
+def test_the_worker_writes_its_replicas_claim_and_hands_it_the_op_stream():
+    """A ``from_replica`` claim is written from the rank's replica's plan (its heads, on its device); a
+    replica claiming other positions leaves the blocks failed (vLLM recomputes); an order with an ``op``
+    goes to the replica, not to the read-back path."""
+    from serving_stand_ins import stand_in_worker
+
+    from hf_kvshare.serving.connector_common import HFKVShareMetadata, Load
+
+    worker, names = stand_in_worker(layers=2, heads=2, dim=4)
+    keys, values = torch.randn(2, 20, 2, 4), torch.randn(2, 20, 2, 4)
+    claims = {"r": (16, keys, values), "s": (0, keys, values)}
+    submitted = []
+    worker.replica = SimpleNamespace(
+        claim_of=lambda rid, timeout: (claims.pop(rid), "") if rid in claims else (None, "never planned"),
+        submit=submitted.append,
+        counts={"ops": 0},
+    )
+    worker._listened = True  # no order channel in this test
+    worker.start_load_kv(HFKVShareMetadata(loads=[Load("r", [0, 1, 2], 16, 20, from_replica=True)]))
+    assert not worker.get_block_ids_with_load_errors()
+    out = (torch.empty(20, 2, 4), torch.empty(20, 2, 4))
+    worker._io[names[1]].read([0, 1, 2], 16, 36, out=out)
+    assert torch.equal(out[0], keys[1]) and torch.equal(out[1], values[1])
+    # the replica claims from 0, the scheduler from 16: not written, the blocks failed
+    worker.start_load_kv(HFKVShareMetadata(loads=[Load("s", [3, 4, 5], 16, 20, from_replica=True)]))
+    assert worker.get_block_ids_with_load_errors() == {4, 5}
+    worker._on_order({"op": "release", "seq": 0, "request_id": "r"})
+    assert submitted == [{"op": "release", "seq": 0, "request_id": "r"}]
