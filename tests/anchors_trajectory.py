@@ -3,18 +3,20 @@
 the follower (meta stand-ins of every read-back, every reduced value replayed from rank 0's
 publication), for ``tests/test_anchors_spmd.py`` and ``tests/test_anchors_follower.py``.
 
-The gloo ranks are spawned ONCE per test process (:func:`rank_runs`, cached): both modules run on one
-xdist worker (``pytest.mark.xdist_group(GROUP)``) and share that spawn. Rank 0 runs as the leader: its
-:class:`~hf_kvshare.anchors.sharded.Shard` publishes every reduced value into a list, returned with its
-results per case."""
+The gloo ranks are spawned ONCE per test run (:func:`rank_runs`): both modules share that spawn, on one
+xdist worker where ``pytest.mark.xdist_group(GROUP)`` holds and, where it does not (xdist 3.8 under
+pytest 9.2 groups nothing: it renames ``item._nodeid``, which pytest 9 no longer reads), through a file
+the first worker writes under the run's shared temporary folder while the other waits for its lock.
+Rank 0 runs as the leader: its :class:`~hf_kvshare.anchors.sharded.Shard` publishes every reduced value
+into a list, returned with its results per case."""
 
 from __future__ import annotations
 
-import functools
-import tempfile
+import fcntl
+import os
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,12 +106,15 @@ def engine_run(model, heads: slice, gather) -> Run:
     return run
 
 
-def trajectory(sharing: Sharing, tokenizer, run: Run) -> list[dict]:
-    """Every request of the trajectory planned, run (``run``) and recorded; per request what it claimed,
-    placed, gated, the claimed K/V (this member's heads) and what the stores hold and evicted after it."""
+def trajectory(sharing: Sharing, tokenizer, run: Run, requests: int | None = None) -> list[dict]:
+    """Every request of the trajectory (the first ``requests``) planned, run (``run``) and recorded; per
+    request what it claimed, placed, gated, the claimed K/V (this member's heads) and what the stores hold
+    and evicted after it. A record refused is the step's ``error`` (the whole trajectory: none)."""
     steps = []
     for t, doc in enumerate(DOCS):
         for position, agent in enumerate(SYSTEMS):
+            if requests is not None and len(steps) == requests:
+                return steps
             host = sharing.hosts.get(f"t{t}")
             ids = ids_of(tokenizer, SYSTEMS[agent]) + ids_of(tokenizer, doc)
             segments = [{"slot": "doc", "text": doc}]
@@ -123,7 +128,7 @@ def trajectory(sharing: Sharing, tokenizer, run: Run) -> list[dict]:
             keys, values = as_layers(plan.keys), as_layers(plan.values)
             out, k, v = run(plan, keys, values, len(steps))
             sharing.record(plan, k, v, out, set())
-            assert plan.error is None, plan.error
+            assert requests is not None or plan.error is None, plan.error
             report = plan.report()
             steps.append(
                 {
@@ -136,6 +141,7 @@ def trajectory(sharing: Sharing, tokenizer, run: Run) -> list[dict]:
                     "values": values,
                     "out": out,
                     "stores": stores(sharing),
+                    "error": plan.error,
                 }
             )
     return steps
@@ -154,6 +160,7 @@ def stores(sharing: Sharing) -> dict:
         "evicted": (sharing.evicted_tasks, sharing.dropped_slots),
         "anchors": {repr(key): [(a.serial, a.source) for a in pool] for key, pool in method.pools.items()},
         "pool_evictions": (summary.get("evicted_pools"), summary.get("pools_evicted_for_bytes")),
+        "prefixes": (summary["prefixes"], summary["prefixes_evicted"]),
     }
 
 
@@ -220,19 +227,67 @@ def _rank_main(rank: int) -> dict:
             "published": published,
             "counted": sharing.held_bytes(),
         }
+    results["nan"] = _non_finite_on_one_rank(rank, tokenizer, head_dim)
     return results
 
 
-@functools.cache
-def rank_runs() -> list[dict]:
-    """Every rank's results (:func:`_rank_main`), the ranks spawned once per process."""
-    folder = Path(tempfile.mkdtemp(prefix="anchors-trajectory-"))
-    return run_ranks(_rank_main, WORLD, folder)
+def _non_finite_on_one_rank(rank: int, tokenizer, head_dim: int) -> dict:
+    """KVCMAS's first request, its read-back NaN in rank 1's heads only: refused on every rank."""
+    model = tiny_model("llama")
+    first, last = kv_head_range(rank, WORLD, 2)
+    published: list[torch.Tensor] = []
+    method = served("kvcmas")
+    method.run_on_shard(
+        Shard(None, (last - first) * head_dim, publish=published.append if rank == 0 else None)
+    )
+    sharing = sharing_for("kvcmas", tiny_model("llama", num_key_value_heads=last - first), tokenizer, method)
+    run = engine_run(model, slice(first, last), _gather_heads(1))
+
+    def poisoned(plan, keys, values, index):
+        out, k, v = run(plan, keys, values, index)
+        if rank == 1:
+            v[0, 0, 0, 0] = float("nan")
+        return out, k, v
+
+    step = trajectory(sharing, tokenizer, poisoned, requests=1)[0]
+    return {"error": step["error"], "errors": sharing.errors, "out": step["out"], "published": published}
 
 
-@functools.cache
-def one_rank_runs() -> dict:
-    """The trajectory on one rank over every KV head, per case."""
+def once_per_run(name: str, produce: Callable[[], Any], tmp_path_factory) -> Any:
+    """``produce()``'s result, computed once per test run: kept in this process, and shared with the
+    run's other xdist workers through ``<name>.pt`` in the run's temporary folder (the first to take
+    ``<name>.lock`` computes it, the others wait and load it)."""
+    if name not in _ONCE:
+        base = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            base = base.parent  # the run's folder, every worker's
+        path = base / f"{name}.pt"
+        with open(base / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                torch.save(produce(), path)
+        _ONCE[name] = torch.load(path, weights_only=False)
+    return _ONCE[name]
+
+
+_ONCE: dict[str, Any] = {}
+
+
+def rank_runs(tmp_path_factory) -> list[dict]:
+    """Every rank's results (:func:`_rank_main`), the ranks spawned once per test run."""
+
+    def spawn() -> list[dict]:
+        return run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("anchors-trajectory"))
+
+    return once_per_run("anchors-trajectory-ranks", spawn, tmp_path_factory)
+
+
+def one_rank_runs(tmp_path_factory) -> dict:
+    """The trajectory on one rank over every KV head, per case (once per test run)."""
+    return once_per_run("anchors-trajectory-one-rank", _one_rank, tmp_path_factory)
+
+
+def _one_rank() -> dict:
     tokenizer = embedded_tokenizer()
     out = {}
     for case in CASES:

@@ -46,12 +46,24 @@ def test_the_follower_returns_what_the_leader_published_in_order():
 def test_a_value_of_another_shape_is_a_diverged_follower():
     follower = replay([torch.zeros(3, dtype=torch.float64)])
     with pytest.raises(
-        FollowerDiverged, match=r"column_sum expected a value of shape \(2,\).*received \(3,\)"
+        FollowerDiverged, match=r"column_sum expected a value of shape \(2,\) torch.float32.*received \(3,\)"
     ):
         column_sum(torch.empty(2, device="meta"), follower)
     assert issubclass(FollowerDiverged, ValueError)
     with pytest.raises(FollowerDiverged, match="any expected"):
         any_rank(True, replay([torch.zeros(2, dtype=torch.float64)]))
+
+
+def test_a_follower_that_receives_nothing_has_diverged():
+    """``receive`` raising (the transport's timeout) leaves every later value misplaced: diverged."""
+
+    def timed_out() -> torch.Tensor:
+        raise TimeoutError("no value from rank 0 in 30 s")
+
+    with pytest.raises(
+        FollowerDiverged, match="any received nothing from the leader .TimeoutError: no value"
+    ):
+        any_rank(True, FollowerShard(timed_out))
 
 
 @pytest.mark.parametrize(("length", "rank"), [(40, 4), (3, 4), (40, None)])
@@ -66,20 +78,22 @@ def test_the_followers_factors_are_meta_of_the_shapes_one_rank_keeps(length, ran
 
 
 # ------------------------------------------------------------------ the follower of the gloo ranks' trajectory
-pytestmark = pytest.mark.xdist_group(GROUP)  # one worker with test_anchors_spmd: the ranks spawned once
+pytestmark = pytest.mark.xdist_group(GROUP)  # with test_anchors_spmd (the ranks spawn once per run)
 
 
 @pytest.fixture(scope="session")  # session, not module: the module's xdist group is GROUP, the spawn's
-def ranks() -> list[dict]:
-    return rank_runs()
+def ranks(tmp_path_factory) -> list[dict]:
+    return rank_runs(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def one_rank() -> dict:
-    return one_rank_runs()
+def one_rank(tmp_path_factory) -> dict:
+    return one_rank_runs(tmp_path_factory)
 
 
-def follow(case: str, leader: dict, published: list[torch.Tensor] | None = None) -> dict:
+def follow(
+    case: str, leader: dict, published: list[torch.Tensor] | None = None, requests: int | None = None
+) -> dict:
     """The trajectory on the follower: a full-width skeleton, the case's method on a
     :class:`FollowerShard` replaying ``published`` (rank 0's, by default), ``meta`` stand-ins of every
     read-back (the output ids are the engine's, here the leader's)."""
@@ -101,7 +115,7 @@ def follow(case: str, leader: dict, published: list[torch.Tensor] | None = None)
         )
         return out, torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
 
-    steps = trajectory(sharing, embedded_tokenizer(), run)
+    steps = trajectory(sharing, embedded_tokenizer(), run, requests)
     return {
         "steps": steps,
         "pools": pool_numbers(method, method.shard),
@@ -151,6 +165,44 @@ def test_the_follower_decides_what_every_rank_and_one_rank_decide(ranks, one_ran
     for index, (got, want) in enumerate(zip(mine["steps"], one_rank[case]["steps"])):
         assert got["claim"] == want["claim"] and got["placed"] == want["placed"], (case, index)
         assert got["stores"] == want["stores"], (case, index)
+    if case == "kvcmas-small":  # the bounds were hit: tasks, kept prefixes and anchors evicted by bytes
+        last = mine["steps"][-1]["stores"]
+        assert last["evicted"][0] > 0 and last["prefixes"][1] > 0 and last["pool_evictions"][1] > 0, last
     assert mine["pools"] == ranks[0][case]["pools"]  # the leader's numbers, received bit for bit
     assert mine["held"] == 0  # stand-ins: the follower holds no K/V, no factors
     assert mine["counted"] == ranks[0][case]["counted"] == one_rank[case]["counted"] > 0  # one rank's bytes
+
+
+def test_a_read_back_non_finite_on_one_ranks_heads_is_refused_by_every_rank_and_the_follower(ranks):
+    """The host's finiteness check of a read-back goes through ``any_rank``: rank 1 finds the NaN in its
+    heads, rank 0 refuses the record for it, and so does the follower (rank 0's answer)."""
+    assert "NaN or inf" in ranks[1]["nan"]["error"]
+    assert "another tensor-parallel rank's heads" in ranks[0]["nan"]["error"]
+    assert ranks[0]["nan"]["errors"] == ranks[1]["nan"]["errors"] == 1
+    leader = {"published": ranks[0]["nan"]["published"], "steps": [ranks[0]["nan"]]}
+    mine = follow("kvcmas", leader, requests=1)
+    assert "another tensor-parallel rank's heads" in mine["steps"][0]["error"]
+    assert mine["left"] == 0
+
+
+def test_a_value_of_another_shape_from_the_leader_stops_the_follower(ranks):
+    """A corrupted publication (a sum of another shape) is a diverged follower: raised by ``Sharing``
+    (not counted as one request's error: no later decision of the follower could be trusted)."""
+    published = list(ranks[0]["kvcmas"]["published"])
+    at = next(i for i, value in enumerate(published) if value.numel() > 1)  # a column_sum's
+    published[at] = torch.zeros(published[at].numel() + 1, dtype=published[at].dtype)
+    with pytest.raises(FollowerDiverged, match="column_sum expected a value of shape"):
+        follow("kvcmas", ranks[0]["kvcmas"], published)
+
+
+def test_a_saved_state_is_refused_under_a_shard(tiny_llama):
+    """A saved state holds every head's anchors: an engine on a shard (here the follower) refuses to load
+    it, saying why, and keeps its own state."""
+    one = served("kvcmas")
+    one.bind(tiny_llama)
+    tensors, meta = one.export_state()
+    method = served("kvcmas")
+    method.run_on_shard(replay([]))
+    method.bind(tiny_llama)
+    with pytest.raises(ValueError, match="a saved state loads on one rank only"):
+        method.import_state(tensors, meta)

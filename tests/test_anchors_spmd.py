@@ -21,19 +21,18 @@ import pytest
 import torch
 from anchors_trajectory import CASES, GROUP, WORLD, one_rank_runs, rank_runs, served
 
-pytestmark = pytest.mark.xdist_group(
-    GROUP
-)  # one worker: the ranks spawned once for this module and the follower's
+# with the follower's module on one worker where xdist groups (the ranks spawn once per run either way)
+pytestmark = pytest.mark.xdist_group(GROUP)
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return rank_runs()
+def ranks(tmp_path_factory) -> list[dict]:
+    return rank_runs(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def one_rank() -> dict:
-    return one_rank_runs()
+def one_rank(tmp_path_factory) -> dict:
+    return one_rank_runs(tmp_path_factory)
 
 
 def _relative(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -116,6 +116,10 @@
   fields only (:data:`OP_FIELDS`; ``OpStream.op`` refuses what is not JSON: no tensor), and
   ``serving/replica.py`` is the one serving module that reaches into the anchors engine (the rank's
   ``Shard`` and group, the scheduler's ``FollowerShard``: :data:`REPLICA_SHARD`).
+- the scheduler's follower (``FollowerShard``: ``meta`` stand-ins, every reduced value the leader's) runs
+  the engine's one code path: in ``anchors/`` only ``sharded.py`` makes or tests a ``meta`` tensor (the
+  follower's factors: no ``is_meta`` and no ``"meta"`` elsewhere), and the anchor pools' byte bound
+  counts through ``lowrank.bound_count`` (``LRUDict.trim`` takes the shard).
 """
 
 from __future__ import annotations
@@ -2068,6 +2072,7 @@ SHARD_AWARE = {
         "relative_distance",
     ),
     f"{ROOT}.anchors.pool": (
+        "LRUDict.trim",
         "Anchor.measure",
         "Anchor.size",
         "AnchorPool.near_duplicate",
@@ -2152,3 +2157,17 @@ def test_only_the_replica_drives_a_worker_sharing_and_no_op_carries_a_tensor():
     assert fields and fields <= OP_FIELDS, f"op fields beyond the metadata allowed: {fields - OP_FIELDS}"
     op = next(f for name, f in functions(replica) if name == "OpStream.op")
     assert "dumps" in _callees(op), "OpStream.op no longer checks that an op is JSON"
+def test_only_the_sharded_module_handles_the_followers_meta_stand_ins():
+    """The follower runs the engine's one code path: no module of ``anchors/`` but ``sharded.py`` makes or
+    tests a ``meta`` tensor, and the pools' byte bound counts through ``bound_count``."""
+    found = [
+        f"{name}:{node.lineno}"
+        for name, path in MODULES.items()
+        if name.startswith(f"{ROOT}.anchors.") and name != f"{ROOT}.anchors.sharded"
+        for node in ast.walk(parsed(path))
+        if (isinstance(node, ast.Attribute) and node.attr == "is_meta")
+        or (isinstance(node, ast.Constant) and node.value == "meta")
+    ]
+    assert not found, "meta stand-ins handled outside anchors/sharded.py:\n" + "\n".join(found)
+    trim = dict(functions(parsed(MODULES[f"{ROOT}.anchors.pool"])))["LRUDict.trim"]
+    assert "bound_count" in {_name_of(n.func) for n in ast.walk(trim) if isinstance(n, ast.Call)}

@@ -551,3 +551,31 @@ def test_the_worker_writes_its_replicas_claim_and_hands_it_the_op_stream():
     assert worker.get_block_ids_with_load_errors() == {4, 5}
     worker._on_order({"op": "release", "seq": 0, "request_id": "r"})
     assert submitted == [{"op": "release", "seq": 0, "request_id": "r"}]
+
+
+def test_the_leaders_values_cross_the_read_back_channel_as_published():
+    """Rank 0's published values (float64 sums and flags, int64 byte counts) reach the scheduler's
+    :class:`Published` through the read-back channel serialized (another process's address), in order,
+    beside read-backs; a follower that waits for one that never comes raises ``FollowerDiverged``."""
+    from hf_kvshare.anchors.sharded import FollowerDiverged
+    from hf_kvshare.serving import channel
+
+    values = Published(wait_s=0.2)
+    receiver = channel.Receiver(lambda *kv: None, lambda rid, kind, tensors: [values.put(t) for t in tensors])
+    sender = channel.Sender(receiver.address, in_process=False)
+    sent = [torch.tensor([3.5, 1.0], dtype=torch.float64), torch.tensor([4096], dtype=torch.int64)]
+    try:
+        for value in sent:
+            deadline = time.monotonic() + 10
+            while not sender.send_tensors("", "published", [value]):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        for value in sent:
+            got = values.take()
+            assert got.dtype == value.dtype and torch.equal(got, value)
+        assert values.counts == {"values": 2, "bytes": 24, "overflow": 0}
+        with pytest.raises(FollowerDiverged, match="no value from the leader"):
+            values.take()
+    finally:
+        sender.close()
+        receiver.close()

@@ -598,8 +598,8 @@ def guard_estimate(
         raise ValueError(f"cannot estimate {rows} rows with anchors {short or [a.serial for a in anchors]}")
     layers = anchors[0].base.num_layers
     device = anchors[0].base.values[0].a.device
-    if len(anchors) < 2:  # a constant: on the host where the anchors are meta stand-ins (a follower's)
-        zero = torch.zeros(2, layers, dtype=torch.float64, device="cpu" if device.type == "meta" else device)
+    if len(anchors) < 2:  # a constant, on the host: nothing to read back (a follower's anchors are meta)
+        zero = torch.zeros(2, layers, dtype=torch.float64)
         return GuardEstimate(scales=zero, errors=torch.stack((zero, zero, zero)))
     cross = torch.zeros(2, layers, dtype=torch.float64, device=device)  # <delta, pred>
     power = torch.zeros(2, layers, dtype=torch.float64, device=device)  # ||pred||^2

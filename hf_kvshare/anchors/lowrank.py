@@ -11,8 +11,9 @@ Keys are stored in the canonical positional frame (as if the segment started at 
 Under tensor parallel a rank holds its heads' columns ``[L, D_p]``: the anchors engine takes one shard
 context (:class:`~.sharded.Shard`; ``None``, the default: one process holds every column) and every
 reduction over ``D`` and every factorization goes through one of the hooks here (:func:`column_sum`,
-:func:`any_rank`, :func:`columns`, :func:`factorize`), which under a shard call its methods (the
-collectives live in :mod:`.sharded`), so every rank gets the one-rank result (its columns of it).
+:func:`any_rank`, :func:`columns`, :func:`factorize`; a bound's byte count: :func:`bound_count`), which
+under a shard call its methods (the collectives live in :mod:`.sharded`), so every rank gets the one-rank
+result (its columns of it), and the scheduler's follower (``FollowerShard``) the leader's.
 """
 
 from __future__ import annotations

@@ -37,14 +37,15 @@ default) moves ``[L, q]`` float32 partial sums instead, whatever ``p``: with a r
 links, and the host holds no K/V.
 
 The anchors engine runs on one rank's heads (SPMD) through :class:`Shard`'s hooks ``column_sum``,
-``any``, ``total_columns`` and ``factors``, called by ``lowrank.column_sum`` / ``any_rank`` / ``columns`` /
-``factorize`` with the engine's shard (``BoundedStore.shard``; docs/architecture.md).
+``any``, ``total_columns``, ``factors`` and ``count``, called by ``lowrank.column_sum`` / ``any_rank`` /
+``columns`` / ``factorize`` / ``bound_count`` with the engine's shard (``BoundedStore.shard``;
+docs/architecture.md).
 
 The scheduler's copy of the engine holds no K/V at all: it runs as a **follower**
 (:class:`FollowerShard`) on ``meta`` stand-ins of every read-back (full width, zero bytes), and every
 value a decision reads (each hook's reduced result) it takes from the leader, rank 0, whose
 :class:`Shard` hands each one to its ``publish`` in call order. A follower that receives another shape
-than the one it computes the hook for has left the leader's path: :class:`FollowerDiverged`.
+than the one it computes the hook for, or none, has left the leader's path: :class:`FollowerDiverged`.
 
 Only this module calls ``torch.distributed`` collectives in the package (``tests/test_layout.py``).
 """
@@ -127,9 +128,9 @@ class Shard:
     rank's ``width`` (its columns; the same on every rank) and ``replicas`` (consecutive ranks holding
     the same columns: vLLM's replicated KV heads, ``ranks / kv_heads``).
 
-    ``publish`` (the leader's, rank 0's; ``None`` elsewhere): every reduced value an engine hook returns
-    (``column_sum``'s sum, ``any``'s flag as a 1-element float64 tensor) is handed to it in call order,
-    a detached CPU copy, for a :class:`FollowerShard` to replay."""
+    ``publish`` (the leader's, rank 0's; ``None`` elsewhere): every value an engine hook returns that a
+    decision reads (``column_sum``'s sum; ``any``'s flag as a 1-element float64 tensor, ``count``'s
+    bytes as a 1-element int64 one) is handed to it in call order, a detached CPU copy, for a :class:`FollowerShard` to replay."""
 
     group: dist.ProcessGroup | None
     width: int
@@ -211,7 +212,7 @@ class Shard:
         """A byte count a bound compares (``count()``, one-rank terms; every rank counts the same):
         published by the leader for the follower, which cannot count its stand-ins."""
         counted = int(count())
-        self._published(torch.tensor([counted], dtype=torch.float64))
+        self._published(torch.tensor([counted], dtype=torch.int64))
         return counted
 
     def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
@@ -228,8 +229,9 @@ class Shard:
 
 
 class FollowerDiverged(ValueError):
-    """A follower received another value than the hook it runs expects: it is no longer on the leader's
-    path (a record or plan taken in another order, another method configuration, a lost message)."""
+    """A follower received another value than the hook it runs expects, or none (its ``receive`` raised,
+    e.g. timed out): it is no longer on the leader's path (a record or plan taken in another order,
+    another method configuration, a lost message)."""
 
 
 class FollowerShard:
@@ -238,8 +240,8 @@ class FollowerShard:
     a decision reads comes from ``receive`` (the leader's :attr:`Shard.publish`, in order; ``receive``
     blocks with its caller's bound and raises on timeout). No ``torch.distributed``: it joins no group.
 
-    Its hooks are :class:`Shard`'s: ``column_sum`` and ``any`` return the next received value (checked
-    against the shape the hook computes: else :class:`FollowerDiverged`), ``total_columns`` is its own
+    Its hooks are :class:`Shard`'s: ``column_sum``, ``any`` and ``count`` return the next received value
+    (checked against the shape and dtype the hook computes: else :class:`FollowerDiverged`), ``total_columns`` is its own
     count (it holds every column), ``factors`` the ``meta`` factors one rank would keep. It never reads a
     ``meta`` value: what it cannot compute it receives, and anything else reading one fails loudly."""
 
@@ -252,23 +254,37 @@ class FollowerShard:
     def __init__(self, receive: Callable[[], torch.Tensor]):
         self.receive = receive
 
-    def _next(self, hook: str, shape: tuple[int, ...]) -> torch.Tensor:
-        received = self.receive()
-        if not isinstance(received, torch.Tensor) or tuple(received.shape) != tuple(shape):
-            got = tuple(received.shape) if isinstance(received, torch.Tensor) else type(received).__name__
+    def _next(self, hook: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        try:
+            received = self.receive()
+        except Exception as error:  # a timeout, a closed channel: every later value would be misplaced
             raise FollowerDiverged(
-                f"the follower's {hook} expected a value of shape {tuple(shape)} from the leader, "
+                f"the follower's {hook} received nothing from the leader ({type(error).__name__}: {error}): "
+                "it is no longer on the leader's path"
+            ) from error
+        if (
+            not isinstance(received, torch.Tensor)
+            or tuple(received.shape) != tuple(shape)
+            or received.dtype != dtype
+        ):
+            got = (
+                f"{tuple(received.shape)} {received.dtype}"
+                if isinstance(received, torch.Tensor)
+                else type(received).__name__
+            )
+            raise FollowerDiverged(
+                f"the follower's {hook} expected a value of shape {tuple(shape)} {dtype} from the leader, "
                 f"received {got}: it is no longer on the leader's path"
             )
         return received
 
     def column_sum(self, partial: torch.Tensor) -> torch.Tensor:
         """The leader's sum over every column of ``partial`` (this member's is a ``meta`` stand-in)."""
-        return self._next("column_sum", tuple(partial.shape))
+        return self._next("column_sum", tuple(partial.shape), partial.dtype)
 
     def any(self, test: bool | Callable[[], bool]) -> bool:
         """The leader's answer (``test`` is not evaluated: it would read this member's stand-ins)."""
-        return bool(self._next("any", (1,)).item())
+        return bool(self._next("any", (1,), torch.float64).item())
 
     def total_columns(self, local: int) -> int:
         return local
@@ -276,7 +292,7 @@ class FollowerShard:
     def count(self, count: Callable[[], int]) -> int:
         """The leader's byte count (``count`` is not called: this member's stand-ins hold no storage as
         values do, views and copies alike)."""
-        return int(self._next("count", (1,)).item())
+        return int(self._next("count", (1,), torch.int64).item())
 
     def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
         """The factors one rank keeps of ``matrix`` ``[L, D]``, as ``meta`` stand-ins of their shapes

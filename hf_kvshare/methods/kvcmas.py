@@ -637,7 +637,13 @@ class KVCMAS(PrefixReuse, Method):
     def stage_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], model=None):
         """The pools and kept prefixes of a saved state, checked (shapes against each other and the
         saved model, delta frames) and built aside; the swap replaces them (per-request state of live
-        sessions is dropped)."""
+        sessions is dropped). Refused under a shard (:meth:`run_on_shard`)."""
+        if self._store.shard is not None:
+            raise ValueError(
+                f"{self.name}: a saved state loads on one rank only: its anchors and kept prefixes hold every "
+                "KV head, and an engine on a tensor-parallel rank's heads (or the scheduler's follower) would "
+                "need its own heads' columns of each (not built); load it into a one-rank instance (TP = 1)"
+            )
         kept_names = {k for k in tensors if k.startswith("prefix")}
         pools, next_uid, evicted = self._store.read(
             {k: v for k, v in tensors.items() if k not in kept_names}, meta, state_dims(model)

@@ -78,6 +78,9 @@ POLL_S = 0.1
 DEFAULT_MAX_QUEUED = 8
 
 _DTYPES = MappingProxyType({str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)})
+#: a tensor message's (:func:`encode_tensors`): K/V's and factors' dtypes, and int64 (the leader replica's
+#: published byte counts, :mod:`.replica`)
+_TENSOR_DTYPES = MappingProxyType({**_DTYPES, str(torch.int64): torch.int64})
 
 
 def encode(
@@ -157,8 +160,10 @@ def encode_tensors(request_id: str, kind: str, tensors: list[torch.Tensor]) -> l
 
 def _check_dtypes(tensors: list[torch.Tensor]) -> None:
     for t in tensors:
-        if str(t.dtype) not in _DTYPES:
-            raise ValueError(f"a tensor message's dtype must be one of {sorted(_DTYPES)}; got {t.dtype}")
+        if str(t.dtype) not in _TENSOR_DTYPES:
+            raise ValueError(
+                f"a tensor message's dtype must be one of {sorted(_TENSOR_DTYPES)}; got {t.dtype}"
+            )
 
 
 def decode_tensors(frames: list[Any]) -> tuple[str, str, list[torch.Tensor]]:
@@ -171,7 +176,7 @@ def decode_tensors(frames: list[Any]) -> tuple[str, str, list[torch.Tensor]]:
     for (shape, dtype), frame in zip(specs, frames[1:]):
         raw = bytearray(frame)
         tensor = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        out.append(tensor.view(_DTYPES[dtype]).reshape(shape))
+        out.append(tensor.view(_TENSOR_DTYPES[dtype]).reshape(shape))
     return str(header["request_id"]), str(header["kind"]), out
 
 

@@ -347,7 +347,9 @@ class Plan:
     plan_phases: dict[str, float] = field(default_factory=dict)
     record_phases: dict[str, float] = field(default_factory=dict)
     #: what the method's record left for later (``Method.deferred_work``): run by the background thread
-    #: when no plan waits (:mod:`.admission`), or at once inline; not part of the report
+    #: when no plan waits (:mod:`.admission`), or at once inline; not part of the report. Its order is
+    #: a function of the record alone (the order the record stored its anchors' parts): under tensor
+    #: parallel every rank's driver runs them in this order, between the same records
     deferred: list[Callable[[], None]] = field(default_factory=list, repr=False)
     #: span name -> why admission did not place it (:data:`NOT_RECORDED_YET`, the agent's own text not
     #: kept, the method's gate), for each unplaced span (:meth:`Sharing._plan`); the claim's stop reads it

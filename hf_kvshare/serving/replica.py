@@ -69,7 +69,7 @@ MAX_PUBLISHED = 1 << 16
 #: prefixes at once), 0 on every member; the leader publishes nothing before its Sharing is built
 #: (:attr:`Replica`'s worker turns its ``publish`` on after), the follower takes this meanwhile
 #: (:attr:`Published.constructing`): no value crosses a channel before the stream exists
-CONSTRUCTION_COUNT = torch.zeros(1, dtype=torch.float64)
+CONSTRUCTION_COUNT = torch.zeros(1, dtype=torch.int64)
 
 
 def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any]) -> bool:
