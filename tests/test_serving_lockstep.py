@@ -452,7 +452,7 @@ def test_the_scheduler_follows_the_replicas_and_streams_its_ops_to_every_rank(
     every rank's order channel gets the op stream from op 0 in order, a finished request's capture asks
     the workers for stand-ins only (``ship`` false, nothing kept in their device store), and a rank that
     reports its replica deciding otherwise makes every later claim nothing."""
-    from serving_stand_ins import admitted, vllm_request
+    from serving_stand_ins import admitted, announce_worker, vllm_request
 
     from hf_kvshare.serving import channel
     from hf_kvshare.serving.connector_common import Captured
@@ -474,12 +474,7 @@ def test_the_scheduler_follows_the_replicas_and_streams_its_ops_to_every_rank(
     try:
         assert scheduler.sharing.follower and scheduler.replicas_summary()["stream"]["ops"] == 0
         for rank, listener in enumerate(listeners):
-            scheduler.update_connector_output(
-                SimpleNamespace(
-                    kv_connector_worker_meta=Captured(orders=listener.address, rank=rank),
-                    finished_sending=None,
-                )
-            )
+            announce_worker(scheduler, rank=rank, address=listener.address)
         doc = tokenizer("The river Lune reaches the sea at Plover Scar.", add_special_tokens=False)[
             "input_ids"
         ]
