@@ -574,3 +574,31 @@ def test_the_leaders_values_cross_the_read_back_channel_as_published():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_silent_leader_stops_the_sharing_never_hangs_it():
+    """The follower waits for a value the leader never sends: its record ends within the bound, the op
+    stream stops, and every later plan claims nothing at once (the server goes on without sharing)."""
+    tokenizer = embedded_tokenizer()
+    values = Published(wait_s=0.2)  # nothing ever published
+    method = served("kvcmas")
+    method.run_on_shard(follower_shard(values.take))
+    values.constructing = True
+    sharing = Sharing(tiny_model("llama", num_key_value_heads=2), tokenizer, method, min_segment_tokens=4)
+    values.constructing = False
+    stream, channel = OpStream(1), _Collect()
+    stream.connect(0, channel)
+    lockstep = Lockstep(sharing, stream)
+    doc = ids_of(tokenizer, DOCS[0])
+    meta = {lay.KEY: {"task": "t", "agent": "a", "segments": [{"slot": "doc", "start": 0, "end": len(doc)}]}}
+    plan = lockstep.plan("r1", doc + ids_of(tokenizer, QUESTION), meta, 0)
+    shape = (2, len(plan.prompt) + 3, 2, 16)
+    started = time.monotonic()
+    lockstep.record(
+        plan, torch.empty(shape, device="meta"), torch.empty(shape, device="meta"), [5, 6, 7, 8], set()
+    )
+    assert time.monotonic() - started < 5
+    assert "no value from the leader" in stream.summary()["stopped"] and plan.error, stream.summary()
+    later = lockstep.plan("r2", doc + ids_of(tokenizer, QUESTION), meta, 0)
+    assert later.error.startswith("sharing stopped") and later.claimed == 0
+    assert all(op["request_id"] != "r2" for op in channel.ops)  # nothing more is sent
