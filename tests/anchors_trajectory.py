@@ -164,6 +164,12 @@ def stores(sharing: Sharing) -> dict:
     }
 
 
+def counted(sharing: Sharing) -> tuple[int, int, int]:
+    """The bytes the bounds count: the slots', the kept prefixes' and the anchor pools' (one rank's)."""
+    summary = sharing.method.state_summary()
+    return sharing.held_bytes(), summary["prefix_bytes"], summary["pools_bytes"]
+
+
 def pool_numbers(method, shard) -> dict:
     """What the pools hold after the trajectory and the numbers the gate's rules compute from them over
     every head (each a reduction over ``D``): the anchors' row energies (the nearness rule), the
@@ -225,7 +231,7 @@ def _rank_main(rank: int) -> dict:
             "pools": pool_numbers(method, shard),
             "ranks": (method.base_rank, method.delta_rank),
             "published": published,
-            "counted": sharing.held_bytes(),
+            "counted": counted(sharing),
         }
     results["nan"] = _non_finite_on_one_rank(rank, tokenizer, head_dim)
     return results
@@ -298,6 +304,6 @@ def _one_rank() -> dict:
             "steps": steps,
             "pools": pool_numbers(sharing.method, None),
             "ranks": (sharing.method.base_rank, sharing.method.delta_rank),
-            "counted": sharing.held_bytes(),
+            "counted": counted(sharing),
         }
     return out

@@ -11,6 +11,7 @@ import torch
 from anchors_trajectory import (
     GROUP,
     KV_HEADS,
+    counted,
     one_rank_runs,
     pool_numbers,
     rank_runs,
@@ -121,7 +122,7 @@ def follow(
         "pools": pool_numbers(method, method.shard),
         "left": len(queue),
         "held": held_storage(sharing),
-        "counted": sharing.held_bytes(),
+        "counted": counted(sharing),
     }
 
 
@@ -170,7 +171,10 @@ def test_the_follower_decides_what_every_rank_and_one_rank_decide(ranks, one_ran
         assert last["evicted"][0] > 0 and last["prefixes"][1] > 0 and last["pool_evictions"][1] > 0, last
     assert mine["pools"] == ranks[0][case]["pools"]  # the leader's numbers, received bit for bit
     assert mine["held"] == 0  # stand-ins: the follower holds no K/V, no factors
-    assert mine["counted"] == ranks[0][case]["counted"] == one_rank[case]["counted"] > 0  # one rank's bytes
+    # the bounds count one rank's bytes on every member: the slots' (the leader's, on the follower)
+    assert mine["counted"][0] == ranks[0][case]["counted"][0] == one_rank[case]["counted"][0] > 0
+    # the kept prefixes and the pools, as summarized: every rank's one rank's (the follower's stand-ins hold none)
+    assert ranks[0][case]["counted"] == ranks[1][case]["counted"] == one_rank[case]["counted"]
 
 
 def test_a_read_back_non_finite_on_one_ranks_heads_is_refused_by_every_rank_and_the_follower(ranks):

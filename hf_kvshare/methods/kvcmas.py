@@ -604,6 +604,11 @@ class KVCMAS(PrefixReuse, Method):
         shard = self._store.shard
         return bound_count(lambda: columns(count(), shard), shard)
 
+    def prefix_state_bytes(self) -> int:
+        """The kept prefixes' bytes as one rank holds them (a tensor-parallel rank's heads count as every
+        head's: :func:`~hf_kvshare.anchors.lowrank.columns`; no communication)."""
+        return columns(super().prefix_state_bytes(), self._store.shard)
+
     def any_rank(self, test: Callable[[], bool]) -> bool:
         """``test`` of this member's K/V (e.g. "they hold NaN or inf"), answered alike by every rank of the
         engine's shard and its follower (:func:`~hf_kvshare.anchors.lowrank.any_rank`; one rank: ``test()``)."""

@@ -792,9 +792,8 @@ class Sharing:
                 placement = None
                 plan.unplaced[span.name] = self._why_unplaced(host, turn, span, dropped=True)
             elif placement is not None:
-                if (
-                    origin is None and not self.follower
-                ):  # sent to the worker: computed here, on the plan's thread
+                # sent to the worker: computed here, on the plan's thread (a follower's: by the workers)
+                if origin is None and not self.follower:
                     placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
                 _keep_gate(plan, span.name, placement.info)  # (rows the worker keeps: it moves them)
             else:
