@@ -61,15 +61,13 @@ MAX_BACKLOG = 4096
 DEFAULT_READ_BACK_BYTES = 1 << 30
 #: the key of ``kv_connector_extra_config`` that turns the replicas off (``false``: the RankAssembly path)
 OPTION = "worker_replicas"
-
-
 #: the leader's published values the scheduler holds for its follower before the stream stops
 MAX_PUBLISHED = 1 << 16
 #: what a member's construction reduces: its empty stores' byte counts (``Sharing`` bounds its kept
 #: prefixes at once), 0 on every member; the leader publishes nothing before its Sharing is built
 #: (:attr:`Replica`'s worker turns its ``publish`` on after), the follower takes this meanwhile
 #: (:attr:`Published.constructing`): no value crosses a channel before the stream exists
-CONSTRUCTION_COUNT = torch.zeros(1, dtype=torch.int64)
+CONSTRUCTION_COUNT = 0
 
 
 def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any]) -> bool:
@@ -136,7 +134,7 @@ class Published:
         from ..anchors.sharded import FollowerDiverged
 
         if self.constructing:
-            return CONSTRUCTION_COUNT.clone()
+            return torch.tensor([CONSTRUCTION_COUNT], dtype=torch.int64)  # a count hook's value
         if self.counts["overflow"]:
             raise FollowerDiverged(
                 f"{self.counts['overflow']} of the leader's values were dropped (queue full)"
