@@ -110,6 +110,12 @@
   (``column_sum``, ``any_rank``, ``columns``, ``factorize``: under a shard the ``Shard``'s methods, whose
   collectives are ``anchors/sharded.py``'s); nothing else in ``anchors/`` factorizes a matrix itself
   (``from_matrix``: :data:`OWN_FACTORIZATIONS`).
+- worker replicas (issue 51 items 1+2): a worker rank's Sharing replica is driven by ``serving/replica.py``
+  alone, in the op stream's order (the worker side calls no ``plan`` / ``claim`` / ``release`` / ``record``
+  / ``settle`` of a Sharing and builds none itself: ``make_sharing`` does), every op carries metadata
+  fields only (:data:`OP_FIELDS`; ``OpStream.op`` refuses what is not JSON: no tensor), and
+  ``serving/replica.py`` is the one serving module that reaches into the anchors engine (the rank's
+  ``Shard`` and group, the scheduler's ``FollowerShard``: :data:`REPLICA_SHARD`).
 - the scheduler's follower (``FollowerShard``: ``meta`` stand-ins, every reduced value the leader's) runs
   the engine's one code path: in ``anchors/`` only ``sharded.py`` makes or tests a ``meta`` tensor (the
   follower's factors: no ``is_meta`` and no ``"meta"`` elsewhere), and the anchor pools' byte bound
@@ -587,6 +593,11 @@ def _top_imports(tree: ast.AST) -> set[str]:
     return found
 
 
+#: the one serving module that reaches into an engine: a worker rank's replica takes the anchors engine's
+#: shard of its KV heads and its tensor-parallel group (``serving/replica.py``: ``rank_shard``)
+REPLICA_SHARD = {f"{ROOT}.serving.replica": f"{ROOT}.anchors.sharded"}
+
+
 def test_serving_drives_the_method_contract_only():
     """``hf_kvshare.serving`` is a host like the Session: it imports no engine package, no session,
     evaluation or bench; only the drivers above it (the CLI, the bench: ``bench serve``) import it; only
@@ -599,6 +610,7 @@ def test_serving_drives_the_method_contract_only():
         for module in serving
         for target in sorted(edges[module])
         if any(_inside(target, area) for area in (*ENGINES, "session", "evaluation", "bench"))
+        and REPLICA_SHARD.get(module) != target
     ]
     assert not bad, "serving modules importing engines / session / evaluation / bench:\n" + "\n".join(bad)
     users = sorted(
@@ -1652,8 +1664,8 @@ def test_every_store_has_a_byte_budget_from_the_cli_to_the_connector():
     assert "max_bytes" in budgets and len(budgets) >= 4, budgets
     server = parsed(MODULES["hf_kvshare.serving.server"])
     cli = MODULES["hf_kvshare.cli"].read_text()
-    scheduler = parsed(MODULES["hf_kvshare.serving.connector_scheduler"])
-    make = next(n for n in walk(scheduler) if isinstance(n, ast.FunctionDef) and n.name == "make_sharing")
+    common = parsed(MODULES["hf_kvshare.serving.connector_common"])  # both sides build their Sharing there
+    make = next(n for n in walk(common) if isinstance(n, ast.FunctionDef) and n.name == "make_sharing")
     missing = [
         f"{budget}: {where}"
         for budget in budgets
@@ -2109,6 +2121,42 @@ def test_the_anchors_engine_reduces_over_the_heads_through_one_shard_context():
     assert own <= OWN_FACTORIZATIONS, f"factorized outside the factorize hook: {own - OWN_FACTORIZATIONS}"
 
 
+# ------------------------------------------------------------------- worker replicas (issue 51 items 1+2)
+REPLICA = f"{ROOT}.serving.replica"
+#: what drives a Sharing's engine (its calls that change it): on the worker side only the replica's
+SHARING_DRIVERS = frozenset({"plan", "claim", "release", "record", "settle"})
+#: the fields an op of the replicas' stream may carry (metadata: ids, token ids, the layout, counts,
+#: decisions), never a tensor
+OP_FIELDS = frozenset(
+    {"request_id", "prompt", "params", "local_hit", "output_ids", "stop_ids", "decision", "final"}
+)
+
+
+def test_only_the_replica_drives_a_worker_sharing_and_no_op_carries_a_tensor():
+    """A worker rank's Sharing (its engine replica) is driven by ``serving/replica.py`` alone, in the op
+    stream's order: the worker side calls none of a Sharing's driving methods itself; every op is built
+    by ``OpStream.op`` from :data:`OP_FIELDS` (no tensor: ``OpStream.op`` refuses what is not JSON)."""
+    worker = parsed(MODULES[f"{ROOT}.serving.connector_worker"])
+    driven = {
+        node.func.attr
+        for node in walk(worker)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in SHARING_DRIVERS
+        and "sharing" in ast.unparse(node.func.value).lower()
+    }
+    assert not driven, f"the worker side drives a Sharing itself: {sorted(driven)}"
+    assert "Sharing" not in _callees(worker), "the worker side builds a Sharing (make_sharing does)"
+    replica = parsed(MODULES[REPLICA])
+    fields = {
+        keyword.arg
+        for node in walk(replica)
+        if isinstance(node, ast.Call) and _name_of(node.func) == "op"
+        for keyword in node.keywords
+    }
+    assert fields and fields <= OP_FIELDS, f"op fields beyond the metadata allowed: {fields - OP_FIELDS}"
+    op = next(f for name, f in functions(replica) if name == "OpStream.op")
+    assert "dumps" in _callees(op), "OpStream.op no longer checks that an op is JSON"
 def test_only_the_sharded_module_handles_the_followers_meta_stand_ins():
     """The follower runs the engine's one code path: no module of ``anchors/`` but ``sharded.py`` makes or
     tests a ``meta`` tensor, and the pools' byte bound counts through ``bound_count``."""

@@ -497,3 +497,25 @@ def communication_bytes(
             out["all_gather"] = (1 + NITER) * width * k * 4
     out["sent"] = (2 * (tp - 1) * out["all_reduce"]) // tp + (tp - 1) * out["all_gather"]
     return out
+
+
+def tensor_parallel_groups(tp_size: int, timeout_s: float) -> dist.ProcessGroup:
+    """This rank's tensor-parallel group for a worker's engine replica (``serving/replica.py``): a gloo
+    group made by every rank of the world for every tensor-parallel group in the same order (vLLM's
+    groups are consecutive ranks), so ``new_group`` pairs up. Gloo on CUDA too: the replica's collectives
+    run on a thread of their own in an order unrelated to the model's, and NCCL communicators interleaved
+    across threads in different orders on different ranks can deadlock; gloo's host collectives cannot
+    (their tensors are small: ``[n]`` distances, the randomized SVD's ``[L, q]`` products)."""
+    import datetime
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp_size:
+        raise ValueError(f"a world of {world} ranks is not made of tensor-parallel groups of {tp_size}")
+    mine = None
+    for first in range(0, world, tp_size):
+        group = dist.new_group(
+            list(range(first, first + tp_size)), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        if first <= rank < first + tp_size:
+            mine = group
+    return mine

@@ -78,6 +78,9 @@ POLL_S = 0.1
 DEFAULT_MAX_QUEUED = 8
 
 _DTYPES = MappingProxyType({str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)})
+#: a tensor message's (:func:`encode_tensors`): K/V's and factors' dtypes, and int64 (the leader replica's
+#: published byte counts, :mod:`.replica`)
+_TENSOR_DTYPES = MappingProxyType({**_DTYPES, str(torch.int64): torch.int64})
 
 
 def encode(
@@ -157,8 +160,10 @@ def encode_tensors(request_id: str, kind: str, tensors: list[torch.Tensor]) -> l
 
 def _check_dtypes(tensors: list[torch.Tensor]) -> None:
     for t in tensors:
-        if str(t.dtype) not in _DTYPES:
-            raise ValueError(f"a tensor message's dtype must be one of {sorted(_DTYPES)}; got {t.dtype}")
+        if str(t.dtype) not in _TENSOR_DTYPES:
+            raise ValueError(
+                f"a tensor message's dtype must be one of {sorted(_TENSOR_DTYPES)}; got {t.dtype}"
+            )
 
 
 def decode_tensors(frames: list[Any]) -> tuple[str, str, list[torch.Tensor]]:
@@ -171,7 +176,7 @@ def decode_tensors(frames: list[Any]) -> tuple[str, str, list[torch.Tensor]]:
     for (shape, dtype), frame in zip(specs, frames[1:]):
         raw = bytearray(frame)
         tensor = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        out.append(tensor.view(_DTYPES[dtype]).reshape(shape))
+        out.append(tensor.view(_TENSOR_DTYPES[dtype]).reshape(shape))
     return str(header["request_id"]), str(header["kind"]), out
 
 
@@ -346,18 +351,33 @@ class _Listener:
 class Receiver(_Listener):
     """The scheduler's end of the read-back channel: ``deliver(request_id, keys, values, via, rank)`` on
     its own thread for each message (``via``: what the sender said of when it read them; ``rank``: the
-    tensor-parallel worker that read them)."""
+    tensor-parallel worker that read them), and ``deliver_tensors(request_id, kind, tensors)`` for each
+    tensor message (:meth:`Sender.send_tensors`: the leader replica's published values,
+    :mod:`.replica`; without ``deliver_tensors`` refused)."""
 
     kind = "read-back"
 
-    def __init__(self, deliver: Callable[[str, torch.Tensor, torch.Tensor, str, int], None]):
-        self._deliver = deliver
-        super().__init__(lambda frames: deliver(*decode(frames)))
+    def __init__(
+        self,
+        deliver: Callable[[str, torch.Tensor, torch.Tensor, str, int], None],
+        deliver_tensors: Callable[[str, str, list[torch.Tensor]], None] | None = None,
+    ):
+        def handle(frames: list[Any]) -> None:
+            if deliver_tensors is not None and len(frames) > 1 and _is_tensors(frames):
+                deliver_tensors(*decode_tensors(frames))
+                return
+            deliver(*decode(frames))
+
+        self._deliver, self._deliver_tensors = deliver, deliver_tensors
+        super().__init__(handle)
 
     def _handle_handed(self, kind: str, arguments: tuple[Any, ...]) -> None:
-        if kind != "kv":
+        if kind == "kv":
+            self._deliver(*arguments)
+        elif kind == "tensors" and self._deliver_tensors is not None:
+            self._deliver_tensors(*arguments)
+        else:
             super()._handle_handed(kind, arguments)
-        self._deliver(*arguments)
 
 
 class Orders(_Listener):

@@ -6,6 +6,7 @@ tests it)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +29,54 @@ except ImportError:  # without vLLM (the fast test lane): the same messages, as 
             return self
 
 
-from .host import ServingError
+from .host import BUDGETS, ServingError, Sharing, serving_options, skeleton_model
 from .tensor_parallel import kv_head_range, tensor_parallel_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+logger = logging.getLogger("hf_kvshare.serving")
+
+
+def make_sharing(vllm_config: VllmConfig, *, shard: Any = None, kv_heads: int | None = None) -> Sharing:
+    """The :class:`Sharing` service ``kv_connector_extra_config`` describes, for the served model: the
+    scheduler side's (with ``shard``, a ``FollowerShard``: the follower of the workers' replicas), or
+    (``shard``: a :class:`~hf_kvshare.anchors.sharded.Shard`, ``kv_heads``: the rank's KV heads) a worker
+    rank's replica (:mod:`.replica`), its method run on the shard before it is bound to a skeleton whose
+    config has the rank's KV heads."""
+    from transformers import AutoTokenizer
+
+    from ..method import get_method
+
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    model_config = vllm_config.model_config
+    tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model)
+    method, options = extra.get("method", "nonshared"), dict(extra.get("options") or {})
+    overrides = {} if kv_heads is None else {"num_key_value_heads": kv_heads}
+    if shard is not None:
+        options, _ = serving_options(method, options)
+        method, options = get_method(method, **options), {}
+        method.run_on_shard(shard)
+    model = skeleton_model(model_config.model, **overrides)
+    if overrides and model.config.get_text_config().num_key_value_heads != kv_heads:
+        raise ServingError(
+            f"hf_kvshare: a worker replica of {type(model).__name__} could not be given its {kv_heads} KV "
+            "heads (worker replicas serve text models; worker_replicas: false in kv_connector_extra_config "
+            "keeps the scheduler's engine)"
+        )
+    sharing = Sharing(
+        model,
+        tokenizer,
+        method,
+        max_bytes=int(extra.get("max_bytes", 2 << 30)),
+        max_tasks=int(extra.get("max_tasks", 1024)),
+        min_segment_tokens=int(extra.get("min_segment_tokens", 16)),
+        # the other stores' byte budgets (None: Sharing's defaults); a bad value refused by Sharing
+        **{name: extra.get(name) for name in BUDGETS if name != "max_bytes"},
+        **options,
+    )
+    logger.info("hf_kvshare: serving method %r (cache_salt %r)", sharing.method, sharing.salt)
+    return sharing
 
 
 @dataclass
@@ -70,7 +114,7 @@ class Load:
     """Claimed K/V to write before the request's first forward: positions ``[start, start + tokens)``.
     No tensor: each piece is a :class:`Source` (rows the worker keeps) or a ``payload`` range (claim
     offsets ``[lo, hi)``) whose K/V came on the order channel under the request id (:mod:`.channel`;
-    all ranges' rows in one message, in order)."""
+    all ranges' rows in one message, in order), or, ``from_replica``, the claim of each rank's replica."""
 
     request_id: str
     block_ids: list[int]
@@ -78,6 +122,9 @@ class Load:
     tokens: int
     sources: list[Source] = field(default_factory=list)
     payload: list[tuple[int, int]] = field(default_factory=list)
+    #: the whole claim from each rank's own replica (:mod:`.replica`: its plan's K/V of its heads), no
+    #: source or payload; a rank whose replica claims other positions reports the blocks failed
+    from_replica: bool = False
 
 
 @dataclass
@@ -128,6 +175,8 @@ class Captured(KVConnectorWorkerMetadata):
     rank: int = 0
     #: the layers (indices in the model) the worker holds, announced with its order channel
     layers: list[int] | None = None
+    #: the rank's replica's counts (:class:`~.replica.Replica`: ops run, checks agreeing and differing)
+    replica: dict[str, Any] | None = None
     #: the other ranks' outputs of the same step, merged in by :meth:`aggregate`
     ranks: dict[int, Captured] = field(default_factory=dict)
 
@@ -140,6 +189,7 @@ class Captured(KVConnectorWorkerMetadata):
             bytes_per_token=self.bytes_per_token,
             rank=self.rank,
             layers=self.layers,
+            replica=self.replica,
         )
         return {**self.ranks, self.rank: own}
 
@@ -153,6 +203,7 @@ class Captured(KVConnectorWorkerMetadata):
                 self.orders = self.orders or part.orders
                 self.bytes_per_token = self.bytes_per_token or part.bytes_per_token
                 self.layers = self.layers or part.layers
+                self.replica = part.replica or self.replica
             elif rank in self.ranks:
                 self.ranks[rank].aggregate(part)
             else:

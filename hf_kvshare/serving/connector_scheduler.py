@@ -54,6 +54,14 @@ far, times :data:`SHARED_ENGINE`) says waiting for the producers' remaining work
 report's ``producer_wait`` says how it went, or why it did not wait. A request whose claim stops at
 text nobody in flight computes (a cold agent's own new text) never waits.
 
+Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1, unless ``worker_replicas:
+false``): this side's Sharing is the follower of the workers' replicas (``meta`` stand-ins, rank 0's
+published values from the read-back channel); the admission thread drives it through
+:class:`~.replica.Lockstep`, whose op stream rides every rank's order channel; every claim is
+``from_replica`` (no K/V or factors sent) and is cut to nothing while a rank's order channel is not
+connected or a rank reports its replica stopped or deciding otherwise; the workers send stand-ins of
+their read-backs (``ship=False``).
+
 Two threads touch this object (the engine's scheduler thread and the read-back channel's thread): the
 finishing and waiting requests are shared under one condition's lock.
 """
@@ -72,10 +80,12 @@ import torch
 
 from . import channel
 from .admission import DEFAULT_MAX_PLANNED_BYTES, DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
-from .connector_common import Capture, Captured, Correction, HFKVShareMetadata, Load, Source
-from .host import BUDGETS, NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing, skeleton_model
+from .connector_common import Capture, Captured, Correction, HFKVShareMetadata, Load, Source, make_sharing
+from .host import NOT_RECORDED_YET, VALUE_FREE, Plan, ServingError, ServingHost, Sharing
 from .layout import images_of
-from .tensor_parallel import PENDING, rank_assembly
+from .replica import DEFAULT_WAIT_S as DEFAULT_REPLICA_WAIT_S
+from .replica import Lockstep, OpStream, Published, follower_shard, wants_replicas
+from .tensor_parallel import PENDING, pipeline_parallel_size, rank_assembly, tensor_parallel_size
 from .worker_store import DEFAULT_DEVICE_STORE_BYTES, CorrectedOrigin, Sources, StoreMirror
 
 if TYPE_CHECKING:
@@ -104,6 +114,7 @@ STORE_COUNTS = (
     "load_tokens",
     "load_bytes",
     "handoff",
+    "replicas",
 )
 #: messages the order channel holds (read-back orders and claims' K/V) before a send is refused
 ORDER_QUEUE = 32
@@ -153,28 +164,6 @@ class _Finishing:
     reserved: int = 0  # bytes its read-back holds against the read-back budget (an estimate until it came)
 
 
-def make_sharing(vllm_config: VllmConfig) -> Sharing:
-    """The :class:`Sharing` service ``kv_connector_extra_config`` describes, for the served model."""
-    from transformers import AutoTokenizer
-
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    model_config = vllm_config.model_config
-    tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model)
-    sharing = Sharing(
-        skeleton_model(model_config.model),
-        tokenizer,
-        extra.get("method", "nonshared"),
-        max_bytes=int(extra.get("max_bytes", 2 << 30)),
-        max_tasks=int(extra.get("max_tasks", 1024)),
-        min_segment_tokens=int(extra.get("min_segment_tokens", 16)),
-        # the other stores' byte budgets (None: Sharing's defaults); a bad value refused by Sharing
-        **{name: extra.get(name) for name in BUDGETS if name != "max_bytes"},
-        **dict(extra.get("options") or {}),
-    )
-    logger.info("hf_kvshare: serving method %r (cache_salt %r)", sharing.method, sharing.salt)
-    return sharing
-
-
 class HFKVShareScheduler:
     """The scheduler side of :class:`~hf_kvshare.serving.connector.HFKVShareConnector` (see the module
     docstring). ``sharing``: the service to drive (built from ``kv_connector_extra_config`` when not
@@ -183,7 +172,16 @@ class HFKVShareScheduler:
     def __init__(self, vllm_config: VllmConfig, sharing: Sharing | None = None):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._block_size = vllm_config.cache_config.block_size
-        self.sharing = sharing if sharing is not None else make_sharing(vllm_config)
+        #: the leader replica's published values (:mod:`.replica`), which the scheduler's Sharing, their
+        #: follower, takes in order; ``None``: no worker replicas (the Sharing decides on read-backs)
+        self._published = self._replica_values(vllm_config, extra)
+        if sharing is None and self._published is not None:
+            self._published.constructing = True  # its empty stores' counts: 0, as the leader's
+            sharing = make_sharing(vllm_config, shard=follower_shard(self._published.take))
+            self._published.constructing = False
+        elif sharing is None:
+            sharing = make_sharing(vllm_config)
+        self.sharing = sharing
         self._plans: dict[str, Plan] = {}
         self._loads: dict[str, Load] = {}
         self._to_capture: list[Capture] = []
@@ -239,14 +237,21 @@ class HFKVShareScheduler:
         self._drops: list[str] = []  # kept requests never recorded: dropped by the worker next step
         #: the step metadata's pickled bytes, last and most (``metadata_bytes`` in the summary)
         self.metadata_bytes = {"last": 0, "max": 0, "steps": 0}
-        #: claimed tokens written from rows the worker keeps (``referenced``) and sent on the order channel
+        #: claimed tokens written from rows the worker keeps (``referenced``), sent on the order channel
+        #: (``sent``) and, with worker replicas, written from each rank's replica's claim (``replica``)
         self.load_tokens = {"referenced": 0, "sent": 0}
         #: bytes sent on the order channel for claims: K/V rows (``sent``) and correction factors
         #: (``factors``, for ``corrected`` tokens whose delta the worker adds to rows it keeps)
         self.load_bytes = {"sent": 0, "factors": 0, "corrected": 0}
         self._report_path = extra.get("report_path") or os.environ.get(REPORTS_ENV) or None
+        #: the op stream every worker rank's replica runs (:mod:`.replica`; ``None``: no replicas) and
+        #: each rank's replica counts as it last reported them
+        self._stream = OpStream(self._assembly.size) if self._published is not None else None
+        if self._stream is not None:
+            self.load_tokens["replica"] = 0
+        self.replica_counts: dict[int, dict[str, Any]] = {}
         self._background = Background(
-            self.sharing,
+            Lockstep(self.sharing, self._stream) if self._stream is not None else self.sharing,
             enabled=extra.get("background", True),
             wait_s=extra.get("plan_wait_s", DEFAULT_WAIT_S),
             running_wait_s=extra.get("plan_running_wait_s", DEFAULT_RUNNING_WAIT_S),
@@ -258,9 +263,37 @@ class HFKVShareScheduler:
         # inline admission records on the engine loop: its read-backs keep the step's output path
         if read_back and self._background.enabled:
             try:
-                self._receiver = channel.Receiver(self._on_read_back)
+                self._receiver = channel.Receiver(self._on_read_back, self._on_tensors)
             except Exception:  # noqa: BLE001 - serving works without it (the step's output path)
                 logger.exception("hf_kvshare: no read-back channel; read-backs come with the step's output")
+
+    @staticmethod
+    def _replica_values(vllm_config: VllmConfig, extra: dict[str, Any]) -> Published | None:
+        """Where the leader replica's values arrive when the workers run replicas
+        (:func:`~.replica.wants_replicas`, which every worker decides alike from the same configuration);
+        what runs otherwise is said at start-up."""
+        tp, pp = tensor_parallel_size(vllm_config), pipeline_parallel_size(vllm_config)
+        try:
+            wanted = wants_replicas(extra.get("method"), tp, pp, extra)
+        except ValueError as error:
+            raise ServingError(f"hf_kvshare: {error}") from None
+        if wanted:
+            logger.info(
+                "hf_kvshare: every tensor-parallel rank runs a replica of the method on its KV heads; this "
+                "side follows them (metadata only)"
+            )
+            return Published(float(extra.get("replica_wait_s", DEFAULT_REPLICA_WAIT_S)))
+        if str(extra.get("method") or "nonshared").split(":")[0] not in VALUE_FREE and tp * pp > 1:
+            logger.info(
+                "hf_kvshare: %s over %d ranks (tensor parallel %d, pipeline parallel %d): the ranks' K/V "
+                "are read back and assembled here, where the method runs (worker replicas need pipeline "
+                "parallel 1, the admission thread, the read-back channel and worker_replicas true)",
+                extra.get("method"),
+                tp * pp,
+                tp,
+                pp,
+            )
+        return None
 
     # ================================================================ admission
     def get_num_new_matched_tokens(
@@ -296,7 +329,11 @@ class HFKVShareScheduler:
         if plan.error:
             logger.warning("hf_kvshare: request %s: no claim (%s)", request.request_id, plan.error)
         plan.record_wait_s = self._record_waits.pop(request.request_id, None)
-        if plan.claimed and not self._orders_connected():  # no way to send what the worker does not keep
+        if plan.claimed and self._stream is not None and not (self._orders_connected() and self._in_step()):
+            # the replicas get their ops once every rank's order channel is connected; a replica stopped
+            # or deciding otherwise writes nothing this side could stand behind
+            _trim(plan, 0)
+        elif plan.claimed and not self._orders_connected():  # no way to send what the worker does not keep
             pieces = _pieces(plan)
             unsent = [
                 lo
@@ -541,6 +578,9 @@ class HFKVShareScheduler:
         """The claim as references to rows the worker keeps (pinned at admission, until the request
         ends), with the low-rank factors of a corrected one's delta, and the rest sent now on the order
         channel (:class:`Load`; module docstring)."""
+        if self._stream is not None:  # each rank writes its replica's claim: no K/V, no factors sent
+            self.load_tokens["replica"] += plan.claimed
+            return Load(plan.request_id, [], plan.claim_start, plan.claimed, from_replica=True)
         load = Load(plan.request_id, [], plan.claim_start, plan.claimed)
         factors: list[torch.Tensor] = []
         for lo, hi, origin, span_start in _pieces(plan):
@@ -609,6 +649,8 @@ class HFKVShareScheduler:
         with self._finishing_cond:
             meta.drops, self._drops = self._drops, []
         meta.read_back = self._receiver.address if self._receiver is not None else None
+        if self._stream is not None:
+            self._stream.flush()  # ops a rank's full channel refused: sent again, in order
         if meta.loads or meta.captures or meta.drops:
             self._measure(meta)
         return meta
@@ -656,6 +698,8 @@ class HFKVShareScheduler:
         keep, drop = self.device_store.admit(request.request_id, tokens) if self._keeps() else (False, [])
         # a value-free method's record is stand-ins of what the worker keeps (nothing to read back here)
         ship = not (self.sharing.value_free and (keep or not self.sharing.method.uses_sources))
+        if self.sharing.follower:  # the K/V stay in the workers, for their replicas' records
+            ship = False
         # the report file's line is written once the request is recorded: a dense span's gate outcome
         # (why it was not reused) is known then (the reply carries the admission's report)
         reserved = self._reserve_before_read_back(plan, tokens) if ship else 0
@@ -684,9 +728,10 @@ class HFKVShareScheduler:
         return True, report  # the blocks stay until the worker has read them (get_finished)
 
     def _keeps(self) -> bool:
-        """Whether the worker keeps finished requests at all: a method that references recorded K/V
-        (``uses_sources``; NonShared's are never read again)."""
-        return self.sharing.method.uses_sources
+        """Whether the worker keeps finished requests in its device store at all: a method that
+        references recorded K/V (``uses_sources``; NonShared's are never read again), unless the workers'
+        replicas hold them (their claims reference no kept rows)."""
+        return self.sharing.method.uses_sources and not self.sharing.follower
 
     def _reporter(self, ids: tuple[str, str | None]):
         """What runs after the request's record: its report file line (``None`` without a file)."""
@@ -708,6 +753,30 @@ class HFKVShareScheduler:
             "load_tokens": dict(self.load_tokens),
             "load_bytes": dict(self.load_bytes),
             "handoff": self.handoff_summary(),
+            "replicas": self.replicas_summary(),
+        }
+
+    def _in_step(self) -> bool:
+        """Whether the replicas are in step: the op stream has not stopped and no rank reported its
+        replica stopped or a decision differing from this side's (else nothing is claimed)."""
+        if self._stream is None or self._stream.stopped is not None:
+            return False
+        return not any(c.get("stopped") or c.get("differ") for c in list(self.replica_counts.values()))
+
+    def _on_tensors(self, request_id: str, kind: str, tensors: list[torch.Tensor]) -> None:
+        """A tensor message on the read-back channel (its thread): the leader replica's published values."""
+        if kind == "published" and self._published is not None:
+            for value in tensors:
+                self._published.put(value)
+
+    def replicas_summary(self) -> dict[str, Any] | None:
+        """The op stream's counts and each rank's replica's (``None``: no replicas)."""
+        if self._stream is None:
+            return None
+        return {
+            "stream": self._stream.summary(),
+            "published": dict(self._published.counts),
+            "ranks": dict(self.replica_counts),
         }
 
     def _write_report(self, ids: tuple[str, str | None], report: dict[str, Any]) -> None:
@@ -843,6 +912,9 @@ class HFKVShareScheduler:
                 on_channel.setdefault(request_id, set()).add(rank)
         finished = set(connector_output.finished_sending or ())
         all_ranks = set(range(self._assembly.size))
+        for rank, part in parts.items():
+            if part.replica is not None:
+                self.replica_counts[rank] = part.replica
         for part in parts.values():  # the most any rank keeps per position (its heads' share, its layers)
             if part.bytes_per_token:
                 known = self.device_store.bytes_per_token or 0
@@ -893,6 +965,9 @@ class HFKVShareScheduler:
                 self._order_senders[rank] = channel.Sender(part.orders, ORDER_QUEUE, self._handoff)
             except Exception:  # noqa: BLE001 - read-backs then come with the step's output
                 logger.exception("hf_kvshare: connecting the order channel %s failed", part.orders)
+                continue
+            if self._stream is not None:
+                self._stream.connect(rank, self._order_senders[rank])
 
     @property
     def colocated(self) -> bool:

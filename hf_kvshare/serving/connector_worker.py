@@ -41,6 +41,12 @@ carries all heads) and reads back its own heads only, sending its rank with them
 channel's header, :attr:`Captured.rank`); the scheduler assembles the ranks' read-backs
 (:class:`~.tensor_parallel.RankAssembly`).
 
+Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1): this side makes its rank's
+tensor-parallel group and its Sharing replica at ``register_kv_caches``, hands the op stream (orders
+with an ``op``) to it, keeps each read-back for its record op and sends the scheduler stand-ins, writes
+a ``from_replica`` claim from its replica's plan (:meth:`HFKVShareWorker._load_from_replica`), and,
+on rank 0, publishes the replica's reduced values on the read-back channel for the scheduler's follower.
+
 Pipeline parallel: vLLM registers only the layers of this worker's stage (its paged caches); this side
 writes, keeps, re-positions and reads back those layers only, announces them once (with its order
 channel: :attr:`Captured.layers`), and the claims' K/V the scheduler sends it are those layers' (the
@@ -54,14 +60,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import channel, paged
-from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source
+from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source, make_sharing
 from .host import ServingError, skeleton_model
+from .replica import DEFAULT_READ_BACK_BYTES, DEFAULT_WAIT_S, Replica, rank_shard, wants_replicas
 from .tensor_parallel import kv_head_range, pipeline_parallel_size, tensor_parallel_size, worker_rank
 from .worker_store import (
     DEFAULT_DEVICE_STORE_BYTES,
@@ -126,6 +134,12 @@ class HFKVShareWorker:
         #: ``("factors", request id)`` (its thread puts, the step takes), by bytes
         self.payloads = PayloadBuffer(extra.get("payload_bytes", DEFAULT_PAYLOAD_BYTES))
         self._load_errors: set[int] = set()
+        #: this rank's replica of the method's engine on its KV heads (:mod:`.replica`; a value-reading
+        #: method under tensor parallel), made at ``register_kv_caches``; ``None``: none
+        self.replica: Replica | None = None
+        self._replica_reported: dict[str, Any] | None = None
+        self._publishing = False
+        self._extra = extra
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -146,6 +160,32 @@ class HFKVShareWorker:
         self._names = sorted(self._io, key=self._layer_of.__getitem__)
         self._bytes_per_token = sum(
             2 * io.heads * io.dim * io.kv_cache.element_size() for io in self._io.values()
+        )
+        tp, pp = tensor_parallel_size(self._vllm_config), pipeline_parallel_size(self._vllm_config)
+        if wants_replicas(self._extra.get("method"), tp, pp, self._extra):
+            self.replica = self._make_replica(tp, self._io[self._names[0]].dim)
+
+    def _make_replica(self, tp: int, head_dim: int) -> Replica:
+        """This rank's replica (:mod:`.replica`): its tensor-parallel group made (by every rank, in the
+        same order: here, at start-up), the method on its shard of the KV heads."""
+        wait_s = float(self._extra.get("replica_wait_s", DEFAULT_WAIT_S))
+        start, stop = self._heads
+        total = self._vllm_config.model_config.get_total_num_kv_heads()
+        publish = self._publish if self.rank == 0 else None  # the leader: its values for the follower
+        shard = rank_shard(tp, (stop - start) * head_dim, max(1, tp // total), 2 * wait_s, publish)
+        sharing = make_sharing(self._vllm_config, shard=shard, kv_heads=stop - start)
+        self._publishing = True  # built: from here its values go to the follower (replica.CONSTRUCTION_COUNT)
+        logger.info(
+            "hf_kvshare: rank %d runs a replica of %s on KV heads [%d, %d)",
+            self.rank,
+            sharing.method,
+            start,
+            stop,
+        )
+        return Replica(
+            sharing,
+            wait_s=wait_s,
+            max_bytes=self._extra.get("replica_read_back_bytes", DEFAULT_READ_BACK_BYTES),
         )
 
     def start_load_kv(self, metadata: HFKVShareMetadata) -> None:
@@ -169,6 +209,8 @@ class HFKVShareWorker:
         """Write one claim: each kept source's rows (keys re-positioned here, a corrected one's delta
         added here: :func:`~.worker_store.add_delta`) and the K/V the order channel brought; ``False`` when
         a piece is missing (nothing is written from anything else)."""
+        if load.from_replica:
+            return self._load_from_replica(load)
         pieces = []
         factors = None
         if any(source.correction is not None for source in load.sources):
@@ -224,6 +266,48 @@ class HFKVShareWorker:
                         key, value, delta[0][layer], delta[1], self.shifter, layer, self._heads
                     )
                 self._io[name].write(load.block_ids, load.start + offset, key, value)
+        return True
+
+    def _publish(self, value: torch.Tensor) -> None:
+        """The leader replica's reduced value to the scheduler's follower, on the read-back channel (its
+        thread; a full channel retried for up to :data:`PAYLOAD_WAIT_S`: the follower waits for it). None
+        while the replica's Sharing is built (the follower takes its empty stores' counts itself)."""
+        if not self._publishing:
+            return
+        deadline = time.monotonic() + PAYLOAD_WAIT_S
+        while True:
+            sender = self._sender
+            if sender is not None and sender.send_tensors("", "published", [value]):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the leader replica's value could not be sent to the scheduler")
+            time.sleep(0.001)
+
+    def _load_from_replica(self, load: Load) -> bool:
+        """Write the claim this rank's replica decided (:mod:`.replica`: its heads of the claimed K/V, on
+        this rank's device; nothing came on a channel): ``False`` when it has none, it stopped, or its
+        claim starts elsewhere or is shorter than the scheduler's."""
+        if self.replica is None:
+            claim, missing = None, "no replica on this rank"
+        else:
+            claim, missing = self.replica.claim_of(load.request_id, PAYLOAD_WAIT_S)
+        if claim is None:
+            logger.error("hf_kvshare: request %s's claim from the replica: %s", load.request_id, missing)
+            return False
+        start, keys, values = claim
+        if start != load.start or keys is None or keys.shape[1] < load.tokens:
+            logger.error(
+                "hf_kvshare: request %s: this rank's replica claims %s positions from %d, the scheduler %d "
+                "from %d: vLLM recomputes them",
+                load.request_id,
+                0 if keys is None else keys.shape[1],
+                start,
+                load.tokens,
+                load.start,
+            )
+            return False
+        for i, name in enumerate(self._names):
+            self._io[name].write(load.block_ids, load.start, keys[i, : load.tokens], values[i, : load.tokens])
         return True
 
     def _delta(self, source: Source, factors: list[torch.Tensor] | None) -> tuple[list, Any] | None:
@@ -307,8 +391,12 @@ class HFKVShareWorker:
             logger.exception("hf_kvshare: no order channel; read-backs come with the step's output")
 
     def _on_order(self, order: dict[str, Any]) -> None:
-        """The scheduler's order (its thread): read a request that just finished back now and send it
-        on the read-back channel (the path)."""
+        """The scheduler's order (its thread): an op of the replicas' stream (:mod:`.replica`), or read a
+        request that just finished back now and send it on the read-back channel (the path)."""
+        if "op" in order:
+            if self.replica is not None:
+                self.replica.submit(order)
+            return
         try:
             capture = Capture(
                 str(order["request_id"]),
@@ -342,6 +430,8 @@ class HFKVShareWorker:
         except Exception:  # noqa: BLE001 - the engine must keep running; the turn is not recorded
             logger.exception("hf_kvshare: reading back request %s failed", capture.request_id)
         self.store.drop(capture.drop)  # room for it, as the scheduler's mirror decided
+        if kv is not None and self.replica is not None:  # the rank's heads, for its replica's record op
+            self.replica.keep(capture.request_id, *kv)
         if kv is not None:
             kept = capture.keep and self.store.keep(capture.request_id, *kv)
             kv = self._for_scheduler(capture, kv, kept)
@@ -373,6 +463,8 @@ class HFKVShareWorker:
         here, on the device); else the K/V (the scheduler's record checks them): in-process as read, on
         the cache's device (the very tensors the store keeps when it keeps them: one copy, which the
         record only reads), else in host memory."""
+        if not capture.ship and self.replica is not None:  # the replica records them: the scheduler follows
+            return stand_ins(*kv)
         if not capture.ship and kept == capture.keep and all(bool(torch.isfinite(t).all()) for t in kv):
             return stand_ins(*kv)
         if self.in_process:
@@ -394,9 +486,12 @@ class HFKVShareWorker:
     def build_connector_worker_meta(self) -> Captured | None:
         announce = self._orders is not None and not self._orders_announced
         with self._lock:
-            if not self._captured and not self._sent_on_channel and not announce:
+            counts = dict(self.replica.counts) if self.replica is not None else None
+            fresh = counts != self._replica_reported  # the replica's counts moved: reported
+            if not self._captured and not self._sent_on_channel and not announce and not fresh:
                 return None
-            meta = Captured(kv=self._captured, sent=self._sent_on_channel, rank=self.rank)
+            meta = Captured(kv=self._captured, sent=self._sent_on_channel, rank=self.rank, replica=counts)
+            self._replica_reported = counts
             self._captured, self._sent_on_channel = {}, set()
         if announce:
             meta.orders, self._orders_announced = self._orders.address, True
@@ -419,6 +514,8 @@ class HFKVShareWorker:
         for end in (self._orders, self._sender):
             if end is not None:
                 end.close()
+        if self.replica is not None:
+            self.replica.close()
 
 
 def worker_share(vllm_config: VllmConfig) -> tuple[int, tuple[int, int] | None]:

@@ -207,12 +207,13 @@ def check_serving_vision(model_type: str) -> None:
     )
 
 
-def skeleton_model(model_dir: str | Path) -> torch.nn.Module:
+def skeleton_model(model_dir: str | Path, **overrides: Any) -> torch.nn.Module:
     """The served model as an HF module on ``meta`` (no weights) with its rotary embedding built on CPU:
-    what a method reads from ``turn.model`` (config, binding, RoPE frequencies) without a forward."""
+    what a method reads from ``turn.model`` (config, binding, RoPE frequencies) without a forward.
+    ``overrides``: config attributes changed (a tensor-parallel rank's ``num_key_value_heads``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(model_dir))
+    config = AutoConfig.from_pretrained(str(model_dir), **overrides)
     auto = AutoModelForCausalLM
     if getattr(config, "vision_config", None) is not None:
         check_serving_vision(config.model_type)
