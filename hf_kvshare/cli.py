@@ -293,6 +293,13 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         "where one process holds both (default: handed over by reference there; hf_kvshare.serving.channel)",
     )
     parser.add_argument(
+        "--no-worker-replicas",
+        action="store_true",
+        help="under --tensor-parallel-size > 1, run a value-reading method (kvcmas, kvcomm) on the connector's "
+        "scheduler over every rank's read-back K/V (the assembled path) instead of a replica on each worker "
+        "rank's KV heads (default; hf_kvshare.serving.replica)",
+    )
+    parser.add_argument(
         "--replicas",
         type=int,
         default=1,
@@ -359,6 +366,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
             read_back_channel=not args.no_read_back_channel,
             device_store_bytes=args.device_store_bytes,
             in_process=not args.no_in_process,
+            worker_replicas=not args.no_worker_replicas,
         )
     except ValueError as e:
         fail(prog, str(e))

@@ -12,6 +12,7 @@ is what keeps them in step. Without vLLM; the ops are JSON (no tensor).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import time
@@ -80,11 +81,9 @@ def follower_run(case: str, published: list, read_backs: dict, outputs: dict) ->
         values.put(value)
     method = served(case)
     method.run_on_shard(follower_shard(values.take))
-    values.constructing = True  # as the connector's scheduler builds it (replica.CONSTRUCTION_COUNT)
     sharing = Sharing(
         tiny_model("llama", num_key_value_heads=2), embedded_tokenizer(), method, min_segment_tokens=4
     )
-    values.constructing = False
 
     def run(plan, rid, keys, values):
         shape = read_backs[rid][0].shape
@@ -324,6 +323,35 @@ def test_which_servers_run_replicas():
     with pytest.raises(ValueError, match="true or false"):
         wants_replicas("kvcmas", 2, 1, {"worker_replicas": "no"})
     assert decision.__doc__
+
+
+def test_the_replicas_switch_reaches_the_connector(tmp_path, capsys, monkeypatch):
+    """``hf-kvshare serve --no-worker-replicas`` / ``Server(worker_replicas=False)`` writes
+    ``worker_replicas: false`` in ``kv_connector_extra_config``, which turns the replicas off; on by default."""
+    from hf_kvshare import cli
+    from hf_kvshare.serving import server as srv
+
+    def extra(server):
+        command = server.command()
+        return json.loads(command[command.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+    assert wants_replicas("kvcmas", 2, 1, extra(srv.Server(tmp_path, "kvcmas", port=1)))
+    off = extra(srv.Server(tmp_path, "kvcmas", port=1, worker_replicas=False))
+    assert off["worker_replicas"] is False and not wants_replicas("kvcmas", 2, 1, off)
+    with pytest.raises(TypeError, match="worker_replicas must be True or False"):
+        srv.Server(tmp_path, "kvcmas", port=1, worker_replicas="no")
+    made = []  # the launcher's keywords, then a refusal: no server starts
+    monkeypatch.setattr(
+        srv, "Server", lambda *a, **k: made.append(k) or (_ for _ in ()).throw(ValueError("stop"))
+    )
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
+    with pytest.raises(SystemExit):
+        cli.serve(["--model", "smollm2-135m", "--method", "kvcmas", "--no-worker-replicas"])
+    assert made and made[0]["worker_replicas"] is False
+    capsys.readouterr()
 
 
 # ---------------------------------------------------------------------------------- serving lane (live)
@@ -583,9 +611,7 @@ def test_a_silent_leader_stops_the_sharing_never_hangs_it():
     values = Published(wait_s=0.2)  # nothing ever published
     method = served("kvcmas")
     method.run_on_shard(follower_shard(values.take))
-    values.constructing = True
     sharing = Sharing(tiny_model("llama", num_key_value_heads=2), tokenizer, method, min_segment_tokens=4)
-    values.constructing = False
     stream, channel = OpStream(1), _Collect()
     stream.connect(0, channel)
     lockstep = Lockstep(sharing, stream)

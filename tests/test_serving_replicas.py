@@ -113,6 +113,7 @@ def test_replicas_are_configured_as_their_template(tmp_path):
         read_back_channel=False,
         device_store_bytes=1 << 22,
         in_process=False,
+        worker_replicas=False,
         python="/usr/bin/python3",
         env={"X": "1"},
     )

@@ -96,7 +96,7 @@ class LRUDict(OrderedDict):
     def trim(self, shard: Shard | None = None) -> None:
         """Within ``max_bytes`` (see the class docstring); nothing without a byte bound. Under ``shard``
         every member counts one rank's bytes (:func:`~.lowrank.bound_count`)."""
-        if self.max_bytes is None:
+        if self.max_bytes is None or not self:  # empty on every member alike: nothing to count
             return
         held = bound_count(lambda: self.nbytes, shard)
         while self and held > self.max_bytes:

@@ -134,6 +134,8 @@ class PrefixReuse:
         return count()
 
     def _trim_prefixes(self, store: OrderedDict) -> None:
+        if not store:  # empty on every member alike: nothing to count (no reduction under a shard)
+            return
         budget = self.__dict__.get("_prefix_max_bytes", self.PREFIX_MAX_BYTES)
         own = sum(kv.nbytes for kv in store.values())
         held = self.kv_bytes(lambda: own)

@@ -176,9 +176,7 @@ class HFKVShareScheduler:
         #: follower, takes in order; ``None``: no worker replicas (the Sharing decides on read-backs)
         self._published = self._replica_values(vllm_config, extra)
         if sharing is None and self._published is not None:
-            self._published.constructing = True  # its empty stores' counts: 0, as the leader's
             sharing = make_sharing(vllm_config, shard=follower_shard(self._published.take))
-            self._published.constructing = False
         elif sharing is None:
             sharing = make_sharing(vllm_config)
         self.sharing = sharing

@@ -138,7 +138,6 @@ class HFKVShareWorker:
         #: method under tensor parallel), made at ``register_kv_caches``; ``None``: none
         self.replica: Replica | None = None
         self._replica_reported: dict[str, Any] | None = None
-        self._publishing = False
         self._extra = extra
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -174,7 +173,6 @@ class HFKVShareWorker:
         publish = self._publish if self.rank == 0 else None  # the leader: its values for the follower
         shard = rank_shard(tp, (stop - start) * head_dim, max(1, tp // total), 2 * wait_s, publish)
         sharing = make_sharing(self._vllm_config, shard=shard, kv_heads=stop - start)
-        self._publishing = True  # built: from here its values go to the follower (replica.CONSTRUCTION_COUNT)
         logger.info(
             "hf_kvshare: rank %d runs a replica of %s on KV heads [%d, %d)",
             self.rank,
@@ -270,10 +268,7 @@ class HFKVShareWorker:
 
     def _publish(self, value: torch.Tensor) -> None:
         """The leader replica's reduced value to the scheduler's follower, on the read-back channel (its
-        thread; a full channel retried for up to :data:`PAYLOAD_WAIT_S`: the follower waits for it). None
-        while the replica's Sharing is built (the follower takes its empty stores' counts itself)."""
-        if not self._publishing:
-            return
+        thread; a full channel retried for up to :data:`PAYLOAD_WAIT_S`: the follower waits for it)."""
         deadline = time.monotonic() + PAYLOAD_WAIT_S
         while True:
             sender = self._sender

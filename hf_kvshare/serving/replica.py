@@ -63,11 +63,6 @@ DEFAULT_READ_BACK_BYTES = 1 << 30
 OPTION = "worker_replicas"
 #: the leader's published values the scheduler holds for its follower before the stream stops
 MAX_PUBLISHED = 1 << 16
-#: what a member's construction reduces: its empty stores' byte counts (``Sharing`` bounds its kept
-#: prefixes at once), 0 on every member; the leader publishes nothing before its Sharing is built
-#: (:attr:`Replica`'s worker turns its ``publish`` on after), the follower takes this meanwhile
-#: (:attr:`Published.constructing`): no value crosses a channel before the stream exists
-CONSTRUCTION_COUNT = 0
 
 
 def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any]) -> bool:
@@ -118,8 +113,6 @@ class Published:
         self._values: queue.Queue[torch.Tensor] = queue.Queue(max_values)
         #: values received and their bytes, and values that found the queue full
         self.counts = {"values": 0, "bytes": 0, "overflow": 0}
-        #: while the follower's Sharing is built (:data:`CONSTRUCTION_COUNT`)
-        self.constructing = False
 
     def put(self, value: torch.Tensor) -> None:
         try:
@@ -133,8 +126,6 @@ class Published:
     def take(self) -> torch.Tensor:
         from ..anchors.sharded import FollowerDiverged
 
-        if self.constructing:
-            return torch.tensor([CONSTRUCTION_COUNT], dtype=torch.int64)  # a count hook's value
         if self.counts["overflow"]:
             raise FollowerDiverged(
                 f"{self.counts['overflow']} of the leader's values were dropped (queue full)"

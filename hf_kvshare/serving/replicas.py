@@ -380,6 +380,7 @@ def replicate(
                 read_back_channel=server.read_back_channel,
                 device_store_bytes=server.device_store_bytes,
                 in_process=server.in_process,
+                worker_replicas=server.worker_replicas,
                 log=log,
                 python=server.python,
                 env=server.env,

@@ -90,6 +90,7 @@ def kv_transfer_config(
     budgets: dict[str, int | None] | None = None,
     device_store_bytes: int | None = None,
     in_process: bool = True,
+    worker_replicas: bool = True,
 ) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for the connector. ``background=False`` decides claims and
     records turns inline on the engine loop (:mod:`.admission`); ``read_back_channel=False`` hands
@@ -99,7 +100,9 @@ def kv_transfer_config(
     ``device_store_bytes``: the worker's store of kept K/V on its device (:mod:`.worker_store`;
     ``None``: its default). A claimed piece the worker cannot write (its K/V not kept, not arrived) is
     recomputed by vLLM (``kv_load_failure_policy``). ``in_process=False`` serializes the K/V between the
-    worker and the scheduler even when one process holds both (one rank; :mod:`.channel`'s handoff)."""
+    worker and the scheduler even when one process holds both (one rank; :mod:`.channel`'s handoff).
+    ``worker_replicas=False``: a value-reading method under tensor parallel runs on the scheduler over
+    every rank's read-back (the assembled path) instead of a replica per worker rank (:mod:`.replica`)."""
     extra = {} if device_store_bytes is None else {"device_store_bytes": int(device_store_bytes)}
     return {
         "kv_connector": CONNECTOR,
@@ -115,6 +118,7 @@ def kv_transfer_config(
             "background": bool(background),
             "read_back_channel": bool(read_back_channel),
             "in_process": bool(in_process),
+            "worker_replicas": bool(worker_replicas),
             **{name: int(value) for name, value in (budgets or {}).items() if value is not None},
         },
     }
@@ -312,6 +316,7 @@ class Server:
         max_read_back_bytes: int | None = None,
         device_store_bytes: int | None = None,
         in_process: bool = True,
+        worker_replicas: bool = True,
         log: Any = None,
         python: str = sys.executable,
         env: dict[str, str] | None = None,
@@ -360,6 +365,9 @@ class Server:
         if not isinstance(in_process, bool):
             raise TypeError(f"in_process must be True or False; got {in_process!r}")
         self.in_process = in_process
+        if not isinstance(worker_replicas, bool):
+            raise TypeError(f"worker_replicas must be True or False; got {worker_replicas!r}")
+        self.worker_replicas = worker_replicas
         self.log = log
         self.python = python
         self.env = dict(env or {})
@@ -411,6 +419,7 @@ class Server:
                 self.budgets,
                 self.device_store_bytes,
                 self.in_process,
+                self.worker_replicas,
             )
             args += ["--kv-transfer-config", json.dumps(config), "--middleware", MIDDLEWARE]
         return [*args, *self.vllm_args]
