@@ -953,8 +953,9 @@ class Sharing:
             first = sent[0][3].stored  # its shapes and dtypes (a follower's placement is not computed)
             k0 = first.keys[0]
             shape = (len(first.keys), rows, k0.shape[1], k0.shape[3])
-            # the follower's claimed rows stand in too: each worker's replica places its own heads
-            device = "meta" if self.follower else None
+            # on the placements' device (a worker's replica: the paged cache's); the follower's claimed rows
+            # stand in: each worker's replica places its own heads
+            device = "meta" if self.follower else k0.device
             plan.keys = torch.empty(shape, dtype=k0.dtype, device=device)
             plan.values = torch.empty(shape, dtype=first.values[0].dtype, device=device)
             at = 0
