@@ -2157,6 +2157,8 @@ def test_only_the_replica_drives_a_worker_sharing_and_no_op_carries_a_tensor():
     assert fields and fields <= OP_FIELDS, f"op fields beyond the metadata allowed: {fields - OP_FIELDS}"
     op = next(f for name, f in functions(replica) if name == "OpStream.op")
     assert "dumps" in _callees(op), "OpStream.op no longer checks that an op is JSON"
+
+
 def test_only_the_sharded_module_handles_the_followers_meta_stand_ins():
     """The follower runs the engine's one code path: no module of ``anchors/`` but ``sharded.py`` makes or
     tests a ``meta`` tensor, and the pools' byte bound counts through ``bound_count``."""

@@ -870,5 +870,7 @@ def test_bench_serve_passes_the_store_budgets_to_every_server(tmp_path):
     assert [s.port for s in replicas.servers] == list(runs.replica_ports(40000, 2)[0])
     default = server([])
     assert (default.max_bytes, default.device_store_bytes) == (DEFAULT_MAX_BYTES, None)
+    # the worker replicas' switch (tensor parallel): on by default, off with the flag
+    assert default.worker_replicas is True and server(["--no-worker-replicas"]).worker_replicas is False
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--max-store-bytes", "-1"])

@@ -182,6 +182,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="the connector gets finished requests' K/V with vLLM's step output only (default: read back "
         "as each request finishes, through its side channels; hf_kvshare.serving.channel)",
     )
+    p.add_argument(
+        "--no-worker-replicas",
+        action="store_true",
+        help="under --vllm-arg=--tensor-parallel-size=N > 1, a value-reading method (kvcmas, kvcomm) runs on "
+        "the connector's scheduler over every rank's read-back (default: a replica on each worker rank's KV "
+        "heads; hf_kvshare.serving.replica)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_runs/serve", help="output root (default bench_runs/serve)")
     p.add_argument("--redo", action="store_true", help="replace a finished run of the same configuration")
@@ -274,6 +281,7 @@ def validate(args: argparse.Namespace, prog: str) -> Plan:
     inline = (
         ("-inline" if args.inline_admission else "")
         + ("-no-channel" if args.no_read_back_channel else "")
+        + ("-no-worker-replicas" if args.no_worker_replicas else "")
         + (f"-replicas{args.replicas}" if args.replicas > 1 else "")
     )
     out = Path(args.out) / f"{workload.tag()}__{Path(args.model).name}-{args.dtype}-seed{args.seed}{inline}"
@@ -337,6 +345,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hf-kvshare bench") -> i
         "joined_messages": args.joined_messages,
         "inline_admission": args.inline_admission,
         "read_back_channel": not args.no_read_back_channel,
+        "worker_replicas": not args.no_worker_replicas,
         "replicas": args.replicas,
         **({"url": args.url} if args.url else {}),
         **({"router_policy": args.router_policy} if args.replicas > 1 else {}),

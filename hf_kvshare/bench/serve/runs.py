@@ -118,6 +118,7 @@ class ServerLaunch:
             vllm_args=[*self.vllm_args, "--served-model-name", "model"],
             background=not args.inline_admission,
             read_back_channel=not args.no_read_back_channel,
+            worker_replicas=not args.no_worker_replicas,
             log=log_path,
             python=args.vllm_python,
             env={**self.env, **({REPORTS: str(report_path)} if report_path is not None else {})},
