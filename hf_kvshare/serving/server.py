@@ -536,6 +536,8 @@ class Server:
         crashed = process.poll() is not None
         self._stopping = True
         stop_group(process, ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)))
+        if self._echo is not None:  # its last lines (the stop's own output) read into the tail, bounded
+            self._echo.join(timeout=5)
         self.process = None
         self.stopped = (process.returncode, crashed, self.failure_cause() if crashed else None)
         if not crashed and self._opened_log is not None:
