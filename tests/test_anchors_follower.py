@@ -173,8 +173,10 @@ def test_the_follower_decides_what_every_rank_and_one_rank_decide(ranks, one_ran
     assert mine["held"] == 0  # stand-ins: the follower holds no K/V, no factors
     # the bounds count one rank's bytes on every member: the slots' (the leader's, on the follower)
     assert mine["counted"][0] == ranks[0][case]["counted"][0] == one_rank[case]["counted"][0] > 0
-    # the kept prefixes and the pools, as summarized: every rank's one rank's (the follower's stand-ins hold none)
+    # the kept prefixes and the pools, as summarized: every member's one rank's (the follower's by its
+    # stand-ins' shapes, which hold no bytes)
     assert ranks[0][case]["counted"] == ranks[1][case]["counted"] == one_rank[case]["counted"]
+    assert mine["counted"][1:] == one_rank[case]["counted"][1:]
 
 
 def test_a_read_back_non_finite_on_one_ranks_heads_is_refused_by_every_rank_and_the_follower(ranks):

@@ -606,7 +606,11 @@ class KVCMAS(PrefixReuse, Method):
 
     def prefix_state_bytes(self) -> int:
         """The kept prefixes' bytes as one rank holds them (a tensor-parallel rank's heads count as every
-        head's: :func:`~hf_kvshare.anchors.lowrank.columns`; no communication)."""
+        head's: :func:`~hf_kvshare.anchors.lowrank.columns`; the follower's stand-ins, every head's, by
+        their shapes, as its factors' bytes are counted; no communication)."""
+        if self.follower:
+            kept = self.__dict__.get("_kept_prefixes", {}).values()
+            return sum(t.numel() * t.element_size() for kv in kept for t in (*kv.keys, *kv.values))
         return columns(super().prefix_state_bytes(), self._store.shard)
 
     def any_rank(self, test: Callable[[], bool]) -> bool:
