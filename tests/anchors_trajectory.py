@@ -106,23 +106,29 @@ def engine_run(model, heads: slice, gather) -> Run:
     return run
 
 
+def request_of(sharing: Sharing, tokenizer, t: int, doc: str, agent: str) -> tuple[list[int], dict]:
+    """Task ``t``'s request of ``agent``: its system text, the document, the notes of the agents before
+    it (their outputs, read from the task's slots) and the question, with its explicit layout."""
+    host = sharing.hosts.get(f"t{t}")
+    ids = ids_of(tokenizer, SYSTEMS[agent]) + ids_of(tokenizer, doc)
+    segments = [{"slot": "doc", "text": doc}]
+    for reader in list(SYSTEMS)[: list(SYSTEMS).index(agent)]:
+        ids += ids_of(tokenizer, "\nNotes:") + host.slots[reader].token_ids.tolist()
+        segments.append({"slot": reader})
+    ids += ids_of(tokenizer, QUESTION)
+    return ids, {lay.KEY: {"task": f"t{t}", "agent": agent, "segments": segments, "output": agent}}
+
+
 def trajectory(sharing: Sharing, tokenizer, run: Run, requests: int | None = None) -> list[dict]:
     """Every request of the trajectory (the first ``requests``) planned, run (``run``) and recorded; per
     request what it claimed, placed, gated, the claimed K/V (this member's heads) and what the stores hold
     and evicted after it. A record refused is the step's ``error`` (the whole trajectory: none)."""
     steps = []
     for t, doc in enumerate(DOCS):
-        for position, agent in enumerate(SYSTEMS):
+        for agent in SYSTEMS:
             if requests is not None and len(steps) == requests:
                 return steps
-            host = sharing.hosts.get(f"t{t}")
-            ids = ids_of(tokenizer, SYSTEMS[agent]) + ids_of(tokenizer, doc)
-            segments = [{"slot": "doc", "text": doc}]
-            for reader in list(SYSTEMS)[:position]:
-                ids += ids_of(tokenizer, "\nNotes:") + host.slots[reader].token_ids.tolist()
-                segments.append({"slot": reader})
-            ids += ids_of(tokenizer, QUESTION)
-            meta = {lay.KEY: {"task": f"t{t}", "agent": agent, "segments": segments, "output": agent}}
+            ids, meta = request_of(sharing, tokenizer, t, doc, agent)
             plan = sharing.plan(f"{t}-{agent}", ids, meta, 0)
             assert plan.error is None, plan.error
             keys, values = as_layers(plan.keys), as_layers(plan.values)

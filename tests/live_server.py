@@ -115,3 +115,15 @@ def reset_prefix_cache(server: Any, tries: int = 20) -> tuple[int, Any]:
             break
         time.sleep(0.5)
     return status, reset
+
+
+def report_lines(server: Any, n: int, timeout: float = 120.0) -> list[dict[str, Any]]:
+    """The connector's report lines (``$HF_KVSHARE_REPORTS``, ``server.reports``) once there are ``n`` of
+    them, or what there is after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = server.reports.read_text() if server.reports.exists() else ""
+        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if len(lines) >= n or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)

@@ -8,11 +8,9 @@ store's tensors. Two servers, one after the other (~1-2 min each on 2 CPUs)."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import time
 
 import pytest
-from live_server import post, start_server
+from live_server import post, report_lines, start_server
 
 pytestmark = [
     pytest.mark.serving,
@@ -34,16 +32,6 @@ AGENTS = [
     ("critic", "You are the critic. Point out what the plan misses."),
     ("writer", "You are the writer. Write the guide's first sentence."),
 ]
-
-
-def _reports(server, n, timeout=120):
-    deadline = time.monotonic() + timeout
-    while True:
-        text = server.reports.read_text() if server.reports.exists() else ""
-        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
-        if len(lines) >= n or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.2)
 
 
 def _agents(server, tasks=3, max_tokens=12):
@@ -84,7 +72,7 @@ def _agents(server, tasks=3, max_tokens=12):
                 )
             )
             done += 1
-            assert len(_reports(server, done)) >= done  # recorded before the next agent asks
+            assert len(report_lines(server, done)) >= done  # recorded before the next agent asks
     return out
 
 
@@ -93,7 +81,7 @@ def _run(tmp_path_factory, in_process):
     server = start_server(folder, "smollm2-135m", "kvcmas", {}, max_bytes=1 << 30, in_process=in_process)
     try:
         replies = _agents(server)
-        return replies, _reports(server, len(replies))[-1]["store"]
+        return replies, report_lines(server, len(replies))[-1]["store"]
     finally:
         process = server.process
         server.stop()

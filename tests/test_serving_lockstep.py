@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from anchors_trajectory import DOCS, QUESTION, SYSTEMS, as_layers, ids_of, served
+from anchors_trajectory import DOCS, QUESTION, SYSTEMS, as_layers, ids_of, request_of, served
 from gloo_ranks import run_ranks
 from tiny import embedded_tokenizer, tiny_model
 
@@ -102,14 +102,7 @@ def drive(sharing: Sharing, run) -> tuple[list[dict], dict[str, tuple], dict[str
     read_backs, claims = {}, {}
     for t, doc in enumerate(DOCS[:4]):
         for position, agent in enumerate(SYSTEMS):
-            host = sharing.hosts.get(f"t{t}")
-            ids = ids_of(tokenizer, SYSTEMS[agent]) + ids_of(tokenizer, doc)
-            segments = [{"slot": "doc", "text": doc}]
-            for reader in list(SYSTEMS)[:position]:
-                ids += ids_of(tokenizer, "\nNotes:") + host.slots[reader].token_ids.tolist()
-                segments.append({"slot": reader})
-            ids += ids_of(tokenizer, QUESTION)
-            meta = {lay.KEY: {"task": f"t{t}", "agent": agent, "segments": segments, "output": agent}}
+            ids, meta = request_of(sharing, tokenizer, t, doc, agent)
             rid = f"{t}-{agent}"
             if position == 1 and t == 1:  # a request that ends before its record: released
                 aborted = lockstep.plan(rid + "-aborted", ids, meta, 0)
@@ -376,23 +369,11 @@ def _live_ids(server, text):
     return AutoTokenizer.from_pretrained(server.model_dir)(text, add_special_tokens=False)["input_ids"]
 
 
-def _live_reports(server, n, timeout=120.0):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        text = server.reports.read_text() if server.reports.exists() else ""
-        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
-        if len(lines) >= n or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.2)
-
-
 def _kvcmas_run(server, tasks=3, max_tokens=8):
     """Each task: three agents, each reading the document and the outputs before it (explicit layout by
     positions; an output cut by its length is read but its last token, which follows as plain text),
     each request after the last one's record. Per request: tokens, claim, supplied count, gate outcomes."""
-    from live_server import post
+    from live_server import post, report_lines
 
     doc, notes, question = (_live_ids(server, t) for t in (LIVE_DOC, LIVE_NOTES, LIVE_QUESTION))
     out, done = [], 0
@@ -416,10 +397,10 @@ def _kvcmas_run(server, tasks=3, max_tokens=8):
             choice = reply["choices"][0]
             outputs.append((agent, choice["token_ids"], choice.get("finish_reason") == "length"))
             done += 1
-            line = _live_reports(server, done)[-1]
+            line = report_lines(server, done)[-1]
             gates = [s.get("gate", {}).get("gate") for s in line.get("segments", []) if s.get("kind") == "PH"]
             out.append((choice["token_ids"], line.get("claimed"), line.get("supplied_tokens"), gates))
-    return out, _live_reports(server, done)[-1]["store"]
+    return out, report_lines(server, done)[-1]["store"]
 
 
 def _kvcmas_server(folder, tp):
