@@ -89,9 +89,10 @@ Run = Callable[
 ]
 
 
-def engine_run(model, heads: slice, gather) -> Run:
-    """The engine's run over every head (a rank gathers its claimed heads: ``gather``), read back as this
-    member's ``heads`` (its own storage, as a tensor-parallel worker reads back its own)."""
+def engine_run(model, heads: slice, gather, layers: slice = slice(None)) -> Run:
+    """The engine's run over every head and layer (a rank gathers its claimed heads, a pipeline stage its
+    claimed layers: ``gather``), read back as this member's ``heads`` of its ``layers`` (its own storage,
+    as a tensor-parallel or pipeline-parallel worker reads back its own)."""
 
     def run(plan, keys, values, index):
         every = SimpleNamespace(
@@ -101,6 +102,8 @@ def engine_run(model, heads: slice, gather) -> Run:
             values=[] if values is None else gather(values),
         )
         out, k, v = engine(model, every, max_new_tokens=4)
+        if layers != slice(None):  # a stage's layers in storage of their own
+            k, v = k[layers].clone(), v[layers].clone()
         return out, k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
 
     return run

@@ -31,7 +31,7 @@ import torch
 from ..cache import SegmentKV
 from ..rope import RopeShifter
 from .corrected import CorrectedKV, LowRankDelta
-from .lowrank import FactoredKV, MatrixFactors, column_sum, columns, to_heads, to_matrix
+from .lowrank import FactoredKV, MatrixFactors, column_sum, columns, layer_count, to_heads, to_matrix
 from .pool import Anchor
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def token_distances(
     key_abs = torch.zeros(n, rows, dtype=torch.float64, device=device)
     value_abs = torch.zeros(n, rows, dtype=torch.float64, device=device)
     heads = source.keys[0].shape[1]
-    features = columns(sum(v.shape[1] * v.shape[3] for v in source.values), shard)
+    features = columns(sum(v.shape[1] * v.shape[3] for v in source.values), shard, source.num_layers)
     target = 0 if reader_start is None else reader_start
     for first in range(0, rows, DISTANCE_ROWS):
         last = min(rows, first + DISTANCE_ROWS)
@@ -589,7 +589,8 @@ def guard_estimate(
 
     Scale 0 (uncorrected) is among those the fit chooses from, so the held-out error at the served
     scale is never above the uncorrected one. Fewer than two anchors leave nothing to hold out: every
-    scale is 0. Under ``shard`` (this rank's heads) the sums are every rank's (one all-reduce)."""
+    scale is 0. Under ``shard`` (this rank's heads) the sums are every rank's (one all-reduce); on a
+    pipeline stage the scales and errors are every layer's (the model's layer indices)."""
     missing = [a.serial for a in anchors if target not in a.deltas]
     if missing:
         raise ValueError(f"anchors {missing} hold no correction for {target!r}")
@@ -599,7 +600,7 @@ def guard_estimate(
     layers = anchors[0].base.num_layers
     device = anchors[0].base.values[0].a.device
     if len(anchors) < 2:  # a constant, on the host: nothing to read back (a follower's anchors are meta)
-        zero = torch.zeros(2, layers, dtype=torch.float64)
+        zero = torch.zeros(2, layer_count(layers, shard), dtype=torch.float64)  # every stage's layers
         return GuardEstimate(scales=zero, errors=torch.stack((zero, zero, zero)))
     cross = torch.zeros(2, layers, dtype=torch.float64, device=device)  # <delta, pred>
     power = torch.zeros(2, layers, dtype=torch.float64, device=device)  # ||pred||^2
@@ -618,7 +619,8 @@ def guard_estimate(
                 cross[side, layer] += (truth * pred).sum().to(device)
                 power[side, layer] += pred.pow(2).sum().to(device)
                 energy[side, layer] += truth.pow(2).sum().to(device)
-    cross, power, energy = column_sum(torch.stack((cross, power, energy)), shard)
+    # per layer: on a pipeline stage every stage's layers in place ([3, 2, every layer])
+    cross, power, energy = column_sum(torch.stack((cross, power, energy)), shard, layer_axis=-1)
     scales = torch.where(power > 0, cross / power.clamp_min(1e-300), torch.zeros_like(power)).clamp(0, 1)
 
     def error(scale: torch.Tensor) -> torch.Tensor:  # sum_a ||delta_a - scale pred_a||^2

@@ -70,7 +70,7 @@ class EdgeScope(Scope):
             token_weights(found.value_distances, o.token_temperature),
             span.start,
             turn.shifter,
-            skip_layer0=o.skip_layer0,
+            skip_layer0=self.skips_layer0,
         )
         self.pending(turn)["uses"].extend(
             eligible[i] for i in usage_crossing(edge.decision.weights, USAGE_MASS)

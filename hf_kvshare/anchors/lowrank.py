@@ -8,8 +8,8 @@ segment's K/V is identical across a batch). KVCMAS keeps ``Z ≈ A B`` with ``A 
 Keys are stored in the canonical positional frame (as if the segment started at position 0);
 :mod:`hf_kvshare.anchors.correction` rotates them where they are compared or applied.
 
-Under tensor parallel a rank holds its heads' columns ``[L, D_p]``: the anchors engine takes one shard
-context (:class:`~.sharded.Shard`; ``None``, the default: one process holds every column) and every
+Under tensor parallel a rank holds its heads' columns ``[L, D_p]`` (under pipeline parallel a stage its
+layers: :class:`~.sharded.StageShard`): the anchors engine takes one shard context (:class:`~.sharded.Shard`; ``None``, the default: one process holds every column) and every
 reduction over ``D`` and every factorization goes through one of the hooks here (:func:`column_sum`,
 :func:`any_rank`, :func:`columns`, :func:`factorize`; a bound's byte count: :func:`bound_count`), which
 under a shard call its methods (the collectives live in :mod:`.sharded`), so every rank gets the one-rank
@@ -127,11 +127,13 @@ def to_heads(matrix: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------ the engine's SPMD hooks (one rank: as is)
-def column_sum(partial: torch.Tensor, shard: Shard | None) -> torch.Tensor:
-    """A sum over ``D`` computed over this rank's columns (``partial``, any shape): as it is at one rank;
-    under ``shard`` every rank's, all-reduced (:meth:`~.sharded.Shard.column_sum`; in place, so
-    ``partial`` must be the caller's own work tensor)."""
-    return partial if shard is None else shard.column_sum(partial)
+def column_sum(partial: torch.Tensor, shard: Shard | None, layer_axis: int | None = None) -> torch.Tensor:
+    """A sum over ``D`` (and this member's layers) computed over this rank's columns (``partial``, any
+    shape): as it is at one rank; under ``shard`` every rank's, all-reduced
+    (:meth:`~.sharded.Shard.column_sum`; in place, so ``partial`` must be the caller's own work tensor).
+    ``layer_axis``: ``partial`` keeps a per-layer axis there (this member's layers); on a pipeline stage
+    the result holds every layer's (:class:`~.sharded.StageShard`)."""
+    return partial if shard is None else shard.column_sum(partial, layer_axis)
 
 
 def any_rank(test: bool | Callable[[], bool], shard: Shard | None) -> bool:
@@ -143,9 +145,21 @@ def any_rank(test: bool | Callable[[], bool], shard: Shard | None) -> bool:
     return test() if callable(test) else test
 
 
-def columns(local: int, shard: Shard | None) -> int:
-    """A count of features (columns) over every rank from this rank's ``local`` count."""
-    return local if shard is None else shard.total_columns(local)
+def columns(local: int, shard: Shard | None, layers: int | None = None) -> int:
+    """A count of features (columns) over every rank from this rank's ``local`` count; ``layers``:
+    ``local`` counts this member's ``layers`` layers, scaled to every layer's on a pipeline stage."""
+    return local if shard is None else shard.total_columns(local, layers)
+
+
+def layer_offset(shard: Shard | None) -> int:
+    """The model's index of this member's first layer: 0 but on a later pipeline stage (a layer rule
+    such as ``skip_layer0`` names the model's layers)."""
+    return 0 if shard is None else shard.first_layer
+
+
+def layer_count(local: int, shard: Shard | None) -> int:
+    """The model's layer count from this member's ``local`` layers (a pipeline stage holds some)."""
+    return local if shard is None else shard.total_layers(local)
 
 
 def bound_count(count: Callable[[], int], shard: Shard | None) -> int:
@@ -375,7 +389,8 @@ def relative_spread(
     short = [kv.length for kv in kvs if kv.length < rows]
     if short:
         raise ValueError(f"segments of {short} tokens are shorter than the {rows} rows compared")
-    spread, size = column_sum(torch.stack(squared_spread(kvs, rows, first_layer)), shard).tolist()
+    local = max(first_layer - layer_offset(shard), 0)  # the model's layer index: this member's
+    spread, size = column_sum(torch.stack(squared_spread(kvs, rows, local)), shard).tolist()
     return 0.0 if size == 0 else (spread / size) ** 0.5
 
 

@@ -35,6 +35,7 @@ from .lowrank import (
     bound_count,
     column_sum,
     columns,
+    layer_offset,
     relative_distance,
     row_energy,
     squared_spread,
@@ -441,12 +442,13 @@ def correction_agreement(
     agents = sorted({held for a in anchors for held in a.deltas if agent is None or held == agent})
     if not agents:
         return None, "no anchor holds a correction" + ("" if agent is None else f" for {agent!r}")
+    local = max(first_layer - layer_offset(shard), 0)  # the model's layer index: this member's
     recorded, terms = {}, []  # per agent: refreshes' spreads; (agent, spread^2, size^2) of 2+ holders
     for who in agents:
         holders = [a for a in anchors if who in a.deltas]
         recorded[who] = [a.agreement[who] for a in holders if who in a.agreement]
         if len(holders) >= 2:
-            terms.append((who, *squared_spread([a.deltas[who] for a in holders], rows, first_layer)))
+            terms.append((who, *squared_spread([a.deltas[who] for a in holders], rows, local)))
         elif not recorded[who]:
             return None, f"the correction for {who!r} was observed once"
     if terms:  # every agent's spread in one host read

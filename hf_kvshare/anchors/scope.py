@@ -38,7 +38,7 @@ from ..cache import SegmentKV, check_finite
 from ..trajectory import tokenize_text
 from .correction import canonical_key_layers, canonical_keys
 from .gate import GateDecision
-from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV, any_rank
+from .lowrank import DEFERRED_WORK, DeferredFactoredKV, FactoredKV, any_rank, layer_offset
 from .pool import REFERENCE, AnchorPool, LRUDict
 from .state import RequestState, reference_lead, reference_prefill
 from .store import BoundedStore
@@ -130,6 +130,12 @@ class Scope:
     @property
     def deferring(self) -> bool:
         return bool(getattr(self.options, "defer_factorization", False))
+
+    @property
+    def skips_layer0(self) -> bool:
+        """Whether this member's first layer is left uncorrected: ``skip_layer0`` names the model's layer
+        0, which a later pipeline stage does not hold (:func:`~.lowrank.layer_offset`)."""
+        return bool(self.options.skip_layer0) and layer_offset(self.store.shard) == 0
 
     def deferred_factors(
         self,

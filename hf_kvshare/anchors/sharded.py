@@ -81,6 +81,7 @@ __all__ = [
     "FollowerDiverged",
     "FollowerShard",
     "Shard",
+    "StageShard",
     "communication_bytes",
     "mirrors_svd_lowrank",
     "sharded_factored_kv",
@@ -90,6 +91,13 @@ __all__ = [
 
 #: subspace iterations of the randomized range finder (``torch.svd_lowrank``'s default, the one-rank call's)
 NITER = 2
+
+
+def _published(publish: Callable[[torch.Tensor], None] | None, reduced: torch.Tensor) -> torch.Tensor:
+    """``reduced``, handed to ``publish`` first (a detached CPU copy: the caller may write its own)."""
+    if publish is not None:
+        publish(reduced.detach().to("cpu", copy=True))
+    return reduced
 
 
 class CollectiveCount:
@@ -185,9 +193,13 @@ class Shard:
 
     # the anchors engine's hooks (SPMD): ``lowrank.column_sum`` / ``any_rank`` / ``columns`` / ``factorize``
     # call them under the engine's shard and do the one-rank operation without one
-    def column_sum(self, partial: torch.Tensor) -> torch.Tensor:
+    #: the model's index of this member's first layer (every layer's heads: 0)
+    first_layer = 0
+
+    def column_sum(self, partial: torch.Tensor, layer_axis: int | None = None) -> torch.Tensor:
         """A sum over ``D`` each rank computed over its own columns (``partial``, any shape, the caller's
-        own work tensor): the sum over every column block, the same bits on every rank."""
+        own work tensor): the sum over every column block, the same bits on every rank (every layer is on
+        every rank: ``layer_axis`` needs nothing)."""
         return self._published(self.all_reduce(partial))
 
     def any(self, test: bool | Callable[[], bool]) -> bool:
@@ -198,15 +210,16 @@ class Shard:
         return bool(self._published(self.all_reduce(torch.tensor([float(flag)], dtype=torch.float64))).item())
 
     def _published(self, reduced: torch.Tensor) -> torch.Tensor:
-        """``reduced``, handed to ``publish`` first (a detached CPU copy: the caller may write its own)."""
-        if self.publish is not None:
-            self.publish(reduced.detach().to("cpu", copy=True))
-        return reduced
+        return _published(self.publish, reduced)
 
-    def total_columns(self, local: int) -> int:
+    def total_columns(self, local: int, layers: int | None = None) -> int:
         """A count of features over every rank from this rank's ``local`` count (a mean over ``D``, the
-        rank clamp; the bytes of its heads' K/V: one rank's bytes)."""
+        rank clamp; the bytes of its heads' K/V: one rank's bytes); every layer is on every rank."""
         return local * self.blocks
+
+    def total_layers(self, local: int) -> int:
+        """The model's layer count: every rank holds every layer."""
+        return local
 
     def count(self, count: Callable[[], int]) -> int:
         """A byte count a bound compares (``count()``, one-rank terms; every rank counts the same):
@@ -226,6 +239,97 @@ class Shard:
         COLLECTIVES.add("all_gather", block)
         dist.all_gather(blocks, block, group=self.group)
         return torch.cat(blocks[:: self.replicas], dim=dim)
+
+
+@dataclass(frozen=True)
+class StageShard:
+    """This pipeline stage's place: every head of the layers ``[start, stop)`` of a model of ``layers``
+    layers, the stages of ``group`` (``None``: the default group) holding the others (docs/architecture.md,
+    "Pipeline stages"). The engine's hooks as :class:`Shard`'s, over layers instead of columns:
+    ``column_sum`` all-reduces a stage's sum over its layers (a partial with a per-layer axis,
+    ``layer_axis``, is first written into a zero-filled tensor of every layer), ``any`` and ``count``
+    all-reduce the stage's flag and byte count (a stage's bytes are its layers'), ``factors`` is local
+    (a layer's factors are whole), ``total_columns`` keeps a layer's width and scales a count over this
+    stage's layers to every layer's. ``publish``: as :attr:`Shard.publish` (stage 0's, for a follower)."""
+
+    group: dist.ProcessGroup | None
+    start: int
+    stop: int
+    layers: int
+    publish: Callable[[torch.Tensor], None] | None = field(default=None, compare=False)
+
+    #: every column of its layers: one block, counted in every sum
+    replicas = 1
+    blocks = 1
+    owner = True
+    columns = slice(None)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop <= self.layers:
+            raise ValueError(
+                f"a pipeline stage holds layers [start, stop) of the model's {self.layers} with "
+                f"0 <= start < stop <= {self.layers}, got [{self.start}, {self.stop})"
+            )
+        if dist.get_rank(self.group) < 0:
+            raise ValueError("this process is not a stage of the group")
+
+    @property
+    def first_layer(self) -> int:
+        """The model's index of this stage's first layer (its local layer 0)."""
+        return self.start
+
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        partial = partial.contiguous()
+        COLLECTIVES.add("all_reduce", partial)
+        dist.all_reduce(partial, group=self.group)
+        return partial
+
+    def column_sum(self, partial: torch.Tensor, layer_axis: int | None = None) -> torch.Tensor:
+        """A sum over this stage's layers (``partial``, the caller's own work tensor) summed over every
+        stage; with ``layer_axis`` (``partial`` indexed by this stage's layers there) every layer's entry
+        in place: ``[..., layers, ...]``. The same bits on every stage."""
+        if layer_axis is not None:
+            axis = layer_axis % partial.dim()
+            if partial.shape[axis] != self.stop - self.start:
+                raise ValueError(
+                    f"expected {self.stop - self.start} layers on axis {layer_axis} of a stage's partial, "
+                    f"got shape {tuple(partial.shape)}"
+                )
+            shape = list(partial.shape)
+            shape[axis] = self.layers
+            full = partial.new_zeros(shape)
+            full.narrow(axis, self.start, self.stop - self.start).copy_(partial)
+            partial = full
+        return _published(self.publish, self._all_reduce(partial))
+
+    def any(self, test: bool | Callable[[], bool]) -> bool:
+        """Whether ``test`` (of this stage's layers) holds on any stage: the same answer on every stage."""
+        flag = test() if callable(test) else test
+        reduced = self._all_reduce(torch.tensor([float(flag)], dtype=torch.float64))
+        return bool(_published(self.publish, reduced).item())
+
+    def total_columns(self, local: int, layers: int | None = None) -> int:
+        """A layer's feature count as it is; a count over this stage's ``layers`` layers scaled to every
+        layer's (every layer as wide as this stage's)."""
+        if layers is None:
+            return local
+        if layers != self.stop - self.start:
+            raise ValueError(f"a count over {layers} layers on a stage of {self.stop - self.start}")
+        return local * self.layers // layers
+
+    def total_layers(self, local: int) -> int:
+        """The model's layer count (``local``: this stage's)."""
+        return self.layers
+
+    def count(self, count: Callable[[], int]) -> int:
+        """A byte count a bound compares: this stage's layers' ``count()`` summed over every stage (one
+        all-reduce), the one-rank count on every stage; published for the follower."""
+        reduced = self._all_reduce(torch.tensor([int(count())], dtype=torch.int64))
+        return int(_published(self.publish, reduced).item())
+
+    def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
+        """The one-rank factors of one of this stage's layers (no communication)."""
+        return MatrixFactors.from_matrix(matrix, rank, svd)
 
 
 class FollowerDiverged(ValueError):
@@ -278,15 +382,21 @@ class FollowerShard:
             )
         return received
 
-    def column_sum(self, partial: torch.Tensor) -> torch.Tensor:
-        """The leader's sum over every column of ``partial`` (this member's is a ``meta`` stand-in)."""
+    first_layer = 0
+
+    def column_sum(self, partial: torch.Tensor, layer_axis: int | None = None) -> torch.Tensor:
+        """The leader's sum over every column of ``partial`` (this member's is a ``meta`` stand-in, of
+        every layer)."""
         return self._next("column_sum", tuple(partial.shape), partial.dtype)
 
     def any(self, test: bool | Callable[[], bool]) -> bool:
         """The leader's answer (``test`` is not evaluated: it would read this member's stand-ins)."""
         return bool(self._next("any", (1,), torch.float64).item())
 
-    def total_columns(self, local: int) -> int:
+    def total_columns(self, local: int, layers: int | None = None) -> int:
+        return local
+
+    def total_layers(self, local: int) -> int:
         return local
 
     def count(self, count: Callable[[], int]) -> int:

@@ -65,7 +65,7 @@ from .correction import (
     windows,
 )
 from .gate import GateDecision, reliability_gate, usage_reference
-from .lowrank import DeferredFactoredKV, FactoredKV, relative_spread
+from .lowrank import DeferredFactoredKV, FactoredKV, layer_offset, relative_spread
 from .pool import Anchor, correction_agreement, nearest_relative
 from .scope import USAGE_MASS, Edge, Reuse, Scope, following_pf
 from .verify import Probe, covers_span, verify_correction, whole_span_reason
@@ -336,13 +336,27 @@ class SlotScope(Scope):
             anchors, rows = pieces[0][2], pieces[-1][1]
             wk, wv, cached = self.piecewise_weights(turn, edge, pieces, reader)
             kv = apply_piecewise(
-                edge.source, anchors, turn.agent, wk, wv, span.start, turn.shifter, skip_layer0=o.skip_layer0
+                edge.source,
+                anchors,
+                turn.agent,
+                wk,
+                wv,
+                span.start,
+                turn.shifter,
+                skip_layer0=self.skips_layer0,
             )
             info["windows"] = [[first, last, len(chosen)] for first, last, chosen in pieces]
         else:
             wk, wv, cached = self.token_weights(turn, edge, anchors, rows, reader)
             kv = apply_correction(
-                edge.source, anchors, turn.agent, wk, wv, span.start, turn.shifter, skip_layer0=o.skip_layer0
+                edge.source,
+                anchors,
+                turn.agent,
+                wk,
+                wv,
+                span.start,
+                turn.shifter,
+                skip_layer0=self.skips_layer0,
             )
         info.update(anchors=[a.serial for a in anchors], rows=f"{rows}/{span.length}", weights_cached=cached)
         if o.guard:
@@ -456,7 +470,9 @@ class SlotScope(Scope):
         if self.options.skip_layer0:
             scales[0][0] = scales[1][0] = 1.0  # layer 0 is uncorrected already
         if any(s != 1 for side in scales for s in side):
-            kv = shrink(kv, edge.source.repositioned(turn.shifter, span.start), scales)
+            first = layer_offset(self.store.shard)  # the scales are the model's layers': shrink this member's
+            mine = [side[first : first + kv.num_layers] for side in scales]
+            kv = shrink(kv, edge.source.repositioned(turn.shifter, span.start), mine)
         return kv, scales
 
     def cached_weights(
@@ -584,7 +600,7 @@ class SlotScope(Scope):
         if any(h is None or h[0] != ids for h in held):
             return kv, "not every anchor holds a correction of this PF text"
         kv = prefix_correction(
-            kv, [h[1] for h in held], wk, wv, anchors[0].frame, turn.shifter, self.options.skip_layer0
+            kv, [h[1] for h in held], wk, wv, anchors[0].frame, turn.shifter, self.skips_layer0
         )
         return kv, [a.serial for a in anchors]
 
