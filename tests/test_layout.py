@@ -109,7 +109,9 @@
   a ``shard`` parameter (``None``: one rank) and goes through one hook of ``anchors/lowrank.py``
   (``column_sum``, ``any_rank``, ``columns``, ``factorize``: under a shard the ``Shard``'s methods, whose
   collectives are ``anchors/sharded.py``'s); nothing else in ``anchors/`` factorizes a matrix itself
-  (``from_matrix``: :data:`OWN_FACTORIZATIONS`).
+  (``from_matrix``: :data:`OWN_FACTORIZATIONS`). On a pipeline stage (``StageShard``) the same hooks sum
+  over layers; the served scopes pass a correction's layer-0 rule as ``Scope.skips_layer0`` (the model's
+  layer 0, held by the first stage only: :data:`LAYER_SCOPES`).
 - worker replicas (issue 51 items 1+2): a worker rank's Sharing replica is driven by ``serving/replica.py``
   alone, in the op stream's order (the worker side calls no ``plan`` / ``claim`` / ``release`` / ``record``
   / ``settle`` of a Sharing and builds none itself: ``make_sharing`` does), every op carries metadata
@@ -2081,11 +2083,15 @@ SHARD_AWARE = {
     ),
     f"{ROOT}.anchors.store": ("clamp_ranks",),
 }
-#: where ``anchors/`` calls ``from_matrix``: the ``factorize`` hook, and GraphFlow's profiles (not served)
+#: where ``anchors/`` calls ``from_matrix``: the ``factorize`` hook (a pipeline stage's, whose layers are
+#: whole: the one-rank factors), and GraphFlow's profiles (not served)
 OWN_FACTORIZATIONS = {
     (f"{ROOT}.anchors.lowrank", "factorize"),
+    (f"{ROOT}.anchors.sharded", "StageShard.factors"),
     (f"{ROOT}.anchors.lowrank", "FactoredKV.from_matrices"),
 }
+#: the served scopes, whose layer-0 rule names the model's layer 0 (a later pipeline stage holds another)
+LAYER_SCOPES = (f"{ROOT}.anchors.slot_scope", f"{ROOT}.anchors.edge_scope")
 
 
 def functions(tree: ast.AST) -> Iterator[tuple[str, ast.FunctionDef]]:
@@ -2119,6 +2125,24 @@ def test_the_anchors_engine_reduces_over_the_heads_through_one_shard_context():
         if any(isinstance(n, ast.Call) and _name_of(n.func) == "from_matrix" for n in ast.walk(function))
     }
     assert own <= OWN_FACTORIZATIONS, f"factorized outside the factorize hook: {own - OWN_FACTORIZATIONS}"
+
+
+def test_the_served_scopes_leave_the_models_layer_0_uncorrected_not_a_stages_first():
+    """A correction told to leave layer 0 as placed (``skip_layer0``, indexed by the member's layers) is
+    told so through ``Scope.skips_layer0`` (the option, on the member holding the model's layer 0 only):
+    on a later pipeline stage its first layer is another (docs/architecture.md, "Pipeline stages")."""
+    wrong = []
+    for module in LAYER_SCOPES:
+        for node in walk(parsed(MODULES[module])):
+            if not isinstance(node, ast.Call):
+                continue
+            passed = [k.value for k in node.keywords if k.arg == "skip_layer0"]
+            if _name_of(node.func) == "prefix_correction" and len(node.args) >= 7:
+                passed.append(node.args[6])
+            for value in passed:
+                if not (isinstance(value, ast.Attribute) and value.attr == "skips_layer0"):
+                    wrong.append(f"{module}:{node.lineno}")
+    assert not wrong, "skip_layer0 passed as the option itself:\n" + "\n".join(wrong)
 
 
 # ------------------------------------------------------------------- worker replicas (issue 51 items 1+2)

@@ -11,7 +11,8 @@ Keys are stored in the canonical positional frame (as if the segment started at 
 Under tensor parallel a rank holds its heads' columns ``[L, D_p]`` (under pipeline parallel a stage its
 layers: :class:`~.sharded.StageShard`): the anchors engine takes one shard context (:class:`~.sharded.Shard`; ``None``, the default: one process holds every column) and every
 reduction over ``D`` and every factorization goes through one of the hooks here (:func:`column_sum`,
-:func:`any_rank`, :func:`columns`, :func:`factorize`; a bound's byte count: :func:`bound_count`), which
+:func:`any_rank`, :func:`columns`, :func:`factorize`; a bound's byte count: :func:`bound_count`; the model's
+layer indices on a pipeline stage: :func:`layer_offset`, :func:`layer_count`), which
 under a shard call its methods (the collectives live in :mod:`.sharded`), so every rank gets the one-rank
 result (its columns of it), and the scheduler's follower (``FollowerShard``) the leader's.
 """

@@ -41,6 +41,11 @@ The anchors engine runs on one rank's heads (SPMD) through :class:`Shard`'s hook
 ``columns`` / ``factorize`` / ``bound_count`` with the engine's shard (``BoundedStore.shard``;
 docs/architecture.md).
 
+Under pipeline parallel a stage holds every head of its layers: :class:`StageShard` carries the same hooks
+over layers (a sum over layers all-reduced over the stages, a per-layer partial placed among every
+layer's first, a bound's byte count all-reduced, factorizations local; docs/architecture.md, "Pipeline
+stages"). Tensor and pipeline parallel together (a stage's tensor-parallel group) is not built.
+
 The scheduler's copy of the engine holds no K/V at all: it runs as a **follower**
 (:class:`FollowerShard`) on ``meta`` stand-ins of every read-back (full width, zero bytes), and every
 value a decision reads (each hook's reduced result) it takes from the leader, rank 0, whose
