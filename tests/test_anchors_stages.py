@@ -27,6 +27,7 @@ from anchors_trajectory import (
     trajectory,
 )
 from gloo_ranks import run_ranks
+from test_anchors_follower import follow
 from tiny import tiny_model
 
 from hf_kvshare.anchors.lowrank import any_rank
@@ -84,7 +85,10 @@ def _non_finite_on_one_stage(rank: int, tokenizer, layers: int) -> dict:
     """KVCMAS's first request, its read-back NaN in stage 1's layer only: refused on every stage."""
     start, stop = STAGES[rank]
     method = served("kvcmas")
-    method.run_on_shard(StageShard(None, start, stop, layers))
+    published: list[torch.Tensor] = []
+    method.run_on_shard(
+        StageShard(None, start, stop, layers, publish=published.append if rank == 0 else None)
+    )
     sharing = sharing_for("kvcmas", tiny_model("llama", num_hidden_layers=stop - start), tokenizer, method)
     run = engine_run(
         tiny_model("llama"), slice(None), _gather_layers(start, stop, layers), slice(start, stop)
@@ -97,7 +101,7 @@ def _non_finite_on_one_stage(rank: int, tokenizer, layers: int) -> dict:
         return out, k, v
 
     step = trajectory(sharing, tokenizer, poisoned, requests=1)[0]
-    return {"error": step["error"], "errors": sharing.errors}
+    return {"error": step["error"], "errors": sharing.errors, "out": step["out"], "published": published}
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +199,24 @@ def test_a_nan_in_one_stages_layers_refuses_the_record_on_every_stage(stages):
 def test_a_stage_outside_the_model_is_refused():
     with pytest.raises(ValueError, match="0 <= start < stop <= 3"):
         StageShard(None, 2, 4, 3)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_follower_of_stage_0_decides_what_one_rank_decides(stages, one_rank, case):
+    """The scheduler's follower (every layer, ``meta`` stand-ins) replaying stage 0's publication: the
+    reduced values are the one-rank ones, so it decides, holds and evicts what one rank does."""
+    mine = follow(case, stages[0][case])
+    assert mine["left"] == 0  # every published value replayed, none left over
+    for index, (got, want) in enumerate(zip(mine["steps"], one_rank[case]["steps"], strict=True)):
+        for key in ("claim", "placed", "out", "stores"):
+            assert got[key] == want[key], (case, index, key)
+        assert got["gates"] == stages[0][case]["steps"][index]["gates"], (case, index)  # its numbers
+    assert mine["pools"] == stages[0][case]["pools"]
+    assert mine["held"] == 0
+    assert mine["counted"][0] == one_rank[case]["counted"][0]
+
+
+def test_the_follower_of_stage_0_refuses_a_nan_in_stage_1s_layers(stages):
+    leader = {"published": stages[0]["nan"]["published"], "steps": [stages[0]["nan"]]}
+    mine = follow("kvcmas", leader, requests=1)
+    assert mine["steps"][0]["error"] is not None and mine["left"] == 0
