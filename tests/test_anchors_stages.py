@@ -31,7 +31,7 @@ from test_anchors_follower import follow
 from tiny import tiny_model
 
 from hf_kvshare.anchors.lowrank import any_rank
-from hf_kvshare.anchors.sharded import COLLECTIVES, StageShard
+from hf_kvshare.anchors.sharded import COLLECTIVES, StageShard, pipeline_parallel_groups
 
 #: each stage's layers of the tiny model's 3
 STAGES = [(0, 2), (2, 3)]
@@ -56,14 +56,15 @@ def _stage_main(rank: int) -> dict:
     tokenizer = embedded_tokenizer()
     layers = tiny_model("llama").config.num_hidden_layers
     start, stop = STAGES[rank]
+    group = pipeline_parallel_groups(1, WORLD, 60)  # what a stage's replica would make at start-up
     # a test of one stage's layers answered alike on every stage
-    results = {"any": [any_rank(rank == r, StageShard(None, start, stop, layers)) for r in range(WORLD)]}
+    results = {"any": [any_rank(rank == r, StageShard(group, start, stop, layers)) for r in range(WORLD)]}
     for case in CASES:
         model = tiny_model("llama")
         own = tiny_model("llama", num_hidden_layers=stop - start)  # this stage's skeleton: its layers
         method = served(case)
         published: list[torch.Tensor] = []  # stage 0's reduced values, in call order
-        shard = StageShard(None, start, stop, layers, publish=published.append if rank == 0 else None)
+        shard = StageShard(group, start, stop, layers, publish=published.append if rank == 0 else None)
         method.run_on_shard(shard)
         sharing = sharing_for(case, own, tokenizer, method)
         before = COLLECTIVES.snapshot()

@@ -634,3 +634,24 @@ def tensor_parallel_groups(tp_size: int, timeout_s: float) -> dist.ProcessGroup:
         if first <= rank < first + tp_size:
             mine = group
     return mine
+
+
+def pipeline_parallel_groups(tp_size: int, pp_size: int, timeout_s: float) -> dist.ProcessGroup:
+    """This rank's pipeline-parallel group for a stage's engine replica (:class:`StageShard`): a gloo
+    group made by every rank of the world for every pipeline-parallel group in the same order, as
+    :func:`tensor_parallel_groups` (vLLM's rank is ``pp_rank * tp_size + tp_rank``: a group is the ranks
+    of one tensor-parallel rank over the stages)."""
+    import datetime
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != tp_size * pp_size:
+        raise ValueError(
+            f"a world of {world} ranks is not {tp_size} tensor- x {pp_size} pipeline-parallel ranks"
+        )
+    mine = None
+    for first in range(tp_size):
+        ranks = list(range(first, world, tp_size))
+        group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        if rank in ranks:
+            mine = group
+    return mine
