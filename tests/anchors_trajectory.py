@@ -23,6 +23,7 @@ import torch.distributed as dist
 from gloo_ranks import run_ranks
 from tiny import embedded_tokenizer, tiny_model
 
+from hf_kvshare.anchors.corrected import CorrectedKV
 from hf_kvshare.anchors.lowrank import any_rank, relative_distance, relative_spread, row_energy
 from hf_kvshare.anchors.pool import correction_agreement
 from hf_kvshare.anchors.sharded import COLLECTIVES, Shard
@@ -122,10 +123,13 @@ def request_of(sharing: Sharing, tokenizer, t: int, doc: str, agent: str) -> tup
     return ids, {lay.KEY: {"task": f"t{t}", "agent": agent, "segments": segments, "output": agent}}
 
 
-def trajectory(sharing: Sharing, tokenizer, run: Run, requests: int | None = None) -> list[dict]:
+def trajectory(
+    sharing: Sharing, tokenizer, run: Run, requests: int | None = None, until_refused: bool = False
+) -> list[dict]:
     """Every request of the trajectory (the first ``requests``) planned, run (``run``) and recorded; per
     request what it claimed, placed, gated, the claimed K/V (this member's heads) and what the stores hold
-    and evicted after it. A record refused is the step's ``error`` (the whole trajectory: none)."""
+    and evicted after it. A record refused is the step's ``error`` (the whole trajectory: none); a plan
+    refused ends the trajectory with its step when ``until_refused`` (else it fails the test)."""
     steps = []
     for t, doc in enumerate(DOCS):
         for agent in SYSTEMS:
@@ -133,6 +137,8 @@ def trajectory(sharing: Sharing, tokenizer, run: Run, requests: int | None = Non
                 return steps
             ids, meta = request_of(sharing, tokenizer, t, doc, agent)
             plan = sharing.plan(f"{t}-{agent}", ids, meta, 0)
+            if until_refused and plan.error is not None:
+                return [*steps, {"error": plan.error, "stores": stores(sharing)}]
             assert plan.error is None, plan.error
             keys, values = as_layers(plan.keys), as_layers(plan.values)
             out, k, v = run(plan, keys, values, len(steps))
@@ -243,6 +249,7 @@ def _rank_main(rank: int) -> dict:
             "counted": counted(sharing),
         }
     results["nan"] = _non_finite_on_one_rank(rank, tokenizer, head_dim)
+    results["nan-correction"] = _correction_non_finite_on_one_rank(rank, tokenizer, head_dim)
     return results
 
 
@@ -266,6 +273,33 @@ def _non_finite_on_one_rank(rank: int, tokenizer, head_dim: int) -> dict:
 
     step = trajectory(sharing, tokenizer, poisoned, requests=1)[0]
     return {"error": step["error"], "errors": sharing.errors, "out": step["out"], "published": published}
+
+
+def _correction_non_finite_on_one_rank(rank: int, tokenizer, head_dim: int) -> dict:
+    """KVCMAS's trajectory with every correction rank 1 computes non-finite (its heads only): the first
+    plan that computes one is refused on every rank, whose collectives still pair (``paired``)."""
+    first, last = kv_head_range(rank, WORLD, 2)
+    published: list[torch.Tensor] = []
+    method = served("kvcmas")
+    shard = Shard(None, (last - first) * head_dim, publish=published.append if rank == 0 else None)
+    method.run_on_shard(shard)
+    sharing = sharing_for("kvcmas", tiny_model("llama", num_key_value_heads=last - first), tokenizer, method)
+    run = engine_run(tiny_model("llama"), slice(first, last), _gather_heads(1))
+    write_layer = CorrectedKV.write_layer
+
+    def poisoned(self, layer, keys_out, values_out):
+        write_layer(self, layer, keys_out, values_out)
+        values_out[..., : self.rows, :] = float("nan")
+
+    if rank == 1:
+        CorrectedKV.write_layer = poisoned
+    try:
+        steps = trajectory(sharing, tokenizer, run, until_refused=True)
+    finally:
+        CorrectedKV.write_layer = write_layer
+    # one more collective: answered alike only if both ranks made the same ones before it
+    paired = any_rank(rank == 1, shard)
+    return {"steps": steps, "errors": sharing.errors, "published": published, "paired": paired}
 
 
 def once_per_run(name: str, produce: Callable[[], Any], tmp_path_factory) -> Any:

@@ -99,12 +99,24 @@ def follow(
     :class:`FollowerShard` replaying ``published`` (rank 0's, by default), ``meta`` stand-ins of every
     read-back (the output ids are the engine's, here the leader's)."""
     model = tiny_model("llama", num_key_value_heads=KV_HEADS.get(case, 2))
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
     queue = deque(leader["published"] if published is None else published)
     method = served(case)
     method.run_on_shard(FollowerShard(queue.popleft))
     sharing = sharing_for(case, model, embedded_tokenizer(), method)
+    steps = trajectory(sharing, embedded_tokenizer(), stand_ins(model.config, leader), requests)
+    return {
+        "steps": steps,
+        "pools": pool_numbers(method, method.shard),
+        "left": len(queue),
+        "held": held_storage(sharing),
+        "counted": counted(sharing),
+    }
+
+
+def stand_ins(config, leader: dict):
+    """The follower's run of a request: the leader's output ids, ``meta`` stand-ins of every head's
+    read-back."""
+    head_dim = config.hidden_size // config.num_attention_heads
 
     def run(plan, keys, values, index):
         out = leader["steps"][index]["out"]
@@ -116,14 +128,7 @@ def follow(
         )
         return out, torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
 
-    steps = trajectory(sharing, embedded_tokenizer(), run, requests)
-    return {
-        "steps": steps,
-        "pools": pool_numbers(method, method.shard),
-        "left": len(queue),
-        "held": held_storage(sharing),
-        "counted": counted(sharing),
-    }
+    return run
 
 
 def held_storage(sharing) -> int:
@@ -189,6 +194,32 @@ def test_a_read_back_non_finite_on_one_ranks_heads_is_refused_by_every_rank_and_
     mine = follow("kvcmas", leader, requests=1)
     assert "another tensor-parallel rank's heads" in mine["steps"][0]["error"]
     assert mine["left"] == 0
+
+
+def test_a_correction_non_finite_in_one_ranks_heads_refuses_the_plan_on_every_rank_and_the_follower(ranks):
+    """A corrected placement each rank computes in its heads: NaN on rank 1 only. The walk goes on past
+    it (every rank makes the same collectives: one more pairs up after it) and the plan is refused on
+    every rank, through ``any_rank``, and on the follower (rank 0's answer)."""
+    mine, other = ranks[0]["nan-correction"], ranks[1]["nan-correction"]
+    assert len(mine["steps"]) == len(other["steps"]) > 1  # requests before it: nothing to correct yet
+    assert "NaN or inf" in other["steps"][-1]["error"]
+    assert "another tensor-parallel rank's heads" in mine["steps"][-1]["error"]
+    assert mine["errors"] == other["errors"] == 1
+    assert mine["steps"][-1]["stores"] == other["steps"][-1]["stores"]  # the refusal changed nothing
+    assert mine["paired"] is other["paired"] is True
+    leader = {"published": mine["published"][:-1], "steps": mine["steps"]}  # the test's own any_rank last
+    model = tiny_model("llama")
+    method = served("kvcmas")
+    queue = deque(leader["published"])
+    method.run_on_shard(FollowerShard(queue.popleft))
+    followed = trajectory(
+        sharing_for("kvcmas", model, embedded_tokenizer(), method),
+        embedded_tokenizer(),
+        stand_ins(model.config, leader),
+        until_refused=True,
+    )
+    assert len(followed) == len(mine["steps"]) and not queue
+    assert "another tensor-parallel rank's heads" in followed[-1]["error"]
 
 
 def test_a_value_of_another_shape_from_the_leader_stops_the_follower(ranks):

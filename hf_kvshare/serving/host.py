@@ -782,6 +782,10 @@ class Sharing:
         plan.host, plan.turn, plan.missing, plan.matched = host, turn, resolved.missing, resolved.matched
         walk = Walk(self.method, turn)
         scratch_cache = walk.plan()
+        refused: list[Exception] = []  # this member's placements that could not be computed
+        computed = (
+            0  # placements computed here (a follower's: by the workers), the same count on every member
+        )
         for span, placement in walk.place(scratch_cache):
             find = self.sources.find if self.sources is not None and placement is not None else None
             origin = find(placement.kv) if find is not None else None  # before it is moved
@@ -793,13 +797,29 @@ class Sharing:
                 plan.unplaced[span.name] = self._why_unplaced(host, turn, span, dropped=True)
             elif placement is not None:
                 # sent to the worker: computed here, on the plan's thread (a follower's: by the workers)
-                if origin is None and not self.follower:
-                    placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
+                if origin is None:
+                    computed += 1
+                    if not self.follower and not refused:
+                        try:
+                            placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
+                        except Exception as error:  # noqa: BLE001 - refused below, on every member alike
+                            if self._fatal(error):
+                                raise
+                            refused.append(error)
                 _keep_gate(plan, span.name, placement.info)  # (rows the worker keeps: it moves them)
             else:
                 plan.unplaced[span.name] = self._why_unplaced(host, turn, span)
             plan.origins.append(origin)
             plan.placements.append(placement)
+        # the walk goes on past a placement this member could not compute (a correction NaN in its heads),
+        # so every member makes the same collectives; then all refuse the plan, or none
+        if computed and self._any_rank(lambda: bool(refused)):
+            if refused:
+                raise refused[0]
+            raise ValueError(
+                f"request {plan.request_id}: a placement's K/V could not be computed in another "
+                "tensor-parallel rank's heads (NaN or inf): not claimed"
+            )
         if plan.local_hit is not None:  # None: planned ahead, claimed at admission (:meth:`claim`)
             self._claim(plan)
 
