@@ -14,10 +14,15 @@ import torch
 
 from .rope import RopeShifter
 
+#: where a refusal names the K/V another rank found non-finite (the ranks of a tensor- or pipeline-parallel
+#: engine refuse together: ``anchors.lowrank.any_rank``)
+OTHER_RANK = "another tensor- or pipeline-parallel rank's K/V"
 
-def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
+
+def check_finite(items: Sequence[tuple[str, SegmentKV]], first_layer: int = 0) -> None:
     """Raise ``ValueError`` for the first ``(what, kv)`` of ``items`` whose K/V hold NaN or inf, naming
-    ``what``, the layer and keys/values. One reduction per tensor and one host read in all, whatever
+    ``what``, the layer (the model's: ``first_layer`` is the index of the K/V's first, on a later
+    pipeline stage) and keys/values. One reduction per tensor and one host read in all, whatever
     the number of segments (per-layer tensors may sit on several devices).
 
     The reduction is ``torch.aminmax`` (NaN propagates into both, +inf is the max, -inf the min): one
@@ -40,7 +45,8 @@ def check_finite(items: Sequence[tuple[str, SegmentKV]]) -> None:
                 where.append((what, layer, kind))
     bad = first_non_finite(bounds)
     if bad is not None:
-        raise non_finite(*where[bad])
+        what, layer, kind = where[bad]
+        raise non_finite(what, first_layer + layer, kind)
 
 
 def non_finite(what: str, layer: int, kind: str) -> ValueError:
@@ -99,10 +105,10 @@ class SegmentKV:
         """Bytes held (a ``meta`` stand-in holds none: :func:`is_stand_in`)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if not t.is_meta)
 
-    def check_finite(self, what: str) -> None:
+    def check_finite(self, what: str, first_layer: int = 0) -> None:
         """Raise ``ValueError`` naming ``what`` and the first layer whose K/V hold NaN or inf
         (one reduction per tensor, one device sync in all): :func:`check_finite`."""
-        check_finite([(what, self)])
+        check_finite([(what, self)], first_layer)
 
     def materialize(self) -> SegmentKV:
         """K/V held in tensors: itself (a :class:`DeferredKV` computes its own)."""

@@ -188,11 +188,11 @@ def test_a_read_back_non_finite_on_one_ranks_heads_is_refused_by_every_rank_and_
     """The host's finiteness check of a read-back goes through ``any_rank``: rank 1 finds the NaN in its
     heads, rank 0 refuses the record for it, and so does the follower (rank 0's answer)."""
     assert "NaN or inf" in ranks[1]["nan"]["error"]
-    assert "another tensor-parallel rank's heads" in ranks[0]["nan"]["error"]
+    assert "another tensor- or pipeline-parallel rank's K/V" in ranks[0]["nan"]["error"]
     assert ranks[0]["nan"]["errors"] == ranks[1]["nan"]["errors"] == 1
     leader = {"published": ranks[0]["nan"]["published"], "steps": [ranks[0]["nan"]]}
     mine = follow("kvcmas", leader, requests=1)
-    assert "another tensor-parallel rank's heads" in mine["steps"][0]["error"]
+    assert "another tensor- or pipeline-parallel rank's K/V" in mine["steps"][0]["error"]
     assert mine["left"] == 0
 
 
@@ -203,7 +203,7 @@ def test_a_correction_non_finite_in_one_ranks_heads_refuses_the_plan_on_every_ra
     mine, other = ranks[0]["nan-correction"], ranks[1]["nan-correction"]
     assert len(mine["steps"]) == len(other["steps"]) > 1  # requests before it: nothing to correct yet
     assert "NaN or inf" in other["steps"][-1]["error"]
-    assert "another tensor-parallel rank's heads" in mine["steps"][-1]["error"]
+    assert "another tensor- or pipeline-parallel rank's K/V" in mine["steps"][-1]["error"]
     assert mine["errors"] == other["errors"] == 1
     assert mine["steps"][-1]["stores"] == other["steps"][-1]["stores"]  # the refusal changed nothing
     assert mine["paired"] is other["paired"] is True
@@ -219,7 +219,7 @@ def test_a_correction_non_finite_in_one_ranks_heads_refuses_the_plan_on_every_ra
         until_refused=True,
     )
     assert len(followed) == len(mine["steps"]) and not queue
-    assert "another tensor-parallel rank's heads" in followed[-1]["error"]
+    assert "another tensor- or pipeline-parallel rank's K/V" in followed[-1]["error"]
 
 
 def test_a_value_of_another_shape_from_the_leader_stops_the_follower(ranks):

@@ -195,6 +195,9 @@ def test_a_nan_in_one_stages_layers_refuses_the_record_on_every_stage(stages):
     for rank in range(WORLD):
         nan = stages[rank]["nan"]
         assert nan["error"] is not None and nan["errors"] == 1, (rank, nan)
+    # stage 1 names the model's layer (its first, the model's 2), stage 0 the other rank
+    assert "NaN or inf) in layer 2 (values)" in stages[1]["nan"]["error"]
+    assert "another tensor- or pipeline-parallel rank's K/V" in stages[0]["nan"]["error"]
 
 
 def test_a_stage_outside_the_model_is_refused():

@@ -100,10 +100,10 @@ def test_a_record_of_non_finite_engine_kv_stores_nothing_and_a_checked_one_is_no
 
     inner = kv_module.check_finite
 
-    def counted(items):
+    def counted(items, first_layer=0):
         items = list(items)
         checked.extend(what for what, kv in items if not kv.finite)
-        return inner(items)
+        return inner(items, first_layer)
 
     import hf_kvshare.anchors.scope as scope_module
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..cache import SegmentKV, check_finite
+from ..segment_kv import OTHER_RANK, SegmentKV, check_finite
 from ..trajectory import tokenize_text
 from .correction import canonical_key_layers, canonical_keys
 from .gate import GateDecision
@@ -343,17 +343,17 @@ class Scope:
 
         def non_finite() -> bool:  # this rank's heads (a follower holds none: it takes the leader's answer)
             try:
-                check_finite(checks)
+                check_finite(checks, layer_offset(self.store.shard))
             except ValueError as error:
                 refused.append(error)
             return bool(refused)
 
-        if any_rank(non_finite, self.store.shard):  # every tensor-parallel rank refuses the turn
+        if any_rank(non_finite, self.store.shard):  # every rank of the shard refuses the turn
             if refused:
                 raise refused[0]
             raise ValueError(
-                f"{self.name}: non-finite K/V (NaN or inf) in another tensor-parallel rank's heads of this "
-                "turn; such K/V is never reused or stored (the turn changed nothing)"
+                f"{self.name}: non-finite K/V (NaN or inf) in {OTHER_RANK} of this turn; such K/V is never "
+                "reused or stored (the turn changed nothing)"
             )
 
     def difference(

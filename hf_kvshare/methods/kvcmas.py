@@ -115,7 +115,7 @@ import torch
 
 from ..anchors.cache import CorrectedCache
 from ..anchors.edge_scope import EdgeScope
-from ..anchors.lowrank import SVD_METHODS, any_rank, bound_count, columns
+from ..anchors.lowrank import SVD_METHODS, any_rank, bound_count, columns, layer_offset
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
 from ..anchors.scope import Scope
 from ..anchors.sharded import FollowerDiverged, FollowerShard, Shard
@@ -612,6 +612,11 @@ class KVCMAS(PrefixReuse, Method):
             kept = self.__dict__.get("_kept_prefixes", {}).values()
             return sum(t.numel() * t.element_size() for kv in kept for t in (*kv.keys, *kv.values))
         return columns(super().prefix_state_bytes(), self._store.shard)
+
+    @property
+    def first_layer(self) -> int:
+        """The model's index of this member's first layer (a later pipeline stage's: its first)."""
+        return layer_offset(self._store.shard)
 
     def any_rank(self, test: Callable[[], bool]) -> bool:
         """``test`` of this member's K/V (e.g. "they hold NaN or inf"), answered alike by every rank of the

@@ -58,7 +58,7 @@ from ..measure import Phases, timing
 from ..method import Method, Placement, get_method
 from ..request import NewSlots, Request
 from ..rope import RopeShifter, find_rotary_module
-from ..segment_kv import is_stand_in
+from ..segment_kv import OTHER_RANK, is_stand_in
 from ..trajectory import PF, PH, Span
 from ..turn import Turn
 from ..walk import Walk
@@ -672,6 +672,12 @@ class Sharing:
         any_rank = getattr(self.method, "any_rank", None)
         return any_rank(test) if any_rank is not None else test()
 
+    @property
+    def _first_layer(self) -> int:
+        """The model's index of this member's first layer (a later pipeline stage's engine holds its
+        layers only; ``KVCMAS.first_layer``), for the layer an error names."""
+        return getattr(self.method, "first_layer", 0)
+
     def _kv_bytes(self, count: Callable[[], int]) -> int:
         """The bytes of K/V ``max_bytes`` compares, from ``count()`` (this member's): one rank's bytes, the
         same on every tensor-parallel rank and the follower where the method's engine runs on a shard
@@ -817,8 +823,8 @@ class Sharing:
             if refused:
                 raise refused[0]
             raise ValueError(
-                f"request {plan.request_id}: a placement's K/V could not be computed in another "
-                "tensor-parallel rank's heads (NaN or inf): not claimed"
+                f"request {plan.request_id}: a placement could not be computed from {OTHER_RANK} "
+                "(NaN or inf): not claimed"
             )
         if plan.local_hit is not None:  # None: planned ahead, claimed at admission (:meth:`claim`)
             self._claim(plan)
@@ -1124,7 +1130,7 @@ class Sharing:
         def non_finite() -> bool:
             if not is_stand_in(used):  # a stand-in's rows were checked by the worker (or came with values)
                 try:
-                    used.check_finite(f"the engine's K/V of request {plan.request_id}")
+                    used.check_finite(f"the engine's K/V of request {plan.request_id}", self._first_layer)
                 except ValueError as error:
                     refused.append(error)
             return bool(refused)
@@ -1133,8 +1139,7 @@ class Sharing:
             if refused:
                 raise refused[0]
             raise ValueError(
-                f"the engine's K/V of request {plan.request_id} hold NaN or inf in another tensor-parallel "
-                "rank's heads: not recorded"
+                f"the engine's K/V of request {plan.request_id} hold NaN or inf in {OTHER_RANK}: not recorded"
             )
         used.finite = True  # the store holds it from here, and nothing writes it
         cache = self.method.new_cache(turn)
