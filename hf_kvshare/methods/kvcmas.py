@@ -118,7 +118,7 @@ from ..anchors.edge_scope import EdgeScope
 from ..anchors.lowrank import SVD_METHODS, any_rank, bound_count, columns, layer_offset
 from ..anchors.persist import TensorTable, move_state_to_model, pools_from_state, pools_to_state
 from ..anchors.scope import Scope
-from ..anchors.sharded import FollowerDiverged, FollowerShard, Shard
+from ..anchors.sharded import FollowerDiverged, FollowerShard, Shard, StageShard
 from ..anchors.slot_scope import SlotScope
 from ..anchors.store import BoundedStore, Stored, check_rank, clamp_ranks
 from ..anchors.verify import PLACES, SCALES
@@ -571,16 +571,25 @@ class KVCMAS(PrefixReuse, Method):
     pools = Stored("entries")
     _requests = Stored("requests")
 
-    def run_on_shard(self, shard: Shard | FollowerShard | None) -> None:
+    def run_on_shard(self, shard: Shard | StageShard | FollowerShard | None) -> None:
         """Run the engine on one tensor-parallel rank's KV heads (SPMD, :mod:`~hf_kvshare.anchors.sharded`):
         the model bound next (its config: this rank's KV heads) and every K/V given are the rank's
         heads; each rank of ``shard``'s group runs the same hooks in the same order and decides what
-        one rank decides over all heads. ``None`` (the default): one rank. A
+        one rank decides over all heads. A :class:`~hf_kvshare.anchors.sharded.StageShard`: the same
+        over one pipeline stage's layers (the model's config: its layers; ``verify_tokens`` refused: the
+        probe runs every decoder layer in a row). ``None`` (the default): one rank. A
         :class:`~hf_kvshare.anchors.sharded.FollowerShard`: the scheduler's copy (every head, ``meta``
         stand-ins, the leader's values). Set before :meth:`bind` (the rank options are clamped to the
         global ``D`` there)."""
         if self.binding.model is not None:
             raise ValueError(f"{self.name}: run_on_shard must come before the method is bound to a model")
+        if isinstance(shard, StageShard) and self.verify_tokens:
+            raise ValueError(
+                f"{self.name}: verify_tokens={self.verify_tokens} runs a probe through every decoder layer "
+                f"in a row, which a pipeline stage (layers [{shard.start}, {shard.stop}) of {shard.layers}) "
+                "does not hold; verify_tokens=0 runs on a stage (or worker_replicas: false keeps the "
+                "scheduler's engine on every layer)"
+            )
         self._store.shard = shard
 
     @property

@@ -38,12 +38,53 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_kvshare.serving")
 
 
-def make_sharing(vllm_config: VllmConfig, *, shard: Any = None, kv_heads: int | None = None) -> Sharing:
+#: a text config's per-layer lists (one entry per decoder layer), sliced to a pipeline stage's layers
+PER_LAYER_LISTS = ("layer_types", "no_rope_layers")
+
+
+def stage_overrides(model_dir: str, start: int, stop: int) -> dict[str, Any]:
+    """The config attributes of a pipeline stage's skeleton holding layers ``[start, stop)``: its layer
+    count and every per-layer list (:data:`PER_LAYER_LISTS`: the attention kind and the layers without
+    RoPE per layer) sliced to them; a list of another length than the layers is refused."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config()
+    layers = text.num_hidden_layers
+    if not 0 <= start < stop <= layers:
+        raise ServingError(
+            f"hf_kvshare: a pipeline stage holds layers [start, stop) of the model's {layers} with "
+            f"0 <= start < stop <= {layers}; got [{start}, {stop})"
+        )
+    overrides: dict[str, Any] = {"num_hidden_layers": stop - start}
+    for name in PER_LAYER_LISTS:
+        value = getattr(text, name, None)
+        if value is None:
+            continue
+        if len(value) != layers:
+            raise ServingError(
+                f"hf_kvshare: {type(config).__name__}.{name} has {len(value)} entries, not one per each of "
+                f"its {layers} layers: a pipeline stage's replica cannot take its layers' share "
+                "(worker_replicas: false keeps the scheduler's engine)"
+            )
+        overrides[name] = list(value)[start:stop]
+    return overrides
+
+
+def make_sharing(
+    vllm_config: VllmConfig,
+    *,
+    shard: Any = None,
+    kv_heads: int | None = None,
+    layers: tuple[int, int] | None = None,
+) -> Sharing:
     """The :class:`Sharing` service ``kv_connector_extra_config`` describes, for the served model: the
     scheduler side's (with ``shard``, a ``FollowerShard``: the follower of the workers' replicas), or
     (``shard``: a :class:`~hf_kvshare.anchors.sharded.Shard`, ``kv_heads``: the rank's KV heads) a worker
     rank's replica (:mod:`.replica`), its method run on the shard before it is bound to a skeleton whose
-    config has the rank's KV heads."""
+    config has the rank's KV heads; or (``shard``: a :class:`~hf_kvshare.anchors.sharded.StageShard`,
+    ``layers``: the stage's ``[start, stop)``) a pipeline stage's replica, its skeleton's config the
+    stage's layers (:func:`stage_overrides`)."""
     from transformers import AutoTokenizer
 
     from ..method import get_method
@@ -52,13 +93,22 @@ def make_sharing(vllm_config: VllmConfig, *, shard: Any = None, kv_heads: int | 
     model_config = vllm_config.model_config
     tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model)
     method, options = extra.get("method", "nonshared"), dict(extra.get("options") or {})
-    overrides = {} if kv_heads is None else {"num_key_value_heads": kv_heads}
+    overrides: dict[str, Any] = {} if kv_heads is None else {"num_key_value_heads": kv_heads}
+    if layers is not None:
+        overrides.update(stage_overrides(model_config.model, *layers))
     if shard is not None:
         options, _ = serving_options(method, options)
         method, options = get_method(method, **options), {}
         method.run_on_shard(shard)
     model = skeleton_model(model_config.model, **overrides)
-    if overrides and model.config.get_text_config().num_key_value_heads != kv_heads:
+    text = model.config.get_text_config()
+    if layers is not None and [getattr(text, k, None) for k in overrides] != list(overrides.values()):
+        raise ServingError(
+            f"hf_kvshare: a pipeline stage's replica of {type(model).__name__} could not be given its layers "
+            f"{list(layers)} (worker replicas serve text models; worker_replicas: false in "
+            "kv_connector_extra_config keeps the scheduler's engine)"
+        )
+    if kv_heads is not None and text.num_key_value_heads != kv_heads:
         raise ServingError(
             f"hf_kvshare: a worker replica of {type(model).__name__} could not be given its {kv_heads} KV "
             "heads (worker replicas serve text models; worker_replicas: false in kv_connector_extra_config "

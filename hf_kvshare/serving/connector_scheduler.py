@@ -54,9 +54,9 @@ far, times :data:`SHARED_ENGINE`) says waiting for the producers' remaining work
 report's ``producer_wait`` says how it went, or why it did not wait. A request whose claim stops at
 text nobody in flight computes (a cold agent's own new text) never waits.
 
-Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1, unless ``worker_replicas:
-false``): this side's Sharing is the follower of the workers' replicas (``meta`` stand-ins, rank 0's
-published values from the read-back channel); the admission thread drives it through
+Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1 or TP = 1, PP > 1, unless
+``worker_replicas: false``): this side's Sharing is the follower of the workers' replicas (``meta``
+stand-ins, rank 0's published values from the read-back channel); the admission thread drives it through
 :class:`~.replica.Lockstep`, whose op stream rides every rank's order channel; every claim is
 ``from_replica`` (no K/V or factors sent) and is cut to nothing while a rank's order channel is not
 connected or a rank reports its replica stopped or deciding otherwise; the workers send stand-ins of
@@ -277,15 +277,17 @@ class HFKVShareScheduler:
             raise ServingError(f"hf_kvshare: {error}") from None
         if wanted:
             logger.info(
-                "hf_kvshare: every tensor-parallel rank runs a replica of the method on its KV heads; this "
-                "side follows them (metadata only)"
+                "hf_kvshare: every %s runs a replica of the method on its %s; this side follows them "
+                "(metadata only)",
+                "tensor-parallel rank" if pp == 1 else "pipeline stage",
+                "KV heads" if pp == 1 else "layers",
             )
             return Published(float(extra.get("replica_wait_s", DEFAULT_REPLICA_WAIT_S)))
         if str(extra.get("method") or "nonshared").split(":")[0] not in VALUE_FREE and tp * pp > 1:
             logger.info(
                 "hf_kvshare: %s over %d ranks (tensor parallel %d, pipeline parallel %d): the ranks' K/V "
-                "are read back and assembled here, where the method runs (worker replicas need pipeline "
-                "parallel 1, the admission thread, the read-back channel and worker_replicas true)",
+                "are read back and assembled here, where the method runs (worker replicas need tensor or "
+                "pipeline parallel alone, the admission thread, the read-back channel and worker_replicas true)",
                 extra.get("method"),
                 tp * pp,
                 tp,

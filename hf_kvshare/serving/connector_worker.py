@@ -41,8 +41,9 @@ carries all heads) and reads back its own heads only, sending its rank with them
 channel's header, :attr:`Captured.rank`); the scheduler assembles the ranks' read-backs
 (:class:`~.tensor_parallel.RankAssembly`).
 
-Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1): this side makes its rank's
-tensor-parallel group and its Sharing replica at ``register_kv_caches``, hands the op stream (orders
+Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1, or TP = 1, PP > 1): this side
+makes its rank's tensor-parallel group (its stage's pipeline-parallel group) and its Sharing replica on its
+KV heads (its stage's layers) at ``register_kv_caches``, hands the op stream (orders
 with an ``op``) to it, keeps each read-back for its record op and sends the scheduler stand-ins, writes
 a ``from_replica`` claim from its replica's plan (:meth:`HFKVShareWorker._load_from_replica`), and,
 on rank 0, publishes the replica's reduced values on the read-back channel for the scheduler's follower.
@@ -69,7 +70,7 @@ import torch
 from . import channel, paged
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source, make_sharing
 from .host import ServingError, skeleton_model
-from .replica import DEFAULT_READ_BACK_BYTES, DEFAULT_WAIT_S, Replica, rank_shard, wants_replicas
+from .replica import DEFAULT_READ_BACK_BYTES, DEFAULT_WAIT_S, Replica, rank_shard, stage_shard, wants_replicas
 from .tensor_parallel import kv_head_range, pipeline_parallel_size, tensor_parallel_size, worker_rank
 from .worker_store import (
     DEFAULT_DEVICE_STORE_BYTES,
@@ -162,7 +163,10 @@ class HFKVShareWorker:
         )
         tp, pp = tensor_parallel_size(self._vllm_config), pipeline_parallel_size(self._vllm_config)
         if wants_replicas(self._extra.get("method"), tp, pp, self._extra):
-            self.replica = self._make_replica(tp, self._io[self._names[0]].dim)
+            if pp > 1:
+                self.replica = self._make_stage_replica(pp)
+            else:
+                self.replica = self._make_replica(tp, self._io[self._names[0]].dim)
 
     def _make_replica(self, tp: int, head_dim: int) -> Replica:
         """This rank's replica (:mod:`.replica`): its tensor-parallel group made (by every rank, in the
@@ -179,6 +183,35 @@ class HFKVShareWorker:
             sharing.method,
             start,
             stop,
+        )
+        return Replica(
+            sharing,
+            wait_s=wait_s,
+            max_bytes=self._extra.get("replica_read_back_bytes", DEFAULT_READ_BACK_BYTES),
+        )
+
+    def _make_stage_replica(self, pp: int) -> Replica:
+        """This stage's replica (:mod:`.replica`; tensor parallel 1): its pipeline-parallel group made (by
+        every rank, in the same order: here, at start-up), the method on its stage's layers (the ones vLLM
+        registered here, which must be consecutive), its skeleton those layers' config."""
+        wait_s = float(self._extra.get("replica_wait_s", DEFAULT_WAIT_S))
+        held = [self._layer_of[name] for name in self._names]
+        start, stop = held[0], held[-1] + 1
+        if held != list(range(start, stop)):
+            raise ServingError(
+                f"hf_kvshare: a pipeline stage's layers must be consecutive; this worker holds {held}"
+            )
+        layers = self._vllm_config.model_config.hf_config.get_text_config().num_hidden_layers
+        publish = self._publish if self.rank == 0 else None  # stage 0, the leader: for the follower
+        shard = stage_shard(pp, start, stop, layers, 2 * wait_s, publish)
+        sharing = make_sharing(self._vllm_config, shard=shard, layers=(start, stop))
+        logger.info(
+            "hf_kvshare: rank %d runs a replica of %s on layers [%d, %d) of %d",
+            self.rank,
+            sharing.method,
+            start,
+            stop,
+            layers,
         )
         return Replica(
             sharing,

@@ -67,9 +67,11 @@ MAX_PUBLISHED = 1 << 16
 
 def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any]) -> bool:
     """Whether a server runs worker replicas: a value-reading method (not :data:`VALUE_FREE`) at tensor
-    parallel > 1 and pipeline parallel 1, with the admission thread and the read-back channel (the
-    leader's values reach the follower on it), unless ``worker_replicas: false``. Decided alike by the
-    scheduler and every worker from the same configuration."""
+    parallel > 1 and pipeline parallel 1 (a replica per rank's KV heads: :func:`rank_shard`) or tensor
+    parallel 1 and pipeline parallel > 1 (a replica per stage's layers: :func:`stage_shard`; both at once
+    keep the RankAssembly path), with the admission thread and the read-back channel (the leader's values
+    reach the follower on it), unless ``worker_replicas: false``. Decided alike by the scheduler and every
+    worker from the same configuration."""
     wanted = extra.get(OPTION, True)
     if not isinstance(wanted, bool):
         raise ValueError(f"{OPTION} must be true or false; got {wanted!r}")
@@ -77,7 +79,8 @@ def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any
     channels = (
         extra.get("background", True) is not False and extra.get("read_back_channel", True) is not False
     )
-    return wanted and channels and tp_size > 1 and pp_size == 1 and name not in VALUE_FREE
+    one_split = (tp_size > 1) != (pp_size > 1)  # heads or layers split, not both
+    return wanted and channels and one_split and name not in VALUE_FREE
 
 
 def rank_shard(
@@ -92,6 +95,24 @@ def rank_shard(
     from ..anchors.sharded import Shard, tensor_parallel_groups
 
     return Shard(tensor_parallel_groups(tp_size, timeout_s), width, replicas, publish=publish)
+
+
+def stage_shard(
+    pp_size: int,
+    start: int,
+    stop: int,
+    layers: int,
+    timeout_s: float,
+    publish: Callable[[torch.Tensor], None] | None,
+) -> Any:
+    """This worker's :class:`~hf_kvshare.anchors.sharded.StageShard`: every head of its pipeline stage's
+    layers ``[start, stop)`` of the model's ``layers``, over its pipeline-parallel group (tensor parallel
+    1), made now by every rank of the world in the same order
+    (:func:`~hf_kvshare.anchors.sharded.pipeline_parallel_groups`; at start-up, on every rank);
+    ``publish``: stage 0's (world rank 0), as :func:`rank_shard`'s."""
+    from ..anchors.sharded import StageShard, pipeline_parallel_groups
+
+    return StageShard(pipeline_parallel_groups(1, pp_size, timeout_s), start, stop, layers, publish=publish)
 
 
 def follower_shard(receive: Callable[[], torch.Tensor]) -> Any:
