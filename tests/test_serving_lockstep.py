@@ -44,6 +44,7 @@ from hf_kvshare.serving.replica import (
     Replica,
     decision,
     follower_shard,
+    reads_values,
     wants_replicas,
 )
 from hf_kvshare.serving.standin import engine
@@ -471,6 +472,8 @@ def test_which_servers_run_replicas():
     with pytest.raises(ValueError, match="true or false"):
         wants_replicas("kvcmas", 2, 1, {"worker_replicas": "no"})
     assert decision.__doc__
+    assert reads_values("kvcmas:tau=0.9") and reads_values("kvcomm")  # the connector's start-up log's rule
+    assert not reads_values(None) and not reads_values("fullshared")
 
 
 def test_the_replicas_switch_reaches_the_connector(tmp_path, capsys, monkeypatch):

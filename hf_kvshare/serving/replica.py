@@ -72,6 +72,12 @@ OPTION = "worker_replicas"
 MAX_PUBLISHED = 1 << 16
 
 
+def reads_values(method: Any) -> bool:
+    """Whether the configured method (``kvcmas``, ``kvcmas:...``; ``None``: nonshared) reads K/V values
+    (not :data:`VALUE_FREE`): what needs the read-backs, or the replicas under tensor parallel."""
+    return str(method or "nonshared").split(":")[0] not in VALUE_FREE
+
+
 def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any]) -> bool:
     """Whether a server runs worker replicas: a value-reading method (not :data:`VALUE_FREE`) at tensor
     parallel > 1 and pipeline parallel 1, with the admission thread and the read-back channel (the
@@ -80,11 +86,10 @@ def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any
     wanted = extra.get(OPTION, True)
     if not isinstance(wanted, bool):
         raise ValueError(f"{OPTION} must be true or false; got {wanted!r}")
-    name = str(method or "nonshared").split(":")[0]
     channels = (
         extra.get("background", True) is not False and extra.get("read_back_channel", True) is not False
     )
-    return wanted and channels and tp_size > 1 and pp_size == 1 and name not in VALUE_FREE
+    return wanted and channels and tp_size > 1 and pp_size == 1 and reads_values(method)
 
 
 def rank_shard(
