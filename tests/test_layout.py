@@ -2153,6 +2153,7 @@ SHARING_DRIVERS = frozenset({"plan", "claim", "release", "record", "settle"})
 #: decisions), never a tensor
 OP_FIELDS = frozenset(
     {"request_id", "prompt", "params", "local_hit", "output_ids", "stop_ids", "decision", "final"}
+    | {"deferred", "index"}  # a record's deferred parts' count, a settle's part
 )
 
 

@@ -20,7 +20,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from anchors_trajectory import DOCS, QUESTION, SYSTEMS, as_layers, ids_of, request_of, served
+from anchors_trajectory import (
+    DOCS,
+    QUESTION,
+    SYSTEMS,
+    as_layers,
+    counted,
+    ids_of,
+    pool_numbers,
+    request_of,
+    served,
+)
 from gloo_ranks import run_ranks
 from tiny import embedded_tokenizer, tiny_model
 
@@ -34,6 +44,7 @@ from hf_kvshare.serving.replica import (
     Replica,
     decision,
     follower_shard,
+    reads_values,
     wants_replicas,
 )
 from hf_kvshare.serving.standin import engine
@@ -41,6 +52,8 @@ from hf_kvshare.serving.tensor_parallel import kv_head_range
 
 WORLD = 2
 LOCKSTEP_CASES = ("kvcmas", "kvcomm")
+#: the records' deferred parts the driver settles after each plan (the rest wait for later plans)
+SETTLES_PER_PLAN = 2
 
 
 class _Collect:
@@ -54,10 +67,11 @@ class _Collect:
         return True
 
 
-def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple], dict[str, tuple], dict[str, list]]:
+def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple], dict[str, tuple], dict[str, list], dict]:
     """The trajectory on the scheduler's one-rank Sharing through :class:`Lockstep`: the op stream,
-    every recorded request's read-back (all heads), every claim (its start and K/V, all heads) and
-    every output."""
+    every recorded request's read-back (all heads), every claim (its start and K/V, all heads), every
+    output, and what the one rank holds at the end (its pools' numbers, the bytes its bounds count, the
+    plans that factorized a part still deferred)."""
     model = tiny_model("llama", num_key_value_heads=2)
     outputs = {}
 
@@ -69,7 +83,9 @@ def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple], dict[str, tu
         return out, k, v
 
     sharing = Sharing(model, embedded_tokenizer(), served(case), min_segment_tokens=4)
-    return (*drive(sharing, run), outputs)
+    ops, read_backs, claims, readers = drive(sharing, run)
+    held = {"pools": pool_numbers(sharing.method, None), "counted": counted(sharing), "readers": readers}
+    return ops, read_backs, claims, outputs, held
 
 
 def follower_run(case: str, published: list, read_backs: dict, outputs: dict) -> list[dict]:
@@ -92,20 +108,31 @@ def follower_run(case: str, published: list, read_backs: dict, outputs: dict) ->
     return drive(sharing, run)[0]
 
 
-def drive(sharing: Sharing, run) -> tuple[list[dict], dict[str, tuple], dict[str, tuple]]:
+def drive(sharing: Sharing, run) -> tuple[list[dict], dict[str, tuple], dict[str, tuple], list[str]]:
     """The trajectory through :class:`Lockstep` over ``sharing`` (``run(plan, request id, claimed keys,
-    claimed values)`` -> output ids and read-back): the op stream, the read-backs and the claims."""
+    claimed values)`` -> output ids and read-back), each record's deferred parts settled after later
+    plans (:data:`SETTLES_PER_PLAN` after each): the op stream, the read-backs, the claims and the plans
+    that factorized an anchor themselves (a part still waiting)."""
     tokenizer = embedded_tokenizer()
     stream, channel = OpStream(1), _Collect()
     stream.connect(0, channel)
     lockstep = Lockstep(sharing, stream)
-    read_backs, claims = {}, {}
+    read_backs, claims, readers = {}, {}, []
+    waiting = []  # the records' deferred parts, settled as the admission thread does: between later plans
+
+    def settle(n):
+        for part in waiting[:n]:
+            lockstep.settle(part)
+        del waiting[:n]
+
     for t, doc in enumerate(DOCS[:4]):
         for position, agent in enumerate(SYSTEMS):
             ids, meta = request_of(sharing, tokenizer, t, doc, agent)
             rid = f"{t}-{agent}"
             if position == 1 and t == 1:  # a request that ends before its record: released
                 aborted = lockstep.plan(rid + "-aborted", ids, meta, 0)
+                if aborted.plan_phases.get("factorize"):
+                    readers.append(aborted.request_id)
                 claims[aborted.request_id] = (
                     aborted.claim_start,
                     as_layers(aborted.keys),
@@ -117,17 +144,25 @@ def drive(sharing: Sharing, run) -> tuple[list[dict], dict[str, tuple], dict[str
             else:
                 plan = lockstep.plan(rid, ids, meta, 0)
             assert plan.error is None
+            if plan.plan_phases.get("factorize"):
+                readers.append(rid)
+            settle(SETTLES_PER_PLAN)
             keys, values = as_layers(plan.keys), as_layers(plan.values)
             if keys is not None:
                 claims[rid] = (plan.claim_start, keys, values)
             out, k, v = run(plan, rid, keys, values)
             read_backs[rid] = (k, v)
             lockstep.record(plan, k, v, out, set())
+            waiting += plan.deferred
+            plan.deferred = []
+    settle(len(waiting))
     assert stream.summary() == {"ops": len(channel.ops), "waiting": 0, "stopped": None}
-    return channel.ops, read_backs, claims
+    return channel.ops, read_backs, claims, readers
 
 
-def _replica_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffle: int | None) -> dict:
+def _replica_run(
+    rank: int, case: str, ops: list[dict], read_backs: dict, shuffle: int | None, measure: bool
+) -> dict:
     tokenizer = embedded_tokenizer()
     config = tiny_model("llama").config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -139,7 +174,8 @@ def _replica_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffl
         if built:  # as the connector's worker publishes (none while the Sharing is built)
             published.append(value)
 
-    method.run_on_shard(Shard(None, (last - first) * head_dim, publish=publish if rank == 0 else None))
+    shard = Shard(None, (last - first) * head_dim, publish=publish if rank == 0 else None)
+    method.run_on_shard(shard)
     own = tiny_model("llama", num_key_value_heads=last - first)  # this rank's skeleton: its KV heads
     replica = Replica(Sharing(own, tokenizer, method, min_segment_tokens=4), wait_s=20)
     built.append(True)
@@ -163,7 +199,11 @@ def _replica_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffl
     replica.done(len(ops), timeout=120)
     counts = dict(replica.counts)
     replica.close()
-    return {**counts, "heads": (first, last), "claims": claims, "published": published}
+    held = {}
+    if measure:  # every rank (their collectives pair), the publication over
+        built.clear()
+        held = {"pools": pool_numbers(method, shard), "counted": counted(replica.sharing)}
+    return {**counts, "heads": (first, last), "claims": claims, "published": published, "held": held}
 
 
 def _rank_main(rank: int, runs: list) -> list[dict]:
@@ -182,28 +222,35 @@ def _swapped(ops: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def lockstep_runs(tmp_path_factory) -> dict:
     runs, streams = [], {}
-    claims, traces = {}, {}
+    claims, traces, held = {}, {}, {}
     for case in LOCKSTEP_CASES:
-        ops, read_backs, claims[case], outputs = scheduler_run(case)
+        ops, read_backs, claims[case], outputs, held[case] = scheduler_run(case)
         streams[case], traces[case] = ops, (read_backs, outputs)
-        runs.append((case, ops, read_backs, 1))
+        runs.append((case, ops, read_backs, 1, True))
         if case == "kvcmas":
-            runs.append((case, _swapped(ops), read_backs, 2))
-            runs.append((case, ops, read_backs, None))
+            runs.append((case, _swapped(ops), read_backs, 2, False))
+            runs.append((case, ops, read_backs, None, True))
     results = run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("lockstep"), runs)
     # the scheduler's follower, on the leader's values of each case's first run
     followers = {
         case: follower_run(case, results[0][0 if case == "kvcmas" else 3]["published"], *traces[case])
         for case in LOCKSTEP_CASES
     }
-    return {"streams": streams, "ranks": results, "claims": claims, "followers": followers}
+    return {
+        "streams": streams,
+        "ranks": results,
+        "claims": claims,
+        "followers": followers,
+        "one_rank": held,
+        "traces": traces,
+    }
 
 
 @pytest.mark.parametrize("case", LOCKSTEP_CASES)
 def test_every_ranks_replica_decides_what_the_scheduler_decides(lockstep_runs, case):
     ops = lockstep_runs["streams"][case]
     kinds = {op["op"] for op in ops}
-    assert kinds == {"plan", "claim", "release", "record", "check"}
+    assert kinds == {"plan", "claim", "release", "record", "check", "settle"}
     checks = sum(op["op"] == "check" for op in ops)
     # the trajectory exercises the gate both ways and corrections (else it checks little)
     decided = [op["decision"] for op in ops if op["op"] == "check"]
@@ -216,7 +263,7 @@ def test_every_ranks_replica_decides_what_the_scheduler_decides(lockstep_runs, c
         counts = {
             k: v
             for k, v in lockstep_runs["ranks"][rank][index].items()
-            if k not in ("heads", "claims", "published")
+            if k not in ("heads", "claims", "published", "held")
         }
         assert counts == {"ops": len(ops), "agree": checks, "differ": 0, "dropped": 0, "stopped": None}
 
@@ -257,6 +304,115 @@ def test_the_op_order_keeps_the_replicas_in_step(lockstep_runs):
     for rank in range(WORLD):
         counts = lockstep_runs["ranks"][rank][1]
         assert counts["differ"] > 0, counts
+
+
+@pytest.mark.parametrize("case", LOCKSTEP_CASES)
+def test_settles_between_later_plans_keep_every_ranks_pools_one_ranks(lockstep_runs, case):
+    """Each record's deferred parts are numbered as ``settle`` ops between later plans (as the admission
+    thread runs them: when no plan waits), some after a plan that factorized the anchor itself: every
+    rank's replica runs each at its number (the checks above agree), and ends with the pools one rank
+    holds (the same anchors, the gate's numbers over every head) and counts its bytes as one rank does."""
+    ops = lockstep_runs["streams"][case]
+    kinds = [op["op"] for op in ops]
+    assert "settle" in kinds[: max(i for i, kind in enumerate(kinds) if kind == "plan")]  # interleaved
+    records = {op["request_id"]: op["deferred"] for op in ops if "deferred" in op}
+    settles = [(op["request_id"], op["index"]) for op in ops if op["op"] == "settle"]
+    assert sorted(settles) == [(rid, i) for rid, n in sorted(records.items()) for i in range(n)]
+    one = lockstep_runs["one_rank"][case]
+    if case == "kvcmas":  # a plan read an anchor whose part had not run yet: it factorized it itself
+        assert one["readers"], "no plan factorized a waiting part"
+    for rank in range(WORLD):
+        for index in (0, 2) if case == "kvcmas" else (3,):  # shuffled, in order
+            got = lockstep_runs["ranks"][rank][index]
+            assert got["stopped"] is None, got["stopped"]
+            assert got["held"]["counted"] == one["counted"], (rank, index)
+            pools = got["held"]["pools"]
+            assert list(pools) == list(one["pools"]) and pools, (rank, index)
+            for key, want in one["pools"].items():
+                assert pools[key]["anchors"] == want["anchors"], (rank, key)
+                for mine, theirs in zip(pools[key]["energy"], want["energy"], strict=True):
+                    assert mine == pytest.approx(theirs, rel=1e-5), (rank, key, "energy")
+                for number in ("agreement", "distance", "spread"):
+                    mine, theirs = pools[key].get(number), want.get(number)
+                    assert (mine is None) == (theirs is None), (rank, key, number)
+                    if theirs is not None:
+                        assert mine == pytest.approx(theirs, rel=1e-4, abs=1e-6), (rank, key, number)
+
+
+def _replayed(ops: list[dict], read_backs: dict, case: str = "kvcmas") -> Replica:
+    """A one-rank replica (every head) fed ``ops`` and the read-backs, run until it ran them or stopped."""
+    method = served(case)
+    replica = Replica(
+        Sharing(
+            tiny_model("llama", num_key_value_heads=2), embedded_tokenizer(), method, min_segment_tokens=4
+        ),
+        wait_s=5,
+    )
+    for rid, (k, v) in read_backs.items():
+        replica.keep(rid, k, v)
+    for op in ops:
+        replica.submit(op)
+    replica.done(len(ops), timeout=60)
+    replica.close()
+    return replica
+
+
+def test_a_settle_out_of_step_stops_the_replica_with_the_reason(lockstep_runs):
+    """A settle of a part out of order, of a request with none waiting, and a record whose parts the
+    scheduler counted otherwise: the replica stops there (never runs a part another rank would not),
+    saying why."""
+    ops = lockstep_runs["streams"]["kvcmas"]
+    read_backs = lockstep_runs["traces"]["kvcmas"][0]
+    first = next(i for i, op in enumerate(ops) if op["op"] == "settle")
+    rid = ops[first]["request_id"]
+    whole = _replayed(ops[: first + 1], read_backs)  # in step: it runs the part
+    assert whole.counts["stopped"] is None and whole.counts["differ"] == 0, whole.counts
+    cases = {
+        "part 1 of request": {**ops[first], "index": 1},
+        "it holds none": {**ops[first], "request_id": "0-planner"},
+    }
+    for why, op in cases.items():
+        replica = _replayed([*ops[:first], op], read_backs)
+        assert replica.counts["ops"] == first and why in replica.counts["stopped"], replica.counts
+    final = next(i for i, op in enumerate(ops) if op.get("deferred") and op["request_id"] == rid)
+    n = ops[final]["deferred"]
+    replica = _replayed([*ops[:final], {**ops[final], "deferred": n + 1}], read_backs)
+    assert f"left {n} deferred parts here, {n + 1} on the scheduler" in replica.counts["stopped"]
+
+
+def test_the_admission_thread_numbers_each_settle_job_as_it_runs_it():
+    """Through :class:`~hf_kvshare.serving.admission.Background` (the connector's admission thread, with
+    :class:`Lockstep` as its Sharing): a record leaves its deferred parts, each numbered as a ``settle``
+    op when its job runs, after the record's final check and in the part's order."""
+    from hf_kvshare.serving.admission import Background
+
+    model, tokenizer = tiny_model("llama", num_key_value_heads=2), embedded_tokenizer()
+    sharing = Sharing(model, tokenizer, served("kvcmas"), min_segment_tokens=4)
+    stream, channel = OpStream(1), _Collect()
+    stream.connect(0, channel)
+    background = Background(Lockstep(sharing, stream))
+    try:
+        for agent in SYSTEMS:
+            ids, meta = request_of(sharing, tokenizer, 0, DOCS[0], agent)
+            background.drain()
+            plan = background.plan(agent, ids, meta, 0)
+            while plan is None:
+                plan = background.plan(agent, ids, meta, 0)
+            every = SimpleNamespace(prompt=plan.prompt, local_hit=plan.local_hit, keys=[], values=[])
+            if plan.claimed:
+                every.keys, every.values = list(as_layers(plan.keys)), list(as_layers(plan.values))
+            out, k, v = engine(model, every, max_new_tokens=4)
+            background.record(plan, k, v, out, set())
+        background.drain()
+    finally:
+        background.close()
+    ops = channel.ops
+    records = {op["request_id"]: (op["seq"], op["deferred"]) for op in ops if "deferred" in op}
+    settles = [op for op in ops if op["op"] == "settle"]
+    assert settles and sum(n for _, n in records.values()) == len(settles) == sharing.settles
+    for rid, (seq, n) in records.items():
+        mine = [op for op in settles if op["request_id"] == rid]
+        assert [op["index"] for op in mine] == list(range(n)) and all(op["seq"] > seq for op in mine)
 
 
 def test_no_op_carries_a_tensor(lockstep_runs):
@@ -316,6 +472,8 @@ def test_which_servers_run_replicas():
     with pytest.raises(ValueError, match="true or false"):
         wants_replicas("kvcmas", 2, 1, {"worker_replicas": "no"})
     assert decision.__doc__
+    assert reads_values("kvcmas:tau=0.9") and reads_values("kvcomm")  # the connector's start-up log's rule
+    assert not reads_values(None) and not reads_values("fullshared")
 
 
 def test_the_replicas_switch_reaches_the_connector(tmp_path, capsys, monkeypatch):

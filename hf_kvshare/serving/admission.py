@@ -40,7 +40,9 @@ delta or base), run only when no plan or record is waiting: a dense record (its 
 its time, measured 1.2-1.7 s on the server) no longer holds up the plans queued behind it (a part is
 one factorization, ~0.1 s at 1K tokens: a plan next in line behind it is waited for). A plan that reads an anchor whose part has not run
 factorizes it itself (the same factors). More than ``max_queued_records`` settles waiting (each holds
-the K/V it factorizes) run before plans.
+the K/V it factorizes) run before plans. Under worker replicas (:class:`~.replica.Lockstep` as the
+Sharing) each settle job is numbered on the op stream when it runs, so every rank runs its part at
+the same op.
 
 A plan decided ahead holds its K/V (its placements', its claim's) until vLLM asks for it: those bytes
 are bounded by ``max_planned_bytes`` (``planned_bytes`` in ``kv_connector_extra_config``). A plan

@@ -81,10 +81,10 @@ import torch
 from . import channel
 from .admission import DEFAULT_MAX_PLANNED_BYTES, DEFAULT_RUNNING_WAIT_S, DEFAULT_WAIT_S, Background, task_of
 from .connector_common import Capture, Captured, Correction, HFKVShareMetadata, Load, Source, make_sharing
-from .host import NOT_RECORDED_YET, VALUE_FREE, Plan, ServingError, ServingHost, Sharing
+from .host import NOT_RECORDED_YET, Plan, ServingError, ServingHost, Sharing
 from .layout import images_of
 from .replica import DEFAULT_WAIT_S as DEFAULT_REPLICA_WAIT_S
-from .replica import Lockstep, OpStream, Published, follower_shard, wants_replicas
+from .replica import Lockstep, OpStream, Published, follower_shard, reads_values, wants_replicas
 from .tensor_parallel import PENDING, pipeline_parallel_size, rank_assembly, tensor_parallel_size
 from .worker_store import DEFAULT_DEVICE_STORE_BYTES, CorrectedOrigin, Sources, StoreMirror
 
@@ -283,7 +283,7 @@ class HFKVShareScheduler:
                 "KV heads" if pp == 1 else "layers",
             )
             return Published(float(extra.get("replica_wait_s", DEFAULT_REPLICA_WAIT_S)))
-        if str(extra.get("method") or "nonshared").split(":")[0] not in VALUE_FREE and tp * pp > 1:
+        if reads_values(extra.get("method")) and tp * pp > 1:
             logger.info(
                 "hf_kvshare: %s over %d ranks (tensor parallel %d, pipeline parallel %d): the ranks' K/V "
                 "are read back and assembled here, where the method runs (worker replicas need tensor or "
@@ -696,10 +696,12 @@ class HFKVShareScheduler:
             stop.add(eos)
         tokens = min(request.num_computed_tokens, len(block_ids) * self._block_size)
         keep, drop = self.device_store.admit(request.request_id, tokens) if self._keeps() else (False, [])
-        # a value-free method's record is stand-ins of what the worker keeps (nothing to read back here)
-        ship = not (self.sharing.value_free and (keep or not self.sharing.method.uses_sources))
-        if self.sharing.follower:  # the K/V stay in the workers, for their replicas' records
-            ship = False
+        # a value-free method's record is stand-ins of what the worker keeps (nothing to read back here);
+        # a follower's too: the K/V stay in the workers, for their replicas' records
+        ship = not (
+            self.sharing.follower
+            or (self.sharing.value_free and (keep or not self.sharing.method.uses_sources))
+        )
         # the report file's line is written once the request is recorded: a dense span's gate outcome
         # (why it was not reused) is known then (the reply carries the admission's report)
         reserved = self._reserve_before_read_back(plan, tokens) if ship else 0

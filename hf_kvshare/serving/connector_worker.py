@@ -486,14 +486,15 @@ class HFKVShareWorker:
     def _for_scheduler(
         self, capture: Capture, kv: tuple[torch.Tensor, torch.Tensor], kept: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What goes back for the record: stand-ins when the capture says not to ship the K/V (a
-        value-free method's) and the worker keeps them as ordered, and they hold no NaN / inf (checked
-        here, on the device); else the K/V (the scheduler's record checks them): in-process as read, on
+        """What goes back for the record: stand-ins when the capture says not to ship the K/V and this
+        rank's replica records them, or (a value-free method's) the worker keeps them as ordered and they
+        hold no NaN / inf (checked here, on the device); else the K/V (the scheduler's record checks them): in-process as read, on
         the cache's device (the very tensors the store keeps when it keeps them: one copy, which the
         record only reads), else in host memory."""
-        if not capture.ship and self.replica is not None:  # the replica records them: the scheduler follows
-            return stand_ins(*kv)
-        if not capture.ship and kept == capture.keep and all(bool(torch.isfinite(t).all()) for t in kv):
+        if not capture.ship and (
+            self.replica is not None  # the replica records them: the scheduler follows
+            or (kept == capture.keep and all(bool(torch.isfinite(t).all()) for t in kv))
+        ):
             return stand_ins(*kv)
         if self.in_process:
             return kv

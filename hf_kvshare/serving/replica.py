@@ -3,7 +3,7 @@
 heads, in lockstep with the other ranks, driven by an ordered stream of operations from the scheduler.
 
 - **The op stream** (scheduler side, :class:`OpStream`): every :class:`Sharing` call the scheduler's
-  admission thread makes that changes the engine (a plan, a claim, a release, a record) is numbered
+  admission thread makes that changes the engine (a plan, a claim, a release, a record, a settle) is numbered
   under one lock and queued for every rank's order channel (:mod:`.channel`), then run on the
   scheduler's Sharing (:class:`Lockstep`, what :class:`~.admission.Background` calls). After each, a
   ``check`` op carries the scheduler's decision (:func:`decision`: claims, placements, gate outcomes;
@@ -15,8 +15,13 @@ heads, in lockstep with the other ranks, driven by an ordered stream of operatio
   (``run_on_shard``; the group: :func:`~hf_kvshare.anchors.sharded.tensor_parallel_groups`). Its thread runs the ops strictly in
   number order (early arrivals buffered): the same calls with the same arguments on every rank, so
   every rank's collectives pair up. A record runs on the rank's own heads of the request's read-back,
-  kept for it by the worker (:meth:`Replica.keep`, by bytes). A replica settles a record's deferred
-  work at the record (the same point on every rank). A ``check`` compares the replica's decision with
+  kept for it by the worker (:meth:`Replica.keep`, by bytes). A record's deferred work (its anchors'
+  factorizations, :attr:`Plan.deferred`) is not settled at the record: the scheduler's admission thread
+  runs each part as a settle job when no plan waits (:mod:`.admission`), numbered first as a ``settle``
+  op (the request and the part's index), and each replica keeps its record's parts (weak references:
+  no bytes) and runs the numbered one at that op, so every rank factorizes at the same op number. A
+  plan that reads an anchor still deferred factorizes it inside the plan op (every rank alike); the
+  later settle is then a no-op everywhere. A ``check`` compares the replica's decision with
   the scheduler's: ``agree`` / ``differ`` counted (and a difference logged), which the worker reports
   with its step output. A claim's K/V are the replica's (:meth:`Replica.claim_of`: the worker writes its
   heads of them; the step metadata says only "from your replica").
@@ -28,7 +33,8 @@ heads, in lockstep with the other ranks, driven by an ordered stream of operatio
   never a hang.
 
 A replica that cannot go on in step (an op missing past ``wait_s`` while later ones wait, a record whose
-read-back never came, an op it cannot run) stops, logs why and says so in its counts (``stopped``):
+read-back never came, a record that left another count of deferred parts than the scheduler's, a settle
+of a part it does not hold or out of order, an op it cannot run) stops, logs why and says so in its counts (``stopped``):
 the engine never waits for it (it runs on its own thread; a claim it cannot give is reported as failed
 blocks, which vLLM recomputes), and the scheduler claims nothing more once it hears of it. No vLLM
 import (tests drive it on gloo ranks).
@@ -41,6 +47,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,7 +58,7 @@ from .worker_store import PayloadBuffer
 logger = logging.getLogger("hf_kvshare.serving")
 
 #: the ops of the stream (an op is a JSON object: ``op``, ``seq`` and its fields, never a tensor)
-OPS = ("plan", "claim", "release", "record", "check")
+OPS = ("plan", "claim", "release", "record", "check", "settle")
 #: how long a replica waits for a missing op number while later ones wait, or for a record's read-back,
 #: before it stops (seconds)
 DEFAULT_WAIT_S = 30.0
@@ -65,6 +72,12 @@ OPTION = "worker_replicas"
 MAX_PUBLISHED = 1 << 16
 
 
+def reads_values(method: Any) -> bool:
+    """Whether the configured method (``kvcmas``, ``kvcmas:...``; ``None``: nonshared) reads K/V values
+    (not :data:`VALUE_FREE`): what needs the read-backs, or the replicas under tensor or pipeline parallel."""
+    return str(method or "nonshared").split(":")[0] not in VALUE_FREE
+
+
 def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any]) -> bool:
     """Whether a server runs worker replicas: a value-reading method (not :data:`VALUE_FREE`) at tensor
     parallel > 1 and pipeline parallel 1 (a replica per rank's KV heads: :func:`rank_shard`) or tensor
@@ -75,12 +88,11 @@ def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any
     wanted = extra.get(OPTION, True)
     if not isinstance(wanted, bool):
         raise ValueError(f"{OPTION} must be true or false; got {wanted!r}")
-    name = str(method or "nonshared").split(":")[0]
     channels = (
         extra.get("background", True) is not False and extra.get("read_back_channel", True) is not False
     )
     one_split = (tp_size > 1) != (pp_size > 1)  # heads or layers split, not both
-    return wanted and channels and one_split and name not in VALUE_FREE
+    return wanted and channels and one_split and reads_values(method)
 
 
 def rank_shard(
@@ -248,13 +260,27 @@ class OpStream:
             return {"ops": self.numbered, "waiting": len(self._backlog), "stopped": self.stopped}
 
 
+@dataclass(frozen=True)
+class Part:
+    """Part ``index`` of request ``request_id``'s record's deferred work (:attr:`Plan.deferred`, in its
+    order), as :meth:`Lockstep.record` leaves it: run by calling it, numbered by :meth:`Lockstep.settle`."""
+
+    request_id: str
+    index: int
+    work: Callable[[], None]
+
+    def __call__(self) -> None:
+        self.work()
+
+
 class Lockstep:
     """The scheduler's :class:`Sharing` as :class:`~.admission.Background` calls it, every call that
     changes the engine first numbered on the op stream (:class:`OpStream`), then run, then its decision
     sent as a ``check``. Numbering and running are two steps: the admission thread runs plans, records
     and releases in its order; a claim (vLLM's scheduler thread) changes nothing a later op reads and
-    reads no published value. A record settles its deferred work at once, as the replicas do (the
-    leader publishes the values of the byte bounds it reaches, in order).
+    reads no published value. A record leaves its deferred work to the caller as numbered parts
+    (:class:`Part`): :meth:`settle` numbers each as a ``settle`` op, then runs it, so every replica runs
+    the same part at the same op number (the final ``check`` of the record says how many it left).
 
     A follower that left its leader's path (the method's ``fatal_errors``: a value of another shape, or
     none within the wait) stops the stream: from then on every plan claims nothing and a record is
@@ -302,16 +328,29 @@ class Lockstep:
             "record", request_id=plan.request_id, output_ids=list(output_ids), stop_ids=sorted(stop_ids)
         )
         try:
-            self.sharing.record(plan, keys, values, output_ids, stop_ids, settle=True)
+            self.sharing.record(plan, keys, values, output_ids, stop_ids, settle=False)
         except self._fatal as error:
             self.stream.stop(f"the scheduler's follower left its leader's path: {error}")
             plan.error = f"record: {type(error).__name__}: {error}"
             return
-        self.stream.op("check", request_id=plan.request_id, decision=decision(plan), final=True)
+        plan.deferred = [Part(plan.request_id, i, work) for i, work in enumerate(plan.deferred)]
+        self.stream.op(
+            "check",
+            request_id=plan.request_id,
+            decision=decision(plan),
+            final=True,
+            deferred=len(plan.deferred),
+        )
 
     def settle(self, work: Callable[[], None]) -> None:
-        """One part of a record's deferred work (none is left: records settle at once)."""
-        self.sharing.settle(work)
+        """One part of a record's deferred work (:attr:`Plan.deferred`): a :class:`Part` is numbered as a
+        ``settle`` op first (once the stream stopped, it only runs here)."""
+        if isinstance(work, Part):
+            self.stream.op("settle", request_id=work.request_id, index=work.index)
+        try:
+            self.sharing.settle(work)
+        except self._fatal as error:
+            self.stream.stop(f"the scheduler's follower left its leader's path: {error}")
 
     def state_summary(self) -> dict[str, Any]:
         return {**self.sharing.state_summary(), "op_stream": self.stream.summary()}
@@ -325,7 +364,8 @@ class Lockstep:
 class Replica:
     """A worker rank's replica (the module docstring): :meth:`submit` takes ops from any thread (the
     order channel's), its own thread runs them in number order on ``sharing``; :meth:`keep` holds the
-    rank's read-back of a finished request for its record op, within ``max_bytes``."""
+    rank's read-back of a finished request for its record op, within ``max_bytes``; a record's deferred
+    parts wait for their ``settle`` ops (as many as the scheduler's record left, run in order)."""
 
     def __init__(
         self, sharing: Sharing, *, wait_s: float = DEFAULT_WAIT_S, max_bytes: int = DEFAULT_READ_BACK_BYTES
@@ -337,6 +377,9 @@ class Replica:
         #: request id -> (claim start, keys, values) of the replica's claim (``None`` K/V: it claims
         #: nothing), until the worker's step that writes it takes it (:meth:`claim_of`) or the request ends
         self._claims: dict[str, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}
+        #: request id -> its record's deferred parts (:attr:`Plan.deferred`: weak references, no bytes)
+        #: and how many of them ran, until its last ``settle`` op
+        self._deferred: dict[str, tuple[list[Callable[[], None]], int]] = {}
         self._ops: dict[int, dict[str, Any]] = {}
         self._next = 0
         self._cond = threading.Condition()
@@ -442,9 +485,39 @@ class Replica:
             kv, missing = self.read_backs.take(request_id, self.wait_s)
             if kv is None:
                 raise RuntimeError(f"request {request_id}'s read-back {missing}")
-            self.sharing.record(plan, kv[0], kv[1], list(op["output_ids"]), set(op["stop_ids"]))
+            if request_id in self._deferred:
+                raise RuntimeError(f"request {request_id} recorded again while its deferred parts wait")
+            self.sharing.record(plan, kv[0], kv[1], list(op["output_ids"]), set(op["stop_ids"]), settle=False)
+            deferred, plan.deferred = plan.deferred, []
+            if deferred:  # run one by one at the settle ops
+                self._deferred[request_id] = (deferred, 0)
         elif kind == "check":
             self._check(request_id, op["decision"], op.get("final", False))
+            if "deferred" in op:  # the record's: as many parts as the scheduler's left, or out of step
+                mine = len(self._deferred.get(request_id, ((), 0))[0])
+                if mine != op["deferred"]:
+                    raise RuntimeError(
+                        f"request {request_id}'s record left {mine} deferred parts here, "
+                        f"{op['deferred']} on the scheduler"
+                    )
+        elif kind == "settle":
+            self._settle(request_id, op["index"])
+
+    def _settle(self, request_id: str, index: Any) -> None:
+        """Part ``index`` of the request's record's deferred work: the next one, in order (a part that
+        fails here stops the replica: the other ranks' factorization went on without this rank's)."""
+        parts, ran = self._deferred.get(request_id, ((), 0))
+        if isinstance(index, bool) or index != ran or ran >= len(parts):
+            held = f"part {ran} of {len(parts)} is next" if parts else "it holds none"
+            raise RuntimeError(f"settle of part {index!r} of request {request_id}'s record: {held}")
+        errors = self.sharing.errors
+        self.sharing.settle(parts[index])
+        if self.sharing.errors > errors:  # counted, not raised: but the other ranks' collectives ran
+            raise RuntimeError(f"part {index} of request {request_id}'s record failed on this rank")
+        if ran + 1 < len(parts):
+            self._deferred[request_id] = (parts, ran + 1)
+        else:
+            del self._deferred[request_id]
 
     def _claimed(self, plan: Plan) -> None:
         """The plan's claim, for the worker's step that writes it (:meth:`claim_of`)."""
