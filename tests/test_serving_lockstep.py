@@ -393,8 +393,8 @@ def test_the_admission_thread_numbers_each_settle_job_as_it_runs_it():
     background = Background(Lockstep(sharing, stream))
     try:
         for agent in SYSTEMS:
+            background.drain()  # the agents before it recorded: their notes are in its prompt
             ids, meta = request_of(sharing, tokenizer, 0, DOCS[0], agent)
-            background.drain()
             plan = background.plan(agent, ids, meta, 0)
             while plan is None:
                 plan = background.plan(agent, ids, meta, 0)
