@@ -544,7 +544,8 @@ def test_offline_profile_calibration_feeds_droidspeak_runs(tiny_dir, tmp_path, c
     assert saved["workload"] == "trace" and f"droidspeak:layer_profile={path}" in printed
     # the printed option runs, and recomputes the 2 most deviating layers of the profile
     spec = f"droidspeak:rho=0.5,layer_profile={path}"
-    assert bench("run", *TRACE, "--methods", spec, "--model", tiny_dir, "--out", out, "--no-progress") == 0
+    argv = [*TRACE, "--methods", spec, "--model", tiny_dir, "--out", out, "--no-progress", "--no-plots"]
+    assert bench("run", *argv) == 0  # (the plots: test_every_method_on_a_controlled_trace)
     summary = check_method_output(only_config(out), spec, n_turns=6, n_requests=1)
     assert summary["reuse_ratio"] == pytest.approx(0.5)
 

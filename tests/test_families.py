@@ -18,6 +18,10 @@ from transformers import DynamicCache
 from hf_kvshare import PF, PH, RopeShifter, Session, cache_kwargs
 from hf_kvshare.recompute import DecoderStack, SegmentRecompute
 
+#: one worker under ``--dist loadgroup``: the 17 models and their plain references are built once per process
+#: (families.family_model / family_reference, ~4 CPU-s), not on both workers
+pytestmark = pytest.mark.xdist_group("test_families")
+
 #: (family, method) -> the refusal's message (regex); every other case must be exact
 REFUSED: dict[tuple[str, str], str] = {
     # RelayCaching scores attention with the layer's queries; GPT-NeoX fuses q/k/v per head

@@ -1,12 +1,14 @@
-"""load_model: hub ids / local directories through from_pretrained; the embedded model's errors."""
+"""load_model: hub ids / local directories through from_pretrained; the embedded model's errors; the tests'
+embedded tokenizer (tests/tiny.py), read once per process, handed out as copies."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import _read_embedded_tokenizer, embedded_tokenizer, tiny_model
 
 from hf_kvshare import PH, Session, load_model
+from hf_kvshare.models import DEFAULT_MODEL
 
 
 def test_local_directory_with_dtype(tmp_path, tokenizer):
@@ -17,6 +19,22 @@ def test_local_directory_with_dtype(tmp_path, tokenizer):
     assert tok("hello")["input_ids"] == tokenizer("hello")["input_ids"]
     r = Session(model, tok, "fullshared").run_turn("a", [PH("q", "Say hi."), "\nOK"], max_new_tokens=2)
     assert r.output_ids.numel() >= 1
+
+
+def test_the_tests_embedded_tokenizer_is_a_copy_of_one_read():
+    """Each call gets its own tokenizer, equal to one read from disk: tokens a test adds (the tiny VLMs'
+    ``<image>``) stay in that test's copy."""
+    first = embedded_tokenizer()
+    assert embedded_tokenizer() is not first
+    first.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    fresh, again = _read_embedded_tokenizer(DEFAULT_MODEL), embedded_tokenizer()
+    assert len(first) == len(fresh) + 1 and len(again) == len(fresh) == 49152
+    text = "Say <image> hi."
+    messages = [{"role": "user", "content": text}]
+    assert again(text)["input_ids"] == fresh(text)["input_ids"] != first(text)["input_ids"]
+    assert again.apply_chat_template(messages, tokenize=False) == fresh.apply_chat_template(
+        messages, tokenize=False
+    )
 
 
 def test_bad_dtype():

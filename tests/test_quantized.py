@@ -13,6 +13,7 @@ The whole module is skipped, with the reason, where bitsandbytes is missing or c
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -27,7 +28,10 @@ from hf_kvshare.methods.kvcmas import KVCMAS
 from hf_kvshare.methods.kvcomm import KVComm
 
 
-def _bitsandbytes_problem() -> str | None:
+@functools.cache
+def bitsandbytes_problem() -> str | None:
+    """Why bitsandbytes cannot be tested here, or None; asked when a test first needs it, not at collection
+    (importing bitsandbytes and running a 4-bit layer cost ~1.3 CPU-s in each test process)."""
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -42,10 +46,18 @@ def _bitsandbytes_problem() -> str | None:
     return None
 
 
-_PROBLEM = _bitsandbytes_problem()
 # bitsandbytes logs "MatMul8bitLt: inputs will be cast ... to float16" at every 8-bit matmul on CPU
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-needs_bnb = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
+
+
+@pytest.fixture(scope="session")  # session: before the module's quantized models are loaded
+def bitsandbytes_runs():
+    """Skips the test, with the reason, where bitsandbytes is missing or cannot run on this CPU."""
+    if bitsandbytes_problem() is not None:
+        pytest.skip(bitsandbytes_problem())
+
+
+needs_bnb = pytest.mark.usefixtures("bitsandbytes_runs")
 
 #: name -> load_model keywords; the compute dtype is dtype (float32 when absent)
 QUANTIZED = {
@@ -235,8 +247,8 @@ def _qlora(tiny_dir, quant: str, seed: int, **cfg):
 
 @pytest.fixture(scope="module", params=["nf4-fp32", "nf4-bf16"])
 def qlora(request, tiny_dir):
-    if _PROBLEM is not None:
-        pytest.skip(_PROBLEM)
+    if bitsandbytes_problem() is not None:
+        pytest.skip(bitsandbytes_problem())
     quant, (model, tok) = request.param, _qlora(tiny_dir, request.param, seed=7)
     # NonShared's trajectory, the reference of every method below: computed once per base, read only
     exact = run_trajectory(Session(model, tok, "nonshared"), ["act"] * 3, keep_cache=True)
@@ -301,8 +313,8 @@ LAST_LAYER_AGENTS = ["plan", "act", "reflect", "act", "plan"]
 @pytest.fixture(scope="module")
 def last_layer_qlora(tiny_dir):
     """Adapters on the last layer only, and NonShared's trajectory on them (read only by the tests)."""
-    if _PROBLEM is not None:
-        pytest.skip(_PROBLEM)
+    if bitsandbytes_problem() is not None:
+        pytest.skip(bitsandbytes_problem())
     model, tok = _qlora(tiny_dir, "nf4-fp32", seed=11, layers_to_transform=[2])
     return model, tok, run_trajectory(Session(model, tok, "nonshared"), LAST_LAYER_AGENTS, keep_cache=True)
 
@@ -403,7 +415,7 @@ def test_model_arguments_and_run_config_name(tmp_path):
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
     args = parser.parse_args(["--load-in-4bit", "--bnb-4bit-quant-type", "fp4", "--dtype", "bfloat16"])
-    if _PROBLEM is None or "not installed" not in _PROBLEM:
+    if bitsandbytes_problem() is None or "not installed" not in bitsandbytes_problem():
         kwargs = model_arguments(args)
         assert kwargs == dict(dtype=torch.bfloat16, load_in_4bit=True, bnb_4bit_quant_type="fp4")
         assert quantization_tag(kwargs) == "4bit-fp4"
