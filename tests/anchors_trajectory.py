@@ -18,6 +18,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from gloo_ranks import run_ranks
@@ -162,6 +163,34 @@ def trajectory(
     return steps
 
 
+def assert_same_gates(got: list, want: list, where: str) -> None:
+    """A member's gate outcomes of one request against one rank's: the same spans gated, the same keys
+    and decisions, the numbers to round-off."""
+    assert len(got) == len(want), where
+    for mine, one in zip(got, want):
+        assert (mine is None) == (one is None), where
+        if one is None:
+            continue
+        assert set(mine) == set(one), where
+        for key, value in one.items():
+            if isinstance(value, float):
+                assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (where, key)
+            else:
+                assert mine[key] == value, (where, key)
+
+
+def nan_on_rank_1(rank: int, run: Run) -> Run:
+    """``run`` whose read-back holds a NaN in rank 1's part (its first layer's first value) only."""
+
+    def poisoned(plan, keys, values, index):
+        out, k, v = run(plan, keys, values, index)
+        if rank == 1:
+            v[0, 0, 0, 0] = float("nan")
+        return out, k, v
+
+    return poisoned
+
+
 def stores(sharing: Sharing) -> dict:
     """What the stores hold (tasks, slots with K/V, anchors) and evicted so far: every member the same."""
     method = sharing.method
@@ -265,13 +294,7 @@ def _non_finite_on_one_rank(rank: int, tokenizer, head_dim: int) -> dict:
     sharing = sharing_for("kvcmas", tiny_model("llama", num_key_value_heads=last - first), tokenizer, method)
     run = engine_run(model, slice(first, last), _gather_heads(1))
 
-    def poisoned(plan, keys, values, index):
-        out, k, v = run(plan, keys, values, index)
-        if rank == 1:
-            v[0, 0, 0, 0] = float("nan")
-        return out, k, v
-
-    step = trajectory(sharing, tokenizer, poisoned, requests=1)[0]
+    step = trajectory(sharing, tokenizer, nan_on_rank_1(rank, run), requests=1)[0]
     return {"error": step["error"], "errors": sharing.errors, "out": step["out"], "published": published}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from anchors_trajectory import CASES, GROUP, WORLD, one_rank_runs, rank_runs, served
+from anchors_trajectory import CASES, GROUP, WORLD, assert_same_gates, one_rank_runs, rank_runs, served
 
 # with the follower's module on one worker where xdist groups (the ranks spawn once per run either way)
 pytestmark = pytest.mark.xdist_group(GROUP)
@@ -60,17 +60,7 @@ def test_every_rank_decides_and_claims_what_one_rank_does(ranks, one_rank, case)
             assert got["claim"] == want["claim"], where
             assert got["placed"] == want["placed"], where
             assert got["out"] == want["out"], where
-            assert len(got["gates"]) == len(want["gates"]), where
-            for mine_gate, one_gate in zip(got["gates"], want["gates"]):
-                assert (mine_gate is None) == (one_gate is None), where
-                if one_gate is None:
-                    continue
-                assert set(mine_gate) == set(one_gate), where
-                for key, value in one_gate.items():
-                    if isinstance(value, float):
-                        assert mine_gate[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (where, key)
-                    else:
-                        assert mine_gate[key] == value, (where, key)
+            assert_same_gates(got["gates"], want["gates"], where)
             for side in ("keys", "values"):
                 if want[side] is None:
                     assert got[side] is None, where

@@ -17,9 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from anchors_trajectory import (
+    assert_same_gates,
     counted,
     embedded_tokenizer,
     engine_run,
+    nan_on_rank_1,
     one_rank_runs,
     pool_numbers,
     served,
@@ -95,13 +97,7 @@ def _non_finite_on_one_stage(rank: int, tokenizer, layers: int) -> dict:
         tiny_model("llama"), slice(None), _gather_layers(start, stop, layers), slice(start, stop)
     )
 
-    def poisoned(plan, keys, values, index):
-        out, k, v = run(plan, keys, values, index)
-        if rank == 1:
-            v[0, 0, 0, 0] = float("nan")
-        return out, k, v
-
-    step = trajectory(sharing, tokenizer, poisoned, requests=1)[0]
+    step = trajectory(sharing, tokenizer, nan_on_rank_1(rank, run), requests=1)[0]
     return {"error": step["error"], "errors": sharing.errors, "out": step["out"], "published": published}
 
 
@@ -135,17 +131,7 @@ def test_every_stage_decides_and_claims_what_one_rank_does(stages, one_rank, cas
             where = f"{case}, stage {rank}, request {step}"
             for key in ("claim", "placed", "out", "stores", "error"):
                 assert got[key] == want[key], (where, key)
-            assert len(got["gates"]) == len(want["gates"]), where
-            for mine_gate, one_gate in zip(got["gates"], want["gates"]):
-                assert (mine_gate is None) == (one_gate is None), where
-                if one_gate is None:
-                    continue
-                assert set(mine_gate) == set(one_gate), where
-                for key, value in one_gate.items():
-                    if isinstance(value, float):
-                        assert mine_gate[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (where, key)
-                    else:
-                        assert mine_gate[key] == value, (where, key)
+            assert_same_gates(got["gates"], want["gates"], where)
             for side in ("keys", "values"):
                 if want[side] is None:
                     assert got[side] is None, where

@@ -160,6 +160,29 @@ def drive(sharing: Sharing, run) -> tuple[list[dict], dict[str, tuple], dict[str
     return channel.ops, read_backs, claims, readers
 
 
+def run_ops(replica: Replica, ops: list[dict], shuffle: int | None) -> dict:
+    """The op stream run on ``replica`` until every op ran: ``shuffle`` (a seed) brings the ops in a shuffled
+    order, as the order channel's thread may; ``None`` in order, each claim taken as the worker's step takes
+    it (before the record). The claims taken, by request: ``(start, (keys, values) or None)``."""
+    claims = {}
+    if shuffle is None:
+        for op in ops:
+            replica.submit(op)
+            claim = op.get("decision", {}).get("claim", [0, 0])
+            if op["op"] == "check" and not op.get("final") and claim[1] > claim[0]:
+                got, why = replica.claim_of(op["request_id"], timeout=60)
+                assert got is not None, why
+                start, keys, values = got
+                claims[op["request_id"]] = (start, None if keys is None else (keys.clone(), values.clone()))
+    else:
+        arrival = list(ops)
+        random.Random(shuffle).shuffle(arrival)
+        for op in arrival:
+            replica.submit(op)
+    replica.done(len(ops), timeout=120)
+    return claims
+
+
 def _replica_run(
     rank: int, case: str, ops: list[dict], read_backs: dict, shuffle: int | None, measure: bool
 ) -> dict:
@@ -181,22 +204,7 @@ def _replica_run(
     built.append(True)
     for rid, (k, v) in read_backs.items():  # the worker keeps its own heads of each read-back
         replica.keep(rid, k[:, :, first:last], v[:, :, first:last])
-    claims = {}
-    if shuffle is None:  # in order, each claim taken as the worker's step takes it (before the record)
-        for op in ops:
-            replica.submit(op)
-            claim = op.get("decision", {}).get("claim", [0, 0])
-            if op["op"] == "check" and not op.get("final") and claim[1] > claim[0]:
-                claim, why = replica.claim_of(op["request_id"], timeout=60)
-                assert claim is not None, why
-                start, keys, values = claim
-                claims[op["request_id"]] = (start, None if keys is None else (keys.clone(), values.clone()))
-    else:
-        arrival = list(ops)
-        random.Random(shuffle).shuffle(arrival)  # the order channel's thread may bring them in any order
-        for op in arrival:
-            replica.submit(op)
-    replica.done(len(ops), timeout=120)
+    claims = run_ops(replica, ops, shuffle)
     counts = dict(replica.counts)
     replica.close()
     held = {}

@@ -12,8 +12,6 @@ test runs a PP = 2 KVCMAS server on vLLM's CPU wheel against a TP = 1 one.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from anchors_trajectory import served
 from gloo_ranks import run_ranks
@@ -22,6 +20,7 @@ from test_serving_lockstep import (
     LIVE_OPTIONS,
     _kvcmas_run,
     follower_run,
+    run_ops,
     scheduler_run,
 )
 from tiny import embedded_tokenizer, tiny_model
@@ -54,22 +53,7 @@ def _stage_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffle:
     built.append(True)
     for rid, (k, v) in read_backs.items():  # the worker keeps its own layers of each read-back
         replica.keep(rid, k[start:stop], v[start:stop])
-    claims = {}
-    if shuffle is None:  # in order, each claim taken as the worker's step takes it (before the record)
-        for op in ops:
-            replica.submit(op)
-            claim = op.get("decision", {}).get("claim", [0, 0])
-            if op["op"] == "check" and not op.get("final") and claim[1] > claim[0]:
-                got, why = replica.claim_of(op["request_id"], timeout=60)
-                assert got is not None, why
-                at, keys, values = got
-                claims[op["request_id"]] = (at, None if keys is None else (keys.clone(), values.clone()))
-    else:
-        arrival = list(ops)
-        random.Random(shuffle).shuffle(arrival)  # the order channel's thread may bring them in any order
-        for op in arrival:
-            replica.submit(op)
-    replica.done(len(ops), timeout=120)
+    claims = run_ops(replica, ops, shuffle)
     counts = dict(replica.counts)
     replica.close()
     return {**counts, "layers": (start, stop), "claims": claims, "published": published}

@@ -69,7 +69,7 @@ import torch
 
 from . import channel, paged
 from .connector_common import Capture, Captured, HFKVShareMetadata, Load, Source, make_sharing
-from .host import ServingError, skeleton_model
+from .host import ServingError, Sharing, skeleton_model
 from .replica import DEFAULT_READ_BACK_BYTES, DEFAULT_WAIT_S, Replica, rank_shard, stage_shard, wants_replicas
 from .tensor_parallel import kv_head_range, pipeline_parallel_size, tensor_parallel_size, worker_rank
 from .worker_store import (
@@ -177,18 +177,7 @@ class HFKVShareWorker:
         publish = self._publish if self.rank == 0 else None  # the leader: its values for the follower
         shard = rank_shard(tp, (stop - start) * head_dim, max(1, tp // total), 2 * wait_s, publish)
         sharing = make_sharing(self._vllm_config, shard=shard, kv_heads=stop - start)
-        logger.info(
-            "hf_kvshare: rank %d runs a replica of %s on KV heads [%d, %d)",
-            self.rank,
-            sharing.method,
-            start,
-            stop,
-        )
-        return Replica(
-            sharing,
-            wait_s=wait_s,
-            max_bytes=self._extra.get("replica_read_back_bytes", DEFAULT_READ_BACK_BYTES),
-        )
+        return self._replica(sharing, wait_s, f"KV heads [{start}, {stop})")
 
     def _make_stage_replica(self, pp: int) -> Replica:
         """This stage's replica (:mod:`.replica`; tensor parallel 1): its pipeline-parallel group made (by
@@ -205,14 +194,11 @@ class HFKVShareWorker:
         publish = self._publish if self.rank == 0 else None  # stage 0, the leader: for the follower
         shard = stage_shard(pp, start, stop, layers, 2 * wait_s, publish)
         sharing = make_sharing(self._vllm_config, shard=shard, layers=(start, stop))
-        logger.info(
-            "hf_kvshare: rank %d runs a replica of %s on layers [%d, %d) of %d",
-            self.rank,
-            sharing.method,
-            start,
-            stop,
-            layers,
-        )
+        return self._replica(sharing, wait_s, f"layers [{start}, {stop}) of {layers}")
+
+    def _replica(self, sharing: Sharing, wait_s: float, part: str) -> Replica:
+        """The :class:`Replica` of ``sharing`` (on this rank's ``part`` of the model), said at start-up."""
+        logger.info("hf_kvshare: rank %d runs a replica of %s on %s", self.rank, sharing.method, part)
         return Replica(
             sharing,
             wait_s=wait_s,
