@@ -101,8 +101,9 @@ def kv_transfer_config(
     ``None``: its default). A claimed piece the worker cannot write (its K/V not kept, not arrived) is
     recomputed by vLLM (``kv_load_failure_policy``). ``in_process=False`` serializes the K/V between the
     worker and the scheduler even when one process holds both (one rank; :mod:`.channel`'s handoff).
-    ``worker_replicas=False``: a value-reading method under tensor parallel runs on the scheduler over
-    every rank's read-back (the assembled path) instead of a replica per worker rank (:mod:`.replica`)."""
+    ``worker_replicas=False``: a value-reading method under tensor or pipeline parallel runs on the
+    scheduler over every rank's read-back (the assembled path) instead of a replica per worker rank or
+    stage (:mod:`.replica`)."""
     extra = {} if device_store_bytes is None else {"device_store_bytes": int(device_store_bytes)}
     return {
         "kv_connector": CONNECTOR,
