@@ -179,6 +179,22 @@ def assert_same_gates(got: list, want: list, where: str) -> None:
                 assert mine[key] == value, (where, key)
 
 
+def assert_same_pools(got: dict, want: dict, rank: int) -> None:
+    """A member's pools and their numbers (:func:`pool_numbers`) against one rank's: the same anchors, the
+    numbers to round-off."""
+    assert list(got) == list(want)
+    for key, one_pool in want.items():
+        pool = got[key]
+        assert pool["anchors"] == one_pool["anchors"], (rank, key)
+        for mine, one in zip(pool["energy"], one_pool["energy"]):
+            assert mine == pytest.approx(one, rel=1e-5), (rank, key, "energy")
+        for number in ("agreement", "distance", "spread"):
+            mine, one = pool.get(number), one_pool.get(number)
+            assert (mine is None) == (one is None), (rank, key, number)
+            if one is not None:  # pytest >= 9.2 refuses approx(None) with a tolerance
+                assert mine == pytest.approx(one, rel=1e-4, abs=1e-6), (rank, key, number)
+
+
 def nan_on_rank_1(rank: int, run: Run) -> Run:
     """``run`` whose read-back holds a NaN in rank 1's part (its first layer's first value) only."""
 

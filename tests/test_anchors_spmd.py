@@ -19,7 +19,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from anchors_trajectory import CASES, GROUP, WORLD, assert_same_gates, one_rank_runs, rank_runs, served
+from anchors_trajectory import (
+    CASES,
+    GROUP,
+    WORLD,
+    assert_same_gates,
+    assert_same_pools,
+    one_rank_runs,
+    rank_runs,
+    served,
+)
 
 # with the follower's module on one worker where xdist groups (the ranks spawn once per run either way)
 pytestmark = pytest.mark.xdist_group(GROUP)
@@ -78,18 +87,7 @@ def test_every_rank_holds_the_one_rank_pools_and_measures_them_alike(ranks, one_
     reference = one_rank[case]["pools"]
     assert any("agreement" in entry for entry in reference.values())
     for rank in range(WORLD):
-        pools = ranks[rank][case]["pools"]
-        assert list(pools) == list(reference)
-        for key, want in reference.items():
-            got = pools[key]
-            assert got["anchors"] == want["anchors"], (rank, key)
-            for mine, one in zip(got["energy"], want["energy"]):
-                assert mine == pytest.approx(one, rel=1e-5), (rank, key, "energy")
-            for number in ("agreement", "distance", "spread"):
-                mine, one = got.get(number), want.get(number)
-                assert (mine is None) == (one is None), (rank, key, number)
-                if one is not None:  # pytest >= 9.2 refuses approx(None) with a tolerance
-                    assert mine == pytest.approx(one, rel=1e-4, abs=1e-6), (rank, key, number)
+        assert_same_pools(ranks[rank][case]["pools"], reference, rank)
 
 
 def test_a_test_of_one_ranks_heads_is_answered_alike_on_every_rank(ranks):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from anchors_trajectory import (
     assert_same_gates,
+    assert_same_pools,
     counted,
     embedded_tokenizer,
     engine_run,
@@ -146,18 +147,7 @@ def test_every_stage_decides_and_claims_what_one_rank_does(stages, one_rank, cas
 def test_every_stage_holds_the_one_rank_pools_and_bounds_one_ranks_bytes(stages, one_rank, case):
     reference = one_rank[case]["pools"]
     for rank in range(WORLD):
-        pools = stages[rank][case]["pools"]
-        assert list(pools) == list(reference)
-        for key, want in reference.items():
-            got = pools[key]
-            assert got["anchors"] == want["anchors"], (rank, key)
-            for mine, one in zip(got["energy"], want["energy"]):
-                assert mine == pytest.approx(one, rel=1e-5), (rank, key, "energy")
-            for number in ("agreement", "distance", "spread"):
-                mine, one = got.get(number), want.get(number)
-                assert (mine is None) == (one is None), (rank, key, number)
-                if one is not None:
-                    assert mine == pytest.approx(one, rel=1e-4, abs=1e-6), (rank, key, number)
+        assert_same_pools(stages[rank][case]["pools"], reference, rank)
     # the slots' bound compares the one-rank bytes on every stage; the summaries count each stage's own,
     # which add up to one rank's
     slots, prefixes, anchors = one_rank[case]["counted"]

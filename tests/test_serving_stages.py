@@ -19,6 +19,7 @@ from test_serving_lockstep import (
     LIVE_MODEL,
     LIVE_OPTIONS,
     _kvcmas_run,
+    _relative,
     follower_run,
     run_ops,
     scheduler_run,
@@ -101,10 +102,6 @@ def test_every_stages_replica_decides_what_the_scheduler_decides(stage_runs, cas
         assert counts == {"ops": len(ops), "agree": checks, "differ": 0, "dropped": 0, "stopped": None}, rank
     assert stage_runs["ranks"][0]["runs"][stage_runs["first"][case]]["published"], "stage 0 published nothing"
     assert not stage_runs["ranks"][1]["runs"][stage_runs["first"][case]]["published"]
-
-
-def _relative(x, y) -> float:
-    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
 
 
 def test_each_stages_replica_claims_its_layers_of_the_schedulers_claimed_kv(stage_runs):
