@@ -789,9 +789,8 @@ class Sharing:
         walk = Walk(self.method, turn)
         scratch_cache = walk.plan()
         refused: list[Exception] = []  # this member's placements that could not be computed
-        computed = (
-            0  # placements computed here (a follower's: by the workers), the same count on every member
-        )
+        # placements computed here (a follower's: by the workers), the same count on every member
+        computed = 0
         for span, placement in walk.place(scratch_cache):
             find = self.sources.find if self.sources is not None and placement is not None else None
             origin = find(placement.kv) if find is not None else None  # before it is moved
