@@ -110,8 +110,10 @@ class SegmentKV:
         (one reduction per tensor, one device sync in all): :func:`check_finite`."""
         check_finite([(what, self)], first_layer)
 
-    def materialize(self) -> SegmentKV:
-        """K/V held in tensors: itself (a :class:`DeferredKV` computes its own)."""
+    def materialize(self, first_layer: int = 0) -> SegmentKV:
+        """K/V held in tensors: itself (a :class:`DeferredKV` computes its own; ``first_layer``, the
+        model's index of its layer 0 on a later pipeline stage, is added to the layer a non-finite
+        error names)."""
         return self
 
     @property
@@ -228,7 +230,7 @@ class DeferredKV(SegmentKV):
     def nbytes(self) -> int:
         return self.stored.nbytes  # computed K/V has the stored one's shapes and dtypes
 
-    def _materialize(self) -> None:
+    def _materialize(self, first_layer: int = 0) -> None:
         stored = self.stored
         keys, values = [], []
         for layer in range(self.num_layers):
@@ -238,7 +240,7 @@ class DeferredKV(SegmentKV):
             self.write_layer(layer, key, value)
             keys.append(key)
             values.append(value)
-        check_finite([(self.describe(), _plain(keys, values, self))])
+        check_finite([(self.describe(), _plain(keys, values, self))], first_layer)
         self._keys, self._values = keys, values
         self.release()
 
@@ -246,8 +248,10 @@ class DeferredKV(SegmentKV):
         """What this K/V is, for an error message."""
         return f"{type(self).__name__} at position {self.start}"
 
-    def materialize(self) -> SegmentKV:
-        """Plain K/V of the same values (computed now if they were not)."""
+    def materialize(self, first_layer: int = 0) -> SegmentKV:
+        """Plain K/V of the same values (computed now if they were not: :meth:`SegmentKV.materialize`)."""
+        if self._keys is None:
+            self._materialize(first_layer)
         return _plain(self.keys, self.values, self)
 
     def repositioned(self, shifter: RopeShifter, new_start: int) -> SegmentKV:

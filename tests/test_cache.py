@@ -559,6 +559,10 @@ def test_a_non_finite_correction_stores_nothing(tiny, how):
     src = dense(tiny, torch.randint(3, 1000, (10,)), start=3)
     kv, _ = _corrected(tiny, src.extract(6, 12, agent="a"), 4, 4, nan_layer=2)
     if how == "read":
+        # on a later pipeline stage (its layer 0 the model's 3) the model's layer is named
+        with pytest.raises(ValueError, match="non-finite K/V .* layer 5 \\(values\\)"):
+            kv.materialize(first_layer=3)
+        assert not kv.materialized
         with pytest.raises(ValueError, match="non-finite K/V .* layer 2 \\(values\\)"):
             kv.values  # noqa: B018
         return

@@ -806,7 +806,9 @@ class Sharing:
                     computed += 1
                     if not self.follower and not refused:
                         try:
-                            placement.kv = placement.kv.materialize().repositioned(turn.shifter, span.start)
+                            placement.kv = placement.kv.materialize(self._first_layer).repositioned(
+                                turn.shifter, span.start
+                            )
                         except Exception as error:  # noqa: BLE001 - refused below, on every member alike
                             if self._fatal(error):
                                 raise
