@@ -279,15 +279,15 @@ class HFKVShareScheduler:
             logger.info(
                 "hf_kvshare: every %s runs a replica of the method on its %s; this side follows them "
                 "(metadata only)",
-                "tensor-parallel rank" if pp == 1 else "pipeline stage",
-                "KV heads" if pp == 1 else "layers",
+                "tensor-parallel rank" if pp == 1 else "pipeline stage" if tp == 1 else "rank",
+                "KV heads" if pp == 1 else "layers" if tp == 1 else "KV heads of its stage's layers",
             )
             return Published(float(extra.get("replica_wait_s", DEFAULT_REPLICA_WAIT_S)))
         if reads_values(extra.get("method")) and tp * pp > 1:
             logger.info(
                 "hf_kvshare: %s over %d ranks (tensor parallel %d, pipeline parallel %d): the ranks' K/V "
-                "are read back and assembled here, where the method runs (worker replicas need tensor or "
-                "pipeline parallel alone, the admission thread, the read-back channel and worker_replicas true)",
+                "are read back and assembled here, where the method runs (worker replicas need the admission "
+                "thread, the read-back channel and worker_replicas true)",
                 extra.get("method"),
                 tp * pp,
                 tp,
