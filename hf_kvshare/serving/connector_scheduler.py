@@ -54,7 +54,7 @@ far, times :data:`SHARED_ENGINE`) says waiting for the producers' remaining work
 report's ``producer_wait`` says how it went, or why it did not wait. A request whose claim stops at
 text nobody in flight computes (a cold agent's own new text) never waits.
 
-Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1 or TP = 1, PP > 1, unless
+Worker replicas (:mod:`.replica`; a value-reading method at TP > 1 or PP > 1, unless
 ``worker_replicas: false``): this side's Sharing is the follower of the workers' replicas (``meta``
 stand-ins, rank 0's published values from the read-back channel); the admission thread drives it through
 :class:`~.replica.Lockstep`, whose op stream rides every rank's order channel; every claim is
