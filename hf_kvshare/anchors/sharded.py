@@ -313,14 +313,16 @@ class StageShard:
         """The model's index of this stage's first layer (its local layer 0)."""
         return self.start
 
-    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The sum of ``partial`` over the stage's heads (with ``heads``) then over the stages."""
-        if self.heads is not None:
-            partial = self.heads.all_reduce(partial)
+    def _over_stages(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of ``partial`` over the stages (``group``), in place."""
         partial = partial.contiguous()
         COLLECTIVES.add("all_reduce", partial)
         dist.all_reduce(partial, group=self.group)
         return partial
+
+    def _over_heads(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of ``partial`` over the stage's column blocks (with ``heads``; else ``partial``)."""
+        return partial if self.heads is None else self.heads.all_reduce(partial)
 
     def column_sum(self, partial: torch.Tensor, layer_axis: int | None = None) -> torch.Tensor:
         """A sum over this stage's layers (``partial``, the caller's own work tensor; with ``heads``
@@ -334,21 +336,18 @@ class StageShard:
                     f"expected {self.stop - self.start} layers on axis {layer_axis} of a stage's partial, "
                     f"got shape {tuple(partial.shape)}"
                 )
-            if self.heads is not None:  # the stage's columns first, on the stage's rows only
-                partial = self.heads.all_reduce(partial)
+            partial = self._over_heads(partial)  # the stage's columns first, on the stage's layers only
             shape = list(partial.shape)
             shape[axis] = self.layers
             full = partial.new_zeros(shape)
             full.narrow(axis, self.start, self.stop - self.start).copy_(partial)
-            COLLECTIVES.add("all_reduce", full)
-            dist.all_reduce(full, group=self.group)
-            return _published(self.publish, full)
-        return _published(self.publish, self._all_reduce(partial))
+            return _published(self.publish, self._over_stages(full))
+        return _published(self.publish, self._over_stages(self._over_heads(partial)))
 
     def any(self, test: bool | Callable[[], bool]) -> bool:
         """Whether ``test`` (of this rank's part) holds on any rank: the same answer on every rank."""
         flag = test() if callable(test) else test
-        reduced = self._all_reduce(torch.tensor([float(flag)], dtype=torch.float64))
+        reduced = self._over_stages(self._over_heads(torch.tensor([float(flag)], dtype=torch.float64)))
         return bool(_published(self.publish, reduced).item())
 
     def total_columns(self, local: int, layers: int | None = None) -> int:
@@ -369,9 +368,7 @@ class StageShard:
         """A byte count a bound compares: this stage's layers' ``count()`` (one-rank terms: alike on
         every rank of a stage) summed over every stage (one all-reduce over ``group``, never over the
         heads), the one-rank count on every rank; published for the follower."""
-        reduced = torch.tensor([int(count())], dtype=torch.int64)
-        COLLECTIVES.add("all_reduce", reduced)
-        dist.all_reduce(reduced, group=self.group)
+        reduced = self._over_stages(torch.tensor([int(count())], dtype=torch.int64))
         return int(_published(self.publish, reduced).item())
 
     def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
