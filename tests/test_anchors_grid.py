@@ -51,6 +51,16 @@ WORLD = TP * PP
 CASES = ("kvcmas", "kvcmas-guard", "kvcomm", "kvcmas-replicated", "kvcmas-small")
 #: the rank whose read-back holds a NaN in the refusal's case: stage 1, tensor-parallel rank 1
 POISONED = 3
+#: what the forkserver imports once for every rank when this module starts it (4 ranks on 2 cores: each
+#: rank's own ~4 CPU-s of imports otherwise). Package modules only: Python 3.11's forkserver ignores the
+#: parent's sys.path, so a test module there would fail to import, silently
+PRELOAD = (
+    "hf_kvshare.anchors.sharded",
+    "hf_kvshare.method",
+    "hf_kvshare.serving.host",
+    "hf_kvshare.serving.replica",
+    "transformers.models.llama.modeling_llama",
+)
 
 
 def place(rank: int, kv_heads: int) -> tuple[int, int, int, int, int]:
@@ -151,12 +161,7 @@ def _non_finite_on_one_rank(rank: int, base: StageShard, tokenizer, head_dim: in
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> list[dict]:
-    return run_ranks(
-        _grid_main,
-        WORLD,
-        tmp_path_factory.mktemp("anchors-grid"),
-        preload=("hf_kvshare.anchors.sharded", __name__),
-    )
+    return run_ranks(_grid_main, WORLD, tmp_path_factory.mktemp("anchors-grid"), preload=PRELOAD)
 
 
 @pytest.fixture(scope="module")

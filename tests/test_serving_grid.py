@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 from anchors_trajectory import served
 from gloo_ranks import run_ranks
+from test_anchors_grid import PRELOAD
 from test_serving_lockstep import (
     LIVE_MODEL,
     LIVE_OPTIONS,
@@ -103,7 +104,7 @@ def grid_runs(tmp_path_factory) -> dict:
         runs.append((case, ops, read_backs, 1))  # shuffled
         if case == "kvcmas":
             runs.append((case, ops, read_backs, None))  # in order, claims taken
-    results = run_ranks(_grid_main, WORLD, tmp_path_factory.mktemp("grid"), runs)
+    results = run_ranks(_grid_main, WORLD, tmp_path_factory.mktemp("grid"), runs, preload=PRELOAD)
     first = {"kvcmas": 0, "kvcomm": 2}  # each case's shuffled run
     return {"streams": streams, "ranks": results, "claims": claims, "traces": traces, "first": first}
 
