@@ -297,7 +297,7 @@ def serve(argv: list[str], prog: str = f"{PROG} serve") -> int:
         action="store_true",
         help="under --tensor-parallel-size > 1 or --pipeline-parallel-size > 1, run a value-reading method "
         "(kvcmas, kvcomm) on the connector's scheduler over every rank's read-back K/V (the assembled path) "
-        "instead of a replica on each worker rank's KV heads or stage's layers (default; "
+        "instead of a replica on each worker rank's KV heads of its stage's layers (default; "
         "hf_kvshare.serving.replica)",
     )
     parser.add_argument(

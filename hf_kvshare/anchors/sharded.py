@@ -44,7 +44,10 @@ docs/architecture.md).
 Under pipeline parallel a stage holds every head of its layers: :class:`StageShard` carries the same hooks
 over layers (a sum over layers all-reduced over the stages, a per-layer partial placed among every
 layer's first, a bound's byte count all-reduced, factorizations local; docs/architecture.md, "Pipeline
-stages"). Tensor and pipeline parallel together (a stage's tensor-parallel group) is not built.
+stages"). Tensor and pipeline parallel together: a rank holds its heads' columns of its stage's layers,
+a :class:`StageShard` with ``heads`` (a :class:`Shard` of the stage's tensor-parallel group): a sum is
+reduced over the stage's column blocks, then over the stages (the same tensor-parallel rank of each),
+a bound's count over the stages only, factorizations sharded over the heads' group.
 
 The scheduler's copy of the engine holds no K/V at all: it runs as a **follower**
 (:class:`FollowerShard`) on ``meta`` stand-ins of every read-back (full width, zero bytes), and every
@@ -248,26 +251,31 @@ class Shard:
 
 @dataclass(frozen=True)
 class StageShard:
-    """This pipeline stage's place: every head of the layers ``[start, stop)`` of a model of ``layers``
-    layers, the stages of ``group`` (``None``: the default group) holding the others (docs/architecture.md,
-    "Pipeline stages"). The engine's hooks as :class:`Shard`'s, over layers instead of columns:
-    ``column_sum`` all-reduces a stage's sum over its layers (a partial with a per-layer axis,
-    ``layer_axis``, is first written into a zero-filled tensor of every layer), ``any`` and ``count``
-    all-reduce the stage's flag and byte count (a stage's bytes are its layers'), ``factors`` is local
-    (a layer's factors are whole), ``total_columns`` keeps a layer's width and scales a count over this
-    stage's layers to every layer's. ``publish``: as :attr:`Shard.publish` (stage 0's, for a follower)."""
+    """This pipeline stage's place: the layers ``[start, stop)`` of a model of ``layers`` layers, the
+    stages of ``group`` (``None``: the default group) holding the others (docs/architecture.md, "Pipeline
+    stages"), every head of them, or (``heads``, tensor and pipeline parallel together) this rank's
+    columns of them, the stage's tensor-parallel group sharing the others. The engine's hooks as
+    :class:`Shard`'s, over layers instead of columns: ``column_sum`` all-reduces a stage's sum over its
+    layers (a partial with a per-layer axis, ``layer_axis``, is first written into a zero-filled tensor
+    of every layer), ``any`` and ``count`` all-reduce the stage's flag and byte count (a stage's bytes
+    are its layers'), ``factors`` is local (a layer's factors are whole), ``total_columns`` keeps a
+    layer's width and scales a count over this stage's layers to every layer's. ``publish``: as
+    :attr:`Shard.publish` (stage 0's, for a follower).
+
+    With ``heads`` (a :class:`Shard` of the stage's tensor-parallel group, publishing nothing) a sum and
+    a flag are first reduced over the stage's column blocks (:meth:`Shard.all_reduce`: a replicated
+    head's copy counted once), then over ``group``, the same tensor-parallel rank of every stage
+    (:func:`pipeline_parallel_groups`): every rank of the grid holds the same bits. ``count`` stays over
+    ``group`` (every rank of a stage counts the one-rank terms of its layers, ``total_columns`` times
+    the column blocks as :class:`Shard`'s), ``factors`` are :func:`sharded_factors` over the heads'
+    group, and ``columns`` / ``owner`` / ``replicas`` / ``blocks`` / ``all_gather`` are the heads'."""
 
     group: dist.ProcessGroup | None
     start: int
     stop: int
     layers: int
     publish: Callable[[torch.Tensor], None] | None = field(default=None, compare=False)
-
-    #: every column of its layers: one block, counted in every sum
-    replicas = 1
-    blocks = 1
-    owner = True
-    columns = slice(None)
+    heads: Shard | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.stop <= self.layers:
@@ -275,24 +283,52 @@ class StageShard:
                 f"a pipeline stage holds layers [start, stop) of the model's {self.layers} with "
                 f"0 <= start < stop <= {self.layers}, got [{self.start}, {self.stop})"
             )
+        if self.heads is not None and (not isinstance(self.heads, Shard) or self.heads.publish is not None):
+            raise ValueError(
+                "a stage's heads are a Shard of its tensor-parallel group that publishes nothing (the stage "
+                f"publishes the reduced values); got {self.heads!r}"
+            )
         if dist.get_rank(self.group) < 0:
             raise ValueError("this process is not a stage of the group")
+
+    # every column of its layers (one block, counted in every sum), or its heads' columns
+    @property
+    def replicas(self) -> int:
+        return 1 if self.heads is None else self.heads.replicas
+
+    @property
+    def blocks(self) -> int:
+        return 1 if self.heads is None else self.heads.blocks
+
+    @property
+    def owner(self) -> bool:
+        return self.heads is None or self.heads.owner
+
+    @property
+    def columns(self) -> slice:
+        return slice(None) if self.heads is None else self.heads.columns
 
     @property
     def first_layer(self) -> int:
         """The model's index of this stage's first layer (its local layer 0)."""
         return self.start
 
-    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+    def _over_stages(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of ``partial`` over the stages (``group``), in place."""
         partial = partial.contiguous()
         COLLECTIVES.add("all_reduce", partial)
         dist.all_reduce(partial, group=self.group)
         return partial
 
+    def _over_heads(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of ``partial`` over the stage's column blocks (with ``heads``; else ``partial``)."""
+        return partial if self.heads is None else self.heads.all_reduce(partial)
+
     def column_sum(self, partial: torch.Tensor, layer_axis: int | None = None) -> torch.Tensor:
-        """A sum over this stage's layers (``partial``, the caller's own work tensor) summed over every
-        stage; with ``layer_axis`` (``partial`` indexed by this stage's layers there) every layer's entry
-        in place: ``[..., layers, ...]``. The same bits on every stage."""
+        """A sum over this stage's layers (``partial``, the caller's own work tensor; with ``heads``
+        over its columns) summed over every stage (and every column block); with ``layer_axis``
+        (``partial`` indexed by this stage's layers there) every layer's entry in place:
+        ``[..., layers, ...]``. The same bits on every rank."""
         if layer_axis is not None:
             axis = layer_axis % partial.dim()
             if partial.shape[axis] != self.stop - self.start:
@@ -300,22 +336,24 @@ class StageShard:
                     f"expected {self.stop - self.start} layers on axis {layer_axis} of a stage's partial, "
                     f"got shape {tuple(partial.shape)}"
                 )
+            partial = self._over_heads(partial)  # the stage's columns first, on the stage's layers only
             shape = list(partial.shape)
             shape[axis] = self.layers
             full = partial.new_zeros(shape)
             full.narrow(axis, self.start, self.stop - self.start).copy_(partial)
-            partial = full
-        return _published(self.publish, self._all_reduce(partial))
+            return _published(self.publish, self._over_stages(full))
+        return _published(self.publish, self._over_stages(self._over_heads(partial)))
 
     def any(self, test: bool | Callable[[], bool]) -> bool:
-        """Whether ``test`` (of this stage's layers) holds on any stage: the same answer on every stage."""
+        """Whether ``test`` (of this rank's part) holds on any rank: the same answer on every rank."""
         flag = test() if callable(test) else test
-        reduced = self._all_reduce(torch.tensor([float(flag)], dtype=torch.float64))
+        reduced = self._over_stages(self._over_heads(torch.tensor([float(flag)], dtype=torch.float64)))
         return bool(_published(self.publish, reduced).item())
 
     def total_columns(self, local: int, layers: int | None = None) -> int:
-        """A layer's feature count as it is; a count over this stage's ``layers`` layers scaled to every
-        layer's (every layer as wide as this stage's)."""
+        """A layer's feature count (times the column blocks with ``heads``); a count over this stage's
+        ``layers`` layers scaled to every layer's (every layer as wide as this stage's)."""
+        local *= self.blocks
         if layers is None:
             return local
         if layers != self.stop - self.start:
@@ -327,14 +365,22 @@ class StageShard:
         return self.layers
 
     def count(self, count: Callable[[], int]) -> int:
-        """A byte count a bound compares: this stage's layers' ``count()`` summed over every stage (one
-        all-reduce), the one-rank count on every stage; published for the follower."""
-        reduced = self._all_reduce(torch.tensor([int(count())], dtype=torch.int64))
+        """A byte count a bound compares: this stage's layers' ``count()`` (one-rank terms: alike on
+        every rank of a stage) summed over every stage (one all-reduce over ``group``, never over the
+        heads), the one-rank count on every rank; published for the follower."""
+        reduced = self._over_stages(torch.tensor([int(count())], dtype=torch.int64))
         return int(_published(self.publish, reduced).item())
 
     def factors(self, matrix: torch.Tensor, rank: int | None, svd: str) -> MatrixFactors:
-        """The one-rank factors of one of this stage's layers (no communication)."""
+        """The one-rank factors of one of this stage's layers (no communication), or with ``heads`` the
+        sharded factors of its columns over the heads' group (:func:`sharded_factors`)."""
+        if self.heads is not None:
+            return self.heads.factors(matrix, rank, svd)
         return MatrixFactors.from_matrix(matrix, rank, svd)
+
+    def all_gather(self, block: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every column block's ``block`` of this stage joined along ``dim`` (without ``heads``: ``block``)."""
+        return block if self.heads is None else self.heads.all_gather(block, dim)
 
 
 class FollowerDiverged(ValueError):

@@ -576,8 +576,9 @@ class KVCMAS(PrefixReuse, Method):
         the model bound next (its config: this rank's KV heads) and every K/V given are the rank's
         heads; each rank of ``shard``'s group runs the same hooks in the same order and decides what
         one rank decides over all heads. A :class:`~hf_kvshare.anchors.sharded.StageShard`: the same
-        over one pipeline stage's layers (the model's config: its layers; ``verify_tokens`` refused: the
-        probe runs every decoder layer in a row). ``None`` (the default): one rank. A
+        over one pipeline stage's layers, or with its ``heads`` over the rank's KV heads of them (the
+        model's config: its layers and heads; ``verify_tokens`` refused: the probe runs every decoder
+        layer in a row). ``None`` (the default): one rank. A
         :class:`~hf_kvshare.anchors.sharded.FollowerShard`: the scheduler's copy (every head, ``meta``
         stand-ins, the leader's values). Set before :meth:`bind` (the rank options are clamped to the
         global ``D`` there)."""

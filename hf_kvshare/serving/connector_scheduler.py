@@ -54,7 +54,7 @@ far, times :data:`SHARED_ENGINE`) says waiting for the producers' remaining work
 report's ``producer_wait`` says how it went, or why it did not wait. A request whose claim stops at
 text nobody in flight computes (a cold agent's own new text) never waits.
 
-Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1 or TP = 1, PP > 1, unless
+Worker replicas (:mod:`.replica`; a value-reading method at TP > 1 or PP > 1, unless
 ``worker_replicas: false``): this side's Sharing is the follower of the workers' replicas (``meta``
 stand-ins, rank 0's published values from the read-back channel); the admission thread drives it through
 :class:`~.replica.Lockstep`, whose op stream rides every rank's order channel; every claim is
@@ -279,15 +279,15 @@ class HFKVShareScheduler:
             logger.info(
                 "hf_kvshare: every %s runs a replica of the method on its %s; this side follows them "
                 "(metadata only)",
-                "tensor-parallel rank" if pp == 1 else "pipeline stage",
-                "KV heads" if pp == 1 else "layers",
+                "tensor-parallel rank" if pp == 1 else "pipeline stage" if tp == 1 else "rank",
+                "KV heads" if pp == 1 else "layers" if tp == 1 else "KV heads of its stage's layers",
             )
             return Published(float(extra.get("replica_wait_s", DEFAULT_REPLICA_WAIT_S)))
         if reads_values(extra.get("method")) and tp * pp > 1:
             logger.info(
                 "hf_kvshare: %s over %d ranks (tensor parallel %d, pipeline parallel %d): the ranks' K/V "
-                "are read back and assembled here, where the method runs (worker replicas need tensor or "
-                "pipeline parallel alone, the admission thread, the read-back channel and worker_replicas true)",
+                "are read back and assembled here, where the method runs (worker replicas need the admission "
+                "thread, the read-back channel and worker_replicas true)",
                 extra.get("method"),
                 tp * pp,
                 tp,

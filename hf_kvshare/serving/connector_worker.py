@@ -41,9 +41,10 @@ carries all heads) and reads back its own heads only, sending its rank with them
 channel's header, :attr:`Captured.rank`); the scheduler assembles the ranks' read-backs
 (:class:`~.tensor_parallel.RankAssembly`).
 
-Worker replicas (:mod:`.replica`; a value-reading method at TP > 1, PP = 1, or TP = 1, PP > 1): this side
-makes its rank's tensor-parallel group (its stage's pipeline-parallel group) and its Sharing replica on its
-KV heads (its stage's layers) at ``register_kv_caches``, hands the op stream (orders
+Worker replicas (:mod:`.replica`; a value-reading method at TP > 1 or PP > 1): this side makes its
+rank's tensor-parallel group (its stage's pipeline-parallel group; at both, its stage's tensor-parallel
+group too) and its Sharing replica on its KV heads (its stage's layers; at both, its heads of them) at
+``register_kv_caches``, hands the op stream (orders
 with an ``op``) to it, keeps each read-back for its record op and sends the scheduler stand-ins, writes
 a ``from_replica`` claim from its replica's plan (:meth:`HFKVShareWorker._load_from_replica`), and,
 on rank 0, publishes the replica's reduced values on the read-back channel for the scheduler's follower.
@@ -135,8 +136,9 @@ class HFKVShareWorker:
         #: ``("factors", request id)`` (its thread puts, the step takes), by bytes
         self.payloads = PayloadBuffer(extra.get("payload_bytes", DEFAULT_PAYLOAD_BYTES))
         self._load_errors: set[int] = set()
-        #: this rank's replica of the method's engine on its KV heads (:mod:`.replica`; a value-reading
-        #: method under tensor parallel), made at ``register_kv_caches``; ``None``: none
+        #: this rank's replica of the method's engine on its KV heads of its stage's layers (:mod:`.replica`;
+        #: a value-reading method under tensor or pipeline parallel), made at ``register_kv_caches``;
+        #: ``None``: none
         self.replica: Replica | None = None
         self._replica_reported: dict[str, Any] | None = None
         self._extra = extra
@@ -163,26 +165,34 @@ class HFKVShareWorker:
         )
         tp, pp = tensor_parallel_size(self._vllm_config), pipeline_parallel_size(self._vllm_config)
         if wants_replicas(self._extra.get("method"), tp, pp, self._extra):
+            head_dim = self._io[self._names[0]].dim
             if pp > 1:
-                self.replica = self._make_stage_replica(pp)
+                self.replica = self._make_stage_replica(pp, tp, head_dim)
             else:
-                self.replica = self._make_replica(tp, self._io[self._names[0]].dim)
+                self.replica = self._make_replica(tp, head_dim)
+
+    def _head_share(self, tp: int, head_dim: int) -> tuple[int, int, int, int]:
+        """This rank's KV heads ``[start, stop)``, their width (times the head size) and the ranks holding
+        each (vLLM's replicated KV heads when the model has fewer than ``tp``)."""
+        start, stop = self._heads
+        total = self._vllm_config.model_config.get_total_num_kv_heads()
+        return start, stop, (stop - start) * head_dim, max(1, tp // total)
 
     def _make_replica(self, tp: int, head_dim: int) -> Replica:
         """This rank's replica (:mod:`.replica`): its tensor-parallel group made (by every rank, in the
         same order: here, at start-up), the method on its shard of the KV heads."""
         wait_s = float(self._extra.get("replica_wait_s", DEFAULT_WAIT_S))
-        start, stop = self._heads
-        total = self._vllm_config.model_config.get_total_num_kv_heads()
+        start, stop, width, replicas = self._head_share(tp, head_dim)
         publish = self._publish if self.rank == 0 else None  # the leader: its values for the follower
-        shard = rank_shard(tp, (stop - start) * head_dim, max(1, tp // total), 2 * wait_s, publish)
+        shard = rank_shard(tp, width, replicas, 2 * wait_s, publish)
         sharing = make_sharing(self._vllm_config, shard=shard, kv_heads=stop - start)
         return self._replica(sharing, wait_s, f"KV heads [{start}, {stop})")
 
-    def _make_stage_replica(self, pp: int) -> Replica:
-        """This stage's replica (:mod:`.replica`; tensor parallel 1): its pipeline-parallel group made (by
-        every rank, in the same order: here, at start-up), the method on its stage's layers (the ones vLLM
-        registered here, which must be consecutive), its skeleton those layers' config."""
+    def _make_stage_replica(self, pp: int, tp: int, head_dim: int) -> Replica:
+        """This stage's replica (:mod:`.replica`): its pipeline-parallel group (and at tensor parallel > 1
+        its stage's tensor-parallel group) made by every rank, in the same order (here, at start-up), the
+        method on its stage's layers (the ones vLLM registered here, which must be consecutive) and at
+        tensor parallel > 1 on its KV heads of them, its skeleton those layers' (and heads') config."""
         wait_s = float(self._extra.get("replica_wait_s", DEFAULT_WAIT_S))
         held = [self._layer_of[name] for name in self._names]
         start, stop = held[0], held[-1] + 1
@@ -191,10 +201,20 @@ class HFKVShareWorker:
                 f"hf_kvshare: a pipeline stage's layers must be consecutive; this worker holds {held}"
             )
         layers = self._vllm_config.model_config.hf_config.get_text_config().num_hidden_layers
-        publish = self._publish if self.rank == 0 else None  # stage 0, the leader: for the follower
-        shard = stage_shard(pp, start, stop, layers, 2 * wait_s, publish)
-        sharing = make_sharing(self._vllm_config, shard=shard, layers=(start, stop))
-        return self._replica(sharing, wait_s, f"layers [{start}, {stop}) of {layers}")
+        publish = (
+            self._publish if self.rank == 0 else None
+        )  # stage 0's first rank, the leader: for the follower
+        part = f"layers [{start}, {stop}) of {layers}"
+        if tp == 1:
+            shard = stage_shard(pp, start, stop, layers, 2 * wait_s, publish)
+            sharing = make_sharing(self._vllm_config, shard=shard, layers=(start, stop))
+            return self._replica(sharing, wait_s, part)
+        first, last, width, replicas = self._head_share(tp, head_dim)
+        shard = stage_shard(
+            pp, start, stop, layers, 2 * wait_s, publish, tp_size=tp, width=width, replicas=replicas
+        )
+        sharing = make_sharing(self._vllm_config, shard=shard, kv_heads=last - first, layers=(start, stop))
+        return self._replica(sharing, wait_s, f"KV heads [{first}, {last}) of {part}")
 
     def _replica(self, sharing: Sharing, wait_s: float, part: str) -> Replica:
         """The :class:`Replica` of ``sharing`` (on this rank's ``part`` of the model), said at start-up."""

@@ -1,6 +1,7 @@
 """Worker-side replicas of the scheduler's :class:`~hf_kvshare.serving.host.Sharing` under tensor parallel
 (issue 51 items 1+2): every worker rank runs the value-reading method (KVCMAS, KVComm) on its own KV
-heads, in lockstep with the other ranks, driven by an ordered stream of operations from the scheduler.
+heads (under pipeline parallel: of its stage's layers; :func:`stage_shard`), in lockstep with the other
+ranks, driven by an ordered stream of operations from the scheduler.
 
 - **The op stream** (scheduler side, :class:`OpStream`): every :class:`Sharing` call the scheduler's
   admission thread makes that changes the engine (a plan, a claim, a release, a record, a settle) is numbered
@@ -80,19 +81,18 @@ def reads_values(method: Any) -> bool:
 
 def wants_replicas(method: Any, tp_size: int, pp_size: int, extra: dict[str, Any]) -> bool:
     """Whether a server runs worker replicas: a value-reading method (not :data:`VALUE_FREE`) at tensor
-    parallel > 1 and pipeline parallel 1 (a replica per rank's KV heads: :func:`rank_shard`) or tensor
-    parallel 1 and pipeline parallel > 1 (a replica per stage's layers: :func:`stage_shard`; both at once
-    keep the RankAssembly path), with the admission thread and the read-back channel (the leader's values
-    reach the follower on it), unless ``worker_replicas: false``. Decided alike by the scheduler and every
-    worker from the same configuration."""
+    or pipeline parallel > 1 (a replica per rank's KV heads: :func:`rank_shard`; per stage's layers:
+    :func:`stage_shard`; per rank's KV heads of its stage's layers at both), with the admission thread
+    and the read-back channel (the leader's values reach the follower on it), unless
+    ``worker_replicas: false``. Decided alike by the scheduler and every worker from the same
+    configuration."""
     wanted = extra.get(OPTION, True)
     if not isinstance(wanted, bool):
         raise ValueError(f"{OPTION} must be true or false; got {wanted!r}")
     channels = (
         extra.get("background", True) is not False and extra.get("read_back_channel", True) is not False
     )
-    one_split = (tp_size > 1) != (pp_size > 1)  # heads or layers split, not both
-    return wanted and channels and one_split and reads_values(method)
+    return wanted and channels and tp_size * pp_size > 1 and reads_values(method)
 
 
 def rank_shard(
@@ -102,8 +102,8 @@ def rank_shard(
     heads times the head size) over its tensor-parallel group, made now by every rank of the world in the
     same order (:func:`~hf_kvshare.anchors.sharded.tensor_parallel_groups`; call it at start-up, on every
     rank); ``publish`` (the leader's, rank 0's): where each reduced value goes, for the scheduler's
-    follower. With :func:`follower_shard`, the serving side's only reach into the anchors engine
-    (``tests/test_layout.py``)."""
+    follower. With :func:`stage_shard` and :func:`follower_shard`, the serving side's only reach into the
+    anchors engine (``tests/test_layout.py``)."""
     from ..anchors.sharded import Shard, tensor_parallel_groups
 
     return Shard(tensor_parallel_groups(tp_size, timeout_s), width, replicas, publish=publish)
@@ -116,15 +116,24 @@ def stage_shard(
     layers: int,
     timeout_s: float,
     publish: Callable[[torch.Tensor], None] | None,
+    *,
+    tp_size: int = 1,
+    width: int = 0,
+    replicas: int = 1,
 ) -> Any:
-    """This worker's :class:`~hf_kvshare.anchors.sharded.StageShard`: every head of its pipeline stage's
-    layers ``[start, stop)`` of the model's ``layers``, over its pipeline-parallel group (tensor parallel
-    1), made now by every rank of the world in the same order
-    (:func:`~hf_kvshare.anchors.sharded.pipeline_parallel_groups`; at start-up, on every rank);
-    ``publish``: stage 0's (world rank 0), as :func:`rank_shard`'s."""
-    from ..anchors.sharded import StageShard, pipeline_parallel_groups
+    """This worker's :class:`~hf_kvshare.anchors.sharded.StageShard`: its pipeline stage's layers
+    ``[start, stop)`` of the model's ``layers``, over its pipeline-parallel group, every head of them at
+    tensor parallel 1, else (``tp_size`` > 1) its KV heads (``width``, ``replicas``: as
+    :func:`rank_shard`'s) over its stage's tensor-parallel group; the groups made now by every rank of
+    the world in the same order (the tensor-parallel ones first:
+    :func:`~hf_kvshare.anchors.sharded.tensor_parallel_groups`,
+    :func:`~hf_kvshare.anchors.sharded.pipeline_parallel_groups`; at start-up, on every rank);
+    ``publish``: world rank 0's (stage 0's first rank), as :func:`rank_shard`'s."""
+    from ..anchors.sharded import Shard, StageShard, pipeline_parallel_groups, tensor_parallel_groups
 
-    return StageShard(pipeline_parallel_groups(1, pp_size, timeout_s), start, stop, layers, publish=publish)
+    heads = Shard(tensor_parallel_groups(tp_size, timeout_s), width, replicas) if tp_size > 1 else None
+    group = pipeline_parallel_groups(tp_size, pp_size, timeout_s)
+    return StageShard(group, start, stop, layers, publish=publish, heads=heads)
 
 
 def follower_shard(receive: Callable[[], torch.Tensor]) -> Any:

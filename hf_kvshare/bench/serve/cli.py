@@ -187,7 +187,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         action="store_true",
         help="under --vllm-arg=--tensor-parallel-size=N > 1 (or --pipeline-parallel-size), a value-reading "
         "method (kvcmas, kvcomm) runs on the connector's scheduler over every rank's read-back (default: a "
-        "replica on each worker rank's KV heads or stage's layers; hf_kvshare.serving.replica)",
+        "replica on each worker rank's KV heads of its stage's layers; hf_kvshare.serving.replica)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_runs/serve", help="output root (default bench_runs/serve)")
