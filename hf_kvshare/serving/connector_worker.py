@@ -201,9 +201,8 @@ class HFKVShareWorker:
                 f"hf_kvshare: a pipeline stage's layers must be consecutive; this worker holds {held}"
             )
         layers = self._vllm_config.model_config.hf_config.get_text_config().num_hidden_layers
-        publish = (
-            self._publish if self.rank == 0 else None
-        )  # stage 0's first rank, the leader: for the follower
+        # stage 0's first rank, the leader: its values for the follower
+        publish = self._publish if self.rank == 0 else None
         part = f"layers [{start}, {stop}) of {layers}"
         if tp == 1:
             shard = stage_shard(pp, start, stop, layers, 2 * wait_s, publish)

@@ -11,9 +11,10 @@ heads (:func:`kv_head_range`).
 
 A decision that needs every head or every layer (KVCMAS's gate distances, a correction's) is made
 once, on the scheduler side, over the assembled K/V, and reaches every rank in the same claim: the
-ranks never decide apart. Under the worker replicas (:mod:`.replica`: a value-reading method at TP > 1,
-PP = 1) nothing is assembled: every rank decides the same in lockstep on its own heads (its reductions
-over all heads on its tensor-parallel group) and the scheduler follows rank 0's values.
+ranks never decide apart. Under the worker replicas (:mod:`.replica`: a value-reading method at TP > 1
+or PP > 1) nothing is assembled: every rank decides the same in lockstep on its own heads of its stage's
+layers (its reductions over its tensor- and pipeline-parallel groups) and the scheduler follows rank 0's
+values.
 """
 
 from __future__ import annotations
