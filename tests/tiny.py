@@ -99,6 +99,15 @@ def _read_embedded_tokenizer(name: str):
     return tok
 
 
+def plain_generate(model, ids, n):
+    """``n`` greedy tokens of plain ``generate`` after ``ids`` (1-D): the reference a method must equal."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=n, do_sample=False
+        )
+    return out[0, ids.numel() :]
+
+
 # -------------------------------------------- a three-agent workflow the tests share
 QUERY = "Compute the sum of the first ten prime numbers and explain each step."
 
