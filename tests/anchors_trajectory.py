@@ -1,7 +1,8 @@
 """Test helper: one KVCMAS / KVComm task trajectory driven through
 :class:`~hf_kvshare.serving.host.Sharing` on one rank, on 2 gloo ranks (each its KV heads, SPMD) and on
 the follower (meta stand-ins of every read-back, every reduced value replayed from rank 0's
-publication), for ``tests/test_anchors_spmd.py`` and ``tests/test_anchors_follower.py``.
+publication: :func:`follow`), for ``tests/test_anchors_spmd.py``, ``tests/test_anchors_follower.py`` and
+``tests/test_anchors_stages.py``.
 
 The gloo ranks are spawned ONCE per test run (:func:`rank_runs`): both modules share that spawn, on one
 xdist worker where ``pytest.mark.xdist_group(GROUP)`` holds and, where it does not (xdist 3.8 under
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections import deque
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -27,7 +29,7 @@ from tiny import embedded_tokenizer, tiny_model
 from hf_kvshare.anchors.corrected import CorrectedKV
 from hf_kvshare.anchors.lowrank import any_rank, relative_distance, relative_spread, row_energy
 from hf_kvshare.anchors.pool import correction_agreement
-from hf_kvshare.anchors.sharded import COLLECTIVES, Shard
+from hf_kvshare.anchors.sharded import COLLECTIVES, FollowerShard, Shard
 from hf_kvshare.method import get_method
 from hf_kvshare.serving import layout as lay
 from hf_kvshare.serving.host import Sharing, serving_options
@@ -195,6 +197,11 @@ def assert_same_pools(got: dict, want: dict, rank: int) -> None:
                 assert mine == pytest.approx(one, rel=1e-4, abs=1e-6), (rank, key, number)
 
 
+def relative(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``x``'s distance from ``y`` relative to ``y``'s norm (float64)."""
+    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
+
+
 def nan_on_rank_1(rank: int, run: Run) -> Run:
     """``run`` whose read-back holds a NaN in rank 1's part (its first layer's first value) only."""
 
@@ -339,6 +346,62 @@ def _correction_non_finite_on_one_rank(rank: int, tokenizer, head_dim: int) -> d
     # one more collective: answered alike only if both ranks made the same ones before it
     paired = any_rank(rank == 1, shard)
     return {"steps": steps, "errors": sharing.errors, "published": published, "paired": paired}
+
+
+# ------------------------------------------------------------------------------------ the follower
+def follow(
+    case: str, leader: dict, published: list[torch.Tensor] | None = None, requests: int | None = None
+) -> dict:
+    """The trajectory on the follower: a full-width skeleton, the case's method on a
+    :class:`~hf_kvshare.anchors.sharded.FollowerShard` replaying ``published`` (rank 0's, by default), ``meta`` stand-ins of every
+    read-back (the output ids are the engine's, here the leader's)."""
+    model = tiny_model("llama", num_key_value_heads=KV_HEADS.get(case, 2))
+    queue = deque(leader["published"] if published is None else published)
+    method = served(case)
+    method.run_on_shard(FollowerShard(queue.popleft))
+    sharing = sharing_for(case, model, embedded_tokenizer(), method)
+    steps = trajectory(sharing, embedded_tokenizer(), stand_ins(model.config, leader), requests)
+    return {
+        "steps": steps,
+        "pools": pool_numbers(method, method.shard),
+        "left": len(queue),
+        "held": held_storage(sharing),
+        "counted": counted(sharing),
+    }
+
+
+def stand_ins(config, leader: dict):
+    """The follower's run of a request: the leader's output ids, ``meta`` stand-ins of every head's
+    read-back."""
+    head_dim = config.hidden_size // config.num_attention_heads
+
+    def run(plan, keys, values, index):
+        out = leader["steps"][index]["out"]
+        shape = (
+            config.num_hidden_layers,
+            len(plan.prompt) + len(out) - 1,
+            config.num_key_value_heads,
+            head_dim,
+        )
+        return out, torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
+
+    return run
+
+
+def held_storage(sharing) -> int:
+    """Bytes the follower's slots and pools hold in memory (the bounds count one rank's instead)."""
+    held = sum(host.held_bytes() for host in sharing.hosts.values())  # storages: a stand-in holds none
+    for pool in sharing.method.pools.values():
+        for anchor in pool:
+            factors = [*anchor.base.keys, *anchor.base.values]
+            factors += [f for delta in anchor.deltas.values() for f in (*delta.keys, *delta.values)]
+            held += sum(
+                t.numel() * t.element_size()
+                for f in factors
+                for t in (f.a, f.b)
+                if t is not None and not t.is_meta
+            )
+    return held
 
 
 def once_per_run(name: str, produce: Callable[[], Any], tmp_path_factory) -> Any:

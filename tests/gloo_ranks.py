@@ -1,7 +1,8 @@
 """Test helper: run a function on ``world`` gloo ranks on CPU and collect what each returned.
 
 ``run_ranks(main, world, folder, *args)`` starts ``world`` processes (forkserver: the modules in
-``preload`` imported once, in the server), each joins one gloo group (a file store under ``folder``),
+``preload`` imported once, in the server, which this test process starts once and every later spawn
+reuses; by default ``gloo_preload.py``: the package, the helpers, the tokenizer read), each joins one gloo group (a file store under ``folder``),
 runs ``main(rank, *args)`` on one thread and saves its return value; the caller gets every rank's, in
 rank order. ``main`` must be a module-level function (the ranks import its module)."""
 
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import os
 import time
 from collections.abc import Callable
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +39,35 @@ def _rank(rank: int, main: Callable[..., Any], world: int, folder: str, args: tu
     torch.save(results, Path(folder) / f"rank{rank}.pt")
 
 
+def _start_forkserver(preload: tuple[str, ...]) -> None:
+    """Start this process's forkserver with ``preload`` imported, unless it runs. The server imports its
+    ``preload`` on Python's default path (3.11 drops the ``sys_path`` it is handed): the tests' folder is
+    put on its ``PYTHONPATH`` (this process's environment left as it was); the ranks forked from it take
+    this process's ``sys.path`` as they start."""
+    multiprocessing.set_forkserver_preload(list(preload))
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent), *filter(None, [before])]
+    )
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def run_ranks(
     main: Callable[..., Any],
     world: int,
     folder: Path,
     *args: Any,
-    preload: tuple[str, ...] = ("hf_kvshare.anchors.sharded",),
+    preload: tuple[str, ...] = ("gloo_preload",),
     timeout: float = 240,
 ) -> list[Any]:
     """Every rank's ``main(rank, *args)``, in rank order (the test fails past ``timeout`` seconds)."""
-    multiprocessing.set_forkserver_preload(list(preload))
+    _start_forkserver(preload)
     context = tmp.start_processes(
         _rank, args=(main, world, str(folder), args), nprocs=world, join=False, start_method="forkserver"
     )

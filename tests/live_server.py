@@ -1,6 +1,6 @@
 """The serving lane's live vLLM server (vLLM's OpenAI server with the connector, on 127.0.0.1), written
 once for its test modules: :func:`start_server` starts a module's server, :func:`stopped_after` stops it
-after the module (a fixture's body) and :func:`post` sends it a request; :func:`has_vllm` says whether a
+after the module (a fixture's body; :func:`embedded_server` the embedded model's) and :func:`post` sends it a request; :func:`has_vllm` says whether a
 Python has vLLM (the live tests' skip condition)."""
 
 from __future__ import annotations
@@ -90,6 +90,20 @@ def stopped_after(srv: Any) -> Iterator[Any]:
         process = srv.process
         srv.stop()
     assert process.returncode is not None  # stopped: nothing left running
+
+
+#: the embedded model's server of ``test_serving_vllm.py`` and ``test_agent_frameworks.py``: FullShared with
+#: prefix reuse, its store bounded by ``EMBEDDED_MAX_BYTES``
+EMBEDDED_METHOD = "fullshared"
+EMBEDDED_OPTIONS = {"prefix_reuse": True}
+EMBEDDED_MAX_BYTES = 64 << 20
+
+
+def embedded_server(folder: Path) -> Iterator[Any]:
+    """A module fixture's body: the embedded model's server (:data:`EMBEDDED_METHOD`) for the module."""
+    yield from stopped_after(
+        start_server(folder, "smollm2-135m", EMBEDDED_METHOD, EMBEDDED_OPTIONS, max_bytes=EMBEDDED_MAX_BYTES)
+    )
 
 
 def post(server: Any, path: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:

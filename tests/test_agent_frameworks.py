@@ -124,7 +124,11 @@ def test_the_server_reports_are_read_per_agent(load, tmp_path):
 # ----------------------------------------------------------------------------------------- serving lane
 # the serving lane's server (fullshared:prefix_reuse=True on the embedded model, its reports written to
 # ``server.reports``): started once for this module when the test below is not skipped
-from test_serving_vllm import server  # noqa: E402, F401
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from live_server import embedded_server
+
+    yield from embedded_server(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.mark.serving
@@ -136,7 +140,7 @@ from test_serving_vllm import server  # noqa: E402, F401
     importlib.util.find_spec("agents") is None,
     reason='the OpenAI Agents SDK is not installed: pip install -e ".[agents]" (.ci/run\'s serving lane does)',
 )
-def test_agents_sdk_example_shares_without_layout_fields(server, load):  # noqa: F811
+def test_agents_sdk_example_shares_without_layout_fields(server, load):
     """Separate-message style, two tasks (the first warms the agents' own instructions up): in the
     second, agents 2-4 are supplied shared tokens by the server, no layout field sent."""
     example = load("agents_sdk")

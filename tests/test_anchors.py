@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from anchor_helpers import HEAD_DIM, HEADS, LAYERS, make_anchor, random_kv
 from tiny import tiny_model
 
 from hf_kvshare import RopeShifter, SegmentKV
@@ -40,19 +41,10 @@ from hf_kvshare.anchors import (
 from hf_kvshare.cache import SegmentedCache
 from hf_kvshare.prefill import prefill_dense
 
-HEADS, HEAD_DIM, LAYERS = 2, 16, 3  # the tiny models' K/V layout: D = 32
-
 
 @pytest.fixture(scope="module")
 def shifter():
     return RopeShifter.from_model(tiny_model("llama"))
-
-
-def random_kv(length, start=0, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    keys = [torch.randn(1, HEADS, length, HEAD_DIM, generator=g) * scale for _ in range(LAYERS)]
-    values = [torch.randn(1, HEADS, length, HEAD_DIM, generator=g) * scale for _ in range(LAYERS)]
-    return SegmentKV(keys=keys, values=values, start=start, agent="src")
 
 
 def anchor_from(base: SegmentKV, shifter, deltas: dict[str, SegmentKV], rank=None, source="src", origin=None):
@@ -152,11 +144,6 @@ def test_gate_needs_two_anchors_and_tau_zero_accepts_nothing():
 
 
 # ------------------------------------------------------------------ eviction
-def make_anchor(origin, length=4):
-    kv = random_kv(length, seed=origin)
-    return Anchor(base=FactoredKV.from_kv(kv.keys, kv.values, 2), source="a", origin=origin)
-
-
 def test_eviction_picks_lfu_among_the_five_oldest():
     pool = AnchorPool("query", capacity=7)
     for i, uses in enumerate([5, 3, 4, 1, 2, 0, 0]):

@@ -10,13 +10,12 @@ import pytest
 import torch
 from anchors_trajectory import (
     GROUP,
-    KV_HEADS,
-    counted,
+    follow,
     one_rank_runs,
-    pool_numbers,
     rank_runs,
     served,
     sharing_for,
+    stand_ins,
     trajectory,
 )
 from tiny import embedded_tokenizer, tiny_model
@@ -90,61 +89,6 @@ def ranks(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="session")
 def one_rank(tmp_path_factory) -> dict:
     return one_rank_runs(tmp_path_factory)
-
-
-def follow(
-    case: str, leader: dict, published: list[torch.Tensor] | None = None, requests: int | None = None
-) -> dict:
-    """The trajectory on the follower: a full-width skeleton, the case's method on a
-    :class:`FollowerShard` replaying ``published`` (rank 0's, by default), ``meta`` stand-ins of every
-    read-back (the output ids are the engine's, here the leader's)."""
-    model = tiny_model("llama", num_key_value_heads=KV_HEADS.get(case, 2))
-    queue = deque(leader["published"] if published is None else published)
-    method = served(case)
-    method.run_on_shard(FollowerShard(queue.popleft))
-    sharing = sharing_for(case, model, embedded_tokenizer(), method)
-    steps = trajectory(sharing, embedded_tokenizer(), stand_ins(model.config, leader), requests)
-    return {
-        "steps": steps,
-        "pools": pool_numbers(method, method.shard),
-        "left": len(queue),
-        "held": held_storage(sharing),
-        "counted": counted(sharing),
-    }
-
-
-def stand_ins(config, leader: dict):
-    """The follower's run of a request: the leader's output ids, ``meta`` stand-ins of every head's
-    read-back."""
-    head_dim = config.hidden_size // config.num_attention_heads
-
-    def run(plan, keys, values, index):
-        out = leader["steps"][index]["out"]
-        shape = (
-            config.num_hidden_layers,
-            len(plan.prompt) + len(out) - 1,
-            config.num_key_value_heads,
-            head_dim,
-        )
-        return out, torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
-
-    return run
-
-
-def held_storage(sharing) -> int:
-    """Bytes the follower's slots and pools hold in memory (the bounds count one rank's instead)."""
-    held = sum(host.held_bytes() for host in sharing.hosts.values())  # storages: a stand-in holds none
-    for pool in sharing.method.pools.values():
-        for anchor in pool:
-            factors = [*anchor.base.keys, *anchor.base.values]
-            factors += [f for delta in anchor.deltas.values() for f in (*delta.keys, *delta.values)]
-            held += sum(
-                t.numel() * t.element_size()
-                for f in factors
-                for t in (f.a, f.b)
-                if t is not None and not t.is_meta
-            )
-    return held
 
 
 CASE_NAMES = ["kvcmas", "kvcmas-guard", "kvcomm", "kvcmas-replicated", "kvcmas-small"]

@@ -18,7 +18,6 @@ heads, one per rank, and KVCMAS on 1 KV head replicated on both ranks.
 from __future__ import annotations
 
 import pytest
-import torch
 from anchors_trajectory import (
     CASES,
     GROUP,
@@ -27,6 +26,7 @@ from anchors_trajectory import (
     assert_same_pools,
     one_rank_runs,
     rank_runs,
+    relative,
     served,
 )
 
@@ -42,10 +42,6 @@ def ranks(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict:
     return one_rank_runs(tmp_path_factory)
-
-
-def _relative(x: torch.Tensor, y: torch.Tensor) -> float:
-    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -74,7 +70,7 @@ def test_every_rank_decides_and_claims_what_one_rank_does(ranks, one_rank, case)
                 if want[side] is None:
                     assert got[side] is None, where
                     continue
-                assert _relative(got[side], want[side][:, :, first:last]) <= 1e-5, (where, side)
+                assert relative(got[side], want[side][:, :, first:last]) <= 1e-5, (where, side)
     # every rank took its decisions on the same numbers, bit for bit
     gates = [[step["gates"] for step in ranks[rank][case]["steps"]] for rank in range(WORLD)]
     assert all(g == gates[0] for g in gates)

@@ -22,15 +22,16 @@ from anchors_trajectory import (
     counted,
     embedded_tokenizer,
     engine_run,
+    follow,
     nan_on_rank_1,
     one_rank_runs,
     pool_numbers,
+    relative,
     served,
     sharing_for,
     trajectory,
 )
 from gloo_ranks import run_ranks
-from test_anchors_follower import follow
 from tiny import tiny_model
 
 from hf_kvshare.anchors.lowrank import any_rank
@@ -112,10 +113,6 @@ def one_rank(tmp_path_factory) -> dict:
     return one_rank_runs(tmp_path_factory)
 
 
-def _relative(x: torch.Tensor, y: torch.Tensor) -> float:
-    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_every_stage_decides_and_claims_what_one_rank_does(stages, one_rank, case):
     reference = one_rank[case]["steps"]
@@ -138,7 +135,7 @@ def test_every_stage_decides_and_claims_what_one_rank_does(stages, one_rank, cas
                     assert got[side] is None, where
                     continue
                 assert got[side].shape[0] == stop - start, where
-                assert _relative(got[side], want[side][start:stop]) <= 1e-5, (where, side)
+                assert relative(got[side], want[side][start:stop]) <= 1e-5, (where, side)
     gates = [[step["gates"] for step in stages[rank][case]["steps"]] for rank in range(WORLD)]
     assert all(g == gates[0] for g in gates)  # the same numbers on every stage, bit for bit
 

@@ -8,7 +8,7 @@ import gc
 
 import pytest
 import torch
-from test_kvcmas import PREVIOUS, QUERIES, run_request
+from kvcmas_workflow import PREVIOUS, QUERIES, run_request
 
 from hf_kvshare.anchors.lowrank import FACTORIZATIONS, DeferredFactoredKV, FactoredKV
 from hf_kvshare.anchors.pool import Anchor, Deltas

@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_kvcmas import AGENTS, QUERIES, run_request, turn_segments
+from kvcmas_workflow import AGENTS, QUERIES, run_request, turn_segments
 
 from hf_kvshare import SegmentedCache, Session, _compat
 from hf_kvshare.anchors.lowrank import FACTORIZATIONS

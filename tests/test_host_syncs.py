@@ -11,41 +11,15 @@ read here are token ids, which the tokenizer leaves on the host.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from unittest import mock
 
 import torch
-from test_kvcmas import QUERIES, run_forced, run_request
+from host_reads import HOST_READS, counting_host_reads
+from kvcmas_workflow import QUERIES, run_forced, run_request
 
 from hf_kvshare.cache import SegmentKV
 from hf_kvshare.methods.kvcmas import KVCMAS
 from hf_kvshare.rope import RopeShifter
-
-HOST_READS = ("item", "tolist", "__int__", "__float__", "__bool__")
-
-
-@contextlib.contextmanager
-def counting_host_reads():
-    """Count tensor -> host reads (test-only wrapping of torch.Tensor methods)."""
-    counts: dict[str, int] = dict.fromkeys(HOST_READS, 0)
-
-    def wrap(name):
-        original = getattr(torch.Tensor, name)
-
-        @functools.wraps(original)
-        def counted(self, *args, **kwargs):
-            # integer tensors read here are token ids, which live on the host (the tokenizer's output)
-            if self.dtype.is_floating_point or self.dtype == torch.bool:
-                counts[name] += 1
-            return original(self, *args, **kwargs)
-
-        return counted
-
-    with contextlib.ExitStack() as stack:
-        for name in HOST_READS:
-            stack.enter_context(mock.patch.object(torch.Tensor, name, wrap(name)))
-        yield counts
 
 
 def test_counting_sees_host_reads():

@@ -7,6 +7,8 @@ import warnings
 
 import pytest
 import torch
+from anchor_helpers import make_anchor, random_kv
+from kvcmas_workflow import AGENTS, PREVIOUS, QUERIES, run_forced, run_request, turn_segments
 from tiny import tiny_model
 
 from hf_kvshare import METHODS, PF, PH, Session
@@ -21,43 +23,7 @@ from hf_kvshare.methods.kvcmas import KVCMAS
 from hf_kvshare.methods.kvcmas_nonchained import KVCMASNonChained
 from hf_kvshare.methods.kvcomm import KVComm
 
-AGENTS = ["planner", "designer", "coder"]
-QUERIES = [
-    "Sort a list of numbers and explain the complexity of the algorithm.",
-    "Compute the sum of all prime numbers below fifty, step by step.",
-    "Write a short poem about the sea, the moon and a lighthouse.",
-]
 ANCHOR_METHODS = [KVCMAS, KVCMASNonChained, KVComm]
-#: the options that keep the earlier (per-edge, prefix, chained-output) behaviour of each method
-EDGE = dict(gate_scope="edge", match="prefix", skip_layer0=False, svd="exact", pool_peak="capacity")
-PREVIOUS = {
-    KVCMAS: dict(EDGE, output_source="chained"),
-    KVCMASNonChained: dict(EDGE, output_source="context_free", text_source="context_free"),
-    KVComm: dict(EDGE, output_source="context_free", text_source="context_free"),
-}
-
-
-def turn_segments(i: int, query: str | None):
-    agent = AGENTS[i]
-    segments = [PF(f"You are the {agent}; role number {i}.\n"), PH("query", query)]
-    for earlier in AGENTS[:i]:
-        segments += [PF(f"\nNotes from the {earlier}: "), PH(earlier)]
-    segments.append(PF("\nAnswer:"))
-    return segments
-
-
-def run_request(model, tok, method, query, forced=None, keep_cache=False, new_tokens=3):
-    session = Session(model, tok, method)
-    return [
-        session.run_turn(
-            agent,
-            turn_segments(i, query),
-            max_new_tokens=new_tokens,
-            force_output=None if forced is None else forced[i],
-            keep_cache=keep_cache,
-        )
-        for i, agent in enumerate(AGENTS)
-    ]
 
 
 def test_registry_and_defaults_are_the_papers():
@@ -98,10 +64,6 @@ def test_kvcmas_empty_pool_and_tau_zero_reproduce_nonshared_token_for_token(tiny
 @pytest.mark.parametrize("cls", [KVCMASNonChained, KVComm, GraphFlow])
 def test_baselines_without_reuse_reproduce_nonshared_token_for_token(tiny_llama, tokenizer, cls):
     check_exact_without_reuse(tiny_llama, tokenizer, cls)
-
-
-def run_forced(model, tok, method, query, reference):
-    return run_request(model, tok, method, query, forced=[t.output_ids for t in reference], keep_cache=True)
 
 
 def exact_forced(model, tok, query):
@@ -448,8 +410,6 @@ def test_token_weights_are_computed_once_per_anchor_set(tiny_llama, tokenizer):
 
 
 def test_full_length_rule_of_the_gate(tiny_llama):
-    from test_anchors import make_anchor, random_kv
-
     method = KVCMAS(tau=1.0, profile="reference")  # the reference's gate (the candidate is random)
     candidate = random_kv(6, seed=9)
     pool = method.scope.pool("planner")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_anchors import random_kv
+from anchor_helpers import random_kv
+from documents_workflow import AGENTS, NOTES, TASKS, run_workflow, turn_segments
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare.anchors.lowrank import FactoredKV, relative_spread
@@ -15,45 +16,6 @@ from hf_kvshare.anchors.pool import Anchor, AnchorPool
 from hf_kvshare.cache import SegmentKV
 from hf_kvshare.methods.kvcmas import KVCMAS
 from hf_kvshare.methods.kvcomm import KVComm
-
-AGENTS = ["planner", "designer", "coder"]
-#: a team's fixed reference documents: the same two notes in every request
-NOTES = [
-    "Note A: the service keeps one queue per tenant and retries failed jobs twice.",
-    "Note B: every response must cite the ticket number and stay under fifty words.",
-]
-TASKS = [
-    "Sort a list of numbers and explain the complexity.",
-    "Compute the sum of all primes below fifty.",
-    "Write a short poem about the sea.",
-    "Parse a date string and print the weekday.",
-]
-
-
-def turn_segments(i: int, task: str):
-    """Agent ``i``'s prompt: its role, the task, the two notes, the earlier agents' outputs."""
-    segments = [
-        PF(f"You are the {AGENTS[i]}.\nTask: "),
-        PH("task", task, kind="question"),
-        PF("\nReference notes:\n"),
-        PH("note0", NOTES[0], kind="observation"),
-        PF("\n"),
-        PH("note1", NOTES[1], kind="observation"),
-    ]
-    for earlier in AGENTS[:i]:
-        segments += [PF(f"\nFrom the {earlier}: "), PH(earlier)]
-    segments.append(PF("\nAnswer:"))
-    return segments
-
-
-def run_workflow(model, tok, method, requests: int = len(TASKS)):
-    """The repeated-documents workflow, one Session per request; the turns' results."""
-    results = []
-    for task in TASKS[:requests]:
-        session = Session(model, tok, method)
-        for i, agent in enumerate(AGENTS):
-            results.append(session.run_turn(agent, turn_segments(i, task), max_new_tokens=4, keep_cache=True))
-    return results
 
 
 def decisions(results) -> list[str]:
@@ -440,7 +402,7 @@ def test_a_repeated_place_and_a_piece_pool_with_their_slot(tiny_llama, tokenizer
     """Given text pools per place: ``doc#2`` (the server's default layout's name for the next document at
     the same place of an agent's prompt within one task) and a piece ``doc[s:e]`` learn in ``doc``'s pool,
     so a server without task ids does not start an empty pool for every new document."""
-    from hf_kvshare import PF, PH, Session, get_method
+    from hf_kvshare import PH, Session, get_method
 
     method = get_method("kvcmas")
     session = Session(tiny_llama, tokenizer, method=method, match_text=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kvcmas_gate import AGENTS, run_workflow
+from documents_workflow import AGENTS, run_workflow
 from tiny import roles
 
 from hf_kvshare import Session, reasons

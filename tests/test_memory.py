@@ -208,8 +208,8 @@ def test_selective_recomputation_placed_layer_by_layer_is_unchanged(tiny, tokeni
     """The selective methods with the source re-positioned per layer and the result assembled per layer
     give the tokens and, in every layer, the cache of re-positioning the whole source first (the way
     before), bit for bit."""
-    from test_kvcmas import AGENTS as ROLES
-    from test_kvcmas import QUERIES, turn_segments
+    from kvcmas_workflow import AGENTS as ROLES
+    from kvcmas_workflow import QUERIES, turn_segments
 
     from hf_kvshare.methods import selective
     from hf_kvshare.recompute.layers import SegmentRecompute

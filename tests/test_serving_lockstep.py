@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import time
 from types import SimpleNamespace
 
@@ -28,10 +27,20 @@ from anchors_trajectory import (
     counted,
     ids_of,
     pool_numbers,
+    relative,
     request_of,
     served,
 )
 from gloo_ranks import run_ranks
+from lockstep_trajectory import (
+    LIVE_MODEL,
+    LIVE_OPTIONS,
+    Collect,
+    follower_run,
+    kvcmas_live_run,
+    run_ops,
+    scheduler_run,
+)
 from tiny import embedded_tokenizer, tiny_model
 
 from hf_kvshare.anchors.sharded import Shard
@@ -52,135 +61,6 @@ from hf_kvshare.serving.tensor_parallel import kv_head_range
 
 WORLD = 2
 LOCKSTEP_CASES = ("kvcmas", "kvcomm")
-#: the records' deferred parts the driver settles after each plan (the rest wait for later plans)
-SETTLES_PER_PLAN = 2
-
-
-class _Collect:
-    """An order channel that takes every op (a rank's :class:`~hf_kvshare.serving.channel.Sender`)."""
-
-    def __init__(self):
-        self.ops = []
-
-    def order(self, op):
-        self.ops.append(json.loads(json.dumps(op)))  # as the channel carries it
-        return True
-
-
-def scheduler_run(case: str) -> tuple[list[dict], dict[str, tuple], dict[str, tuple], dict[str, list], dict]:
-    """The trajectory on the scheduler's one-rank Sharing through :class:`Lockstep`: the op stream,
-    every recorded request's read-back (all heads), every claim (its start and K/V, all heads), every
-    output, and what the one rank holds at the end (its pools' numbers, the bytes its bounds count, the
-    plans that factorized a part still deferred)."""
-    model = tiny_model("llama", num_key_value_heads=2)
-    outputs = {}
-
-    def run(plan, rid, keys, values):
-        every = type("Run", (), {"prompt": plan.prompt, "local_hit": plan.local_hit})()
-        every.keys, every.values = ([] if keys is None else keys), ([] if values is None else values)
-        out, k, v = engine(model, every, max_new_tokens=4)
-        outputs[rid] = out
-        return out, k, v
-
-    sharing = Sharing(model, embedded_tokenizer(), served(case), min_segment_tokens=4)
-    ops, read_backs, claims, readers = drive(sharing, run)
-    held = {"pools": pool_numbers(sharing.method, None), "counted": counted(sharing), "readers": readers}
-    return ops, read_backs, claims, outputs, held
-
-
-def follower_run(case: str, published: list, read_backs: dict, outputs: dict) -> list[dict]:
-    """The same trajectory on the scheduler's follower (:func:`follower_shard`: every reduced value taken
-    from the leader's ``published`` values, ``meta`` stand-ins of every read-back, the outputs the
-    engine gave): its op stream."""
-    values = Published(wait_s=5)
-    for value in published:
-        values.put(value)
-    method = served(case)
-    method.run_on_shard(follower_shard(values.take))
-    sharing = Sharing(
-        tiny_model("llama", num_key_value_heads=2), embedded_tokenizer(), method, min_segment_tokens=4
-    )
-
-    def run(plan, rid, keys, values):
-        shape = read_backs[rid][0].shape
-        return outputs[rid], torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
-
-    return drive(sharing, run)[0]
-
-
-def drive(sharing: Sharing, run) -> tuple[list[dict], dict[str, tuple], dict[str, tuple], list[str]]:
-    """The trajectory through :class:`Lockstep` over ``sharing`` (``run(plan, request id, claimed keys,
-    claimed values)`` -> output ids and read-back), each record's deferred parts settled after later
-    plans (:data:`SETTLES_PER_PLAN` after each): the op stream, the read-backs, the claims and the plans
-    that factorized an anchor themselves (a part still waiting)."""
-    tokenizer = embedded_tokenizer()
-    stream, channel = OpStream(1), _Collect()
-    stream.connect(0, channel)
-    lockstep = Lockstep(sharing, stream)
-    read_backs, claims, readers = {}, {}, []
-    waiting = []  # the records' deferred parts, settled as the admission thread does: between later plans
-
-    def settle(n):
-        for part in waiting[:n]:
-            lockstep.settle(part)
-        del waiting[:n]
-
-    for t, doc in enumerate(DOCS[:4]):
-        for position, agent in enumerate(SYSTEMS):
-            ids, meta = request_of(sharing, tokenizer, t, doc, agent)
-            rid = f"{t}-{agent}"
-            if position == 1 and t == 1:  # a request that ends before its record: released
-                aborted = lockstep.plan(rid + "-aborted", ids, meta, 0)
-                if aborted.plan_phases.get("factorize"):
-                    readers.append(aborted.request_id)
-                claims[aborted.request_id] = (
-                    aborted.claim_start,
-                    as_layers(aborted.keys),
-                    as_layers(aborted.values),
-                )
-                lockstep.release(aborted)
-            if position % 2:  # planned ahead (on arrival), claimed at admission
-                plan = lockstep.claim(lockstep.plan(rid, ids, meta, None), 0)
-            else:
-                plan = lockstep.plan(rid, ids, meta, 0)
-            assert plan.error is None
-            if plan.plan_phases.get("factorize"):
-                readers.append(rid)
-            settle(SETTLES_PER_PLAN)
-            keys, values = as_layers(plan.keys), as_layers(plan.values)
-            if keys is not None:
-                claims[rid] = (plan.claim_start, keys, values)
-            out, k, v = run(plan, rid, keys, values)
-            read_backs[rid] = (k, v)
-            lockstep.record(plan, k, v, out, set())
-            waiting += plan.deferred
-            plan.deferred = []
-    settle(len(waiting))
-    assert stream.summary() == {"ops": len(channel.ops), "waiting": 0, "stopped": None}
-    return channel.ops, read_backs, claims, readers
-
-
-def run_ops(replica: Replica, ops: list[dict], shuffle: int | None) -> dict:
-    """The op stream run on ``replica`` until every op ran: ``shuffle`` (a seed) brings the ops in a shuffled
-    order, as the order channel's thread may; ``None`` in order, each claim taken as the worker's step takes
-    it (before the record). The claims taken, by request: ``(start, (keys, values) or None)``."""
-    claims = {}
-    if shuffle is None:
-        for op in ops:
-            replica.submit(op)
-            claim = op.get("decision", {}).get("claim", [0, 0])
-            if op["op"] == "check" and not op.get("final") and claim[1] > claim[0]:
-                got, why = replica.claim_of(op["request_id"], timeout=60)
-                assert got is not None, why
-                start, keys, values = got
-                claims[op["request_id"]] = (start, None if keys is None else (keys.clone(), values.clone()))
-    else:
-        arrival = list(ops)
-        random.Random(shuffle).shuffle(arrival)
-        for op in arrival:
-            replica.submit(op)
-    replica.done(len(ops), timeout=120)
-    return claims
 
 
 def _replica_run(
@@ -276,10 +156,6 @@ def test_every_ranks_replica_decides_what_the_scheduler_decides(lockstep_runs, c
         assert counts == {"ops": len(ops), "agree": checks, "differ": 0, "dropped": 0, "stopped": None}
 
 
-def _relative(x, y) -> float:
-    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
-
-
 def test_each_ranks_replica_claims_its_heads_of_the_schedulers_claimed_kv(lockstep_runs):
     """What a worker writes from its replica (no K/V on any channel): its heads of the K/V the
     scheduler's one-rank plan claims, request by request (corrected spans included), to round-off."""
@@ -293,8 +169,8 @@ def test_each_ranks_replica_claims_its_heads_of_the_schedulers_claimed_kv(lockst
         for rid, (start, keys, values) in want.items():
             mine_start, mine = got["claims"][rid]
             assert mine_start == start and mine is not None, rid
-            assert _relative(mine[0], keys[:, :, first:last]) <= 1e-5, (rank, rid, "keys")
-            assert _relative(mine[1], values[:, :, first:last]) <= 1e-5, (rank, rid, "values")
+            assert relative(mine[0], keys[:, :, first:last]) <= 1e-5, (rank, rid, "keys")
+            assert relative(mine[1], values[:, :, first:last]) <= 1e-5, (rank, rid, "values")
 
 
 @pytest.mark.parametrize("case", LOCKSTEP_CASES)
@@ -396,7 +272,7 @@ def test_the_admission_thread_numbers_each_settle_job_as_it_runs_it():
 
     model, tokenizer = tiny_model("llama", num_key_value_heads=2), embedded_tokenizer()
     sharing = Sharing(model, tokenizer, served("kvcmas"), min_segment_tokens=4)
-    stream, channel = OpStream(1), _Collect()
+    stream, channel = OpStream(1), Collect()
     stream.connect(0, channel)
     background = Background(Lockstep(sharing, stream))
     try:
@@ -427,10 +303,10 @@ def test_no_op_carries_a_tensor(lockstep_runs):
     for ops in lockstep_runs["streams"].values():
         assert all(set(op) >= {"op", "seq", "request_id"} for op in ops)
         assert [op["seq"] for op in ops] == list(range(len(ops)))
-    # JSON round trip in _Collect: a tensor would not have passed
+    # JSON round trip in Collect: a tensor would not have passed
 
 
-class _Refusing(_Collect):
+class _Refusing(Collect):
     def __init__(self, refuse):
         super().__init__()
         self.refuse = refuse
@@ -444,7 +320,7 @@ class _Refusing(_Collect):
 
 def test_the_stream_waits_for_every_rank_and_retries_in_order():
     stream = OpStream(2, max_backlog=8)
-    slow, fast = _Refusing(3), _Collect()
+    slow, fast = _Refusing(3), Collect()
     stream.op("release", request_id="a")  # no rank connected yet: held
     stream.connect(0, fast)
     stream.connect(1, slow)  # refuses three times: retried at the next ops and steps, in order
@@ -514,61 +390,6 @@ def test_the_replicas_switch_reaches_the_connector(tmp_path, capsys, monkeypatch
 
 
 # ---------------------------------------------------------------------------------- serving lane (live)
-LIVE_MODEL = "random:small-llama"  # 4 KV heads of size 64: 2 per rank at TP = 2 (test_serving_tp.py's)
-LIVE_AGENTS = {
-    "planner": "You are a careful planner. ",
-    "critic": "You are the critic of the plan. ",
-    "writer": "You write the guide up. ",
-}
-LIVE_DOC = (
-    "The river Lune flows through Lancaster and reaches the sea at Plover Scar near Glasson, "
-    "after passing under the old aqueduct that carries the canal. "
-) * 4
-LIVE_NOTES = " Notes:"
-LIVE_QUESTION = " What should we do next? Answer:"
-LIVE_OPTIONS = {"tau": 0.99}
-
-
-def _live_ids(server, text):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(server.model_dir)(text, add_special_tokens=False)["input_ids"]
-
-
-def _kvcmas_run(server, tasks=3, max_tokens=8):
-    """Each task: three agents, each reading the document and the outputs before it (explicit layout by
-    positions; an output cut by its length is read but its last token, which follows as plain text),
-    each request after the last one's record. Per request: tokens, claim, supplied count, gate outcomes."""
-    from live_server import post, report_lines
-
-    doc, notes, question = (_live_ids(server, t) for t in (LIVE_DOC, LIVE_NOTES, LIVE_QUESTION))
-    out, done = [], 0
-    for task in range(tasks):
-        outputs = []
-        for agent, system in LIVE_AGENTS.items():
-            ids = _live_ids(server, system)
-            segments = [{"slot": "doc", "start": len(ids), "end": len(ids) + len(doc)}]
-            ids += doc
-            for name, tokens, cut in outputs:
-                ids += notes
-                read = tokens[:-1] if cut else tokens
-                segments.append({"slot": name, "start": len(ids), "end": len(ids) + len(read)})
-                ids += tokens
-            ids += question
-            layout = {"task": f"t{task}", "agent": agent, "segments": segments, "output": agent}
-            body = {"model": server.model_dir, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
-            body.update(return_token_ids=True, kv_transfer_params={"hf_kvshare": layout})
-            status, reply = post(server, "/v1/completions", body)
-            assert status == 200, reply
-            choice = reply["choices"][0]
-            outputs.append((agent, choice["token_ids"], choice.get("finish_reason") == "length"))
-            done += 1
-            line = report_lines(server, done)[-1]
-            gates = [s.get("gate", {}).get("gate") for s in line.get("segments", []) if s.get("kind") == "PH"]
-            out.append((choice["token_ids"], line.get("claimed"), line.get("supplied_tokens"), gates))
-    return out, report_lines(server, done)[-1]["store"]
-
-
 def _kvcmas_server(folder, tp):
     from live_server import start_server
 
@@ -593,7 +414,7 @@ def test_kvcmas_at_two_ranks_runs_replicas_in_step_and_decides_as_one_rank(tmp_p
     for tp in (1, 2):  # one server at a time
         server = _kvcmas_server(tmp_path_factory.mktemp(f"kvcmas-tp{tp}"), tp)
         try:
-            runs[tp] = _kvcmas_run(server)
+            runs[tp] = kvcmas_live_run(server)
         finally:
             server.stop()
     (one, _), (two, store) = runs[1], runs[2]
@@ -759,7 +580,7 @@ def test_a_silent_leader_stops_the_sharing_never_hangs_it():
     method = served("kvcmas")
     method.run_on_shard(follower_shard(values.take))
     sharing = Sharing(tiny_model("llama", num_key_value_heads=2), tokenizer, method, min_segment_tokens=4)
-    stream, channel = OpStream(1), _Collect()
+    stream, channel = OpStream(1), Collect()
     stream.connect(0, channel)
     lockstep = Lockstep(sharing, stream)
     doc = ids_of(tokenizer, DOCS[0])

@@ -13,14 +13,13 @@ test runs a PP = 2 KVCMAS server on vLLM's CPU wheel against a TP = 1 one.
 from __future__ import annotations
 
 import pytest
-from anchors_trajectory import served
+from anchors_trajectory import relative, served
 from gloo_ranks import run_ranks
-from test_serving_lockstep import (
+from lockstep_trajectory import (
     LIVE_MODEL,
     LIVE_OPTIONS,
-    _kvcmas_run,
-    _relative,
     follower_run,
+    kvcmas_live_run,
     run_ops,
     scheduler_run,
 )
@@ -118,8 +117,8 @@ def test_each_stages_replica_claims_its_layers_of_the_schedulers_claimed_kv(stag
             mine_at, mine = got["claims"][rid]
             assert mine_at == at and mine is not None, rid
             assert mine[0].shape[0] == stop - start, (rank, rid, mine[0].shape)
-            assert _relative(mine[0], keys[start:stop]) <= 1e-5, (rank, rid, "keys")
-            assert _relative(mine[1], values[start:stop]) <= 1e-5, (rank, rid, "values")
+            assert relative(mine[0], keys[start:stop]) <= 1e-5, (rank, rid, "keys")
+            assert relative(mine[1], values[start:stop]) <= 1e-5, (rank, rid, "values")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -201,7 +200,7 @@ def test_kvcmas_at_two_stages_runs_replicas_in_step_and_decides_as_one_rank(tmp_
             name=f"pp{pp}",
         )
         try:
-            runs[pp] = _kvcmas_run(server)
+            runs[pp] = kvcmas_live_run(server)
         finally:
             server.stop()
     (one, _), (two, store) = runs[1], runs[2]

@@ -15,7 +15,14 @@ import json
 import time
 
 import pytest
-from live_server import post, reset_prefix_cache, start_server, stopped_after
+from live_server import (
+    EMBEDDED_MAX_BYTES,
+    EMBEDDED_METHOD,
+    EMBEDDED_OPTIONS,
+    embedded_server,
+    post,
+    reset_prefix_cache,
+)
 
 pytestmark = [
     pytest.mark.serving,
@@ -25,9 +32,7 @@ pytestmark = [
     ),
 ]
 
-METHOD = "fullshared"
-OPTIONS = {"prefix_reuse": True}
-MAX_BYTES = 64 << 20
+METHOD, OPTIONS, MAX_BYTES = EMBEDDED_METHOD, EMBEDDED_OPTIONS, EMBEDDED_MAX_BYTES
 SYS1 = "You are a careful planner. "
 DOC = (
     "The river Lune flows through Lancaster and reaches the sea at Plover Scar near Glasson, "
@@ -39,8 +44,7 @@ Q2 = " Summary in five words:"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve")
-    yield from stopped_after(start_server(folder, "smollm2-135m", METHOD, OPTIONS, max_bytes=MAX_BYTES))
+    yield from embedded_server(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")

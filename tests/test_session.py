@@ -6,19 +6,11 @@ import warnings
 
 import pytest
 import torch
-from tiny import QUERY, roles, tiny_model
+from tiny import QUERY, plain_generate, roles, tiny_model
 
 from hf_kvshare import METHODS, PF, PH, Method, Session, SharedCache, cache_kwargs, chat
 from hf_kvshare._compat import CACHE_KWARG
 from hf_kvshare.evaluation.metrics import kv_error
-
-
-def plain_generate(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=n, do_sample=False
-        )
-    return out[0, ids.numel() :]
 
 
 def test_registry_has_foundation_methods():

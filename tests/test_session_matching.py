@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_session import plain_generate
-from tiny import METHOD_OPTIONS, tiny_model
+from tiny import METHOD_OPTIONS, plain_generate, tiny_model
 
 from hf_kvshare import PF, PH, Session
 from hf_kvshare.evaluation.metrics import kv_error

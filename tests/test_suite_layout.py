@@ -5,6 +5,9 @@
 - a helper is written once: no top-level function or class (other than a test) of five or more lines
   stands, identical, in two modules under ``tests/`` (it belongs in a helper module: ``tiny.py``,
   ``vision_helpers.py``, ``adversarial.py``, ``bench_helpers.py``, ...; fixtures in ``conftest.py``);
+- no module under ``tests/`` imports a test module (``test_*.py``), not even inside a function (a helper's
+  ``if __name__ == "__main__":`` script excepted): what two modules share is a helper module's (a test
+  module imported by another brings its fixtures, marks and module-level set-up into the importer);
 - the connector's stand-ins are written once (``serving_stand_ins.py``: a worker's announcement, a worker
   over stand-in paged caches, a ``deliver`` recorder) and the serving lane's live server of the vLLM and
   tensor-parallel modules starts through ``live_server.py``;
@@ -66,6 +69,51 @@ def test_no_helper_is_copied_between_test_modules():
     assert not copies, "helpers copied between test modules (move them to a helper module):\n" + "\n".join(
         ", ".join(group) for group in copies
     )
+
+
+def _outside_main(tree: ast.AST):
+    """Every node of ``tree`` but those of its ``if __name__ == "__main__":`` blocks."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+            for other in node.orelse:
+                yield other
+                yield from _outside_main(other)
+            continue
+        yield node
+        yield from _outside_main(node)
+
+
+def imported_test_modules(sources: dict[str, str]) -> list[str]:
+    """``module:line test_module`` of each import, at any depth, of a test module (``test_*``) in ``sources``
+    (outside ``if __name__ == "__main__":`` blocks: a helper run as a script may gather the tests' cases)."""
+    found = []
+    for module, source in sorted(sources.items()):
+        for node in _outside_main(parsed(source)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            found += [f"{module}:{node.lineno} {n}" for n in names if n.split(".")[0].startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    sources = {p.name: p.read_text() for p in sorted(TESTS.glob("*.py"))}
+    found = imported_test_modules(sources)
+    assert not found, (
+        f"test modules imported by other modules (move what they share to a helper module): {found}"
+    )
+    cases = {
+        "test_a.py": "from test_b import helper\nimport tiny\n",
+        "test_c.py": "def test_x():\n    import test_d as d\n    from tiny import tiny_model\n",
+        "tiny.py": "from test_e import x\nfrom testing import y\n",
+        "adversarial.py": "if __name__ == '__main__':\n    import test_f\nelse:\n    import test_g\n",
+    }
+    assert imported_test_modules(cases) == [
+        "adversarial.py:4 test_g",
+        "test_a.py:1 test_b",
+        "test_c.py:2 test_d",
+        "tiny.py:1 test_e",
+    ]
 
 
 def test_the_finders_find_them():

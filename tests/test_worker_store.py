@@ -653,7 +653,7 @@ def test_a_tensor_parallel_rank_adds_its_own_heads_of_the_delta():
 
 def test_a_corrected_spans_factors_are_checked_finite_in_one_host_read(tiny_llama):
     """Every layer's factors (keys and values) checked in one read: one device sync per corrected span."""
-    from test_host_syncs import counting_host_reads
+    from host_reads import counting_host_reads
 
     from hf_kvshare.serving.worker_store import corrected_origin
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -39,17 +40,37 @@ def tiny_config(arch: str = "llama", **overrides):
     raise ValueError(arch)
 
 
+#: (arch, seed, overrides) -> (the model as built, the CPU generator's state after the build), the most
+#: recent :data:`_BUILT_KEPT` (a model of the tiny config holds ~25 MB, its 49152-token embeddings)
+_BUILT: OrderedDict = OrderedDict()
+_BUILT_KEPT = 8
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    config = tiny_config(arch, **overrides)
-    cls = LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM
-    model = cls(config).eval()
-    if arch == "qwen2":  # random init leaves biases at zero: make them matter
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.5)
-    return model
+    """A tiny random model (``TINY`` with ``overrides``), its weights drawn after ``torch.manual_seed(seed)``.
+
+    Built once per process and arguments (~50 CPU-ms each: the embeddings' random draw; the suite asks
+    for the same few again and again, each gloo rank ~15 times): a later call gets a deep copy of the
+    built model (~7 CPU-ms) and leaves the global generator where the build left it, as a build does."""
+    key = (arch, seed, repr(sorted(overrides.items())))
+    if key not in _BUILT:
+        torch.manual_seed(seed)
+        config = tiny_config(arch, **overrides)
+        cls = LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM
+        model = cls(config).eval()
+        if arch == "qwen2":  # random init leaves biases at zero: make them matter
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("bias"):
+                        p.normal_(0, 0.5)
+        _BUILT[key] = (model, torch.get_rng_state())
+        while len(_BUILT) > _BUILT_KEPT:
+            _BUILT.popitem(last=False)
+    _BUILT.move_to_end(key)
+    model, state = _BUILT[key]
+    torch.manual_seed(seed)  # every device's generator as a build leaves it, the CPU one at its state after
+    torch.set_rng_state(state)
+    return copy.deepcopy(model)
 
 
 #: name -> the embedded tokenizer as read once in this process (one entry: the embedded model's)
@@ -97,6 +118,15 @@ def _read_embedded_tokenizer(name: str):
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # read-only home: read the GGUF on every run
     return tok
+
+
+def plain_generate(model, ids, n):
+    """``n`` greedy tokens of plain ``generate`` after ``ids`` (1-D): the reference a method must equal."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=n, do_sample=False
+        )
+    return out[0, ids.numel() :]
 
 
 # -------------------------------------------- a three-agent workflow the tests share
