@@ -25,14 +25,15 @@ from anchors_trajectory import (
     counted,
     embedded_tokenizer,
     engine_run,
+    follow,
     one_rank_runs,
     pool_numbers,
+    relative,
     served,
     sharing_for,
     trajectory,
 )
 from gloo_ranks import run_ranks
-from test_anchors_follower import follow
 from tiny import tiny_model
 
 from hf_kvshare.anchors.lowrank import any_rank
@@ -51,16 +52,6 @@ WORLD = TP * PP
 CASES = ("kvcmas", "kvcmas-guard", "kvcomm", "kvcmas-replicated", "kvcmas-small")
 #: the rank whose read-back holds a NaN in the refusal's case: stage 1, tensor-parallel rank 1
 POISONED = 3
-#: what the forkserver imports once for every rank when this module starts it (4 ranks on 2 cores: each
-#: rank's own ~4 CPU-s of imports otherwise). Package modules only: Python 3.11's forkserver ignores the
-#: parent's sys.path, so a test module there would fail to import, silently
-PRELOAD = (
-    "hf_kvshare.anchors.sharded",
-    "hf_kvshare.method",
-    "hf_kvshare.serving.host",
-    "hf_kvshare.serving.replica",
-    "transformers.models.llama.modeling_llama",
-)
 
 
 def place(rank: int, kv_heads: int) -> tuple[int, int, int, int, int]:
@@ -161,16 +152,12 @@ def _non_finite_on_one_rank(rank: int, base: StageShard, tokenizer, head_dim: in
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> list[dict]:
-    return run_ranks(_grid_main, WORLD, tmp_path_factory.mktemp("anchors-grid"), preload=PRELOAD)
+    return run_ranks(_grid_main, WORLD, tmp_path_factory.mktemp("anchors-grid"))
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict:
     return one_rank_runs(tmp_path_factory)
-
-
-def _relative(x: torch.Tensor, y: torch.Tensor) -> float:
-    return float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
 
 
 def test_the_groups_are_the_stages_tensor_parallel_ranks_and_each_tensor_parallel_ranks_stages(grid):
@@ -205,7 +192,7 @@ def test_every_rank_decides_and_claims_what_one_rank_does(grid, one_rank, case):
                     assert got[side] is None, where
                     continue
                 assert got[side].shape[0] == stop - start and got[side].shape[2] == last - first, where
-                assert _relative(got[side], want[side][start:stop, :, first:last]) <= 1e-5, (where, side)
+                assert relative(got[side], want[side][start:stop, :, first:last]) <= 1e-5, (where, side)
     gates = [[step["gates"] for step in grid[rank][case]["steps"]] for rank in range(WORLD)]
     assert all(g == gates[0] for g in gates)  # the same numbers on every rank, bit for bit
     if case == "kvcmas":  # the factors of a layer's columns are sharded over the stage's heads

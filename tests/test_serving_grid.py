@@ -15,15 +15,13 @@ published values sends the one-rank op stream. The serving lane's live test runs
 from __future__ import annotations
 
 import pytest
-from anchors_trajectory import served
+from anchors_trajectory import relative, served
 from gloo_ranks import run_ranks
-from test_anchors_grid import PRELOAD
-from test_serving_lockstep import (
+from lockstep_trajectory import (
     LIVE_MODEL,
     LIVE_OPTIONS,
-    _kvcmas_run,
-    _relative,
     follower_run,
+    kvcmas_live_run,
     run_ops,
     scheduler_run,
 )
@@ -104,7 +102,7 @@ def grid_runs(tmp_path_factory) -> dict:
         runs.append((case, ops, read_backs, 1))  # shuffled
         if case == "kvcmas":
             runs.append((case, ops, read_backs, None))  # in order, claims taken
-    results = run_ranks(_grid_main, WORLD, tmp_path_factory.mktemp("grid"), runs, preload=PRELOAD)
+    results = run_ranks(_grid_main, WORLD, tmp_path_factory.mktemp("grid"), runs)
     first = {"kvcmas": 0, "kvcomm": 2}  # each case's shuffled run
     return {"streams": streams, "ranks": results, "claims": claims, "traces": traces, "first": first}
 
@@ -136,8 +134,8 @@ def test_each_ranks_replica_claims_its_heads_of_its_layers_of_the_schedulers_cla
             mine_at, mine = got["claims"][rid]
             assert mine_at == at and mine is not None, rid
             assert mine[0].shape[0] == stop - start and mine[0].shape[2] == last - first, (rank, rid)
-            assert _relative(mine[0], keys[start:stop, :, first:last]) <= 1e-5, (rank, rid, "keys")
-            assert _relative(mine[1], values[start:stop, :, first:last]) <= 1e-5, (rank, rid, "values")
+            assert relative(mine[0], keys[start:stop, :, first:last]) <= 1e-5, (rank, rid, "keys")
+            assert relative(mine[1], values[start:stop, :, first:last]) <= 1e-5, (rank, rid, "values")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -198,7 +196,7 @@ def test_kvcmas_at_tp2_pp2_runs_replicas_in_step_and_decides_as_one_rank(tmp_pat
             name="tp2-pp2" if grid else "tp1",
         )
         try:
-            runs[grid] = _kvcmas_run(server)
+            runs[grid] = kvcmas_live_run(server)
         finally:
             server.stop()
     (one, _), (four, store) = runs[False], runs[True]

@@ -350,7 +350,9 @@ def test_which_servers_run_replicas():
     assert wants_replicas("kvcmas", 2, 1, {})
     assert wants_replicas("kvcomm", 4, 1, {})
     assert not wants_replicas("kvcmas", 1, 1, {})  # one rank: the scheduler holds every head
-    assert not wants_replicas("kvcmas", 2, 2, {})  # pipeline parallel keeps the RankAssembly path
+    assert wants_replicas(
+        "kvcmas", 2, 2, {}
+    )  # and at TP x PP: a replica per rank's heads of its stage's layers
     assert not wants_replicas("fullshared", 2, 1, {})  # value-free: nothing to compute on values
     assert not wants_replicas("kvcmas", 2, 1, {"worker_replicas": False})
     with pytest.raises(ValueError, match="true or false"):

@@ -140,7 +140,7 @@ def test_which_servers_run_stage_replicas():
     assert wants_replicas("kvcmas", 1, 2, {})  # a replica per stage's layers
     assert wants_replicas("kvcomm", 1, 4, {})
     assert wants_replicas("kvcmas", 2, 1, {})  # a replica per rank's heads
-    assert not wants_replicas("kvcmas", 2, 2, {})  # both at once: the RankAssembly path
+    assert wants_replicas("kvcmas", 2, 2, {})  # both at once: each rank's heads of its stage's layers
     assert not wants_replicas("fullshared", 1, 2, {})  # value-free
     assert not wants_replicas("kvcmas", 1, 2, {"worker_replicas": False})
     assert not wants_replicas("kvcmas", 1, 2, {"read_back_channel": False})
