@@ -168,6 +168,24 @@ def test_a_stages_skeleton_has_its_layers_and_their_per_layer_lists(tmp_path):
         stage_overrides(str(tmp_path), 0, 2)
 
 
+def test_a_later_stage_keeps_the_attention_kinds_a_rule_on_the_models_layer_index_gave(tmp_path):
+    """Qwen2 slides its window from layer ``max_window_layers`` on: a rule on the model's layer index, which
+    its config states per layer (``layer_types``). A later stage's skeleton takes those entries, so stage
+    ``[2, 4)`` slides on both its layers (the rule applied to its own indices 0, 1 would slide on none)."""
+    from hf_kvshare.serving.host import skeleton_model
+
+    config = tiny_model("qwen2").config
+    config.num_hidden_layers, config.use_sliding_window, config.sliding_window = 4, True, 8
+    config.max_window_layers = 2
+    config.layer_types = None  # derived from the rule, as a checkpoint's config is
+    config = type(config)(**config.to_dict())
+    assert config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    config.save_pretrained(tmp_path)
+    for start, stop in ((0, 2), (2, 4)):
+        skeleton = skeleton_model(tmp_path, **stage_overrides(str(tmp_path), start, stop))
+        assert skeleton.config.layer_types == config.layer_types[start:stop], (start, stop)
+
+
 # ---------------------------------------------------------------------------------- serving lane (live)
 @pytest.mark.serving
 @pytest.mark.skipif(
