@@ -331,6 +331,13 @@ def _correction_non_finite_on_one_rank(rank: int, tokenizer, head_dim: int) -> d
     method.run_on_shard(shard)
     sharing = sharing_for("kvcmas", tiny_model("llama", num_key_value_heads=last - first), tokenizer, method)
     run = engine_run(tiny_model("llama"), slice(first, last), _gather_heads(1))
+    return {**corrections_non_finite_on_rank_1(rank, shard, sharing, tokenizer, run), "published": published}
+
+
+def corrections_non_finite_on_rank_1(rank: int, shard: Any, sharing: Sharing, tokenizer, run: Run) -> dict:
+    """``sharing``'s KVCMAS trajectory on ``shard`` until a plan is refused, every correction rank 1
+    computes non-finite (its part of the K/V only); ``paired``: whether one more collective after it
+    pairs up (only if every rank made the same ones before it)."""
     write_layer = CorrectedKV.write_layer
 
     def poisoned(self, layer, keys_out, values_out):
@@ -343,9 +350,7 @@ def _correction_non_finite_on_one_rank(rank: int, tokenizer, head_dim: int) -> d
         steps = trajectory(sharing, tokenizer, run, until_refused=True)
     finally:
         CorrectedKV.write_layer = write_layer
-    # one more collective: answered alike only if both ranks made the same ones before it
-    paired = any_rank(rank == 1, shard)
-    return {"steps": steps, "errors": sharing.errors, "published": published, "paired": paired}
+    return {"steps": steps, "errors": sharing.errors, "paired": any_rank(rank == 1, shard)}
 
 
 # ------------------------------------------------------------------------------------ the follower

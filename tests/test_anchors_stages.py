@@ -19,6 +19,7 @@ import torch.distributed as dist
 from anchors_trajectory import (
     assert_same_gates,
     assert_same_pools,
+    corrections_non_finite_on_rank_1,
     counted,
     embedded_tokenizer,
     engine_run,
@@ -83,6 +84,7 @@ def _stage_main(rank: int) -> dict:
             "counted": counted(sharing),
         }
     results["nan"] = _non_finite_on_one_stage(rank, tokenizer, layers)
+    results["nan-correction"] = _correction_non_finite_on_one_stage(rank, tokenizer, group, layers)
     return results
 
 
@@ -101,6 +103,20 @@ def _non_finite_on_one_stage(rank: int, tokenizer, layers: int) -> dict:
 
     step = trajectory(sharing, tokenizer, nan_on_rank_1(rank, run), requests=1)[0]
     return {"error": step["error"], "errors": sharing.errors, "out": step["out"], "published": published}
+
+
+def _correction_non_finite_on_one_stage(rank: int, tokenizer, group, layers: int) -> dict:
+    """KVCMAS's trajectory with every correction stage 1 computes non-finite (its layers only): the
+    first plan that computes one is refused on every stage."""
+    start, stop = STAGES[rank]
+    shard = StageShard(group, start, stop, layers)
+    method = served("kvcmas")
+    method.run_on_shard(shard)
+    sharing = sharing_for("kvcmas", tiny_model("llama", num_hidden_layers=stop - start), tokenizer, method)
+    run = engine_run(
+        tiny_model("llama"), slice(None), _gather_layers(start, stop, layers), slice(start, stop)
+    )
+    return corrections_non_finite_on_rank_1(rank, shard, sharing, tokenizer, run)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +187,16 @@ def test_a_nan_in_one_stages_layers_refuses_the_record_on_every_stage(stages):
     # stage 1 names the model's layer (its first, the model's 2), stage 0 the other rank
     assert "NaN or inf) in layer 2 (values)" in stages[1]["nan"]["error"]
     assert "another tensor- or pipeline-parallel rank's K/V" in stages[0]["nan"]["error"]
+
+
+def test_a_correction_non_finite_in_one_stages_layers_refuses_the_plan_on_every_stage(stages):
+    """Stage 1's corrections NaN: the plan that computes one is refused on both stages, stage 1 naming
+    the model's layer (its first, 2), stage 0 the other stage's K/V; their collectives still pair."""
+    mine, other = stages[0]["nan-correction"], stages[1]["nan-correction"]
+    assert len(mine["steps"]) == len(other["steps"]) > 1 and mine["errors"] == other["errors"] == 1
+    assert "NaN or inf) in layer 2 (values)" in other["steps"][-1]["error"]
+    assert "another tensor- or pipeline-parallel rank's K/V" in mine["steps"][-1]["error"]
+    assert mine["paired"] is other["paired"] is True
 
 
 def test_a_stage_outside_the_model_is_refused():
