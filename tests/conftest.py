@@ -113,6 +113,13 @@ def pytest_collection_finish(session):
             carry_the_group_in_the_node_id(item)
 
 
+def _spawns_ranks(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(
+        getattr(defs[-1].func, "spawns_ranks", False) for defs in info.name2fixturedefs.values()
+    )
+
+
 def _uses_a_module_fixture(item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     return info is not None and any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
@@ -121,7 +128,8 @@ def _uses_a_module_fixture(item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """A test using the embedded model is `real_model` even if its file forgot the mark (so that
-    `-m "not real_model"` never loads it); GPU-only tests are skipped where CUDA is unavailable.
+    `-m "not real_model"` never loads it); a test using a fixture that spawns gloo ranks
+    (``gloo_ranks.spawns_ranks``) is `gloo_ranks`; GPU-only tests are skipped where CUDA is unavailable.
 
     Under ``pytest -n 2 --dist loadgroup`` (.ci/run) the tests of a module that use one of its
     module-scoped fixtures (a bench run, a tiny VLM) go to one worker, so that the fixture is built
@@ -130,6 +138,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "real" in getattr(item, "fixturenames", ()) and "real_model" not in item.keywords:
             item.add_marker(pytest.mark.real_model)
+        if _spawns_ranks(item):
+            item.add_marker(pytest.mark.gloo_ranks)
     if getattr(config.option, "loadgroup", False):
         for item in items:
             if _uses_a_module_fixture(item) and item.get_closest_marker("xdist_group") is None:

@@ -23,6 +23,14 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 
+def spawns_ranks(fixture_function: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a fixture function that spawns gloo ranks (:func:`run_ranks`, under ``@pytest.fixture``): every
+    test using it, directly or through another fixture, is marked ``gloo_ranks`` (tests/conftest.py),
+    which the fast lane leaves to the full suite."""
+    fixture_function.spawns_ranks = True
+    return fixture_function
+
+
 def _rank(rank: int, main: Callable[..., Any], world: int, folder: str, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -18,6 +18,7 @@ from anchors_trajectory import (
     stand_ins,
     trajectory,
 )
+from gloo_ranks import spawns_ranks
 from tiny import embedded_tokenizer, tiny_model
 
 from hf_kvshare.anchors.lowrank import any_rank, column_sum, columns, factorize, kept_rank
@@ -82,6 +83,7 @@ pytestmark = pytest.mark.xdist_group(GROUP)  # with test_anchors_spmd (the ranks
 
 
 @pytest.fixture(scope="session")  # session, not module: the module's xdist group is GROUP, the spawn's
+@spawns_ranks
 def ranks(tmp_path_factory) -> list[dict]:
     return rank_runs(tmp_path_factory)
 

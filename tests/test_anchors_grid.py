@@ -33,7 +33,7 @@ from anchors_trajectory import (
     sharing_for,
     trajectory,
 )
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, spawns_ranks
 from tiny import tiny_model
 
 from hf_kvshare.anchors.lowrank import any_rank
@@ -151,6 +151,7 @@ def _non_finite_on_one_rank(rank: int, base: StageShard, tokenizer, head_dim: in
 
 
 @pytest.fixture(scope="module")
+@spawns_ranks
 def grid(tmp_path_factory) -> list[dict]:
     return run_ranks(_grid_main, WORLD, tmp_path_factory.mktemp("anchors-grid"))
 

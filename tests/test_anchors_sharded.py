@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, spawns_ranks
 from torch._lowrank import get_approximate_basis
 
 from hf_kvshare.anchors import Anchor, FactoredKV, MatrixFactors, gate_distances, reliability_gate, to_heads
@@ -181,6 +181,7 @@ def _rank_main(rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
+@spawns_ranks
 def ranks(tmp_path_factory) -> list[dict]:
     """Every rank's results of every case (one group of :data:`WORLD` gloo processes for the module)."""
     return run_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("sharded"))

@@ -29,12 +29,14 @@ from anchors_trajectory import (
     relative,
     served,
 )
+from gloo_ranks import spawns_ranks
 
 # with the follower's module on one worker where xdist groups (the ranks spawn once per run either way)
 pytestmark = pytest.mark.xdist_group(GROUP)
 
 
 @pytest.fixture(scope="module")
+@spawns_ranks
 def ranks(tmp_path_factory) -> list[dict]:
     return rank_runs(tmp_path_factory)
 

@@ -32,7 +32,7 @@ from anchors_trajectory import (
     sharing_for,
     trajectory,
 )
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, spawns_ranks
 from tiny import tiny_model
 
 from hf_kvshare.anchors.lowrank import any_rank
@@ -120,6 +120,7 @@ def _correction_non_finite_on_one_stage(rank: int, tokenizer, group, layers: int
 
 
 @pytest.fixture(scope="module")
+@spawns_ranks
 def stages(tmp_path_factory) -> list[dict]:
     return run_ranks(_stage_main, WORLD, tmp_path_factory.mktemp("anchors-stages"))
 

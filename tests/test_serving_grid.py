@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 from anchors_trajectory import relative, served
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, spawns_ranks
 from lockstep_trajectory import (
     LIVE_MODEL,
     LIVE_OPTIONS,
@@ -94,6 +94,7 @@ def _grid_main(rank: int, runs: list) -> dict:
 
 
 @pytest.fixture(scope="module")
+@spawns_ranks
 def grid_runs(tmp_path_factory) -> dict:
     runs, streams, claims, traces = [], {}, {}, {}
     for case in CASES:

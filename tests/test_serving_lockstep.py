@@ -31,7 +31,7 @@ from anchors_trajectory import (
     request_of,
     served,
 )
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, spawns_ranks
 from lockstep_trajectory import (
     LIVE_MODEL,
     LIVE_OPTIONS,
@@ -108,6 +108,7 @@ def _swapped(ops: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+@spawns_ranks
 def lockstep_runs(tmp_path_factory) -> dict:
     runs, streams = [], {}
     claims, traces, held = {}, {}, {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from anchors_trajectory import relative, served
-from gloo_ranks import run_ranks
+from gloo_ranks import run_ranks, spawns_ranks
 from lockstep_trajectory import (
     LIVE_MODEL,
     LIVE_OPTIONS,
@@ -76,6 +76,7 @@ def _stage_main(rank: int, runs: list) -> dict:
 
 
 @pytest.fixture(scope="module")
+@spawns_ranks
 def stage_runs(tmp_path_factory) -> dict:
     runs, streams, claims, traces = [], {}, {}, {}
     for case in CASES:

@@ -12,7 +12,9 @@
   over stand-in paged caches, a ``deliver`` recorder) and the serving lane's live server of the vLLM and
   tensor-parallel modules starts through ``live_server.py``;
 - the fast lane is one marker expression: README's fast-lane command and ``.ci/run``'s run on the floor
-  transformers deselect the embedded-model tests with the same ``-m "not real_model"``;
+  transformers deselect the embedded-model and gloo-rank tests with the same
+  ``-m "not real_model and not gloo_ranks"``; every fixture that spawns gloo ranks (calls ``run_ranks`` or
+  ``rank_runs``) is decorated ``spawns_ranks``, so that its tests are marked ``gloo_ranks``;
 - the live parallel shapes are one parametrized pair: ``test_serving_tp.py``'s live checks take the module
   fixture ``parallel_server``, parametrized by ``PARALLEL_SHAPES`` (one server at a time); no test or
   fixture starts a shape of its own.
@@ -129,6 +131,8 @@ def test_the_finders_find_them():
     assert copied_helpers(sources) == [["a.py:strip", "b.py:strip"]]
 
 
+#: what the fast lane leaves out: the embedded-model tests and those that spawn gloo ranks (conftest marks both)
+FAST_LANE_MARKERS = "not real_model and not gloo_ranks"
 #: the fast lane's marker expression, in a pytest command line of README.md or .ci/run
 FAST_LANE = re.compile(r"""pytest[^\n]*-m\s+["']([^"']+)["']""")
 
@@ -143,12 +147,47 @@ def test_the_fast_lane_is_one_marker_expression():
     root = TESTS.parent
     readme = fast_lane_expressions((root / "README.md").read_text())
     ci = fast_lane_expressions((root / ".ci" / "run").read_text())
-    assert readme == ci == {"not real_model"}, (readme, ci)
+    assert readme == ci == {FAST_LANE_MARKERS}, (readme, ci)
 
 
 def test_the_fast_lane_finder_finds_it():
-    text = 'python -m pytest -q -m "not real_model" -n 2\npython -m pytest -m serving tests/x.py\n'
-    assert fast_lane_expressions(text) == {"not real_model"}
+    text = f'python -m pytest -q -m "{FAST_LANE_MARKERS}" -n 2\npython -m pytest -m serving tests/x.py\n'
+    assert fast_lane_expressions(text) == {FAST_LANE_MARKERS}
+
+
+#: the calls that spawn gloo ranks (tests/gloo_ranks.py, tests/anchors_trajectory.py)
+SPAWNS = {"run_ranks", "rank_runs"}
+
+
+def unmarked_spawning_fixtures(sources: dict[str, str]) -> list[str]:
+    """``module:fixture`` of each fixture (a function decorated ``pytest.fixture``) that calls one of
+    :data:`SPAWNS` and is not decorated ``spawns_ranks``."""
+    found = []
+    for name, source in sources.items():
+        for node in ast.walk(parsed(source)):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            decorators = {ast.unparse(d) for d in node.decorator_list}
+            if not any("fixture" in d for d in decorators) or "spawns_ranks" in decorators:
+                continue
+            calls = {ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)}
+            if calls & SPAWNS:
+                found.append(f"{name}:{node.name}")
+    return found
+
+
+def test_every_fixture_that_spawns_gloo_ranks_marks_its_tests():
+    sources = {p.name: p.read_text() for p in sorted(TESTS.glob("*.py"))}
+    unmarked = unmarked_spawning_fixtures(sources)
+    assert not unmarked, (
+        f"fixtures that spawn gloo ranks without @spawns_ranks (the fast lane would run them): {unmarked}"
+    )
+
+
+def test_the_spawning_fixture_finder_finds_them():
+    spawning = "import pytest\n\n@pytest.fixture(scope='module')\n{}def ranks(f):\n    return run_ranks(main, 2, f)\n"
+    assert unmarked_spawning_fixtures({"a.py": spawning.format("")}) == ["a.py:ranks"]
+    assert unmarked_spawning_fixtures({"a.py": spawning.format("@spawns_ranks\n")}) == []
 
 
 #: the connector's stand-ins, written once (tests/serving_stand_ins.py): a worker's announcement to the
