@@ -181,6 +181,26 @@ def assert_same_gates(got: list, want: list, where: str) -> None:
                 assert mine[key] == value, (where, key)
 
 
+def assert_same_steps(got: list[dict], want: list[dict], who: str, part: tuple[slice, ...]) -> None:
+    """A member's trajectory against one rank's, request by request: the same claims, placements, outputs,
+    stores, errors and gates, and its K/V the part of one rank's it holds (``part``, the index of its
+    layers and heads in ``[layers, rows, heads, head_dim]``) to 1e-5 (``who``: the member, in a failure's
+    message)."""
+    assert len(got) == len(want), who
+    for step, (mine, one) in enumerate(zip(got, want)):
+        where = f"{who}, request {step}"
+        for key in ("claim", "placed", "out", "stores", "error"):
+            assert mine[key] == one[key], (where, key)
+        assert_same_gates(mine["gates"], one["gates"], where)
+        for side in ("keys", "values"):
+            if one[side] is None:
+                assert mine[side] is None, where
+                continue
+            expected = one[side][part]
+            assert mine[side].shape == expected.shape, (where, side)
+            assert relative(mine[side], expected) <= 1e-5, (where, side)
+
+
 def assert_same_pools(got: dict, want: dict, rank: int) -> None:
     """A member's pools and their numbers (:func:`pool_numbers`) against one rank's: the same anchors, the
     numbers to round-off."""

@@ -12,9 +12,13 @@ from __future__ import annotations
 import functools
 import json
 import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from anchors_trajectory import DOCS, SYSTEMS, as_layers, counted, pool_numbers, request_of, served
+from gloo_ranks import run_ranks
 from tiny import embedded_tokenizer, tiny_model
 
 from hf_kvshare.serving.host import Sharing
@@ -207,3 +211,20 @@ def kvcmas_live_run(server, tasks=3, max_tokens=8):
             gates = [s.get("gate", {}).get("gate") for s in line.get("segments", []) if s.get("kind") == "PH"]
             out.append((choice["token_ids"], line.get("claimed"), line.get("supplied_tokens"), gates))
     return out, report_lines(server, done)[-1]["store"]
+
+
+def replica_runs(main: Callable[[int, list], Any], world: int, folder: Path, cases: tuple[str, ...]) -> dict:
+    """The lockstep scheduler's op stream of each of ``cases`` replayed on ``world`` gloo ranks
+    (``main(rank, runs)``, a run ``(case, ops, read_backs, shuffle)``): each case shuffled (its ops
+    arriving out of order), kvcmas in order too (its claims taken). The streams, every rank's results,
+    the scheduler's claims and traces, and each case's shuffled run's index (``first``)."""
+    runs, streams, claims, traces, first = [], {}, {}, {}, {}
+    for case in cases:
+        ops, read_backs, claims[case], outputs, _ = scheduler_run(case)
+        streams[case], traces[case] = ops, (read_backs, outputs)
+        first[case] = len(runs)
+        runs.append((case, ops, read_backs, 1))  # shuffled
+        if case == "kvcmas":
+            runs.append((case, ops, read_backs, None))  # in order, claims taken
+    results = run_ranks(main, world, folder, runs)
+    return {"streams": streams, "ranks": results, "claims": claims, "traces": traces, "first": first}

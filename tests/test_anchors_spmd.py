@@ -22,11 +22,10 @@ from anchors_trajectory import (
     CASES,
     GROUP,
     WORLD,
-    assert_same_gates,
     assert_same_pools,
+    assert_same_steps,
     one_rank_runs,
     rank_runs,
-    relative,
     served,
 )
 from gloo_ranks import spawns_ranks
@@ -61,18 +60,9 @@ def test_every_rank_decides_and_claims_what_one_rank_does(ranks, one_rank, case)
         first, last = mine["heads"]
         assert mine["collectives"]["all_reduces"] > 0
         assert mine["ranks"] == one_rank[case]["ranks"]  # the rank options clamped to the global D
-        assert len(mine["steps"]) == len(reference)
-        for step, (got, want) in enumerate(zip(mine["steps"], reference)):
-            where = f"{case}, rank {rank}, request {step}"
-            assert got["claim"] == want["claim"], where
-            assert got["placed"] == want["placed"], where
-            assert got["out"] == want["out"], where
-            assert_same_gates(got["gates"], want["gates"], where)
-            for side in ("keys", "values"):
-                if want[side] is None:
-                    assert got[side] is None, where
-                    continue
-                assert relative(got[side], want[side][:, :, first:last]) <= 1e-5, (where, side)
+        assert_same_steps(
+            mine["steps"], reference, f"{case}, rank {rank}", (slice(None), slice(None), slice(first, last))
+        )
     # every rank took its decisions on the same numbers, bit for bit
     gates = [[step["gates"] for step in ranks[rank][case]["steps"]] for rank in range(WORLD)]
     assert all(g == gates[0] for g in gates)

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from anchors_trajectory import (
-    assert_same_gates,
     assert_same_pools,
+    assert_same_steps,
     corrections_non_finite_on_rank_1,
     counted,
     embedded_tokenizer,
@@ -27,7 +27,6 @@ from anchors_trajectory import (
     nan_on_rank_1,
     one_rank_runs,
     pool_numbers,
-    relative,
     served,
     sharing_for,
     trajectory,
@@ -141,18 +140,7 @@ def test_every_stage_decides_and_claims_what_one_rank_does(stages, one_rank, cas
         assert mine["collectives"]["all_reduces"] > 0
         assert mine["collectives"]["all_gathers"] == 0  # a layer's factors are the stage's own
         assert mine["ranks"] == one_rank[case]["ranks"]  # the rank clamp: a layer's width
-        assert len(mine["steps"]) == len(reference)
-        for step, (got, want) in enumerate(zip(mine["steps"], reference)):
-            where = f"{case}, stage {rank}, request {step}"
-            for key in ("claim", "placed", "out", "stores", "error"):
-                assert got[key] == want[key], (where, key)
-            assert_same_gates(got["gates"], want["gates"], where)
-            for side in ("keys", "values"):
-                if want[side] is None:
-                    assert got[side] is None, where
-                    continue
-                assert got[side].shape[0] == stop - start, where
-                assert relative(got[side], want[side][start:stop]) <= 1e-5, (where, side)
+        assert_same_steps(mine["steps"], reference, f"{case}, stage {rank}", (slice(start, stop),))
     gates = [[step["gates"] for step in stages[rank][case]["steps"]] for rank in range(WORLD)]
     assert all(g == gates[0] for g in gates)  # the same numbers on every stage, bit for bit
 

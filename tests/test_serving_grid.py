@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import pytest
 from anchors_trajectory import relative, served
-from gloo_ranks import run_ranks, spawns_ranks
+from gloo_ranks import spawns_ranks
 from lockstep_trajectory import (
     LIVE_MODEL,
     LIVE_OPTIONS,
     follower_run,
     kvcmas_live_run,
+    replica_runs,
     run_ops,
-    scheduler_run,
 )
 from tiny import embedded_tokenizer, tiny_model
 
@@ -96,16 +96,7 @@ def _grid_main(rank: int, runs: list) -> dict:
 @pytest.fixture(scope="module")
 @spawns_ranks
 def grid_runs(tmp_path_factory) -> dict:
-    runs, streams, claims, traces = [], {}, {}, {}
-    for case in CASES:
-        ops, read_backs, claims[case], outputs, _ = scheduler_run(case)
-        streams[case], traces[case] = ops, (read_backs, outputs)
-        runs.append((case, ops, read_backs, 1))  # shuffled
-        if case == "kvcmas":
-            runs.append((case, ops, read_backs, None))  # in order, claims taken
-    results = run_ranks(_grid_main, WORLD, tmp_path_factory.mktemp("grid"), runs)
-    first = {"kvcmas": 0, "kvcomm": 2}  # each case's shuffled run
-    return {"streams": streams, "ranks": results, "claims": claims, "traces": traces, "first": first}
+    return replica_runs(_grid_main, WORLD, tmp_path_factory.mktemp("grid"), CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
