@@ -228,3 +228,14 @@ def replica_runs(main: Callable[[int, list], Any], world: int, folder: Path, cas
             runs.append((case, ops, read_backs, None))  # in order, claims taken
     results = run_ranks(main, world, folder, runs)
     return {"streams": streams, "ranks": results, "claims": claims, "traces": traces, "first": first}
+
+
+def verify_tokens_refusal(shard: Any) -> str:
+    """The error KVCMAS's ``run_on_shard`` gives with ``verify_tokens`` on ``shard`` ("" if it takes it)."""
+    method = served("kvcmas")
+    method.verify_tokens = 4
+    try:
+        method.run_on_shard(shard)
+    except ValueError as error:
+        return str(error)
+    return ""

@@ -24,6 +24,7 @@ from lockstep_trajectory import (
     kvcmas_live_run,
     replica_runs,
     run_ops,
+    verify_tokens_refusal,
 )
 from tiny import embedded_tokenizer, tiny_model
 
@@ -78,19 +79,11 @@ def _grid_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffle: 
     return {**counts, "part": (start, stop, first, last), "claims": claims, "published": published}
 
 
-def _verify_refused(rank: int) -> str:
-    """``verify_tokens`` on a rank of the grid: the error ``run_on_shard`` gives (a stage's refusal)."""
-    method = served("kvcmas")
-    method.verify_tokens = 4
-    try:
-        method.run_on_shard(_grid_shard(rank, None))
-    except ValueError as error:
-        return str(error)
-    return ""
-
-
 def _grid_main(rank: int, runs: list) -> dict:
-    return {"runs": [_grid_run(rank, *run) for run in runs], "verify": _verify_refused(rank)}
+    return {
+        "runs": [_grid_run(rank, *run) for run in runs],
+        "verify": verify_tokens_refusal(_grid_shard(rank, None)),
+    }
 
 
 @pytest.fixture(scope="module")

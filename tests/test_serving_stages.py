@@ -22,6 +22,7 @@ from lockstep_trajectory import (
     kvcmas_live_run,
     replica_runs,
     run_ops,
+    verify_tokens_refusal,
 )
 from tiny import embedded_tokenizer, tiny_model
 
@@ -59,20 +60,11 @@ def _stage_run(rank: int, case: str, ops: list[dict], read_backs: dict, shuffle:
     return {**counts, "layers": (start, stop), "claims": claims, "published": published}
 
 
-def _verify_refused(rank: int) -> str:
-    """``verify_tokens`` on a stage: the error ``run_on_shard`` gives (the probe runs every layer)."""
-    start, stop = STAGES[rank]
-    method = served("kvcmas")
-    method.verify_tokens = 4
-    try:
-        method.run_on_shard(stage_shard(WORLD, start, stop, 3, 60, None))
-    except ValueError as error:
-        return str(error)
-    return ""
-
-
 def _stage_main(rank: int, runs: list) -> dict:
-    return {"runs": [_stage_run(rank, *run) for run in runs], "verify": _verify_refused(rank)}
+    return {
+        "runs": [_stage_run(rank, *run) for run in runs],
+        "verify": verify_tokens_refusal(stage_shard(WORLD, *STAGES[rank], 3, 60, None)),
+    }
 
 
 @pytest.fixture(scope="module")
